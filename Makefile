@@ -1,0 +1,14 @@
+# The two commands of the README. Each creates or reuses .venv and installs what it needs.
+.PHONY: demo test test-slow bootstrap
+
+bootstrap:
+	@bash scripts/bootstrap.sh
+
+demo: bootstrap
+	.venv/bin/trainguard demo
+
+test: bootstrap
+	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q
+
+test-slow: bootstrap
+	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -m slow

@@ -1,0 +1,1 @@
+"""Checkpoints: layout, atomic file primitives, manifests, verification, retention and discovery."""

@@ -1,0 +1,107 @@
+"""Loading checkpoint files without running code from them.
+
+``torch.load(weights_only=True)`` covers tensor files. DCP's ``.metadata`` is a plain pickle that DCP
+itself reads with ``pickle.load``, which runs whatever the file names; here it is read with an
+unpickler that resolves only the classes DCP actually writes into it.
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+
+from trainguard.checkpoint.fsio import PathLike
+from trainguard.errors import CheckpointError, UnsafeCheckpointError
+
+DCP_METADATA_NAME = ".metadata"
+
+# What torch's own DCP writes (checked against saves of plain, nested, optimizer and DTensor state).
+_DCP_METADATA_CLASSES: dict[str, frozenset[str]] = {
+    "torch.distributed.checkpoint.metadata": frozenset(
+        {
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        }
+    ),
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+    "torch.serialization": frozenset({"_get_layout"}),  # a lookup of a layout by its name
+    "torch": frozenset({"Size"}),
+    # StorageMeta.checkpoint_id is the save's path (module "pathlib._local" from Python 3.13).
+    "pathlib": frozenset({"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"}),
+    "pathlib._local": frozenset({"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"}),
+}
+
+_UNSUPPORTED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def safe_torch_load(path: PathLike) -> Any:
+    """``torch.load`` to CPU with ``weights_only=True``; a file that would need to run code is refused
+    with ``UnsafeCheckpointError``, an unreadable one with ``CheckpointError``, both naming it."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        offender = _UNSUPPORTED_GLOBAL.search(str(exc))
+        detail = f" ({offender.group(1)})" if offender else ""
+        raise UnsafeCheckpointError(
+            f"refusing to load {path}: it contains pickled code/objects that weights_only loading "
+            f"does not allow{detail}"
+        ) from None
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except (RuntimeError, KeyError, EOFError, ValueError, OSError) as exc:
+        # torch reports a truncated or foreign file as any of these.
+        raise CheckpointError(f"cannot load {path}: {_first_line(exc)}") from None
+
+
+class _DcpMetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file: Any, source: PathLike):
+        super().__init__(file)
+        self._source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _DCP_METADATA_CLASSES.get(module, ()) or (module == "torch" and _is_dtype_name(name)):
+            return super().find_class(module, name)
+        raise UnsafeCheckpointError(
+            f"refusing to load {self._source}: it contains pickled code/objects that DCP metadata "
+            f"never holds ({module}.{name})"
+        )
+
+
+def _is_dtype_name(name: str) -> bool:
+    return isinstance(getattr(torch, name, None), torch.dtype)
+
+
+def load_dcp_metadata(path: PathLike) -> Metadata:
+    """Reads a DCP ``.metadata`` file (or the one in checkpoint directory ``path``) without executing
+    anything it names."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / DCP_METADATA_NAME
+    try:
+        with open(path, "rb") as f:
+            metadata = _DcpMetadataUnpickler(f, path).load()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except UnsafeCheckpointError:
+        raise
+    except Exception as exc:  # a damaged pickle fails in many ways; all mean "unreadable"
+        raise CheckpointError(f"cannot load {path}: {type(exc).__name__}: {_first_line(exc)}") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"cannot load {path}: holds a {type(metadata).__name__}, not DCP Metadata")
+    return metadata
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,207 @@
+"""``trainguard ckpt list|verify``: what checkpoints a run has, and whether their files are intact."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.filesize import decimal
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
+
+from trainguard.checkpoint.discovery import CheckpointInfo, checkpoints_root, list_checkpoints
+from trainguard.checkpoint.layout import HEALTH_FILE, LATEST_FILE, step_dir_name
+from trainguard.checkpoint.manifest import BadFile, verify_checkpoint
+from trainguard.errors import CheckpointError, ConfigError
+
+EXIT_BAD_CHECKPOINT = 1
+_PIPED_WIDTH = 200
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("ckpt", help="list and verify a run's checkpoints")
+    commands = parser.add_subparsers(dest="ckpt_command", metavar="{list,verify}", required=True)
+
+    listing = commands.add_parser("list", help="one line per checkpoint: committed, verified, size, health")
+    listing.add_argument("dir", metavar="DIR", help="run directory or its checkpoints/ directory")
+    listing.add_argument("--json", action="store_true", help="print the facts as a JSON list")
+    listing.add_argument("--no-verify", action="store_true", help="skip reading and checksumming the files")
+    listing.set_defaults(func=run_list)
+
+    verify = commands.add_parser("verify", help="check every file of every committed checkpoint")
+    verify.add_argument("dir", metavar="DIR", help="run directory or its checkpoints/ directory")
+    verify.add_argument("--step", type=int, metavar="N", help="verify only global_step_N")
+    verify.set_defaults(func=run_verify)
+
+
+def run_list(args: argparse.Namespace) -> int:
+    root = _resolve_root(args.dir)
+    health_records = _read_health_records(root)
+    facts = []
+    for info in list_checkpoints(root):
+        bad = _verify(info) if info.committed and not args.no_verify else None
+        facts.append(_facts(info, bad, health_records))
+    if args.json:
+        print(json.dumps(facts, indent=2))
+    else:
+        _print_table(root, facts)
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    root = _resolve_root(args.dir)
+    checkpoints = [info for info in list_checkpoints(root) if not info.being_written]
+    if args.step is not None:
+        checkpoints = [info for info in checkpoints if info.step == args.step]
+        if not checkpoints:
+            raise ConfigError(f"no checkpoint {step_dir_name(args.step)} in {root}")
+    if not checkpoints:
+        print(f"no checkpoints in {root}", file=sys.stderr)
+        return 0
+    all_good = True
+    for info in checkpoints:
+        if not info.committed:
+            # For a committed-looking directory the error names the manifest file and its fault.
+            print(f"BAD {info.name}/{info.error}")
+            all_good = False
+            continue
+        bad = _verify(info)
+        for fault in bad:
+            print(f"BAD {info.name}/{fault.path}: {fault.reason}")
+        if not bad:
+            print(f"OK {info.name}")
+        all_good = all_good and not bad
+    return 0 if all_good else EXIT_BAD_CHECKPOINT
+
+
+def _resolve_root(directory: str) -> Path:
+    try:
+        root = checkpoints_root(directory)
+    except CheckpointError as exc:
+        raise ConfigError(f"{exc} (expected a run directory or its checkpoints/ directory)") from None
+    # An arbitrary directory would list as empty; say instead that it is the wrong one.
+    if root.name != "checkpoints" and not list_checkpoints(root) and not (root / LATEST_FILE).exists():
+        raise ConfigError(
+            f"{directory}: not a run directory or checkpoints root (no checkpoints/ or global_step_N/ in it)"
+        )
+    return root
+
+
+def _verify(info: CheckpointInfo) -> list[BadFile]:
+    assert info.manifest is not None
+    with _byte_progress(f"verifying {info.name}", info.manifest.total_size) as advance:
+        return verify_checkpoint(info.path, info.manifest, progress=advance)
+
+
+@contextmanager
+def _byte_progress(description: str, total: int) -> Iterator[Callable[[int], None]]:
+    console = Console(stderr=True)
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as progress:
+        task = progress.add_task(description, total=total)
+        yield lambda count: progress.advance(task, count)
+
+
+def _read_health_records(root: Path) -> dict[str, int]:
+    """``ckpt_name -> is_health`` (1 = unhealthy) from ``health_ckpts.json``; the last record wins."""
+    path = root / HEALTH_FILE
+    try:
+        records = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        _warn(f"{path}: unreadable ({exc}); health shown from manifests only")
+        return {}
+    if not isinstance(records, list) or not all(
+        isinstance(r, dict) and isinstance(r.get("ckpt_name"), str) and isinstance(r.get("is_health"), int)
+        for r in records
+    ):
+        _warn(f'{path}: expected [{{"is_health": 0|1, "ckpt_name": ...}}, ...]; health shown from manifests only')
+        return {}
+    return {record["ckpt_name"]: record["is_health"] for record in records}
+
+
+def _health(info: CheckpointInfo, health_records: dict[str, int]) -> str | None:
+    is_unhealthy = None
+    if info.manifest is not None and info.manifest.health is not None:
+        is_unhealthy = info.manifest.health.get("is_health")
+    if is_unhealthy is None:
+        is_unhealthy = health_records.get(info.name)
+    if is_unhealthy is None:
+        return None
+    return "unhealthy" if is_unhealthy else "healthy"
+
+
+def _facts(info: CheckpointInfo, bad: list[BadFile] | None, health_records: dict[str, int]) -> dict[str, Any]:
+    manifest = info.manifest
+    created = manifest.created if manifest else None
+    return {
+        "step": info.step,
+        "name": info.name,
+        "path": str(info.path),
+        "committed": info.committed,
+        "verified": None if bad is None else not bad,
+        "bad_files": [{"path": fault.path, "reason": fault.reason} for fault in bad or []],
+        "size_bytes": manifest.total_size if manifest else None,
+        "world_size": manifest.world_size if manifest else None,
+        "created": created,
+        "created_local": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(created)) if created is not None else None,
+        "health": _health(info, health_records),
+        "error": info.error,
+    }
+
+
+def _print_table(root: Path, facts: list[dict[str, Any]]) -> None:
+    console = Console()
+    if not console.is_terminal:
+        # Piped output is read by tools and people with wide windows: never squeeze it into 80 columns.
+        console = Console(width=_PIPED_WIDTH)
+    if not facts:
+        console.print(f"no checkpoints in {root}")
+        return
+    table = Table(title=str(root), box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    for header in ("step", "committed", "verified", "size", "world size", "created", "health"):
+        table.add_column(header, justify="right" if header in ("step", "size", "world size") else "left", no_wrap=True)
+    notes = []
+    for row in facts:
+        table.add_row(
+            str(row["step"]),
+            "yes" if row["committed"] else "no",
+            _yes_no_dash(row["verified"]),
+            decimal(row["size_bytes"]) if row["size_bytes"] is not None else "-",
+            _dash(row["world_size"]),
+            _dash(row["created_local"]),
+            _dash(row["health"]),
+        )
+        # Below the table, not in it, so that a file name is never cut off to fit the terminal.
+        faults = [row["error"]] if row["error"] else [f"{f['path']}: {f['reason']}" for f in row["bad_files"]]
+        notes += [f"{row['name']}: {fault}" for fault in faults]
+    console.print(table)
+    for note in notes:
+        console.print(note, markup=False, highlight=False)
+
+
+def _yes_no_dash(value: bool | None) -> str:
+    return "-" if value is None else ("yes" if value else "no")
+
+
+def _dash(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _warn(message: str) -> None:
+    print(f"trainguard: warning: {message}", file=sys.stderr)

@@ -1,0 +1,41 @@
+"""``trainguard train``: validates the configuration, then starts torchrun on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from trainguard.checkpoint.resume import check_explicit_resume_path
+from trainguard.errors import ConfigError
+from trainguard.topology import resolve_layout
+from trainguard.trainer.entry import add_train_arguments, config_from_args, overrides_from_args
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("train", help="run the reference trainer on this machine")
+    add_train_arguments(parser)
+    parser.add_argument("--nproc", type=int, default=1, help="number of training processes (ranks)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc must be ≥ 1, got {args.nproc}")
+    config = config_from_args(args)
+    resolve_layout(config.parallel, args.nproc)
+    if config.checkpoint.resume not in ("auto", "disable"):
+        check_explicit_resume_path(Path(config.checkpoint.resume))
+    run_dir = Path(args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"--run-dir {run_dir}: exists and is not a directory")
+    worker_args = ["--run-dir", str(run_dir)]
+    if args.config:
+        worker_args += ["--config", str(Path(args.config).resolve())]
+    for item in overrides_from_args(args):
+        worker_args += ["--set", item]
+    from trainguard.runtime.launcher import launch_local
+
+    print(f"trainguard: run directory {run_dir}", flush=True)
+    return launch_local(args.nproc, worker_args, run_dir)
+

@@ -1,0 +1,160 @@
+"""Loads a run configuration from YAML plus ``--set section.key=value`` overrides, strictly.
+
+Unknown keys, wrong types and out-of-range values are ``ConfigError``s naming the key and the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from trainguard.config.schema import RunConfig
+from trainguard.errors import ConfigError
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    source = str(path) if path is not None else "<defaults>"
+    raw: dict[str, Any] = {}
+    if path is not None:
+        raw = _read_yaml(Path(path))
+    for item in overrides:
+        _apply_override(raw, item)
+    config = _build(RunConfig, raw, prefix="", source=source)
+    validate(config, source)
+    return config
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"config file {path} is not valid YAML{where}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections, not {type(data).__name__}")
+    return data
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    key, sep, text = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {item!r}: expected section.key=value")
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        value = text
+    node = raw
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {item!r}: {part!r} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: config key {prefix.rstrip('.') or '<root>'!r} must be a mapping")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in fields:
+            raise ConfigError(f"{source}: unknown config key {prefix + str(key)!r}")
+    values = {}
+    for name in fields:
+        if name not in raw:
+            continue
+        hint = hints[name]
+        full_key = prefix + name
+        if dataclasses.is_dataclass(hint):
+            values[name] = _build(hint, raw[name] if raw[name] is not None else {}, full_key + ".", source)
+        else:
+            values[name] = _coerce(raw[name], hint, full_key, source)
+    return cls(**values)
+
+
+def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
+    args = typing.get_args(hint)
+    optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{source}: config key {key!r} must not be empty")
+    base = next(a for a in args if a is not type(None)) if optional else hint
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+    elif base is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif base is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif base is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    raise ConfigError(f"{source}: config key {key!r} must be {base.__name__}, got {value!r}")
+
+
+def validate(config: RunConfig, source: str = "<config>") -> None:
+    """Range checks that the type system does not express."""
+
+    def positive(key: str, value: int | float | None, allow_zero: bool = False) -> None:
+        if value is None:
+            return
+        if value < 0 or (value == 0 and not allow_zero):
+            bound = "≥ 0" if allow_zero else "> 0"
+            raise ConfigError(f"{source}: config key {key!r} must be {bound}, got {value!r}")
+
+    from trainguard.trainer.model import PRESETS
+
+    if config.model.preset not in PRESETS:
+        raise ConfigError(
+            f"{source}: config key 'model.preset' must be one of {sorted(PRESETS)}, got {config.model.preset!r}"
+        )
+    for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
+        positive(f"model.{name}", getattr(config.model, name))
+    positive("data.seq_len", config.data.seq_len)
+    positive("data.micro_batch_size", config.data.micro_batch_size)
+    for name in ("dp_replicate", "dp_shard", "tp", "pp"):
+        positive(f"parallel.{name}", getattr(config.parallel, name))
+    positive("optim.lr", config.optim.lr)
+    positive("optim.warmup_steps", config.optim.warmup_steps, allow_zero=True)
+    positive("optim.decay_steps", config.optim.decay_steps)
+    positive("optim.weight_decay", config.optim.weight_decay, allow_zero=True)
+    positive("optim.grad_clip", config.optim.grad_clip, allow_zero=True)
+    positive("optim.eps", config.optim.eps)
+    if not 0 <= config.optim.min_lr_ratio <= 1:
+        raise ConfigError(f"{source}: config key 'optim.min_lr_ratio' must be in [0, 1], got {config.optim.min_lr_ratio!r}")
+    for name in ("beta1", "beta2"):
+        beta = getattr(config.optim, name)
+        if not 0 <= beta < 1:
+            raise ConfigError(f"{source}: config key 'optim.{name}' must be in [0, 1), got {beta!r}")
+    positive("train.steps", config.train.steps)
+    positive("train.micro_batches", config.train.micro_batches)
+    positive("train.log_interval", config.train.log_interval)
+    positive("train.exit_at_step", config.train.exit_at_step)
+    positive("checkpoint.save_interval", config.checkpoint.save_interval, allow_zero=True)
+    positive("checkpoint.keep_last", config.checkpoint.keep_last)
+    positive("checkpoint.keep_every", config.checkpoint.keep_every)
+    if config.faults:
+        from trainguard.faults import parse_faults
+
+        parse_faults(config.faults)
+
+
+def config_to_dict(config: RunConfig) -> dict[str, Any]:
+    return dataclasses.asdict(config)

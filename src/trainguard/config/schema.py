@@ -1,0 +1,76 @@
+"""Typed run configuration. Every key has a default; ``load.py`` validates user input against it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "llama-tiny"
+    hidden_size: int | None = None
+    num_layers: int | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    intermediate_size: int | None = None
+    tie_word_embeddings: bool | None = None
+    attn_implementation: str = "sdpa"
+
+
+@dataclass
+class DataConfig:
+    seq_len: int = 128
+    micro_batch_size: int = 4
+    seed: int = 1234
+
+
+@dataclass
+class ParallelConfig:
+    """Degrees of the device mesh; a ``None`` degree is derived so the product equals the world size."""
+
+    dp_replicate: int | None = None
+    dp_shard: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    decay_steps: int | None = None  # cosine horizon; None means train.steps
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables clipping
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    micro_batches: int = 1  # gradient accumulation steps per optimizer step
+    seed: int = 42
+    log_interval: int = 1
+    exit_at_step: int | None = None  # save and exit 0 after this step (a planned stop)
+
+
+@dataclass
+class CheckpointConfig:
+    save_interval: int = 50  # 0 disables periodic saves
+    keep_last: int = 3
+    keep_every: int | None = None
+    async_save: bool = True
+    resume: str = "auto"
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    faults: str | None = None  # same grammar as TRAINGUARD_FAULTS; the environment variable wins

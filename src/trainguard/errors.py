@@ -1,0 +1,39 @@
+"""Errors that end a command with a documented exit code and one clear line."""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_CRASH = 1
+EXIT_USAGE = 2
+EXIT_DATA_SKIP_ABORT = 3
+EXIT_NO_CHECKPOINT = 4
+EXIT_RESUMABLE_STOP = 16
+EXIT_FAULTY_HARDWARE = 17
+
+
+class TrainguardError(Exception):
+    """An expected failure: printed as one line, mapped to ``exit_code``."""
+
+    exit_code = EXIT_CRASH
+
+
+class ConfigError(TrainguardError):
+    """Bad configuration, option or input file (exit 2)."""
+
+    exit_code = EXIT_USAGE
+
+
+class CheckpointError(TrainguardError):
+    """A checkpoint that cannot be read, verified or trusted."""
+
+    exit_code = EXIT_CRASH
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file that would run code when loaded; refused, never executed."""
+
+
+class NoCheckpointError(TrainguardError):
+    """Resume was asked for but no usable checkpoint exists (exit 4)."""
+
+    exit_code = EXIT_NO_CHECKPOINT

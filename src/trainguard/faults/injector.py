@@ -1,0 +1,223 @@
+"""Fires parsed faults at the trainer's hook points: step start, module hooks, after backward, after commit."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
+
+from trainguard.errors import ConfigError
+from trainguard.faults.bits import flip_bit
+from trainguard.faults.files import DAMAGE, matching_files
+from trainguard.faults.ledger import FiredLedger
+from trainguard.faults.spec import FILE_KINDS, FaultSpec, parse_faults
+
+ENV_VAR = "TRAINGUARD_FAULTS"
+
+logger = logging.getLogger(__name__)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    # a rank can only corrupt what it holds: its shard of a DTensor
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+class FaultInjector:
+    """Injects the faults meant for this rank; a no-op at every step where none is due."""
+
+    def __init__(self, specs: list[FaultSpec], run_dir: Path, rank: int, world_size: int, emit: Callable[..., Any]):
+        for spec in specs:
+            if spec.rank is not None and spec.rank >= world_size:
+                raise ConfigError(
+                    f"bad fault {spec.text!r}: rank {spec.rank} is outside the world size {world_size}"
+                    f" (ranks 0..{world_size - 1})"
+                )
+        self.specs = list(specs)
+        self.rank = rank
+        self.world_size = world_size
+        self._emit = emit
+        self._ledger = FiredLedger(Path(run_dir), rank)
+        mine = [spec for spec in specs if spec.rank is None or spec.rank == rank]
+        self._step_faults = [spec for spec in mine if spec.kind in ("kill", "hang")]
+        self._gradient_faults = [spec for spec in mine if spec.kind in ("spike", "nan")]
+        self._site_faults = [spec for spec in mine if spec.kind in ("bitflip", "scale")]
+        self._file_faults = [spec for spec in mine if spec.kind in FILE_KINDS]
+        self._step: int | None = None
+        self._handles: list[RemovableHandle] = []
+
+    @classmethod
+    def from_env(
+        cls, run_dir: Path, rank: int, world_size: int, emit: Callable[..., Any], config_text: str | None = None
+    ) -> "FaultInjector":
+        """Faults from ``TRAINGUARD_FAULTS`` when it is set and not blank, else from ``config_text``."""
+        env_text = os.environ.get(ENV_VAR)
+        if env_text and env_text.strip():
+            source, text = ENV_VAR, env_text
+        else:
+            source, text = "config key 'faults'", config_text
+        try:
+            return cls(parse_faults(text), Path(run_dir), rank, world_size, emit)
+        except ConfigError as error:
+            raise ConfigError(f"{source}: {error}") from None
+
+    @property
+    def active(self) -> bool:
+        return bool(self.specs)
+
+    def install(self, model: torch.nn.Module) -> None:
+        """Registers the hooks of this rank's bitflip/scale faults; calling it again replaces them."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if not self._site_faults:
+            return
+        modules = dict(model.named_modules())
+        for spec in self._site_faults:
+            site = spec.params["site"]
+            if site not in modules:
+                close = difflib.get_close_matches(site, list(modules), n=3)
+                hint = f"did you mean {', '.join(map(repr, close))}?" if close else "see model.named_modules()"
+                raise ConfigError(f"bad fault {spec.text!r}: the model has no module {site!r} ({hint})")
+            if spec.params["where"] == "output":
+                handle = modules[site].register_forward_hook(self._output_hook(spec))
+            else:
+                handle = modules[site].register_full_backward_hook(self._grad_input_hook(spec))
+            self._handles.append(handle)
+
+    def at_step_start(self, step: int) -> None:
+        """Remembers the step for the module hooks, then kills or hangs this process if that is due."""
+        self._step = step
+        for spec in self._step_faults:
+            if not self._due(spec, step):
+                continue
+            if spec.kind == "kill":
+                self._report(spec, step, action="SIGKILL", pid=os.getpid())
+                os.kill(os.getpid(), signal.SIGKILL)
+            else:
+                seconds = spec.params["seconds"]
+                self._report(spec, step, action="hang", seconds=seconds)
+                self._hang(seconds)
+
+    def after_backward(self, step: int, model: torch.nn.Module) -> None:
+        """Spikes every gradient (each rank its shard) or plants a NaN, if that is due."""
+        for spec in self._gradient_faults:
+            if not self._due(spec, step):
+                continue
+            if spec.kind == "spike":
+                self._spike(spec, step, model)
+            else:
+                self._plant_nan(spec, step, model)
+
+    def after_commit(self, step: int, checkpoint_dir: Path) -> None:
+        """Damages files of the checkpoint just committed for ``step``, if that is due."""
+        checkpoint_dir = Path(checkpoint_dir)
+        for spec in self._file_faults:
+            if not self._due(spec, step):
+                continue
+            paths = matching_files(checkpoint_dir, spec.params["file"])
+            if not paths:
+                logger.warning("fault %r matched no file in %s", spec.text, checkpoint_dir)
+            files = [path.relative_to(checkpoint_dir).as_posix() for path in paths]
+            changes = [{"file": file, **DAMAGE[spec.kind](path)} for file, path in zip(files, paths)]
+            self._report(spec, step, checkpoint=str(checkpoint_dir), files=files, changes=changes)
+
+    def _due(self, spec: FaultSpec, step: int | None) -> bool:
+        # the step comparisons come first so that hooks cost two integer tests on ordinary steps
+        if step is None or step < spec.step:
+            return False
+        if spec.persistent:
+            return True
+        return step == spec.step and self._ledger.claim(spec, step)
+
+    def _report(self, spec: FaultSpec, step: int | None, **details: Any) -> None:
+        logger.warning("injecting fault %r at step %s: %s", spec.text, step, details)
+        self._emit("fault_injected", step, fault=spec.kind, spec=spec.text, fault_index=spec.index, **details)
+
+    @staticmethod
+    def _hang(seconds: float | None) -> None:
+        if seconds is not None:
+            time.sleep(seconds)
+            return
+        while True:
+            time.sleep(3600)
+
+    def _spike(self, spec: FaultSpec, step: int, model: torch.nn.Module) -> None:
+        factor = spec.params["factor"]
+        gradients = 0
+        with torch.no_grad():
+            for parameter in model.parameters():
+                if parameter.grad is not None:
+                    _local(parameter.grad).mul_(factor)
+                    gradients += 1
+        self._report(spec, step, factor=factor, gradients=gradients)
+
+    def _plant_nan(self, spec: FaultSpec, step: int, model: torch.nn.Module) -> None:
+        for name, parameter in model.named_parameters():
+            if parameter.grad is None:
+                continue
+            gradient = _local(parameter.grad)
+            if gradient.numel() == 0:  # an FSDP shard can be empty on ranks past the end of a small tensor
+                continue
+            with torch.no_grad():
+                gradient[(0,) * gradient.dim()] = float("nan")
+            self._report(spec, step, parameter=name, index=0)
+            return
+        logger.warning("fault %r: no parameter on rank %d has a gradient to set to NaN", spec.text, self.rank)
+        self._report(spec, step, parameter=None)
+
+    def _output_hook(self, spec: FaultSpec) -> Callable[..., Any]:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
+            if not self._due(spec, self._step):
+                return None
+            return self._corrupt_first_tensor(spec, output)
+
+        return hook
+
+    def _grad_input_hook(self, spec: FaultSpec) -> Callable[..., Any]:
+        def hook(module: torch.nn.Module, grad_input: tuple, grad_output: tuple) -> Any:
+            if not self._due(spec, self._step):
+                return None
+            return self._corrupt_first_tensor(spec, grad_input)
+
+        return hook
+
+    def _corrupt_first_tensor(self, spec: FaultSpec, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return self._corrupt(spec, value)
+        if isinstance(value, (tuple, list)):
+            for position, item in enumerate(value):
+                if isinstance(item, torch.Tensor):
+                    items = list(value)
+                    items[position] = self._corrupt(spec, item)
+                    return type(value)(items)
+        raise ConfigError(
+            f"bad fault {spec.text!r}: module {spec.params['site']!r} has no tensor {spec.params['where']} to change"
+        )
+
+    def _corrupt(self, spec: FaultSpec, tensor: torch.Tensor) -> torch.Tensor:
+        # a copy, because the original may be saved for backward or shared with another tensor; the
+        # change is made outside autograd so gradients flow as if the wrong value had been computed
+        changed = tensor.clone()
+        local = _local(changed)
+        if spec.kind == "scale":
+            with torch.no_grad():
+                local.mul_(spec.params["factor"])
+            details: dict[str, Any] = {"factor": spec.params["factor"]}
+        else:
+            try:
+                details = dataclasses.asdict(flip_bit(local, spec.params["index"], spec.params["bit"]))
+            except ValueError as error:
+                raise ConfigError(f"bad fault {spec.text!r}: {error}") from None
+        self._report(
+            spec, self._step, module=spec.params["site"], where=spec.params["where"], dtype=str(local.dtype), **details
+        )
+        return changed

@@ -1,0 +1,61 @@
+"""The true global gradient norm under any mix of FSDP2, HSDP and tensor parallel, in one all-reduce.
+
+Each gradient element is stored on ``ranks_per_stage / shard_product`` ranks, where ``shard_product``
+is the product of the mesh sizes along which its DTensor is sharded. Weighting every rank's local sum
+of squares by the inverse of that copy count and summing over the world counts each element once,
+whatever meshes the parameters live on (plain ``clip_grad_norm_`` refuses DTensors from different
+meshes). Extra scalars (the loss) ride along in the same collective.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+
+def _local_and_weight(grad: torch.Tensor, ranks_per_stage: int) -> tuple[torch.Tensor, float]:
+    if isinstance(grad, DTensor):
+        shard_product = math.prod(
+            grad.device_mesh.size(dim) for dim, placement in enumerate(grad.placements) if isinstance(placement, Shard)
+        )
+        return grad.to_local(), shard_product / ranks_per_stage
+    return grad, 1.0 / ranks_per_stage
+
+
+def local_sq_sum(grads: Iterable[torch.Tensor], ranks_per_stage: int) -> torch.Tensor:
+    """This rank's weighted share of the squared global norm (NaN/Inf propagate)."""
+    total = torch.zeros((), dtype=torch.float64)
+    for grad in grads:
+        local, weight = _local_and_weight(grad, ranks_per_stage)
+        if local.numel():
+            total += local.detach().double().square().sum().cpu() * weight
+    return total
+
+
+def global_norm_and_sums(
+    grads: list[torch.Tensor],
+    extras: torch.Tensor,
+    ranks_per_stage: int,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[float, torch.Tensor]:
+    """Returns (global L2 norm, world sum of ``extras``) from a single all-reduce."""
+    buffer = torch.cat([local_sq_sum(grads, ranks_per_stage).reshape(1), extras.double().reshape(-1)])
+    if dist.is_initialized():
+        dist.all_reduce(buffer, group=group)
+    return math.sqrt(buffer[0].item()) if buffer[0].item() >= 0 else float("nan"), buffer[1:]
+
+
+def clip_grads_(grads: list[torch.Tensor], max_norm: float, total_norm: float) -> float:
+    """Scales gradients in place so their global norm is at most ``max_norm``; returns the factor."""
+    if max_norm <= 0 or not math.isfinite(total_norm):
+        return 1.0
+    coef = max_norm / (total_norm + 1e-6)
+    if coef >= 1.0:
+        return 1.0
+    locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    torch._foreach_mul_(locals_, coef)
+    return coef

@@ -1,0 +1,1 @@
+"""Process lifecycle: launching, supervising and stopping training processes."""

@@ -1,0 +1,70 @@
+"""The training process: ``python -m trainguard.trainer.entry`` under torchrun, Slurm or ``trainguard train``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from trainguard.config import load_config
+from trainguard.errors import TrainguardError
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML config file")
+    parser.add_argument("--steps", type=int, help="total optimizer steps (train.steps)")
+    parser.add_argument("--run-dir", help="directory holding checkpoints, events and logs of the run")
+    parser.add_argument("--save-interval", type=int, help="steps between durable checkpoints (checkpoint.save_interval)")
+    parser.add_argument("--resume", help="auto (newest verified checkpoint), disable, or a checkpoint PATH")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override any config key; repeatable")
+
+
+def overrides_from_args(args: argparse.Namespace) -> list[str]:
+    """The flags as ``--set`` items, so workers started anywhere see the same configuration."""
+    items = list(args.overrides)
+    if args.steps is not None:
+        items.append(f"train.steps={args.steps}")
+    if args.save_interval is not None:
+        items.append(f"checkpoint.save_interval={args.save_interval}")
+    if args.resume is not None:
+        resume = args.resume if args.resume in ("auto", "disable") else str(Path(args.resume).resolve())
+        items.append(f"checkpoint.resume={resume}")
+    return items
+
+
+def config_from_args(args: argparse.Namespace):
+    return load_config(args.config, overrides_from_args(args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainguard.trainer.entry")
+    add_train_arguments(parser)
+    args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        config = config_from_args(args)
+        if not args.run_dir:
+            raise TrainguardError("--run-dir is required when the trainer is started directly")
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+        from trainguard.trainer.loop import Trainer
+
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        code = Trainer(config, Path(args.run_dir)).run()
+    except TrainguardError as exc:
+        print(f"trainguard: error: [rank {rank}] {exc}", file=sys.stderr, flush=True)
+        code = exc.exit_code
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""The reference trainer, assembled from components: model, data, optimizer, norms, checkpoints, faults."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from trainguard.checkpoint.durable import DurableCheckpointer
+from trainguard.checkpoint.fsio import clean_stale
+from trainguard.checkpoint.manifest import read_manifest
+from trainguard.checkpoint.resume import choose_resume_checkpoint
+from trainguard.config.load import config_to_dict
+from trainguard.config.schema import RunConfig
+from trainguard.events import EventLog
+from trainguard.faults import FaultInjector
+from trainguard.norms import clip_grads_, global_norm_and_sums
+from trainguard.topology.layout import MESH_DIMS, resolve_layout
+from trainguard.trainer.data import StatefulSampler, TokenDataset, load_corpus_tokens, make_batch
+from trainguard.trainer.logging_setup import setup_logging
+from trainguard.trainer.model import build_model, build_model_config
+from trainguard.trainer.optim import build_optimizer
+from trainguard.trainer.parallelize import build_mesh, parallelize
+from trainguard.trainer.rng import capture_rng_state, restore_rng_state, seed_everything
+from trainguard.trainer.tokenizer import ByteTokenizer
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    global_norm: float
+    lr: float
+    seconds: float
+
+
+def _broadcast(value: Any) -> Any:
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class Trainer:
+    def __init__(self, config: RunConfig, run_dir: Path):
+        self.config = config
+        self.run_dir = Path(run_dir)
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.host = socket.gethostname()
+        self.log = setup_logging(self.rank, self.run_dir / "logs")
+        self.events = EventLog(self.run_dir / "events.jsonl", rank=self.rank, host=self.host)
+        self.layout = resolve_layout(config.parallel, self.world_size)
+        if self.layout.pp > 1:
+            from trainguard.errors import ConfigError
+
+            raise ConfigError("parallel.pp > 1 is not supported by the reference trainer yet")
+        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+        self.mesh = build_mesh(self.layout, self.device.type)
+        self.dp_rank = self.layout.dp_rank(self.rank)
+
+        self.model_config = build_model_config(config.model, max_position_embeddings=config.data.seq_len)
+        self.tokenizer = ByteTokenizer()
+        model = build_model(self.model_config, seed=config.train.seed)
+        self.model = parallelize(model.to(self.device), self.mesh, self.layout)
+        self.optimizer, self.scheduler = build_optimizer(self.model, config.optim, config.train.steps)
+
+        self.dataset = TokenDataset(load_corpus_tokens(), config.data.seq_len)
+        self.sampler = StatefulSampler(
+            len(self.dataset), self.dp_rank, self.layout.dp_size, config.data.micro_batch_size, config.data.seed
+        )
+        self.faults = FaultInjector.from_env(
+            self.run_dir, self.rank, self.world_size, self.events.emit, config_text=config.faults
+        )
+        self.faults.install(self.model)
+
+        self.ckpt_root = self.run_dir / "checkpoints"
+        if self.rank == 0:
+            self.ckpt_root.mkdir(parents=True, exist_ok=True)
+            for stale in clean_stale(self.ckpt_root):
+                self.log.warning("removed an unfinished checkpoint left by an earlier run: %s", stale)
+        run_token = _broadcast(uuid.uuid4().hex[:12] if self.rank == 0 else None)
+        self.checkpointer = DurableCheckpointer(
+            self.ckpt_root,
+            rank=self.rank,
+            world_size=self.world_size,
+            mesh_shape=list(self.layout.shape),
+            mesh_dim_names=list(MESH_DIMS),
+            run_token=run_token,
+            process_group=dist.new_group(backend="gloo"),
+            async_save=config.checkpoint.async_save,
+            keep_last=config.checkpoint.keep_last,
+            keep_every=config.checkpoint.keep_every,
+            events=self.events,
+            after_commit=self.faults.after_commit if self.rank == 0 else None,
+        )
+        self.step = 0
+        self.guard_state: dict[str, Any] = {}
+
+    # ----------------------------------------------------------------------------------- resume
+    def resume(self) -> None:
+        mode = self.config.checkpoint.resume
+        error = None
+        path = None
+        if self.rank == 0:
+            try:
+                path = choose_resume_checkpoint(mode, self.ckpt_root, warn=self.log.warning)
+            except Exception as exc:  # every rank must learn of it, or the others hang in broadcast
+                error = exc
+        path, error = _broadcast((str(path) if path else None, error))
+        if error is not None:
+            raise error
+        if path is None:
+            if self.rank == 0:
+                self.events.emit("run_started", step=0, resumed_from=None)
+            return
+        started = time.perf_counter()
+        manifest = read_manifest(Path(path))
+        extra = self.checkpointer.load(Path(path), self.model, self.optimizer, source_world_size=manifest.world_size)
+        self.scheduler.load_state_dict(extra["scheduler"])
+        self.sampler.load_state_dict(extra["sampler"])
+        self.guard_state = extra.get("guards", {})
+        self.step = int(extra["step"])
+        if manifest.world_size == self.world_size:
+            restore_rng_state(extra["rng"])
+        else:
+            self.log.warning("world size changed from %d to %d: RNG states are reseeded per rank",
+                             manifest.world_size, self.world_size)
+            seed_everything(self.config.train.seed * 1000 + self.rank + self.step)
+        self.log.info("resumed from %s at step %d (%.2fs)", path, self.step, time.perf_counter() - started)
+        if self.rank == 0:
+            self.events.emit("run_started", step=self.step, resumed_from=path,
+                             load_seconds=time.perf_counter() - started)
+
+    # ------------------------------------------------------------------------------------- save
+    def _extra_state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "rng": capture_rng_state(),
+            "sampler": self.sampler.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "guards": self.guard_state,
+        }
+
+    def _write_static_files(self, directory: Path) -> None:
+        hf_dir = directory / "huggingface"
+        self.model_config.save_pretrained(hf_dir)
+        self.tokenizer.save_pretrained(hf_dir)
+        for path in hf_dir.iterdir():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+
+    def save(self, last_loss: float) -> None:
+        trainer_state = {
+            "step": self.step,
+            "consumed_samples": self.sampler.state_dict()["consumed_samples"],
+            "lr": self.scheduler.get_last_lr()[0],
+            "loss": last_loss,
+            "config": config_to_dict(self.config),
+        }
+        blocked = self.checkpointer.save(
+            self.step, self.model, self.optimizer, self._extra_state(), trainer_state, self._write_static_files
+        )
+        self.log.info("checkpoint global_step_%d staged (blocked %.0fms)", self.step, blocked * 1000)
+
+    # ------------------------------------------------------------------------------------- step
+    def train_step(self) -> StepResult:
+        cfg = self.config
+        started = time.perf_counter()
+        self.faults.at_step_start(self.step + 1)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for _ in range(cfg.train.micro_batches):
+            inputs, labels = make_batch(self.dataset, self.sampler.next_batch_indices())
+            logits = self.model(input_ids=inputs.to(self.device)).logits
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.to(self.device).reshape(-1))
+            (loss / cfg.train.micro_batches).backward()
+            loss_sum += loss.detach().double().cpu() / cfg.train.micro_batches
+        self.faults.after_backward(self.step + 1, self.model)
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        # each rank's loss counts 1/world: dp ranks hold different data, tp ranks the same loss
+        norm, sums = global_norm_and_sums(grads, loss_sum.reshape(1) / self.world_size,
+                                          ranks_per_stage=self.world_size)
+        clip_grads_(grads, cfg.optim.grad_clip, norm)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        return StepResult(self.step, float(sums[0]), norm, lr, time.perf_counter() - started)
+
+    def _report(self, result: StepResult) -> None:
+        cfg = self.config
+        tokens = self.layout.dp_size * cfg.data.micro_batch_size * cfg.data.seq_len * cfg.train.micro_batches
+        tokens_per_s = tokens / result.seconds if result.seconds > 0 else 0.0
+        if result.step % cfg.train.log_interval == 0 or result.step == cfg.train.steps:
+            self.log.info(
+                "step: [%5d/%5d], loss: %.3f, global_norm: [%.3f], lr: %.1e, per_step_time: %dms, tokens/s: %d",
+                result.step, cfg.train.steps, result.loss, result.global_norm, result.lr,
+                round(result.seconds * 1000), round(tokens_per_s),
+            )
+        self.events.emit("step", step=result.step, loss=result.loss, global_norm=result.global_norm,
+                         lr=result.lr, step_time=result.seconds, tokens_per_s=tokens_per_s)
+
+    # -------------------------------------------------------------------------------------- run
+    def run(self) -> int:
+        cfg = self.config
+        self.resume()
+        total = cfg.train.steps
+        stop_at = min(total, cfg.train.exit_at_step or total)
+        last_loss = float("nan")
+        saved_step = self.step
+        while self.step < stop_at:
+            result = self.train_step()
+            last_loss = result.loss
+            if self.rank == 0:
+                self._report(result)
+            interval = cfg.checkpoint.save_interval
+            if interval and (self.step % interval == 0 or self.step == stop_at):
+                self.save(last_loss)
+                saved_step = self.step
+        self.checkpointer.wait()
+        dist.barrier()
+        if self.rank == 0:
+            reason = "finished" if self.step >= total else "exit_at_step"
+            self.events.emit("run_finished", step=self.step, reason=reason, last_checkpoint=saved_step)
+            self.log.info("run %s at step %d", reason, self.step)
+        return 0

@@ -1,0 +1,53 @@
+"""Applies tensor parallel and FSDP2 / HSDP to a Hugging Face Llama-style model."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from trainguard.errors import ConfigError
+from trainguard.topology.layout import MESH_DIMS, Layout
+
+
+def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
+    return init_device_mesh(device_type, layout.shape, mesh_dim_names=MESH_DIMS)
+
+
+def data_parallel_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh:
+    """The mesh FSDP shards over: 2-D (replicate, shard) for HSDP, else 1-D."""
+    if layout.dp_replicate > 1:
+        return mesh["dp_replicate", "dp_shard"]
+    return mesh["dp_shard"]
+
+
+_TP_PLAN = {
+    "self_attn.q_proj": ColwiseParallel,
+    "self_attn.k_proj": ColwiseParallel,
+    "self_attn.v_proj": ColwiseParallel,
+    "self_attn.o_proj": RowwiseParallel,
+    "mlp.gate_proj": ColwiseParallel,
+    "mlp.up_proj": ColwiseParallel,
+    "mlp.down_proj": RowwiseParallel,
+}
+
+
+def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
+    cfg = model.config
+    tp = tp_mesh.size()
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        if getattr(cfg, name) % tp:
+            raise ConfigError(f"impossible parallel layout: model {name}={getattr(cfg, name)} is not divisible by tp={tp}")
+    for layer in model.model.layers:
+        parallelize_module(layer, tp_mesh, {name: style() for name, style in _TP_PLAN.items()})
+
+
+def parallelize(model: torch.nn.Module, mesh: DeviceMesh, layout: Layout) -> torch.nn.Module:
+    if layout.tp > 1:
+        apply_tensor_parallel(model, mesh["tp"])
+    dp_mesh = data_parallel_mesh(mesh, layout)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    return model

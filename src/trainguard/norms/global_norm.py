@@ -46,7 +46,7 @@ def global_norm_and_sums(
     buffer = torch.cat([local_sq_sum(grads, ranks_per_stage).reshape(1), extras.double().reshape(-1)])
     if dist.is_initialized():
         dist.all_reduce(buffer, group=group)
-    return math.sqrt(buffer[0].item()) if buffer[0].item() >= 0 else float("nan"), buffer[1:]
+    return math.sqrt(buffer[0].item()), buffer[1:]
 
 
 def clip_grads_(grads: list[torch.Tensor], max_norm: float, total_norm: float) -> float:
@@ -59,3 +59,17 @@ def clip_grads_(grads: list[torch.Tensor], max_norm: float, total_norm: float) -
     locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     torch._foreach_mul_(locals_, coef)
     return coef
+
+
+def clip_grad_norm_(
+    parameters: Iterable[torch.nn.Parameter], max_norm: float, group: dist.ProcessGroup | None = None
+) -> float:
+    """``torch.nn.utils.clip_grad_norm_`` for any mix of FSDP2/HSDP/TP DTensors; returns the true norm.
+
+    ``group`` spans every rank holding a piece of these parameters (the world without pipelining).
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    ranks = dist.get_world_size(group) if dist.is_initialized() else 1
+    norm, _ = global_norm_and_sums(grads, torch.zeros(0), ranks_per_stage=ranks, group=group)
+    clip_grads_(grads, max_norm, norm)
+    return norm

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import socket
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,10 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from trainguard.checkpoint.durable import DurableCheckpointer
-from trainguard.checkpoint.fsio import clean_stale
-from trainguard.checkpoint.manifest import read_manifest
-from trainguard.checkpoint.resume import choose_resume_checkpoint
+from trainguard.checkpoint.fsio import fsync_file
+from trainguard.checkpoint.manager import CheckpointManager
 from trainguard.config.load import config_to_dict
 from trainguard.config.schema import RunConfig
 from trainguard.events import EventLog
@@ -29,7 +26,6 @@ from trainguard.trainer.logging_setup import setup_logging
 from trainguard.trainer.model import build_model, build_model_config
 from trainguard.trainer.optim import build_optimizer
 from trainguard.trainer.parallelize import build_mesh, parallelize
-from trainguard.trainer.rng import capture_rng_state, restore_rng_state, seed_everything
 from trainguard.trainer.tokenizer import ByteTokenizer
 
 
@@ -40,12 +36,6 @@ class StepResult:
     global_norm: float
     lr: float
     seconds: float
-
-
-def _broadcast(value: Any) -> Any:
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 class Trainer:
@@ -81,96 +71,40 @@ class Trainer:
         )
         self.faults.install(self.model)
 
-        self.ckpt_root = self.run_dir / "checkpoints"
-        if self.rank == 0:
-            self.ckpt_root.mkdir(parents=True, exist_ok=True)
-            for stale in clean_stale(self.ckpt_root):
-                self.log.warning("removed an unfinished checkpoint left by an earlier run: %s", stale)
-        run_token = _broadcast(uuid.uuid4().hex[:12] if self.rank == 0 else None)
-        self.checkpointer = DurableCheckpointer(
-            self.ckpt_root,
-            rank=self.rank,
-            world_size=self.world_size,
-            mesh_shape=list(self.layout.shape),
-            mesh_dim_names=list(MESH_DIMS),
-            run_token=run_token,
-            process_group=dist.new_group(backend="gloo"),
-            async_save=config.checkpoint.async_save,
+        self.checkpoints = CheckpointManager(
+            self.run_dir,
+            self.model,
+            self.optimizer,
+            {"scheduler": self.scheduler, "sampler": self.sampler},
+            save_interval=config.checkpoint.save_interval,
             keep_last=config.checkpoint.keep_last,
             keep_every=config.checkpoint.keep_every,
+            async_save=config.checkpoint.async_save,
+            resume=config.checkpoint.resume,
+            mesh_shape=list(self.layout.shape),
+            mesh_dim_names=list(MESH_DIMS),
+            static_files=self._write_static_files,
             events=self.events,
-            after_commit=self.faults.after_commit if self.rank == 0 else None,
+            after_commit=self.faults.after_commit,
+            seed=config.train.seed,
         )
         self.step = 0
-        self.guard_state: dict[str, Any] = {}
-
-    # ----------------------------------------------------------------------------------- resume
-    def resume(self) -> None:
-        mode = self.config.checkpoint.resume
-        error = None
-        path = None
-        if self.rank == 0:
-            try:
-                path = choose_resume_checkpoint(mode, self.ckpt_root, warn=self.log.warning)
-            except Exception as exc:  # every rank must learn of it, or the others hang in broadcast
-                error = exc
-        path, error = _broadcast((str(path) if path else None, error))
-        if error is not None:
-            raise error
-        if path is None:
-            if self.rank == 0:
-                self.events.emit("run_started", step=0, resumed_from=None)
-            return
-        started = time.perf_counter()
-        manifest = read_manifest(Path(path))
-        extra = self.checkpointer.load(Path(path), self.model, self.optimizer, source_world_size=manifest.world_size)
-        self.scheduler.load_state_dict(extra["scheduler"])
-        self.sampler.load_state_dict(extra["sampler"])
-        self.guard_state = extra.get("guards", {})
-        self.step = int(extra["step"])
-        if manifest.world_size == self.world_size:
-            restore_rng_state(extra["rng"])
-        else:
-            self.log.warning("world size changed from %d to %d: RNG states are reseeded per rank",
-                             manifest.world_size, self.world_size)
-            seed_everything(self.config.train.seed * 1000 + self.rank + self.step)
-        self.log.info("resumed from %s at step %d (%.2fs)", path, self.step, time.perf_counter() - started)
-        if self.rank == 0:
-            self.events.emit("run_started", step=self.step, resumed_from=path,
-                             load_seconds=time.perf_counter() - started)
-
-    # ------------------------------------------------------------------------------------- save
-    def _extra_state(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "rng": capture_rng_state(),
-            "sampler": self.sampler.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "guards": self.guard_state,
-        }
 
     def _write_static_files(self, directory: Path) -> None:
         hf_dir = directory / "huggingface"
         self.model_config.save_pretrained(hf_dir)
         self.tokenizer.save_pretrained(hf_dir)
         for path in hf_dir.iterdir():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
+            fsync_file(path)
 
-    def save(self, last_loss: float) -> None:
-        trainer_state = {
+    def _trainer_state(self, last_loss: float) -> dict[str, Any]:
+        return {
             "step": self.step,
             "consumed_samples": self.sampler.state_dict()["consumed_samples"],
             "lr": self.scheduler.get_last_lr()[0],
             "loss": last_loss,
             "config": config_to_dict(self.config),
         }
-        blocked = self.checkpointer.save(
-            self.step, self.model, self.optimizer, self._extra_state(), trainer_state, self._write_static_files
-        )
-        self.log.info("checkpoint global_step_%d staged (blocked %.0fms)", self.step, blocked * 1000)
 
     # ------------------------------------------------------------------------------------- step
     def train_step(self) -> StepResult:
@@ -213,24 +147,20 @@ class Trainer:
     # -------------------------------------------------------------------------------------- run
     def run(self) -> int:
         cfg = self.config
-        self.resume()
+        self.step = self.checkpoints.resume()
         total = cfg.train.steps
         stop_at = min(total, cfg.train.exit_at_step or total)
         last_loss = float("nan")
-        saved_step = self.step
         while self.step < stop_at:
             result = self.train_step()
             last_loss = result.loss
             if self.rank == 0:
                 self._report(result)
-            interval = cfg.checkpoint.save_interval
-            if interval and (self.step % interval == 0 or self.step == stop_at):
-                self.save(last_loss)
-                saved_step = self.step
-        self.checkpointer.wait()
-        dist.barrier()
+            if self.checkpoints.should_save(self.step) or (cfg.checkpoint.save_interval and self.step == stop_at):
+                self.checkpoints.save(self.step, self._trainer_state(last_loss))
+        self.checkpoints.close()
         if self.rank == 0:
             reason = "finished" if self.step >= total else "exit_at_step"
-            self.events.emit("run_finished", step=self.step, reason=reason, last_checkpoint=saved_step)
+            self.events.emit("run_finished", step=self.step, reason=reason, last_checkpoint=self.checkpoints.last_saved_step)
             self.log.info("run %s at step %d", reason, self.step)
         return 0

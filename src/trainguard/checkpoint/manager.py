@@ -1,0 +1,172 @@
+"""``CheckpointManager``: durable checkpoints and exact resume for any FSDP2/HSDP/TP training loop.
+
+It owns what a training loop should not have to think about: which checkpoint to resume from (the
+newest committed one that verifies), restoring every RNG of every rank, the per-rank extra state of
+any object with ``state_dict``/``load_state_dict`` (LR scheduler, data sampler, guards), the save
+interval, async saves with at most one in flight, and retention. Every method is collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from trainguard.checkpoint.discovery import CheckpointInfo
+from trainguard.checkpoint.durable import DurableCheckpointer
+from trainguard.checkpoint.fsio import clean_stale
+from trainguard.checkpoint.manifest import read_manifest
+from trainguard.checkpoint.resume import choose_resume_checkpoint
+from trainguard.events import EventLog
+from trainguard.checkpoint.rng_state import capture_rng_state, restore_rng_state, seed_everything
+
+log = logging.getLogger("trainguard")
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def _broadcast(value: Any) -> Any:
+    box = [value]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class CheckpointManager:
+    """Saves to ``RUN_DIR/checkpoints/global_step_N`` and resumes from there.
+
+    ``stateful`` maps names to objects whose state rides along in each rank's extra-state file; it
+    must hold only plain data and tensors (it is loaded with ``weights_only=True``).
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        stateful: dict[str, Stateful] | None = None,
+        *,
+        save_interval: int = 0,
+        keep_last: int = 3,
+        keep_every: int | None = None,
+        async_save: bool = True,
+        resume: str = "auto",
+        mesh_shape: list[int] | None = None,
+        mesh_dim_names: list[str] | None = None,
+        static_files: Callable[[Path], None] | None = None,
+        events: EventLog | None = None,
+        accept: Callable[[CheckpointInfo], str | None] | None = None,
+        after_commit: Callable[[int, Path], None] | None = None,
+        seed: int = 0,
+    ):
+        self.run_dir = Path(run_dir)
+        self.root = self.run_dir / "checkpoints"
+        self.model = model
+        self.optimizer = optimizer
+        self.stateful = dict(stateful or {})
+        self.save_interval = save_interval
+        self.resume_mode = resume
+        self.static_files = static_files or (lambda directory: None)
+        self.accept = accept
+        self.seed = seed
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.events = events or EventLog(self.run_dir / "events.jsonl", rank=self.rank, host=socket.gethostname())
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in clean_stale(self.root):
+                log.warning("removed an unfinished checkpoint left by an earlier run: %s", stale)
+        # One token per incarnation names the temporary directory that all ranks write into.
+        run_token = _broadcast(uuid.uuid4().hex[:12] if self.rank == 0 else None)
+        self.durable = DurableCheckpointer(
+            self.root,
+            rank=self.rank,
+            world_size=self.world_size,
+            mesh_shape=mesh_shape or [self.world_size],
+            mesh_dim_names=mesh_dim_names or ["world"],
+            run_token=run_token,
+            process_group=dist.new_group(backend="gloo") if dist.is_initialized() else None,
+            async_save=async_save,
+            keep_last=keep_last,
+            keep_every=keep_every,
+            events=self.events,
+            after_commit=after_commit if self.rank == 0 else None,
+        )
+        self.last_saved_step: int | None = None
+
+    def resume(self) -> int:
+        """Restores the chosen checkpoint (if any) and returns the step to continue after (0 if fresh)."""
+        error = path = None
+        if self.rank == 0:
+            try:
+                chosen = choose_resume_checkpoint(self.resume_mode, self.root, warn=log.warning, accept=self.accept)
+                path = str(chosen) if chosen else None
+            except Exception as exc:  # every rank must learn of it, or the others wait in broadcast for ever
+                error = exc
+        path, error = _broadcast((path, error))
+        if error is not None:
+            raise error
+        if path is None:
+            if self.rank == 0:
+                self.events.emit("run_started", step=0, resumed_from=None)
+            return 0
+        started = time.perf_counter()
+        manifest = read_manifest(Path(path))
+        extra = self.durable.load(Path(path), self.model, self.optimizer, source_world_size=manifest.world_size)
+        for name, obj in self.stateful.items():
+            if name in extra["stateful"]:
+                obj.load_state_dict(extra["stateful"][name])
+        step = int(extra["step"])
+        if manifest.world_size == self.world_size:
+            restore_rng_state(extra["rng"])
+        else:
+            log.warning("world size changed from %d to %d: RNG states are reseeded per rank",
+                        manifest.world_size, self.world_size)
+            seed_everything(self.seed * 1000 + self.rank + step)
+        seconds = time.perf_counter() - started
+        log.info("resumed from %s at step %d (%.2fs)", path, step, seconds)
+        if self.rank == 0:
+            self.events.emit("run_started", step=step, resumed_from=path, load_seconds=seconds)
+        self.last_saved_step = step
+        return step
+
+    def should_save(self, step: int) -> bool:
+        return bool(self.save_interval) and step % self.save_interval == 0
+
+    def save(self, step: int, trainer_state: dict[str, Any] | None = None) -> float:
+        """Stages a checkpoint of ``step`` and commits it in the background; returns seconds blocked."""
+        extra = {
+            "step": step,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "rng": capture_rng_state(),
+            "stateful": {name: obj.state_dict() for name, obj in self.stateful.items()},
+        }
+        blocked = self.durable.save(step, self.model, self.optimizer, extra, trainer_state or {"step": step},
+                                    self.static_files)
+        self.last_saved_step = step
+        log.info("checkpoint global_step_%d staged (blocked %.0fms)", step, blocked * 1000)
+        return blocked
+
+    def maybe_save(self, step: int, trainer_state: dict[str, Any] | None = None) -> bool:
+        if not self.should_save(step):
+            return False
+        self.save(step, trainer_state)
+        return True
+
+    def close(self) -> None:
+        """Waits until the last save is committed on every rank."""
+        self.durable.wait()
+        if dist.is_initialized():
+            dist.barrier()

@@ -172,6 +172,11 @@ class DurableCheckpointer:
         )
         write_manifest(tmp, manifest)
         final = self.root / step_dir_name(step)
+        if final.exists():
+            # left by a timeline this run resumed before (passed over as bad, or newer than the resume
+            # point): the step is being redone, and the new one is the checkpoint of record
+            remove_directory_crash_safe(final)
+            self.events.emit("checkpoint_deleted", step=step, reason="replaced by a redone step", tier="durable")
         commit_directory(tmp, final)
         write_latest(self.root, step)
         self.last_committed = step
@@ -202,6 +207,7 @@ class DurableCheckpointer:
         After a change of world size the per-rank extra state has no owner; rank 0's copy still holds
         the global facts (step, data position, LR schedule).
         """
+        load_dcp_metadata(Path(ckpt_dir))  # refuse unsafe metadata with our one-line error, not DCP's wrapper
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(
@@ -234,6 +240,7 @@ def read_full_state_dict(ckpt_dir: Path) -> dict[str, Any]:
     """Every tensor and value of a durable checkpoint, unsharded, keyed by DCP's flattened names."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+    load_dcp_metadata(Path(ckpt_dir))  # refuse unsafe metadata with our one-line error, not DCP's wrapper
     state: dict[str, Any] = {}
     _load_state_dict(
         state,

@@ -150,10 +150,9 @@ def validate(config: RunConfig, source: str = "<config>") -> None:
     positive("checkpoint.save_interval", config.checkpoint.save_interval, allow_zero=True)
     positive("checkpoint.keep_last", config.checkpoint.keep_last)
     positive("checkpoint.keep_every", config.checkpoint.keep_every)
-    if config.faults:
-        from trainguard.faults import parse_faults
+    from trainguard.faults import active_faults
 
-        parse_faults(config.faults)
+    active_faults(config.faults)
 
 
 def config_to_dict(config: RunConfig) -> dict[str, Any]:

@@ -26,6 +26,19 @@ ENV_VAR = "TRAINGUARD_FAULTS"
 logger = logging.getLogger(__name__)
 
 
+def active_faults(config_text: str | None) -> tuple[str, list[FaultSpec]]:
+    """The faults in force and where they came from: ``TRAINGUARD_FAULTS`` wins over the config."""
+    env_text = os.environ.get(ENV_VAR)
+    if env_text and env_text.strip():
+        source, text = ENV_VAR, env_text
+    else:
+        source, text = "config key 'faults'", config_text
+    try:
+        return source, parse_faults(text)
+    except ConfigError as error:
+        raise ConfigError(f"{source}: {error}") from None
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     # a rank can only corrupt what it holds: its shard of a DTensor
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
@@ -59,13 +72,9 @@ class FaultInjector:
         cls, run_dir: Path, rank: int, world_size: int, emit: Callable[..., Any], config_text: str | None = None
     ) -> "FaultInjector":
         """Faults from ``TRAINGUARD_FAULTS`` when it is set and not blank, else from ``config_text``."""
-        env_text = os.environ.get(ENV_VAR)
-        if env_text and env_text.strip():
-            source, text = ENV_VAR, env_text
-        else:
-            source, text = "config key 'faults'", config_text
+        source, specs = active_faults(config_text)
         try:
-            return cls(parse_faults(text), Path(run_dir), rank, world_size, emit)
+            return cls(specs, Path(run_dir), rank, world_size, emit)
         except ConfigError as error:
             raise ConfigError(f"{source}: {error}") from None
 

@@ -66,5 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def run_worker(argv: list[str]) -> None:
+    """Entry point of a rank started by ``trainguard train``: exits with the trainer's code."""
+    code = main(argv)
+    sys.stdout.flush()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -241,11 +241,6 @@ def read_full_state_dict(ckpt_dir: Path) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     load_dcp_metadata(Path(ckpt_dir))  # refuse unsafe metadata with our one-line error, not DCP's wrapper
-    state: dict[str, Any] = {}
-    _load_state_dict(
-        state,
-        storage_reader=SafeFileSystemReader(ckpt_dir),
-        planner=_SafeEmptyStateDictLoadPlanner(flatten_state_dict=False),
-        no_dist=True,
-    )
-    return state
+    planner = _SafeEmptyStateDictLoadPlanner(flatten_state_dict=False)
+    _load_state_dict({}, storage_reader=SafeFileSystemReader(ckpt_dir), planner=planner, no_dist=True)
+    return planner.state_dict

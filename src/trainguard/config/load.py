@@ -18,7 +18,7 @@ from trainguard.errors import ConfigError
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    source = str(path) if path is not None else "<defaults>"
+    source = str(path) if path is not None else "--set"
     raw: dict[str, Any] = {}
     if path is not None:
         raw = _read_yaml(Path(path))
@@ -103,6 +103,11 @@ def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
     elif base is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
     elif base is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from trainguard.config import load_config
-from trainguard.errors import TrainguardError
+from trainguard.errors import ConfigError, TrainguardError
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = config_from_args(args)
         if not args.run_dir:
-            raise TrainguardError("--run-dir is required when the trainer is started directly")
+            raise ConfigError("--run-dir is required when the trainer is started directly")
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from trainguard.checkpoint.fsio import fsync_file
 from trainguard.checkpoint.manager import CheckpointManager
+from trainguard.checkpoint.rng_state import seed_everything
 from trainguard.config.load import config_to_dict
 from trainguard.config.schema import RunConfig
 from trainguard.events import EventLog
@@ -59,6 +60,7 @@ class Trainer:
         self.model_config = build_model_config(config.model, max_position_embeddings=config.data.seq_len)
         self.tokenizer = ByteTokenizer()
         model = build_model(self.model_config, seed=config.train.seed)
+        seed_everything(config.train.seed + self.rank)  # replaced by the saved states on resume
         self.model = parallelize(model.to(self.device), self.mesh, self.layout)
         self.optimizer, self.scheduler = build_optimizer(self.model, config.optim, config.train.steps)
 
@@ -156,7 +158,9 @@ class Trainer:
             last_loss = result.loss
             if self.rank == 0:
                 self._report(result)
-            if self.checkpoints.should_save(self.step) or (cfg.checkpoint.save_interval and self.step == stop_at):
+            planned_stop = self.step == stop_at < total  # always saved: the run is meant to go on later
+            last = self.step == total and cfg.checkpoint.save_interval > 0
+            if self.checkpoints.should_save(self.step) or planned_stop or last:
                 self.checkpoints.save(self.step, self._trainer_state(last_loss))
         self.checkpoints.close()
         if self.rank == 0:

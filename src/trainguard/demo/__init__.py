@@ -1,0 +1,1 @@
+"""The fault drill behind ``trainguard demo``."""

@@ -23,12 +23,16 @@ What is timed (wall time, the maximum over ranks, all ranks writing at once):
 4. ``tg sync``    ``CheckpointManager(..., async_save=False).save(step)`` then ``.close()``: until the
                   checkpoint is committed (manifest with checksums written, directory renamed).
 5. ``tg async``   ``CheckpointManager(..., async_save=True)``: the time ``save()`` blocks the caller,
-                  and the time until ``close()`` returns (committed).
+                  and the time until ``close()`` returns (committed). One manager is kept for the whole
+                  run, as a training loop keeps it, so this is a save after the first: its staging
+                  buffers already exist (the warm-up round made the first save).
+6. ``tg async first`` the same with a new manager each time: the first save of a run, which also
+                  allocates the staging buffers (their pages are first touched by the copy).
 
 Each measurement writes a fresh directory under ``--dir`` that is deleted right after. One warm-up
 round is not counted; then ``--repeats`` rounds run every method, the order rotated each round, and
 the table shows medians. Trainguard's internal phases are timed by wrapping the functions that
-``trainguard.checkpoint.durable`` calls, DCP's staging helpers and ``os.fsync`` (in this process
+``trainguard.checkpoint.durable`` calls, its stager and writer, and ``os.fsync`` (in this process
 only; trainguard itself is unchanged); the breakdown tables show their medians per rank.
 
 It is a benchmark: targets are reported as met or missed, never asserted.
@@ -54,7 +58,7 @@ from typing import Any, Callable
 TARGET_SYNC_VS_RAW = 0.9  # trainguard sync throughput / raw write throughput, at least
 TARGET_ASYNC_BLOCK = 0.05  # trainguard async save() blocking time / trainguard sync time, at most
 
-METHODS = ["raw", "torch_save", "dcp", "tg_sync", "tg_async"]
+METHODS = ["raw", "torch_save", "dcp", "tg_sync", "tg_async", "tg_async_first"]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -140,32 +144,27 @@ def instrument_trainguard() -> None:
     import torch.distributed.checkpoint as dcp
 
     import trainguard.checkpoint.durable as durable
+    import trainguard.checkpoint.staging as staging
 
     for name in ("get_state_dict", "fsync_file", "_fsync_tree", "build_manifest", "write_manifest",
                  "commit_directory", "write_latest"):
         setattr(durable, name, PHASES.wrap(name, getattr(durable, name)))
-
-    def async_save(*args, **kwargs):
-        with PHASES.phase("dcp.async_save (staging)"):
-            future = dcp.async_save(*args, **kwargs)
-        staged = time.perf_counter()
-        future.add_done_callback(lambda _: PHASES.add("dcp write in background", time.perf_counter() - staged))
-        return future
-
-    durable.dcp = types.SimpleNamespace(save=PHASES.wrap("dcp.save", dcp.save), async_save=async_save)
-    # What DCP's staging (FileSystemWriter.stage) is made of: allocating the CPU copy, then copying.
-    import torch.distributed.checkpoint.staging as staging
-
-    for name in ("_create_cpu_state_dict", "_copy_state_dict"):
-        setattr(staging, name, PHASES.wrap(name, getattr(staging, name)))
+    durable.dcp = types.SimpleNamespace(save=PHASES.wrap("dcp.save", dcp.save), load=dcp.load)
     cls = durable.DurableCheckpointer
     cls._apply_retention = PHASES.wrap("retention", cls._apply_retention)
+    cls._write_files = PHASES.wrap("write files (extra state, dcp.save)", cls._write_files)
+    cls._gather_entries = PHASES.wrap("gather checksums to rank 0", cls._gather_entries)
+    writer = durable.ChecksummingFileSystemWriter
+    writer.write_data = PHASES.wrap("write_data (serialize, hash, write, fsync)", writer.write_data)
+    hashing_file = durable._HashingFile
+    hashing_file.close_durably = PHASES.wrap("close_durably (fsync)", hashing_file.close_durably)
+    stager = staging.ReusableStager
+    stager.stage = PHASES.wrap("stage (copy into staging buffers)", stager.stage)
     # Every fsync, attributed to the phase it happens in (e.g. "dcp.save>os.fsync").
     real_fsync = os.fsync
 
     def fsync(fd):
-        # Outside any phase means DCP's own writer thread (async save): say so.
-        with PHASES.phase("os.fsync" if PHASES._stack() else "os.fsync in DCP's async writer thread"):
+        with PHASES.phase("os.fsync" if PHASES._stack() else "os.fsync outside any phase"):
             return real_fsync(fd)
 
     os.fsync = fsync
@@ -302,6 +301,21 @@ def run_tg_sync(ctx, directory: Path, clock: Clock) -> None:
 
 
 def run_tg_async(ctx, directory: Path, clock: Clock) -> None:
+    """A later save of a long-lived manager: its staging buffers exist (the warm-up made them)."""
+    manager = ctx.get("async_manager")
+    if manager is None:
+        manager = ctx["async_manager"] = _manager(ctx, ctx["base"] / "tg_async-manager", async_save=True)
+    clock.start()
+    manager.save(ctx["step"])
+    clock.mark("blocked")
+    manager.close()
+    clock.mark("total")
+    if ctx["rank"] == 0:  # hand the checkpoint to measure(), which counts its bytes and deletes it
+        os.rename(manager.root / f"global_step_{ctx['step']}", directory / f"global_step_{ctx['step']}")
+
+
+def run_tg_async_first(ctx, directory: Path, clock: Clock) -> None:
+    """The first save of a new manager: it also allocates the staging buffers."""
     manager = _manager(ctx, directory, async_save=True)
     clock.start()
     manager.save(ctx["step"])
@@ -312,7 +326,7 @@ def run_tg_async(ctx, directory: Path, clock: Clock) -> None:
 
 
 RUNNERS = {"raw": run_raw, "torch_save": run_torch_save, "dcp": run_dcp, "tg_sync": run_tg_sync,
-           "tg_async": run_tg_async}
+           "tg_async": run_tg_async, "tg_async_first": run_tg_async_first}
 
 
 def disk_bytes(directory: Path) -> int:
@@ -387,6 +401,8 @@ def summarize(samples: dict[str, list[dict]], state_bytes: int, world: int) -> d
                                         "met": rows["tg_async.blocked"]["median_s"] / sync <= TARGET_ASYNC_BLOCK,
                                         "per_round": paired_block, "per_round_median": median(paired_block)},
         "tg_async_committed_vs_tg_sync": {"value": rows["tg_async"]["median_s"] / sync},
+        "tg_async_first_blocked_vs_tg_sync": {"value": rows["tg_async_first.blocked"]["median_s"] / sync},
+        "tg_async_first_committed_vs_tg_sync": {"value": rows["tg_async_first"]["median_s"] / sync},
     }
     return {"rows": rows, "ratios": ratios}
 
@@ -398,6 +414,8 @@ LABELS = {
     "tg_sync": "4 trainguard sync, to commit",
     "tg_async.blocked": "5 trainguard async, save() blocks",
     "tg_async": "5 trainguard async, to commit",
+    "tg_async_first.blocked": "6 trainguard async 1st save, blocks",
+    "tg_async_first": "6 trainguard async 1st save, to commit",
 }
 
 
@@ -428,9 +446,14 @@ def print_report(summary: dict[str, Any], meta: dict[str, Any]) -> None:
                       f"{block_met}")
         elif name == "tg_async":
             target = f"/ tg sync {ratios['tg_async_committed_vs_tg_sync']['value']:.2f}"
-        throughput = "-" if name == "tg_async.blocked" else f"{row['gb_per_s']:.3f}"
-        vs_raw = "-" if name == "tg_async.blocked" else f"{row['throughput_vs_raw']:.2f}"
-        disk = "" if name == "tg_async.blocked" else f"{row['disk_bytes'] / 1e9:.3f}"
+        elif name == "tg_async_first.blocked":
+            target = f"/ tg sync {ratios['tg_async_first_blocked_vs_tg_sync']['value']:.3f}"
+        elif name == "tg_async_first":
+            target = f"/ tg sync {ratios['tg_async_first_committed_vs_tg_sync']['value']:.2f}"
+        blocked = name.endswith(".blocked")
+        throughput = "-" if blocked else f"{row['gb_per_s']:.3f}"
+        vs_raw = "-" if blocked else f"{row['throughput_vs_raw']:.2f}"
+        disk = "" if blocked else f"{row['disk_bytes'] / 1e9:.3f}"
         table.add_row(label, f"{row['median_s']:.3f}", f"{row['min_s']:.3f}-{row['max_s']:.3f}", throughput,
                       vs_raw, disk, target)
     console.print(table)
@@ -443,7 +466,7 @@ def print_report(summary: dict[str, Any], meta: dict[str, Any]) -> None:
     )
 
     world = meta["world"]
-    for method in ("tg_sync", "tg_async", "dcp"):
+    for method in ("tg_sync", "tg_async", "tg_async_first", "dcp"):
         phases = rows[method]["phases_median_s"]
         breakdown = Table(title=f"where the time goes: {LABELS[method]} (median seconds per rank; "
                                 f"nested phases are included in their parent)")
@@ -530,6 +553,9 @@ def main(argv: list[str]) -> int:
                     print(f"[{'round ' + str(round_index - args.warmup) if timed else 'warm-up'}] {method:10s} "
                           + " ".join(f"{k} {v:.3f}s" for k, v in sorted(result["seconds"].items())), flush=True)
     finally:
+        if "async_manager" in ctx:
+            ctx["async_manager"].close()
+            ctx["async_manager"].events.close()
         dist.barrier()
         if rank == 0:
             shutil.rmtree(base, ignore_errors=True)

@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from trainguard.checkpoint.layout import extra_state_name, step_dir_name
+from trainguard.checkpoint.manifest import build_manifest, write_manifest
+
 # A model and batch small enough for many multi-process runs on two CPU cores.
 TINY = ["--set", "model.preset=llama-micro", "--set", "data.seq_len=32", "--set", "data.micro_batch_size=2"]
 
@@ -88,6 +91,29 @@ def committed_run(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("committed") / "run"
     ok(train(run_dir, 2, 8, "--save-interval", "4"))
     return run_dir
+
+
+def make_checkpoint(root: Path, step: int, *, world_size: int = 2, health: dict | None = None) -> Path:
+    """A committed checkpoint with small files in the real layout and a real manifest."""
+    ckpt = root / step_dir_name(step)
+    (ckpt / "huggingface").mkdir(parents=True)
+    (ckpt / ".metadata").write_bytes(b"metadata-%d" % step)
+    (ckpt / "__0_0.distcp").write_bytes(os.urandom(3000))
+    (ckpt / "__1_0.distcp").write_bytes(os.urandom(2000))
+    for rank in range(world_size):
+        (ckpt / extra_state_name(world_size, rank)).write_bytes(b"extra-%d" % rank)
+    (ckpt / "huggingface" / "config.json").write_text('{"model_type": "llama"}')
+    manifest = build_manifest(
+        ckpt,
+        step=step,
+        world_size=world_size,
+        mesh_shape=[world_size],
+        mesh_dim_names=["dp_shard"],
+        trainer_state={"step": step, "consumed_samples": step * 8},
+        health=health,
+    )
+    write_manifest(ckpt, manifest)
+    return ckpt
 
 
 def read_json(path: Path):

@@ -57,31 +57,10 @@ from trainguard.checkpoint.retention import select_for_deletion
 from trainguard.checkpoint.safe_load import load_dcp_metadata, safe_torch_load
 from trainguard.errors import CheckpointError, UnsafeCheckpointError
 
+from conftest import make_checkpoint
+
 # DCP warns that it saves in a single process when no process group exists: that is the point here.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-
-
-def make_checkpoint(root: Path, step: int, *, world_size: int = 2, health: dict | None = None) -> Path:
-    """A committed checkpoint with small files in the real layout and a real manifest."""
-    ckpt = root / step_dir_name(step)
-    (ckpt / "huggingface").mkdir(parents=True)
-    (ckpt / ".metadata").write_bytes(b"metadata-%d" % step)
-    (ckpt / "__0_0.distcp").write_bytes(os.urandom(3000))
-    (ckpt / "__1_0.distcp").write_bytes(os.urandom(2000))
-    for rank in range(world_size):
-        (ckpt / extra_state_name(world_size, rank)).write_bytes(b"extra-%d" % rank)
-    (ckpt / "huggingface" / "config.json").write_text('{"model_type": "llama"}')
-    manifest = build_manifest(
-        ckpt,
-        step=step,
-        world_size=world_size,
-        mesh_shape=[world_size],
-        mesh_dim_names=["dp_shard"],
-        trainer_state={"step": step, "consumed_samples": step * 8},
-        health=health,
-    )
-    write_manifest(ckpt, manifest)
-    return ckpt
 
 
 def flip_byte(path: Path, offset: int = 100) -> None:

@@ -3,35 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
-from trainguard.checkpoint.layout import HEALTH_FILE, MANIFEST_NAME, extra_state_name, step_dir_name, temp_dir_name
-from trainguard.checkpoint.manifest import build_manifest, write_manifest
+from trainguard.checkpoint.layout import HEALTH_FILE, MANIFEST_NAME, extra_state_name, temp_dir_name
 from trainguard.cli import main
 
-
-def make_checkpoint(root: Path, step: int, *, world_size: int = 2, health: dict | None = None) -> Path:
-    ckpt = root / step_dir_name(step)
-    (ckpt / "huggingface").mkdir(parents=True)
-    (ckpt / ".metadata").write_bytes(b"metadata")
-    (ckpt / "__0_0.distcp").write_bytes(os.urandom(1500))
-    for rank in range(world_size):
-        (ckpt / extra_state_name(world_size, rank)).write_bytes(b"extra-%d" % rank)
-    (ckpt / "huggingface" / "config.json").write_text("{}")
-    manifest = build_manifest(
-        ckpt,
-        step=step,
-        world_size=world_size,
-        mesh_shape=[world_size],
-        mesh_dim_names=["dp_shard"],
-        trainer_state={"step": step},
-        health=health,
-    )
-    write_manifest(ckpt, manifest)
-    return ckpt
+from conftest import make_checkpoint
 
 
 @pytest.fixture

@@ -10,6 +10,8 @@ LAYOUTS = {
     "fsdp2": (2, []),
     "hsdp2x2": (4, ["--set", "parallel.dp_replicate=2", "--set", "parallel.dp_shard=2"]),
     "fsdp2_tp2": (4, ["--set", "parallel.dp_shard=2", "--set", "parallel.tp=2"]),
+    "pp2_fsdp2": (4, ["--set", "parallel.pp=2", "--set", "parallel.dp_shard=2", "--set", "train.micro_batches=2",
+                      "--set", "model.tie_word_embeddings=false"]),
 }
 
 

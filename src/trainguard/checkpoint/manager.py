@@ -144,8 +144,13 @@ class CheckpointManager:
     def should_save(self, step: int) -> bool:
         return bool(self.save_interval) and step % self.save_interval == 0
 
-    def save(self, step: int, trainer_state: dict[str, Any] | None = None) -> float:
-        """Stages a checkpoint of ``step`` and commits it in the background; returns seconds blocked."""
+    def save(self, step: int, trainer_state: dict[str, Any] | None = None,
+             health: dict[str, Any] | None = None) -> float:
+        """Stages a checkpoint of ``step`` and commits it in the background; returns seconds blocked.
+
+        ``health`` (``{"is_health": 0|1, ...}``, 1 = unhealthy) goes into the manifest and
+        ``health_ckpts.json``; ``auto`` resume never picks an unhealthy checkpoint.
+        """
         extra = {
             "step": step,
             "rank": self.rank,
@@ -154,7 +159,7 @@ class CheckpointManager:
             "stateful": {name: obj.state_dict() for name, obj in self.stateful.items()},
         }
         blocked = self.durable.save(step, self.model, self.optimizer, extra, trainer_state or {"step": step},
-                                    self.static_files)
+                                    self.static_files, health=health)
         self.last_saved_step = step
         log.info("checkpoint global_step_%d staged (blocked %.0fms)", step, blocked * 1000)
         return blocked

@@ -14,7 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from trainguard.checkpoint.checksum import CHECKSUM_ALGORITHM, file_checksum
 from trainguard.checkpoint.fsio import PathLike, atomic_write_json
@@ -129,13 +129,29 @@ def build_manifest(
     extra: dict[str, Any] | None = None,
     hash_workers: int = DEFAULT_HASH_WORKERS,
     progress: Progress | None = None,
+    known: Mapping[str, FileEntry] | None = None,
 ) -> Manifest:
-    """Describes every regular file under ``ckpt_dir`` (except the manifest), hashing them."""
-    found = _regular_files(Path(ckpt_dir))
+    """Describes every regular file under ``ckpt_dir`` (except the manifest), hashing them.
+
+    ``known`` maps relative paths to entries whose checksums were computed as the files were written
+    (by whichever rank wrote them); those files are not read again, only their sizes are checked.
+    Every known file must be present with its known size: raises ``CheckpointError`` otherwise.
+    """
+    root = Path(ckpt_dir)
+    found = _regular_files(root)
+    known = dict(known or {})
+    missing = sorted(set(known) - {relative for relative, _, _ in found})
+    if missing:
+        raise CheckpointError(f"{root}: {missing[0]!r} was written but is not there")
+    for relative, _, size in found:
+        if relative in known and known[relative].size != size:
+            raise CheckpointError(
+                f"{root}: {relative!r} has {size} bytes, but {known[relative].size} were written"
+            )
 
     def hash_one(item: tuple[str, Path, int]) -> FileEntry:
         relative, path, size = item
-        entry = FileEntry(relative, size, file_checksum(path))
+        entry = known.get(relative) or FileEntry(relative, size, file_checksum(path))
         if progress is not None:
             progress(size)
         return entry

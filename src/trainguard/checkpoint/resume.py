@@ -1,4 +1,9 @@
-"""Which checkpoint a run resumes from: ``auto``, an explicit path, or ``disable``."""
+"""Which checkpoint a run resumes from: ``auto``, an explicit path, or ``disable``.
+
+``auto`` takes the newest checkpoint that is committed, verifies and is healthy. Unhealthy ones
+(marked in their manifest or in ``health_ckpts.json``) are always passed over: the public
+implementation this follows records health but never excludes anything at resume.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +11,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from trainguard.checkpoint.discovery import CheckpointInfo, find_resume_checkpoint, list_checkpoints
+from trainguard.checkpoint.layout import HEALTH_FILE
 from trainguard.checkpoint.manifest import read_manifest, verify_checkpoint
 from trainguard.errors import CheckpointError, ConfigError, NoCheckpointError
+from trainguard.guards.health import NO_HEALTHY_CHECKPOINT_MESSAGE, unhealthy_names
 
 
 def check_explicit_resume_path(path: Path) -> None:
@@ -18,6 +25,21 @@ def check_explicit_resume_path(path: Path) -> None:
         read_manifest(path)
     except CheckpointError as exc:
         raise ConfigError(f"--resume {path}: not a trainguard checkpoint ({exc})") from None
+
+
+def health_rejection(root: Path) -> Callable[[CheckpointInfo], str | None]:
+    recorded_unhealthy = unhealthy_names(root / HEALTH_FILE)
+
+    def reject(info: CheckpointInfo) -> str | None:
+        health = info.manifest.health if info.manifest else None
+        if (health and health.get("is_health") == 1) or info.name in recorded_unhealthy:
+            detail = ""
+            if health and "embedding_local_norm" in health:
+                detail = f": embedding local norm {health['embedding_local_norm']} > {health.get('threshold')}"
+            return f"unhealthy{detail}"
+        return None
+
+    return reject
 
 
 def choose_resume_checkpoint(
@@ -34,15 +56,31 @@ def choose_resume_checkpoint(
         bad = verify_checkpoint(path)
         if bad:
             raise NoCheckpointError(f"--resume {path}: {path / bad[0].path}: {bad[0].reason}")
+        health = read_manifest(path).health
+        if health and health.get("is_health") == 1:
+            warn(f"resuming from {path} as asked, although it is marked unhealthy")
         return path
     if not root.is_dir():
         return None
-    chosen = find_resume_checkpoint(root, accept=accept, warn=warn)
+    unhealthy = health_rejection(root)
+    rejected_unhealthy: list[str] = []
+
+    def combined(info: CheckpointInfo) -> str | None:
+        reason = unhealthy(info)
+        if reason:
+            rejected_unhealthy.append(info.name)
+            return reason
+        return accept(info) if accept is not None else None
+
+    chosen = find_resume_checkpoint(root, accept=combined, warn=warn)
     if chosen is not None:
         return chosen.path
-    if any(info.committed for info in list_checkpoints(root)):
+    committed = [info for info in list_checkpoints(root) if info.committed]
+    if committed and len(rejected_unhealthy) == len(committed):
+        raise NoCheckpointError(f"no healthy checkpoint in {root}: {NO_HEALTHY_CHECKPOINT_MESSAGE}")
+    if committed:
         raise NoCheckpointError(
-            f"no usable checkpoint in {root}: every committed checkpoint failed verification "
+            f"no usable checkpoint in {root}: every committed checkpoint failed verification or was rejected "
             "(see the warnings above); pass --resume disable to start from scratch"
         )
     return None

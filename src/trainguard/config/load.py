@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from trainguard.config.aliases import translate_reference_keys
 from trainguard.config.schema import RunConfig
 from trainguard.errors import ConfigError
 
@@ -22,6 +23,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     raw: dict[str, Any] = {}
     if path is not None:
         raw = _read_yaml(Path(path))
+    raw = translate_reference_keys(raw, source)
     for item in overrides:
         _apply_override(raw, item)
     config = _build(RunConfig, raw, prefix="", source=source)
@@ -155,6 +157,28 @@ def validate(config: RunConfig, source: str = "<config>") -> None:
     positive("checkpoint.save_interval", config.checkpoint.save_interval, allow_zero=True)
     positive("checkpoint.keep_last", config.checkpoint.keep_last)
     positive("checkpoint.keep_every", config.checkpoint.keep_every)
+    skip, health = config.guards.skip, config.guards.health
+    if config.guards.check_for_global_norm and skip.enabled:
+        raise ConfigError(
+            f"{source}: monitor_config.check_for_global_norm and data skip (use_skip_data_by_global_norm) "
+            "are mutually exclusive"
+        )
+    if config.guards.check_for_global_norm:
+        raise ConfigError(f"{source}: monitor_config.check_for_global_norm (rollback mode) is not available yet")
+    positive("guards.skip.threshold (global_norm_spike_threshold)", skip.threshold)
+    positive("guards.skip.count_threshold (global_norm_spike_count_threshold)", skip.count_threshold)
+    positive("guards.skip.window", skip.window)
+    positive("guards.skip.z_threshold", skip.z_threshold)
+    positive("guards.skip.warmup", skip.warmup, allow_zero=True)
+    if skip.mode not in ("absolute", "adaptive"):
+        raise ConfigError(f"{source}: config key 'guards.skip.mode' must be 'absolute' or 'adaptive', got {skip.mode!r}")
+    positive("guards.health.embedding_threshold (embedding_local_norm_threshold)", health.embedding_threshold)
+    pp = config.parallel.pp or 1
+    if pp > 1 and config.train.micro_batches < pp:
+        raise ConfigError(
+            f"{source}: micro_batch_num (train.micro_batches={config.train.micro_batches}) must be ≥ "
+            f"pipeline_stage (parallel.pp={pp})"
+        )
     from trainguard.faults import active_faults
 
     active_faults(config.faults)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from trainguard.guards.health import HealthConfig
+from trainguard.guards.skip import SkipConfig
+
 
 @dataclass
 class ModelConfig:
@@ -66,6 +69,15 @@ class CheckpointConfig:
 
 
 @dataclass
+class GuardsConfig:
+    skip: SkipConfig = field(default_factory=SkipConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    monitor: bool = False  # log and record the embedding's local gradient norm every step
+    local_norm: bool = False  # compute per-parameter local norms (the reference's runner_wrapper.local_norm)
+    check_for_global_norm: bool = False  # rollback on spikes instead of skipping (not available yet)
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -73,4 +85,5 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    guards: GuardsConfig = field(default_factory=GuardsConfig)
     faults: str | None = None  # same grammar as TRAINGUARD_FAULTS; the environment variable wins

@@ -7,6 +7,8 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
+from trainguard.checkpoint.fsio import fsync_dir
+
 
 def matching_files(directory: Path, pattern: str) -> list[Path]:
     """Regular files under ``directory`` whose relative posix path or basename matches ``pattern``.
@@ -21,14 +23,6 @@ def matching_files(directory: Path, pattern: str) -> list[Path]:
         if fnmatchcase(relative, pattern) or fnmatchcase(path.name, pattern):
             found.append(path)
     return found
-
-
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def corrupt_file(path: Path) -> dict[str, Any]:
@@ -58,7 +52,7 @@ def truncate_file(path: Path) -> dict[str, Any]:
 def delete_file(path: Path) -> dict[str, Any]:
     size = path.stat().st_size
     path.unlink()
-    _fsync_directory(path.parent)
+    fsync_dir(path.parent)
     return {"size": size}
 
 

@@ -14,26 +14,34 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+
+def _is_sharded(placement: Placement) -> bool:
+    # FSDP2 over a tensor-parallel weight shards dim 0 twice and marks the outer split _StridedShard,
+    # which is not a Shard subclass and answers is_shard() with False
+    return placement.is_shard() or isinstance(placement, _StridedShard)
 
 
 def _local_and_weight(grad: torch.Tensor, ranks_per_stage: int) -> tuple[torch.Tensor, float]:
     if isinstance(grad, DTensor):
         shard_product = math.prod(
-            grad.device_mesh.size(dim) for dim, placement in enumerate(grad.placements) if isinstance(placement, Shard)
+            grad.device_mesh.size(dim) for dim, placement in enumerate(grad.placements) if _is_sharded(placement)
         )
         return grad.to_local(), shard_product / ranks_per_stage
     return grad, 1.0 / ranks_per_stage
 
 
-def local_sq_sum(grads: Iterable[torch.Tensor], ranks_per_stage: int) -> torch.Tensor:
-    """This rank's weighted share of the squared global norm (NaN/Inf propagate)."""
-    total = torch.zeros((), dtype=torch.float64)
-    for grad in grads:
-        local, weight = _local_and_weight(grad, ranks_per_stage)
-        if local.numel():
-            total += local.detach().double().square().sum().cpu() * weight
-    return total
+def local_sq_sum(grads: Iterable[torch.Tensor], ranks_per_stage: int, device: torch.device) -> torch.Tensor:
+    """This rank's weighted share of the squared global norm, on ``device`` (NaN/Inf propagate)."""
+    pairs = [_local_and_weight(g, ranks_per_stage) for g in grads]
+    pairs = [(local, weight) for local, weight in pairs if local.numel()]
+    if not pairs:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = torch._foreach_norm([local.detach() for local, _ in pairs])
+    weights = torch.tensor([weight for _, weight in pairs], dtype=torch.float64, device=device)
+    return (torch.stack(norms).to(device, torch.float64).square() * weights).sum()
 
 
 def global_norm_and_sums(
@@ -41,12 +49,14 @@ def global_norm_and_sums(
     extras: torch.Tensor,
     ranks_per_stage: int,
     group: dist.ProcessGroup | None = None,
-) -> tuple[float, torch.Tensor]:
-    """Returns (global L2 norm, world sum of ``extras``) from a single all-reduce."""
-    buffer = torch.cat([local_sq_sum(grads, ranks_per_stage).reshape(1), extras.double().reshape(-1)])
+) -> tuple[float, list[float]]:
+    """Returns (global L2 norm, world sum of each of ``extras``) from one all-reduce and one host sync."""
+    device = extras.device
+    buffer = torch.cat([local_sq_sum(grads, ranks_per_stage, device).reshape(1), extras.to(torch.float64).reshape(-1)])
     if dist.is_initialized():
         dist.all_reduce(buffer, group=group)
-    return math.sqrt(buffer[0].item()), buffer[1:]
+    values = buffer.tolist()
+    return math.sqrt(values[0]), values[1:]
 
 
 def clip_grads_(grads: list[torch.Tensor], max_norm: float, total_norm: float) -> float:
@@ -70,6 +80,7 @@ def clip_grad_norm_(
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     ranks = dist.get_world_size(group) if dist.is_initialized() else 1
-    norm, _ = global_norm_and_sums(grads, torch.zeros(0), ranks_per_stage=ranks, group=group)
+    device = grads[0].device if grads else torch.device("cpu")
+    norm, _ = global_norm_and_sums(grads, torch.zeros(0, device=device), ranks_per_stage=ranks, group=group)
     clip_grads_(grads, max_norm, norm)
     return norm

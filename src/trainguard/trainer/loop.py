@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import time
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from trainguard.checkpoint.fsio import fsync_file
 from trainguard.checkpoint.manager import CheckpointManager
@@ -20,6 +22,8 @@ from trainguard.config.load import config_to_dict
 from trainguard.config.schema import RunConfig
 from trainguard.events import EventLog
 from trainguard.faults import FaultInjector
+from trainguard.guards.health import is_unhealthy
+from trainguard.guards.skip import DataSkipAbort, DataSkipGuard
 from trainguard.norms import clip_grads_, global_norm_and_sums
 from trainguard.topology.layout import MESH_DIMS, resolve_layout
 from trainguard.trainer.data import StatefulSampler, TokenDataset, load_corpus_tokens, make_batch
@@ -27,6 +31,7 @@ from trainguard.trainer.logging_setup import setup_logging
 from trainguard.trainer.model import build_model, build_model_config
 from trainguard.trainer.optim import build_optimizer
 from trainguard.trainer.parallelize import build_mesh, parallelize
+from trainguard.trainer.pipeline import PipelineParts, build_pipeline
 from trainguard.trainer.tokenizer import ByteTokenizer
 
 
@@ -37,6 +42,16 @@ class StepResult:
     global_norm: float
     lr: float
     seconds: float
+    skipped: bool
+    embedding_local_norm: float | None
+
+
+def _token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1))
+
+
+def _nan_as_inf(value: float) -> float:
+    return math.inf if math.isnan(value) else value
 
 
 class Trainer:
@@ -49,19 +64,27 @@ class Trainer:
         self.log = setup_logging(self.rank, self.run_dir / "logs")
         self.events = EventLog(self.run_dir / "events.jsonl", rank=self.rank, host=self.host)
         self.layout = resolve_layout(config.parallel, self.world_size)
-        if self.layout.pp > 1:
-            from trainguard.errors import ConfigError
-
-            raise ConfigError("parallel.pp > 1 is not supported by the reference trainer yet")
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
         self.mesh = build_mesh(self.layout, self.device.type)
         self.dp_rank = self.layout.dp_rank(self.rank)
 
         self.model_config = build_model_config(config.model, max_position_embeddings=config.data.seq_len)
         self.tokenizer = ByteTokenizer()
-        model = build_model(self.model_config, seed=config.train.seed)
+        self.pipeline: PipelineParts | None = None
+        if self.layout.pp > 1:
+            self.pipeline = build_pipeline(
+                self.model_config, config.train.seed, self.mesh, self.layout, self.device,
+                n_microbatches=config.train.micro_batches, loss_fn=_token_cross_entropy,
+                microbatch_size=config.data.micro_batch_size, seq_len=config.data.seq_len,
+            )
+            self.model = self.pipeline.module
+        else:
+            model = build_model(self.model_config, seed=config.train.seed)
+            self.model = parallelize(model.to(self.device), self.mesh, self.layout)
         seed_everything(config.train.seed + self.rank)  # replaced by the saved states on resume
-        self.model = parallelize(model.to(self.device), self.mesh, self.layout)
+        # ranks sharing one pipeline stage (all ranks without pp) and, among them, those holding the loss
+        self.ranks_per_stage = self.world_size // self.layout.pp
+        self.holds_loss = self.pipeline is None or self.pipeline.is_last
         self.optimizer, self.scheduler = build_optimizer(self.model, config.optim, config.train.steps)
 
         self.dataset = TokenDataset(load_corpus_tokens(), config.data.seq_len)
@@ -91,6 +114,13 @@ class Trainer:
             seed=config.train.seed,
         )
         self.step = 0
+        self.skip_guard = DataSkipGuard(config.guards.skip) if config.guards.skip.enabled else None
+        if self.skip_guard is not None:
+            self.checkpoints.stateful["skip_guard"] = self.skip_guard
+        self.monitor_embedding = config.guards.monitor or config.guards.health.enabled
+        holds_embedding = self.pipeline is None or self.pipeline.is_first
+        self.embedding = self.model.model.embed_tokens.weight if holds_embedding else None
+        self.max_embedding_norm: float | None = None
 
     def _write_static_files(self, directory: Path) -> None:
         hf_dir = directory / "huggingface"
@@ -109,42 +139,100 @@ class Trainer:
         }
 
     # ------------------------------------------------------------------------------------- step
+    def _forward_backward(self) -> torch.Tensor:
+        """Mean loss over this step's micro-batches (zero on pipeline stages without the loss)."""
+        micro_batches = self.config.train.micro_batches
+        batches = [make_batch(self.dataset, self.sampler.next_batch_indices()) for _ in range(micro_batches)]
+        if self.pipeline is not None:
+            inputs = torch.cat([b[0] for b in batches]).to(self.device)
+            labels = torch.cat([b[1] for b in batches]).to(self.device)
+            loss = self.pipeline.step(inputs, labels)
+            return loss.double() if loss is not None else torch.zeros((), dtype=torch.float64, device=self.device)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for inputs, labels in batches:
+            logits = self.model(input_ids=inputs.to(self.device)).logits
+            loss = _token_cross_entropy(logits, labels.to(self.device))
+            (loss / micro_batches).backward()
+            loss_sum += loss.detach().double() / micro_batches
+        return loss_sum
+
+    def _monitored_extras(self, loss: torch.Tensor) -> torch.Tensor:
+        """The scalars that ride in the norm's all-reduce: the loss share, then one slot per rank for
+        its embedding local norm, so every rank learns every rank's value without another collective."""
+        slots = self.world_size if self.monitor_embedding else 0
+        extras = torch.zeros(1 + slots, dtype=torch.float64, device=self.device)
+        # the loss-holding ranks of a stage are its dp ranks (different data) × tp ranks (the same loss)
+        if self.holds_loss:
+            extras[0] = loss / self.ranks_per_stage
+        if slots and self.embedding is not None and self.embedding.grad is not None:
+            local = self.embedding.grad.to_local() if isinstance(self.embedding.grad, DTensor) else self.embedding.grad
+            extras[1 + self.rank] = local.detach().double().norm()
+        return extras
+
     def train_step(self) -> StepResult:
         cfg = self.config
         started = time.perf_counter()
-        self.faults.at_step_start(self.step + 1)
+        step = self.step + 1
+        self.faults.at_step_start(step)
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        for _ in range(cfg.train.micro_batches):
-            inputs, labels = make_batch(self.dataset, self.sampler.next_batch_indices())
-            logits = self.model(input_ids=inputs.to(self.device)).logits
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.to(self.device).reshape(-1))
-            (loss / cfg.train.micro_batches).backward()
-            loss_sum += loss.detach().double().cpu() / cfg.train.micro_batches
-        self.faults.after_backward(self.step + 1, self.model)
+        loss = self._forward_backward()
+        self.faults.after_backward(step, self.model)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        # each rank's loss counts 1/world: dp ranks hold different data, tp ranks the same loss
-        norm, sums = global_norm_and_sums(grads, loss_sum.reshape(1) / self.world_size,
-                                          ranks_per_stage=self.world_size)
-        clip_grads_(grads, cfg.optim.grad_clip, norm)
+        norm, sums = global_norm_and_sums(grads, self._monitored_extras(loss), ranks_per_stage=self.ranks_per_stage)
+        embedding_norms = sums[1:]
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.step += 1
-        return StepResult(self.step, float(sums[0]), norm, lr, time.perf_counter() - started)
+        skipped = False
+        if self.skip_guard is not None:
+            decision = self.skip_guard.decide(step, norm, opt_global_step=step - 1 - self.skip_guard.skipped_total)
+            for line in decision.log_lines:
+                self.log.info(line)
+            skipped = decision.skip
+            if skipped and self.rank == 0:
+                self.events.emit("data_skip", step=step, global_norm=norm, threshold=decision.threshold,
+                                 consecutive=decision.consecutive, nan=decision.nan)
+            if decision.abort:
+                self.log.error("ValueError: %s", decision.abort_message)
+                if self.rank == 0:
+                    self.events.emit("data_skip_abort", step=step, global_norm=norm, message=decision.abort_message)
+                raise DataSkipAbort(f"ValueError: {decision.abort_message}")
+        if not skipped:
+            clip_grads_(grads, cfg.optim.grad_clip, norm)
+            self.optimizer.step()
+            self.scheduler.step()
+        self.step = step
+        self.max_embedding_norm = max(embedding_norms, default=None, key=_nan_as_inf)
+        return StepResult(step, sums[0], norm, lr, time.perf_counter() - started, skipped,
+                          embedding_norms[self.rank] if embedding_norms else None)
 
     def _report(self, result: StepResult) -> None:
         cfg = self.config
         tokens = self.layout.dp_size * cfg.data.micro_batch_size * cfg.data.seq_len * cfg.train.micro_batches
         tokens_per_s = tokens / result.seconds if result.seconds > 0 else 0.0
+        totals = {}
+        if self.skip_guard is not None:
+            totals = {"skipped_total": self.skip_guard.skipped_total, "nan_total": self.skip_guard.nan_total}
         if result.step % cfg.train.log_interval == 0 or result.step == cfg.train.steps:
-            self.log.info(
-                "step: [%5d/%5d], loss: %.3f, global_norm: [%.3f], lr: %.1e, per_step_time: %dms, tokens/s: %d",
-                result.step, cfg.train.steps, result.loss, result.global_norm, result.lr,
-                round(result.seconds * 1000), round(tokens_per_s),
-            )
+            line = (f"step: [{result.step:5d}/{cfg.train.steps:5d}], loss: {result.loss:.3f}, "
+                    f"global_norm: [{result.global_norm:.3f}], lr: {result.lr:.1e}, "
+                    f"per_step_time: {round(result.seconds * 1000)}ms, tokens/s: {round(tokens_per_s)}")
+            if totals:
+                line += (f", number of skipped iterations: {totals['skipped_total']}, "
+                         f"number of nan iterations: {totals['nan_total']}")
+            self.log.info(line)
+            if result.embedding_local_norm is not None:
+                self.log.info("embedding_local_norm: %s", f"{result.embedding_local_norm:.5f}")
+        fields = {"embedding_local_norm": result.embedding_local_norm} if result.embedding_local_norm is not None else {}
         self.events.emit("step", step=result.step, loss=result.loss, global_norm=result.global_norm,
-                         lr=result.lr, step_time=result.seconds, tokens_per_s=tokens_per_s)
+                         lr=result.lr, step_time=result.seconds, tokens_per_s=tokens_per_s,
+                         skipped=result.skipped, **totals, **fields)
+
+    def _checkpoint_health(self) -> dict[str, Any] | None:
+        """The reference's health verdict for a save at this step: any rank above the threshold."""
+        if not self.config.guards.health.enabled or self.max_embedding_norm is None:
+            return None
+        threshold = self.config.guards.health.embedding_threshold
+        unhealthy = is_unhealthy(self.max_embedding_norm, threshold)
+        return {"is_health": int(unhealthy), "embedding_local_norm": self.max_embedding_norm, "threshold": threshold}
 
     # -------------------------------------------------------------------------------------- run
     def run(self) -> int:
@@ -161,7 +249,7 @@ class Trainer:
             planned_stop = self.step == stop_at < total  # always saved: the run is meant to go on later
             last = self.step == total and cfg.checkpoint.save_interval > 0
             if self.checkpoints.should_save(self.step) or planned_stop or last:
-                self.checkpoints.save(self.step, self._trainer_state(last_loss))
+                self.checkpoints.save(self.step, self._trainer_state(last_loss), health=self._checkpoint_health())
         self.checkpoints.close()
         if self.rank == 0:
             reason = "finished" if self.step >= total else "exit_at_step"

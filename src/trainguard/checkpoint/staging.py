@@ -1,0 +1,150 @@
+"""Staging for async saves: a copy of the state dict in CPU buffers that are allocated once and reused.
+
+An async save may only return once the bytes it will write are independent of the live tensors (the
+next optimizer step mutates them in place). DCP's default staging allocates a fresh CPU state dict on
+every save (deep-copying each CPU ``DTensor`` and then copying again), and its cached variant pins
+memory, which fails on CPU-only builds. ``ReusableStager`` copies each tensor exactly once into a
+buffer kept from the previous save while the layout (shapes, dtypes, devices, in traversal order) is
+unchanged, and reallocates when it changes. Buffers are pinned only when the source is on a CUDA
+device.
+
+Only one save may use the buffers at a time: the caller must not stage again before the write of the
+previous staged copy has finished (``DurableCheckpointer`` waits for the previous commit first).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_IMMUTABLE = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+
+Layout = tuple[tuple[Any, ...], ...]
+
+
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return None
+    return DTensor
+
+
+def _sharded_tensor_type() -> type | None:
+    try:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+    except ImportError:
+        return None
+    return ShardedTensor
+
+
+class ReusableStager:
+    """Copies state dicts into CPU buffers reused across calls while the layout is the same.
+
+    ``stage(state_dict)`` returns a structure like ``state_dict`` (dicts, lists and tuples rebuilt)
+    whose tensors are CPU copies (``DTensor`` s rebuilt around a copy of their local shard, with the
+    same spec) and whose other leaves are deep copies. The returned copy stays valid until the next
+    ``stage`` call, which overwrites it.
+    """
+
+    def __init__(self) -> None:
+        self._layout: Layout | None = None
+        self._buffers: list[torch.Tensor] = []
+        self.allocations = 0
+        """How many times the buffer set was (re)allocated; the first ``stage`` allocates."""
+        self._dtensor = _dtensor_type()
+        self._sharded_tensor = _sharded_tensor_type()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held in staging buffers."""
+        return sum(buffer.nbytes for buffer in self._buffers)
+
+    def close(self) -> None:
+        """Releases the buffers (the next ``stage`` allocates again)."""
+        self._layout = None
+        self._buffers = []
+
+    def stage(self, state_dict: Any) -> Any:
+        sources: list[torch.Tensor] = []
+        skeleton = self._collect(state_dict, sources)
+        layout: Layout = tuple(
+            (tuple(t.shape), t.dtype, t.device.type, t.layout, _wants_pinned(t)) for t in sources
+        )
+        if layout != self._layout:
+            self._buffers = []  # drop the old set before allocating the new one
+            self._buffers = [_allocate(t) for t in sources]
+            self._layout = layout
+            self.allocations += 1
+        asynchronous = False
+        for buffer, source in zip(self._buffers, sources):
+            non_blocking = buffer.is_pinned() and source.device.type == "cuda"
+            buffer.copy_(source.detach(), non_blocking=non_blocking)
+            asynchronous = asynchronous or non_blocking
+        if asynchronous:
+            torch.cuda.synchronize()
+        return skeleton(iter(self._buffers))
+
+    # The traversal returns a builder that, given the staged buffers in traversal order, rebuilds the
+    # structure; collecting sources first lets the layout be compared before anything is allocated.
+    def _collect(self, obj: Any, sources: list[torch.Tensor]) -> Callable[[Any], Any]:
+        dtensor, sharded = self._dtensor, self._sharded_tensor
+        if dtensor is not None and isinstance(obj, dtensor):
+            sources.append(obj._local_tensor)
+            spec = obj._spec
+            return lambda buffers: dtensor(next(buffers), spec, requires_grad=False)
+        if sharded is not None and isinstance(obj, sharded):
+            # Not produced by FSDP2/TP state dicts: staged with DCP's own helpers, without reuse.
+            from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+            def stage_sharded(buffers: Any) -> Any:
+                staged = _create_cpu_state_dict({"t": obj})
+                return _copy_state_dict({"t": obj}, staged)["t"]
+
+            return stage_sharded
+        if isinstance(obj, torch.Tensor):
+            if obj.layout != torch.strided or obj.is_meta:
+                return lambda buffers: obj.detach().clone()
+            sources.append(obj)
+            return lambda buffers: next(buffers)
+        if isinstance(obj, dict):
+            builders = [(key, self._collect(value, sources)) for key, value in obj.items()]
+            kind = type(obj)
+
+            def build_dict(buffers: Any) -> Any:
+                items = [(key, build(buffers)) for key, build in builders]
+                try:
+                    return kind(items)
+                except TypeError:
+                    return dict(items)
+
+            return build_dict
+        if isinstance(obj, (list, tuple)):
+            builders_seq = [self._collect(value, sources) for value in obj]
+            kind_seq = type(obj)
+
+            def build_seq(buffers: Any) -> Any:
+                items = [build(buffers) for build in builders_seq]
+                if kind_seq in (list, tuple):
+                    return kind_seq(items)
+                try:
+                    return kind_seq(*items) if hasattr(kind_seq, "_fields") else kind_seq(items)
+                except TypeError:
+                    return list(items) if isinstance(obj, list) else tuple(items)
+
+            return build_seq
+        if isinstance(obj, _IMMUTABLE):
+            return lambda buffers: obj
+        snapshot = copy.deepcopy(obj)  # now: the caller may mutate it as soon as stage() returns
+        return lambda buffers: snapshot
+
+
+def _wants_pinned(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "cuda" and torch.cuda.is_available()
+
+
+def _allocate(source: torch.Tensor) -> torch.Tensor:
+    return torch.empty(tuple(source.shape), dtype=source.dtype, device="cpu", pin_memory=_wants_pinned(source))

@@ -1,0 +1,40 @@
+"""Numeric guards applied between backward and the optimizer step.
+
+- ``skip``: data skipping on global-norm spikes (absolute threshold or adaptive z-score), with a
+  consecutive-spike abort;
+- ``health``: checkpoint health from the embedding local norm, recorded in ``health_ckpts.json``;
+- ``calibrate``: thresholds recommended from a clean run's step events.
+
+All decisions are pure functions of values the trainer has already all-reduced, so every rank takes
+the same one.
+"""
+
+from trainguard.guards.calibrate import Calibration, calibrate, calibrate_run
+from trainguard.guards.health import (
+    NO_HEALTHY_CHECKPOINT_MESSAGE,
+    HealthConfig,
+    is_unhealthy,
+    latest_healthy_step,
+    read_health_records,
+    record_health,
+    unhealthy_names,
+)
+from trainguard.guards.skip import ADAPTIVE_STD_FLOOR, DataSkipAbort, DataSkipGuard, SkipConfig, SkipDecision
+
+__all__ = [
+    "ADAPTIVE_STD_FLOOR",
+    "Calibration",
+    "DataSkipAbort",
+    "DataSkipGuard",
+    "HealthConfig",
+    "NO_HEALTHY_CHECKPOINT_MESSAGE",
+    "SkipConfig",
+    "SkipDecision",
+    "calibrate",
+    "calibrate_run",
+    "is_unhealthy",
+    "latest_healthy_step",
+    "read_health_records",
+    "record_health",
+    "unhealthy_names",
+]

@@ -1,0 +1,113 @@
+"""Checkpoint health from the embedding's local gradient norm, recorded in ``health_ckpts.json``.
+
+The reference's rule: when a checkpoint is saved, the embedding local norm of every pipeline-stage-0
+rank is compared with ``embedding_local_norm_threshold``; the checkpoint is unhealthy if any rank's
+norm exceeds it. The trainer passes in the maximum over those ranks (already all-reduced), so one
+comparison decides. The record file, one entry per checkpoint in save order, 1 = unhealthy::
+
+    [
+        {
+            "is_health": 0,
+            "ckpt_name": "global_step_8"
+        }
+    ]
+
+Resume picks the newest checkpoint not recorded as unhealthy (a checkpoint asked for by name is loaded
+whatever its health, as in the reference). Only one process (rank 0) writes the file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainguard.checkpoint.fsio import atomic_write_json
+from trainguard.checkpoint.layout import step_dir_name
+from trainguard.errors import CheckpointError
+
+NO_HEALTHY_CHECKPOINT_MESSAGE = (
+    "no healthy checkpoint to resume from: every checkpoint in health_ckpts.json is recorded as unhealthy "
+    "(its embedding local norm exceeded guards.health.embedding_threshold / embedding_local_norm_threshold). "
+    "Train from scratch until a healthy checkpoint is saved, or, if no run ever produces one, revisit "
+    "embedding_local_norm_threshold (`trainguard guards calibrate RUN_DIR` recommends one from a clean run); "
+    "to resume from a given checkpoint regardless of its health, name it explicitly"
+)
+
+
+@dataclass
+class HealthConfig:
+    enabled: bool = False
+    embedding_threshold: float = 1.0  # embedding_local_norm_threshold (the reference's default)
+
+
+def is_unhealthy(max_embedding_local_norm: float, threshold: float) -> bool:
+    """True when the norm exceeds the threshold or is NaN/infinite (equal to the threshold is healthy)."""
+    norm = float(max_embedding_local_norm)
+    return not math.isfinite(norm) or norm > threshold
+
+
+def _validate(path: Path, records: Any) -> list[dict]:
+    expected = 'expected a JSON list of {"is_health": 0|1, "ckpt_name": "..."}'
+    if not isinstance(records, list):
+        raise CheckpointError(f"{path}: malformed health record file: {expected}, got {type(records).__name__}")
+    for i, record in enumerate(records):
+        ok = (
+            isinstance(record, dict)
+            and isinstance(record.get("ckpt_name"), str)
+            and type(record.get("is_health")) is int
+            and record["is_health"] in (0, 1)
+        )
+        if not ok:
+            raise CheckpointError(f"{path}: malformed health record file: entry {i} is {record!r}; {expected}")
+    return records
+
+
+def read_health_records(path: str | os.PathLike) -> list[dict]:
+    """The records in file order; ``[]`` when the file does not exist; CheckpointError naming the file
+    when it is not valid JSON or not a list of records."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: cannot read health record file: {exc}") from None
+    try:
+        records = json.loads(text)
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: malformed health record file: not valid JSON ({exc})") from None
+    return [{"is_health": r["is_health"], "ckpt_name": r["ckpt_name"]} for r in _validate(path, records)]
+
+
+def record_health(path: str | os.PathLike, ckpt_name: str, unhealthy: bool) -> None:
+    """Adds (or replaces, in place) the record of ``ckpt_name`` and rewrites the file atomically."""
+    path = Path(path)
+    record = {"is_health": 1 if unhealthy else 0, "ckpt_name": ckpt_name}
+    records: list[dict] = []
+    placed = False
+    for old in read_health_records(path):
+        if old["ckpt_name"] != ckpt_name:
+            records.append(old)
+        elif not placed:  # a duplicate left by another writer collapses into one record
+            records.append(record)
+            placed = True
+    if not placed:
+        records.append(record)
+    atomic_write_json(path, records, indent=4)
+
+
+def unhealthy_names(path: str | os.PathLike) -> set[str]:
+    """Names of the checkpoints recorded as unhealthy (for a name recorded twice, the last record wins)."""
+    latest = {r["ckpt_name"]: r["is_health"] for r in read_health_records(path)}
+    return {name for name, is_health in latest.items() if is_health == 1}
+
+
+def latest_healthy_step(steps: Iterable[int], unhealthy: set[str]) -> int | None:
+    """The newest of ``steps`` whose ``global_step_N`` name is not in ``unhealthy``; None if none is."""
+    healthy = [step for step in steps if step_dir_name(step) not in unhealthy]
+    return max(healthy) if healthy else None

@@ -1,0 +1,211 @@
+"""Data skipping on global-norm spikes: the MindSpore Transformers rule, plus an adaptive z-score mode.
+
+Pure logic: the trainer passes in the already all-reduced global norm, so every rank holds the same
+guard state and takes the same decision at the same step. Nothing here talks to other processes.
+
+Absolute mode (the reference's rule)
+    A step whose global norm is greater than ``threshold`` is a spike: its update is skipped and the
+    consecutive count goes up by one. A normal step resets the count to 0. When the count reaches
+    ``count_threshold`` the run is aborted (that step is skipped too).
+
+Adaptive mode (OLMo-style)
+    The guard keeps the norms of the last ``window`` non-skipped steps. Once it holds at least
+    ``warmup`` of them (and at least one), a step is a spike when
+    ``(norm - mean) / max(std, ADAPTIVE_STD_FLOOR * |mean|) > z_threshold``, i.e. when
+    ``norm > mean + z_threshold * max(std, ADAPTIVE_STD_FLOOR * |mean|)``; ``std`` is the population
+    standard deviation of the window. The floor keeps an almost flat window from turning ordinary
+    jitter into spikes. The absolute ``threshold`` is ignored in this mode. Skipped steps never enter
+    the window, so a streak of spikes cannot raise the bar for the next one. Counting and abort are
+    the same as in absolute mode.
+
+In both modes a NaN or infinite norm is always a spike (counted, skipped, and counted in ``nan_total``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from trainguard.errors import EXIT_DATA_SKIP_ABORT, CheckpointError, ConfigError, TrainguardError
+
+MODES = ("absolute", "adaptive")
+
+# Adaptive mode: the standard deviation used in the z-score is at least this fraction of the window's
+# mean. With z_threshold = 6 a step must then exceed 1.3 x the mean before it can be skipped.
+ADAPTIVE_STD_FLOOR = 0.05
+
+_STATE_VERSION = 1
+
+
+@dataclass
+class SkipConfig:
+    enabled: bool = False
+    threshold: float = 3.0  # global_norm_spike_threshold
+    count_threshold: int = 10  # global_norm_spike_count_threshold
+    mode: str = "absolute"  # "absolute" | "adaptive"
+    window: int = 128  # adaptive: last W non-skipped steps
+    z_threshold: float = 6.0  # adaptive: skip when the z-score is greater than this
+    warmup: int = 20  # adaptive: no adaptive skip until this many non-skipped norms are in the window
+
+    def validate(self) -> None:
+        """Raises ConfigError naming the first bad key (trainguard names, reference names in brackets)."""
+
+        def positive(key: str, value: Any, *, integer: bool = False, allow_zero: bool = False) -> None:
+            ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+            bad = isinstance(value, bool) or not ok_type or not math.isfinite(value)
+            if bad or value < 0 or (value == 0 and not allow_zero):
+                kind = ("non-negative " if allow_zero else "positive ") + ("integer" if integer else "number")
+                raise ConfigError(f"config key {key} must be a {kind}, got {value!r}")
+
+        positive("guards.skip.threshold (global_norm_spike_threshold)", self.threshold)
+        positive("guards.skip.count_threshold (global_norm_spike_count_threshold)", self.count_threshold, integer=True)
+        if self.mode not in MODES:
+            raise ConfigError(f"config key guards.skip.mode must be 'absolute' or 'adaptive', got {self.mode!r}")
+        positive("guards.skip.window", self.window, integer=True)
+        positive("guards.skip.z_threshold", self.z_threshold)
+        positive("guards.skip.warmup", self.warmup, integer=True, allow_zero=True)
+
+
+@dataclass(frozen=True)
+class SkipDecision:
+    skip: bool  # do not apply this step's update
+    nan: bool  # the norm was NaN or infinite
+    abort: bool  # stop training (raise DataSkipAbort(abort_message))
+    consecutive: int  # consecutive spikes including this step
+    threshold: float  # the threshold applied (adaptive: mean + Z * std; inf while warming up)
+    log_lines: tuple[str, ...]  # to log at INFO, in the reference's words
+    abort_message: str | None  # the reference's ValueError text, without "ValueError: "
+
+
+class DataSkipAbort(TrainguardError):
+    """Too many consecutive global-norm spikes; the message is the reference's (exit 3)."""
+
+    exit_code = EXIT_DATA_SKIP_ABORT
+
+
+def format_norm(value: float) -> str:
+    """A norm as the reference prints a one-element array: ``[44.313248]``."""
+    return f"[{value:.6f}]"
+
+
+def format_is_skip(skip: bool) -> str:
+    """A bool as numpy prints a one-element bool array: ``[ True]`` / ``[False]``."""
+    return "[ True]" if skip else "[False]"
+
+
+def is_skip_line(opt_global_step: int, threshold: float, skip: bool) -> str:
+    return (
+        f"opt_global_step: {opt_global_step}, skip_data_grad_norm_threshold: {float(threshold)!r}, "
+        f"is_skip: {format_is_skip(skip)}"
+    )
+
+
+def spike_line(step: int, global_norm: float, consecutive: int, threshold: float) -> str:
+    return (
+        f"Current global norm {format_norm(global_norm)} of step {step} has been {consecutive} "
+        f"consecutive times greater than threshold: {float(threshold)!r}"
+    )
+
+
+def abort_text(step: int, global_norm: float, consecutive: int, threshold: float) -> str:
+    # No colon after "threshold": the reference's abort message differs from its INFO line.
+    return (
+        f"Current global norm {format_norm(global_norm)} of step {step} has been {consecutive} "
+        f"consecutive times greater than threshold {float(threshold)!r}, stop training..."
+    )
+
+
+class DataSkipGuard:
+    """Decides, once per optimizer step, whether to skip the step's update or abort the run."""
+
+    def __init__(self, cfg: SkipConfig):
+        cfg.validate()
+        self.cfg = cfg
+        self.skipped_total = 0
+        self.nan_total = 0
+        self.consecutive = 0
+        # Norms of recent non-skipped finite steps, kept in both modes so the mode can change on resume.
+        self._window: deque[float] = deque(maxlen=cfg.window)
+
+    @property
+    def window(self) -> tuple[float, ...]:
+        """The norms the adaptive statistics are computed from, oldest first."""
+        return tuple(self._window)
+
+    def current_threshold(self) -> float:
+        """The threshold the next step is compared against (``inf`` while adaptive mode warms up)."""
+        if self.cfg.mode == "absolute":
+            return float(self.cfg.threshold)
+        if len(self._window) < max(self.cfg.warmup, 1):
+            return math.inf
+        values = list(self._window)
+        mean = math.fsum(values) / len(values)
+        std = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
+        return mean + self.cfg.z_threshold * max(std, ADAPTIVE_STD_FLOOR * abs(mean))
+
+    def decide(self, step: int, global_norm: float, opt_global_step: int) -> SkipDecision:
+        """``step``: the trainer's step number for the messages; ``opt_global_step``: the optimizer's
+        count of applied updates (it stays put while steps are skipped)."""
+        norm = float(global_norm)
+        nan = not math.isfinite(norm)
+        threshold = self.current_threshold()
+        if not self.cfg.enabled:
+            return SkipDecision(False, nan, False, 0, threshold, (), None)
+        spike = nan or norm > threshold
+        lines = [is_skip_line(opt_global_step, threshold, spike)]
+        abort_message = None
+        if spike:
+            self.consecutive += 1
+            self.skipped_total += 1
+            self.nan_total += nan
+            if self.consecutive >= self.cfg.count_threshold:
+                abort_message = abort_text(step, norm, self.consecutive, threshold)
+            else:
+                lines.append(spike_line(step, norm, self.consecutive, threshold))
+        else:
+            self.consecutive = 0
+            self._window.append(norm)
+        return SkipDecision(
+            skip=spike,
+            nan=nan,
+            abort=abort_message is not None,
+            consecutive=self.consecutive,
+            threshold=threshold,
+            log_lines=tuple(lines),
+            abort_message=abort_message,
+        )
+
+    # ----------------------------------------------------------------------------- checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        """Plain ints, floats and lists: loads with ``torch.load(weights_only=True)``."""
+        return {
+            "version": _STATE_VERSION,
+            "skipped_total": int(self.skipped_total),
+            "nan_total": int(self.nan_total),
+            "consecutive": int(self.consecutive),
+            "window": [float(v) for v in self._window],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores counts and window; a resume in the middle of a streak continues it. A window longer
+        than the configured one keeps its newest values."""
+        try:
+            if state.get("version") != _STATE_VERSION:
+                raise ValueError(f"unsupported version {state.get('version')!r}")
+            counts = {key: state[key] for key in ("skipped_total", "nan_total", "consecutive")}
+            for key, value in counts.items():
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise ValueError(f"{key} must be a non-negative integer, got {value!r}")
+            window = [float(v) for v in state["window"]]
+            if not all(math.isfinite(v) for v in window):
+                raise ValueError("window holds a non-finite norm")
+        except KeyError as exc:
+            raise CheckpointError(f"data skip guard state is malformed: missing key {exc}") from None
+        except (AttributeError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"data skip guard state is malformed: {exc}") from None
+        self.skipped_total = counts["skipped_total"]
+        self.nan_total = counts["nan_total"]
+        self.consecutive = counts["consecutive"]
+        self._window = deque(window, maxlen=self.cfg.window)

@@ -1,0 +1,210 @@
+"""Async-save staging (buffers reused across saves, independent of the live tensors) and the writer that
+hashes DCP shards as it writes them."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from trainguard.checkpoint.checksum import file_checksum
+from trainguard.checkpoint.durable import ChecksummingFileSystemWriter, read_full_state_dict
+from trainguard.checkpoint.staging import ReusableStager
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def _state() -> dict:
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    return {
+        "model": {"w": torch.randn(3, 5), "b": torch.zeros(5, dtype=torch.bfloat16), "t": base.t()},
+        "optim": {
+            "state": {"w": {"step": torch.tensor(3.0), "exp_avg": torch.randn(3, 5)}},
+            "param_groups": [{"lr": 0.1, "params": ["w", "b"], "betas": (0.9, 0.95)}],
+        },
+    }
+
+
+def _flat_tensors(tree, prefix=""):
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    if isinstance(tree, dict):
+        items = tree.items()
+    elif isinstance(tree, (list, tuple)):
+        items = enumerate(tree)
+    else:
+        return {}
+    out = {}
+    for key, value in items:
+        out.update(_flat_tensors(value, f"{prefix}/{key}"))
+    return out
+
+
+def test_staged_copy_equals_the_state_and_is_independent_of_it():
+    state = _state()
+    expected = {k: v.clone() for k, v in _flat_tensors(state).items()}
+    stager = ReusableStager()
+    staged = stager.stage(state)
+    assert staged["optim"]["param_groups"] == state["optim"]["param_groups"]
+    # the next optimizer step mutates every tensor in place, and user code may edit the plain values
+    for tensor in _flat_tensors(state).values():
+        tensor.add_(1)
+    state["optim"]["param_groups"][0]["params"].append("x")
+    for key, tensor in _flat_tensors(staged).items():
+        assert tensor.device.type == "cpu" and tensor.dtype == expected[key].dtype
+        assert torch.equal(tensor, expected[key]), key
+    assert staged["optim"]["param_groups"][0]["params"] == ["w", "b"]
+    assert isinstance(staged["optim"]["param_groups"][0]["betas"], tuple)
+
+
+def test_buffers_are_reused_while_the_layout_is_unchanged_and_reallocated_when_it_changes():
+    state = _state()
+    stager = ReusableStager()
+    first = {k: v.data_ptr() for k, v in _flat_tensors(stager.stage(state)).items()}
+    assert stager.allocations == 1
+    assert stager.nbytes == sum(t.nbytes for t in _flat_tensors(state).values())
+    for tensor in _flat_tensors(state).values():
+        tensor.mul_(2)
+    staged = stager.stage(state)
+    assert stager.allocations == 1
+    assert {k: v.data_ptr() for k, v in _flat_tensors(staged).items()} == first
+    for key, tensor in _flat_tensors(state).items():
+        assert torch.equal(_flat_tensors(staged)[key], tensor), key
+
+    state["model"]["w"] = torch.randn(4, 5)  # a shape changes: a new buffer set
+    staged = stager.stage(state)
+    assert stager.allocations == 2
+    assert torch.equal(staged["model"]["w"], state["model"]["w"])
+    stager.close()
+    assert stager.nbytes == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
+def test_buffers_are_not_pinned_without_cuda():
+    staged = ReusableStager().stage(_state())
+    assert not any(t.is_pinned() for t in _flat_tensors(staged).values())
+
+
+def test_writer_writes_dcp_layout_and_hashes_what_it_wrote(tmp_path):
+    """The shard is byte for byte what DCP's writer produces (with zip CRC32s off), so DCP's reader
+    reads it, and the checksum taken while writing is the file's."""
+    state = _state()
+    ours = ChecksummingFileSystemWriter(tmp_path / "ours")
+    previous = torch.serialization.get_crc32_options()
+    # process-wide here only so that DCP's writer (and the planner's torch.save of non-tensor values)
+    # match; ChecksummingFileSystemWriter leaves CRC32s out of tensor records by itself
+    torch.serialization.set_crc32_options(False)
+    try:
+        dcp.save(state, storage_writer=ours, no_dist=True)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path / "dcp"), no_dist=True)
+    finally:
+        torch.serialization.set_crc32_options(previous)
+    assert (tmp_path / "ours" / "__0_0.distcp").read_bytes() == (tmp_path / "dcp" / "__0_0.distcp").read_bytes()
+    assert list(ours.written) == ["__0_0.distcp"]
+    entry = ours.written["__0_0.distcp"]
+    assert entry.size == os.path.getsize(tmp_path / "ours" / "__0_0.distcp")
+    assert entry.checksum == file_checksum(tmp_path / "ours" / "__0_0.distcp")
+    loaded = read_full_state_dict(tmp_path / "ours")
+    assert torch.equal(loaded["model.t"], state["model"]["t"])
+    assert torch.equal(loaded["optim.state.w.exp_avg"], state["optim"]["state"]["w"]["exp_avg"])
+
+
+# --- two ranks: FSDP2 DTensors, an async save, the live state mutated right after save() returns ---
+
+
+def _two_rank_async_save(rank: int, world: int, store_path: str, root: str, result_dir: str) -> None:
+    try:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import DTensor
+
+        from trainguard.checkpoint.durable import DurableCheckpointer
+        from trainguard.checkpoint.manifest import read_manifest, verify_checkpoint
+        from trainguard.events import EventLog
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+
+        def train_step() -> None:
+            model(torch.randn(4, 8)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        def snapshot() -> dict[str, torch.Tensor]:
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            flat = _flat_tensors({"model": model_sd, "optim": optim_sd})
+            return {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone() for k, v in flat.items()}
+
+        train_step()
+        checkpointer = DurableCheckpointer(
+            Path(root), rank=rank, world_size=world, mesh_shape=[world], mesh_dim_names=["dp_shard"],
+            run_token="t", process_group=dist.new_group(backend="gloo"), async_save=True, keep_last=5,
+            keep_every=None, events=EventLog(Path(root) / f"events{rank}.jsonl", rank=rank, host="h"),
+        )
+        pointers = []
+        for step in (1, 2):
+            before = snapshot()
+            checkpointer.save(step, model, optimizer, {"step": step}, {"step": step}, lambda d: None)
+            pointers.append([t.data_ptr() for t in _flat_tensors(checkpointer._stager._buffers).values()])
+            train_step()  # mutates every parameter and optimizer state in place while the save writes
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.add_(1000.0)
+            checkpointer.wait()
+            dist.barrier()
+            ckpt = Path(root) / f"global_step_{step}"
+            saved = read_full_state_dict(ckpt)
+            for key, value in before.items():
+                name = key.strip("/").replace("/", ".")
+                assert torch.equal(saved[name], value), f"step {step}: {name} differs from the state at save()"
+            if rank == 0:
+                assert verify_checkpoint(ckpt) == []
+                names = {entry.path for entry in read_manifest(ckpt).files}
+                assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= names
+                assert {f"extra_state_world_size_2_rank_{r}.pt" for r in range(world)} <= names
+        assert checkpointer._stager.allocations == 1
+        assert pointers[0] == pointers[1]
+        dist.barrier()
+        dist.destroy_process_group()
+        Path(result_dir, f"ok{rank}").write_text("ok")
+    except BaseException:
+        Path(result_dir, f"error{rank}").write_text(traceback.format_exc())
+        os._exit(1)
+    os._exit(0)
+
+
+def test_async_save_on_two_ranks_writes_the_state_at_save_time_and_reuses_buffers(tmp_path):
+    context = multiprocessing.get_context("fork")
+    results = tmp_path / "results"
+    results.mkdir()
+    procs = [
+        context.Process(target=_two_rank_async_save,
+                        args=(rank, 2, str(tmp_path / "store"), str(tmp_path / "ckpts"), str(results)))
+        for rank in range(2)
+    ]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=120)
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    errors = [p.read_text() for p in sorted(results.glob("error*"))]
+    assert not errors, "\n".join(errors)
+    assert sorted(p.name for p in results.iterdir()) == ["ok0", "ok1"]

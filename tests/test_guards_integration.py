@@ -74,6 +74,7 @@ def health_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("health") / "run"
     ok(train(run, 2, 8, "--save-interval", "2", "--set", "checkpoint.keep_last=10",
              "--set", "guards.health.enabled=true", "--set", "guards.health.embedding_threshold=50.0",
+             "--set", "guards.local_norm=true",
              faults="scale:rank=0,step=8,site=model.layers.0,where=grad_input,factor=1000"))
     return run
 
@@ -86,6 +87,17 @@ def test_health_file_marks_only_the_faulty_checkpoint(health_run):
         {"is_health": 0, "ckpt_name": "global_step_6"},
         {"is_health": 1, "ckpt_name": "global_step_8"},
     ]
+
+
+def test_local_norms_are_recorded_per_rank_and_parameter(health_run):
+    local = events(health_run, "local_norm")
+    assert {(e["step"], e["rank"]) for e in local} == {(s, r) for s in range(1, 9) for r in range(2)}
+    names = set(local[0]["norms"])
+    assert "model.embed_tokens.weight" in names and "model.layers.1.mlp.down_proj.weight" in names
+    step8 = [e for e in local if e["step"] == 8]
+    embedding = max(e["norms"]["model.embed_tokens.weight"] for e in step8)
+    assert embedding > 50.0  # the scaled step, seen in the embedding's local shard
+    assert all(v < 50.0 for e in local if e["step"] < 8 for v in e["norms"].values())
 
 
 def test_auto_resume_excludes_the_unhealthy_checkpoint(health_run, tmp_path):

@@ -24,7 +24,7 @@ from trainguard.events import EventLog
 from trainguard.faults import FaultInjector
 from trainguard.guards.health import is_unhealthy
 from trainguard.guards.skip import DataSkipAbort, DataSkipGuard
-from trainguard.norms import clip_grads_, global_norm_and_sums
+from trainguard.norms import clip_grads_, global_norm_and_sums, local_grad_norms
 from trainguard.topology.layout import MESH_DIMS, resolve_layout
 from trainguard.trainer.data import StatefulSampler, TokenDataset, load_corpus_tokens, make_batch
 from trainguard.trainer.logging_setup import setup_logging
@@ -180,6 +180,8 @@ class Trainer:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         norm, sums = global_norm_and_sums(grads, self._monitored_extras(loss), ranks_per_stage=self.ranks_per_stage)
         embedding_norms = sums[1:]
+        if cfg.guards.local_norm:
+            self.events.emit("local_norm", step=step, norms=local_grad_norms(self.model.named_parameters()))
         lr = self.scheduler.get_last_lr()[0]
         skipped = False
         if self.skip_guard is not None:

@@ -556,3 +556,12 @@ def test_load_dcp_metadata_reports_damage_and_wrong_content(tmp_path):
         load_dcp_metadata(tmp_path)
     with pytest.raises(CheckpointError, match="missing"):
         load_dcp_metadata(tmp_path / "elsewhere")
+
+
+def test_retention_after_resuming_behind_newer_checkpoints():
+    from trainguard.checkpoint.retention import retention_after_commit
+
+    # resumed from 20 past bad 30/40/50, now committing 25: the new timeline is kept, the old one left
+    assert retention_after_commit([10, 20, 25, 30, 40, 50], 25, unhealthy=[], keep_last=2) == [10]
+    # the newest healthy checkpoint survives a run of unhealthy ones
+    assert retention_after_commit([2, 4, 6, 8], 8, unhealthy=[6, 8], keep_last=1) == [2, 6]

@@ -62,3 +62,10 @@ def test_bad_reference_values_are_one_line_errors(tmp_path, text, message):
 def test_overrides_parse_yaml_values():
     cfg = load_config(None, ["optim.lr=1e-3", "checkpoint.keep_every=100", "guards.skip.mode=adaptive"])
     assert cfg.optim.lr == 1e-3 and cfg.checkpoint.keep_every == 100 and cfg.guards.skip.mode == "adaptive"
+
+
+def test_non_finite_floats_are_refused():
+    with pytest.raises(ConfigError, match="optim.lr"):
+        load_config(None, ["optim.lr=nan"])
+    with pytest.raises(ConfigError, match="guards.skip.threshold"):
+        load_config(None, ["guards.skip.threshold=.inf"])

@@ -124,4 +124,4 @@ def test_no_healthy_checkpoint_exits_4_with_the_advice(health_run, tmp_path):
     health_file.write_text(json.dumps([{"is_health": 1, "ckpt_name": r["ckpt_name"]} for r in records]))
     proc = train(run, 2, 10, "--save-interval", "2", "--resume", "auto")
     assert proc.returncode == 4
-    assert "no healthy checkpoint" in proc.stderr and "embedding_local_norm_threshold" in proc.stderr
+    assert "no healthy checkpoint to resume from" in proc.stderr and "embedding_local_norm_threshold" in proc.stderr

@@ -52,8 +52,8 @@ from trainguard.checkpoint.layout import (
     step_dir_name,
     temp_dir_name,
 )
-from trainguard.checkpoint.manifest import FileEntry, build_manifest, write_manifest
-from trainguard.checkpoint.retention import select_for_deletion
+from trainguard.checkpoint.manifest import FileEntry, build_manifest, read_manifest, write_manifest
+from trainguard.checkpoint.retention import retention_after_commit
 from trainguard.checkpoint.safe_load import load_dcp_metadata, safe_torch_load
 from trainguard.checkpoint.staging import ReusableStager
 from trainguard.errors import CheckpointError
@@ -63,6 +63,14 @@ from trainguard.events import EventLog
 # Optimizer state keyed by parameter name ("param_groups.<fqn>.lr"), never by group index: pipeline
 # stages hold different parameters, and index-keyed groups of different stages would collide.
 _STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _marked_unhealthy(ckpt_dir: Path) -> bool:
+    try:
+        health = read_manifest(ckpt_dir).health
+    except CheckpointError:
+        return True  # unreadable: not a checkpoint worth protecting
+    return bool(health) and health.get("is_health") == 1
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -456,13 +464,14 @@ class DurableCheckpointer:
             seconds=time.perf_counter() - job.started,
             tier="durable",
         )
-        self._apply_retention()
+        self._apply_retention(step)
         if self.after_commit is not None:
             self.after_commit(step, final)
 
-    def _apply_retention(self) -> None:
-        steps = sorted(s for s in (parse_step_dir(p.name) for p in self.root.iterdir()) if s is not None)
-        for step in select_for_deletion(steps, self.keep_last, self.keep_every):
+    def _apply_retention(self, committed: int) -> None:
+        steps = [s for s in (parse_step_dir(p.name) for p in self.root.iterdir()) if s is not None]
+        unhealthy = [s for s in steps if s <= committed and _marked_unhealthy(self.root / step_dir_name(s))]
+        for step in retention_after_commit(steps, committed, unhealthy, self.keep_last, self.keep_every):
             remove_directory_crash_safe(self.root / step_dir_name(step))
             self.events.emit("checkpoint_deleted", step=step, reason="retention", tier="durable")
 

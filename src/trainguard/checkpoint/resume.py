@@ -77,7 +77,7 @@ def choose_resume_checkpoint(
         return chosen.path
     committed = [info for info in list_checkpoints(root) if info.committed]
     if committed and len(rejected_unhealthy) == len(committed):
-        raise NoCheckpointError(f"no healthy checkpoint in {root}: {NO_HEALTHY_CHECKPOINT_MESSAGE}")
+        raise NoCheckpointError(f"{root}: {NO_HEALTHY_CHECKPOINT_MESSAGE}")
     if committed:
         raise NoCheckpointError(
             f"no usable checkpoint in {root}: every committed checkpoint failed verification or was rejected "

@@ -29,3 +29,22 @@ def select_for_deletion(
             continue
         intermediate.append(step)
     return intermediate[:-keep_last]
+
+
+def retention_after_commit(
+    steps: Iterable[int],
+    committed: int,
+    unhealthy: Iterable[int],
+    keep_last: int,
+    keep_every: int | None = None,
+) -> list[int]:
+    """Steps to delete once ``committed`` is committed.
+
+    Only the run's own timeline (steps up to ``committed``) is pruned: checkpoints newer than it come
+    from a timeline the run resumed away from and stay until the run redoes their step. The newest
+    healthy checkpoint is kept even when newer unhealthy ones fill the ``keep_last`` slots.
+    """
+    timeline = sorted(s for s in set(steps) if s <= committed)
+    bad = set(unhealthy)
+    newest_healthy = max((s for s in timeline if s not in bad), default=None)
+    return [s for s in select_for_deletion(timeline, keep_last, keep_every) if s != newest_healthy]

@@ -6,6 +6,7 @@ Unknown keys, wrong types and out-of-range values are ``ConfigError``s naming th
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -103,13 +104,16 @@ def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif base is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None and math.isfinite(number):
+            return number
     elif base is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)

@@ -244,7 +244,11 @@ class Trainer:
         stop_at = min(total, cfg.train.exit_at_step or total)
         last_loss = float("nan")
         while self.step < stop_at:
-            result = self.train_step()
+            try:
+                result = self.train_step()
+            except DataSkipAbort:
+                self.checkpoints.close()  # the save in flight holds the last good state: let it commit
+                raise
             last_loss = result.loss
             if self.rank == 0:
                 self._report(result)

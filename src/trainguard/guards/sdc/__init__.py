@@ -1,0 +1,87 @@
+"""Silent-data-corruption ("feature value") detection: detection points, rules, rerun attribution.
+
+Detection points take one statistic per point per micro-batch from the gradients flowing into the
+model's norm layers (plus declared custom points), without a host synchronisation per point. Once
+per step the trainer collects them, reads them with one ``.tolist()`` and passes them to the rule
+(v1: absolute + jump thresholds on the L2 norm; v3: bias-corrected EMA bound on ``max(g²)``). A
+level-1 detection stops the step (``enabled_level >= 2``), the step is rerun, and the rerun decides
+whether a transient fault on this rank (use the rerun) or the data/math/a persistent fault (skip)
+produced it; strikes per device mark it faulty for exclusion. See ``docs/sdc.md``.
+
+Detections are local to each rank; nothing here communicates. The trainer all-reduces the verdict
+(the maximum level over the ranks) so that every rank takes the same decision at the same step.
+"""
+
+from trainguard.guards.sdc.config import (
+    DEFAULT_SIGMA,
+    DEFAULT_UPPER,
+    ENABLE_VARS,
+    SIGMA_VARS,
+    UPPER_VARS,
+    SdcConfig,
+    parse_pair,
+    sdc_config_from_env,
+)
+from trainguard.guards.sdc.detectors import (
+    ABNORMAL,
+    NOT_CHECKED,
+    STATISTIC,
+    Detection,
+    SdcDetector,
+    V1Detector,
+    V3Detector,
+    Verdict,
+    format_detection,
+    format_values,
+)
+from trainguard.guards.sdc.points import (
+    DetectionPoints,
+    active_points,
+    gradient_statistic,
+    is_norm_module,
+    watch_function,
+    watch_tensor,
+)
+from trainguard.guards.sdc.rerun import (
+    Attribution,
+    FaultyDeviceError,
+    RerunAttribution,
+    StrikeBook,
+    faulty_ranks_path,
+    read_faulty_ranks,
+    write_faulty_ranks,
+)
+
+__all__ = [
+    "ABNORMAL",
+    "Attribution",
+    "DEFAULT_SIGMA",
+    "DEFAULT_UPPER",
+    "Detection",
+    "DetectionPoints",
+    "ENABLE_VARS",
+    "FaultyDeviceError",
+    "NOT_CHECKED",
+    "RerunAttribution",
+    "SIGMA_VARS",
+    "STATISTIC",
+    "SdcConfig",
+    "SdcDetector",
+    "StrikeBook",
+    "UPPER_VARS",
+    "V1Detector",
+    "V3Detector",
+    "Verdict",
+    "active_points",
+    "faulty_ranks_path",
+    "format_detection",
+    "format_values",
+    "gradient_statistic",
+    "is_norm_module",
+    "parse_pair",
+    "read_faulty_ranks",
+    "sdc_config_from_env",
+    "watch_function",
+    "watch_tensor",
+    "write_faulty_ranks",
+]

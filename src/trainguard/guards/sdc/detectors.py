@@ -1,0 +1,370 @@
+"""The detection rules: one scalar per detection point per step in, verdicts out. Pure logic, host floats.
+
+v1 (Ascend ``SilentCheck``, the NPU_ASD_UPPER_THRESH / NPU_ASD_SIGMA_THRESH semantics)
+    ``val`` is the L2 norm of the checked gradient. Per point: ``pre_val``, ``min_val``, ``max_val``,
+    ``count``. With ``jump = (val - pre_val) / spread`` (only once ``count >= 7``):
+
+    - level 1 if ``val`` is NaN/Inf, or ``val > upper[0]``, or ``jump > sigma[0]``;
+    - else level 2 if ``val > upper[1]`` or ``jump > sigma[1]``;
+    - else 0.
+
+    ``spread = max(max_val - min_val, 1e-3 * max(|max_val|, |min_val|))``: a spread below 0.1 % of the
+    values' magnitude counts as 0.1 %, so a (nearly) constant history does not divide by zero or turn
+    rounding noise into jumps; when even that is 0 (every value so far was 0) the jump test is skipped.
+    The jump is signed: a drop never alarms.
+
+    State update: a finite value of level 0 or 2 is absorbed (``pre_val = val``, ``min_val``/``max_val``
+    widened, ``count += 1``; the first absorbed value sets both ``min_val`` and ``max_val``). A level-1
+    value (NaN/Inf included) is never absorbed: the step it came from is thrown away or rerun, and one
+    corrupted value in ``max_val`` would blind the jump test for the rest of the run. (The reference
+    absorbs level-1 values when it only logs them; we do not, in any mode.)
+
+v3 (bias-corrected EMA, a Markov-inequality bound)
+    ``val`` is ``max(g²)`` of the checked gradient. Per point: ``avg`` (EMA, starting at 0), ``n`` (clean
+    values absorbed), ``pre_val``. NaN/Inf is always level 1. While ``n < 10`` every finite value is
+    clean. Afterwards, with ``c = 1 - 0.99**n``, ``thr1 = avg * a1 / c`` and ``thr2 = avg * a2 / c``
+    (``a1 = 1e6``, ``a2 = 100``):
+
+    - level 1 if ``val > thr1`` and ``|val - pre_val| > thr1``;
+    - suspect if ``val > thr2`` otherwise: no alarm, the EMA is not updated;
+    - clean otherwise: ``avg = 0.99 * avg + 0.01 * val``, ``n += 1``.
+
+    ``pre_val`` is the last finite value that was not a level-1 alarm (clean or suspect). So a ramp
+    through the suspect band into the alarm band does not alarm unless its last step is itself a jump
+    larger than ``thr1``, while a persistent fault keeps alarming at every step. While ``avg`` is 0
+    (every clean value so far was 0) there is no bound: only NaN/Inf alarm. v3 has no level 2.
+
+Checkpointing: ``state_dict()`` holds plain ints, floats, strings, lists and dicts (loads with
+``torch.load(weights_only=True)``); the state is per rank (each rank sees its own gradients).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from trainguard.errors import CheckpointError
+from trainguard.guards.sdc.config import DEFAULT_SIGMA, DEFAULT_UPPER, RULES, SdcConfig
+
+# collect()'s value for a point whose hook did not fire during the step; every statistic is >= 0 (or
+# NaN), so a negative value is never a check
+NOT_CHECKED = -1.0
+
+V1_MIN_STEPS = 7
+V1_SPREAD_FLOOR = 1e-3
+V3_BETA = 0.99
+V3_MIN_STEPS = 10
+V3_A1 = 1e6
+V3_A2 = 100.0
+
+STATISTIC = {"v1": "l2", "v3": "max_sq"}  # the statistic each rule judges (DetectionPoints(statistic=...))
+LOG_LEVELS = {1: logging.ERROR, 2: logging.WARNING}
+ABNORMAL = "accuracy sensitivity feature abnormal"  # the reference's keyword (level 1, ERROR)
+WARNING_TEXT = "accuracy sensitivity feature warning"  # level 2, WARNING
+
+_STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One point's judgement of one value."""
+
+    level: int  # 0 clean (or suspect), 1 abnormal, 2 warning
+    reason: str  # "" | "non-finite" | "upper" | "jump" | "markov" | "suspect" (level 0, v3)
+    thresholds: dict[str, float]  # the thresholds of the level reported (level 0: those of level 2 for v1)
+    state: dict[str, float]  # the state the value was judged against (v1 adds "jump" once it applies)
+
+
+def _finite(value: float) -> bool:
+    return math.isfinite(value)
+
+
+class V1Detector:
+    """The v1 rule for one detection point."""
+
+    rule = "v1"
+
+    def __init__(self, upper: Sequence[float] = DEFAULT_UPPER, sigma: Sequence[float] = DEFAULT_SIGMA,
+                 min_steps: int = V1_MIN_STEPS):
+        self.upper = (float(upper[0]), float(upper[1]))
+        self.sigma = (float(sigma[0]), float(sigma[1]))
+        self.min_steps = int(min_steps)
+        self.pre_val = 0.0
+        self.min_val = 0.0
+        self.max_val = 0.0
+        self.count = 0
+
+    def spread(self) -> float:
+        floor = V1_SPREAD_FLOOR * max(abs(self.max_val), abs(self.min_val))
+        return max(self.max_val - self.min_val, floor)
+
+    def jump(self, value: float) -> float | None:
+        """``(value - pre_val) / spread`` once the warm-up is over, else None."""
+        if self.count < self.min_steps:
+            return None
+        spread = self.spread()
+        return (value - self.pre_val) / spread if spread > 0 else None
+
+    def check(self, value: float) -> Verdict:
+        value = float(value)
+        state: dict[str, float] = {"pre_val": self.pre_val, "min_val": self.min_val, "max_val": self.max_val,
+                                   "count": self.count}
+        if not _finite(value):
+            return Verdict(1, "non-finite", self._thresholds(1), state)
+        jump = self.jump(value)
+        if jump is not None:
+            state["jump"] = jump
+        level, reason = 0, ""
+        for candidate in (1, 2):
+            if value > self.upper[candidate - 1]:
+                level, reason = candidate, "upper"
+            elif jump is not None and jump > self.sigma[candidate - 1]:
+                level, reason = candidate, "jump"
+            if level:
+                break
+        if level != 1:
+            self._absorb(value)
+        return Verdict(level, reason, self._thresholds(level or 2), state)
+
+    def _thresholds(self, level: int) -> dict[str, float]:
+        return {"upper": self.upper[level - 1], "sigma": self.sigma[level - 1]}
+
+    def _absorb(self, value: float) -> None:
+        if self.count == 0:
+            self.min_val = self.max_val = value
+        else:
+            self.min_val = min(self.min_val, value)
+            self.max_val = max(self.max_val, value)
+        self.pre_val = value
+        self.count += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"pre_val": float(self.pre_val), "min_val": float(self.min_val), "max_val": float(self.max_val),
+                "count": int(self.count)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        values = {key: _float(state, key) for key in ("pre_val", "min_val", "max_val")}
+        count = _count(state, "count")
+        self.pre_val, self.min_val, self.max_val = values["pre_val"], values["min_val"], values["max_val"]
+        self.count = count
+
+
+class V3Detector:
+    """The v3 rule for one detection point."""
+
+    rule = "v3"
+
+    def __init__(self, a1: float = V3_A1, a2: float = V3_A2, beta: float = V3_BETA, min_steps: int = V3_MIN_STEPS):
+        if not 0 < a2 < a1:
+            raise ValueError(f"v3 needs 0 < a2 < a1, got a1={a1!r}, a2={a2!r}")
+        self.a1 = float(a1)
+        self.a2 = float(a2)
+        self.beta = float(beta)
+        self.min_steps = int(min_steps)
+        self.avg = 0.0
+        self.n = 0
+        self.pre_val = 0.0
+        self.suspect_total = 0
+
+    def thresholds(self) -> tuple[float, float] | None:
+        """``(thr1, thr2)`` once ``n >= min_steps`` clean values are in and their mean is not 0, else None."""
+        if self.n < self.min_steps or self.avg <= 0:
+            return None
+        correction = 1.0 - self.beta ** self.n
+        return self.avg * self.a1 / correction, self.avg * self.a2 / correction
+
+    def check(self, value: float) -> Verdict:
+        value = float(value)
+        state: dict[str, float] = {"avg": self.avg, "n": self.n, "pre_val": self.pre_val}
+        bounds = self.thresholds()
+        thresholds = {"thr1": bounds[0], "thr2": bounds[1]} if bounds else {}
+        thresholds.update(a1=self.a1, a2=self.a2)
+        if not _finite(value):
+            return Verdict(1, "non-finite", thresholds, state)
+        if bounds is not None:
+            thr1, thr2 = bounds
+            if value > thr1 and abs(value - self.pre_val) > thr1:
+                return Verdict(1, "markov", thresholds, state)
+            if value > thr2:
+                self.pre_val = value
+                self.suspect_total += 1
+                return Verdict(0, "suspect", thresholds, state)
+        self.avg = self.beta * self.avg + (1.0 - self.beta) * value
+        self.n += 1
+        self.pre_val = value
+        return Verdict(0, "", thresholds, state)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"avg": float(self.avg), "n": int(self.n), "pre_val": float(self.pre_val),
+                "suspect_total": int(self.suspect_total)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        avg, pre_val = _float(state, "avg"), _float(state, "pre_val")
+        n, suspect_total = _count(state, "n"), _count(state, "suspect_total")
+        self.avg, self.n, self.pre_val, self.suspect_total = avg, n, pre_val, suspect_total
+
+
+PointDetector = Union[V1Detector, V3Detector]
+
+
+def _float(state: dict[str, Any], key: str) -> float:
+    value = state[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{key} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _count(state: dict[str, Any], key: str) -> int:
+    value = state[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{key} must be a non-negative integer, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Detection:
+    """A level-1 (abnormal) or level-2 (warning) verdict on one point's value at one step, on this rank."""
+
+    point: str
+    level: int
+    value: float
+    thresholds: dict[str, float]
+    rule: str
+    reason: str = ""
+    state: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def log_level(self) -> int:
+        """``logging.ERROR`` for level 1, ``logging.WARNING`` for level 2."""
+        return LOG_LEVELS[self.level]
+
+
+class SdcDetector:
+    """One rule, one detector per detection point (created on a point's first value), keyed by name."""
+
+    def __init__(self, rule: str = "v1", names: Sequence[str] = (), *, upper: Sequence[float] = DEFAULT_UPPER,
+                 sigma: Sequence[float] = DEFAULT_SIGMA, a1: float = V3_A1, a2: float = V3_A2):
+        if rule not in RULES:
+            raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+        self.rule = rule
+        self.names = list(names)
+        self.upper = tuple(upper)
+        self.sigma = tuple(sigma)
+        self.a1 = a1
+        self.a2 = a2
+        self.points: dict[str, PointDetector] = {}
+        self.detections_total = 0
+
+    @classmethod
+    def from_config(cls, config: SdcConfig, names: Sequence[str] = ()) -> "SdcDetector":
+        return cls(config.rule, names, upper=config.upper, sigma=config.sigma)
+
+    @property
+    def statistic(self) -> str:
+        return STATISTIC[self.rule]
+
+    def point(self, name: str) -> PointDetector:
+        detector = self.points.get(name)
+        if detector is None:
+            if self.rule == "v1":
+                detector = V1Detector(self.upper, self.sigma)
+            else:
+                detector = V3Detector(self.a1, self.a2)
+            self.points[name] = detector
+        return detector
+
+    def detect(self, values: Sequence[float], step: int, names: Sequence[str] | None = None) -> list[Detection]:
+        """Judges one step's values (``values[i]`` belongs to ``names[i]``, by default the names given at
+        construction, e.g. ``DetectionPoints.names``) and updates each point's state. A negative value
+        (``NOT_CHECKED``) is skipped. Returns the level-1 and level-2 detections, in point order.
+        ``step`` is accepted for symmetry with the trainer's calls; the rules do not depend on it."""
+        names = self.names if names is None else list(names)
+        if len(values) != len(names):
+            raise ValueError(f"{len(values)} values for {len(names)} detection points")
+        detections = []
+        for name, value in zip(names, values):
+            value = float(value)
+            if value < 0:  # NOT_CHECKED (NaN compares False and is checked)
+                continue
+            verdict = self.point(name).check(value)
+            if verdict.level:
+                detections.append(Detection(name, verdict.level, value, verdict.thresholds, self.rule,
+                                            verdict.reason, verdict.state))
+        self.detections_total += len(detections)
+        return detections
+
+    # ----------------------------------------------------------------------------- checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        """Plain ints, floats, strings and dicts: loads with ``torch.load(weights_only=True)``."""
+        return {
+            "version": _STATE_VERSION,
+            "rule": self.rule,
+            "detections_total": int(self.detections_total),
+            "points": {name: detector.state_dict() for name, detector in self.points.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores every point's state. A state saved under the other rule is ignored (the points
+        start afresh, with a warning): the rule was changed on purpose and the old state means nothing
+        to the new one."""
+        try:
+            if state.get("version") != _STATE_VERSION:
+                raise ValueError(f"unsupported version {state.get('version')!r}")
+            rule = state["rule"]
+            if rule not in RULES:
+                raise ValueError(f"unknown rule {rule!r}")
+            total = _count(state, "detections_total")
+            points = state["points"]
+            if not isinstance(points, dict):
+                raise ValueError("points must be a mapping of point names to states")
+            restored: dict[str, PointDetector] = {}
+            if rule == self.rule:
+                for name, point_state in points.items():
+                    if not isinstance(name, str) or not isinstance(point_state, dict):
+                        raise ValueError(f"bad entry for point {name!r}")
+                    detector = V1Detector(self.upper, self.sigma) if rule == "v1" else V3Detector(self.a1, self.a2)
+                    detector.load_state_dict(point_state)
+                    restored[name] = detector
+        except KeyError as exc:
+            raise CheckpointError(f"sdc detector state is malformed: missing key {exc}") from None
+        except (AttributeError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"sdc detector state is malformed: {exc}") from None
+        if rule != self.rule:
+            logging.getLogger(__name__).warning(
+                "sdc detector state was saved with rule %s, the run now uses %s: detection points start afresh",
+                rule, self.rule)
+        self.points = restored
+        self.detections_total = total
+
+
+# --------------------------------------------------------------------------------------- log lines
+def _number(value: float) -> str:
+    value = float(value)
+    if math.isfinite(value) and value == int(value) and abs(value) < 1e15:
+        return str(int(value))
+    return f"{value:.6e}"
+
+
+def format_detection(detection: Detection, step: int, rank: int, host: str, device: Any) -> str:
+    """The log line of a detection: for level 1 (log it at ERROR) it holds the reference's keyword
+    ``accuracy sensitivity feature abnormal``; for level 2 (WARNING) ``accuracy sensitivity feature
+    warning``. ``device`` is the local device (``"cuda:3"``, ``3``, a ``torch.device``)."""
+    head = ABNORMAL if detection.level == 1 else WARNING_TEXT
+    thresholds = ", ".join(f"{key}={_number(value)}" for key, value in detection.thresholds.items())
+    state = ", ".join(f"{key}={_number(value)}" for key, value in detection.state.items())
+    reason = f" ({detection.reason})" if detection.reason else ""
+    return (
+        f"{head}: step {step}, rank {rank}, host {host}, local device {device}, "
+        f"detection point {detection.point}, value {detection.value:.6e}, "
+        f"rule {detection.rule} level {detection.level}{reason}, thresholds: {thresholds}"
+        + (f", state: {state}" if state else "")
+    )
+
+
+def format_values(step: int, rank: int, host: str, device: Any, names: Sequence[str], values: Sequence[float]) -> str:
+    """The INFO line of enabled_level 3: every point's value at this step (not-checked points left out)."""
+    checked = ", ".join(f"{name}={float(value):.6e}" for name, value in zip(names, values) if not float(value) < 0)
+    return f"accuracy sensitivity feature values: step {step}, rank {rank}, host {host}, local device {device}: {checked}"

@@ -1,0 +1,342 @@
+"""Detection points: where the checked gradients are taken, and one statistic per point per micro-batch.
+
+Default points: every normalisation layer of the model (``nn.LayerNorm``, ``nn.RMSNorm`` and any
+module whose class name ends in ``Norm``, e.g. Hugging Face's ``LlamaRMSNorm``), checked on the
+gradient flowing into it, i.e. its ``grad_input`` (the gradient with respect to its input), through
+``register_full_backward_hook`` on the user's model: no change to the model's code. Under FSDP2 the
+norm modules sit inside FSDP-wrapped blocks (or are wrapped themselves) and their hooks work as usual.
+
+Custom points, one line each:
+
+- a module, by dotted name or object: ``points.add("model.embed_tokens")`` (or ``install(model,
+  extra_points=["model.embed_tokens"])``, or the config's ``guards.sdc.points``). ``where`` picks the
+  gradient: ``"grad_input"`` (a full backward hook), ``"grad_output"`` (a tensor hook on each output,
+  registered by a forward hook), or ``"auto"`` (default): ``grad_input``, unless none of the module's
+  inputs has a gradient, then ``grad_output``, the gradient with respect to its output. ``auto`` on an
+  ``nn.Embedding``/``nn.EmbeddingBag`` (whose input is integer ids) resolves to ``grad_output`` at
+  once; on another module whose inputs turn out to have no gradient, the full backward hook falls
+  back to its ``grad_output`` (and torch warns once that it does);
+- a tensor inside a forward: ``h = sdc.watch_tensor("embedding.gather", h)`` checks the gradient with
+  respect to ``h`` (a tensor hook; a no-op while no DetectionPoints is installed);
+- a tensor-producing function: ``gather = sdc.watch_function("embedding.gather", F.embedding)``
+  checks the gradient with respect to every tensor the function returns (the reference's
+  ``GatherASD``).
+
+No host synchronisation per point: each hook computes its statistic (``"l2"``: the L2 norm, for rule
+v1; ``"max_sq"``: ``max(g²)``, for rule v3) as a 0-d float32 tensor on the gradient's device and
+copies it into a preallocated ``[points, micro_batches]`` buffer, one slot per point per micro-batch
+(a point that fires more often, e.g. a module called twice per forward, takes more slots; the buffer
+grows when needed). ``collect()`` returns the per-step ``[points]`` statistic (the maximum over the
+slots, NaN propagating; ``NOT_CHECKED`` = -1 for a point that did not fire) and clears the buffer;
+the trainer then reads the values with one ``.tolist()``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
+
+from trainguard.errors import ConfigError
+from trainguard.guards.sdc.detectors import NOT_CHECKED
+
+STATISTICS = ("l2", "max_sq")
+WHERE = ("auto", "grad_input", "grad_output")
+
+PointSpec = str | nn.Module | tuple[str | nn.Module, str]
+
+_ACTIVE: DetectionPoints | None = None
+
+
+def is_norm_module(module: nn.Module) -> bool:
+    """LayerNorm, RMSNorm and any module whose class name ends in ``Norm`` (FSDP2's ``FSDPLayerNorm`` too)."""
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith("Norm")
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    # the statistic is this rank's: its shard of a DTensor gradient
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def gradient_statistic(tensors: Sequence[torch.Tensor], statistic: str) -> torch.Tensor | None:
+    """The statistic of several gradients taken together, as a 0-d float32 tensor (no host sync);
+    None when there is nothing to measure. ``l2``: the norm of their concatenation; ``max_sq``: the
+    largest square (``max|g|`` squared, equal to ``max(g²)`` in float32 and cheaper)."""
+    local = [_local(t).detach() for t in tensors]
+    local = [t for t in local if t.numel()]
+    if not local:
+        return None
+    if statistic == "l2":
+        norms = [torch.linalg.vector_norm(t, dtype=torch.float32) for t in local]
+        return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+    peaks = [t.abs().amax().float().square() for t in local]
+    return peaks[0] if len(peaks) == 1 else torch.stack(peaks).amax()
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [item for item in value if isinstance(item, torch.Tensor)]
+    return []
+
+
+class DetectionPoints:
+    """The detection points of one model (one pipeline stage), and their per-step statistics."""
+
+    def __init__(self, statistic: str = "l2", micro_batches: int = 1, device: torch.device | str | None = None):
+        if statistic not in STATISTICS:
+            raise ValueError(f"statistic must be one of {STATISTICS}, got {statistic!r}")
+        if micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+        self.statistic = statistic
+        self.enabled = True  # hooks do nothing while False
+        self._capacity = int(micro_batches)
+        self._device = torch.device(device) if device is not None else None
+        self._names: list[str] = []
+        self._where: dict[str, str] = {}
+        self._index: dict[str, int] = {}
+        self._fired: list[int] = []
+        self._buffer: torch.Tensor | None = None
+        self._handles: dict[str, RemovableHandle] = {}
+        self._model: nn.Module | None = None
+
+    # ------------------------------------------------------------------------------------- setup
+    @property
+    def names(self) -> list[str]:
+        """The points in buffer order (``collect()[i]`` belongs to ``names[i]``)."""
+        return list(self._names)
+
+    def where(self, name: str) -> str:
+        """``auto``, ``grad_input`` or ``grad_output`` for module points; ``tensor`` for tensor points."""
+        return self._where[name]
+
+    def install(self, model: nn.Module, extra_points: Iterable[PointSpec] = (), *, norms: bool = True) -> list[str]:
+        """Hooks every norm module of ``model`` (unless ``norms=False``) and each extra point: a dotted
+        module name, a module object of ``model``, or ``(name or module, where)``. Installing again
+        replaces every point. Makes this the active instance for ``watch_tensor``/``watch_function``.
+        Returns ``names``. Raises ConfigError for an unknown module or a bad ``where``."""
+        global _ACTIVE
+        self.remove()
+        self._model = model
+        if self._device is None:
+            parameter = next(model.parameters(), None)
+            self._device = parameter.device if parameter is not None else torch.device("cpu")
+        if norms:
+            for name, module in model.named_modules():
+                if is_norm_module(module):
+                    self._add_module(name or type(module).__name__, module, "auto")
+        for spec in extra_points:
+            target, where = spec if isinstance(spec, tuple) else (spec, None)
+            self.add(target, where=where)
+        self._allocate()
+        _ACTIVE = self
+        return self.names
+
+    def add(self, target: str | nn.Module, *, where: str | None = None, name: str | None = None) -> str:
+        """Adds a module of the installed model as a detection point, by dotted name or object; returns
+        the point's name. ``where``: ``"auto"`` (default), ``"grad_input"`` or ``"grad_output"``. A
+        module that is already a point keeps its one point (an explicit ``where`` replaces the old)."""
+        if where is not None and where not in WHERE:
+            raise ConfigError(f"detection point {target!r}: where must be one of {', '.join(WHERE)}, got {where!r}")
+        if self._model is None:
+            raise ConfigError("detection points: call install(model) before adding module points")
+        modules = dict(self._model.named_modules())
+        if isinstance(target, str):
+            if target not in modules:
+                close = difflib.get_close_matches(target, list(modules), n=3)
+                hint = f"did you mean {', '.join(map(repr, close))}?" if close else "see model.named_modules()"
+                raise ConfigError(f"detection point {target!r}: the model has no module of that name ({hint})")
+            module, point = modules[target], name or target
+        elif isinstance(target, nn.Module):
+            found = next((n for n, m in modules.items() if m is target), None)
+            if found is None:
+                raise ConfigError(f"detection point {type(target).__name__}: the module is not part of the installed model")
+            module, point = target, name or found or type(target).__name__
+        else:
+            raise ConfigError(f"detection point {target!r}: expected a module name or an nn.Module")
+        if point in self._where and self._where[point] == "tensor":
+            raise ConfigError(f"detection point {point!r} is already a tensor point")
+        if point in self._handles and where is None:
+            return point
+        self._add_module(point, module, where or "auto")
+        self._allocate()
+        return point
+
+    def declare(self, name: str) -> int:
+        """Declares a tensor point ahead of its first ``watch_tensor`` (so that ``names`` is complete
+        before the first step); returns its index. Declaring twice is harmless."""
+        if name in self._index:
+            if self._where[name] != "tensor":
+                raise ConfigError(f"detection point {name!r} is already a module point")
+            return self._index[name]
+        index = self._new_point(name, "tensor")
+        self._allocate()
+        return index
+
+    def watch_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Checks the gradient with respect to ``tensor`` (call it inside a forward); returns ``tensor``.
+        A tensor that does not require grad (evaluation, ``no_grad``) is left alone."""
+        if not self.enabled or not isinstance(tensor, torch.Tensor) or not tensor.requires_grad:
+            return tensor
+        index = self.declare(name)
+        tensor.register_hook(functools.partial(self._tensor_hook, index))
+        return tensor
+
+    def watch_function(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` wrapped so that the gradient of every tensor it returns is checked as point ``name``."""
+
+        @functools.wraps(fn)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            out = fn(*args, **kwargs)
+            for tensor in _tensors(out):
+                self.watch_tensor(name, tensor)
+            return out
+
+        return wrapped
+
+    def remove(self) -> None:
+        """Removes every hook and point (tensor hooks already registered on live tensors become no-ops)."""
+        global _ACTIVE
+        for handle in self._handles.values():
+            handle.remove()
+        self._handles = {}
+        self._names, self._where, self._index, self._fired = [], {}, {}, []
+        self._buffer = None
+        self._model = None
+        if _ACTIVE is self:
+            _ACTIVE = None
+
+    # ------------------------------------------------------------------------------------- step
+    def collect(self) -> torch.Tensor:
+        """The step's statistic per point, ``[len(names)]`` float32 on the buffer's device: the maximum
+        over the point's slots (micro-batches), NaN if any was NaN, ``NOT_CHECKED`` (-1) if the point
+        did not fire. Clears the buffer for the next step. No host synchronisation."""
+        if self._buffer is None:
+            return torch.empty(0, dtype=torch.float32, device=self._device)
+        values = self._buffer.amax(dim=1)
+        self.reset()
+        return values
+
+    def reset(self) -> None:
+        """Forgets what the hooks recorded since the last ``collect()`` (e.g. a shape-inference backward)."""
+        self._fired = [0] * len(self._names)
+        if self._buffer is not None:
+            self._buffer.fill_(NOT_CHECKED)
+
+    @property
+    def fired(self) -> list[int]:
+        """How many times each point recorded a statistic since the last ``collect()``/``reset()``."""
+        return list(self._fired)
+
+    # ------------------------------------------------------------------------------------- internals
+    def _new_point(self, name: str, where: str) -> int:
+        index = len(self._names)
+        self._names.append(name)
+        self._where[name] = where
+        self._index[name] = index
+        self._fired.append(0)
+        return index
+
+    def _add_module(self, name: str, module: nn.Module, where: str) -> None:
+        if where == "auto" and isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+            where = "grad_output"  # its input is integer ids: resolved now, no backward hook needed
+        if name in self._handles:
+            self._handles.pop(name).remove()
+            index = self._index[name]
+            self._where[name] = where
+        else:
+            index = self._new_point(name, where)
+        if where == "grad_output":
+            # the gradient with respect to the output, through a tensor hook on each output: cheaper
+            # than a full backward hook, which would also wrap the inputs
+            self._handles[name] = module.register_forward_hook(functools.partial(self._output_hook, index))
+        else:
+            self._handles[name] = module.register_full_backward_hook(functools.partial(self._module_hook, index, where))
+
+    def _allocate(self) -> None:
+        """Makes the buffer ``[len(names), capacity]``, keeping what it holds."""
+        rows = len(self._names)
+        old = self._buffer
+        if old is not None and old.shape == (rows, self._capacity):
+            return
+        device = old.device if old is not None else (self._device or torch.device("cpu"))
+        new = torch.full((rows, self._capacity), NOT_CHECKED, dtype=torch.float32, device=device)
+        if old is not None:
+            keep_rows, keep_cols = min(rows, old.shape[0]), min(self._capacity, old.shape[1])
+            new[:keep_rows, :keep_cols] = old[:keep_rows, :keep_cols]
+        self._buffer = new
+
+    def _record(self, index: int, tensors: Sequence[torch.Tensor]) -> None:
+        if index >= len(self._fired):  # a tensor hook outliving remove()/install()
+            return
+        with torch.no_grad():
+            stat = gradient_statistic(tensors, self.statistic)
+            if stat is None:
+                return
+            slot = self._fired[index]
+            self._fired[index] = slot + 1
+            if self._buffer is None or slot >= self._capacity:
+                self._capacity = max(2 * self._capacity, slot + 1) if slot >= self._capacity else self._capacity
+                self._allocate()
+            assert self._buffer is not None
+            if self._buffer.device != stat.device:  # the model moved after install: follow it, once
+                self._buffer = self._buffer.to(stat.device)
+            self._buffer[index, slot] = stat  # a device-side copy
+
+    def _module_hook(self, index: int, where: str, module: nn.Module, grad_input: tuple, grad_output: tuple) -> None:
+        if not self.enabled:
+            return None
+        tensors = _tensors(grad_input)
+        if not tensors and where == "auto":  # no input has a gradient: check the output's
+            tensors = _tensors(grad_output)
+        if tensors:
+            self._record(index, tensors)
+        return None
+
+    def _output_hook(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+        if not self.enabled:
+            return None
+        for tensor in _tensors(output):
+            if tensor.requires_grad:
+                tensor.register_hook(functools.partial(self._tensor_hook, index))
+        return None
+
+    def _tensor_hook(self, index: int, grad: torch.Tensor) -> None:
+        if self.enabled:
+            self._record(index, [grad])
+        return None
+
+
+# --------------------------------------------------------------------- the active instance (one-liners)
+def active_points() -> DetectionPoints | None:
+    """The DetectionPoints installed last (None when none is, or it was removed)."""
+    return _ACTIVE
+
+
+def watch_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, its gradient checked as point ``name`` by the active DetectionPoints (if any)."""
+    points = _ACTIVE
+    return points.watch_tensor(name, tensor) if points is not None else tensor
+
+
+def watch_function(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` wrapped so that, whenever a DetectionPoints is active at call time, the gradient of every
+    tensor it returns is checked as point ``name``. Wrap at model construction, before ``install``."""
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        out = fn(*args, **kwargs)
+        points = _ACTIVE
+        if points is not None:
+            for tensor in _tensors(out):
+                points.watch_tensor(name, tensor)
+        return out
+
+    return wrapped

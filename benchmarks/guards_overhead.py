@@ -4,7 +4,7 @@ How it runs: under ``torchrun``, one process per rank (4 by default: HSDP dp_rep
 gloo on CPU::
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node 4 \\
-        benchmarks/guards_overhead.py [--preset llama-60m] [--block 7] [--cycles 4] [--json out.json]
+        benchmarks/guards_overhead.py [--preset llama-60m] [--block 2] [--cycles 14] [--json out.json]
 
 Started without torchrun (``python benchmarks/guards_overhead.py``) it re-executes itself under
 ``torch.distributed.run --standalone --nproc-per-node N`` (``--nproc``, default 4), with
@@ -30,6 +30,12 @@ What is timed:
   step), the maximum over ranks (an all-reduce MAX made after the step, outside the timed region).
 * report: rank 0's ``Trainer._report`` after the step, as ``Trainer.run`` calls it (the step log line,
   plus the embedding-norm line when monitoring, and the ``step`` event). The other ranks wait for it.
+* where the step goes: the phases of ``train_step`` timed by wrapping, in this process only, the
+  Trainer's ``_forward_backward``, ``_monitored_extras``, ``optimizer.step`` and the guard's ``decide``,
+  and the ``global_norm_and_sums`` and ``clip_grads_`` that ``trainguard.trainer.loop`` calls
+  (trainguard itself is unchanged); each phase is the maximum over ranks, per step. The guards can only
+  change ``_monitored_extras``, the global-norm all-reduce (4 more doubles with monitoring), ``skip
+  decide`` and the rest (its log lines); a difference in forward+backward or optimizer.step is noise.
 * the guards' own pieces in isolation, after the training blocks, many calls each: ``_checkpoint_health()``
   (the verdict made at save time, pure CPU on values already all-reduced), ``_monitored_extras`` on vs
   off, ``DataSkipGuard.decide`` plus logging its lines, and the all-reduce of the norm buffer with and
@@ -48,6 +54,7 @@ It is a benchmark: the target (overhead <= 1 %) is reported as met or missed, ne
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -57,8 +64,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 TARGET_OVERHEAD = 0.01  # (on - off) / off median step time, at most
 
@@ -72,9 +80,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--micro-batch-size", type=int, default=1, help="data.micro_batch_size (default 1)")
     p.add_argument("--dp-replicate", type=int, default=2, help="parallel.dp_replicate (default 2)")
     p.add_argument("--dp-shard", type=int, default=2, help="parallel.dp_shard (default 2)")
-    p.add_argument("--block", type=int, default=7, help="steps per block (default 7)")
-    p.add_argument("--cycles", type=int, default=4,
-                   help="cycles of 4 blocks (2 on, 2 off) each (default 4: 56 timed steps per mode)")
+    p.add_argument("--block", type=int, default=2, help="steps per block (default 2)")
+    p.add_argument("--cycles", type=int, default=14,
+                   help="cycles of 4 blocks (2 on, 2 off) each (default 14: 56 timed steps per mode)")
     p.add_argument("--warmup", type=int, default=6, help="untimed steps first (default 6)")
     p.add_argument("--calls", type=int, default=2000, help="calls per guard piece timed in isolation (default 2000)")
     p.add_argument("--dir", default=None, help="where the run directory is made (deleted after; default /tmp)")
@@ -134,6 +142,10 @@ def summarize(blocks: list[dict[str, Any]]) -> dict[str, Any]:
     both = {m: [a + r for b in blocks if b["mode"] == m for a, r in zip(b["step_s"], b["report_s"])] for m in MODES}
     rows = {m: {"step": describe(step[m]), "report": describe(report[m]), "step_plus_report": describe(both[m])}
             for m in MODES}
+    for m in MODES:
+        rows[m]["phases_median"] = {
+            p: median([ph[p] for b in blocks if b["mode"] == m for ph in b["phases_s"]]) for p in PHASES}
+        rows[m]["phases_median"][REST] = median([ph[REST] for b in blocks if b["mode"] == m for ph in b["phases_s"]])
     overhead = rel(rows["on"]["step"]["median"], rows["off"]["step"]["median"])
     overhead_with_report = rel(rows["on"]["step_plus_report"]["median"], rows["off"]["step_plus_report"]["median"])
 
@@ -158,6 +170,45 @@ def summarize(blocks: list[dict[str, Any]]) -> dict[str, Any]:
                      "per_cycle": per_cycle, "per_cycle_median": median(per_cycle)},
         "noise": {"off_B_vs_off_A": noise["off"], "on_B_vs_on_A": noise["on"], "halves": noise_halves},
     }
+
+
+# ------------------------------------------------------------------------------------------ phases
+PHASES = ("forward+backward", "_monitored_extras", "global norm (local sq-sum + all-reduce)", "skip decide",
+          "clip", "optimizer.step")
+REST = "rest of train_step (skip log lines, zero_grad, ...)"
+
+
+class PhaseTimer:
+    """Seconds per phase of the current step, from wrappers set in this process only (trainguard unchanged)."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+
+    def reset(self) -> None:
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+
+    def wrap(self, name: str, fn: Callable) -> Callable:
+        # functools.wraps also copies the LR scheduler's mark on optimizer.step (no "overridden" warning)
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - started
+
+        return wrapper
+
+
+def instrument(trainer, guard, timer: PhaseTimer) -> None:
+    from trainguard.trainer import loop
+
+    trainer._forward_backward = timer.wrap("forward+backward", trainer._forward_backward)
+    trainer._monitored_extras = timer.wrap("_monitored_extras", trainer._monitored_extras)
+    loop.global_norm_and_sums = timer.wrap("global norm (local sq-sum + all-reduce)", loop.global_norm_and_sums)
+    loop.clip_grads_ = timer.wrap("clip", loop.clip_grads_)
+    guard.decide = timer.wrap("skip decide", guard.decide)
+    trainer.optimizer.step = timer.wrap("optimizer.step", trainer.optimizer.step)
 
 
 # ------------------------------------------------------------------------------------------ pieces
@@ -265,6 +316,14 @@ def print_report(summary: dict[str, Any], pieces: dict[str, float], meta: dict[s
         f"noise (same mode, interleaved halves of its blocks): off B vs off A {100 * noise['off_B_vs_off_A']:+.2f} %, "
         f"on B vs on A {100 * noise['on_B_vs_on_A']:+.2f} %"
     )
+    phtable = Table(title="where the step goes (median per step of each phase, each the max over ranks; the "
+                          "all-reduce phase includes waiting for the slowest rank)")
+    for col in ("phase", "off ms", "on ms", "on - off ms"):
+        phtable.add_column(col, justify="left" if col == "phase" else "right")
+    for name in rows["off"]["phases_median"]:
+        a, b = rows["off"]["phases_median"][name], rows["on"]["phases_median"][name]
+        phtable.add_row(name, f"{1e3 * a:.2f}", f"{1e3 * b:.2f}", f"{1e3 * (b - a):+.2f}")
+    console.print(phtable)
     step_off = off
     ptable = Table(title="the guards' pieces in isolation (median per call, max over ranks)")
     for col in ("piece", "us per call", "% of off step"):
@@ -338,19 +397,25 @@ def main(argv: list[str]) -> int:
 
         last = {"norm": 1.0, "embedding_max": None}
 
-        def one_step(mode: str) -> tuple[float, float]:
+        timer = PhaseTimer()
+        instrument(trainer, guard, timer)
+
+        def one_step(mode: str) -> tuple[float, float, dict[str, float]]:
+            timer.reset()
             result = trainer.train_step()
             report_s = 0.0
             if rank == 0:
                 started = time.perf_counter()
                 trainer._report(result)
                 report_s = time.perf_counter() - started
-            seconds = torch.tensor([result.seconds], dtype=torch.float64)
-            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+            phases = [timer.seconds[p] for p in PHASES]
+            seconds = torch.tensor([result.seconds, *phases, result.seconds - sum(phases)], dtype=torch.float64)
+            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # each value: max over ranks
+            values = seconds.tolist()
             last["norm"] = result.global_norm
             if mode == "on":
                 last["embedding_max"] = trainer.max_embedding_norm
-            return float(seconds.item()), report_s
+            return values[0], report_s, dict(zip((*PHASES, REST), values[1:]))
 
         for i in range(args.warmup):
             mode = MODES[i % 2]
@@ -362,17 +427,21 @@ def main(argv: list[str]) -> int:
         blocks: list[dict[str, Any]] = []
         for index, mode in enumerate(schedule(args.cycles)):
             set_mode(mode)
-            step_s, report_s = [], []
+            step_s, report_s, phases_s = [], [], []
             for _ in range(args.block):
-                s, r = one_step(mode)
+                s, r, ph = one_step(mode)
                 step_s.append(s)
                 report_s.append(r)
-            blocks.append({"cycle": index // 4, "mode": mode, "step_s": step_s, "report_s": report_s})
+                phases_s.append(ph)
+            blocks.append({"cycle": index // 4, "mode": mode, "step_s": step_s, "report_s": report_s,
+                           "phases_s": phases_s})
             if rank == 0:
                 print(f"[cycle {index // 4} block {index % 4}] {mode:3s} median step {1e3 * median(step_s):.1f} ms "
                       f"(min {1e3 * min(step_s):.1f}, max {1e3 * max(step_s):.1f})", flush=True)
 
         set_mode("on")
+        trainer._monitored_extras = trainer._monitored_extras.__wrapped__
+        guard.decide = guard.decide.__wrapped__
         pieces = time_pieces(trainer, guard, config.guards.skip, last["norm"], last["embedding_max"], args.calls)
         skipped_total = guard.skipped_total
         trainer.checkpoints.close()

@@ -74,3 +74,14 @@ def test_unknown_option_is_usage_error(capsys):
         main(["train", "--no-such-flag"])
     assert exc.value.code == 2
     assert "--no-such-flag" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [("NPU_ASD_UPPER_THRESH", "2,1"), ("NPU_ASD_SIGMA_THRESH", "5000,100000"), ("NPU_ASD_UPPER_THRESH", "1e6,1e4"),
+     ("NPU_ASD_ENABLE", "4"), ("TRAINGUARD_SDC_UPPER_THRESH", "10")],
+)
+def test_malformed_sdc_env_is_refused(capsys, tmp_path, monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    code, err = _run(capsys, tmp_path)
+    assert code == 2 and name in err and len(err.splitlines()) == 1, err

@@ -16,6 +16,7 @@ import yaml
 
 from trainguard.config.aliases import translate_reference_keys
 from trainguard.config.schema import RunConfig
+from trainguard.guards.sdc.config import sdc_config_from_env
 from trainguard.errors import ConfigError
 
 
@@ -97,6 +98,11 @@ def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
             return None
         raise ConfigError(f"{source}: config key {key!r} must not be empty")
     base = next(a for a in args if a is not type(None)) if optional else hint
+    if typing.get_origin(base) in (tuple, list):
+        # sequences are checked element by element by their section's own validate()
+        if isinstance(value, (list, tuple, str)):
+            return value
+        raise ConfigError(f"{source}: config key {key!r} must be a list, got {value!r}")
     if base is bool:
         if isinstance(value, bool):
             return value
@@ -177,6 +183,8 @@ def validate(config: RunConfig, source: str = "<config>") -> None:
     if skip.mode not in ("absolute", "adaptive"):
         raise ConfigError(f"{source}: config key 'guards.skip.mode' must be 'absolute' or 'adaptive', got {skip.mode!r}")
     positive("guards.health.embedding_threshold (embedding_local_norm_threshold)", health.embedding_threshold)
+    config.guards.sdc.validate()
+    sdc_config_from_env(config.guards.sdc)
     pp = config.parallel.pp or 1
     if pp > 1 and config.train.micro_batches < pp:
         raise ConfigError(

@@ -17,12 +17,13 @@ from torch.distributed.tensor import DTensor
 
 from trainguard.checkpoint.fsio import fsync_file
 from trainguard.checkpoint.manager import CheckpointManager
-from trainguard.checkpoint.rng_state import seed_everything
+from trainguard.checkpoint.rng_state import capture_rng_state, restore_rng_state, seed_everything
 from trainguard.config.load import config_to_dict
 from trainguard.config.schema import RunConfig
 from trainguard.events import EventLog
 from trainguard.faults import FaultInjector
 from trainguard.guards.health import is_unhealthy
+from trainguard.guards.sdc import FaultyDeviceError, faulty_ranks_path, sdc_config_from_env, write_faulty_ranks
 from trainguard.guards.skip import DataSkipAbort, DataSkipGuard
 from trainguard.norms import clip_grads_, global_norm_and_sums, local_grad_norms
 from trainguard.topology.layout import MESH_DIMS, resolve_layout
@@ -32,6 +33,7 @@ from trainguard.trainer.model import build_model, build_model_config
 from trainguard.trainer.optim import build_optimizer
 from trainguard.trainer.parallelize import build_mesh, parallelize
 from trainguard.trainer.pipeline import PipelineParts, build_pipeline
+from trainguard.trainer.sdc_guard import FAULTY, NOTHING, REPRODUCIBLE, TRANSIENT, SdcGuard
 from trainguard.trainer.tokenizer import ByteTokenizer
 
 
@@ -114,6 +116,12 @@ class Trainer:
             seed=config.train.seed,
         )
         self.step = 0
+        sdc_config = sdc_config_from_env(config.guards.sdc)
+        self.sdc: SdcGuard | None = None
+        if sdc_config.enabled:  # installed after the faults, so a point sees a fault injected at its module
+            self.sdc = SdcGuard(sdc_config, self.model, config.train.micro_batches, self.device,
+                                self.rank, self.host, self.log, self.events)
+            self.checkpoints.stateful.update(self.sdc.stateful)
         self.skip_guard = DataSkipGuard(config.guards.skip) if config.guards.skip.enabled else None
         if self.skip_guard is not None:
             self.checkpoints.stateful["skip_guard"] = self.skip_guard
@@ -139,10 +147,15 @@ class Trainer:
         }
 
     # ------------------------------------------------------------------------------------- step
-    def _forward_backward(self) -> torch.Tensor:
+    def _draw_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [make_batch(self.dataset, self.sampler.next_batch_indices()) for _ in range(self.config.train.micro_batches)]
+
+    def _forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Mean loss over this step's micro-batches (zero on pipeline stages without the loss)."""
-        micro_batches = self.config.train.micro_batches
-        batches = [make_batch(self.dataset, self.sampler.next_batch_indices()) for _ in range(micro_batches)]
+        micro_batches = len(batches)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.sdc is not None:
+            self.sdc.begin_pass()
         if self.pipeline is not None:
             inputs = torch.cat([b[0] for b in batches]).to(self.device)
             labels = torch.cat([b[1] for b in batches]).to(self.device)
@@ -156,11 +169,14 @@ class Trainer:
             loss_sum += loss.detach().double() / micro_batches
         return loss_sum
 
-    def _monitored_extras(self, loss: torch.Tensor) -> torch.Tensor:
-        """The scalars that ride in the norm's all-reduce: the loss share, then one slot per rank for
-        its embedding local norm, so every rank learns every rank's value without another collective."""
+    def _monitored_extras(self, loss: torch.Tensor, sdc_code: int = 0) -> torch.Tensor:
+        """The scalars that ride in the norm's all-reduce: the loss share, then one slot per rank for its
+        embedding local norm and one for its SDC verdict, so every rank learns every rank's values
+        without another collective."""
         slots = self.world_size if self.monitor_embedding else 0
-        extras = torch.zeros(1 + slots, dtype=torch.float64, device=self.device)
+        extras = torch.zeros(1 + slots + (self.world_size if self.sdc else 0), dtype=torch.float64, device=self.device)
+        if self.sdc is not None:
+            extras[1 + slots + self.rank] = sdc_code
         # the loss-holding ranks of a stage are its dp ranks (different data) × tp ranks (the same loss)
         if self.holds_loss:
             extras[0] = loss / self.ranks_per_stage
@@ -169,22 +185,32 @@ class Trainer:
             extras[1 + self.rank] = local.detach().double().norm()
         return extras
 
+    def _reduce(self, grads: list[torch.Tensor], loss: torch.Tensor, sdc_code: int = 0):
+        """One all-reduce: (global norm, loss, embedding local norms per rank, SDC codes per rank)."""
+        norm, sums = global_norm_and_sums(grads, self._monitored_extras(loss, sdc_code), self.ranks_per_stage)
+        slots = self.world_size if self.monitor_embedding else 0
+        return norm, sums[0], sums[1:1 + slots], [int(v) for v in sums[1 + slots:]]
+
     def train_step(self) -> StepResult:
         cfg = self.config
         started = time.perf_counter()
         step = self.step + 1
         self.faults.at_step_start(step)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self._forward_backward()
+        rng = capture_rng_state() if self.sdc is not None else None
+        batches = self._draw_batches()
+        loss = self._forward_backward(batches)
         self.faults.after_backward(step, self.model)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        norm, sums = global_norm_and_sums(grads, self._monitored_extras(loss), ranks_per_stage=self.ranks_per_stage)
-        embedding_norms = sums[1:]
+        severity = self.sdc.check(step) if self.sdc is not None else 0
+        norm, loss_value, embedding_norms, sdc_codes = self._reduce(grads, loss, severity)
+        skipped = False
+        if self.sdc is not None and max(sdc_codes, default=0) == 2 and self.sdc.config.recover:
+            norm, loss_value, embedding_norms, skipped = self._rerun_step(step, batches, rng)
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         if cfg.guards.local_norm:
             self.events.emit("local_norm", step=step, norms=local_grad_norms(self.model.named_parameters()))
         lr = self.scheduler.get_last_lr()[0]
-        skipped = False
-        if self.skip_guard is not None:
+        if self.skip_guard is not None and not skipped:
             decision = self.skip_guard.decide(step, norm, opt_global_step=step - 1 - self.skip_guard.skipped_total)
             for line in decision.log_lines:
                 self.log.info(line)
@@ -203,8 +229,35 @@ class Trainer:
             self.scheduler.step()
         self.step = step
         self.max_embedding_norm = max(embedding_norms, default=None, key=_nan_as_inf)
-        return StepResult(step, sums[0], norm, lr, time.perf_counter() - started, skipped,
+        return StepResult(step, loss_value, norm, lr, time.perf_counter() - started, skipped,
                           embedding_norms[self.rank] if embedding_norms else None)
+
+    def _rerun_step(self, step: int, batches, rng) -> tuple[float, float, list[float], bool]:
+        """Reruns a step after a level-1 SDC detection somewhere; returns (norm, loss, embedding norms,
+        skip). A device that has become faulty ends the run on every rank with exit 17."""
+        restore_rng_state(rng)
+        loss = self._forward_backward(batches)
+        self.faults.after_backward(step, self.model)
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        code = self.sdc.attribute(step)
+        norm, loss_value, embedding_norms, codes = self._reduce(grads, loss, code)
+        verdict = max(codes, default=NOTHING)
+        if self.rank == 0:
+            self.events.emit("sdc_rerun", step=step, verdict={TRANSIENT: "transient", REPRODUCIBLE: "reproducible",
+                                                             FAULTY: "faulty", NOTHING: "none"}[verdict],
+                             ranks=[r for r, c in enumerate(codes) if c])
+        if verdict == FAULTY:
+            self.step = step
+            self.max_embedding_norm = None
+            self.checkpoints.save(step, self._trainer_state(float("nan")))
+            self.checkpoints.close()
+            faulty = [r for r, c in enumerate(codes) if c == FAULTY]
+            if self.rank in faulty:
+                write_faulty_ranks(faulty_ranks_path(self.run_dir), self.sdc.strikes.faulty_entries())
+            dist.barrier()
+            raise FaultyDeviceError(f"faulty hardware: rank(s) {faulty} reached "
+                                    f"{self.sdc.config.strikes} SDC strikes; see {faulty_ranks_path(self.run_dir)}")
+        return norm, loss_value, embedding_norms, verdict == REPRODUCIBLE
 
     def _report(self, result: StepResult) -> None:
         cfg = self.config

@@ -111,9 +111,10 @@ def parse_pair(value: Any, what: str) -> tuple[int, int]:
         match = _PAIR.fullmatch(value)
         if match:
             pair = (int(match.group(1)), int(match.group(2)))
-    elif isinstance(value, Sequence) and len(value) == 2:
-        if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-            pair = (int(value[0]), int(value[1]))
+    elif isinstance(value, Sequence) and len(value) == 2 and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        pair = (int(value[0]), int(value[1]))
     if pair is None or pair[1] < PAIR_MINIMUM or pair[0] <= pair[1]:
         raise ConfigError(
             f"{what} must be two integers >= {PAIR_MINIMUM}, the first larger than the second "
@@ -149,6 +150,7 @@ def sdc_config_from_env(base: SdcConfig, environ: Mapping[str, str] = os.environ
         if found is not None:
             name, text = found
             changes[key] = parse_pair(text, f"environment variable {name}")
-    config = dataclasses.replace(base, points=list(base.points), **changes)
+    points = list(base.points) if isinstance(base.points, (list, tuple)) else base.points  # a copy; bad ones fail below
+    config = dataclasses.replace(base, points=points, **changes)
     config.validate()
     return config

@@ -44,7 +44,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 from trainguard.errors import CheckpointError
 from trainguard.guards.sdc.config import DEFAULT_SIGMA, DEFAULT_UPPER, RULES, SdcConfig
@@ -207,7 +207,7 @@ class V3Detector:
         self.avg, self.n, self.pre_val, self.suspect_total = avg, n, pre_val, suspect_total
 
 
-PointDetector = Union[V1Detector, V3Detector]
+PointDetector = V1Detector | V3Detector
 
 
 def _float(state: dict[str, Any], key: str) -> float:
@@ -259,7 +259,7 @@ class SdcDetector:
         self.detections_total = 0
 
     @classmethod
-    def from_config(cls, config: SdcConfig, names: Sequence[str] = ()) -> "SdcDetector":
+    def from_config(cls, config: SdcConfig, names: Sequence[str] = ()) -> SdcDetector:
         return cls(config.rule, names, upper=config.upper, sigma=config.sigma)
 
     @property
@@ -319,12 +319,12 @@ class SdcDetector:
             total = _count(state, "detections_total")
             points = state["points"]
             if not isinstance(points, dict):
-                raise ValueError("points must be a mapping of point names to states")
+                raise TypeError("points must be a mapping of point names to states")
             restored: dict[str, PointDetector] = {}
             if rule == self.rule:
                 for name, point_state in points.items():
                     if not isinstance(name, str) or not isinstance(point_state, dict):
-                        raise ValueError(f"bad entry for point {name!r}")
+                        raise TypeError(f"bad entry for point {name!r}")
                     detector = V1Detector(self.upper, self.sigma) if rule == "v1" else V3Detector(self.a1, self.a2)
                     detector.load_state_dict(point_state)
                     restored[name] = detector
@@ -338,6 +338,13 @@ class SdcDetector:
                 rule, self.rule)
         self.points = restored
         self.detections_total = total
+
+
+def severity(detections: Sequence[Detection]) -> int:
+    """The verdict of one rank's detections, ordered so that the trainer can all-reduce it with MAX:
+    0 nothing, 1 warnings only (level 2), 2 an abnormal value (level 1: stop the step)."""
+    levels = {d.level for d in detections}
+    return 2 if 1 in levels else 1 if 2 in levels else 0
 
 
 # --------------------------------------------------------------------------------------- log lines
@@ -354,7 +361,8 @@ def format_detection(detection: Detection, step: int, rank: int, host: str, devi
     warning``. ``device`` is the local device (``"cuda:3"``, ``3``, a ``torch.device``)."""
     head = ABNORMAL if detection.level == 1 else WARNING_TEXT
     thresholds = ", ".join(f"{key}={_number(value)}" for key, value in detection.thresholds.items())
-    state = ", ".join(f"{key}={_number(value)}" for key, value in detection.state.items())
+    state = ", ".join(f"{key}={value}" if isinstance(value, int) else f"{key}={float(value):.6e}"
+                      for key, value in detection.state.items())
     reason = f" ({detection.reason})" if detection.reason else ""
     return (
         f"{head}: step {step}, rank {rank}, host {host}, local device {device}, "

@@ -29,12 +29,18 @@ copies it into a preallocated ``[points, micro_batches]`` buffer, one slot per p
 grows when needed). ``collect()`` returns the per-step ``[points]`` statistic (the maximum over the
 slots, NaN propagating; ``NOT_CHECKED`` = -1 for a point that did not fire) and clears the buffer;
 the trainer then reads the values with one ``.tolist()``.
+
+The hooks never change a gradient, but a ``grad_input`` point (a full backward hook) adds an identity
+node in front of the module, so the gradient contributions to its input are summed in another order:
+a run with norm points matches one without them up to rounding, not bit for bit (it is deterministic
+with them). ``grad_output`` and tensor points add no node.
 """
 
 from __future__ import annotations
 
 import difflib
 import functools
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -51,7 +57,8 @@ WHERE = ("auto", "grad_input", "grad_output")
 
 PointSpec = str | nn.Module | tuple[str | nn.Module, str]
 
-_ACTIVE: DetectionPoints | None = None
+# the instance the one-liners report to; a weak reference, so that a dropped instance stops being active
+_ACTIVE: weakref.ref[DetectionPoints] | None = None
 
 
 def is_norm_module(module: nn.Module) -> bool:
@@ -128,15 +135,19 @@ class DetectionPoints:
         if self._device is None:
             parameter = next(model.parameters(), None)
             self._device = parameter.device if parameter is not None else torch.device("cpu")
-        if norms:
-            for name, module in model.named_modules():
-                if is_norm_module(module):
-                    self._add_module(name or type(module).__name__, module, "auto")
-        for spec in extra_points:
-            target, where = spec if isinstance(spec, tuple) else (spec, None)
-            self.add(target, where=where)
+        try:
+            if norms:
+                for name, module in model.named_modules():
+                    if is_norm_module(module):
+                        self._add_module(name or type(module).__name__, module, "auto")
+            for spec in extra_points:
+                target, where = spec if isinstance(spec, tuple) else (spec, None)
+                self.add(target, where=where)
+        except BaseException:
+            self.remove()  # no half-installed hooks
+            raise
         self._allocate()
-        _ACTIVE = self
+        _ACTIVE = weakref.ref(self)
         return self.names
 
     def add(self, target: str | nn.Module, *, where: str | None = None, name: str | None = None) -> str:
@@ -210,7 +221,7 @@ class DetectionPoints:
         self._names, self._where, self._index, self._fired = [], {}, {}, []
         self._buffer = None
         self._model = None
-        if _ACTIVE is self:
+        if active_points() is self:
             _ACTIVE = None
 
     # ------------------------------------------------------------------------------------- step
@@ -292,37 +303,34 @@ class DetectionPoints:
 
     def _module_hook(self, index: int, where: str, module: nn.Module, grad_input: tuple, grad_output: tuple) -> None:
         if not self.enabled:
-            return None
+            return
         tensors = _tensors(grad_input)
         if not tensors and where == "auto":  # no input has a gradient: check the output's
             tensors = _tensors(grad_output)
         if tensors:
             self._record(index, tensors)
-        return None
 
     def _output_hook(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
         if not self.enabled:
-            return None
+            return
         for tensor in _tensors(output):
             if tensor.requires_grad:
                 tensor.register_hook(functools.partial(self._tensor_hook, index))
-        return None
 
     def _tensor_hook(self, index: int, grad: torch.Tensor) -> None:
         if self.enabled:
             self._record(index, [grad])
-        return None
 
 
 # --------------------------------------------------------------------- the active instance (one-liners)
 def active_points() -> DetectionPoints | None:
-    """The DetectionPoints installed last (None when none is, or it was removed)."""
-    return _ACTIVE
+    """The DetectionPoints installed last (None when none is, or it was removed or dropped)."""
+    return _ACTIVE() if _ACTIVE is not None else None
 
 
 def watch_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``, its gradient checked as point ``name`` by the active DetectionPoints (if any)."""
-    points = _ACTIVE
+    points = active_points()
     return points.watch_tensor(name, tensor) if points is not None else tensor
 
 
@@ -333,7 +341,7 @@ def watch_function(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         out = fn(*args, **kwargs)
-        points = _ACTIVE
+        points = active_points()
         if points is not None:
             for tensor in _tensors(out):
                 points.watch_tensor(name, tensor)

@@ -47,7 +47,12 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.checkpoint.fsio import atomic_write_json
-from trainguard.errors import EXIT_FAULTY_HARDWARE, CheckpointError, ConfigError, TrainguardError
+from trainguard.errors import (
+    EXIT_FAULTY_HARDWARE,
+    CheckpointError,
+    ConfigError,
+    TrainguardError,
+)
 
 KINDS = ("transient", "reproducible", "unverified")
 FAULTY_RANKS_FILE = "faulty_ranks.json"
@@ -198,20 +203,20 @@ def _copy_entry(entry: Mapping[str, Any]) -> dict[str, Any]:
 
 def _validate_entry(entry: Any) -> dict[str, Any]:
     if not isinstance(entry, Mapping):
-        raise ValueError(f"an entry must be a mapping, got {entry!r}")
+        raise TypeError(f"an entry must be a mapping, got {entry!r}")
     rank, host, device, strikes = entry["rank"], entry["host"], entry["local_device"], entry["strikes"]
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
         raise ValueError(f"rank must be a non-negative integer, got {rank!r}")
     if not isinstance(host, str):
-        raise ValueError(f"host must be a string, got {host!r}")
+        raise TypeError(f"host must be a string, got {host!r}")
     if isinstance(device, bool) or not isinstance(device, (int, str)):
-        raise ValueError(f"local_device must be an integer or a string, got {device!r}")
+        raise TypeError(f"local_device must be an integer or a string, got {device!r}")
     if not isinstance(strikes, list):
-        raise ValueError(f"strikes must be a list, got {strikes!r}")
+        raise TypeError(f"strikes must be a list, got {strikes!r}")
     for strike in strikes:
         if not isinstance(strike, Mapping) or not isinstance(strike.get("time"), (int, float)) \
                 or isinstance(strike.get("step"), bool) or not isinstance(strike.get("step"), int):
-            raise ValueError(f"a strike must be a mapping with an integer step and a time, got {strike!r}")
+            raise TypeError(f"a strike must be a mapping with an integer step and a time, got {strike!r}")
     return {"rank": rank, "host": host, "local_device": device, "strikes": [dict(s) for s in strikes]}
 
 
@@ -269,11 +274,11 @@ def read_faulty_ranks(path: str | os.PathLike) -> list[dict[str, Any]]:
     try:
         data = json.loads(text)
         if not isinstance(data, list):
-            raise ValueError(f"expected a JSON list of devices, got {type(data).__name__}")
+            raise TypeError(f"expected a JSON list of devices, got {type(data).__name__}")
         return [_validate_entry(entry) for entry in data]
     except KeyError as exc:
         raise ConfigError(f"{path}: malformed faulty ranks file: an entry lacks {exc}") from None
-    except ValueError as exc:
+    except (TypeError, ValueError) as exc:
         raise ConfigError(f"{path}: malformed faulty ranks file: {exc}") from None
 
 

@@ -1,0 +1,86 @@
+"""Silent-data-corruption detection wired into the reference trainer's step.
+
+Per step: the detection points' statistics are read with one host sync, judged by the rule, and each
+rank's verdict rides in the norm's all-reduce (one slot per rank), so every rank learns every
+rank's verdict without another collective. After a level-1 detection (enabled_level ≥ 2) the
+trainer reruns the step on the same micro-batches with the RNG restored; the detecting ranks
+compare their values and report, through the rerun's all-reduce, whether the fault was transient
+(use the rerun), reproducible (skip the step) or has made their device faulty (exit 17).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from trainguard.events import EventLog
+from trainguard.guards.sdc import (
+    STATISTIC,
+    DetectionPoints,
+    RerunAttribution,
+    SdcConfig,
+    SdcDetector,
+    StrikeBook,
+    format_detection,
+    format_values,
+)
+from trainguard.guards.sdc.detectors import Detection, severity
+
+# what a rank reports about its own attribution after a rerun (the max over ranks decides)
+NOTHING, TRANSIENT, REPRODUCIBLE, FAULTY = 0, 1, 2, 3
+
+
+class SdcGuard:
+    def __init__(self, config: SdcConfig, model: torch.nn.Module, micro_batches: int, device: torch.device,
+                 rank: int, host: str, log: logging.Logger, events: EventLog):
+        self.config = config
+        self.rank, self.host, self.device = rank, host, device
+        self.log, self.events = log, events
+        self.points = DetectionPoints(STATISTIC[self.config.rule], micro_batches=micro_batches, device=device)
+        self.points.install(model, self.config.points)
+        self.detector = SdcDetector.from_config(self.config, self.points.names)
+        self.strikes = StrikeBook(self.config.strikes, self.config.strike_window_hours)
+        self.attribution = RerunAttribution(self.strikes, host, device.index if device.index is not None else 0)
+        self.detections: list[Detection] = []
+        self.first_values: list[float] = []
+
+    @property
+    def stateful(self) -> dict[str, Any]:
+        return {"sdc_detector": self.detector, "sdc_strikes": self.strikes}
+
+    def begin_pass(self) -> None:
+        self.points.reset()
+
+    def values(self) -> list[float]:
+        return self.points.collect().tolist()
+
+    def check(self, step: int) -> int:
+        """Judges this pass's values; logs and records detections; returns this rank's severity."""
+        self.first_values = self.values()
+        if self.config.log_values:
+            self.log.info(format_values(step, self.rank, self.host, self.device, self.points.names, self.first_values))
+        self.detections = self.detector.detect(self.first_values, step, names=self.points.names)
+        for detection in self.detections:
+            self.log.log(detection.log_level, format_detection(detection, step, self.rank, self.host, self.device))
+            self.events.emit("sdc_detected", step=step, point=detection.point, level=detection.level,
+                             value=detection.value, thresholds=detection.thresholds, rule=detection.rule,
+                             device=str(self.device))
+        return severity(self.detections)
+
+    def attribute(self, step: int) -> int:
+        """After the rerun: this rank's verdict code (NOTHING when it detected nothing at level 1)."""
+        level_one = [d.point for d in self.detections if d.level == 1]
+        if not level_one:
+            return NOTHING
+        names = self.points.names
+        rerun = self.values()
+        first = {p: self.first_values[names.index(p)] for p in level_one}
+        attribution = self.attribution.on_detection(step, self.rank, first, {p: rerun[names.index(p)] for p in level_one})
+        self.log.error(attribution.message)
+        self.events.emit("sdc_attribution", step=step, attribution=attribution.kind, points=list(attribution.points),
+                         strikes=attribution.strikes, faulty=attribution.faulty, device=str(self.device))
+        if attribution.faulty:
+            return FAULTY
+        return TRANSIENT if attribution.kind == "transient" else REPRODUCIBLE

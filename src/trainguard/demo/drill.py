@@ -37,11 +37,16 @@ def plan(quick: bool) -> DrillPlan:
         f"kill:rank=1,step={steps // 4 + 3}",          # a rank dies mid-run
         f"corrupt:step={steps // 2},file=__0_0.distcp",  # a committed checkpoint rots on disk
         f"kill:rank=0,step={steps // 2 + 3}",          # ...and the next crash must not resume from it
+        f"bitflip:rank=1,step={steps - 2},site=model.layers.1.input_layernorm,where=grad_input,bit=exp",
     ])
     preset = "llama-micro" if quick else "llama-tiny"
     return DrillPlan(
         nproc=2, steps=steps, save_interval=4, faults=faults,
-        train_args=("--set", f"model.preset={preset}", "--set", "data.seq_len=64", "--set", "data.micro_batch_size=2"),
+        train_args=("--set", f"model.preset={preset}", "--set", "data.seq_len=64", "--set", "data.micro_batch_size=2",
+                    "--set", "guards.sdc.enabled_level=2",
+                    # synchronous saves make the script deterministic: a checkpoint is committed before the
+                    # next step, so each kill lands after a known commit (async saves are drilled in tests)
+                    "--set", "checkpoint.async_save=false"),
     )
 
 
@@ -117,6 +122,10 @@ def run_drill(out: Path, quick: bool, console: Console | None = None) -> int:
             else:
                 how = "restarted from scratch (no checkpoint committed yet)"
             handled += bool(after)
+        elif fault["fault"] == "bitflip":
+            reruns = [e for e in events if e["kind"] == "sdc_attribution" and e["step"] == fault["step"]]
+            handled += bool(reruns) and reruns[0]["attribution"] == "transient"
+            how = "detected, rerun, transient: the clean rerun was used" if reruns else "not detected"
         else:
             skipped = [s for s in starts if s["time"] > fault["time"] and s["resumed_from"]
                        and not s["resumed_from"].endswith(f"global_step_{fault['step']}")]

@@ -34,7 +34,7 @@ What is timed:
   Trainer's ``_forward_backward``, ``_monitored_extras``, ``optimizer.step`` and the guard's ``decide``,
   and the ``global_norm_and_sums`` and ``clip_grads_`` that ``trainguard.trainer.loop`` calls
   (trainguard itself is unchanged); each phase is the maximum over ranks, per step. The guards can only
-  change ``_monitored_extras``, the global-norm all-reduce (4 more doubles with monitoring), ``skip
+  change ``_monitored_extras``, the global-norm all-reduce (one more double per rank with monitoring), ``skip
   decide`` and the rest (its log lines); a difference in forward+backward or optimizer.step is noise.
 * the guards' own pieces in isolation, after the training blocks, many calls each: ``_checkpoint_health()``
   (the verdict made at save time, pure CPU on values already all-reduced), ``_monitored_extras`` on vs
@@ -312,9 +312,12 @@ def print_report(summary: dict[str, Any], pieces: dict[str, float], meta: dict[s
         f"within the cycle): " + ", ".join(f"{100 * v:+.2f}" for v in ov["per_cycle"])
         + f" % -> median {100 * ov['per_cycle_median']:+.2f} %"
     )
+    noise_size = max(abs(noise["off_B_vs_off_A"]), abs(noise["on_B_vs_on_A"]))
+    within = "within" if abs(ov["value"]) <= noise_size else "outside"
     console.print(
         f"noise (same mode, interleaved halves of its blocks): off B vs off A {100 * noise['off_B_vs_off_A']:+.2f} %, "
-        f"on B vs on A {100 * noise['on_B_vs_on_A']:+.2f} %"
+        f"on B vs on A {100 * noise['on_B_vs_on_A']:+.2f} %: the overhead {100 * ov['value']:+.2f} % is {within} "
+        f"the noise ({100 * noise_size:.2f} %)"
     )
     phtable = Table(title="where the step goes (median per step of each phase, each the max over ranks; the "
                           "all-reduce phase includes waiting for the slowest rank)")

@@ -247,6 +247,7 @@ class Trainer:
                                                              FAULTY: "faulty", NOTHING: "none"}[verdict],
                              ranks=[r for r, c in enumerate(codes) if c])
         if verdict == FAULTY:
+            # saved as step N without N's update: like a skipped step, its batch is not replayed
             self.step = step
             self.max_embedding_norm = None
             self.checkpoints.save(step, self._trainer_state(float("nan")))

@@ -11,6 +11,7 @@ compare their values and report, through the rerun's all-reduce, whether the fau
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -42,7 +43,11 @@ class SdcGuard:
         self.points.install(model, self.config.points)
         self.detector = SdcDetector.from_config(self.config, self.points.names)
         self.strikes = StrikeBook(self.config.strikes, self.config.strike_window_hours)
-        self.attribution = RerunAttribution(self.strikes, host, device.index if device.index is not None else 0)
+        # strikes are kept per (host, device): on CPU every rank has device index None, so the local rank
+        # names the device instead, or the ranks of one host would share their strikes
+        local = device.index if device.index is not None else int(os.environ.get("LOCAL_RANK", rank))
+        self.device_label = f"{device.type}:{local}"
+        self.attribution = RerunAttribution(self.strikes, host, self.device_label)
         self.detections: list[Detection] = []
         self.first_values: list[float] = []
 
@@ -66,7 +71,7 @@ class SdcGuard:
             self.log.log(detection.log_level, format_detection(detection, step, self.rank, self.host, self.device))
             self.events.emit("sdc_detected", step=step, point=detection.point, level=detection.level,
                              value=detection.value, thresholds=detection.thresholds, rule=detection.rule,
-                             device=str(self.device))
+                             device=self.device_label)
         return severity(self.detections)
 
     def attribute(self, step: int) -> int:
@@ -80,7 +85,7 @@ class SdcGuard:
         attribution = self.attribution.on_detection(step, self.rank, first, {p: rerun[names.index(p)] for p in level_one})
         self.log.error(attribution.message)
         self.events.emit("sdc_attribution", step=step, attribution=attribution.kind, points=list(attribution.points),
-                         strikes=attribution.strikes, faulty=attribution.faulty, device=str(self.device))
+                         strikes=attribution.strikes, faulty=attribution.faulty, device=self.device_label)
         if attribution.faulty:
             return FAULTY
         return TRANSIENT if attribution.kind == "transient" else REPRODUCIBLE

@@ -1,0 +1,312 @@
+"""Benchmark: how many single bit flips in a norm layer's input gradient the SDC rules (v1, v3) detect.
+
+How it runs (one process, no distribution, CPU)::
+
+    python benchmarks/sdc_detection.py [--per-stratum 10] [--steps 420] [--seed 0] [--json out.json]
+
+What it does:
+
+* Builds the reference model (``build_model(build_model_config(ModelConfig(preset="llama-micro"), 32),
+  seed)``: 2 blocks, 5 RMSNorm layers) and trains it with AdamW (lr 1e-3) on batches of 4 x 32 tokens
+  from ``trainguard.trainer.data`` (``TokenDataset`` over the shipped corpus, ``StatefulSampler``,
+  ``make_batch``).
+* Two ``DetectionPoints`` are installed on every norm layer, one with ``statistic="l2"`` (rule v1), one
+  with ``"max_sq"`` (rule v3), and one ``SdcDetector`` per rule with the default thresholds
+  (v1: upper (1e6, 1e4), sigma (1e5, 5e3); v3: a1 1e6, a2 100). Before them (so that the points see
+  it: full backward hooks run in registration order) the benchmark registers its own full backward
+  hook on every norm, which does nothing unless an injection is armed for that norm.
+* Every step: a clean forward/backward; each rule judges the 5 points' statistics (that is how the
+  detector states are warmed up and advanced, exactly as the trainer does it). After ``--warmup``
+  steps every clean verdict counts as a clean check: a level-1 or level-2 verdict there is a false
+  positive.
+* Injections: ``--per-stratum`` flips for each (dtype, bit class) stratum, shuffled over the steps
+  after warm-up. For an injection the step's batch is run forward/backward a second time with one bit
+  of one element (random position; ``flip_bit`` moves off a 0.0) of the norm's ``grad_input`` flipped
+  by the hook, at a random norm layer. Each rule judges the injected step's statistics with a deep
+  copy of its detector as it was *before* the step's clean values (so the injection never enters the
+  clean state, and the verdict is the one the trainer would have made at that step). The optimizer
+  then steps on the clean gradients.
+* dtypes: ``fp32`` flips the fp32 value itself. ``bf16``: the element is cast to bf16, the bit is
+  flipped in the bf16 pattern (``flip_bit`` on a bf16 tensor), and the result is cast back to fp32
+  into that one element; the rest of the gradient stays fp32. This models a bf16 gradient's storage
+  being hit (bit positions of bf16: sign 15, exponent 14..7, mantissa 6..0), while the detector keeps
+  the same fp32 history as in the fp32 case.
+* Bit classes: the sign bit, each exponent bit (``exp7`` is the top one, ``exp0`` the lowest) and the
+  top 3 mantissa bits (``man1`` is the highest). An exponent bit that is already 1 is flipped to 0, so
+  the value *shrinks*; that is counted too.
+* What the flip did: the factor ``|new / old|`` of the element, and over all parameters' gradients
+  ``||g' - g|| / ||g||`` (g: the clean pass's gradients of every parameter, g': the injected pass's;
+  with the AdamW/clipping that follow, this is what the update sees). A rerun of the clean pass with
+  no flip is checked once to give the same gradients (``rerun_grad_change`` in the output), so any
+  change is the flip's.
+* A flip *matters* when its factor is >= 1000 or not finite AND it changed the gradients by >= 1e-3
+  relative (or made them non-finite). "A flip that changes nothing is not a miss": undetected flips
+  that do not matter are reported as harmless misses.
+
+Targets (reported met / MISSED, never asserted): every flip with factor >= 1000 detected (level 1 or
+2), and 0 false positives over the clean checks, per rule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+FACTOR_THRESHOLD = 1000.0  # flips that multiply the value by at least this must be detected
+GRAD_CHANGE_THRESHOLD = 1e-3  # below this relative change of the gradients, a flip changed nothing
+RULES = ("v1", "v3")
+DTYPES = ("fp32", "bf16")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--per-stratum", type=int, default=10, help="injections per (dtype, bit class) (default 10)")
+    p.add_argument("--steps", type=int, default=420, help="training steps in all (default 420)")
+    p.add_argument("--warmup", type=int, default=20, help="steps before checks and injections count (default 20)")
+    p.add_argument("--batch", type=int, default=4, help="sequences per batch (default 4)")
+    p.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (default 32)")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    return p.parse_args(argv)
+
+
+def bit_classes(dtype: str) -> list[tuple[str, int]]:
+    """(label, bit position) for the sign, every exponent bit (top first), the top 3 mantissa bits."""
+    mantissa = 23 if dtype == "fp32" else 7
+    width = 32 if dtype == "fp32" else 16
+    classes = [("sign", width - 1)]
+    classes += [(f"exp{k}", mantissa + k) for k in range(7, -1, -1)]
+    classes += [(f"man{j}", mantissa - j) for j in (1, 2, 3)]
+    return classes
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    import torch
+    import torch.nn.functional as F
+
+    from trainguard.config.schema import ModelConfig
+    from trainguard.faults.bits import flip_bit
+    from trainguard.guards.sdc import DetectionPoints, SdcDetector
+    from trainguard.guards.sdc.points import is_norm_module
+    from trainguard.trainer.data import StatefulSampler, TokenDataset, load_corpus_tokens, make_batch
+    from trainguard.trainer.model import build_model, build_model_config
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    model = build_model(build_model_config(ModelConfig(preset="llama-micro"), args.seq_len), args.seed)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.lr)
+    dataset = TokenDataset(load_corpus_tokens(), args.seq_len)
+    sampler = StatefulSampler(len(dataset), 0, 1, args.batch, args.seed)
+
+    norms = [(name, m) for name, m in model.named_modules() if is_norm_module(m)]
+    armed: dict[str, Any] = {}  # {"module": name, "dtype", "bit", "index"} while an injection is armed
+    flips: list[Any] = []
+
+    def inject_hook(name: str, module, grad_input, grad_output):
+        if armed.get("module") != name or grad_input[0] is None:
+            return None
+        g = grad_input[0].detach().clone()
+        flat = g.reshape(-1)
+        index = armed["index"] % flat.numel()
+        if armed["dtype"] == "fp32":
+            flip = flip_bit(flat, index, armed["bit"])
+        else:
+            low = flat.to(torch.bfloat16)
+            flip = flip_bit(low, index, armed["bit"])
+            flat[flip.index] = low[flip.index].float()
+            # old: the fp32 value before the cast, new: what the bf16 flip made of it
+            flip = type(flip)(index=flip.index, bit=flip.bit, old=float(grad_input[0].reshape(-1)[flip.index]),
+                              new=float(low[flip.index].float()))
+        flips.append(flip)
+        armed.clear()  # once per injection (a module called once per forward)
+        return (g, *grad_input[1:])
+
+    for name, module in norms:  # before the points: they must see the flipped gradient
+        module.register_full_backward_hook(lambda m, gi, go, _n=name: inject_hook(_n, m, gi, go))
+    points = {"v1": DetectionPoints("l2"), "v3": DetectionPoints("max_sq")}
+    for p in points.values():
+        p.install(model)
+    names = points["v1"].names
+    assert names == points["v3"].names and len(names) == len(norms), (names, norms)
+    detectors = {rule: SdcDetector(rule, names) for rule in RULES}
+
+    def forward_backward(inputs, labels) -> tuple[float, torch.Tensor, dict[str, list[float]]]:
+        optimizer.zero_grad(set_to_none=True)
+        for p in points.values():
+            p.reset()
+        logits = model(input_ids=inputs).logits
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1))
+        loss.backward()
+        grads = torch.cat([p.grad.detach().reshape(-1) for p in params if p.grad is not None]).double()
+        return float(loss.detach()), grads, {rule: points[rule].collect().tolist() for rule in RULES}
+
+    # the injection schedule: stratified, shuffled over the steps after warm-up
+    rng = random.Random(args.seed)
+    plan = [(dtype, label, bit) for dtype in DTYPES for label, bit in bit_classes(dtype)
+            for _ in range(args.per_stratum)]
+    rng.shuffle(plan)
+    counted_steps = args.steps - args.warmup
+    per_step: dict[int, list[tuple[str, str, int]]] = {}
+    for i, item in enumerate(plan):
+        per_step.setdefault(args.warmup + 1 + (i * counted_steps) // len(plan), []).append(item)
+
+    clean = {rule: {"checks": 0, "false_positives": 0, "fp_details": []} for rule in RULES}
+    injections: list[dict[str, Any]] = []
+    losses = []
+    rerun_change = None
+    for step in range(1, args.steps + 1):
+        inputs, labels = make_batch(dataset, sampler.next_batch_indices())
+        before = {rule: copy.deepcopy(detectors[rule]) for rule in RULES} if step in per_step else None
+        loss, grads, values = forward_backward(inputs, labels)
+        losses.append(loss)
+        for rule in RULES:
+            found = detectors[rule].detect(values[rule], step)
+            if step > args.warmup:
+                clean[rule]["checks"] += sum(1 for v in values[rule] if v >= 0)
+                clean[rule]["false_positives"] += len(found)
+                clean[rule]["fp_details"] += [
+                    {"step": step, "point": d.point, "level": d.level, "value": d.value, "reason": d.reason}
+                    for d in found]
+        clean_grads = {p: p.grad.detach().clone() for p in params if p.grad is not None}
+        if step in per_step and rerun_change is None:
+            _, again, _ = forward_backward(inputs, labels)
+            rerun_change = float((again - grads).norm() / grads.norm())
+        for dtype, label, bit in per_step.get(step, []):
+            target = rng.randrange(len(names))
+            armed.update(module=names[target], dtype=dtype, bit=bit, index=rng.randrange(1 << 30))
+            _, flipped_grads, flipped_values = forward_backward(inputs, labels)
+            assert not armed, "the injection hook did not fire"
+            flip = flips[-1]
+            factor = abs(flip.new / flip.old) if flip.old != 0 else math.inf
+            finite = bool(torch.isfinite(flipped_grads).all())
+            change = float((flipped_grads - grads).norm() / grads.norm()) if finite else math.inf
+            norm_change = float((flipped_grads.norm() - grads.norm()).abs() / grads.norm()) if finite else math.inf
+            record = {"step": step, "dtype": dtype, "class": label, "bit": flip.bit, "point": names[target],
+                      "old": flip.old, "new": flip.new, "factor": factor, "grad_change": change,
+                      "grad_norm_change": norm_change}
+            for rule in RULES:
+                judge = copy.deepcopy(before[rule])
+                found = [d for d in judge.detect(flipped_values[rule], step) if d.point == names[target]]
+                record[rule] = {"level": min((d.level for d in found), default=0),
+                                "reason": found[0].reason if found else "",
+                                "value": flipped_values[rule][target], "clean_value": values[rule][target]}
+            injections.append(record)
+        # back to the clean gradients for the update
+        for p in params:
+            p.grad = clean_grads.get(p)
+        optimizer.step()
+
+    summary = summarize(injections, clean)
+    meta = {"preset": "llama-micro", "norm_points": names, "steps": args.steps, "warmup": args.warmup,
+            "batch": args.batch, "seq_len": args.seq_len, "lr": args.lr, "seed": args.seed,
+            "per_stratum": args.per_stratum, "injections": len(injections), "rerun_grad_change": rerun_change,
+            "loss_first": losses[0], "loss_last": losses[-1], "torch": torch.__version__,
+            "python": platform.python_version(), "wall_s": time.perf_counter() - started,
+            "targets": {"factor_threshold": FACTOR_THRESHOLD, "grad_change_threshold": GRAD_CHANGE_THRESHOLD}}
+    print_report(summary, meta)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": meta, **summary, "injections": injections}, indent=2,
+                                              default=str) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def matters(r: dict[str, Any]) -> bool:
+    big = r["factor"] >= FACTOR_THRESHOLD or not math.isfinite(r["factor"])
+    return big and (r["grad_change"] >= GRAD_CHANGE_THRESHOLD)
+
+
+def fmt_factor(x: float) -> str:
+    if not math.isfinite(x):
+        return "inf/nan"
+    if x == 0:
+        return "0"
+    return f"2^{math.log2(x):.0f}" if abs(math.log2(x)) >= 4 else f"{x:.3g}"
+
+
+def summarize(injections: list[dict[str, Any]], clean: dict[str, Any]) -> dict[str, Any]:
+    rows = []
+    strata = []
+    for r in injections:
+        key = (r["dtype"], r["class"])
+        if key not in strata:
+            strata.append(key)
+    order = {label: i for i, (label, _) in enumerate(bit_classes("fp32"))}
+    strata.sort(key=lambda k: (DTYPES.index(k[0]), order[k[1]]))
+    targets = {}
+    for rule in RULES:
+        big_total = big_detected = 0
+        for dtype, label in strata:
+            mine = [r for r in injections if r["dtype"] == dtype and r["class"] == label]
+            detected = [r for r in mine if r[rule]["level"] > 0]
+            level1 = [r for r in mine if r[rule]["level"] == 1]
+            missed = [r for r in mine if r[rule]["level"] == 0]
+            big = [r for r in mine if r["factor"] >= FACTOR_THRESHOLD or not math.isfinite(r["factor"])]
+            big_total += len(big)
+            big_detected += sum(1 for r in big if r[rule]["level"] > 0)
+            factors = [r["factor"] for r in mine]
+            finite = [f for f in factors if math.isfinite(f)]
+            rows.append({
+                "rule": rule, "dtype": dtype, "class": label, "bit": mine[0]["bit"] if mine else None,
+                "injections": len(mine), "detected": len(detected), "level1": len(level1),
+                "rate": len(detected) / len(mine) if mine else float("nan"),
+                "factor_min": min(finite) if finite else math.inf,
+                "factor_max": max(factors) if factors else float("nan"),
+                "non_finite": len(factors) - len(finite),
+                "big": len(big), "big_detected": sum(1 for r in big if r[rule]["level"] > 0),
+                "misses": len(missed),
+                "misses_that_mattered": sum(1 for r in missed if matters(r)),
+                "misses_changing_grads": sum(1 for r in missed if r["grad_change"] >= GRAD_CHANGE_THRESHOLD),
+                "max_grad_change_of_misses": max((r["grad_change"] for r in missed), default=0.0),
+            })
+        fp = clean[rule]["false_positives"]
+        targets[rule] = {
+            "big_flips": big_total, "big_detected": big_detected,
+            "detect_big_met": big_detected == big_total,
+            "misses_that_mattered": sum(1 for r in injections if r[rule]["level"] == 0 and matters(r)),
+            "clean_checks": clean[rule]["checks"], "false_positives": fp, "false_positives_met": fp == 0,
+            "fp_details": clean[rule]["fp_details"][:20],
+        }
+    return {"rows": rows, "targets": targets}
+
+
+def print_report(summary: dict[str, Any], meta: dict[str, Any]) -> None:
+    print(f"\nSDC detection of single bit flips in norm-layer input gradients ({meta['preset']}, "
+          f"{len(meta['norm_points'])} norm points, {meta['injections']} injections judged by each rule, "
+          f"{meta['steps']} steps, loss {meta['loss_first']:.3f} -> {meta['loss_last']:.3f})\n")
+    header = ("| rule | dtype | bits | bit | inj | detected | rate | level 1 | factor range | ≥1000× detected "
+              "| misses | misses that mattered | misses with grad change ≥1e-3 | max grad change of a miss |")
+    print(header)
+    print("|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|")
+    for r in summary["rows"]:
+        rng = f"{fmt_factor(r['factor_min'])} .. {fmt_factor(r['factor_max'])}"
+        if r["non_finite"]:
+            rng += f" ({r['non_finite']} inf/nan)"
+        print(f"| {r['rule']} | {r['dtype']} | {r['class']} | {r['bit']} | {r['injections']} | {r['detected']} | "
+              f"{100 * r['rate']:.0f}% | {r['level1']} | {rng} | {r['big_detected']}/{r['big']} | {r['misses']} | "
+              f"{r['misses_that_mattered']} | {r['misses_changing_grads']} | {r['max_grad_change_of_misses']:.2g} |")
+    print()
+    for rule, t in summary["targets"].items():
+        big = "met" if t["detect_big_met"] else "MISSED"
+        fp = "met" if t["false_positives_met"] else "MISSED"
+        print(f"{rule}: flips ×≥{FACTOR_THRESHOLD:g} detected {t['big_detected']}/{t['big_flips']}: {big}; "
+              f"misses that mattered {t['misses_that_mattered']}; false positives {t['false_positives']}/"
+              f"{t['clean_checks']} clean checks: {fp}")
+    print(f"clean rerun's gradient change (determinism check): {meta['rerun_grad_change']}")
+    print(f"\nwall time {meta['wall_s']:.1f} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -46,7 +46,6 @@ import math
 import os
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import threading
@@ -59,6 +58,8 @@ TARGET_SYNC_VS_RAW = 0.9  # trainguard sync throughput / raw write throughput, a
 TARGET_ASYNC_BLOCK = 0.05  # trainguard async save() blocking time / trainguard sync time, at most
 
 METHODS = ["raw", "torch_save", "dcp", "tg_sync", "tg_async", "tg_async_first"]
+
+from common import median, relaunch_under_torchrun
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -74,14 +75,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.repeats < 1 or args.warmup < 0 or args.gib <= 0 or args.width < 1:
         p.error("--repeats >= 1, --warmup >= 0, --gib > 0 and --width >= 1 are required")
     return args
-
-
-def relaunch_under_torchrun(args: argparse.Namespace) -> None:
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
-           os.path.abspath(__file__), *sys.argv[1:]]
-    os.execve(sys.executable, cmd, env)
 
 
 # --------------------------------------------------------------------------------------------- phases
@@ -361,10 +354,6 @@ def measure(ctx, method: str, label: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- report
-def median(values: list[float]) -> float:
-    return statistics.median(values)
-
-
 def summarize(samples: dict[str, list[dict]], state_bytes: int, world: int) -> dict[str, Any]:
     rows: dict[str, dict[str, Any]] = {}
     for method, runs in samples.items():
@@ -513,7 +502,7 @@ def filesystem_of(path: Path) -> str:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if "LOCAL_RANK" not in os.environ:
-        relaunch_under_torchrun(args)
+        relaunch_under_torchrun(args.nproc, __file__)
 
     import torch
     import torch.distributed as dist

@@ -60,7 +60,6 @@ import logging
 import os
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -71,6 +70,8 @@ from typing import Any
 TARGET_OVERHEAD = 0.01  # (on - off) / off median step time, at most
 
 MODES = ("off", "on")
+
+from common import median, rel, relaunch_under_torchrun, schedule
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -94,28 +95,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def relaunch_under_torchrun(args: argparse.Namespace) -> None:
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
-           os.path.abspath(__file__), *sys.argv[1:]]
-    os.execve(sys.executable, cmd, env)
-
-
-def schedule(cycles: int) -> list[str]:
-    """Block modes in ABBA order, the starting mode alternating per cycle."""
-    blocks: list[str] = []
-    for c in range(cycles):
-        a, b = ("off", "on") if c % 2 == 0 else ("on", "off")
-        blocks += [a, b, b, a]
-    return blocks
-
-
 # ---------------------------------------------------------------------------------------------- stats
-def median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
-
-
 def quantile(values: list[float], q: float) -> float:
     """Linear-interpolated quantile, ``q`` in [0, 1]."""
     if not values:
@@ -130,10 +110,6 @@ def quantile(values: list[float], q: float) -> float:
 def describe(values: list[float]) -> dict[str, float]:
     return {"n": len(values), "median": median(values), "p10": quantile(values, 0.1), "p90": quantile(values, 0.9),
             "min": min(values) if values else float("nan"), "max": max(values) if values else float("nan")}
-
-
-def rel(new: float, base: float) -> float:
-    return (new - base) / base
 
 
 def summarize(blocks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -345,7 +321,7 @@ def print_report(summary: dict[str, Any], pieces: dict[str, float], meta: dict[s
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if "LOCAL_RANK" not in os.environ:
-        relaunch_under_torchrun(args)
+        relaunch_under_torchrun(args.nproc, __file__)
     wall_started = time.perf_counter()
 
     import torch

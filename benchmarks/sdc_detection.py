@@ -99,7 +99,12 @@ def main(argv: list[str]) -> int:
     from trainguard.faults.bits import flip_bit
     from trainguard.guards.sdc import DetectionPoints, SdcDetector
     from trainguard.guards.sdc.points import is_norm_module
-    from trainguard.trainer.data import StatefulSampler, TokenDataset, load_corpus_tokens, make_batch
+    from trainguard.trainer.data import (
+        StatefulSampler,
+        TokenDataset,
+        load_corpus_tokens,
+        make_batch,
+    )
     from trainguard.trainer.model import build_model, build_model_config
 
     torch.use_deterministic_algorithms(True, warn_only=True)

@@ -31,7 +31,6 @@ import logging
 import os
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -40,6 +39,8 @@ from typing import Any
 
 TARGET_OVERHEAD = 0.01
 MODES = ("off", "on")
+
+from common import median, rel, schedule
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -53,22 +54,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=6)
     p.add_argument("--json", default=None, metavar="PATH")
     return p.parse_args(argv)
-
-
-def schedule(cycles: int) -> list[str]:
-    blocks: list[str] = []
-    for c in range(cycles):
-        a, b = ("off", "on") if c % 2 == 0 else ("on", "off")
-        blocks += [a, b, b, a]
-    return blocks
-
-
-def median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
-
-
-def rel(new: float, base: float) -> float:
-    return (new - base) / base
 
 
 def main(argv: list[str]) -> int:

@@ -1,0 +1,33 @@
+"""Pieces every benchmark shares: starting itself under torchrun, the ABBA schedule, ratios."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+
+
+def relaunch_under_torchrun(nproc: int, script: str) -> None:
+    """Replaces this process with ``torchrun --standalone`` running ``script`` on ``nproc`` ranks."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           os.path.abspath(script), *sys.argv[1:]]
+    os.execve(sys.executable, cmd, env)
+
+
+def schedule(cycles: int) -> list[str]:
+    """Block modes in ABBA order, the starting mode alternating per cycle, so drift cancels out."""
+    blocks: list[str] = []
+    for c in range(cycles):
+        a, b = ("off", "on") if c % 2 == 0 else ("on", "off")
+        blocks += [a, b, b, a]
+    return blocks
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def rel(new: float, base: float) -> float:
+    return (new - base) / base

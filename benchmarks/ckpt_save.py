@@ -6,7 +6,7 @@ How it runs: under ``torchrun`` with one process per rank (2 by default), gloo o
         benchmarks/ckpt_save.py --gib 1 [--repeats 3] [--dir /tmp] [--json results.json]
 
 Started without torchrun (``python benchmarks/ckpt_save.py --gib 1``) it re-executes itself under
-``torch.distributed.run --standalone --nproc-per-node N`` (``--nproc``, default 2), with
+``torch.distributed.run --standalone --nproc-per-node N`` (``--ranks``, default 2), with
 ``OMP_NUM_THREADS=1`` unless set.
 
 The state: ``nn.Sequential`` of plain ``nn.Linear(width, width)`` layers, each and the root sharded
@@ -70,7 +70,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
     p.add_argument("--dir", default=None, help="where to write (a temporary directory is made inside; default /tmp)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
-    p.add_argument("--nproc", type=int, default=2, help="ranks when not started by torchrun (default 2)")
+    p.add_argument("--ranks", type=int, default=2, help="ranks when not started by torchrun (default 2)")
     args = p.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0 or args.gib <= 0 or args.width < 1:
         p.error("--repeats >= 1, --warmup >= 0, --gib > 0 and --width >= 1 are required")
@@ -502,7 +502,7 @@ def filesystem_of(path: Path) -> str:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if "LOCAL_RANK" not in os.environ:
-        relaunch_under_torchrun(args.nproc, __file__)
+        relaunch_under_torchrun(args.ranks, __file__)
 
     import torch
     import torch.distributed as dist

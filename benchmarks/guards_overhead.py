@@ -7,7 +7,7 @@ gloo on CPU::
         benchmarks/guards_overhead.py [--preset llama-60m] [--block 2] [--cycles 14] [--json out.json]
 
 Started without torchrun (``python benchmarks/guards_overhead.py``) it re-executes itself under
-``torch.distributed.run --standalone --nproc-per-node N`` (``--nproc``, default 4), with
+``torch.distributed.run --standalone --nproc-per-node N`` (``--ranks``, default 4), with
 ``OMP_NUM_THREADS=1`` unless set.
 
 One training process per rank builds trainguard's real ``Trainer`` (the ~60M ``llama-60m`` preset,
@@ -88,7 +88,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--calls", type=int, default=2000, help="calls per guard piece timed in isolation (default 2000)")
     p.add_argument("--dir", default=None, help="where the run directory is made (deleted after; default /tmp)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
-    p.add_argument("--nproc", type=int, default=4, help="ranks when not started by torchrun (default 4)")
+    p.add_argument("--ranks", type=int, default=4, help="ranks when not started by torchrun (default 4)")
     args = p.parse_args(argv)
     if args.block < 1 or args.cycles < 1 or args.warmup < 0 or args.calls < 1:
         p.error("--block >= 1, --cycles >= 1, --warmup >= 0 and --calls >= 1 are required")
@@ -321,7 +321,7 @@ def print_report(summary: dict[str, Any], pieces: dict[str, float], meta: dict[s
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if "LOCAL_RANK" not in os.environ:
-        relaunch_under_torchrun(args.nproc, __file__)
+        relaunch_under_torchrun(args.ranks, __file__)
     wall_started = time.perf_counter()
 
     import torch

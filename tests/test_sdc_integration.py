@@ -77,3 +77,12 @@ def test_persistent_flip_marks_the_rank_faulty_and_exits_17(tmp_path):
     assert [(entry["rank"], len(entry["strikes"])) for entry in faulty] == [(1, 3)]
     assert [e["attribution"] for e in events(run, "sdc_attribution")] == ["reproducible"] * 3
     assert (run / "checkpoints/global_step_8").is_dir()  # saved before exiting, for the restart elsewhere
+
+
+def test_without_rerun_a_detection_skips_the_step_unverified(tmp_path):
+    run = tmp_path / "run"
+    ok(train(run, 2, 6, "--save-interval", "0", "--set", "guards.sdc.enabled_level=2", "--set", "guards.sdc.rerun=false",
+             faults="bitflip:rank=0,step=4,site=model.layers.1.input_layernorm,where=grad_input,bit=exp"))
+    assert [(a["step"], a["attribution"]) for a in events(run, "sdc_attribution")] == [(4, "unverified")]
+    steps = {e["step"]: e for e in events(run, "step")}
+    assert steps[4]["skipped"] and not steps[5]["skipped"]

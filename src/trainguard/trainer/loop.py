@@ -205,7 +205,7 @@ class Trainer:
         norm, loss_value, embedding_norms, sdc_codes = self._reduce(grads, loss, severity)
         skipped = False
         if self.sdc is not None and max(sdc_codes, default=0) == 2 and self.sdc.config.recover:
-            norm, loss_value, embedding_norms, skipped = self._rerun_step(step, batches, rng)
+            norm, loss_value, embedding_norms, skipped = self._rerun_step(step, batches, rng, loss)
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         if cfg.guards.local_norm:
             self.events.emit("local_norm", step=step, norms=local_grad_norms(self.model.named_parameters()))
@@ -232,14 +232,17 @@ class Trainer:
         return StepResult(step, loss_value, norm, lr, time.perf_counter() - started, skipped,
                           embedding_norms[self.rank] if embedding_norms else None)
 
-    def _rerun_step(self, step: int, batches, rng) -> tuple[float, float, list[float], bool]:
-        """Reruns a step after a level-1 SDC detection somewhere; returns (norm, loss, embedding norms,
-        skip). A device that has become faulty ends the run on every rank with exit 17."""
-        restore_rng_state(rng)
-        loss = self._forward_backward(batches)
-        self.faults.after_backward(step, self.model)
+    def _rerun_step(self, step: int, batches, rng, loss: torch.Tensor) -> tuple[float, float, list[float], bool]:
+        """Reruns a step after a level-1 SDC detection somewhere (unless ``guards.sdc.rerun`` is off, when
+        the step is skipped unverified); returns (norm, loss, embedding norms, skip). A device that has
+        become faulty ends the run on every rank with exit 17."""
+        reran = self.sdc.config.rerun
+        if reran:
+            restore_rng_state(rng)
+            loss = self._forward_backward(batches)
+            self.faults.after_backward(step, self.model)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        code = self.sdc.attribute(step)
+        code = self.sdc.attribute(step, reran)
         norm, loss_value, embedding_norms, codes = self._reduce(grads, loss, code)
         verdict = max(codes, default=NOTHING)
         if self.rank == 0:

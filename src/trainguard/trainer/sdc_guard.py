@@ -74,18 +74,29 @@ class SdcGuard:
                              device=self.device_label)
         return severity(self.detections)
 
-    def attribute(self, step: int) -> int:
-        """After the rerun: this rank's verdict code (NOTHING when it detected nothing at level 1)."""
+    def attribute(self, step: int, reran: bool) -> int:
+        """After the rerun (or, with ``rerun: false``, instead of it): this rank's verdict code, NOTHING
+        when it detected nothing at level 1. A transient fault counts only if the rerun is clean."""
         level_one = [d.point for d in self.detections if d.level == 1]
         if not level_one:
             return NOTHING
         names = self.points.names
-        rerun = self.values()
         first = {p: self.first_values[names.index(p)] for p in level_one}
-        attribution = self.attribution.on_detection(step, self.rank, first, {p: rerun[names.index(p)] for p in level_one})
-        self.log.error(attribution.message)
+        rerun = None
+        if reran:
+            values = self.values()
+            rerun = {p: values[names.index(p)] for p in level_one}
+        attribution = self.attribution.on_detection(step, self.rank, first, rerun)
+        still_abnormal = []
+        if attribution.kind == "transient":
+            # the detected points' first values never entered their state; the clean rerun's do, as
+            # they would have in a run without the fault
+            still_abnormal = [p for p in level_one if self.detector.point(p).check(rerun[p]).level == 1]
+        self.log.error(attribution.message + (f"; the rerun is abnormal too at {', '.join(still_abnormal)}"
+                                              if still_abnormal else ""))
         self.events.emit("sdc_attribution", step=step, attribution=attribution.kind, points=list(attribution.points),
-                         strikes=attribution.strikes, faulty=attribution.faulty, device=self.device_label)
+                         strikes=attribution.strikes, faulty=attribution.faulty, device=self.device_label,
+                         rerun_abnormal=still_abnormal)
         if attribution.faulty:
             return FAULTY
-        return TRANSIENT if attribution.kind == "transient" else REPRODUCIBLE
+        return TRANSIENT if attribution.kind == "transient" and not still_abnormal else REPRODUCIBLE

@@ -2,7 +2,7 @@
 
 How it runs (one process, no distribution, CPU)::
 
-    python benchmarks/sdc_detection.py [--per-stratum 10] [--steps 420] [--seed 0] [--json out.json]
+    python benchmarks/sdc_detection.py [--per-stratum 10] [--steps 420] [--seed 0] [--ratio 0] [--json out.json]
 
 What it does:
 
@@ -14,7 +14,8 @@ What it does:
   with ``"max_sq"`` (rule v3), and one ``SdcDetector`` per rule with the default thresholds
   (v1: upper (1e6, 1e4), sigma (1e5, 5e3); v3: a1 1e6, a2 100). Before them (so that the points see
   it: full backward hooks run in registration order) the benchmark registers its own full backward
-  hook on every norm, which does nothing unless an injection is armed for that norm.
+  hook on every norm, which does nothing unless an injection is armed for that norm. ``--ratio R``
+  (default 0: off) turns on trainguard's ratio criterion (``guards.sdc.ratio``) in both detectors.
 * Every step: a clean forward/backward; each rule judges the 5 points' statistics (that is how the
   detector states are warmed up and advanced, exactly as the trainer does it). After ``--warmup``
   steps every clean verdict counts as a clean check: a level-1 or level-2 verdict there is a false
@@ -42,6 +43,12 @@ What it does:
 * A flip *matters* when its factor is >= 1000 or not finite AND it changed the gradients by >= 1e-3
   relative (or made them non-finite). "A flip that changes nothing is not a miss": undetected flips
   that do not matter are reported as harmless misses.
+
+* Ratio headroom (whatever ``--ratio``): for every clean check after warm-up and every injection, the
+  benchmark also computes ``(val / max of the point's last 16 clean values) ** (1/e)`` (e = 1 for v1's
+  L2 norm, 2 for v3's max(g²)), the quantity the ratio criterion compares with R: the largest clean
+  one is how low R can go without a false positive here, the smallest of the flips that mattered how
+  high it can go and still catch them all.
 
 Targets (reported met / MISSED, never asserted): every flip with factor >= 1000 detected (level 1 or
 2), and 0 false positives over the clean checks, per rule.
@@ -75,6 +82,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (default 32)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ratio", type=float, default=0.0,
+                   help="guards.sdc.ratio for both detectors (default 0: off, the rules alone)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     return p.parse_args(argv)
 
@@ -145,7 +154,20 @@ def main(argv: list[str]) -> int:
         p.install(model)
     names = points["v1"].names
     assert names == points["v3"].names and len(names) == len(norms), (names, norms)
-    detectors = {rule: SdcDetector(rule, names) for rule in RULES}
+    detectors = {rule: SdcDetector(rule, names, ratio=args.ratio) for rule in RULES}
+    # the ratio headroom: each point's last RATIO_WINDOW values that were not level 1 (the baseline)
+    from trainguard.guards.sdc.detectors import RATIO_WINDOW, V1_MIN_STEPS, V3_MIN_STEPS
+    exponent = {"v1": 1, "v3": 2}
+    min_steps = {"v1": V1_MIN_STEPS, "v3": V3_MIN_STEPS}
+    history: dict[str, dict[str, list[float]]] = {rule: {name: [] for name in names} for rule in RULES}
+
+    def headroom(rule: str, name: str, value: float, past: dict[str, dict[str, list[float]]]) -> float | None:
+        recent = past[rule][name]
+        if len(recent) < min_steps[rule] or max(recent) <= 0:
+            return None
+        if not math.isfinite(value):
+            return math.inf
+        return (value / max(recent)) ** (1.0 / exponent[rule])
 
     def forward_backward(inputs, labels) -> tuple[float, torch.Tensor, dict[str, list[float]]]:
         optimizer.zero_grad(set_to_none=True)
@@ -167,17 +189,27 @@ def main(argv: list[str]) -> int:
     for i, item in enumerate(plan):
         per_step.setdefault(args.warmup + 1 + (i * counted_steps) // len(plan), []).append(item)
 
-    clean = {rule: {"checks": 0, "false_positives": 0, "fp_details": []} for rule in RULES}
+    clean = {rule: {"checks": 0, "false_positives": 0, "fp_details": [], "max_headroom": 0.0} for rule in RULES}
     injections: list[dict[str, Any]] = []
     losses = []
     rerun_change = None
     for step in range(1, args.steps + 1):
         inputs, labels = make_batch(dataset, sampler.next_batch_indices())
         before = {rule: copy.deepcopy(detectors[rule]) for rule in RULES} if step in per_step else None
+        history_before = copy.deepcopy(history) if step in per_step else None
         loss, grads, values = forward_backward(inputs, labels)
         losses.append(loss)
         for rule in RULES:
             found = detectors[rule].detect(values[rule], step)
+            alarmed = {d.point for d in found if d.level == 1}
+            for name, value in zip(names, values[rule]):
+                if value < 0:
+                    continue
+                room = headroom(rule, name, value, history)
+                if step > args.warmup and room is not None:
+                    clean[rule]["max_headroom"] = max(clean[rule]["max_headroom"], room)
+                if name not in alarmed and math.isfinite(value):
+                    history[rule][name] = (history[rule][name] + [value])[-RATIO_WINDOW:]
             if step > args.warmup:
                 clean[rule]["checks"] += sum(1 for v in values[rule] if v >= 0)
                 clean[rule]["false_positives"] += len(found)
@@ -204,9 +236,12 @@ def main(argv: list[str]) -> int:
             for rule in RULES:
                 judge = copy.deepcopy(before[rule])
                 found = [d for d in judge.detect(flipped_values[rule], step) if d.point == names[target]]
+                # against the history before this step's clean values, as the judging detector
+                room = headroom(rule, names[target], flipped_values[rule][target], history_before)
                 record[rule] = {"level": min((d.level for d in found), default=0),
                                 "reason": found[0].reason if found else "",
-                                "value": flipped_values[rule][target], "clean_value": values[rule][target]}
+                                "value": flipped_values[rule][target], "clean_value": values[rule][target],
+                                "headroom": room}
             injections.append(record)
         # back to the clean gradients for the update
         for p in params:
@@ -218,7 +253,7 @@ def main(argv: list[str]) -> int:
             "batch": args.batch, "seq_len": args.seq_len, "lr": args.lr, "seed": args.seed,
             "per_stratum": args.per_stratum, "injections": len(injections), "rerun_grad_change": rerun_change,
             "loss_first": losses[0], "loss_last": losses[-1], "torch": torch.__version__,
-            "python": platform.python_version(), "wall_s": time.perf_counter() - started,
+            "python": platform.python_version(), "ratio": args.ratio, "wall_s": time.perf_counter() - started,
             "targets": {"factor_threshold": FACTOR_THRESHOLD, "grad_change_threshold": GRAD_CHANGE_THRESHOLD}}
     print_report(summary, meta)
     if args.json:
@@ -277,12 +312,21 @@ def summarize(injections: list[dict[str, Any]], clean: dict[str, Any]) -> dict[s
                 "max_grad_change_of_misses": max((r["grad_change"] for r in missed), default=0.0),
             })
         fp = clean[rule]["false_positives"]
+        rooms = [r[rule]["headroom"] for r in injections if matters(r) and r[rule]["headroom"] is not None]
+        reasons: dict[str, int] = {}
+        for r in injections:
+            if r[rule]["level"]:
+                reasons[r[rule]["reason"]] = reasons.get(r[rule]["reason"], 0) + 1
         targets[rule] = {
             "big_flips": big_total, "big_detected": big_detected,
             "detect_big_met": big_detected == big_total,
             "misses_that_mattered": sum(1 for r in injections if r[rule]["level"] == 0 and matters(r)),
             "clean_checks": clean[rule]["checks"], "false_positives": fp, "false_positives_met": fp == 0,
             "fp_details": clean[rule]["fp_details"][:20],
+            "max_clean_headroom": clean[rule]["max_headroom"],
+            "min_headroom_of_flips_that_mattered": min(rooms, default=math.inf),
+            "flips_that_mattered": sum(1 for r in injections if matters(r)),
+            "detection_reasons": reasons,
         }
     return {"rows": rows, "targets": targets}
 
@@ -309,6 +353,11 @@ def print_report(summary: dict[str, Any], meta: dict[str, Any]) -> None:
         print(f"{rule}: flips ×≥{FACTOR_THRESHOLD:g} detected {t['big_detected']}/{t['big_flips']}: {big}; "
               f"misses that mattered {t['misses_that_mattered']}; false positives {t['false_positives']}/"
               f"{t['clean_checks']} clean checks: {fp}")
+    print(f"ratio criterion (guards.sdc.ratio) = {meta['ratio']:g}" + (" (off)" if not meta["ratio"] else ""))
+    for rule, t in summary["targets"].items():
+        print(f"{rule}: detections by reason {t['detection_reasons']}; ratio headroom: largest clean "
+              f"{t['max_clean_headroom']:.3g}, smallest of the {t['flips_that_mattered']} flips that mattered "
+              f"{t['min_headroom_of_flips_that_mattered']:.3g}")
     print(f"clean rerun's gradient change (determinism check): {meta['rerun_grad_change']}")
     print(f"\nwall time {meta['wall_s']:.1f} s")
 

@@ -272,6 +272,132 @@ def test_detector_state_of_the_other_rule_is_ignored_and_malformed_state_refused
             SdcDetector("v1").load_state_dict(bad)
 
 
+# ------------------------------------------------------------------------------- the ratio criterion
+def ratio_sequences():
+    """The sequences the rules are tested on: stationary, wandering, shrinking and faulty ones."""
+    rng = np.random.default_rng(7)
+    sequences = [magnitudes(seed, 300, mu, sigma) for seed, mu, sigma in ((0, 0.0, 0.02), (1, -3.0, 0.1), (2, 2.0, 0.3))]
+    sequences.append(np.exp(np.cumsum(rng.normal(-0.01, 0.2, size=300))).tolist())  # shrinking random walk
+    faulty = magnitudes(3, 300, 0.0, 0.05)
+    for i in (30, 100, 101, 102, 200):
+        faulty[i] *= (50.0, 2.0**16, 2.0**16, 2.0**16, math.inf)[(30, 100, 101, 102, 200).index(i)]
+    sequences.append(faulty)
+    sequences.append([1, 2, 1, 2, 1, 2, 1, 500, 5000, 1e5, 2e6, NAN, 1.0, 0.0])
+    return sequences
+
+
+@pytest.mark.parametrize("rule", ["v1", "v3"])
+def test_ratio_off_leaves_the_rules_verdicts_and_state_unchanged(rule):
+    for sequence in ratio_sequences():
+        stats = [statistic(rule, m) for m in sequence]
+        plain = V1Detector() if rule == "v1" else V3Detector()
+        off = SdcDetector(rule, ["p"], ratio=0.0)
+        huge = SdcDetector(rule, ["p"], ratio=1e150)  # on, but never reached: the rule's verdicts alone
+        for step, value in enumerate(stats):
+            verdict = plain.check(value)
+            assert [(d.level, d.reason, d.thresholds, d.state) for d in off.detect([value], step)] == (
+                [(verdict.level, verdict.reason, verdict.thresholds, verdict.state)] if verdict.level else [])
+            assert [(d.level, d.reason, d.thresholds) for d in huge.detect([value], step)] == (
+                [(verdict.level, verdict.reason, verdict.thresholds)] if verdict.level else [])
+            assert off.point("p").state_dict() == plain.state_dict()  # no "recent" while off
+            assert {k: v for k, v in huge.point("p").state_dict().items() if k != "recent"} == plain.state_dict()
+
+
+@pytest.mark.parametrize("rule", ["v1", "v3"])
+def test_ratio_catches_a_x50_jump_after_the_warm_up_that_the_rule_alone_misses(rule):
+    warm = 7 if rule == "v1" else 10
+    clean = [1.0, 1.2, 0.9, 1.1] * 5
+    for ratio in (0.0, 10.0):
+        detector = SdcDetector(rule, ["p"], ratio=ratio)
+        # during the warm-up a x50 value is judged by the rule alone (and absorbed)
+        for step, m in enumerate(clean[:warm - 1] + [50.0] + clean):
+            assert detector.detect([statistic(rule, m)], step) == []
+        found = detector.detect([statistic(rule, 50.0 * 1.2)], 99)
+        if not ratio:
+            assert found == []  # the rule alone: v1's jump 59/spread < 5000, v3 only suspect (< 1e6 avg)
+            continue
+        assert [(d.level, d.reason) for d in found] == [(1, "ratio")]
+        baseline = statistic(rule, 1.2)  # max of the last 16 clean values (the warm-up's 50 has left it)
+        assert found[0].thresholds["ratio"] == 10.0 and found[0].thresholds["baseline"] == baseline
+        assert found[0].thresholds["limit"] == pytest.approx(baseline * (10.0 if rule == "v1" else 100.0))
+        assert found[0].state["ratio_baseline"] == baseline
+        assert ABNORMAL in format_detection(found[0], 99, 0, "h", 0) and "(ratio)" in format_detection(found[0], 99, 0, "h", 0)
+
+
+@pytest.mark.parametrize("rule", ["v1", "v3"])
+def test_ratio_is_in_gradient_units_and_its_boundary_is_strict(rule):
+    detector = V1Detector(ratio=10.0) if rule == "v1" else V3Detector(ratio=10.0)
+    for m in [1.0, 2.0] * 6:
+        assert detector.check(statistic(rule, m)).level == 0
+    limit = 20.0 if rule == "v1" else 400.0  # 10 x max(recent) of the gradient: 10 * 2 (v3: (10 * 2)²)
+    assert detector.check(limit).level == 0  # at the limit: clean, and absorbed
+    assert detector.check(math.nextafter(limit * 10 if rule == "v1" else limit * 100, math.inf)).reason == "ratio"
+
+
+@pytest.mark.parametrize("rule", ["v1", "v3"])
+def test_ratio_alarmed_values_never_enter_the_baseline_nor_the_rules_state(rule):
+    detector = V1Detector(ratio=10.0) if rule == "v1" else V3Detector(ratio=10.0)
+    for m in [1.0, 1.1] * 10:
+        detector.check(statistic(rule, m))
+    before = detector.state_dict()
+    assert before["recent"] == [statistic(rule, m) for m in [1.0, 1.1] * 8]
+    for _ in range(5):  # a persistent x100 fault keeps alarming: it never becomes the baseline
+        verdict = detector.check(statistic(rule, 110.0))
+        assert (verdict.level, verdict.reason) == (1, "ratio")
+        assert detector.state_dict() == before
+    detector.check(statistic(rule, 1.05))
+    assert detector.state_dict()["recent"][-1] == statistic(rule, 1.05) and len(detector.state_dict()["recent"]) == 16
+    assert detector.check(NAN).reason == "non-finite"  # non-finite stays the rule's, never absorbed
+
+
+@pytest.mark.parametrize("rule", ["v1", "v3"])
+def test_ratio_state_survives_a_weights_only_checkpoint(rule):
+    rng = np.random.default_rng(1)
+    values = np.exp(rng.normal(0, 0.3, size=(40, 2))).tolist()
+    values[30][0] *= 1e3
+    a = SdcDetector(rule, ["p0", "p1"], ratio=10.0)
+    for step, row in enumerate(values[:25]):
+        a.detect(row, step)
+    saved = roundtrip(a.state_dict())
+    assert len(saved["points"]["p0"]["recent"]) == 16
+    b = SdcDetector(rule, ["p0", "p1"], ratio=10.0)
+    b.load_state_dict(saved)
+    assert b.state_dict() == a.state_dict()
+    for step, row in enumerate(values[25:], start=25):
+        assert a.detect(row, step) == b.detect(row, step)
+    assert a.detections_total >= 1 and a.state_dict() == b.state_dict()
+    # a state saved with the criterion off loads (the baseline refills); ratio off drops a saved baseline
+    c = SdcDetector(rule, ["p0", "p1"], ratio=10.0)
+    c.load_state_dict(roundtrip(SdcDetector(rule, ["p0", "p1"]).state_dict()))
+    point = c.point("p0")
+    point.load_state_dict({**a.point("p0").state_dict(), "recent": [1.0] * 3})  # past the warm-up, short baseline
+    assert point.ratio_bound(True) is None  # waits for the warm-up's number of values
+    point.recent = [1.0] * (7 if rule == "v1" else 10)
+    assert point.ratio_bound(True) is not None
+    off = SdcDetector(rule, ["p0", "p1"])
+    off.load_state_dict(saved)
+    assert "recent" not in off.state_dict()["points"]["p0"]
+    for bad in ("x", [1.0, "x"], [NAN], [1.0] * 17):
+        broken = roundtrip(a.state_dict())
+        broken["points"]["p0"]["recent"] = bad
+        with pytest.raises(CheckpointError, match="sdc detector state is malformed"):
+            SdcDetector(rule, ["p0"], ratio=10.0).load_state_dict(broken)
+
+
+def test_ratio_config_key_and_from_config():
+    assert SdcConfig().ratio == 0.0
+    config = SdcConfig(rule="v1", ratio=10)
+    config.validate()
+    assert config.ratio == 10.0 and isinstance(config.ratio, float)
+    assert SdcDetector.from_config(config, ["x"]).point("x").ratio == 10.0
+    for bad in (1, 0.5, -2, math.inf, math.nan, True, "10"):
+        with pytest.raises(ConfigError, match=r"guards\.sdc\.ratio"):
+            SdcConfig(ratio=bad).validate()
+        if not isinstance(bad, (bool, str)):
+            with pytest.raises(ValueError, match="ratio must be 0"):
+                SdcDetector("v1", ratio=bad)
+
+
 # ------------------------------------------------------------------------------------ log lines
 def test_level_1_line_is_an_error_with_the_reference_keyword_and_every_field():
     detection = Detection("model.layers.0.input_layernorm", 1, 3.5e9, {"upper": 1e6, "sigma": 1e5}, "v1", "upper",

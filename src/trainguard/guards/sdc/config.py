@@ -63,6 +63,9 @@ class SdcConfig:
     strikes: int = 3  # strikes within the window that mark a device faulty
     strike_window_hours: float = 8.0
     points: list[str] = field(default_factory=list)  # extra detection points: dotted module names
+    # trainguard's ratio criterion, on top of either rule: after the warm-up, level 1 when a point's value
+    # exceeds ratio x the max of its last 16 clean values (v3: ratio**2, max(g²) being a square); 0 = off
+    ratio: float = 0.0
 
     @property
     def enabled(self) -> bool:
@@ -99,6 +102,11 @@ class SdcConfig:
         if not isinstance(points, (list, tuple)) or not all(isinstance(p, str) and p for p in points):
             raise ConfigError(f"config key guards.sdc.points must be a list of module names, got {points!r}")
         self.points = list(points)
+        ratio = self.ratio
+        if (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not math.isfinite(ratio)
+                or not (ratio == 0 or ratio > 1)):
+            raise ConfigError(f"config key guards.sdc.ratio must be 0 (off) or a finite number > 1, got {ratio!r}")
+        self.ratio = float(ratio)
 
 
 def parse_pair(value: Any, what: str) -> tuple[int, int]:

@@ -34,6 +34,25 @@ v3 (bias-corrected EMA, a Markov-inequality bound)
     larger than ``thr1``, while a persistent fault keeps alarming at every step. While ``avg`` is 0
     (every clean value so far was 0) there is no bound: only NaN/Inf alarm. v3 has no level 2.
 
+ratio (trainguard's criterion, off by default: ``guards.sdc.ratio``; applies on top of either rule)
+    Per point: ``recent``, the last ``RATIO_WINDOW`` (16) values the point took as clean (every finite
+    value that did not end up level 1: v1's level 0 and 2, v3's clean and suspect values); the
+    baseline is ``max(recent)``. Once the rule's warm-up is over (v1 ``count >= 7``, v3 ``n >= 10``)
+    and the baseline is > 0, a finite value that the rule did not already make level 1 is level 1
+    with reason ``"ratio"`` when
+
+    - v1 (L2 norm): ``val > ratio * baseline``;
+    - v3 (max g²): ``val > ratio**2 * baseline``: the ratio is in gradient units for both rules, so
+      the same ``ratio`` means the same growth of the gradient (``max(g²)`` grows as its square).
+
+    Such a value is a level-1 alarm like any other: it does not enter ``recent`` nor the rule's
+    state. Taking the max of the recent clean values (not the last one, not the whole run's spread)
+    lets ordinary step-to-step noise and the shrinking of gradients during training through, while a
+    sudden ×ratio jump over everything seen lately is caught. A legitimate, lasting growth by more
+    than ``ratio`` keeps alarming (nothing alarmed enters the baseline), as a persistent fault does.
+    After loading a state saved with the criterion off, it waits until ``recent`` holds the
+    warm-up's number of values again. With ``ratio = 0`` (the default) nothing is tracked and v1/v3 behave exactly as described above.
+
 Checkpointing: ``state_dict()`` holds plain ints, floats, strings, lists and dicts (loads with
 ``torch.load(weights_only=True)``); the state is per rank (each rank sees its own gradients).
 """
@@ -59,6 +78,7 @@ V3_BETA = 0.99
 V3_MIN_STEPS = 10
 V3_A1 = 1e6
 V3_A2 = 100.0
+RATIO_WINDOW = 16  # clean values the ratio baseline looks back on (their max)
 
 STATISTIC = {"v1": "l2", "v3": "max_sq"}  # the statistic each rule judges (DetectionPoints(statistic=...))
 LOG_LEVELS = {1: logging.ERROR, 2: logging.WARNING}
@@ -73,7 +93,7 @@ class Verdict:
     """One point's judgement of one value."""
 
     level: int  # 0 clean (or suspect), 1 abnormal, 2 warning
-    reason: str  # "" | "non-finite" | "upper" | "jump" | "markov" | "suspect" (level 0, v3)
+    reason: str  # "" | "non-finite" | "upper" | "jump" | "markov" | "ratio" | "suspect" (level 0, v3)
     thresholds: dict[str, float]  # the thresholds of the level reported (level 0: those of level 2 for v1)
     state: dict[str, float]  # the state the value was judged against (v1 adds "jump" once it applies)
 
@@ -82,13 +102,61 @@ def _finite(value: float) -> bool:
     return math.isfinite(value)
 
 
-class V1Detector:
-    """The v1 rule for one detection point."""
+def _check_ratio(ratio: float) -> float:
+    ratio = float(ratio)
+    if not math.isfinite(ratio) or not (ratio == 0 or ratio > 1):
+        raise ValueError(f"ratio must be 0 (off) or a finite number > 1, got {ratio!r}")
+    return ratio
+
+
+class _RatioBaseline:
+    """The ratio criterion's per-point part: the recent clean values and the bound they give."""
+
+    ratio: float
+    recent: list[float]
+    min_steps: int
+    exponent: int  # 1 for a statistic that scales like the gradient (l2), 2 for its square (max_sq)
+
+    def ratio_bound(self, warmed_up: bool) -> tuple[float, float] | None:
+        """``(baseline, limit)`` when the criterion applies, else None."""
+        # len(recent) >= min_steps: the same as the warm-up in a run, and a baseline of several values
+        # after loading a state saved with the criterion off
+        if self.ratio <= 0 or not warmed_up or len(self.recent) < min(self.min_steps, RATIO_WINDOW):
+            return None
+        baseline = max(self.recent)
+        if baseline <= 0:
+            return None
+        return baseline, baseline * self.ratio ** self.exponent
+
+    def ratio_thresholds(self, bound: tuple[float, float]) -> dict[str, float]:
+        return {"ratio": self.ratio, "baseline": bound[0], "limit": bound[1]}
+
+    def remember(self, value: float) -> None:
+        if self.ratio > 0:
+            self.recent.append(value)
+            del self.recent[:-RATIO_WINDOW]
+
+    def _ratio_state(self) -> dict[str, Any]:
+        return {"recent": [float(v) for v in self.recent]} if self.ratio > 0 else {}
+
+    def _load_ratio_state(self, state: dict[str, Any]) -> list[float]:
+        """The saved ``recent`` (validated), or [] for a state saved without the criterion."""
+        recent = state.get("recent", [])
+        if not isinstance(recent, list) or len(recent) > RATIO_WINDOW:
+            raise ValueError(f"recent must be a list of at most {RATIO_WINDOW} numbers, got {recent!r}")
+        return [_float({"recent": v}, "recent") for v in recent]
+
+
+class V1Detector(_RatioBaseline):
+    """The v1 rule for one detection point (plus the ratio criterion when ``ratio > 0``)."""
 
     rule = "v1"
+    exponent = 1
 
     def __init__(self, upper: Sequence[float] = DEFAULT_UPPER, sigma: Sequence[float] = DEFAULT_SIGMA,
-                 min_steps: int = V1_MIN_STEPS):
+                 min_steps: int = V1_MIN_STEPS, ratio: float = 0.0):
+        self.ratio = _check_ratio(ratio)
+        self.recent: list[float] = []
         self.upper = (float(upper[0]), float(upper[1]))
         self.sigma = (float(sigma[0]), float(sigma[1]))
         self.min_steps = int(min_steps)
@@ -125,9 +193,16 @@ class V1Detector:
                 level, reason = candidate, "jump"
             if level:
                 break
+        thresholds = self._thresholds(level or 2)
+        if level != 1:
+            bound = self.ratio_bound(self.count >= self.min_steps)
+            if bound is not None:
+                state["ratio_baseline"] = bound[0]
+                if value > bound[1]:
+                    level, reason, thresholds = 1, "ratio", self.ratio_thresholds(bound)
         if level != 1:
             self._absorb(value)
-        return Verdict(level, reason, self._thresholds(level or 2), state)
+        return Verdict(level, reason, thresholds, state)
 
     def _thresholds(self, level: int) -> dict[str, float]:
         return {"upper": self.upper[level - 1], "sigma": self.sigma[level - 1]}
@@ -140,26 +215,33 @@ class V1Detector:
             self.max_val = max(self.max_val, value)
         self.pre_val = value
         self.count += 1
+        self.remember(value)
 
     def state_dict(self) -> dict[str, Any]:
         return {"pre_val": float(self.pre_val), "min_val": float(self.min_val), "max_val": float(self.max_val),
-                "count": int(self.count)}
+                "count": int(self.count), **self._ratio_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         values = {key: _float(state, key) for key in ("pre_val", "min_val", "max_val")}
         count = _count(state, "count")
+        recent = self._load_ratio_state(state)
         self.pre_val, self.min_val, self.max_val = values["pre_val"], values["min_val"], values["max_val"]
         self.count = count
+        self.recent = recent if self.ratio > 0 else []
 
 
-class V3Detector:
-    """The v3 rule for one detection point."""
+class V3Detector(_RatioBaseline):
+    """The v3 rule for one detection point (plus the ratio criterion when ``ratio > 0``)."""
 
     rule = "v3"
+    exponent = 2  # max(g²) grows as the square of the gradient
 
-    def __init__(self, a1: float = V3_A1, a2: float = V3_A2, beta: float = V3_BETA, min_steps: int = V3_MIN_STEPS):
+    def __init__(self, a1: float = V3_A1, a2: float = V3_A2, beta: float = V3_BETA, min_steps: int = V3_MIN_STEPS,
+                 ratio: float = 0.0):
         if not 0 < a2 < a1:
             raise ValueError(f"v3 needs 0 < a2 < a1, got a1={a1!r}, a2={a2!r}")
+        self.ratio = _check_ratio(ratio)
+        self.recent: list[float] = []
         self.a1 = float(a1)
         self.a2 = float(a2)
         self.beta = float(beta)
@@ -185,26 +267,35 @@ class V3Detector:
         if not _finite(value):
             return Verdict(1, "non-finite", thresholds, state)
         if bounds is not None:
-            thr1, thr2 = bounds
+            thr1 = bounds[0]
             if value > thr1 and abs(value - self.pre_val) > thr1:
                 return Verdict(1, "markov", thresholds, state)
-            if value > thr2:
-                self.pre_val = value
-                self.suspect_total += 1
-                return Verdict(0, "suspect", thresholds, state)
+        bound = self.ratio_bound(self.n >= self.min_steps)
+        if bound is not None:
+            state["ratio_baseline"] = bound[0]
+            if value > bound[1]:
+                return Verdict(1, "ratio", {**thresholds, **self.ratio_thresholds(bound)}, state)
+        if bounds is not None and value > bounds[1]:
+            self.pre_val = value
+            self.suspect_total += 1
+            self.remember(value)
+            return Verdict(0, "suspect", thresholds, state)
         self.avg = self.beta * self.avg + (1.0 - self.beta) * value
         self.n += 1
         self.pre_val = value
+        self.remember(value)
         return Verdict(0, "", thresholds, state)
 
     def state_dict(self) -> dict[str, Any]:
         return {"avg": float(self.avg), "n": int(self.n), "pre_val": float(self.pre_val),
-                "suspect_total": int(self.suspect_total)}
+                "suspect_total": int(self.suspect_total), **self._ratio_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         avg, pre_val = _float(state, "avg"), _float(state, "pre_val")
         n, suspect_total = _count(state, "n"), _count(state, "suspect_total")
+        recent = self._load_ratio_state(state)
         self.avg, self.n, self.pre_val, self.suspect_total = avg, n, pre_val, suspect_total
+        self.recent = recent if self.ratio > 0 else []
 
 
 PointDetector = V1Detector | V3Detector
@@ -246,9 +337,10 @@ class SdcDetector:
     """One rule, one detector per detection point (created on a point's first value), keyed by name."""
 
     def __init__(self, rule: str = "v1", names: Sequence[str] = (), *, upper: Sequence[float] = DEFAULT_UPPER,
-                 sigma: Sequence[float] = DEFAULT_SIGMA, a1: float = V3_A1, a2: float = V3_A2):
+                 sigma: Sequence[float] = DEFAULT_SIGMA, a1: float = V3_A1, a2: float = V3_A2, ratio: float = 0.0):
         if rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+        self.ratio = _check_ratio(ratio)
         self.rule = rule
         self.names = list(names)
         self.upper = tuple(upper)
@@ -260,7 +352,7 @@ class SdcDetector:
 
     @classmethod
     def from_config(cls, config: SdcConfig, names: Sequence[str] = ()) -> SdcDetector:
-        return cls(config.rule, names, upper=config.upper, sigma=config.sigma)
+        return cls(config.rule, names, upper=config.upper, sigma=config.sigma, ratio=config.ratio)
 
     @property
     def statistic(self) -> str:
@@ -269,12 +361,14 @@ class SdcDetector:
     def point(self, name: str) -> PointDetector:
         detector = self.points.get(name)
         if detector is None:
-            if self.rule == "v1":
-                detector = V1Detector(self.upper, self.sigma)
-            else:
-                detector = V3Detector(self.a1, self.a2)
+            detector = self._new_point()
             self.points[name] = detector
         return detector
+
+    def _new_point(self) -> PointDetector:
+        if self.rule == "v1":
+            return V1Detector(self.upper, self.sigma, ratio=self.ratio)
+        return V3Detector(self.a1, self.a2, ratio=self.ratio)
 
     def detect(self, values: Sequence[float], step: int, names: Sequence[str] | None = None) -> list[Detection]:
         """Judges one step's values (``values[i]`` belongs to ``names[i]``, by default the names given at
@@ -325,7 +419,7 @@ class SdcDetector:
                 for name, point_state in points.items():
                     if not isinstance(name, str) or not isinstance(point_state, dict):
                         raise TypeError(f"bad entry for point {name!r}")
-                    detector = V1Detector(self.upper, self.sigma) if rule == "v1" else V3Detector(self.a1, self.a2)
+                    detector = self._new_point()
                     detector.load_state_dict(point_state)
                     restored[name] = detector
         except KeyError as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 import sys
@@ -31,3 +32,11 @@ def median(values: list[float]) -> float:
 
 def rel(new: float, base: float) -> float:
     return (new - base) / base
+
+
+def silence_console(logger_name: str = "trainguard") -> None:
+    """Drops the trainer's console handlers (its per-rank log files stay) so the table stays readable."""
+    logger = logging.getLogger(logger_name)
+    for handler in list(logger.handlers):
+        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+            logger.removeHandler(handler)

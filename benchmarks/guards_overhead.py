@@ -56,7 +56,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import logging
 import os
 import platform
 import shutil
@@ -71,7 +70,7 @@ TARGET_OVERHEAD = 0.01  # (on - off) / off median step time, at most
 
 MODES = ("off", "on")
 
-from common import median, rel, relaunch_under_torchrun, schedule
+from common import silence_console, median, rel, relaunch_under_torchrun, schedule
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -361,10 +360,7 @@ def main(argv: list[str]) -> int:
 
     try:
         trainer = Trainer(config, run_dir)
-        logger = logging.getLogger("trainguard")
-        for handler in list(logger.handlers):
-            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
-                logger.removeHandler(handler)
+        silence_console()
         trainer.step = trainer.checkpoints.resume()
         guard = trainer.skip_guard
         assert guard is not None and trainer.monitor_embedding

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import platform
 import shutil
@@ -40,7 +39,7 @@ from typing import Any
 TARGET_OVERHEAD = 0.01
 MODES = ("off", "on")
 
-from common import median, rel, schedule
+from common import silence_console, median, rel, schedule
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -78,10 +77,7 @@ def main(argv: list[str]) -> int:
     run_dir = Path(tempfile.mkdtemp(prefix="trainguard-sdc-bench-"))
     try:
         trainer = Trainer(config, run_dir)
-        logger = logging.getLogger("trainguard")
-        for handler in list(logger.handlers):
-            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
-                logger.removeHandler(handler)
+        silence_console()
         guard = trainer.sdc
         assert guard is not None
         names = list(guard.points.names)

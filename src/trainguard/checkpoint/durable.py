@@ -58,6 +58,7 @@ from trainguard.checkpoint.safe_load import load_dcp_metadata, safe_torch_load
 from trainguard.checkpoint.staging import ReusableStager
 from trainguard.errors import CheckpointError
 from trainguard.events import EventLog
+from trainguard.guards.health import marked_unhealthy, record_health, unhealthy_names
 
 
 # Optimizer state keyed by parameter name ("param_groups.<fqn>.lr"), never by group index: pipeline
@@ -70,7 +71,7 @@ def _marked_unhealthy(ckpt_dir: Path) -> bool:
         health = read_manifest(ckpt_dir).health
     except CheckpointError:
         return True  # unreadable: not a checkpoint worth protecting
-    return bool(health) and health.get("is_health") == 1
+    return marked_unhealthy(health)
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -450,9 +451,7 @@ class DurableCheckpointer:
             self.events.emit("checkpoint_deleted", step=step, reason="replaced by a redone step", tier="durable")
         commit_directory(tmp, final)
         if job.health is not None:
-            from trainguard.guards.health import record_health
-
-            record_health(self.root / HEALTH_FILE, final.name, job.health.get("is_health") == 1)
+            record_health(self.root / HEALTH_FILE, final.name, marked_unhealthy(job.health))
         write_latest(self.root, step)
         self.last_committed = step
         size = sum(entry.size for entry in manifest.files)
@@ -470,7 +469,9 @@ class DurableCheckpointer:
 
     def _apply_retention(self, committed: int) -> None:
         steps = [s for s in (parse_step_dir(p.name) for p in self.root.iterdir()) if s is not None]
-        unhealthy = [s for s in steps if s <= committed and _marked_unhealthy(self.root / step_dir_name(s))]
+        recorded = unhealthy_names(self.root / HEALTH_FILE)
+        unhealthy = [s for s in steps if s <= committed and (step_dir_name(s) in recorded
+                                                             or _marked_unhealthy(self.root / step_dir_name(s)))]
         for step in retention_after_commit(steps, committed, unhealthy, self.keep_last, self.keep_every):
             remove_directory_crash_safe(self.root / step_dir_name(step))
             self.events.emit("checkpoint_deleted", step=step, reason="retention", tier="durable")

@@ -14,7 +14,7 @@ from trainguard.checkpoint.discovery import CheckpointInfo, find_resume_checkpoi
 from trainguard.checkpoint.layout import HEALTH_FILE
 from trainguard.checkpoint.manifest import read_manifest, verify_checkpoint
 from trainguard.errors import CheckpointError, ConfigError, NoCheckpointError
-from trainguard.guards.health import NO_HEALTHY_CHECKPOINT_MESSAGE, unhealthy_names
+from trainguard.guards.health import NO_HEALTHY_CHECKPOINT_MESSAGE, marked_unhealthy, unhealthy_names
 
 
 def check_explicit_resume_path(path: Path) -> None:
@@ -32,7 +32,7 @@ def health_rejection(root: Path) -> Callable[[CheckpointInfo], str | None]:
 
     def reject(info: CheckpointInfo) -> str | None:
         health = info.manifest.health if info.manifest else None
-        if (health and health.get("is_health") == 1) or info.name in recorded_unhealthy:
+        if marked_unhealthy(health) or info.name in recorded_unhealthy:
             detail = ""
             if health and "embedding_local_norm" in health:
                 detail = f": embedding local norm {health['embedding_local_norm']} > {health.get('threshold')}"
@@ -56,8 +56,7 @@ def choose_resume_checkpoint(
         bad = verify_checkpoint(path)
         if bad:
             raise NoCheckpointError(f"--resume {path}: {path / bad[0].path}: {bad[0].reason}")
-        health = read_manifest(path).health
-        if health and health.get("is_health") == 1:
+        if marked_unhealthy(read_manifest(path).health):
             warn(f"resuming from {path} as asked, although it is marked unhealthy")
         return path
     if not root.is_dir():

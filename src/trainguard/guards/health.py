@@ -51,6 +51,11 @@ def is_unhealthy(max_embedding_local_norm: float, threshold: float) -> bool:
     return not math.isfinite(norm) or norm > threshold
 
 
+def marked_unhealthy(health: dict | None) -> bool:
+    """A manifest's health verdict (``{"is_health": 1, ...}``; 1 = unhealthy, None = not monitored)."""
+    return bool(health) and health.get("is_health") == 1
+
+
 def _validate(path: Path, records: Any) -> list[dict]:
     expected = 'expected a JSON list of {"is_health": 0|1, "ckpt_name": "..."}'
     if not isinstance(records, list):

@@ -1,0 +1,38 @@
+"""``trainguard status RUN_DIR``: one screen on a live or finished run."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from trainguard.report.facts import RunFacts, read_run
+from trainguard.report.summary import status_rows
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("status", help="one screen on a live or finished run")
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (--run-dir of trainguard train)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    facts = read_run(args.run_dir)
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)
+    console.print(status_table(facts))
+    for note in facts.notes:
+        console.print(f"note: {note}", markup=False, highlight=False)
+    return 0
+
+
+def status_table(facts: RunFacts) -> Table:
+    table = Table(box=box.SIMPLE, show_header=False, pad_edge=False)
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column()
+    for label, value in status_rows(facts):
+        table.add_row(label, value)
+    return table

@@ -1,17 +1,15 @@
-"""The report's figures, drawn with matplotlib's Agg backend (no display) and returned as PNG bytes."""
+"""The report's figures, drawn with matplotlib's Agg canvas (no display, no pyplot state) as PNG bytes."""
 
 from __future__ import annotations
 
 import io
 import math
 
-import matplotlib
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
-from matplotlib.lines import Line2D  # noqa: E402
-
-from trainguard.report.facts import RunFacts  # noqa: E402
+from trainguard.report.facts import RunFacts
 
 HEALTH_COLOURS = {"healthy": "#2e9d4a", "unhealthy": "#d62728", None: "#8c8c8c"}
 SKIP_COLOUR = "#d62728"
@@ -23,9 +21,13 @@ EXCLUDED_COLOUR = "#8c564b"
 
 def _png(fig) -> bytes:
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
-    plt.close(fig)
+    FigureCanvasAgg(fig).print_png(buffer)
     return buffer.getvalue()
+
+
+def _figure(width: float, height: float):
+    fig = Figure(figsize=(width, height), dpi=100, layout="tight")
+    return fig, fig.subplots()
 
 
 def _finite(value: float | None) -> bool:
@@ -45,7 +47,7 @@ def _label(attempt: int, many: bool) -> str:
 
 
 def loss_plot(facts: RunFacts) -> bytes:
-    fig, ax = plt.subplots(figsize=(10, 3.6))
+    fig, ax = _figure(10, 3.6)
     many = len({p.attempt for p in facts.steps}) > 1
     for attempt, steps, values in _per_attempt(facts, "loss"):
         ax.plot(steps, values, lw=1.3, label=_label(attempt, many))
@@ -63,7 +65,7 @@ def loss_plot(facts: RunFacts) -> bytes:
 
 
 def grad_norm_plot(facts: RunFacts) -> bytes:
-    fig, ax = plt.subplots(figsize=(10, 3.6))
+    fig, ax = _figure(10, 3.6)
     many = len({p.attempt for p in facts.steps}) > 1
     finite_norms = [p.global_norm for p in facts.steps if _finite(p.global_norm) and p.global_norm > 0]
     for attempt, steps, values in _per_attempt(facts, "global_norm"):
@@ -107,7 +109,7 @@ def timeline_plot(facts: RunFacts) -> bytes:
     incidents, exclusions and detections as vertical lines."""
     t0 = facts.first_time or min((c.time for c in facts.checkpoints if c.time is not None), default=0.0)
     tiers = sorted({c.tier for c in facts.checkpoints}, key=lambda t: (t != "durable", t != "local", t)) or ["durable"]
-    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.6 * len(tiers)))
+    fig, ax = _figure(10, 1.4 + 0.6 * len(tiers))
     for ckpt in facts.checkpoints:
         if ckpt.time is None:
             continue

@@ -59,7 +59,7 @@ TARGET_ASYNC_BLOCK = 0.05  # trainguard async save() blocking time / trainguard 
 
 METHODS = ["raw", "torch_save", "dcp", "tg_sync", "tg_async", "tg_async_first"]
 
-from common import median, relaunch_under_torchrun
+from common import median, print_result, relaunch_under_torchrun
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -71,7 +71,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dir", default=None, help="where to write (a temporary directory is made inside; default /tmp)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     p.add_argument("--ranks", type=int, default=2, help="ranks when not started by torchrun (default 2)")
+    p.add_argument("--quick", action="store_true", help="a small variant: --gib 0.25 --repeats 2")
     args = p.parse_args(argv)
+    if args.quick:
+        args.gib, args.repeats = 0.25, 2
     if args.repeats < 1 or args.warmup < 0 or args.gib <= 0 or args.width < 1:
         p.error("--repeats >= 1, --warmup >= 0, --gib > 0 and --width >= 1 are required")
     return args
@@ -561,6 +564,15 @@ def main(argv: list[str]) -> int:
         }
         meta["xxh3_from_memory_gb_per_s"] = xxh3_rate(tensors)
         print_report(summary, meta)
+        rows, ratios = summary["rows"], summary["ratios"]
+        print_result("durable save throughput (GB/s), trainguard sync vs raw write+fsync",
+                     rows["tg_sync"]["gb_per_s"], rows["raw"]["gb_per_s"],
+                     ratios["tg_sync_throughput_vs_raw"]["target"], ratios["tg_sync_throughput_vs_raw"]["met"],
+                     state_gib=state_bytes / 2**30)
+        print_result("async save: seconds the loop is blocked vs a sync save",
+                     rows["tg_async.blocked"]["median_s"], rows["tg_sync"]["median_s"],
+                     ratios["tg_async_blocked_vs_tg_sync"]["target"], ratios["tg_async_blocked_vs_tg_sync"]["met"],
+                     state_gib=state_bytes / 2**30)
         if args.json:
             Path(args.json).write_text(json.dumps({"meta": meta, **summary}, indent=2) + "\n")
             print(f"wrote {args.json}")

@@ -40,3 +40,15 @@ def silence_console(logger_name: str = "trainguard") -> None:
     for handler in list(logger.handlers):
         if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
             logger.removeHandler(handler)
+
+
+def print_result(figure: str, trainguard: float, baseline: float, target: str, met: bool, **extra) -> None:
+    """The machine-readable line ``benchmarks/run_all`` collects (one per figure); ratio = trainguard / baseline."""
+    import json
+    import math
+
+    ratio = trainguard / baseline if baseline else float("nan")
+    record = {"figure": figure, "trainguard": trainguard, "baseline": baseline, "ratio": ratio, "target": target,
+              "met": bool(met), **extra}
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+    print("RESULT " + json.dumps(clean), flush=True)

@@ -266,9 +266,10 @@ def _from_events(events: list[dict], facts: RunFacts) -> None:
     facts.last_event_time = _time(events[-1])
     attempt_events = _split_attempts(events)
     verdicts: dict[int, str] = {}
+    saved: dict[int, float] = {}  # step -> time of its latest checkpoint_saved
     for index, chunk in enumerate(attempt_events):
         for event in chunk:
-            _one_event(event, index, facts, verdicts)
+            _one_event(event, index, facts, verdicts, saved)
     facts.detections = [
         Detection(d.step, d.time, d.rank, d.point, d.level, d.value, d.rule, d.device, verdicts.get(d.step))
         if d.step is not None else d
@@ -290,7 +291,7 @@ def _split_attempts(events: list[dict]) -> list[list[dict]]:
     return chunks
 
 
-def _one_event(event: dict, attempt: int, facts: RunFacts, verdicts: dict[int, str]) -> None:
+def _one_event(event: dict, attempt: int, facts: RunFacts, verdicts: dict[int, str], saved: dict[int, float]) -> None:
     kind = event.get("kind")
     t = _time(event)
     step = _int(event.get("step"))
@@ -321,12 +322,19 @@ def _one_event(event: dict, attempt: int, facts: RunFacts, verdicts: dict[int, s
         facts.checkpoints.append(CheckpointFact(
             step, tier, t, name=Path(path).name if path else f"global_step_{step}", seconds=number(event.get("seconds")),
             size_bytes=_int(event.get("bytes"))))
+    elif kind == "checkpoint_saved" and step is not None:
+        saved[step] = t
     elif kind == "checkpoint_deleted" and step is not None:
         tier = str(event.get("tier") or "durable")
+        reason = str(event.get("reason") or "deleted")
         for ckpt in reversed(facts.checkpoints):
             if ckpt.step == step and ckpt.tier == tier and ckpt.deleted is None:
-                ckpt.deleted = str(event.get("reason") or "deleted")
+                ckpt.deleted = reason
                 break
+        else:
+            # Committed by a process killed before it could log the commit: placed at its save.
+            facts.checkpoints.append(CheckpointFact(step, tier, saved.get(step), name=f"global_step_{step}",
+                                                    deleted=reason))
     elif kind == "fault_injected":
         facts.faults.append(event)
     elif kind == "run_finished":

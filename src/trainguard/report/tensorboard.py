@@ -40,8 +40,9 @@ def write_scalars(facts: RunFacts) -> Path | None:
             for tag, value in (("train/loss", point.loss), ("train/global_norm", point.global_norm)):
                 if value is not None and math.isfinite(value):
                     writer.add_scalar(tag, value, step, walltime=point.time)
-            writer.add_scalar("guards/skipped", float(point.skipped), step, walltime=point.time)
+        # Every skip of every attempt: a step skipped and later redone without a spike still shows.
         for skip in facts.skips:
+            writer.add_scalar("guards/skipped", 1.0, skip.step, walltime=skip.time)
             if skip.threshold is not None and math.isfinite(skip.threshold):
                 writer.add_scalar("guards/skip_threshold", skip.threshold, skip.step, walltime=skip.time)
         per_step: dict[int, int] = {}

@@ -42,6 +42,11 @@ def _per_attempt(facts: RunFacts, attr: str):
             yield attempt, [p.step for p in points], [getattr(p, attr) for p in points]
 
 
+def _points(steps: list[int]) -> dict:
+    """Markers on short curves, so that a start of the run with a single step is still visible."""
+    return {"marker": "o", "markersize": 3} if len(steps) <= 60 else {}
+
+
 def _label(attempt: int, many: bool) -> str:
     return ("first run" if attempt == 0 else f"after restart {attempt}") if many else "run"
 
@@ -50,7 +55,7 @@ def loss_plot(facts: RunFacts) -> bytes:
     fig, ax = _figure(10, 3.6)
     many = len({p.attempt for p in facts.steps}) > 1
     for attempt, steps, values in _per_attempt(facts, "loss"):
-        ax.plot(steps, values, lw=1.3, label=_label(attempt, many))
+        ax.plot(steps, values, lw=1.3, label=_label(attempt, many), **_points(steps))
     loss_at = {p.step: p.loss for p in facts.steps if _finite(p.loss)}
     skipped = sorted({s.step for s in facts.skips if s.step in loss_at})
     if skipped:
@@ -69,7 +74,7 @@ def grad_norm_plot(facts: RunFacts) -> bytes:
     many = len({p.attempt for p in facts.steps}) > 1
     finite_norms = [p.global_norm for p in facts.steps if _finite(p.global_norm) and p.global_norm > 0]
     for attempt, steps, values in _per_attempt(facts, "global_norm"):
-        ax.plot(steps, values, lw=1.3, label=_label(attempt, many))
+        ax.plot(steps, values, lw=1.3, label=_label(attempt, many), **_points(steps))
     if facts.skip_threshold is not None:
         ax.axhline(facts.skip_threshold, color=SKIP_COLOUR, ls="--", lw=1, label=f"skip threshold {facts.skip_threshold:g}")
     thresholds = [(s.step, s.threshold) for s in facts.skips if _finite(s.threshold)]

@@ -88,10 +88,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dir", default=None, help="where the run directory is made (deleted after; default /tmp)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     p.add_argument("--ranks", type=int, default=4, help="ranks when not started by torchrun (default 4)")
-    p.add_argument("--quick", action="store_true", help="a small variant: --cycles 3 --warmup 2 --calls 200")
+    p.add_argument("--quick", action="store_true", help="a small variant: --preset llama-tiny --cycles 3 --warmup 2 --calls 200")
     args = p.parse_args(argv)
     if args.quick:
-        args.cycles, args.warmup, args.calls = 3, 2, 200
+        args.preset, args.cycles, args.warmup, args.calls = "llama-tiny", 3, 2, 200
     if args.block < 1 or args.cycles < 1 or args.warmup < 0 or args.calls < 1:
         p.error("--block >= 1, --cycles >= 1, --warmup >= 0 and --calls >= 1 are required")
     return args

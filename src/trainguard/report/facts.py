@@ -418,7 +418,6 @@ def _from_checkpoints(root: Path, facts: RunFacts) -> None:
     except CheckpointError as exc:
         facts.notes.append(str(exc))
         records = {}
-    durable = {c.name: c for c in facts.checkpoints if c.tier == "durable"}
     for ckpt in facts.checkpoints:
         if ckpt.tier == "durable" and ckpt.name in records:
             ckpt.health = "unhealthy" if records[ckpt.name] == 1 else "healthy"
@@ -431,9 +430,9 @@ def _from_checkpoints(root: Path, facts: RunFacts) -> None:
         if not info.committed:
             continue
         manifest = info.manifest
-        latest = [c for c in facts.checkpoints if c.tier == "durable" and c.name == info.name and c.deleted is None]
-        ckpt = latest[-1] if latest else durable.get(info.name)
-        if ckpt is None or ckpt.deleted is not None:
+        logged = [c for c in facts.checkpoints if c.tier == "durable" and c.name == info.name and c.deleted is None]
+        ckpt = logged[-1] if logged else None
+        if ckpt is None:
             ckpt = CheckpointFact(info.step, "durable", manifest.created, name=info.name)
             facts.checkpoints.append(ckpt)
         ckpt.present = True

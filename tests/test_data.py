@@ -139,7 +139,7 @@ def test_sampler_resume_mid_stream(tmp_path) -> None:
     got = drain(first, 17)
     torch.save(first.state_dict(), tmp_path / "sampler.pt")
     state = torch.load(tmp_path / "sampler.pt", weights_only=True)
-    assert state == {"consumed_samples": 17 * 6, "seed": 11}
+    assert state == {"consumed_samples": 17 * 6, "seed": 11, "skipped": []}
 
     resumed = StatefulSampler(37, dp_rank=1, dp_size=3, micro_batch_size=2, seed=0)
     resumed.load_state_dict(state)  # the saved seed wins
@@ -229,4 +229,4 @@ def test_sampler_state_is_weights_only_loadable() -> None:
     buf = io.BytesIO()
     torch.save(s.state_dict(), buf)
     buf.seek(0)
-    assert torch.load(buf, weights_only=True) == {"consumed_samples": 6, "seed": 4}
+    assert torch.load(buf, weights_only=True) == {"consumed_samples": 6, "seed": 4, "skipped": []}

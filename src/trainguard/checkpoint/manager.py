@@ -19,11 +19,12 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from trainguard.checkpoint.discovery import CheckpointInfo
+from trainguard.checkpoint.discovery import CheckpointInfo, list_checkpoints, write_latest
 from trainguard.checkpoint.durable import DurableCheckpointer
-from trainguard.checkpoint.fsio import clean_stale
+from trainguard.checkpoint.fsio import clean_stale, remove_directory_crash_safe
 from trainguard.checkpoint.manifest import read_manifest
 from trainguard.checkpoint.resume import choose_resume_checkpoint
+from trainguard.errors import NoCheckpointError
 from trainguard.events import EventLog
 from trainguard.checkpoint.rng_state import capture_rng_state, restore_rng_state, seed_everything
 
@@ -175,3 +176,57 @@ class CheckpointManager:
         self.durable.wait()
         if dist.is_initialized():
             dist.barrier()
+
+    def roll_back(self, before_step: int) -> int | None:
+        """Rollback mode: restores the newest healthy, verified checkpoint of a step before
+        ``before_step`` and returns its step (None when there is none; nothing is changed then).
+
+        Waits for the save in flight first. The newer checkpoints belong to the timeline being
+        abandoned: they are deleted (newest first) and ``latest_checkpointed_iteration.txt`` points at
+        the restored one again, so a later restart resumes on the new timeline, not the old one.
+        """
+        self.close()
+        error = path = None
+        if self.rank == 0:
+            try:
+                def before(info: CheckpointInfo) -> str | None:
+                    if info.step >= before_step:
+                        return f"not before the spike at step {before_step} (rolled back)"
+                    return self.accept(info) if self.accept is not None else None
+
+                try:
+                    chosen = choose_resume_checkpoint("auto", self.root, warn=log.info, accept=before)
+                except NoCheckpointError:  # all of them rejected: nothing to roll back to
+                    chosen = None
+                if chosen is not None:
+                    path = str(chosen)
+                    self._abandon_after(int(read_manifest(chosen).step))
+            except Exception as exc:  # every rank must learn of it, or the others wait in broadcast for ever
+                error = exc
+        path, error = _broadcast((path, error))
+        if error is not None:
+            raise error
+        if path is None:
+            return None
+        manifest = read_manifest(Path(path))
+        extra = self.durable.load(Path(path), self.model, self.optimizer, source_world_size=manifest.world_size)
+        for name, obj in self.stateful.items():
+            if name in extra["stateful"]:
+                obj.load_state_dict(extra["stateful"][name])
+        step = int(extra["step"])
+        if manifest.world_size == self.world_size:
+            restore_rng_state(extra["rng"])
+        else:
+            seed_everything(self.seed * 1000 + self.rank + step)
+        self.last_saved_step = step
+        return step
+
+    def _abandon_after(self, step: int) -> None:
+        for info in reversed(list_checkpoints(self.root)):
+            if info.step <= step:
+                break
+            if not info.being_written:
+                remove_directory_crash_safe(info.path)
+                self.events.emit("checkpoint_deleted", step=info.step, reason="abandoned by a rollback",
+                                 tier="durable")
+        write_latest(self.root, step)

@@ -170,11 +170,10 @@ def validate(config: RunConfig, source: str = "<config>") -> None:
     skip, health = config.guards.skip, config.guards.health
     if config.guards.check_for_global_norm and skip.enabled:
         raise ConfigError(
-            f"{source}: monitor_config.check_for_global_norm and data skip (use_skip_data_by_global_norm) "
-            "are mutually exclusive"
+            f"{source}: guards.check_for_global_norm (monitor_config.check_for_global_norm, rollback mode) and "
+            "guards.skip.enabled (use_skip_data_by_global_norm, data skip) are mutually exclusive"
         )
-    if config.guards.check_for_global_norm:
-        raise ConfigError(f"{source}: monitor_config.check_for_global_norm (rollback mode) is not available yet")
+    config.guards.rollback.validate(source)
     positive("guards.skip.threshold (global_norm_spike_threshold)", skip.threshold)
     positive("guards.skip.count_threshold (global_norm_spike_count_threshold)", skip.count_threshold)
     positive("guards.skip.window", skip.window)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from trainguard.guards.health import HealthConfig
+from trainguard.guards.rollback import RollbackConfig
 from trainguard.guards.sdc.config import SdcConfig
 from trainguard.guards.skip import SkipConfig
 
@@ -76,7 +77,8 @@ class GuardsConfig:
     sdc: SdcConfig = field(default_factory=SdcConfig)
     monitor: bool = False  # log and record the embedding's local gradient norm every step
     local_norm: bool = False  # compute per-parameter local norms (the reference's runner_wrapper.local_norm)
-    check_for_global_norm: bool = False  # rollback on spikes instead of skipping (not available yet)
+    check_for_global_norm: bool = False  # rollback on spikes instead of skipping (guards.rollback)
+    rollback: RollbackConfig = field(default_factory=RollbackConfig)
 
 
 @dataclass

@@ -19,7 +19,7 @@ from trainguard.errors import ConfigError
 from trainguard.faults.bits import flip_bit
 from trainguard.faults.files import DAMAGE, matching_files
 from trainguard.faults.ledger import FiredLedger
-from trainguard.faults.spec import FILE_KINDS, FaultSpec, parse_faults
+from trainguard.faults.spec import DOCTOR_KINDS, FILE_KINDS, FaultSpec, parse_faults
 
 ENV_VAR = "TRAINGUARD_FAULTS"
 
@@ -49,7 +49,7 @@ class FaultInjector:
 
     def __init__(self, specs: list[FaultSpec], run_dir: Path, rank: int, world_size: int, emit: Callable[..., Any]):
         for spec in specs:
-            if spec.rank is not None and spec.rank >= world_size:
+            if spec.rank is not None and spec.rank >= world_size and spec.kind not in DOCTOR_KINDS:
                 raise ConfigError(
                     f"bad fault {spec.text!r}: rank {spec.rank} is outside the world size {world_size}"
                     f" (ranks 0..{world_size - 1})"

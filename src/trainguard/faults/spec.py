@@ -96,6 +96,7 @@ _VALUE_PARSERS: dict[str, Callable[[str], Any]] = {
     "where": _where,
     "bit": _bit,
     "persistent": _flag,
+    "rep": _non_negative_int,
 }
 
 # kind -> (required keys, optional keys with their defaults)
@@ -110,7 +111,10 @@ _SCHEMA: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "corrupt": (("step", "file"), {}),
     "truncate": (("step", "file"), {}),
     "delete": (("step", "file"), {}),
+    # trainguard doctor only: flips a bit of burn-in repetition `rep`'s result on local rank `rank` (all if absent)
+    "miscompute": (("rep",), {"rank": None, "bit": "exp", "index": 0}),
 }
+DOCTOR_KINDS = ("miscompute",)  # not tied to a training step (FaultSpec.step is 0); the trainer ignores them
 KINDS = tuple(_SCHEMA)
 
 
@@ -150,7 +154,7 @@ def _parse_entry(index: int, text: str) -> FaultSpec:
         raise bad(f"missing required key{'s' if len(missing) > 1 else ''} {', '.join(missing)} for {kind}")
 
     rank = values.pop("rank", None)
-    step = values.pop("step")
+    step = values.pop("step", 0)  # only DOCTOR_KINDS lack it (it is required for every other kind)
     persistent = values.pop("persistent", False)
     return FaultSpec(index=index, kind=kind, text=text, rank=rank, step=step, persistent=persistent, params=values)
 

@@ -2,6 +2,8 @@
 
 - ``skip``: data skipping on global-norm spikes (absolute threshold or adaptive z-score), with a
   consecutive-spike abort;
+- ``rollback``: the alternative to skipping (``check_for_global_norm``): the same spike rule decides a
+  rollback to an earlier checkpoint with a window of batches skipped, widened when the spike recurs;
 - ``health``: checkpoint health from the embedding local norm, recorded in ``health_ckpts.json``;
 - ``calibrate``: thresholds recommended from a clean run's step events.
 
@@ -19,7 +21,15 @@ from trainguard.guards.health import (
     record_health,
     unhealthy_names,
 )
-from trainguard.guards.skip import ADAPTIVE_STD_FLOOR, DataSkipAbort, DataSkipGuard, SkipConfig, SkipDecision
+from trainguard.guards.rollback import RollbackAbort, RollbackConfig, RollbackGuard, RollbackPlan, Spike
+from trainguard.guards.skip import (
+    ADAPTIVE_STD_FLOOR,
+    DataSkipAbort,
+    DataSkipGuard,
+    SkipConfig,
+    SkipDecision,
+    SpikeRule,
+)
 
 __all__ = [
     "ADAPTIVE_STD_FLOOR",
@@ -28,8 +38,14 @@ __all__ = [
     "DataSkipGuard",
     "HealthConfig",
     "NO_HEALTHY_CHECKPOINT_MESSAGE",
+    "RollbackAbort",
+    "RollbackConfig",
+    "RollbackGuard",
+    "RollbackPlan",
+    "Spike",
     "SkipConfig",
     "SkipDecision",
+    "SpikeRule",
     "calibrate",
     "calibrate_run",
     "is_unhealthy",

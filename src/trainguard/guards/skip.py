@@ -117,6 +117,53 @@ def abort_text(step: int, global_norm: float, consecutive: int, threshold: float
     )
 
 
+class SpikeRule:
+    """The spike test of the module docstring (absolute or adaptive), shared by data skip and rollback.
+
+    ``is_spike`` compares a value with the current threshold; ``accept`` adds a value judged normal to
+    the window the adaptive statistics come from. ``mode`` overrides the configured mode (rollback's
+    loss test is always adaptive: an absolute loss threshold would mean nothing).
+    """
+
+    def __init__(self, cfg: SkipConfig, mode: str | None = None):
+        self.cfg = cfg
+        self.mode = mode or cfg.mode
+        self._window: deque[float] = deque(maxlen=cfg.window)
+
+    @property
+    def window(self) -> tuple[float, ...]:
+        return tuple(self._window)
+
+    def threshold(self) -> float:
+        """The threshold the next value is compared against (``inf`` while adaptive mode warms up)."""
+        if self.mode == "absolute":
+            return float(self.cfg.threshold)
+        if len(self._window) < max(self.cfg.warmup, 1):
+            return math.inf
+        values = list(self._window)
+        mean = math.fsum(values) / len(values)
+        std = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
+        return mean + self.cfg.z_threshold * max(std, ADAPTIVE_STD_FLOOR * abs(mean))
+
+    def is_spike(self, value: float) -> tuple[bool, bool, float]:
+        """(spike, non-finite, threshold applied); a NaN or infinite value is always a spike."""
+        nan = not math.isfinite(value)
+        threshold = self.threshold()
+        return nan or value > threshold, nan, threshold
+
+    def accept(self, value: float) -> None:
+        self._window.append(float(value))
+
+    def window_state(self) -> list[float]:
+        return [float(v) for v in self._window]
+
+    def load_window(self, values: list[float], what: str) -> None:
+        window = [float(v) for v in values]
+        if not all(math.isfinite(v) for v in window):
+            raise CheckpointError(f"{what} state is malformed: window holds a non-finite value")
+        self._window = deque(window, maxlen=self.cfg.window)
+
+
 class DataSkipGuard:
     """Decides, once per optimizer step, whether to skip the step's update or abort the run."""
 
@@ -127,33 +174,24 @@ class DataSkipGuard:
         self.nan_total = 0
         self.consecutive = 0
         # Norms of recent non-skipped finite steps, kept in both modes so the mode can change on resume.
-        self._window: deque[float] = deque(maxlen=cfg.window)
+        self.rule = SpikeRule(cfg)
 
     @property
     def window(self) -> tuple[float, ...]:
         """The norms the adaptive statistics are computed from, oldest first."""
-        return tuple(self._window)
+        return self.rule.window
 
     def current_threshold(self) -> float:
         """The threshold the next step is compared against (``inf`` while adaptive mode warms up)."""
-        if self.cfg.mode == "absolute":
-            return float(self.cfg.threshold)
-        if len(self._window) < max(self.cfg.warmup, 1):
-            return math.inf
-        values = list(self._window)
-        mean = math.fsum(values) / len(values)
-        std = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
-        return mean + self.cfg.z_threshold * max(std, ADAPTIVE_STD_FLOOR * abs(mean))
+        return self.rule.threshold()
 
     def decide(self, step: int, global_norm: float, opt_global_step: int) -> SkipDecision:
         """``step``: the trainer's step number for the messages; ``opt_global_step``: the optimizer's
         count of applied updates (it stays put while steps are skipped)."""
         norm = float(global_norm)
-        nan = not math.isfinite(norm)
-        threshold = self.current_threshold()
+        spike, nan, threshold = self.rule.is_spike(norm)
         if not self.cfg.enabled:
             return SkipDecision(False, nan, False, 0, threshold, (), None)
-        spike = nan or norm > threshold
         lines = [is_skip_line(opt_global_step, threshold, spike)]
         abort_message = None
         if spike:
@@ -166,7 +204,7 @@ class DataSkipGuard:
                 lines.append(spike_line(step, norm, self.consecutive, threshold))
         else:
             self.consecutive = 0
-            self._window.append(norm)
+            self.rule.accept(norm)
         return SkipDecision(
             skip=spike,
             nan=nan,
@@ -185,7 +223,7 @@ class DataSkipGuard:
             "skipped_total": int(self.skipped_total),
             "nan_total": int(self.nan_total),
             "consecutive": int(self.consecutive),
-            "window": [float(v) for v in self._window],
+            "window": self.rule.window_state(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -208,4 +246,4 @@ class DataSkipGuard:
         self.skipped_total = counts["skipped_total"]
         self.nan_total = counts["nan_total"]
         self.consecutive = counts["consecutive"]
-        self._window = deque(window, maxlen=self.cfg.window)
+        self.rule.load_window(window, "data skip guard")

@@ -85,9 +85,13 @@ class StatefulSampler:
     the contiguous slice `[r * mbs, (r + 1) * mbs)` of it. With gradient accumulation, call it once per
     micro-batch. A global batch may straddle an epoch boundary.
 
-    The state is just `consumed_samples` (a global position) and the seed, so a state saved with one
-    dp_size can be loaded into samplers with another: the union over ranks continues the same global
-    order with nothing repeated or skipped.
+    The state is just `consumed_samples` (a global position), the seed and the skipped ranges, so a
+    state saved with one dp_size can be loaded into samplers with another: the union over ranks
+    continues the same global order with nothing repeated or skipped.
+
+    Skipped ranges (rollback mode) are half-open ranges of global positions that are never yielded: a
+    global batch is the next `global_batch_size` positions that are not skipped, so every layout still
+    sees the same global sequence, only split differently.
     """
 
     def __init__(self, dataset_len: int, dp_rank: int, dp_size: int, micro_batch_size: int, seed: int) -> None:
@@ -103,6 +107,7 @@ class StatefulSampler:
         self.micro_batch_size = micro_batch_size
         self.seed = int(seed)
         self.consumed_samples = 0
+        self.skipped: list[tuple[int, int]] = []  # sorted, disjoint, non-adjacent [start, end) positions
         # Only the current epoch's permutation is kept (plus the previous one while a global batch
         # straddles the boundary): randperm of a large dataset is the only costly step.
         self._perms: dict[int, torch.Tensor] = {}
@@ -133,20 +138,87 @@ class StatefulSampler:
             pos += take
         return out
 
+    def _take(self, cursor: int, count: int) -> tuple[list[tuple[int, int]], int]:
+        """The ranges of the next ``count`` non-skipped positions from ``cursor``, and the cursor after them."""
+        ranges: list[tuple[int, int]] = []
+        for start, end in self.skipped:
+            if count == 0 or cursor < start and cursor + count <= start:
+                break
+            if end <= cursor:
+                continue
+            if cursor < start:
+                ranges.append((cursor, start))
+                count -= start - cursor
+            cursor = end
+        if count:
+            ranges.append((cursor, cursor + count))
+            cursor += count
+        return ranges, cursor
+
     def next_batch_indices(self) -> list[int]:
         """This rank's micro-batch of sample indices; advances the global position by one global batch."""
-        start = self.consumed_samples + self.dp_rank * self.micro_batch_size
-        indices = self.peek_global_indices(start, self.micro_batch_size)
-        self.consumed_samples += self.global_batch_size
+        ranges, self.consumed_samples = self._take(self.consumed_samples, self.global_batch_size)
+        positions = [p for start, end in ranges for p in range(start, end)]
+        mine = positions[self.dp_rank * self.micro_batch_size : (self.dp_rank + 1) * self.micro_batch_size]
+        # mine is contiguous except where it straddles a skipped range
+        indices: list[int] = []
+        run_start = previous = mine[0]
+        for position in [*mine[1:], None]:
+            if position is None or position != previous + 1:
+                indices.extend(self.peek_global_indices(run_start, previous + 1 - run_start))
+                run_start = position
+            previous = position
         return indices
+
+    def span_ahead(self, after: int, count: int) -> tuple[int, int]:
+        """The global positions ``[start, end)`` spanning the ``count`` samples that will be yielded after
+        the next ``after`` ones (skipped ranges inside the span are already excluded from it)."""
+        if after < 0 or count < 1:
+            raise ValueError(f"need after >= 0 and count >= 1, got after={after} count={count}")
+        _, cursor = self._take(self.consumed_samples, after)
+        ranges, _ = self._take(cursor, count)
+        return ranges[0][0], ranges[-1][1]
+
+    def skip(self, start: int, end: int) -> None:
+        """Never yields global positions ``[start, end)``: merged into the skipped ranges."""
+        if not 0 <= start < end:
+            raise ValueError(f"need 0 <= start < end, got [{start}, {end})")
+        merged: list[tuple[int, int]] = []
+        for a, b in sorted([*self.skipped, (start, end)]):
+            if merged and a <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+            else:
+                merged.append((a, b))
+        self.skipped = merged
+
+    def ranges_between(self, start: int, end: int) -> list[tuple[int, int]]:
+        """The positions in ``[start, end)`` that are not skipped, as ranges (what a cursor moving from
+        ``start`` to ``end`` has yielded)."""
+        ranges: list[tuple[int, int]] = []
+        for a, b in self.skipped:
+            if b <= start:
+                continue
+            if a >= end:
+                break
+            if start < a:
+                ranges.append((start, a))
+            start = max(start, b)
+        if start < end:
+            ranges.append((start, end))
+        return ranges
+
+    @property
+    def skipped_samples(self) -> int:
+        return sum(end - start for start, end in self.skipped)
 
     @property
     def epoch(self) -> int:
         return self.consumed_samples // self.dataset_len
 
-    def state_dict(self) -> dict[str, int]:
-        # Plain ints only, so the state loads with torch.load(weights_only=True).
-        return {"consumed_samples": int(self.consumed_samples), "seed": int(self.seed)}
+    def state_dict(self) -> dict[str, Any]:
+        # Plain ints and lists only, so the state loads with torch.load(weights_only=True).
+        return {"consumed_samples": int(self.consumed_samples), "seed": int(self.seed),
+                "skipped": [[int(a), int(b)] for a, b in self.skipped]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key in ("consumed_samples", "seed"):
@@ -156,7 +228,16 @@ class StatefulSampler:
                 raise TypeError(f"sampler state {key!r} must be an int, got {type(state[key]).__name__}")
         if state["consumed_samples"] < 0:
             raise ValueError(f"sampler state consumed_samples must be >= 0, got {state['consumed_samples']}")
+        skipped = state.get("skipped", [])  # absent in states saved before rollback mode existed
+        if not isinstance(skipped, list) or not all(
+            isinstance(r, (list, tuple)) and len(r) == 2 and all(type(v) is int for v in r) and 0 <= r[0] < r[1]
+            for r in skipped
+        ):
+            raise ValueError(f"sampler state 'skipped' must be a list of [start, end) position pairs, got {skipped!r}")
         self.consumed_samples = state["consumed_samples"]
+        self.skipped = []
+        for start, end in skipped:
+            self.skip(start, end)
         if state["seed"] != self.seed:
             self._perms = {}
         # The saved seed wins: resuming continues the saved run's order.

@@ -24,6 +24,7 @@ from trainguard.events import EventLog
 from trainguard.faults import FaultInjector
 from trainguard.guards.health import is_unhealthy
 from trainguard.guards.sdc import FaultyDeviceError, faulty_ranks_path, sdc_config_from_env, write_faulty_ranks
+from trainguard.guards.rollback import RollbackGuard
 from trainguard.guards.skip import DataSkipAbort, DataSkipGuard
 from trainguard.norms import clip_grads_, global_norm_and_sums, local_grad_norms
 from trainguard.topology.layout import MESH_DIMS, resolve_layout
@@ -33,6 +34,7 @@ from trainguard.trainer.model import build_model, build_model_config
 from trainguard.trainer.optim import build_optimizer
 from trainguard.trainer.parallelize import build_mesh, parallelize
 from trainguard.trainer.pipeline import PipelineParts, build_pipeline
+from trainguard.trainer.rollback import roll_back
 from trainguard.trainer.sdc_guard import FAULTY, NOTHING, REPRODUCIBLE, TRANSIENT, SdcGuard
 from trainguard.trainer.tokenizer import ByteTokenizer
 
@@ -46,6 +48,7 @@ class StepResult:
     seconds: float
     skipped: bool
     embedding_local_norm: float | None
+    sample_ranges: list[tuple[int, int]] | None = None  # global sample positions trained on (rollback mode)
 
 
 def _token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -125,6 +128,9 @@ class Trainer:
         self.skip_guard = DataSkipGuard(config.guards.skip) if config.guards.skip.enabled else None
         if self.skip_guard is not None:
             self.checkpoints.stateful["skip_guard"] = self.skip_guard
+        self.rollback = RollbackGuard(config.guards.rollback, config.guards.skip) if config.guards.check_for_global_norm else None
+        if self.rollback is not None:
+            self.checkpoints.stateful["rollback"] = self.rollback
         self.monitor_embedding = config.guards.monitor or config.guards.health.enabled
         holds_embedding = self.pipeline is None or self.pipeline.is_first
         self.embedding = self.model.model.embed_tokens.weight if holds_embedding else None
@@ -191,10 +197,12 @@ class Trainer:
         slots = self.world_size if self.monitor_embedding else 0
         return norm, sums[0], sums[1:1 + slots], [int(v) for v in sums[1 + slots:]]
 
-    def train_step(self) -> StepResult:
+    def train_step(self) -> StepResult | None:
+        """One optimizer step; None when a spike rolled the run back (``self.step`` is then the restored one)."""
         cfg = self.config
         started = time.perf_counter()
         step = self.step + 1
+        first_sample = self.sampler.consumed_samples
         self.faults.at_step_start(step)
         rng = capture_rng_state() if self.sdc is not None else None
         batches = self._draw_batches()
@@ -223,14 +231,20 @@ class Trainer:
                 if self.rank == 0:
                     self.events.emit("data_skip_abort", step=step, global_norm=norm, message=decision.abort_message)
                 raise DataSkipAbort(f"ValueError: {decision.abort_message}")
+        if self.rollback is not None and not skipped:
+            spike = self.rollback.check(step, norm, loss_value)
+            if spike is not None:
+                roll_back(self, spike)
+                return None
         if not skipped:
             clip_grads_(grads, cfg.optim.grad_clip, norm)
             self.optimizer.step()
             self.scheduler.step()
         self.step = step
         self.max_embedding_norm = max(embedding_norms, default=None, key=_nan_as_inf)
+        samples = self.sampler.ranges_between(first_sample, self.sampler.consumed_samples) if self.rollback else None
         return StepResult(step, loss_value, norm, lr, time.perf_counter() - started, skipped,
-                          embedding_norms[self.rank] if embedding_norms else None)
+                          embedding_norms[self.rank] if embedding_norms else None, samples)
 
     def _rerun_step(self, step: int, batches, rng, loss: torch.Tensor) -> tuple[float, float, list[float], bool]:
         """Reruns a step after a level-1 SDC detection somewhere (unless ``guards.sdc.rerun`` is off, when
@@ -281,6 +295,8 @@ class Trainer:
             if result.embedding_local_norm is not None:
                 self.log.info("embedding_local_norm: %s", f"{result.embedding_local_norm:.5f}")
         fields = {"embedding_local_norm": result.embedding_local_norm} if result.embedding_local_norm is not None else {}
+        if result.sample_ranges is not None:
+            fields["sample_ranges"] = [list(r) for r in result.sample_ranges]
         self.events.emit("step", step=result.step, loss=result.loss, global_norm=result.global_norm,
                          lr=result.lr, step_time=result.seconds, tokens_per_s=tokens_per_s,
                          skipped=result.skipped, **totals, **fields)
@@ -306,6 +322,8 @@ class Trainer:
             except DataSkipAbort:
                 self.checkpoints.close()  # the save in flight holds the last good state: let it commit
                 raise
+            if result is None:  # rolled back
+                continue
             last_loss = result.loss
             if self.rank == 0:
                 self._report(result)

@@ -117,15 +117,6 @@ def test_first_step_loss_equals_transformers_pp(pp_run, hf_dirs):
     assert abs(step["loss"] - expected) <= 1e-5 * abs(expected), (step["loss"], expected)
 
 
-def test_first_step_loss_equals_transformers_tp(tmp_path, hf_dirs):
-    run = tmp_path / "run"
-    ok(train(run, 2, 1, "--set", f"model.init_from={hf_dirs['tied']}", "--set", "parallel.tp=2",
-             "--save-interval", "0"))
-    (step,) = events(run, "step")
-    expected = reference_loss(hf_dirs["tied"], dp_size=1, micro_batches=1)
-    assert abs(step["loss"] - expected) <= 1e-5 * abs(expected), (step["loss"], expected)
-
-
 def test_converted_checkpoint_resumes_like_init_from(tmp_path, pp_run, hf_dirs):
     """hf_to_durable -> a committed step-0 checkpoint with the source tensors; a pp=2 run resuming from it
     trains exactly as the run that started with model.init_from (loss and step-1 checkpoint bitwise)."""

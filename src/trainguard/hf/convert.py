@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -89,7 +90,9 @@ def hf_to_durable(hf_dir: Path, target: Path, *, progress: bool = True) -> Path:
     tmp = root / temp_dir_name(0)
     tmp.mkdir(parents=True)
     writer = ChecksummingFileSystemWriter(tmp)
-    dcp.save({"model": weights}, storage_writer=writer, no_dist=True)
+    with warnings.catch_warnings():  # DCP warns that it saves in a single process: that is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": weights}, storage_writer=writer, no_dist=True)
     extra = io.BytesIO()
     # no "rng" and no stateful objects: the resuming run keeps its fresh seeds, schedule and data order
     torch.save({"step": 0, "rank": 0, "world_size": 1, "stateful": {}}, extra)

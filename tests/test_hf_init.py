@@ -225,6 +225,8 @@ def test_four_ranks_each_read_a_quarter_and_first_loss_matches(tmp_path):
     for load in loads:
         # holding a quarter is unavoidable (>= 0.2 proves the measurement sees it); a full copy would be >= 1
         assert 0.2 * model_bytes < load["peak_rss_increase_bytes"] < 0.5 * model_bytes, (load, model_bytes)
+    print(f"model {model_bytes / 1e6:.0f} MB; peak RSS increase per rank (MB): "
+          f"{[round(e['peak_rss_increase_bytes'] / 1e6) for e in sorted(loads, key=lambda e: e['rank'])]}")
     (step,) = events(run, "step")
     expected = reference_loss(hf_dir, dp_size=4, micro_batches=1)
     assert abs(step["loss"] - expected) <= 1e-5 * abs(expected), (step["loss"], expected)
@@ -261,6 +263,17 @@ def test_bad_hf_dirs_name_the_file_or_tensor(tmp_path, hf_dirs):
     message = _init_from_error(wrong_shape)
     assert "tensor 'model.layers.0.mlp.gate_proj.weight' has shape [160, 64]" in message
     assert "expects [128, 64]" in message and str(wrong_shape / "model.safetensors") in message
+
+    from safetensors.torch import save_file
+
+    lacking = shutil.copytree(hf_dirs["tied"], tmp_path / "lacking")
+    weights = load_file(lacking / "model.safetensors")
+    norm = weights.pop("model.norm.weight")
+    save_file(weights, lacking / "model.safetensors", metadata={"format": "pt"})
+    assert f"tensor 'model.norm.weight' of the model is in none of the safetensors files of {lacking}" in \
+        _init_from_error(lacking)
+    save_file({**weights, "model.norm.weight": norm, "extra.weight": norm}, lacking / "model.safetensors")
+    assert "tensor 'extra.weight' is not a parameter of the model" in _init_from_error(lacking)
 
     assert "model.hidden_size=128 disagrees with" in _init_from_error(hf_dirs["tied"], "model.hidden_size=128")
     assert "tie_word_embeddings=true, but parallel.pp > 1" in _init_from_error(

@@ -161,7 +161,7 @@ def expected_shapes(config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
 
 
-def tensors_to_load(config: PretrainedConfig, tensors: dict[str, HFTensor]) -> list[str]:
+def tensors_to_load(config: PretrainedConfig, tensors: dict[str, HFTensor], hf_dir: Path) -> list[str]:
     """The names to read from the directory for a model built from ``config``; raises naming the first
     tensor that is missing, has another shape, or is not part of the model."""
     expected = expected_shapes(config)
@@ -171,8 +171,7 @@ def tensors_to_load(config: PretrainedConfig, tensors: dict[str, HFTensor]) -> l
         if name not in tensors:
             if tied and name == "lm_head.weight":
                 continue  # the output layer is the embedding, saved once
-            raise ConfigError(f"tensor {name!r} of the model is in none of the safetensors files of "
-                              f"{next(iter(tensors.values())).file.parent}")
+            raise ConfigError(f"tensor {name!r} of the model is in none of the safetensors files of {hf_dir}")
         found = tensors[name]
         if found.shape != shape:
             raise ConfigError(f"{found.file}: tensor {name!r} has shape {list(found.shape)}, but the model "
@@ -197,6 +196,6 @@ def check_init_from(model: ModelConfig, pp: int, source: str) -> None:
         if config.vocab_size < needed:
             raise ConfigError(f"{Path(model.init_from) / CONFIG_FILE}: vocab_size={config.vocab_size} is smaller than "
                               f"the trainer's tokenizer ({needed} ids)")
-        tensors_to_load(config, hf_tensors(Path(model.init_from)))
+        tensors_to_load(config, hf_tensors(Path(model.init_from)), Path(model.init_from))
     except ConfigError as exc:
         raise ConfigError(f"{source}: model.init_from: {exc}") from None

@@ -45,7 +45,7 @@ def _read_weights(hf_dir: Path, progress: bool) -> dict[str, torch.Tensor]:
 
     config = read_hf_config(hf_dir)
     tensors = hf_tensors(hf_dir)
-    names = tensors_to_load(config, tensors)
+    names = tensors_to_load(config, tensors, hf_dir)
     weights: dict[str, torch.Tensor] = {}
     console = Console(stderr=True)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())

@@ -121,7 +121,7 @@ def load_hf_weights(model: nn.Module, config: PretrainedConfig, hf_dir: Path,
     ``process_group`` (all ranks, whatever their pipeline stage). Returns facts for the event log."""
     started = time.perf_counter()
     tensors = hf_tensors(Path(hf_dir))
-    wanted = set(tensors_to_load(config, tensors))
+    wanted = set(tensors_to_load(config, tensors, Path(hf_dir)))
     # the parameters themselves (DTensors for FSDP2/TP): DCP reads into them in place
     state = {name: value for name, value in model.state_dict().items() if name in wanted}
     dcp.load(state, storage_reader=HFDirReader(Path(hf_dir), tensors), planner=DefaultLoadPlanner(),

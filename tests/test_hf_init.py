@@ -272,7 +272,7 @@ def test_bad_hf_dirs_name_the_file_or_tensor(tmp_path, hf_dirs):
     save_file(weights, lacking / "model.safetensors", metadata={"format": "pt"})
     assert f"tensor 'model.norm.weight' of the model is in none of the safetensors files of {lacking}" in \
         _init_from_error(lacking)
-    save_file({**weights, "model.norm.weight": norm, "extra.weight": norm}, lacking / "model.safetensors")
+    save_file({**weights, "model.norm.weight": norm, "extra.weight": norm.clone()}, lacking / "model.safetensors")
     assert "tensor 'extra.weight' is not a parameter of the model" in _init_from_error(lacking)
 
     assert "model.hidden_size=128 disagrees with" in _init_from_error(hf_dirs["tied"], "model.hidden_size=128")

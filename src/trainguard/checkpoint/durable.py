@@ -39,7 +39,13 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
 from torch.distributed.checkpoint.planner import WriteItemType
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.checkpoint.storage import WriteResult
 
 from trainguard.checkpoint.checksum import CHECKSUM_ALGORITHM
@@ -330,8 +336,13 @@ class DurableCheckpointer:
                        extra.getvalue(), health)
         if self.rank == 0:
             write_static_files(tmp)
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=_STATE_DICT_OPTIONS)
-        state = {"model": model_sd, "optim": optim_sd}
+        if optimizer.state:
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=_STATE_DICT_OPTIONS)
+            state = {"model": model_sd, "optim": optim_sd}
+        else:
+            # No optimizer step yet (a step-0 save, or only skipped steps): there is no optimizer state,
+            # and get_state_dict would invent one (a zero-gradient step: Adam's step count becomes 1).
+            state = {"model": get_model_state_dict(model, options=_STATE_DICT_OPTIONS)}
         if self.async_save:
             if self._stager is None:
                 self._stager = ReusableStager()
@@ -484,20 +495,31 @@ class DurableCheckpointer:
         After a change of world size the per-rank extra state has no owner; rank 0's copy still holds
         the global facts (step, data position, LR schedule).
         """
-        load_dcp_metadata(Path(ckpt_dir))  # refuse unsafe metadata with our one-line error, not DCP's wrapper
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=_STATE_DICT_OPTIONS)
-        state = {"model": model_sd, "optim": optim_sd}
+        metadata = load_dcp_metadata(Path(ckpt_dir))  # refuse unsafe metadata with our one-line error, not DCP's
+        if has_optimizer_state(metadata):
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=_STATE_DICT_OPTIONS)
+            state = {"model": model_sd, "optim": optim_sd}
+        else:  # saved before any optimizer step: the optimizer starts fresh, as it did then
+            state = {"model": get_model_state_dict(model, options=_STATE_DICT_OPTIONS)}
         dcp.load(
             state,
             storage_reader=SafeFileSystemReader(ckpt_dir),
             planner=SafeLoadPlanner(),
             process_group=self.process_group,
         )
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=_STATE_DICT_OPTIONS)
+        if "optim" in state:
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                           options=_STATE_DICT_OPTIONS)
+        else:
+            set_model_state_dict(model, state["model"], options=_STATE_DICT_OPTIONS)
         if source_world_size == self.world_size:
             return safe_torch_load(Path(ckpt_dir) / extra_state_name(self.world_size, self.rank))
         return safe_torch_load(Path(ckpt_dir) / extra_state_name(source_world_size, 0))
+
+
+def has_optimizer_state(metadata: Any) -> bool:
+    """Whether a checkpoint's DCP metadata holds optimizer state (none before the first optimizer step)."""
+    return any(key.startswith("optim.") for key in metadata.state_dict_metadata)
 
 
 class _SafeEmptyStateDictLoadPlanner(SafeLoadPlanner):

@@ -105,6 +105,8 @@ class CheckpointManager:
             after_commit=after_commit if self.rank == 0 else None,
         )
         self.last_saved_step: int | None = None
+        self.resumed_from: str | None = None
+        """The checkpoint ``resume()`` restored, None when the run started fresh."""
 
     def resume(self) -> int:
         """Restores the chosen checkpoint (if any) and returns the step to continue after (0 if fresh)."""
@@ -129,7 +131,9 @@ class CheckpointManager:
             if name in extra["stateful"]:
                 obj.load_state_dict(extra["stateful"][name])
         step = int(extra["step"])
-        if manifest.world_size == self.world_size:
+        if "rng" not in extra:
+            pass  # converted from Hugging Face weights (trainguard.hf.convert): the fresh seeds stand
+        elif manifest.world_size == self.world_size:
             restore_rng_state(extra["rng"])
         else:
             log.warning("world size changed from %d to %d: RNG states are reseeded per rank",
@@ -140,6 +144,7 @@ class CheckpointManager:
         if self.rank == 0:
             self.events.emit("run_started", step=step, resumed_from=path, load_seconds=seconds)
         self.last_saved_step = step
+        self.resumed_from = path
         return step
 
     def should_save(self, step: int) -> bool:

@@ -163,7 +163,7 @@ def validate(config: RunConfig, source: str = "<config>") -> None:
     positive("train.steps", config.train.steps)
     positive("train.micro_batches", config.train.micro_batches)
     positive("train.log_interval", config.train.log_interval)
-    positive("train.exit_at_step", config.train.exit_at_step)
+    positive("train.exit_at_step", config.train.exit_at_step, allow_zero=True)
     positive("checkpoint.save_interval", config.checkpoint.save_interval, allow_zero=True)
     positive("checkpoint.keep_last", config.checkpoint.keep_last)
     positive("checkpoint.keep_every", config.checkpoint.keep_every)
@@ -190,6 +190,10 @@ def validate(config: RunConfig, source: str = "<config>") -> None:
             f"{source}: micro_batch_num (train.micro_batches={config.train.micro_batches}) must be ≥ "
             f"pipeline_stage (parallel.pp={pp})"
         )
+    if config.model.init_from is not None:
+        from trainguard.hf.config import check_init_from
+
+        check_init_from(config.model, pp, source)
     from trainguard.faults import active_faults
 
     active_faults(config.faults)

@@ -20,6 +20,7 @@ class ModelConfig:
     intermediate_size: int | None = None
     tie_word_embeddings: bool | None = None
     attn_implementation: str = "sdpa"
+    init_from: str | None = None  # a local Hugging Face model directory: architecture and initial weights
 
 
 @dataclass

@@ -26,6 +26,14 @@ from trainguard.guards.health import is_unhealthy
 from trainguard.guards.sdc import FaultyDeviceError, faulty_ranks_path, sdc_config_from_env, write_faulty_ranks
 from trainguard.guards.rollback import RollbackGuard
 from trainguard.guards.skip import DataSkipAbort, DataSkipGuard
+from trainguard.hf.init import (
+    build_empty_model,
+    current_rss,
+    load_hf_weights,
+    materialize,
+    peak_rss_since_reset,
+    reset_peak_rss,
+)
 from trainguard.norms import clip_grads_, global_norm_and_sums, local_grad_norms
 from trainguard.topology.layout import MESH_DIMS, resolve_layout
 from trainguard.trainer.data import StatefulSampler, TokenDataset, load_corpus_tokens, make_batch
@@ -76,16 +84,25 @@ class Trainer:
         self.model_config = build_model_config(config.model, max_position_embeddings=config.data.seq_len)
         self.tokenizer = ByteTokenizer()
         self.pipeline: PipelineParts | None = None
+        # what building and loading the model adds to this rank's peak memory (reported by init_from)
+        rss_before_model = reset_peak_rss() if config.model.init_from is not None else 0
         if self.layout.pp > 1:
             self.pipeline = build_pipeline(
                 self.model_config, config.train.seed, self.mesh, self.layout, self.device,
                 n_microbatches=config.train.micro_batches, loss_fn=_token_cross_entropy,
                 microbatch_size=config.data.micro_batch_size, seq_len=config.data.seq_len,
+                empty=config.model.init_from is not None,
             )
             self.model = self.pipeline.module
+        elif config.model.init_from is not None:  # this rank's shards only; weights loaded in run()
+            model = build_empty_model(self.model_config)
+            self.model = parallelize(model, self.mesh, self.layout)
+            materialize(self.model, self.device, model)
         else:
             model = build_model(self.model_config, seed=config.train.seed)
             self.model = parallelize(model.to(self.device), self.mesh, self.layout)
+        # (held, peak) bytes that building the model added: this rank's shards, and what it took to make them
+        self.model_rss = (current_rss() - rss_before_model, peak_rss_since_reset() - rss_before_model)
         seed_everything(config.train.seed + self.rank)  # replaced by the saved states on resume
         # ranks sharing one pipeline stage (all ranks without pp) and, among them, those holding the loss
         self.ranks_per_stage = self.world_size // self.layout.pp
@@ -301,6 +318,18 @@ class Trainer:
                          lr=result.lr, step_time=result.seconds, tokens_per_s=tokens_per_s,
                          skipped=result.skipped, **totals, **fields)
 
+    def _load_init_from(self) -> None:
+        """Reads this rank's slices of ``model.init_from`` into the (materialized, uninitialized) shards."""
+        before_load = reset_peak_rss()
+        facts = load_hf_weights(self.model, self.model_config, Path(self.config.model.init_from),
+                                self.checkpoints.durable.process_group)
+        held, peak = self.model_rss
+        peak = max(peak, held + peak_rss_since_reset() - before_load)  # other allocations in between left out
+        self.events.emit("init_from", step=0, path=str(self.config.model.init_from),
+                         peak_rss_increase_bytes=peak, **facts)
+        self.log.info("initial weights read from %s (%d tensors, %.2fs)", self.config.model.init_from,
+                      facts["tensors"], facts["seconds"])
+
     def _checkpoint_health(self) -> dict[str, Any] | None:
         """The reference's health verdict for a save at this step: any rank above the threshold."""
         if not self.config.guards.health.enabled or self.max_embedding_norm is None:
@@ -313,9 +342,13 @@ class Trainer:
     def run(self) -> int:
         cfg = self.config
         self.step = self.checkpoints.resume()
+        if cfg.model.init_from is not None and self.checkpoints.resumed_from is None:
+            self._load_init_from()
         total = cfg.train.steps
-        stop_at = min(total, cfg.train.exit_at_step or total)
+        stop_at = min(total, total if cfg.train.exit_at_step is None else cfg.train.exit_at_step)
         last_loss = float("nan")
+        if self.step == stop_at == 0:  # exit_at_step=0: the initial weights as a step-0 checkpoint
+            self.checkpoints.save(0, self._trainer_state(last_loss))
         while self.step < stop_at:
             try:
                 result = self.train_step()

@@ -31,6 +31,10 @@ _OVERRIDES = {
 
 
 def build_model_config(model: ModelConfig, max_position_embeddings: int) -> PretrainedConfig:
+    if model.init_from is not None:  # the architecture of the Hugging Face directory (trainguard.hf)
+        from trainguard.hf.config import model_config_from_hf
+
+        return model_config_from_hf(model)
     params = dict(PRESETS[model.preset])
     for ours, theirs in _OVERRIDES.items():
         value = getattr(model, ours)

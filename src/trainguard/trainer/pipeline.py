@@ -207,6 +207,7 @@ def build_pipeline(
     microbatch_size: int | None = None,
     seq_len: int | None = None,
     reshard_after_forward: bool | None = None,
+    empty: bool = False,
 ) -> PipelineParts:
     """Builds this rank's pipeline stage (FSDP2/HSDP-sharded) and its schedule.
 
@@ -217,7 +218,9 @@ def build_pipeline(
     up front (static metadata); otherwise torch infers them on the first ``step`` by running one extra
     forward and backward of microbatch 0 (its gradients are discarded). ``reshard_after_forward``
     defaults to False with pp > 1 (as torchtitan: no all-gather per microbatch; the stage's parameters
-    stay unsharded from the first forward to the end of the step's backward).
+    stay unsharded from the first forward to the end of the step's backward). ``empty``: build on the
+    ``meta`` device and allocate only this rank's shards, uninitialized (the caller loads the weights,
+    e.g. ``trainguard.hf.init.load_hf_weights``), instead of initializing the full model from ``seed``.
     """
     check_pipeline_config(model_config, layout)
     if n_microbatches < 1:
@@ -231,15 +234,26 @@ def build_pipeline(
 
     pp_mesh = mesh["pp"]
     stage_index = pp_mesh.get_local_rank()
-    model = build_model(model_config, seed=seed)  # full model, same init as pp=1
+    if empty:
+        from trainguard.hf.init import build_empty_model
+
+        model = build_empty_model(model_config)
+    else:
+        model = build_model(model_config, seed=seed)  # full model, same init as pp=1
     layer_ids = prune_to_stage(model, stage_index, num_stages)
-    module = PipelineStageModule(model, stage_index, num_stages, layer_ids).to(device)
+    module = PipelineStageModule(model, stage_index, num_stages, layer_ids)
+    if not empty:
+        module = module.to(device)
 
     dp_mesh = data_parallel_mesh(mesh, layout)
     reshard = (num_stages == 1) if reshard_after_forward is None else reshard_after_forward
     for layer in module.model.layers.values():
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard)
     fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard)
+    if empty:
+        from trainguard.hf.init import materialize
+
+        materialize(module, device, model)
 
     input_args = output_args = None
     if microbatch_size is not None and seq_len is not None:

@@ -1,0 +1,201 @@
+"""A local Hugging Face model directory: its config, its safetensors files, and whether they fit the model.
+
+Everything here reads JSON and safetensors *headers* only (no tensor data), so a directory is checked
+completely before any process starts, and each problem is one ``ConfigError`` naming the file or the
+tensor at fault. Layouts accepted: ``model.safetensors`` alone, or ``model.safetensors.index.json``
+whose ``weight_map`` names the shards (``model-0000i-of-0000n.safetensors``). Other ``*.safetensors``
+files in the directory (``consolidated.safetensors`` and the like) are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import LlamaConfig, PretrainedConfig
+
+from trainguard.config.schema import ModelConfig
+from trainguard.errors import ConfigError
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+SUPPORTED_MODEL_TYPES = ("llama",)
+
+# model.<key> overrides that must agree with the Hugging Face config when model.init_from is set
+_MUST_AGREE = {
+    "hidden_size": "hidden_size",
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "intermediate_size": "intermediate_size",
+    "tie_word_embeddings": "tie_word_embeddings",
+}
+
+
+@dataclass(frozen=True)
+class HFTensor:
+    """One tensor of the directory, as its safetensors header describes it."""
+
+    name: str
+    file: Path
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: missing") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+
+
+def check_hf_dir(hf_dir: Path) -> Path:
+    """The directory, if it exists and has a ``config.json``."""
+    hf_dir = Path(hf_dir)
+    if not hf_dir.is_dir():
+        raise ConfigError(f"{hf_dir}: no such Hugging Face model directory")
+    if not (hf_dir / CONFIG_FILE).is_file():
+        raise ConfigError(f"{hf_dir}: no {CONFIG_FILE} (not a Hugging Face model directory)")
+    return hf_dir
+
+
+def read_hf_config(hf_dir: Path, attn_implementation: str = "sdpa") -> PretrainedConfig:
+    """The model config of ``hf_dir/config.json`` (Llama family only; no remote code is ever run)."""
+    path = check_hf_dir(hf_dir) / CONFIG_FILE
+    data = _read_json(path)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    model_type = data.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(f"{path}: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    try:
+        return LlamaConfig.from_dict(data, attn_implementation=attn_implementation)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise ConfigError(f"{path}: not a valid {model_type} config ({exc})") from None
+
+
+def model_config_from_hf(model: ModelConfig) -> PretrainedConfig:
+    """The architecture of ``model.init_from``; raises if a ``model.*`` key set explicitly disagrees."""
+    hf_dir = Path(model.init_from)
+    config = read_hf_config(hf_dir, model.attn_implementation)
+    for ours, theirs in _MUST_AGREE.items():
+        value = getattr(model, ours)
+        if value is not None and value != getattr(config, theirs):
+            raise ConfigError(
+                f"model.{ours}={value} disagrees with {hf_dir / CONFIG_FILE} ({theirs}={getattr(config, theirs)}); "
+                f"with model.init_from the architecture comes from the Hugging Face config: unset model.{ours}"
+            )
+    return config
+
+
+def _header(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    from safetensors import safe_open
+    from safetensors.torch import _getdtype
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            found = {}
+            for name in handle.keys():
+                tensor = handle.get_slice(name)
+                found[name] = (tuple(tensor.get_shape()), _getdtype(tensor.get_dtype()))
+            return found
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: missing") from None
+    except Exception as exc:  # safetensors raises its own error types for a bad header
+        raise ConfigError(f"{path}: not a readable safetensors file ({exc})") from None
+
+
+def hf_tensors(hf_dir: Path) -> dict[str, HFTensor]:
+    """Every tensor of the model directory, by name, with its file (checked: the index's shards exist and
+    hold what the index says they hold)."""
+    hf_dir = Path(hf_dir)
+    index = hf_dir / INDEX_FILE
+    if index.is_file():
+        data = _read_json(index)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ConfigError(f"{index}: no 'weight_map' object naming the tensors' files")
+        by_file: dict[str, list[str]] = {}
+        for name, file in weight_map.items():
+            if not isinstance(file, str) or Path(file).name != file:
+                raise ConfigError(f"{index}: tensor {name!r} maps to {file!r}, not a file name in the directory")
+            by_file.setdefault(file, []).append(name)
+        for file, names in by_file.items():
+            if not (hf_dir / file).is_file():
+                raise ConfigError(f"{hf_dir / file}: missing, but {INDEX_FILE} names it for tensor {names[0]!r}"
+                                  + (f" and {len(names) - 1} more" if len(names) > 1 else ""))
+    elif (hf_dir / SINGLE_FILE).is_file():
+        by_file = {SINGLE_FILE: []}
+    else:
+        raise ConfigError(f"{hf_dir}: no {SINGLE_FILE} and no {INDEX_FILE} (no weights to load)")
+
+    tensors: dict[str, HFTensor] = {}
+    for file, names in by_file.items():
+        path = hf_dir / file
+        header = _header(path)
+        for name in names:
+            if name not in header:
+                raise ConfigError(f"{path}: has no tensor {name!r}, which {INDEX_FILE} places there")
+        for name, (shape, dtype) in header.items():
+            if names and name not in names:
+                continue  # the index is the authority on where each tensor lives
+            tensors[name] = HFTensor(name, path, shape, dtype)
+    return tensors
+
+
+def expected_shapes(config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the tensors a model built from ``config`` loads (no memory is allocated)."""
+    from trainguard.hf.init import build_empty_model
+
+    model = build_empty_model(config)
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+
+
+def tensors_to_load(config: PretrainedConfig, tensors: dict[str, HFTensor], hf_dir: Path) -> list[str]:
+    """The names to read from the directory for a model built from ``config``; raises naming the first
+    tensor that is missing, has another shape, or is not part of the model."""
+    expected = expected_shapes(config)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    names = []
+    for name, shape in expected.items():
+        if name not in tensors:
+            if tied and name == "lm_head.weight":
+                continue  # the output layer is the embedding, saved once
+            raise ConfigError(f"tensor {name!r} of the model is in none of the safetensors files of {hf_dir}")
+        found = tensors[name]
+        if found.shape != shape:
+            raise ConfigError(f"{found.file}: tensor {name!r} has shape {list(found.shape)}, but the model "
+                              f"built from {CONFIG_FILE} expects {list(shape)}")
+        names.append(name)
+    for name, found in tensors.items():
+        if name not in expected:
+            raise ConfigError(f"{found.file}: tensor {name!r} is not a parameter of the model built from {CONFIG_FILE}")
+    return names
+
+
+def check_init_from(model: ModelConfig, pp: int, source: str) -> None:
+    """Everything that can be checked about ``model.init_from`` before processes start."""
+    try:
+        config = model_config_from_hf(model)
+        if pp > 1 and config.tie_word_embeddings:
+            raise ConfigError(f"{Path(model.init_from) / CONFIG_FILE}: tie_word_embeddings=true, but parallel.pp > 1 "
+                              "needs untied input and output embeddings")
+        from trainguard.trainer.tokenizer import ByteTokenizer
+
+        needed = ByteTokenizer().vocab_size
+        if config.vocab_size < needed:
+            raise ConfigError(f"{Path(model.init_from) / CONFIG_FILE}: vocab_size={config.vocab_size} is smaller than "
+                              f"the trainer's tokenizer ({needed} ids)")
+        tensors_to_load(config, hf_tensors(Path(model.init_from)), Path(model.init_from))
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: model.init_from: {exc}") from None

@@ -1,0 +1,114 @@
+"""A Hugging Face model directory as a durable trainguard checkpoint at step 0 (offline, one process).
+
+``hf_to_durable(HF_DIR, DIR)`` writes ``DIR/checkpoints/global_step_0`` (and
+``DIR/checkpoints/latest_checkpointed_iteration.txt``), committed like any checkpoint the trainer
+writes: DCP files of the model's weights in float32 under the trainer's names (``model.<fqn>``), an
+extra-state file, ``huggingface/`` (the config, and the tokenizer files found in HF_DIR), and the
+manifest ``trainguard.json`` with every file's checksum, written last, then the directory renamed into
+place. It holds no optimizer state, RNG state or data position: a checkpoint of step 0 has none, so a
+run that resumes from it (``trainguard train --run-dir DIR`` or ``--resume DIR/checkpoints/global_step_0``,
+on any layout) starts its optimizer, schedule, data order and seeds fresh, exactly as a run started
+with ``model.init_from=HF_DIR``. That run must build the same architecture: set
+``model.init_from=HF_DIR`` too (resume wins over it for the weights).
+
+The whole model is read into this process's memory once (4 bytes per parameter); the trainer's
+``model.init_from`` is the way to load without that.
+"""
+
+from __future__ import annotations
+
+import io
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from trainguard.checkpoint.discovery import write_latest
+from trainguard.checkpoint.durable import ChecksummingFileSystemWriter, _fsync_tree
+from trainguard.checkpoint.fsio import commit_directory, fsync_file
+from trainguard.checkpoint.layout import extra_state_name, step_dir_name, temp_dir_name
+from trainguard.checkpoint.manifest import FileEntry, build_manifest, write_manifest
+from trainguard.errors import ConfigError
+from trainguard.hf.config import hf_tensors, read_hf_config, tensors_to_load
+
+# copied into huggingface/ when HF_DIR has them, so an export of the checkpoint keeps its tokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "vocab.json", "merges.txt")
+
+
+def _read_weights(hf_dir: Path, progress: bool) -> dict[str, torch.Tensor]:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+    from safetensors import safe_open
+
+    config = read_hf_config(hf_dir)
+    tensors = hf_tensors(hf_dir)
+    names = tensors_to_load(config, tensors, hf_dir)
+    weights: dict[str, torch.Tensor] = {}
+    console = Console(stderr=True)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+    with Progress(*columns, console=console, transient=True, disable=not (progress and console.is_terminal)) as bar:
+        task = bar.add_task(f"reading {hf_dir.name}", total=len(names))
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            by_file.setdefault(tensors[name].file, []).append(name)
+        for file, file_names in by_file.items():
+            with safe_open(str(file), framework="pt") as handle:
+                for name in file_names:
+                    weights[name] = handle.get_tensor(name).to(torch.float32)
+                    bar.advance(task)
+    if config.tie_word_embeddings and "lm_head.weight" not in weights:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]  # one tensor, as in the model
+    return weights
+
+
+def _write_static_files(hf_dir: Path, directory: Path) -> None:
+    target = directory / "huggingface"
+    read_hf_config(hf_dir).save_pretrained(target)
+    for name in TOKENIZER_FILES:
+        if (hf_dir / name).is_file():
+            shutil.copyfile(hf_dir / name, target / name)
+    for path in target.iterdir():
+        fsync_file(path)
+
+
+def hf_to_durable(hf_dir: Path, target: Path, *, progress: bool = True) -> Path:
+    """Writes ``target/checkpoints/global_step_0`` from ``hf_dir`` and returns its path.
+
+    Raises ``ConfigError`` naming the file or tensor at fault for a bad ``hf_dir``, and when ``target``
+    already holds a step-0 checkpoint (never replaced). A crash leaves only a ``global_step_0.tmp-*``
+    directory, which is not a checkpoint and is cleaned up by the next run.
+    """
+    hf_dir, target = Path(hf_dir), Path(target)
+    root = target / "checkpoints"
+    final = root / step_dir_name(0)
+    if final.exists():
+        raise ConfigError(f"{final}: already exists; convert into an empty directory")
+    weights = _read_weights(hf_dir, progress)
+    tmp = root / temp_dir_name(0)
+    tmp.mkdir(parents=True)
+    writer = ChecksummingFileSystemWriter(tmp)
+    with warnings.catch_warnings():  # DCP warns that it saves in a single process: that is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": weights}, storage_writer=writer, no_dist=True)
+    extra = io.BytesIO()
+    # no "rng" and no stateful objects: the resuming run keeps its fresh seeds, schedule and data order
+    torch.save({"step": 0, "rank": 0, "world_size": 1, "stateful": {}}, extra)
+    extra_path = tmp / extra_state_name(1, 0)
+    extra_path.write_bytes(extra.getvalue())
+    fsync_file(extra_path)
+    _write_static_files(hf_dir, tmp)
+    fsync_file(tmp / ".metadata")
+    known: dict[str, FileEntry] = dict(writer.written)
+    manifest = build_manifest(
+        tmp, step=0, world_size=1, mesh_shape=[1], mesh_dim_names=["world"],
+        trainer_state={"step": 0, "consumed_samples": 0},
+        extra={"converted_from": {"huggingface": str(hf_dir.resolve())}}, known=known,
+    )
+    _fsync_tree(tmp)
+    write_manifest(tmp, manifest)
+    commit_directory(tmp, final)
+    write_latest(root, 0)
+    return final

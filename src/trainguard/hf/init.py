@@ -1,0 +1,129 @@
+"""Initial weights from a Hugging Face directory, read shard by shard: every rank reads only its own slices.
+
+How (the torchtitan recipe, with PyTorch's own Hugging Face reader):
+
+1. the model is built on the ``meta`` device (:func:`build_empty_model`): no memory, no initialization;
+2. it is parallelized as usual (TP, FSDP2 / HSDP, or pruned to a pipeline stage), still on ``meta``;
+3. :func:`materialize` allocates each rank's shards (uninitialized) and recomputes the non-persistent
+   buffers (the rotary frequencies), which no checkpoint holds;
+4. :func:`load_hf_weights` runs ``torch.distributed.checkpoint.load`` on the model's sharded state dict
+   with :class:`HFDirReader`, PyTorch's ``HuggingFaceStorageReader`` restricted to the files the index
+   names. DCP plans, for each rank, the slices its DTensor shards own; the reader reads each with
+   ``safe_open(...).get_slice(name)[slices]`` from the memory-mapped file and copies it into the shard.
+   No rank broadcasts, no process ever holds a full copy of the model.
+
+Weights are converted to the model's dtype (float32) as they are copied.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint._hf_utils import _HFStorageInfo
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from trainguard.hf.config import HFTensor, hf_tensors, tensors_to_load
+
+
+def build_empty_model(config: PretrainedConfig) -> nn.Module:
+    """The Hugging Face model of ``config`` on the ``meta`` device (float32, ``use_cache`` off)."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.config.use_cache = False
+    return model
+
+
+def materialize(model: nn.Module, device: torch.device, hf_model: nn.Module) -> None:
+    """Allocates ``model``'s parameters and buffers (this rank's shards only) on ``device``, uninitialized,
+    then recomputes the non-persistent buffers with ``hf_model``'s own initializer (``hf_model`` is the
+    Hugging Face model ``model`` was built from, or ``model`` itself)."""
+    model.to_empty(device=device)
+    for module in model.modules():
+        if module._non_persistent_buffers_set:
+            hf_model._init_weights(module)
+
+
+class HFDirReader(HuggingFaceStorageReader):
+    """``HuggingFaceStorageReader`` whose metadata comes from the checked files of the directory (the
+    index's shards, or ``model.safetensors``), not from every ``*.safetensors`` file lying there."""
+
+    def __init__(self, hf_dir: Path, tensors: dict[str, HFTensor]):
+        super().__init__(str(hf_dir))
+        self.tensors = tensors
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        state_dict_metadata: dict[str, TensorStorageMetadata] = {}
+        storage_data: dict[MetadataIndex, _HFStorageInfo] = {}
+        for name, tensor in self.tensors.items():
+            origin = torch.Size([0] * len(tensor.shape))
+            state_dict_metadata[name] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=tensor.dtype),
+                size=torch.Size(tensor.shape),
+                chunks=[ChunkStorageMetadata(offsets=origin, sizes=torch.Size(tensor.shape))],
+            )
+            storage_data[MetadataIndex(fqn=name, offset=origin)] = _HFStorageInfo(
+                relative_path=str(tensor.file), shape=torch.Size(tensor.shape), dtype=tensor.dtype
+            )
+        metadata = Metadata(state_dict_metadata=state_dict_metadata, storage_data=storage_data)
+        metadata.storage_meta = StorageMeta(load_id=self.load_id)
+        return metadata
+
+
+def _rss_bytes(field: str) -> int | None:
+    """``VmRSS`` or ``VmHWM`` of this process from /proc (None where there is no /proc)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def current_rss() -> int:
+    return _rss_bytes("VmRSS") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_peak_rss() -> int:
+    """Resets the kernel's peak-RSS mark (``VmHWM``) to the current RSS and returns it, so that
+    :func:`peak_rss_since_reset` measures one phase (without /proc, ``ru_maxrss`` overstates it)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+    return current_rss()
+
+
+def peak_rss_since_reset() -> int:
+    return _rss_bytes("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def load_hf_weights(model: nn.Module, config: PretrainedConfig, hf_dir: Path,
+                    process_group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+    """Fills ``model``'s (sharded, materialized) parameters from ``hf_dir``; collective over
+    ``process_group`` (all ranks, whatever their pipeline stage). Returns facts for the event log."""
+    started = time.perf_counter()
+    tensors = hf_tensors(Path(hf_dir))
+    wanted = set(tensors_to_load(config, tensors, Path(hf_dir)))
+    # the parameters themselves (DTensors for FSDP2/TP): DCP reads into them in place
+    state = {name: value for name, value in model.state_dict().items() if name in wanted}
+    dcp.load(state, storage_reader=HFDirReader(Path(hf_dir), tensors), planner=DefaultLoadPlanner(),
+             process_group=process_group)
+    return {"tensors": len(state), "seconds": time.perf_counter() - started}

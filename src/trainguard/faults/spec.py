@@ -89,6 +89,7 @@ _VALUE_PARSERS: dict[str, Callable[[str], Any]] = {
     "rank": _non_negative_int,
     "step": _non_negative_int,
     "index": _non_negative_int,
+    "node": _non_negative_int,
     "seconds": _seconds,
     "factor": _number,
     "site": _non_empty,
@@ -110,6 +111,8 @@ _SCHEMA: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "corrupt": (("step", "file"), {}),
     "truncate": (("step", "file"), {}),
     "delete": (("step", "file"), {}),
+    # deletes node N's whole local-tier directory after step S's local save (a replaced node, a wiped disk)
+    "wipe": (("node", "step"), {}),
 }
 KINDS = tuple(_SCHEMA)
 

@@ -90,15 +90,3 @@ def plan_step(step: int, groups: ReplicaGroups, holdings: dict[int, dict[int, St
                                           replica_extra_name(world_size, owner), held[owner].own["extra"]))
     return StepPlan(step, tuple(transfers), tuple(lost))
 
-
-def newest_recoverable(groups: ReplicaGroups, holdings: dict[int, dict[int, StepHoldings]],
-                       newer_than: int | None = None) -> StepPlan | None:
-    """The plan of the newest step recoverable across all replica groups (above ``newer_than``)."""
-    steps = sorted({step for per_rank in holdings.values() for step in per_rank}, reverse=True)
-    for step in steps:
-        if newer_than is not None and step <= newer_than:
-            break
-        plan = plan_step(step, groups, holdings)
-        if plan.recoverable:
-            return plan
-    return None

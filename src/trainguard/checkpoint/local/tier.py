@@ -21,7 +21,7 @@ from trainguard.checkpoint.fsio import atomic_write_json
 from trainguard.checkpoint.layout import step_dir_name
 from trainguard.checkpoint.local.exchange import recv_bytes, send_bytes, swap_in_ring
 from trainguard.checkpoint.local.paths import FSDP_CONFIG_NAME, node_of, rank_file_names, resolve_local_dir
-from trainguard.checkpoint.local.plan import StepPlan, buddy_of, newest_recoverable
+from trainguard.checkpoint.local.plan import StepPlan, buddy_of, plan_step
 from trainguard.checkpoint.local.reader import StepHoldings, rank_holdings
 from trainguard.checkpoint.local.state import load_local_state, local_state, param_layout
 from trainguard.checkpoint.local.writer import (
@@ -122,16 +122,24 @@ class LocalTier:
         Returns ``(step, extra state)``, or None when no local step qualifies.
         """
         started = time.perf_counter()
-        mine = {step: asdict(held) for step, held in rank_holdings(self.dir, self.world_size, self.rank).items()}
-        holdings = {rank: {step: _holdings_from(h) for step, h in part.items()}
-                    for rank, part in enumerate(self._all_gather(mine))}
-        plan = newest_recoverable(self.groups, holdings, newer_than)
+        # newest step first, each hashed only when reached: the common case reads one step's files once
+        candidates = sorted({s for steps in self._all_gather(rank_steps(self.dir, self.world_size, self.rank))
+                             for s in steps if newer_than is None or s > newer_than}, reverse=True)
+        plan, held = None, StepHoldings()
+        for step in candidates:
+            mine = {s: asdict(h) for s, h in rank_holdings(self.dir, self.world_size, self.rank, [step]).items()}
+            holdings = {rank: {s: _holdings_from(h) for s, h in part.items()}
+                        for rank, part in enumerate(self._all_gather(mine))}
+            candidate = plan_step(step, self.groups, holdings)
+            if candidate.recoverable:
+                plan, held = candidate, holdings[self.rank].get(step, StepHoldings())
+                break
         if plan is None:
-            if self.rank == 0 and any(holdings.values()):
+            if self.rank == 0 and candidates:
                 self.events.emit("local_recovery", step=None, reason="no local step is complete across the "
-                                 "replica groups and newer than the durable tier's", bytes=0, seconds=0.0)
+                                 "replica groups and at least as new as the durable tier's", bytes=0, seconds=0.0)
             return None
-        received = self._execute(plan, holdings[self.rank].get(plan.step, StepHoldings()))
+        received = self._execute(plan, held)
         step_dir = self.dir / step_dir_name(plan.step)
         names = rank_file_names(self.world_size, self.rank)
         model_sd = safe_torch_load(step_dir / names["model"])

@@ -120,7 +120,7 @@ class CheckpointManager:
         path, error = _broadcast((path, error))
         if error is not None:
             raise error
-        if self.local is not None:
+        if self.local is not None and self.resume_mode == "auto":
             # the newest state recoverable from either tier; at the same step the local one (no shared storage)
             durable_step = read_manifest(Path(path)).step if path is not None else None
             recovered = self.local.recover(self.model, self.optimizer, newer_than=(

@@ -122,6 +122,8 @@ class LocalTier:
         Returns ``(step, extra state)``, or None when no local step qualifies.
         """
         started = time.perf_counter()
+        self.dir.mkdir(parents=True, exist_ok=True)  # a replaced node starts without one
+        self._write_group_info()
         # newest step first, each hashed only when reached: the common case reads one step's files once
         candidates = sorted({s for steps in self._all_gather(rank_steps(self.dir, self.world_size, self.rank))
                              for s in steps if newer_than is None or s > newer_than}, reverse=True)

@@ -118,15 +118,16 @@ class CheckpointManager:
             except Exception as exc:  # every rank must learn of it, or the others wait in broadcast for ever
                 error = exc
         path, error = _broadcast((path, error))
-        if error is not None:
-            raise error
         if self.local is not None and self.resume_mode == "auto":
-            # the newest state recoverable from either tier; at the same step the local one (no shared storage)
+            # the newest state recoverable from either tier (also when no durable one is usable); at the
+            # same step the local one (no shared storage)
             durable_step = read_manifest(Path(path)).step if path is not None else None
             recovered = self.local.recover(self.model, self.optimizer, newer_than=(
                 durable_step - 1 if durable_step is not None else None))
             if recovered is not None:
                 return self._resume_from_local(*recovered)
+        if error is not None:
+            raise error
         if path is None:
             if self.local is not None:
                 self.local.discard_newer(0)
@@ -196,7 +197,8 @@ class CheckpointManager:
         ``health`` (``{"is_health": 0|1, ...}``, 1 = unhealthy) goes into the manifest and
         ``health_ckpts.json``; ``auto`` resume never picks an unhealthy checkpoint.
         """
-        blocked = self.durable.save(step, self.model, self.optimizer, self._extra_state(step), trainer_state or {"step": step},
+        extra = self._extra_state(step)
+        blocked = self.durable.save(step, self.model, self.optimizer, extra, trainer_state or {"step": step},
                                     self.static_files, health=health)
         self.last_saved_step = step
         log.info("checkpoint global_step_%d staged (blocked %.0fms)", step, blocked * 1000)

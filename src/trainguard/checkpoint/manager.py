@@ -213,5 +213,7 @@ class CheckpointManager:
     def close(self) -> None:
         """Waits until the last save is committed on every rank."""
         self.durable.wait()
+        if self.local is not None:
+            self.local.wait()
         if dist.is_initialized():
             dist.barrier()

@@ -50,6 +50,7 @@ def fire_wipe_faults(faults: FaultInjector, tier: LocalTier, step: int) -> None:
     directory goes and none runs on before it is gone."""
     if not faults.wipe_due(step):
         return
+    tier.wait()  # no retention thread may be deleting in a directory while it goes
     dist.barrier(group=tier.group)
     node = node_of(tier.rank, tier.ranks_per_node)
     node_ranks = [r for r in range(tier.world_size) if node_of(r, tier.ranks_per_node) == node]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import logging
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -54,6 +55,7 @@ class LocalTier:
         self.rank, self.world_size, self.groups = rank, world_size, groups
         self.interval, self.keep_last, self.events, self.group = interval, keep_last, events, process_group
         self.ranks_per_node = ranks_per_node
+        self._pruner: threading.Thread | None = None
         self.rank_dirs = {r: resolve_local_dir(local_dir, run_dir, node=node_of(r, ranks_per_node), rank=r)
                           for r in range(world_size)}
         self.dir = self.rank_dirs[rank]
@@ -90,6 +92,7 @@ class LocalTier:
              extra_state: dict[str, Any]) -> SavedStep:
         """Writes this rank's state of ``step``; the only communication is the small extra state
         going to the buddy, before anything is written."""
+        self.wait()
         extra = io.BytesIO()
         torch.save(extra_state, extra)
         extra_bytes = extra.getvalue()
@@ -102,13 +105,25 @@ class LocalTier:
             optim_state=optim_state, extra_state=extra_bytes,
             replica_extras={self.keeps_copy_of: copy} if copy is not None else {}, fsdp_config=self.fsdp_config,
         )
+        self.events.emit("local_saved", step=step, bytes=saved.bytes, seconds=saved.seconds, path=str(self.dir))
+        # deleting old files costs about as much as writing them (freeing pages): off the training path
+        self._pruner = threading.Thread(target=self._prune, daemon=True)
+        self._pruner.start()
+        return saved
+
+    def _prune(self) -> None:
         for old in prune(self.dir, self.world_size, self.rank, self.keep_last):
             self.events.emit("checkpoint_deleted", step=old, reason="retention", tier="local")
-        self.events.emit("local_saved", step=step, bytes=saved.bytes, seconds=saved.seconds, path=str(self.dir))
-        return saved
+
+    def wait(self) -> None:
+        """Waits for the retention of the last save (the files it deletes are never read)."""
+        if self._pruner is not None:
+            self._pruner.join()
+            self._pruner = None
 
     def discard_newer(self, step: int) -> None:
         """Drops this rank's local steps after ``step``: they belong to a timeline the run left."""
+        self.wait()
         for newer in rank_steps(self.dir, self.world_size, self.rank):
             if newer > step:
                 remove_rank_step(self.dir, newer, self.world_size, self.rank)
@@ -121,6 +136,7 @@ class LocalTier:
 
         Returns ``(step, extra state)``, or None when no local step qualifies.
         """
+        self.wait()
         started = time.perf_counter()
         self.dir.mkdir(parents=True, exist_ok=True)  # a replaced node starts without one
         self._write_group_info()

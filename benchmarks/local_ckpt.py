@@ -138,6 +138,11 @@ def main(argv: list[str]) -> int:
                                 mesh_shape=[2, world // 2], mesh_dim_names=names)
     step = [0]
 
+    def settle() -> None:
+        """Every rank's writes and retention finished: only then may rank 0 delete a node's files."""
+        tier.wait()
+        dist.barrier()
+
     def local_save() -> None:
         step[0] += 1
         manager.save_local(step[0])
@@ -157,6 +162,7 @@ def main(argv: list[str]) -> int:
     repair_rates, cp_rates, cp_plain_rates = [], [], []
     for _ in range(2 * args.repeats):
         local_save()
+        settle()
         if rank == 0:
             local = discover(local_root)
             shutil.rmtree(node1 / step_dir_name(step[0]))
@@ -184,9 +190,11 @@ def main(argv: list[str]) -> int:
     manager.save(step[0])
     manager.close()
     manager.save_local(step[0])
+    settle()
     durable_dir = run_dir / "checkpoints" / step_dir_name(step[0])
     for mode in schedule(args.repeats):
         if mode == "on":
+            settle()
             if rank == 0:
                 shutil.rmtree(node1)
             recover_s.append(timed(lambda: tier.recover(model, optimizer, newer_than=None)))

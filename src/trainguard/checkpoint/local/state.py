@@ -6,11 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 from trainguard.checkpoint.durable import _STATE_DICT_OPTIONS
-from torch.distributed.checkpoint.state_dict import get_state_dict
 
 
 def _plain(value: Any) -> Any:

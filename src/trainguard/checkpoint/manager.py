@@ -22,6 +22,7 @@ import torch.distributed as dist
 from trainguard.checkpoint.discovery import CheckpointInfo, list_checkpoints, write_latest
 from trainguard.checkpoint.durable import DurableCheckpointer
 from trainguard.checkpoint.fsio import clean_stale, remove_directory_crash_safe
+from trainguard.checkpoint.local.tier import LocalTier
 from trainguard.checkpoint.manifest import read_manifest
 from trainguard.checkpoint.resume import choose_resume_checkpoint
 from trainguard.errors import NoCheckpointError
@@ -70,6 +71,7 @@ class CheckpointManager:
         accept: Callable[[CheckpointInfo], str | None] | None = None,
         after_commit: Callable[[int, Path], None] | None = None,
         seed: int = 0,
+        local: LocalTier | None = None,
     ):
         self.run_dir = Path(run_dir)
         self.root = self.run_dir / "checkpoints"
@@ -81,6 +83,7 @@ class CheckpointManager:
         self.static_files = static_files or (lambda directory: None)
         self.accept = accept
         self.seed = seed
+        self.local = local
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.events = events or EventLog(self.run_dir / "events.jsonl", rank=self.rank, host=socket.gethostname())
@@ -118,9 +121,19 @@ class CheckpointManager:
             except Exception as exc:  # every rank must learn of it, or the others wait in broadcast for ever
                 error = exc
         path, error = _broadcast((path, error))
+        if self.local is not None and self.resume_mode == "auto":
+            # the newest state recoverable from either tier (also when no durable one is usable); at the
+            # same step the local one (no shared storage)
+            durable_step = read_manifest(Path(path)).step if path is not None else None
+            recovered = self.local.recover(self.model, self.optimizer, newer_than=(
+                durable_step - 1 if durable_step is not None else None))
+            if recovered is not None:
+                return self._resume_from_local(*recovered)
         if error is not None:
             raise error
         if path is None:
+            if self.local is not None:
+                self.local.discard_newer(0)
             if self.rank == 0:
                 self.events.emit("run_started", step=0, resumed_from=None)
             return 0
@@ -131,6 +144,8 @@ class CheckpointManager:
             if name in extra["stateful"]:
                 obj.load_state_dict(extra["stateful"][name])
         step = int(extra["step"])
+        if self.local is not None:
+            self.local.discard_newer(step)
         if "rng" not in extra:
             pass  # converted from Hugging Face weights (trainguard.hf.convert): the fresh seeds stand
         elif manifest.world_size == self.world_size:
@@ -147,6 +162,37 @@ class CheckpointManager:
         self.resumed_from = path
         return step
 
+    def _resume_from_local(self, step: int, extra: dict[str, Any]) -> int:
+        for name, obj in self.stateful.items():
+            if name in extra["stateful"]:
+                obj.load_state_dict(extra["stateful"][name])
+        restore_rng_state(extra["rng"])
+        self.local.discard_newer(step)
+        log.info("resumed from the local tier at step %d (%s)", step, self.local.dir)
+        if self.rank == 0:
+            self.events.emit("run_started", step=step, resumed_from=str(self.local.dir / f"global_step_{step}"),
+                             tier="local")
+        self.last_saved_step = step
+        return step
+
+    def should_save_local(self, step: int) -> bool:
+        return self.local is not None and self.local.should_save(step)
+
+    def save_local(self, step: int) -> None:
+        """Writes this rank's local-tier checkpoint of ``step`` (synchronously, no collective but the
+        extra state's hand-over to its buddy)."""
+        assert self.local is not None
+        self.local.save(step, self.model, self.optimizer, self._extra_state(step))
+
+    def _extra_state(self, step: int) -> dict[str, Any]:
+        return {
+            "step": step,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "rng": capture_rng_state(),
+            "stateful": {name: obj.state_dict() for name, obj in self.stateful.items()},
+        }
+
     def should_save(self, step: int) -> bool:
         return bool(self.save_interval) and step % self.save_interval == 0
 
@@ -157,13 +203,7 @@ class CheckpointManager:
         ``health`` (``{"is_health": 0|1, ...}``, 1 = unhealthy) goes into the manifest and
         ``health_ckpts.json``; ``auto`` resume never picks an unhealthy checkpoint.
         """
-        extra = {
-            "step": step,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "rng": capture_rng_state(),
-            "stateful": {name: obj.state_dict() for name, obj in self.stateful.items()},
-        }
+        extra = self._extra_state(step)
         blocked = self.durable.save(step, self.model, self.optimizer, extra, trainer_state or {"step": step},
                                     self.static_files, health=health)
         self.last_saved_step = step
@@ -179,6 +219,8 @@ class CheckpointManager:
     def close(self) -> None:
         """Waits until the last save is committed on every rank."""
         self.durable.wait()
+        if self.local is not None:
+            self.local.wait()
         if dist.is_initialized():
             dist.barrier()
 
@@ -219,6 +261,8 @@ class CheckpointManager:
             if name in extra["stateful"]:
                 obj.load_state_dict(extra["stateful"][name])
         step = int(extra["step"])
+        if self.local is not None:  # the local tier's newer steps belong to the abandoned timeline too
+            self.local.discard_newer(step)
         if manifest.world_size == self.world_size:
             restore_rng_state(extra["rng"])
         else:

@@ -167,6 +167,9 @@ def validate(config: RunConfig, source: str = "<config>") -> None:
     positive("checkpoint.save_interval", config.checkpoint.save_interval, allow_zero=True)
     positive("checkpoint.keep_last", config.checkpoint.keep_last)
     positive("checkpoint.keep_every", config.checkpoint.keep_every)
+    positive("checkpoint.local_interval", config.checkpoint.local_interval, allow_zero=True)
+    positive("checkpoint.local_keep_last", config.checkpoint.local_keep_last)
+    positive("parallel.ranks_per_node", config.parallel.ranks_per_node)
     skip, health = config.guards.skip, config.guards.health
     if config.guards.check_for_global_norm and skip.enabled:
         raise ConfigError(

@@ -38,6 +38,7 @@ class ParallelConfig:
     dp_shard: int | None = None
     tp: int | None = None
     pp: int | None = None
+    ranks_per_node: int | None = None  # ranks sharing a node (and its local directory); None = all of them
 
 
 @dataclass
@@ -69,6 +70,9 @@ class CheckpointConfig:
     keep_every: int | None = None
     async_save: bool = True
     resume: str = "auto"
+    local_interval: int = 0  # steps between local-tier saves (every rank its own files); 0 = off
+    local_dir: str | None = None  # template with {node} and {rank}; relative to the run dir; None = local/node{node}
+    local_keep_last: int = 2
 
 
 @dataclass

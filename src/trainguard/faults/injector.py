@@ -6,6 +6,7 @@ import dataclasses
 import difflib
 import logging
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -64,6 +65,7 @@ class FaultInjector:
         self._gradient_faults = [spec for spec in mine if spec.kind in ("spike", "nan")]
         self._site_faults = [spec for spec in mine if spec.kind in ("bitflip", "scale")]
         self._file_faults = [spec for spec in mine if spec.kind in FILE_KINDS]
+        self._wipe_faults = [spec for spec in specs if spec.kind == "wipe"]
         self._step: int | None = None
         self._handles: list[RemovableHandle] = []
 
@@ -138,6 +140,32 @@ class FaultInjector:
             files = [path.relative_to(checkpoint_dir).as_posix() for path in paths]
             changes = [{"file": file, **DAMAGE[spec.kind](path)} for file, path in zip(files, paths)]
             self._report(spec, step, checkpoint=str(checkpoint_dir), files=files, changes=changes)
+
+    def wipe_due(self, step: int) -> bool:
+        """Whether a wipe is planned after ``step`` (the same answer on every rank, fired or not)."""
+        return any(spec.step == step for spec in self._wipe_faults)
+
+    def check_nodes(self, nodes: int | None) -> None:
+        """Refuses wipes of nodes that do not exist; ``None``: the local tier is off, nothing to wipe."""
+        for spec in self._wipe_faults:
+            if nodes is None:
+                raise ConfigError(f"bad fault {spec.text!r}: the local tier is off (set checkpoint.local_interval)")
+            if spec.params["node"] >= nodes:
+                raise ConfigError(f"bad fault {spec.text!r}: node {spec.params['node']} does not exist "
+                                  f"(nodes 0..{nodes - 1}; see parallel.ranks_per_node)")
+
+    def after_local_save(self, step: int, node: int, first_on_node: bool, node_dirs: list[Path]) -> None:
+        """Deletes this node's whole local directory if a wipe of it is due (done by the node's first rank;
+        the caller holds every rank at a barrier around this call)."""
+        for spec in self._wipe_faults:
+            if spec.params["node"] != node or not first_on_node or not self._due(spec, step):
+                continue
+            removed = []
+            for directory in node_dirs:
+                if directory.exists():
+                    shutil.rmtree(directory)
+                    removed.append(str(directory))
+            self._report(spec, step, node=node, removed=removed)
 
     def _due(self, spec: FaultSpec, step: int | None) -> bool:
         # the step comparisons come first so that hooks cost two integer tests on ordinary steps

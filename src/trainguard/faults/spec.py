@@ -89,6 +89,7 @@ _VALUE_PARSERS: dict[str, Callable[[str], Any]] = {
     "rank": _non_negative_int,
     "step": _non_negative_int,
     "index": _non_negative_int,
+    "node": _non_negative_int,
     "seconds": _seconds,
     "factor": _number,
     "site": _non_empty,
@@ -113,6 +114,8 @@ _SCHEMA: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "delete": (("step", "file"), {}),
     # trainguard doctor only: flips a bit of burn-in repetition `rep`'s result on local rank `rank` (all if absent)
     "miscompute": (("rep",), {"rank": None, "bit": "exp", "index": 0}),
+    # deletes node N's whole local-tier directory after step S's local save (a replaced node, a wiped disk)
+    "wipe": (("node", "step"), {}),
 }
 DOCTOR_KINDS = ("miscompute",)  # not tied to a training step (FaultSpec.step is 0); the trainer ignores them
 KINDS = tuple(_SCHEMA)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from trainguard.checkpoint.fsio import fsync_file
+from trainguard.checkpoint.local.setup import build_local_tier, fire_wipe_faults
 from trainguard.checkpoint.manager import CheckpointManager
 from trainguard.checkpoint.rng_state import capture_rng_state, restore_rng_state, seed_everything
 from trainguard.config.load import config_to_dict
@@ -134,6 +135,7 @@ class Trainer:
             events=self.events,
             after_commit=self.faults.after_commit,
             seed=config.train.seed,
+            local=build_local_tier(config, self.run_dir, self.layout, self.model, self.events, self.faults),
         )
         self.step = 0
         sdc_config = sdc_config_from_env(config.guards.sdc)
@@ -364,6 +366,9 @@ class Trainer:
             last = self.step == total and cfg.checkpoint.save_interval > 0
             if self.checkpoints.should_save(self.step) or planned_stop or last:
                 self.checkpoints.save(self.step, self._trainer_state(last_loss), health=self._checkpoint_health())
+            if self.checkpoints.should_save_local(self.step):
+                self.checkpoints.save_local(self.step)
+                fire_wipe_faults(self.faults, self.checkpoints.local, self.step)
         self.checkpoints.close()
         if self.rank == 0:
             reason = "finished" if self.step >= total else "exit_at_step"

@@ -1,0 +1,77 @@
+"""A rank's model and optimizer state as plain local tensors, and back; the ``fsdp_config.json`` that
+says how the local tensors fit together (what a merger needs)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+from trainguard.checkpoint.durable import _STATE_DICT_OPTIONS
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, DTensor):
+        value = value.to_local()
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu").contiguous()
+    return value
+
+
+def local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(model, optimizer)`` state of this rank: ``{fqn: local tensor}`` and the optimizer state
+    flattened with the durable tier's keys (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_STATE_DICT_OPTIONS)
+    return {k: _plain(v) for k, v in model_sd.items()}, {k: _plain(v) for k, v in optim_sd.items()}
+
+
+def _like(template: Any, loaded: Any, key: str) -> Any:
+    if isinstance(template, DTensor):
+        local = template.to_local()
+        if not isinstance(loaded, torch.Tensor) or loaded.shape != local.shape:
+            raise ValueError(f"{key}: local shape {tuple(getattr(loaded, 'shape', ()))} != {tuple(local.shape)}")
+        return DTensor.from_local(loaded.to(local.device, local.dtype), template.device_mesh, template.placements,
+                                  run_check=False, shape=template.shape, stride=template.stride())
+    if isinstance(template, torch.Tensor):
+        return loaded.to(template.device)
+    return loaded
+
+
+def load_local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                     model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
+    """Puts this rank's local tensors back into the model and the optimizer (same layout as saved)."""
+    model_template, optim_template = get_state_dict(model, optimizer, options=_STATE_DICT_OPTIONS)
+    for name, template, loaded in (("model", model_template, model_sd), ("optimizer", optim_template, optim_sd)):
+        missing = sorted(set(template) - set(loaded))
+        if missing:
+            raise ValueError(f"{name} state lacks {missing[0]!r}")
+    model_state = {k: _like(v, model_sd[k], k) for k, v in model_template.items()}
+    optim_state = {k: _like(v, optim_sd[k], k) for k, v in optim_template.items()}
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                   options=_STATE_DICT_OPTIONS)
+
+
+def placement_name(placement: Any) -> str:
+    """``Shard(0)``, ``Replicate()``, ``Partial()``, ``_StridedShard(0, sf=2)``."""
+    kind = type(placement).__name__
+    if kind == "_StridedShard":
+        return f"_StridedShard({placement.dim}, sf={placement.split_factor})"
+    if kind == "Shard":
+        return f"Shard({placement.dim})"
+    return f"{kind}()"
+
+
+def param_layout(model: torch.nn.Module, mesh_dim_names: list[str]) -> dict[str, dict[str, Any]]:
+    """``fqn -> {shape, dtype, placements}``; placements per dim of the whole mesh, in mesh order
+    (``Replicate()`` for a dim the parameter's mesh does not use)."""
+    params = {}
+    for fqn, param in model.named_parameters():
+        placements = ["Replicate()"] * len(mesh_dim_names)
+        if isinstance(param, DTensor):
+            for dim_name, placement in zip(param.device_mesh.mesh_dim_names or (), param.placements):
+                placements[mesh_dim_names.index(dim_name)] = placement_name(placement)
+        params[fqn] = {"shape": list(param.shape), "dtype": str(param.dtype).removeprefix("torch."),
+                       "placements": placements}
+    return params

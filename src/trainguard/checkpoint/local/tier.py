@@ -1,0 +1,214 @@
+"""``LocalTier``: the local tier of one rank inside a training run (save, prune, online recovery).
+
+Every method is collective over the tier's own gloo group (created by the caller on every rank).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import xxhash
+
+from trainguard.checkpoint.checksum import CHECKSUM_ALGORITHM
+from trainguard.checkpoint.fsio import atomic_write_json
+from trainguard.checkpoint.layout import step_dir_name
+from trainguard.checkpoint.local.exchange import recv_bytes, send_bytes, swap_in_ring
+from trainguard.checkpoint.local.paths import FSDP_CONFIG_NAME, node_of, rank_file_names, resolve_local_dir
+from trainguard.checkpoint.local.plan import StepPlan, buddy_of, plan_step
+from trainguard.checkpoint.local.reader import StepHoldings, rank_holdings
+from trainguard.checkpoint.local.state import load_local_state, local_state, param_layout
+from trainguard.checkpoint.local.writer import (
+    SavedStep,
+    clean_rank_leftovers,
+    commit_rank_manifest,
+    prune,
+    rank_steps,
+    remove_rank_step,
+    save_rank_step,
+    uncommit,
+    write_file_durably,
+)
+from trainguard.checkpoint.manifest import FileEntry
+from trainguard.checkpoint.safe_load import safe_torch_load
+from trainguard.errors import CheckpointError
+from trainguard.events import EventLog
+from trainguard.topology.group_info import GROUP_INFO_NAME, GroupInfo
+from trainguard.topology.replica_groups import ReplicaGroups
+
+log = logging.getLogger("trainguard")
+
+
+class LocalTier:
+    def __init__(
+        self, run_dir: Path, *, rank: int, world_size: int, groups: ReplicaGroups, layout: dict[str, Any],
+        local_dir: str | None, ranks_per_node: int, interval: int, keep_last: int, model: torch.nn.Module,
+        events: EventLog, process_group: dist.ProcessGroup | None,
+    ):
+        self.rank, self.world_size, self.groups = rank, world_size, groups
+        self.interval, self.keep_last, self.events, self.group = interval, keep_last, events, process_group
+        self.ranks_per_node = ranks_per_node
+        self._pruner: threading.Thread | None = None
+        self.rank_dirs = {r: resolve_local_dir(local_dir, run_dir, node=node_of(r, ranks_per_node), rank=r)
+                          for r in range(world_size)}
+        self.dir = self.rank_dirs[rank]
+        self.buddy = buddy_of(groups, rank)
+        self.keeps_copy_of = next((q for q in range(world_size) if buddy_of(groups, q) == rank), None)
+        mesh_shape, mesh_dim_names = layout["mesh_shape"], layout["mesh_dim_names"]
+        params: dict[str, Any] = {}
+        for part in self._all_gather(param_layout(model, mesh_dim_names)):  # pipeline stages hold different params
+            params.update(part)
+        self.fsdp_config = {"FSDP_version": 2, "world_size": world_size, "mesh_shape": list(mesh_shape),
+                            "mesh_dim_names": list(mesh_dim_names), "params": dict(sorted(params.items()))}
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.group_info = GroupInfo(groups, layout, tuple(r for r, d in self.rank_dirs.items() if d == self.dir),
+                                    {r: str(d) for r, d in self.rank_dirs.items()})
+        self._write_group_info()
+        clean_rank_leftovers(self.dir, world_size, rank)
+
+    def _write_group_info(self) -> None:
+        if self.rank == self.group_info.ranks[0]:  # one writer per directory
+            atomic_write_json(self.dir / GROUP_INFO_NAME, self.group_info.to_dict())
+
+    def _all_gather(self, value: Any) -> list[Any]:
+        if not dist.is_initialized() or self.world_size == 1:
+            return [value]
+        parts: list[Any] = [None] * self.world_size
+        dist.all_gather_object(parts, value, group=self.group)
+        return parts
+
+    def should_save(self, step: int) -> bool:
+        return bool(self.interval) and step % self.interval == 0
+
+    # ------------------------------------------------------------------------------------- save
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             extra_state: dict[str, Any]) -> SavedStep:
+        """Writes this rank's state of ``step``; the only communication is the small extra state
+        going to the buddy, before anything is written."""
+        self.wait()
+        extra = io.BytesIO()
+        torch.save(extra_state, extra)
+        extra_bytes = extra.getvalue()
+        copy = swap_in_ring(extra_bytes, self.buddy, self.keeps_copy_of, self.group)
+        model_state, optim_state = local_state(model, optimizer)
+        self.dir.mkdir(parents=True, exist_ok=True)  # a wiped node's directory comes back
+        self._write_group_info()
+        saved = save_rank_step(
+            self.dir, step, rank=self.rank, world_size=self.world_size, model_state=model_state,
+            optim_state=optim_state, extra_state=extra_bytes,
+            replica_extras={self.keeps_copy_of: copy} if copy is not None else {}, fsdp_config=self.fsdp_config,
+        )
+        self.events.emit("local_saved", step=step, bytes=saved.bytes, seconds=saved.seconds, path=str(self.dir))
+        # deleting old files costs about as much as writing them (freeing pages): off the training path
+        self._pruner = threading.Thread(target=self._prune, daemon=True)
+        self._pruner.start()
+        return saved
+
+    def _prune(self) -> None:
+        for old in prune(self.dir, self.world_size, self.rank, self.keep_last):
+            self.events.emit("checkpoint_deleted", step=old, reason="retention", tier="local")
+
+    def wait(self) -> None:
+        """Waits for the retention of the last save (the files it deletes are never read)."""
+        if self._pruner is not None:
+            self._pruner.join()
+            self._pruner = None
+
+    def discard_newer(self, step: int) -> None:
+        """Drops this rank's local steps after ``step``: they belong to a timeline the run left."""
+        self.wait()
+        for newer in rank_steps(self.dir, self.world_size, self.rank):
+            if newer > step:
+                remove_rank_step(self.dir, newer, self.world_size, self.rank)
+
+    # ---------------------------------------------------------------------------------- recover
+    def recover(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                newer_than: int | None) -> tuple[int, dict[str, Any]] | None:
+        """Agrees with every rank on the newest local step recoverable across all replica groups (newer
+        than ``newer_than``), restores what this rank lacks from group members and loads it.
+
+        Returns ``(step, extra state)``, or None when no local step qualifies.
+        """
+        self.wait()
+        started = time.perf_counter()
+        self.dir.mkdir(parents=True, exist_ok=True)  # a replaced node starts without one
+        self._write_group_info()
+        # newest step first, each hashed only when reached: the common case reads one step's files once
+        candidates = sorted({s for steps in self._all_gather(rank_steps(self.dir, self.world_size, self.rank))
+                             for s in steps if newer_than is None or s > newer_than}, reverse=True)
+        plan, held = None, StepHoldings()
+        for step in candidates:
+            mine = {s: asdict(h) for s, h in rank_holdings(self.dir, self.world_size, self.rank, [step]).items()}
+            holdings = {rank: {s: _holdings_from(h) for s, h in part.items()}
+                        for rank, part in enumerate(self._all_gather(mine))}
+            candidate = plan_step(step, self.groups, holdings)
+            if candidate.recoverable:
+                plan, held = candidate, holdings[self.rank].get(step, StepHoldings())
+                break
+        if plan is None:
+            if self.rank == 0 and candidates:
+                self.events.emit("local_recovery", step=None, reason="no local step is complete across the "
+                                 "replica groups and at least as new as the durable tier's", bytes=0, seconds=0.0)
+            return None
+        received = self._execute(plan, held)
+        step_dir = self.dir / step_dir_name(plan.step)
+        names = rank_file_names(self.world_size, self.rank)
+        model_sd = safe_torch_load(step_dir / names["model"])
+        optim_sd = safe_torch_load(step_dir / names["optim"])
+        extra = safe_torch_load(step_dir / names["extra"])
+        try:
+            load_local_state(model, optimizer, model_sd, optim_sd)
+        except ValueError as exc:
+            raise CheckpointError(f"{step_dir}: local checkpoint does not fit this run's model: {exc}") from None
+        seconds = time.perf_counter() - started
+        if received:
+            self.events.emit("local_recovered", step=plan.step, bytes=received, seconds=seconds,
+                             sources=sorted({t.src for t in plan.transfers if t.dst == self.rank}))
+        if self.rank == 0:
+            self.events.emit("local_recovery", step=plan.step, bytes=plan.bytes, seconds=seconds,
+                             transfers=len(plan.transfers), ranks=sorted({t.dst for t in plan.transfers}))
+        return plan.step, extra
+
+    def _execute(self, plan: StepPlan, held: StepHoldings) -> int:
+        """Runs the plan's transfers in order (each rank plays its part) and commits what this rank
+        received; returns the bytes this rank received."""
+        step_dir = self.dir / step_dir_name(plan.step)
+        incoming = [t for t in plan.transfers if t.dst == self.rank]
+        if incoming:
+            step_dir.mkdir(parents=True, exist_ok=True)
+            uncommit(step_dir, self.world_size, self.rank)
+        entries = {e.path: e for e in list(held.own.values()) + list(held.replica_extras.values())}
+        received = 0
+        for transfer in plan.transfers:
+            if transfer.src == self.rank:
+                send_bytes((step_dir / transfer.src_path).read_bytes(), transfer.dst, self.group)
+            if transfer.dst == self.rank:
+                data = recv_bytes(transfer.src, self.group)
+                checksum = f"{CHECKSUM_ALGORITHM}:{xxhash.xxh3_64(data).hexdigest()}"
+                if checksum != transfer.entry.checksum or len(data) != transfer.entry.size:
+                    raise CheckpointError(f"{transfer.dst_path} of step {plan.step} from rank {transfer.src}: "
+                                          "received bytes do not match the sender's manifest")
+                target = step_dir / transfer.dst_path
+                target.parent.mkdir(parents=True, exist_ok=True)
+                entry = write_file_durably(target, lambda stream, data=data: stream.write(data))
+                entries[transfer.dst_path] = FileEntry(transfer.dst_path, entry.size, entry.checksum)
+                received += len(data)
+        if incoming:
+            atomic_write_json(step_dir / FSDP_CONFIG_NAME, self.fsdp_config)
+            commit_rank_manifest(step_dir, plan.step, rank=self.rank, world_size=self.world_size,
+                                 entries=sorted(entries.values(), key=lambda e: e.path))
+            log.info("local step %d: received %d bytes from ranks %s", plan.step, received,
+                     sorted({t.src for t in incoming}))
+        return received
+
+
+def _holdings_from(data: dict[str, Any]) -> StepHoldings:
+    return StepHoldings(own={k: FileEntry(**v) for k, v in data["own"].items()},
+                        replica_extras={int(k): FileEntry(**v) for k, v in data["replica_extras"].items()})

@@ -1,0 +1,193 @@
+"""Writes one rank's local checkpoint of a step, with no communication, and prunes old ones.
+
+Commit rule (per rank, the durable tier's rule applied to one rank's files): each file is written
+under a temporary name, hashed as it is written, fsynced and renamed into ``global_step_N/``; the
+rank's manifest is written last, atomically. A step is committed for a rank exactly while its
+manifest exists. Re-saving a step first removes the rank's manifest, so a crash midway leaves the
+rank's step uncommitted rather than mixed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainguard.checkpoint.checksum import file_checksum
+from trainguard.checkpoint.durable import _HashingFile, _save_tensor
+from trainguard.checkpoint.fsio import atomic_write_json, fsync_dir
+from trainguard.checkpoint.layout import new_token, parse_step_dir, step_dir_name, TEMP_MARKER
+from trainguard.checkpoint.local.paths import (
+    FSDP_CONFIG_NAME,
+    REPLICA_DIR,
+    parse_rank_file,
+    rank_file_names,
+    rank_manifest_name,
+    replica_extra_name,
+)
+from trainguard.checkpoint.local.rank_manifest import RankManifest, read_rank_manifest, write_rank_manifest
+from trainguard.checkpoint.manifest import FileEntry
+from trainguard.checkpoint.retention import select_for_deletion
+from trainguard.errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class SavedStep:
+    step: int
+    bytes: int
+    seconds: float
+
+
+def write_file_durably(path: Path, write) -> FileEntry:
+    """Writes ``path`` via a temporary sibling, hashing on the way; returns its entry (name relative
+    to the step directory is filled in by the caller)."""
+    temp = path.with_name(f"{path.name}{TEMP_MARKER}{new_token()}")
+    stream = _HashingFile(temp)
+    try:
+        write(stream)
+        size, checksum = stream.close_durably()
+    except BaseException:
+        stream.close()
+        temp.unlink(missing_ok=True)
+        raise
+    os.replace(temp, path)
+    return FileEntry(path.name, size, checksum)
+
+
+def _bytes_writer(data: bytes):
+    return lambda stream: stream.write(data)
+
+
+def _object_writer(obj: Any):
+    return lambda stream: _save_tensor(obj, stream)
+
+
+def uncommit(step_dir: Path, world_size: int, rank: int) -> None:
+    manifest = step_dir / rank_manifest_name(world_size, rank)
+    if manifest.exists():
+        manifest.unlink()
+        fsync_dir(step_dir)
+
+
+def save_rank_step(
+    local_dir: Path, step: int, *, rank: int, world_size: int, model_state: dict[str, Any],
+    optim_state: dict[str, Any], extra_state: bytes, replica_extras: dict[int, bytes], fsdp_config: dict[str, Any],
+) -> SavedStep:
+    """Writes and commits this rank's files for ``step``; ``replica_extras`` are other ranks' extra
+    states this rank keeps a copy of."""
+    started = time.perf_counter()
+    step_dir = local_dir / step_dir_name(step)
+    step_dir.mkdir(parents=True, exist_ok=True)
+    uncommit(step_dir, world_size, rank)
+    names = rank_file_names(world_size, rank)
+    entries = [
+        write_file_durably(step_dir / names["model"], _object_writer(model_state)),
+        write_file_durably(step_dir / names["optim"], _object_writer(optim_state)),
+        write_file_durably(step_dir / names["extra"], _bytes_writer(extra_state)),
+    ]
+    if replica_extras:
+        (step_dir / REPLICA_DIR).mkdir(exist_ok=True)
+        for owner, data in sorted(replica_extras.items()):
+            relative = replica_extra_name(world_size, owner)
+            entry = write_file_durably(step_dir / relative, _bytes_writer(data))
+            entries.append(FileEntry(relative, entry.size, entry.checksum))
+        fsync_dir(step_dir / REPLICA_DIR)
+    # identical bytes from every rank (sorted keys): concurrent atomic replacements are harmless
+    atomic_write_json(step_dir / FSDP_CONFIG_NAME, fsdp_config)
+    config_entry = write_config_entry(step_dir)
+    fsync_dir(step_dir)
+    write_rank_manifest(step_dir, RankManifest(step, rank, world_size, tuple(entries) + (config_entry,)))
+    fsync_dir(local_dir)
+    return SavedStep(step, sum(e.size for e in entries), time.perf_counter() - started)
+
+
+def write_config_entry(step_dir: Path) -> FileEntry:
+    path = step_dir / FSDP_CONFIG_NAME
+    return FileEntry(FSDP_CONFIG_NAME, path.stat().st_size, file_checksum(path))
+
+
+def own_files(step_dir: Path, world_size: int, rank: int) -> list[Path]:
+    """This rank's files in a step directory: its state, manifest and the replica copies it holds."""
+    found = [step_dir / name for name in rank_file_names(world_size, rank).values()]
+    manifest = step_dir / rank_manifest_name(world_size, rank)
+    if manifest.exists():
+        try:
+            found += [step_dir / e.path for e in read_rank_manifest(manifest).files if e.path.startswith(REPLICA_DIR)]
+        except CheckpointError:
+            pass  # an unreadable manifest: only the rank's own state files are known
+    return found
+
+
+def remove_rank_step(local_dir: Path, step: int, world_size: int, rank: int) -> None:
+    """Deletes this rank's files of ``step``, manifest first; the directory goes with the last rank."""
+    step_dir = local_dir / step_dir_name(step)
+    if not step_dir.is_dir():
+        return
+    files = own_files(step_dir, world_size, rank)
+    uncommit(step_dir, world_size, rank)
+    for path in files:
+        path.unlink(missing_ok=True)
+    remove_if_abandoned(step_dir)
+
+
+def remove_if_abandoned(step_dir: Path) -> None:
+    """Removes a step directory that no rank's files are left in (a node-mate may race: fine)."""
+    try:
+        names = [p.name for p in step_dir.iterdir()]
+        if any(parse_rank_file(n) for n in names):
+            return
+        for leftover in (step_dir / REPLICA_DIR, step_dir / FSDP_CONFIG_NAME):
+            if leftover.is_dir():
+                if not any(leftover.iterdir()):
+                    leftover.rmdir()
+                else:
+                    return
+            else:
+                leftover.unlink(missing_ok=True)
+        step_dir.rmdir()
+        fsync_dir(step_dir.parent)
+    except OSError:
+        pass
+
+
+def rank_steps(local_dir: Path, world_size: int, rank: int) -> list[int]:
+    """Steps with this rank's manifest present (committed, not verified), ascending."""
+    if not local_dir.is_dir():
+        return []
+    steps = []
+    for entry in local_dir.iterdir():
+        step = parse_step_dir(entry.name)
+        if step is not None and (entry / rank_manifest_name(world_size, rank)).exists():
+            steps.append(step)
+    return sorted(steps)
+
+
+def prune(local_dir: Path, world_size: int, rank: int, keep_last: int) -> list[int]:
+    """Deletes this rank's oldest local checkpoints beyond ``keep_last``; returns the deleted steps."""
+    deleted = select_for_deletion(rank_steps(local_dir, world_size, rank), keep_last)
+    for step in deleted:
+        remove_rank_step(local_dir, step, world_size, rank)
+    return deleted
+
+
+def clean_rank_leftovers(local_dir: Path, world_size: int, rank: int) -> None:
+    """Removes this rank's temporary files and its files of steps it never committed."""
+    if not local_dir.is_dir():
+        return
+    for entry in local_dir.iterdir():
+        if parse_step_dir(entry.name) is None or not entry.is_dir():
+            continue
+        for path in list(entry.iterdir()) + list((entry / REPLICA_DIR).glob("*")):
+            if TEMP_MARKER in path.name and f"_rank_{rank}." in path.name.split(TEMP_MARKER)[0]:
+                path.unlink(missing_ok=True)
+        if not (entry / rank_manifest_name(world_size, rank)).exists():
+            for path in rank_file_names(world_size, rank).values():
+                (entry / path).unlink(missing_ok=True)
+        remove_if_abandoned(entry)
+
+
+def commit_rank_manifest(step_dir: Path, step: int, *, rank: int, world_size: int, entries: list[FileEntry]) -> None:
+    """Writes the rank's manifest over ``entries`` plus ``fsdp_config.json`` (already in place)."""
+    write_rank_manifest(step_dir, RankManifest(step, rank, world_size, tuple(entries) + (write_config_entry(step_dir),)))

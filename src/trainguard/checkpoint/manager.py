@@ -19,6 +19,10 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from trainguard.backup.background import BackgroundMirror
+from trainguard.backup.config import MirrorConfig
+from trainguard.backup.restore import restore_for_resume
+from trainguard.backup.url import is_url
 from trainguard.checkpoint.discovery import CheckpointInfo
 from trainguard.checkpoint.durable import DurableCheckpointer
 from trainguard.checkpoint.fsio import clean_stale
@@ -41,6 +45,15 @@ def _broadcast(value: Any) -> Any:
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _then(first: Callable[[int, Path], None], second: Callable[[int, Path], None] | None) -> Callable[[int, Path], None]:
+    def both(step: int, path: Path) -> None:
+        first(step, path)
+        if second is not None:
+            second(step, path)
+
+    return both
 
 
 class CheckpointManager:
@@ -69,6 +82,7 @@ class CheckpointManager:
         accept: Callable[[CheckpointInfo], str | None] | None = None,
         after_commit: Callable[[int, Path], None] | None = None,
         seed: int = 0,
+        mirror: MirrorConfig | None = None,
     ):
         self.run_dir = Path(run_dir)
         self.root = self.run_dir / "checkpoints"
@@ -89,6 +103,11 @@ class CheckpointManager:
                 log.warning("removed an unfinished checkpoint left by an earlier run: %s", stale)
         # One token per incarnation names the temporary directory that all ranks write into.
         run_token = _broadcast(uuid.uuid4().hex[:12] if self.rank == 0 else None)
+        self.mirror_config = mirror
+        # Rank 0 mirrors committed checkpoints to object storage in the background (checkpoint.mirror).
+        self.mirror = BackgroundMirror(mirror, self.root, self.events) if self.rank == 0 and mirror and mirror.url else None
+        if self.mirror is not None:
+            after_commit = _then(self.mirror.submit, after_commit)
         self.durable = DurableCheckpointer(
             self.root,
             rank=self.rank,
@@ -102,6 +121,7 @@ class CheckpointManager:
             keep_every=keep_every,
             events=self.events,
             after_commit=after_commit if self.rank == 0 else None,
+            protected=self.mirror.pending_steps if self.mirror is not None else None,
         )
         self.last_saved_step: int | None = None
 
@@ -110,7 +130,10 @@ class CheckpointManager:
         error = path = None
         if self.rank == 0:
             try:
-                chosen = choose_resume_checkpoint(self.resume_mode, self.root, warn=log.warning, accept=self.accept)
+                mode = self.resume_mode
+                if is_url(mode):  # restore from the mirror into the run's checkpoints first, then resume normally
+                    mode = restore_for_resume(mode, self.root, self.mirror_config.endpoint_url if self.mirror_config else None)
+                chosen = choose_resume_checkpoint(mode, self.root, warn=log.warning, accept=self.accept)
                 path = str(chosen) if chosen else None
             except Exception as exc:  # every rank must learn of it, or the others wait in broadcast for ever
                 error = exc
@@ -175,3 +198,6 @@ class CheckpointManager:
         self.durable.wait()
         if dist.is_initialized():
             dist.barrier()
+        if self.mirror is not None:
+            self.mirror.close()
+            self.mirror = None

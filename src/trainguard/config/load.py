@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from trainguard.backup.config import validate_mirror_config
 from trainguard.config.aliases import translate_reference_keys
 from trainguard.config.schema import RunConfig
 from trainguard.guards.sdc.config import sdc_config_from_env
@@ -167,6 +168,7 @@ def validate(config: RunConfig, source: str = "<config>") -> None:
     positive("checkpoint.save_interval", config.checkpoint.save_interval, allow_zero=True)
     positive("checkpoint.keep_last", config.checkpoint.keep_last)
     positive("checkpoint.keep_every", config.checkpoint.keep_every)
+    validate_mirror_config(config.checkpoint.mirror, source)
     skip, health = config.guards.skip, config.guards.health
     if config.guards.check_for_global_norm and skip.enabled:
         raise ConfigError(

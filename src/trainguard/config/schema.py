@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from trainguard.backup.config import MirrorConfig
 from trainguard.guards.health import HealthConfig
 from trainguard.guards.sdc.config import SdcConfig
 from trainguard.guards.skip import SkipConfig
@@ -67,6 +68,7 @@ class CheckpointConfig:
     keep_every: int | None = None
     async_save: bool = True
     resume: str = "auto"
+    mirror: MirrorConfig = field(default_factory=MirrorConfig)
 
 
 @dataclass

@@ -114,6 +114,7 @@ class Trainer:
             events=self.events,
             after_commit=self.faults.after_commit,
             seed=config.train.seed,
+            mirror=config.checkpoint.mirror,
         )
         self.step = 0
         sdc_config = sdc_config_from_env(config.guards.sdc)

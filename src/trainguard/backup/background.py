@@ -76,7 +76,8 @@ class BackgroundMirror:
                     self._upload(step, path)
             except Exception as exc:  # reported, never raised into training
                 message = str(exc) if isinstance(exc, CheckpointError) else describe_error(exc, self.mirror.url)
-                log.warning("mirror: checkpoint global_step_%s not mirrored: %s", step if step >= 0 else "*", message)
+                what = "earlier checkpoints" if step == _CATCH_UP else f"checkpoint global_step_{step}"
+                log.warning("mirror: %s not mirrored: %s", what, message)
                 self.events.emit("mirror_failed", step=step if step >= 0 else None, url=self.mirror.url, error=message)
             finally:
                 with self._lock:

@@ -21,10 +21,10 @@ STATIC_DIRS = ("huggingface",)
 def export_weights_only(ckpt_dir: Path, out_dir: Path) -> Manifest:
     """Writes the weights-only copy of ``ckpt_dir`` into the new directory ``out_dir``."""
     source = read_manifest(ckpt_dir)
-    model = read_full_state_dict(Path(ckpt_dir))["model"]
+    state = read_full_state_dict(Path(ckpt_dir))  # flattened: "model.<name>", "optim.<...>"
     # Tied weights share storage, which safetensors refuses: each tensor gets its own contiguous copy.
-    tensors = {name: value.detach().clone().contiguous() for name, value in model.items()
-               if isinstance(value, torch.Tensor)}
+    tensors = {key[len("model."):]: value.detach().clone().contiguous() for key, value in state.items()
+               if key.startswith("model.") and isinstance(value, torch.Tensor)}
     out_dir.mkdir(parents=True)
     save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt", "step": str(source.step)})
     for name in STATIC_DIRS:

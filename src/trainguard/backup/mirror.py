@@ -229,6 +229,7 @@ def mirror_checkpoint(
         raise MirrorError(describe_error(exc, mirror.url)) from None
 
     uploaded: list[int] = []
+    digests: dict[str, _LocalDigest] = {}
 
     def upload(entry: FileEntry) -> None:
         local = ckpt_dir / entry.path
@@ -238,6 +239,7 @@ def mirror_checkpoint(
             raise CheckpointError(f"{local}: cannot read ({exc.strerror or exc}); not mirrored") from None
         if digest.checksum != entry.checksum:
             raise CheckpointError(f"{local}: checksum does not match {MANIFEST_NAME}; not mirrored")
+        digests[entry.path] = digest
         rpath = mirror.path(name, entry.path)
         if _remote_matches(mirror, rpath, remote_files.get(entry.path), entry, digest):
             if progress is not None:
@@ -249,15 +251,24 @@ def mirror_checkpoint(
             mirror.fs.makedirs(mirror.fs._parent(rpath), exist_ok=True)
         mirror.fs.put_file(str(local), rpath, callback=reporter, **kwargs)
         reporter.relative_update(entry.size - reporter.reported)  # clients that report nothing
-        if not _remote_matches(mirror, rpath, mirror.fs.info(rpath), entry, digest):
+        uploaded.append(entry.size)
+
+    def verify(entry: FileEntry, after_upload: dict[str, dict]) -> None:
+        rpath = mirror.path(name, entry.path)
+        if not _remote_matches(mirror, rpath, after_upload.get(entry.path), entry, digests[entry.path]):
             raise MirrorError(f"{mirror.url_of(name, entry.path)}: verification failed after upload "
                               "(size or checksum differs from the manifest)")
-        uploaded.append(entry.size)
 
     try:
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
             for future in [pool.submit(upload, entry) for entry in manifest.files]:
                 future.result()
+            # One listing gives every object's size and ETag (no request per file).
+            mirror.fs.invalidate_cache(remote)
+            after_upload = _remote_files(mirror, remote)
+            for future in [pool.submit(verify, entry, after_upload) for entry in manifest.files]:
+                future.result()
+        remote_files = after_upload
         listed = {entry.path for entry in manifest.files} | {MANIFEST_NAME}
         for stale in sorted(set(remote_files) - listed):
             mirror.fs.rm_file(mirror.path(name, stale))

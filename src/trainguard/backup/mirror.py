@@ -1,11 +1,12 @@
 """Uploading a committed checkpoint to a mirror so that it becomes visible only when complete.
 
 Protocol (a crash or kill at any instant leaves nothing that looks complete):
-1. every file of the local manifest is read once, hashed (xxh3, compared with the manifest, so a
-   corrupted local file is never mirrored; and MD5 in the client's part layout, for the S3 ETag);
-2. it is uploaded to ``URL/global_step_N/<path>`` unless an identical object is already there (what
-   an interrupted backup left), then verified: the server's ETag must be the MD5 of the bytes sent
-   (S3), or else the object is read back and its xxh3 compared with the manifest;
+1. every file of the local manifest is uploaded to ``URL/global_step_N/<path>`` unless an identical
+   object is already there (what an interrupted backup left); while it uploads it is hashed (xxh3,
+   compared with the manifest, so a corrupted local file is never mirrored; and MD5 in the client's
+   part layout, the S3 ETag);
+2. once all are uploaded, one listing gives each object's size and ETag: the ETag must be the MD5 of
+   the local bytes (S3), or else the object is read back and its xxh3 compared with the manifest;
 3. objects under ``global_step_N/`` that the manifest does not list are removed;
 4. the manifest ``trainguard.json`` is uploaded last, in one request: a mirrored checkpoint without
    a valid manifest does not exist (the same rule as on local disk).
@@ -231,7 +232,7 @@ def mirror_checkpoint(
     uploaded: list[int] = []
     digests: dict[str, _LocalDigest] = {}
 
-    def upload(entry: FileEntry) -> None:
+    def digest_of(entry: FileEntry) -> _LocalDigest:
         local = ckpt_dir / entry.path
         try:
             digest = local_digest(local, entry.size, with_etag=mirror.is_s3)
@@ -240,17 +241,27 @@ def mirror_checkpoint(
         if digest.checksum != entry.checksum:
             raise CheckpointError(f"{local}: checksum does not match {MANIFEST_NAME}; not mirrored")
         digests[entry.path] = digest
+        return digest
+
+    def upload(entry: FileEntry) -> None:
         rpath = mirror.path(name, entry.path)
-        if _remote_matches(mirror, rpath, remote_files.get(entry.path), entry, digest):
-            if progress is not None:
-                progress(entry.size)
-            return
+        if entry.path in remote_files:  # left by an interrupted backup: kept if it is already right
+            if _remote_matches(mirror, rpath, remote_files[entry.path], entry, digest_of(entry)):
+                if progress is not None:
+                    progress(entry.size)
+                return
+            hashed = None
+        else:
+            # Hashed while it uploads (the manifest goes up only if every file matched it).
+            hashed = hash_pool.submit(digest_of, entry)
         reporter = _Reporter(throttle, progress)
         kwargs = {"chunksize": PART_SIZE} if mirror.is_s3 else {}
         if not mirror.is_s3:  # object stores have no directories; file systems need them
             mirror.fs.makedirs(mirror.fs._parent(rpath), exist_ok=True)
-        mirror.fs.put_file(str(local), rpath, callback=reporter, **kwargs)
+        mirror.fs.put_file(str(ckpt_dir / entry.path), rpath, callback=reporter, **kwargs)
         reporter.relative_update(entry.size - reporter.reported)  # clients that report nothing
+        if hashed is not None:
+            hashed.result()
         uploaded.append(entry.size)
 
     def verify(entry: FileEntry, after_upload: dict[str, dict]) -> None:
@@ -260,7 +271,8 @@ def mirror_checkpoint(
                               "(size or checksum differs from the manifest)")
 
     try:
-        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool, \
+                ThreadPoolExecutor(max_workers=max(1, workers)) as hash_pool:
             for future in [pool.submit(upload, entry) for entry in manifest.files]:
                 future.result()
             # One listing gives every object's size and ETag (no request per file).

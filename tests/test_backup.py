@@ -136,8 +136,11 @@ def test_weights_only_backup_holds_the_model_tensors(s3, cli, committed_run, tmp
     model = {k[len("model."):]: v for k, v in full.items() if k.startswith("model.")}
     assert weights.keys() == model.keys()
     assert all((weights[k] == model[k]).all() for k in weights)
-    resume = train_s3(s3, tmp_path / "w", 1, 12, "--resume", url(s3, "weights/global_step_8"))
-    assert resume.returncode == 4 and "weights-only backup cannot resume training" in resume.stderr
+    from trainguard.backup.restore import restore_for_resume
+    from trainguard.errors import NoCheckpointError
+
+    with pytest.raises(NoCheckpointError, match="weights-only backup cannot resume training"):
+        restore_for_resume(url(s3, "weights/global_step_8"), tmp_path / "resume" / "checkpoints")
 
 
 # ------------------------------------------------------------------------------- killed half-way

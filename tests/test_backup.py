@@ -263,15 +263,17 @@ def test_etag_verification_needs_no_read_back_for_single_and_multipart(s3_env, t
     assert list(list_mirrored(mirror)) == [3]
 
 
-def test_corrupted_local_file_is_never_mirrored(s3_env, tmp_path):
-    ckpt = make_checkpoint(tmp_path, 5)
+def test_corrupted_local_file_is_never_mirrored(s3_env, cli, tmp_path):
+    root = tmp_path / "checkpoints"
+    ckpt = make_checkpoint(root, 5)
+    make_checkpoint(root, 6)
     data = bytearray((ckpt / "__0_0.distcp").read_bytes())
     data[10] ^= 1
     (ckpt / "__0_0.distcp").write_bytes(bytes(data))
-    mirror = open_mirror(url(s3_env, "corrupt"))
-    with pytest.raises(Exception, match="checksum does not match trainguard.json; not mirrored"):
-        mirror_checkpoint(ckpt, mirror)
-    assert list_mirrored(mirror) == {}
+    code, out, err = cli("ckpt", "backup", str(root), url(s3_env, "corrupt"))
+    assert code == 1 and "global_step_6: mirrored" in out
+    assert err.strip() == f"trainguard: error: {ckpt / '__0_0.distcp'}: checksum does not match trainguard.json; not mirrored"
+    assert list(list_mirrored(open_mirror(url(s3_env, "corrupt")))) == [6]
 
 
 def test_redone_step_replaces_the_mirrored_copy_and_delete_removes_it(s3_env, tmp_path):

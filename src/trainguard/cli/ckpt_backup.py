@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
-from trainguard.backup.mirror import list_mirrored, mirror_checkpoint
+from trainguard.backup.mirror import MirrorResult, list_mirrored, mirror_checkpoint
 from trainguard.backup.restore import choose_mirrored, is_weights_only, restore_checkpoint
-from trainguard.backup.throttle import throttle_from_mbps
-from trainguard.backup.url import check_reachable, open_mirror
+from trainguard.backup.throttle import Throttle, throttle_from_mbps
+from trainguard.backup.url import Mirror, MirrorError, check_reachable, open_mirror
 from trainguard.checkpoint.discovery import list_checkpoints
 from trainguard.checkpoint.layout import TRASH_PREFIX, step_dir_name
 from trainguard.cli.ckpt import _byte_progress, _resolve_root, _warn
-from trainguard.errors import ConfigError
+from trainguard.errors import CheckpointError, ConfigError
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
@@ -51,31 +52,41 @@ def run_backup(args: argparse.Namespace) -> int:
     mirror = open_mirror(args.url, args.endpoint_url)
     check_reachable(mirror)
     throttle = throttle_from_mbps(args.bandwidth_mbps)
+    failed = 0
     for info in checkpoints:
         if not info.committed:
             _warn(f"skipping {info.path}: {info.error}")
             continue
-        assert info.manifest is not None
-        if args.weights_only:
-            staging = Path(tempfile.mkdtemp(prefix=f"{TRASH_PREFIX}weights-", dir=root))
-            try:
-                from trainguard.backup.weights_only import export_weights_only
-
-                export_weights_only(info.path, staging / info.name)
-                result = _upload(staging / info.name, mirror, throttle, args.workers)
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
-        else:
-            result = _upload(info.path, mirror, throttle, args.workers)
+        try:
+            result = _backup_one(info.path, root, mirror, throttle, args)
+        except MirrorError:
+            raise  # the mirror itself failed: the next checkpoint would fail the same way
+        except CheckpointError as exc:  # this local checkpoint is damaged: back up the others
+            print(f"trainguard: error: {exc}", file=sys.stderr)
+            failed += 1
+            continue
         if result.already_complete:
             print(f"{info.name}: already in the mirror ({result.url})")
         else:
             print(f"{info.name}: mirrored to {result.url} ({result.bytes_uploaded / 1e6:.1f} MB uploaded, "
                   f"{result.files_reused} file(s) already there, {result.seconds:.1f}s, verified)")
-    return 0
+    return 1 if failed else 0
 
 
-def _upload(path: Path, mirror, throttle, workers: int):
+def _backup_one(path: Path, root: Path, mirror: Mirror, throttle: Throttle, args: argparse.Namespace) -> MirrorResult:
+    if not args.weights_only:
+        return _upload(path, mirror, throttle, args.workers)
+    staging = Path(tempfile.mkdtemp(prefix=f"{TRASH_PREFIX}weights-", dir=root))
+    try:
+        from trainguard.backup.weights_only import export_weights_only
+
+        export_weights_only(path, staging / path.name)
+        return _upload(staging / path.name, mirror, throttle, args.workers)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _upload(path: Path, mirror: Mirror, throttle: Throttle, workers: int) -> MirrorResult:
     from trainguard.checkpoint.manifest import read_manifest
 
     total = read_manifest(path).total_size

@@ -244,7 +244,7 @@ def test_background_mirror_uploads_every_mth_and_keeps_every_kth(s3_env, tmp_pat
 
 
 # ----------------------------------------------------------------------------- in-process details
-def test_etag_verification_needs_no_read_back_for_single_and_multipart(s3_env, tmp_path, monkeypatch):
+def test_server_checksums_verify_single_and_multipart_uploads_without_read_back(s3_env, tmp_path, monkeypatch):
     monkeypatch.setattr(mirror_module, "PART_SIZE", 5 << 20)  # S3's smallest part: 12 MiB → 3 parts
     ckpt = tmp_path / step_dir_name(3)
     ckpt.mkdir()
@@ -261,6 +261,12 @@ def test_etag_verification_needs_no_read_back_for_single_and_multipart(s3_env, t
     result = mirror_checkpoint(ckpt, mirror)
     assert result.files_uploaded == 2 and mirror.fs.info(mirror.path("global_step_3", "big"))["ETag"].endswith('-3"')
     assert list(list_mirrored(mirror)) == [3]
+    # An object changed in the mirror (same size) no longer verifies: the next backup uploads it again.
+    mirror.fs.pipe_file(mirror.path("global_step_3", "small"), b"y" * 1000)
+    mirror.fs.rm_file(mirror.path("global_step_3", MANIFEST_NAME))
+    again = mirror_checkpoint(ckpt, mirror)
+    assert (again.files_uploaded, again.files_reused) == (1, 1)
+    assert mirror.fs.cat_file(mirror.path("global_step_3", "small")) == b"x" * 1000
 
 
 def test_corrupted_local_file_is_never_mirrored(s3_env, cli, tmp_path):

@@ -3,10 +3,12 @@
 Protocol (a crash or kill at any instant leaves nothing that looks complete):
 1. every file of the local manifest is uploaded to ``URL/global_step_N/<path>`` unless an identical
    object is already there (what an interrupted backup left); while it uploads it is hashed (xxh3,
-   compared with the manifest, so a corrupted local file is never mirrored; and MD5 in the client's
-   part layout, the S3 ETag);
-2. once all are uploaded, one listing gives each object's size and ETag: the ETag must be the MD5 of
-   the local bytes (S3), or else the object is read back and its xxh3 compared with the manifest;
+   compared with the manifest, so a corrupted local file is never mirrored; and, for S3, CRC32 or,
+   for a multipart upload, MD5 in the client's part layout);
+2. once all are uploaded, one listing gives each object's size, and each object's checksum must
+   match the local bytes: on S3 the CRC32 the server verified on receipt and stored (one HEAD), or
+   the multipart ETag; where the store keeps neither, the object is read back and its xxh3 compared
+   with the manifest;
 3. objects under ``global_step_N/`` that the manifest does not list are removed;
 4. the manifest ``trainguard.json`` is uploaded last, in one request: a mirrored checkpoint without
    a valid manifest does not exist (the same rule as on local disk).
@@ -15,9 +17,11 @@ A step already mirrored with a different manifest (a redone step) loses its mani
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import time
+import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -55,7 +59,11 @@ class MirrorResult:
 @dataclass(frozen=True)
 class _LocalDigest:
     checksum: str
-    etag: str | None
+    crc32: str | None = None
+    """For S3 objects sent in one PUT: the CRC32 (base64) the client sends and the server checks and
+    stores (S3's flexible checksums)."""
+    etag: str | None = None
+    """For S3 multipart uploads: the ETag S3 computes, the MD5 of the parts' MD5s with ``-<parts>``."""
 
 
 def _single_put_limit(size: int) -> bool:
@@ -71,15 +79,15 @@ def _part_size(size: int) -> int:
     return calculate_chunksize(size, chunksize=PART_SIZE)
 
 
-def local_digest(path: Path, size: int, with_etag: bool) -> _LocalDigest:
-    """xxh3 of the file and, for S3, the ETag its upload will get: MD5 for one PUT, else the MD5 of
-    the parts' MD5s with ``-<parts>``."""
+def local_digest(path: Path, size: int, for_s3: bool) -> _LocalDigest:
+    """xxh3 of the file and, for S3, what the server will report for it: the CRC32 of a single PUT,
+    or the multipart ETag."""
     digest = xxhash.xxh3_64()
     single = _single_put_limit(size)
     part_size = _part_size(size)
-    whole = hashlib.md5(usedforsecurity=False) if with_etag and single else None
+    crc = 0 if for_s3 and single else None
     parts: list[bytes] = []
-    part = hashlib.md5(usedforsecurity=False) if with_etag and not single else None
+    part = hashlib.md5(usedforsecurity=False) if for_s3 and not single else None
     in_part = 0
     with open(path, "rb", buffering=0) as f:
         while True:
@@ -87,8 +95,8 @@ def local_digest(path: Path, size: int, with_etag: bool) -> _LocalDigest:
             if not chunk:
                 break
             digest.update(chunk)
-            if whole is not None:
-                whole.update(chunk)
+            if crc is not None:
+                crc = zlib.crc32(chunk, crc)
             if part is not None:
                 part.update(chunk)
                 in_part += len(chunk)
@@ -96,13 +104,12 @@ def local_digest(path: Path, size: int, with_etag: bool) -> _LocalDigest:
                     parts.append(part.digest())
                     part, in_part = hashlib.md5(usedforsecurity=False), 0
     etag = None
-    if whole is not None:
-        etag = whole.hexdigest()
-    elif part is not None:
+    if part is not None:
         if in_part:
             parts.append(part.digest())
         etag = f"{hashlib.md5(b''.join(parts), usedforsecurity=False).hexdigest()}-{len(parts)}"
-    return _LocalDigest(f"{CHECKSUM_ALGORITHM}:{digest.hexdigest()}", etag)
+    crc32 = base64.b64encode(crc.to_bytes(4, "big")).decode() if crc is not None else None
+    return _LocalDigest(f"{CHECKSUM_ALGORITHM}:{digest.hexdigest()}", crc32, etag)
 
 
 def remote_checksum(mirror: Mirror, rpath: str) -> str:
@@ -119,13 +126,24 @@ def _etag(info: dict) -> str | None:
     return etag.strip('"') if isinstance(etag, str) else None
 
 
+def _stored_crc32(mirror: Mirror, rpath: str) -> str | None:
+    """The CRC32 the S3 server checked on upload and stored, if it keeps one."""
+    bucket, key, _ = mirror.fs.split_path(rpath)
+    head = mirror.fs.call_s3("head_object", Bucket=bucket, Key=key, ChecksumMode="ENABLED")
+    return head.get("ChecksumCRC32")
+
+
 def _remote_matches(mirror: Mirror, rpath: str, info: dict | None, entry: FileEntry, local: _LocalDigest) -> bool:
     """True when the object at ``rpath`` holds exactly the manifest's bytes."""
     if info is None or info.get("size") != entry.size:
         return False
+    if local.crc32 is not None:
+        stored = _stored_crc32(mirror, rpath)
+        if stored is not None:
+            return stored == local.crc32
     if local.etag is not None and _etag(info) == local.etag:
         return True
-    # No ETag to compare (not S3), or one that is not an MD5 (e.g. server-side KMS encryption).
+    # No checksum to compare (not S3, a server without flexible checksums, an ETag that is no MD5).
     return remote_checksum(mirror, rpath) == entry.checksum
 
 
@@ -235,7 +253,7 @@ def mirror_checkpoint(
     def digest_of(entry: FileEntry) -> _LocalDigest:
         local = ckpt_dir / entry.path
         try:
-            digest = local_digest(local, entry.size, with_etag=mirror.is_s3)
+            digest = local_digest(local, entry.size, for_s3=mirror.is_s3)
         except OSError as exc:
             raise CheckpointError(f"{local}: cannot read ({exc.strerror or exc}); not mirrored") from None
         if digest.checksum != entry.checksum:

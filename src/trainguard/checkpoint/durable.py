@@ -291,6 +291,7 @@ class DurableCheckpointer:
         keep_every: int | None,
         events: EventLog,
         after_commit: Callable[[int, Path], None] | None = None,
+        protected: Callable[[], set[int]] | None = None,
     ):
         self.root = Path(root)
         self.rank = rank
@@ -304,6 +305,7 @@ class DurableCheckpointer:
         self.keep_every = keep_every
         self.events = events
         self.after_commit = after_commit
+        self.protected = protected  # steps retention must keep for now (e.g. waiting for their mirror upload)
         self._inflight: threading.Thread | None = None
         self._error: BaseException | None = None
         self._stager: ReusableStager | None = None
@@ -483,7 +485,10 @@ class DurableCheckpointer:
         recorded = unhealthy_names(self.root / HEALTH_FILE)
         unhealthy = [s for s in steps if s <= committed and (step_dir_name(s) in recorded
                                                              or _marked_unhealthy(self.root / step_dir_name(s)))]
+        keep = self.protected() if self.protected is not None else set()
         for step in retention_after_commit(steps, committed, unhealthy, self.keep_last, self.keep_every):
+            if step in keep:
+                continue
             remove_directory_crash_safe(self.root / step_dir_name(step))
             self.events.emit("checkpoint_deleted", step=step, reason="retention", tier="durable")
 

@@ -20,6 +20,10 @@ import torch
 import torch.distributed as dist
 
 from trainguard.checkpoint.discovery import CheckpointInfo, list_checkpoints, write_latest
+from trainguard.backup.background import BackgroundMirror
+from trainguard.backup.config import MirrorConfig
+from trainguard.backup.restore import restore_for_resume
+from trainguard.backup.url import is_url
 from trainguard.checkpoint.durable import DurableCheckpointer
 from trainguard.checkpoint.fsio import clean_stale, remove_directory_crash_safe
 from trainguard.checkpoint.local.tier import LocalTier
@@ -43,6 +47,15 @@ def _broadcast(value: Any) -> Any:
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _then(first: Callable[[int, Path], None], second: Callable[[int, Path], None] | None) -> Callable[[int, Path], None]:
+    def both(step: int, path: Path) -> None:
+        first(step, path)
+        if second is not None:
+            second(step, path)
+
+    return both
 
 
 class CheckpointManager:
@@ -72,6 +85,7 @@ class CheckpointManager:
         after_commit: Callable[[int, Path], None] | None = None,
         seed: int = 0,
         local: LocalTier | None = None,
+        mirror: MirrorConfig | None = None,
     ):
         self.run_dir = Path(run_dir)
         self.root = self.run_dir / "checkpoints"
@@ -93,6 +107,11 @@ class CheckpointManager:
                 log.warning("removed an unfinished checkpoint left by an earlier run: %s", stale)
         # One token per incarnation names the temporary directory that all ranks write into.
         run_token = _broadcast(uuid.uuid4().hex[:12] if self.rank == 0 else None)
+        self.mirror_config = mirror
+        # Rank 0 mirrors committed checkpoints to object storage in the background (checkpoint.mirror).
+        self.mirror = BackgroundMirror(mirror, self.root, self.events) if self.rank == 0 and mirror and mirror.url else None
+        if self.mirror is not None:
+            after_commit = _then(self.mirror.submit, after_commit)
         self.durable = DurableCheckpointer(
             self.root,
             rank=self.rank,
@@ -106,6 +125,7 @@ class CheckpointManager:
             keep_every=keep_every,
             events=self.events,
             after_commit=after_commit if self.rank == 0 else None,
+            protected=self.mirror.pending_steps if self.mirror is not None else None,
         )
         self.last_saved_step: int | None = None
         self.resumed_from: str | None = None
@@ -116,7 +136,10 @@ class CheckpointManager:
         error = path = None
         if self.rank == 0:
             try:
-                chosen = choose_resume_checkpoint(self.resume_mode, self.root, warn=log.warning, accept=self.accept)
+                mode = self.resume_mode
+                if is_url(mode):  # restore from the mirror into the run's checkpoints first, then resume normally
+                    mode = restore_for_resume(mode, self.root, self.mirror_config.endpoint_url if self.mirror_config else None)
+                chosen = choose_resume_checkpoint(mode, self.root, warn=log.warning, accept=self.accept)
                 path = str(chosen) if chosen else None
             except Exception as exc:  # every rank must learn of it, or the others wait in broadcast for ever
                 error = exc
@@ -217,7 +240,13 @@ class CheckpointManager:
         return True
 
     def close(self) -> None:
-        """Waits until the last save is committed on every rank."""
+        """Waits until the last save is committed on every rank, then drains the mirror's queue."""
+        self._wait_for_saves()
+        if self.mirror is not None:
+            self.mirror.close()
+            self.mirror = None
+
+    def _wait_for_saves(self) -> None:
         self.durable.wait()
         if self.local is not None:
             self.local.wait()
@@ -228,11 +257,11 @@ class CheckpointManager:
         """Rollback mode: restores the newest healthy, verified checkpoint of a step before
         ``before_step`` and returns its step (None when there is none; nothing is changed then).
 
-        Waits for the save in flight first. The newer checkpoints belong to the timeline being
+        Waits for the save in flight first (the mirror keeps running). The newer checkpoints belong to the timeline being
         abandoned: they are deleted (newest first) and ``latest_checkpointed_iteration.txt`` points at
         the restored one again, so a later restart resumes on the new timeline, not the old one.
         """
-        self.close()
+        self._wait_for_saves()
         error = path = None
         if self.rank == 0:
             try:

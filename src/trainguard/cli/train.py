@@ -24,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--nproc must be ≥ 1, got {args.nproc}")
     config = config_from_args(args)
     resolve_layout(config.parallel, args.nproc)
-    if config.checkpoint.resume not in ("auto", "disable"):
+    if config.checkpoint.resume not in ("auto", "disable") and "://" not in config.checkpoint.resume:
         check_explicit_resume_path(Path(config.checkpoint.resume))
     run_dir = Path(args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     if run_dir.exists() and not run_dir.is_dir():

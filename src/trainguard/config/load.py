@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from trainguard.backup.config import validate_mirror_config
 from trainguard.config.aliases import translate_reference_keys
 from trainguard.config.schema import RunConfig
 from trainguard.guards.sdc.config import sdc_config_from_env
@@ -170,6 +171,7 @@ def validate(config: RunConfig, source: str = "<config>") -> None:
     positive("checkpoint.local_interval", config.checkpoint.local_interval, allow_zero=True)
     positive("checkpoint.local_keep_last", config.checkpoint.local_keep_last)
     positive("parallel.ranks_per_node", config.parallel.ranks_per_node)
+    validate_mirror_config(config.checkpoint.mirror, source)
     skip, health = config.guards.skip, config.guards.health
     if config.guards.check_for_global_norm and skip.enabled:
         raise ConfigError(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from trainguard.backup.config import MirrorConfig
 from trainguard.guards.health import HealthConfig
 from trainguard.guards.rollback import RollbackConfig
 from trainguard.guards.sdc.config import SdcConfig
@@ -73,6 +74,7 @@ class CheckpointConfig:
     local_interval: int = 0  # steps between local-tier saves (every rank its own files); 0 = off
     local_dir: str | None = None  # template with {node} and {rank}; relative to the run dir; None = local/node{node}
     local_keep_last: int = 2
+    mirror: MirrorConfig = field(default_factory=MirrorConfig)
 
 
 @dataclass

@@ -19,7 +19,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, help="total optimizer steps (train.steps)")
     parser.add_argument("--run-dir", help="directory holding checkpoints, events and logs of the run")
     parser.add_argument("--save-interval", type=int, help="steps between durable checkpoints (checkpoint.save_interval)")
-    parser.add_argument("--resume", help="auto (newest verified checkpoint), disable, or a checkpoint PATH")
+    parser.add_argument("--resume", help="auto (newest verified checkpoint), disable, a checkpoint PATH, "
+                        "or a mirror URL (restored into the run directory first)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override any config key; repeatable")
 
@@ -32,7 +33,8 @@ def overrides_from_args(args: argparse.Namespace) -> list[str]:
     if args.save_interval is not None:
         items.append(f"checkpoint.save_interval={args.save_interval}")
     if args.resume is not None:
-        resume = args.resume if args.resume in ("auto", "disable") else str(Path(args.resume).resolve())
+        keep = args.resume in ("auto", "disable") or "://" in args.resume  # a mirror URL stays as given
+        resume = args.resume if keep else str(Path(args.resume).resolve())
         items.append(f"checkpoint.resume={resume}")
     return items
 

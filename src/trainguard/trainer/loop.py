@@ -136,6 +136,7 @@ class Trainer:
             after_commit=self.faults.after_commit,
             seed=config.train.seed,
             local=build_local_tier(config, self.run_dir, self.layout, self.model, self.events, self.faults),
+            mirror=config.checkpoint.mirror,
         )
         self.step = 0
         sdc_config = sdc_config_from_env(config.guards.sdc)

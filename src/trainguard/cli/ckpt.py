@@ -28,7 +28,7 @@ _PIPED_WIDTH = 200
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("ckpt", help="list and verify a run's checkpoints")
-    commands = parser.add_subparsers(dest="ckpt_command", metavar="{list,verify}", required=True)
+    commands = parser.add_subparsers(dest="ckpt_command", metavar="{list,verify,merge,test,convert}", required=True)
 
     listing = commands.add_parser("list", help="one line per checkpoint: committed, verified, size, health")
     listing.add_argument("dir", metavar="DIR", help="run directory or its checkpoints/ directory")
@@ -40,6 +40,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     verify.add_argument("dir", metavar="DIR", help="run directory or its checkpoints/ directory")
     verify.add_argument("--step", type=int, metavar="N", help="verify only global_step_N")
     verify.set_defaults(func=run_verify)
+
+    from trainguard.cli import ckpt_convert, ckpt_merge
+    ckpt_merge.add_commands(commands)
+    ckpt_convert.add_commands(commands)
 
 
 def run_list(args: argparse.Namespace) -> int:

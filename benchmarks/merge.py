@@ -1,0 +1,157 @@
+"""Benchmark: ``trainguard ckpt merge`` against a naive merge on the same >= 1 GiB per-rank checkpoint.
+
+The checkpoint: a Llama-shaped model (``--gib`` GiB of fp32 weights) saved the way trainguard's local
+tier saves it: 4 ranks, FSDP2 ``Shard(0)`` on a 1-D mesh, ``model_world_size_4_rank_R.pt`` with plain
+local tensors, ``fsdp_config.json``, ``huggingface/config.json``. It is generated once, random.
+
+Each merge runs in its own process; the figures are its wall time and its peak RSS (``wait4``'s
+``ru_maxrss``):
+- ``trainguard``: ``python -m trainguard ckpt merge --backend fsdp`` (streaming, memory-mapped reads,
+  parallel pieces, safetensors written tensor by tensor);
+- ``naive``: load every rank file whole (``torch.load``, weights_only), ``torch.cat`` each tensor's
+  shards, ``safetensors.torch.save_file`` of the whole state dict: what verl's merger does.
+- verl's own merger (``python -m verl.model_merger merge``) is not run: installing verl would replace
+  packages of the shared environment (transformers, huggingface_hub, tokenizers...) and pull ray,
+  wandb, datasets; it is reported as such.
+Rounds run in ABBA order; medians are reported. Usage::
+
+    OMP_NUM_THREADS=1 python benchmarks/merge.py [--gib 1] [--rounds 2] [--dir /tmp] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import median, schedule  # noqa: E402
+
+TARGET_SPEEDUP = 2.0
+TARGET_RSS = 0.3
+RANKS = 4
+
+
+def model_config(gib: float) -> dict:
+    """Llama shape with about ``gib`` GiB of fp32 parameters (layers added until it is reached)."""
+    hidden, inter, vocab = 1024, 2816, 32000
+    per_layer = 4 * hidden * hidden + 3 * hidden * inter + 2 * hidden
+    fixed = 2 * vocab * hidden + hidden
+    layers = max(1, int(-(-(gib * 2**30 / 4 - fixed) // per_layer)))
+    return dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=hidden, intermediate_size=inter,
+                num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=16, vocab_size=vocab,
+                max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+def make_checkpoint(directory: Path, gib: float) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(**model_config(gib))
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    directory.mkdir(parents=True)
+    (directory / "huggingface").mkdir()
+    config.save_pretrained(directory / "huggingface")
+    generator = torch.Generator().manual_seed(0)
+    total = 0
+    for rank in range(RANKS):
+        shard = {}
+        for name, shape in shapes.items():
+            rows = -(-shape[0] // RANKS)
+            local = (min(shape[0], (rank + 1) * rows) - min(shape[0], rank * rows), *shape[1:])
+            shard[name] = torch.randn(local, generator=generator)
+            total += shard[name].numel() * 4
+        torch.save(shard, directory / f"model_world_size_{RANKS}_rank_{rank}.pt")
+        del shard
+    params = {name: {"shape": list(shape), "dtype": "float32", "placements": ["Shard(0)"]}
+              for name, shape in shapes.items()}
+    (directory / "fsdp_config.json").write_text(json.dumps(
+        {"FSDP_version": 2, "world_size": RANKS, "mesh_shape": [RANKS], "mesh_dim_names": ["dp_shard"],
+         "params": params}))
+    return total
+
+
+def naive_merge(source: str, target: str) -> None:
+    """Load all shards, concatenate, save: the baseline (runs in its own process)."""
+    import torch
+    from safetensors.torch import save_file
+
+    shards = [torch.load(Path(source) / f"model_world_size_{RANKS}_rank_{r}.pt", weights_only=True)
+              for r in range(RANKS)]
+    merged = {name: torch.cat([s[name] for s in shards], dim=0) for name in shards[0]}
+    del shards
+    Path(target).mkdir()
+    save_file(merged, Path(target) / "model.safetensors", metadata={"format": "pt"})
+    for path in (Path(source) / "huggingface").iterdir():
+        shutil.copy(path, Path(target) / path.name)
+
+
+def measure(cmd: list[str]) -> tuple[float, float]:
+    """(seconds, peak RSS in bytes) of one child process."""
+    started = time.perf_counter()
+    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(process.pid, 0)
+    seconds = time.perf_counter() - started
+    process.returncode = os.waitstatus_to_exitcode(status)
+    if process.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed: {process.stderr.read().decode()[-2000:]}")
+    return seconds, usage.ru_maxrss * 1024
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gib", type=float, default=1.0)
+    parser.add_argument("--rounds", type=int, default=1, help="ABBA cycles (each runs both merges twice)")
+    parser.add_argument("--dir", default=tempfile.gettempdir())
+    parser.add_argument("--quick", action="store_true", help="0.25 GiB, one cycle (about a minute)")
+    parser.add_argument("--naive-worker", nargs=2, metavar=("SRC", "DST"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.naive_worker:
+        naive_merge(*args.naive_worker)
+        return
+    if args.quick:
+        args.gib, args.rounds = 0.25, 1
+    work = Path(tempfile.mkdtemp(prefix="tg-merge-bench-", dir=args.dir))
+    try:
+        source = work / "ckpt"
+        size = make_checkpoint(source, args.gib)
+        commands = {
+            "on": lambda out: [sys.executable, "-m", "trainguard", "ckpt", "merge", "--backend", "fsdp",
+                               "--local_dir", str(source), "--target_dir", str(out)],
+            "off": lambda out: [sys.executable, __file__, "--naive-worker", str(source), str(out)],
+        }
+        samples: dict[str, list[tuple[float, float]]] = {"on": [], "off": []}
+        for i, mode in enumerate(schedule(args.rounds)):
+            out = work / f"out-{i}"
+            samples[mode].append(measure(commands[mode](out)))
+            shutil.rmtree(out)
+        tg_s, tg_rss = median([s for s, _ in samples["on"]]), median([r for _, r in samples["on"]])
+        nv_s, nv_rss = median([s for s, _ in samples["off"]]), median([r for _, r in samples["off"]])
+        gb = size / 1e9
+        print(f"checkpoint: {size / 2**30:.2f} GiB fp32 in {RANKS} rank files; {len(samples['on'])} runs each, medians")
+        print(f"{'merge':<12}{'seconds':>10}{'GB/s':>8}{'peak RSS GiB':>15}")
+        for name, (s, rss) in {"trainguard": (tg_s, tg_rss), "naive": (nv_s, nv_rss)}.items():
+            print(f"{name:<12}{s:>10.2f}{gb / s:>8.2f}{rss / 2**30:>15.2f}")
+        print(f"{'verl':<12}{'not run: installing verl would replace shared packages (transformers, ...)':>10}")
+        speedup, rss_ratio = nv_s / tg_s, tg_rss / nv_rss
+        print(f"speedup {speedup:.2f}x (target >= {TARGET_SPEEDUP}x); peak RSS ratio {rss_ratio:.2f} "
+              f"(target <= {TARGET_RSS})")
+        print("RESULT " + json.dumps({"figure": "merge_throughput_GBps", "trainguard": gb / tg_s, "baseline": gb / nv_s,
+                                      "ratio": speedup, "target": f">= {TARGET_SPEEDUP}x naive",
+                                      "met": speedup >= TARGET_SPEEDUP}))
+        print("RESULT " + json.dumps({"figure": "merge_peak_rss_GiB", "trainguard": tg_rss / 2**30,
+                                      "baseline": nv_rss / 2**30, "ratio": rss_ratio,
+                                      "target": f"<= {TARGET_RSS} of naive", "met": rss_ratio <= TARGET_RSS}))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -166,6 +166,10 @@ def _layout_from_config(path: Path, config: dict[str, Any], world: int):
         }
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{path}: malformed ({type(exc).__name__}: {exc})") from None
+    for fqn, (_, placements) in params.items():
+        if len(placements) != len(mesh_shape):
+            raise CheckpointError(f"{path}: {fqn} has {len(placements)} placements for the {len(mesh_shape)}-D "
+                                  f"mesh {list(mesh_shape)} (one per mesh dim expected)")
     if int(torch.tensor(mesh_shape).prod()) != world:
         raise CheckpointError(f"{path}: mesh_shape {list(mesh_shape)} does not hold the {world} ranks whose files are here")
     return mesh_shape, names, params
@@ -223,6 +227,16 @@ def _optimizer_param(key: str) -> str:
     return key[len("state."):].rsplit(".", 1)[0] if key.startswith("state.") else key
 
 
+def _mesh_of(device_mesh, rank: int, path: Path, key: str) -> torch.Tensor:
+    """The ranks of the (sub)mesh that ``rank`` belongs to. ``DeviceMesh.mesh`` asks the process group
+    for the current rank, which an offline reader has not got: the file's rank is passed instead."""
+    try:
+        full = device_mesh._layout.remap_to_tensor(device_mesh._rank_map)
+        return type(device_mesh)._get_mesh_tensor_from_full_mesh(full, rank)
+    except (AttributeError, RuntimeError) as exc:
+        raise CheckpointError(f"{path}: cannot read the device mesh of {key} ({exc})") from None
+
+
 def _add_verl_file(builder: _Builder, prefix: str, path: Path, rank: int, world: int,
                    content: dict[str, Any], plain_sizes: dict[str, list[int]]) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
@@ -230,7 +244,7 @@ def _add_verl_file(builder: _Builder, prefix: str, path: Path, rank: int, world:
     objects = {}
     for key, value in content.items():
         if isinstance(value, DTensor):
-            mesh = value.device_mesh.mesh
+            mesh = _mesh_of(value.device_mesh, rank, path, key)
             where = (mesh == rank).nonzero()
             if where.numel() == 0:
                 raise CheckpointError(f"{path}: {key} lives on mesh {mesh.tolist()}, which does not hold rank {rank}")

@@ -8,9 +8,10 @@ from pathlib import Path
 
 from trainguard.cli.ckpt import _byte_progress
 from trainguard.errors import ConfigError
-from trainguard.merge.hf_layout import DTYPES
-from trainguard.merge.safetensors_out import parse_size
-from trainguard.merge.source import BACKENDS
+
+# Literal here, not imported: the merge modules (and torch) load only when a merge runs.
+BACKENDS = ("fsdp", "dcp", "auto")
+DTYPES = ("bf16", "fp16", "fp32", "keep")
 
 EXIT_DIFFERENT = 1
 
@@ -23,7 +24,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     merge.add_argument("--target_dir", required=True, type=Path, help="where the Hugging Face model is written")
     merge.add_argument("--tie-word-embedding", action="store_true", help="no separate output embedding tensor")
     merge.add_argument("--is-value-model", action="store_true", help="keep the value head (score.weight)")
-    merge.add_argument("--dtype", choices=list(DTYPES), default="keep", help="dtype of floating tensors written")
+    merge.add_argument("--dtype", choices=DTYPES, default="keep", help="dtype of floating tensors written")
     merge.add_argument("--max-shard-size", default="5GB", help="split the safetensors files past this size")
     merge.add_argument("--force", action="store_true", help="replace a target directory that is not empty")
     merge.set_defaults(func=run_merge)
@@ -37,6 +38,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 
 def run_merge(args: argparse.Namespace) -> int:
     from trainguard.merge.merger import merge_to_hf
+    from trainguard.merge.safetensors_out import parse_size
 
     with ExitStack() as stack:
         result = merge_to_hf(args.local_dir, args.target_dir, backend=args.backend,

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from trainguard.errors import ConfigError
-from trainguard.merge.hf_layout import load_config, plan_merge
+from trainguard.merge.hf_layout import is_value_config, load_config, plan_merge
 from trainguard.merge.pieces import assemble
 from trainguard.merge.safetensors_out import INDEX_FILE, SINGLE_FILE
 from trainguard.merge.source import open_checkpoint
@@ -80,8 +80,7 @@ def reference_tensors(reference: Path, target: Path) -> dict[str, LazyTensor]:
     if is_hf_directory(reference):
         return hf_tensors(reference)
     config = load_config(target)
-    value_model = any(a.endswith("ForTokenClassification") for a in (config.architectures or []))
-    plan = plan_merge(open_checkpoint(reference), config, tie=False, value_model=value_model)
+    plan = plan_merge(open_checkpoint(reference), config, tie=False, value_model=is_value_config(config))
     return {name: LazyTensor(t.shape, t.dtype, lambda t=t: assemble(t)) for name, t in plan.outputs}
 
 

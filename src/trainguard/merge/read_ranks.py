@@ -28,7 +28,7 @@ from trainguard.merge.placement import Placement, coordinate, local_block, parse
 
 FSDP_CONFIG = "fsdp_config.json"
 _RANK_FILE = re.compile(r"(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt")
-_MAPPED_BUDGET = 256 << 20
+_MAPPED_BUDGET = 64 << 20
 
 
 def _dtensor_classes() -> list[type]:

@@ -96,12 +96,11 @@ def _write_all(fd: int, data: memoryview) -> None:
         data = data[os.write(fd, data):]
 
 
-def write_safetensors(directory: Path, tensors: list[OutputTensor], produce: Iterable[torch.Tensor],
+def write_safetensors(directory: Path, tensors: list[OutputTensor], produce: Iterable[Iterable[torch.Tensor]],
                       max_bytes: int, written: Callable[[int], None] = lambda n: None) -> list[str]:
-    """Writes ``produce`` (the tensors of ``tensors``, in order) into shards; returns the file names.
-
-    Each file is fsynced; the caller commits the directory.
-    """
+    """Writes the tensors of ``tensors`` into shards; ``produce`` gives, for each in order, parts whose
+    bytes one after another are the tensor's (its row blocks, or the whole tensor). Returns the file
+    names. Each file is fsynced; the caller commits the directory."""
     shards = plan_shards(tensors, max_bytes)
     names = shard_names(len(shards))
     produced = iter(produce)
@@ -110,14 +109,17 @@ def write_safetensors(directory: Path, tensors: list[OutputTensor], produce: Ite
         try:
             _write_all(fd, memoryview(_header(shard)))
             for spec in shard:
-                tensor = next(produced)
-                if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
-                    raise AssertionError(f"{spec.name}: produced {tuple(tensor.shape)} {tensor.dtype}, planned "
-                                         f"{spec.shape} {spec.dtype}")
-                data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
-                _write_all(fd, memoryview(data))
-                written(spec.nbytes)
-                del tensor, data
+                size = 0
+                for part in next(produced):
+                    if part.dtype != spec.dtype:
+                        raise AssertionError(f"{spec.name}: produced {part.dtype}, planned {spec.dtype}")
+                    data = part.contiguous().reshape(-1).view(torch.uint8).numpy()
+                    _write_all(fd, memoryview(data))
+                    size += data.nbytes
+                    written(data.nbytes)
+                    del part, data
+                if size != spec.nbytes:
+                    raise AssertionError(f"{spec.name}: produced {size} bytes, planned {spec.nbytes}")
             os.fsync(fd)
         finally:
             os.close(fd)

@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from conftest import TINY, flat_state, ok, trainguard, worker_env
 from trainguard.checkpoint.durable import read_full_state_dict
+from trainguard.checkpoint.manifest import verify_checkpoint
 from trainguard.cli import main
 from trainguard.trainer.model import build_model
 
@@ -35,13 +36,26 @@ def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
                           env=worker_env(), capture_output=True, text=True, timeout=600)
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS))
-def run(request, tmp_path_factory) -> Path:
+def _train(tmp_path_factory, layout: str) -> Path:
     """A run trained 2 steps on 4 ranks: durable checkpoint, local and verl per-rank copies of step 2."""
-    run_dir = tmp_path_factory.mktemp(request.param) / "run"
-    ok(torchrun(4, "--run-dir", str(run_dir), "--steps", str(STEP), "--save-interval", str(STEP),
-                *LAYOUTS[request.param]))
+    run_dir = tmp_path_factory.mktemp(layout) / "run"
+    ok(torchrun(4, "--run-dir", str(run_dir), "--steps", str(STEP), "--save-interval", str(STEP), *LAYOUTS[layout]))
     return run_dir
+
+
+@pytest.fixture(scope="module")
+def hsdp_run(tmp_path_factory) -> Path:
+    return _train(tmp_path_factory, "hsdp2x2")
+
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory) -> Path:
+    return _train(tmp_path_factory, "fsdp2_tp2")
+
+
+@pytest.fixture(params=["hsdp_run", "tp_run"])
+def run(request) -> Path:
+    return request.getfixturevalue(request.param)
 
 
 def sources(run_dir: Path) -> dict[str, tuple[str, Path]]:
@@ -153,6 +167,7 @@ def test_convert_local_to_dcp_and_universal_round_trips(run, tmp_path):
     for fmt in ("dcp", "universal"):
         target = tmp_path / fmt
         ok(cli("ckpt", "convert", "--from", str(run / "local/global_step_2"), "--to", str(target), "--format", fmt))
+        assert not verify_checkpoint(target)  # a committed checkpoint whose manifest vouches for every file
         converted = flat_state(target)
         assert converted.keys() == original.keys()
         for key, value in original.items():
@@ -180,9 +195,10 @@ TARGET_LAYOUTS = {
 
 
 @pytest.mark.parametrize("target_layout", list(TARGET_LAYOUTS))
-def test_resume_on_another_layout_keeps_state_and_sample_position(run, tmp_path, target_layout):
-    if "hsdp" not in str(run):
-        pytest.skip("the source of the topology change is the HSDP 2x2 run")
+def test_resume_on_another_layout_keeps_state_and_sample_position(hsdp_run, tmp_path, target_layout):
+    """Saved on 4 ranks HSDP 2x2, resumed on another layout (from the durable checkpoint, and on 2 ranks
+    also from a universal one converted from the local copy)."""
+    run = hsdp_run
     nproc, layout = TARGET_LAYOUTS[target_layout]
     source = run / "checkpoints/global_step_2"
     sources_ = {"durable": source}

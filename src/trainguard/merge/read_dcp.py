@@ -14,10 +14,6 @@ from trainguard.errors import CheckpointError
 from trainguard.merge.pieces import CheckpointContents, Piece, ShardedTensor
 
 
-def is_dcp_checkpoint(directory: Path) -> bool:
-    return (directory / DCP_METADATA_NAME).is_file()
-
-
 def _read_record(path: Path, offset: int, length: int, what: str):
     try:
         with open(path, "rb") as f:

@@ -101,6 +101,8 @@ def naive_merge(source: str, target: str) -> None:
     import torch
     from safetensors.torch import save_file
 
+    started = time.perf_counter()
+
     shards = [torch.load(Path(source) / f"model_world_size_{RANKS}_rank_{r}.pt", weights_only=True)
               for r in range(RANKS)]
     merged = {name: torch.cat([s[name] for s in shards], dim=0) for name in shards[0]}
@@ -109,18 +111,36 @@ def naive_merge(source: str, target: str) -> None:
     save_file(merged, Path(target) / "model.safetensors", metadata={"format": "pt"})
     for path in (Path(source) / "huggingface").iterdir():
         shutil.copy(path, Path(target) / path.name)
+    print(f"WORK {time.perf_counter() - started}")
 
 
-def measure(cmd: list[str]) -> tuple[float, float]:
-    """(seconds, peak RSS in bytes) of one child process."""
+def trainguard_merge(source: str, target: str) -> None:
+    """``trainguard ckpt merge --backend fsdp`` through its CLI entry, timing the work after imports."""
+    from trainguard.cli import build_parser, main as trainguard_main
+    import trainguard.merge.merger  # noqa: F401
+
+    build_parser()  # imports every command's module: start-up, before the clock as torch's is for naive
+
     started = time.perf_counter()
-    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(process.pid, 0)
-    seconds = time.perf_counter() - started
-    process.returncode = os.waitstatus_to_exitcode(status)
-    if process.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed: {process.stderr.read().decode()[-2000:]}")
-    return seconds, usage.ru_maxrss * 1024
+    code = trainguard_main(["ckpt", "merge", "--backend", "fsdp", "--local_dir", source, "--target_dir", target])
+    print(f"WORK {time.perf_counter() - started}")
+    if code:
+        raise SystemExit(code)
+
+
+def measure(cmd: list[str]) -> tuple[float, float, float]:
+    """(seconds, peak RSS in bytes, seconds after imports or NaN) of one child process."""
+    started = time.perf_counter()
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        process = subprocess.Popen(cmd, stdout=out, stderr=err)
+        _, status, usage = os.wait4(process.pid, 0)
+        seconds = time.perf_counter() - started
+        process.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0), err.seek(0)
+        if process.returncode:
+            raise SystemExit(f"{' '.join(cmd)} failed: {err.read().decode()[-2000:]}")
+        work = [float(line.split()[1]) for line in out.read().decode().splitlines() if line.startswith("WORK ")]
+    return seconds, usage.ru_maxrss * 1024, work[0] if work else float("nan")
 
 
 def main() -> None:
@@ -132,9 +152,13 @@ def main() -> None:
     parser.add_argument("--dir", default=tempfile.gettempdir())
     parser.add_argument("--quick", action="store_true", help="0.25 GiB, one cycle (about a minute)")
     parser.add_argument("--naive-worker", nargs=2, metavar=("SRC", "DST"), help=argparse.SUPPRESS)
+    parser.add_argument("--trainguard-worker", nargs=2, metavar=("SRC", "DST"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.naive_worker:
         naive_merge(*args.naive_worker)
+        return
+    if args.trainguard_worker:
+        trainguard_merge(*args.trainguard_worker)
         return
     if args.quick:
         args.gib, args.rounds = 0.25, 1
@@ -143,36 +167,40 @@ def main() -> None:
         source = work / "ckpt"
         size = make_checkpoint(source, args.gib)
         commands = {
-            "trainguard": lambda out: [sys.executable, "-m", "trainguard", "ckpt", "merge", "--backend", "fsdp",
-                                       "--local_dir", str(source), "--target_dir", str(out)],
+            "trainguard": lambda out: [sys.executable, __file__, "--trainguard-worker", str(source), str(out)],
             "naive": lambda out: [sys.executable, __file__, "--naive-worker", str(source), str(out)],
         }
         if args.verl_python:
             commands["verl"] = lambda out: [args.verl_python, "-m", "verl.model_merger", "merge", "--backend", "fsdp",
                                             "--local_dir", str(source), "--target_dir", str(out)]
         order = list(commands) + list(reversed(commands))
-        samples: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
+        samples: dict[str, list[tuple[float, float, float]]] = {name: [] for name in commands}
         for i, name in enumerate(order * args.rounds):
             out = work / f"out-{i}"
             samples[name].append(measure(commands[name](out)))
             shutil.rmtree(out)
-        medians = {name: (median([s for s, _ in runs]), median([r for _, r in runs])) for name, runs in samples.items()}
-        (tg_s, tg_rss), (nv_s, nv_rss) = medians["trainguard"], medians["naive"]
+        medians = {name: tuple(median([sample[k] for sample in runs]) for k in range(3))
+                   for name, runs in samples.items()}
+        (tg_s, tg_rss, tg_work), (nv_s, nv_rss, nv_work) = medians["trainguard"], medians["naive"]
         gb = size / 1e9
         print(f"checkpoint: {size / 2**30:.2f} GiB fp32 in {RANKS} rank files; {2 * args.rounds} runs each, medians")
-        print(f"{'merge':<12}{'seconds':>10}{'GB/s':>8}{'peak RSS GiB':>15}{'time vs trainguard':>20}")
-        for name, (s, rss) in medians.items():
-            print(f"{name:<12}{s:>10.2f}{gb / s:>8.2f}{rss / 2**30:>15.2f}{s / tg_s:>19.2f}x")
+        print("seconds: the whole process; work: after its imports (python + torch start-up is the same for both)")
+        print(f"{'merge':<12}{'seconds':>10}{'work s':>8}{'work GB/s':>11}{'peak RSS GiB':>15}{'time vs trainguard':>20}")
+        for name, (s, rss, work) in medians.items():
+            print(f"{name:<12}{s:>10.2f}{work:>8.2f}{gb / work:>11.2f}{rss / 2**30:>15.2f}{s / tg_s:>19.2f}x")
         if "verl" not in medians:
             print("verl        not run (no --verl-python)")
-        speedup, rss_ratio = nv_s / tg_s, tg_rss / nv_rss
-        print(f"speedup {speedup:.2f}x (target >= {TARGET_SPEEDUP}x); peak RSS ratio {rss_ratio:.2f} "
-              f"(target <= {TARGET_RSS})")
+        speedup, work_speedup, rss_ratio = nv_s / tg_s, nv_work / tg_work, tg_rss / nv_rss
+        print(f"speedup {speedup:.2f}x whole process, {work_speedup:.2f}x work (target >= {TARGET_SPEEDUP}x); "
+              f"peak RSS ratio {rss_ratio:.2f} (target <= {TARGET_RSS})")
         print("RESULT " + json.dumps({"figure": "merge_throughput_GBps", "trainguard": gb / tg_s, "baseline": gb / nv_s,
                                       "ratio": speedup, "target": f">= {TARGET_SPEEDUP}x naive",
                                       "met": speedup >= TARGET_SPEEDUP}))
+        print("RESULT " + json.dumps({"figure": "merge_work_GBps", "trainguard": gb / tg_work, "baseline": gb / nv_work,
+                                      "ratio": work_speedup, "target": f">= {TARGET_SPEEDUP}x naive (after imports)",
+                                      "met": work_speedup >= TARGET_SPEEDUP}))
         if "verl" in medians:
-            v_s, v_rss = medians["verl"]
+            v_s = medians["verl"][0]
             print("RESULT " + json.dumps({"figure": "merge_vs_verl_speedup", "trainguard": gb / tg_s, "baseline": gb / v_s,
                                           "ratio": v_s / tg_s, "target": "reported (no target)", "met": True}))
         print("RESULT " + json.dumps({"figure": "merge_peak_rss_GiB", "trainguard": tg_rss / 2**30,

@@ -8,10 +8,12 @@ plus ``model.safetensors.index.json``, the layout ``from_pretrained`` reads.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
 import struct
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,9 +93,47 @@ def _header(tensors: list[OutputTensor]) -> bytes:
     return struct.pack("<Q", len(header)) + header
 
 
+def _load_sync_file_range():
+    """Linux's ``sync_file_range`` (as the durable writer uses it), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+_sync_file_range = _load_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
 def _write_all(fd: int, data: memoryview) -> None:
     while data:
         data = data[os.write(fd, data):]
+
+
+class _Output:
+    """A new file written sequentially; writeback of what is complete starts at once (asynchronously),
+    so the disk works while later tensors are read, and the closing fsync finds little left to do."""
+
+    def __init__(self, path: Path):
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self.position = 0
+
+    def write(self, data: memoryview) -> None:
+        _write_all(self.fd, data)
+        if _sync_file_range is not None:
+            _sync_file_range(self.fd, self.position, data.nbytes, _SYNC_FILE_RANGE_WRITE)
+        self.position += data.nbytes
+
+    def close_durably(self) -> None:
+        try:
+            os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
 
 
 def write_safetensors(directory: Path, tensors: list[OutputTensor], produce: Iterable[Iterable[torch.Tensor]],
@@ -105,24 +145,23 @@ def write_safetensors(directory: Path, tensors: list[OutputTensor], produce: Ite
     names = shard_names(len(shards))
     produced = iter(produce)
     for name, shard in zip(names, shards):
-        fd = os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        out = _Output(directory / name)
         try:
-            _write_all(fd, memoryview(_header(shard)))
+            out.write(memoryview(_header(shard)))
             for spec in shard:
                 size = 0
                 for part in next(produced):
                     if part.dtype != spec.dtype:
                         raise AssertionError(f"{spec.name}: produced {part.dtype}, planned {spec.dtype}")
                     data = part.contiguous().reshape(-1).view(torch.uint8).numpy()
-                    _write_all(fd, memoryview(data))
+                    out.write(memoryview(data))
                     size += data.nbytes
                     written(data.nbytes)
                     del part, data
                 if size != spec.nbytes:
                     raise AssertionError(f"{spec.name}: produced {size} bytes, planned {spec.nbytes}")
-            os.fsync(fd)
         finally:
-            os.close(fd)
+            out.close_durably()
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)},
                  "weight_map": {t.name: name for name, shard in zip(names, shards) for t in shard}}

@@ -104,7 +104,7 @@ def one_rank_checkpoint(directory: Path, model: torch.nn.Module, config) -> Path
 def test_value_model_keeps_its_head_and_says_so(tmp_path):
     torch.manual_seed(0)
     config = LlamaConfig(**TINY, num_labels=1)
-    critic = AutoModelForTokenClassification.from_config(config)
+    critic = AutoModelForTokenClassification.from_config(config).eval()  # no dropout
     causal_config = LlamaConfig(**TINY, architectures=["LlamaForCausalLM"])
     source = one_rank_checkpoint(tmp_path / "critic", critic, causal_config)
     proc = cli("ckpt", "merge", "--local_dir", str(source), "--target_dir", str(tmp_path / "no-flag"))
@@ -122,7 +122,7 @@ def test_value_model_keeps_its_head_and_says_so(tmp_path):
 def test_tie_word_embedding_refuses_to_change_an_untied_model(tmp_path):
     torch.manual_seed(0)
     config = LlamaConfig(**TINY, tie_word_embeddings=False)
-    model = AutoModelForCausalLM.from_config(config)
+    model = AutoModelForCausalLM.from_config(config).eval()
     untied = one_rank_checkpoint(tmp_path / "untied", model, config)
     proc = cli("ckpt", "merge", "--local_dir", str(untied), "--target_dir", str(tmp_path / "x"), "--tie-word-embedding")
     assert proc.returncode == 1 and "lm_head.weight differs" in proc.stderr and not (tmp_path / "x").exists()

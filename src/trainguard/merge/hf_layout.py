@@ -91,8 +91,9 @@ def _llama_family_shapes(c: dict[str, Any], value_model: bool) -> dict[str, tupl
         shapes[f"{p}input_layernorm.weight"] = (hidden,)
         shapes[f"{p}post_attention_layernorm.weight"] = (hidden,)
     shapes["model.norm.weight"] = (hidden,)
-    if value_model:
+    if value_model:  # a TokenClassification head: nn.Linear with a bias
         shapes["score.weight"] = (_num_labels(c), hidden)
+        shapes["score.bias"] = (_num_labels(c),)
     else:
         shapes["lm_head.weight"] = (vocab, hidden)
     return shapes
@@ -140,6 +141,9 @@ def plan_merge(contents: CheckpointContents, config: dict[str, Any], tie: bool, 
             raise CheckpointError(f"{contents.description}: --is-value-model, but no value head "
                                   f"({', '.join(_VALUE_HEAD_NAMES)} with one output row) is in it")
         model[VALUE_HEAD] = model.pop(head)
+        bias = head.removesuffix(".weight") + ".bias"
+        if bias in model:
+            model["score.bias"] = model.pop(bias)
     tied = bool(out_config.get("tie_word_embeddings", False))
     if tied and OUTPUT_EMBEDDING in model and not value_model:
         output = model.pop(OUTPUT_EMBEDDING)

@@ -27,8 +27,9 @@ _PIPED_WIDTH = 200
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("ckpt", help="list and verify a run's checkpoints")
-    commands = parser.add_subparsers(dest="ckpt_command", metavar="{list,verify,repair,backup,restore}", required=True)
+    parser = subparsers.add_parser("ckpt", help="list, verify, repair, back up, merge and convert checkpoints")
+    metavar = "{list,verify,repair,backup,restore,merge,test,convert}"
+    commands = parser.add_subparsers(dest="ckpt_command", metavar=metavar, required=True)
 
     listing = commands.add_parser("list", help="one line per checkpoint: committed, verified, size, health")
     listing.add_argument("dir", metavar="DIR", help="run directory or its checkpoints/ directory")
@@ -40,12 +41,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     verify.add_argument("dir", metavar="DIR", help="run directory or its checkpoints/ directory")
     verify.add_argument("--step", type=int, metavar="N", help="verify only global_step_N")
     verify.set_defaults(func=run_verify)
-    from trainguard.cli import ckpt_backup  # here: it imports this module's helpers
 
-    ckpt_backup.add_commands(commands)
+    # imported here: these modules use this one's helpers (progress bars, root resolution)
+    from trainguard.cli import ckpt_backup, ckpt_convert, ckpt_merge, ckpt_repair
 
-    from trainguard.cli.ckpt_repair import add_commands as add_repair_commands  # it uses this module's progress bar
-    add_repair_commands(commands)
+    for module in (ckpt_repair, ckpt_backup, ckpt_merge, ckpt_convert):
+        module.add_commands(commands)
 
 
 def run_list(args: argparse.Namespace) -> int:

@@ -1,0 +1,1 @@
+"""Reading sharded checkpoints of every kind as full tensors: merge to Hugging Face, compare, convert."""

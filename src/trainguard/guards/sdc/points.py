@@ -96,7 +96,8 @@ def gradient_statistic(tensors: Sequence[torch.Tensor], statistic: str) -> torch
 
 def peak_share(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """The share of the gradients' squared L2 norm carried by their largest element, ``max(g²) / Σg²``
-    (0 when every element is 0; NaN when one is not finite), as a 0-d float32 tensor (no host sync).
+    (0 when every element is 0; meaningless when one is not finite, which the statistic itself shows),
+    as a 0-d float32 tensor (no host sync).
     One bit flip that blows one element up makes it close to 1; a real gradient spike, spread over
     many elements, leaves it low."""
     local = [_local(t).detach() for t in tensors]
@@ -106,6 +107,21 @@ def peak_share(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     total = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in local]).square().sum()
     peak = torch.stack([t.abs().amax().float() for t in local]).amax().square()
     return torch.where(total > 0, peak / total, torch.zeros_like(total))
+
+
+def _statistic_and_share(tensors: Sequence[torch.Tensor], statistic: str) -> torch.Tensor | None:
+    """``[statistic, peak share]`` as one float32 tensor; the usual single plain tensor reuses the
+    reductions (the L2 norm and ``max|g|``) for both."""
+    if len(tensors) == 1 and type(tensors[0]) is torch.Tensor:
+        grad = tensors[0].detach()
+        if not grad.numel():
+            return None
+        total = torch.linalg.vector_norm(grad, dtype=torch.float32)
+        peak = grad.abs().amax().float().square()
+        share = peak / total.square().clamp_min(torch.finfo(torch.float32).tiny)  # all zeros: 0
+        return torch.stack([total if statistic == "l2" else peak, share])
+    stat = gradient_statistic(tensors, statistic)
+    return None if stat is None else torch.stack([stat, peak_share(tensors)])
 
 
 class _Call:
@@ -314,7 +330,7 @@ class DetectionPoints:
         # grad_input: a forward pre-hook puts a view (a C++ pass-through node) between the caller's
         # input and the module and hooks that view's gradient, which is then exactly the module's
         # grad_input. No Python autograd Function per call as register_full_backward_hook has (it
-        # wraps every input and output in one, forward and backward): that costs several times more.
+        # wraps every input and output in one, forward and backward): over 1.5x the cost per point.
         handles = [module.register_forward_pre_hook(functools.partial(self._input_hook, index, where))]
         if where == "auto":  # no input needs a gradient: check the output's (the pre-hook says so)
             handles.append(module.register_forward_hook(functools.partial(self._fallback_hook, index)))
@@ -338,11 +354,10 @@ class DetectionPoints:
         if index >= len(self._fired):  # a tensor hook outliving remove()/install()
             return
         with torch.no_grad():
-            stat = gradient_statistic(tensors, self.statistic)
+            stat = (_statistic_and_share(tensors, self.statistic) if self.shares
+                    else gradient_statistic(tensors, self.statistic))
             if stat is None:
                 return
-            if self.shares:
-                stat = torch.stack([stat, peak_share(tensors)])
         slot = self._fired[index]
         self._fired[index] = slot + 1
         if self._buffer is None or slot >= self._capacity:

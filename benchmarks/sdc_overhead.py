@@ -121,13 +121,15 @@ def main(argv: list[str]) -> int:
                 recent = [p["on"] / p["off"] - 1 for p in pairs[-10:]]
                 print(f"[pairs {i - 8}..{i + 1}] median overhead {100 * median(recent):+.2f}%", flush=True)
 
-        # one point's hooks in isolation, a number the load hardly moves: forward + backward of the first
-        # norm layer on a [1, seq_len, hidden] input with and without its point, alternating; the fastest
+        # one point's hooks in isolation, a number the load hardly moves: forward + backward of a norm
+        # layer like the model's (a plain copy: the model's own holds FSDP's DTensor parameters) on a
+        # [micro-batch, seq_len, hidden] input with and without its point, alternating; the fastest
         # repetition of each (the least disturbed) over --isolated repetitions
         from trainguard.guards.sdc import DetectionPoints
         set_mode("off")
-        norm = dict(trainer.model.named_modules())[names[0]]
-        hidden = next(p for p in norm.parameters()).numel()
+        model_norm = dict(trainer.model.named_modules())[names[0]]
+        hidden = model_norm.weight.shape[-1]
+        norm = type(model_norm)(hidden)
         x = torch.randn(args.micro_batch_size, args.seq_len, hidden, requires_grad=True)
         one = DetectionPoints(guard.points.statistic, shares=guard.points.shares)
         fastest = {"off": float("inf"), "on": float("inf")}

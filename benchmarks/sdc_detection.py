@@ -71,6 +71,7 @@ FACTOR_THRESHOLD = 1000.0  # flips that multiply the value by at least this must
 GRAD_CHANGE_THRESHOLD = 1e-3  # below this relative change of the gradients, a flip changed nothing
 RULES = ("v1", "v3")
 DTYPES = ("fp32", "bf16")
+STAT_EXPONENT = {"v1": 1, "v3": 2}  # v1's L2 norm scales like the gradient, v3's max(g²) like its square
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -84,6 +85,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ratio", type=float, default=0.0,
                    help="guards.sdc.ratio for both detectors (default 0: off, the rules alone)")
+    p.add_argument("--peak", type=float, default=0.5,
+                   help="guards.sdc.peak of the v1+peak and v3+peak detectors, judged side by side with the "
+                        "rules alone (default 0.5)")
+    p.add_argument("--quick", action="store_true", help="a small run: 2 per stratum over 120 steps")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     return p.parse_args(argv)
 
@@ -100,6 +105,8 @@ def bit_classes(dtype: str) -> list[tuple[str, int]]:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if args.quick:
+        args.per_stratum, args.steps = 2, 120
     started = time.perf_counter()
     import torch
     import torch.nn.functional as F
@@ -147,17 +154,21 @@ def main(argv: list[str]) -> int:
         armed.clear()  # once per injection (a module called once per forward)
         return (g, *grad_input[1:])
 
-    for name, module in norms:  # before the points: they must see the flipped gradient
+    for name, module in norms:  # the points see the flipped gradient whatever the order (docs/sdc.md)
         module.register_full_backward_hook(lambda m, gi, go, _n=name: inject_hook(_n, m, gi, go))
-    points = {"v1": DetectionPoints("l2"), "v3": DetectionPoints("max_sq")}
+    points = {"v1": DetectionPoints("l2", shares=True), "v3": DetectionPoints("max_sq", shares=True)}
     for p in points.values():
         p.install(model)
     names = points["v1"].names
     assert names == points["v3"].names and len(names) == len(norms), (names, norms)
-    detectors = {rule: SdcDetector(rule, names, ratio=args.ratio) for rule in RULES}
+    # the detectors judged side by side: each rule alone (the reference's semantics, default thresholds)
+    # and each rule with the peak criterion; all see the same values
+    variants = {rule: (rule, 0.0) for rule in RULES}
+    if args.peak:
+        variants.update({f"{rule}+peak": (rule, args.peak) for rule in RULES})
+    detectors = {v: SdcDetector(rule, names, ratio=args.ratio, peak=peak) for v, (rule, peak) in variants.items()}
     # the ratio headroom: each point's last RATIO_WINDOW values that were not level 1 (the baseline)
     from trainguard.guards.sdc.detectors import RATIO_WINDOW, V1_MIN_STEPS, V3_MIN_STEPS
-    exponent = {"v1": 1, "v3": 2}
     min_steps = {"v1": V1_MIN_STEPS, "v3": V3_MIN_STEPS}
     history: dict[str, dict[str, list[float]]] = {rule: {name: [] for name in names} for rule in RULES}
 
@@ -167,9 +178,9 @@ def main(argv: list[str]) -> int:
             return None
         if not math.isfinite(value):
             return math.inf
-        return (value / max(recent)) ** (1.0 / exponent[rule])
+        return (value / max(recent)) ** (1.0 / STAT_EXPONENT[rule])
 
-    def forward_backward(inputs, labels) -> tuple[float, torch.Tensor, dict[str, list[float]]]:
+    def forward_backward(inputs, labels) -> tuple[float, torch.Tensor, dict[str, tuple[list[float], list[float]]]]:
         optimizer.zero_grad(set_to_none=True)
         for p in points.values():
             p.reset()
@@ -177,7 +188,27 @@ def main(argv: list[str]) -> int:
         loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1))
         loss.backward()
         grads = torch.cat([p.grad.detach().reshape(-1) for p in params if p.grad is not None]).double()
-        return float(loss.detach()), grads, {rule: points[rule].collect().tolist() for rule in RULES}
+        measured = {rule: tuple(points[rule].collect(with_shares=True).tolist()) for rule in RULES}
+        return float(loss.detach()), grads, measured
+
+    eval_inputs, eval_labels = make_batch(dataset, list(range(8)))  # a fixed batch: the loss after an update
+
+    def loss_after_update(grads: dict[torch.Tensor, torch.Tensor]) -> float:
+        """The eval batch's loss after one optimizer step on ``grads``; the model and optimizer are
+        restored afterwards."""
+        saved_params = [p.detach().clone() for p in params]
+        saved_optimizer = copy.deepcopy(optimizer.state_dict())
+        for p in params:
+            p.grad = grads.get(p)
+        optimizer.step()
+        with torch.no_grad():
+            logits = model(input_ids=eval_inputs).logits
+            value = float(F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), eval_labels.reshape(-1)))
+        with torch.no_grad():
+            for p, saved in zip(params, saved_params):
+                p.copy_(saved)
+        optimizer.load_state_dict(saved_optimizer)
+        return value
 
     # the injection schedule: stratified, shuffled over the steps after warm-up
     rng = random.Random(args.seed)
@@ -189,83 +220,108 @@ def main(argv: list[str]) -> int:
     for i, item in enumerate(plan):
         per_step.setdefault(args.warmup + 1 + (i * counted_steps) // len(plan), []).append(item)
 
-    clean = {rule: {"checks": 0, "false_positives": 0, "fp_details": [], "max_headroom": 0.0} for rule in RULES}
+    clean = {v: {"checks": 0, "false_positives": 0, "fp_details": [], "max_headroom": 0.0, "max_share": 0.0}
+             for v in variants}
     injections: list[dict[str, Any]] = []
     losses = []
     rerun_change = None
     for step in range(1, args.steps + 1):
         inputs, labels = make_batch(dataset, sampler.next_batch_indices())
-        before = {rule: copy.deepcopy(detectors[rule]) for rule in RULES} if step in per_step else None
+        before = {v: copy.deepcopy(detectors[v]) for v in variants} if step in per_step else None
         history_before = copy.deepcopy(history) if step in per_step else None
-        loss, grads, values = forward_backward(inputs, labels)
+        loss, grads, measured = forward_backward(inputs, labels)
         losses.append(loss)
-        for rule in RULES:
-            found = detectors[rule].detect(values[rule], step)
+        for v, (rule, _) in variants.items():
+            values, shares = measured[rule]
+            found = detectors[v].detect(values, step, shares=shares)
+            if step > args.warmup:
+                clean[v]["checks"] += sum(1 for x in values if x >= 0)
+                clean[v]["false_positives"] += len(found)
+                clean[v]["max_share"] = max([clean[v]["max_share"]] + [x for x in shares if math.isfinite(x)])
+                clean[v]["fp_details"] += [
+                    {"step": step, "point": d.point, "level": d.level, "value": d.value, "reason": d.reason}
+                    for d in found]
+            if v != rule:
+                continue
             alarmed = {d.point for d in found if d.level == 1}
-            for name, value in zip(names, values[rule]):
+            for name, value in zip(names, values):
                 if value < 0:
                     continue
                 room = headroom(rule, name, value, history)
                 if step > args.warmup and room is not None:
-                    clean[rule]["max_headroom"] = max(clean[rule]["max_headroom"], room)
+                    clean[v]["max_headroom"] = max(clean[v]["max_headroom"], room)
                 if name not in alarmed and math.isfinite(value):
                     history[rule][name] = (history[rule][name] + [value])[-RATIO_WINDOW:]
-            if step > args.warmup:
-                clean[rule]["checks"] += sum(1 for v in values[rule] if v >= 0)
-                clean[rule]["false_positives"] += len(found)
-                clean[rule]["fp_details"] += [
-                    {"step": step, "point": d.point, "level": d.level, "value": d.value, "reason": d.reason}
-                    for d in found]
         clean_grads = {p: p.grad.detach().clone() for p in params if p.grad is not None}
-        if step in per_step and rerun_change is None:
-            _, again, _ = forward_backward(inputs, labels)
-            rerun_change = float((again - grads).norm() / grads.norm())
+        if step in per_step:
+            clean_eval_loss = loss_after_update(clean_grads)
+            if rerun_change is None:
+                _, again, _ = forward_backward(inputs, labels)
+                rerun_change = float((again - grads).norm() / grads.norm())
         for dtype, label, bit in per_step.get(step, []):
             target = rng.randrange(len(names))
             armed.update(module=names[target], dtype=dtype, bit=bit, index=rng.randrange(1 << 30))
-            _, flipped_grads, flipped_values = forward_backward(inputs, labels)
+            _, flipped_grads, flipped = forward_backward(inputs, labels)
             assert not armed, "the injection hook did not fire"
             flip = flips[-1]
             factor = abs(flip.new / flip.old) if flip.old != 0 else math.inf
             finite = bool(torch.isfinite(flipped_grads).all())
             change = float((flipped_grads - grads).norm() / grads.norm()) if finite else math.inf
             norm_change = float((flipped_grads.norm() - grads.norm()).abs() / grads.norm()) if finite else math.inf
+            eval_loss = loss_after_update({p: p.grad.detach().clone() for p in params if p.grad is not None})
+            loss_change = abs(eval_loss - clean_eval_loss) / clean_eval_loss if math.isfinite(eval_loss) else math.inf
             record = {"step": step, "dtype": dtype, "class": label, "bit": flip.bit, "point": names[target],
                       "old": flip.old, "new": flip.new, "factor": factor, "grad_change": change,
-                      "grad_norm_change": norm_change}
+                      "grad_norm_change": norm_change, "loss_change": loss_change,
+                      "share": flipped["v1"][1][target], "clean_share": measured["v1"][1][target]}
             for rule in RULES:
-                judge = copy.deepcopy(before[rule])
-                found = [d for d in judge.detect(flipped_values[rule], step) if d.point == names[target]]
+                value, clean_value = flipped[rule][0][target], measured[rule][0][target]
+                # the factor of the point's statistic, in its own units (v1: L2 norm, v3: max(g²))
+                record[f"{rule}_stat_factor"] = (value / clean_value if clean_value > 0 and math.isfinite(value)
+                                                 else math.inf)
+            for v, (rule, _) in variants.items():
+                judge = copy.deepcopy(before[v])
+                values, shares = flipped[rule]
+                found = [d for d in judge.detect(values, step, shares=shares) if d.point == names[target]]
                 # against the history before this step's clean values, as the judging detector
-                room = headroom(rule, names[target], flipped_values[rule][target], history_before)
-                record[rule] = {"level": min((d.level for d in found), default=0),
-                                "reason": found[0].reason if found else "",
-                                "value": flipped_values[rule][target], "clean_value": values[rule][target],
-                                "headroom": room}
+                room = headroom(rule, names[target], values[target], history_before)
+                record[v] = {"level": min((d.level for d in found), default=0),
+                             "reason": found[0].reason if found else "",
+                             "value": values[target], "clean_value": measured[rule][0][target], "headroom": room}
             injections.append(record)
         # back to the clean gradients for the update
         for p in params:
             p.grad = clean_grads.get(p)
         optimizer.step()
 
-    summary = summarize(injections, clean)
+    summary = summarize(injections, clean, list(variants))
     meta = {"preset": "llama-micro", "norm_points": names, "steps": args.steps, "warmup": args.warmup,
             "batch": args.batch, "seq_len": args.seq_len, "lr": args.lr, "seed": args.seed,
             "per_stratum": args.per_stratum, "injections": len(injections), "rerun_grad_change": rerun_change,
             "loss_first": losses[0], "loss_last": losses[-1], "torch": torch.__version__,
-            "python": platform.python_version(), "ratio": args.ratio, "wall_s": time.perf_counter() - started,
+            "python": platform.python_version(), "ratio": args.ratio,
+            "peak": args.peak, "variants": list(variants), "wall_s": time.perf_counter() - started,
             "targets": {"factor_threshold": FACTOR_THRESHOLD, "grad_change_threshold": GRAD_CHANGE_THRESHOLD}}
-    print_report(summary, meta)
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, **summary, "injections": injections}, indent=2,
                                               default=str) + "\n")
         print(f"wrote {args.json}")
+    print_report(summary, meta)
     return 0
 
 
+def big(r: dict[str, Any]) -> bool:
+    """The flip multiplied the element by >= 1000 (or made it non-finite)."""
+    return r["factor"] >= FACTOR_THRESHOLD or not math.isfinite(r["factor"])
+
+
+def big_statistic(r: dict[str, Any], rule: str) -> bool:
+    """The flip multiplied the point's statistic (the rule's value) by >= 1000 (or made it non-finite)."""
+    return r[f"{rule}_stat_factor"] >= FACTOR_THRESHOLD
+
+
 def matters(r: dict[str, Any]) -> bool:
-    big = r["factor"] >= FACTOR_THRESHOLD or not math.isfinite(r["factor"])
-    return big and (r["grad_change"] >= GRAD_CHANGE_THRESHOLD)
+    return big(r) and (r["grad_change"] >= GRAD_CHANGE_THRESHOLD)
 
 
 def fmt_factor(x: float) -> str:
@@ -276,90 +332,113 @@ def fmt_factor(x: float) -> str:
     return f"2^{math.log2(x):.0f}" if abs(math.log2(x)) >= 4 else f"{x:.3g}"
 
 
-def summarize(injections: list[dict[str, Any]], clean: dict[str, Any]) -> dict[str, Any]:
-    rows = []
-    strata = []
+def summarize(injections: list[dict[str, Any]], clean: dict[str, Any], variants: list[str]) -> dict[str, Any]:
+    strata: list[tuple[str, str]] = []
     for r in injections:
-        key = (r["dtype"], r["class"])
-        if key not in strata:
-            strata.append(key)
+        if (r["dtype"], r["class"]) not in strata:
+            strata.append((r["dtype"], r["class"]))
     order = {label: i for i, (label, _) in enumerate(bit_classes("fp32"))}
     strata.sort(key=lambda k: (DTYPES.index(k[0]), order[k[1]]))
+    rows = []
+    for dtype, label in strata:
+        mine = [r for r in injections if r["dtype"] == dtype and r["class"] == label]
+        factors = [r["factor"] for r in mine]
+        finite = [f for f in factors if math.isfinite(f)]
+        row = {"dtype": dtype, "class": label, "bit": mine[0]["bit"], "injections": len(mine),
+               "factor_min": min(finite) if finite else math.inf, "factor_max": max(factors),
+               "non_finite": len(factors) - len(finite), "big": sum(1 for r in mine if big(r)),
+               "max_grad_change": max(r["grad_change"] for r in mine),
+               "max_loss_change": max(r["loss_change"] for r in mine)}
+        for v in variants:
+            missed = [r for r in mine if r[v]["level"] == 0]
+            row[v] = {"detected": len(mine) - len(missed), "level1": sum(1 for r in mine if r[v]["level"] == 1),
+                      "big_detected": sum(1 for r in mine if big(r) and r[v]["level"] > 0),
+                      "misses_that_mattered": sum(1 for r in missed if matters(r)),
+                      "max_grad_change_of_misses": max((r["grad_change"] for r in missed), default=0.0),
+                      "max_loss_change_of_misses": max((r["loss_change"] for r in missed), default=0.0)}
+        rows.append(row)
     targets = {}
-    for rule in RULES:
-        big_total = big_detected = 0
-        for dtype, label in strata:
-            mine = [r for r in injections if r["dtype"] == dtype and r["class"] == label]
-            detected = [r for r in mine if r[rule]["level"] > 0]
-            level1 = [r for r in mine if r[rule]["level"] == 1]
-            missed = [r for r in mine if r[rule]["level"] == 0]
-            big = [r for r in mine if r["factor"] >= FACTOR_THRESHOLD or not math.isfinite(r["factor"])]
-            big_total += len(big)
-            big_detected += sum(1 for r in big if r[rule]["level"] > 0)
-            factors = [r["factor"] for r in mine]
-            finite = [f for f in factors if math.isfinite(f)]
-            rows.append({
-                "rule": rule, "dtype": dtype, "class": label, "bit": mine[0]["bit"] if mine else None,
-                "injections": len(mine), "detected": len(detected), "level1": len(level1),
-                "rate": len(detected) / len(mine) if mine else float("nan"),
-                "factor_min": min(finite) if finite else math.inf,
-                "factor_max": max(factors) if factors else float("nan"),
-                "non_finite": len(factors) - len(finite),
-                "big": len(big), "big_detected": sum(1 for r in big if r[rule]["level"] > 0),
-                "misses": len(missed),
-                "misses_that_mattered": sum(1 for r in missed if matters(r)),
-                "misses_changing_grads": sum(1 for r in missed if r["grad_change"] >= GRAD_CHANGE_THRESHOLD),
-                "max_grad_change_of_misses": max((r["grad_change"] for r in missed), default=0.0),
-            })
-        fp = clean[rule]["false_positives"]
-        rooms = [r[rule]["headroom"] for r in injections if matters(r) and r[rule]["headroom"] is not None]
+    for v in variants:
+        rule = v.split("+")[0]
+        bigs = [r for r in injections if big(r)]
+        stat_bigs = [r for r in injections if big_statistic(r, rule)]
+        fp = clean[v]["false_positives"]
         reasons: dict[str, int] = {}
         for r in injections:
-            if r[rule]["level"]:
-                reasons[r[rule]["reason"]] = reasons.get(r[rule]["reason"], 0) + 1
-        targets[rule] = {
-            "big_flips": big_total, "big_detected": big_detected,
-            "detect_big_met": big_detected == big_total,
-            "misses_that_mattered": sum(1 for r in injections if r[rule]["level"] == 0 and matters(r)),
-            "clean_checks": clean[rule]["checks"], "false_positives": fp, "false_positives_met": fp == 0,
-            "fp_details": clean[rule]["fp_details"][:20],
-            "max_clean_headroom": clean[rule]["max_headroom"],
+            if r[v]["level"]:
+                reasons[r[v]["reason"]] = reasons.get(r[v]["reason"], 0) + 1
+        missed_big = [r for r in bigs if r[v]["level"] == 0]
+        rooms = [r[v]["headroom"] for r in injections if matters(r) and r[v]["headroom"] is not None]
+        targets[v] = {
+            "big_flips": len(bigs), "big_detected": len(bigs) - len(missed_big),
+            "detect_big_met": not missed_big,
+            "stat_big_flips": len(stat_bigs), "stat_big_detected": sum(1 for r in stat_bigs if r[v]["level"] > 0),
+            "misses_that_mattered": sum(1 for r in injections if r[v]["level"] == 0 and matters(r)),
+            "missed_big": [{k: r[k] for k in ("step", "dtype", "class", "point", "factor", "grad_change",
+                                               "loss_change", "share", f"{rule}_stat_factor")} for r in missed_big],
+            "clean_checks": clean[v]["checks"], "false_positives": fp, "false_positives_met": fp == 0,
+            "fp_details": clean[v]["fp_details"][:20], "max_clean_share": clean[v]["max_share"],
+            "max_clean_headroom": clean[v]["max_headroom"],
             "min_headroom_of_flips_that_mattered": min(rooms, default=math.inf),
             "flips_that_mattered": sum(1 for r in injections if matters(r)),
             "detection_reasons": reasons,
         }
-    return {"rows": rows, "targets": targets}
+    shares = [r["share"] for r in injections if big(r) and math.isfinite(r["share"])]
+    return {"rows": rows, "targets": targets, "min_share_of_finite_big_flips": min(shares, default=math.nan)}
 
 
 def print_report(summary: dict[str, Any], meta: dict[str, Any]) -> None:
+    variants = meta["variants"]
     print(f"\nSDC detection of single bit flips in norm-layer input gradients ({meta['preset']}, "
-          f"{len(meta['norm_points'])} norm points, {meta['injections']} injections judged by each rule, "
+          f"{len(meta['norm_points'])} norm points, {meta['injections']} injections judged by each detector, "
           f"{meta['steps']} steps, loss {meta['loss_first']:.3f} -> {meta['loss_last']:.3f})\n")
-    header = ("| rule | dtype | bits | bit | inj | detected | rate | level 1 | factor range | ≥1000× detected "
-              "| misses | misses that mattered | misses with grad change ≥1e-3 | max grad change of a miss |")
-    print(header)
-    print("|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|")
+    print("| dtype | bits | bit | inj | factor range | ≥1000× | " + " | ".join(f"{v} detected" for v in variants)
+          + " | max grad change | max loss change | " + " | ".join(f"{v} max loss change of a miss" for v in variants)
+          + " |")
+    print("|---|---|---:|---:|---|---:|" + "---:|" * (2 * len(variants) + 2))
     for r in summary["rows"]:
         rng = f"{fmt_factor(r['factor_min'])} .. {fmt_factor(r['factor_max'])}"
         if r["non_finite"]:
-            rng += f" ({r['non_finite']} inf/nan)"
-        print(f"| {r['rule']} | {r['dtype']} | {r['class']} | {r['bit']} | {r['injections']} | {r['detected']} | "
-              f"{100 * r['rate']:.0f}% | {r['level1']} | {rng} | {r['big_detected']}/{r['big']} | {r['misses']} | "
-              f"{r['misses_that_mattered']} | {r['misses_changing_grads']} | {r['max_grad_change_of_misses']:.2g} |")
+            rng += f" ({r['non_finite']} inf)"
+        detected = " | ".join(f"{r[v]['detected']}" for v in variants)
+        loss_misses = " | ".join(f"{r[v]['max_loss_change_of_misses']:.2g}" for v in variants)
+        print(f"| {r['dtype']} | {r['class']} | {r['bit']} | {r['injections']} | {rng} | {r['big']} | {detected} | "
+              f"{r['max_grad_change']:.2g} | {r['max_loss_change']:.2g} | {loss_misses} |")
     print()
-    for rule, t in summary["targets"].items():
-        big = "met" if t["detect_big_met"] else "MISSED"
+    for v, t in summary["targets"].items():
+        big_ = "met" if t["detect_big_met"] else "MISSED"
         fp = "met" if t["false_positives_met"] else "MISSED"
-        print(f"{rule}: flips ×≥{FACTOR_THRESHOLD:g} detected {t['big_detected']}/{t['big_flips']}: {big}; "
-              f"misses that mattered {t['misses_that_mattered']}; false positives {t['false_positives']}/"
-              f"{t['clean_checks']} clean checks: {fp}")
+        print(f"{v}: flips ×≥{FACTOR_THRESHOLD:g} (element) detected {t['big_detected']}/{t['big_flips']}: {big_}; "
+              f"flips ×≥{FACTOR_THRESHOLD:g} (the point's statistic) detected {t['stat_big_detected']}/"
+              f"{t['stat_big_flips']}; misses that mattered {t['misses_that_mattered']}; false positives "
+              f"{t['false_positives']}/{t['clean_checks']} clean checks: {fp}; by reason {t['detection_reasons']}")
+        for m in t["missed_big"]:
+            print(f"    missed: step {m['step']} {m['dtype']} {m['class']} at {m['point']}: element ×{fmt_factor(m['factor'])}, "
+                  f"statistic ×{m[v.split('+')[0] + '_stat_factor']:.3g}, share {m['share']:.3f}, "
+                  f"gradients changed {m['grad_change']:.3g}, eval loss after the update changed {m['loss_change']:.3g}")
+    print(f"largest clean peak share: {max(t['max_clean_share'] for t in summary['targets'].values()):.3f}; "
+          f"smallest share of a finite ≥1000× flip: {summary['min_share_of_finite_big_flips']:.3f}")
     print(f"ratio criterion (guards.sdc.ratio) = {meta['ratio']:g}" + (" (off)" if not meta["ratio"] else ""))
-    for rule, t in summary["targets"].items():
-        print(f"{rule}: detections by reason {t['detection_reasons']}; ratio headroom: largest clean "
-              f"{t['max_clean_headroom']:.3g}, smallest of the {t['flips_that_mattered']} flips that mattered "
-              f"{t['min_headroom_of_flips_that_mattered']:.3g}")
+    for rule in RULES:
+        t = summary["targets"][rule]
+        print(f"{rule}: ratio headroom: largest clean {t['max_clean_headroom']:.3g}, smallest of the "
+              f"{t['flips_that_mattered']} flips that mattered {t['min_headroom_of_flips_that_mattered']:.3g}")
     print(f"clean rerun's gradient change (determinism check): {meta['rerun_grad_change']}")
     print(f"\nwall time {meta['wall_s']:.1f} s")
+    for v in variants:
+        if "+" not in v:
+            continue
+        rule, t, alone = v.split("+")[0], summary["targets"][v], summary["targets"][v.split("+")[0]]
+        rate = t["big_detected"] / t["big_flips"] if t["big_flips"] else 1.0
+        alone_rate = alone["big_detected"] / alone["big_flips"] if alone["big_flips"] else 1.0
+        print("RESULT " + json.dumps({
+            "figure": f"sdc {v} (peak {meta['peak']:g}): share of flips x>=1000 detected",
+            "trainguard": rate, "baseline": alone_rate, "ratio": rate / alone_rate if alone_rate else None,
+            "target": "1.0 (every flip x>=1000 detected)", "met": t["detect_big_met"]}))
+        print("RESULT " + json.dumps({
+            "figure": f"sdc {v} (peak {meta['peak']:g}): false positives over {t['clean_checks']} clean checks",
+            "trainguard": t["false_positives"], "baseline": alone["false_positives"], "ratio": None,
+            "target": "0", "met": t["false_positives_met"]}))
 
 
 if __name__ == "__main__":

@@ -384,6 +384,83 @@ def test_ratio_state_survives_a_weights_only_checkpoint(rule):
             SdcDetector(rule, ["p0"], ratio=10.0).load_state_dict(broken)
 
 
+# -------------------------------------------------------------------------------- the peak criterion
+@pytest.mark.parametrize("rule", ["v1", "v3"])
+def test_peak_catches_a_one_element_jump_that_the_rule_alone_misses_even_after_a_clean_spike(rule):
+    """The benchmark's hard case: a clean x100 spike lifted every max-based baseline; a later x30 jump
+    of the point, carried by one element (share ~1), is still level 1 by the peak criterion."""
+    warm = 7 if rule == "v1" else 10
+    clean = [1.0, 1.2, 0.9, 1.1] * 4
+    history = clean[:warm] + [100.0] + clean  # the clean spike (share 0.1: spread over many elements)
+    for peak in (0.0, 0.5):
+        detector = SdcDetector(rule, ["p"], peak=peak)
+        for step, m in enumerate(history):
+            assert detector.detect([statistic(rule, m)], step, shares=[0.1]) == []
+        found = detector.detect([statistic(rule, 30.0)], 99, shares=[0.999])
+        if not peak:
+            assert found == []  # the rule alone: v1's jump 29/spread < 5000, v3 below 1e6 avg
+            continue
+        assert [(d.level, d.reason) for d in found] == [(1, "peak")]
+        # the median of the last 16 clean values (the spike left no trace): between 1.0 and 1.1
+        median = (statistic(rule, 1.0) + statistic(rule, 1.1)) / 2
+        assert found[0].thresholds["peak"] == 0.5
+        assert found[0].thresholds["median"] == pytest.approx(median)
+        assert found[0].thresholds["limit"] == pytest.approx(median * (4.0 if rule == "v1" else 16.0))
+        assert found[0].state["share"] == 0.999
+        assert "(peak)" in format_detection(found[0], 99, 0, "h", 0)
+        # the same jump spread over many elements (a real spike) is the rule's to judge: not peak
+        assert detector.detect([statistic(rule, 30.0)], 100, shares=[0.2]) == []
+
+
+@pytest.mark.parametrize("rule", ["v1", "v3"])
+def test_peak_needs_both_the_share_and_the_jump_and_waits_for_the_warm_up(rule):
+    warm = 7 if rule == "v1" else 10
+    detector = V1Detector(peak=0.5) if rule == "v1" else V3Detector(peak=0.5)
+    for _ in range(warm - 1):  # a point whose gradient is always one element: share 1 and no jump
+        assert detector.check(statistic(rule, 1.0), 1.0).level == 0
+    assert detector.check(statistic(rule, 20.0), 1.0).level == 0  # still in the warm-up: absorbed
+    for _ in range(16):
+        assert detector.check(statistic(rule, 1.0), 1.0).level == 0  # share 1, no jump: quiet
+    assert detector.check(statistic(rule, 4.0), 1.0).level == 0  # at the jump limit: not above it
+    assert detector.check(statistic(rule, 4.5), 1.0).reason == "peak"
+    assert detector.check(statistic(rule, 4.5), 0.5).level == 0  # at the share limit: not above it
+    assert detector.check(statistic(rule, 4.5), None).level == 0  # no share given: the criterion is silent
+
+
+@pytest.mark.parametrize("rule", ["v1", "v3"])
+def test_peak_off_leaves_the_rules_verdicts_and_state_unchanged_and_its_state_round_trips(rule):
+    for sequence in ratio_sequences():
+        stats = [statistic(rule, m) for m in sequence]
+        plain = V1Detector() if rule == "v1" else V3Detector()
+        off = SdcDetector(rule, ["p"])
+        for step, value in enumerate(stats):
+            verdict = plain.check(value)
+            assert [(d.level, d.reason) for d in off.detect([value], step, shares=[1.0])] == (
+                [(verdict.level, verdict.reason)] if verdict.level else [])
+            assert off.point("p").state_dict() == plain.state_dict()
+    a = SdcDetector(rule, ["p"], peak=0.5)
+    values = [statistic(rule, m) for m in magnitudes(5, 40, 0.0, 0.3)]
+    for step, value in enumerate(values[:25]):
+        a.detect([value], step, shares=[0.05])
+    b = SdcDetector(rule, ["p"], peak=0.5)
+    b.load_state_dict(roundtrip(a.state_dict()))
+    assert len(b.point("p").recent) == 16 and b.state_dict() == a.state_dict()
+    for step, value in enumerate(values[25:], start=25):
+        assert a.detect([value * 50], step, shares=[0.99]) == b.detect([value * 50], step, shares=[0.99]) != []
+
+
+def test_peak_config_key_and_from_config():
+    assert SdcConfig().peak == 0.0
+    config = SdcConfig(rule="v3", peak=0.5)
+    config.validate()
+    assert SdcDetector.from_config(config, ["x"]).point("x").peak == 0.5
+    for bad in (1, 1.5, -0.1, math.nan, True, "0.5"):
+        with pytest.raises(ConfigError, match=r"guards\.sdc\.peak must be 0 \(off\) or a share between 0 and 1"):
+            SdcConfig(peak=bad).validate()
+    with pytest.raises(ValueError, match="peak must be 0"):
+        SdcDetector("v1", peak=2.0)
+
+
 def test_ratio_config_key_and_from_config():
     assert SdcConfig().ratio == 0.0
     config = SdcConfig(rule="v1", ratio=10)

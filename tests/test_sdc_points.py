@@ -96,11 +96,11 @@ def test_one_slot_per_point_per_micro_batch_combined_by_max():
     model = tiny()
     points = DetectionPoints(micro_batches=3)
     points.install(model)
-    assert tuple(points._buffer.shape) == (2, 3)
+    assert tuple(points._buffer.shape) == (2, 3, 1)
     for x in batches:
         loss(model, x).backward()
     assert points.fired == [3, 3]
-    assert tuple(points._buffer.shape) == (2, 3)  # preallocated, not grown
+    assert tuple(points._buffer.shape) == (2, 3, 1)  # preallocated, not grown
     assert points.collect().tolist() == pytest.approx([max(col) for col in zip(*expected)], rel=1e-6)
     # more backwards than micro-batches: the buffer grows, nothing is lost
     for x in batches + batches:
@@ -217,7 +217,7 @@ def test_bad_custom_points_are_one_clear_error():
     with pytest.raises(ConfigError, match=r"detection point 'embed_token': the model has no module of that name "
                                           r"\(did you mean 'embed_tokens'\?\)"):
         points.install(model, ["embed_token"])
-    assert points.names == [] and not model.norm._backward_hooks  # nothing half-installed
+    assert points.names == [] and not model.norm._forward_pre_hooks  # nothing half-installed
     points.install(model)
     with pytest.raises(ConfigError, match="where must be one of auto, grad_input, grad_output, got 'input'"):
         points.add("head", where="input")
@@ -294,7 +294,7 @@ def test_disabled_and_removed_points_do_nothing():
     points.remove()
     loss(model, torch.randn(2, 4)).backward()
     assert points.collect().numel() == 0
-    assert not model[1]._backward_hooks and not model[3]._backward_hooks
+    assert not any(m._forward_pre_hooks or m._forward_hooks or m._backward_hooks for m in model)
 
 
 def test_activation_checkpointing_fires_once_per_micro_batch():
@@ -309,6 +309,53 @@ def test_activation_checkpointing_fires_once_per_micro_batch():
         model[4](out).square().sum().backward()
         assert points.fired == [1, 1]
         assert points.collect().tolist() == pytest.approx(expected, rel=1e-5)
+
+
+def test_peak_shares_are_recorded_with_the_statistic_in_one_buffer():
+    g = torch.full((100,), 0.01)
+    assert sdc.peak_share([g]).item() == pytest.approx(0.01)  # spread evenly: 1/n
+    g[7] = 0.01 * 2.0**16  # one exponent flip: that element carries nearly everything
+    assert sdc.peak_share([g]).item() > 0.999
+    assert sdc.peak_share([torch.zeros(5)]).item() == 0.0
+    assert sdc.peak_share([torch.ones(3), torch.zeros(1)]).item() == pytest.approx(1 / 3)
+    x = torch.randn(5, 4)
+    expected = [g.norm().item() for g in manual_gradients(tiny(), x)]
+    shares = [(g.square().max() / g.square().sum()).item() for g in manual_gradients(tiny(), x)]
+    points = DetectionPoints(shares=True)
+    points.install(tiny_model := tiny())
+    loss(tiny_model, x).backward()
+    values, got = points.collect(with_shares=True).tolist()
+    assert values == pytest.approx(expected, rel=1e-5) and got == pytest.approx(shares, rel=1e-5)
+    with pytest.raises(ValueError, match="needs DetectionPoints"):
+        DetectionPoints().collect(with_shares=True)
+
+
+class TwoInputs(nn.Module):
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a * b
+
+
+def test_a_grad_input_point_with_several_inputs_measures_them_together_and_auto_falls_back():
+    module = TwoInputs()
+    a, b = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    points = DetectionPoints()
+    points.install(module, [("", "grad_input")], norms=False)
+    module(a, b).sum().backward()
+    assert points.fired == [1]
+    assert points.collect().item() == pytest.approx(torch.cat([a.grad, b.grad]).norm().item(), rel=1e-6)
+    # auto on a call whose inputs need no gradient: the output's gradient (no torch warning)
+    outer = nn.Sequential(nn.Identity(), nn.Linear(3, 3))
+    points.install(outer, [("0", "auto")], norms=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = outer(torch.randn(2, 3))
+        out.sum().backward()
+    assert points.fired == [0]  # an Identity whose output needs no gradient either: nothing to check
+    h = torch.randn(2, 3)
+    inner = nn.Sequential(nn.Linear(3, 3), nn.Identity())
+    points.install(inner, [("1", "auto")], norms=False)
+    inner(h).square().sum().backward()
+    assert points.fired == [1]  # its input (the Linear's output) needs a gradient: grad_input
 
 
 def test_bf16_gradients_are_measured_in_float32():
@@ -427,7 +474,9 @@ def test_a_scaled_embedding_gradient_is_detected_and_attributed_by_a_rerun():
             assert detections == [], f"false alarm at step {step}: {detections}"
             optimizer.step()
             continue
-        assert [(d.point, d.level) for d in detections] == [("embed_tokens", 1)]
+        # the norm's own point sees the corrupted grad_input (a user's full backward hook runs inside the
+        # point's view, whenever it was registered), and so does the embedding's, downstream of it
+        assert [(d.point, d.level) for d in detections] == [("norm", 1), ("embed_tokens", 1)]
         first = {d.point: d.value for d in detections}
         state["step"] = -1  # the rerun: the transient fault is gone
         optimizer.zero_grad()

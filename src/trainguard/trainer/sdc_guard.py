@@ -39,7 +39,8 @@ class SdcGuard:
         self.config = config
         self.rank, self.host, self.device = rank, host, device
         self.log, self.events = log, events
-        self.points = DetectionPoints(STATISTIC[self.config.rule], micro_batches=micro_batches, device=device)
+        self.points = DetectionPoints(STATISTIC[self.config.rule], micro_batches=micro_batches, device=device,
+                                      shares=self.config.peak > 0)
         self.points.install(model, self.config.points)
         self.detector = SdcDetector.from_config(self.config, self.points.names)
         self.strikes = StrikeBook(self.config.strikes, self.config.strike_window_hours)
@@ -50,6 +51,7 @@ class SdcGuard:
         self.attribution = RerunAttribution(self.strikes, host, self.device_label)
         self.detections: list[Detection] = []
         self.first_values: list[float] = []
+        self.first_shares: list[float] | None = None
 
     @property
     def stateful(self) -> dict[str, Any]:
@@ -58,15 +60,20 @@ class SdcGuard:
     def begin_pass(self) -> None:
         self.points.reset()
 
-    def values(self) -> list[float]:
-        return self.points.collect().tolist()
+    def values(self) -> tuple[list[float], list[float] | None]:
+        """This pass's statistic per point and, with the peak criterion on, peak share per point (one sync)."""
+        if not self.points.shares:
+            return self.points.collect().tolist(), None
+        values, shares = self.points.collect(with_shares=True).tolist()
+        return values, shares
 
     def check(self, step: int) -> int:
         """Judges this pass's values; logs and records detections; returns this rank's severity."""
-        self.first_values = self.values()
+        self.first_values, self.first_shares = self.values()
         if self.config.log_values:
             self.log.info(format_values(step, self.rank, self.host, self.device, self.points.names, self.first_values))
-        self.detections = self.detector.detect(self.first_values, step, names=self.points.names)
+        self.detections = self.detector.detect(self.first_values, step, names=self.points.names,
+                                               shares=self.first_shares)
         for detection in self.detections:
             self.log.log(detection.log_level, format_detection(detection, step, self.rank, self.host, self.device))
             self.events.emit("sdc_detected", step=step, point=detection.point, level=detection.level,
@@ -82,16 +89,18 @@ class SdcGuard:
             return NOTHING
         names = self.points.names
         first = {p: self.first_values[names.index(p)] for p in level_one}
-        rerun = None
+        rerun = rerun_shares = None
         if reran:
-            values = self.values()
+            values, shares = self.values()
             rerun = {p: values[names.index(p)] for p in level_one}
+            rerun_shares = {p: None if shares is None else shares[names.index(p)] for p in level_one}
         attribution = self.attribution.on_detection(step, self.rank, first, rerun)
         still_abnormal = []
         if attribution.kind == "transient":
             # the detected points' first values never entered their state; the clean rerun's do, as
             # they would have in a run without the fault
-            still_abnormal = [p for p in level_one if self.detector.point(p).check(rerun[p]).level == 1]
+            still_abnormal = [p for p in level_one
+                              if self.detector.point(p).check(rerun[p], rerun_shares[p]).level == 1]
         self.log.error(attribution.message + (f"; the rerun is abnormal too at {', '.join(still_abnormal)}"
                                               if still_abnormal else ""))
         self.events.emit("sdc_attribution", step=step, attribution=attribution.kind, points=list(attribution.points),

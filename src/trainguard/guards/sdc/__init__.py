@@ -40,6 +40,7 @@ from trainguard.guards.sdc.points import (
     active_points,
     gradient_statistic,
     is_norm_module,
+    peak_share,
     watch_function,
     watch_tensor,
 )
@@ -80,6 +81,7 @@ __all__ = [
     "gradient_statistic",
     "is_norm_module",
     "parse_pair",
+    "peak_share",
     "read_faulty_ranks",
     "sdc_config_from_env",
     "severity",

@@ -66,6 +66,11 @@ class SdcConfig:
     # trainguard's ratio criterion, on top of either rule: after the warm-up, level 1 when a point's value
     # exceeds ratio x the max of its last 16 clean values (v3: ratio**2, max(g²) being a square); 0 = off
     ratio: float = 0.0
+    # trainguard's peak criterion, on top of either rule: after the warm-up, level 1 when one element
+    # carries more than this share of the point's squared L2 norm (max(g²)/Σg²: the mark of one blown-up
+    # element, i.e. a bit flip) and the value is over 4x the median of its last 16 clean values
+    # (v3: 16x); 0 = off, 0.5 recommended (benchmarks/README.md)
+    peak: float = 0.0
 
     @property
     def enabled(self) -> bool:
@@ -107,6 +112,12 @@ class SdcConfig:
                 or not (ratio == 0 or ratio > 1)):
             raise ConfigError(f"config key guards.sdc.ratio must be 0 (off) or a finite number > 1, got {ratio!r}")
         self.ratio = float(ratio)
+        peak = self.peak
+        if (isinstance(peak, bool) or not isinstance(peak, (int, float)) or not math.isfinite(peak)
+                or not (peak == 0 or 0 < peak < 1)):
+            raise ConfigError(f"config key guards.sdc.peak must be 0 (off) or a share between 0 and 1 "
+                              f"(e.g. 0.5), got {peak!r}")
+        self.peak = float(peak)
 
 
 def parse_pair(value: Any, what: str) -> tuple[int, int]:

@@ -2,20 +2,21 @@
 
 Default points: every normalisation layer of the model (``nn.LayerNorm``, ``nn.RMSNorm`` and any
 module whose class name ends in ``Norm``, e.g. Hugging Face's ``LlamaRMSNorm``), checked on the
-gradient flowing into it, i.e. its ``grad_input`` (the gradient with respect to its input), through
-``register_full_backward_hook`` on the user's model: no change to the model's code. Under FSDP2 the
-norm modules sit inside FSDP-wrapped blocks (or are wrapped themselves) and their hooks work as usual.
+gradient flowing into it, i.e. its ``grad_input`` (the gradient with respect to its input): a
+forward pre-hook passes the module a view of its input and hooks that view's gradient (no change to
+the model's code; cheaper than ``register_full_backward_hook``, whose Python autograd Function wraps
+every input and output). Under FSDP2 the norm modules sit inside FSDP-wrapped blocks (or are wrapped
+themselves) and their hooks work as usual.
 
 Custom points, one line each:
 
 - a module, by dotted name or object: ``points.add("model.embed_tokens")`` (or ``install(model,
   extra_points=["model.embed_tokens"])``, or the config's ``guards.sdc.points``). ``where`` picks the
-  gradient: ``"grad_input"`` (a full backward hook), ``"grad_output"`` (a tensor hook on each output,
+  gradient: ``"grad_input"`` (the view's tensor hook, as for norms), ``"grad_output"`` (a tensor hook on each output,
   registered by a forward hook), or ``"auto"`` (default): ``grad_input``, unless none of the module's
   inputs has a gradient, then ``grad_output``, the gradient with respect to its output. ``auto`` on an
   ``nn.Embedding``/``nn.EmbeddingBag`` (whose input is integer ids) resolves to ``grad_output`` at
-  once; on another module whose inputs turn out to have no gradient, the full backward hook falls
-  back to its ``grad_output`` (and torch warns once that it does);
+  once; on another module, a call whose inputs need no gradient is checked on its ``grad_output``;
 - a tensor inside a forward: ``h = sdc.watch_tensor("embedding.gather", h)`` checks the gradient with
   respect to ``h`` (a tensor hook; a no-op while no DetectionPoints is installed);
 - a tensor-producing function: ``gather = sdc.watch_function("embedding.gather", F.embedding)``
@@ -30,10 +31,10 @@ grows when needed). ``collect()`` returns the per-step ``[points]`` statistic (t
 slots, NaN propagating; ``NOT_CHECKED`` = -1 for a point that did not fire) and clears the buffer;
 the trainer then reads the values with one ``.tolist()``.
 
-The hooks never change a gradient, but a ``grad_input`` point (a full backward hook) adds an identity
-node in front of the module, so the gradient contributions to its input are summed in another order:
-a run with norm points matches one without them up to rounding, not bit for bit (it is deterministic
-with them). ``grad_output`` and tensor points add no node.
+The hooks never change a gradient, but a ``grad_input`` point adds a view node in front of the
+module, so the gradient contributions to its input may be summed in another order: a run with norm
+points matches one without them up to rounding, not always bit for bit (it is deterministic with
+them). ``grad_output`` and tensor points add no node.
 """
 
 from __future__ import annotations
@@ -75,6 +76,13 @@ def gradient_statistic(tensors: Sequence[torch.Tensor], statistic: str) -> torch
     """The statistic of several gradients taken together, as a 0-d float32 tensor (no host sync);
     None when there is nothing to measure. ``l2``: the norm of their concatenation; ``max_sq``: the
     largest square (``max|g|`` squared, equal to ``max(g²)`` in float32 and cheaper)."""
+    if len(tensors) == 1 and type(tensors[0]) is torch.Tensor:  # the usual case, kept short: it runs per hook
+        grad = tensors[0].detach()
+        if not grad.numel():
+            return None
+        if statistic == "l2":
+            return torch.linalg.vector_norm(grad, dtype=torch.float32)
+        return grad.abs().amax().float().square()
     local = [_local(t).detach() for t in tensors]
     local = [t for t in local if t.numel()]
     if not local:
@@ -84,6 +92,46 @@ def gradient_statistic(tensors: Sequence[torch.Tensor], statistic: str) -> torch
         return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
     peaks = [t.abs().amax().float().square() for t in local]
     return peaks[0] if len(peaks) == 1 else torch.stack(peaks).amax()
+
+
+def peak_share(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The share of the gradients' squared L2 norm carried by their largest element, ``max(g²) / Σg²``
+    (0 when every element is 0; meaningless when one is not finite, which the statistic itself shows),
+    as a 0-d float32 tensor (no host sync).
+    One bit flip that blows one element up makes it close to 1; a real gradient spike, spread over
+    many elements, leaves it low."""
+    local = [_local(t).detach() for t in tensors]
+    local = [t for t in local if t.numel()]
+    if not local:
+        return None
+    total = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in local]).square().sum()
+    peak = torch.stack([t.abs().amax().float() for t in local]).amax().square()
+    return torch.where(total > 0, peak / total, torch.zeros_like(total))
+
+
+def _statistic_and_share(tensors: Sequence[torch.Tensor], statistic: str) -> torch.Tensor | None:
+    """``[statistic, peak share]`` as one float32 tensor; the usual single plain tensor reuses the
+    reductions (the L2 norm and ``max|g|``) for both."""
+    if len(tensors) == 1 and type(tensors[0]) is torch.Tensor:
+        grad = tensors[0].detach()
+        if not grad.numel():
+            return None
+        total = torch.linalg.vector_norm(grad, dtype=torch.float32)
+        peak = grad.abs().amax().float().square()
+        share = peak / total.square().clamp_min(torch.finfo(torch.float32).tiny)  # all zeros: 0
+        return torch.stack([total if statistic == "l2" else peak, share])
+    stat = gradient_statistic(tensors, statistic)
+    return None if stat is None else torch.stack([stat, peak_share(tensors)])
+
+
+class _Call:
+    """One call of a grad_input point with several inputs: the gradients still to come, those in."""
+
+    __slots__ = ("pending", "grads")
+
+    def __init__(self, pending: int):
+        self.pending = pending
+        self.grads: list[torch.Tensor] = []
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -97,7 +145,8 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 class DetectionPoints:
     """The detection points of one model (one pipeline stage), and their per-step statistics."""
 
-    def __init__(self, statistic: str = "l2", micro_batches: int = 1, device: torch.device | str | None = None):
+    def __init__(self, statistic: str = "l2", micro_batches: int = 1, device: torch.device | str | None = None,
+                 shares: bool = False):
         if statistic not in STATISTICS:
             raise ValueError(f"statistic must be one of {STATISTICS}, got {statistic!r}")
         if micro_batches < 1:
@@ -105,13 +154,16 @@ class DetectionPoints:
         self.statistic = statistic
         self.enabled = True  # hooks do nothing while False
         self._capacity = int(micro_batches)
+        # also record each check's peak share (``peak_share``: the rules' peak criterion needs it)
+        self.shares = bool(shares)
         self._device = torch.device(device) if device is not None else None
         self._names: list[str] = []
         self._where: dict[str, str] = {}
         self._index: dict[str, int] = {}
         self._fired: list[int] = []
         self._buffer: torch.Tensor | None = None
-        self._handles: dict[str, RemovableHandle] = {}
+        self._handles: dict[str, list[RemovableHandle]] = {}
+        self._fallback: set[int] = set()  # auto points whose current call has no input needing a gradient
         self._model: nn.Module | None = None
 
     # ------------------------------------------------------------------------------------- setup
@@ -215,9 +267,11 @@ class DetectionPoints:
     def remove(self) -> None:
         """Removes every hook and point (tensor hooks already registered on live tensors become no-ops)."""
         global _ACTIVE
-        for handle in self._handles.values():
-            handle.remove()
+        for handles in self._handles.values():
+            for handle in handles:
+                handle.remove()
         self._handles = {}
+        self._fallback = set()
         self._names, self._where, self._index, self._fired = [], {}, {}, []
         self._buffer = None
         self._model = None
@@ -225,15 +279,19 @@ class DetectionPoints:
             _ACTIVE = None
 
     # ------------------------------------------------------------------------------------- step
-    def collect(self) -> torch.Tensor:
+    def collect(self, with_shares: bool = False) -> torch.Tensor:
         """The step's statistic per point, ``[len(names)]`` float32 on the buffer's device: the maximum
         over the point's slots (micro-batches), NaN if any was NaN, ``NOT_CHECKED`` (-1) if the point
-        did not fire. Clears the buffer for the next step. No host synchronisation."""
+        did not fire. With ``with_shares`` (needs ``shares=True``): ``[2, len(names)]``, row 1 the
+        largest peak share over the slots. Clears the buffer for the next step. No host synchronisation."""
+        if with_shares and not self.shares:
+            raise ValueError("collect(with_shares=True) needs DetectionPoints(shares=True)")
         if self._buffer is None:
-            return torch.empty(0, dtype=torch.float32, device=self._device)
-        values = self._buffer.amax(dim=1)
+            empty = torch.empty((2, 0) if with_shares else 0, dtype=torch.float32, device=self._device)
+            return empty
+        values = self._buffer.amax(dim=1)  # [points, planes]
         self.reset()
-        return values
+        return values.t() if with_shares else values[:, 0]
 
     def reset(self) -> None:
         """Forgets what the hooks recorded since the last ``collect()`` (e.g. a shape-inference backward)."""
@@ -257,30 +315,38 @@ class DetectionPoints:
 
     def _add_module(self, name: str, module: nn.Module, where: str) -> None:
         if where == "auto" and isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
-            where = "grad_output"  # its input is integer ids: resolved now, no backward hook needed
+            where = "grad_output"  # its input is integer ids: resolved now, no input hook needed
         if name in self._handles:
-            self._handles.pop(name).remove()
+            for handle in self._handles.pop(name):
+                handle.remove()
             index = self._index[name]
             self._where[name] = where
         else:
             index = self._new_point(name, where)
         if where == "grad_output":
-            # the gradient with respect to the output, through a tensor hook on each output: cheaper
-            # than a full backward hook, which would also wrap the inputs
-            self._handles[name] = module.register_forward_hook(functools.partial(self._output_hook, index))
-        else:
-            self._handles[name] = module.register_full_backward_hook(functools.partial(self._module_hook, index, where))
+            # the gradient with respect to the output, through a tensor hook on each output
+            self._handles[name] = [module.register_forward_hook(functools.partial(self._output_hook, index))]
+            return
+        # grad_input: a forward pre-hook puts a view (a C++ pass-through node) between the caller's
+        # input and the module and hooks that view's gradient, which is then exactly the module's
+        # grad_input. No Python autograd Function per call as register_full_backward_hook has (it
+        # wraps every input and output in one, forward and backward): over 1.5x the cost per point.
+        handles = [module.register_forward_pre_hook(functools.partial(self._input_hook, index, where))]
+        if where == "auto":  # no input needs a gradient: check the output's (the pre-hook says so)
+            handles.append(module.register_forward_hook(functools.partial(self._fallback_hook, index)))
+        self._handles[name] = handles
 
     def _allocate(self) -> None:
-        """Makes the buffer ``[len(names), capacity]``, keeping what it holds."""
-        rows = len(self._names)
+        """Makes the buffer ``[len(names), capacity, planes]`` (plane 0 the statistic, plane 1 the peak
+        share when recorded), keeping what it holds."""
+        shape = (len(self._names), self._capacity, 2 if self.shares else 1)
         old = self._buffer
-        if old is not None and old.shape == (rows, self._capacity):
+        if old is not None and old.shape == shape:
             return
         device = old.device if old is not None else (self._device or torch.device("cpu"))
-        new = torch.full((rows, self._capacity), NOT_CHECKED, dtype=torch.float32, device=device)
+        new = torch.full(shape, NOT_CHECKED, dtype=torch.float32, device=device)
         if old is not None:
-            keep_rows, keep_cols = min(rows, old.shape[0]), min(self._capacity, old.shape[1])
+            keep_rows, keep_cols = min(shape[0], old.shape[0]), min(shape[1], old.shape[1])
             new[:keep_rows, :keep_cols] = old[:keep_rows, :keep_cols]
         self._buffer = new
 
@@ -288,27 +354,54 @@ class DetectionPoints:
         if index >= len(self._fired):  # a tensor hook outliving remove()/install()
             return
         with torch.no_grad():
-            stat = gradient_statistic(tensors, self.statistic)
+            stat = (_statistic_and_share(tensors, self.statistic) if self.shares
+                    else gradient_statistic(tensors, self.statistic))
             if stat is None:
                 return
-            slot = self._fired[index]
-            self._fired[index] = slot + 1
-            if self._buffer is None or slot >= self._capacity:
-                self._capacity = max(2 * self._capacity, slot + 1) if slot >= self._capacity else self._capacity
-                self._allocate()
-            assert self._buffer is not None
-            if self._buffer.device != stat.device:  # the model moved after install: follow it, once
-                self._buffer = self._buffer.to(stat.device)
+        slot = self._fired[index]
+        self._fired[index] = slot + 1
+        if self._buffer is None or slot >= self._capacity:
+            self._capacity = max(2 * self._capacity, slot + 1) if slot >= self._capacity else self._capacity
+            self._allocate()
+        assert self._buffer is not None
+        if self._buffer.device != stat.device:  # the model moved after install: follow it, once
+            self._buffer = self._buffer.to(stat.device)
+        with torch.no_grad():
             self._buffer[index, slot] = stat  # a device-side copy
 
-    def _module_hook(self, index: int, where: str, module: nn.Module, grad_input: tuple, grad_output: tuple) -> None:
+    def _input_hook(self, index: int, where: str, module: nn.Module, args: tuple) -> tuple | None:
+        if not self.enabled:
+            return None
+        positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not positions:
+            if where == "auto":
+                self._fallback.add(index)
+            return None
+        # several inputs: their gradients arrive one by one and are measured together, as one
+        # grad_input (the statistic of their concatenation)
+        call = _Call(len(positions)) if len(positions) > 1 else None
+        args = list(args)
+        for i in positions:
+            view = args[i].view_as(args[i])
+            view.register_hook(functools.partial(self._input_grad_hook, index, call))
+            args[i] = view
+        return tuple(args)
+
+    def _input_grad_hook(self, index: int, call: _Call | None, grad: torch.Tensor) -> None:
         if not self.enabled:
             return
-        tensors = _tensors(grad_input)
-        if not tensors and where == "auto":  # no input has a gradient: check the output's
-            tensors = _tensors(grad_output)
-        if tensors:
-            self._record(index, tensors)
+        if call is None:
+            self._record(index, [grad])
+            return
+        call.grads.append(grad)  # held until the call's last input gradient: they come from one node
+        call.pending -= 1
+        if call.pending == 0:
+            self._record(index, call.grads)
+
+    def _fallback_hook(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+        if index in self._fallback:
+            self._fallback.discard(index)
+            self._output_hook(index, module, args, output)
 
     def _output_hook(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
         if not self.enabled:

@@ -69,8 +69,10 @@ class SdcConfig:
     # trainguard's peak criterion, on top of either rule: after the warm-up, level 1 when one element
     # carries more than this share of the point's squared L2 norm (max(g²)/Σg²: the mark of one blown-up
     # element, i.e. a bit flip) and the value is over 4x the median of its last 16 clean values
-    # (v3: 16x); 0 = off, 0.5 recommended (benchmarks/README.md)
-    peak: float = 0.0
+    # (v3: 16x); 0 = off (the reference's rules alone). On by default: without it the rules miss x2^16
+    # flips of small elements that do change the loss, and at 0.5 it raised no false alarm
+    # (benchmarks/README.md, sdc_detection.py)
+    peak: float = 0.5
 
     @property
     def enabled(self) -> bool:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from trainguard.errors import EXIT_DATA_SKIP_ABORT, CheckpointError, ConfigError, TrainguardError
@@ -48,6 +48,8 @@ class SkipConfig:
     window: int = 128  # adaptive: last W non-skipped steps
     z_threshold: float = 6.0  # adaptive: skip when the z-score is greater than this
     warmup: int = 20  # adaptive: no adaptive skip until this many non-skipped norms are in the window
+    # steps skipped whatever their norm: a fault-free reference replaying another run's skip decisions
+    replay_steps: list[int] = field(default_factory=list)
 
     def validate(self) -> None:
         """Raises ConfigError naming the first bad key (trainguard names, reference names in brackets)."""
@@ -66,6 +68,8 @@ class SkipConfig:
         positive("guards.skip.window", self.window, integer=True)
         positive("guards.skip.z_threshold", self.z_threshold)
         positive("guards.skip.warmup", self.warmup, integer=True, allow_zero=True)
+        for step in self.replay_steps:
+            positive("guards.skip.replay_steps", step, integer=True)
 
 
 @dataclass(frozen=True)
@@ -190,6 +194,7 @@ class DataSkipGuard:
         count of applied updates (it stays put while steps are skipped)."""
         norm = float(global_norm)
         spike, nan, threshold = self.rule.is_spike(norm)
+        spike = spike or step in self.cfg.replay_steps
         if not self.cfg.enabled:
             return SkipDecision(False, nan, False, 0, threshold, (), None)
         lines = [is_skip_line(opt_global_step, threshold, spike)]

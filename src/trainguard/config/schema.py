@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from trainguard.guards.health import HealthConfig
 from trainguard.guards.sdc.config import SdcConfig
 from trainguard.guards.skip import SkipConfig
+from trainguard.runtime.lifecycle import LifecycleConfig
 
 
 @dataclass
@@ -88,4 +89,5 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     guards: GuardsConfig = field(default_factory=GuardsConfig)
+    lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
     faults: str | None = None  # same grammar as TRAINGUARD_FAULTS; the environment variable wins

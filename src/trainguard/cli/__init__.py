@@ -14,11 +14,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from trainguard.cli import ckpt, demo, guards, killswitch, plan, run, train
+    from trainguard.cli import ckpt, demo, guards, killswitch, plan, run, slurm, train, watch
 
     parser = _Parser(prog="trainguard", description="Keeps training runs alive and checkpoints trustworthy.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for module in (train, ckpt, guards, plan, demo, run, killswitch):
+    for module in (train, ckpt, guards, plan, demo, run, killswitch, watch, slurm):
         module.add_parser(sub)
     return parser
 

@@ -67,9 +67,20 @@ class HangPolicy:
         return max(self.floor, self.multiple * longest_gap)
 
 
+def _training_thread_top(dump: str, frames: int = 3) -> str:
+    """The innermost frames of the thread that runs the trainer (its stack passes through the trainer's run)."""
+    for block in dump.split("\n\n"):
+        lines = [line for line in block.splitlines() if line.strip().startswith("File ")]
+        if any("trainer/loop.py" in line and line.rstrip().endswith(" in run") for line in lines):
+            return "\n".join(lines[:frames])
+    return ""
+
+
 def suspect_ranks(dumps: dict[int, str]) -> list[int]:
-    """Ranks whose stacks show no torch.distributed frame: the ones the others are waiting for."""
-    waiting = {rank for rank, text in dumps.items() if "torch/distributed" in text}
-    if not waiting or len(waiting) == len(dumps):
+    """Ranks whose training thread is not inside torch.distributed: the ones the others wait for."""
+    tops = {rank: _training_thread_top(text) for rank, text in dumps.items()}
+    tops = {rank: top for rank, top in tops.items() if top}
+    waiting = {rank for rank, top in tops.items() if "torch/distributed" in top}
+    if not waiting or len(waiting) == len(tops):
         return []
-    return sorted(set(dumps) - waiting)
+    return sorted(set(tops) - waiting)

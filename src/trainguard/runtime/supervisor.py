@@ -397,8 +397,17 @@ class Supervisor:
                     failures.append((failure, node))
             except (OSError, ValueError, KeyError):
                 continue
+        # a rank killed by a signal is the cause, the others failed because their peer vanished: the
+        # agent reports the first failure it saw, and a rank that ended without an exit heartbeat died
+        # without a word (SIGKILL, OOM killer, segfault)
+        signalled = [(f, node) for f, node in failures if f["exitcode"] < 0]
+        silent = sorted(rank for rank, beat in beats.items() if beat.phase != "exit")
+        if not signalled and silent and len(silent) < len(beats) and inc.outcome != "hang":
+            inc.failing_rank = silent[0]
+            inc.failing_node = node_of[silent[0]]
+            inc.detail = inc.detail or f"rank {silent[0]} on {inc.failing_node} died without an exit (killed)"
+            return
         if failures:
-            # a rank killed by a signal is the cause; the others failed because their peer vanished
             failures.sort(key=lambda item: (item[0]["exitcode"] >= 0, item[0].get("timestamp") or 0))
             failure, node = failures[0]
             inc.failing_rank = failure["rank"]

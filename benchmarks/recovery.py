@@ -54,7 +54,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="one kill on the micro model (≤ 60 s)")
     parser.add_argument("--kills", type=int, default=None, help="failures to inject (default 3, quick 1)")
-    parser.add_argument("--backoff", type=float, default=1.0, help="the supervisor's --backoff")
+    parser.add_argument("--backoff", type=float, default=0.5, help="the supervisor's --backoff (its default)")
     parser.add_argument("--nproc", type=int, default=2)
     args = parser.parse_args()
     kills = args.kills or (1 if args.quick else 3)

@@ -41,8 +41,8 @@ def add_supervisor_arguments(parser: argparse.ArgumentParser, max_restarts: int)
     group = parser.add_argument_group("supervisor")
     group.add_argument("--max-restarts", type=_count, default=max_restarts,
                        help=f"restarts after failures before giving up (default {max_restarts})")
-    group.add_argument("--backoff", type=_seconds, default=1.0,
-                       help="seconds before a restart; doubles per failure without progress (default 1)")
+    group.add_argument("--backoff", type=_seconds, default=0.5,
+                       help="seconds before a restart; doubles per failure without progress (default 0.5)")
     group.add_argument("--crash-loop", type=_count, default=2,
                        help="give up after this many failures in a row without a new step (default 2)")
     group.add_argument("--hang-timeout", type=_seconds, default=None,

@@ -54,7 +54,7 @@ class SupervisorOptions:
     run_dir: Path
     command: list[str]
     max_restarts: int = 10
-    backoff: float = 1.0  # seconds before the first restart; doubles per failure without progress
+    backoff: float = 0.5  # seconds before the first restart; doubles per failure without progress
     backoff_max: float = 60.0
     crash_loop: int = 2  # give up after this many failed incarnations in a row without a new step
     hang: HangPolicy = field(default_factory=HangPolicy)

@@ -246,6 +246,8 @@ class Supervisor:
                       exit_code=code, failing_rank=inc.failing_rank, failing_node=inc.failing_node,
                       detail=inc.detail, backoff=delay, restarts=restarts)
             time.sleep(delay)
+            if self.stop_signal:  # asked to stop while waiting: the last checkpoint is the resume point
+                return self._finish(inc, EXIT_RESUMABLE_STOP)
             number += 1
 
     # ------------------------------------------------------------------------------- incarnation

@@ -222,3 +222,22 @@ def test_killswitch_arms_and_clears(trainguard, tmp_path):
     assert trainguard("killswitch", str(switch)).returncode == 0 and switch.exists()
     assert json.loads(switch.read_text())["armed_by"]
     assert trainguard("killswitch", str(switch), "--clear").returncode == 0 and not switch.exists()
+
+
+def test_run_passes_on_codes_it_must_not_restart(trainguard, tmp_path):
+    proc = trainguard("run", "--run-dir", str(tmp_path / "run"), "--max-restarts", "3", "--", "sh", "-c", "exit 3")
+    assert proc.returncode == 3
+    from conftest import events
+
+    assert len(events(tmp_path / "run", "incarnation_started")) == 1 and events(tmp_path / "run", "restart") == []
+
+
+def test_run_gives_up_on_a_command_that_never_makes_progress(trainguard, tmp_path):
+    run = tmp_path / "run"
+    proc = trainguard("run", "--run-dir", str(run), "--max-restarts", "5", "--backoff", "0", "--", "false")
+    assert proc.returncode == 1
+    assert "giving up: crash loop: 2 failures in a row without a new step" in proc.stderr
+    assert proc.stderr.count("trainguard supervisor:   #") == 2
+    proc = trainguard("run", "--run-dir", str(run), "--max-restarts", "1", "--backoff", "0", "--crash-loop", "5",
+                      "--", "false")
+    assert proc.returncode == 1 and "giving up: --max-restarts 1 used up" in proc.stderr

@@ -117,7 +117,7 @@ def load_excluded(run_dir: Path) -> dict[str, str]:
 
 
 class Supervisor:
-    def __init__(self, options: SupervisorOptions, nodes=None, out=sys.stderr):
+    def __init__(self, options: SupervisorOptions, nodes=None, out=None):
         self.o = options
         self.run_dir = Path(options.run_dir)
         self.nodes = nodes or LocalNodes(options.nnodes + options.spare_nodes)
@@ -134,7 +134,7 @@ class Supervisor:
 
     # ------------------------------------------------------------------------------------ helpers
     def say(self, message: str) -> None:
-        print(f"trainguard supervisor: {message}", file=self.out, flush=True)
+        print(f"trainguard supervisor: {message}", file=self.out or sys.stderr, flush=True)
 
     def emit(self, kind: str, **fields: Any) -> None:
         if self.events is None:

@@ -73,7 +73,7 @@ def options_from_args(args: argparse.Namespace, run_dir: Path, command: list[str
     )
 
 
-def make_nodes(args: argparse.Namespace):
+def make_nodes(args: argparse.Namespace, fork_run=None):
     from trainguard.runtime.nodes import LocalNodes, SlurmNodes
 
     if args.launcher == "slurm":
@@ -81,7 +81,7 @@ def make_nodes(args: argparse.Namespace):
         if len(nodes.names) < args.nnodes:
             raise ConfigError(f"--nnodes {args.nnodes}: the allocation has only {len(nodes.names)} node(s)")
         return nodes
-    return LocalNodes(args.nnodes + args.spare_nodes)
+    return LocalNodes(args.nnodes + args.spare_nodes, fork_run=fork_run)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -55,7 +55,16 @@ def run(args: argparse.Namespace) -> int:
 
     command = [sys.executable, "-m", "trainguard", "train", "--nproc", str(args.nproc), *worker_args]
     options = options_from_args(args, run_dir, command)
+    if args.launcher == "local":
+        import trainguard.trainer.loop  # noqa: F401  (imported once here, inherited by every forked agent)
     options.restart_command = command + ["--set", "checkpoint.resume=auto"]  # a restart resumes the newest
     print(f"trainguard: run directory {run_dir}", flush=True)
-    return Supervisor(options, nodes=make_nodes(args)).run()
+    return Supervisor(options, nodes=make_nodes(args, fork_run=_run_agent)).run()
+
+
+def _run_agent(command: list[str]) -> int:
+    """A forked node agent: ``command`` is ``python -m trainguard train ...``, run here, not exec'd."""
+    from trainguard.cli import main
+
+    return main(command[3:])
 

@@ -16,8 +16,12 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import socket
 import subprocess
+import sys
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 ENV_NNODES = "TRAINGUARD_NNODES"
@@ -80,13 +84,68 @@ def agent_env(node: str, node_rank: int, nnodes: int, endpoint: str, extra: dict
     }
 
 
+class ForkedAgent:
+    """An agent forked from this process (``subprocess.Popen``'s interface, as far as the supervisor uses it)."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def _status(self, flags: int) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, flags)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def poll(self) -> int | None:
+        return self._status(os.WNOHANG)
+
+    def wait(self) -> int:
+        return self._status(0)
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def fork_agent(run: Callable[[list[str]], int], command: list[str], env: dict[str, str]) -> ForkedAgent:
+    """Forks an agent that runs ``run(command)`` in a copy of this process: no new interpreter, no imports."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return ForkedAgent(pid)
+    code = 1
+    try:
+        os.setsid()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_DFL)
+        os.environ.update(env)
+        code = run(command)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 class LocalNodes:
-    """Simulated nodes: ``node0, node1, ...``, every agent a child process of this machine."""
+    """Simulated nodes: ``node0, node1, ...``, every agent a child process of this machine.
+
+    With ``fork_run`` (``trainguard train``), agents are forked from the supervisor, which has imported
+    the trainer once: a restart then pays no interpreter start and no imports. Otherwise each agent
+    runs the command as a new process.
+    """
 
     kind = "local"
 
-    def __init__(self, count: int):
+    def __init__(self, count: int, fork_run: Callable[[list[str]], int] | None = None):
         self.names = [f"node{i}" for i in range(count)]
+        self.fork_run = fork_run
 
     def endpoint(self, slot0: str) -> str:
         return f"127.0.0.1:{free_port()}"
@@ -94,7 +153,9 @@ class LocalNodes:
     def command(self, node: str, command: list[str]) -> list[str]:
         return list(command)
 
-    def start(self, node: str, command: list[str], env: dict[str, str]) -> subprocess.Popen:
+    def start(self, node: str, command: list[str], env: dict[str, str]):
+        if self.fork_run is not None:
+            return fork_agent(self.fork_run, command, env)
         return subprocess.Popen(self.command(node, command), env={**os.environ, **env}, start_new_session=True)
 
 

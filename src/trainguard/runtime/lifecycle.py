@@ -70,18 +70,25 @@ def deadline_near(now: float, deadline: float, step_seconds: float, save_seconds
 
 
 class StopSignals:
-    """SIGTERM/SIGUSR1 handlers: the first sets a flag, the second ends the process at once."""
+    """SIGTERM/SIGUSR1 handlers: the first sets a flag, the second (2 s or more later) ends the process at once."""
 
     def __init__(self, on_second=None):
         self.received: str | None = None
+        self._first_at = 0.0
         self._on_second = on_second
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
 
+    # the same stop can arrive twice at once (Slurm signals the whole step, the supervisor forwards it)
+    DUPLICATE_WITHIN_SECONDS = 2.0
+
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
+        now = time.monotonic()
         if self.received is None:
-            self.received = name
+            self.received, self._first_at = name, now
+            return
+        if now - self._first_at < self.DUPLICATE_WITHIN_SECONDS:
             return
         print(f"trainguard: second stop signal ({name}) after {self.received}: exiting at once",
               file=sys.stderr, flush=True)

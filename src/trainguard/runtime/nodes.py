@@ -6,8 +6,8 @@ in reserve). Slot ``i`` is node rank ``i`` of torch's static rendezvous, so glob
 excluded node takes over its slot, and the world size and rank layout stay the same.
 
 Two ways to start an agent on a node, the same supervisor drives both:
-- ``LocalNodes``: simulated nodes on this machine, one agent process per node (its own process
-  group), rendezvous on 127.0.0.1;
+- ``LocalNodes``: simulated nodes on this machine, one agent process per node, rendezvous on
+  127.0.0.1;
 - ``SlurmNodes``: real nodes of a Slurm allocation, one ``srun --nodes=1 --nodelist=NODE`` step per
   node, rendezvous on the node holding slot 0.
 """
@@ -109,6 +109,40 @@ class ForkedAgent:
             os.kill(self.pid, signal.SIGKILL)
 
 
+def _children(pid: int) -> list[int]:
+    children: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return children
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children += [int(child) for child in f.read().split()]
+        except OSError:
+            continue
+    return children
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILLs a process and all its descendants (an agent and its ranks), leaving the caller alone.
+
+    Agents stay in the supervisor's process group, so that whoever kills the job's group (Ctrl-C, a
+    test, Slurm) kills them too; the supervisor therefore kills an agent by walking its tree.
+    """
+    for _ in range(2):  # a second pass for children forked while the first pass ran
+        stack, found = [pid], []
+        while stack:
+            current = stack.pop()
+            found.append(current)
+            stack += _children(current)
+        for target in found:
+            try:
+                os.kill(target, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
 def fork_agent(run: Callable[[list[str]], int], command: list[str], env: dict[str, str]) -> ForkedAgent:
     """Forks an agent that runs ``run(command)`` in a copy of this process: no new interpreter, no imports."""
     sys.stdout.flush()
@@ -118,7 +152,6 @@ def fork_agent(run: Callable[[list[str]], int], command: list[str], env: dict[st
         return ForkedAgent(pid)
     code = 1
     try:
-        os.setsid()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             signal.signal(sig, signal.SIG_DFL)
         os.environ.update(env)
@@ -156,7 +189,7 @@ class LocalNodes:
     def start(self, node: str, command: list[str], env: dict[str, str]):
         if self.fork_run is not None:
             return fork_agent(self.fork_run, command, env)
-        return subprocess.Popen(self.command(node, command), env={**os.environ, **env}, start_new_session=True)
+        return subprocess.Popen(self.command(node, command), env={**os.environ, **env})
 
 
 class SlurmNodes:
@@ -190,7 +223,7 @@ class SlurmNodes:
 
     def start(self, node: str, command: list[str], env: dict[str, str]) -> subprocess.Popen:
         # srun passes the environment on to the task (--export=ALL is its default)
-        return subprocess.Popen(self.command(node, command), env={**os.environ, **env}, start_new_session=True)
+        return subprocess.Popen(self.command(node, command), env={**os.environ, **env})
 
 
 def render(command: list[str]) -> str:

@@ -42,7 +42,7 @@ from trainguard.events import EventLog
 from trainguard.runtime.hang import DUMP_SIGNAL, HangPolicy, dump_dir, remove_empty_dumps, suspect_ranks
 from trainguard.runtime.heartbeat import ENV_INCARNATION, Heartbeat, read_heartbeats
 from trainguard.runtime.lifecycle import ENV_JOB_START
-from trainguard.runtime.nodes import ENV_AGENT_REPORT, LocalNodes, NodePool, agent_env
+from trainguard.runtime.nodes import ENV_AGENT_REPORT, LocalNodes, NodePool, agent_env, kill_tree
 
 NEVER_RESTART = (EXIT_OK, EXIT_USAGE, EXIT_DATA_SKIP_ABORT, EXIT_NO_CHECKPOINT, EXIT_RESUMABLE_STOP)
 EXCLUDED_FILE = Path("nodes") / "excluded.json"
@@ -167,10 +167,7 @@ class Supervisor:
     def _kill_all(self) -> None:
         for proc in self._agents.values():
             if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    proc.kill()
+                kill_tree(proc.pid)
         for proc in self._agents.values():
             proc.wait()
 

@@ -98,6 +98,7 @@ _VALUE_PARSERS: dict[str, Callable[[str], Any]] = {
     "bit": _bit,
     "persistent": _flag,
     "rep": _non_negative_int,
+    "node": _non_empty,
 }
 
 # kind -> (required keys, optional keys with their defaults)
@@ -142,8 +143,8 @@ def _parse_entry(index: int, text: str) -> FaultSpec:
         key, raw = key.strip(), raw.strip()
         if not equals:
             raise bad(f"expected <key>=<value>, got {item.strip()!r}")
-        if key not in required and key not in optional:
-            raise bad(f"unknown key {key!r} for {kind} (allowed: {', '.join(required + tuple(optional))})")
+        if key not in required and key not in optional and key != "node":  # node= narrows any kind to one node
+            raise bad(f"unknown key {key!r} for {kind} (allowed: {', '.join(required + tuple(optional) + ('node',))})")
         if key in given:
             raise bad(f"key {key!r} given twice")
         try:

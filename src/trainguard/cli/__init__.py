@@ -14,11 +14,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from trainguard.cli import ckpt, demo, doctor, guards, plan, report, status, train
+    from trainguard.cli import ckpt, demo, doctor, guards, killswitch, plan, report, run, slurm, status, train, watch
 
     parser = _Parser(prog="trainguard", description="Keeps training runs alive and checkpoints trustworthy.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for module in (train, ckpt, guards, plan, demo, report, status, doctor):
+    for module in (train, run, ckpt, guards, plan, demo, report, status, doctor, killswitch, watch, slurm):
         module.add_parser(sub)
     return parser
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 from pathlib import Path
 
 from trainguard.checkpoint.resume import check_explicit_resume_path
 from trainguard.errors import ConfigError
+from trainguard.runtime.nodes import ENV_NNODES, ENV_SUPERVISED
 from trainguard.topology import resolve_layout
 from trainguard.trainer.entry import add_train_arguments, config_from_args, overrides_from_args
 
@@ -15,7 +18,10 @@ from trainguard.trainer.entry import add_train_arguments, config_from_args, over
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("train", help="run the reference trainer on this machine")
     add_train_arguments(parser)
-    parser.add_argument("--nproc", type=int, default=1, help="number of training processes (ranks)")
+    parser.add_argument("--nproc", type=int, default=1, help="number of training processes (ranks) per node")
+    from trainguard.cli.run import add_supervisor_arguments
+
+    add_supervisor_arguments(parser, max_restarts=0)
     parser.set_defaults(func=run)
 
 
@@ -23,7 +29,9 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be ≥ 1, got {args.nproc}")
     config = config_from_args(args)
-    resolve_layout(config.parallel, args.nproc)
+    supervised = bool(os.environ.get(ENV_SUPERVISED))
+    nnodes = int(os.environ.get(ENV_NNODES, "1")) if supervised else args.nnodes
+    resolve_layout(config.parallel, args.nproc * max(1, nnodes))
     if config.checkpoint.resume not in ("auto", "disable") and "://" not in config.checkpoint.resume:
         check_explicit_resume_path(Path(config.checkpoint.resume))
     run_dir = Path(args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
@@ -34,8 +42,29 @@ def run(args: argparse.Namespace) -> int:
         worker_args += ["--config", str(Path(args.config).resolve())]
     for item in overrides_from_args(args):
         worker_args += ["--set", item]
-    from trainguard.runtime.launcher import launch_local
+    if supervised:  # an agent started by a supervisor (``trainguard run -- trainguard train ...``, or below)
+        from trainguard.runtime.launcher import launch_local
 
+        code = launch_local(args.nproc, worker_args, run_dir)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # the interpreter's teardown after torch.distributed takes seconds, and a restart waits for it
+        os._exit(code)
+    from trainguard.cli.run import make_nodes, options_from_args
+    from trainguard.runtime.supervisor import Supervisor
+
+    command = [sys.executable, "-m", "trainguard", "train", "--nproc", str(args.nproc), *worker_args]
+    options = options_from_args(args, run_dir, command)
+    if args.launcher == "local":
+        import trainguard.trainer.loop  # noqa: F401  (imported once here, inherited by every forked agent)
+    options.restart_command = command + ["--set", "checkpoint.resume=auto"]  # a restart resumes the newest
     print(f"trainguard: run directory {run_dir}", flush=True)
-    return launch_local(args.nproc, worker_args, run_dir)
+    return Supervisor(options, nodes=make_nodes(args, fork_run=_run_agent)).run()
+
+
+def _run_agent(command: list[str]) -> int:
+    """A forked node agent: ``command`` is ``python -m trainguard train ...``, run here, not exec'd."""
+    from trainguard.cli import main
+
+    return main(command[3:])
 

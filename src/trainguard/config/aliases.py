@@ -22,6 +22,8 @@ _SIMPLE = {
     ("parallel_config", "data_parallel"): ("parallel", "dp_shard"),
     ("parallel_config", "pipeline_stage"): ("parallel", "pp"),
     ("parallel_config", "micro_batch_num"): ("train", "micro_batches"),
+    ("kill_switch_path",): ("lifecycle", "kill_switch_path"),  # reference 002's --kill-switch-path
+    ("exit_duration_in_mins",): ("lifecycle", "exit_duration_in_mins"),  # and --exit-duration-in-mins
 }
 _CHECKPOINT_MONITOR = {
     "save_checkpoint_steps": ("checkpoint", "save_interval"),

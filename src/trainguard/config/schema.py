@@ -9,6 +9,7 @@ from trainguard.guards.health import HealthConfig
 from trainguard.guards.rollback import RollbackConfig
 from trainguard.guards.sdc.config import SdcConfig
 from trainguard.guards.skip import SkipConfig
+from trainguard.runtime.lifecycle import LifecycleConfig
 
 
 @dataclass
@@ -97,4 +98,5 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     guards: GuardsConfig = field(default_factory=GuardsConfig)
+    lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
     faults: str | None = None  # same grammar as TRAINGUARD_FAULTS; the environment variable wins

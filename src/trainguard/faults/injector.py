@@ -60,7 +60,11 @@ class FaultInjector:
         self.world_size = world_size
         self._emit = emit
         self._ledger = FiredLedger(Path(run_dir), rank)
-        mine = [spec for spec in specs if spec.rank is None or spec.rank == rank]
+        from trainguard.runtime.heartbeat import node_name
+
+        node = node_name()  # node=NAME: only on that node (a supervisor's simulated node, or a host name)
+        mine = [spec for spec in specs
+                if (spec.rank is None or spec.rank == rank) and spec.params.get("node", node) == node]
         self._step_faults = [spec for spec in mine if spec.kind in ("kill", "hang")]
         self._gradient_faults = [spec for spec in mine if spec.kind in ("spike", "nan")]
         self._site_faults = [spec for spec in mine if spec.kind in ("bitflip", "scale")]

@@ -89,7 +89,6 @@ _VALUE_PARSERS: dict[str, Callable[[str], Any]] = {
     "rank": _non_negative_int,
     "step": _non_negative_int,
     "index": _non_negative_int,
-    "node": _non_negative_int,
     "seconds": _seconds,
     "factor": _number,
     "site": _non_empty,
@@ -98,7 +97,10 @@ _VALUE_PARSERS: dict[str, Callable[[str], Any]] = {
     "bit": _bit,
     "persistent": _flag,
     "rep": _non_negative_int,
+    "node": _non_empty,  # any kind: fires only on the node of that name (TRAINGUARD_NODE, else the host)
 }
+# wipe's node is the local tier's node index (rank // parallel.ranks_per_node), not a node name
+_KIND_VALUE_PARSERS: dict[tuple[str, str], Callable[[str], Any]] = {("wipe", "node"): _non_negative_int}
 
 # kind -> (required keys, optional keys with their defaults)
 _SCHEMA: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
@@ -142,12 +144,12 @@ def _parse_entry(index: int, text: str) -> FaultSpec:
         key, raw = key.strip(), raw.strip()
         if not equals:
             raise bad(f"expected <key>=<value>, got {item.strip()!r}")
-        if key not in required and key not in optional:
-            raise bad(f"unknown key {key!r} for {kind} (allowed: {', '.join(required + tuple(optional))})")
+        if key not in required and key not in optional and key != "node":  # node= narrows any kind to one node
+            raise bad(f"unknown key {key!r} for {kind} (allowed: {', '.join(required + tuple(optional) + ('node',))})")
         if key in given:
             raise bad(f"key {key!r} given twice")
         try:
-            values[key] = _VALUE_PARSERS[key](raw)
+            values[key] = _KIND_VALUE_PARSERS.get((kind, key), _VALUE_PARSERS[key])(raw)
         except ValueError as error:
             raise bad(f"{key} {error}") from None
         given.add(key)

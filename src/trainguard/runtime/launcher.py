@@ -8,7 +8,10 @@ has imported the trainer, so each rank does not pay seconds of imports again (CU
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import time
 import uuid
 from pathlib import Path
 
@@ -16,6 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from trainguard.errors import EXIT_CRASH
+from trainguard.runtime.nodes import ENV_AGENT_REPORT, ENV_NNODES, ENV_NODE_RANK, ENV_RDZV_ENDPOINT
 
 MEANINGFUL_EXIT_CODES = (2, 3, 4, 16, 17)
 
@@ -37,14 +41,24 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path) -> int:
     fork = not torch.cuda.is_available()
     if fork:
         import trainguard.trainer.loop  # noqa: F401  (imported once, inherited by every forked rank)
+    # Slurm's --signal=USR1 reaches every process of the step: the ranks act on it (save, exit 16),
+    # the agent must not die of it; SIGUSR2 asks the ranks for stack dumps. Ranks install their own.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    nnodes = int(os.environ.get(ENV_NNODES, "1"))
+    if ENV_RDZV_ENDPOINT in os.environ:
+        # one agent per node, started by the supervisor: static rendezvous, so the node rank (the
+        # supervisor's slot) fixes the global ranks on this node, whichever node holds the slot
+        rendezvous = dict(rdzv_backend="static", rdzv_endpoint=os.environ[ENV_RDZV_ENDPOINT],
+                          rdzv_configs={"rank": int(os.environ.get(ENV_NODE_RANK, "0")), "timeout": 300})
+    else:
+        rendezvous = dict(rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", rdzv_configs={"is_host": True})
     config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
+        min_nodes=nnodes,
+        max_nodes=nnodes,
         nproc_per_node=nproc,
-        run_id=uuid.uuid4().hex,
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
-        rdzv_configs={"is_host": True},
+        run_id=os.environ.get(ENV_RDZV_ENDPOINT, uuid.uuid4().hex),
+        **rendezvous,
         max_restarts=0,
         monitor_interval=0.1,
         start_method="fork" if fork else "spawn",
@@ -53,5 +67,24 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path) -> int:
     try:
         elastic_launch(config, entrypoint=run_worker)(worker_args)
     except ChildFailedError as exc:
+        _write_agent_report(exc)
         return exit_code_of([failure.exitcode for failure in exc.failures.values()])
     return 0
+
+
+def _write_agent_report(exc: ChildFailedError) -> None:
+    """Which ranks failed how, for the supervisor's fault attribution (torchrun's error files, in one)."""
+    path = os.environ.get(ENV_AGENT_REPORT)
+    if not path:
+        return
+    failures = []
+    for rank, failure in exc.failures.items():
+        entry = {"rank": rank, "local_rank": failure.local_rank, "exitcode": failure.exitcode, "pid": failure.pid,
+                 "signal": failure.signal_name() if failure.exitcode < 0 else None, "timestamp": failure.timestamp}
+        error_file = failure.error_file
+        if error_file and os.path.isfile(error_file):
+            entry["error_file"] = error_file
+            entry["message"] = failure.message if isinstance(failure.message, str) else json.dumps(failure.message)
+        failures.append(entry)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({"time": time.time(), "failures": failures}))

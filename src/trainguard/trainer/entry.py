@@ -59,7 +59,12 @@ def main(argv: list[str] | None = None) -> int:
         from trainguard.trainer.loop import Trainer
 
         torch.use_deterministic_algorithms(True, warn_only=True)
-        code = Trainer(config, Path(args.run_dir)).run()
+        trainer = Trainer(config, Path(args.run_dir))
+        try:
+            code = trainer.run()
+        except BaseException as exc:  # the supervisor tells a rank that failed from one that was killed
+            trainer.lifecycle.beat("exit", trainer.step, getattr(exc, "exit_code", 1))
+            raise
     except TrainguardError as exc:
         print(f"trainguard: error: [rank {rank}] {exc}", file=sys.stderr, flush=True)
         code = exc.exit_code

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,8 @@ from trainguard.hf.init import (
     reset_peak_rss,
 )
 from trainguard.norms import clip_grads_, global_norm_and_sums, local_grad_norms
+from trainguard.runtime.heartbeat import node_name
+from trainguard.runtime.lifecycle import EXIT_CODES, REASON_NAMES, Lifecycle
 from trainguard.topology.layout import MESH_DIMS, resolve_layout
 from trainguard.trainer.data import StatefulSampler, TokenDataset, load_corpus_tokens, make_batch
 from trainguard.trainer.logging_setup import setup_logging
@@ -74,11 +75,12 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self.host = socket.gethostname()
+        self.host = node_name()  # the supervisor's node name for simulated nodes, else the host name
         self.log = setup_logging(self.rank, self.run_dir / "logs")
         self.events = EventLog(self.run_dir / "events.jsonl", rank=self.rank, host=self.host)
         self.layout = resolve_layout(config.parallel, self.world_size)
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+        self.lifecycle = Lifecycle.for_rank(config.lifecycle, self.run_dir, self.rank, self.device)
         self.mesh = build_mesh(self.layout, self.device.type)
         self.dp_rank = self.layout.dp_rank(self.rank)
 
@@ -341,18 +343,42 @@ class Trainer:
         unhealthy = is_unhealthy(self.max_embedding_norm, threshold)
         return {"is_health": int(unhealthy), "embedding_local_norm": self.max_embedding_norm, "threshold": threshold}
 
+    def _stop(self, reason: int, last_loss: float) -> int:
+        """Saves the current step (if it is not saved yet) and returns the lifecycle's exit code."""
+        why = self.lifecycle.describe(reason)
+        if self.step > 0 and self.checkpoints.last_saved_step != self.step:
+            self.lifecycle.beat("save", self.step)
+            self.checkpoints.save(self.step, self._trainer_state(last_loss), health=self._checkpoint_health())
+        self.checkpoints.close()
+        code = EXIT_CODES[reason]
+        self.log.warning("stopping at step %d: %s; exit %d (checkpoint: step %s)", self.step, why, code,
+                         self.checkpoints.last_saved_step)
+        if self.rank == 0:
+            self.events.emit("lifecycle_stop", step=self.step, reason=REASON_NAMES[reason], message=why,
+                             exit_code=code, last_checkpoint=self.checkpoints.last_saved_step)
+        self.lifecycle.beat("exit", self.step, code)
+        return code
+
     # -------------------------------------------------------------------------------------- run
     def run(self) -> int:
         cfg = self.config
+        stop = self.lifecycle.decide()
+        if stop:  # before anything is loaded: nothing to save
+            return self._stop(stop, float("nan"))
+        self.lifecycle.beat("resume", 0)
         self.step = self.checkpoints.resume()
         if cfg.model.init_from is not None and self.checkpoints.resumed_from is None:
             self._load_init_from()
+        self.lifecycle.beat("train", self.step)
         total = cfg.train.steps
         stop_at = min(total, total if cfg.train.exit_at_step is None else cfg.train.exit_at_step)
         last_loss = float("nan")
         if self.step == stop_at == 0:  # exit_at_step=0: the initial weights as a step-0 checkpoint
             self.checkpoints.save(0, self._trainer_state(last_loss))
         while self.step < stop_at:
+            stop = self.lifecycle.decide()
+            if stop:
+                return self._stop(stop, last_loss)
             try:
                 result = self.train_step()
             except DataSkipAbort:
@@ -361,18 +387,23 @@ class Trainer:
             if result is None:  # rolled back
                 continue
             last_loss = result.loss
+            self.lifecycle.note_step(result.seconds)
             if self.rank == 0:
                 self._report(result)
             planned_stop = self.step == stop_at < total  # always saved: the run is meant to go on later
             last = self.step == total and cfg.checkpoint.save_interval > 0
             if self.checkpoints.should_save(self.step) or planned_stop or last:
-                self.checkpoints.save(self.step, self._trainer_state(last_loss), health=self._checkpoint_health())
+                self.lifecycle.beat("save", self.step)
+                self.lifecycle.note_save(
+                    self.checkpoints.save(self.step, self._trainer_state(last_loss), health=self._checkpoint_health()))
             if self.checkpoints.should_save_local(self.step):
                 self.checkpoints.save_local(self.step)
                 fire_wipe_faults(self.faults, self.checkpoints.local, self.step)
+            self.lifecycle.beat("step", self.step)
         self.checkpoints.close()
         if self.rank == 0:
             reason = "finished" if self.step >= total else "exit_at_step"
             self.events.emit("run_finished", step=self.step, reason=reason, last_checkpoint=self.checkpoints.last_saved_step)
             self.log.info("run %s at step %d", reason, self.step)
+        self.lifecycle.beat("exit", self.step, 0)
         return 0

@@ -1,0 +1,124 @@
+"""``trainguard run [options] -- COMMAND...``: runs COMMAND under the supervisor (restarts, hangs, nodes).
+
+COMMAND is started once per node slot with ``TRAINGUARD_NODE``, ``TRAINGUARD_NODE_RANK``,
+``TRAINGUARD_NNODES``, ``TRAINGUARD_RDZV_ENDPOINT`` and ``TRAINGUARD_INCARNATION`` in its environment;
+``trainguard train`` reads them (one elastic agent per node), any other command may.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shutil
+from pathlib import Path
+
+from trainguard.errors import ConfigError
+from trainguard.runtime.hang import HangPolicy
+from trainguard.runtime.supervisor import SupervisorOptions
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected seconds ≥ 0, got {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer ≥ 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer ≥ 0, got {text!r}")
+    return value
+
+
+def add_supervisor_arguments(parser: argparse.ArgumentParser, max_restarts: int) -> None:
+    group = parser.add_argument_group("supervisor")
+    group.add_argument("--max-restarts", type=_count, default=max_restarts,
+                       help=f"restarts after failures before giving up (default {max_restarts})")
+    group.add_argument("--backoff", type=_seconds, default=0.5,
+                       help="seconds before a restart; doubles per failure without progress (default 0.5)")
+    group.add_argument("--crash-loop", type=_count, default=2,
+                       help="give up after this many failures in a row without a new step (default 2)")
+    group.add_argument("--hang-timeout", type=_seconds, default=None,
+                       help="seconds without heartbeat progress that make a hang (default: 10 × the longest "
+                            "step seen, at least 60)")
+    group.add_argument("--startup-timeout", type=_seconds, default=600.0,
+                       help="seconds allowed before the first step of an incarnation (default 600)")
+    group.add_argument("--nnodes", type=_count, default=1, help="nodes the run needs (default 1)")
+    group.add_argument("--spare-nodes", type=_count, default=0, help="extra nodes kept in reserve (default 0)")
+    group.add_argument("--node-failures", type=_count, default=2,
+                       help="rank deaths on one node that exclude it when there are several nodes (default 2)")
+    group.add_argument("--launcher", choices=("local", "slurm"), default="local",
+                       help="local: simulated nodes on this machine; slurm: the allocation's nodes, one srun each")
+
+
+def options_from_args(args: argparse.Namespace, run_dir: Path, command: list[str]) -> SupervisorOptions:
+    if args.nnodes < 1:
+        raise ConfigError(f"--nnodes must be ≥ 1, got {args.nnodes}")
+    if args.crash_loop < 1:
+        raise ConfigError(f"--crash-loop must be ≥ 1, got {args.crash_loop}")
+    if args.hang_timeout is not None and args.hang_timeout <= 0:
+        raise ConfigError(f"--hang-timeout must be > 0, got {args.hang_timeout}")
+    return SupervisorOptions(
+        run_dir=run_dir, command=command, max_restarts=args.max_restarts, backoff=args.backoff,
+        crash_loop=args.crash_loop, nnodes=args.nnodes, spare_nodes=args.spare_nodes,
+        node_failures=max(1, args.node_failures),
+        hang=HangPolicy(fixed=args.hang_timeout, startup=args.startup_timeout),
+    )
+
+
+def make_nodes(args: argparse.Namespace, fork_run=None):
+    from trainguard.runtime.nodes import LocalNodes, SlurmNodes
+
+    if args.launcher == "slurm":
+        nodes = SlurmNodes.from_environment()
+        if len(nodes.names) < args.nnodes:
+            raise ConfigError(f"--nnodes {args.nnodes}: the allocation has only {len(nodes.names)} node(s)")
+        return nodes
+    return LocalNodes(args.nnodes + args.spare_nodes, fork_run=fork_run)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("run", help="run a training command under the supervisor",
+                                   usage="trainguard run [options] -- COMMAND...")
+    parser.add_argument("--run-dir", help="the run directory (default: COMMAND's --run-dir)")
+    add_supervisor_arguments(parser, max_restarts=10)
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
+    parser.set_defaults(func=run)
+
+
+def _run_dir_of(command: list[str]) -> str | None:
+    for i, item in enumerate(command):
+        if item == "--run-dir" and i + 1 < len(command):
+            return command[i + 1]
+        if item.startswith("--run-dir="):
+            return item.split("=", 1)[1]
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise ConfigError("no command to run: trainguard run [options] -- COMMAND...")
+    if command[0].startswith("-"):
+        raise ConfigError(f"unknown option {command[0]!r} (the command goes after --)")
+    if shutil.which(command[0]) is None:
+        raise ConfigError(f"command not found: {command[0]!r}")
+    run_dir = args.run_dir or _run_dir_of(command)
+    if run_dir is None:
+        raise ConfigError("--run-dir is required (or give COMMAND a --run-dir)")
+    run_dir = Path(run_dir).resolve()
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"--run-dir {run_dir}: exists and is not a directory")
+    from trainguard.runtime.supervisor import Supervisor
+
+    options = options_from_args(args, run_dir, command)
+    return Supervisor(options, nodes=make_nodes(args)).run()

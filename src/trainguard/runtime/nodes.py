@@ -1,0 +1,230 @@
+"""Nodes: which node holds which slot (node rank), exclusion, spares, and starting one agent per node.
+
+A run needs ``nnodes`` nodes; the pool may hold spares beyond them (reference 002 kept 4 of 52 nodes
+in reserve). Slot ``i`` is node rank ``i`` of torch's static rendezvous, so global ranks
+``i*nproc .. (i+1)*nproc-1`` always live in slot ``i`` whichever node holds it: a spare that replaces an
+excluded node takes over its slot, and the world size and rank layout stay the same.
+
+Two ways to start an agent on a node, the same supervisor drives both:
+- ``LocalNodes``: simulated nodes on this machine, one agent process per node, rendezvous on
+  127.0.0.1;
+- ``SlurmNodes``: real nodes of a Slurm allocation, one ``srun --nodes=1 --nodelist=NODE`` step per
+  node, rendezvous on the node holding slot 0.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+ENV_NNODES = "TRAINGUARD_NNODES"
+ENV_NODE_RANK = "TRAINGUARD_NODE_RANK"
+ENV_RDZV_ENDPOINT = "TRAINGUARD_RDZV_ENDPOINT"
+ENV_SUPERVISED = "TRAINGUARD_SUPERVISED"
+ENV_AGENT_REPORT = "TRAINGUARD_AGENT_REPORT"
+
+
+@dataclass
+class NodePool:
+    """Slot assignment over a list of node names: the first ``nnodes`` not excluded are active."""
+
+    names: list[str]
+    nnodes: int
+    excluded: dict[str, str] = field(default_factory=dict)  # node -> reason
+    slots: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.slots:
+            usable = [name for name in self.names if name not in self.excluded]
+            self.slots = usable[: self.nnodes]
+
+    @property
+    def complete(self) -> bool:
+        return len(self.slots) == self.nnodes
+
+    @property
+    def spares(self) -> list[str]:
+        return [name for name in self.names if name not in self.excluded and name not in self.slots]
+
+    def exclude(self, node: str, reason: str) -> str | None:
+        """Takes ``node`` out for good; returns the spare now holding its slot, or None if none is left."""
+        self.excluded[node] = reason
+        if node not in self.slots:
+            return None
+        slot = self.slots.index(node)
+        spares = self.spares
+        if not spares:
+            self.slots.remove(node)
+            return None
+        self.slots[slot] = spares[0]
+        return spares[0]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def agent_env(node: str, node_rank: int, nnodes: int, endpoint: str, extra: dict[str, str]) -> dict[str, str]:
+    return {
+        "TRAINGUARD_NODE": node,
+        ENV_NODE_RANK: str(node_rank),
+        ENV_NNODES: str(nnodes),
+        ENV_RDZV_ENDPOINT: endpoint,
+        ENV_SUPERVISED: "1",
+        **extra,
+    }
+
+
+class ForkedAgent:
+    """An agent forked from this process (``subprocess.Popen``'s interface, as far as the supervisor uses it)."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def _status(self, flags: int) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, flags)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def poll(self) -> int | None:
+        return self._status(os.WNOHANG)
+
+    def wait(self) -> int:
+        return self._status(0)
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def _children(pid: int) -> list[int]:
+    children: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return children
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children += [int(child) for child in f.read().split()]
+        except OSError:
+            continue
+    return children
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILLs a process and all its descendants (an agent and its ranks), leaving the caller alone.
+
+    Agents stay in the supervisor's process group, so that whoever kills the job's group (Ctrl-C, a
+    test, Slurm) kills them too; the supervisor therefore kills an agent by walking its tree.
+    """
+    for _ in range(2):  # a second pass for children forked while the first pass ran
+        stack, found = [pid], []
+        while stack:
+            current = stack.pop()
+            found.append(current)
+            stack += _children(current)
+        for target in found:
+            try:
+                os.kill(target, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def fork_agent(run: Callable[[list[str]], int], command: list[str], env: dict[str, str]) -> ForkedAgent:
+    """Forks an agent that runs ``run(command)`` in a copy of this process: no new interpreter, no imports."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return ForkedAgent(pid)
+    code = 1
+    try:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_DFL)
+        os.environ.update(env)
+        code = run(command)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+class LocalNodes:
+    """Simulated nodes: ``node0, node1, ...``, every agent a child process of this machine.
+
+    With ``fork_run`` (``trainguard train``), agents are forked from the supervisor, which has imported
+    the trainer once: a restart then pays no interpreter start and no imports. Otherwise each agent
+    runs the command as a new process.
+    """
+
+    kind = "local"
+
+    def __init__(self, count: int, fork_run: Callable[[list[str]], int] | None = None):
+        self.names = [f"node{i}" for i in range(count)]
+        self.fork_run = fork_run
+
+    def endpoint(self, slot0: str) -> str:
+        return f"127.0.0.1:{free_port()}"
+
+    def command(self, node: str, command: list[str]) -> list[str]:
+        return list(command)
+
+    def start(self, node: str, command: list[str], env: dict[str, str]):
+        if self.fork_run is not None:
+            return fork_agent(self.fork_run, command, env)
+        return subprocess.Popen(self.command(node, command), env={**os.environ, **env})
+
+
+class SlurmNodes:
+    """The nodes of the Slurm allocation (``SLURM_JOB_NODELIST``), one ``srun`` step per agent."""
+
+    kind = "slurm"
+
+    def __init__(self, names: list[str], base_port: int = 29500):
+        self.names = names
+        self.base_port = base_port
+        self._starts = 0
+
+    @classmethod
+    def from_environment(cls) -> "SlurmNodes":
+        nodelist = os.environ.get("SLURM_JOB_NODELIST")
+        if not nodelist:
+            from trainguard.errors import ConfigError
+
+            raise ConfigError("--launcher slurm: SLURM_JOB_NODELIST is not set (not inside a Slurm allocation)")
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+        return cls(out.stdout.split())
+
+    def endpoint(self, slot0: str) -> str:
+        # a new port per incarnation: the previous store's socket may linger in TIME_WAIT
+        self._starts += 1
+        return f"{slot0}:{self.base_port + self._starts % 1000}"
+
+    def command(self, node: str, command: list[str]) -> list[str]:
+        return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--kill-on-bad-exit=1",
+                "--output=%x-%j-%N.out", "--open-mode=append", *command]
+
+    def start(self, node: str, command: list[str], env: dict[str, str]) -> subprocess.Popen:
+        # srun passes the environment on to the task (--export=ALL is its default)
+        return subprocess.Popen(self.command(node, command), env={**os.environ, **env})
+
+
+def render(command: list[str]) -> str:
+    return shlex.join(command)

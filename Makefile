@@ -7,8 +7,10 @@ bootstrap:
 demo: bootstrap
 	.venv/bin/trainguard demo
 
-test: bootstrap
+test:
+	@bash scripts/bootstrap.sh --with-browser
 	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q
 
-test-slow: bootstrap
+test-slow:
+	@bash scripts/bootstrap.sh --with-browser
 	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -m slow

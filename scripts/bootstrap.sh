@@ -17,8 +17,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
     touch "$stamp"
 fi
-# The report test renders report.html in headless Chromium (Debian's chromium package).
-if ! command -v chromium >/dev/null 2>&1; then
+# The report test renders report.html in headless Chromium (Debian's chromium package): tests only.
+if [ "${1:-}" = "--with-browser" ] && ! command -v chromium >/dev/null 2>&1; then
     SUDO=$([ "$(id -u)" -eq 0 ] && echo "" || echo sudo)
     $SUDO apt-get update -qq
     $SUDO apt-get install -y -qq --no-install-recommends chromium

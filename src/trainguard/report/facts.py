@@ -185,6 +185,8 @@ class RunFacts:
         """``finished``, ``live`` (heard from recently), ``stopped: <why>`` or ``no events``."""
         if self.finish_reason is not None:
             return "finished"
+        if self.stop_reason is not None and self.stop_reason.startswith("stopped on purpose"):
+            return self.stop_reason  # the run said it ended (kill switch, signal, time limit): not live
         latest = max((t for t in (self.last_heartbeat, self.last_event_time) if t is not None), default=None)
         if latest is None:
             return "no events"
@@ -359,6 +361,11 @@ def _attempt(index: int, chunk: list[dict]) -> Attempt:
 
 def _cause(chunk: list[dict]) -> str | None:
     """What ended an attempt, from its events: a detected hang, an exclusion, an abort, a fired fault."""
+    stops = [e for e in chunk if e.get("kind") == "lifecycle_stop"]
+    if stops:
+        stop = stops[-1]
+        return (f"stopped on purpose: {str(stop.get('reason', '?')).replace('_', ' ')} at step {stop.get('step')}"
+                f" (exit {stop.get('exit_code')})")
     faulty = [e for e in chunk if e.get("kind") == "sdc_rerun" and e.get("verdict") == "faulty"]
     if faulty:
         return f"faulty hardware (SDC) at step {faulty[-1].get('step')}"
@@ -373,7 +380,10 @@ def _cause(chunk: list[dict]) -> str | None:
 def _describe_cause(event: dict) -> str:
     kind = event.get("kind")
     where = f" at step {event['step']}" if _int(event.get("step")) is not None else ""
-    who = f" on rank {event['rank']}" if _int(event.get("rank")) is not None else ""
+    rank = _int(event.get("rank"))
+    who = f" on rank {rank}" if rank is not None and rank >= 0 else ""  # rank -1: the supervisor wrote it
+    if kind == "hang_detected" and event.get("suspect_ranks"):  # the rank the others waited for
+        who = f" on rank(s) {', '.join(map(str, event['suspect_ranks']))}"
     if kind == "fault_injected":
         return f"injected {event.get('fault')}{who}{where}"
     if kind == "node_excluded":

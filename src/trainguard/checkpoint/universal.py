@@ -41,8 +41,8 @@ from trainguard.checkpoint.manifest import FileEntry, build_manifest, read_manif
 from trainguard.checkpoint.safe_load import DCP_METADATA_NAME, safe_torch_load
 from trainguard.errors import CheckpointError, ConfigError
 from trainguard.merge.merger import HF_DIR, hf_dir_of, stream_full_tensors
-from trainguard.merge.read_ranks import rank_file_dirs
 from trainguard.merge.pieces import CheckpointContents, read_piece
+from trainguard.merge.read_ranks import rank_file_dirs
 from trainguard.merge.source import open_checkpoint
 from trainguard.merge.target import check_target, staged_directory
 

@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 
 from trainguard.errors import CheckpointError
-from trainguard.topology.group_info import GROUP_INFO_NAME
 from trainguard.merge.hf_layout import DTYPE_NAMES, MergePlan, load_config, plan_merge
-from trainguard.merge.read_ranks import rank_file_dirs
 from trainguard.merge.pieces import Piece, ShardedTensor, assemble, read_piece
+from trainguard.merge.read_ranks import rank_file_dirs
 from trainguard.merge.safetensors_out import OutputTensor, write_safetensors
 from trainguard.merge.source import open_checkpoint
 from trainguard.merge.target import check_target, staged_directory
+from trainguard.topology.group_info import GROUP_INFO_NAME
 
 HF_DIR = "huggingface"
 READ_THREADS = 4

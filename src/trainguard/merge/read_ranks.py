@@ -24,8 +24,8 @@ import torch
 
 from trainguard.errors import CheckpointError, UnsafeCheckpointError
 from trainguard.merge.pieces import CheckpointContents, Piece, ShardedTensor
-from trainguard.topology.group_info import GROUP_INFO_NAME
 from trainguard.merge.placement import Placement, coordinate, local_block, parse_placement, placement_of, SHARD
+from trainguard.topology.group_info import GROUP_INFO_NAME
 
 FSDP_CONFIG = "fsdp_config.json"
 _RANK_FILE = re.compile(r"(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt")

@@ -9,8 +9,8 @@ import io
 import logging
 import threading
 import time
-from dataclasses import asdict
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 

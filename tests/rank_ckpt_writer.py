@@ -1,8 +1,7 @@
-"""Test fixture (not a second writer in src): run under torchrun, it trains the reference trainer and
-then writes the same state the two per-rank ways, from the real sharded model of every rank:
-- ``RUN/local/global_step_N``: trainguard's local tier format (plain local tensors + fsdp_config.json
-  with mesh and placements);
-- ``RUN/verl/global_step_N/actor``: verl's FSDP format (torch.save of DTensor state dicts).
+"""Test fixture (not a second writer in src): run under torchrun, it trains the reference trainer (whose
+own local tier, when ``checkpoint.local_interval`` is set, writes ``RUN/local/nodeK/global_step_N``) and
+then writes the state the way verl's FSDP checkpoint manager does, from the real sharded model of every
+rank: ``RUN/verl/global_step_N/actor`` (torch.save of DTensor state dicts).
 With ``--resave OUT`` it instead resumes (``--resume PATH``) on this layout, saves the resumed state
 as a durable checkpoint under OUT, and records in OUT/indices.json the sample indices every data
 rank draws for the next step.
@@ -19,53 +18,26 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-from torch.distributed.tensor import DTensor
 
 from trainguard.checkpoint.layout import extra_state_name, model_shard_name, optim_shard_name, step_dir_name
 from trainguard.checkpoint.rng_state import capture_rng_state
-from trainguard.topology.layout import MESH_DIMS
 from trainguard.trainer.entry import add_train_arguments, config_from_args
 from trainguard.trainer.loop import Trainer
 
 
-def _local(value):
-    return value.to_local() if isinstance(value, DTensor) else value
-
-
-def _full_mesh_placements(value) -> list[str]:
-    """Placements on the trainer's whole mesh (MESH_DIMS order): a DTensor's (sub)mesh dims as given,
-    every other dim replicated."""
-    placements = ["Replicate()"] * len(MESH_DIMS)
-    if isinstance(value, DTensor):
-        for name, placement in zip(value.device_mesh.mesh_dim_names, value.placements):
-            placements[MESH_DIMS.index(name)] = str(placement)
-    return placements
-
-
-def write_rank_checkpoints(trainer: Trainer, run_dir: Path) -> None:
+def write_verl_checkpoint(trainer: Trainer, run_dir: Path) -> None:
     rank, world = trainer.rank, trainer.world_size
     model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer,
                                         options=StateDictOptions(flatten_optimizer_state_dict=True))
     extra = {"step": trainer.step, "rank": rank, "world_size": world, "rng": capture_rng_state(),
              "stateful": {name: obj.state_dict() for name, obj in trainer.checkpoints.stateful.items()}}
-    local = run_dir / "local" / step_dir_name(trainer.step)
     verl = run_dir / "verl" / step_dir_name(trainer.step) / "actor"
-    for directory in (local, verl):
-        directory.mkdir(parents=True, exist_ok=True)
-        torch.save(extra, directory / extra_state_name(world, rank))
-        if rank == 0:
-            trainer._write_static_files(directory)
-    torch.save({k: _local(v).clone() for k, v in model_sd.items()}, local / model_shard_name(world, rank))
-    torch.save({k: _local(v).clone() if isinstance(v, torch.Tensor) else v for k, v in optim_sd.items()},
-               local / optim_shard_name(world, rank))
+    verl.mkdir(parents=True, exist_ok=True)
+    torch.save(extra, verl / extra_state_name(world, rank))
     torch.save(dict(model_sd), verl / model_shard_name(world, rank))
     torch.save(dict(optim_sd), verl / optim_shard_name(world, rank))
     if rank == 0:
-        params = {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch."),
-                      "placements": _full_mesh_placements(v)} for k, v in model_sd.items()}
-        (local / "fsdp_config.json").write_text(json.dumps(
-            {"FSDP_version": 2, "world_size": world, "mesh_shape": list(trainer.layout.shape),
-             "mesh_dim_names": list(MESH_DIMS), "params": params}))
+        trainer._write_static_files(verl)
         (verl / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": world}))
 
 
@@ -100,7 +72,7 @@ def main() -> None:
         resave(trainer, args.resave)
     else:
         trainer.run()
-        write_rank_checkpoints(trainer, Path(args.run_dir))
+        write_verl_checkpoint(trainer, Path(args.run_dir))
     dist.barrier()
     dist.destroy_process_group()
 

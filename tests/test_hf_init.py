@@ -105,9 +105,10 @@ def test_round_trip_each_layout_is_bitwise(tmp_path, hf_dirs, layout):
 
 @pytest.fixture(scope="module")
 def pp_run(tmp_path_factory, hf_dirs) -> Path:
-    """pp=2 from the untied source: one step, checkpoint at step 1."""
+    """pp=2 from the untied source: one step, checkpoint at step 1 in both tiers."""
     run = tmp_path_factory.mktemp("pp") / "run"
-    ok(train(run, 2, 1, "--set", f"model.init_from={hf_dirs['untied']}", *LAYOUTS["pp"][2]))
+    ok(train(run, 2, 1, "--set", f"model.init_from={hf_dirs['untied']}", "--set", "checkpoint.local_interval=1",
+             *LAYOUTS["pp"][2]))
     return run
 
 
@@ -140,6 +141,27 @@ def test_converted_checkpoint_resumes_like_init_from(tmp_path, pp_run, hf_dirs):
 
     with pytest.raises(ConfigError, match="already exists"):
         hf_to_durable(hf_dirs["untied"], target)
+
+
+def test_cli_convert_from_hf_then_resume_on_another_layout(tmp_path, hf_dirs):
+    """``trainguard ckpt convert --from-hf`` as users run it, then ``trainguard train --resume`` on tp=2:
+    the first step's loss is transformers' on the source model; converting again is refused."""
+    target = tmp_path / "converted"
+    proc = ok(trainguard("ckpt", "convert", "--from-hf", str(hf_dirs["untied"]), "--to", str(target)))
+    ckpt = target / "checkpoints" / "global_step_0"
+    assert f"into {target}" in proc.stdout and verify_checkpoint(ckpt) == []
+    run = tmp_path / "run"
+    ok(train(run, 2, 1, "--resume", str(ckpt), "--set", f"model.init_from={hf_dirs['untied']}",
+             "--set", "parallel.tp=2"))
+    (started,) = events(run, "run_started")
+    assert started["resumed_from"] == str(ckpt) and not events(run, "init_from")
+    (step,) = events(run, "step")
+    expected = reference_loss(hf_dirs["untied"], dp_size=1, micro_batches=1)
+    assert abs(step["loss"] - expected) <= 1e-5 * abs(expected), (step["loss"], expected)
+    before = sorted(p.name for p in ckpt.iterdir())
+    again = trainguard("ckpt", "convert", "--from-hf", str(hf_dirs["untied"]), "--to", str(target))
+    assert again.returncode == 2 and "already exists" in again.stderr and len(again.stderr.splitlines()) == 1
+    assert sorted(p.name for p in ckpt.iterdir()) == before
 
 
 # ------------------------------------------------------------------------- pp=2 -> pp=1, and transformers
@@ -207,6 +229,25 @@ def test_pp2_checkpoint_resumes_bitwise_on_pp1_and_loads_in_transformers(tmp_pat
     restored = torch.load(run_dir / "logits.pt", weights_only=True)
     torch.testing.assert_close(after, restored, rtol=1e-6, atol=1e-6)
     assert not torch.allclose(before, after)  # one step of training did change the model
+
+
+def test_pp2_checkpoints_merge_into_the_trained_transformers_model(tmp_path, pp_run, hf_dirs):
+    """Issue #10: a pp=2 run's durable checkpoint and its local-tier step (each stage's ranks hold only
+    their layers) merge with ``trainguard ckpt merge`` into a directory ``from_pretrained`` loads, whose
+    logits are the trained model's (the source architecture with the checkpoint's tensors read via DCP)."""
+    ckpt = pp_run / "checkpoints" / "global_step_1"
+    input_ids = torch.tensor([[5, 17, 200, 33, 99, 4, 250, 12]])
+    model = AutoModelForCausalLM.from_pretrained(hf_dirs["untied"], dtype=torch.float32)
+    model.load_state_dict(model_tensors(ckpt), strict=True)
+    with torch.no_grad():
+        expected = model(input_ids=input_ids).logits
+    for name, source in {"durable": ckpt, "local": pp_run / "local" / "node0" / "global_step_1"}.items():
+        target = tmp_path / name
+        ok(trainguard("ckpt", "merge", "--local_dir", str(source), "--target_dir", str(target)))
+        assert "lm_head.weight" in load_file(target / "model.safetensors")  # untied: the stages' own head
+        merged = AutoModelForCausalLM.from_pretrained(target)
+        with torch.no_grad():
+            assert torch.equal(merged(input_ids=input_ids).logits, expected), name
 
 
 # ---------------------------------------------------------------------------------- memory on 4 ranks

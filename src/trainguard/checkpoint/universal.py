@@ -40,8 +40,9 @@ from trainguard.checkpoint.layout import MANIFEST_NAME, parse_step_dir
 from trainguard.checkpoint.manifest import FileEntry, build_manifest, read_manifest, write_manifest
 from trainguard.checkpoint.safe_load import DCP_METADATA_NAME, safe_torch_load
 from trainguard.errors import CheckpointError, ConfigError
-from trainguard.merge.merger import HF_DIR, stream_full_tensors
+from trainguard.merge.merger import HF_DIR, hf_dir_of, stream_full_tensors
 from trainguard.merge.pieces import CheckpointContents, read_piece
+from trainguard.merge.read_ranks import rank_file_dirs
 from trainguard.merge.source import open_checkpoint
 from trainguard.merge.target import check_target, staged_directory
 
@@ -179,7 +180,8 @@ def convert_checkpoint(source: Path, target: Path, fmt: str, *, force: bool = Fa
     if not any(key.startswith("optim.") for key in contents.tensors):
         raise CheckpointError(f"{contents.description}: holds no optimizer state (optim_world_size_W_rank_R.pt "
                               "files); a resumable checkpoint needs it")
-    extra_files = sorted(p for p in source.iterdir() if _EXTRA_STATE.fullmatch(p.name))
+    extra_files = sorted((p for d in rank_file_dirs(source) for p in d.iterdir() if _EXTRA_STATE.fullmatch(p.name)),
+                         key=lambda p: p.name)
     if not extra_files:
         raise CheckpointError(f"{source}: no extra_state_world_size_W_rank_R.pt files (step, data position, "
                               "RNG); a resumable checkpoint needs them")
@@ -200,8 +202,8 @@ def convert_checkpoint(source: Path, target: Path, fmt: str, *, force: bool = Fa
             (staging / UNIVERSAL_INDEX).write_text(json.dumps(index, indent=2) + "\n")
         for path in extra_files:
             shutil.copy2(path, staging / path.name)
-        if (source / HF_DIR).is_dir():
-            shutil.copytree(source / HF_DIR, staging / HF_DIR)
+        if hf_dir_of(source).is_dir():
+            shutil.copytree(hf_dir_of(source), staging / HF_DIR)
         manifest = build_manifest(staging, step=step, world_size=contents.world_size,
                                   mesh_shape=contents.mesh_shape, mesh_dim_names=contents.mesh_dim_names,
                                   trainer_state=trainer_state, known=known,

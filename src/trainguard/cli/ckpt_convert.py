@@ -7,7 +7,6 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from trainguard.cli.ckpt import _byte_progress
-from trainguard.errors import ConfigError
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
@@ -26,10 +25,8 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 
 def run_convert(args: argparse.Namespace) -> int:
     if args.from_hf is not None:
-        try:
-            from trainguard.hf.convert import hf_to_durable
-        except ImportError:
-            raise ConfigError("--from-hf: not available in this build of trainguard (trainguard.hf.convert)") from None
+        from trainguard.hf.convert import hf_to_durable  # transformers and DCP: only when needed
+
         hf_to_durable(args.from_hf, args.target)
         print(f"converted {args.from_hf} into {args.target}")
         return 0

@@ -20,9 +20,11 @@ import torch
 from trainguard.errors import CheckpointError
 from trainguard.merge.hf_layout import DTYPE_NAMES, MergePlan, load_config, plan_merge
 from trainguard.merge.pieces import Piece, ShardedTensor, assemble, read_piece
+from trainguard.merge.read_ranks import rank_file_dirs
 from trainguard.merge.safetensors_out import OutputTensor, write_safetensors
 from trainguard.merge.source import open_checkpoint
 from trainguard.merge.target import check_target, staged_directory
+from trainguard.topology.group_info import GROUP_INFO_NAME
 
 HF_DIR = "huggingface"
 READ_THREADS = 4
@@ -88,6 +90,15 @@ def stream_full_tensors(tensors: list[ShardedTensor], dtype: torch.dtype | None 
         yield next(parts)
 
 
+def hf_dir_of(checkpoint: Path) -> Path:
+    """The checkpoint's ``huggingface/`` (config, tokenizer): in its directory, or for a local-tier step
+    in the local directory of any node holding the step (written once per directory, not per step)."""
+    candidates = [checkpoint / HF_DIR]
+    if (checkpoint.parent / GROUP_INFO_NAME).is_file():
+        candidates += [d.parent / HF_DIR for d in rank_file_dirs(checkpoint)]
+    return next((c for c in candidates if (c / "config.json").is_file()), candidates[0])
+
+
 def _check_tied(plan: MergePlan) -> None:
     if plan.check_tied is None:
         return
@@ -105,7 +116,7 @@ def merge_to_hf(local_dir: Path, target_dir: Path, *, backend: str = "auto", tie
     local_dir, target_dir = Path(local_dir), Path(target_dir)
     check_target(target_dir, force)  # before any reading: a wrong target fails at once
     contents = open_checkpoint(local_dir, backend)
-    hf_dir = local_dir / HF_DIR
+    hf_dir = hf_dir_of(local_dir)
     config = load_config(hf_dir)
     plan = plan_merge(contents, config, tie_word_embedding, is_value_model, DTYPE_NAMES[dtype])
     _check_tied(plan)

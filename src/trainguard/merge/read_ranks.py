@@ -25,6 +25,7 @@ import torch
 from trainguard.errors import CheckpointError, UnsafeCheckpointError
 from trainguard.merge.pieces import CheckpointContents, Piece, ShardedTensor
 from trainguard.merge.placement import Placement, coordinate, local_block, parse_placement, placement_of, SHARD
+from trainguard.topology.group_info import GROUP_INFO_NAME
 
 FSDP_CONFIG = "fsdp_config.json"
 _RANK_FILE = re.compile(r"(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt")
@@ -111,11 +112,33 @@ class RankFiles:
     extra: list[Path]
 
 
+def rank_file_dirs(directory: Path) -> list[Path]:
+    """The directories holding the files of the per-rank checkpoint ``directory``: itself and, for a step
+    of trainguard's local tier (``LOCAL/nodeK/global_step_N``, ``group_info.json`` next to it), the same
+    step of every other local directory of the run (each node keeps only its own ranks' files): those
+    ``group_info.json`` records in ``rank_dirs`` while ``directory`` is where the run wrote it, else (the
+    directories copied or moved elsewhere) its siblings that have a ``group_info.json``."""
+    directory = Path(directory)
+    info = directory.parent / GROUP_INFO_NAME
+    if not info.is_file():
+        return [directory]
+    try:
+        recorded = {Path(d).resolve() for d in json.loads(info.read_text(encoding="utf-8"))["rank_dirs"].values()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"{info}: unreadable ({type(exc).__name__}: {exc})") from None
+    local_dir = directory.parent.resolve()
+    if local_dir not in recorded:
+        recorded = {p.parent.resolve() for p in local_dir.parent.glob(f"*/{GROUP_INFO_NAME}")}
+    others = sorted(d / directory.name for d in recorded - {local_dir})
+    return [directory] + [d for d in others if d.is_dir()]
+
+
 def find_rank_files(directory: Path) -> RankFiles:
-    """The per-rank files of one checkpoint; a missing rank or mixed world sizes is an error naming a file."""
+    """The per-rank files of one checkpoint (gathered from every node's directory for a local-tier step,
+    see ``rank_file_dirs``); a missing rank or mixed world sizes is an error naming a file."""
     found: dict[str, dict[int, dict[int, Path]]] = {}
-    for path in sorted(directory.iterdir()):
-        if match := _RANK_FILE.fullmatch(path.name):
+    for path in (p for d in reversed(rank_file_dirs(directory)) for p in sorted(d.iterdir())):
+        if match := _RANK_FILE.fullmatch(path.name):  # a rank found in several directories: the given one's
             kind, world, rank = match.group(1), int(match.group(2)), int(match.group(3))
             found.setdefault(kind, {}).setdefault(world, {})[rank] = path
     if "model" not in found:

@@ -137,7 +137,8 @@ class Trainer:
             events=self.events,
             after_commit=self.faults.after_commit,
             seed=config.train.seed,
-            local=build_local_tier(config, self.run_dir, self.layout, self.model, self.events, self.faults),
+            local=build_local_tier(config, self.run_dir, self.layout, self.model, self.events, self.faults,
+                                   self._write_static_files),
             mirror=config.checkpoint.mirror,
         )
         self.step = 0

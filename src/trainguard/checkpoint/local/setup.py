@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,7 +28,7 @@ def ranks_per_node(config: RunConfig, world_size: int) -> int:
 
 
 def build_local_tier(config: RunConfig, run_dir: Path, layout: Layout, model: torch.nn.Module, events: EventLog,
-                     faults: FaultInjector) -> LocalTier | None:
+                     faults: FaultInjector, static_files: Callable[[Path], None] | None = None) -> LocalTier | None:
     """The rank's ``LocalTier`` when ``checkpoint.local_interval`` is set (collective), else None."""
     world_size, rank = dist.get_world_size(), dist.get_rank()
     if not config.checkpoint.local_interval:
@@ -41,7 +42,7 @@ def build_local_tier(config: RunConfig, run_dir: Path, layout: Layout, model: to
         layout={"kind": "device_mesh", "mesh_shape": list(layout.shape), "mesh_dim_names": list(MESH_DIMS)},
         local_dir=config.checkpoint.local_dir, ranks_per_node=per_node, interval=config.checkpoint.local_interval,
         keep_last=config.checkpoint.local_keep_last, model=model, events=events,
-        process_group=dist.new_group(backend="gloo"),
+        process_group=dist.new_group(backend="gloo"), static_files=static_files,
     )
 
 

@@ -67,7 +67,7 @@ def param_layout(model: torch.nn.Module, mesh_dim_names: list[str]) -> dict[str,
     """``fqn -> {shape, dtype, placements}``; placements per dim of the whole mesh, in mesh order
     (``Replicate()`` for a dim the parameter's mesh does not use)."""
     params = {}
-    for fqn, param in model.named_parameters():
+    for fqn, param in model.named_parameters(remove_duplicate=False):  # a tied weight is in the state dict twice
         placements = ["Replicate()"] * len(mesh_dim_names)
         if isinstance(param, DTensor):
             for dim_name, placement in zip(param.device_mesh.mesh_dim_names or (), param.placements):

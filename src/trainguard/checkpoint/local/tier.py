@@ -9,6 +9,7 @@ import io
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from trainguard.checkpoint.checksum import CHECKSUM_ALGORITHM
 from trainguard.checkpoint.fsio import atomic_write_json
 from trainguard.checkpoint.layout import step_dir_name
 from trainguard.checkpoint.local.exchange import recv_bytes, send_bytes, swap_in_ring
-from trainguard.checkpoint.local.paths import FSDP_CONFIG_NAME, node_of, rank_file_names, resolve_local_dir
+from trainguard.checkpoint.local.paths import FSDP_CONFIG_NAME, HF_DIR_NAME, node_of, rank_file_names, resolve_local_dir
 from trainguard.checkpoint.local.plan import StepPlan, buddy_of, plan_step
 from trainguard.checkpoint.local.reader import StepHoldings, rank_holdings
 from trainguard.checkpoint.local.state import load_local_state, local_state, param_layout
@@ -51,10 +52,12 @@ class LocalTier:
         self, run_dir: Path, *, rank: int, world_size: int, groups: ReplicaGroups, layout: dict[str, Any],
         local_dir: str | None, ranks_per_node: int, interval: int, keep_last: int, model: torch.nn.Module,
         events: EventLog, process_group: dist.ProcessGroup | None,
+        static_files: Callable[[Path], None] | None = None,
     ):
         self.rank, self.world_size, self.groups = rank, world_size, groups
         self.interval, self.keep_last, self.events, self.group = interval, keep_last, events, process_group
         self.ranks_per_node = ranks_per_node
+        self.static_files = static_files
         self._pruner: threading.Thread | None = None
         self.rank_dirs = {r: resolve_local_dir(local_dir, run_dir, node=node_of(r, ranks_per_node), rank=r)
                           for r in range(world_size)}
@@ -76,6 +79,9 @@ class LocalTier:
     def _write_group_info(self) -> None:
         if self.rank == self.group_info.ranks[0]:  # one writer per directory
             atomic_write_json(self.dir / GROUP_INFO_NAME, self.group_info.to_dict())
+            # huggingface/ (config, tokenizer) once per directory, as a merger of a local step needs it
+            if self.static_files is not None and not (self.dir / HF_DIR_NAME / "config.json").exists():
+                self.static_files(self.dir)
 
     def _all_gather(self, value: Any) -> list[Any]:
         if not dist.is_initialized() or self.world_size == 1:

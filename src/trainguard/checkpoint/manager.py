@@ -161,8 +161,20 @@ class CheckpointManager:
                 self.events.emit("run_started", step=0, resumed_from=None)
             return 0
         started = time.perf_counter()
-        manifest = read_manifest(Path(path))
-        extra = self.durable.load(Path(path), self.model, self.optimizer, source_world_size=manifest.world_size)
+        step = self._load_durable(Path(path))
+        seconds = time.perf_counter() - started
+        log.info("resumed from %s at step %d (%.2fs)", path, step, seconds)
+        if self.rank == 0:
+            self.events.emit("run_started", step=step, resumed_from=path, load_seconds=seconds)
+        self.last_saved_step = step
+        self.resumed_from = path
+        return step
+
+    def _load_durable(self, path: Path) -> int:
+        """Loads a durable checkpoint into the model, optimizer, stateful objects and RNGs; returns its step.
+        The local tier's newer steps are dropped: they belong to a timeline that is not continued."""
+        manifest = read_manifest(path)
+        extra = self.durable.load(path, self.model, self.optimizer, source_world_size=manifest.world_size)
         for name, obj in self.stateful.items():
             if name in extra["stateful"]:
                 obj.load_state_dict(extra["stateful"][name])
@@ -177,12 +189,6 @@ class CheckpointManager:
             log.warning("world size changed from %d to %d: RNG states are reseeded per rank",
                         manifest.world_size, self.world_size)
             seed_everything(self.seed * 1000 + self.rank + step)
-        seconds = time.perf_counter() - started
-        log.info("resumed from %s at step %d (%.2fs)", path, step, seconds)
-        if self.rank == 0:
-            self.events.emit("run_started", step=step, resumed_from=path, load_seconds=seconds)
-        self.last_saved_step = step
-        self.resumed_from = path
         return step
 
     def _resume_from_local(self, step: int, extra: dict[str, Any]) -> int:
@@ -284,18 +290,7 @@ class CheckpointManager:
             raise error
         if path is None:
             return None
-        manifest = read_manifest(Path(path))
-        extra = self.durable.load(Path(path), self.model, self.optimizer, source_world_size=manifest.world_size)
-        for name, obj in self.stateful.items():
-            if name in extra["stateful"]:
-                obj.load_state_dict(extra["stateful"][name])
-        step = int(extra["step"])
-        if self.local is not None:  # the local tier's newer steps belong to the abandoned timeline too
-            self.local.discard_newer(step)
-        if manifest.world_size == self.world_size:
-            restore_rng_state(extra["rng"])
-        else:
-            seed_everything(self.seed * 1000 + self.rank + step)
+        step = self._load_durable(Path(path))
         self.last_saved_step = step
         return step
 

@@ -5,7 +5,8 @@ them out: ``global_step_N/<role>/``.
 checkpoints/
 ├── latest_checkpointed_iteration.txt
 ├── global_step_N/
-│   ├── actor/            a complete durable checkpoint of the role: DCP files, extra state, trainguard.json
+│   ├── actor/            a complete durable checkpoint of the role: DCP files, extra state, huggingface/
+│   │                     (when the role has ``static_files``), trainguard.json
 │   ├── critic/
 │   └── trainguard.json   the step's manifest: every file of every role, extra.roles = ["actor", "critic"]
 └── ref/                  a frozen role: saved once (model only), never re-saved, never pruned
@@ -63,11 +64,16 @@ log = logging.getLogger("trainguard")
 
 @dataclass
 class Role:
-    """One model of a multi-model run. ``optimizer=None`` makes it frozen: saved once, never re-saved."""
+    """One model of a multi-model run. ``optimizer=None`` makes it frozen: saved once, never re-saved.
+
+    ``static_files(directory)``, when given, writes the role's ``huggingface/`` (config, tokenizer) into its
+    folder (rank 0, before the manifest, which covers them), so that a merge of the role folder finds it.
+    """
 
     model: nn.Module
     optimizer: torch.optim.Optimizer | None = None
     stateful: dict[str, Any] = field(default_factory=dict)
+    static_files: Callable[[Path], None] | None = None
 
     @property
     def frozen(self) -> bool:
@@ -156,6 +162,8 @@ class RoleCheckpointManager:
         entries, failure = writer._write_files(state, job)
         known = writer._gather_entries(job, entries, failure)
         if self.rank == 0:
+            if role.static_files is not None:
+                role.static_files(directory)
             manifest = build_manifest(directory, step=step, world_size=self.world_size, mesh_shape=[self.world_size],
                                       mesh_dim_names=["world"], trainer_state=job.trainer_state,
                                       extra={"role": name}, known=known)

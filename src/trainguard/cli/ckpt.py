@@ -20,9 +20,11 @@ from rich.table import Table
 from trainguard.checkpoint.discovery import CheckpointInfo, checkpoints_root, list_checkpoints
 from trainguard.checkpoint.layout import HEALTH_FILE, LATEST_FILE, step_dir_name
 from trainguard.checkpoint.manifest import BadFile, verify_checkpoint
+from trainguard.checkpoint.role_dirs import checkpoint_dir, frozen_role_dirs
 from trainguard.errors import CheckpointError, ConfigError
 
 EXIT_BAD_CHECKPOINT = 1
+_DIR_HELP = "run directory, its checkpoints/ directory, or one checkpoint (global_step_N, global_step_N/ROLE)"
 _PIPED_WIDTH = 200
 
 
@@ -32,13 +34,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     commands = parser.add_subparsers(dest="ckpt_command", metavar=metavar, required=True)
 
     listing = commands.add_parser("list", help="one line per checkpoint: committed, verified, size, health")
-    listing.add_argument("dir", metavar="DIR", help="run directory or its checkpoints/ directory")
+    listing.add_argument("dir", metavar="DIR", help=_DIR_HELP)
     listing.add_argument("--json", action="store_true", help="print the facts as a JSON list")
     listing.add_argument("--no-verify", action="store_true", help="skip reading and checksumming the files")
     listing.set_defaults(func=run_list)
 
     verify = commands.add_parser("verify", help="check every file of every committed checkpoint")
-    verify.add_argument("dir", metavar="DIR", help="run directory or its checkpoints/ directory")
+    verify.add_argument("dir", metavar="DIR", help=_DIR_HELP)
     verify.add_argument("--step", type=int, metavar="N", help="verify only global_step_N")
     verify.set_defaults(func=run_verify)
 
@@ -50,10 +52,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_list(args: argparse.Namespace) -> int:
-    root = _resolve_root(args.dir)
+    root, infos = _checkpoints(args.dir)
     health_records = _read_health_records(root)
     facts = []
-    for info in list_checkpoints(root):
+    for info in infos:
         bad = _verify(info) if info.committed and not args.no_verify else None
         facts.append(_facts(info, bad, health_records))
     if args.json:
@@ -64,8 +66,8 @@ def run_list(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    root = _resolve_root(args.dir)
-    checkpoints = [info for info in list_checkpoints(root) if not info.being_written]
+    root, infos = _checkpoints(args.dir)
+    checkpoints = [info for info in infos if not info.being_written]
     if args.step is not None:
         checkpoints = [info for info in checkpoints if info.step == args.step]
         if not checkpoints:
@@ -87,6 +89,16 @@ def run_verify(args: argparse.Namespace) -> int:
             print(f"OK {info.name}")
         all_good = all_good and not bad
     return 0 if all_good else EXIT_BAD_CHECKPOINT
+
+
+def _checkpoints(directory: str) -> tuple[Path, list[CheckpointInfo]]:
+    """The checkpoints DIR names: itself when it is one checkpoint, else every one under its root (with
+    the frozen roles of a multi-role run, which no step's manifest covers)."""
+    single = checkpoint_dir(Path(directory))
+    if single is not None:
+        return single.path, [single]
+    root = _resolve_root(directory)
+    return root, list_checkpoints(root) + frozen_role_dirs(root)
 
 
 def _resolve_root(directory: str) -> Path:
@@ -169,6 +181,8 @@ def _facts(info: CheckpointInfo, bad: list[BadFile] | None, health_records: dict
         "created_local": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(created)) if created is not None else None,
         "health": _health(info, health_records),
         "error": info.error,
+        "roles": manifest.extra.get("roles") if manifest else None,
+        "role": manifest.extra.get("role") if manifest else None,
     }
 
 
@@ -186,7 +200,7 @@ def _print_table(root: Path, facts: list[dict[str, Any]]) -> None:
     notes = []
     for row in facts:
         table.add_row(
-            str(row["step"]),
+            f"{row['role']} ({row['step']})" if row["role"] else str(row["step"]),
             "yes" if row["committed"] else "no",
             _yes_no_dash(row["verified"]),
             decimal(row["size_bytes"]) if row["size_bytes"] is not None else "-",

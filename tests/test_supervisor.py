@@ -77,18 +77,25 @@ def test_crash_loop_gives_up_with_a_summary(tmp_path):
 
 
 def test_faulty_node_is_excluded_and_a_spare_keeps_the_world_size(tmp_path):
+    """node1's device miscomputes persistently (exit 17): excluded; the first spare, node2, fails its
+    self-test (trainguard doctor, a miscomputed burn-in repetition): excluded too; node3 takes the slot."""
     run = tmp_path / "run"
-    fault = "bitflip:rank=1,node=node1,step=3,site=model.layers.1.input_layernorm,where=grad_input,persistent=1"
-    proc = ok(train(run, 1, 8, "--nnodes", "2", "--spare-nodes", "1", "--max-restarts", "2", "--save-interval", "8",
-                    "--set", "guards.sdc.enabled_level=2", faults=fault, timeout=600))
-    assert "node node1 excluded" in proc.stderr and "spare node node2 takes the slot of node1" in proc.stderr
+    fault = ("bitflip:rank=1,node=node1,step=3,site=model.layers.1.input_layernorm,where=grad_input,persistent=1;"
+             "miscompute:rep=1,node=node2")
+    proc = ok(train(run, 1, 8, "--nnodes", "2", "--spare-nodes", "2", "--doctor", "--max-restarts", "2",
+                    "--save-interval", "8", "--set", "guards.sdc.enabled_level=2", faults=fault, timeout=600))
+    assert "node node1 excluded" in proc.stderr and "spare node node2 failed its self-test" in proc.stderr
+    assert "spare node node3 takes the slot of node1" in proc.stderr
     ended = events(run, "incarnation_ended")
-    assert [(e["nodes"], e["exit_code"]) for e in ended] == [(["node0", "node1"], 17), (["node0", "node2"], 0)]
+    assert [(e["nodes"], e["exit_code"]) for e in ended] == [(["node0", "node1"], 17), (["node0", "node3"], 0)]
     assert (ended[0]["failing_rank"], ended[0]["failing_node"]) == (1, "node1")
-    assert [e["node"] for e in events(run, "node_excluded")] == ["node1"]
-    assert json.loads((run / "nodes/excluded.json").read_text())[0]["node"] == "node1"
+    excluded = events(run, "node_excluded")
+    assert [(e["node"], e["reason"]) for e in excluded] == [("node1", "failed"), ("node2", "doctor")]
+    assert "burn-in" in excluded[1]["detail"]
+    assert [e["kind"] for e in events(run) if e["kind"].startswith("doctor_")] == ["doctor_failed", "doctor_passed"]
+    assert [e["node"] for e in json.loads((run / "nodes/excluded.json").read_text())] == ["node1", "node2"]
     beats = read_heartbeats(run)
-    assert {rank: beat.node for rank, beat in beats.items()} == {0: "node0", 1: "node2"}
+    assert {rank: beat.node for rank, beat in beats.items()} == {0: "node0", 1: "node3"}
     manifest = json.loads((run / "checkpoints/global_step_8/trainguard.json").read_text())
     assert manifest["world_size"] == 2
     assert events(run, "run_finished")[-1]["step"] == 8

@@ -54,6 +54,10 @@ def add_supervisor_arguments(parser: argparse.ArgumentParser, max_restarts: int)
     group.add_argument("--spare-nodes", type=_count, default=0, help="extra nodes kept in reserve (default 0)")
     group.add_argument("--node-failures", type=_count, default=2,
                        help="rank deaths on one node that exclude it when there are several nodes (default 2)")
+    group.add_argument("--doctor", action="store_true",
+                       help="self-test a spare node with trainguard doctor (burn-in, collectives across the node's "
+                            "ranks, storage of the run's checkpoints) before it takes a slot; a spare that fails "
+                            "is excluded too and the next one tried (local launcher)")
     group.add_argument("--launcher", choices=("local", "slurm"), default="local",
                        help="local: simulated nodes on this machine; slurm: the allocation's nodes, one srun each")
 
@@ -70,7 +74,23 @@ def options_from_args(args: argparse.Namespace, run_dir: Path, command: list[str
         crash_loop=args.crash_loop, nnodes=args.nnodes, spare_nodes=args.spare_nodes,
         node_failures=max(1, args.node_failures),
         hang=HangPolicy(fixed=args.hang_timeout, startup=args.startup_timeout),
+        doctor=spare_self_test(run_dir, getattr(args, "nproc", 1)) if args.doctor else None,
     )
+
+
+def spare_self_test(run_dir: Path, nproc: int):
+    """``trainguard doctor`` on this machine for a simulated spare node: its reason for failing, or None.
+    The doctor's faults (``miscompute``) apply when they name no node or this one."""
+    def check(node: str) -> str | None:
+        from trainguard.doctor import self_test
+        from trainguard.faults import active_faults
+
+        mine = [spec.text for spec in active_faults(None)[1]
+                if spec.kind == "miscompute" and spec.params.get("node", node) == node]
+        report = self_test(run_dir=run_dir, nproc=nproc, faults=";".join(mine))
+        return None if report.healthy else report.reason
+
+    return check
 
 
 def make_nodes(args: argparse.Namespace, fork_run=None):

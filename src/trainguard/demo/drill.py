@@ -107,8 +107,9 @@ def _highest_step(run_dir: Path) -> int:
 
 def _run_faulty(run_dir: Path, p: DrillPlan, log, status) -> int:
     kill_switch = run_dir / "KILL_SWITCH"
-    command = _train_command(run_dir, p, "--spare-nodes", str(p.spare_nodes), "--max-restarts", str(p.max_restarts),
-                             "--hang-timeout", str(p.hang_timeout),
+    doctor = ("--doctor",) if p.spare_nodes else ()  # a spare passes trainguard doctor before it joins
+    command = _train_command(run_dir, p, "--spare-nodes", str(p.spare_nodes), *doctor,
+                             "--max-restarts", str(p.max_restarts), "--hang-timeout", str(p.hang_timeout),
                              "--set", f"lifecycle.kill_switch_path={kill_switch}")
     proc = subprocess.Popen(command, env=_env(_fault_text(p)), stdout=log, stderr=subprocess.STDOUT)
     events_path = run_dir / "events.jsonl"
@@ -245,9 +246,11 @@ def _judge(p: DrillPlan, events: list[dict], final_step: int) -> list[Outcome]:
             excluded = [e for e in after if e["kind"] == "node_excluded"]
             spares = [e for e in after if e["kind"] == "spare_started"]
             ok = bool(excluded and spares and recovery)
+            checked = any(e["kind"] == "doctor_passed" for e in after)
             outcomes.append(Outcome(fault, step, "SDC strikes on the same rank → exit 17" if excluded
                                     else "not detected", f"node {excluded[0]['node']} excluded, spare "
-                                    f"{spares[0]['node']} started" if ok else "not handled", recover, redone, ok))
+                                    f"{spares[0]['node']} {'self-tested and ' if checked else ''}started"
+                                    if ok else "not handled", recover, redone, ok))
         elif kind == "corrupt":
             starts = [e for e in after if e["kind"] == "run_started" and e.get("resumed_from")]
             passed = [s for s in starts if not s["resumed_from"].endswith(f"global_step_{step}")]

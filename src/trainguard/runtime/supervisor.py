@@ -24,6 +24,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,8 @@ class SupervisorOptions:
     grace: float = 5.0  # seconds the other nodes get to exit after one node's agent failed
     poll: float = 0.1
     restart_command: list[str] | None = None  # for incarnations after the first (default: ``command``)
+    # self-test of a spare before it takes a slot (trainguard doctor): the failure's reason, or None
+    doctor: Callable[[str], str | None] | None = None
 
 
 @dataclass
@@ -215,6 +218,11 @@ class Supervisor:
                 self.emit("node_excluded", node=excluded_node, reason=inc.outcome, exit_code=code,
                           ranks=[inc.failing_rank] if inc.failing_rank is not None else [], spare=spare)
                 self.say(f"node {excluded_node} excluded ({inc.detail or inc.outcome})")
+                while spare is not None and o.doctor is not None and (why := o.doctor(spare)) is not None:
+                    failed, spare = spare, self.pool.exclude(spare, f"doctor: {why}")  # the next spare, if any
+                    self._save_excluded()
+                    self.emit("node_excluded", node=failed, reason="doctor", detail=why, ranks=[], spare=spare)
+                    self.say(f"spare node {failed} failed its self-test ({why}): excluded")
                 if spare is None:
                     self.say(f"no spare node left to take {excluded_node}'s slot: the world size must stay "
                              f"{o.nnodes} node(s), stopping")

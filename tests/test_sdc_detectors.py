@@ -450,10 +450,13 @@ def test_peak_off_leaves_the_rules_verdicts_and_state_unchanged_and_its_state_ro
 
 
 def test_peak_config_key_and_from_config():
-    assert SdcConfig().peak == 0.0
-    config = SdcConfig(rule="v3", peak=0.5)
+    assert SdcConfig().peak == 0.5  # on by default (docs/sdc.md: the rules alone miss x2^16 flips of small elements)
+    config = SdcConfig(rule="v3")
     config.validate()
     assert SdcDetector.from_config(config, ["x"]).point("x").peak == 0.5
+    off = SdcConfig(rule="v3", peak=0)  # 0 turns it off: the reference's rules alone
+    off.validate()
+    assert SdcDetector.from_config(off, ["x"]).point("x").peak == 0.0
     for bad in (1, 1.5, -0.1, math.nan, True, "0.5"):
         with pytest.raises(ConfigError, match=r"guards\.sdc\.peak must be 0 \(off\) or a share between 0 and 1"):
             SdcConfig(peak=bad).validate()

@@ -56,7 +56,7 @@ def _trial(tmp_path, seed: int) -> None:
     assert not leftovers
 
 
-@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("seed", range(3))  # both kill modes (even: fault, odd: external); more in _many
 def test_crash_during_save_and_commit(tmp_path, seed):
     _trial(tmp_path, seed)
 

@@ -52,6 +52,19 @@ def test_each_kind(text, rank, step, persistent, params):
     assert spec == FaultSpec(index=0, kind=text.split(":")[0], text=text, rank=rank, step=step, persistent=persistent, params=params)
 
 
+def test_node_is_a_name_for_every_kind_but_wipe_where_it_is_the_local_tier_node_index():
+    (flip,) = parse_faults("bitflip:rank=1,node=node1,step=3,site=model.norm,where=output,persistent=1")
+    assert flip.params["node"] == "node1" and flip.persistent
+    (kill,) = parse_faults("kill:rank=0,step=2,node=7")
+    assert kill.params["node"] == "7"  # a host may be named by digits: still a name
+    (wipe,) = parse_faults("wipe:node=1,step=4")
+    assert wipe.params == {"node": 1}
+    with pytest.raises(ConfigError, match="node must be a non-negative integer, got 'node1'"):
+        parse_faults("wipe:node=node1,step=4")
+    with pytest.raises(ConfigError, match="node must not be empty"):
+        parse_faults("kill:rank=0,step=2,node=")
+
+
 def test_entries_are_indexed_in_order_and_spaces_ignored():
     specs = parse_faults(" kill : rank = 1 , step = 5 ;; spike:step=2 ; ")
     assert [(s.index, s.kind, s.text) for s in specs] == [

@@ -125,3 +125,17 @@ def test_no_healthy_checkpoint_exits_4_with_the_advice(health_run, tmp_path):
     proc = train(run, 2, 10, "--save-interval", "2", "--resume", "auto")
     assert proc.returncode == 4
     assert "no healthy checkpoint to resume from" in proc.stderr and "embedding_local_norm_threshold" in proc.stderr
+
+
+def test_auto_resume_skips_an_unhealthy_step_in_the_local_tier_too(tmp_path):
+    """The health verdict holds for both tiers: a step judged unhealthy is not resumed from the local tier
+    either (which, at the same or a newer step, is preferred to the durable one)."""
+    run = tmp_path / "run"
+    common = ("--save-interval", "2", "--set", "checkpoint.local_interval=2", "--set", "guards.health.enabled=true",
+              "--set", "guards.health.embedding_threshold=50.0")
+    ok(train(run, 2, 8, *common, faults="scale:rank=0,step=8,site=model.layers.0,where=grad_input,factor=1000"))
+    assert json.loads((run / "checkpoints/health_ckpts.json").read_text())[-1] == {"is_health": 1,
+                                                                                 "ckpt_name": "global_step_8"}
+    ok(train(run, 2, 10, *common, "--resume", "auto"))
+    started = events(run, "run_started")[-1]
+    assert started["step"] == 6 and started["resumed_from"].endswith("global_step_6"), started

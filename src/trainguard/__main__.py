@@ -1,5 +1,14 @@
+import logging
+import os
 import sys
 
 from trainguard.cli import main
 
-sys.exit(main())
+code = main()
+# Every command has finished its work when main() returns (files closed, threads and children waited
+# for); the interpreter's teardown with torch and transformers loaded would add about a second more
+# to each command, and to each restart of a supervised node agent (which ends the same way).
+logging.shutdown()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(code)

@@ -397,7 +397,10 @@ class Trainer:
                 self.lifecycle.beat("save", self.step)
                 self.lifecycle.note_save(
                     self.checkpoints.save(self.step, self._trainer_state(last_loss), health=self._checkpoint_health()))
-            if self.checkpoints.should_save_local(self.step):
+            # a step judged unhealthy stays out of the local tier: auto resume prefers a local step to an
+            # older durable one and would bring it back (the durable copy is kept, marked, for inspection)
+            unhealthy = bool((self._checkpoint_health() or {}).get("is_health"))
+            if self.checkpoints.should_save_local(self.step) and not unhealthy:
                 self.checkpoints.save_local(self.step)
                 fire_wipe_faults(self.faults, self.checkpoints.local, self.step)
             self.lifecycle.beat("step", self.step)

@@ -18,12 +18,10 @@ checkpoint's own process group.
 
 from __future__ import annotations
 
-import ctypes
 import inspect
 import io
 import os
 import pickle
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -50,7 +48,14 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from trainguard.checkpoint.checksum import CHECKSUM_ALGORITHM
 from trainguard.checkpoint.discovery import write_latest
-from trainguard.checkpoint.fsio import commit_directory, fsync_dir, fsync_file, remove_directory_crash_safe
+from trainguard.checkpoint.fsio import (
+    SYNC_FILE_RANGE_WRITE,
+    commit_directory,
+    fsync_dir,
+    fsync_file,
+    remove_directory_crash_safe,
+    sync_file_range,
+)
 from trainguard.checkpoint.layout import (
     HEALTH_FILE,
     extra_state_name,
@@ -112,22 +117,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 # disk works while later bytes are serialized instead of all at the closing fsync.
 _PIECE = 4 << 20
 _WRITEBACK_CHUNK = 16 << 20
-_SYNC_FILE_RANGE_WRITE = 2
 
 
-def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        function = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    function.restype = ctypes.c_int
-    return function
-
-
-_sync_file_range = _load_sync_file_range()
 
 
 def _checksum_of(digest: Any) -> str:
@@ -156,10 +147,10 @@ class _HashingFile:
             while piece:
                 piece = piece[os.write(self._fd, piece) :]
         self._position += total
-        if _sync_file_range is not None and self._position - self._written_back >= _WRITEBACK_CHUNK:
+        if sync_file_range is not None and self._position - self._written_back >= _WRITEBACK_CHUNK:
             # asynchronous: starts writeback of what is complete; durability still comes from fsync
             pending = self._position - self._written_back
-            _sync_file_range(self._fd, self._written_back, pending, _SYNC_FILE_RANGE_WRITE)
+            sync_file_range(self._fd, self._written_back, pending, SYNC_FILE_RANGE_WRITE)
             self._written_back = self._position
         return total
 

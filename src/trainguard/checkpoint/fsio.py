@@ -6,9 +6,12 @@ not yet on disk can be undone by a power loss even after the call returned.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -98,3 +101,42 @@ def clean_stale(root: PathLike) -> list[Path]:
             entry.unlink()
         removed.append(entry)
     return removed
+
+
+def read_format_json(path: PathLike, fmt: str, version: int, what: str, missing: str = "missing") -> dict:
+    """A JSON file of one of trainguard's formats (``{"format": fmt, "version": version, ...}``), as a dict;
+    ``CheckpointError`` naming the file and the fault otherwise (``what`` names the kind of file)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: {missing}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    if not isinstance(data, dict) or data.get("format") != fmt:
+        raise CheckpointError(f"{path}: not a trainguard {what} (format should be {fmt!r})")
+    if data.get("version") != version:
+        raise CheckpointError(f"{path}: version {data.get('version')!r} is not supported (expected {version})")
+    return data
+
+
+SYNC_FILE_RANGE_WRITE = 2
+
+
+def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+# Linux's sync_file_range (None elsewhere): start writing back a finished range while later bytes are
+# still being produced, so the closing fsync has little left to do.
+sync_file_range = _load_sync_file_range()

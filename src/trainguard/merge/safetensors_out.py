@@ -8,18 +8,17 @@ plus ``model.safetensors.index.json``, the layout ``from_pretrained`` reads.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import re
 import struct
-import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from trainguard.checkpoint.fsio import SYNC_FILE_RANGE_WRITE, sync_file_range
 from trainguard.errors import ConfigError
 
 SINGLE_FILE = "model.safetensors"
@@ -93,21 +92,6 @@ def _header(tensors: list[OutputTensor]) -> bytes:
     return struct.pack("<Q", len(header)) + header
 
 
-def _load_sync_file_range():
-    """Linux's ``sync_file_range`` (as the durable writer uses it), or None."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        function = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    function.restype = ctypes.c_int
-    return function
-
-
-_sync_file_range = _load_sync_file_range()
-_SYNC_FILE_RANGE_WRITE = 2
 
 
 def _write_all(fd: int, data: memoryview) -> None:
@@ -125,8 +109,8 @@ class _Output:
 
     def write(self, data: memoryview) -> None:
         _write_all(self.fd, data)
-        if _sync_file_range is not None:
-            _sync_file_range(self.fd, self.position, data.nbytes, _SYNC_FILE_RANGE_WRITE)
+        if sync_file_range is not None:
+            sync_file_range(self.fd, self.position, data.nbytes, SYNC_FILE_RANGE_WRITE)
         self.position += data.nbytes
 
     def close_durably(self) -> None:

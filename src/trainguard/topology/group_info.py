@@ -15,11 +15,11 @@ local directory was when the run wrote it (offline repair recreates a lost one t
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainguard.checkpoint.fsio import read_format_json
 from trainguard.errors import CheckpointError
 from trainguard.topology.replica_groups import ReplicaGroups
 
@@ -66,18 +66,7 @@ def read_group_info(path: str | Path) -> GroupInfo:
     path = Path(path)
     if path.is_dir():
         path = path / GROUP_INFO_NAME
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing (no replica group information)") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: cannot read ({exc})") from None
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: not a trainguard group_info file (format should be {FORMAT!r})")
-    if data.get("version") != VERSION:
-        raise CheckpointError(f"{path}: version {data.get('version')!r} is not supported (expected {VERSION})")
+    data = read_format_json(path, FORMAT, VERSION, "group_info file", missing="missing (no replica group information)")
     world_size = data.get("world_size")
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise CheckpointError(f"{path}: key 'world_size' should be an integer >= 1")

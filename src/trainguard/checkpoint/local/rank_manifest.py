@@ -6,13 +6,12 @@ checkpoint of step N exists only while its manifest does (the durable tier's com
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from trainguard.checkpoint.checksum import file_checksum
-from trainguard.checkpoint.fsio import atomic_write_json
+from trainguard.checkpoint.fsio import atomic_write_json, read_format_json
 from trainguard.checkpoint.local.paths import rank_manifest_name
 from trainguard.checkpoint.manifest import FileEntry
 from trainguard.errors import CheckpointError
@@ -49,18 +48,7 @@ def _integer(data: dict, key: str, path: Path) -> int:
 
 def read_rank_manifest(path: Path) -> RankManifest:
     """Reads and validates one rank manifest; raises ``CheckpointError`` naming the file and the fault."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: cannot read ({exc})") from None
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: not a trainguard local rank manifest (format should be {FORMAT!r})")
-    if data.get("version") != VERSION:
-        raise CheckpointError(f"{path}: version {data.get('version')!r} is not supported (expected {VERSION})")
+    data = read_format_json(path, FORMAT, VERSION, "local rank manifest")
     files = data.get("files")
     if not isinstance(files, list):
         raise CheckpointError(f"{path}: key 'files' should be a list")

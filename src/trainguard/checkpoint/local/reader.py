@@ -25,8 +25,10 @@ class StepHoldings:
     replica_extras: dict[int, FileEntry] = field(default_factory=dict)
 
 
-def rank_holdings(local_dir: Path, world_size: int, rank: int, steps: list[int] | None = None) -> dict[int, StepHoldings]:
-    """``step -> StepHoldings`` for the rank's committed steps (or the given ones), every file hashed."""
+def rank_holdings(local_dir: Path, world_size: int, rank: int, steps: list[int] | None = None, *,
+                  hashed: bool = True) -> dict[int, StepHoldings]:
+    """``step -> StepHoldings`` for the rank's committed steps (or the given ones), every file hashed
+    (with ``hashed=False``, files present with their manifest's size: candidates, to be hashed later)."""
     holdings: dict[int, StepHoldings] = {}
     for step in steps if steps is not None else rank_steps(local_dir, world_size, rank):
         step_dir = local_dir / step_dir_name(step)
@@ -39,11 +41,11 @@ def rank_holdings(local_dir: Path, world_size: int, rank: int, steps: list[int] 
         held = StepHoldings()
         for kind, name in rank_file_names(world_size, rank).items():
             entry = manifest.entry(name)
-            if entry is not None and file_fault(step_dir, entry) is None:
+            if entry is not None and file_fault(step_dir, entry, hashed=hashed) is None:
                 held.own[kind] = entry
         for owner in range(world_size):
             entry = manifest.entry(replica_extra_name(world_size, owner))
-            if entry is not None and file_fault(step_dir, entry) is None:
+            if entry is not None and file_fault(step_dir, entry, hashed=hashed) is None:
                 held.replica_extras[owner] = entry
         holdings[step] = held
     return holdings

@@ -40,14 +40,22 @@ class SavedStep:
     seconds: float
 
 
-def write_file_durably(path: Path, write) -> FileEntry:
+class BytesMismatch(CheckpointError):
+    """The bytes written do not have the size and checksum they were expected to have."""
+
+
+def write_file_durably(path: Path, write, expected: FileEntry | None = None) -> FileEntry:
     """Writes ``path`` via a temporary sibling, hashing on the way; returns its entry (name relative
-    to the step directory is filled in by the caller)."""
+    to the step directory is filled in by the caller). With ``expected``, bytes of another size or
+    checksum never reach ``path``: the temporary file is removed and ``BytesMismatch`` raised."""
     temp = path.with_name(f"{path.name}{TEMP_MARKER}{new_token()}")
     stream = _HashingFile(temp)
     try:
         write(stream)
         size, checksum = stream.close_durably()
+        if expected is not None and (size, checksum) != (expected.size, expected.checksum):
+            raise BytesMismatch(f"{path.name}: {size} bytes with checksum {checksum}, expected {expected.size} "
+                                f"bytes with {expected.checksum}")
     except BaseException:
         stream.close()
         temp.unlink(missing_ok=True)

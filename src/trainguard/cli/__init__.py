@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from trainguard.errors import EXIT_USAGE, TrainguardError
@@ -13,19 +14,23 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"trainguard: error: {message}\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from trainguard.cli import ckpt, demo, doctor, guards, killswitch, plan, report, run, slurm, status, train, watch
+COMMANDS = ("train", "run", "ckpt", "guards", "plan", "demo", "report", "status", "doctor", "killswitch", "watch", "slurm")
 
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; when ``argv`` starts with a command, only that command's module is imported (the
+    others would import torch.distributed, transformers, ... before a merge could start)."""
+    chosen = [argv[0]] if argv and argv[0] in COMMANDS else list(COMMANDS)
     parser = _Parser(prog="trainguard", description="Keeps training runs alive and checkpoints trustworthy.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for module in (train, run, ckpt, guards, plan, demo, report, status, doctor, killswitch, watch, slurm):
-        module.add_parser(sub)
+    for name in chosen:
+        importlib.import_module(f"trainguard.cli.{name}").add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except TrainguardError as exc:

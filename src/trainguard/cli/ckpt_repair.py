@@ -9,7 +9,6 @@ from pathlib import Path
 from rich.filesize import decimal
 
 from trainguard.checkpoint.layout import step_dir_name
-from trainguard.checkpoint.local.repair import discover, local_steps, newest_durable, repair_rate, repair_step
 from trainguard.cli.ckpt import _byte_progress
 from trainguard.errors import ConfigError
 from trainguard.events import EventLog
@@ -33,6 +32,9 @@ def _events_file(directories: list[Path]) -> Path | None:
 
 
 def run_repair(args: argparse.Namespace) -> int:
+    # here, not at the top: every ``trainguard ckpt`` command builds this parser, and this imports torch
+    from trainguard.checkpoint.local.repair import discover, local_steps, newest_durable, repair_rate, repair_step
+
     local = discover(args.dir)
     steps = local_steps(local)
     if args.step is not None:

@@ -5,8 +5,8 @@ Both are ``model_world_size_W_rank_R.pt`` (+ ``optim_...``, ``extra_state_...``)
 ``fsdp_config.json`` (``mesh_shape``, ``params: {fqn: {shape, dtype, placements}}``); verl stores
 DTensors, whose pickled mesh and placements describe themselves; plain tensors in a verl file mean a
 1-D mesh sharded on dim 0. Files are loaded with ``weights_only=True`` (DTensor classes allow-listed
-explicitly) and memory-mapped, so reading one tensor touches only its pages; the mappings are dropped
-after every ``_MAPPED_BUDGET`` bytes read, which keeps the resident set bounded.
+explicitly) and memory-mapped, once each, so reading one tensor touches only its pages; the pages read
+are given back after every ``_MAPPED_BUDGET`` bytes, which keeps the resident set bounded.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from trainguard.errors import CheckpointError, UnsafeCheckpointError
+from trainguard.merge import mapped_pages
 from trainguard.merge.pieces import CheckpointContents, Piece, ShardedTensor
 from trainguard.merge.placement import Placement, coordinate, local_block, parse_placement, placement_of, SHARD
 from trainguard.topology.group_info import GROUP_INFO_NAME
@@ -45,12 +46,15 @@ def _dtensor_classes() -> list[type]:
 
 
 def load_rank_file(path: Path, mmap: bool = True) -> Any:
-    """``torch.load(weights_only=True)`` with the DTensor classes allowed; nothing else can run."""
+    """``torch.load(weights_only=True)`` with the DTensor classes allowed; nothing else can run.
+    ``torch.distributed.tensor`` (most of a second to import) is imported only for files that name it."""
     mesh_log = logging.getLogger("torch.distributed.device_mesh")
     level = mesh_log.level
     mesh_log.setLevel(logging.ERROR)  # "unpickling of the DeviceMesh before the PGs were created": expected
     try:
-        with torch.serialization.safe_globals(_dtensor_classes()):
+        named = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        allowed = _dtensor_classes() if any(g.startswith("torch.distributed.") for g in named) else []
+        with torch.serialization.safe_globals(allowed):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         offender = re.search(r"GLOBAL ([\w.]+)", str(exc))
@@ -79,27 +83,33 @@ def flatten(state: Any, prefix: str = "") -> dict[str, Any]:
 
 
 class _MappedFiles:
-    """Memory-mapped rank files, opened on demand and all dropped after ``budget`` bytes were read."""
+    """Memory-mapped rank files, each loaded once; after every ``budget`` bytes handed out, the pages
+    read so far are given back (``mapped_pages``), which keeps the resident set bounded."""
 
     def __init__(self, budget: int = _MAPPED_BUDGET):
         self._budget = budget
         self._files: dict[Path, dict[str, Any]] = {}
+        self._mappings: list[tuple[int, int]] = []
         self._read = 0
         self._lock = threading.Lock()
 
-    def tensor(self, path: Path, key: str) -> torch.Tensor:
+    def content(self, path: Path) -> dict[str, Any]:
         with self._lock:
             content = self._files.get(path)
             if content is None:
                 content = self._files[path] = flatten(load_rank_file(path))
-        value = content.get(key)
+                self._mappings += mapped_pages.private_read_mappings(path)
+            return content
+
+    def tensor(self, path: Path, key: str) -> torch.Tensor:
+        value = self.content(path).get(key)
         if value is None:
             raise CheckpointError(f"{path}: has no tensor {key!r}")
         local = value.to_local() if hasattr(value, "to_local") else value
         with self._lock:
             self._read += local.numel() * local.element_size()
             if self._read > self._budget:
-                self._files.clear()  # tensors handed out keep their own mapping alive until released
+                mapped_pages.release(self._mappings)
                 self._read = 0
         return local
 
@@ -316,7 +326,7 @@ def open_rank_checkpoint(directory: Path, include_optimizer: bool = False) -> Ch
     groups = [("model.", files.model)] + ([("optim.", files.optim)] if include_optimizer else [])
     for prefix, paths in groups:
         for rank, path in enumerate(paths):
-            content = flatten(load_rank_file(path))  # memory-mapped: only the pickle is read here
+            content = mapped.content(path)  # memory-mapped: only the pickle is read here
             if local_layout is not None:
                 found = _add_local_file(builder, prefix, path, rank, content, local_layout, directory / FSDP_CONFIG)
             else:

@@ -12,80 +12,17 @@ Detections are local to each rank; nothing here communicates. The trainer all-re
 (the maximum level over the ranks) so that every rank takes the same decision at the same step.
 """
 
-from trainguard.guards.sdc.config import (
-    DEFAULT_SIGMA,
-    DEFAULT_UPPER,
-    ENABLE_VARS,
-    SIGMA_VARS,
-    UPPER_VARS,
-    SdcConfig,
-    parse_pair,
-    sdc_config_from_env,
-)
-from trainguard.guards.sdc.detectors import (
-    ABNORMAL,
-    NOT_CHECKED,
-    STATISTIC,
-    Detection,
-    SdcDetector,
-    V1Detector,
-    V3Detector,
-    Verdict,
-    format_detection,
-    format_values,
-    severity,
-)
-from trainguard.guards.sdc.points import (
-    DetectionPoints,
-    active_points,
-    gradient_statistic,
-    is_norm_module,
-    peak_share,
-    watch_function,
-    watch_tensor,
-)
-from trainguard.guards.sdc.rerun import (
-    Attribution,
-    FaultyDeviceError,
-    RerunAttribution,
-    StrikeBook,
-    faulty_ranks_path,
-    read_faulty_ranks,
-    write_faulty_ranks,
-)
+from trainguard._lazy import lazy_exports
 
-__all__ = [
-    "ABNORMAL",
-    "DEFAULT_SIGMA",
-    "DEFAULT_UPPER",
-    "ENABLE_VARS",
-    "NOT_CHECKED",
-    "SIGMA_VARS",
-    "STATISTIC",
-    "UPPER_VARS",
-    "Attribution",
-    "Detection",
-    "DetectionPoints",
-    "FaultyDeviceError",
-    "RerunAttribution",
-    "SdcConfig",
-    "SdcDetector",
-    "StrikeBook",
-    "V1Detector",
-    "V3Detector",
-    "Verdict",
-    "active_points",
-    "faulty_ranks_path",
-    "format_detection",
-    "format_values",
-    "gradient_statistic",
-    "is_norm_module",
-    "parse_pair",
-    "peak_share",
-    "read_faulty_ranks",
-    "sdc_config_from_env",
-    "severity",
-    "watch_function",
-    "watch_tensor",
-    "write_faulty_ranks",
-]
+_EXPORTS = {
+    "config": ("DEFAULT_SIGMA", "DEFAULT_UPPER", "ENABLE_VARS", "SIGMA_VARS", "UPPER_VARS", "SdcConfig", "parse_pair",
+               "sdc_config_from_env"),
+    "detectors": ("ABNORMAL", "NOT_CHECKED", "STATISTIC", "Detection", "SdcDetector", "V1Detector", "V3Detector",
+                  "Verdict", "format_detection", "format_values", "severity"),
+    "points": ("DetectionPoints", "active_points", "gradient_statistic", "is_norm_module", "peak_share",
+               "watch_function", "watch_tensor"),
+    "rerun": ("Attribution", "FaultyDeviceError", "RerunAttribution", "StrikeBook", "faulty_ranks_path",
+              "read_faulty_ranks", "write_faulty_ranks"),
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(name for names in _EXPORTS.values() for name in names)

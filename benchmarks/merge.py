@@ -4,12 +4,15 @@ The checkpoint: a Llama-shaped model (``--gib`` GiB of fp32 weights) saved the w
 tier saves it: 4 ranks, FSDP2 ``Shard(0)`` on a 1-D mesh, ``model_world_size_4_rank_R.pt`` with plain
 local tensors, ``fsdp_config.json``, ``huggingface/config.json``. It is generated once, random.
 
-Each merge runs in its own process; the figures are its wall time and its peak RSS (``wait4``'s
-``ru_maxrss``):
-- ``trainguard``: ``python -m trainguard ckpt merge --backend fsdp`` (streaming, memory-mapped reads,
-  parallel pieces, safetensors written tensor by tensor);
+Each merge runs in its own process; the figures are its wall time, its peak RSS (``wait4``'s
+``ru_maxrss``) and its work (the time after its imports: what it prints):
+- ``trainguard``: ``python -m trainguard ckpt merge --backend fsdp``, the command as users run it
+  (streaming, memory-mapped reads, safetensors written tensor by tensor, fsynced before the directory
+  is committed);
 - ``naive``: load every rank file whole (``torch.load``, weights_only), ``torch.cat`` each tensor's
-  shards, ``safetensors.torch.save_file`` of the whole state dict: what verl's merger does.
+  shards, ``safetensors.torch.save_file`` of the whole state dict: what verl's merger does. It returns
+  with the file still being written back from the page cache;
+- ``naive+fsync``: the same, then ``fsync`` of the file: the same durability as trainguard's.
 - ``verl``: verl's own merger, ``python -m verl.model_merger merge --backend fsdp``, with the Python
   given by ``--verl-python`` (default ``$VERL_PYTHON``). ``pip install verl`` into the shared
   environment would replace its transformers, huggingface_hub and tokenizers and pull ray, wandb and
@@ -21,7 +24,7 @@ Each merge runs in its own process; the figures are its wall time and its peak R
           antlr4-python3-runtime accelerate pylatexenc cloudpickle orjson pyvers msgpack protobuf
 
   Without it verl is reported as not run.
-Each round runs trainguard, naive, verl, verl, naive, trainguard; medians are reported. Usage::
+Each round runs every merge, then again in reverse order; medians are reported. Usage::
 
     OMP_NUM_THREADS=1 python benchmarks/merge.py [--gib 1] [--rounds 1] [--dir /tmp] [--verl-python PY] [--quick]
 """
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -96,8 +100,9 @@ def _tiny_tokenizer():
                                    unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
-def naive_merge(source: str, target: str) -> None:
-    """Load all shards, concatenate, save: the baseline (runs in its own process)."""
+def naive_merge(source: str, target: str, durable: bool = False) -> None:
+    """Load all shards, concatenate, save: the baseline (runs in its own process). ``durable``: then
+    fsync the file, as trainguard's merge does before it commits the directory."""
     import torch
     from safetensors.torch import save_file
 
@@ -109,23 +114,12 @@ def naive_merge(source: str, target: str) -> None:
     del shards
     Path(target).mkdir()
     save_file(merged, Path(target) / "model.safetensors", metadata={"format": "pt"})
+    if durable:
+        with open(Path(target) / "model.safetensors", "rb+") as f:
+            os.fsync(f.fileno())
     for path in (Path(source) / "huggingface").iterdir():
         shutil.copy(path, Path(target) / path.name)
     print(f"WORK {time.perf_counter() - started}")
-
-
-def trainguard_merge(source: str, target: str) -> None:
-    """``trainguard ckpt merge --backend fsdp`` through its CLI entry, timing the work after imports."""
-    from trainguard.cli import build_parser, main as trainguard_main
-    import trainguard.merge.merger  # noqa: F401
-
-    build_parser()  # imports every command's module: start-up, before the clock as torch's is for naive
-
-    started = time.perf_counter()
-    code = trainguard_main(["ckpt", "merge", "--backend", "fsdp", "--local_dir", source, "--target_dir", target])
-    print(f"WORK {time.perf_counter() - started}")
-    if code:
-        raise SystemExit(code)
 
 
 def measure(cmd: list[str]) -> tuple[float, float, float]:
@@ -139,7 +133,9 @@ def measure(cmd: list[str]) -> tuple[float, float, float]:
         out.seek(0), err.seek(0)
         if process.returncode:
             raise SystemExit(f"{' '.join(cmd)} failed: {err.read().decode()[-2000:]}")
-        work = [float(line.split()[1]) for line in out.read().decode().splitlines() if line.startswith("WORK ")]
+        text = out.read().decode()
+        work = [float(line.split()[1]) for line in text.splitlines() if line.startswith("WORK ")]
+        work += [float(m) for m in re.findall(r"^merged .* in ([0-9.]+) s \(", text, re.MULTILINE)]
     return seconds, usage.ru_maxrss * 1024, work[0] if work else float("nan")
 
 
@@ -152,23 +148,29 @@ def main() -> None:
     parser.add_argument("--dir", default=tempfile.gettempdir())
     parser.add_argument("--quick", action="store_true", help="0.25 GiB, one cycle (about a minute)")
     parser.add_argument("--naive-worker", nargs=2, metavar=("SRC", "DST"), help=argparse.SUPPRESS)
-    parser.add_argument("--trainguard-worker", nargs=2, metavar=("SRC", "DST"), help=argparse.SUPPRESS)
+    parser.add_argument("--durable", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--make-checkpoint", metavar="DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.naive_worker:
-        naive_merge(*args.naive_worker)
+    if args.make_checkpoint:
+        print(make_checkpoint(Path(args.make_checkpoint), args.gib))
         return
-    if args.trainguard_worker:
-        trainguard_merge(*args.trainguard_worker)
+    if args.naive_worker:
+        naive_merge(*args.naive_worker, durable=args.durable)
         return
     if args.quick:
         args.gib, args.rounds = 0.25, 1
     work = Path(tempfile.mkdtemp(prefix="tg-merge-bench-", dir=args.dir))
     try:
         source = work / "ckpt"
-        size = make_checkpoint(source, args.gib)
+        # in a child: a forked child's ru_maxrss starts at its parent's resident set, so the parent stays small
+        made = subprocess.run([sys.executable, __file__, "--make-checkpoint", str(source), "--gib", str(args.gib)],
+                              check=True, capture_output=True, text=True)
+        size = int(made.stdout.split()[-1])
         commands = {
-            "trainguard": lambda out: [sys.executable, __file__, "--trainguard-worker", str(source), str(out)],
+            "trainguard": lambda out: [sys.executable, "-m", "trainguard", "ckpt", "merge", "--backend", "fsdp",
+                                       "--local_dir", str(source), "--target_dir", str(out)],
             "naive": lambda out: [sys.executable, __file__, "--naive-worker", str(source), str(out)],
+            "naive+fsync": lambda out: [sys.executable, __file__, "--naive-worker", str(source), str(out), "--durable"],
         }
         if args.verl_python:
             commands["verl"] = lambda out: [args.verl_python, "-m", "verl.model_merger", "merge", "--backend", "fsdp",
@@ -199,6 +201,11 @@ def main() -> None:
         print("RESULT " + json.dumps({"figure": "merge_work_GBps", "trainguard": gb / tg_work, "baseline": gb / nv_work,
                                       "ratio": work_speedup, "target": f">= {TARGET_SPEEDUP}x naive (after imports)",
                                       "met": work_speedup >= TARGET_SPEEDUP}))
+        nd_s, nd_work = medians["naive+fsync"][0], medians["naive+fsync"][2]
+        print(f"vs naive+fsync (same durability): {nd_s / tg_s:.2f}x whole process, {nd_work / tg_work:.2f}x work")
+        print("RESULT " + json.dumps({"figure": "merge_vs_durable_naive_speedup", "trainguard": gb / tg_s,
+                                      "baseline": gb / nd_s, "ratio": nd_s / tg_s,
+                                      "target": "reported (same durability)", "met": True}))
         if "verl" in medians:
             v_s = medians["verl"][0]
             print("RESULT " + json.dumps({"figure": "merge_vs_verl_speedup", "trainguard": gb / tg_s, "baseline": gb / v_s,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -40,13 +41,15 @@ def run_merge(args: argparse.Namespace) -> int:
     from trainguard.merge.merger import merge_to_hf
     from trainguard.merge.safetensors_out import parse_size
 
+    started = time.perf_counter()
     with ExitStack() as stack:
         result = merge_to_hf(args.local_dir, args.target_dir, backend=args.backend,
                              tie_word_embedding=args.tie_word_embedding, is_value_model=args.is_value_model,
                              dtype=args.dtype, max_shard_bytes=parse_size(args.max_shard_size), force=args.force,
                              progress=lambda total, what: stack.enter_context(_byte_progress(what, total)))
+    seconds = time.perf_counter() - started
     print(f"merged {result.tensors} tensors ({result.bytes} bytes) from {result.source} into {args.target_dir}: "
-          f"{', '.join(result.files)}")
+          f"{', '.join(result.files)} in {seconds:.2f} s ({result.bytes / max(seconds, 1e-9) / 1e6:.0f} MB/s)")
     return 0
 
 

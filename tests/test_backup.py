@@ -442,3 +442,36 @@ def test_rollback_drops_queued_uploads_and_deletes_abandoned_copies_but_not_the_
     assert restore_for_resume(target, fresh, None) == "auto"
     assert sorted(p.name for p in fresh.glob("global_step_*")) == ["global_step_8"]
     assert read_manifest(fresh / "global_step_8").files == in_mirror[8].files
+
+
+def test_resume_from_the_mirror_after_a_rollback_continues_the_new_timeline(s3, cli, committed_run, tmp_path):
+    """Checkpoints 4 and 8 are mirrored; a run resumed from 4 spikes at 6, rolls back to 4 (abandoning
+    8) and stops at 7. The mirror then holds 4 and 7, and ``--resume URL`` in a fresh run directory
+    continues from the new timeline's 7, with the rollback's skipped window, not from the abandoned 8."""
+    run, target = tmp_path / "run", url(s3, "rollback-e2e")
+    shutil.copytree(committed_run, run)
+    assert cli("ckpt", "backup", str(run), target)[0] == 0
+    assert sorted(list_mirrored(open_mirror(target, s3.endpoint))) == [4, 8]
+    proc = trainguard("train", "--nproc", "2", "--steps", "8", "--run-dir", str(run), *TINY, "--save-interval", "4",
+                      "--resume", str(run / "checkpoints" / "global_step_4"), *ROLLBACK,
+                      "--set", "train.exit_at_step=7", "--set", f"checkpoint.mirror.url={target}",
+                      env=cli_env(s3, TRAINGUARD_FAULTS="spike:step=6"), timeout=600)
+    ok(proc)
+    assert [e["to_step"] for e in events(run, "rollback")] == [4]
+    removed = [e for e in events(run, "checkpoint_deleted") if e["tier"] == "mirror"]
+    assert [(e["step"], e["reason"]) for e in removed] == [(8, "abandoned by a rollback")]
+    assert "mirror: deleted global_step_8 from " in proc.stdout + proc.stderr
+    assert sorted(list_mirrored(open_mirror(target, s3.endpoint))) == [4, 7]
+
+    fresh = tmp_path / "fresh"
+    ok(train_s3(s3, fresh, 2, 8, "--save-interval", "4", "--resume", target))
+    started = events(fresh, "run_started")[-1]
+    assert started["step"] == 7 and started["resumed_from"].endswith("global_step_7")
+    assert sampler_state(fresh / "checkpoints" / "global_step_8")["skipped"] == [[16, 28]]
+
+
+def sampler_state(ckpt_dir: Path, rank: int = 0) -> dict:
+    from trainguard.checkpoint.layout import extra_state_name
+    from trainguard.checkpoint.safe_load import safe_torch_load
+
+    return safe_torch_load(ckpt_dir / extra_state_name(2, rank))["stateful"]["sampler"]

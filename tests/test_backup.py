@@ -353,3 +353,125 @@ def test_health_of_a_restored_checkpoint_is_recorded(s3_env, tmp_path):
     restore_checkpoint(mirror, list_mirrored(mirror)[4], tmp_path / "b")
     assert read_json(tmp_path / "b" / "health_ckpts.json") == [{"is_health": 1, "ckpt_name": "global_step_4"}]
     assert json.loads((tmp_path / "b" / "global_step_4" / MANIFEST_NAME).read_text())["health"]["is_health"] == 1
+
+
+# ------------------------------------------------------------------------------ rollback and mirror
+ROLLBACK = ["--set", "guards.check_for_global_norm=true", "--set", "guards.skip.threshold=10.0",
+            "--set", "guards.rollback.window_before=1", "--set", "guards.rollback.window_after=1"]
+
+
+def _tiny_manager(run_dir: Path, target: str):
+    import torch
+
+    from trainguard.backup.config import MirrorConfig
+    from trainguard.checkpoint.manager import CheckpointManager
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    manager = CheckpointManager(run_dir, model, optimizer, async_save=False, keep_last=10,
+                                mirror=MirrorConfig(url=target))
+    return manager, model
+
+
+@pytest.mark.parametrize("in_flight", ["finishes", "loses its files"])
+def test_rollback_drops_queued_uploads_and_deletes_abandoned_copies_but_not_the_new_timeline(
+        s3_env, tmp_path, monkeypatch, in_flight):
+    """A rollback to 4 abandons 6 (mirrored), 8 (upload in flight) and 10 (queued); then step 8 is saved
+    again on the new timeline (while the old upload is still in flight, or after it failed on its
+    vanished files). The mirror ends with 2, 4 and the new 8 only: 6 and the old 8 are deleted (or the
+    old 8's upload stops quietly), 10 is never uploaded, and the deletion spares the new 8."""
+    import threading
+
+    import torch
+
+    from trainguard.backup import background
+    from trainguard.backup.restore import restore_for_resume
+
+    started, release = threading.Event(), threading.Event()
+    upload = background.mirror_checkpoint
+
+    def gated(path, mirror, **kwargs):
+        first_eight = Path(path).name == "global_step_8" and not started.is_set()
+        if first_eight and in_flight == "loses its files":
+            started.set()
+            assert release.wait(120)  # the rollback deletes its local files meanwhile
+        result = upload(path, mirror, **kwargs)
+        if first_eight and in_flight == "finishes":
+            started.set()
+            assert release.wait(120)  # complete in the mirror when the rollback happens
+        return result
+
+    monkeypatch.setattr(background, "mirror_checkpoint", gated)
+    run, target = tmp_path / "run", url(s3_env, f"rollback-{in_flight.replace(' ', '-')}")
+    manager, model = _tiny_manager(run, target)
+    try:
+        assert manager.resume() == 0
+        for step in (2, 4, 6, 8, 10):
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            manager.save(step)
+            if step == 8:
+                assert started.wait(120)  # 2, 4 and 6 are mirrored, 8 is in flight, 10 will queue behind it
+        assert manager.roll_back(before_step=5) == 4
+        assert sorted(p.name for p in (run / "checkpoints").glob("global_step_*")) == ["global_step_2", "global_step_4"]
+        if in_flight == "loses its files":  # let it fail on the missing files before step 8 exists again
+            release.set()
+            deadline = time.monotonic() + 120
+            while manager.mirror.pending_steps() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        with torch.no_grad():
+            model.weight.add_(100.0)  # the new timeline's step 8: other bytes
+        manager.save(8)
+    finally:
+        release.set()
+        manager.close()
+
+    mirror = open_mirror(target)
+    in_mirror = list_mirrored(mirror)
+    assert sorted(in_mirror) == [2, 4, 8]
+    assert in_mirror[8].files == read_manifest(run / "checkpoints" / "global_step_8").files  # the new timeline's
+    assert not mirror.fs.find(mirror.path("global_step_6")) and not mirror.fs.find(mirror.path("global_step_10"))
+    uploaded = [e["step"] for e in events(run, "checkpoint_mirrored") if not e["already_complete"]]
+    assert uploaded == ([2, 4, 6, 8, 8] if in_flight == "finishes" else [2, 4, 6, 8])
+    removed = [(e["step"], e["reason"]) for e in events(run, "checkpoint_deleted") if e["tier"] == "mirror"]
+    assert removed == [(step, "abandoned by a rollback") for step in ([8, 6] if in_flight == "finishes" else [6])]
+    assert not events(run, "mirror_failed")
+    # --resume URL in a fresh run directory gets the new timeline's step 8
+    fresh = tmp_path / "fresh" / "checkpoints"
+    assert restore_for_resume(target, fresh, None) == "auto"
+    assert sorted(p.name for p in fresh.glob("global_step_*")) == ["global_step_8"]
+    assert read_manifest(fresh / "global_step_8").files == in_mirror[8].files
+
+
+def test_resume_from_the_mirror_after_a_rollback_continues_the_new_timeline(s3, cli, committed_run, tmp_path):
+    """Checkpoints 4 and 8 are mirrored; a run resumed from 4 spikes at 6, rolls back to 4 (abandoning
+    8) and stops at 7. The mirror then holds 4 and 7, and ``--resume URL`` in a fresh run directory
+    continues from the new timeline's 7, with the rollback's skipped window, not from the abandoned 8."""
+    run, target = tmp_path / "run", url(s3, "rollback-e2e")
+    shutil.copytree(committed_run, run)
+    assert cli("ckpt", "backup", str(run), target)[0] == 0
+    assert sorted(list_mirrored(open_mirror(target, s3.endpoint))) == [4, 8]
+    proc = trainguard("train", "--nproc", "2", "--steps", "8", "--run-dir", str(run), *TINY, "--save-interval", "4",
+                      "--resume", str(run / "checkpoints" / "global_step_4"), *ROLLBACK,
+                      "--set", "train.exit_at_step=7", "--set", f"checkpoint.mirror.url={target}",
+                      env=cli_env(s3, TRAINGUARD_FAULTS="spike:step=6"), timeout=600)
+    ok(proc)
+    assert [e["to_step"] for e in events(run, "rollback")] == [4]
+    removed = [e for e in events(run, "checkpoint_deleted") if e["tier"] == "mirror"]
+    assert [(e["step"], e["reason"]) for e in removed] == [(8, "abandoned by a rollback")]
+    assert "mirror: deleted global_step_8 from " in proc.stdout + proc.stderr
+    assert sorted(list_mirrored(open_mirror(target, s3.endpoint))) == [4, 7]
+
+    fresh = tmp_path / "fresh"
+    ok(train_s3(s3, fresh, 2, 8, "--save-interval", "4", "--resume", target))
+    started = events(fresh, "run_started")[-1]
+    assert started["step"] == 7 and started["resumed_from"].endswith("global_step_7")
+    assert sampler_state(fresh / "checkpoints" / "global_step_8")["skipped"] == [[16, 28]]
+
+
+def sampler_state(ckpt_dir: Path, rank: int = 0) -> dict:
+    from trainguard.checkpoint.layout import extra_state_name
+    from trainguard.checkpoint.safe_load import safe_torch_load
+
+    return safe_torch_load(ckpt_dir / extra_state_name(2, rank))["stateful"]["sampler"]

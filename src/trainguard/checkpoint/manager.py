@@ -295,6 +295,8 @@ class CheckpointManager:
         return step
 
     def _abandon_after(self, step: int) -> None:
+        if self.mirror is not None:  # first, so that no upload of an abandoned step starts after this
+            self.mirror.abandon_after(step)
         for info in reversed(list_checkpoints(self.root)):
             if info.step <= step:
                 break

@@ -2,24 +2,39 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 
 
-def send_bytes(data: bytes, dst: int, group: dist.ProcessGroup | None) -> None:
+def read_for_sending(path: Path) -> bytearray:
+    """A file's bytes in a writable buffer, which a tensor can wrap without another copy."""
+    with open(path, "rb", buffering=0) as f:
+        data = bytearray(os.fstat(f.fileno()).st_size)
+        view, done = memoryview(data), 0
+        while done < len(data) and (count := f.readinto(view[done:])):
+            done += count
+    if done != len(data):
+        raise OSError(f"{path}: shrank while it was read")
+    return data
+
+
+def send_bytes(data: bytearray, dst: int, group: dist.ProcessGroup | None) -> None:
     dist.send(torch.tensor([len(data)], dtype=torch.int64), dst=dst, group=group)
     if data:
-        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=dst, group=group)
+        dist.send(torch.frombuffer(data, dtype=torch.uint8), dst=dst, group=group)
 
 
-def recv_bytes(src: int, group: dist.ProcessGroup | None) -> bytes:
+def recv_bytes(src: int, group: dist.ProcessGroup | None) -> memoryview:
     size = torch.empty(1, dtype=torch.int64)
     dist.recv(size, src=src, group=group)
     if not int(size):
-        return b""
+        return memoryview(b"")
     data = torch.empty(int(size), dtype=torch.uint8)
     dist.recv(data, src=src, group=group)
-    return data.numpy().tobytes()
+    return memoryview(data.numpy())
 
 
 def swap_in_ring(data: bytes, send_to: int | None, recv_from: int | None, group: dist.ProcessGroup | None) -> bytes | None:

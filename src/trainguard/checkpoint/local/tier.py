@@ -16,17 +16,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import xxhash
 
-from trainguard.checkpoint.checksum import CHECKSUM_ALGORITHM
 from trainguard.checkpoint.fsio import atomic_write_json
 from trainguard.checkpoint.layout import step_dir_name
-from trainguard.checkpoint.local.exchange import recv_bytes, send_bytes, swap_in_ring
+from trainguard.checkpoint.local.exchange import read_for_sending, recv_bytes, send_bytes, swap_in_ring
 from trainguard.checkpoint.local.paths import FSDP_CONFIG_NAME, HF_DIR_NAME, node_of, rank_file_names, resolve_local_dir
 from trainguard.checkpoint.local.plan import StepPlan, buddy_of, plan_step
 from trainguard.checkpoint.local.reader import StepHoldings, rank_holdings
 from trainguard.checkpoint.local.state import load_local_state, local_state, param_layout
 from trainguard.checkpoint.local.writer import (
+    BytesMismatch,
     SavedStep,
     clean_rank_leftovers,
     commit_rank_manifest,
@@ -194,16 +193,16 @@ class LocalTier:
         received = 0
         for transfer in plan.transfers:
             if transfer.src == self.rank:
-                send_bytes((step_dir / transfer.src_path).read_bytes(), transfer.dst, self.group)
+                send_bytes(read_for_sending(step_dir / transfer.src_path), transfer.dst, self.group)
             if transfer.dst == self.rank:
                 data = recv_bytes(transfer.src, self.group)
-                checksum = f"{CHECKSUM_ALGORITHM}:{xxhash.xxh3_64(data).hexdigest()}"
-                if checksum != transfer.entry.checksum or len(data) != transfer.entry.size:
-                    raise CheckpointError(f"{transfer.dst_path} of step {plan.step} from rank {transfer.src}: "
-                                          "received bytes do not match the sender's manifest")
                 target = step_dir / transfer.dst_path
                 target.parent.mkdir(parents=True, exist_ok=True)
-                entry = write_file_durably(target, lambda stream, data=data: stream.write(data))
+                try:  # hashed as it is written; bytes that do not match never take the file's name
+                    entry = write_file_durably(target, lambda stream, data=data: stream.write(data), transfer.entry)
+                except BytesMismatch:
+                    raise CheckpointError(f"{transfer.dst_path} of step {plan.step} from rank {transfer.src}: "
+                                          "received bytes do not match the sender's manifest") from None
                 entries[transfer.dst_path] = FileEntry(transfer.dst_path, entry.size, entry.checksum)
                 received += len(data)
         if incoming:

@@ -6,6 +6,7 @@ import io
 import json
 import logging
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -745,3 +746,31 @@ def test_a_malformed_faulty_ranks_file_is_one_clear_error(tmp_path):
 
 def test_faulty_device_error_exits_17():
     assert FaultyDeviceError("x").exit_code == EXIT_FAULTY_HARDWARE == 17
+
+
+def _write_many(path: Path, host: str, barrier, rounds: int) -> None:
+    barrier.wait()
+    for strike in range(rounds):
+        write_faulty_ranks(path, [{"rank": 0, "host": host, "local_device": 0,
+                                   "strikes": [{"step": s, "rank": 0, "time": float(s), "kind": "transient"}
+                                               for s in range(strike + 1)]}])
+
+
+def test_concurrent_writers_of_faulty_ranks_json_lose_no_entry(tmp_path):
+    """Ranks that reach their strike limit in the same step write the file at the same time."""
+    import multiprocessing
+
+    path = faulty_ranks_path(tmp_path)
+    context = multiprocessing.get_context("fork")
+    hosts = [f"node{i:02d}" for i in range(6)]
+    barrier = context.Barrier(len(hosts))
+    workers = [context.Process(target=_write_many, args=(path, host, barrier, 25)) for host in hosts]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=120)
+        assert worker.exitcode == 0
+    entries = {e["host"]: e for e in read_faulty_ranks(path)}
+    assert sorted(entries) == hosts
+    assert all(len(e["strikes"]) == 25 for e in entries.values())
+    assert [p.name for p in path.parent.iterdir()] == ["faulty_ranks.json"]

@@ -36,12 +36,14 @@ reruns the same step.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
 import struct
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -286,12 +288,27 @@ def write_faulty_ranks(path: str | os.PathLike, entries: Sequence[Mapping[str, A
     """Merges ``entries`` (e.g. ``StrikeBook.faulty_entries()``, possibly gathered from every rank)
     into the file at ``path`` (normally ``faulty_ranks_path(run_dir)``; parent directories are
     created) and rewrites it atomically. An entry replaces the file's entry for the same (host,
-    local device); the others are kept. Returns the entries written. One writer at a time."""
+    local device); the others are kept. Returns the entries written. Writers are serialised by a lock
+    on the file's directory (several ranks reach their strike limit in the same step: without it, one
+    rank's read-merge-write could drop another's entry)."""
     path = Path(path)
-    merged: dict[tuple[str, str], dict[str, Any]] = {}
-    for entry in [*read_faulty_ranks(path), *(_validate_entry(_plain(dict(e))) for e in entries)]:
-        merged[(entry["host"], str(entry["local_device"]))] = entry
-    records = list(merged.values())
+    new_entries = [_validate_entry(_plain(dict(e))) for e in entries]
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(path, records, indent=4)
+    with _directory_lock(path.parent):
+        merged: dict[tuple[str, str], dict[str, Any]] = {}
+        for entry in [*read_faulty_ranks(path), *new_entries]:
+            merged[(entry["host"], str(entry["local_device"]))] = entry
+        records = list(merged.values())
+        atomic_write_json(path, records, indent=4)
     return records
+
+
+@contextmanager
+def _directory_lock(directory: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on the directory itself: no lock file is left behind."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock

@@ -72,15 +72,21 @@ def clip_grads_(grads: list[torch.Tensor], max_norm: float, total_norm: float) -
 
 
 def clip_grad_norm_(
-    parameters: Iterable[torch.nn.Parameter], max_norm: float, group: dist.ProcessGroup | None = None
+    parameters: Iterable[torch.nn.Parameter], max_norm: float, group: dist.ProcessGroup | None = None,
+    pipeline_stages: int = 1,
 ) -> float:
     """``torch.nn.utils.clip_grad_norm_`` for any mix of FSDP2/HSDP/TP DTensors; returns the true norm.
 
-    ``group`` spans every rank holding a piece of these parameters (the world without pipelining).
+    ``group`` (default: the world) spans every rank of the model. With pipelining, each rank passes
+    its own stage's parameters and ``pipeline_stages`` (the pp degree): the stages' sums then add up
+    in the same all-reduce, and every stage gets the norm of the whole model.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     ranks = dist.get_world_size(group) if dist.is_initialized() else 1
+    if pipeline_stages < 1 or ranks % pipeline_stages:
+        raise ValueError(f"pipeline_stages={pipeline_stages} does not divide the {ranks} ranks of the group")
     device = grads[0].device if grads else torch.device("cpu")
-    norm, _ = global_norm_and_sums(grads, torch.zeros(0, device=device), ranks_per_stage=ranks, group=group)
+    norm, _ = global_norm_and_sums(grads, torch.zeros(0, device=device), ranks_per_stage=ranks // pipeline_stages,
+                                   group=group)
     clip_grads_(grads, max_norm, norm)
     return norm

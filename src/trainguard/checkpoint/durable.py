@@ -25,6 +25,7 @@ import pickle
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,9 +113,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 # ------------------------------------------------------------------------------------------ save side
-# Writes are cut into pieces of this size: each piece is hashed while it is hot in the CPU cache, and
-# the kernel is asked to start writing back every _WRITEBACK_CHUNK as soon as it is complete, so the
-# disk works while later bytes are serialized instead of all at the closing fsync.
+# Large writes are handed to the kernel and hashed in pieces of this size, and the kernel is asked to
+# start writing back every _WRITEBACK_CHUNK as soon as it is complete, so the disk works while later
+# bytes are serialized instead of all at the closing fsync.
 _PIECE = 4 << 20
 _WRITEBACK_CHUNK = 16 << 20
 # Smaller writes (zip headers and pickles of torch.save records, serialized objects: thousands per
@@ -138,6 +139,7 @@ class _HashingFile:
         self._written_back = 0
         self._digest = xxhash.xxh3_64()
         self._pending = bytearray()  # small writes not yet handed to the kernel (already hashed)
+        self._hasher: ThreadPoolExecutor | None = None
 
     def write(self, data: Any) -> int:
         view = memoryview(data)
@@ -152,13 +154,24 @@ class _HashingFile:
                 self._flush_pending()
             return total
         self._flush_pending()
-        for start in range(0, total, _PIECE):
-            piece = view[start : start + _PIECE]
-            self._digest.update(piece)
-            self._write_out(piece)
+        # Hashed on a second thread while this one copies the same bytes into the page cache (both
+        # release the GIL); waited for before returning, so the caller's buffer outlives the hashing
+        # and the digest sees every write in file order.
+        if self._hasher is None:
+            self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainguard-hash")
+        hashed = self._hasher.submit(self._hash_pieces, view)
+        try:
+            for start in range(0, total, _PIECE):
+                self._write_out(view[start : start + _PIECE])
+        finally:
+            hashed.result()
         self._position += total
         self._start_writeback()
         return total
+
+    def _hash_pieces(self, view: memoryview) -> None:
+        for start in range(0, view.nbytes, _PIECE):
+            self._digest.update(view[start : start + _PIECE])
 
     def _write_out(self, view: memoryview) -> None:
         while view:
@@ -194,6 +207,9 @@ class _HashingFile:
         return self._position, _checksum_of(self._digest)
 
     def close(self) -> None:
+        if self._hasher is not None:
+            self._hasher.shutdown()
+            self._hasher = None
         if self._fd >= 0:
             fd, self._fd = self._fd, -1
             os.close(fd)

@@ -289,13 +289,21 @@ class ChecksummingFileSystemWriter(FileSystemWriter):
         return future
 
 
+def _plain(value: Any) -> bool:
+    if type(value) is tuple:
+        return all(_plain(item) for item in value)
+    return value is None or type(value) in (bool, int, float, complex, str, bytes)
+
+
 class _SerializeOnceSavePlanner(DefaultSavePlanner):
     """DCP's planner, except that equal non-tensor values are ``torch.save``d once per save.
 
     The flattened optimizer state holds each hyperparameter once per parameter (``lr``, ``betas``,
     ``eps``, flags...: hundreds of values, few distinct ones); ``torch.save`` of each took longer than
-    the rest of planning. Values are equal when they pickle to the same bytes, and ``torch.save`` of
-    equal values gives equal bytes, so the shard is byte for byte what DCP's planner would give.
+    the rest of planning. Only plain values (numbers, strings, None and tuples of them) are shared:
+    two are equal when they pickle to the same bytes (so 1, 1.0 and True stay apart), and
+    ``torch.save`` of equal plain values gives equal bytes, so the shard is byte for byte what DCP's
+    planner would give.
     """
 
     def __init__(self) -> None:
@@ -303,12 +311,9 @@ class _SerializeOnceSavePlanner(DefaultSavePlanner):
         self._serialized: dict[bytes, bytes] = {}
 
     def transform_object(self, write_item, object: Any):
-        if write_item.type != WriteItemType.BYTE_IO:
+        if write_item.type != WriteItemType.BYTE_IO or not _plain(object):
             return super().transform_object(write_item, object)
-        try:
-            key = pickle.dumps(object, protocol=torch.serialization.DEFAULT_PROTOCOL)
-        except Exception:  # not picklable on its own: torch.save decides (and names the failure)
-            return super().transform_object(write_item, object)
+        key = pickle.dumps(object, protocol=torch.serialization.DEFAULT_PROTOCOL)
         serialized = self._serialized.get(key)
         if serialized is None:
             serialized = self._serialized[key] = super().transform_object(write_item, object).getvalue()

@@ -13,7 +13,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from trainguard.checkpoint.checksum import file_checksum
-from trainguard.checkpoint.durable import ChecksummingFileSystemWriter, read_full_state_dict
+from trainguard.checkpoint.durable import (
+    ChecksummingFileSystemWriter,
+    _HashingFile,
+    _SerializeOnceSavePlanner,
+    read_full_state_dict,
+)
 from trainguard.checkpoint.staging import ReusableStager
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -112,6 +117,40 @@ def test_writer_writes_dcp_layout_and_hashes_what_it_wrote(tmp_path):
     loaded = read_full_state_dict(tmp_path / "ours")
     assert torch.equal(loaded["model.t"], state["model"]["t"])
     assert torch.equal(loaded["optim.state.w.exp_avg"], state["optim"]["state"]["w"]["exp_avg"])
+
+
+def test_serializing_equal_values_once_changes_no_byte(tmp_path):
+    """The save planner serializes each distinct non-tensor value once; the shard is the same bytes."""
+    state = _state()
+    groups = state["optim"]["param_groups"]
+    groups += [{"lr": 0.1, "params": ["t"], "betas": (0.9, 0.95)}, {"lr": 1, "params": [], "betas": (True, 0.95), "eps": 1.0, "foreach": True}]
+    previous = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)  # only so the planner's torch.save of values matches
+    try:
+        dcp.save(state, storage_writer=ChecksummingFileSystemWriter(tmp_path / "once"),
+                 planner=_SerializeOnceSavePlanner(), no_dist=True)
+        dcp.save(state, storage_writer=ChecksummingFileSystemWriter(tmp_path / "each"), no_dist=True)
+    finally:
+        torch.serialization.set_crc32_options(previous)
+    assert (tmp_path / "once" / "__0_0.distcp").read_bytes() == (tmp_path / "each" / "__0_0.distcp").read_bytes()
+    loaded = read_full_state_dict(tmp_path / "once")
+    values = {key: value for key, value in loaded.items() if key.startswith("optim.param_groups")}
+    # 1, 1.0 and True are equal in Python, yet each is read back as itself
+    for key in ("lr", "eps", "foreach", "betas"):
+        assert repr(values[f"optim.param_groups.2.{key}"]) == repr(groups[2][key])
+    assert [values[f"optim.param_groups.{i}.betas"] for i in range(3)] == [group["betas"] for group in groups]
+
+
+def test_hashing_file_coalesces_small_writes_in_order(tmp_path):
+    path = tmp_path / "f"
+    stream = _HashingFile(path)
+    chunks = [b"a" * 10, bytes(range(256)) * 300, b"b" * 3, os.urandom(5 << 20), b"c" * 7, b"d" * 70_000]
+    for chunk in chunks:
+        assert stream.write(chunk) == len(chunk)
+    assert stream.tell() == sum(map(len, chunks))
+    size, checksum = stream.close_durably()
+    assert path.read_bytes() == b"".join(chunks)
+    assert (size, checksum) == (os.path.getsize(path), file_checksum(path))
 
 
 # --- two ranks: FSDP2 DTensors, an async save, the live state mutated right after save() returns ---

@@ -25,6 +25,7 @@ import pickle
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import xxhash
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.state_dict import (
@@ -112,13 +113,15 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 # ------------------------------------------------------------------------------------------ save side
-# Writes are cut into pieces of this size: each piece is hashed while it is hot in the CPU cache, and
-# the kernel is asked to start writing back every _WRITEBACK_CHUNK as soon as it is complete, so the
-# disk works while later bytes are serialized instead of all at the closing fsync.
+# Large writes are handed to the kernel and hashed in pieces of this size, and the kernel is asked to
+# start writing back every _WRITEBACK_CHUNK as soon as it is complete, so the disk works while later
+# bytes are serialized instead of all at the closing fsync.
 _PIECE = 4 << 20
 _WRITEBACK_CHUNK = 16 << 20
-
-
+# Smaller writes (zip headers and pickles of torch.save records, serialized objects: thousands per
+# shard) are gathered into one buffer and written together, one system call per _COALESCE bytes.
+_SMALL_WRITE = 64 << 10
+_COALESCE = 1 << 20
 
 
 def _checksum_of(digest: Any) -> str:
@@ -135,40 +138,78 @@ class _HashingFile:
         self._position = 0
         self._written_back = 0
         self._digest = xxhash.xxh3_64()
+        self._pending = bytearray()  # small writes not yet handed to the kernel (already hashed)
+        self._hasher: ThreadPoolExecutor | None = None
 
     def write(self, data: Any) -> int:
         view = memoryview(data)
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
         total = view.nbytes
-        for start in range(0, total, _PIECE):
-            piece = view[start : start + _PIECE]
-            self._digest.update(piece)
-            while piece:
-                piece = piece[os.write(self._fd, piece) :]
+        if total < _SMALL_WRITE:
+            self._digest.update(view)
+            self._pending += view
+            self._position += total
+            if len(self._pending) >= _COALESCE:
+                self._flush_pending()
+            return total
+        self._flush_pending()
+        # Hashed on a second thread while this one copies the same bytes into the page cache (both
+        # release the GIL); waited for before returning, so the caller's buffer outlives the hashing
+        # and the digest sees every write in file order.
+        if self._hasher is None:
+            self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainguard-hash")
+        hashed = self._hasher.submit(self._hash_pieces, view)
+        try:
+            for start in range(0, total, _PIECE):
+                self._write_out(view[start : start + _PIECE])
+        finally:
+            hashed.result()
         self._position += total
+        self._start_writeback()
+        return total
+
+    def _hash_pieces(self, view: memoryview) -> None:
+        for start in range(0, view.nbytes, _PIECE):
+            self._digest.update(view[start : start + _PIECE])
+
+    def _write_out(self, view: memoryview) -> None:
+        while view:
+            view = view[os.write(self._fd, view) :]
+
+    def _flush_pending(self) -> None:
+        if self._pending:
+            with memoryview(self._pending) as pending:
+                self._write_out(pending)
+            self._pending = bytearray()
+
+    def _start_writeback(self) -> None:
         if sync_file_range is not None and self._position - self._written_back >= _WRITEBACK_CHUNK:
             # asynchronous: starts writeback of what is complete; durability still comes from fsync
             pending = self._position - self._written_back
             sync_file_range(self._fd, self._written_back, pending, SYNC_FILE_RANGE_WRITE)
             self._written_back = self._position
-        return total
 
     def tell(self) -> int:
         return self._position
 
     def flush(self) -> None:
-        pass
+        self._flush_pending()
 
     def fileno(self) -> int:
+        self._flush_pending()
         return self._fd
 
     def close_durably(self) -> tuple[int, str]:
+        self._flush_pending()
         os.fsync(self._fd)
         self.close()
         return self._position, _checksum_of(self._digest)
 
     def close(self) -> None:
+        if self._hasher is not None:
+            self._hasher.shutdown()
+            self._hasher = None
         if self._fd >= 0:
             fd, self._fd = self._fd, -1
             os.close(fd)
@@ -246,6 +287,37 @@ class ChecksummingFileSystemWriter(FileSystemWriter):
         future = torch.futures.Future()
         future.set_result(results)
         return future
+
+
+def _plain(value: Any) -> bool:
+    if type(value) is tuple:
+        return all(_plain(item) for item in value)
+    return value is None or type(value) in (bool, int, float, complex, str, bytes)
+
+
+class _SerializeOnceSavePlanner(DefaultSavePlanner):
+    """DCP's planner, except that equal non-tensor values are ``torch.save``d once per save.
+
+    The flattened optimizer state holds each hyperparameter once per parameter (``lr``, ``betas``,
+    ``eps``, flags...: hundreds of values, few distinct ones); ``torch.save`` of each took longer than
+    the rest of planning. Only plain values (numbers, strings, None and tuples of them) are shared:
+    two are equal when they pickle to the same bytes (so 1, 1.0 and True stay apart), and
+    ``torch.save`` of equal plain values gives equal bytes, so the shard is byte for byte what DCP's
+    planner would give.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._serialized: dict[bytes, bytes] = {}
+
+    def transform_object(self, write_item, object: Any):
+        if write_item.type != WriteItemType.BYTE_IO or not _plain(object):
+            return super().transform_object(write_item, object)
+        key = pickle.dumps(object, protocol=torch.serialization.DEFAULT_PROTOCOL)
+        serialized = self._serialized.get(key)
+        if serialized is None:
+            serialized = self._serialized[key] = super().transform_object(write_item, object).getvalue()
+        return io.BytesIO(serialized)
 
 
 @dataclass
@@ -384,7 +456,8 @@ class DurableCheckpointer:
             except Exception as exc:
                 failure = exc
             writer = ChecksummingFileSystemWriter(job.tmp)
-            dcp.save(state, storage_writer=writer, process_group=self.process_group)
+            dcp.save(state, storage_writer=writer, planner=_SerializeOnceSavePlanner(),
+                     process_group=self.process_group)
             entries.update(writer.written)
             if failure is None and extra is not None:
                 try:

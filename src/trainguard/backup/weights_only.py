@@ -12,10 +12,11 @@ import torch
 from safetensors.torch import save_file
 
 from trainguard.checkpoint.durable import read_full_state_dict
+from trainguard.checkpoint.layout import HF_DIR
 from trainguard.checkpoint.manifest import Manifest, build_manifest, read_manifest, write_manifest
 
 WEIGHTS_FILE = "model.safetensors"
-STATIC_DIRS = ("huggingface",)
+STATIC_DIRS = (HF_DIR,)
 
 
 def export_weights_only(ckpt_dir: Path, out_dir: Path) -> Manifest:

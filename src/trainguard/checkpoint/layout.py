@@ -13,6 +13,8 @@ import secrets
 MANIFEST_NAME = "trainguard.json"
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 HEALTH_FILE = "health_ckpts.json"
+HF_DIR = "huggingface"
+"""The model's config and tokenizer beside its weights (a checkpoint's, a local directory's, a merge's)."""
 
 STEP_DIR_PREFIX = "global_step_"
 TEMP_MARKER = ".tmp-"

@@ -36,11 +36,11 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from trainguard.checkpoint.durable import _HashingFile, _save_tensor
-from trainguard.checkpoint.layout import MANIFEST_NAME, parse_step_dir
+from trainguard.checkpoint.layout import HF_DIR, MANIFEST_NAME, parse_step_dir
 from trainguard.checkpoint.manifest import FileEntry, build_manifest, read_manifest, write_manifest
 from trainguard.checkpoint.safe_load import DCP_METADATA_NAME, safe_torch_load
 from trainguard.errors import CheckpointError, ConfigError
-from trainguard.merge.merger import HF_DIR, hf_dir_of, stream_full_tensors
+from trainguard.merge.merger import hf_dir_of, stream_full_tensors
 from trainguard.merge.pieces import CheckpointContents, read_piece
 from trainguard.merge.read_ranks import rank_file_dirs
 from trainguard.merge.source import open_checkpoint
@@ -202,8 +202,9 @@ def convert_checkpoint(source: Path, target: Path, fmt: str, *, force: bool = Fa
             (staging / UNIVERSAL_INDEX).write_text(json.dumps(index, indent=2) + "\n")
         for path in extra_files:
             shutil.copy2(path, staging / path.name)
-        if hf_dir_of(source).is_dir():
-            shutil.copytree(hf_dir_of(source), staging / HF_DIR)
+        hf_dir = hf_dir_of(source)
+        if hf_dir.is_dir():
+            shutil.copytree(hf_dir, staging / HF_DIR)
         manifest = build_manifest(staging, step=step, world_size=contents.world_size,
                                   mesh_shape=contents.mesh_shape, mesh_dim_names=contents.mesh_dim_names,
                                   trainer_state=trainer_state, known=known,

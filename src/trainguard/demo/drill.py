@@ -22,6 +22,7 @@ from rich.table import Table
 
 from trainguard.checkpoint.durable import read_full_state_dict
 from trainguard.events import read_events
+from trainguard.merge.read_ranks import flatten
 from trainguard.runtime.heartbeat import read_heartbeats
 
 NORM_SITE = "model.layers.0.input_layernorm"
@@ -141,14 +142,8 @@ def _final_timeline_skips(events: list[dict]) -> tuple[list[int], int]:
     return sorted(s for s, skipped in last_attempt.items() if skipped and s <= final), final
 
 
-def _tensors(d: dict, prefix: str = "") -> dict[str, torch.Tensor]:
-    out = {}
-    for key, value in d.items():
-        if isinstance(value, dict):
-            out.update(_tensors(value, f"{prefix}{key}."))
-        elif isinstance(value, torch.Tensor):
-            out[prefix + key] = value
-    return out
+def _tensors(state: dict) -> dict[str, torch.Tensor]:
+    return {key: value for key, value in flatten(state).items() if isinstance(value, torch.Tensor)}
 
 
 def _identical(a: Path, b: Path) -> bool:

@@ -28,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 from trainguard.checkpoint.discovery import write_latest
 from trainguard.checkpoint.durable import ChecksummingFileSystemWriter, _fsync_tree
 from trainguard.checkpoint.fsio import commit_directory, fsync_file
-from trainguard.checkpoint.layout import extra_state_name, step_dir_name, temp_dir_name
+from trainguard.checkpoint.layout import HF_DIR, extra_state_name, step_dir_name, temp_dir_name
 from trainguard.checkpoint.manifest import FileEntry, build_manifest, write_manifest
 from trainguard.errors import ConfigError
 from trainguard.hf.config import hf_tensors, read_hf_config, tensors_to_load
@@ -65,7 +65,7 @@ def _read_weights(hf_dir: Path, progress: bool) -> dict[str, torch.Tensor]:
 
 
 def _write_static_files(hf_dir: Path, directory: Path) -> None:
-    target = directory / "huggingface"
+    target = directory / HF_DIR
     read_hf_config(hf_dir).save_pretrained(target)
     for name in TOKENIZER_FILES:
         if (hf_dir / name).is_file():

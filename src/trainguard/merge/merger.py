@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from trainguard.checkpoint.layout import HF_DIR
 from trainguard.errors import CheckpointError
 from trainguard.merge.hf_layout import DTYPE_NAMES, MergePlan, load_config, plan_merge
 from trainguard.merge.pieces import Piece, ShardedTensor, assemble, read_piece
@@ -26,7 +27,6 @@ from trainguard.merge.source import open_checkpoint
 from trainguard.merge.target import check_target, staged_directory
 from trainguard.topology.group_info import GROUP_INFO_NAME
 
-HF_DIR = "huggingface"
 READ_THREADS = 4
 PREFETCH = 1
 

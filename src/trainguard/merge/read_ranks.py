@@ -26,7 +26,7 @@ from trainguard.errors import CheckpointError, UnsafeCheckpointError
 from trainguard.merge import mapped_pages
 from trainguard.merge.pieces import CheckpointContents, Piece, ShardedTensor
 from trainguard.merge.placement import Placement, coordinate, local_block, parse_placement, placement_of, SHARD
-from trainguard.topology.group_info import GROUP_INFO_NAME
+from trainguard.topology.group_info import GROUP_INFO_NAME, read_group_info
 
 FSDP_CONFIG = "fsdp_config.json"
 _RANK_FILE = re.compile(r"(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt")
@@ -132,10 +132,7 @@ def rank_file_dirs(directory: Path) -> list[Path]:
     info = directory.parent / GROUP_INFO_NAME
     if not info.is_file():
         return [directory]
-    try:
-        recorded = {Path(d).resolve() for d in json.loads(info.read_text(encoding="utf-8"))["rank_dirs"].values()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CheckpointError(f"{info}: unreadable ({type(exc).__name__}: {exc})") from None
+    recorded = {Path(d).resolve() for d in read_group_info(info).rank_dirs.values()}
     local_dir = directory.parent.resolve()
     if local_dir not in recorded:
         recorded = {p.parent.resolve() for p in local_dir.parent.glob(f"*/{GROUP_INFO_NAME}")}

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from trainguard.checkpoint.fsio import fsync_file
+from trainguard.checkpoint.layout import HF_DIR
 from trainguard.checkpoint.local.setup import build_local_tier, fire_wipe_faults
 from trainguard.checkpoint.manager import CheckpointManager
 from trainguard.checkpoint.rng_state import capture_rng_state, restore_rng_state, seed_everything
@@ -160,7 +161,7 @@ class Trainer:
         self.max_embedding_norm: float | None = None
 
     def _write_static_files(self, directory: Path) -> None:
-        hf_dir = directory / "huggingface"
+        hf_dir = directory / HF_DIR
         self.model_config.save_pretrained(hf_dir)
         self.tokenizer.save_pretrained(hf_dir)
         for path in hf_dir.iterdir():
@@ -399,8 +400,7 @@ class Trainer:
                     self.checkpoints.save(self.step, self._trainer_state(last_loss), health=self._checkpoint_health()))
             # a step judged unhealthy stays out of the local tier: auto resume prefers a local step to an
             # older durable one and would bring it back (the durable copy is kept, marked, for inspection)
-            unhealthy = bool((self._checkpoint_health() or {}).get("is_health"))
-            if self.checkpoints.should_save_local(self.step) and not unhealthy:
+            if self.checkpoints.should_save_local(self.step) and not (self._checkpoint_health() or {}).get("is_health"):
                 self.checkpoints.save_local(self.step)
                 fire_wipe_faults(self.faults, self.checkpoints.local, self.step)
             self.lifecycle.beat("step", self.step)

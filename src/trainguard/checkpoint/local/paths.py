@@ -14,8 +14,6 @@ from trainguard.errors import ConfigError
 
 DEFAULT_LOCAL_DIR = "local/node{node}"
 FSDP_CONFIG_NAME = "fsdp_config.json"
-HF_DIR_NAME = "huggingface"
-"""Per local directory (next to ``group_info.json``): the model's config and tokenizer, for a merger."""
 REPLICA_DIR = "replica"
 """Per step: copies of other ranks' extra state (``replica/extra_state_world_size_W_rank_Q.pt``)."""
 

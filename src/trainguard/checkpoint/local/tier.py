@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from trainguard.checkpoint.fsio import atomic_write_json
-from trainguard.checkpoint.layout import step_dir_name
+from trainguard.checkpoint.layout import HF_DIR, step_dir_name
 from trainguard.checkpoint.local.exchange import read_for_sending, recv_bytes, send_bytes, swap_in_ring
-from trainguard.checkpoint.local.paths import FSDP_CONFIG_NAME, HF_DIR_NAME, node_of, rank_file_names, resolve_local_dir
+from trainguard.checkpoint.local.paths import FSDP_CONFIG_NAME, node_of, rank_file_names, resolve_local_dir
 from trainguard.checkpoint.local.plan import StepPlan, buddy_of, plan_step
 from trainguard.checkpoint.local.reader import StepHoldings, rank_holdings
 from trainguard.checkpoint.local.state import load_local_state, local_state, param_layout
@@ -79,7 +79,7 @@ class LocalTier:
         if self.rank == self.group_info.ranks[0]:  # one writer per directory
             atomic_write_json(self.dir / GROUP_INFO_NAME, self.group_info.to_dict())
             # huggingface/ (config, tokenizer) once per directory, as a merger of a local step needs it
-            if self.static_files is not None and not (self.dir / HF_DIR_NAME / "config.json").exists():
+            if self.static_files is not None and not (self.dir / HF_DIR / "config.json").exists():
                 self.static_files(self.dir)
 
     def _all_gather(self, value: Any) -> list[Any]:

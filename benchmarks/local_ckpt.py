@@ -115,7 +115,7 @@ def main(argv: list[str]) -> int:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     silence_console()
-    from trainguard.checkpoint.layout import step_dir_name
+    from trainguard.fs.layout import step_dir_name
     from trainguard.checkpoint.local.repair import discover, repair_step
     from trainguard.checkpoint.local.tier import LocalTier
     from trainguard.checkpoint.manager import CheckpointManager

@@ -1,88 +1,12 @@
-"""Shared helpers: launching the reference trainer as users do, and reading what a run left."""
+"""Session fixtures shared by the tests (helpers live in tests/helpers/)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from trainguard.checkpoint.layout import extra_state_name, step_dir_name
-from trainguard.checkpoint.manifest import build_manifest, write_manifest
-
-# A model and batch small enough for many multi-process runs on two CPU cores.
-TINY = ["--set", "model.preset=llama-micro", "--set", "data.seq_len=32", "--set", "data.micro_batch_size=2"]
-
-
-def worker_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("TRAINGUARD_FAULTS", None)
-    env["OMP_NUM_THREADS"] = "1"
-    env.update(extra)
-    return env
-
-
-def trainguard(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Runs ``python -m trainguard ARGS`` and returns the finished process (output captured)."""
-    return subprocess.run(
-        [sys.executable, "-m", "trainguard", *args],
-        env=env or worker_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def train(run_dir: Path, nproc: int, steps: int, *extra: str, faults: str | None = None,
-          timeout: float = 300) -> subprocess.CompletedProcess:
-    env = worker_env(**({"TRAINGUARD_FAULTS": faults} if faults else {}))
-    return trainguard("train", "--nproc", str(nproc), "--steps", str(steps), "--run-dir", str(run_dir),
-                      *TINY, *extra, env=env, timeout=timeout)
-
-
-def events(run_dir: Path, kind: str | None = None) -> list[dict]:
-    from trainguard.events import read_events
-
-    path = Path(run_dir) / "events.jsonl"
-    return list(read_events(path, kind)) if path.exists() else []
-
-
-def step_losses(run_dir: Path) -> dict[int, float]:
-    """The loss logged for each step; a step redone after a crash keeps its last value."""
-    return {e["step"]: e["loss"] for e in events(run_dir, "step")}
-
-
-def flat_state(ckpt_dir: Path) -> dict[str, object]:
-    from trainguard.checkpoint.durable import read_full_state_dict
-
-    def flatten(d: dict, prefix: str = "") -> dict:
-        out = {}
-        for key, value in d.items():
-            if isinstance(value, dict):
-                out.update(flatten(value, f"{prefix}{key}."))
-            else:
-                out[prefix + key] = value
-        return out
-
-    return flatten(read_full_state_dict(ckpt_dir))
-
-
-def assert_same_tensors(a_dir: Path, b_dir: Path) -> int:
-    a, b = flat_state(a_dir), flat_state(b_dir)
-    assert a.keys() == b.keys()
-    tensors = [k for k, v in a.items() if isinstance(v, torch.Tensor)]
-    different = [k for k in tensors if not torch.equal(a[k], b[k])]
-    assert not different, f"tensors differ: {different[:5]}"
-    return len(tensors)
-
-
-def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc
+from helpers.runs import ok, train
 
 
 @pytest.fixture(scope="session")
@@ -91,30 +15,3 @@ def committed_run(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("committed") / "run"
     ok(train(run_dir, 2, 8, "--save-interval", "4"))
     return run_dir
-
-
-def make_checkpoint(root: Path, step: int, *, world_size: int = 2, health: dict | None = None) -> Path:
-    """A committed checkpoint with small files in the real layout and a real manifest."""
-    ckpt = root / step_dir_name(step)
-    (ckpt / "huggingface").mkdir(parents=True)
-    (ckpt / ".metadata").write_bytes(b"metadata-%d" % step)
-    (ckpt / "__0_0.distcp").write_bytes(os.urandom(3000))
-    (ckpt / "__1_0.distcp").write_bytes(os.urandom(2000))
-    for rank in range(world_size):
-        (ckpt / extra_state_name(world_size, rank)).write_bytes(b"extra-%d" % rank)
-    (ckpt / "huggingface" / "config.json").write_text('{"model_type": "llama"}')
-    manifest = build_manifest(
-        ckpt,
-        step=step,
-        world_size=world_size,
-        mesh_shape=[world_size],
-        mesh_dim_names=["dp_shard"],
-        trainer_state={"step": step, "consumed_samples": step * 8},
-        health=health,
-    )
-    write_manifest(ckpt, manifest)
-    return ckpt
-
-
-def read_json(path: Path):
-    return json.loads(Path(path).read_text())

@@ -33,7 +33,7 @@ from fsspec.callbacks import Callback
 from trainguard.backup.throttle import Throttle
 from trainguard.backup.url import Mirror, MirrorError, describe_error
 from trainguard.checkpoint.checksum import CHECKSUM_ALGORITHM
-from trainguard.checkpoint.layout import MANIFEST_NAME, parse_step_dir, step_dir_name
+from trainguard.fs.layout import MANIFEST_NAME, parse_step_dir, step_dir_name
 from trainguard.checkpoint.manifest import FileEntry, Manifest, read_manifest
 from trainguard.errors import CheckpointError
 

@@ -17,8 +17,8 @@ from trainguard.backup.mirror import list_mirrored
 from trainguard.backup.url import Mirror, MirrorError, describe_error, open_mirror
 from trainguard.checkpoint.checksum import file_checksum
 from trainguard.checkpoint.discovery import read_latest, write_latest
-from trainguard.checkpoint.fsio import commit_directory, fsync_dir, fsync_file, remove_directory_crash_safe
-from trainguard.checkpoint.layout import HEALTH_FILE, MANIFEST_NAME, parse_step_dir, step_dir_name, temp_dir_name
+from trainguard.fs.fsio import commit_directory, fsync_dir, fsync_file, remove_directory_crash_safe
+from trainguard.fs.layout import HEALTH_FILE, MANIFEST_NAME, parse_step_dir, step_dir_name, temp_dir_name
 from trainguard.checkpoint.manifest import Manifest, read_manifest, verify_checkpoint, write_manifest
 from trainguard.errors import CheckpointError, NoCheckpointError
 from trainguard.guards.health import marked_unhealthy, record_health

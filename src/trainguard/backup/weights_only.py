@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from trainguard.checkpoint.durable import read_full_state_dict
-from trainguard.checkpoint.layout import HF_DIR
+from trainguard.fs.layout import HF_DIR
 from trainguard.checkpoint.manifest import Manifest, build_manifest, read_manifest, write_manifest
 
 WEIGHTS_FILE = "model.safetensors"

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from trainguard.checkpoint.fsio import PathLike, atomic_write_text
-from trainguard.checkpoint.layout import LATEST_FILE, MANIFEST_NAME, parse_step_dir, parse_temp_dir
+from trainguard.fs.fsio import PathLike, atomic_write_text
+from trainguard.fs.layout import LATEST_FILE, MANIFEST_NAME, parse_step_dir, parse_temp_dir
 from trainguard.checkpoint.manifest import Manifest, ManifestError, read_manifest, verify_checkpoint
 from trainguard.errors import CheckpointError
 

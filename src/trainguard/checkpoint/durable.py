@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from trainguard.checkpoint.checksum import CHECKSUM_ALGORITHM
 from trainguard.checkpoint.discovery import write_latest
-from trainguard.checkpoint.fsio import (
+from trainguard.fs.fsio import (
     SYNC_FILE_RANGE_WRITE,
     commit_directory,
     fsync_dir,
@@ -57,7 +57,7 @@ from trainguard.checkpoint.fsio import (
     remove_directory_crash_safe,
     sync_file_range,
 )
-from trainguard.checkpoint.layout import (
+from trainguard.fs.layout import (
     HEALTH_FILE,
     extra_state_name,
     parse_step_dir,

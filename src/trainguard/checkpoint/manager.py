@@ -25,7 +25,7 @@ from trainguard.backup.config import MirrorConfig
 from trainguard.backup.restore import restore_for_resume
 from trainguard.backup.url import is_url
 from trainguard.checkpoint.durable import DurableCheckpointer
-from trainguard.checkpoint.fsio import clean_stale, remove_directory_crash_safe
+from trainguard.fs.fsio import clean_stale, remove_directory_crash_safe
 from trainguard.checkpoint.local.tier import LocalTier
 from trainguard.checkpoint.manifest import read_manifest
 from trainguard.checkpoint.resume import choose_resume_checkpoint

@@ -17,8 +17,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Mapping
 
 from trainguard.checkpoint.checksum import CHECKSUM_ALGORITHM, file_checksum
-from trainguard.checkpoint.fsio import PathLike, atomic_write_json
-from trainguard.checkpoint.layout import MANIFEST_NAME
+from trainguard.fs.fsio import PathLike, atomic_write_json
+from trainguard.fs.layout import MANIFEST_NAME
 from trainguard.errors import CheckpointError
 
 FORMAT = "trainguard-checkpoint"

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from trainguard.checkpoint.discovery import CheckpointInfo, find_resume_checkpoint, list_checkpoints
-from trainguard.checkpoint.layout import HEALTH_FILE
+from trainguard.fs.layout import HEALTH_FILE
 from trainguard.checkpoint.manifest import read_manifest, verify_checkpoint
 from trainguard.errors import CheckpointError, ConfigError, NoCheckpointError
 from trainguard.guards.health import NO_HEALTHY_CHECKPOINT_MESSAGE, marked_unhealthy, unhealthy_names

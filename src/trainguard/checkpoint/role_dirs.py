@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from trainguard.checkpoint.discovery import CheckpointInfo
-from trainguard.checkpoint.layout import MANIFEST_NAME, is_transient_name, parse_step_dir
+from trainguard.fs.layout import MANIFEST_NAME, is_transient_name, parse_step_dir
 from trainguard.checkpoint.manifest import ManifestError, read_manifest
 
 

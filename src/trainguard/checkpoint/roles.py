@@ -50,8 +50,8 @@ from trainguard.checkpoint.durable import (
     get_model_state_dict,
     get_state_dict,
 )
-from trainguard.checkpoint.fsio import clean_stale, commit_directory, remove_directory_crash_safe
-from trainguard.checkpoint.layout import extra_state_name, parse_step_dir, step_dir_name, temp_dir_name
+from trainguard.fs.fsio import clean_stale, commit_directory, remove_directory_crash_safe
+from trainguard.fs.layout import extra_state_name, parse_step_dir, step_dir_name, temp_dir_name
 from trainguard.checkpoint.manifest import FileEntry, build_manifest, read_manifest, verify_checkpoint, write_manifest
 from trainguard.checkpoint.resume import choose_resume_checkpoint
 from trainguard.checkpoint.retention import retention_after_commit

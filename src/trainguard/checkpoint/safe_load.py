@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from trainguard.checkpoint.fsio import PathLike
+from trainguard.fs.fsio import PathLike
 from trainguard.errors import CheckpointError, UnsafeCheckpointError
 
 DCP_METADATA_NAME = ".metadata"

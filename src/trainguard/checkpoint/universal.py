@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from trainguard.checkpoint.durable import _HashingFile, _save_tensor
-from trainguard.checkpoint.layout import HF_DIR, MANIFEST_NAME, parse_step_dir
+from trainguard.fs.layout import HF_DIR, MANIFEST_NAME, parse_step_dir
 from trainguard.checkpoint.manifest import FileEntry, build_manifest, read_manifest, write_manifest
 from trainguard.checkpoint.safe_load import DCP_METADATA_NAME, safe_torch_load
 from trainguard.errors import CheckpointError, ConfigError

@@ -18,7 +18,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from trainguard.checkpoint.discovery import CheckpointInfo, checkpoints_root, list_checkpoints
-from trainguard.checkpoint.layout import HEALTH_FILE, LATEST_FILE, step_dir_name
+from trainguard.fs.layout import HEALTH_FILE, LATEST_FILE, step_dir_name
 from trainguard.checkpoint.manifest import BadFile, verify_checkpoint
 from trainguard.checkpoint.role_dirs import checkpoint_dir, frozen_role_dirs
 from trainguard.errors import CheckpointError, ConfigError

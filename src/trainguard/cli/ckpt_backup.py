@@ -13,7 +13,7 @@ from trainguard.backup.restore import choose_mirrored, is_weights_only, restore_
 from trainguard.backup.throttle import Throttle, throttle_from_mbps
 from trainguard.backup.url import Mirror, MirrorError, check_reachable, open_mirror
 from trainguard.checkpoint.discovery import list_checkpoints
-from trainguard.checkpoint.layout import TRASH_PREFIX, step_dir_name
+from trainguard.fs.layout import TRASH_PREFIX, step_dir_name
 from trainguard.cli.ckpt import _byte_progress, _resolve_root, _warn
 from trainguard.errors import CheckpointError, ConfigError
 

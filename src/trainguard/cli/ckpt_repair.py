@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.filesize import decimal
 
-from trainguard.checkpoint.layout import step_dir_name
+from trainguard.fs.layout import step_dir_name
 from trainguard.cli.ckpt import _byte_progress
 from trainguard.errors import ConfigError
 from trainguard.events import EventLog

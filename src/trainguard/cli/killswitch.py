@@ -14,7 +14,7 @@ import socket
 import time
 from pathlib import Path
 
-from trainguard.checkpoint.fsio import atomic_write_text
+from trainguard.fs.fsio import atomic_write_text
 from trainguard.errors import ConfigError
 
 

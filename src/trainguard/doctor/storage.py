@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainguard.checkpoint.fsio import fsync_dir
+from trainguard.fs.fsio import fsync_dir
 from trainguard.doctor.report import CheckResult
 
 _CHUNK = 4 << 20

@@ -7,7 +7,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
-from trainguard.checkpoint.fsio import fsync_dir
+from trainguard.fs.fsio import fsync_dir
 
 
 def matching_files(directory: Path, pattern: str) -> list[Path]:

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from trainguard.checkpoint.fsio import atomic_write_bytes, atomic_write_json
+from trainguard.fs.fsio import atomic_write_bytes, atomic_write_json
 from trainguard.errors import ConfigError
 from trainguard.events import read_events
 

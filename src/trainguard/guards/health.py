@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainguard.checkpoint.fsio import atomic_write_json
-from trainguard.checkpoint.layout import step_dir_name
+from trainguard.fs.fsio import atomic_write_json
+from trainguard.fs.layout import step_dir_name
 from trainguard.errors import CheckpointError
 
 NO_HEALTHY_CHECKPOINT_MESSAGE = (

@@ -27,8 +27,8 @@ import torch.distributed.checkpoint as dcp
 
 from trainguard.checkpoint.discovery import write_latest
 from trainguard.checkpoint.durable import ChecksummingFileSystemWriter, _fsync_tree
-from trainguard.checkpoint.fsio import commit_directory, fsync_file
-from trainguard.checkpoint.layout import HF_DIR, extra_state_name, step_dir_name, temp_dir_name
+from trainguard.fs.fsio import commit_directory, fsync_file
+from trainguard.fs.layout import HF_DIR, extra_state_name, step_dir_name, temp_dir_name
 from trainguard.checkpoint.manifest import FileEntry, build_manifest, write_manifest
 from trainguard.errors import ConfigError
 from trainguard.hf.config import hf_tensors, read_hf_config, tensors_to_load

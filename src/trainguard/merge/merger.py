@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from trainguard.checkpoint.layout import HF_DIR
+from trainguard.fs.layout import HF_DIR
 from trainguard.errors import CheckpointError
 from trainguard.merge.hf_layout import DTYPE_NAMES, MergePlan, load_config, plan_merge
 from trainguard.merge.pieces import Piece, ShardedTensor, assemble, read_piece

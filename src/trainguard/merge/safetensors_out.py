@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from trainguard.checkpoint.fsio import SYNC_FILE_RANGE_WRITE, sync_file_range
+from trainguard.fs.fsio import SYNC_FILE_RANGE_WRITE, sync_file_range
 from trainguard.errors import ConfigError
 
 SINGLE_FILE = "model.safetensors"

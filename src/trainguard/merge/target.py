@@ -7,8 +7,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from trainguard.checkpoint.fsio import fsync_dir
-from trainguard.checkpoint.layout import new_token
+from trainguard.fs.fsio import fsync_dir
+from trainguard.fs.layout import new_token
 from trainguard.errors import ConfigError
 
 

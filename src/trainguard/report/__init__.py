@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainguard.checkpoint.fsio import atomic_write_text
+from trainguard.fs.fsio import atomic_write_text
 from trainguard.errors import TrainguardError
 from trainguard.report.facts import RunFacts, read_run
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.checkpoint.discovery import list_checkpoints
-from trainguard.checkpoint.layout import HEALTH_FILE
+from trainguard.fs.layout import HEALTH_FILE
 from trainguard.errors import CheckpointError, ConfigError
 from trainguard.events import read_events
 from trainguard.guards.health import marked_unhealthy, read_health_records

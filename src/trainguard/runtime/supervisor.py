@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainguard.checkpoint.fsio import atomic_write_json
+from trainguard.fs.fsio import atomic_write_json
 from trainguard.errors import (
     EXIT_CRASH,
     EXIT_DATA_SKIP_ABORT,

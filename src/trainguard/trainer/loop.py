@@ -14,8 +14,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from trainguard.checkpoint.fsio import fsync_file
-from trainguard.checkpoint.layout import HF_DIR
+from trainguard.fs.fsio import fsync_file
+from trainguard.fs.layout import HF_DIR
 from trainguard.checkpoint.local.setup import build_local_tier, fire_wipe_faults
 from trainguard.checkpoint.manager import CheckpointManager
 from trainguard.checkpoint.rng_state import capture_rng_state, restore_rng_state, seed_everything

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from trainguard.checkpoint.layout import extra_state_name, model_shard_name, optim_shard_name
+from trainguard.fs.layout import extra_state_name, model_shard_name, optim_shard_name
 from trainguard.errors import ConfigError
 
 DEFAULT_LOCAL_DIR = "local/node{node}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainguard.checkpoint.layout import step_dir_name
+from trainguard.fs.layout import step_dir_name
 from trainguard.checkpoint.local.paths import rank_file_names, rank_manifest_name, replica_extra_name
 from trainguard.checkpoint.local.rank_manifest import file_fault, read_rank_manifest
 from trainguard.checkpoint.local.writer import rank_steps

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from trainguard.checkpoint.discovery import list_checkpoints
-from trainguard.checkpoint.layout import parse_step_dir, step_dir_name
+from trainguard.fs.layout import parse_step_dir, step_dir_name
 from trainguard.checkpoint.local.paths import FSDP_CONFIG_NAME, parse_rank_file, replica_extra_name
 from trainguard.checkpoint.local.plan import StepPlan, Transfer, plan_step
 from trainguard.checkpoint.local.rank_manifest import file_fault, read_rank_manifest

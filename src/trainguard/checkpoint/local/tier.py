@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainguard.checkpoint.fsio import atomic_write_json
-from trainguard.checkpoint.layout import HF_DIR, step_dir_name
+from trainguard.fs.fsio import atomic_write_json
+from trainguard.fs.layout import HF_DIR, step_dir_name
 from trainguard.checkpoint.local.exchange import read_for_sending, recv_bytes, send_bytes, swap_in_ring
 from trainguard.checkpoint.local.paths import FSDP_CONFIG_NAME, node_of, rank_file_names, resolve_local_dir
 from trainguard.checkpoint.local.plan import StepPlan, buddy_of, plan_step

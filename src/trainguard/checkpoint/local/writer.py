@@ -17,8 +17,8 @@ from typing import Any
 
 from trainguard.checkpoint.checksum import file_checksum
 from trainguard.checkpoint.durable import _HashingFile, _save_tensor
-from trainguard.checkpoint.fsio import atomic_write_json, fsync_dir
-from trainguard.checkpoint.layout import new_token, parse_step_dir, step_dir_name, TEMP_MARKER
+from trainguard.fs.fsio import atomic_write_json, fsync_dir
+from trainguard.fs.layout import new_token, parse_step_dir, step_dir_name, TEMP_MARKER
 from trainguard.checkpoint.local.paths import (
     FSDP_CONFIG_NAME,
     REPLICA_DIR,

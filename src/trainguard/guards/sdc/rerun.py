@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainguard.checkpoint.fsio import atomic_write_json
+from trainguard.fs.fsio import atomic_write_json
 from trainguard.errors import (
     EXIT_FAULTY_HARDWARE,
     CheckpointError,

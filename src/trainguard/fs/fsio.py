@@ -1,0 +1,142 @@
+"""Crash-safe file system primitives: a crash at any instant leaves either the old or the new state.
+
+Each function fsyncs what it creates and the directory entry that names it, because a rename that is
+not yet on disk can be undone by a power loss even after the call returned.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from trainguard.fs.layout import TEMP_MARKER, is_transient_name, new_token, trash_name
+from trainguard.errors import CheckpointError
+
+PathLike = str | os.PathLike
+
+
+def fsync_file(path: PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: PathLike) -> None:
+    """Makes creations, renames and removals of the directory's entries durable."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: PathLike, data: bytes) -> None:
+    """Replaces ``path`` with ``data`` so that readers see the old or the new content, never a mix."""
+    path = Path(path)
+    temp = path.with_name(f"{path.name}{TEMP_MARKER}{new_token()}")
+    try:
+        with open(temp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_text(path: PathLike, text: str, encoding: str = "utf-8") -> None:
+    atomic_write_bytes(path, text.encode(encoding))
+
+
+def atomic_write_json(path: PathLike, obj: Any, indent: int | None = 2) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=indent) + "\n")
+
+
+def commit_directory(temp_dir: PathLike, final_dir: PathLike) -> None:
+    """Publishes a fully written (and already fsynced) directory under its final name.
+
+    Refuses to replace an existing ``final_dir``: on Linux, rename silently replaces an empty
+    directory, and a committed checkpoint must never be overwritten.
+    """
+    temp_dir, final_dir = Path(temp_dir), Path(final_dir)
+    if os.path.lexists(final_dir):
+        raise CheckpointError(f"cannot commit {temp_dir}: {final_dir} already exists")
+    os.rename(temp_dir, final_dir)
+    fsync_dir(final_dir.parent)
+    if temp_dir.parent.resolve() != final_dir.parent.resolve():
+        fsync_dir(temp_dir.parent)
+
+
+def remove_directory_crash_safe(path: PathLike) -> None:
+    """Deletes a directory so that a crash midway leaves a ``.trash-*`` leftover, never a half-deleted
+    directory under its original (possibly committed-looking) name."""
+    path = Path(path)
+    trash = path.with_name(trash_name(path.name))
+    os.rename(path, trash)
+    fsync_dir(path.parent)
+    shutil.rmtree(trash)
+
+
+def clean_stale(root: PathLike) -> list[Path]:
+    """Removes leftovers of interrupted writes (``*.tmp-*``) and deletes (``.trash-*``) directly under
+    ``root``; returns them sorted. Call only when no save is in flight: an in-flight save's temp
+    directory is indistinguishable from an abandoned one."""
+    removed = []
+    for entry in sorted(Path(root).iterdir()):
+        if not is_transient_name(entry.name):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+        removed.append(entry)
+    return removed
+
+
+def read_format_json(path: PathLike, fmt: str, version: int, what: str, missing: str = "missing") -> dict:
+    """A JSON file of one of trainguard's formats (``{"format": fmt, "version": version, ...}``), as a dict;
+    ``CheckpointError`` naming the file and the fault otherwise (``what`` names the kind of file)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: {missing}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    if not isinstance(data, dict) or data.get("format") != fmt:
+        raise CheckpointError(f"{path}: not a trainguard {what} (format should be {fmt!r})")
+    if data.get("version") != version:
+        raise CheckpointError(f"{path}: version {data.get('version')!r} is not supported (expected {version})")
+    return data
+
+
+SYNC_FILE_RANGE_WRITE = 2
+
+
+def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+# Linux's sync_file_range (None elsewhere): start writing back a finished range while later bytes are
+# still being produced, so the closing fsync has little left to do.
+sync_file_range = _load_sync_file_range()

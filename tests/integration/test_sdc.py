@@ -1,0 +1,90 @@
+"""Silent-data-corruption detection in live runs: transient flips rerun away, persistent ones excluded."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from helpers.runs import assert_same_tensors, events, ok, train
+
+STEPS = 10
+SDC = ["--set", "guards.sdc.enabled_level=2", "--save-interval", str(STEPS)]
+NORM_SITES = ["model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm",
+              "model.layers.1.input_layernorm", "model.layers.1.post_attention_layernorm", "model.norm"]
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory):
+    run = tmp_path_factory.mktemp("sdc-clean") / "run"
+    ok(train(run, 2, STEPS, *SDC))
+    return run
+
+
+def _draw(seed: int) -> tuple[int, int, str]:
+    rng = random.Random(seed)
+    return rng.randrange(3, STEPS + 1), rng.randrange(2), rng.choice(NORM_SITES)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_transient_bitflip_is_detected_rerun_and_leaves_no_trace(fault_free, tmp_path, seed):
+    step, rank, site = _draw(seed)
+    run = tmp_path / "run"
+    proc = ok(train(run, 2, STEPS, *SDC, faults=f"bitflip:rank={rank},step={step},site={site},where=grad_input,bit=exp"))
+    detected = events(run, "sdc_detected")
+    assert detected and {(e["step"], e["rank"]) for e in detected} == {(step, rank)}
+    assert site in {e["point"] for e in detected}
+    assert "accuracy sensitivity feature abnormal" in proc.stdout + proc.stderr
+    attributions = events(run, "sdc_attribution")
+    assert [(a["step"], a["rank"], a["attribution"]) for a in attributions] == [(step, rank, "transient")]
+    assert_same_tensors(fault_free / f"checkpoints/global_step_{STEPS}", run / f"checkpoints/global_step_{STEPS}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(10, 30))
+def test_transient_bitflip_many(fault_free, tmp_path, seed):
+    test_transient_bitflip_is_detected_rerun_and_leaves_no_trace(fault_free, tmp_path, seed)
+
+
+@pytest.mark.parametrize("rule", ["v1", "v3"])
+def test_no_false_detection_in_a_clean_300_step_run(tmp_path, rule):
+    # the defaults (thresholds and the peak criterion): the criterion only adds level-1 verdicts and,
+    # with none, leaves the rule's state and verdicts exactly the rule's alone, so this covers peak=0 too
+    run = tmp_path / "run"
+    ok(train(run, 2, 300, "--save-interval", "0", "--set", "guards.sdc.enabled_level=1",
+             "--set", f"guards.sdc.rule={rule}", timeout=600))
+    assert len(events(run, "step")) == 300
+    assert events(run, "sdc_detected") == []
+
+
+def test_embedding_gradient_flip_needs_the_custom_point(tmp_path):
+    # the gradient entering the embedding's output passes no norm layer: only a custom point sees it
+    fault = "bitflip:rank=0,step=5,site=model.layers.0,where=grad_input,bit=exp"
+    default_points, custom_point = tmp_path / "default", tmp_path / "custom"
+    ok(train(default_points, 2, 6, "--save-interval", "0", "--set", "guards.sdc.enabled_level=1", faults=fault))
+    assert events(default_points, "fault_injected") and events(default_points, "sdc_detected") == []
+    ok(train(custom_point, 2, 6, "--save-interval", "0", "--set", "guards.sdc.enabled_level=1",
+             "--set", "guards.sdc.points=[model.embed_tokens]", faults=fault))
+    assert {(e["step"], e["rank"], e["point"]) for e in events(custom_point, "sdc_detected")} == {
+        (5, 0, "model.embed_tokens")}
+
+
+def test_persistent_flip_marks_the_rank_faulty_and_exits_17(tmp_path):
+    run = tmp_path / "run"
+    proc = train(run, 2, 14, "--save-interval", "0", "--set", "guards.sdc.enabled_level=2",
+                 faults="bitflip:rank=1,step=6,site=model.layers.1.input_layernorm,where=grad_input,persistent=1")
+    assert proc.returncode == 17, proc.stderr[-2000:]
+    faulty = json.loads((run / "faults/faulty_ranks.json").read_text())
+    assert [(entry["rank"], len(entry["strikes"])) for entry in faulty] == [(1, 3)]
+    assert [e["attribution"] for e in events(run, "sdc_attribution")] == ["reproducible"] * 3
+    assert (run / "checkpoints/global_step_8").is_dir()  # saved before exiting, for the restart elsewhere
+
+
+def test_without_rerun_a_detection_skips_the_step_unverified(tmp_path):
+    run = tmp_path / "run"
+    ok(train(run, 2, 6, "--save-interval", "0", "--set", "guards.sdc.enabled_level=2", "--set", "guards.sdc.rerun=false",
+             faults="bitflip:rank=0,step=4,site=model.layers.1.input_layernorm,where=grad_input,bit=exp"))
+    assert [(a["step"], a["attribution"]) for a in events(run, "sdc_attribution")] == [(4, "unverified")]
+    steps = {e["step"]: e for e in events(run, "step")}
+    assert steps[4]["skipped"] and not steps[5]["skipped"]

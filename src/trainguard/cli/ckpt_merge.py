@@ -28,6 +28,9 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     merge.add_argument("--dtype", choices=DTYPES, default="keep", help="dtype of floating tensors written")
     merge.add_argument("--max-shard-size", default="5GB", help="split the safetensors files past this size")
     merge.add_argument("--force", action="store_true", help="replace a target directory that is not empty")
+    merge.add_argument("--hf_config", "--hf_model_path", dest="hf_config", type=Path, metavar="DIR",
+                       help="a Hugging Face directory with the model's config.json (and tokenizer), for a "
+                            "checkpoint without huggingface/ (leaves the checkpoint untouched)")
     merge.set_defaults(func=run_merge)
 
     test = commands.add_parser("test", help="compare a merged model with a reference, tensor by tensor")
@@ -46,6 +49,7 @@ def run_merge(args: argparse.Namespace) -> int:
         result = merge_to_hf(args.local_dir, args.target_dir, backend=args.backend,
                              tie_word_embedding=args.tie_word_embedding, is_value_model=args.is_value_model,
                              dtype=args.dtype, max_shard_bytes=parse_size(args.max_shard_size), force=args.force,
+                             hf_config=args.hf_config,
                              progress=lambda total, what: stack.enter_context(_byte_progress(what, total)))
     seconds = time.perf_counter() - started
     print(f"merged {result.tensors} tensors ({result.bytes} bytes) from {result.source} into {args.target_dir}: "

@@ -33,7 +33,8 @@ def load_config(hf_dir: Path) -> dict[str, Any]:
     path = hf_dir / "config.json"
     if not path.is_file():
         raise ConfigError(f"{path}: missing (the checkpoint's huggingface/ directory holds the model config "
-                          "that the merge checks every shape against)")
+                          "that the merge checks every shape against; for a checkpoint without one, pass "
+                          "--hf_config DIR)")
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:

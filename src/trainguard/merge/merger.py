@@ -29,6 +29,8 @@ from trainguard.topology.group_info import GROUP_INFO_NAME
 
 READ_THREADS = 4
 PREFETCH = 1
+# weights of the model --hf_config names (verl's --hf_model_path is a whole model): never copied
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".index.json")
 
 
 @dataclass(frozen=True)
@@ -110,13 +112,15 @@ def _check_tied(plan: MergePlan) -> None:
 
 def merge_to_hf(local_dir: Path, target_dir: Path, *, backend: str = "auto", tie_word_embedding: bool = False,
                 is_value_model: bool = False, dtype: str = "keep", max_shard_bytes: int = 5 * 10**9,
-                force: bool = False, progress: Callable[[int, str], Callable[[int], None]] | None = None
-                ) -> MergeResult:
-    """``progress(total_bytes, description)`` returns the callback advanced as bytes are written."""
+                force: bool = False, progress: Callable[[int, str], Callable[[int], None]] | None = None,
+                hf_config: Path | None = None) -> MergeResult:
+    """``progress(total_bytes, description)`` returns the callback advanced as bytes are written.
+    ``hf_config``: the directory whose ``config.json`` (and tokenizer files) describe the model, for a
+    checkpoint without ``huggingface/``; it wins over the checkpoint's own."""
     local_dir, target_dir = Path(local_dir), Path(target_dir)
     check_target(target_dir, force)  # before any reading: a wrong target fails at once
     contents = open_checkpoint(local_dir, backend)
-    hf_dir = hf_dir_of(local_dir)
+    hf_dir = Path(hf_config) if hf_config is not None else hf_dir_of(local_dir)
     config = load_config(hf_dir)
     plan = plan_merge(contents, config, tie_word_embedding, is_value_model, DTYPE_NAMES[dtype])
     _check_tied(plan)
@@ -127,7 +131,7 @@ def merge_to_hf(local_dir: Path, target_dir: Path, *, backend: str = "auto", tie
     advance = progress(total, f"merging {len(outputs)} tensors") if progress else (lambda n: None)
     with staged_directory(target_dir, force) as staging:
         for path in sorted(hf_dir.iterdir()):
-            if path.is_file():
+            if path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES):
                 shutil.copy2(path, staging / path.name)
         (staging / "config.json").write_text(json.dumps(plan.config, indent=2, sort_keys=True) + "\n")
         files = write_safetensors(staging, outputs, stream_tensor_parts([t for _, t in plan.outputs], out_dtype),

@@ -23,6 +23,7 @@ from rich.table import Table
 from trainguard.checkpoint.durable import read_full_state_dict
 from trainguard.events import read_events
 from trainguard.merge.read_ranks import flatten
+from trainguard.report import REPORT_FILE
 from trainguard.runtime.heartbeat import read_heartbeats
 
 NORM_SITE = "model.layers.0.input_layernorm"
@@ -291,8 +292,8 @@ def run_drill(out: Path, quick: bool, console: Console | None = None) -> int:
         checkpoint = faulty / "checkpoints" / f"global_step_{final_step}"
         merged = _merge_and_load(checkpoint, out / "hf")
         status.update("writing the report")
-        subprocess.run([sys.executable, "-m", "trainguard", "report", str(faulty)], stdout=log,
-                       stderr=subprocess.STDOUT, env=_env(None))
+        report_code = subprocess.run([sys.executable, "-m", "trainguard", "report", str(faulty)], stdout=log,
+                                     stderr=subprocess.STDOUT, env=_env(None)).returncode
 
     outcomes = _judge(p, events, final_step)
     table = Table(title="fault drill")
@@ -303,13 +304,38 @@ def run_drill(out: Path, quick: bool, console: Console | None = None) -> int:
                       style=None if o.ok else "red")
     console.print(table)
     console.print(merged)
-    console.print(f"report: {faulty / 'report.html'}; total {time.monotonic() - started:.0f} s")
+    report = DrillReport(faulty / REPORT_FILE, report_code, log_path)
+    console.print(f"{report.line()}; total {time.monotonic() - started:.0f} s")
     identical = _identical(checkpoint, reference / "checkpoints" / f"global_step_{final_step}")
-    handled = sum(o.ok for o in outcomes)
-    total = len(outcomes)
-    if handled == total and identical and merged.startswith("merged to"):
-        console.print(f"drill passed: {handled}/{total} faults handled, final parameters identical to the fault-free run")
-        return 0
-    console.print(f"[red]drill failed: {handled}/{total} faults handled, "
-                  f"final parameters {'identical' if identical else 'DIFFERENT'}; {merged}[/]")
-    return 1
+    passed, verdict = drill_verdict(outcomes, identical, merged, report)
+    console.print(verdict if passed else f"[red]{verdict}[/]")
+    return 0 if passed else 1
+
+
+@dataclass(frozen=True)
+class DrillReport:
+    """What ``trainguard report`` left: its path is shown only when it wrote it."""
+
+    path: Path
+    exit_code: int
+    log_path: Path
+
+    @property
+    def written(self) -> bool:
+        return self.exit_code == 0 and self.path.is_file()
+
+    def line(self) -> str:
+        if self.written:
+            return f"report: {self.path}"
+        return f"report: not written (trainguard report exited {self.exit_code}; see {self.log_path})"
+
+
+def drill_verdict(outcomes: list[Outcome], identical: bool, merged: str, report: DrillReport) -> tuple[bool, str]:
+    """(passed, the drill's last line): it passes only when every fault was handled, the final parameters
+    equal the fault-free run's, the merge loaded and the report was written."""
+    handled, total = sum(o.ok for o in outcomes), len(outcomes)
+    if handled == total and identical and merged.startswith("merged to") and report.written:
+        return True, f"drill passed: {handled}/{total} faults handled, final parameters identical to the fault-free run"
+    report_failure = "" if report.written else "; report not written"
+    return False, (f"drill failed: {handled}/{total} faults handled, final parameters "
+                   f"{'identical' if identical else 'DIFFERENT'}; {merged}{report_failure}")

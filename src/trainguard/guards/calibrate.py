@@ -285,8 +285,8 @@ def load_series(run_dir: str | os.PathLike) -> tuple[Path, dict[str, Series]]:
 
 
 def plot_png(cal: Calibration, series: dict[str, Series]) -> bytes | None:
-    """The series over steps with the recommended thresholds, and their histograms; None without
-    matplotlib (``pip install trainguard[plot]``)."""
+    """The series over steps with the recommended thresholds, and their histograms; None when
+    matplotlib (a dependency) cannot be imported."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -355,7 +355,7 @@ def calibrate_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = No
     cal.out_dir = str(out_dir)
     png = plot_png(cal, series)
     if png is None:
-        cal.notes.append("matplotlib is not installed: no plot written (pip install 'trainguard[plot]')")
+        cal.notes.append("matplotlib cannot be imported: no plot written (pip install 'matplotlib>=3.7')")
     else:
         atomic_write_bytes(out_dir / PLOT_FILE, png)
         cal.plot = str(out_dir / PLOT_FILE)

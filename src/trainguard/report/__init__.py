@@ -17,8 +17,8 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> tuple[Pa
     try:
         from trainguard.report.plots import all_plots
     except ImportError:
-        raise TrainguardError("trainguard report draws its plots with matplotlib, which is not installed: "
-                              "pip install 'trainguard[plot]'") from None
+        raise TrainguardError("trainguard report draws its plots with matplotlib (a dependency of trainguard), "
+                              "which cannot be imported: pip install 'matplotlib>=3.7'") from None
     from trainguard.report.html import render
 
     page = render(facts, all_plots(facts))

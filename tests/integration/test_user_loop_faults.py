@@ -1,0 +1,194 @@
+"""examples/user_loop.py (a GPT-2 from a config, FSDP2, 2 gloo ranks, ``trainguard.Guard`` with every guard on),
+a loop not written for this suite, under ``trainguard run --max-restarts 3 -- torchrun --nproc-per-node 2``
+with faults injected by ``TRAINGUARD_FAULTS``:
+
+- a SIGKILL and a hang: each restarted (the hang's stacks dumped, the hanging rank named), the final
+  parameters bitwise equal to a fault-free run's;
+- a spike burst past ``count_threshold``: exit 3, not restarted;
+- a time-limit stop: exit 16, not restarted;
+- a persistent SDC bit flip on node0: exit 17, the faulty rank named, node0 excluded, the spare finishes;
+- ``trainguard status`` and ``trainguard report`` on those runs show their steps, skips, detections and
+  restarts.
+
+Each run is launched once per module and shared by the assertions on it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers.runs import assert_same_tensors, events, ok, read_json, trainguard, worker_env
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+LOOP, CONFIG, PLAIN = EXAMPLES / "user_loop.py", EXAMPLES / "user_loop.yaml", EXAMPLES / "user_loop_plain.py"
+STEPS = 8
+TIMEOUT_S = 1200  # per supervised run: several torchrun starts of two ranks each on two shared cores
+HANG_TIMEOUT_S = 40
+SITE = "transformer.h.0.ln_1"  # a GPT-2 LayerNorm: an SDC detection point
+
+
+def torchrun() -> list[str]:
+    script = Path(sys.executable).parent / "torchrun"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "torch.distributed.run"]
+
+
+def supervised(run_dir: Path, *overrides: str, faults: str | None = None,
+               supervisor: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """``trainguard run --max-restarts 3 [SUPERVISOR] -- torchrun --nproc-per-node 2 user_loop.py ...``."""
+    command = [sys.executable, "-m", "trainguard", "run", "--max-restarts", "3", *supervisor, "--",
+               *torchrun(), "--standalone", "--nproc-per-node", "2", str(LOOP), "--run-dir", str(run_dir),
+               "--steps", str(STEPS), "--config", str(CONFIG)]
+    for override in overrides:
+        command += ["--set", override]
+    env = worker_env(**({"TRAINGUARD_FAULTS": faults} if faults else {}))
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        raise AssertionError(f"the supervised loop did not end in {TIMEOUT_S}s:\n{output[-4000:]}") from None
+    return subprocess.CompletedProcess(command, proc.returncode, output, "")
+
+
+def final(run_dir: Path) -> Path:
+    return run_dir / "checkpoints" / f"global_step_{STEPS}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("user_loop")
+
+
+@pytest.fixture(scope="module")
+def straight(runs) -> Path:
+    run_dir = runs / "straight"
+    proc = supervised(run_dir)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def killed_and_hung(runs) -> tuple[Path, subprocess.CompletedProcess]:
+    """Rank 1 SIGKILLed at step 3, then rank 0 hanging at step 6 (for ever): two restarts."""
+    run_dir = runs / "killed_and_hung"
+    proc = supervised(run_dir, faults="kill:rank=1,step=3;hang:rank=0,step=6",
+                      supervisor=("--hang-timeout", str(HANG_TIMEOUT_S)))
+    return run_dir, proc
+
+
+@pytest.fixture(scope="module")
+def spike_burst(runs) -> tuple[Path, subprocess.CompletedProcess]:
+    """A spike at every step from 3: the third in a row (count_threshold 3) aborts at step 5."""
+    run_dir = runs / "spike_burst"
+    return run_dir, supervised(run_dir, faults="spike:step=3,persistent=1")
+
+
+@pytest.fixture(scope="module")
+def time_limit(runs) -> tuple[Path, subprocess.CompletedProcess]:
+    """A time limit already reached when the loop starts (0.6 s after the supervisor's start)."""
+    run_dir = runs / "time_limit"
+    return run_dir, supervised(run_dir, "lifecycle.exit_duration_in_mins=0.01")
+
+
+@pytest.fixture(scope="module")
+def faulty_node(runs) -> tuple[Path, subprocess.CompletedProcess]:
+    """A spike at step 2 (skipped), then a persistent bit flip in rank 1's gradients on node0 from step 5:
+    two SDC strikes (strikes: 2), exit 17, node0 excluded, the spare node1 finishes the run."""
+    run_dir = runs / "faulty_node"
+    flip = f"bitflip:rank=1,node=node0,step=5,site={SITE},where=grad_input,bit=exp,persistent=1"
+    proc = supervised(run_dir, faults=f"spike:step=2;{flip}", supervisor=("--nnodes", "1", "--spare-nodes", "1"))
+    return run_dir, proc
+
+
+def kinds(run_dir: Path, kind: str) -> list[dict]:
+    return events(run_dir, kind)
+
+
+def test_the_guarded_loop_is_at_most_15_lines_longer_than_the_plain_one():
+    def code_lines(path: Path) -> int:
+        text = path.read_text(encoding="utf-8").split('"""', 2)[2]  # without the module docstring
+        return sum(1 for line in text.splitlines() if line.strip() and not line.strip().startswith("#"))
+
+    extra = code_lines(LOOP) - code_lines(PLAIN)
+    assert 0 < extra <= 15, f"user_loop.py has {extra} more code lines than user_loop_plain.py"
+
+
+def test_sigkill_and_hang_restart_and_end_bitwise_equal(straight, killed_and_hung):
+    run_dir, proc = killed_and_hung
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    restarts = kinds(run_dir, "restart")
+    assert [r["reason"] for r in restarts] == ["failed", "hang"], restarts
+    assert restarts[0]["failing_rank"] == 1  # the killed rank
+    (hang,) = kinds(run_dir, "hang_detected")
+    assert hang["suspect_ranks"] == [0], hang  # the hanging rank, the other waits for it in a collective
+    dumps = Path(hang["dumps"])
+    assert sorted(p.name for p in dumps.glob("rank_*.txt")) == ["rank_0.txt", "rank_1.txt"]
+    assert restarts[1]["failing_rank"] == 0
+    assert assert_same_tensors(final(straight), final(run_dir)) > 0
+
+
+def test_spike_burst_exits_3_without_restart(spike_burst):
+    run_dir, proc = spike_burst
+    assert proc.returncode == 3, proc.stdout[-4000:]
+    assert [e["step"] for e in kinds(run_dir, "data_skip")] == [3, 4, 5]
+    assert len(kinds(run_dir, "data_skip_abort")) == 1
+    assert kinds(run_dir, "restart") == []
+    (finished,) = kinds(run_dir, "supervisor_finished")
+    assert finished["exit_code"] == 3
+
+
+def test_time_limit_exits_16_without_restart(time_limit):
+    run_dir, proc = time_limit
+    assert proc.returncode == 16, proc.stdout[-4000:]
+    (stop,) = kinds(run_dir, "lifecycle_stop")
+    assert stop["reason"] == "exit_duration" and stop["exit_code"] == 16
+    assert kinds(run_dir, "restart") == []
+
+
+def test_persistent_bit_flip_exits_17_names_the_rank_and_excludes_the_node(faulty_node):
+    run_dir, proc = faulty_node
+    assert proc.returncode == 0, proc.stdout[-4000:]  # the spare finished the run
+    faulty = read_json(run_dir / "faults" / "faulty_ranks.json")
+    assert [entry["rank"] for entry in faulty] == [1]
+    (restart,) = kinds(run_dir, "restart")
+    assert restart["exit_code"] == 17 and restart["failing_rank"] == 1 and restart["failing_node"] == "node0"
+    (excluded,) = kinds(run_dir, "node_excluded")
+    assert excluded["node"] == "node0" and excluded["spare"] == "node1"
+    assert {e["attribution"] for e in kinds(run_dir, "sdc_attribution")} >= {"reproducible"} or \
+        any(e["faulty"] for e in kinds(run_dir, "sdc_attribution"))
+    assert (final(run_dir) / "trainguard.json").is_file()
+
+
+def test_status_shows_steps_skips_detections_and_restarts(faulty_node):
+    run_dir, _ = faulty_node
+    out = ok(trainguard("status", str(run_dir))).stdout
+    lines = {line.split("  ")[0].strip(): line for line in out.splitlines() if line.strip()}
+    assert re.search(rf"\bstep\s+{STEPS}\b", lines["step"]) and "finished" in lines["state"]
+    assert re.search(r"skipped steps\s+\d+ at steps 2\b", lines["skipped steps"]), lines["skipped steps"]
+    assert "at steps 5" in lines["SDC detections"], lines["SDC detections"]
+    assert re.search(r"restarts\s+1\b", lines["restarts"]), lines["restarts"]
+    assert "node0" in lines["excluded nodes"]
+
+
+def test_report_shows_the_same_run(faulty_node, killed_and_hung):
+    from trainguard.report import read_run
+
+    run_dir, _ = faulty_node
+    ok(trainguard("report", str(run_dir)))
+    page = (run_dir / "report.html").read_text(encoding="utf-8")
+    facts = read_run(run_dir)
+    assert facts.last_step.step == STEPS and facts.restarts == 1
+    assert 2 in [s.step for s in facts.skips] and 5 in {d.step for d in facts.detections}
+    assert "<img" in page and "node0" in page
+    hung_dir, _ = killed_and_hung
+    hung = read_run(hung_dir)
+    assert hung.restarts == 2 and hung.last_step.step == STEPS and len(hung.incidents) == 2

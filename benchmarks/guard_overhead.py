@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -175,6 +176,8 @@ def main() -> int:
     for guard in guards.values():
         guard.close()
     dist.destroy_process_group()
+    if scratch is not None:
+        shutil.rmtree(scratch, ignore_errors=True)
     return 0
 
 

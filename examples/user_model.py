@@ -41,7 +41,8 @@ def init_distributed() -> tuple[int, torch.device]:
 def build_model(device: torch.device) -> tuple[GPT2LMHeadModel, GPT2Config, DeviceMesh]:
     """A 2-layer GPT-2 (tied embeddings, dropout 0.1), every block and then the model ``fully_shard``ed."""
     torch.manual_seed(0)  # the same initial weights on every rank
-    config = GPT2Config(vocab_size=VOCAB_SIZE, n_positions=64, n_embd=32, n_layer=2, n_head=4)
+    config = GPT2Config(vocab_size=VOCAB_SIZE, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+                        bos_token_id=VOCAB_SIZE - 1, eos_token_id=VOCAB_SIZE - 1)
     model = GPT2LMHeadModel(config).to(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
     for block in model.transformer.h:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.runs import assert_same_tensors, events, ok, read_json, trainguard, worker_env
+from helpers.runs import assert_same_tensors, events, flat_state, ok, read_json, trainguard, worker_env
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 LOOP, CONFIG, PLAIN = EXAMPLES / "user_loop.py", EXAMPLES / "user_loop.yaml", EXAMPLES / "user_loop_plain.py"
@@ -120,6 +120,18 @@ def test_the_guarded_loop_is_at_most_15_lines_longer_than_the_plain_one():
 
     extra = code_lines(LOOP) - code_lines(PLAIN)
     assert 0 < extra <= 15, f"user_loop.py has {extra} more code lines than user_loop_plain.py"
+
+
+def test_the_final_checkpoint_merges_to_hugging_face(straight, tmp_path):
+    """The guard wrote huggingface/ from the loop's GPT-2 config: ckpt merge needs nothing else."""
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    out = tmp_path / "hf"
+    ok(trainguard("ckpt", "merge", "--local_dir", str(final(straight)), "--target_dir", str(out)))
+    merged = GPT2LMHeadModel.from_pretrained(out).state_dict()
+    saved = {k.removeprefix("model."): v for k, v in flat_state(final(straight)).items() if k.startswith("model.")}
+    assert saved and all(torch.equal(merged[name], tensor) for name, tensor in saved.items())
 
 
 def test_sigkill_and_hang_restart_and_end_bitwise_equal(straight, killed_and_hung):

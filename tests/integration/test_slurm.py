@@ -21,7 +21,8 @@ from helpers.runs import TINY, assert_same_tensors, events, ok, train
 from trainguard.runtime.heartbeat import read_heartbeats
 
 SLOW_STEPS = "hang:rank=0,step=1,seconds=1,persistent=1"  # every step takes at least 1 s
-ARRAY_STEPS = 110  # at ≥ 1 s a step, more than two tasks that stop 60 s after they started can do
+ARRAY_STEPS = 100
+ARRAY_SLOW_STEPS = "hang:rank=0,step=1,seconds=2,persistent=1"  # ≤ 45 steps before a 1-minute limit expires
 HANG_TIMEOUT = 30
 
 
@@ -75,9 +76,8 @@ def jobs(slurm, tmp_path_factory):
     """Every long job of the module, submitted at once so that they share the three nodes."""
     where = tmp_path_factory.mktemp("slurm_jobs")
     submitted = {"where": where}
-    # 90-second tasks that stop themselves 30 s before the limit (exit 16), each resuming the last
-    submitted["array"] = sbatch(slurm, where, "array", ARRAY_STEPS, time_limit="1:30", margin=0.5,
-                                signal_seconds=10, array=10)
+    # three tasks; the test shortens the first two's time limits while they train
+    submitted["array"] = sbatch(slurm, where, "array", ARRAY_STEPS, array=3, faults=ARRAY_SLOW_STEPS)
     for variant in CANCELS:
         submitted[variant] = sbatch(slurm, where, variant, 400)
     submitted["hang"] = sbatch(slurm, where, "hang", 12, "--save-interval", "3",
@@ -115,30 +115,50 @@ def test_every_scancel_saves_exits_16_and_is_recorded_as_a_stop(slurm, jobs):
 
 
 # ------------------------------------------------------------------------------------ time limit
+def run_out_of_time(slurm, run: Path, job: str, task: int) -> None:
+    """Once array task ``task`` has resumed and trained two steps, cuts its time limit to one minute
+    (Slurm's granularity): the controller ends it at its next check with SIGTERM, then SIGKILL after
+    KillWait, as at any time limit. Done by the test so that the stops do not depend on the machine's load."""
+    deadline = time.time() + 900
+    while time.time() < deadline:
+        started = events(run, "run_started")
+        beats = read_heartbeats(run)
+        if len(started) == task and beats and all(beat.phase == "step" and beat.step >= started[-1]["step"] + 2
+                                                  for beat in beats.values()):
+            break
+        time.sleep(1)
+    else:
+        raise AssertionError(f"task {task} of {job} never trained")
+    slurm.run("scontrol", "update", f"JobId={job}_{task}", "TimeLimit=1")
+    slurm.wait_for_state(f"{job}_{task}", ("TIMEOUT",), 300)
+
+
 def test_job_array_runs_out_of_time_twice_and_ends_bitwise_equal(slurm, jobs, tmp_path):
     steps = ARRAY_STEPS
     run, job = jobs["array"]
+    run_out_of_time(slurm, run, job, 1)
+    run_out_of_time(slurm, run, job, 2)
+    slurm.wait_for_state(f"{job}_3", ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 1200)
     reference = tmp_path / "reference"
     ok(train(reference, 1, steps, "--save-interval", "1000", timeout=900))
-    deadline = time.time() + 1500
-    while time.time() < deadline and not [e for e in events(run, "supervisor_finished") if e["exit_code"] == 0]:
-        time.sleep(2)
     ends = events(run, "supervisor_finished")
-    assert [e["exit_code"] for e in ends][-1] == 0, ends
-    stops = [e for e in ends if e["exit_code"] == 16]
-    assert len(stops) >= 2 and all(e["outcome"] == "stopped" for e in stops)
-    assert len(ends) == len(stops) + 1  # every task but the last ran out of time
-    starts = [e["step"] for e in events(run, "run_started")]
-    assert starts[0] == 0 and starts[1:] == [e["step"] for e in stops]  # each task resumed where the last stopped
+    assert [(e["exit_code"], e["outcome"]) for e in ends] == [(16, "stopped"), (16, "stopped"), (0, "finished")], ends
+    assert [e["stop_signal"] for e in ends[:2]] == ["SIGTERM", "SIGTERM"]  # the time limit's signal
+    stops = events(run, "lifecycle_stop")
+    assert [e["exit_code"] for e in stops] == [16, 16] and stops[0]["step"] < stops[1]["step"] < steps
+    assert [e["step"] for e in events(run, "run_started")] == [0, stops[0]["step"], stops[1]["step"]]
     assert events(run, "restart") == []
     assert_same_tensors(run / "checkpoints" / f"global_step_{steps}", reference / "checkpoints" / f"global_step_{steps}")
-    time.sleep(3)
+    assert [slurm.job_state(f"{job}_{task}") for task in (1, 2, 3)] == ["TIMEOUT", "TIMEOUT", "COMPLETED"]
+
+
+def test_a_finished_run_cancels_the_rest_of_its_array(slurm, tmp_path):
+    run, job = sbatch(slurm, tmp_path, "short", 3, array=3, faults=None)
+    slurm.wait_for_state(f"{job}_1", ("COMPLETED",), 600)
+    time.sleep(2)
+    assert finished(run)["exit_code"] == 0 and len(events(run, "supervisor_started")) == 1
     states = slurm.array_states(job)
-    done = len(ends)
-    assert all(states[str(task)] == "COMPLETED" for task in range(1, done + 1)), states
-    # the run is over: the array's remaining tasks were cancelled, not started
-    assert all(states.get(str(task), "CANCELLED") == "CANCELLED" for task in range(done + 1, 11)), states
-    assert len(events(run, "supervisor_started")) == done
+    assert states.get("1") == "COMPLETED" and all(states.get(t, "CANCELLED") == "CANCELLED" for t in "23"), states
 
 
 # ------------------------------------------------------------------------------------ hang

@@ -78,40 +78,14 @@ def jobs(slurm, tmp_path_factory):
     submitted = {"where": where}
     # three tasks; the test shortens the first two's time limits while they train
     submitted["array"] = sbatch(slurm, where, "array", ARRAY_STEPS, array=3, faults=ARRAY_SLOW_STEPS)
-    for variant in CANCELS:
-        submitted[variant] = sbatch(slurm, where, variant, 400)
     submitted["hang"] = sbatch(slurm, where, "hang", 12, "--save-interval", "3",
                                faults=f"{SLOW_STEPS};hang:rank=0,step=5", options=("--hang-timeout", str(HANG_TIMEOUT)))
     # n1 holds slot 0 (nodes are allocated in order) and its rank dies at every start there
     submitted["spare"] = sbatch(slurm, where, "spare", 6, faults="kill:rank=0,step=2,persistent=1,node=n1",
                                 spares=1, options=("--sbatch-option=--nodelist=n1,n2",))
+    for variant in CANCELS:  # cancelled by their test, long before the last step
+        submitted[variant] = sbatch(slurm, where, variant, 2000)
     return submitted
-
-
-def test_every_scancel_saves_exits_16_and_is_recorded_as_a_stop(slurm, jobs):
-    tmp_path = jobs["where"]
-    cancels = {variant: jobs[variant] for variant in CANCELS}
-    for variant, (run, job) in cancels.items():
-        wait_for_step(run, 3, timeout=600)
-        slurm.run(*(part.format(job=job) for part in CANCELS[variant]))
-    for variant, (run, job) in cancels.items():
-        wait_for_step(run, 3)
-        slurm.run(*(part.format(job=job) for part in CANCELS[variant]))
-    for variant, (run, job) in jobs.items():
-        wait_until_done(slurm, f"{job}_1", 180)
-        end = finished(run)
-        assert end["exit_code"] == 16 and end["outcome"] == "stopped", (variant, end)
-        assert events(run, "restart") == [], variant
-        ended = events(run, "incarnation_ended")
-        assert len(ended) == 1 and ended[0]["failing_rank"] is None, (variant, ended)
-        assert ended[0]["rank_exit_codes"] == {"0": 16}, variant
-        stop = events(run, "lifecycle_stop")
-        assert len(stop) == 1 and stop[0]["reason"] == "signal", variant
-        assert (run / "checkpoints" / f"global_step_{stop[0]['step']}").is_dir(), variant
-        log = "".join(path.read_text() for path in tmp_path.glob("*.out")
-                      if re.fullmatch(rf"{re.escape(variant)}-\d+-.+\.out", path.name))
-        assert "trainguard supervisor" in log, variant
-        assert "failed" not in " ".join(line for line in log.splitlines() if "supervisor" in line), (variant, log)
 
 
 # ------------------------------------------------------------------------------------ time limit
@@ -152,15 +126,6 @@ def test_job_array_runs_out_of_time_twice_and_ends_bitwise_equal(slurm, jobs, tm
     assert [slurm.job_state(f"{job}_{task}") for task in (1, 2, 3)] == ["TIMEOUT", "TIMEOUT", "COMPLETED"]
 
 
-def test_a_finished_run_cancels_the_rest_of_its_array(slurm, tmp_path):
-    run, job = sbatch(slurm, tmp_path, "short", 3, array=3, faults=None)
-    slurm.wait_for_state(f"{job}_1", ("COMPLETED",), 600)
-    time.sleep(2)
-    assert finished(run)["exit_code"] == 0 and len(events(run, "supervisor_started")) == 1
-    states = slurm.array_states(job)
-    assert states.get("1") == "COMPLETED" and all(states.get(t, "CANCELLED") == "CANCELLED" for t in "23"), states
-
-
 # ------------------------------------------------------------------------------------ hang
 def test_a_hang_under_slurm_ends_its_job_step_and_recovers_within_twice_the_timeout(slurm, jobs):
     timeout = HANG_TIMEOUT
@@ -195,6 +160,33 @@ def test_a_failing_node_is_excluded_and_a_spare_takes_its_slot(slurm, jobs):
     assert "#SBATCH --exclude=n1" in (run / "spare.slurm").read_text(), again.stdout
 
 
+# ------------------------------------------------------------------------------------ cancelling
+def test_every_scancel_saves_exits_16_and_is_recorded_as_a_stop(slurm, jobs):
+    tmp_path = jobs["where"]
+    cancels = {variant: jobs[variant] for variant in CANCELS}
+    for variant, (run, job) in cancels.items():
+        wait_for_step(run, 3, timeout=600)
+        slurm.run(*(part.format(job=job) for part in CANCELS[variant]))
+    for variant, (run, job) in cancels.items():
+        wait_for_step(run, 3)
+        slurm.run(*(part.format(job=job) for part in CANCELS[variant]))
+    for variant, (run, job) in jobs.items():
+        wait_until_done(slurm, f"{job}_1", 180)
+        end = finished(run)
+        assert end["exit_code"] == 16 and end["outcome"] == "stopped", (variant, end)
+        assert events(run, "restart") == [], variant
+        ended = events(run, "incarnation_ended")
+        assert len(ended) == 1 and ended[0]["failing_rank"] is None, (variant, ended)
+        assert ended[0]["rank_exit_codes"] == {"0": 16}, variant
+        stop = events(run, "lifecycle_stop")
+        assert len(stop) == 1 and stop[0]["reason"] == "signal", variant
+        assert (run / "checkpoints" / f"global_step_{stop[0]['step']}").is_dir(), variant
+        log = "".join(path.read_text() for path in tmp_path.glob("*.out")
+                      if re.fullmatch(rf"{re.escape(variant)}-\d+-.+\.out", path.name))
+        assert "trainguard supervisor" in log, variant
+        assert "failed" not in " ".join(line for line in log.splitlines() if "supervisor" in line), (variant, log)
+
+
 # ------------------------------------------------------------------------------------ watch, kill switch
 def watch(slurm, run: Path, name: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "trainguard", "watch", str(run), "--once", "--stale-after", "1",
@@ -227,5 +219,14 @@ def test_an_armed_kill_switch_ends_the_array_without_starting_ranks(slurm, tmp_p
     time.sleep(2)
     assert events(run, "incarnation_started") == [] and not (run / "heartbeats").exists()
     assert finished(run)["outcome"] == "nothing_to_do"
+    states = slurm.array_states(job)
+    assert states.get("1") == "COMPLETED" and all(states.get(t, "CANCELLED") == "CANCELLED" for t in "23"), states
+
+
+def test_a_finished_run_cancels_the_rest_of_its_array(slurm, tmp_path):
+    run, job = sbatch(slurm, tmp_path, "short", 3, array=3, faults=None)
+    slurm.wait_for_state(f"{job}_1", ("COMPLETED",), 600)
+    time.sleep(2)
+    assert finished(run)["exit_code"] == 0 and len(events(run, "supervisor_started")) == 1
     states = slurm.array_states(job)
     assert states.get("1") == "COMPLETED" and all(states.get(t, "CANCELLED") == "CANCELLED" for t in "23"), states

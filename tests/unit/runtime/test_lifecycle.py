@@ -118,6 +118,8 @@ def test_job_script_has_the_reference_pieces():
         assert expected in lines
     assert "lifecycle.exit_duration_in_mins=5990" in text  # the reference's 99:50 for a 100 h limit
     assert "-m trainguard run --launcher slurm --run-dir /runs/tr11 --nnodes 48 --spare-nodes 4" in text
+    # exec'd: the batch step's process is the supervisor, so scancel -b and --signal=B:... reach it
+    assert any(line.startswith('exec "$PYTHON" -m trainguard run ') for line in lines)
     assert "-m trainguard train --nproc 8 --run-dir /runs/tr11" in text
 
 

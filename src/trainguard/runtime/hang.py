@@ -90,12 +90,23 @@ def suspects_from_heartbeats(beats: dict[int, Heartbeat]) -> list[int]:
     return local if len(local) < len(beats) else []
 
 
+def main_thread_top(dump: str, frames: int = 3) -> str:
+    """The innermost frames of the main thread (faulthandler lists threads newest first: it is the last)."""
+    blocks = [block for block in dump.split("\n\n") if "File " in block]
+    if not blocks:
+        return ""
+    lines = [line for line in blocks[-1].splitlines() if line.strip().startswith("File ")]
+    return "\n".join(lines[:frames])
+
+
 def suspects_from_dumps(dumps: dict[int, str]) -> list[int]:
-    """Ranks with no thread inside torch.distributed, when the other ranks wait in a collective."""
-    waiting = {rank for rank, text in dumps.items() if COLLECTIVE_FRAMES in text}
-    if not waiting or len(waiting) == len(dumps):
+    """Ranks whose main thread is not inside torch.distributed, when the others wait in a collective."""
+    tops = {rank: main_thread_top(text) for rank, text in dumps.items()}
+    tops = {rank: top for rank, top in tops.items() if top}
+    waiting = {rank for rank, top in tops.items() if COLLECTIVE_FRAMES in top}
+    if not waiting or len(waiting) == len(tops):
         return []
-    return sorted(set(dumps) - waiting)
+    return sorted(set(tops) - waiting)
 
 
 def suspect_ranks(beats: dict[int, Heartbeat], dumps: dict[int, str]) -> list[int]:

@@ -237,9 +237,18 @@ class SlurmNodes:
         return cls(out.stdout.split())
 
     def endpoint(self, slot0: str) -> str:
-        # a new port per incarnation: the previous store's socket may linger in TIME_WAIT
+        # a new port per incarnation (the previous store's socket may linger in TIME_WAIT), and another
+        # range per job (two jobs may share a node)
         self._starts += 1
-        return f"{slot0}:{self.base_port + self._starts % 1000}"
+        offset = (int(self.job_id or 0) * 16 + self._starts) % 2000
+        return f"{self.address(slot0)}:{self.base_port + offset}"
+
+    @staticmethod
+    def address(node: str) -> str:
+        """The node's address as Slurm knows it (``NodeAddr``, which defaults to the node's name)."""
+        out = subprocess.run(["scontrol", "show", "node", "-o", node], capture_output=True, text=True)
+        fields = dict(item.split("=", 1) for item in out.stdout.split() if "=" in item)
+        return fields.get("NodeAddr") or node
 
     def command(self, node: str, command: list[str], step_name: str = "trainguard") -> list[str]:
         return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--kill-on-bad-exit=1",

@@ -88,7 +88,8 @@ def render_job_script(spec: JobSpec) -> str:
         'echo "jobid ${SLURM_JOB_ID} array ${SLURM_ARRAY_JOB_ID:-}_${SLURM_ARRAY_TASK_ID:-} nodes ${SLURM_JOB_NODELIST}"',
         f"PYTHON={shlex.quote(spec.python)}",
         "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}",
-        '"$PYTHON" -m trainguard ' + shlex.join(run) + " -- \\",
+        "# exec: the supervisor is the batch step's process, so scancel -b and --signal=B:... reach it",
+        'exec "$PYTHON" -m trainguard ' + shlex.join(run) + " -- \\",
         '    "$PYTHON" -m trainguard ' + shlex.join(train),
         "",
     ]

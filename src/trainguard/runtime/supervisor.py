@@ -39,6 +39,7 @@ from trainguard.runtime.nodes import ENV_AGENT_REPORT, LocalNodes, NodePool, age
 from trainguard.runtime.slurm import cancel_pending_tasks
 from trainguard.runtime.policy import (
     MEANINGFUL_EXIT_CODES,
+    NEVER_RESTART,
     Action,
     Decision,
     Ended,
@@ -342,6 +343,10 @@ class Supervisor:
             inc.outcome, inc.exit_code = Outcome.HANG, EXIT_CRASH
         else:
             inc.exit_code = classify([code for code, _ in exits.values()], rank_exits)
+            if self.stop_signal and inc.exit_code not in NEVER_RESTART:
+                # asked to stop (a time limit, scancel) before the ranks could save: whatever ended them,
+                # the newest committed checkpoint is the resume point
+                inc.exit_code = EXIT_RESUMABLE_STOP
             inc.outcome = outcome_of(inc.exit_code)
         if inc.outcome in (Outcome.FAILED, Outcome.HANG):
             self._attribute(inc, exits, beats, rank_exits, exit_times)

@@ -118,6 +118,8 @@ def test_job_script_has_the_reference_pieces():
         assert expected in lines
     assert "lifecycle.exit_duration_in_mins=5990" in text  # the reference's 99:50 for a 100 h limit
     assert "-m trainguard run --launcher slurm --run-dir /runs/tr11 --nnodes 48 --spare-nodes 4" in text
+    # exec'd: the batch step's process is the supervisor, so scancel -b and --signal=B:... reach it
+    assert any(line.startswith('exec "$PYTHON" -m trainguard run ') for line in lines)
     assert "-m trainguard train --nproc 8 --run-dir /runs/tr11" in text
 
 
@@ -145,7 +147,8 @@ def _stale_run(tmp_path):
     return run
 
 
-def test_watch_alerts_once_on_a_stale_run(trainguard, tmp_path):
+def test_watch_alerts_once_on_a_stale_run(trainguard, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no squeue: the machine's Slurm, if any, stays out of it
     run = _stale_run(tmp_path)
     marker = tmp_path / "alerts"
     proc = trainguard("watch", str(run), "--once", "--stale-after", "60", "--alert-cmd", f"echo $RUN >> {marker}")
@@ -167,7 +170,7 @@ def test_watch_loop_runs_the_alert_command_once_per_incident(tmp_path):
     marker = tmp_path / "alerts"
     proc = subprocess.Popen([sys.executable, "-m", "trainguard", "watch", str(run), "--interval", "0.1",
                              "--stale-after", "60", "--alert-cmd", f"echo x >> {marker}"],
-                            env=worker_env(), stdout=subprocess.PIPE, text=True)
+                            env=worker_env(PATH=str(tmp_path)), stdout=subprocess.PIPE, text=True)  # no squeue
     try:
         deadline = time.monotonic() + 60
         while not marker.exists() and time.monotonic() < deadline:

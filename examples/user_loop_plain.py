@@ -13,7 +13,7 @@ from user_model import TokenStream, build_model, cosine, init_distributed, parse
 def main() -> None:
     args = parse_args(__doc__.split("\n\n")[0])
     rank, device = init_distributed()
-    model, hf_config, mesh = build_model(device)
+    model, _, _ = build_model(device)  # the model, its config, the mesh
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine(args.steps))
     data = TokenStream(rank, device)

@@ -363,14 +363,15 @@ ROLLBACK = ["--set", "guards.check_for_global_norm=true", "--set", "guards.skip.
 def _tiny_manager(run_dir: Path, target: str):
     import torch
 
+    from trainguard.backup.attach import attach_mirror
     from trainguard.backup.config import MirrorConfig
     from trainguard.checkpoint.manager import CheckpointManager
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    manager = CheckpointManager(run_dir, model, optimizer, async_save=False, keep_last=10,
-                                mirror=MirrorConfig(url=target))
+    manager = CheckpointManager(run_dir, model, optimizer, async_save=False, keep_last=10)
+    attach_mirror(manager, MirrorConfig(url=target))
     return manager, model
 
 

@@ -20,11 +20,8 @@ import torch
 import torch.distributed as dist
 
 from trainguard.checkpoint.discovery import CheckpointInfo, list_checkpoints, write_latest
-from trainguard.backup.background import BackgroundMirror
-from trainguard.backup.config import MirrorConfig
-from trainguard.backup.restore import restore_for_resume
-from trainguard.backup.url import is_url
 from trainguard.checkpoint.durable import DurableCheckpointer
+from trainguard.checkpoint.hooks import CheckpointMirror, CommitHook, ResumeSource
 from trainguard.fs.fsio import clean_stale, remove_directory_crash_safe
 from trainguard.checkpoint.local.tier import LocalTier
 from trainguard.checkpoint.manifest import read_manifest
@@ -47,15 +44,6 @@ def _broadcast(value: Any) -> Any:
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def _then(first: Callable[[int, Path], None], second: Callable[[int, Path], None] | None) -> Callable[[int, Path], None]:
-    def both(step: int, path: Path) -> None:
-        first(step, path)
-        if second is not None:
-            second(step, path)
-
-    return both
 
 
 class CheckpointManager:
@@ -85,7 +73,6 @@ class CheckpointManager:
         after_commit: Callable[[int, Path], None] | None = None,
         seed: int = 0,
         local: LocalTier | None = None,
-        mirror: MirrorConfig | None = None,
     ):
         self.run_dir = Path(run_dir)
         self.root = self.run_dir / "checkpoints"
@@ -107,11 +94,12 @@ class CheckpointManager:
                 log.warning("removed an unfinished checkpoint left by an earlier run: %s", stale)
         # One token per incarnation names the temporary directory that all ranks write into.
         run_token = _broadcast(uuid.uuid4().hex[:12] if self.rank == 0 else None)
-        self.mirror_config = mirror
-        # Rank 0 mirrors committed checkpoints to object storage in the background (checkpoint.mirror).
-        self.mirror = BackgroundMirror(mirror, self.root, self.events) if self.rank == 0 and mirror and mirror.url else None
-        if self.mirror is not None:
-            after_commit = _then(self.mirror.submit, after_commit)
+        self.mirror: CheckpointMirror | None = None
+        """Copies of committed checkpoints elsewhere (rank 0), set by ``trainguard.backup.attach_mirror``."""
+        self.resume_source: ResumeSource | None = None
+        """Restores a resume mode naming a mirror URL (rank 0), set by ``trainguard.backup.attach_mirror``."""
+        self.commit_hooks: list[CommitHook] = [after_commit] if after_commit is not None and self.rank == 0 else []
+        """Called in order on rank 0 after each durable commit."""
         self.durable = DurableCheckpointer(
             self.root,
             rank=self.rank,
@@ -124,8 +112,8 @@ class CheckpointManager:
             keep_last=keep_last,
             keep_every=keep_every,
             events=self.events,
-            after_commit=after_commit if self.rank == 0 else None,
-            protected=self.mirror.pending_steps if self.mirror is not None else None,
+            commit_hooks=self.commit_hooks,
+            protected=lambda: self.mirror.pending_steps() if self.mirror is not None else set(),
         )
         self.last_saved_step: int | None = None
         self.resumed_from: str | None = None
@@ -137,8 +125,8 @@ class CheckpointManager:
         if self.rank == 0:
             try:
                 mode = self.resume_mode
-                if is_url(mode):  # restore from the mirror into the run's checkpoints first, then resume normally
-                    mode = restore_for_resume(mode, self.root, self.mirror_config.endpoint_url if self.mirror_config else None)
+                if self.resume_source is not None:  # a mirror URL: restored into the run's checkpoints first
+                    mode = self.resume_source(mode, self.root)
                 chosen = choose_resume_checkpoint(mode, self.root, warn=log.warning, accept=self.accept)
                 path = str(chosen) if chosen else None
             except Exception as exc:  # every rank must learn of it, or the others wait in broadcast for ever
@@ -238,12 +226,6 @@ class CheckpointManager:
         self.last_saved_step = step
         log.info("checkpoint global_step_%d staged (blocked %.0fms)", step, blocked * 1000)
         return blocked
-
-    def maybe_save(self, step: int, trainer_state: dict[str, Any] | None = None) -> bool:
-        if not self.should_save(step):
-            return False
-        self.save(step, trainer_state)
-        return True
 
     def close(self) -> None:
         """Waits until the last save is committed on every rank, then drains the mirror's queue."""

@@ -30,7 +30,7 @@ def run_convert(args: argparse.Namespace) -> int:
         hf_to_durable(args.from_hf, args.target)
         print(f"converted {args.from_hf} into {args.target}")
         return 0
-    from trainguard.checkpoint.universal import convert_checkpoint
+    from trainguard.merge.universal import convert_checkpoint
 
     with ExitStack() as stack:
         convert_checkpoint(args.source, args.target, args.format, force=args.force,

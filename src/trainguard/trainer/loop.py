@@ -14,9 +14,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from trainguard.backup.attach import attach_mirror
 from trainguard.fs.fsio import fsync_file
 from trainguard.fs.layout import HF_DIR
-from trainguard.checkpoint.local.setup import build_local_tier, fire_wipe_faults
+from trainguard.trainer.local_tier import build_local_tier, fire_wipe_faults
 from trainguard.checkpoint.manager import CheckpointManager
 from trainguard.checkpoint.rng_state import capture_rng_state, restore_rng_state, seed_everything
 from trainguard.config.load import config_to_dict
@@ -140,8 +141,8 @@ class Trainer:
             seed=config.train.seed,
             local=build_local_tier(config, self.run_dir, self.layout, self.model, self.events, self.faults,
                                    self._write_static_files),
-            mirror=config.checkpoint.mirror,
         )
+        attach_mirror(self.checkpoints, config.checkpoint.mirror)
         self.step = 0
         sdc_config = sdc_config_from_env(config.guards.sdc)
         self.sdc: SdcGuard | None = None

@@ -28,8 +28,8 @@ from trainguard.guards.health import is_unhealthy
 from trainguard.guards.sdc import FaultyDeviceError, faulty_ranks_path, sdc_config_from_env, write_faulty_ranks
 from trainguard.guards.rollback import RollbackGuard
 from trainguard.guards.skip import DataSkipAbort, DataSkipGuard
+from trainguard.hf.config import build_empty_model
 from trainguard.hf.init import (
-    build_empty_model,
     current_rss,
     load_hf_weights,
     materialize,

@@ -234,7 +234,7 @@ def build_pipeline(
     pp_mesh = mesh["pp"]
     stage_index = pp_mesh.get_local_rank()
     if empty:
-        from trainguard.hf.init import build_empty_model
+        from trainguard.hf.config import build_empty_model
 
         model = build_empty_model(model_config)
     else:

@@ -21,6 +21,7 @@ from trainguard.fs.layout import HEALTH_FILE, step_dir_name
 from trainguard.checkpoint.manifest import BadFile, verify_checkpoint
 from trainguard.checkpoint.role_dirs import checkpoint_dir, frozen_role_dirs
 from trainguard.errors import ConfigError
+from trainguard.guards.health import Health, health_of
 
 EXIT_BAD_CHECKPOINT = 1
 _DIR_HELP = "run directory, its checkpoints/ directory, or one checkpoint (global_step_N, global_step_N/ROLE)"
@@ -106,8 +107,8 @@ def _verify(info: CheckpointInfo) -> list[BadFile]:
         return verify_checkpoint(info.path, info.manifest, progress=advance)
 
 
-def _read_health_records(root: Path) -> dict[str, int]:
-    """``ckpt_name -> is_health`` (1 = unhealthy) from ``health_ckpts.json``; the last record wins."""
+def _read_health_records(root: Path) -> dict[str, dict]:
+    """``ckpt_name -> record`` from ``health_ckpts.json``; the last record wins."""
     path = root / HEALTH_FILE
     try:
         records = json.loads(path.read_text(encoding="utf-8"))
@@ -122,18 +123,16 @@ def _read_health_records(root: Path) -> dict[str, int]:
     ):
         warn(f'{path}: expected [{{"is_health": 0|1, "ckpt_name": ...}}, ...]; health shown from manifests only')
         return {}
-    return {record["ckpt_name"]: record["is_health"] for record in records}
+    return {record["ckpt_name"]: record for record in records}
 
 
-def _health(info: CheckpointInfo, health_records: dict[str, int]) -> str | None:
-    is_unhealthy = None
-    if info.manifest is not None and info.manifest.health is not None:
-        is_unhealthy = info.manifest.health.get("is_health")
-    if is_unhealthy is None:
-        is_unhealthy = health_records.get(info.name)
-    if is_unhealthy is None:
+def _health(info: CheckpointInfo, health_records: dict[str, dict]) -> str | None:
+    verdict = health_of(info.manifest.health) if info.manifest is not None else None
+    if verdict is None:
+        verdict = health_of(health_records.get(info.name))
+    if verdict is None:
         return None
-    return "unhealthy" if is_unhealthy else "healthy"
+    return "unhealthy" if verdict is Health.UNHEALTHY else "healthy"
 
 
 def _facts(info: CheckpointInfo, bad: list[BadFile] | None, health_records: dict[str, int]) -> dict[str, Any]:

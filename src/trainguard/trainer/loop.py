@@ -24,10 +24,10 @@ from trainguard.config.load import config_to_dict
 from trainguard.config.schema import RunConfig
 from trainguard.events import EventLog
 from trainguard.faults import FaultInjector
-from trainguard.guards.health import is_unhealthy
+from trainguard.guards.health import health_record, judge_health, marked_unhealthy
 from trainguard.guards.sdc import FaultyDeviceError, faulty_ranks_path, sdc_config_from_env, write_faulty_ranks
 from trainguard.guards.rollback import RollbackGuard
-from trainguard.guards.skip import DataSkipAbort, DataSkipGuard
+from trainguard.guards.skip import DataSkipAbort, DataSkipGuard, reference_abort_message, reference_log_lines
 from trainguard.hf.config import build_empty_model
 from trainguard.hf.init import (
     current_rss,
@@ -245,17 +245,18 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]
         if self.skip_guard is not None and not skipped:
             decision = self.skip_guard.decide(step, norm, opt_global_step=step - 1 - self.skip_guard.skipped_total)
-            for line in decision.log_lines:
+            for line in reference_log_lines(decision):
                 self.log.info(line)
             skipped = decision.skip
             if skipped and self.rank == 0:
                 self.events.emit("data_skip", step=step, global_norm=norm, threshold=decision.threshold,
                                  consecutive=decision.consecutive, nan=decision.nan)
             if decision.abort:
-                self.log.error("ValueError: %s", decision.abort_message)
+                message = reference_abort_message(decision)
+                self.log.error("ValueError: %s", message)
                 if self.rank == 0:
-                    self.events.emit("data_skip_abort", step=step, global_norm=norm, message=decision.abort_message)
-                raise DataSkipAbort(f"ValueError: {decision.abort_message}")
+                    self.events.emit("data_skip_abort", step=step, global_norm=norm, message=message)
+                raise DataSkipAbort(f"ValueError: {message}")
         if self.rollback is not None and not skipped:
             spike = self.rollback.check(step, norm, loss_value)
             if spike is not None:
@@ -343,8 +344,7 @@ class Trainer:
         if not self.config.guards.health.enabled or self.max_embedding_norm is None:
             return None
         threshold = self.config.guards.health.embedding_threshold
-        unhealthy = is_unhealthy(self.max_embedding_norm, threshold)
-        return {"is_health": int(unhealthy), "embedding_local_norm": self.max_embedding_norm, "threshold": threshold}
+        return health_record(judge_health(self.max_embedding_norm, threshold), self.max_embedding_norm, threshold)
 
     def _stop(self, reason: int, last_loss: float) -> int:
         """Saves the current step (if it is not saved yet) and returns the lifecycle's exit code."""
@@ -401,7 +401,7 @@ class Trainer:
                     self.checkpoints.save(self.step, self._trainer_state(last_loss), health=self._checkpoint_health()))
             # a step judged unhealthy stays out of the local tier: auto resume prefers a local step to an
             # older durable one and would bring it back (the durable copy is kept, marked, for inspection)
-            if self.checkpoints.should_save_local(self.step) and not (self._checkpoint_health() or {}).get("is_health"):
+            if self.checkpoints.should_save_local(self.step) and not marked_unhealthy(self._checkpoint_health()):
                 self.checkpoints.save_local(self.step)
                 fire_wipe_faults(self.faults, self.checkpoints.local, self.step)
             self.lifecycle.beat("step", self.step)

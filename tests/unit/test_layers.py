@@ -54,10 +54,14 @@ def modules(src: Path, root: str) -> dict[str, Path]:
     return {module_name(path, src): path for path in sorted((src / root).rglob("*.py"))}
 
 
-def imports_of(name: str, path: Path, known: set[str]) -> list[Import]:
+def parse(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(encoding="utf-8"), str(path))
+
+
+def imports_of(name: str, path: Path, known: set[str], tree: ast.Module | None = None) -> list[Import]:
     """Every import statement of the module, wherever it stands (module level, function, class)."""
     found = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+    for node in ast.walk(tree or parse(path)):
         if isinstance(node, ast.Import):
             found += [Import(name, node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -92,6 +96,7 @@ def floor_of(package: str) -> int | None:
 def layer_violations(src: Path, root: str = "trainguard") -> list[str]:
     """Upward imports, packages on no floor, and cycles between packages, one line each."""
     found = modules(src, root)
+    known = set(found)
     problems = []
     edges: dict[str, dict[str, Import]] = defaultdict(dict)
     for name, path in found.items():
@@ -99,7 +104,7 @@ def layer_violations(src: Path, root: str = "trainguard") -> list[str]:
         if floor_of(mine) is None:
             problems.append(f"{path}: package {mine!r} is on no floor of the layer table")
             continue
-        for imp in imports_of(name, path, set(found)):
+        for imp in imports_of(name, path, known):
             theirs = package_of(imp.target, root)
             if theirs is None or theirs == mine:
                 continue
@@ -138,10 +143,11 @@ def cycles(edges: dict[str, dict[str, Import]]) -> list[str]:
 def private_uses(src: Path, root: str = "trainguard") -> list[str]:
     """``from x import _name`` of another module, and ``module._name`` on a module imported by name."""
     found = modules(src, root)
+    known = set(found)
     problems = []
     for name, path in found.items():
-        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
-        imports = imports_of(name, path, set(found))
+        tree = parse(path)
+        imports = imports_of(name, path, known, tree)
         for imp in imports:
             if (imp.name and imp.name.startswith("_") and not imp.name.startswith("__")
                     and package_of(imp.target, root) is not None and imp.target != name):

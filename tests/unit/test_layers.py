@@ -24,7 +24,8 @@ FLOORS: list[tuple[str, frozenset[str]]] = [
     ("guards: pure rules and their typed verdicts", frozenset({"guards"})),
     ("checkpoint tiers", frozenset({"checkpoint"})),
     ("backup, merge/convert, Hugging Face", frozenset({"backup", "merge", "hf"})),
-    ("runtime: lifecycle, supervisor; fault injection, node doctor, planning", frozenset({"runtime", "faults", "doctor", "plan"})),
+    ("runtime: lifecycle, supervisor; fault injection, node doctor, planning",
+     frozenset({"runtime", "faults", "doctor", "plan"})),
     ("step API", frozenset({"step"})),
     ("trainer, demo, report, cli, integrations, run configuration", frozenset(
         {"trainer", "demo", "report", "cli", "integrations", "config", "__main__", ""})),

@@ -31,7 +31,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from trainguard.checkpoint.commit import Committed, commit_checkpoint
 from trainguard.checkpoint.dcp_writer import SaveJob, gather_entries, write_rank_files
@@ -46,6 +51,7 @@ from trainguard.events import EventLog
 from trainguard.fs.fsio import remove_directory_crash_safe
 from trainguard.fs.layout import HEALTH_FILE, extra_state_name, parse_step_dir, step_dir_name, temp_dir_name
 from trainguard.guards.health import marked_unhealthy, unhealthy_names
+
 
 def _marked_unhealthy(ckpt_dir: Path) -> bool:
     try:

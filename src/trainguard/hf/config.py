@@ -191,7 +191,8 @@ def tensors_to_load(config: PretrainedConfig, tensors: dict[str, HFTensor], hf_d
     return names
 
 
-def check_init_from(hf_dir: Path, attn_implementation: str, explicit: dict[str, Any], pp: int, source: str) -> PretrainedConfig:
+def check_init_from(hf_dir: Path, attn_implementation: str, explicit: dict[str, Any], pp: int,
+                    source: str) -> PretrainedConfig:
     """Everything about ``model.init_from`` that can be checked before processes start and without the
     trainer's tokenizer; returns the directory's config."""
     hf_dir = Path(hf_dir)

@@ -1,6 +1,6 @@
 """The layers of ``trainguard`` (docs/architecture.md), checked on the source: every import of every
-module, function-level ones included, goes to the same floor or a lower one, packages import each other
-without cycles, and no module uses another module's underscore names.
+module, function-level ones included, goes to the same floor or a lower one, packages and modules import
+each other without cycles, and no module uses another module's underscore names.
 
 The checks parse the source with ``ast`` (nothing is imported), so they run in a fraction of a second
 and a new upward import, cycle or private use anywhere fails the suite with the file and line.
@@ -24,11 +24,11 @@ FLOORS: list[tuple[str, frozenset[str]]] = [
     ("guards: pure rules and their typed verdicts", frozenset({"guards"})),
     ("checkpoint tiers", frozenset({"checkpoint"})),
     ("backup, merge/convert, Hugging Face", frozenset({"backup", "merge", "hf"})),
-    ("runtime: lifecycle, supervisor; fault injection, node doctor, planning",
-     frozenset({"runtime", "faults", "doctor", "plan"})),
+    ("runtime: lifecycle, supervisor; fault injection, node doctor, planning; the run configuration",
+     frozenset({"runtime", "faults", "doctor", "plan", "config"})),
     ("step API", frozenset({"step"})),
-    ("trainer, demo, report, cli, integrations, run configuration", frozenset(
-        {"trainer", "demo", "report", "cli", "integrations", "config", "__main__", ""})),
+    ("trainer, demo, report, cli, integrations", frozenset(
+        {"trainer", "demo", "report", "cli", "integrations", "__main__", ""})),
 ]
 
 
@@ -141,6 +141,22 @@ def cycles(edges: dict[str, dict[str, Import]]) -> list[str]:
     return found
 
 
+def module_cycles(src: Path, root: str = "trainguard") -> list[str]:
+    """Cycles between modules (``hf.config`` <-> ``hf.init`` was one), one line each; importing a
+    package's ``__init__`` from inside the package does not count (it runs first anyway)."""
+    found = modules(src, root)
+    known = set(found)
+    edges: dict[str, dict[str, Import]] = defaultdict(dict)
+    for name, path in found.items():
+        for imp in imports_of(name, path, known):
+            target = imp.target
+            while target not in known and "." in target:
+                target = target.rsplit(".", 1)[0]
+            if target in known and target != name and not name.startswith(target + "."):
+                edges[name].setdefault(target, imp)
+    return [f"import cycle between modules: {cycle}" for cycle in cycles(edges)]
+
+
 def private_uses(src: Path, root: str = "trainguard") -> list[str]:
     """``from x import _name`` of another module, and ``module._name`` on a module imported by name."""
     found = modules(src, root)
@@ -176,6 +192,10 @@ def test_every_import_goes_down_or_across_and_packages_have_no_cycle():
     assert layer_violations(SRC) == []
 
 
+def test_modules_import_each_other_without_cycles():
+    assert module_cycles(SRC) == []
+
+
 def test_no_module_uses_another_modules_private_names():
     assert private_uses(SRC) == []
 
@@ -203,6 +223,7 @@ CLEAN = {
 def test_a_clean_planted_tree_passes(tmp_path):
     src = _tree(tmp_path, CLEAN)
     assert layer_violations(src) == []
+    assert module_cycles(src) == []
     assert private_uses(src) == []
 
 
@@ -227,6 +248,14 @@ def test_a_planted_cycle_on_one_floor_fails(tmp_path):
     (problem,) = layer_violations(src)
     assert problem.startswith("import cycle between packages:")
     assert "cli -> trainer" in problem and "trainer -> cli" in problem
+
+
+def test_a_planted_cycle_between_modules_of_one_package_fails(tmp_path):
+    src = _tree(tmp_path, {**CLEAN, "checkpoint/manifest.py": "from trainguard.checkpoint import commit\n",
+                           "checkpoint/commit.py": "def seal():\n    from trainguard.checkpoint.manifest import x\n"})
+    assert layer_violations(src) == []
+    (problem,) = module_cycles(src)
+    assert "trainguard.checkpoint.commit -> trainguard.checkpoint.manifest" in problem
 
 
 def test_a_planted_package_on_no_floor_fails(tmp_path):

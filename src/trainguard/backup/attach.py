@@ -6,16 +6,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from trainguard.backup.background import BackgroundMirror
-from trainguard.backup.config import MirrorConfig
 from trainguard.backup.restore import restore_for_resume
 from trainguard.backup.url import is_url
 from trainguard.checkpoint.manager import CheckpointManager
 
 
-def attach_mirror(manager: CheckpointManager, config: MirrorConfig | None) -> None:
-    """``resume`` may name a mirror URL (restored into the run's checkpoints first); with
-    ``config.url``, rank 0 also mirrors every committed checkpoint there in the background (queued
-    before the manager's other commit hooks run) and retention keeps what still waits for upload."""
+def attach_mirror(manager: CheckpointManager) -> None:
+    """Acts on the manager's ``config.mirror``: its ``resume`` may name a mirror URL (restored into the
+    run's checkpoints first); with ``mirror.url``, rank 0 also mirrors every committed checkpoint there
+    in the background (queued before the manager's other commit hooks run) and retention keeps what
+    still waits for upload."""
+    config = manager.config.mirror
     endpoint_url = config.endpoint_url if config is not None else None
 
     def resume_source(mode: str, root: Path) -> str:

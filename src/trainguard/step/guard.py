@@ -350,7 +350,7 @@ class Guard:
         """One all-reduce: the global norm, the mean loss, the count of ranks raising each flag."""
         share = None
         if loss is not None:  # the loss-holding ranks of a stage: its dp ranks (different data) × tp ranks
-            share = torch.as_tensor(loss, device=self.device).detach().double() / self.ranks_per_stage
+            share = torch.as_tensor(loss, dtype=torch.float64, device=self.device).detach() / self.ranks_per_stage
         return reduce_step(self._grads(), local_slots(self.device, share, flags), self.ranks_per_stage)
 
     def _rerun(self, step: int, closure: Callable[[], Any], snapshot: StepSnapshot, loss: Any) -> tuple[Reduced, bool]:

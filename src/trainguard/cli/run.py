@@ -89,6 +89,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                    usage="trainguard run [options] -- COMMAND...")
     parser.add_argument("--run-dir", help="the run directory (default: COMMAND's --run-dir)")
     add_supervisor_arguments(parser, max_restarts=10)
+    parser.add_argument("--kill-switch", metavar="PATH",
+                        help="the run's kill switch file (lifecycle.kill_switch_path): while it exists, start no "
+                             "ranks and exit 0 at once (and cancel a job array's pending tasks)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
     parser.set_defaults(func=run)
 
@@ -121,4 +124,5 @@ def run(args: argparse.Namespace) -> int:
     from trainguard.runtime.supervisor import Supervisor
 
     options = options_from_args(args, run_dir, command)
+    options.kill_switch = Path(args.kill_switch) if args.kill_switch else None
     return Supervisor(options, nodes=make_nodes(args)).run()

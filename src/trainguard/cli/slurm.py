@@ -36,6 +36,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     sbatch.add_argument("--sbatch-option", action="append", default=[], metavar="OPTION",
                         help="another #SBATCH line, e.g. --sbatch-option=--gres=gpu:8; repeatable")
     sbatch.add_argument("--max-restarts", type=count, default=10, help="the supervisor's --max-restarts (default 10)")
+    sbatch.add_argument("--hang-timeout", type=float, default=None,
+                        help="the supervisor's --hang-timeout in seconds (default: its own)")
+    sbatch.add_argument("--kill-switch", metavar="PATH",
+                        help="kill switch file: sets lifecycle.kill_switch_path, and while it exists the array's "
+                             "tasks start no ranks and its pending tasks are cancelled")
     sbatch.add_argument("--out", help="script path (default RUN_DIR/JOB_NAME.slurm)")
     sbatch.add_argument("--submit", action="store_true", help="submit the script with sbatch")
     sbatch.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: arguments of trainguard train")
@@ -61,6 +66,12 @@ def run(args: argparse.Namespace) -> int:
                    exit_margin_mins=args.exit_margin_mins, excluded=sorted(load_excluded(run_dir)),
                    partition=args.partition, account=args.account, extra_sbatch=args.sbatch_option,
                    supervisor_args=["--max-restarts", str(args.max_restarts)])
+    if args.hang_timeout is not None:
+        spec.supervisor_args += ["--hang-timeout", f"{args.hang_timeout:g}"]
+    if args.kill_switch:
+        switch = str(Path(args.kill_switch).resolve())
+        spec.supervisor_args += ["--kill-switch", switch]
+        spec.train_args = [*spec.train_args, "--set", f"lifecycle.kill_switch_path={switch}"]
     try:
         text = render_job_script(spec)
     except ValueError as exc:

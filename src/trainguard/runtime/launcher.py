@@ -21,19 +21,8 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from trainguard.errors import EXIT_CRASH
+from trainguard.runtime.policy import exit_code_of
 from trainguard.runtime.nodes import ENV_AGENT_REPORT, ENV_NNODES, ENV_NODE_RANK, ENV_RDZV_ENDPOINT
-
-MEANINGFUL_EXIT_CODES = (2, 3, 4, 16, 17)
-
-
-def exit_code_of(failure_codes: list[int]) -> int:
-    """The code that explains a failed group: a meaningful code if any rank gave one, else crash."""
-    for code in MEANINGFUL_EXIT_CODES:
-        if code in failure_codes:
-            return code
-    return EXIT_CRASH
-
 
 def launch_local(nproc: int, worker_args: list[str], run_dir: Path, entrypoint: Callable[[list[str]], Any],
                  preload: tuple[str, ...] = ()) -> int:

@@ -67,6 +67,21 @@ def is_norm_module(module: nn.Module) -> bool:
     return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith("Norm")
 
 
+BLOCK_SUFFIXES = ("Layer", "Block")
+
+
+def block_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's transformer blocks: the members of an ``nn.ModuleList`` whose class name ends in
+    ``Layer`` or ``Block`` (``LlamaDecoderLayer``, FSDP2's ``FSDPLlamaDecoderLayer``, ``GPT2Block``)."""
+    blocks = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList):
+            for index, child in enumerate(module):
+                if type(child).__name__.endswith(BLOCK_SUFFIXES):
+                    blocks.append((f"{name}.{index}" if name else str(index), child))
+    return blocks
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     # the statistic is this rank's: its shard of a DTensor gradient
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
@@ -176,8 +191,10 @@ class DetectionPoints:
         """``auto``, ``grad_input`` or ``grad_output`` for module points; ``tensor`` for tensor points."""
         return self._where[name]
 
-    def install(self, model: nn.Module, extra_points: Iterable[PointSpec] = (), *, norms: bool = True) -> list[str]:
-        """Hooks every norm module of ``model`` (unless ``norms=False``) and each extra point: a dotted
+    def install(self, model: nn.Module, extra_points: Iterable[PointSpec] = (), *, norms: bool = True,
+                blocks: bool = False) -> list[str]:
+        """Hooks every norm module of ``model`` (unless ``norms=False``), with ``blocks`` every
+        transformer block's output gradient (``block_modules``), and each extra point: a dotted
         module name, a module object of ``model``, or ``(name or module, where)``. Installing again
         replaces every point. Makes this the active instance for ``watch_tensor``/``watch_function``.
         Returns ``names``. Raises ConfigError for an unknown module or a bad ``where``."""
@@ -192,6 +209,9 @@ class DetectionPoints:
                 for name, module in model.named_modules():
                     if is_norm_module(module):
                         self._add_module(name or type(module).__name__, module, "auto")
+            if blocks:  # the residual stream's gradient at each block's output
+                for name, module in block_modules(model):
+                    self._add_module(name, module, "grad_output")
             for spec in extra_points:
                 target, where = spec if isinstance(spec, tuple) else (spec, None)
                 self.add(target, where=where)
@@ -413,6 +433,52 @@ class DetectionPoints:
     def _tensor_hook(self, index: int, grad: torch.Tensor) -> None:
         if self.enabled:
             self._record(index, [grad])
+
+
+# ------------------------------------------------------------------------- parameter gradient points
+GRADIENT_PREFIX = "grad:"
+
+
+class GradientPoints:
+    """One detection point per parameter, on its gradient as the optimizer will see it (after the
+    backward's reduction: under FSDP2 this rank's shard of the reduce-scattered gradient). Read once
+    per step after backward: ``collect()`` stacks the statistics on the device, no host sync."""
+
+    def __init__(self, model: nn.Module, statistic: str = "l2", shares: bool = False):
+        if statistic not in STATISTICS:
+            raise ValueError(f"statistic must be one of {STATISTICS}, got {statistic!r}")
+        self.statistic = statistic
+        self.shares = bool(shares)
+        self._parameters = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+    @property
+    def names(self) -> list[str]:
+        return [GRADIENT_PREFIX + name for name, _ in self._parameters]
+
+    def collect(self, with_shares: bool = False) -> torch.Tensor:
+        """``[len(names)]`` float32 (``[2, len(names)]`` with the peak shares), ``NOT_CHECKED`` for a
+        parameter without a gradient or with an empty shard."""
+        if with_shares and not self.shares:
+            raise ValueError("collect(with_shares=True) needs GradientPoints(shares=True)")
+        rows = []
+        device = None
+        with torch.no_grad():
+            for _, parameter in self._parameters:
+                grad = None if parameter.grad is None else _local(parameter.grad)
+                stat = None
+                if grad is not None:
+                    device = grad.device
+                    stat = (_statistic_and_share([grad], self.statistic) if self.shares
+                            else gradient_statistic([grad], self.statistic))
+                rows.append(stat)
+            device = device or torch.device("cpu")
+            empty = torch.full((2,) if self.shares else (), NOT_CHECKED, dtype=torch.float32, device=device)
+            if not rows:
+                return torch.empty((2, 0) if with_shares else 0, dtype=torch.float32, device=device)
+            values = torch.stack([empty if r is None else r.to(device) for r in rows])
+        if not self.shares:
+            return values
+        return values.t() if with_shares else values[:, 0]
 
 
 # --------------------------------------------------------------------- the active instance (one-liners)

@@ -98,6 +98,8 @@ V3_A1 = 1e6
 V3_A2 = 100.0
 RATIO_WINDOW = 16  # clean values the ratio and peak baselines look back on (their max, their median)
 PEAK_JUMP = 4.0  # the peak criterion's jump over the recent median, in gradient units (v3: squared)
+PEAK_SHARE_JUMP = 100.0  # ... or the share's jump over the point's recent median share
+PEAK_SHARE_FLOOR = 1e-3  # ... the share jump counts only above this share
 
 STATISTIC = {"v1": "l2", "v3": "max_sq"}  # the statistic each rule judges (DetectionPoints(statistic=...))
 LOG_LEVELS = {1: logging.ERROR, 2: logging.WARNING}
@@ -166,34 +168,59 @@ class _RatioBaseline:
     def peak_verdict(self, value: float, share: float | None, warmed_up: bool,
                      state: dict[str, float]) -> dict[str, float] | None:
         """The peak criterion: its thresholds when ``value`` is level 1 by it, else None."""
-        if self.peak <= 0 or share is None or not share > self.peak or not warmed_up:
+        if self.peak <= 0 or share is None or not math.isfinite(share) or not warmed_up:
             return None
         if len(self.recent) < min(self.min_steps, RATIO_WINDOW):
             return None
-        ordered = sorted(self.recent)
-        middle = len(ordered) // 2
-        median = ordered[middle] if len(ordered) % 2 else 0.5 * (ordered[middle - 1] + ordered[middle])
+        median = _median(self.recent)
         limit = median * PEAK_JUMP ** self.exponent
-        state["share"] = share
-        state["peak_median"] = median
-        if median <= 0 or not value > limit:
+        by_value = share > self.peak and median > 0 and value > limit
+        # a large point: one blown-up element barely moves its norm, but its share jumps by orders of
+        # magnitude over the point's usual share (which, for a point always concentrated, it cannot)
+        enough = len(self.recent_shares) >= min(self.min_steps, RATIO_WINDOW)
+        share_median = _median(self.recent_shares) if enough else None
+        by_share = (share_median is not None and share > PEAK_SHARE_FLOOR
+                    and share > PEAK_SHARE_JUMP * share_median)
+        if share > self.peak or by_share:
+            state["share"] = share
+            state["peak_median"] = median
+        if not (by_value or by_share):
             return None
-        return {"peak": self.peak, "median": median, "limit": limit}
+        return {"peak": self.peak, "median": median, "limit": limit,
+                **({"share_median": share_median} if share_median is not None else {})}
 
-    def remember(self, value: float) -> None:
+    def remember(self, value: float, share: float | None = None) -> None:
         if self.tracking:
             self.recent.append(value)
             del self.recent[:-RATIO_WINDOW]
+        if self.peak > 0 and share is not None and math.isfinite(share):
+            self.recent_shares.append(float(share))
+            del self.recent_shares[:-RATIO_WINDOW]
 
     def _ratio_state(self) -> dict[str, Any]:
-        return {"recent": [float(v) for v in self.recent]} if self.tracking else {}
+        state: dict[str, Any] = {"recent": [float(v) for v in self.recent]} if self.tracking else {}
+        if self.peak > 0:
+            state["recent_shares"] = [float(v) for v in self.recent_shares]
+        return state
 
     def _load_ratio_state(self, state: dict[str, Any]) -> list[float]:
-        """The saved ``recent`` (validated), or [] for a state saved without the criterion."""
+        """The saved ``recent`` (validated), or [] for a state saved without the criterion; the saved
+        ``recent_shares`` go straight into place (absent from older states: they refill)."""
         recent = state.get("recent", [])
         if not isinstance(recent, list) or len(recent) > RATIO_WINDOW:
             raise ValueError(f"recent must be a list of at most {RATIO_WINDOW} numbers, got {recent!r}")
-        return [_float({"recent": v}, "recent") for v in recent]
+        shares = state.get("recent_shares", [])
+        if not isinstance(shares, list) or len(shares) > RATIO_WINDOW:
+            raise ValueError(f"recent_shares must be a list of at most {RATIO_WINDOW} numbers, got {shares!r}")
+        values = [_float({"recent": v}, "recent") for v in recent]
+        self.recent_shares = [_float({"recent_shares": v}, "recent_shares") for v in shares] if self.peak > 0 else []
+        return values
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else 0.5 * (ordered[middle - 1] + ordered[middle])
 
 
 class V1Detector(_RatioBaseline):
@@ -207,6 +234,7 @@ class V1Detector(_RatioBaseline):
         self.ratio = _check_ratio(ratio)
         self.peak = _check_peak(peak)
         self.recent: list[float] = []
+        self.recent_shares: list[float] = []  # the peak criterion's: the point's recent clean peak shares
         self.upper = (float(upper[0]), float(upper[1]))
         self.sigma = (float(sigma[0]), float(sigma[1]))
         self.min_steps = int(min_steps)
@@ -257,13 +285,13 @@ class V1Detector(_RatioBaseline):
             if peak is not None:
                 level, reason, thresholds = 1, "peak", peak
         if level != 1:
-            self._absorb(value)
+            self._absorb(value, share)
         return Verdict(level, reason, thresholds, state)
 
     def _thresholds(self, level: int) -> dict[str, float]:
         return {"upper": self.upper[level - 1], "sigma": self.sigma[level - 1]}
 
-    def _absorb(self, value: float) -> None:
+    def _absorb(self, value: float, share: float | None = None) -> None:
         if self.count == 0:
             self.min_val = self.max_val = value
         else:
@@ -271,7 +299,7 @@ class V1Detector(_RatioBaseline):
             self.max_val = max(self.max_val, value)
         self.pre_val = value
         self.count += 1
-        self.remember(value)
+        self.remember(value, share)
 
     def state_dict(self) -> dict[str, Any]:
         return {"pre_val": float(self.pre_val), "min_val": float(self.min_val), "max_val": float(self.max_val),
@@ -299,6 +327,7 @@ class V3Detector(_RatioBaseline):
         self.ratio = _check_ratio(ratio)
         self.peak = _check_peak(peak)
         self.recent: list[float] = []
+        self.recent_shares: list[float] = []  # the peak criterion's: the point's recent clean peak shares
         self.a1 = float(a1)
         self.a2 = float(a2)
         self.beta = float(beta)
@@ -339,12 +368,12 @@ class V3Detector(_RatioBaseline):
         if bounds is not None and value > bounds[1]:
             self.pre_val = value
             self.suspect_total += 1
-            self.remember(value)
+            self.remember(value, share)
             return Verdict(0, "suspect", thresholds, state)
         self.avg = self.beta * self.avg + (1.0 - self.beta) * value
         self.n += 1
         self.pre_val = value
-        self.remember(value)
+        self.remember(value, share)
         return Verdict(0, "", thresholds, state)
 
     def state_dict(self) -> dict[str, Any]:

@@ -189,6 +189,7 @@ def validate(config: RunConfig, source: str = "<config>") -> None:
         raise ConfigError(f"{source}: config key 'guards.skip.mode' must be 'absolute' or 'adaptive', got {skip.mode!r}")
     positive("guards.health.embedding_threshold (embedding_local_norm_threshold)", health.embedding_threshold)
     config.guards.sdc.validate()
+    config.guards.fingerprint.validate()
     config.lifecycle.validate(source)
     sdc_config_from_env(config.guards.sdc)
     pp = config.parallel.pp or 1

@@ -33,7 +33,28 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from trainguard.errors import ConfigError
 from trainguard.guards.state_health import NamedTensors
+
+DEFAULT_INTERVAL = 50
+
+
+@dataclass
+class FingerprintConfig:
+    """``guards.fingerprint``: compare replicas' state every ``interval`` steps and before every save
+    (0 = off)."""
+
+    interval: int = DEFAULT_INTERVAL
+
+    def validate(self) -> None:
+        interval = self.interval
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+            raise ConfigError(f"config key guards.fingerprint.interval must be a non-negative integer (0 = off), "
+                              f"got {interval!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.interval > 0
 
 HASH_COLUMNS = 251  # a prime: a strided pattern rarely lines up with it
 HOW = ("majority", "at_rest", "unattributed")
@@ -173,7 +194,8 @@ class ReplicaFingerprints:
         changed = torch.zeros(len(named), dtype=torch.int64, device=current.device)
         if at_rest and self._after_update is not None and self._after_update.shape == current.shape:
             changed = (current != self._after_update).any(dim=1).to(torch.int64)
-        self._after_update = None
+        if at_rest:
+            self._after_update = None
         mine = torch.cat([current, changed[:, None]], dim=1)
         if self.group is None:
             gathered = [mine]

@@ -1,47 +1,43 @@
-"""The local tier inside the reference trainer: built from the config, and the wipe fault's hook."""
+"""The local tier of a ``Guard``: built from the ``checkpoint`` section and the mesh, and the wipe fault's hook."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.local.paths import node_of
 from trainguard.checkpoint.local.tier import LocalTier
-from trainguard.config.schema import RunConfig
 from trainguard.errors import ConfigError
 from trainguard.events import EventLog
 from trainguard.faults import FaultInjector
-from trainguard.topology.layout import MESH_DIMS, Layout
 from trainguard.topology.replica_groups import device_mesh_replica_groups
 
 
-def ranks_per_node(config: RunConfig, world_size: int) -> int:
+def resolve_ranks_per_node(configured: int | None, world_size: int) -> int:
     """``parallel.ranks_per_node``, else the launcher's ``LOCAL_WORLD_SIZE``, else one node."""
-    per_node = config.parallel.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    per_node = configured or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if world_size % per_node:
         raise ConfigError(f"parallel.ranks_per_node={per_node} does not divide the world size {world_size}")
     return per_node
 
 
-def build_local_tier(config: RunConfig, run_dir: Path, layout: Layout, model: torch.nn.Module, events: EventLog,
-                     faults: FaultInjector, static_files: Callable[[Path], None] | None = None) -> LocalTier | None:
+def build_local_tier(run_dir: Path, config: CheckpointConfig, *, mesh_shape: Sequence[int],
+                     mesh_dim_names: Sequence[str], ranks_per_node: int, model: torch.nn.Module, events: EventLog,
+                     static_files: Callable[[Path], None] | None = None) -> LocalTier | None:
     """The rank's ``LocalTier`` when ``checkpoint.local_interval`` is set (collective), else None."""
-    world_size, rank = dist.get_world_size(), dist.get_rank()
-    if not config.checkpoint.local_interval:
-        faults.check_nodes(None)
+    if not config.local_interval:
         return None
-    per_node = ranks_per_node(config, world_size)
-    faults.check_nodes(world_size // per_node)
     return LocalTier(
-        run_dir, rank=rank, world_size=world_size,
-        groups=device_mesh_replica_groups(layout.shape, MESH_DIMS),
-        layout={"kind": "device_mesh", "mesh_shape": list(layout.shape), "mesh_dim_names": list(MESH_DIMS)},
-        local_dir=config.checkpoint.local_dir, ranks_per_node=per_node, interval=config.checkpoint.local_interval,
-        keep_last=config.checkpoint.local_keep_last, model=model, events=events,
+        run_dir, rank=dist.get_rank(), world_size=dist.get_world_size(),
+        groups=device_mesh_replica_groups(mesh_shape, mesh_dim_names),
+        layout={"kind": "device_mesh", "mesh_shape": list(mesh_shape), "mesh_dim_names": list(mesh_dim_names)},
+        local_dir=config.local_dir, ranks_per_node=ranks_per_node, interval=config.local_interval,
+        keep_last=config.local_keep_last, model=model, events=events,
         process_group=dist.new_group(backend="gloo"), static_files=static_files,
     )
 

@@ -73,6 +73,7 @@ class FaultInjector:
         self._wipe_faults = [spec for spec in specs if spec.kind == "wipe"]
         self._step: int | None = None
         self._handles: list[RemovableHandle] = []
+        self._reproduce: dict[int, int] = {}  # nan faults: the step each fired at in this process
 
     @classmethod
     def from_env(
@@ -161,8 +162,12 @@ class FaultInjector:
     def after_backward(self, step: int, model: torch.nn.Module) -> None:
         """Spikes every gradient (each rank its shard) or plants a NaN, if that is due."""
         for spec in self._gradient_faults:
-            if not self._due(spec, step):
+            # a planted NaN models one from the data or the math: it comes back on a rerun of its step
+            reproduced = spec.kind == "nan" and self._reproduce.get(spec.index) == step
+            if not reproduced and not self._due(spec, step):
                 continue
+            if spec.kind == "nan":
+                self._reproduce[spec.index] = step
             if spec.kind == "spike":
                 self._spike(spec, step, model)
             else:

@@ -216,6 +216,16 @@ def test_nan_goes_into_the_first_parameter_with_a_gradient_on_rank_0_by_default(
     assert recorder.events[0]["parameter"] == "1.weight"
 
 
+def test_a_planted_nan_comes_back_when_its_step_is_rerun_and_never_after(tmp_path):
+    model = tiny_model()
+    injector, recorder = make_injector("nan:step=2", tmp_path, rank=0)
+    for step in (1, 2, 2, 3):  # step 2 runs twice: an SDC rerun
+        backward_once(model)
+        injector.after_backward(step, model)
+        assert bool(torch.isnan(model[0].weight.grad).any()) == (step == 2)
+    assert [e["step"] for e in recorder.events] == [2, 2]
+
+
 @pytest.fixture
 def single_process_group(tmp_path):
     if dist.is_initialized():

@@ -20,9 +20,10 @@ Attribution (:func:`compare_replicas`, pure):
 Repair (:meth:`ReplicaFingerprints.repair`): the corrupt shard is overwritten in place by a broadcast
 from an agreeing replica of the same group, without a restart.
 
-The hash: the tensor's bits read as integers of the same width, summed in int64 (any single bit flip
-changes the sum by an odd multiple of a power of two below 2^64: always seen), and a second sum over
-``HASH_COLUMNS`` columns weighted by distinct odd numbers (moved or swapped values are seen too).
+The hash: the tensor's bytes read as int64 words, summed (any single bit flip changes the sum by a
+power of two below 2^64: always seen), and a second, position-weighted sum (the running sums of rows
+of 1024 words: values moved from one row to another are seen too). Both are plain int64 reductions,
+the fast ones on CPU and GPU.
 """
 
 from __future__ import annotations
@@ -56,32 +57,24 @@ class FingerprintConfig:
     def enabled(self) -> bool:
         return self.interval > 0
 
-HASH_COLUMNS = 251  # a prime: a strided pattern rarely lines up with it
 HOW = ("majority", "at_rest", "unattributed")
 
-_INT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_WEIGHTS: dict[torch.device, torch.Tensor] = {}
-
-
-def _column_weights(device: torch.device) -> torch.Tensor:
-    weights = _WEIGHTS.get(device)
-    if weights is None:
-        weights = (torch.arange(HASH_COLUMNS, dtype=torch.int64) * 0x9E3779B1 * 2 + 1).to(device)
-        _WEIGHTS[device] = weights
-    return weights
+_ROW = 1024  # int64 words per row of the position-weighted sum
 
 
 def tensor_fingerprint(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's hash as an int64 ``[2]`` tensor on its device (no host synchronisation)."""
-    flat = tensor.detach().contiguous().reshape(-1)
-    bits = flat.view(_INT_VIEWS[flat.element_size()])
-    total = bits.sum(dtype=torch.int64)
-    whole = bits.numel() - bits.numel() % HASH_COLUMNS
-    weights = _column_weights(bits.device)
-    columns = bits[:whole].view(-1, HASH_COLUMNS).sum(0, dtype=torch.int64) if whole else weights * 0
-    tail = bits[whole:].to(torch.int64)
-    weighted = (columns * weights).sum() + (tail * weights[:tail.numel()]).sum()
-    return torch.stack([total, weighted])
+    """The tensor's hash as an int64 ``[2]`` tensor on its device (no host synchronisation).
+
+    Its bytes are read as int64 words (the last few bytes one by one); ``total`` is their sum and
+    ``weighted`` the sum of the running sums of rows of ``_ROW`` words. int64 sums are the fast
+    reductions on every device (integer sums of narrower types are not vectorised on CPU)."""
+    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    whole = data.numel() - data.numel() % 8
+    words = data[:whole].view(torch.int64)
+    full = words.numel() - words.numel() % _ROW
+    rows = torch.cat([words[:full].view(-1, _ROW).sum(1), words[full:].sum().reshape(1),
+                      data[whole:].to(torch.int64).sum().reshape(1)])
+    return torch.stack([rows.sum(), rows.cumsum(0).sum()])
 
 
 def fingerprints(named: NamedTensors) -> torch.Tensor:

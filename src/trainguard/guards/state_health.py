@@ -53,7 +53,10 @@ def nonfinite_state(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     named = [(name, tensor) for name, tensor in named if tensor.numel()]
     if not named:
         return []
-    flags = torch.stack([torch.isfinite(tensor).all().logical_not() for _, tensor in named]).tolist()
+    # NaN propagates through min/max and an Inf is one of them: two fast reductions, not isfinite()'s
+    # full boolean tensor
+    extremes = torch.stack([torch.stack(torch.aminmax(tensor.detach().reshape(-1))).float() for _, tensor in named])
+    flags = torch.isfinite(extremes).all(dim=1).logical_not().tolist()
     return [name for (name, _), bad in zip(named, flags) if bad]
 
 

@@ -8,7 +8,6 @@ from torch import nn
 
 from trainguard.faults.bits import flip_bit
 from trainguard.guards.fingerprint import (
-    HASH_COLUMNS,
     Mismatch,
     compare_replicas,
     fingerprints,
@@ -19,7 +18,7 @@ from trainguard.guards.state_health import local_state, merge_health, nonfinite_
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("numel", [1, HASH_COLUMNS - 1, HASH_COLUMNS * 3 + 7])
+@pytest.mark.parametrize("numel", [1, 3, 1023, 2048 * 3 + 7])
 def test_every_single_bit_flip_changes_the_fingerprint(dtype, numel):
     rng = random.Random(numel)
     tensor = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(dtype)
@@ -33,9 +32,9 @@ def test_every_single_bit_flip_changes_the_fingerprint(dtype, numel):
 
 
 def test_swapped_elements_change_the_fingerprint():
-    tensor = torch.arange(1000, dtype=torch.float32)
+    tensor = torch.arange(5000, dtype=torch.float32)
     swapped = tensor.clone()
-    swapped[[3, 500]] = swapped[[500, 3]]
+    swapped[[3, 4000]] = swapped[[4000, 3]]
     assert not torch.equal(tensor_fingerprint(swapped), tensor_fingerprint(tensor))
 
 

@@ -87,6 +87,13 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
+def max_abs(tensor: torch.Tensor) -> torch.Tensor:
+    """``max|g|`` as a 0-d float32 tensor (NaN propagates): one min/max pass, far cheaper on CPU than
+    ``abs().amax()``, which writes a whole copy first."""
+    low, high = torch.aminmax(tensor.reshape(-1))
+    return torch.maximum(high, low.neg()).float()
+
+
 def gradient_statistic(tensors: Sequence[torch.Tensor], statistic: str) -> torch.Tensor | None:
     """The statistic of several gradients taken together, as a 0-d float32 tensor (no host sync);
     None when there is nothing to measure. ``l2``: the norm of their concatenation; ``max_sq``: the
@@ -97,7 +104,7 @@ def gradient_statistic(tensors: Sequence[torch.Tensor], statistic: str) -> torch
             return None
         if statistic == "l2":
             return torch.linalg.vector_norm(grad, dtype=torch.float32)
-        return grad.abs().amax().float().square()
+        return max_abs(grad).square()
     local = [_local(t).detach() for t in tensors]
     local = [t for t in local if t.numel()]
     if not local:
@@ -105,7 +112,7 @@ def gradient_statistic(tensors: Sequence[torch.Tensor], statistic: str) -> torch
     if statistic == "l2":
         norms = [torch.linalg.vector_norm(t, dtype=torch.float32) for t in local]
         return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
-    peaks = [t.abs().amax().float().square() for t in local]
+    peaks = [max_abs(t).square() for t in local]
     return peaks[0] if len(peaks) == 1 else torch.stack(peaks).amax()
 
 
@@ -120,7 +127,7 @@ def peak_share(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     if not local:
         return None
     total = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in local]).square().sum()
-    peak = torch.stack([t.abs().amax().float() for t in local]).amax().square()
+    peak = torch.stack([max_abs(t) for t in local]).amax().square()
     return torch.where(total > 0, peak / total, torch.zeros_like(total))
 
 
@@ -132,7 +139,7 @@ def _statistic_and_share(tensors: Sequence[torch.Tensor], statistic: str) -> tor
         if not grad.numel():
             return None
         total = torch.linalg.vector_norm(grad, dtype=torch.float32)
-        peak = grad.abs().amax().float().square()
+        peak = max_abs(grad).square()
         share = peak / total.square().clamp_min(torch.finfo(torch.float32).tiny)  # all zeros: 0
         return torch.stack([total if statistic == "l2" else peak, share])
     stat = gradient_statistic(tensors, statistic)
@@ -457,28 +464,29 @@ class GradientPoints:
 
     def collect(self, with_shares: bool = False) -> torch.Tensor:
         """``[len(names)]`` float32 (``[2, len(names)]`` with the peak shares), ``NOT_CHECKED`` for a
-        parameter without a gradient or with an empty shard."""
+        parameter without a gradient or with an empty shard. Fused per-tensor norms and one min/max
+        pass per gradient: about one and a half reads of the gradients."""
         if with_shares and not self.shares:
             raise ValueError("collect(with_shares=True) needs GradientPoints(shares=True)")
-        rows = []
-        device = None
-        with torch.no_grad():
-            for _, parameter in self._parameters:
-                grad = None if parameter.grad is None else _local(parameter.grad)
-                stat = None
-                if grad is not None:
-                    device = grad.device
-                    stat = (_statistic_and_share([grad], self.statistic) if self.shares
-                            else gradient_statistic([grad], self.statistic))
-                rows.append(stat)
-            device = device or torch.device("cpu")
-            empty = torch.full((2,) if self.shares else (), NOT_CHECKED, dtype=torch.float32, device=device)
-            if not rows:
-                return torch.empty((2, 0) if with_shares else 0, dtype=torch.float32, device=device)
-            values = torch.stack([empty if r is None else r.to(device) for r in rows])
-        if not self.shares:
-            return values
-        return values.t() if with_shares else values[:, 0]
+        grads = [None if p.grad is None else _local(p.grad).detach() for _, p in self._parameters]
+        present = [i for i, g in enumerate(grads) if g is not None and g.numel()]
+        device = grads[present[0]].device if present else torch.device("cpu")
+        rows = 2 if with_shares else 1
+        out = torch.full((rows, len(grads)), NOT_CHECKED, dtype=torch.float32, device=device)
+        if present:
+            with torch.no_grad():
+                tensors = [grads[i] for i in present]
+                norms = torch.stack(torch._foreach_norm(tensors)).float()
+                index = torch.tensor(present, device=device)
+                if self.statistic == "l2" and not self.shares:
+                    out[0, index] = norms
+                else:
+                    peaks = torch.stack([max_abs(t) for t in tensors]).square()
+                    out[0, index] = norms if self.statistic == "l2" else peaks
+                    if with_shares:
+                        out[1, index] = torch.where(norms > 0, peaks / norms.square().clamp_min(
+                            torch.finfo(torch.float32).tiny), torch.zeros_like(norms))
+        return out if with_shares else out[0]
 
 
 # --------------------------------------------------------------------- the active instance (one-liners)

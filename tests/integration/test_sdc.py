@@ -33,11 +33,16 @@ def test_transient_bitflip_is_detected_rerun_and_leaves_no_trace(fault_free, tmp
     run = tmp_path / "run"
     proc = ok(train(run, 2, STEPS, *SDC, faults=f"bitflip:rank={rank},step={step},site={site},where=grad_input,bit=exp"))
     detected = events(run, "sdc_detected")
-    assert detected and {(e["step"], e["rank"]) for e in detected} == {(step, rank)}
-    assert site in {e["point"] for e in detected}
+    # the flipping rank at its norm point; the reduced parameter gradients carry the flip to every rank
+    assert detected and {e["step"] for e in detected} == {step}
+    assert site in {e["point"] for e in detected if e["rank"] == rank}
+    assert all(e["point"].startswith("grad:") for e in detected if e["rank"] != rank)
     assert "accuracy sensitivity feature abnormal" in proc.stdout + proc.stderr
-    attributions = events(run, "sdc_attribution")
-    assert [(a["step"], a["rank"], a["attribution"]) for a in attributions] == [(step, rank, "transient")]
+    attributions = {a["rank"]: a for a in events(run, "sdc_attribution")}
+    assert {a["attribution"] for a in attributions.values()} == {"transient"}
+    # only the rank whose own computation went wrong is struck
+    assert attributions[rank]["strikes"] == 1
+    assert all(a["strikes"] == 0 for r, a in attributions.items() if r != rank)
     assert_same_tensors(fault_free / f"checkpoints/global_step_{STEPS}", run / f"checkpoints/global_step_{STEPS}")
 
 
@@ -58,14 +63,17 @@ def test_no_false_detection_in_a_clean_300_step_run(tmp_path, rule):
     assert events(run, "sdc_detected") == []
 
 
-def test_embedding_gradient_flip_needs_the_custom_point(tmp_path):
-    # the gradient entering the embedding's output passes no norm layer: only a custom point sees it
+def test_embedding_gradient_flip_is_seen_at_the_parameter_gradients_or_a_custom_point(tmp_path):
+    # the gradient entering the embedding's output passes no norm layer and no block output: the
+    # embedding weight's gradient point sees it by default, a custom point at its output too
     fault = "bitflip:rank=0,step=5,site=model.layers.0,where=grad_input,bit=exp"
     default_points, custom_point = tmp_path / "default", tmp_path / "custom"
     ok(train(default_points, 2, 6, "--save-interval", "0", "--set", "guards.sdc.enabled_level=1", faults=fault))
-    assert events(default_points, "fault_injected") and events(default_points, "sdc_detected") == []
+    assert events(default_points, "fault_injected")
+    assert {(e["step"], e["point"]) for e in events(default_points, "sdc_detected")} == {
+        (5, "grad:model.embed_tokens.weight")}
     ok(train(custom_point, 2, 6, "--save-interval", "0", "--set", "guards.sdc.enabled_level=1",
-             "--set", "guards.sdc.points=[model.embed_tokens]", faults=fault))
+             "--set", "guards.sdc.gradients=false", "--set", "guards.sdc.points=[model.embed_tokens]", faults=fault))
     assert {(e["step"], e["rank"], e["point"]) for e in events(custom_point, "sdc_detected")} == {
         (5, 0, "model.embed_tokens")}
 
@@ -105,6 +113,6 @@ def test_without_rerun_a_detection_skips_the_step_unverified(tmp_path):
     run = tmp_path / "run"
     ok(train(run, 2, 6, "--save-interval", "0", "--set", "guards.sdc.enabled_level=2", "--set", "guards.sdc.rerun=false",
              faults="bitflip:rank=0,step=4,site=model.layers.1.input_layernorm,where=grad_input,bit=exp"))
-    assert [(a["step"], a["attribution"]) for a in events(run, "sdc_attribution")] == [(4, "unverified")]
+    assert {(a["step"], a["attribution"], a["strikes"]) for a in events(run, "sdc_attribution")} == {(4, "unverified", 0)}
     steps = {e["step"]: e for e in events(run, "step")}
     assert steps[4]["skipped"] and not steps[5]["skipped"]

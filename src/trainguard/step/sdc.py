@@ -32,6 +32,7 @@ from trainguard.guards.sdc import (
     format_values,
 )
 from trainguard.guards.sdc.detectors import Detection
+from trainguard.guards.sdc.points import GRADIENT_PREFIX
 
 
 class RerunVerdict(IntEnum):
@@ -139,7 +140,10 @@ class SdcGuard:
             values, shares = self.values()
             rerun = {p: values[names.index(p)] for p in level_one}
             rerun_shares = {p: None if shares is None else shares[names.index(p)] for p in level_one}
-        attribution = self.attribution.on_detection(step, self.rank, first, rerun)
+        # a reduced parameter gradient carries every rank's contribution: a fault there may be another
+        # rank's, so only the points this rank computed alone can strike it
+        local = any(not p.startswith(GRADIENT_PREFIX) for p in level_one)
+        attribution = self.attribution.on_detection(step, self.rank, first, rerun, local=local)
         still_abnormal = []
         if attribution.kind == "transient":
             # the detected points' first values never entered their state; the clean rerun's do, as

@@ -678,6 +678,13 @@ def test_rerun_that_is_bitwise_identical_is_reproducible_and_skipped():
     assert "no strike" in same.message and "strike 2 of 3" in missing.message
 
 
+def test_a_transient_fault_seen_only_at_reduced_gradients_strikes_no_one():
+    book = StrikeBook()
+    attribution = RerunAttribution(book, "h", "cuda:0").on_detection(3, 0, {"grad:w": 9e9}, {"grad:w": 1.0},
+                                                                      now=0.0, local=False)
+    assert (attribution.kind, attribution.action, attribution.strikes) == ("transient", "use_rerun", 0)
+
+
 def test_reproducible_nan_never_makes_a_device_faulty():
     book = StrikeBook(strikes=3)
     rerun = RerunAttribution(book, "h", "cuda:0")

@@ -444,6 +444,9 @@ class DetectionPoints:
 
 # ------------------------------------------------------------------------- parameter gradient points
 GRADIENT_PREFIX = "grad:"
+# below this many elements a gradient may legitimately sit in one element (a norm's weight, a bias):
+# the peak criterion gets no share for such a point (measured: benchmarks/sdc_coverage.py)
+PEAK_MIN_ELEMENTS = 4096
 
 
 class GradientPoints:
@@ -484,8 +487,10 @@ class GradientPoints:
                     peaks = torch.stack([max_abs(t) for t in tensors]).square()
                     out[0, index] = norms if self.statistic == "l2" else peaks
                     if with_shares:
-                        out[1, index] = torch.where(norms > 0, peaks / norms.square().clamp_min(
+                        shares = torch.where(norms > 0, peaks / norms.square().clamp_min(
                             torch.finfo(torch.float32).tiny), torch.zeros_like(norms))
+                        large = torch.tensor([t.numel() >= PEAK_MIN_ELEMENTS for t in tensors], device=device)
+                        out[1, index] = torch.where(large, shares, torch.full_like(shares, NOT_CHECKED))
         return out if with_shares else out[0]
 
 

@@ -232,10 +232,12 @@ class RerunAttribution:
         self.device = device
 
     def on_detection(self, step: int, rank: int, first_values: Values, rerun_values: Values | None,
-                     now: float | None = None) -> Attribution:
+                     now: float | None = None, local: bool = True) -> Attribution:
         """``first_values``: the detected points' values of the first pass (``{point: value}``, or a
         list compared position by position); ``rerun_values``: the rerun's values of (at least) those
-        points, or None when there was no rerun. Records one strike and returns the attribution."""
+        points, or None when there was no rerun. Records a strike for a transient fault seen at a
+        ``local`` point (one whose value this rank computed alone: not a gradient already reduced
+        over the ranks, which carries any rank's fault) and returns the attribution."""
         first = _as_mapping(first_values)
         points = tuple(first)
         if rerun_values is None:
@@ -250,7 +252,7 @@ class RerunAttribution:
             evidence["rerun_values"] = {p: rerun[p] for p in points if p in rerun}
         # a strike is evidence against the hardware: only a rerun that differs is. A reproducible value
         # (NaN/Inf included) is the data's or the math's, and no rerun proves nothing
-        struck = kind in STRIKING_KINDS
+        struck = kind in STRIKING_KINDS and local
         if struck:
             faulty = self.strike_book.record(rank, self.host, self.device, step, evidence, now)
         else:

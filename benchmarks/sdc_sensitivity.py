@@ -67,6 +67,7 @@ def run_size(n: int, args: argparse.Namespace) -> dict:
 
     generator = torch.Generator().manual_seed(args.seed + n)
     if args.heavy:
+        torch.manual_seed(args.seed + n)  # the distribution samples from the global generator
         base = torch.distributions.StudentT(3.0).sample((n,)).float()
     else:
         base = torch.randn(n, generator=generator)

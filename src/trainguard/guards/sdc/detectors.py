@@ -53,7 +53,8 @@ ratio (trainguard's criterion, off by default: ``guards.sdc.ratio``; applies on 
     After loading a state saved with the criterion off, it waits until ``recent`` holds the
     warm-up's number of values again. With ``ratio = 0`` (the default) nothing is tracked and v1/v3 behave exactly as described above.
 
-peak (trainguard's criterion, off by default: ``guards.sdc.peak``, e.g. 0.5; applies on top of either rule)
+peak (trainguard's criterion, on by default: ``guards.sdc.peak`` 0.5 in ``SdcConfig``; the classes here
+default to 0; applies on top of either rule)
     The signature of a bit flip: one element blown up until it carries most of the point's gradient.
     Besides the rule's statistic, the point records its *peak share* ``max(g²) / Σg²`` (the largest
     element's share of the squared L2 norm, ``DetectionPoints(shares=True)``; the largest over the
@@ -62,7 +63,11 @@ peak (trainguard's criterion, off by default: ``guards.sdc.peak``, e.g. 0.5; app
     already make level 1 is level 1 with reason ``"peak"`` when
 
     - its share is above ``peak``, and
-    - the value is above ``PEAK_JUMP`` (4) times the median of ``recent`` (v3: 4² = 16 times).
+    - the value is above ``PEAK_JUMP`` (4) times the median of ``recent`` (v3: 4² = 16 times);
+
+    or, whatever the value (large points, where one element barely moves the norm), when the share is
+    above ``PEAK_SHARE_FLOOR`` and over ``PEAK_SHARE_JUMP`` (100) times the median of the point's
+    recent clean shares (``recent_shares``).
 
     A real gradient spike, even a ×300 one early in training, is spread over many elements (its share
     stays low: at most 0.17 over 4000 clean checks in ``benchmarks/sdc_detection.py``), while an

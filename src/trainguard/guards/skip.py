@@ -94,12 +94,16 @@ class SkipConfig:
 class SkipDecision:
     skip: bool  # do not apply this step's update
     nan: bool  # the norm was NaN or infinite
-    abort: bool  # stop training (raise DataSkipAbort(abort_message))
+    abort: bool  # stop training (raise DataSkipAbort(reference_abort_message(decision)))
     consecutive: int  # consecutive spikes including this step
     threshold: float  # the threshold applied (adaptive: median + Z * s; inf while warming up)
-    log_lines: tuple[str, ...]  # to log at INFO, in the reference's words
-    abort_message: str | None  # the reference's ValueError text, without "ValueError: "
+    step: int  # the trainer's step, as the reference's lines name it
+    global_norm: float
+    opt_global_step: int  # the optimizer's count of applied updates
+    enabled: bool  # the guard is on: the reference's lines are due
     loss_spike: bool = False  # the loss test (``loss: true``) found a spike
+    loss: float | None = None
+    loss_threshold: float = math.inf
     regime_change: bool = False  # a streak at one level restarted the adaptive window; not skipped
 
 
@@ -137,9 +141,9 @@ def loss_spike_line(step: int, loss: float, threshold: float) -> str:
     return f"Current loss {format_norm(loss)} of step {step} is greater than threshold: {float(threshold)!r}"
 
 
-def regime_line(step: int, global_norm: float, steps: int) -> str:
-    return (f"Current global norm {format_norm(global_norm)} of step {step}: {steps} consecutive spikes at one "
-            f"level, a regime change; the adaptive window restarts from them and the step is not skipped")
+def regime_line(step: int, global_norm: float) -> str:
+    return (f"Current global norm {format_norm(global_norm)} of step {step}: consecutive spikes at one level, "
+            f"a regime change; the adaptive window restarts from them and the step is not skipped")
 
 
 def abort_text(step: int, global_norm: float, consecutive: int, threshold: float) -> str:
@@ -148,6 +152,27 @@ def abort_text(step: int, global_norm: float, consecutive: int, threshold: float
         f"Current global norm {format_norm(global_norm)} of step {step} has been {consecutive} "
         f"consecutive times greater than threshold {float(threshold)!r}, stop training..."
     )
+
+
+def reference_log_lines(decision: SkipDecision) -> tuple[str, ...]:
+    """What the reference logs at INFO for a decision, in its words (the log boundary's business)."""
+    if not decision.enabled:
+        return ()
+    lines = [is_skip_line(decision.opt_global_step, decision.threshold, decision.skip)]
+    if decision.regime_change:
+        lines.append(regime_line(decision.step, decision.global_norm))
+    elif decision.loss_spike:
+        lines.append(loss_spike_line(decision.step, float(decision.loss), decision.loss_threshold))
+    if decision.skip and not decision.abort:
+        lines.append(spike_line(decision.step, decision.global_norm, decision.consecutive, decision.threshold))
+    return tuple(lines)
+
+
+def reference_abort_message(decision: SkipDecision) -> str | None:
+    """The reference's ValueError text for an abort, without "ValueError: "; None for any other decision."""
+    if not decision.abort:
+        return None
+    return abort_text(decision.step, decision.global_norm, decision.consecutive, decision.threshold)
 
 
 class SpikeRule:
@@ -249,7 +274,7 @@ class DataSkipGuard:
             nan = nan or loss_nan
         replayed = step in self.cfg.replay_steps
         if not self.cfg.enabled:
-            return SkipDecision(False, nan, False, 0, threshold, (), None)
+            return SkipDecision(False, nan, False, 0, threshold, step, norm, opt_global_step, enabled=False)
         spike = spike or loss_spike or replayed
         streak = [*self.streak, (norm, loss)] if spike and not nan and not replayed and self._regimes else []
         regime = spike and self._new_regime(streak)
@@ -259,20 +284,10 @@ class DataSkipGuard:
             if self.loss_rule is not None:
                 self.loss_rule.restart([v for _, v in self.streak if v is not None] + ([loss] if loss is not None else []))
         self.streak = streak
-        lines = [is_skip_line(opt_global_step, threshold, spike)]
-        if regime:
-            lines.append(regime_line(step, norm, self.cfg.regime_steps))
-        elif loss_spike:
-            lines.append(loss_spike_line(step, float(loss), loss_threshold))
-        abort_message = None
         if spike:
             self.consecutive += 1
             self.skipped_total += 1
             self.nan_total += nan
-            if self.consecutive >= self.cfg.count_threshold:
-                abort_message = abort_text(step, norm, self.consecutive, threshold)
-            else:
-                lines.append(spike_line(step, norm, self.consecutive, threshold))
         else:
             self.consecutive = 0
         if not regime:
@@ -284,12 +299,16 @@ class DataSkipGuard:
         return SkipDecision(
             skip=spike,
             nan=nan,
-            abort=abort_message is not None,
+            abort=spike and self.consecutive >= self.cfg.count_threshold,
             consecutive=self.consecutive,
             threshold=threshold,
-            log_lines=tuple(lines),
-            abort_message=abort_message,
+            step=step,
+            global_norm=norm,
+            opt_global_step=opt_global_step,
+            enabled=True,
             loss_spike=loss_spike and spike,
+            loss=loss,
+            loss_threshold=loss_threshold,
             regime_change=regime,
         )
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainguard.guards.health import Health, marked_unhealthy
 from trainguard.guards.fingerprint import FingerprintConfig, FingerprintVerdict, ReplicaFingerprints
 from trainguard.guards.state_health import local_state, merge_health, nonfinite_state, poisoned_health
 
@@ -69,9 +70,10 @@ class StateGuard:
         nonfinite, unrepaired = counts.tolist()
         verdicts = [health, poisoned_health(nonfinite, bad)]
         if unrepaired:
-            verdicts.append({"is_health": 1, "reason": "replicas disagree", "fingerprint_groups": unrepaired})
+            verdicts.append({"is_health": int(Health.UNHEALTHY), "reason": "replicas disagree",
+                             "fingerprint_groups": unrepaired})
         merged = merge_health(*verdicts)
-        if merged is not None and merged.get("is_health") == 1:
+        if marked_unhealthy(merged):
             self.log.error("checkpoint of step %d is unhealthy and will not be resumed from: %s", step,
                            {k: v for k, v in merged.items() if k != "is_health"})
         self.unrepaired = None

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from trainguard.guards.health import Health, marked_unhealthy
+
 NamedTensors = list[tuple[str, torch.Tensor]]
 
 # at most this many tensor names go into a checkpoint's health record (the count is always exact)
@@ -65,7 +67,7 @@ def poisoned_health(tensors: int, names: Sequence[str] = ()) -> dict[str, Any] |
     (``names``: some of them); None when there are none."""
     if tensors <= 0:
         return None
-    return {"is_health": 1, "reason": "non-finite state", "nonfinite_tensors": int(tensors),
+    return {"is_health": int(Health.UNHEALTHY), "reason": "non-finite state", "nonfinite_tensors": int(tensors),
             "tensors": list(names)[:NAMES_RECORDED]}
 
 
@@ -77,5 +79,5 @@ def merge_health(*verdicts: dict[str, Any] | None) -> dict[str, Any] | None:
     merged: dict[str, Any] = {}
     for verdict in given:
         merged.update(verdict)
-    merged["is_health"] = int(any(v.get("is_health") == 1 for v in given))
+    merged["is_health"] = int(Health.UNHEALTHY if any(marked_unhealthy(v) for v in given) else Health.HEALTHY)
     return merged

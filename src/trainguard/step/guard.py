@@ -319,7 +319,7 @@ class Guard:
             self.events.emit("local_norm", step=step, norms=local_grad_norms(self.model.named_parameters()))
         lr = self._lr()
         if self.skip_guard is not None and not skipped:
-            skipped = self._decide_skip(step, reduced.global_norm)
+            skipped = self._decide_skip(step, reduced.global_norm, reduced.loss)
         if self.rollback is not None and not skipped:
             spike = self.rollback.check(step, reduced.global_norm, reduced.loss)
             if spike is not None:
@@ -415,8 +415,9 @@ class Guard:
         dist.all_gather(parts, mine)
         return [int(part) for part in parts]
 
-    def _decide_skip(self, step: int, norm: float) -> bool:
-        decision = self.skip_guard.decide(step, norm, opt_global_step=step - 1 - self.skip_guard.skipped_total)
+    def _decide_skip(self, step: int, norm: float, loss: float) -> bool:
+        decision = self.skip_guard.decide(step, norm, opt_global_step=step - 1 - self.skip_guard.skipped_total,
+                                          loss=loss)
         for line in reference_log_lines(decision):
             self.log.info(line)
         if decision.skip and self.rank == 0:

@@ -353,6 +353,18 @@ def main(argv: list[str]) -> int:
         with open(args.json, "w", encoding="utf-8") as out:
             json.dump({"args": vars(args), "records": records, "clean": runs, "wall_s": wall}, out, indent=1,
                       default=str)
+    mattered = [r for r in records if r["mattered"]]
+    caught = sum(r["detected"] or bool(r["fingerprint"]) for r in mattered)
+    rules_only = sum(r["detected"] for r in mattered)
+    print("RESULT " + json.dumps({
+        "figure": "sdc default detection set + fingerprints: share of flips that mattered detected, every site",
+        "trainguard": caught / len(mattered) if mattered else 1.0,
+        "baseline": rules_only / len(mattered) if mattered else 1.0, "ratio": None,
+        "target": ">= 0.95 at every site", "met": bool(mattered) and caught / len(mattered) >= 0.95}))
+    alarms = sum(len(run["alarms"][name]) for run in runs for name in DETECTORS)
+    print("RESULT " + json.dumps({
+        "figure": f"sdc default detection set: false alarms over {total} clean checks x {len(DETECTORS)} detectors",
+        "trainguard": alarms, "baseline": 0, "ratio": None, "target": "0", "met": alarms == 0}))
     return 0
 
 

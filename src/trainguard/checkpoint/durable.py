@@ -11,9 +11,11 @@ Protocol (what makes a crash at any instant harmless):
    ``latest_checkpointed_iteration.txt``;
 4. retention deletes old checkpoints by renaming them out of the namespace first.
 At most one save is in flight: a new save first waits for the previous commit. An async save copies
-the state into staging buffers reused from save to save (``ReusableStager``), so it blocks only for
-that copy; writing, gathering and committing run in one background thread, the only user of the
-checkpoint's own process group.
+the state into staging buffers reused from save to save (``ReusableStager``) in the background, while
+the next forward and backward run (``LazySnapshot``): ``save`` returns before the copy, and the next
+optimizer step waits for what is left of it (``wait_for_staging``, also a step pre-hook on the
+optimizer); writing, gathering and committing then run in the same background thread, the only user of
+the checkpoint's own process group.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ from trainguard.fs.layout import (
 from trainguard.checkpoint.manifest import FileEntry, build_manifest, read_manifest, write_manifest
 from trainguard.checkpoint.retention import retention_after_commit
 from trainguard.checkpoint.safe_load import load_dcp_metadata, safe_torch_load
+from trainguard.checkpoint.snapshot import LazySnapshot, mutable_by_optimizer
 from trainguard.checkpoint.staging import ReusableStager
 from trainguard.errors import CheckpointError
 from trainguard.events import EventLog
@@ -372,6 +375,8 @@ class DurableCheckpointer:
         self._inflight: threading.Thread | None = None
         self._error: BaseException | None = None
         self._stager: ReusableStager | None = None
+        self._snapshot: LazySnapshot | None = None
+        self._hooked: set[int] = set()
         self.last_committed: int | None = None
 
     def save(
@@ -411,10 +416,14 @@ class DurableCheckpointer:
         if self.async_save:
             if self._stager is None:
                 self._stager = ReusableStager()
-            # The previous save's write is over (wait() above), so its buffers may be overwritten.
-            state = self._stager.stage(state)
+            self._wait_before_steps(optimizer)
+            # The previous save's write is over (wait() above), so its buffers may be overwritten. The
+            # copy into them is made in the background, until the next optimizer step (wait_for_staging).
+            plan = self._stager.plan(state)
+            self._snapshot = LazySnapshot(plan.copies, mutable_by_optimizer(model, optimizer))
             blocked = time.perf_counter() - started
-            self._inflight = threading.Thread(target=self._finish_guarded, args=(state, job), daemon=True)
+            self._inflight = threading.Thread(target=self._finish_guarded, args=(self._snapshot, plan.staged, job),
+                                              daemon=True)
             self._inflight.start()
         else:
             self._finish(state, job)
@@ -423,8 +432,33 @@ class DurableCheckpointer:
             self.events.emit("checkpoint_saved", step=step, blocked_s=blocked, async_save=self.async_save)
         return blocked
 
+    def wait_for_staging(self) -> float:
+        """Blocks until the live parameters and optimizer state may change again (the copy of the save
+        in flight is made; this thread helps with what is left); returns the seconds it blocked.
+        Called by the optimizer itself before each step (a step pre-hook) and by ``wait()``."""
+        if self._snapshot is None:
+            return 0.0
+        started = time.perf_counter()
+        try:
+            self._snapshot.wait()
+        except Exception:
+            pass  # the save failed: wait() raises why; the live state was never touched
+        self._snapshot = None
+        return time.perf_counter() - started
+
+    def _wait_before_steps(self, optimizer: torch.optim.Optimizer) -> None:
+        """Makes ``optimizer.step()`` wait for the copy of a save in flight, so that no step can change
+        a tensor before it is copied, also in a loop that never calls ``wait_for_staging``."""
+        if id(optimizer) not in self._hooked:
+            self._hooked.add(id(optimizer))
+            optimizer.register_step_pre_hook(self._staging_hook)
+
+    def _staging_hook(self, *_: Any) -> None:
+        self.wait_for_staging()
+
     def wait(self) -> None:
         """Blocks until the in-flight save is committed; re-raises its failure."""
+        self.wait_for_staging()
         if self._inflight is not None:
             self._inflight.join()
             self._inflight = None
@@ -432,9 +466,10 @@ class DurableCheckpointer:
             error, self._error = self._error, None
             raise error
 
-    def _finish_guarded(self, *args: Any) -> None:
+    def _finish_guarded(self, snapshot: LazySnapshot, state: dict[str, Any], job: _SaveJob) -> None:
         try:
-            self._finish(*args)
+            snapshot.copied()
+            self._finish(state, job)
         except BaseException as exc:  # surfaced by the next wait()
             self._error = exc
 

@@ -239,6 +239,12 @@ class CheckpointManager:
         log.info("checkpoint global_step_%d staged (blocked %.0fms)", step, blocked * 1000)
         return blocked
 
+    def wait_for_staging(self) -> float:
+        """Blocks until the state of the save in flight is copied (an async save copies it while the
+        next forward and backward run); returns the seconds blocked. Call it before anything changes
+        parameters or optimizer state in place; ``optimizer.step()`` calls it by itself."""
+        return self.durable.wait_for_staging()
+
     def maybe_save(self, step: int, trainer_state: dict[str, Any] | None = None) -> bool:
         if not self.should_save(step):
             return False

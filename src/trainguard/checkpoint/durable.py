@@ -69,7 +69,7 @@ from trainguard.fs.layout import (
 from trainguard.checkpoint.manifest import FileEntry, build_manifest, read_manifest, write_manifest
 from trainguard.checkpoint.retention import retention_after_commit
 from trainguard.checkpoint.safe_load import load_dcp_metadata, safe_torch_load
-from trainguard.checkpoint.snapshot import LazySnapshot, mutable_by_optimizer
+from trainguard.checkpoint.snapshot import LazySnapshot, StagingGate, mutable_by_optimizer
 from trainguard.checkpoint.staging import ReusableStager
 from trainguard.errors import CheckpointError
 from trainguard.events import EventLog
@@ -375,8 +375,7 @@ class DurableCheckpointer:
         self._inflight: threading.Thread | None = None
         self._error: BaseException | None = None
         self._stager: ReusableStager | None = None
-        self._snapshot: LazySnapshot | None = None
-        self._hooked: set[int] = set()
+        self._gate = StagingGate()
         self.last_committed: int | None = None
 
     def save(
@@ -416,13 +415,13 @@ class DurableCheckpointer:
         if self.async_save:
             if self._stager is None:
                 self._stager = ReusableStager()
-            self._wait_before_steps(optimizer)
             # The previous save's write is over (wait() above), so its buffers may be overwritten. The
             # copy into them is made in the background, until the next optimizer step (wait_for_staging).
             plan = self._stager.plan(state)
-            self._snapshot = LazySnapshot(plan.copies, mutable_by_optimizer(model, optimizer))
+            snapshot = LazySnapshot(plan.copies, mutable_by_optimizer(model, optimizer))
+            self._gate.hold(snapshot, optimizer)
             blocked = time.perf_counter() - started
-            self._inflight = threading.Thread(target=self._finish_guarded, args=(self._snapshot, plan.staged, job),
+            self._inflight = threading.Thread(target=self._finish_guarded, args=(snapshot, plan.staged, job),
                                               daemon=True)
             self._inflight.start()
         else:
@@ -435,26 +434,8 @@ class DurableCheckpointer:
     def wait_for_staging(self) -> float:
         """Blocks until the live parameters and optimizer state may change again (the copy of the save
         in flight is made; this thread helps with what is left); returns the seconds it blocked.
-        Called by the optimizer itself before each step (a step pre-hook) and by ``wait()``."""
-        if self._snapshot is None:
-            return 0.0
-        started = time.perf_counter()
-        try:
-            self._snapshot.wait()
-        except Exception:
-            pass  # the save failed: wait() raises why; the live state was never touched
-        self._snapshot = None
-        return time.perf_counter() - started
-
-    def _wait_before_steps(self, optimizer: torch.optim.Optimizer) -> None:
-        """Makes ``optimizer.step()`` wait for the copy of a save in flight, so that no step can change
-        a tensor before it is copied, also in a loop that never calls ``wait_for_staging``."""
-        if id(optimizer) not in self._hooked:
-            self._hooked.add(id(optimizer))
-            optimizer.register_step_pre_hook(self._staging_hook)
-
-    def _staging_hook(self, *_: Any) -> None:
-        self.wait_for_staging()
+        ``optimizer.step()`` calls it by itself (a step pre-hook), and ``wait()`` does."""
+        return self._gate.wait()
 
     def wait(self) -> None:
         """Blocks until the in-flight save is committed; re-raises its failure."""

@@ -28,6 +28,7 @@ from trainguard.checkpoint.durable import DurableCheckpointer
 from trainguard.fs.fsio import clean_stale, remove_directory_crash_safe
 from trainguard.checkpoint.local.tier import LocalTier
 from trainguard.checkpoint.manifest import read_manifest
+from trainguard.checkpoint.memory_tier import MemoryTier
 from trainguard.checkpoint.resume import choose_resume_checkpoint
 from trainguard.errors import NoCheckpointError
 from trainguard.events import EventLog
@@ -85,6 +86,7 @@ class CheckpointManager:
         after_commit: Callable[[int, Path], None] | None = None,
         seed: int = 0,
         local: LocalTier | None = None,
+        memory: MemoryTier | None = None,
         mirror: MirrorConfig | None = None,
     ):
         self.run_dir = Path(run_dir)
@@ -98,6 +100,7 @@ class CheckpointManager:
         self.accept = accept
         self.seed = seed
         self.local = local
+        self.memory = memory
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.events = events or EventLog(self.run_dir / "events.jsonl", rank=self.rank, host=socket.gethostname())
@@ -144,19 +147,20 @@ class CheckpointManager:
             except Exception as exc:  # every rank must learn of it, or the others wait in broadcast for ever
                 error = exc
         path, error = _broadcast((path, error))
-        if self.local is not None and self.resume_mode == "auto":
-            # the newest state recoverable from either tier (also when no durable one is usable); at the
-            # same step the local one (no shared storage)
+        if self.resume_mode == "auto":
+            # the newest state recoverable from any tier (also when no durable one is usable); at the
+            # same step a per-rank one (no shared storage); the memory tier first, as it saves most often
             durable_step = read_manifest(Path(path)).step if path is not None else None
-            recovered = self.local.recover(self.model, self.optimizer, newer_than=(
-                durable_step - 1 if durable_step is not None else None))
-            if recovered is not None:
-                return self._resume_from_local(*recovered)
+            for tier in self._rank_tiers():
+                recovered = tier.recover(self.model, self.optimizer, newer_than=(
+                    durable_step - 1 if durable_step is not None else None))
+                if recovered is not None:
+                    return self._resume_from_local(*recovered, tier=tier)
         if error is not None:
             raise error
         if path is None:
-            if self.local is not None:
-                self.local.discard_newer(0)
+            for tier in self._rank_tiers():
+                tier.discard_newer(0)
             if self.rank == 0:
                 self.events.emit("run_started", step=0, resumed_from=None)
             return 0
@@ -179,8 +183,8 @@ class CheckpointManager:
             if name in extra["stateful"]:
                 obj.load_state_dict(extra["stateful"][name])
         step = int(extra["step"])
-        if self.local is not None:
-            self.local.discard_newer(step)
+        for tier in self._rank_tiers():
+            tier.discard_newer(step)
         if "rng" not in extra:
             pass  # converted from Hugging Face weights (trainguard.hf.convert): the fresh seeds stand
         elif manifest.world_size == self.world_size:
@@ -191,16 +195,22 @@ class CheckpointManager:
             seed_everything(self.seed * 1000 + self.rank + step)
         return step
 
-    def _resume_from_local(self, step: int, extra: dict[str, Any]) -> int:
+    def _rank_tiers(self) -> list[LocalTier | MemoryTier]:
+        """The per-rank tiers, newest first: the memory tier, then the local tier."""
+        return [tier for tier in (self.memory, self.local) if tier is not None]
+
+    def _resume_from_local(self, step: int, extra: dict[str, Any], tier: LocalTier | MemoryTier) -> int:
         for name, obj in self.stateful.items():
             if name in extra["stateful"]:
                 obj.load_state_dict(extra["stateful"][name])
         restore_rng_state(extra["rng"])
-        self.local.discard_newer(step)
-        log.info("resumed from the local tier at step %d (%s)", step, self.local.dir)
+        for other in self._rank_tiers():
+            other.discard_newer(step)
+        name = "memory" if tier is self.memory else "local"
+        log.info("resumed from the %s tier at step %d (%s)", name, step, tier.dir)
         if self.rank == 0:
-            self.events.emit("run_started", step=step, resumed_from=str(self.local.dir / f"global_step_{step}"),
-                             tier="local")
+            self.events.emit("run_started", step=step, resumed_from=str(tier.dir / f"global_step_{step}"),
+                             tier=name)
         self.last_saved_step = step
         return step
 
@@ -212,6 +222,15 @@ class CheckpointManager:
         extra state's hand-over to its buddy)."""
         assert self.local is not None
         self.local.save(step, self.model, self.optimizer, self._extra_state(step))
+
+    def should_save_memory(self, step: int) -> bool:
+        return self.memory is not None and self.memory.should_save(step)
+
+    def save_memory(self, step: int) -> None:
+        """Starts this rank's memory-tier save of ``step`` (returns before the state is copied: the
+        next optimizer step waits for the copy, as after ``save``)."""
+        assert self.memory is not None
+        self.memory.save(step, self.model, self.optimizer, self._extra_state(step))
 
     def _extra_state(self, step: int) -> dict[str, Any]:
         return {
@@ -243,7 +262,7 @@ class CheckpointManager:
         """Blocks until the state of the save in flight is copied (an async save copies it while the
         next forward and backward run); returns the seconds blocked. Call it before anything changes
         parameters or optimizer state in place; ``optimizer.step()`` calls it by itself."""
-        return self.durable.wait_for_staging()
+        return self.durable.wait_for_staging() + (self.memory.wait_for_staging() if self.memory is not None else 0.0)
 
     def maybe_save(self, step: int, trainer_state: dict[str, Any] | None = None) -> bool:
         if not self.should_save(step):
@@ -260,8 +279,8 @@ class CheckpointManager:
 
     def _wait_for_saves(self) -> None:
         self.durable.wait()
-        if self.local is not None:
-            self.local.wait()
+        for tier in self._rank_tiers():
+            tier.wait()
         if dist.is_initialized():
             dist.barrier()
 

@@ -21,6 +21,7 @@ Only ``wait()`` makes the live tensors free to change; ``copied()`` makes the bu
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable
 
 import torch
@@ -127,3 +128,35 @@ def _enqueue_on_side_stream(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> 
     done = torch.cuda.Event()
     done.record(side)
     return done
+
+
+class StagingGate:
+    """The snapshot a saver has in flight, and the optimizers whose steps wait for it: a step pre-hook
+    on each optimizer that was saved makes ``optimizer.step()`` wait, so no step can change a tensor
+    before it is copied, even in a loop that never calls ``wait()`` itself."""
+
+    def __init__(self) -> None:
+        self._snapshot: LazySnapshot | None = None
+        self._hooked: set[int] = set()
+
+    def hold(self, snapshot: LazySnapshot, optimizer: torch.optim.Optimizer) -> None:
+        if id(optimizer) not in self._hooked:
+            self._hooked.add(id(optimizer))
+            optimizer.register_step_pre_hook(self._before_step)
+        self._snapshot = snapshot
+
+    def _before_step(self, *_: object) -> None:
+        self.wait()
+
+    def wait(self) -> float:
+        """Blocks until the live tensors may change again; returns the seconds it blocked. A failed
+        copy is not raised here: the save's writer meets it too, and the save reports it."""
+        if self._snapshot is None:
+            return 0.0
+        snapshot, self._snapshot = self._snapshot, None
+        started = time.perf_counter()
+        try:
+            snapshot.wait()
+        except Exception:
+            pass
+        return time.perf_counter() - started

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from trainguard.checkpoint.local.paths import node_of
 from trainguard.checkpoint.local.tier import LocalTier
+from trainguard.checkpoint.memory_tier import DEFAULT_MEMORY_DIR, MemoryTier, run_key
 from trainguard.config.schema import RunConfig
 from trainguard.errors import ConfigError
 from trainguard.events import EventLog
@@ -30,19 +31,38 @@ def ranks_per_node(config: RunConfig, world_size: int) -> int:
 def build_local_tier(config: RunConfig, run_dir: Path, layout: Layout, model: torch.nn.Module, events: EventLog,
                      faults: FaultInjector, static_files: Callable[[Path], None] | None = None) -> LocalTier | None:
     """The rank's ``LocalTier`` when ``checkpoint.local_interval`` is set (collective), else None."""
-    world_size, rank = dist.get_world_size(), dist.get_rank()
+    world_size = dist.get_world_size()
     if not config.checkpoint.local_interval:
         faults.check_nodes(None)
         return None
-    per_node = ranks_per_node(config, world_size)
-    faults.check_nodes(world_size // per_node)
+    faults.check_nodes(world_size // ranks_per_node(config, world_size))
+    ckpt = config.checkpoint
+    return _rank_tier(config, run_dir, layout, model, events, static_files, interval=ckpt.local_interval,
+                      directory=ckpt.local_dir, keep_last=ckpt.local_keep_last, tier="local")
+
+
+def build_memory_tier(config: RunConfig, run_dir: Path, layout: Layout, model: torch.nn.Module,
+                      events: EventLog) -> MemoryTier | None:
+    """The rank's ``MemoryTier`` when ``checkpoint.memory_interval`` is set (collective), else None."""
+    ckpt = config.checkpoint
+    if not ckpt.memory_interval:
+        return None
+    directory = (ckpt.memory_dir or DEFAULT_MEMORY_DIR).replace("{run}", run_key(run_dir))
+    return MemoryTier(_rank_tier(config, run_dir, layout, model, events, None, interval=ckpt.memory_interval,
+                                 directory=directory, keep_last=ckpt.memory_keep_last, tier="memory"))
+
+
+def _rank_tier(config: RunConfig, run_dir: Path, layout: Layout, model: torch.nn.Module, events: EventLog,
+               static_files: Callable[[Path], None] | None, *, interval: int, directory: str | None,
+               keep_last: int, tier: str) -> LocalTier:
+    world_size, rank = dist.get_world_size(), dist.get_rank()
     return LocalTier(
         run_dir, rank=rank, world_size=world_size,
         groups=device_mesh_replica_groups(layout.shape, MESH_DIMS),
         layout={"kind": "device_mesh", "mesh_shape": list(layout.shape), "mesh_dim_names": list(MESH_DIMS)},
-        local_dir=config.checkpoint.local_dir, ranks_per_node=per_node, interval=config.checkpoint.local_interval,
-        keep_last=config.checkpoint.local_keep_last, model=model, events=events,
-        process_group=dist.new_group(backend="gloo"), static_files=static_files,
+        local_dir=directory, ranks_per_node=ranks_per_node(config, world_size), interval=interval,
+        keep_last=keep_last, model=model, events=events, process_group=dist.new_group(backend="gloo"),
+        static_files=static_files, tier=tier,
     )
 
 

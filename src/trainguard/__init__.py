@@ -2,32 +2,35 @@
 
 The public API for your own training loop:
 
+- ``Guard``: the step protocol (resume, should_stop, step(closure), close) with every guard, checkpoint
+  tier, fault drill and lifecycle feature behind it, configured by a ``Config`` (or its YAML file);
+  ``StepOutcome`` is what ``Guard.step`` returns. See ``docs/library.md``.
 - ``CheckpointManager``: durable async checkpoints with atomic commit, verification and exact resume.
-- ``clip_grad_norm_``: the true global gradient norm under FSDP2/HSDP/TP, and clipping by it.
+- ``clip_grad_norm_``: the true global gradient norm under FSDP2/HSDP/TP/PP, and clipping by it.
+- ``DataSkipGuard``: the global-norm spike rule (skip, count, abort) on its own.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from trainguard._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from trainguard.checkpoint.manager import CheckpointManager
+    from trainguard.guards.skip import DataSkipGuard
     from trainguard.norms import clip_grad_norm_
+    from trainguard.step.guard import Config, Guard, StepOutcome
 
 __version__ = "0.1.0"
 
-__all__ = ["CheckpointManager", "clip_grad_norm_", "__version__"]
-
-
-def __getattr__(name: str) -> Any:
-    # Imported on first use: commands that never touch them (merge, list, plan) start seconds faster
-    # without torch.distributed.checkpoint and its dependencies.
-    if name == "CheckpointManager":
-        from trainguard.checkpoint.manager import CheckpointManager
-
-        return CheckpointManager
-    if name == "clip_grad_norm_":
-        from trainguard.norms import clip_grad_norm_
-
-        return clip_grad_norm_
-    raise AttributeError(f"module 'trainguard' has no attribute {name!r}")
+# Imported on first use: commands that never touch them (merge, list, plan) start seconds faster
+# without torch.distributed.checkpoint and its dependencies.
+_EXPORTS = {
+    "checkpoint.manager": ("CheckpointManager",),
+    "guards.skip": ("DataSkipGuard",),
+    "norms": ("clip_grad_norm_",),
+    "step.guard": ("Config", "Guard", "StepOutcome"),
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(name for names in _EXPORTS.values() for name in names) + ["__version__"]

@@ -21,42 +21,44 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from trainguard.fs.layout import extra_state_name, model_shard_name, optim_shard_name, step_dir_name
 from trainguard.checkpoint.rng_state import capture_rng_state
+from trainguard.step.static_files import huggingface_files
 from trainguard.trainer.entry import add_train_arguments, config_from_args
 from trainguard.trainer.loop import Trainer
 
 
 def write_verl_checkpoint(trainer: Trainer, run_dir: Path) -> None:
-    rank, world = trainer.rank, trainer.world_size
+    rank, world, step = trainer.rank, trainer.world_size, trainer.guard.global_step
     model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer,
                                         options=StateDictOptions(flatten_optimizer_state_dict=True))
-    extra = {"step": trainer.step, "rank": rank, "world_size": world, "rng": capture_rng_state(),
-             "stateful": {name: obj.state_dict() for name, obj in trainer.checkpoints.stateful.items()}}
-    verl = run_dir / "verl" / step_dir_name(trainer.step) / "actor"
+    extra = {"step": step, "rank": rank, "world_size": world, "rng": capture_rng_state(),
+             "stateful": {name: obj.state_dict() for name, obj in trainer.guard.checkpoints.stateful.items()}}
+    verl = run_dir / "verl" / step_dir_name(step) / "actor"
     verl.mkdir(parents=True, exist_ok=True)
     torch.save(extra, verl / extra_state_name(world, rank))
     torch.save(dict(model_sd), verl / model_shard_name(world, rank))
     torch.save(dict(optim_sd), verl / optim_shard_name(world, rank))
     if rank == 0:
-        trainer._write_static_files(verl)
+        huggingface_files(trainer.model_config, trainer.tokenizer)(verl)
         (verl / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": world}))
 
 
 def resave(trainer: Trainer, out: Path) -> None:
-    trainer.step = trainer.checkpoints.resume()
+    checkpoints = trainer.guard.checkpoints
+    step = trainer.guard.resume()
     consumed = trainer.sampler.consumed_samples
-    trainer.checkpoints.root = out
-    trainer.checkpoints.durable.root = out
+    checkpoints.root = out
+    checkpoints.durable.root = out
     if trainer.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    trainer.checkpoints.save(trainer.step)
-    trainer.checkpoints.close()
+    checkpoints.save_durable(step)
+    checkpoints.close()
     drawn = [trainer.sampler.next_batch_indices() for _ in range(trainer.config.train.micro_batches)]
     gathered = [None] * trainer.world_size
     dist.all_gather_object(gathered, (trainer.dp_rank, drawn))
     if trainer.rank == 0:
         by_dp = {str(dp): indices for dp, indices in gathered}
-        (out / "indices.json").write_text(json.dumps({"step": trainer.step, "consumed_before": consumed,
+        (out / "indices.json").write_text(json.dumps({"step": step, "consumed_before": consumed,
                                                       "dp_size": trainer.layout.dp_size, "by_dp_rank": by_dp}))
 
 

@@ -185,10 +185,10 @@ def _resume_worker(rank: int, world: int, port: int, args: dict) -> None:
         config = load_config(None, [*args["overrides"], f"checkpoint.resume={args['resume']}",
                                     "checkpoint.async_save=false"])
         trainer = Trainer(config, Path(args["run_dir"]))
-        step = trainer.checkpoints.resume()
-        trainer.step = step
-        trainer.checkpoints.save(step, trainer._trainer_state(float("nan")))
-        trainer.checkpoints.close()
+        checkpoints = trainer.guard.checkpoints
+        step = trainer.guard.resume()
+        checkpoints.save_durable(step, trainer.guard.trainer_state())
+        checkpoints.close()
         with torch.no_grad():
             logits = trainer.model(input_ids=torch.tensor(args["input_ids"])).logits
         if rank == 0:

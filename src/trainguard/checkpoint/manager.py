@@ -2,12 +2,15 @@
 
 It owns what a training loop should not have to think about: which checkpoint to resume from (the
 newest committed one that verifies), restoring every RNG of every rank, the per-rank extra state of
-any object with ``state_dict``/``load_state_dict`` (LR scheduler, data sampler, guards), the save
-interval, async saves with at most one in flight, and retention. Every method is collective.
+any object with ``state_dict``/``load_state_dict`` (LR scheduler, data sampler, guards), when each
+tier saves (``save(step, last_step=...)``, the policy of ``checkpoint.save_policy``), async saves with
+at most one in flight, and retention. It is configured by a ``CheckpointConfig`` (the ``checkpoint``
+section of a run's config). Every method is collective.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import time
@@ -24,17 +27,22 @@ from trainguard.backup.background import BackgroundMirror
 from trainguard.backup.config import MirrorConfig
 from trainguard.backup.restore import restore_for_resume
 from trainguard.backup.url import is_url
+from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.durable import DurableCheckpointer
 from trainguard.fs.fsio import clean_stale, remove_directory_crash_safe
 from trainguard.checkpoint.local.tier import LocalTier
 from trainguard.checkpoint.manifest import read_manifest
 from trainguard.checkpoint.memory_tier import MemoryTier
 from trainguard.checkpoint.resume import choose_resume_checkpoint
+from trainguard.checkpoint.save_policy import SaveDecision, decide_save
 from trainguard.errors import NoCheckpointError
 from trainguard.events import EventLog
+from trainguard.guards.health import marked_unhealthy
 from trainguard.checkpoint.rng_state import capture_rng_state, restore_rng_state, seed_everything
 
 log = logging.getLogger("trainguard")
+
+Health = dict[str, Any]  # {"is_health": 0|1, "embedding_local_norm": ..., "threshold": ...}; 1 = unhealthy
 
 
 class Stateful(Protocol):
@@ -72,12 +80,14 @@ class CheckpointManager:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         stateful: dict[str, Stateful] | None = None,
+        config: CheckpointConfig | None = None,
         *,
-        save_interval: int = 0,
-        keep_last: int = 3,
+        save_interval: int | None = None,
+        keep_last: int | None = None,
         keep_every: int | None = None,
-        async_save: bool = True,
-        resume: str = "auto",
+        async_save: bool | None = None,
+        resume: str | None = None,
+        mirror: MirrorConfig | None = None,
         mesh_shape: list[int] | None = None,
         mesh_dim_names: list[str] | None = None,
         static_files: Callable[[Path], None] | None = None,
@@ -87,15 +97,20 @@ class CheckpointManager:
         seed: int = 0,
         local: LocalTier | None = None,
         memory: MemoryTier | None = None,
-        mirror: MirrorConfig | None = None,
     ):
+        """``config`` (the ``checkpoint`` section) holds the policy; without one, periodic saves are off.
+        ``save_interval`` ... ``mirror`` given as keywords replace the config's fields of that name."""
+        given = {"save_interval": save_interval, "keep_last": keep_last, "keep_every": keep_every,
+                 "async_save": async_save, "resume": resume, "mirror": mirror}
+        config = dataclasses.replace(config or CheckpointConfig(save_interval=0),
+                                     **{key: value for key, value in given.items() if value is not None})
+        self.config = config
         self.run_dir = Path(run_dir)
         self.root = self.run_dir / "checkpoints"
         self.model = model
         self.optimizer = optimizer
         self.stateful = dict(stateful or {})
-        self.save_interval = save_interval
-        self.resume_mode = resume
+        self.resume_mode = config.resume
         self.static_files = static_files or (lambda directory: None)
         self.accept = accept
         self.seed = seed
@@ -110,7 +125,7 @@ class CheckpointManager:
                 log.warning("removed an unfinished checkpoint left by an earlier run: %s", stale)
         # One token per incarnation names the temporary directory that all ranks write into.
         run_token = _broadcast(uuid.uuid4().hex[:12] if self.rank == 0 else None)
-        self.mirror_config = mirror
+        mirror = self.mirror_config = config.mirror
         # Rank 0 mirrors committed checkpoints to object storage in the background (checkpoint.mirror).
         self.mirror = BackgroundMirror(mirror, self.root, self.events) if self.rank == 0 and mirror and mirror.url else None
         if self.mirror is not None:
@@ -123,14 +138,17 @@ class CheckpointManager:
             mesh_dim_names=mesh_dim_names or ["world"],
             run_token=run_token,
             process_group=dist.new_group(backend="gloo") if dist.is_initialized() else None,
-            async_save=async_save,
-            keep_last=keep_last,
-            keep_every=keep_every,
+            async_save=config.async_save,
+            keep_last=config.keep_last,
+            keep_every=config.keep_every,
             events=self.events,
             after_commit=after_commit if self.rank == 0 else None,
             protected=self.mirror.pending_steps if self.mirror is not None else None,
         )
         self.last_saved_step: int | None = None
+        """The step the durable tier last saved (or the run resumed from)."""
+        self.last_local_step: int | None = None
+        self.last_memory_step: int | None = None
         self.resumed_from: str | None = None
         """The checkpoint ``resume()`` restored, None when the run started fresh."""
 
@@ -206,6 +224,7 @@ class CheckpointManager:
         restore_rng_state(extra["rng"])
         for other in self._rank_tiers():
             other.discard_newer(step)
+        self.last_local_step = self.last_memory_step = step
         name = "memory" if tier is self.memory else "local"
         log.info("resumed from the %s tier at step %d (%s)", name, step, tier.dir)
         if self.rank == 0:
@@ -214,23 +233,19 @@ class CheckpointManager:
         self.last_saved_step = step
         return step
 
-    def should_save_local(self, step: int) -> bool:
-        return self.local is not None and self.local.should_save(step)
-
     def save_local(self, step: int) -> None:
-        """Writes this rank's local-tier checkpoint of ``step`` (synchronously, no collective but the
+        """Writes this rank's local-tier checkpoint of ``step`` now (synchronously, no collective but the
         extra state's hand-over to its buddy)."""
         assert self.local is not None
         self.local.save(step, self.model, self.optimizer, self._extra_state(step))
-
-    def should_save_memory(self, step: int) -> bool:
-        return self.memory is not None and self.memory.should_save(step)
+        self.last_local_step = step
 
     def save_memory(self, step: int) -> None:
-        """Starts this rank's memory-tier save of ``step`` (returns before the state is copied: the
-        next optimizer step waits for the copy, as after ``save``)."""
+        """Starts this rank's memory-tier save of ``step``; returns before the state is copied (the
+        next optimizer step waits for the copy, as after an async durable save)."""
         assert self.memory is not None
         self.memory.save(step, self.model, self.optimizer, self._extra_state(step))
+        self.last_memory_step = step
 
     def _extra_state(self, step: int) -> dict[str, Any]:
         return {
@@ -241,16 +256,47 @@ class CheckpointManager:
             "stateful": {name: obj.state_dict() for name, obj in self.stateful.items()},
         }
 
-    def should_save(self, step: int) -> bool:
-        return bool(self.save_interval) and step % self.save_interval == 0
+    def due(self, step: int, *, last_step: bool = False, stopping: bool = False,
+            unhealthy: bool = False) -> SaveDecision:
+        """Which tiers ``save`` would write for this step (the policy of ``checkpoint.save_policy``)."""
+        return decide_save(step, save_interval=self.config.save_interval,
+                           local_interval=self.local.interval if self.local is not None else 0,
+                           last_step=last_step, stopping=stopping, unhealthy=unhealthy,
+                           durable_saved=self.last_saved_step, local_saved=self.last_local_step,
+                           memory_interval=self.memory.interval if self.memory is not None else 0,
+                           memory_saved=self.last_memory_step)
 
     def save(self, step: int, trainer_state: dict[str, Any] | None = None,
-             health: dict[str, Any] | None = None) -> float:
-        """Stages a checkpoint of ``step`` and commits it in the background; returns seconds blocked.
+             health: Health | Callable[[], Health | None] | None = None, *,
+             last_step: bool = False, stopping: bool = False) -> float | None:
+        """Saves ``step`` to the tiers the policy names (``due``); returns the seconds the durable save
+        blocked, None when it did not save. Collective: every rank calls it at every step.
 
-        ``health`` (``{"is_health": 0|1, ...}``, 1 = unhealthy) goes into the manifest and
-        ``health_ckpts.json``; ``auto`` resume never picks an unhealthy checkpoint.
+        ``last_step``: the last step of the schedule (saved when periodic saves are on); ``stopping``:
+        the process stops after this step and the run goes on later (always saved, durable tier only).
+        ``health`` (``{"is_health": 0|1, ...}``, 1 = unhealthy, or a function returning it, called
+        once and only when a tier saves) goes into the manifest and ``health_ckpts.json``; ``auto``
+        resume never picks an unhealthy checkpoint, and the local and memory tiers never save one.
         """
+        decision = self.due(step, last_step=last_step, stopping=stopping)
+        if not decision:
+            return None
+        record = health() if callable(health) else health
+        if marked_unhealthy(record):
+            decision = self.due(step, last_step=last_step, stopping=stopping, unhealthy=True)
+        blocked = None
+        if decision.durable:
+            blocked = self.save_durable(step, trainer_state, record)
+        if decision.local:
+            self.save_local(step)
+        if decision.memory:
+            self.save_memory(step)
+        return blocked
+
+    def save_durable(self, step: int, trainer_state: dict[str, Any] | None = None,
+                     health: Health | None = None) -> float:
+        """Stages a durable checkpoint of ``step`` now and commits it in the background; returns the
+        seconds blocked."""
         extra = self._extra_state(step)
         blocked = self.durable.save(step, self.model, self.optimizer, extra, trainer_state or {"step": step},
                                     self.static_files, health=health)
@@ -259,16 +305,11 @@ class CheckpointManager:
         return blocked
 
     def wait_for_staging(self) -> float:
-        """Blocks until the state of the save in flight is copied (an async save copies it while the
-        next forward and backward run); returns the seconds blocked. Call it before anything changes
-        parameters or optimizer state in place; ``optimizer.step()`` calls it by itself."""
+        """Blocks until the state of the saves in flight is copied (an async save, and a memory-tier
+        save, copy it while the next forward and backward run); returns the seconds blocked. Call it
+        before anything changes parameters or optimizer state in place; ``optimizer.step()`` calls it
+        by itself (a step pre-hook)."""
         return self.durable.wait_for_staging() + (self.memory.wait_for_staging() if self.memory is not None else 0.0)
-
-    def maybe_save(self, step: int, trainer_state: dict[str, Any] | None = None) -> bool:
-        if not self.should_save(step):
-            return False
-        self.save(step, trainer_state)
-        return True
 
     def close(self) -> None:
         """Waits until the last save is committed on every rank, then drains the mirror's queue."""
@@ -317,6 +358,7 @@ class CheckpointManager:
             return None
         step = self._load_durable(Path(path))
         self.last_saved_step = step
+        self.last_local_step = self.last_memory_step = None  # their steps after it are gone; the next saves are newer
         return step
 
     def _abandon_after(self, step: int) -> None:

@@ -48,8 +48,9 @@ class MemoryTier:
     def dir(self) -> Path:
         return self.tier.dir
 
-    def should_save(self, step: int) -> bool:
-        return self.tier.should_save(step)
+    @property
+    def interval(self) -> int:
+        return self.tier.interval
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              extra_state: dict[str, Any]) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trainguard.backup.config import MirrorConfig
+from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.guards.health import HealthConfig
 from trainguard.guards.rollback import RollbackConfig
 from trainguard.guards.sdc.config import SdcConfig
@@ -63,22 +63,6 @@ class TrainConfig:
     seed: int = 42
     log_interval: int = 1
     exit_at_step: int | None = None  # save and exit 0 after this step (a planned stop)
-
-
-@dataclass
-class CheckpointConfig:
-    save_interval: int = 50  # 0 disables periodic saves
-    keep_last: int = 3
-    keep_every: int | None = None
-    async_save: bool = True
-    resume: str = "auto"
-    local_interval: int = 0  # steps between local-tier saves (every rank its own files); 0 = off
-    local_dir: str | None = None  # template with {node} and {rank}; relative to the run dir; None = local/node{node}
-    local_keep_last: int = 2
-    memory_interval: int = 0  # steps between memory-tier saves (the local tier in node memory, lazy copy); 0 = off
-    memory_dir: str | None = None  # template with {run}, {node} and {rank}; None = /dev/shm/trainguard/{run}/node{node}
-    memory_keep_last: int = 2
-    mirror: MirrorConfig = field(default_factory=MirrorConfig)
 
 
 @dataclass

@@ -62,8 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(config, Path(args.run_dir))
         try:
             code = trainer.run()
+        except SystemExit:
+            raise  # the guard ended the run itself, its exit record written
         except BaseException as exc:  # the supervisor tells a rank that failed from one that was killed
-            trainer.lifecycle.beat("exit", trainer.step, getattr(exc, "exit_code", 1))
+            trainer.guard.lifecycle.beat("exit", trainer.guard.global_step, getattr(exc, "exit_code", 1))
             raise
     except TrainguardError as exc:
         print(f"trainguard: error: [rank {rank}] {exc}", file=sys.stderr, flush=True)

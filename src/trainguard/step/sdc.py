@@ -1,17 +1,19 @@
-"""Silent-data-corruption detection wired into the reference trainer's step.
+"""Silent-data-corruption detection wired into ``Guard.step``.
 
-Per step: the detection points' statistics are read with one host sync, judged by the rule, and each
-rank's verdict rides in the norm's all-reduce (one slot per rank), so every rank learns every
-rank's verdict without another collective. After a level-1 detection (enabled_level ≥ 2) the
-trainer reruns the step on the same micro-batches with the RNG restored; the detecting ranks
-compare their values and report, through the rerun's all-reduce, whether the fault was transient
-(use the rerun), reproducible (skip the step) or has made their device faulty (exit 17).
+Per step: the detection points' statistics are read with one host sync, judged by the rule, and a
+rank with a level-1 value raises the ``SDC_STOP`` count of the step's all-reduce, so every rank
+learns that some rank detected without another collective. After a level-1 detection
+(enabled_level ≥ 2) the guard reruns the closure with the RNGs and the data restored; the detecting
+ranks compare their values and report their ``RerunVerdict`` through the rerun's all-reduce: the
+fault was transient (use the rerun), reproducible (skip the step) or has made their device faulty
+(exit 17).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from enum import IntEnum
 from typing import Any
 
 import torch
@@ -27,10 +29,21 @@ from trainguard.guards.sdc import (
     format_detection,
     format_values,
 )
-from trainguard.guards.sdc.detectors import Detection, severity
+from trainguard.guards.sdc.detectors import Detection
 
-# what a rank reports about its own attribution after a rerun (the max over ranks decides)
-NOTHING, TRANSIENT, REPRODUCIBLE, FAULTY = 0, 1, 2, 3
+
+class RerunVerdict(IntEnum):
+    """What a rank concludes about its own detection after the rerun; the strongest over ranks decides."""
+
+    NONE = 0  # nothing detected at level 1 on this rank
+    TRANSIENT = 1  # the rerun differs: use the rerun's gradients
+    REPRODUCIBLE = 2  # the rerun detects the same (or there was no rerun): skip the step
+    FAULTY = 3  # this device reached its strike limit: save, write faulty_ranks.json, exit 17
+
+    @property
+    def label(self) -> str:
+        """The spelling in ``sdc_rerun`` events."""
+        return self.name.lower()
 
 
 class SdcGuard:
@@ -67,8 +80,8 @@ class SdcGuard:
         values, shares = self.points.collect(with_shares=True).tolist()
         return values, shares
 
-    def check(self, step: int) -> int:
-        """Judges this pass's values; logs and records detections; returns this rank's severity."""
+    def check(self, step: int) -> bool:
+        """Judges this pass's values; logs and records detections; True when this rank saw a level-1 value."""
         self.first_values, self.first_shares = self.values()
         if self.config.log_values:
             self.log.info(format_values(step, self.rank, self.host, self.device, self.points.names, self.first_values))
@@ -79,14 +92,14 @@ class SdcGuard:
             self.events.emit("sdc_detected", step=step, point=detection.point, level=detection.level,
                              value=detection.value, thresholds=detection.thresholds, rule=detection.rule,
                              device=self.device_label)
-        return severity(self.detections)
+        return any(d.level == 1 for d in self.detections)
 
-    def attribute(self, step: int, reran: bool) -> int:
-        """After the rerun (or, with ``rerun: false``, instead of it): this rank's verdict code, NOTHING
-        when it detected nothing at level 1. A transient fault counts only if the rerun is clean."""
+    def attribute(self, step: int, reran: bool) -> RerunVerdict:
+        """After the rerun (or, with ``rerun: false``, instead of it): this rank's verdict, NONE when it
+        detected nothing at level 1. A transient fault counts only if the rerun is clean."""
         level_one = [d.point for d in self.detections if d.level == 1]
         if not level_one:
-            return NOTHING
+            return RerunVerdict.NONE
         names = self.points.names
         first = {p: self.first_values[names.index(p)] for p in level_one}
         rerun = rerun_shares = None
@@ -107,5 +120,7 @@ class SdcGuard:
                          strikes=attribution.strikes, faulty=attribution.faulty, device=self.device_label,
                          rerun_abnormal=still_abnormal)
         if attribution.faulty:
-            return FAULTY
-        return TRANSIENT if attribution.kind == "transient" and not still_abnormal else REPRODUCIBLE
+            return RerunVerdict.FAULTY
+        if attribution.kind == "transient" and not still_abnormal:
+            return RerunVerdict.TRANSIENT
+        return RerunVerdict.REPRODUCIBLE

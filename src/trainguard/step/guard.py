@@ -1,0 +1,482 @@
+"""``Guard``: everything between a training loop's backward and its optimizer step, in one call.
+
+::
+
+    guard = trainguard.Guard(run_dir, model, optimizer, scheduler=scheduler, stateful={"data": loader},
+                             config="trainguard.yaml")
+    step = guard.resume()
+    while not guard.should_stop(step, total_steps):
+        def closure():
+            loss = loss_fn(model(next_batch()))
+            loss.backward()
+            return loss
+        step = guard.step(closure).step
+    raise SystemExit(guard.close())
+
+``step(closure)`` zeroes the gradients, runs the closure (forward and backward; it may run twice, see
+``docs/library.md``), measures the global norm, the loss, the embedding's local norm before clipping
+and the SDC verdicts with one all-reduce of constant size, reruns the closure on an SDC detection,
+decides skip / rollback / abort, clips, steps the optimizer and the scheduler, saves by policy with
+the checkpoint's health, and emits the events and heartbeats. An abort (too many spikes: exit 3, a
+faulty device: exit 17) ends the process from inside ``step`` after the last checkpoint commits.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainguard.checkpoint.manager import CheckpointManager, Stateful
+from trainguard.config.load import config_to_dict, load_config
+from trainguard.config.schema import RunConfig
+from trainguard.errors import EXIT_CRASH, EXIT_OK, TrainguardError
+from trainguard.events import EventLog
+from trainguard.events.rank_logging import LOGGER_NAME, setup_logging
+from trainguard.faults import FaultInjector
+from trainguard.guards.rollback import RollbackGuard
+from trainguard.guards.sdc import FaultyDeviceError, faulty_ranks_path, sdc_config_from_env, write_faulty_ranks
+from trainguard.guards.skip import DataSkipAbort, DataSkipGuard
+from trainguard.norms import clip_grads_, local_grad_norms
+from trainguard.runtime.heartbeat import node_name
+from trainguard.runtime.lifecycle import EXIT_CODES, NONE, REASON_NAMES, Lifecycle
+from trainguard.step.embedding import EmbeddingNorm
+from trainguard.step.local_tier import build_local_tier, build_memory_tier, fire_wipe_faults, resolve_ranks_per_node
+from trainguard.step.report import StepReport
+from trainguard.step.rollback import SkippableData, roll_back, skippable_data
+from trainguard.step.sdc import RerunVerdict, SdcGuard
+from trainguard.step.slots import Reduced, Slot, local_slots, reduce_step
+from trainguard.step.snapshot import StepSnapshot
+from trainguard.step.static_files import huggingface_files
+
+Config = RunConfig  # the keys of `trainguard train`; a loop of its own uses the sections it needs
+
+# the slot each rank raises for its verdict after a rerun
+VERDICT_SLOTS = {RerunVerdict.TRANSIENT: Slot.SDC_TRANSIENT, RerunVerdict.REPRODUCIBLE: Slot.SDC_REPRODUCIBLE,
+                 RerunVerdict.FAULTY: Slot.SDC_FAULTY}
+
+FIND_EMBEDDING = "find"  # Guard(embedding=...) default: the model's input embedding, if it has one
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    step: int  # the step the run is at now: this one, or after a rollback the restored one
+    loss: float  # the step's loss, averaged over the loss-holding ranks
+    global_norm: float  # the true global gradient norm before clipping
+    applied: bool  # the optimizer and scheduler stepped
+    skipped: bool  # the update was dropped (a spike, or an SDC detection that came back on the rerun)
+    rolled_back: bool  # a spike restored an earlier checkpoint (rollback mode)
+
+
+def _load(config: str | Path | RunConfig | None) -> RunConfig:
+    if config is None:
+        return RunConfig()
+    if isinstance(config, RunConfig):
+        return config
+    return load_config(config)
+
+
+def _input_embedding(model: torch.nn.Module) -> torch.nn.Parameter | None:
+    get = getattr(model, "get_input_embeddings", None)
+    if callable(get):
+        try:
+            module = get()
+        except (AttributeError, NotImplementedError):
+            module = None
+        if module is not None:
+            return module.weight
+    module = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+    return module.weight if module is not None else None
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    parameter = next(model.parameters(), None)
+    return parameter.device if parameter is not None else torch.device("cpu")
+
+
+class Guard:
+    """The step protocol of a training loop. Every method is collective: every rank calls it together.
+
+    ``model``: this rank's (sharded) model, or with pipelining its stage's module, with
+    ``pipeline_stages`` the pp degree. ``stateful``: objects whose ``state_dict`` rides in every
+    checkpoint and is restored for an SDC rerun (the data loader: rollback mode needs one that is
+    ``SkippableData``). ``mesh``: the device mesh (for the manifest and the local tier's replica
+    groups; default one ``dp_shard`` dimension over the world). ``embedding``: the parameter whose
+    local gradient norm decides checkpoint health (default: the model's input embedding; None on a
+    rank without it). ``hf_config`` (and ``tokenizer``): written into every checkpoint's
+    ``huggingface/`` so that ``trainguard ckpt merge`` needs nothing else. ``tokens_per_step``: global
+    tokens of one step, for the ``tokens/s`` figure.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+        stateful: Mapping[str, Stateful] | None = None,
+        config: str | Path | RunConfig | None = None,
+        *,
+        mesh: Any = None,
+        pipeline_stages: int = 1,
+        embedding: torch.nn.Parameter | None | str = FIND_EMBEDDING,
+        hf_config: Any = None,
+        tokenizer: Any = None,
+        tokens_per_step: int | None = None,
+    ):
+        self.config = cfg = _load(config)
+        self.run_dir = Path(run_dir)
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        if pipeline_stages < 1 or self.world_size % pipeline_stages:
+            raise ValueError(f"pipeline_stages={pipeline_stages} does not divide the world size {self.world_size}")
+        # ranks sharing one pipeline stage (all ranks without pp): the norm's and the loss's weights
+        self.ranks_per_stage = self.world_size // pipeline_stages
+        self.tokens_per_step = tokens_per_step
+        self.host = node_name()  # the supervisor's node name for simulated nodes, else the host name
+        self.log = logging.getLogger(LOGGER_NAME)
+        if not self.log.handlers:  # a loop that set up its own logging keeps it
+            setup_logging(self.rank, self.run_dir / "logs")
+        self.events = EventLog(self.run_dir / "events.jsonl", rank=self.rank, host=self.host)
+        self.device = _device_of(model)
+        self.lifecycle = Lifecycle.for_rank(cfg.lifecycle, self.run_dir, self.rank, self.device)
+
+        self.stateful = dict(stateful or {})
+        reserved = {"scheduler", "skip_guard", "rollback", "sdc_detector", "sdc_strikes"} & set(self.stateful)
+        if reserved:
+            raise ValueError(f"stateful names {sorted(reserved)} are the guard's own; choose other names")
+        self.faults = FaultInjector.from_env(self.run_dir, self.rank, self.world_size, self.events.emit,
+                                             config_text=cfg.faults)
+        self.faults.install(model)
+        mesh_shape = list(mesh.shape) if mesh is not None else [self.world_size]
+        mesh_dim_names = list(mesh.mesh_dim_names) if mesh is not None else ["dp_shard"]
+        static_files = huggingface_files(hf_config, tokenizer) if hf_config is not None else None
+        local = None
+        if cfg.checkpoint.local_interval:
+            per_node = resolve_ranks_per_node(cfg.parallel.ranks_per_node, self.world_size)
+            self.faults.check_nodes(self.world_size // per_node)
+            local = build_local_tier(self.run_dir, cfg.checkpoint, mesh_shape=mesh_shape,
+                                     mesh_dim_names=mesh_dim_names, ranks_per_node=per_node, model=model,
+                                     events=self.events, static_files=static_files)
+        else:
+            self.faults.check_nodes(None)
+        memory = None
+        if cfg.checkpoint.memory_interval:
+            memory = build_memory_tier(self.run_dir, cfg.checkpoint, mesh_shape=mesh_shape,
+                                       mesh_dim_names=mesh_dim_names, model=model, events=self.events,
+                                       ranks_per_node=resolve_ranks_per_node(cfg.parallel.ranks_per_node,
+                                                                             self.world_size))
+        managed: dict[str, Stateful] = {"scheduler": scheduler} if scheduler is not None else {}
+        managed.update(self.stateful)
+        self.checkpoints = CheckpointManager(
+            self.run_dir, model, optimizer, managed, cfg.checkpoint, mesh_shape=mesh_shape,
+            mesh_dim_names=mesh_dim_names, static_files=static_files, events=self.events,
+            after_commit=self.faults.after_commit, seed=cfg.train.seed, local=local, memory=memory,
+        )
+        sdc_config = sdc_config_from_env(cfg.guards.sdc)
+        self.sdc: SdcGuard | None = None
+        if sdc_config.enabled:  # installed after the faults, so a point sees a fault injected at its module
+            self.sdc = SdcGuard(sdc_config, model, cfg.train.micro_batches, self.device, self.rank, self.host,
+                                self.log, self.events)
+            self.checkpoints.stateful.update(self.sdc.stateful)
+        self.skip_guard = DataSkipGuard(cfg.guards.skip) if cfg.guards.skip.enabled else None
+        if self.skip_guard is not None:
+            self.checkpoints.stateful["skip_guard"] = self.skip_guard
+        self.rollback: RollbackGuard | None = None
+        self.data: SkippableData | None = None
+        if cfg.guards.check_for_global_norm:
+            self.data = skippable_data(self.stateful)
+            self.rollback = RollbackGuard(cfg.guards.rollback, cfg.guards.skip)
+            self.checkpoints.stateful["rollback"] = self.rollback
+        self.embedding: EmbeddingNorm | None = None
+        if cfg.guards.monitor or cfg.guards.health.enabled:
+            weight = _input_embedding(model) if isinstance(embedding, str) else embedding
+            self.embedding = EmbeddingNorm(weight, self.device)
+
+        self.global_step = 0
+        """The step the run is at: the last one applied, skipped or restored."""
+        self._total: int | None = None
+        self._last_loss = math.nan
+        self._pending_stop = NONE
+        self._training = False
+        self._exit_code: int | None = None
+
+    # ---------------------------------------------------------------------------------- resume
+    def resume(self) -> int:
+        """Restores the newest verified healthy checkpoint (model, optimizer, scheduler, stateful
+        objects, guard state, every RNG) and returns its step, 0 for a fresh start. A stop asked for
+        before it (the kill switch exists) loads nothing: ``should_stop`` then answers True."""
+        self._pending_stop = self.lifecycle.decide()
+        if self._pending_stop:
+            return 0
+        self.lifecycle.beat("resume", 0)
+        try:
+            self.global_step = self.checkpoints.resume()
+        except TrainguardError as error:  # no checkpoint to resume from (exit 4), a damaged one, ...
+            self._abort(error)
+        return self.global_step
+
+    # ----------------------------------------------------------------------------- should_stop
+    def should_stop(self, step: int, total_steps: int) -> bool:
+        """True when the loop must end: ``total_steps`` (or ``train.exit_at_step``) reached, the kill
+        switch, SIGTERM/SIGUSR1, or the time limit near. A stop saves the current step first."""
+        if self._exit_code is not None:
+            return True
+        if step != self.global_step:
+            raise ValueError(f"should_stop(step={step}): the guard is at step {self.global_step} "
+                             "(pass the step that resume() or the last step()'s outcome returned)")
+        self._total = total_steps
+        if self._pending_stop:
+            self._stop(self._pending_stop)
+            return True
+        if not self._training:
+            self._training = True
+            self.lifecycle.beat("train", step)
+            if step == self._stop_at == 0:  # exit_at_step=0: the initial weights as a step-0 checkpoint
+                self.checkpoints.save(0, self.trainer_state(), stopping=True)
+        if step >= self._stop_at:
+            return True
+        reason = self.lifecycle.decide()
+        if reason:
+            self._stop(reason)
+            return True
+        return False
+
+    @property
+    def _stop_at(self) -> int:
+        total = self._total if self._total is not None else math.inf
+        exit_at = self.config.train.exit_at_step
+        return min(total, exit_at) if exit_at is not None else total
+
+    def _stop(self, reason: int) -> None:
+        """Saves the current step (if it is not saved yet) and ends the run with the lifecycle's code."""
+        why = self.lifecycle.describe(reason)
+        step = self.global_step
+        if step > 0 and self.checkpoints.due(step, stopping=True).durable:
+            self.lifecycle.beat("save", step)
+            self.checkpoints.save(step, self.trainer_state(), self._health, stopping=True)
+        self.checkpoints.close()
+        code = EXIT_CODES[reason]
+        self.log.warning("stopping at step %d: %s; exit %d (checkpoint: step %s)", step, why, code,
+                         self.checkpoints.last_saved_step)
+        if self.rank == 0:
+            self.events.emit("lifecycle_stop", step=step, reason=REASON_NAMES[reason], message=why,
+                             exit_code=code, last_checkpoint=self.checkpoints.last_saved_step)
+        self.lifecycle.beat("exit", step, code)
+        self._exit_code = code
+
+    # ------------------------------------------------------------------------------------ step
+    def step(self, closure: Callable[[], Any]) -> StepOutcome:
+        """One optimizer step (see the module docstring); ``closure`` runs forward and backward and
+        returns the loss (None on pipeline stages without the loss)."""
+        if self._exit_code is not None:
+            raise RuntimeError("Guard.step after the run stopped (should_stop returned True)")
+        try:
+            return self._step(closure)
+        except (DataSkipAbort, FaultyDeviceError) as error:
+            self._abort(error)
+        except BaseException:
+            self.lifecycle.beat("exit", self.global_step, EXIT_CRASH)
+            raise
+
+    def _step(self, closure: Callable[[], Any]) -> StepOutcome:
+        cfg = self.config
+        started = time.perf_counter()
+        step = self.global_step + 1
+        first_sample = self.data.consumed_samples if self.data is not None else None
+        self.faults.at_step_start(step)
+        snapshot = StepSnapshot.take(self.stateful) if self.sdc is not None else None
+        loss = self._forward_backward(closure, step)
+        detected = self.sdc.check(step) if self.sdc is not None else False
+        reduced = self._reduce(loss, {Slot.SDC_STOP: detected})
+        skipped = False
+        if reduced.count(Slot.SDC_STOP) and self.sdc.config.recover:
+            reduced, skipped = self._rerun(step, closure, snapshot, loss)
+        if cfg.guards.local_norm:
+            self.events.emit("local_norm", step=step, norms=local_grad_norms(self.model.named_parameters()))
+        lr = self._lr()
+        if self.skip_guard is not None and not skipped:
+            skipped = self._decide_skip(step, reduced.global_norm)
+        if self.rollback is not None and not skipped:
+            spike = self.rollback.check(step, reduced.global_norm, reduced.loss)
+            if spike is not None:
+                drawn = self.data.ranges_between(first_sample, self.data.consumed_samples)
+                self.global_step = roll_back(spike, self.rollback, self.data, self.checkpoints, self.events,
+                                             self.rank, samples_per_step=sum(b - a for a, b in drawn))
+                if self.embedding is not None:
+                    self.embedding.forget()
+                return StepOutcome(self.global_step, reduced.loss, reduced.global_norm, applied=False,
+                                   skipped=False, rolled_back=True)
+        if not skipped:
+            clip_grads_(self._grads(), cfg.optim.grad_clip, reduced.global_norm)
+            self.checkpoints.wait_for_staging()  # a save's copy ran during this forward and backward
+            self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
+        self.global_step = step
+        self._last_loss = reduced.loss
+        samples = (self.data.ranges_between(first_sample, self.data.consumed_samples)
+                   if self.data is not None else None)
+        seconds = time.perf_counter() - started
+        self.lifecycle.note_step(seconds)
+        if self.rank == 0:
+            self._report(StepReport(
+                step, self._total, reduced.loss, reduced.global_norm, lr, seconds, skipped, self.tokens_per_step,
+                {"skipped_total": self.skip_guard.skipped_total, "nan_total": self.skip_guard.nan_total}
+                if self.skip_guard is not None else None,
+                self.embedding.local() if self.embedding is not None else None, samples))
+        self._save_by_policy(step)
+        self.lifecycle.beat("step", step)
+        return StepOutcome(step, reduced.loss, reduced.global_norm, applied=not skipped, skipped=skipped,
+                           rolled_back=False)
+
+    def _forward_backward(self, closure: Callable[[], Any], step: int) -> Any:
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.sdc is not None:
+            self.sdc.begin_pass()
+        loss = closure()
+        self.faults.after_backward(step, self.model)
+        if self.embedding is not None:
+            self.embedding.measure()  # before clipping
+        return loss
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.model.parameters() if p.grad is not None]
+
+    def _reduce(self, loss: Any, flags: dict[Slot, bool]) -> Reduced:
+        """One all-reduce: the global norm, the mean loss, the count of ranks raising each flag."""
+        share = None
+        if loss is not None:  # the loss-holding ranks of a stage: its dp ranks (different data) × tp ranks
+            share = torch.as_tensor(loss, device=self.device).detach().double() / self.ranks_per_stage
+        return reduce_step(self._grads(), local_slots(self.device, share, flags), self.ranks_per_stage)
+
+    def _rerun(self, step: int, closure: Callable[[], Any], snapshot: StepSnapshot, loss: Any) -> tuple[Reduced, bool]:
+        """Reruns the closure after a level-1 SDC detection somewhere (unless ``guards.sdc.rerun`` is off,
+        when the step is skipped unverified); returns (the reduced scalars, skip). A device that has
+        become faulty ends the run on every rank with exit 17."""
+        reran = self.sdc.config.rerun
+        if reran:
+            snapshot.restore(self.stateful)
+            loss = self._forward_backward(closure, step)
+        verdict = self.sdc.attribute(step, reran)
+        reduced = self._reduce(loss, {slot: verdict == kind for kind, slot in VERDICT_SLOTS.items()})
+        strongest = max((kind for kind, slot in VERDICT_SLOTS.items() if reduced.count(slot)),
+                        default=RerunVerdict.NONE)
+        verdicts = self._gather(int(verdict))  # the rare path: which ranks said what
+        if self.rank == 0:
+            self.events.emit("sdc_rerun", step=step, verdict=strongest.label,
+                             ranks=[r for r, v in enumerate(verdicts) if v])
+        if strongest == RerunVerdict.FAULTY:
+            # saved as step N without N's update: like a skipped step, its batch is not replayed
+            self.global_step = step
+            if self.embedding is not None:
+                self.embedding.forget()
+            self.checkpoints.save(step, self.trainer_state(), stopping=True)
+            self.checkpoints.close()
+            faulty = [r for r, v in enumerate(verdicts) if v == RerunVerdict.FAULTY]
+            if self.rank in faulty:
+                write_faulty_ranks(faulty_ranks_path(self.run_dir), self.sdc.strikes.faulty_entries())
+            if dist.is_initialized():
+                dist.barrier()
+            raise FaultyDeviceError(f"faulty hardware: rank(s) {faulty} reached "
+                                    f"{self.sdc.config.strikes} SDC strikes; see {faulty_ranks_path(self.run_dir)}")
+        return reduced, strongest == RerunVerdict.REPRODUCIBLE
+
+    def _gather(self, value: int) -> list[int]:
+        if not dist.is_initialized():
+            return [value]
+        mine = torch.tensor([value], dtype=torch.int64, device=self.device)
+        parts = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(parts, mine)
+        return [int(part) for part in parts]
+
+    def _decide_skip(self, step: int, norm: float) -> bool:
+        decision = self.skip_guard.decide(step, norm, opt_global_step=step - 1 - self.skip_guard.skipped_total)
+        for line in decision.log_lines:
+            self.log.info(line)
+        if decision.skip and self.rank == 0:
+            self.events.emit("data_skip", step=step, global_norm=norm, threshold=decision.threshold,
+                             consecutive=decision.consecutive, nan=decision.nan)
+        if decision.abort:
+            self.log.error("ValueError: %s", decision.abort_message)
+            if self.rank == 0:
+                self.events.emit("data_skip_abort", step=step, global_norm=norm, message=decision.abort_message)
+            raise DataSkipAbort(f"ValueError: {decision.abort_message}")
+        return decision.skip
+
+    def _lr(self) -> float:
+        if self.scheduler is not None:
+            return self.scheduler.get_last_lr()[0]
+        return self.optimizer.param_groups[0]["lr"]
+
+    def _report(self, report: StepReport) -> None:
+        if report.due(self.config.train.log_interval):
+            for line in report.log_lines():
+                self.log.info(line)
+        self.events.emit("step", **report.event_fields())
+
+    # ------------------------------------------------------------------------------------ save
+    def _health(self) -> dict | None:
+        return self.embedding.health(self.config.guards.health) if self.embedding is not None else None
+
+    def trainer_state(self) -> dict[str, Any]:
+        """What a checkpoint's manifest records about the run: step, data position, lr, loss, config."""
+        state: dict[str, Any] = {"step": self.global_step}
+        consumed = next((obj.consumed_samples for obj in self.stateful.values() if hasattr(obj, "consumed_samples")),
+                        None)
+        if consumed is not None:
+            state["consumed_samples"] = consumed
+        state.update(lr=self._lr(), loss=self._last_loss, config=config_to_dict(self.config))
+        return state
+
+    def _save_by_policy(self, step: int) -> None:
+        last = step == self._total
+        planned = step == self._stop_at and not last  # always saved: the run is meant to go on later
+        health = functools.cache(self._health)  # one max over ranks, only if a tier saves
+        if self.checkpoints.due(step, last_step=last, stopping=planned).durable:
+            self.lifecycle.beat("save", step)
+        blocked = self.checkpoints.save(step, self.trainer_state(), health, last_step=last, stopping=planned)
+        if planned:  # the stop's save went to the durable tier; the local tier keeps its schedule
+            self.checkpoints.save(step, self.trainer_state(), health, last_step=last)
+        if blocked is not None:
+            self.lifecycle.note_save(blocked)
+        if self.checkpoints.local is not None and self.checkpoints.last_local_step == step:
+            fire_wipe_faults(self.faults, self.checkpoints.local, step)
+
+    # ----------------------------------------------------------------------------------- close
+    def close(self) -> int:
+        """Waits until the last checkpoint is committed on every rank; returns the exit code: 0, or 16
+        after a signal or time-limit stop (0 after the kill switch)."""
+        if self._exit_code is not None:
+            return self._exit_code
+        self.checkpoints.close()
+        step = self.global_step
+        if self.rank == 0:
+            reason = "finished" if self._total is None or step >= self._total else "exit_at_step"
+            self.events.emit("run_finished", step=step, reason=reason, last_checkpoint=self.checkpoints.last_saved_step)
+            self.log.info("run %s at step %d", reason, step)
+        self.lifecycle.beat("exit", step, EXIT_OK)
+        self._exit_code = EXIT_OK
+        return EXIT_OK
+
+    def _abort(self, error: TrainguardError) -> None:
+        """Ends the process with the error's exit code, after the save in flight commits (it holds the
+        last good state) and the heartbeat's exit record tells the supervisor why."""
+        code = error.exit_code
+        self.checkpoints.close()
+        self.lifecycle.beat("exit", self.global_step, code)
+        print(f"trainguard: error: [rank {self.rank}] {error}", file=sys.stderr, flush=True)
+        self._exit_code = code
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise SystemExit(code)

@@ -72,12 +72,12 @@ def _worker(rank: int, store: str, root: str, results: str) -> None:
         saved_states = {}
         for step in (1, 2):
             saved_states[step] = state_now()
-            lazy.save(step)
+            lazy.save_durable(step)
             forward_backward()  # the next step's forward (changes the buffer) and backward run during the copy
             if step == 1:
                 lazy.wait_for_staging()  # explicitly, then the tensors change
                 corrupt()
-                sync.save(step)  # the state as changed: must not leak into the lazy checkpoint
+                sync.save_durable(step)  # the state as changed: must not leak into the lazy checkpoint
             else:
                 optimizer.step()  # waits for the copy by itself (a step pre-hook)
                 corrupt()
@@ -109,7 +109,7 @@ def _worker(rank: int, store: str, root: str, results: str) -> None:
                         target = torch.distributed.tensor.distribute_tensor(target, tensor.device_mesh,
                                                                             tensor.placements).to_local()
                     local.copy_(target)
-        sync.save(2)
+        sync.save_durable(2)
         sync.close()
         Path(results, f"ok{rank}").write_text("ok")
         dist.barrier()

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.runs import assert_same_tensors, events, ok, step_losses, train
 from trainguard.checkpoint.memory_tier import run_key
 from trainguard.events.log import read_events
 
@@ -124,3 +125,20 @@ def test_memory_tier_recovers_a_lost_node_with_at_most_one_step_redone_bitwise(t
         assert clean.keys() == after.keys()
         for key in clean:
             assert torch.equal(clean[key], after[key]), f"rank {rank}: {key} differs from the run without the failure"
+
+
+def test_trainer_with_memory_interval_resumes_from_memory_after_a_kill(tmp_path, shm_root):
+    """The reference trainer with ``checkpoint.memory_interval=1``: rank 1 killed as it starts step 7,
+    the restart resumes from the memory tier (step 6, or 5 when step 6's write was still in flight) and
+    ends bitwise equal to a run without the kill."""
+    memory = ["--save-interval", "10", "--set", "checkpoint.memory_interval=1",
+              "--set", f"checkpoint.memory_dir={shm_root}/{{run}}/node{{node}}"]
+    ok(train(tmp_path / "straight", 2, 10, "--save-interval", "10"))
+    crashed = tmp_path / "crashed"
+    assert train(crashed, 2, 10, *memory, faults="kill:rank=1,step=7").returncode != 0
+    ok(train(crashed, 2, 10, *memory, faults="kill:rank=1,step=7"))  # fires once per run directory
+    started = events(crashed, "run_started")[-1]
+    assert started["tier"] == "memory" and started["step"] in (5, 6)
+    assert assert_same_tensors(tmp_path / "straight/checkpoints/global_step_10",
+                               crashed / "checkpoints/global_step_10") > 20
+    assert step_losses(crashed) == step_losses(tmp_path / "straight")

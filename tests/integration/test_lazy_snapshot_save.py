@@ -83,6 +83,8 @@ def _worker(rank: int, store: str, root: str, results: str) -> None:
                 corrupt()
             optimizer.zero_grad()
             lazy.close()
+            optimizer.param_groups[0]["lr"] = 0.05  # a scheduler's step: the next save records it
+        assert lazy.durable.capture.hits == 1  # the second save reused the first one's plan
         sync.close()
         ckpt = Path(root) / "lazy" / "checkpoints"
         for step, expected in saved_states.items():

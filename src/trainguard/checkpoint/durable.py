@@ -69,8 +69,8 @@ from trainguard.fs.layout import (
 from trainguard.checkpoint.manifest import FileEntry, build_manifest, read_manifest, write_manifest
 from trainguard.checkpoint.retention import retention_after_commit
 from trainguard.checkpoint.safe_load import load_dcp_metadata, safe_torch_load
-from trainguard.checkpoint.snapshot import LazySnapshot, StagingGate, mutable_by_optimizer
-from trainguard.checkpoint.staging import ReusableStager
+from trainguard.checkpoint.snapshot import LazySnapshot, StagingGate
+from trainguard.checkpoint.state_capture import CaptureCache
 from trainguard.errors import CheckpointError
 from trainguard.events import EventLog
 from trainguard.guards.health import marked_unhealthy, record_health, unhealthy_names
@@ -341,6 +341,18 @@ def _fsync_tree(root: Path) -> None:
     fsync_dir(root)
 
 
+def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``{"model": ..., "optim": ...}`` for a save; only ``"model"`` before the optimizer's first step.
+
+    With no optimizer state yet (a step-0 save, or only skipped steps) ``get_state_dict`` would invent
+    one (a zero-gradient step: Adam's step count becomes 1), so none is saved.
+    """
+    if optimizer.state:
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_STATE_DICT_OPTIONS)
+        return {"model": model_sd, "optim": optim_sd}
+    return {"model": get_model_state_dict(model, options=_STATE_DICT_OPTIONS)}
+
+
 class DurableCheckpointer:
     def __init__(
         self,
@@ -374,7 +386,8 @@ class DurableCheckpointer:
         self.protected = protected  # steps retention must keep for now (e.g. waiting for their mirror upload)
         self._inflight: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._stager: ReusableStager | None = None
+        self.capture = CaptureCache(training_state)
+        """The staging plan of async saves, with its reused buffers (``capture.stager``)."""
         self._gate = StagingGate()
         self.last_committed: int | None = None
 
@@ -405,27 +418,19 @@ class DurableCheckpointer:
                        extra.getvalue(), health)
         if self.rank == 0:
             write_static_files(tmp)
-        if optimizer.state:
-            model_sd, optim_sd = get_state_dict(model, optimizer, options=_STATE_DICT_OPTIONS)
-            state = {"model": model_sd, "optim": optim_sd}
-        else:
-            # No optimizer step yet (a step-0 save, or only skipped steps): there is no optimizer state,
-            # and get_state_dict would invent one (a zero-gradient step: Adam's step count becomes 1).
-            state = {"model": get_model_state_dict(model, options=_STATE_DICT_OPTIONS)}
         if self.async_save:
-            if self._stager is None:
-                self._stager = ReusableStager()
             # The previous save's write is over (wait() above), so its buffers may be overwritten. The
             # copy into them is made in the background, until the next optimizer step (wait_for_staging).
-            plan = self._stager.plan(state)
-            snapshot = LazySnapshot(plan.copies, mutable_by_optimizer(model, optimizer))
+            capture = self.capture.take(model, optimizer)
+            plan = capture.plan
+            snapshot = LazySnapshot(plan.copies, capture.lazy)
             self._gate.hold(snapshot, optimizer)
             blocked = time.perf_counter() - started
             self._inflight = threading.Thread(target=self._finish_guarded, args=(snapshot, plan.staged, job),
                                               daemon=True)
             self._inflight.start()
         else:
-            self._finish(state, job)
+            self._finish(training_state(model, optimizer), job)
             blocked = time.perf_counter() - started
         if self.rank == 0:
             self.events.emit("checkpoint_saved", step=step, blocked_s=blocked, async_save=self.async_save)

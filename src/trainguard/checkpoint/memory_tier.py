@@ -23,8 +23,8 @@ import torch
 
 from trainguard.checkpoint.local.state import local_state
 from trainguard.checkpoint.local.tier import LocalTier
-from trainguard.checkpoint.snapshot import LazySnapshot, StagingGate, mutable_by_optimizer
-from trainguard.checkpoint.staging import ReusableStager
+from trainguard.checkpoint.snapshot import LazySnapshot, StagingGate
+from trainguard.checkpoint.state_capture import CaptureCache
 
 DEFAULT_MEMORY_DIR = "/dev/shm/trainguard/{run}/node{node}"
 """``checkpoint.memory_dir``'s default; ``{run}`` is a digest of the run directory's absolute path."""
@@ -39,7 +39,7 @@ class MemoryTier:
     def __init__(self, tier: LocalTier):
         """``tier``: a ``LocalTier`` whose directory is in node memory (``tier="memory"``)."""
         self.tier = tier
-        self._stager = ReusableStager()
+        self.capture = CaptureCache(_local_training_state)
         self._gate = StagingGate()
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -58,11 +58,10 @@ class MemoryTier:
         self.wait()
         extra = io.BytesIO()
         torch.save(extra_state, extra)  # now: the objects it comes from change at the next step
-        model_state, optim_state = local_state(model, optimizer)
-        plan = self._stager.plan({"model": model_state, "optim": optim_state})
-        snapshot = LazySnapshot(plan.copies, mutable_by_optimizer(model, optimizer))
+        capture = self.capture.take(model, optimizer)
+        snapshot = LazySnapshot(capture.plan.copies, capture.lazy)
         self._gate.hold(snapshot, optimizer)
-        self._writer = threading.Thread(target=self._write, args=(snapshot, step, plan.staged, extra.getvalue()),
+        self._writer = threading.Thread(target=self._write, args=(snapshot, step, capture.plan.staged, extra.getvalue()),
                                         daemon=True, name="trainguard-memory-tier")
         self._writer.start()
 
@@ -97,3 +96,7 @@ class MemoryTier:
         self.wait()
         self.tier.discard_newer(step)
 
+
+def _local_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    model_state, optim_state = local_state(model, optimizer)
+    return {"model": model_state, "optim": optim_state}

@@ -37,11 +37,12 @@ def mutable_by_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimize
     tensors: list[torch.Tensor] = [p for p in model.parameters()]
     for state in optimizer.state.values():
         tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    return {_local(t).data_ptr() for t in tensors}
+    return {local_tensor(t).data_ptr() for t in tensors}
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    local = getattr(tensor, "_local_tensor", None)  # DTensor
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A ``DTensor``'s local shard; any other tensor itself."""
+    local = getattr(tensor, "_local_tensor", None)
     return local if isinstance(local, torch.Tensor) else tensor
 
 

@@ -161,6 +161,13 @@ class ReusableStager:
         return lambda buffers: snapshot
 
 
+def is_immutable(value: Any) -> bool:
+    """Whether a plain value can be kept as it is in a staged copy (nothing can change it in place)."""
+    if type(value) is tuple:
+        return all(is_immutable(item) for item in value)
+    return isinstance(value, _IMMUTABLE)
+
+
 def _wants_pinned(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cuda" and torch.cuda.is_available()
 

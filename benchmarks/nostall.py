@@ -4,7 +4,7 @@
 
 On 2 ranks (FSDP2 over a 1-D gloo mesh, AdamW, a Llama built from a trainguard preset, random tokens):
 
-1. *blocked time per save*: an async durable save (``CheckpointManager.save_durable``: the copy of the
+1. *blocked time per save* (after one untimed save of each kind): an async durable save (``CheckpointManager.save_durable``: the copy of the
    state runs in the background) blocks the loop for the time ``save_durable`` takes plus what is left
    of the copy when the next optimizer step starts (``wait_for_staging``, measured after the next
    forward and backward), against a synchronous save of the same state (``async_save=False``, until
@@ -122,7 +122,7 @@ def inner(args) -> None:
     lazy = CheckpointManager(root / "lazy", model, optimizer, async_save=True, keep_last=1)
     sync_s, blocked_s, save_call_s, wait_s = [], [], [], []
     step = 0
-    for _ in range(args.saves):
+    for round in range(args.saves + 1):  # round 0 warms up (the first save allocates and plans)
         step += 1
         train_step()
         dist.barrier()
@@ -138,10 +138,13 @@ def inner(args) -> None:
         waited = lazy.wait_for_staging()
         optimizer.step()
         optimizer.zero_grad()
-        save_call_s.append(max_over_ranks(call))
-        wait_s.append(max_over_ranks(waited))
-        blocked_s.append(max_over_ranks(call + waited))
         lazy.close()
+        samples = [max_over_ranks(call), max_over_ranks(waited), max_over_ranks(call + waited)]
+        if round == 0:
+            sync_s.clear()
+            continue
+        for values, sample in zip((save_call_s, wait_s, blocked_s), samples):
+            values.append(sample)
 
     # 2. throughput
     durable_config = CheckpointConfig(save_interval=DURABLE_INTERVAL, keep_last=2)

@@ -1,6 +1,7 @@
 """Benchmark: checkpoints that do not stall training (lazy snapshot, memory tier), side by side in one run.
 
     OMP_NUM_THREADS=1 python benchmarks/nostall.py [--preset llama-60m] [--cycles 1] [--quick] [--dir /tmp]
+        [--only blocked throughput kill]
 
 On 2 ranks (FSDP2 over a 1-D gloo mesh, AdamW, a Llama built from a trainguard preset, random tokens):
 
@@ -37,6 +38,7 @@ from common import median, print_result
 TARGET_BLOCKED = 0.01
 TARGET_DURABLE = 0.97
 TARGET_MEMORY = 0.95
+FIGURES = ("blocked", "throughput", "kill")
 BLOCK = 20
 DURABLE_INTERVAL = 10
 
@@ -51,6 +53,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--kill-step", type=int, default=9, help="figure 3: rank 1 is killed as it starts this step")
     p.add_argument("--dir", default=None, help="where checkpoints go (a temporary directory inside; default /tmp)")
     p.add_argument("--quick", action="store_true", help="llama-tiny, 2 saves, seq 64")
+    p.add_argument("--only", nargs="+", choices=FIGURES, default=list(FIGURES), help="figures to measure (default all)")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
@@ -117,12 +120,13 @@ def inner(args) -> None:
     state_bytes = sum(p.to_local().nbytes for p in model.parameters()) * 3
     total_bytes = int(max_over_ranks(state_bytes)) * 2
 
+    blocked = "blocked" in args.only
     # 1. blocked time per save
     sync = CheckpointManager(root / "sync", model, optimizer, async_save=False, keep_last=1)
     lazy = CheckpointManager(root / "lazy", model, optimizer, async_save=True, keep_last=1)
     sync_s, blocked_s, save_call_s, wait_s = [], [], [], []
     step = 0
-    for round in range(args.saves + 1):  # round 0 warms up (the first save allocates and plans)
+    for round in range(args.saves + 1 if blocked else 0):  # round 0 warms up (the first save allocates and plans)
         step += 1
         train_step()
         dist.barrier()
@@ -158,7 +162,7 @@ def inner(args) -> None:
     rates: dict[str, list[float]] = {mode: [] for mode in managers}
     step = DURABLE_INTERVAL // 2  # durable saves fall inside blocks, not at their ends
     order = []
-    for cycle in range(args.cycles):
+    for cycle in range(args.cycles if "throughput" in args.only else 0):
         modes = list(managers) if cycle % 2 == 0 else list(reversed(managers))
         order += modes + list(reversed(modes))
     for mode in order:
@@ -189,11 +193,14 @@ def inner(args) -> None:
         for mode, values in rates.items():
             print(f"| steps/s, {mode} | {median(values):.3f} | {', '.join(f'{x:.3f}' for x in values)} |")
         print()
-        print_result("blocked time per async save vs sync save (s)", blocked_med, sync_med,
-                     f"ratio <= {TARGET_BLOCKED}", blocked_med <= TARGET_BLOCKED * sync_med)
+        if blocked:
+            print_result("blocked time per async save vs sync save (s)", blocked_med, sync_med,
+                         f"ratio <= {TARGET_BLOCKED}", blocked_med <= TARGET_BLOCKED * sync_med)
         none = median(rates["none"])
         for mode, target, label in (("durable10", TARGET_DURABLE, "durable async save every 10 steps"),
                                     ("memory1", TARGET_MEMORY, "memory tier every step")):
+            if "throughput" not in args.only:
+                break
             value = median(rates[mode])
             print_result(f"steps/s with a {label} vs no saves", value, none, f"ratio >= {target}",
                          value >= target * none)
@@ -257,12 +264,14 @@ def main() -> None:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         inner_args = ["--preset", args.preset, "--seq-len", str(args.seq_len), "--batch", str(args.batch),
-                      "--saves", str(args.saves), "--cycles", str(args.cycles), "--inner", "--dir", str(work)]
+                      "--saves", str(args.saves), "--cycles", str(args.cycles), "--only", *args.only,
+                      "--inner", "--dir", str(work)]
         code = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                                os.path.abspath(__file__), *inner_args], env=env).returncode
         if code != 0:
             sys.exit(code)
-        steps_redone(args, work)
+        if "kill" in args.only:
+            steps_redone(args, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

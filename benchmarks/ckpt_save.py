@@ -20,7 +20,7 @@ What is timed (wall time, the maximum over ranks, all ranks writing at once):
                   directory): what the disk can do.
 2. ``torch.save`` every rank ``torch.save``s its local state dict (DTensors as local tensors), fsync.
 3. ``dcp``        ``get_state_dict`` + synchronous ``torch.distributed.checkpoint.save`` (fsyncs files).
-4. ``tg sync``    ``CheckpointManager(..., async_save=False).save(step)`` then ``.close()``: until the
+4. ``tg sync``    ``CheckpointManager(..., async_save=False).save_durable(step)`` then ``.close()``: until the
                   checkpoint is committed (manifest with checksums written, directory renamed).
 5. ``tg async``   ``CheckpointManager(..., async_save=True)``: the time ``save()`` blocks the caller,
                   and the time until ``close()`` returns (committed). One manager is kept for the whole
@@ -290,7 +290,7 @@ def _manager(ctx, directory: Path, async_save: bool):
 def run_tg_sync(ctx, directory: Path, clock: Clock) -> None:
     manager = _manager(ctx, directory, async_save=False)
     clock.start()
-    manager.save(ctx["step"])
+    manager.save_durable(ctx["step"])
     manager.close()
     clock.mark("total")
     manager.events.close()
@@ -302,7 +302,7 @@ def run_tg_async(ctx, directory: Path, clock: Clock) -> None:
     if manager is None:
         manager = ctx["async_manager"] = _manager(ctx, ctx["base"] / "tg_async-manager", async_save=True)
     clock.start()
-    manager.save(ctx["step"])
+    manager.save_durable(ctx["step"])
     clock.mark("blocked")
     manager.close()
     clock.mark("total")
@@ -314,7 +314,7 @@ def run_tg_async_first(ctx, directory: Path, clock: Clock) -> None:
     """The first save of a new manager: it also allocates the staging buffers."""
     manager = _manager(ctx, directory, async_save=True)
     clock.start()
-    manager.save(ctx["step"])
+    manager.save_durable(ctx["step"])
     clock.mark("blocked")
     manager.close()
     clock.mark("total")

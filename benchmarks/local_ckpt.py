@@ -14,7 +14,7 @@ optimizer state is >= ``--gib`` GiB across ranks. Three figures, each measured i
 time, the maximum over ranks):
 
 1. *local save vs durable sync save*: ``CheckpointManager.save_local(step)`` (every rank writes its own
-   files) against ``CheckpointManager(async_save=False).save(step)`` + ``close()`` (DCP, committed).
+   files) against ``CheckpointManager(async_save=False).save_durable(step)`` + ``close()`` (DCP, committed).
    Target: local >= 2x faster.
 2. *offline repair vs cp*: node 1's step directory is deleted and ``repair_step`` (the code behind
    ``trainguard ckpt repair``) copies its files back from node 0 (hash while copying, fsync, manifest,
@@ -149,7 +149,7 @@ def main(argv: list[str]) -> int:
 
     def durable_save() -> None:
         step[0] += 1
-        manager.save(step[0])
+        manager.save_durable(step[0])
         manager.close()
 
     save = {"local": [], "durable": []}
@@ -187,7 +187,7 @@ def main(argv: list[str]) -> int:
     # --- online recovery vs durable load, of the same state
     recover_s, load_s = [], []
     step[0] += 1
-    manager.save(step[0])
+    manager.save_durable(step[0])
     manager.close()
     manager.save_local(step[0])
     settle()

@@ -4,6 +4,7 @@ Everything here is an ordinary FSDP2 loop (a tiny causal transformer, ``fully_sh
 schedule, a data iterator with ``state_dict``/``load_state_dict``); a Hugging Face model is sharded the
 same way (``fully_shard`` each of ``model.model.layers``, then the model). The trainguard part is the lines
 marked ``# trainguard``: build a ``CheckpointManager``, ``resume()``, ``clip_grad_norm_``, ``save``, ``close``.
+``trainguard.Guard`` does all of that and every guard in one call per step: see ``docs/library.md``.
 
     torchrun --standalone --nproc-per-node 2 examples/fsdp2_loop.py --run-dir runs/ex --steps 20
 
@@ -29,6 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import trainguard
+from trainguard.checkpoint.config import CheckpointConfig
 
 
 class TinyCausalLM(nn.Module):
@@ -126,7 +128,7 @@ def main() -> None:
 
     ckpt = trainguard.CheckpointManager(  # trainguard
         args.run_dir, model, optimizer, {"scheduler": scheduler, "data": data},
-        save_interval=args.save_interval, keep_last=3,
+        CheckpointConfig(save_interval=args.save_interval, keep_last=3),
     )
     start = ckpt.resume()  # trainguard: newest verified checkpoint (or 0); restores every state and RNG
     if rank == 0 and start:
@@ -143,8 +145,8 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         if rank == 0:
             print(f"step {step}/{args.steps} loss {loss.item():.4f} grad_norm {grad_norm:.4f}", flush=True)
-        if ckpt.should_save(step) or step == stop:  # trainguard: periodic, and at the planned stop
-            ckpt.save(step, {"step": step, "loss": loss.item()})  # async; returns once staged
+        # trainguard: saves every save_interval steps and at the last one (async; returns once staged)
+        ckpt.save(step, {"step": step, "loss": loss.item()}, last_step=step == stop)
     ckpt.close()  # trainguard: wait until the last checkpoint is committed on every rank
     dist.destroy_process_group()
 

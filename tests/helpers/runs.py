@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -77,6 +78,23 @@ def assert_same_tensors(a_dir: Path, b_dir: Path) -> int:
     different = [k for k in tensors if not torch.equal(a[k], b[k])]
     assert not different, f"tensors differ: {different[:5]}"
     return len(tensors)
+
+
+def torchrun(script: Path, *args: str, nproc: int = 2, env: dict[str, str] | None = None,
+             timeout: float = 300) -> subprocess.CompletedProcess:
+    """Runs ``script`` under ``torch.distributed.run --standalone``; stdout and stderr together in
+    ``stdout``. A session of its own, so that a timeout kills the workers too, not only torchrun."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               str(script), *args]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env or worker_env(), start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        raise AssertionError(f"{script.name} did not finish in {timeout}s:\n{output[-4000:]}") from None
+    return subprocess.CompletedProcess(command, proc.returncode, output, "")
 
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

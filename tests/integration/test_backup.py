@@ -410,7 +410,7 @@ def test_rollback_drops_queued_uploads_and_deletes_abandoned_copies_but_not_the_
         for step in (2, 4, 6, 8, 10):
             with torch.no_grad():
                 model.weight.add_(1.0)
-            manager.save(step)
+            manager.save_durable(step)
             if step == 8:
                 assert started.wait(120)  # 2, 4 and 6 are mirrored, 8 is in flight, 10 will queue behind it
         assert manager.roll_back(before_step=5) == 4
@@ -422,7 +422,7 @@ def test_rollback_drops_queued_uploads_and_deletes_abandoned_copies_but_not_the_
                 time.sleep(0.05)
         with torch.no_grad():
             model.weight.add_(100.0)  # the new timeline's step 8: other bytes
-        manager.save(8)
+        manager.save_durable(8)
     finally:
         release.set()
         manager.close()

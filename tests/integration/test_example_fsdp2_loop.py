@@ -3,10 +3,6 @@ bitwise identical to a run that went to step 6 without stopping."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +11,7 @@ import torch
 from trainguard.checkpoint.durable import read_full_state_dict
 from trainguard.fs.layout import LATEST_FILE, extra_state_name, step_dir_name
 from trainguard.checkpoint.safe_load import safe_torch_load
+from helpers.runs import torchrun
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fsdp2_loop.py"
 STEPS = 6
@@ -24,23 +21,10 @@ TIMEOUT_S = 180  # per launch; one takes about 10 s on two idle cores
 
 def run_example(run_dir: Path, *extra: str) -> str:
     """Runs the example under torchrun; returns its output, failing the test on a non-zero exit."""
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(NPROC),
-        str(EXAMPLE), "--run-dir", str(run_dir), "--steps", str(STEPS), "--save-interval", "2", *extra,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("TRAINGUARD_FAULTS", None)
-    # A session of its own, so that a timeout kills the workers too, not only torchrun.
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        raise AssertionError(f"the example did not finish in {TIMEOUT_S}s:\n{output[-4000:]}") from None
-    assert proc.returncode == 0, f"the example exited {proc.returncode}:\n{output[-4000:]}"
-    return output
+    proc = torchrun(EXAMPLE, "--run-dir", str(run_dir), "--steps", str(STEPS), "--save-interval", "2", *extra,
+                    nproc=NPROC, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, f"the example exited {proc.returncode}:\n{proc.stdout[-4000:]}"
+    return proc.stdout
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:

@@ -91,9 +91,6 @@ class LocalTier:
         dist.all_gather_object(parts, value, group=self.group)
         return parts
 
-    def should_save(self, step: int) -> bool:
-        return bool(self.interval) and step % self.interval == 0
-
     # ------------------------------------------------------------------------------------- save
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              extra_state: dict[str, Any]) -> SavedStep:

@@ -1,0 +1,77 @@
+"""trainguard.Guard in a user's own loop (tests/helpers/guard_loop.py: a tiny Qwen2, FSDP2, 2 gloo ranks),
+launched by plain torchrun: killed and resumed it ends bitwise equal to a run that never stopped; a
+gradient spike is skipped; a persistent spike aborts with exit 3 from inside guard.step, and every
+rank's heartbeat records that intended exit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from helpers.runs import assert_same_tensors, events, torchrun, worker_env
+
+LOOP = Path(__file__).resolve().parents[1] / "helpers" / "guard_loop.py"
+STEPS = 6
+TIMEOUT_S = 300
+SKIP = ["--set", "guards.skip.enabled=true", "--set", "guards.skip.threshold=100"]
+
+
+def run_loop(run_dir: Path, *overrides: str, faults: str | None = None) -> subprocess.CompletedProcess:
+    return torchrun(LOOP, "--run-dir", str(run_dir), "--steps", str(STEPS), "--set", "checkpoint.save_interval=2",
+                    "--set", "checkpoint.async_save=false", *overrides,
+                    env=worker_env(**({"TRAINGUARD_FAULTS": faults} if faults else {})), timeout=TIMEOUT_S)
+
+
+def outcomes(output: str) -> dict[int, str]:
+    return {int(line.split()[1].split("=")[1]): line for line in output.splitlines() if line.startswith("outcome ")}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("guard_loop") / "straight"
+    proc = run_loop(run_dir)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return run_dir
+
+
+def test_killed_and_resumed_user_loop_is_bitwise_identical(straight, tmp_path):
+    run_dir = tmp_path / "killed"
+    killed = run_loop(run_dir, faults="kill:rank=1,step=5")
+    assert killed.returncode != 0 and 5 not in outcomes(killed.stdout), killed.stdout[-3000:]
+    resumed = run_loop(run_dir)
+    assert resumed.returncode == 0, resumed.stdout[-4000:]
+    assert sorted(outcomes(resumed.stdout)) == [5, 6]  # continued after the checkpoint of step 4
+    assert assert_same_tensors(straight / "checkpoints" / "global_step_6", run_dir / "checkpoints" / "global_step_6")
+    assert [e["step"] for e in events(run_dir, "run_started")] == [0, 4]
+    assert [e["reason"] for e in events(run_dir, "run_finished")] == ["finished"]
+    # the guard wrote huggingface/ from the loop's Qwen2 config
+    hf = json.loads((run_dir / "checkpoints" / "global_step_6" / "huggingface" / "config.json").read_text())
+    assert hf["model_type"] == "qwen2"
+
+
+def test_a_spike_is_skipped_in_a_user_loop(straight, tmp_path):
+    run_dir = tmp_path / "spiked"
+    proc = run_loop(run_dir, *SKIP, faults="spike:step=3,factor=1e4")
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    lines = outcomes(proc.stdout)
+    assert "skipped=True applied=False" in lines[3]
+    assert all("skipped=False applied=True" in lines[s] for s in (1, 2, 4, 5, 6))
+    assert [e["step"] for e in events(run_dir, "data_skip")] == [3]
+    assert [e["skipped"] for e in events(run_dir, "step")] == [False, False, True, False, False, False]
+    clean = {e["step"]: e["global_norm"] for e in events(straight, "step")}
+    spiked = {e["step"]: e["global_norm"] for e in events(run_dir, "step")}
+    assert spiked[2] == clean[2] and spiked[3] > 1000 * clean[3]
+
+
+def test_persistent_spikes_abort_inside_guard_step_with_exit_3(tmp_path):
+    run_dir = tmp_path / "aborted"
+    proc = run_loop(run_dir, *SKIP, "--set", "guards.skip.count_threshold=2",
+                    faults="spike:step=3,factor=1e4,persistent=1")
+    assert proc.returncode != 0
+    assert "trainguard: error: [rank 0] ValueError: Current global norm" in proc.stdout, proc.stdout[-3000:]
+    assert [e["step"] for e in events(run_dir, "data_skip_abort")] == [4]
+    beats = [json.loads(p.read_text()) for p in sorted((run_dir / "heartbeats").glob("rank_*.json"))]
+    assert [(b["phase"], b["step"], b["exit_code"]) for b in beats] == [("exit", 3, 3)] * 2

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from trainguard.checkpoint.local.state import local_state
+from trainguard.checkpoint.local.state import local_tensors
 from trainguard.checkpoint.local.tier import LocalTier
 from trainguard.checkpoint.snapshot import LazySnapshot, StagingGate
 from trainguard.checkpoint.state_capture import CaptureCache
@@ -98,5 +98,5 @@ class MemoryTier:
 
 
 def _local_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    model_state, optim_state = local_state(model, optimizer)
+    model_state, optim_state = local_tensors(model, optimizer)
     return {"model": model_state, "optim": optim_state}

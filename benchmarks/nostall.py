@@ -184,13 +184,15 @@ def inner(args) -> None:
         print(f"\nstate: {args.preset}, {total_bytes / 1e9:.3f} GB (model + AdamW) over 2 ranks; "
               f"seq {args.seq_len} x batch {args.batch} per rank\n")
         print("| figure | median | samples |\n|---|---:|---|")
-        print(f"| sync save, until committed (s) | {sync_med:.3f} | {', '.join(f'{x:.3f}' for x in sync_s)} |")
-        print(f"| lazy async save: save_durable() (s) | {median(save_call_s):.4f} | "
-              f"{', '.join(f'{x:.4f}' for x in save_call_s)} |")
-        print(f"| lazy async save: wait_for_staging() after forward+backward (s) | {median(wait_s):.4f} | "
-              f"{', '.join(f'{x:.4f}' for x in wait_s)} |")
-        print(f"| lazy async save: blocked in all (s) | {blocked_med:.4f} | {', '.join(f'{x:.4f}' for x in blocked_s)} |")
-        for mode, values in rates.items():
+        if blocked:
+            print(f"| sync save, until committed (s) | {sync_med:.3f} | {', '.join(f'{x:.3f}' for x in sync_s)} |")
+            print(f"| lazy async save: save_durable() (s) | {median(save_call_s):.4f} | "
+                  f"{', '.join(f'{x:.4f}' for x in save_call_s)} |")
+            print(f"| lazy async save: wait_for_staging() after forward+backward (s) | {median(wait_s):.4f} | "
+                  f"{', '.join(f'{x:.4f}' for x in wait_s)} |")
+            print(f"| lazy async save: blocked in all (s) | {blocked_med:.4f} | "
+                  f"{', '.join(f'{x:.4f}' for x in blocked_s)} |")
+        for mode, values in (rates.items() if "throughput" in args.only else ()):
             print(f"| steps/s, {mode} | {median(values):.3f} | {', '.join(f'{x:.3f}' for x in values)} |")
         print()
         if blocked:

@@ -141,21 +141,26 @@ def instrument_trainguard() -> None:
 
     import torch.distributed.checkpoint as dcp
 
+    import trainguard.checkpoint.commit as commit
+    import trainguard.checkpoint.dcp_writer as dcp_writer
     import trainguard.checkpoint.durable as durable
+    import trainguard.checkpoint.hashing_file as hashing_file
     import trainguard.checkpoint.snapshot as snapshot
+    import trainguard.checkpoint.state_dict as state_dict
 
-    for name in ("get_state_dict", "fsync_file", "_fsync_tree", "build_manifest", "write_manifest",
-                 "commit_directory", "write_latest"):
-        setattr(durable, name, PHASES.wrap(name, getattr(durable, name)))
-    durable.dcp = types.SimpleNamespace(save=PHASES.wrap("dcp.save", dcp.save), load=dcp.load)
+    state_dict.get_state_dict = PHASES.wrap("get_state_dict", state_dict.get_state_dict)
+    durable.build_manifest = PHASES.wrap("build_manifest", durable.build_manifest)
+    for name in ("fsync_file", "fsync_tree", "write_manifest", "commit_directory", "write_latest"):
+        setattr(commit, name, PHASES.wrap(name, getattr(commit, name)))
+    dcp_writer.dcp = types.SimpleNamespace(save=PHASES.wrap("dcp.save", dcp.save), load=dcp.load)
     cls = durable.DurableCheckpointer
     cls._apply_retention = PHASES.wrap("retention", cls._apply_retention)
-    cls._write_files = PHASES.wrap("write files (extra state, dcp.save)", cls._write_files)
-    cls._gather_entries = PHASES.wrap("gather checksums to rank 0", cls._gather_entries)
-    writer = durable.ChecksummingFileSystemWriter
+    durable.write_rank_files = PHASES.wrap("write files (extra state, dcp.save)", durable.write_rank_files)
+    durable.gather_entries = PHASES.wrap("gather checksums to rank 0", durable.gather_entries)
+    writer = dcp_writer.ChecksummingFileSystemWriter
     writer.write_data = PHASES.wrap("write_data (serialize, hash, write, fsync)", writer.write_data)
-    hashing_file = durable._HashingFile
-    hashing_file.close_durably = PHASES.wrap("close_durably (fsync)", hashing_file.close_durably)
+    stream = hashing_file.HashingFile
+    stream.close_durably = PHASES.wrap("close_durably (fsync)", stream.close_durably)
     snapshot.LazySnapshot.wait = PHASES.wrap("wait for staging (the copy left; blocks the caller)",
                                              snapshot.LazySnapshot.wait)
     # Every fsync, attributed to the phase it happens in (e.g. "dcp.save>os.fsync").

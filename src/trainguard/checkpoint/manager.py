@@ -23,12 +23,9 @@ import torch
 import torch.distributed as dist
 
 from trainguard.checkpoint.discovery import CheckpointInfo, list_checkpoints, write_latest
-from trainguard.backup.background import BackgroundMirror
-from trainguard.backup.config import MirrorConfig
-from trainguard.backup.restore import restore_for_resume
-from trainguard.backup.url import is_url
-from trainguard.checkpoint.config import CheckpointConfig
+from trainguard.checkpoint.config import CheckpointConfig, MirrorConfig
 from trainguard.checkpoint.durable import DurableCheckpointer
+from trainguard.checkpoint.hooks import CheckpointMirror, CommitHook, ResumeSource
 from trainguard.fs.fsio import clean_stale, remove_directory_crash_safe
 from trainguard.checkpoint.local.tier import LocalTier
 from trainguard.checkpoint.manifest import read_manifest
@@ -56,15 +53,6 @@ def _broadcast(value: Any) -> Any:
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def _then(first: Callable[[int, Path], None], second: Callable[[int, Path], None] | None) -> Callable[[int, Path], None]:
-    def both(step: int, path: Path) -> None:
-        first(step, path)
-        if second is not None:
-            second(step, path)
-
-    return both
 
 
 class CheckpointManager:
@@ -125,11 +113,13 @@ class CheckpointManager:
                 log.warning("removed an unfinished checkpoint left by an earlier run: %s", stale)
         # One token per incarnation names the temporary directory that all ranks write into.
         run_token = _broadcast(uuid.uuid4().hex[:12] if self.rank == 0 else None)
-        mirror = self.mirror_config = config.mirror
-        # Rank 0 mirrors committed checkpoints to object storage in the background (checkpoint.mirror).
-        self.mirror = BackgroundMirror(mirror, self.root, self.events) if self.rank == 0 and mirror and mirror.url else None
-        if self.mirror is not None:
-            after_commit = _then(self.mirror.submit, after_commit)
+        self.mirror: CheckpointMirror | None = None
+        """Copies of committed checkpoints elsewhere (rank 0): ``config.mirror`` is acted on by
+        ``trainguard.backup.attach.attach_mirror(manager)``, which sets this (the tiers do not import backup)."""
+        self.resume_source: ResumeSource | None = None
+        """Restores a resume mode naming a mirror URL (rank 0), set by ``attach_mirror``."""
+        self.commit_hooks: list[CommitHook] = [after_commit] if after_commit is not None and self.rank == 0 else []
+        """Called in order on rank 0 after each durable commit."""
         self.durable = DurableCheckpointer(
             self.root,
             rank=self.rank,
@@ -142,8 +132,8 @@ class CheckpointManager:
             keep_last=config.keep_last,
             keep_every=config.keep_every,
             events=self.events,
-            after_commit=after_commit if self.rank == 0 else None,
-            protected=self.mirror.pending_steps if self.mirror is not None else None,
+            commit_hooks=self.commit_hooks,
+            protected=lambda: self.mirror.pending_steps() if self.mirror is not None else set(),
         )
         self.last_saved_step: int | None = None
         """The step the durable tier last saved (or the run resumed from)."""
@@ -158,8 +148,8 @@ class CheckpointManager:
         if self.rank == 0:
             try:
                 mode = self.resume_mode
-                if is_url(mode):  # restore from the mirror into the run's checkpoints first, then resume normally
-                    mode = restore_for_resume(mode, self.root, self.mirror_config.endpoint_url if self.mirror_config else None)
+                if self.resume_source is not None:  # a mirror URL: restored into the run's checkpoints first
+                    mode = self.resume_source(mode, self.root)
                 chosen = choose_resume_checkpoint(mode, self.root, warn=log.warning, accept=self.accept)
                 path = str(chosen) if chosen else None
             except Exception as exc:  # every rank must learn of it, or the others wait in broadcast for ever

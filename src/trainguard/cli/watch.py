@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from trainguard.cli.run import _seconds
+from trainguard.cli.arguments import seconds
 from trainguard.errors import ConfigError
 from trainguard.runtime.heartbeat import read_heartbeats
 
@@ -25,8 +25,8 @@ from trainguard.runtime.heartbeat import read_heartbeats
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("watch", help="alert when a run is neither progressing nor scheduled")
     parser.add_argument("run_dir", metavar="RUN_DIR")
-    parser.add_argument("--interval", type=_seconds, default=60.0, help="seconds between checks (default 60)")
-    parser.add_argument("--stale-after", type=_seconds, default=900.0,
+    parser.add_argument("--interval", type=seconds, default=60.0, help="seconds between checks (default 60)")
+    parser.add_argument("--stale-after", type=seconds, default=900.0,
                         help="seconds without a heartbeat that mean no progress (default 900)")
     parser.add_argument("--alert-cmd", help="shell command run once per incident (RUN and MESSAGE in its environment)")
     parser.add_argument("--job-name", help="Slurm job name to look for (default: the run directory's name)")

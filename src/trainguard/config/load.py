@@ -16,6 +16,7 @@ import yaml
 
 from trainguard.backup.config import validate_mirror_config
 from trainguard.config.aliases import translate_reference_keys
+from trainguard.config.presets import PRESETS
 from trainguard.config.schema import RunConfig
 from trainguard.guards.sdc.config import sdc_config_from_env
 from trainguard.errors import ConfigError
@@ -137,8 +138,6 @@ def validate(config: RunConfig, source: str = "<config>") -> None:
             bound = "≥ 0" if allow_zero else "> 0"
             raise ConfigError(f"{source}: config key {key!r} must be {bound}, got {value!r}")
 
-    from trainguard.trainer.model import PRESETS
-
     if config.model.preset not in PRESETS:
         raise ConfigError(
             f"{source}: config key 'model.preset' must be one of {sorted(PRESETS)}, got {config.model.preset!r}"
@@ -199,9 +198,10 @@ def validate(config: RunConfig, source: str = "<config>") -> None:
             f"pipeline_stage (parallel.pp={pp})"
         )
     if config.model.init_from is not None:
-        from trainguard.hf.config import check_init_from
+        from trainguard.hf.config import MODEL_KEYS, check_init_from
 
-        check_init_from(config.model, pp, source)
+        explicit = {key: getattr(config.model, key) for key in MODEL_KEYS}
+        check_init_from(Path(config.model.init_from), config.model.attn_implementation, explicit, pp, source)
     from trainguard.faults import active_faults
 
     active_faults(config.faults)

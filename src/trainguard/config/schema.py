@@ -10,6 +10,7 @@ from trainguard.guards.rollback import RollbackConfig
 from trainguard.guards.sdc.config import SdcConfig
 from trainguard.guards.skip import SkipConfig
 from trainguard.runtime.lifecycle import LifecycleConfig
+from trainguard.topology.layout import ParallelConfig
 
 
 @dataclass
@@ -30,17 +31,6 @@ class DataConfig:
     seq_len: int = 128
     micro_batch_size: int = 4
     seed: int = 1234
-
-
-@dataclass
-class ParallelConfig:
-    """Degrees of the device mesh; a ``None`` degree is derived so the product equals the world size."""
-
-    dp_replicate: int | None = None
-    dp_shard: int | None = None
-    tp: int | None = None
-    pp: int | None = None
-    ranks_per_node: int | None = None  # ranks sharing a node (and its local directory); None = all of them
 
 
 @dataclass

@@ -76,11 +76,13 @@ class SkipConfig:
 class SkipDecision:
     skip: bool  # do not apply this step's update
     nan: bool  # the norm was NaN or infinite
-    abort: bool  # stop training (raise DataSkipAbort(abort_message))
+    abort: bool  # stop training (raise DataSkipAbort(reference_abort_message(decision)))
     consecutive: int  # consecutive spikes including this step
     threshold: float  # the threshold applied (adaptive: mean + Z * std; inf while warming up)
-    log_lines: tuple[str, ...]  # to log at INFO, in the reference's words
-    abort_message: str | None  # the reference's ValueError text, without "ValueError: "
+    step: int  # the trainer's step, as the reference's lines name it
+    global_norm: float
+    opt_global_step: int  # the optimizer's count of applied updates
+    enabled: bool  # the guard is on: the reference's lines are due
 
 
 class DataSkipAbort(TrainguardError):
@@ -119,6 +121,23 @@ def abort_text(step: int, global_norm: float, consecutive: int, threshold: float
         f"Current global norm {format_norm(global_norm)} of step {step} has been {consecutive} "
         f"consecutive times greater than threshold {float(threshold)!r}, stop training..."
     )
+
+
+def reference_log_lines(decision: SkipDecision) -> tuple[str, ...]:
+    """What the reference logs at INFO for a decision, in its words (the log boundary's business)."""
+    if not decision.enabled:
+        return ()
+    lines = [is_skip_line(decision.opt_global_step, decision.threshold, decision.skip)]
+    if decision.skip and not decision.abort:
+        lines.append(spike_line(decision.step, decision.global_norm, decision.consecutive, decision.threshold))
+    return tuple(lines)
+
+
+def reference_abort_message(decision: SkipDecision) -> str | None:
+    """The reference's ValueError text for an abort, without "ValueError: "; None for any other decision."""
+    if not decision.abort:
+        return None
+    return abort_text(decision.step, decision.global_norm, decision.consecutive, decision.threshold)
 
 
 class SpikeRule:
@@ -196,28 +215,24 @@ class DataSkipGuard:
         spike, nan, threshold = self.rule.is_spike(norm)
         spike = spike or step in self.cfg.replay_steps
         if not self.cfg.enabled:
-            return SkipDecision(False, nan, False, 0, threshold, (), None)
-        lines = [is_skip_line(opt_global_step, threshold, spike)]
-        abort_message = None
+            return SkipDecision(False, nan, False, 0, threshold, step, norm, opt_global_step, enabled=False)
         if spike:
             self.consecutive += 1
             self.skipped_total += 1
             self.nan_total += nan
-            if self.consecutive >= self.cfg.count_threshold:
-                abort_message = abort_text(step, norm, self.consecutive, threshold)
-            else:
-                lines.append(spike_line(step, norm, self.consecutive, threshold))
         else:
             self.consecutive = 0
             self.rule.accept(norm)
         return SkipDecision(
             skip=spike,
             nan=nan,
-            abort=abort_message is not None,
+            abort=spike and self.consecutive >= self.cfg.count_threshold,
             consecutive=self.consecutive,
             threshold=threshold,
-            log_lines=tuple(lines),
-            abort_message=abort_message,
+            step=step,
+            global_norm=norm,
+            opt_global_step=opt_global_step,
+            enabled=True,
         )
 
     # ----------------------------------------------------------------------------- checkpointing

@@ -8,12 +8,15 @@ has imported the trainer, so each rank does not pay seconds of imports again (CU
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -32,15 +35,17 @@ def exit_code_of(failure_codes: list[int]) -> int:
     return EXIT_CRASH
 
 
-def launch_local(nproc: int, worker_args: list[str], run_dir: Path) -> int:
+def launch_local(nproc: int, worker_args: list[str], run_dir: Path, entrypoint: Callable[[list[str]], Any],
+                 preload: tuple[str, ...] = ()) -> int:
+    """Runs ``entrypoint(worker_args)`` in ``nproc`` ranks; ``preload`` names the modules to import
+    here first when the ranks are forked (imported once, inherited by every rank)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
-    from trainguard.trainer.entry import run_worker
-
     fork = not torch.cuda.is_available()
     if fork:
-        import trainguard.trainer.loop  # noqa: F401  (imported once, inherited by every forked rank)
+        for module in preload:
+            importlib.import_module(module)
     # Slurm's --signal=USR1 reaches every process of the step: the ranks act on it (save, exit 16),
     # the agent must not die of it; SIGUSR2 asks the ranks for stack dumps. Ranks install their own.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
@@ -65,7 +70,7 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path) -> int:
         local_addr="127.0.0.1",
     )
     try:
-        elastic_launch(config, entrypoint=run_worker)(worker_args)
+        elastic_launch(config, entrypoint=entrypoint)(worker_args)
     except ChildFailedError as exc:
         _write_agent_report(exc)
         return exit_code_of([failure.exitcode for failure in exc.failures.values()])

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainguard.backup.attach import attach_mirror
 from trainguard.checkpoint.manager import CheckpointManager, Stateful
 from trainguard.config.load import config_to_dict, load_config
 from trainguard.config.schema import RunConfig
@@ -45,7 +46,7 @@ from trainguard.events.rank_logging import LOGGER_NAME, setup_logging
 from trainguard.faults import FaultInjector
 from trainguard.guards.rollback import RollbackGuard
 from trainguard.guards.sdc import FaultyDeviceError, faulty_ranks_path, sdc_config_from_env, write_faulty_ranks
-from trainguard.guards.skip import DataSkipAbort, DataSkipGuard
+from trainguard.guards.skip import DataSkipAbort, DataSkipGuard, reference_abort_message, reference_log_lines
 from trainguard.norms import clip_grads_, local_grad_norms
 from trainguard.runtime.heartbeat import node_name
 from trainguard.runtime.lifecycle import EXIT_CODES, NONE, REASON_NAMES, Lifecycle
@@ -183,6 +184,7 @@ class Guard:
             mesh_dim_names=mesh_dim_names, static_files=static_files, events=self.events,
             after_commit=self.faults.after_commit, seed=cfg.train.seed, local=local, memory=memory,
         )
+        attach_mirror(self.checkpoints)
         sdc_config = sdc_config_from_env(cfg.guards.sdc)
         self.sdc: SdcGuard | None = None
         if sdc_config.enabled:  # installed after the faults, so a point sees a fault injected at its module
@@ -402,16 +404,17 @@ class Guard:
 
     def _decide_skip(self, step: int, norm: float) -> bool:
         decision = self.skip_guard.decide(step, norm, opt_global_step=step - 1 - self.skip_guard.skipped_total)
-        for line in decision.log_lines:
+        for line in reference_log_lines(decision):
             self.log.info(line)
         if decision.skip and self.rank == 0:
             self.events.emit("data_skip", step=step, global_norm=norm, threshold=decision.threshold,
                              consecutive=decision.consecutive, nan=decision.nan)
         if decision.abort:
-            self.log.error("ValueError: %s", decision.abort_message)
+            message = reference_abort_message(decision)
+            self.log.error("ValueError: %s", message)
             if self.rank == 0:
-                self.events.emit("data_skip_abort", step=step, global_norm=norm, message=decision.abort_message)
-            raise DataSkipAbort(f"ValueError: {decision.abort_message}")
+                self.events.emit("data_skip_abort", step=step, global_norm=norm, message=message)
+            raise DataSkipAbort(f"ValueError: {message}")
         return decision.skip
 
     def _lr(self) -> float:

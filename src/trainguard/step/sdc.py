@@ -29,7 +29,7 @@ from trainguard.guards.sdc import (
     format_detection,
     format_values,
 )
-from trainguard.guards.sdc.detectors import Detection
+from trainguard.guards.sdc.detectors import Detection, SdcLevel
 
 
 class RerunVerdict(IntEnum):
@@ -92,12 +92,12 @@ class SdcGuard:
             self.events.emit("sdc_detected", step=step, point=detection.point, level=detection.level,
                              value=detection.value, thresholds=detection.thresholds, rule=detection.rule,
                              device=self.device_label)
-        return any(d.level == 1 for d in self.detections)
+        return any(d.level == SdcLevel.ABNORMAL for d in self.detections)
 
     def attribute(self, step: int, reran: bool) -> RerunVerdict:
         """After the rerun (or, with ``rerun: false``, instead of it): this rank's verdict, NONE when it
         detected nothing at level 1. A transient fault counts only if the rerun is clean."""
-        level_one = [d.point for d in self.detections if d.level == 1]
+        level_one = [d.point for d in self.detections if d.level == SdcLevel.ABNORMAL]
         if not level_one:
             return RerunVerdict.NONE
         names = self.points.names
@@ -113,7 +113,7 @@ class SdcGuard:
             # the detected points' first values never entered their state; the clean rerun's do, as
             # they would have in a run without the fault
             still_abnormal = [p for p in level_one
-                              if self.detector.point(p).check(rerun[p], rerun_shares[p]).level == 1]
+                              if self.detector.point(p).check(rerun[p], rerun_shares[p]).level == SdcLevel.ABNORMAL]
         self.log.error(attribution.message + (f"; the rerun is abnormal too at {', '.join(still_abnormal)}"
                                               if still_abnormal else ""))
         self.events.emit("sdc_attribution", step=step, attribution=attribution.kind, points=list(attribution.points),

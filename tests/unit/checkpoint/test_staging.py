@@ -13,12 +13,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from trainguard.checkpoint.checksum import file_checksum
-from trainguard.checkpoint.durable import (
-    ChecksummingFileSystemWriter,
-    _HashingFile,
-    _SerializeOnceSavePlanner,
-    read_full_state_dict,
-)
+from trainguard.checkpoint.dcp_writer import ChecksummingFileSystemWriter, SerializeOnceSavePlanner
+from trainguard.checkpoint.durable import read_full_state_dict
+from trainguard.checkpoint.hashing_file import HashingFile
 from trainguard.checkpoint.staging import ReusableStager
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -128,7 +125,7 @@ def test_serializing_equal_values_once_changes_no_byte(tmp_path):
     torch.serialization.set_crc32_options(False)  # only so the planner's torch.save of values matches
     try:
         dcp.save(state, storage_writer=ChecksummingFileSystemWriter(tmp_path / "once"),
-                 planner=_SerializeOnceSavePlanner(), no_dist=True)
+                 planner=SerializeOnceSavePlanner(), no_dist=True)
         dcp.save(state, storage_writer=ChecksummingFileSystemWriter(tmp_path / "each"), no_dist=True)
     finally:
         torch.serialization.set_crc32_options(previous)
@@ -143,7 +140,7 @@ def test_serializing_equal_values_once_changes_no_byte(tmp_path):
 
 def test_hashing_file_coalesces_small_writes_in_order(tmp_path):
     path = tmp_path / "f"
-    stream = _HashingFile(path)
+    stream = HashingFile(path)
     chunks = [b"a" * 10, bytes(range(256)) * 300, b"b" * 3, os.urandom(5 << 20), b"c" * 7, b"d" * 70_000]
     for chunk in chunks:
         assert stream.write(chunk) == len(chunk)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainguard.checkpoint.durable import training_state
+from trainguard.checkpoint.state_dict import training_state
 from trainguard.checkpoint.state_capture import CaptureCache, plain_value_getters
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

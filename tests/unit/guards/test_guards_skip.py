@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from trainguard.errors import EXIT_DATA_SKIP_ABORT, CheckpointError, ConfigError
 from trainguard.guards import ADAPTIVE_STD_FLOOR, DataSkipAbort, DataSkipGuard, SkipConfig
+from trainguard.guards.skip import reference_abort_message, reference_log_lines
 
 
 def guard(**overrides) -> DataSkipGuard:
@@ -32,11 +33,11 @@ def test_reference_log_lines_for_a_spike():
     assert decision.skip and not decision.abort and not decision.nan
     assert decision.consecutive == 1
     assert decision.threshold == 3.0
-    assert decision.log_lines == (
+    assert reference_log_lines(decision) == (
         "opt_global_step: 0, skip_data_grad_norm_threshold: 3.0, is_skip: [ True]",
         "Current global norm [44.313248] of step 1 has been 1 consecutive times greater than threshold: 3.0",
     )
-    assert decision.abort_message is None
+    assert reference_abort_message(decision) is None
 
 
 def test_reference_abort_message_at_the_count():
@@ -44,25 +45,25 @@ def test_reference_abort_message_at_the_count():
     g.decide(1, 44.313248, 0)
     decision = g.decide(2, 47.329006, 0)
     assert decision.skip and decision.abort and decision.consecutive == 2
-    assert decision.log_lines == ("opt_global_step: 0, skip_data_grad_norm_threshold: 3.0, is_skip: [ True]",)
-    assert decision.abort_message == (
+    assert reference_log_lines(decision) == ("opt_global_step: 0, skip_data_grad_norm_threshold: 3.0, is_skip: [ True]",)
+    assert reference_abort_message(decision) == (
         "Current global norm [47.329006] of step 2 has been 2 consecutive times greater than threshold 3.0, "
         "stop training..."
     )
-    error = DataSkipAbort(decision.abort_message)
-    assert error.exit_code == EXIT_DATA_SKIP_ABORT and str(error) == decision.abort_message
+    error = DataSkipAbort(reference_abort_message(decision))
+    assert error.exit_code == EXIT_DATA_SKIP_ABORT and str(error) == reference_abort_message(decision)
 
 
 def test_normal_step_logs_only_is_skip_false():
     decision = guard(threshold=3.0).decide(7, 1.25, 6)
     assert not decision.skip and not decision.abort and decision.consecutive == 0
-    assert decision.log_lines == ("opt_global_step: 6, skip_data_grad_norm_threshold: 3.0, is_skip: [False]",)
+    assert reference_log_lines(decision) == ("opt_global_step: 6, skip_data_grad_norm_threshold: 3.0, is_skip: [False]",)
 
 
 def test_threshold_is_printed_as_python_float_repr():
     decision = guard(threshold=270).decide(1, 300.0, 0)
-    assert "skip_data_grad_norm_threshold: 270.0," in decision.log_lines[0]
-    assert decision.log_lines[1].endswith("threshold: 270.0")
+    assert "skip_data_grad_norm_threshold: 270.0," in reference_log_lines(decision)[0]
+    assert reference_log_lines(decision)[1].endswith("threshold: 270.0")
 
 
 def test_equal_to_threshold_is_not_a_spike():
@@ -82,7 +83,7 @@ def test_abort_exactly_at_count_threshold():
     decisions = [g.decide(s, 2.0, 0) for s in range(1, 5)]
     assert [d.abort for d in decisions] == [False, False, False, True]
     assert all(d.skip for d in decisions)
-    assert decisions[-1].abort_message.startswith("Current global norm [2.000000] of step 4 has been 4 consecutive")
+    assert reference_abort_message(decisions[-1]).startswith("Current global norm [2.000000] of step 4 has been 4 consecutive")
 
 
 def test_count_threshold_one_aborts_on_the_first_spike():
@@ -96,8 +97,8 @@ def test_non_finite_norm_is_a_counted_skip(bad):
     decision = g.decide(5, bad, 4)
     assert decision.skip and decision.nan and decision.consecutive == 1
     assert g.nan_total == 1 and g.skipped_total == 1
-    assert decision.log_lines[0].endswith("is_skip: [ True]")
-    assert f"Current global norm [{bad:.6f}] of step 5" in decision.log_lines[1]
+    assert reference_log_lines(decision)[0].endswith("is_skip: [ True]")
+    assert f"Current global norm [{bad:.6f}] of step 5" in reference_log_lines(decision)[1]
     g.decide(6, 1.0, 4)
     assert g.nan_total == 1 and g.consecutive == 0
 
@@ -113,7 +114,7 @@ def test_nan_counts_toward_abort_together_with_spikes():
 def test_disabled_guard_never_skips_and_keeps_no_state():
     g = DataSkipGuard(SkipConfig(enabled=False, threshold=1.0, count_threshold=1))
     decision = g.decide(1, 100.0, 0)
-    assert not decision.skip and not decision.abort and decision.log_lines == ()
+    assert not decision.skip and not decision.abort and reference_log_lines(decision) == ()
     assert g.decide(2, math.nan, 0).nan
     assert g.skipped_total == g.nan_total == g.consecutive == 0
 
@@ -151,7 +152,7 @@ def test_state_dict_roundtrip_mid_streak_continues_the_streak():
     assert (resumed.skipped_total, resumed.nan_total, resumed.consecutive) == (2, 1, 2)
     decision = resumed.decide(4, 9.5, 1)
     assert decision.abort and decision.consecutive == 3
-    assert "of step 4 has been 3 consecutive times" in decision.abort_message
+    assert "of step 4 has been 3 consecutive times" in reference_abort_message(decision)
 
 
 def test_adaptive_window_survives_a_resume_and_gives_the_same_decisions():
@@ -199,7 +200,7 @@ def test_adaptive_no_skip_during_warmup_except_non_finite():
     decisions = [g.decide(s, n, 0) for s, n in enumerate([1.0, 1e6, 2.0, 3.0], 1)]
     assert not any(d.skip for d in decisions)
     assert all(d.threshold == math.inf for d in decisions)
-    assert "skip_data_grad_norm_threshold: inf," in decisions[0].log_lines[0]
+    assert "skip_data_grad_norm_threshold: inf," in reference_log_lines(decisions[0])[0]
     assert g.decide(5, math.nan, 0).skip and g.nan_total == 1
 
 
@@ -254,7 +255,7 @@ def test_adaptive_abort_uses_the_applied_threshold():
     g.decide(5, 100.0, 0)
     decision = g.decide(6, 100.0, 0)
     assert decision.abort
-    assert decision.abort_message.endswith(f"threshold {decision.threshold!r}, stop training...")
+    assert reference_abort_message(decision).endswith(f"threshold {decision.threshold!r}, stop training...")
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

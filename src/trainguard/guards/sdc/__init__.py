@@ -18,7 +18,7 @@ _EXPORTS = {
     "config": ("DEFAULT_SIGMA", "DEFAULT_UPPER", "ENABLE_VARS", "SIGMA_VARS", "UPPER_VARS", "SdcConfig", "parse_pair",
                "sdc_config_from_env"),
     "detectors": ("ABNORMAL", "NOT_CHECKED", "STATISTIC", "Detection", "SdcDetector", "V1Detector", "V3Detector",
-                  "Verdict", "format_detection", "format_values", "severity"),
+                  "SdcLevel", "Severity", "Verdict", "format_detection", "format_values", "severity"),
     "points": ("DetectionPoints", "active_points", "gradient_statistic", "is_norm_module", "peak_share",
                "watch_function", "watch_tensor"),
     "rerun": ("Attribution", "FaultyDeviceError", "RerunAttribution", "StrikeBook", "faulty_ranks_path",

@@ -77,6 +77,7 @@ Checkpointing: ``state_dict()`` holds plain ints, floats, strings, lists and dic
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 from collections.abc import Sequence
@@ -100,7 +101,25 @@ RATIO_WINDOW = 16  # clean values the ratio and peak baselines look back on (the
 PEAK_JUMP = 4.0  # the peak criterion's jump over the recent median, in gradient units (v3: squared)
 
 STATISTIC = {"v1": "l2", "v3": "max_sq"}  # the statistic each rule judges (DetectionPoints(statistic=...))
-LOG_LEVELS = {1: logging.ERROR, 2: logging.WARNING}
+
+
+class SdcLevel(enum.IntEnum):
+    """A value's level, the reference's numbers (in its log lines and in events)."""
+
+    CLEAN = 0  # or suspect (v3)
+    ABNORMAL = 1  # stops the step when guards.sdc.enabled_level >= 2
+    WARNING = 2
+
+
+class Severity(enum.IntEnum):
+    """One rank's detections of a step, ordered so that the ranks agree by all-reducing it with MAX."""
+
+    NOTHING = 0
+    WARNINGS = 1  # level-2 detections only
+    ABNORMAL = 2  # a level-1 detection: stop the step
+
+
+LOG_LEVELS = {SdcLevel.ABNORMAL: logging.ERROR, SdcLevel.WARNING: logging.WARNING}
 ABNORMAL = "accuracy sensitivity feature abnormal"  # the reference's keyword (level 1, ERROR)
 WARNING_TEXT = "accuracy sensitivity feature warning"  # level 2, WARNING
 
@@ -111,7 +130,7 @@ _STATE_VERSION = 1
 class Verdict:
     """One point's judgement of one value."""
 
-    level: int  # 0 clean (or suspect), 1 abnormal, 2 warning
+    level: SdcLevel
     reason: str  # "" | "non-finite" | "upper" | "jump" | "markov" | "ratio" | "suspect" (level 0, v3)
     thresholds: dict[str, float]  # the thresholds of the level reported (level 0: those of level 2 for v1)
     state: dict[str, float]  # the state the value was judged against (v1 adds "jump" once it applies)
@@ -233,30 +252,30 @@ class V1Detector(_RatioBaseline):
         state: dict[str, float] = {"pre_val": self.pre_val, "min_val": self.min_val, "max_val": self.max_val,
                                    "count": self.count}
         if not _finite(value):
-            return Verdict(1, "non-finite", self._thresholds(1), state)
+            return Verdict(SdcLevel.ABNORMAL, "non-finite", self._thresholds(SdcLevel.ABNORMAL), state)
         jump = self.jump(value)
         if jump is not None:
             state["jump"] = jump
-        level, reason = 0, ""
-        for candidate in (1, 2):
+        level, reason = SdcLevel.CLEAN, ""
+        for candidate in (SdcLevel.ABNORMAL, SdcLevel.WARNING):
             if value > self.upper[candidate - 1]:
                 level, reason = candidate, "upper"
             elif jump is not None and jump > self.sigma[candidate - 1]:
                 level, reason = candidate, "jump"
             if level:
                 break
-        thresholds = self._thresholds(level or 2)
-        if level != 1:
+        thresholds = self._thresholds(level or SdcLevel.WARNING)
+        if level is not SdcLevel.ABNORMAL:
             bound = self.ratio_bound(self.count >= self.min_steps)
             if bound is not None:
                 state["ratio_baseline"] = bound[0]
                 if value > bound[1]:
-                    level, reason, thresholds = 1, "ratio", self.ratio_thresholds(bound)
-        if level != 1:
+                    level, reason, thresholds = SdcLevel.ABNORMAL, "ratio", self.ratio_thresholds(bound)
+        if level is not SdcLevel.ABNORMAL:
             peak = self.peak_verdict(value, share, self.count >= self.min_steps, state)
             if peak is not None:
-                level, reason, thresholds = 1, "peak", peak
-        if level != 1:
+                level, reason, thresholds = SdcLevel.ABNORMAL, "peak", peak
+        if level is not SdcLevel.ABNORMAL:
             self._absorb(value)
         return Verdict(level, reason, thresholds, state)
 
@@ -323,29 +342,29 @@ class V3Detector(_RatioBaseline):
         thresholds = {"thr1": bounds[0], "thr2": bounds[1]} if bounds else {}
         thresholds.update(a1=self.a1, a2=self.a2)
         if not _finite(value):
-            return Verdict(1, "non-finite", thresholds, state)
+            return Verdict(SdcLevel.ABNORMAL, "non-finite", thresholds, state)
         if bounds is not None:
             thr1 = bounds[0]
             if value > thr1 and abs(value - self.pre_val) > thr1:
-                return Verdict(1, "markov", thresholds, state)
+                return Verdict(SdcLevel.ABNORMAL, "markov", thresholds, state)
         bound = self.ratio_bound(self.n >= self.min_steps)
         if bound is not None:
             state["ratio_baseline"] = bound[0]
             if value > bound[1]:
-                return Verdict(1, "ratio", {**thresholds, **self.ratio_thresholds(bound)}, state)
+                return Verdict(SdcLevel.ABNORMAL, "ratio", {**thresholds, **self.ratio_thresholds(bound)}, state)
         peak = self.peak_verdict(value, share, self.n >= self.min_steps, state)
         if peak is not None:
-            return Verdict(1, "peak", {**thresholds, **peak}, state)
+            return Verdict(SdcLevel.ABNORMAL, "peak", {**thresholds, **peak}, state)
         if bounds is not None and value > bounds[1]:
             self.pre_val = value
             self.suspect_total += 1
             self.remember(value)
-            return Verdict(0, "suspect", thresholds, state)
+            return Verdict(SdcLevel.CLEAN, "suspect", thresholds, state)
         self.avg = self.beta * self.avg + (1.0 - self.beta) * value
         self.n += 1
         self.pre_val = value
         self.remember(value)
-        return Verdict(0, "", thresholds, state)
+        return Verdict(SdcLevel.CLEAN, "", thresholds, state)
 
     def state_dict(self) -> dict[str, Any]:
         return {"avg": float(self.avg), "n": int(self.n), "pre_val": float(self.pre_val),
@@ -381,7 +400,7 @@ class Detection:
     """A level-1 (abnormal) or level-2 (warning) verdict on one point's value at one step, on this rank."""
 
     point: str
-    level: int
+    level: SdcLevel
     value: float
     thresholds: dict[str, float]
     rule: str
@@ -499,11 +518,12 @@ class SdcDetector:
         self.detections_total = total
 
 
-def severity(detections: Sequence[Detection]) -> int:
-    """The verdict of one rank's detections, ordered so that the trainer can all-reduce it with MAX:
-    0 nothing, 1 warnings only (level 2), 2 an abnormal value (level 1: stop the step)."""
+def severity(detections: Sequence[Detection]) -> Severity:
+    """The verdict of one rank's detections (all-reduced with MAX by the trainer)."""
     levels = {d.level for d in detections}
-    return 2 if 1 in levels else 1 if 2 in levels else 0
+    if SdcLevel.ABNORMAL in levels:
+        return Severity.ABNORMAL
+    return Severity.WARNINGS if SdcLevel.WARNING in levels else Severity.NOTHING
 
 
 # --------------------------------------------------------------------------------------- log lines
@@ -518,7 +538,7 @@ def format_detection(detection: Detection, step: int, rank: int, host: str, devi
     """The log line of a detection: for level 1 (log it at ERROR) it holds the reference's keyword
     ``accuracy sensitivity feature abnormal``; for level 2 (WARNING) ``accuracy sensitivity feature
     warning``. ``device`` is the local device (``"cuda:3"``, ``3``, a ``torch.device``)."""
-    head = ABNORMAL if detection.level == 1 else WARNING_TEXT
+    head = ABNORMAL if detection.level == SdcLevel.ABNORMAL else WARNING_TEXT
     thresholds = ", ".join(f"{key}={_number(value)}" for key, value in detection.thresholds.items())
     state = ", ".join(f"{key}={value}" if isinstance(value, int) else f"{key}={float(value):.6e}"
                       for key, value in detection.state.items())

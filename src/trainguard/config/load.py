@@ -169,6 +169,8 @@ def validate(config: RunConfig, source: str = "<config>") -> None:
     positive("checkpoint.keep_every", config.checkpoint.keep_every)
     positive("checkpoint.local_interval", config.checkpoint.local_interval, allow_zero=True)
     positive("checkpoint.local_keep_last", config.checkpoint.local_keep_last)
+    positive("checkpoint.memory_interval", config.checkpoint.memory_interval, allow_zero=True)
+    positive("checkpoint.memory_keep_last", config.checkpoint.memory_keep_last)
     positive("parallel.ranks_per_node", config.parallel.ranks_per_node)
     validate_mirror_config(config.checkpoint.mirror, source)
     skip, health = config.guards.skip, config.guards.health

@@ -52,7 +52,7 @@ from trainguard.norms import clip_grads_, local_grad_norms
 from trainguard.runtime.heartbeat import node_name
 from trainguard.runtime.lifecycle import EXIT_CODES, NONE, REASON_NAMES, Lifecycle
 from trainguard.step.embedding import EmbeddingNorm
-from trainguard.step.local_tier import build_local_tier, fire_wipe_faults, resolve_ranks_per_node
+from trainguard.step.local_tier import build_local_tier, build_memory_tier, fire_wipe_faults, resolve_ranks_per_node
 from trainguard.step.report import StepReport
 from trainguard.step.rollback import SkippableData, roll_back, skippable_data
 from trainguard.step.sdc import RerunVerdict, SdcGuard
@@ -183,12 +183,18 @@ class Guard:
                                      events=self.events, static_files=static_files)
         else:
             self.faults.check_nodes(None)
+        memory = None
+        if cfg.checkpoint.memory_interval:
+            memory = build_memory_tier(self.run_dir, cfg.checkpoint, mesh_shape=mesh_shape,
+                                       mesh_dim_names=mesh_dim_names, model=model, events=self.events,
+                                       ranks_per_node=resolve_ranks_per_node(cfg.parallel.ranks_per_node,
+                                                                             self.world_size))
         managed: dict[str, Stateful] = {"scheduler": scheduler} if scheduler is not None else {}
         managed.update(self.stateful)
         self.checkpoints = CheckpointManager(
             self.run_dir, model, optimizer, managed, cfg.checkpoint, mesh_shape=mesh_shape,
             mesh_dim_names=mesh_dim_names, static_files=static_files, events=self.events,
-            after_commit=self.faults.after_commit, seed=cfg.train.seed, local=local,
+            after_commit=self.faults.after_commit, seed=cfg.train.seed, local=local, memory=memory,
         )
         attach_mirror(self.checkpoints)
         sdc_config = sdc_config_from_env(cfg.guards.sdc)
@@ -334,6 +340,7 @@ class Guard:
             skipped = self._skip_nonfinite(step, reduced.global_norm)
         if not skipped:
             clip_grads_(self._grads(), cfg.optim.grad_clip, reduced.global_norm)
+            self.checkpoints.wait_for_staging()  # a save's copy ran during this forward and backward
             self.optimizer.step()
             if self.scheduler is not None:
                 self.scheduler.step()

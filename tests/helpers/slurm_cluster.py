@@ -182,6 +182,9 @@ class Cluster:
     # ------------------------------------------------------------------------------------- stop
     def stop(self) -> None:
         self.run("scancel", "--user=root", check=False)
+        deadline = time.time() + CONF_TIMERS["KillWait"] + 30  # let the jobs' processes end first
+        while time.time() < deadline and self.run("squeue", "--noheader", check=False).stdout.strip():
+            time.sleep(1)
         for name in [*(f"slurmd-{node}" for node in NODES), "slurmctld", "munged"]:
             pid = self.pids.pop(name, None)
             if pid is None:

@@ -233,6 +233,8 @@ class Supervisor:
         while True:
             if (why := self._nothing_to_do()) is not None:
                 return self._end_without_ranks(why)
+            if self.stop_signal and not self.incarnations:  # stopped before anything started
+                return self._end_without_ranks(f"received {self.stop_signal}", EXIT_RESUMABLE_STOP)
             inc = self._run_incarnation(number, pending_recovery)
             ended = inc.ended_as()
             decision = self.policy.observe(ended, stop_requested=self.stop_signal is not None)
@@ -531,14 +533,15 @@ class Supervisor:
             self._end_array()
         return code
 
-    def _end_without_ranks(self, why: str) -> int:
-        self.say(f"{why}: starting no ranks, exit 0")
-        self.emit("supervisor_finished", step=None, exit_code=EXIT_OK, outcome="nothing_to_do", reason=why,
+    def _end_without_ranks(self, why: str, code: int = EXIT_OK) -> int:
+        self.say(f"{why}: starting no ranks, exit {code}")
+        outcome = "nothing_to_do" if code == EXIT_OK else Outcome.STOPPED.value
+        self.emit("supervisor_finished", step=None, exit_code=code, outcome=outcome, reason=why,
                   stop_signal=self.stop_signal, array_job=self.array_job,
                   incarnations=[i.row() for i in self.incarnations])
-        if self.array_job:
+        if code == EXIT_OK and self.array_job:
             self._end_array()
-        return EXIT_OK
+        return code
 
     def _end_array(self) -> None:
         """The run is over: the job array's remaining tasks would each take an allocation for nothing."""

@@ -117,3 +117,21 @@ def test_the_supervisors_exit_path_imports_no_torch():
             "classify([1], {0: 16}); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_exit_records_and_an_array_already_finished(tmp_path):
+    from trainguard.events import EventLog
+    from trainguard.runtime.supervisor import finished_in_array, rank_exit_records
+
+    exits, times = rank_exit_records({0: beat(0, "exit", 4, exit_code=16), 1: beat(1, "step", 4)})
+    assert exits == {0: 16} and times == {0: 0.0}
+    assert not finished_in_array(tmp_path, "7")
+    log = EventLog(tmp_path / "events.jsonl", rank=-1, host="h")
+    log.emit("supervisor_finished", exit_code=16, array_job="7")
+    log.emit("supervisor_finished", exit_code=0, array_job="6")
+    log.close()
+    assert not finished_in_array(tmp_path, "7")  # stopped, or finished by another array
+    log = EventLog(tmp_path / "events.jsonl", rank=-1, host="h")
+    log.emit("supervisor_finished", exit_code=0, array_job="7")
+    log.close()
+    assert finished_in_array(tmp_path, "7")

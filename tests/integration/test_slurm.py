@@ -170,9 +170,6 @@ def test_every_scancel_saves_exits_16_and_is_recorded_as_a_stop(slurm, jobs):
         wait_for_step(run, 3, timeout=600)
         slurm.run(*(part.format(job=job) for part in CANCELS[variant]))
     for variant, (run, job) in cancels.items():
-        wait_for_step(run, 3)
-        slurm.run(*(part.format(job=job) for part in CANCELS[variant]))
-    for variant, (run, job) in jobs.items():
         wait_until_done(slurm, f"{job}_1", 180)
         end = finished(run)
         assert end["exit_code"] == 16 and end["outcome"] == "stopped", (variant, end)

@@ -24,4 +24,7 @@ class CheckpointConfig:
     local_interval: int = 0  # steps between local-tier saves (every rank its own files); 0 = off
     local_dir: str | None = None  # template with {node} and {rank}; relative to the run dir; None = local/node{node}
     local_keep_last: int = 2
+    memory_interval: int = 0  # steps between memory-tier saves (the local tier in node memory, lazy copy); 0 = off
+    memory_dir: str | None = None  # template with {run}, {node} and {rank}; None = /dev/shm/trainguard/{run}/node{node}
+    memory_keep_last: int = 2
     mirror: MirrorConfig = field(default_factory=MirrorConfig)

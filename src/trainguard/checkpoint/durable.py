@@ -12,9 +12,11 @@ Protocol (what makes a crash at any instant harmless):
 4. retention deletes old checkpoints by renaming them out of the namespace first; then the commit
    hooks run (the mirror's upload queue, fault drills).
 At most one save is in flight: a new save first waits for the previous commit. An async save copies
-the state into staging buffers reused from save to save (``ReusableStager``), so it blocks only for
-that copy; writing, gathering and committing run in one background thread, the only user of the
-checkpoint's own process group.
+the state into staging buffers reused from save to save (``ReusableStager``) in the background, while
+the next forward and backward run (``LazySnapshot``): ``save`` returns before the copy, and the next
+optimizer step waits for what is left of it (``wait_for_staging``, also a step pre-hook on the
+optimizer); writing, gathering and committing then run in the same background thread, the only user of
+the checkpoint's own process group.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ from trainguard.checkpoint.hooks import CommitHook
 from trainguard.checkpoint.manifest import build_manifest, read_manifest
 from trainguard.checkpoint.retention import retention_after_commit
 from trainguard.checkpoint.safe_load import load_dcp_metadata, safe_torch_load
-from trainguard.checkpoint.staging import ReusableStager
+from trainguard.checkpoint.snapshot import LazySnapshot, StagingGate
+from trainguard.checkpoint.state_capture import CaptureCache
 from trainguard.checkpoint.state_dict import STATE_DICT_OPTIONS, training_state
 from trainguard.errors import CheckpointError
 from trainguard.events import EventLog
@@ -122,7 +125,9 @@ class DurableCheckpointer:
         self.protected = protected  # steps retention must keep for now (e.g. waiting for their mirror upload)
         self._inflight: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._stager: ReusableStager | None = None
+        self.capture = CaptureCache(training_state)
+        """The staging plan of async saves, with its reused buffers (``capture.stager``)."""
+        self._gate = StagingGate()
 
     def save(
         self,
@@ -151,24 +156,33 @@ class DurableCheckpointer:
                       extra.getvalue(), health)
         if self.rank == 0:
             write_static_files(tmp)
-        state = training_state(model, optimizer)
         if self.async_save:
-            if self._stager is None:
-                self._stager = ReusableStager()
-            # The previous save's write is over (wait() above), so its buffers may be overwritten.
-            state = self._stager.stage(state)
+            # The previous save's write is over (wait() above), so its buffers may be overwritten. The
+            # copy into them is made in the background, until the next optimizer step (wait_for_staging).
+            capture = self.capture.take(model, optimizer)
+            plan = capture.plan
+            snapshot = LazySnapshot(plan.copies, capture.lazy)
+            self._gate.hold(snapshot, optimizer)
             blocked = time.perf_counter() - started
-            self._inflight = threading.Thread(target=self._finish_guarded, args=(state, job), daemon=True)
+            self._inflight = threading.Thread(target=self._finish_guarded, args=(snapshot, plan.staged, job),
+                                              daemon=True)
             self._inflight.start()
         else:
-            self._finish(state, job)
+            self._finish(training_state(model, optimizer), job)
             blocked = time.perf_counter() - started
         if self.rank == 0:
             self.events.emit("checkpoint_saved", step=step, blocked_s=blocked, async_save=self.async_save)
         return blocked
 
+    def wait_for_staging(self) -> float:
+        """Blocks until the live parameters and optimizer state may change again (the copy of the save
+        in flight is made; this thread helps with what is left); returns the seconds it blocked.
+        ``optimizer.step()`` calls it by itself (a step pre-hook), and ``wait()`` does."""
+        return self._gate.wait()
+
     def wait(self) -> None:
         """Blocks until the in-flight save is committed; re-raises its failure."""
+        self.wait_for_staging()
         if self._inflight is not None:
             self._inflight.join()
             self._inflight = None
@@ -176,9 +190,10 @@ class DurableCheckpointer:
             error, self._error = self._error, None
             raise error
 
-    def _finish_guarded(self, *args: Any) -> None:
+    def _finish_guarded(self, snapshot: LazySnapshot, state: dict[str, Any], job: SaveJob) -> None:
         try:
-            self._finish(*args)
+            snapshot.copied()
+            self._finish(state, job)
         except BaseException as exc:  # surfaced by the next wait()
             self._error = exc
 

@@ -29,6 +29,7 @@ from trainguard.checkpoint.hooks import CheckpointMirror, CommitHook, ResumeSour
 from trainguard.fs.fsio import clean_stale, remove_directory_crash_safe
 from trainguard.checkpoint.local.tier import LocalTier
 from trainguard.checkpoint.manifest import read_manifest
+from trainguard.checkpoint.memory_tier import MemoryTier
 from trainguard.checkpoint.resume import choose_resume_checkpoint
 from trainguard.checkpoint.save_policy import SaveDecision, decide_save
 from trainguard.errors import NoCheckpointError
@@ -83,6 +84,7 @@ class CheckpointManager:
         after_commit: Callable[[int, Path], None] | None = None,
         seed: int = 0,
         local: LocalTier | None = None,
+        memory: MemoryTier | None = None,
     ):
         """``config`` (the ``checkpoint`` section) holds the policy; without one, periodic saves are off.
         ``save_interval`` ... ``mirror`` given as keywords replace the config's fields of that name."""
@@ -101,6 +103,7 @@ class CheckpointManager:
         self.accept = accept
         self.seed = seed
         self.local = local
+        self.memory = memory
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.events = events or EventLog(self.run_dir / "events.jsonl", rank=self.rank, host=socket.gethostname())
@@ -135,6 +138,7 @@ class CheckpointManager:
         self.last_saved_step: int | None = None
         """The step the durable tier last saved (or the run resumed from)."""
         self.last_local_step: int | None = None
+        self.last_memory_step: int | None = None
         self.resumed_from: str | None = None
         """The checkpoint ``resume()`` restored, None when the run started fresh."""
 
@@ -151,19 +155,20 @@ class CheckpointManager:
             except Exception as exc:  # every rank must learn of it, or the others wait in broadcast for ever
                 error = exc
         path, error = _broadcast((path, error))
-        if self.local is not None and self.resume_mode == "auto":
-            # the newest state recoverable from either tier (also when no durable one is usable); at the
-            # same step the local one (no shared storage)
+        if self.resume_mode == "auto":
+            # the newest state recoverable from any tier (also when no durable one is usable); at the
+            # same step a per-rank one (no shared storage); the memory tier first, as it saves most often
             durable_step = read_manifest(Path(path)).step if path is not None else None
-            recovered = self.local.recover(self.model, self.optimizer, newer_than=(
-                durable_step - 1 if durable_step is not None else None))
-            if recovered is not None:
-                return self._resume_from_local(*recovered)
+            for tier in self._rank_tiers():
+                recovered = tier.recover(self.model, self.optimizer, newer_than=(
+                    durable_step - 1 if durable_step is not None else None))
+                if recovered is not None:
+                    return self._resume_from_local(*recovered, tier=tier)
         if error is not None:
             raise error
         if path is None:
-            if self.local is not None:
-                self.local.discard_newer(0)
+            for tier in self._rank_tiers():
+                tier.discard_newer(0)
             if self.rank == 0:
                 self.events.emit("run_started", step=0, resumed_from=None)
             return 0
@@ -186,8 +191,8 @@ class CheckpointManager:
             if name in extra["stateful"]:
                 obj.load_state_dict(extra["stateful"][name])
         step = int(extra["step"])
-        if self.local is not None:
-            self.local.discard_newer(step)
+        for tier in self._rank_tiers():
+            tier.discard_newer(step)
         if "rng" not in extra:
             pass  # converted from Hugging Face weights (trainguard.hf.convert): the fresh seeds stand
         elif manifest.world_size == self.world_size:
@@ -198,17 +203,23 @@ class CheckpointManager:
             seed_everything(self.seed * 1000 + self.rank + step)
         return step
 
-    def _resume_from_local(self, step: int, extra: dict[str, Any]) -> int:
+    def _rank_tiers(self) -> list[LocalTier | MemoryTier]:
+        """The per-rank tiers, newest first: the memory tier, then the local tier."""
+        return [tier for tier in (self.memory, self.local) if tier is not None]
+
+    def _resume_from_local(self, step: int, extra: dict[str, Any], tier: LocalTier | MemoryTier) -> int:
         for name, obj in self.stateful.items():
             if name in extra["stateful"]:
                 obj.load_state_dict(extra["stateful"][name])
         restore_rng_state(extra["rng"])
-        self.local.discard_newer(step)
-        self.last_local_step = step
-        log.info("resumed from the local tier at step %d (%s)", step, self.local.dir)
+        for other in self._rank_tiers():
+            other.discard_newer(step)
+        self.last_local_step = self.last_memory_step = step
+        name = "memory" if tier is self.memory else "local"
+        log.info("resumed from the %s tier at step %d (%s)", name, step, tier.dir)
         if self.rank == 0:
-            self.events.emit("run_started", step=step, resumed_from=str(self.local.dir / f"global_step_{step}"),
-                             tier="local")
+            self.events.emit("run_started", step=step, resumed_from=str(tier.dir / f"global_step_{step}"),
+                             tier=name)
         self.last_saved_step = step
         return step
 
@@ -218,6 +229,13 @@ class CheckpointManager:
         assert self.local is not None
         self.local.save(step, self.model, self.optimizer, self._extra_state(step))
         self.last_local_step = step
+
+    def save_memory(self, step: int) -> None:
+        """Starts this rank's memory-tier save of ``step``; returns before the state is copied (the
+        next optimizer step waits for the copy, as after an async durable save)."""
+        assert self.memory is not None
+        self.memory.save(step, self.model, self.optimizer, self._extra_state(step))
+        self.last_memory_step = step
 
     def _extra_state(self, step: int) -> dict[str, Any]:
         return {
@@ -234,7 +252,9 @@ class CheckpointManager:
         return decide_save(step, save_interval=self.config.save_interval,
                            local_interval=self.local.interval if self.local is not None else 0,
                            last_step=last_step, stopping=stopping, unhealthy=unhealthy,
-                           durable_saved=self.last_saved_step, local_saved=self.last_local_step)
+                           durable_saved=self.last_saved_step, local_saved=self.last_local_step,
+                           memory_interval=self.memory.interval if self.memory is not None else 0,
+                           memory_saved=self.last_memory_step)
 
     def save(self, step: int, trainer_state: dict[str, Any] | None = None,
              health: Health | Callable[[], Health | None] | None = None, *,
@@ -246,7 +266,7 @@ class CheckpointManager:
         the process stops after this step and the run goes on later (always saved, durable tier only).
         ``health`` (``{"is_health": 0|1, ...}``, 1 = unhealthy, or a function returning it, called
         once and only when a tier saves) goes into the manifest and ``health_ckpts.json``; ``auto``
-        resume never picks an unhealthy checkpoint, and the local tier never saves one.
+        resume never picks an unhealthy checkpoint, and the local and memory tiers never save one.
         """
         decision = self.due(step, last_step=last_step, stopping=stopping)
         if not decision:
@@ -259,6 +279,8 @@ class CheckpointManager:
             blocked = self.save_durable(step, trainer_state, record)
         if decision.local:
             self.save_local(step)
+        if decision.memory:
+            self.save_memory(step)
         return blocked
 
     def save_durable(self, step: int, trainer_state: dict[str, Any] | None = None,
@@ -272,6 +294,13 @@ class CheckpointManager:
         log.info("checkpoint global_step_%d staged (blocked %.0fms)", step, blocked * 1000)
         return blocked
 
+    def wait_for_staging(self) -> float:
+        """Blocks until the state of the saves in flight is copied (an async save, and a memory-tier
+        save, copy it while the next forward and backward run); returns the seconds blocked. Call it
+        before anything changes parameters or optimizer state in place; ``optimizer.step()`` calls it
+        by itself (a step pre-hook)."""
+        return self.durable.wait_for_staging() + (self.memory.wait_for_staging() if self.memory is not None else 0.0)
+
     def close(self) -> None:
         """Waits until the last save is committed on every rank, then drains the mirror's queue."""
         self._wait_for_saves()
@@ -281,8 +310,8 @@ class CheckpointManager:
 
     def _wait_for_saves(self) -> None:
         self.durable.wait()
-        if self.local is not None:
-            self.local.wait()
+        for tier in self._rank_tiers():
+            tier.wait()
         if dist.is_initialized():
             dist.barrier()
 
@@ -319,7 +348,7 @@ class CheckpointManager:
             return None
         step = self._load_durable(Path(path))
         self.last_saved_step = step
-        self.last_local_step = None  # the local steps after it are gone; the next saves are newer
+        self.last_local_step = self.last_memory_step = None  # their steps after it are gone; the next saves are newer
         return step
 
     def _abandon_after(self, step: int) -> None:

@@ -169,6 +169,8 @@ def validate(config: RunConfig, source: str = "<config>") -> None:
     positive("checkpoint.keep_every", config.checkpoint.keep_every)
     positive("checkpoint.local_interval", config.checkpoint.local_interval, allow_zero=True)
     positive("checkpoint.local_keep_last", config.checkpoint.local_keep_last)
+    positive("checkpoint.memory_interval", config.checkpoint.memory_interval, allow_zero=True)
+    positive("checkpoint.memory_keep_last", config.checkpoint.memory_keep_last)
     positive("parallel.ranks_per_node", config.parallel.ranks_per_node)
     validate_mirror_config(config.checkpoint.mirror, source)
     skip, health = config.guards.skip, config.guards.health
@@ -183,10 +185,12 @@ def validate(config: RunConfig, source: str = "<config>") -> None:
     positive("guards.skip.window", skip.window)
     positive("guards.skip.z_threshold", skip.z_threshold)
     positive("guards.skip.warmup", skip.warmup, allow_zero=True)
+    positive("guards.skip.regime_steps", skip.regime_steps, allow_zero=True)
     if skip.mode not in ("absolute", "adaptive"):
         raise ConfigError(f"{source}: config key 'guards.skip.mode' must be 'absolute' or 'adaptive', got {skip.mode!r}")
     positive("guards.health.embedding_threshold (embedding_local_norm_threshold)", health.embedding_threshold)
     config.guards.sdc.validate()
+    config.guards.fingerprint.validate()
     config.lifecycle.validate(source)
     sdc_config_from_env(config.guards.sdc)
     pp = config.parallel.pp or 1

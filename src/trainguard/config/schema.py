@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from trainguard.checkpoint.config import CheckpointConfig
+from trainguard.guards.fingerprint import FingerprintConfig
 from trainguard.guards.health import HealthConfig
 from trainguard.guards.rollback import RollbackConfig
 from trainguard.guards.sdc.config import SdcConfig
@@ -60,6 +61,7 @@ class GuardsConfig:
     skip: SkipConfig = field(default_factory=SkipConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     sdc: SdcConfig = field(default_factory=SdcConfig)
+    fingerprint: FingerprintConfig = field(default_factory=FingerprintConfig)  # replica state comparison
     monitor: bool = False  # log and record the embedding's local gradient norm every step
     local_norm: bool = False  # compute per-parameter local norms (the reference's runner_wrapper.local_norm)
     check_for_global_norm: bool = False  # rollback on spikes instead of skipping (guards.rollback)

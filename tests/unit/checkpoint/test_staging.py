@@ -196,7 +196,7 @@ def _two_rank_async_save(rank: int, world: int, store_path: str, root: str, resu
         for step in (1, 2):
             before = snapshot()
             checkpointer.save(step, model, optimizer, {"step": step}, {"step": step}, lambda d: None)
-            pointers.append([t.data_ptr() for t in _flat_tensors(checkpointer._stager._buffers).values()])
+            pointers.append([t.data_ptr() for t in _flat_tensors(checkpointer.capture.stager._buffers).values()])
             train_step()  # mutates every parameter and optimizer state in place while the save writes
             with torch.no_grad():
                 for param in model.parameters():
@@ -213,7 +213,7 @@ def _two_rank_async_save(rank: int, world: int, store_path: str, root: str, resu
                 names = {entry.path for entry in read_manifest(ckpt).files}
                 assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= names
                 assert {f"extra_state_world_size_2_rank_{r}.pt" for r in range(world)} <= names
-        assert checkpointer._stager.allocations == 1
+        assert checkpointer.capture.stager.allocations == 1
         assert pointers[0] == pointers[1]
         dist.barrier()
         dist.destroy_process_group()

@@ -12,18 +12,29 @@ from torch.distributed.tensor import DTensor
 from trainguard.checkpoint.state_dict import STATE_DICT_OPTIONS
 
 
-def _plain(value: Any) -> Any:
+def _local(value: Any) -> Any:
     if isinstance(value, DTensor):
         value = value.to_local()
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu").contiguous()
-    return value
+    return value.detach() if isinstance(value, torch.Tensor) else value
+
+
+def _plain(value: Any) -> Any:
+    value = _local(value)
+    return value.to("cpu").contiguous() if isinstance(value, torch.Tensor) else value
+
+
+def local_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``local_state`` with each tensor where it lives (the rank's shard, not copied): what the memory
+    tier stages, in the background, into CPU buffers."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
+    return {k: _local(v) for k, v in model_sd.items()}, {k: _local(v) for k, v in optim_sd.items()}
 
 
 def local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(model, optimizer)`` state of this rank: ``{fqn: local tensor}`` and the optimizer state
-    flattened with the durable tier's keys (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``)."""
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
+    flattened with the durable tier's keys (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``), as
+    plain contiguous CPU tensors."""
+    model_sd, optim_sd = local_tensors(model, optimizer)
     return {k: _plain(v) for k, v in model_sd.items()}, {k: _plain(v) for k, v in optim_sd.items()}
 
 

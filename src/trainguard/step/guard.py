@@ -317,10 +317,10 @@ class Guard:
         snapshot = StepSnapshot.take(self.stateful) if self.sdc is not None else None
         loss = self._forward_backward(closure, step)
         detected = self.sdc.check(step) if self.sdc is not None else False
-        reduced = self._reduce(loss, {Slot.SDC_STOP: detected})
+        reduced = self._reduce(loss, {Slot.SDC_STOP: detected, Slot.SDC_LOCAL: detected and self.sdc.detected_locally})
         skipped = False
         if reduced.count(Slot.SDC_STOP) and self.sdc.config.recover:
-            reduced, skipped = self._rerun(step, closure, snapshot, loss)
+            reduced, skipped = self._rerun(step, closure, snapshot, loss, alone=reduced.count(Slot.SDC_LOCAL) == 1)
         if cfg.guards.local_norm:
             self.events.emit("local_norm", step=step, norms=local_grad_norms(self.model.named_parameters()))
         lr = self._lr()
@@ -382,15 +382,17 @@ class Guard:
             share = torch.as_tensor(loss, dtype=torch.float64, device=self.device).detach() / self.ranks_per_stage
         return reduce_step(self._grads(), local_slots(self.device, share, flags), self.ranks_per_stage)
 
-    def _rerun(self, step: int, closure: Callable[[], Any], snapshot: StepSnapshot, loss: Any) -> tuple[Reduced, bool]:
+    def _rerun(self, step: int, closure: Callable[[], Any], snapshot: StepSnapshot, loss: Any,
+               alone: bool) -> tuple[Reduced, bool]:
         """Reruns the closure after a level-1 SDC detection somewhere (unless ``guards.sdc.rerun`` is off,
-        when the step is skipped unverified); returns (the reduced scalars, skip). A device that has
-        become faulty ends the run on every rank with exit 17."""
+        when the step is skipped unverified); returns (the reduced scalars, skip). ``alone``: one rank only
+        saw a level-1 value at a point it computed alone. A device that has become faulty ends the run on every rank
+        with exit 17."""
         reran = self.sdc.config.rerun
         if reran:
             snapshot.restore(self.stateful)
             loss = self._forward_backward(closure, step)
-        verdict = self.sdc.attribute(step, reran)
+        verdict = self.sdc.attribute(step, reran, alone=alone)
         reduced = self._reduce(loss, {slot: verdict == kind for kind, slot in VERDICT_SLOTS.items()})
         strongest = max((kind for kind, slot in VERDICT_SLOTS.items() if reduced.count(slot)),
                         default=RerunVerdict.NONE)

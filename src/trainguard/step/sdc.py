@@ -127,9 +127,16 @@ class SdcGuard:
                              device=self.device_label)
         return any(d.level == SdcLevel.ABNORMAL for d in self.detections)
 
-    def attribute(self, step: int, reran: bool) -> RerunVerdict:
+    @property
+    def detected_locally(self) -> bool:
+        """This pass saw a level-1 value at a point this rank computed alone (not a reduced gradient,
+        which carries every rank's contribution)."""
+        return any(d.level == SdcLevel.ABNORMAL and not d.point.startswith(GRADIENT_PREFIX) for d in self.detections)
+
+    def attribute(self, step: int, reran: bool, alone: bool = False) -> RerunVerdict:
         """After the rerun (or, with ``rerun: false``, instead of it): this rank's verdict, NONE when it
-        detected nothing at level 1. A transient fault counts only if the rerun is clean."""
+        detected nothing at level 1. A transient fault counts only if the rerun is clean. ``alone``: no
+        other rank saw a level-1 value at a point of its own at this step."""
         level_one = [d.point for d in self.detections if d.level == SdcLevel.ABNORMAL]
         if not level_one:
             return RerunVerdict.NONE
@@ -143,7 +150,7 @@ class SdcGuard:
         # a reduced parameter gradient carries every rank's contribution: a fault there may be another
         # rank's, so only the points this rank computed alone can strike it
         local = any(not p.startswith(GRADIENT_PREFIX) for p in level_one)
-        attribution = self.attribution.on_detection(step, self.rank, first, rerun, local=local)
+        attribution = self.attribution.on_detection(step, self.rank, first, rerun, local=local, alone=alone)
         still_abnormal = []
         if attribution.kind == "transient":
             # the detected points' first values never entered their state; the clean rerun's do, as

@@ -26,6 +26,7 @@ class Slot(IntEnum):
     SDC_TRANSIENT = 2  # after a rerun: ranks whose fault was transient (the rerun is used)
     SDC_REPRODUCIBLE = 3  # after a rerun: ranks whose detection came back (the step is skipped)
     SDC_FAULTY = 4  # after a rerun: ranks whose device reached its strike limit (exit 17)
+    SDC_LOCAL = 5  # ranks with a level-1 value at a point they computed alone (not a reduced gradient)
 
 
 SLOTS = len(Slot)

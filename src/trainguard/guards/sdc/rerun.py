@@ -7,9 +7,11 @@ and collects the detection points again. At the detected points:
   strike is recorded; the step goes on with the rerun's gradients (provided the rerun is itself clean:
   pass its values to ``SdcDetector.detect``, which also absorbs them; if it detects again, skip);
 - they are identical: the data or the math produced the value, or a **persistent** fault does. The
-  step is handled as a data skip, and a strike is recorded too (a persistent fault looks exactly
-  like this, so it must add up);
-- no rerun (``rerun: false``): **unverified**, handled as a data skip, with a strike.
+  step is handled as a data skip. It is a strike only when this rank alone saw it at a point of its
+  own (not a reduced gradient) at this step: bad data does not follow one rank from step to step, a
+  broken device does, so ``strikes`` such steps exclude it while a single one (a NaN from one bad
+  batch) does not;
+- no rerun (``rerun: false``): **unverified**, handled as a data skip, no strike.
 
 Strikes are counted per device (host, local device): ``strikes`` of them within
 ``strike_window_hours`` mark the device faulty, for good. The trainer then writes
@@ -232,12 +234,14 @@ class RerunAttribution:
         self.device = device
 
     def on_detection(self, step: int, rank: int, first_values: Values, rerun_values: Values | None,
-                     now: float | None = None, local: bool = True) -> Attribution:
+                     now: float | None = None, local: bool = True, alone: bool = False) -> Attribution:
         """``first_values``: the detected points' values of the first pass (``{point: value}``, or a
         list compared position by position); ``rerun_values``: the rerun's values of (at least) those
         points, or None when there was no rerun. Records a strike for a transient fault seen at a
         ``local`` point (one whose value this rank computed alone: not a gradient already reduced
-        over the ranks, which carries any rank's fault) and returns the attribution."""
+        over the ranks, which carries any rank's fault), or for a reproducible one seen at such a
+        point by this rank ``alone`` (every other rank, with other data, was clean), and returns the
+        attribution."""
         first = _as_mapping(first_values)
         points = tuple(first)
         if rerun_values is None:
@@ -250,9 +254,12 @@ class RerunAttribution:
         evidence: dict[str, Any] = {"kind": kind, "points": list(points), "first_values": first}
         if rerun is not None:
             evidence["rerun_values"] = {p: rerun[p] for p in points if p in rerun}
-        # a strike is evidence against the hardware: only a rerun that differs is. A reproducible value
-        # (NaN/Inf included) is the data's or the math's, and no rerun proves nothing
-        struck = kind in STRIKING_KINDS and local
+        # a strike is evidence against the hardware: a rerun that differs is. A reproducible value is
+        # the data's or the math's, unless this rank alone produces it at a point of its own: bad data
+        # does not follow one rank from step to step (each step's batches differ), a broken device does,
+        # so ``strikes`` such steps exclude it, while a single one does not. No rerun proves nothing
+        persistent = kind == "reproducible" and alone
+        struck = (kind in STRIKING_KINDS or persistent) and local
         if struck:
             faulty = self.strike_book.record(rank, self.host, self.device, step, evidence, now)
         else:
@@ -260,7 +267,8 @@ class RerunAttribution:
         strikes = self.strike_book.count(self.host, self.device, now)
         what = {
             "transient": "rerun differs: transient fault on this rank, the rerun's gradients are used",
-            "reproducible": "rerun identical: the data or the math produced it, the step is skipped",
+            "reproducible": ("rerun identical on this rank alone: a persistent fault or the data, the step is skipped"
+                             if persistent else "rerun identical: the data or the math produced it, the step is skipped"),
             "unverified": "no rerun: the step is skipped",
         }[kind]
         tally = (f"strike {strikes} of {self.strike_book.strikes} within {self.strike_book.window_hours:g} h"

@@ -48,7 +48,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from trainguard.checkpoint.checksum import CHECKSUM_ALGORITHM
-from trainguard.checkpoint.discovery import write_latest
+from trainguard.checkpoint.discovery import list_checkpoints, write_latest
+from trainguard.checkpoint.disk_full import disk_full_error, is_disk_full
 from trainguard.fs.fsio import (
     SYNC_FILE_RANGE_WRITE,
     commit_directory,
@@ -417,7 +418,7 @@ class DurableCheckpointer:
             self._inflight = threading.Thread(target=self._finish_guarded, args=(state, job), daemon=True)
             self._inflight.start()
         else:
-            self._finish(state, job)
+            self._finish_or_say_full(state, job)
             blocked = time.perf_counter() - started
         if self.rank == 0:
             self.events.emit("checkpoint_saved", step=step, blocked_s=blocked, async_save=self.async_save)
@@ -434,9 +435,19 @@ class DurableCheckpointer:
 
     def _finish_guarded(self, *args: Any) -> None:
         try:
-            self._finish(*args)
+            self._finish_or_say_full(*args)
         except BaseException as exc:  # surfaced by the next wait()
             self._error = exc
+
+    def _finish_or_say_full(self, state: dict[str, Any], job: _SaveJob) -> None:
+        try:
+            self._finish(state, job)
+        except Exception as exc:
+            if not is_disk_full(exc):
+                raise
+            previous = [info for info in list_checkpoints(self.root) if info.committed]
+            needed = previous[-1].manifest.total_size if previous and previous[-1].manifest else None
+            raise disk_full_error(self.root, job.step, needed) from None
 
     def _write_files(self, state: dict[str, Any], job: _SaveJob) -> tuple[dict[str, FileEntry], BaseException | None]:
         """Writes this rank's files; returns their manifest entries and a local failure, if any.

@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
             trainer.guard.lifecycle.beat("exit", trainer.guard.global_step, getattr(exc, "exit_code", 1))
             raise
     except TrainguardError as exc:
-        print(f"trainguard: error: [rank {rank}] {exc}", file=sys.stderr, flush=True)
+        if rank == 0 or not exc.every_rank_raises:
+            print(f"trainguard: error: [rank {rank}] {exc}", file=sys.stderr, flush=True)
         code = exc.exit_code
     if dist.is_initialized():
         dist.destroy_process_group()

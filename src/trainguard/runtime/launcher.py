@@ -9,6 +9,7 @@ has imported the trainer, so each rank does not pay seconds of imports again (CU
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import time
@@ -34,6 +35,9 @@ def exit_code_of(failure_codes: list[int]) -> int:
 
 def launch_local(nproc: int, worker_args: list[str], run_dir: Path) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # A rank that exits non-zero has said why in one line; the agent's traceback of its own poll loop
+    # ("ProcessExitedException") repeats nothing useful. The exit codes reach the supervisor below.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     import torch
 
     from trainguard.trainer.entry import run_worker

@@ -4,10 +4,14 @@ checkpoint needs and what is free, instead of the writer's traceback."""
 from __future__ import annotations
 
 import errno
+import os
 import shutil
 from pathlib import Path
+from typing import Any
 
-from trainguard.errors import CheckpointError
+import torch
+
+from trainguard.errors import CheckpointError, raised_by_every_rank
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
@@ -24,12 +28,29 @@ def is_disk_full(exc: BaseException) -> bool:
         seen.add(id(current))
         if isinstance(current, OSError) and current.errno in _FULL:
             return True
+        # Another rank's failure arrives as text (gathered by rank 0): "OSError(28, 'No space left...')".
+        # (DCP's exception of all ranks quotes their tracebacks: "[Errno 28] No space left on device".)
+        if any(marker in str(current) for code in _FULL for marker in (f"({code}, '{os.strerror(code)}", f"[Errno {code}]")):
+            return True
         pending += [current.__cause__, current.__context__]
         failures = getattr(current, "failures", None)  # torch.distributed.checkpoint's CheckpointException
-        if isinstance(failures, dict):
-            pending += [failure for failure in failures.values() if isinstance(failure, BaseException)]
+        if isinstance(failures, dict):  # rank -> exception, or (exception, traceback summary)
+            for failure in failures.values():
+                pending += [item for item in (failure if isinstance(failure, tuple) else (failure,))
+                            if isinstance(item, BaseException)]
         pending += [arg for arg in getattr(current, "args", ()) if isinstance(arg, BaseException)]
     return False
+
+
+def tensor_bytes(state: Any) -> int:
+    """Bytes of the tensors in a nested state dict (what a save of it writes, give or take headers)."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(tensor_bytes(value) for value in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(tensor_bytes(value) for value in state)
+    return 0
 
 
 def disk_full_error(directory: Path, step: int, needed_bytes: int | None) -> CheckpointError:
@@ -38,7 +59,7 @@ def disk_full_error(directory: Path, step: int, needed_bytes: int | None) -> Che
     except OSError:
         free = "free space unknown"
     need = f"needs about {needed_bytes:,} bytes" if needed_bytes else "needs more space"
-    return CheckpointError(
+    return raised_by_every_rank(CheckpointError(
         f"{directory}: file system full: the checkpoint of step {step} {need}, {free}; "
         "free space (or lower checkpoint.keep_last) and resume"
-    )
+    ))

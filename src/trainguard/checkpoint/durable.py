@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from trainguard.checkpoint.checksum import CHECKSUM_ALGORITHM
 from trainguard.checkpoint.discovery import list_checkpoints, write_latest
-from trainguard.checkpoint.disk_full import disk_full_error, is_disk_full
+from trainguard.checkpoint.disk_full import disk_full_error, is_disk_full, tensor_bytes
 from trainguard.fs.fsio import (
     SYNC_FILE_RANGE_WRITE,
     commit_directory,
@@ -442,11 +442,13 @@ class DurableCheckpointer:
     def _finish_or_say_full(self, state: dict[str, Any], job: _SaveJob) -> None:
         try:
             self._finish(state, job)
-        except Exception as exc:
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
             if not is_disk_full(exc):
                 raise
             previous = [info for info in list_checkpoints(self.root) if info.committed]
-            needed = previous[-1].manifest.total_size if previous and previous[-1].manifest else None
+            # the previous checkpoint's size, else this rank's share of tensors times the ranks
+            needed = previous[-1].manifest.total_size if previous and previous[-1].manifest else \
+                tensor_bytes(state) * self.world_size
             raise disk_full_error(self.root, job.step, needed) from None
 
     def _write_files(self, state: dict[str, Any], job: _SaveJob) -> tuple[dict[str, FileEntry], BaseException | None]:

@@ -55,8 +55,10 @@ def run_backup(args: argparse.Namespace) -> int:
     failed = 0
     for info in checkpoints:
         if not info.committed:
-            _warn(f"skipping {info.path}: {info.error}")
-            continue
+            if args.step is None:
+                _warn(f"skipping {info.path}: {info.error}")
+                continue
+            raise CheckpointError(f"{info.path}: {info.error}; not backed up")
         try:
             result = _backup_one(info.path, root, mirror, throttle, args)
         except MirrorError:

@@ -8,6 +8,7 @@ has imported the trainer, so each rank does not pay seconds of imports again (CU
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -71,7 +72,8 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path) -> int:
     try:
         elastic_launch(config, entrypoint=run_worker)(worker_args)
     except ChildFailedError as exc:
-        _write_agent_report(exc)
+        with contextlib.suppress(OSError):  # on a full disk the ranks' exit codes still count
+            _write_agent_report(exc)
         return exit_code_of([failure.exitcode for failure in exc.failures.values()])
     return 0
 

@@ -8,9 +8,9 @@ demo: bootstrap
 	.venv/bin/trainguard demo
 
 test:
-	@bash scripts/bootstrap.sh --with-browser
+	@bash scripts/bootstrap.sh --with-browser --with-slurm
 	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q
 
 test-slow:
-	@bash scripts/bootstrap.sh --with-browser
+	@bash scripts/bootstrap.sh --with-browser --with-slurm
 	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -m slow

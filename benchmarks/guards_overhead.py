@@ -208,7 +208,7 @@ def time_pieces(trainer, guard, skip_cfg, last_norm: float, embedding_max: float
     import torch
     import torch.distributed as dist
 
-    from trainguard.guards.skip import DataSkipGuard
+    from trainguard.guards.skip import DataSkipGuard, reference_log_lines
 
     pieces: dict[str, float] = {}
     loss = torch.zeros((), dtype=torch.float64, device=trainer.device)
@@ -226,7 +226,7 @@ def time_pieces(trainer, guard, skip_cfg, last_norm: float, embedding_max: float
     def decide_and_log():
         step_box[0] += 1
         decision = fresh.decide(step_box[0], last_norm, opt_global_step=step_box[0] - 1)
-        for line in decision.log_lines:
+        for line in reference_log_lines(decision):
             trainer.log.info(line)
 
     pieces["skip decide + log lines"] = time_calls(decide_and_log, calls)

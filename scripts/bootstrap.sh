@@ -17,9 +17,20 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
     touch "$stamp"
 fi
-# The report test renders report.html in headless Chromium (Debian's chromium package): tests only.
-if [ "${1:-}" = "--with-browser" ] && ! command -v chromium >/dev/null 2>&1; then
+# Test-only system packages: headless Chromium renders report.html (--with-browser); a real Slurm
+# (Debian's slurmctld, slurmd, slurm-client and munge; tests/integration/test_slurm.py starts its own
+# daemons from a generated slurm.conf, nothing is configured system-wide) (--with-slurm).
+packages=()
+for flag in "$@"; do
+    case "$flag" in
+        --with-browser) command -v chromium >/dev/null 2>&1 || packages+=(chromium) ;;
+        --with-slurm) [ -x /usr/sbin/slurmctld ] && [ -x /usr/sbin/slurmd ] && [ -x /usr/sbin/munged ] \
+                          && command -v srun >/dev/null 2>&1 || packages+=(slurmctld slurmd slurm-client munge) ;;
+        *) echo "bootstrap.sh: unknown option $flag" >&2; exit 2 ;;
+    esac
+done
+if [ "${#packages[@]}" -gt 0 ]; then
     SUDO=$([ "$(id -u)" -eq 0 ] && echo "" || echo sudo)
     $SUDO apt-get update -qq
-    $SUDO apt-get install -y -qq --no-install-recommends chromium
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${packages[@]}"
 fi

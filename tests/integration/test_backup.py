@@ -363,6 +363,7 @@ ROLLBACK = ["--set", "guards.check_for_global_norm=true", "--set", "guards.skip.
 def _tiny_manager(run_dir: Path, target: str):
     import torch
 
+    from trainguard.backup.attach import attach_mirror
     from trainguard.backup.config import MirrorConfig
     from trainguard.checkpoint.manager import CheckpointManager
 
@@ -371,6 +372,7 @@ def _tiny_manager(run_dir: Path, target: str):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     manager = CheckpointManager(run_dir, model, optimizer, async_save=False, keep_last=10,
                                 mirror=MirrorConfig(url=target))
+    attach_mirror(manager)
     return manager, model
 
 

@@ -1,18 +1,9 @@
-"""The ``checkpoint.mirror`` section: where and how often committed checkpoints are backed up."""
+"""Checks of the ``checkpoint.mirror`` section (``MirrorConfig``, in ``checkpoint.config``): ranges, and a client
+for the URL's protocol."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-
-@dataclass
-class MirrorConfig:
-    url: str | None = None  # any fsspec URL (s3://bucket/prefix, file:///path, ...); None: no mirror
-    every: int = 1  # mirror committed checkpoints whose step is a multiple of this (1 = every one)
-    keep_every: int | None = None  # in the mirror keep only multiples of this step (and the newest); None = all
-    bandwidth_mbps: float | None = None  # upload cap in megabytes (10^6 bytes) per second; None = no cap
-    endpoint_url: str | None = None  # S3-compatible endpoint; default AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL
-    workers: int = 4  # files uploaded at once
+from trainguard.checkpoint.config import MirrorConfig
 
 
 def validate_mirror_config(config: MirrorConfig, source: str) -> None:

@@ -1,8 +1,9 @@
 """Restoring a mirrored checkpoint into a local checkpoints root, committed the same way a save is.
 
 Files are downloaded into ``global_step_N.tmp-<token>/``, each checked against the mirrored manifest
-(xxh3), fsynced, and the directory is renamed to ``global_step_N`` only when all of them are there;
-``latest_checkpointed_iteration.txt`` and ``health_ckpts.json`` are updated after that.
+(xxh3); once all of them are there the directory is committed like a save (``checkpoint.commit``:
+fsynced, manifest last, renamed to ``global_step_N``, ``health_ckpts.json`` updated), except that
+``latest_checkpointed_iteration.txt`` only moves forward.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ from fsspec.callbacks import Callback
 from trainguard.backup.mirror import list_mirrored
 from trainguard.backup.url import Mirror, MirrorError, describe_error, open_mirror
 from trainguard.checkpoint.checksum import file_checksum
-from trainguard.checkpoint.discovery import read_latest, write_latest
-from trainguard.fs.fsio import commit_directory, fsync_dir, fsync_file, remove_directory_crash_safe
-from trainguard.fs.layout import HEALTH_FILE, MANIFEST_NAME, parse_step_dir, step_dir_name, temp_dir_name
-from trainguard.checkpoint.manifest import Manifest, read_manifest, verify_checkpoint, write_manifest
+from trainguard.checkpoint.commit import Latest, commit_checkpoint
+from trainguard.checkpoint.manifest import Manifest, read_manifest, verify_checkpoint
 from trainguard.errors import CheckpointError, NoCheckpointError
-from trainguard.guards.health import marked_unhealthy, record_health
+from trainguard.fs.fsio import remove_directory_crash_safe
+from trainguard.fs.layout import MANIFEST_NAME, parse_step_dir, step_dir_name, temp_dir_name
+from trainguard.guards.health import marked_unhealthy
 
 log = logging.getLogger("trainguard")
 Progress = Callable[[int], None]
@@ -84,22 +85,11 @@ def restore_checkpoint(mirror: Mirror, manifest: Manifest, root: Path, *, progre
             if local.stat().st_size != entry.size or file_checksum(local) != entry.checksum:
                 raise MirrorError(f"{mirror.url_of(name, entry.path)}: downloaded bytes do not match {MANIFEST_NAME} "
                                   "(the mirrored copy is damaged)")
-            fsync_file(local)
-        for directory in sorted({p.parent for p in tmp.rglob("*")}, reverse=True):
-            fsync_dir(directory)
-        write_manifest(tmp, manifest)
-        if final.exists():
-            remove_directory_crash_safe(final)
-        commit_directory(tmp, final)
+        final = commit_checkpoint(tmp, manifest, replace=True, latest=Latest.IF_NEWER).path
     except BaseException:
         if tmp.exists():
             remove_directory_crash_safe(tmp)
         raise
-    if manifest.health is not None:
-        record_health(root / HEALTH_FILE, name, marked_unhealthy(manifest.health))
-    latest = read_latest(root)
-    if latest is None or manifest.step >= latest:
-        write_latest(root, manifest.step)
     return final
 
 

@@ -11,9 +11,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from trainguard.checkpoint.commit import seal
 from trainguard.checkpoint.durable import read_full_state_dict
+from trainguard.checkpoint.manifest import Manifest, build_manifest, read_manifest
 from trainguard.fs.layout import HF_DIR
-from trainguard.checkpoint.manifest import Manifest, build_manifest, read_manifest, write_manifest
 
 WEIGHTS_FILE = "model.safetensors"
 STATIC_DIRS = (HF_DIR,)
@@ -34,5 +35,5 @@ def export_weights_only(ckpt_dir: Path, out_dir: Path) -> Manifest:
     manifest = build_manifest(out_dir, step=source.step, world_size=source.world_size, mesh_shape=source.mesh_shape,
                               mesh_dim_names=source.mesh_dim_names, trainer_state=source.trainer_state,
                               health=source.health, extra={**source.extra, "weights_only": True})
-    write_manifest(out_dir, manifest)
+    seal(out_dir, manifest)
     return manifest

@@ -1,1 +1,2 @@
-"""Checkpoints: layout, atomic file primitives, manifests, verification, retention and discovery."""
+"""The checkpoint tiers: the commit, manifests, verification, the durable and local tiers, roles, retention,
+discovery and resume, and ``CheckpointManager``."""

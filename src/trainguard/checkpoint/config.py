@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trainguard.backup.config import MirrorConfig
+@dataclass
+class MirrorConfig:
+    url: str | None = None  # any fsspec URL (s3://bucket/prefix, file:///path, ...); None: no mirror
+    every: int = 1  # mirror committed checkpoints whose step is a multiple of this (1 = every one)
+    keep_every: int | None = None  # in the mirror keep only multiples of this step (and the newest); None = all
+    bandwidth_mbps: float | None = None  # upload cap in megabytes (10^6 bytes) per second; None = no cap
+    endpoint_url: str | None = None  # S3-compatible endpoint; default AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL
+    workers: int = 4  # files uploaded at once
 
 
 @dataclass
@@ -17,4 +24,7 @@ class CheckpointConfig:
     local_interval: int = 0  # steps between local-tier saves (every rank its own files); 0 = off
     local_dir: str | None = None  # template with {node} and {rank}; relative to the run dir; None = local/node{node}
     local_keep_last: int = 2
+    memory_interval: int = 0  # steps between memory-tier saves (the local tier in node memory, lazy copy); 0 = off
+    memory_dir: str | None = None  # template with {run}, {node} and {rank}; None = /dev/shm/trainguard/{run}/node{node}
+    memory_keep_last: int = 2
     mirror: MirrorConfig = field(default_factory=MirrorConfig)

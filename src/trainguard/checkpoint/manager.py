@@ -23,15 +23,13 @@ import torch
 import torch.distributed as dist
 
 from trainguard.checkpoint.discovery import CheckpointInfo, list_checkpoints, write_latest
-from trainguard.backup.background import BackgroundMirror
-from trainguard.backup.config import MirrorConfig
-from trainguard.backup.restore import restore_for_resume
-from trainguard.backup.url import is_url
-from trainguard.checkpoint.config import CheckpointConfig
+from trainguard.checkpoint.config import CheckpointConfig, MirrorConfig
 from trainguard.checkpoint.durable import DurableCheckpointer
+from trainguard.checkpoint.hooks import CheckpointMirror, CommitHook, ResumeSource
 from trainguard.fs.fsio import clean_stale, remove_directory_crash_safe
 from trainguard.checkpoint.local.tier import LocalTier
 from trainguard.checkpoint.manifest import read_manifest
+from trainguard.checkpoint.memory_tier import MemoryTier
 from trainguard.checkpoint.resume import choose_resume_checkpoint
 from trainguard.checkpoint.save_policy import SaveDecision, decide_save
 from trainguard.errors import NoCheckpointError, TrainguardError, failure_of_rank, raised_by_every_rank
@@ -71,15 +69,6 @@ def _raise_if_any_rank_failed(failure: TrainguardError | None) -> None:
             raise failure_of_rank(rank, *report)
 
 
-def _then(first: Callable[[int, Path], None], second: Callable[[int, Path], None] | None) -> Callable[[int, Path], None]:
-    def both(step: int, path: Path) -> None:
-        first(step, path)
-        if second is not None:
-            second(step, path)
-
-    return both
-
-
 class CheckpointManager:
     """Saves to ``RUN_DIR/checkpoints/global_step_N`` and resumes from there.
 
@@ -109,6 +98,7 @@ class CheckpointManager:
         after_commit: Callable[[int, Path], None] | None = None,
         seed: int = 0,
         local: LocalTier | None = None,
+        memory: MemoryTier | None = None,
     ):
         """``config`` (the ``checkpoint`` section) holds the policy; without one, periodic saves are off.
         ``save_interval`` ... ``mirror`` given as keywords replace the config's fields of that name."""
@@ -127,6 +117,7 @@ class CheckpointManager:
         self.accept = accept
         self.seed = seed
         self.local = local
+        self.memory = memory
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.events = events or EventLog(self.run_dir / "events.jsonl", rank=self.rank, host=socket.gethostname())
@@ -136,11 +127,13 @@ class CheckpointManager:
                 log.warning("removed an unfinished checkpoint left by an earlier run: %s", stale)
         # One token per incarnation names the temporary directory that all ranks write into.
         run_token = _broadcast(uuid.uuid4().hex[:12] if self.rank == 0 else None)
-        mirror = self.mirror_config = config.mirror
-        # Rank 0 mirrors committed checkpoints to object storage in the background (checkpoint.mirror).
-        self.mirror = BackgroundMirror(mirror, self.root, self.events) if self.rank == 0 and mirror and mirror.url else None
-        if self.mirror is not None:
-            after_commit = _then(self.mirror.submit, after_commit)
+        self.mirror: CheckpointMirror | None = None
+        """Copies of committed checkpoints elsewhere (rank 0): ``config.mirror`` is acted on by
+        ``trainguard.backup.attach.attach_mirror(manager)``, which sets this (the tiers do not import backup)."""
+        self.resume_source: ResumeSource | None = None
+        """Restores a resume mode naming a mirror URL (rank 0), set by ``attach_mirror``."""
+        self.commit_hooks: list[CommitHook] = [after_commit] if after_commit is not None and self.rank == 0 else []
+        """Called in order on rank 0 after each durable commit."""
         self.durable = DurableCheckpointer(
             self.root,
             rank=self.rank,
@@ -153,12 +146,13 @@ class CheckpointManager:
             keep_last=config.keep_last,
             keep_every=config.keep_every,
             events=self.events,
-            after_commit=after_commit if self.rank == 0 else None,
-            protected=self.mirror.pending_steps if self.mirror is not None else None,
+            commit_hooks=self.commit_hooks,
+            protected=lambda: self.mirror.pending_steps() if self.mirror is not None else set(),
         )
         self.last_saved_step: int | None = None
         """The step the durable tier last saved (or the run resumed from)."""
         self.last_local_step: int | None = None
+        self.last_memory_step: int | None = None
         self.resumed_from: str | None = None
         """The checkpoint ``resume()`` restored, None when the run started fresh."""
 
@@ -168,26 +162,27 @@ class CheckpointManager:
         if self.rank == 0:
             try:
                 mode = self.resume_mode
-                if is_url(mode):  # restore from the mirror into the run's checkpoints first, then resume normally
-                    mode = restore_for_resume(mode, self.root, self.mirror_config.endpoint_url if self.mirror_config else None)
+                if self.resume_source is not None:  # a mirror URL: restored into the run's checkpoints first
+                    mode = self.resume_source(mode, self.root)
                 chosen = choose_resume_checkpoint(mode, self.root, warn=log.warning, accept=self.accept)
                 path = str(chosen) if chosen else None
             except Exception as exc:  # every rank must learn of it, or the others wait in broadcast for ever
                 error = exc
         path, error = _broadcast((path, error))
-        if self.local is not None and self.resume_mode == "auto":
-            # the newest state recoverable from either tier (also when no durable one is usable); at the
-            # same step the local one (no shared storage)
+        if self.resume_mode == "auto":
+            # the newest state recoverable from any tier (also when no durable one is usable); at the
+            # same step a per-rank one (no shared storage); the memory tier first, as it saves most often
             durable_step = read_manifest(Path(path)).step if path is not None else None
-            recovered = self.local.recover(self.model, self.optimizer, newer_than=(
-                durable_step - 1 if durable_step is not None else None))
-            if recovered is not None:
-                return self._resume_from_local(*recovered)
+            for tier in self._rank_tiers():
+                recovered = tier.recover(self.model, self.optimizer, newer_than=(
+                    durable_step - 1 if durable_step is not None else None))
+                if recovered is not None:
+                    return self._resume_from_local(*recovered, tier=tier)
         if error is not None:
             raise raised_by_every_rank(error) if isinstance(error, TrainguardError) else error
         if path is None:
-            if self.local is not None:
-                self.local.discard_newer(0)
+            for tier in self._rank_tiers():
+                tier.discard_newer(0)
             if self.rank == 0:
                 self.events.emit("run_started", step=0, resumed_from=None)
             return 0
@@ -215,8 +210,8 @@ class CheckpointManager:
             if name in extra["stateful"]:
                 obj.load_state_dict(extra["stateful"][name])
         step = int(extra["step"])
-        if self.local is not None:
-            self.local.discard_newer(step)
+        for tier in self._rank_tiers():
+            tier.discard_newer(step)
         if "rng" not in extra:
             pass  # converted from Hugging Face weights (trainguard.hf.convert): the fresh seeds stand
         elif manifest.world_size == self.world_size:
@@ -227,17 +222,23 @@ class CheckpointManager:
             seed_everything(self.seed * 1000 + self.rank + step)
         return step
 
-    def _resume_from_local(self, step: int, extra: dict[str, Any]) -> int:
+    def _rank_tiers(self) -> list[LocalTier | MemoryTier]:
+        """The per-rank tiers, newest first: the memory tier, then the local tier."""
+        return [tier for tier in (self.memory, self.local) if tier is not None]
+
+    def _resume_from_local(self, step: int, extra: dict[str, Any], tier: LocalTier | MemoryTier) -> int:
         for name, obj in self.stateful.items():
             if name in extra["stateful"]:
                 obj.load_state_dict(extra["stateful"][name])
         restore_rng_state(extra["rng"])
-        self.local.discard_newer(step)
-        self.last_local_step = step
-        log.info("resumed from the local tier at step %d (%s)", step, self.local.dir)
+        for other in self._rank_tiers():
+            other.discard_newer(step)
+        self.last_local_step = self.last_memory_step = step
+        name = "memory" if tier is self.memory else "local"
+        log.info("resumed from the %s tier at step %d (%s)", name, step, tier.dir)
         if self.rank == 0:
-            self.events.emit("run_started", step=step, resumed_from=str(self.local.dir / f"global_step_{step}"),
-                             tier="local")
+            self.events.emit("run_started", step=step, resumed_from=str(tier.dir / f"global_step_{step}"),
+                             tier=name)
         self.last_saved_step = step
         return step
 
@@ -247,6 +248,13 @@ class CheckpointManager:
         assert self.local is not None
         self.local.save(step, self.model, self.optimizer, self._extra_state(step))
         self.last_local_step = step
+
+    def save_memory(self, step: int) -> None:
+        """Starts this rank's memory-tier save of ``step``; returns before the state is copied (the
+        next optimizer step waits for the copy, as after an async durable save)."""
+        assert self.memory is not None
+        self.memory.save(step, self.model, self.optimizer, self._extra_state(step))
+        self.last_memory_step = step
 
     def _extra_state(self, step: int) -> dict[str, Any]:
         return {
@@ -263,7 +271,9 @@ class CheckpointManager:
         return decide_save(step, save_interval=self.config.save_interval,
                            local_interval=self.local.interval if self.local is not None else 0,
                            last_step=last_step, stopping=stopping, unhealthy=unhealthy,
-                           durable_saved=self.last_saved_step, local_saved=self.last_local_step)
+                           durable_saved=self.last_saved_step, local_saved=self.last_local_step,
+                           memory_interval=self.memory.interval if self.memory is not None else 0,
+                           memory_saved=self.last_memory_step)
 
     def save(self, step: int, trainer_state: dict[str, Any] | None = None,
              health: Health | Callable[[], Health | None] | None = None, *,
@@ -275,7 +285,7 @@ class CheckpointManager:
         the process stops after this step and the run goes on later (always saved, durable tier only).
         ``health`` (``{"is_health": 0|1, ...}``, 1 = unhealthy, or a function returning it, called
         once and only when a tier saves) goes into the manifest and ``health_ckpts.json``; ``auto``
-        resume never picks an unhealthy checkpoint, and the local tier never saves one.
+        resume never picks an unhealthy checkpoint, and the local and memory tiers never save one.
         """
         decision = self.due(step, last_step=last_step, stopping=stopping)
         if not decision:
@@ -288,6 +298,8 @@ class CheckpointManager:
             blocked = self.save_durable(step, trainer_state, record)
         if decision.local:
             self.save_local(step)
+        if decision.memory:
+            self.save_memory(step)
         return blocked
 
     def save_durable(self, step: int, trainer_state: dict[str, Any] | None = None,
@@ -301,6 +313,13 @@ class CheckpointManager:
         log.info("checkpoint global_step_%d staged (blocked %.0fms)", step, blocked * 1000)
         return blocked
 
+    def wait_for_staging(self) -> float:
+        """Blocks until the state of the saves in flight is copied (an async save, and a memory-tier
+        save, copy it while the next forward and backward run); returns the seconds blocked. Call it
+        before anything changes parameters or optimizer state in place; ``optimizer.step()`` calls it
+        by itself (a step pre-hook)."""
+        return self.durable.wait_for_staging() + (self.memory.wait_for_staging() if self.memory is not None else 0.0)
+
     def close(self) -> None:
         """Waits until the last save is committed on every rank, then drains the mirror's queue."""
         self._wait_for_saves()
@@ -310,8 +329,8 @@ class CheckpointManager:
 
     def _wait_for_saves(self) -> None:
         self.durable.wait()
-        if self.local is not None:
-            self.local.wait()
+        for tier in self._rank_tiers():
+            tier.wait()
         if dist.is_initialized():
             dist.barrier()
 
@@ -348,7 +367,7 @@ class CheckpointManager:
             return None
         step = self._load_durable(Path(path))
         self.last_saved_step = step
-        self.last_local_step = None  # the local steps after it are gone; the next saves are newer
+        self.last_local_step = self.last_memory_step = None  # their steps after it are gone; the next saves are newer
         return step
 
     def _abandon_after(self, step: int) -> None:

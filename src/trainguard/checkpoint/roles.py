@@ -41,18 +41,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainguard.checkpoint.discovery import write_latest
-from trainguard.checkpoint.durable import (
-    _STATE_DICT_OPTIONS,
-    DurableCheckpointer,
-    _fsync_tree,
-    _SaveJob,
-    get_model_state_dict,
-    get_state_dict,
-)
+from trainguard.checkpoint.commit import commit_checkpoint, seal
+from trainguard.checkpoint.dcp_writer import SaveJob, gather_entries, write_rank_files
+from trainguard.checkpoint.durable import DurableCheckpointer
+from trainguard.checkpoint.manifest import FileEntry, build_manifest, read_manifest, verify_checkpoint
+from trainguard.checkpoint.state_dict import training_state
 from trainguard.fs.fsio import clean_stale, commit_directory, remove_directory_crash_safe
 from trainguard.fs.layout import extra_state_name, parse_step_dir, step_dir_name, temp_dir_name
-from trainguard.checkpoint.manifest import FileEntry, build_manifest, read_manifest, verify_checkpoint, write_manifest
 from trainguard.checkpoint.resume import choose_resume_checkpoint
 from trainguard.checkpoint.retention import retention_after_commit
 from trainguard.checkpoint.rng_state import capture_rng_state, restore_rng_state
@@ -122,12 +117,12 @@ class RoleCheckpointManager:
             for stale in clean_stale(self.root):
                 log.warning("removed an unfinished checkpoint left by an earlier run: %s", stale)
         self.token = _broadcast(uuid.uuid4().hex[:12] if self.rank == 0 else None)
-        group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-        # the durable tier's writer and loader, one per role (its commit step is not used: the step commits)
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        # the durable tier's loader, one per role (roles are written with its writer, committed per step)
         self._writers = {
             name: DurableCheckpointer(
                 self.root, rank=self.rank, world_size=self.world_size, mesh_shape=[self.world_size],
-                mesh_dim_names=["world"], run_token=self.token, process_group=group, async_save=False,
+                mesh_dim_names=["world"], run_token=self.token, process_group=self.group, async_save=False,
                 keep_last=keep_last, keep_every=keep_every, events=self.events,
             )
             for name in self.roles
@@ -151,24 +146,19 @@ class RoleCheckpointManager:
         extra = io.BytesIO()
         torch.save({"step": step, "rank": self.rank, "world_size": self.world_size, "rng": capture_rng_state(),
                     "stateful": {key: obj.state_dict() for key, obj in role.stateful.items()}}, extra)
-        job = _SaveJob(step, directory, {"step": step, "role": name}, time.perf_counter(),
-                       directory / extra_state_name(self.world_size, self.rank), extra.getvalue())
-        writer = self._writers[name]
-        if role.optimizer is not None and role.optimizer.state:
-            model_sd, optim_sd = get_state_dict(role.model, role.optimizer, options=_STATE_DICT_OPTIONS)
-            state = {"model": model_sd, "optim": optim_sd}
-        else:
-            state = {"model": get_model_state_dict(role.model, options=_STATE_DICT_OPTIONS)}
-        entries, failure = writer._write_files(state, job)
-        known = writer._gather_entries(job, entries, failure)
+        job = SaveJob(step, directory, {"step": step, "role": name}, time.perf_counter(),
+                      directory / extra_state_name(self.world_size, self.rank), extra.getvalue())
+        state = training_state(role.model, role.optimizer)
+        entries, failure = write_rank_files(state, job, self.group)
+        known = gather_entries(job, entries, failure, rank=self.rank, world_size=self.world_size,
+                               process_group=self.group)
         if self.rank == 0:
             if role.static_files is not None:
                 role.static_files(directory)
             manifest = build_manifest(directory, step=step, world_size=self.world_size, mesh_shape=[self.world_size],
                                       mesh_dim_names=["world"], trainer_state=job.trainer_state,
                                       extra={"role": name}, known=known)
-            _fsync_tree(directory)
-            write_manifest(directory, manifest)
+            seal(directory, manifest, fsynced=known)
             known = {entry.path: entry for entry in manifest.files}
         if dist.is_initialized():
             dist.barrier()
@@ -186,7 +176,7 @@ class RoleCheckpointManager:
             tmp = self.root / f"{name}.tmp-{self.token}"
             self._write_role(name, tmp, 0)
             if self.rank == 0:
-                commit_directory(tmp, final)
+                commit_directory(tmp, final)  # sealed by _write_role; a frozen role is no step: no latest
                 self.events.emit("checkpoint_committed", step=0, path=str(final), tier="durable", role=name,
                                  bytes=read_manifest(final).total_size, seconds=0.0)
 
@@ -203,12 +193,7 @@ class RoleCheckpointManager:
             manifest = build_manifest(tmp, step=step, world_size=self.world_size, mesh_shape=[self.world_size],
                                       mesh_dim_names=["world"], trainer_state={"step": step},
                                       extra={"roles": self.trainable, "frozen": self.frozen}, known=known)
-            write_manifest(tmp, manifest)
-            final = self.root / step_dir_name(step)
-            if final.exists():
-                remove_directory_crash_safe(final)
-            commit_directory(tmp, final)
-            write_latest(self.root, step)
+            final = commit_checkpoint(tmp, manifest, fsynced=known, replace=True).path
             self.events.emit("checkpoint_committed", step=step, path=str(final), bytes=manifest.total_size,
                              seconds=time.perf_counter() - started, tier="durable", roles=self.trainable)
             self._apply_retention(step)

@@ -8,6 +8,9 @@ buffer kept from the previous save while the layout (shapes, dtypes, devices, in
 unchanged, and reallocates when it changes. Buffers are pinned only when the source is on a CUDA
 device.
 
+``stage`` copies before it returns; ``plan`` returns the copies to make, so that they can be made
+later, while the next forward and backward run (``trainguard.checkpoint.snapshot``).
+
 Only one save may use the buffers at a time: the caller must not stage again before the write of the
 previous staged copy has finished (``DurableCheckpointer`` waits for the previous commit first).
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,6 +27,14 @@ import torch
 _IMMUTABLE = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
 
 Layout = tuple[tuple[Any, ...], ...]
+
+
+@dataclass(frozen=True)
+class StagingPlan:
+    staged: Any
+    """The state dict's structure around the staging buffers (valid once ``copies`` are made)."""
+    copies: list[tuple[torch.Tensor, torch.Tensor]]
+    """``(buffer, live source)`` pairs, in traversal order."""
 
 
 def _dtensor_type() -> type | None:
@@ -69,6 +81,20 @@ class ReusableStager:
         self._buffers = []
 
     def stage(self, state_dict: Any) -> Any:
+        plan = self.plan(state_dict)
+        asynchronous = False
+        for buffer, source in plan.copies:
+            non_blocking = buffer.is_pinned() and source.device.type == "cuda"
+            buffer.copy_(source.detach(), non_blocking=non_blocking)
+            asynchronous = asynchronous or non_blocking
+        if asynchronous:
+            torch.cuda.synchronize()
+        return plan.staged
+
+    def plan(self, state_dict: Any) -> StagingPlan:
+        """The staged structure around the (reused) buffers and the copies that fill them, not yet
+        made: the staged copy is valid once every ``(buffer, source)`` pair has been copied (a lazy
+        snapshot, ``trainguard.checkpoint.snapshot``, makes them in the background)."""
         sources: list[torch.Tensor] = []
         skeleton = self._collect(state_dict, sources)
         layout: Layout = tuple(
@@ -79,14 +105,7 @@ class ReusableStager:
             self._buffers = [_allocate(t) for t in sources]
             self._layout = layout
             self.allocations += 1
-        asynchronous = False
-        for buffer, source in zip(self._buffers, sources):
-            non_blocking = buffer.is_pinned() and source.device.type == "cuda"
-            buffer.copy_(source.detach(), non_blocking=non_blocking)
-            asynchronous = asynchronous or non_blocking
-        if asynchronous:
-            torch.cuda.synchronize()
-        return skeleton(iter(self._buffers))
+        return StagingPlan(skeleton(iter(self._buffers)), list(zip(self._buffers, sources)))
 
     # The traversal returns a builder that, given the staged buffers in traversal order, rebuilds the
     # structure; collecting sources first lets the layout be compared before anything is allocated.
@@ -140,6 +159,13 @@ class ReusableStager:
             return lambda buffers: obj
         snapshot = copy.deepcopy(obj)  # now: the caller may mutate it as soon as stage() returns
         return lambda buffers: snapshot
+
+
+def is_immutable(value: Any) -> bool:
+    """Whether a plain value can be kept as it is in a staged copy (nothing can change it in place)."""
+    if type(value) is tuple:
+        return all(is_immutable(item) for item in value)
+    return isinstance(value, _IMMUTABLE)
 
 
 def _wants_pinned(tensor: torch.Tensor) -> bool:

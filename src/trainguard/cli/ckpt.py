@@ -6,24 +6,22 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from rich import box
 from rich.console import Console
 from rich.filesize import decimal
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from trainguard.checkpoint.discovery import CheckpointInfo, checkpoints_root, latest_fault, list_checkpoints
+from trainguard.checkpoint.discovery import CheckpointInfo, latest_fault, list_checkpoints
+from trainguard.cli.arguments import resolve_root
+from trainguard.cli.output import byte_progress, warn
 from trainguard.fs.layout import HEALTH_FILE, LATEST_FILE, step_dir_name
 from trainguard.checkpoint.manifest import BadFile, verify_checkpoint
 from trainguard.checkpoint.role_dirs import checkpoint_dir, frozen_role_dirs
-from trainguard.errors import CheckpointError, ConfigError
-from trainguard.fs.bounded import parse_json, read_regular_text
-from trainguard.guards.health import MAX_HEALTH_FILE_BYTES
+from trainguard.errors import ConfigError
+from trainguard.guards.health import Health, health_of
 
 EXIT_BAD_CHECKPOINT = 1
 _DIR_HELP = "run directory, its checkpoints/ directory, or one checkpoint (global_step_N, global_step_N/ROLE)"
@@ -104,72 +102,42 @@ def _checkpoints(directory: str) -> tuple[Path, list[CheckpointInfo]]:
     single = checkpoint_dir(Path(directory))
     if single is not None:
         return single.path, [single]
-    root = _resolve_root(directory)
+    root = resolve_root(directory)
     return root, list_checkpoints(root) + frozen_role_dirs(root)
-
-
-def _resolve_root(directory: str) -> Path:
-    try:
-        root = checkpoints_root(directory)
-    except CheckpointError as exc:
-        raise ConfigError(f"{exc} (expected a run directory or its checkpoints/ directory)") from None
-    # An arbitrary directory would list as empty; say instead that it is the wrong one.
-    if root.name != "checkpoints" and not list_checkpoints(root) and not (root / LATEST_FILE).exists():
-        raise ConfigError(
-            f"{directory}: not a run directory or checkpoints root (no checkpoints/ or global_step_N/ in it)"
-        )
-    return root
 
 
 def _verify(info: CheckpointInfo) -> list[BadFile]:
     assert info.manifest is not None
-    with _byte_progress(f"verifying {info.name}", info.manifest.total_size) as advance:
+    with byte_progress(f"verifying {info.name}", info.manifest.total_size) as advance:
         return verify_checkpoint(info.path, info.manifest, progress=advance)
 
 
-@contextmanager
-def _byte_progress(description: str, total: int) -> Iterator[Callable[[int], None]]:
-    console = Console(stderr=True)
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-    )
-    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as progress:
-        task = progress.add_task(description, total=total)
-        yield lambda count: progress.advance(task, count)
-
-
-def _read_health_records(root: Path) -> dict[str, int]:
-    """``ckpt_name -> is_health`` (1 = unhealthy) from ``health_ckpts.json``; the last record wins."""
+def _read_health_records(root: Path) -> dict[str, dict]:
+    """``ckpt_name -> record`` from ``health_ckpts.json``; the last record wins."""
     path = root / HEALTH_FILE
     try:
         records = parse_json(read_regular_text(path, MAX_HEALTH_FILE_BYTES))
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as exc:
-        _warn(f"{path}: unreadable ({exc}); health shown from manifests only")
+        warn(f"{path}: unreadable ({exc}); health shown from manifests only")
         return {}
     if not isinstance(records, list) or not all(
         isinstance(r, dict) and isinstance(r.get("ckpt_name"), str) and isinstance(r.get("is_health"), int)
         for r in records
     ):
-        _warn(f'{path}: expected [{{"is_health": 0|1, "ckpt_name": ...}}, ...]; health shown from manifests only')
+        warn(f'{path}: expected [{{"is_health": 0|1, "ckpt_name": ...}}, ...]; health shown from manifests only')
         return {}
-    return {record["ckpt_name"]: record["is_health"] for record in records}
+    return {record["ckpt_name"]: record for record in records}
 
 
-def _health(info: CheckpointInfo, health_records: dict[str, int]) -> str | None:
-    is_unhealthy = None
-    if info.manifest is not None and info.manifest.health is not None:
-        is_unhealthy = info.manifest.health.get("is_health")
-    if is_unhealthy is None:
-        is_unhealthy = health_records.get(info.name)
-    if is_unhealthy is None:
+def _health(info: CheckpointInfo, health_records: dict[str, dict]) -> str | None:
+    verdict = health_of(info.manifest.health) if info.manifest is not None else None
+    if verdict is None:
+        verdict = health_of(health_records.get(info.name))
+    if verdict is None:
         return None
-    return "unhealthy" if is_unhealthy else "healthy"
+    return "unhealthy" if verdict is Health.UNHEALTHY else "healthy"
 
 
 def _facts(info: CheckpointInfo, bad: list[BadFile] | None, health_records: dict[str, int]) -> dict[str, Any]:
@@ -229,7 +197,3 @@ def _yes_no_dash(value: bool | None) -> str:
 
 def _dash(value: Any) -> str:
     return "-" if value is None else str(value)
-
-
-def _warn(message: str) -> None:
-    print(f"trainguard: warning: {message}", file=sys.stderr)

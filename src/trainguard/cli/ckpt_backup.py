@@ -14,7 +14,8 @@ from trainguard.backup.throttle import Throttle, throttle_from_mbps
 from trainguard.backup.url import Mirror, MirrorError, check_reachable, open_mirror
 from trainguard.checkpoint.discovery import list_checkpoints
 from trainguard.fs.layout import TRASH_PREFIX, step_dir_name
-from trainguard.cli.ckpt import _byte_progress, _resolve_root, _warn
+from trainguard.cli.arguments import resolve_root
+from trainguard.cli.output import byte_progress, warn
 from trainguard.errors import CheckpointError, ConfigError
 
 
@@ -43,7 +44,7 @@ def run_backup(args: argparse.Namespace) -> int:
         raise ConfigError(f"--bandwidth-mbps must be > 0, got {args.bandwidth_mbps}")
     if args.workers < 1:
         raise ConfigError(f"--workers must be ≥ 1, got {args.workers}")
-    root = _resolve_root(args.dir)
+    root = resolve_root(args.dir)
     checkpoints = [info for info in list_checkpoints(root) if not info.being_written]
     if args.step is not None:
         checkpoints = [info for info in checkpoints if info.step == args.step]
@@ -56,7 +57,7 @@ def run_backup(args: argparse.Namespace) -> int:
     for info in checkpoints:
         if not info.committed:
             if args.step is None:
-                _warn(f"skipping {info.path}: {info.error}")
+                warn(f"skipping {info.path}: {info.error}")
                 continue
             raise CheckpointError(f"{info.path}: {info.error}; not backed up")
         try:
@@ -96,7 +97,7 @@ def _upload(path: Path, mirror: Mirror, throttle: Throttle, workers: int) -> Mir
     from trainguard.checkpoint.manifest import read_manifest
 
     total = read_manifest(path).total_size
-    with _byte_progress(f"uploading {path.name}", total) as advance:
+    with byte_progress(f"uploading {path.name}", total) as advance:
         return mirror_checkpoint(path, mirror, throttle=throttle, workers=workers, progress=advance)
 
 
@@ -109,7 +110,7 @@ def run_restore(args: argparse.Namespace) -> int:
     mirror = open_mirror(args.url, args.endpoint_url)
     check_reachable(mirror)
     manifest = choose_mirrored(list_mirrored(mirror), args.step, mirror.url)
-    with _byte_progress(f"downloading {step_dir_name(manifest.step)}", manifest.total_size) as advance:
+    with byte_progress(f"downloading {step_dir_name(manifest.step)}", manifest.total_size) as advance:
         path = restore_checkpoint(mirror, manifest, root, progress=advance)
     note = " (weights only: loadable, not resumable)" if is_weights_only(manifest) else ""
     print(f"restored {mirror.url_of(step_dir_name(manifest.step))} into {path}, verified{note}")

@@ -6,7 +6,7 @@ import argparse
 from contextlib import ExitStack
 from pathlib import Path
 
-from trainguard.cli.ckpt import _byte_progress
+from trainguard.cli.output import byte_progress
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
@@ -33,10 +33,10 @@ def run_convert(args: argparse.Namespace) -> int:
         hf_to_durable(args.from_hf, args.target)
         print(f"converted {args.from_hf} into {args.target}")
         return 0
-    from trainguard.checkpoint.universal import convert_checkpoint
+    from trainguard.merge.universal import convert_checkpoint
 
     with ExitStack() as stack:
         convert_checkpoint(args.source, args.target, args.format, force=args.force,
-                           progress=lambda total, what: stack.enter_context(_byte_progress(what, total)))
+                           progress=lambda total, what: stack.enter_context(byte_progress(what, total)))
     print(f"converted {args.source} into {args.target} ({args.format})")
     return 0

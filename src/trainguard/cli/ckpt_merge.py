@@ -7,7 +7,7 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from trainguard.cli.ckpt import _byte_progress
+from trainguard.cli.output import byte_progress
 from trainguard.errors import ConfigError
 
 # Literal here, not imported: the merge modules (and torch) load only when a merge runs.
@@ -48,7 +48,7 @@ def run_merge(args: argparse.Namespace) -> int:
         result = merge_to_hf(args.local_dir, args.target_dir, backend=args.backend,
                              tie_word_embedding=args.tie_word_embedding, is_value_model=args.is_value_model,
                              dtype=args.dtype, max_shard_bytes=parse_size(args.max_shard_size), force=args.force,
-                             progress=lambda total, what: stack.enter_context(_byte_progress(what, total)))
+                             progress=lambda total, what: stack.enter_context(byte_progress(what, total)))
     seconds = time.perf_counter() - started
     print(f"merged {result.tensors} tensors ({result.bytes} bytes) from {result.source} into {args.target_dir}: "
           f"{', '.join(result.files)} in {seconds:.2f} s ({result.bytes / max(seconds, 1e-9) / 1e6:.0f} MB/s)")

@@ -9,7 +9,7 @@ from pathlib import Path
 from rich.filesize import decimal
 
 from trainguard.fs.layout import step_dir_name
-from trainguard.cli.ckpt import _byte_progress
+from trainguard.cli.output import byte_progress
 from trainguard.errors import ConfigError
 from trainguard.events import EventLog
 
@@ -49,7 +49,7 @@ def run_repair(args: argparse.Namespace) -> int:
     results, lost = [], []
     started = time.perf_counter()
     for step in steps:
-        with _byte_progress(f"repairing {step_dir_name(step)}", None) as advance:
+        with byte_progress(f"repairing {step_dir_name(step)}", None) as advance:
             result = repair_step(local, step, progress=advance)
         results.append(result)
         name = step_dir_name(step)

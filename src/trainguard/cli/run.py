@@ -8,51 +8,31 @@ COMMAND is started once per node slot with ``TRAINGUARD_NODE``, ``TRAINGUARD_NOD
 from __future__ import annotations
 
 import argparse
-import math
 import shutil
 from pathlib import Path
 
+from trainguard.cli.arguments import count, seconds
 from trainguard.errors import ConfigError
 from trainguard.runtime.hang import HangPolicy
 from trainguard.runtime.supervisor import SupervisorOptions
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"expected seconds ≥ 0, got {text!r}")
-    return value
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer ≥ 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer ≥ 0, got {text!r}")
-    return value
-
-
 def add_supervisor_arguments(parser: argparse.ArgumentParser, max_restarts: int) -> None:
     group = parser.add_argument_group("supervisor")
-    group.add_argument("--max-restarts", type=_count, default=max_restarts,
+    group.add_argument("--max-restarts", type=count, default=max_restarts,
                        help=f"restarts after failures before giving up (default {max_restarts})")
-    group.add_argument("--backoff", type=_seconds, default=0.5,
+    group.add_argument("--backoff", type=seconds, default=0.5,
                        help="seconds before a restart; doubles per failure without progress (default 0.5)")
-    group.add_argument("--crash-loop", type=_count, default=2,
+    group.add_argument("--crash-loop", type=count, default=2,
                        help="give up after this many failures in a row without a new step (default 2)")
-    group.add_argument("--hang-timeout", type=_seconds, default=None,
+    group.add_argument("--hang-timeout", type=seconds, default=None,
                        help="seconds without heartbeat progress that make a hang (default: 10 × the longest "
                             "step seen, at least 60)")
-    group.add_argument("--startup-timeout", type=_seconds, default=600.0,
+    group.add_argument("--startup-timeout", type=seconds, default=600.0,
                        help="seconds allowed before the first step of an incarnation (default 600)")
-    group.add_argument("--nnodes", type=_count, default=1, help="nodes the run needs (default 1)")
-    group.add_argument("--spare-nodes", type=_count, default=0, help="extra nodes kept in reserve (default 0)")
-    group.add_argument("--node-failures", type=_count, default=2,
+    group.add_argument("--nnodes", type=count, default=1, help="nodes the run needs (default 1)")
+    group.add_argument("--spare-nodes", type=count, default=0, help="extra nodes kept in reserve (default 0)")
+    group.add_argument("--node-failures", type=count, default=2,
                        help="rank deaths on one node that exclude it when there are several nodes (default 2)")
     group.add_argument("--doctor", action="store_true",
                        help="self-test a spare node with trainguard doctor (burn-in, collectives across the node's "
@@ -109,6 +89,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                    usage="trainguard run [options] -- COMMAND...")
     parser.add_argument("--run-dir", help="the run directory (default: COMMAND's --run-dir)")
     add_supervisor_arguments(parser, max_restarts=10)
+    parser.add_argument("--kill-switch", metavar="PATH",
+                        help="the run's kill switch file (lifecycle.kill_switch_path): while it exists, start no "
+                             "ranks and exit 0 at once (and cancel a job array's pending tasks)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
     parser.set_defaults(func=run)
 
@@ -141,4 +124,5 @@ def run(args: argparse.Namespace) -> int:
     from trainguard.runtime.supervisor import Supervisor
 
     options = options_from_args(args, run_dir, command)
+    options.kill_switch = Path(args.kill_switch) if args.kill_switch else None
     return Supervisor(options, nodes=make_nodes(args)).run()

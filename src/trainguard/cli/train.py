@@ -52,8 +52,9 @@ def run(args: argparse.Namespace) -> int:
         worker_args += ["--set", item]
     if supervised:  # an agent started by a supervisor (``trainguard run -- trainguard train ...``, or below)
         from trainguard.runtime.launcher import launch_local
+        from trainguard.trainer.entry import run_worker
 
-        code = launch_local(args.nproc, worker_args, run_dir)
+        code = launch_local(args.nproc, worker_args, run_dir, run_worker, preload=("trainguard.trainer.loop",))
         sys.stdout.flush()
         sys.stderr.flush()
         # the interpreter's teardown after torch.distributed takes seconds, and a restart waits for it

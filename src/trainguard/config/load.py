@@ -16,6 +16,7 @@ import yaml
 
 from trainguard.backup.config import validate_mirror_config
 from trainguard.config.aliases import translate_reference_keys
+from trainguard.config.presets import PRESETS
 from trainguard.config.schema import RunConfig
 from trainguard.fs.bounded import read_regular_text
 from trainguard.guards.sdc.config import sdc_config_from_env
@@ -227,8 +228,6 @@ def validate(config: RunConfig, source: str = "<config>") -> None:
         if value is not None and value > bound:
             raise ConfigError(f"{source}: config key {key!r} must be ≤ {bound}, got {value!r}")
 
-    from trainguard.trainer.model import PRESETS
-
     if config.model.preset not in PRESETS:
         raise ConfigError(
             f"{source}: config key 'model.preset' must be one of {sorted(PRESETS)}, got {config.model.preset!r}"
@@ -261,6 +260,8 @@ def validate(config: RunConfig, source: str = "<config>") -> None:
     positive("checkpoint.keep_every", config.checkpoint.keep_every)
     positive("checkpoint.local_interval", config.checkpoint.local_interval, allow_zero=True)
     positive("checkpoint.local_keep_last", config.checkpoint.local_keep_last)
+    positive("checkpoint.memory_interval", config.checkpoint.memory_interval, allow_zero=True)
+    positive("checkpoint.memory_keep_last", config.checkpoint.memory_keep_last)
     positive("parallel.ranks_per_node", config.parallel.ranks_per_node)
     validate_mirror_config(config.checkpoint.mirror, source)
     skip, health = config.guards.skip, config.guards.health
@@ -275,10 +276,12 @@ def validate(config: RunConfig, source: str = "<config>") -> None:
     positive("guards.skip.window", skip.window)
     positive("guards.skip.z_threshold", skip.z_threshold)
     positive("guards.skip.warmup", skip.warmup, allow_zero=True)
+    positive("guards.skip.regime_steps", skip.regime_steps, allow_zero=True)
     if skip.mode not in ("absolute", "adaptive"):
         raise ConfigError(f"{source}: config key 'guards.skip.mode' must be 'absolute' or 'adaptive', got {skip.mode!r}")
     positive("guards.health.embedding_threshold (embedding_local_norm_threshold)", health.embedding_threshold)
     config.guards.sdc.validate()
+    config.guards.fingerprint.validate()
     config.lifecycle.validate(source)
     sdc_config_from_env(config.guards.sdc)
     pp = config.parallel.pp or 1
@@ -288,9 +291,10 @@ def validate(config: RunConfig, source: str = "<config>") -> None:
             f"pipeline_stage (parallel.pp={pp})"
         )
     if config.model.init_from is not None:
-        from trainguard.hf.config import check_init_from
+        from trainguard.hf.config import MODEL_KEYS, check_init_from
 
-        check_init_from(config.model, pp, source)
+        explicit = {key: getattr(config.model, key) for key in MODEL_KEYS}
+        check_init_from(Path(config.model.init_from), config.model.attn_implementation, explicit, pp, source)
     from trainguard.faults import active_faults
 
     active_faults(config.faults)

@@ -5,11 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from trainguard.checkpoint.config import CheckpointConfig
+from trainguard.guards.fingerprint import FingerprintConfig
 from trainguard.guards.health import HealthConfig
 from trainguard.guards.rollback import RollbackConfig
 from trainguard.guards.sdc.config import SdcConfig
 from trainguard.guards.skip import SkipConfig
 from trainguard.runtime.lifecycle import LifecycleConfig
+from trainguard.topology.layout import ParallelConfig
 
 
 @dataclass
@@ -30,17 +32,6 @@ class DataConfig:
     seq_len: int = 128
     micro_batch_size: int = 4
     seed: int = 1234
-
-
-@dataclass
-class ParallelConfig:
-    """Degrees of the device mesh; a ``None`` degree is derived so the product equals the world size."""
-
-    dp_replicate: int | None = None
-    dp_shard: int | None = None
-    tp: int | None = None
-    pp: int | None = None
-    ranks_per_node: int | None = None  # ranks sharing a node (and its local directory); None = all of them
 
 
 @dataclass
@@ -70,6 +61,7 @@ class GuardsConfig:
     skip: SkipConfig = field(default_factory=SkipConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     sdc: SdcConfig = field(default_factory=SdcConfig)
+    fingerprint: FingerprintConfig = field(default_factory=FingerprintConfig)  # replica state comparison
     monitor: bool = False  # log and record the embedding's local gradient norm every step
     local_norm: bool = False  # compute per-parameter local norms (the reference's runner_wrapper.local_norm)
     check_for_global_norm: bool = False  # rollback on spikes instead of skipping (guards.rollback)

@@ -68,10 +68,12 @@ class FaultInjector:
         self._step_faults = [spec for spec in mine if spec.kind in ("kill", "hang")]
         self._gradient_faults = [spec for spec in mine if spec.kind in ("spike", "nan")]
         self._site_faults = [spec for spec in mine if spec.kind in ("bitflip", "scale")]
+        self._state_faults = [spec for spec in mine if spec.kind == "stateflip"]
         self._file_faults = [spec for spec in mine if spec.kind in FILE_KINDS]
         self._wipe_faults = [spec for spec in specs if spec.kind == "wipe"]
         self._step: int | None = None
         self._handles: list[RemovableHandle] = []
+        self._reproduce: dict[int, int] = {}  # nan faults: the step each fired at in this process
 
     @classmethod
     def from_env(
@@ -93,6 +95,13 @@ class FaultInjector:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        parameters = dict(model.named_parameters())
+        for spec in self._state_faults:
+            site = spec.params["site"]
+            if site not in parameters:
+                close = difflib.get_close_matches(site, list(parameters), n=3)
+                hint = f"did you mean {', '.join(map(repr, close))}?" if close else "see model.named_parameters()"
+                raise ConfigError(f"bad fault {spec.text!r}: the model has no parameter {site!r} ({hint})")
         if not self._site_faults:
             return
         modules = dict(model.named_modules())
@@ -122,11 +131,43 @@ class FaultInjector:
                 self._report(spec, step, action="hang", seconds=seconds)
                 self._hang(seconds)
 
+    def at_rest(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        """Flips a bit of a parameter or of its Adam moment (this rank's shard), if a stateflip is due:
+        call it between two steps, where the state rests in memory."""
+        for spec in self._state_faults:
+            if not self._due(spec, step):
+                continue
+            site, state = spec.params["site"], spec.params["state"]
+            parameter = dict(model.named_parameters())[site]
+            if state == "weight":
+                tensor = parameter
+            else:
+                moments = optimizer.state.get(parameter, {}) if optimizer is not None else {}
+                if state not in moments:
+                    logger.warning("fault %r: parameter %s has no %s yet (before the first step)", spec.text, site, state)
+                    self._report(spec, step, site=site, state=state, flipped=False)
+                    continue
+                tensor = moments[state]
+            local = _local(tensor.detach())
+            if local.numel() == 0:
+                self._report(spec, step, site=site, state=state, flipped=False)
+                continue
+            try:
+                flip = flip_bit(local, min(spec.params["index"], local.numel() - 1), spec.params["bit"])
+            except ValueError as error:
+                raise ConfigError(f"bad fault {spec.text!r}: {error}") from None
+            self._report(spec, step, site=site, state=state, flipped=True, dtype=str(local.dtype),
+                         **dataclasses.asdict(flip))
+
     def after_backward(self, step: int, model: torch.nn.Module) -> None:
         """Spikes every gradient (each rank its shard) or plants a NaN, if that is due."""
         for spec in self._gradient_faults:
-            if not self._due(spec, step):
+            # a planted NaN models one from the data or the math: it comes back on a rerun of its step
+            reproduced = spec.kind == "nan" and self._reproduce.get(spec.index) == step
+            if not reproduced and not self._due(spec, step):
                 continue
+            if spec.kind == "nan":
+                self._reproduce[spec.index] = step
             if spec.kind == "spike":
                 self._spike(spec, step, model)
             else:

@@ -14,6 +14,7 @@ from trainguard.errors import ConfigError
 
 FILE_KINDS = ("corrupt", "truncate", "delete")
 WHERE_CHOICES = ("grad_input", "output")
+STATE_CHOICES = ("weight", "exp_avg", "exp_avg_sq")  # stateflip: the parameter itself or an Adam moment
 DEFAULT_SPIKE_FACTOR = 1e4
 
 _DIGITS = re.compile(r"[0-9]+")
@@ -68,6 +69,12 @@ def _where(value: str) -> str:
     return value
 
 
+def _state(value: str) -> str:
+    if value not in STATE_CHOICES:
+        raise ValueError(f"must be one of {'|'.join(STATE_CHOICES)}, got {value!r}")
+    return value
+
+
 def _bit(value: str) -> int | str:
     if value in ("exp", "sign"):
         return value
@@ -94,6 +101,7 @@ _VALUE_PARSERS: dict[str, Callable[[str], Any]] = {
     "site": _non_empty,
     "file": _non_empty,
     "where": _where,
+    "state": _state,
     "bit": _bit,
     "persistent": _flag,
     "rep": _non_negative_int,
@@ -111,6 +119,9 @@ _SCHEMA: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "nan": (("step",), {"rank": 0, "persistent": False}),
     "bitflip": (("rank", "step", "site", "where"), {"bit": "exp", "index": 0, "persistent": False}),
     "scale": (("rank", "step", "site", "where", "factor"), {"persistent": False}),
+    # flips a bit of state at rest, before the step's forward: a parameter (site = its dotted name) or
+    # its Adam moment, in this rank's shard
+    "stateflip": (("rank", "step", "site", "state"), {"bit": "exp", "index": 0, "persistent": False}),
     "corrupt": (("step", "file"), {}),
     "truncate": (("step", "file"), {}),
     "delete": (("step", "file"), {}),

@@ -62,19 +62,36 @@ def atomic_write_json(path: PathLike, obj: Any, indent: int | None = 2) -> None:
     atomic_write_text(path, json.dumps(obj, indent=indent) + "\n")
 
 
-def commit_directory(temp_dir: PathLike, final_dir: PathLike) -> None:
-    """Publishes a fully written (and already fsynced) directory under its final name.
+def fsync_tree(root: PathLike) -> None:
+    """Makes every directory entry under ``root`` durable, deepest first, then ``root``'s own entries
+    (files' contents are their writers' to fsync)."""
+    root = Path(root)
+    for path in sorted(root.rglob("*"), reverse=True):
+        if path.is_dir() and not path.is_symlink():
+            fsync_dir(path)
+    fsync_dir(root)
 
-    Refuses to replace an existing ``final_dir``: on Linux, rename silently replaces an empty
-    directory, and a committed checkpoint must never be overwritten.
+
+def commit_directory(temp_dir: PathLike, final_dir: PathLike, *, replace: bool = False) -> bool:
+    """Publishes a fully written (and already fsynced) directory under its final name; returns whether
+    an existing ``final_dir`` was replaced.
+
+    Without ``replace`` an existing ``final_dir`` is refused: on Linux, rename silently replaces an
+    empty directory, and a committed checkpoint must never be overwritten by accident. With it, the old
+    directory is first deleted crash-safely (a crash leaves a ``.trash-*`` leftover, never a mix).
     """
     temp_dir, final_dir = Path(temp_dir), Path(final_dir)
+    replaced = False
     if os.path.lexists(final_dir):
-        raise CheckpointError(f"cannot commit {temp_dir}: {final_dir} already exists")
+        if not replace:
+            raise CheckpointError(f"cannot commit {temp_dir}: {final_dir} already exists")
+        remove_directory_crash_safe(final_dir)
+        replaced = True
     os.rename(temp_dir, final_dir)
     fsync_dir(final_dir.parent)
     if temp_dir.parent.resolve() != final_dir.parent.resolve():
         fsync_dir(temp_dir.parent)
+    return replaced
 
 
 def remove_directory_crash_safe(path: PathLike) -> None:

@@ -18,10 +18,11 @@ whatever its health, as in the reference). Only one process (rank 0) writes the 
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,15 +50,40 @@ class HealthConfig:
     embedding_threshold: float = 1.0  # embedding_local_norm_threshold (the reference's default)
 
 
+class Health(enum.IntEnum):
+    """A checkpoint's health verdict. The values are the reference's ``is_health`` (1 = unhealthy),
+    the spelling used only where ``health_ckpts.json`` and manifests are written and read."""
+
+    HEALTHY = 0
+    UNHEALTHY = 1
+
+
 def is_unhealthy(max_embedding_local_norm: float, threshold: float) -> bool:
     """True when the norm exceeds the threshold or is NaN/infinite (equal to the threshold is healthy)."""
     norm = float(max_embedding_local_norm)
     return not math.isfinite(norm) or norm > threshold
 
 
-def marked_unhealthy(health: dict | None) -> bool:
-    """A manifest's health verdict (``{"is_health": 1, ...}``; 1 = unhealthy, None = not monitored)."""
-    return bool(health) and health.get("is_health") == 1
+def judge_health(max_embedding_local_norm: float, threshold: float) -> Health:
+    return Health.UNHEALTHY if is_unhealthy(max_embedding_local_norm, threshold) else Health.HEALTHY
+
+
+def health_record(verdict: Health, max_embedding_local_norm: float, threshold: float) -> dict[str, Any]:
+    """A manifest's ``health``: the verdict in the reference's spelling, with what it was judged on."""
+    return {"is_health": int(verdict), "embedding_local_norm": max_embedding_local_norm, "threshold": threshold}
+
+
+def health_of(record: Mapping[str, Any] | None) -> Health | None:
+    """The verdict of a manifest's ``health`` or a ``health_ckpts.json`` record; None when there is none
+    (health not monitored)."""
+    value = record.get("is_health") if record else None
+    return Health(value) if type(value) is int and value in (0, 1) else None
+
+
+def marked_unhealthy(record: Mapping[str, Any] | None) -> bool:
+    """Whether a recorded verdict (a manifest's ``health``, a ``health_ckpts.json`` record) is unhealthy:
+    the one test of the reference's ``{"is_health": 1}``."""
+    return health_of(record) is Health.UNHEALTHY
 
 
 def _validate(path: Path, records: Any) -> list[dict]:
@@ -96,7 +122,8 @@ def read_health_records(path: str | os.PathLike) -> list[dict]:
 def record_health(path: str | os.PathLike, ckpt_name: str, unhealthy: bool) -> None:
     """Adds (or replaces, in place) the record of ``ckpt_name`` and rewrites the file atomically."""
     path = Path(path)
-    record = {"is_health": 1 if unhealthy else 0, "ckpt_name": ckpt_name}
+    verdict = Health.UNHEALTHY if unhealthy else Health.HEALTHY
+    record = {"is_health": int(verdict), "ckpt_name": ckpt_name}
     records: list[dict] = []
     placed = False
     for old in read_health_records(path):
@@ -113,8 +140,8 @@ def record_health(path: str | os.PathLike, ckpt_name: str, unhealthy: bool) -> N
 def unhealthy_names(path: str | os.PathLike, warn: Callable[[str], None] | None = None) -> set[str]:
     """Names of the checkpoints recorded as unhealthy (for a name recorded twice, the last record wins).
     An unreadable file is a warning, not a stop: every manifest carries its checkpoint's health too."""
-    latest = {r["ckpt_name"]: r["is_health"] for r in _readable_records(path, warn or log.warning)}
-    return {name for name, is_health in latest.items() if is_health == 1}
+    latest = {r["ckpt_name"]: r for r in _readable_records(path, warn or log.warning)}
+    return {name for name, record in latest.items() if marked_unhealthy(record)}
 
 
 def _readable_records(path: str | os.PathLike, warn: Callable[[str], None]) -> list[dict]:

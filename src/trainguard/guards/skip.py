@@ -8,22 +8,31 @@ Absolute mode (the reference's rule)
     consecutive count goes up by one. A normal step resets the count to 0. When the count reaches
     ``count_threshold`` the run is aborted (that step is skipped too).
 
-Adaptive mode (OLMo-style)
-    The guard keeps the norms of the last ``window`` non-skipped steps. Once it holds at least
-    ``warmup`` of them (and at least one), a step is a spike when
-    ``(norm - mean) / max(std, ADAPTIVE_STD_FLOOR * |mean|) > z_threshold``, i.e. when
-    ``norm > mean + z_threshold * max(std, ADAPTIVE_STD_FLOOR * |mean|)``; ``std`` is the population
-    standard deviation of the window. The floor keeps an almost flat window from turning ordinary
-    jitter into spikes. The absolute ``threshold`` is ignored in this mode. Skipped steps never enter
-    the window, so a streak of spikes cannot raise the bar for the next one. Counting and abort are
-    the same as in absolute mode.
+Adaptive mode (OLMo-style, with robust statistics)
+    The guard keeps the last ``window`` finite norms. Once it holds at least ``warmup`` of them (and
+    at least one), a step is a spike when ``norm > median + z_threshold * s`` with
+    ``s = max(MAD_TO_STD * MAD, ADAPTIVE_STD_FLOOR * |median|)`` (``MAD``: the median absolute
+    deviation of the window; ``MAD_TO_STD`` makes it estimate a standard deviation). The floor keeps
+    an almost flat window from turning ordinary jitter into spikes. The absolute ``threshold`` is
+    ignored in this mode. A skipped finite norm enters the window too, **clipped to the threshold it
+    was judged against**: the guard keeps learning while it skips, a streak of huge spikes cannot
+    drag the bar up beyond the bar itself, and the median/MAD do not move for a few outliers.
 
+    Regime change: when ``regime_steps`` (default 5, fewer than ``count_threshold``) consecutive
+    finite spikes lie within a factor ``REGIME_BAND`` of each other, the norm has moved to a new
+    level (a sequence-length change, a new data mix), not spiked: the window restarts from those
+    values, the step is not skipped and the count goes back to 0 (a ``regime change`` line is logged).
+    A diverging run, whose norms keep growing, does not qualify and still aborts.
+
+    ``loss: true`` adds a loss-spike test beside the norm's (adaptive, its own window): a step whose
+    loss is an outlier is skipped too (``decide(..., loss=...)``).
 In both modes a NaN or infinite norm is always a spike (counted, skipped, and counted in ``nan_total``).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,9 +41,12 @@ from trainguard.errors import EXIT_DATA_SKIP_ABORT, CheckpointError, ConfigError
 
 MODES = ("absolute", "adaptive")
 
-# Adaptive mode: the standard deviation used in the z-score is at least this fraction of the window's
-# mean. With z_threshold = 6 a step must then exceed 1.3 x the mean before it can be skipped.
+# Adaptive mode: the spread used in the z-score is at least this fraction of the window's median.
+# With z_threshold = 6 a step must then exceed 1.3 x the median before it can be skipped.
 ADAPTIVE_STD_FLOOR = 0.05
+MAD_TO_STD = 1.4826  # the MAD of a normal distribution times this is its standard deviation
+# consecutive spikes within this factor of each other (max <= REGIME_BAND x min) are a new regime
+REGIME_BAND = 3.0
 
 _STATE_VERSION = 1
 
@@ -47,7 +59,10 @@ class SkipConfig:
     mode: str = "absolute"  # "absolute" | "adaptive"
     window: int = 128  # adaptive: last W non-skipped steps
     z_threshold: float = 6.0  # adaptive: skip when the z-score is greater than this
-    warmup: int = 20  # adaptive: no adaptive skip until this many non-skipped norms are in the window
+    warmup: int = 20  # adaptive: no adaptive skip until this many norms are in the window
+    # adaptive: this many consecutive spikes at one level (within REGIME_BAND) restart the window; 0 = off
+    regime_steps: int = 5
+    loss: bool = False  # adaptive loss-spike test beside the norm's: a loss outlier is skipped too
     # steps skipped whatever their norm: a fault-free reference replaying another run's skip decisions
     replay_steps: list[int] = field(default_factory=list)
 
@@ -68,6 +83,9 @@ class SkipConfig:
         positive("guards.skip.window", self.window, integer=True)
         positive("guards.skip.z_threshold", self.z_threshold)
         positive("guards.skip.warmup", self.warmup, integer=True, allow_zero=True)
+        positive("guards.skip.regime_steps", self.regime_steps, integer=True, allow_zero=True)
+        if not isinstance(self.loss, bool):
+            raise ConfigError(f"config key guards.skip.loss must be true or false, got {self.loss!r}")
         for step in self.replay_steps:
             positive("guards.skip.replay_steps", step, integer=True)
 
@@ -76,11 +94,17 @@ class SkipConfig:
 class SkipDecision:
     skip: bool  # do not apply this step's update
     nan: bool  # the norm was NaN or infinite
-    abort: bool  # stop training (raise DataSkipAbort(abort_message))
+    abort: bool  # stop training (raise DataSkipAbort(reference_abort_message(decision)))
     consecutive: int  # consecutive spikes including this step
-    threshold: float  # the threshold applied (adaptive: mean + Z * std; inf while warming up)
-    log_lines: tuple[str, ...]  # to log at INFO, in the reference's words
-    abort_message: str | None  # the reference's ValueError text, without "ValueError: "
+    threshold: float  # the threshold applied (adaptive: median + Z * s; inf while warming up)
+    step: int  # the trainer's step, as the reference's lines name it
+    global_norm: float
+    opt_global_step: int  # the optimizer's count of applied updates
+    enabled: bool  # the guard is on: the reference's lines are due
+    loss_spike: bool = False  # the loss test (``loss: true``) found a spike
+    loss: float | None = None
+    loss_threshold: float = math.inf
+    regime_change: bool = False  # a streak at one level restarted the adaptive window; not skipped
 
 
 class DataSkipAbort(TrainguardError):
@@ -113,12 +137,42 @@ def spike_line(step: int, global_norm: float, consecutive: int, threshold: float
     )
 
 
+def loss_spike_line(step: int, loss: float, threshold: float) -> str:
+    return f"Current loss {format_norm(loss)} of step {step} is greater than threshold: {float(threshold)!r}"
+
+
+def regime_line(step: int, global_norm: float) -> str:
+    return (f"Current global norm {format_norm(global_norm)} of step {step}: consecutive spikes at one level, "
+            f"a regime change; the adaptive window restarts from them and the step is not skipped")
+
+
 def abort_text(step: int, global_norm: float, consecutive: int, threshold: float) -> str:
     # No colon after "threshold": the reference's abort message differs from its INFO line.
     return (
         f"Current global norm {format_norm(global_norm)} of step {step} has been {consecutive} "
         f"consecutive times greater than threshold {float(threshold)!r}, stop training..."
     )
+
+
+def reference_log_lines(decision: SkipDecision) -> tuple[str, ...]:
+    """What the reference logs at INFO for a decision, in its words (the log boundary's business)."""
+    if not decision.enabled:
+        return ()
+    lines = [is_skip_line(decision.opt_global_step, decision.threshold, decision.skip)]
+    if decision.regime_change:
+        lines.append(regime_line(decision.step, decision.global_norm))
+    elif decision.loss_spike:
+        lines.append(loss_spike_line(decision.step, float(decision.loss), decision.loss_threshold))
+    if decision.skip and not decision.abort:
+        lines.append(spike_line(decision.step, decision.global_norm, decision.consecutive, decision.threshold))
+    return tuple(lines)
+
+
+def reference_abort_message(decision: SkipDecision) -> str | None:
+    """The reference's ValueError text for an abort, without "ValueError: "; None for any other decision."""
+    if not decision.abort:
+        return None
+    return abort_text(decision.step, decision.global_norm, decision.consecutive, decision.threshold)
 
 
 class SpikeRule:
@@ -145,9 +199,9 @@ class SpikeRule:
         if len(self._window) < max(self.cfg.warmup, 1):
             return math.inf
         values = list(self._window)
-        mean = math.fsum(values) / len(values)
-        std = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
-        return mean + self.cfg.z_threshold * max(std, ADAPTIVE_STD_FLOOR * abs(mean))
+        middle = statistics.median(values)
+        spread = MAD_TO_STD * statistics.median(abs(v - middle) for v in values)
+        return middle + self.cfg.z_threshold * max(spread, ADAPTIVE_STD_FLOOR * abs(middle))
 
     def is_spike(self, value: float) -> tuple[bool, bool, float]:
         """(spike, non-finite, threshold applied); a NaN or infinite value is always a spike."""
@@ -157,6 +211,10 @@ class SpikeRule:
 
     def accept(self, value: float) -> None:
         self._window.append(float(value))
+
+    def restart(self, values: list[float]) -> None:
+        """A new regime: the window holds only ``values`` (it warms up again from them)."""
+        self._window = deque((float(v) for v in values), maxlen=self.cfg.window)
 
     def window_state(self) -> list[float]:
         return [float(v) for v in self._window]
@@ -177,8 +235,10 @@ class DataSkipGuard:
         self.skipped_total = 0
         self.nan_total = 0
         self.consecutive = 0
-        # Norms of recent non-skipped finite steps, kept in both modes so the mode can change on resume.
+        # Recent finite norms (skipped ones clipped), kept in both modes so the mode can change on resume.
         self.rule = SpikeRule(cfg)
+        self.loss_rule = SpikeRule(cfg, mode="adaptive") if cfg.loss else None
+        self.streak: list[tuple[float, float | None]] = []  # the current streak's finite (norm, loss)
 
     @property
     def window(self) -> tuple[float, ...]:
@@ -189,35 +249,67 @@ class DataSkipGuard:
         """The threshold the next step is compared against (``inf`` while adaptive mode warms up)."""
         return self.rule.threshold()
 
-    def decide(self, step: int, global_norm: float, opt_global_step: int) -> SkipDecision:
+    @property
+    def _regimes(self) -> bool:
+        return self.cfg.mode == "adaptive" and 0 < self.cfg.regime_steps < self.cfg.count_threshold
+
+    def _new_regime(self, streak: list[tuple[float, float | None]]) -> bool:
+        if not streak or len(streak) < self.cfg.regime_steps:
+            return False
+        series = [[norm for norm, _ in streak]]
+        if self.loss_rule is not None:
+            series.append([loss for _, loss in streak])
+        return all(min(values) > 0 and max(values) <= REGIME_BAND * min(values) for values in series)
+
+    def decide(self, step: int, global_norm: float, opt_global_step: int, loss: float | None = None) -> SkipDecision:
         """``step``: the trainer's step number for the messages; ``opt_global_step``: the optimizer's
-        count of applied updates (it stays put while steps are skipped)."""
+        count of applied updates (it stays put while steps are skipped); ``loss``: the step's loss,
+        for the loss-spike test (``loss: true``)."""
         norm = float(global_norm)
         spike, nan, threshold = self.rule.is_spike(norm)
-        spike = spike or step in self.cfg.replay_steps
+        loss_spike, loss_threshold = False, math.inf
+        if self.loss_rule is not None and loss is not None:
+            loss = float(loss)
+            loss_spike, loss_nan, loss_threshold = self.loss_rule.is_spike(loss)
+            nan = nan or loss_nan
+        replayed = step in self.cfg.replay_steps
         if not self.cfg.enabled:
-            return SkipDecision(False, nan, False, 0, threshold, (), None)
-        lines = [is_skip_line(opt_global_step, threshold, spike)]
-        abort_message = None
+            return SkipDecision(False, nan, False, 0, threshold, step, norm, opt_global_step, enabled=False)
+        spike = spike or loss_spike or replayed
+        streak = [*self.streak, (norm, loss)] if spike and not nan and not replayed and self._regimes else []
+        regime = spike and self._new_regime(streak)
+        if regime:
+            spike, streak = False, []
+            self.rule.restart([n for n, _ in self.streak] + [norm])
+            if self.loss_rule is not None:
+                self.loss_rule.restart([v for _, v in self.streak if v is not None] + ([loss] if loss is not None else []))
+        self.streak = streak
         if spike:
             self.consecutive += 1
             self.skipped_total += 1
             self.nan_total += nan
-            if self.consecutive >= self.cfg.count_threshold:
-                abort_message = abort_text(step, norm, self.consecutive, threshold)
-            else:
-                lines.append(spike_line(step, norm, self.consecutive, threshold))
         else:
             self.consecutive = 0
-            self.rule.accept(norm)
+        if not regime:
+            # learning goes on while skipping: a finite value enters, clipped to the bar it was judged against
+            if math.isfinite(norm):
+                self.rule.accept(min(norm, threshold))
+            if self.loss_rule is not None and loss is not None and math.isfinite(loss):
+                self.loss_rule.accept(min(loss, loss_threshold))
         return SkipDecision(
             skip=spike,
             nan=nan,
-            abort=abort_message is not None,
+            abort=spike and self.consecutive >= self.cfg.count_threshold,
             consecutive=self.consecutive,
             threshold=threshold,
-            log_lines=tuple(lines),
-            abort_message=abort_message,
+            step=step,
+            global_norm=norm,
+            opt_global_step=opt_global_step,
+            enabled=True,
+            loss_spike=loss_spike and spike,
+            loss=loss,
+            loss_threshold=loss_threshold,
+            regime_change=regime,
         )
 
     # ----------------------------------------------------------------------------- checkpointing
@@ -229,6 +321,8 @@ class DataSkipGuard:
             "nan_total": int(self.nan_total),
             "consecutive": int(self.consecutive),
             "window": self.rule.window_state(),
+            "streak": [[n, v] for n, v in self.streak],
+            "loss_window": self.loss_rule.window_state() if self.loss_rule is not None else [],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -244,6 +338,9 @@ class DataSkipGuard:
             window = [float(v) for v in state["window"]]
             if not all(math.isfinite(v) for v in window):
                 raise ValueError("window holds a non-finite norm")
+            # absent from states saved before the regime and loss tests existed
+            streak = [(float(n), None if v is None else float(v)) for n, v in state.get("streak", [])]
+            loss_window = [float(v) for v in state.get("loss_window", [])]
         except KeyError as exc:
             raise CheckpointError(f"data skip guard state is malformed: missing key {exc}") from None
         except (AttributeError, TypeError, ValueError) as exc:
@@ -252,3 +349,6 @@ class DataSkipGuard:
         self.nan_total = counts["nan_total"]
         self.consecutive = counts["consecutive"]
         self.rule.load_window(window, "data skip guard")
+        self.streak = streak
+        if self.loss_rule is not None:
+            self.loss_rule.load_window(loss_window, "data skip guard")

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, PretrainedConfig
+from torch import nn
+from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 
-from trainguard.config.schema import ModelConfig
 from trainguard.errors import ConfigError
 
 CONFIG_FILE = "config.json"
@@ -25,8 +25,9 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 SUPPORTED_MODEL_TYPES = ("llama",)
 
-# model.<key> overrides that must agree with the Hugging Face config when model.init_from is set
-_MUST_AGREE = {
+# trainguard's model.<key> -> the Hugging Face config's name for it: a preset's overrides, and the keys
+# that must agree with the Hugging Face config when model.init_from is set
+MODEL_KEYS = {
     "hidden_size": "hidden_size",
     "num_layers": "num_hidden_layers",
     "num_heads": "num_attention_heads",
@@ -84,12 +85,13 @@ def read_hf_config(hf_dir: Path, attn_implementation: str = "sdpa") -> Pretraine
         raise ConfigError(f"{path}: not a valid {model_type} config ({exc})") from None
 
 
-def model_config_from_hf(model: ModelConfig) -> PretrainedConfig:
-    """The architecture of ``model.init_from``; raises if a ``model.*`` key set explicitly disagrees."""
-    hf_dir = Path(model.init_from)
-    config = read_hf_config(hf_dir, model.attn_implementation)
-    for ours, theirs in _MUST_AGREE.items():
-        value = getattr(model, ours)
+def model_config_from_hf(hf_dir: Path, attn_implementation: str, explicit: dict[str, Any]) -> PretrainedConfig:
+    """The architecture of ``hf_dir``; raises if a ``model.*`` key set explicitly (``explicit``: its
+    ``MODEL_KEYS`` that are not None) disagrees."""
+    hf_dir = Path(hf_dir)
+    config = read_hf_config(hf_dir, attn_implementation)
+    for ours, theirs in MODEL_KEYS.items():
+        value = explicit.get(ours)
         if value is not None and value != getattr(config, theirs):
             raise ConfigError(
                 f"model.{ours}={value} disagrees with {hf_dir / CONFIG_FILE} ({theirs}={getattr(config, theirs)}); "
@@ -153,10 +155,16 @@ def hf_tensors(hf_dir: Path) -> dict[str, HFTensor]:
     return tensors
 
 
+def build_empty_model(config: PretrainedConfig) -> nn.Module:
+    """The Hugging Face model of ``config`` on the ``meta`` device (float32, ``use_cache`` off)."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.config.use_cache = False
+    return model
+
+
 def expected_shapes(config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
     """Names and shapes of the tensors a model built from ``config`` loads (no memory is allocated)."""
-    from trainguard.hf.init import build_empty_model
-
     model = build_empty_model(config)
     return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
 
@@ -183,19 +191,17 @@ def tensors_to_load(config: PretrainedConfig, tensors: dict[str, HFTensor], hf_d
     return names
 
 
-def check_init_from(model: ModelConfig, pp: int, source: str) -> None:
-    """Everything that can be checked about ``model.init_from`` before processes start."""
+def check_init_from(hf_dir: Path, attn_implementation: str, explicit: dict[str, Any], pp: int,
+                    source: str) -> PretrainedConfig:
+    """Everything about ``model.init_from`` that can be checked before processes start and without the
+    trainer's tokenizer; returns the directory's config."""
+    hf_dir = Path(hf_dir)
     try:
-        config = model_config_from_hf(model)
+        config = model_config_from_hf(hf_dir, attn_implementation, explicit)
         if pp > 1 and config.tie_word_embeddings:
-            raise ConfigError(f"{Path(model.init_from) / CONFIG_FILE}: tie_word_embeddings=true, but parallel.pp > 1 "
+            raise ConfigError(f"{hf_dir / CONFIG_FILE}: tie_word_embeddings=true, but parallel.pp > 1 "
                               "needs untied input and output embeddings")
-        from trainguard.trainer.tokenizer import ByteTokenizer
-
-        needed = ByteTokenizer().vocab_size
-        if config.vocab_size < needed:
-            raise ConfigError(f"{Path(model.init_from) / CONFIG_FILE}: vocab_size={config.vocab_size} is smaller than "
-                              f"the trainer's tokenizer ({needed} ids)")
-        tensors_to_load(config, hf_tensors(Path(model.init_from)), Path(model.init_from))
+        tensors_to_load(config, hf_tensors(hf_dir), hf_dir)
     except ConfigError as exc:
         raise ConfigError(f"{source}: model.init_from: {exc}") from None
+    return config

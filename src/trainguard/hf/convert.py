@@ -25,11 +25,10 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from trainguard.checkpoint.discovery import write_latest
-from trainguard.checkpoint.durable import ChecksummingFileSystemWriter, _fsync_tree
-from trainguard.fs.fsio import commit_directory, fsync_file
+from trainguard.checkpoint.commit import commit_checkpoint
+from trainguard.checkpoint.dcp_writer import ChecksummingFileSystemWriter
+from trainguard.checkpoint.manifest import build_manifest
 from trainguard.fs.layout import HF_DIR, extra_state_name, step_dir_name, temp_dir_name
-from trainguard.checkpoint.manifest import FileEntry, build_manifest, write_manifest
 from trainguard.errors import ConfigError
 from trainguard.hf.config import hf_tensors, read_hf_config, tensors_to_load
 
@@ -70,8 +69,6 @@ def _write_static_files(hf_dir: Path, directory: Path) -> None:
     for name in TOKENIZER_FILES:
         if (hf_dir / name).is_file():
             shutil.copyfile(hf_dir / name, target / name)
-    for path in target.iterdir():
-        fsync_file(path)
 
 
 def hf_to_durable(hf_dir: Path, target: Path, *, progress: bool = True) -> Path:
@@ -96,19 +93,12 @@ def hf_to_durable(hf_dir: Path, target: Path, *, progress: bool = True) -> Path:
     extra = io.BytesIO()
     # no "rng" and no stateful objects: the resuming run keeps its fresh seeds, schedule and data order
     torch.save({"step": 0, "rank": 0, "world_size": 1, "stateful": {}}, extra)
-    extra_path = tmp / extra_state_name(1, 0)
-    extra_path.write_bytes(extra.getvalue())
-    fsync_file(extra_path)
+    (tmp / extra_state_name(1, 0)).write_bytes(extra.getvalue())
     _write_static_files(hf_dir, tmp)
-    fsync_file(tmp / ".metadata")
-    known: dict[str, FileEntry] = dict(writer.written)
     manifest = build_manifest(
         tmp, step=0, world_size=1, mesh_shape=[1], mesh_dim_names=["world"],
         trainer_state={"step": 0, "consumed_samples": 0},
-        extra={"converted_from": {"huggingface": str(hf_dir.resolve())}}, known=known,
+        extra={"converted_from": {"huggingface": str(hf_dir.resolve())}}, known=writer.written,
     )
-    _fsync_tree(tmp)
-    write_manifest(tmp, manifest)
-    commit_directory(tmp, final)
-    write_latest(root, 0)
-    return final
+    # the extra state, .metadata and huggingface/ were written plainly: the commit fsyncs them
+    return commit_checkpoint(tmp, manifest, fsynced=writer.written).path

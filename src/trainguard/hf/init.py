@@ -2,7 +2,7 @@
 
 How (the torchtitan recipe, with PyTorch's own Hugging Face reader):
 
-1. the model is built on the ``meta`` device (:func:`build_empty_model`): no memory, no initialization;
+1. the model is built on the ``meta`` device (``hf.config.build_empty_model``): no memory, no initialization;
 2. it is parallelized as usual (TP, FSDP2 / HSDP, or pruned to a pipeline stage), still on ``meta``;
 3. :func:`materialize` allocates each rank's shards (uninitialized) and recomputes the non-persistent
    buffers (the rotary frequencies), which no checkpoint holds;
@@ -37,17 +37,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import PretrainedConfig
 
 from trainguard.hf.config import HFTensor, hf_tensors, tensors_to_load
-
-
-def build_empty_model(config: PretrainedConfig) -> nn.Module:
-    """The Hugging Face model of ``config`` on the ``meta`` device (float32, ``use_cache`` off)."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.config.use_cache = False
-    return model
 
 
 def materialize(model: nn.Module, device: torch.device, hf_model: nn.Module) -> None:

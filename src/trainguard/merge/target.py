@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from trainguard.fs.fsio import fsync_dir
+from trainguard.fs.fsio import commit_directory, fsync_tree
 from trainguard.fs.layout import new_token
 from trainguard.errors import ConfigError
 
@@ -30,18 +30,8 @@ def staged_directory(target: Path, force: bool) -> Iterator[Path]:
     staging.mkdir()
     try:
         yield staging
-        for path in staging.rglob("*"):
-            if path.is_dir():
-                fsync_dir(path)
-        fsync_dir(staging)
-        if target.exists():
-            old = target.parent / f".{target.name}.old-{new_token()}"
-            target.rename(old)
-            staging.rename(target)
-            shutil.rmtree(old)
-        else:
-            staging.rename(target)
-        fsync_dir(target.parent)
+        fsync_tree(staging)
+        commit_directory(staging, target, replace=True)  # check_target allowed what is there
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

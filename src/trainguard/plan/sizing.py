@@ -29,10 +29,6 @@ class CheckpointSizes:
     full_per_rank_bytes: int  # one rank's share: each model-parallel slice once, sharded over dp_shard
     local_tier_bytes: int  # the redundant per-rank tier: every rank writes its own slice, replicas included
 
-    def as_gib(self) -> dict[str, float]:
-        return {name: getattr(self, name) / GIB for name in
-                ("weights_bytes", "full_bytes", "full_per_rank_bytes", "local_tier_bytes")}
-
 
 def checkpoint_sizes(params: int, tp: int = 1, pp: int = 1, dp_replicate: int = 1, dp_shard: int = 1) -> CheckpointSizes:
     """Sizes for ``params`` parameters laid out over tp × pp model-parallel ranks, replicated over

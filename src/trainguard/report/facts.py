@@ -424,13 +424,13 @@ def _from_checkpoints(root: Path, facts: RunFacts) -> None:
     if not root.is_dir():
         return
     try:
-        records = {r["ckpt_name"]: r["is_health"] for r in read_health_records(root / HEALTH_FILE)}
+        records = {r["ckpt_name"]: r for r in read_health_records(root / HEALTH_FILE)}
     except CheckpointError as exc:
         facts.notes.append(str(exc))
         records = {}
     for ckpt in facts.checkpoints:
         if ckpt.tier == "durable" and ckpt.name in records:
-            ckpt.health = "unhealthy" if records[ckpt.name] == 1 else "healthy"
+            ckpt.health = "unhealthy" if marked_unhealthy(records[ckpt.name]) else "healthy"
     try:
         on_disk = list_checkpoints(root)
     except OSError as exc:
@@ -450,7 +450,7 @@ def _from_checkpoints(root: Path, facts: RunFacts) -> None:
         if manifest.health is not None:
             ckpt.health = "unhealthy" if marked_unhealthy(manifest.health) else "healthy"
         elif info.name in records:
-            ckpt.health = "unhealthy" if records[info.name] == 1 else "healthy"
+            ckpt.health = "unhealthy" if marked_unhealthy(records[info.name]) else "healthy"
         config = manifest.trainer_state.get("config") if isinstance(manifest.trainer_state, dict) else None
         facts.skip_threshold = _fixed_skip_threshold(config) if facts.skip_threshold is None else facts.skip_threshold
     facts.checkpoints.sort(key=lambda c: (c.time or 0.0, c.step))

@@ -14,6 +14,8 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainguard.runtime.heartbeat import Heartbeat
+
 DUMP_SIGNAL = signal.SIGUSR2
 HANGS_DIR = "hangs"
 
@@ -67,20 +69,46 @@ class HangPolicy:
         return max(self.floor, self.multiple * longest_gap)
 
 
-def _training_thread_top(dump: str, frames: int = 3) -> str:
-    """The innermost frames of the thread that runs the trainer (its stack passes through the trainer's run)."""
-    for block in dump.split("\n\n"):
-        lines = [line for line in block.splitlines() if line.strip().startswith("File ")]
-        if any("trainer/loop.py" in line and line.rstrip().endswith(" in run") for line in lines):
-            return "\n".join(lines[:frames])
-    return ""
+# phases in which a rank works alone; the others, once done with their step, wait for it in a collective
+LOCAL_PHASES = ("init", "resume", "save")
+COLLECTIVE_FRAMES = "torch/distributed/"
 
 
-def suspect_ranks(dumps: dict[int, str]) -> list[int]:
-    """Ranks whose training thread is not inside torch.distributed: the ones the others wait for."""
-    tops = {rank: _training_thread_top(text) for rank, text in dumps.items()}
+def suspects_from_heartbeats(beats: dict[int, Heartbeat]) -> list[int]:
+    """Ranks the others wait for, from the heartbeats alone: behind in steps, or stuck in a local phase.
+
+    Empty when the heartbeats are level (every rank beat the same step, e.g. one rank stuck inside the
+    next step's computation while the others wait in its all-reduce): the stack dumps decide then.
+    """
+    if len(beats) < 2:
+        return []
+    newest = max(beat.step for beat in beats.values())
+    behind = sorted(rank for rank, beat in beats.items() if beat.step < newest)
+    if behind:
+        return behind
+    local = sorted(rank for rank, beat in beats.items() if beat.phase in LOCAL_PHASES)
+    return local if len(local) < len(beats) else []
+
+
+def main_thread_top(dump: str, frames: int = 3) -> str:
+    """The innermost frames of the main thread (faulthandler lists threads newest first: it is the last)."""
+    blocks = [block for block in dump.split("\n\n") if "File " in block]
+    if not blocks:
+        return ""
+    lines = [line for line in blocks[-1].splitlines() if line.strip().startswith("File ")]
+    return "\n".join(lines[:frames])
+
+
+def suspects_from_dumps(dumps: dict[int, str]) -> list[int]:
+    """Ranks whose main thread is not inside torch.distributed, when the others wait in a collective."""
+    tops = {rank: main_thread_top(text) for rank, text in dumps.items()}
     tops = {rank: top for rank, top in tops.items() if top}
-    waiting = {rank for rank, top in tops.items() if "torch/distributed" in top}
+    waiting = {rank for rank, top in tops.items() if COLLECTIVE_FRAMES in top}
     if not waiting or len(waiting) == len(tops):
         return []
     return sorted(set(tops) - waiting)
+
+
+def suspect_ranks(beats: dict[int, Heartbeat], dumps: dict[int, str]) -> list[int]:
+    """The hanging ranks: from the heartbeats, else from the stack dumps (any script, any launcher)."""
+    return suspects_from_heartbeats(beats) or suspects_from_dumps(dumps)

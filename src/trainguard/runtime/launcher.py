@@ -9,43 +9,37 @@ has imported the trainer, so each rank does not pay seconds of imports again (CU
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import logging
 import os
 import signal
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from trainguard.errors import EXIT_CRASH
+from trainguard.runtime.policy import exit_code_of
 from trainguard.runtime.nodes import ENV_AGENT_REPORT, ENV_NNODES, ENV_NODE_RANK, ENV_RDZV_ENDPOINT
 
-MEANINGFUL_EXIT_CODES = (2, 3, 4, 16, 17)
-
-
-def exit_code_of(failure_codes: list[int]) -> int:
-    """The code that explains a failed group: a meaningful code if any rank gave one, else crash."""
-    for code in MEANINGFUL_EXIT_CODES:
-        if code in failure_codes:
-            return code
-    return EXIT_CRASH
-
-
-def launch_local(nproc: int, worker_args: list[str], run_dir: Path) -> int:
+def launch_local(nproc: int, worker_args: list[str], run_dir: Path, entrypoint: Callable[[list[str]], Any],
+                 preload: tuple[str, ...] = ()) -> int:
+    """Runs ``entrypoint(worker_args)`` in ``nproc`` ranks; ``preload`` names the modules to import
+    here first when the ranks are forked (imported once, inherited by every rank)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # A rank that exits non-zero has said why in one line; the agent's traceback of its own poll loop
     # ("ProcessExitedException") repeats nothing useful. The exit codes reach the supervisor below.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     import torch
 
-    from trainguard.trainer.entry import run_worker
-
     fork = not torch.cuda.is_available()
     if fork:
-        import trainguard.trainer.loop  # noqa: F401  (imported once, inherited by every forked rank)
+        for module in preload:
+            importlib.import_module(module)
     # Slurm's --signal=USR1 reaches every process of the step: the ranks act on it (save, exit 16),
     # the agent must not die of it; SIGUSR2 asks the ranks for stack dumps. Ranks install their own.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
@@ -70,7 +64,7 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path) -> int:
         local_addr="127.0.0.1",
     )
     try:
-        elastic_launch(config, entrypoint=run_worker)(worker_args)
+        elastic_launch(config, entrypoint=entrypoint)(worker_args)
     except ChildFailedError as exc:
         with contextlib.suppress(OSError):  # on a full disk the ranks' exit codes still count
             _write_agent_report(exc)

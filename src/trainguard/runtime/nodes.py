@@ -124,6 +124,16 @@ def _children(pid: int) -> list[int]:
     return children
 
 
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it, read from /proc (this host only)."""
+    stack, found = [pid], []
+    while stack:
+        current = stack.pop()
+        found.append(current)
+        stack += _children(current)
+    return found
+
+
 def kill_tree(pid: int) -> None:
     """SIGKILLs a process and all its descendants (an agent and its ranks), leaving the caller alone.
 
@@ -131,12 +141,7 @@ def kill_tree(pid: int) -> None:
     test, Slurm) kills them too; the supervisor therefore kills an agent by walking its tree.
     """
     for _ in range(2):  # a second pass for children forked while the first pass ran
-        stack, found = [pid], []
-        while stack:
-            current = stack.pop()
-            found.append(current)
-            stack += _children(current)
-        for target in found:
+        for target in descendants(pid):
             try:
                 os.kill(target, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -191,16 +196,35 @@ class LocalNodes:
             return fork_agent(self.fork_run, command, env)
         return subprocess.Popen(self.command(node, command), env={**os.environ, **env})
 
+    def signal_ranks(self, node: str, agent, pids: list[int], sig: signal.Signals) -> list[int]:
+        """Signals the ranks among ``pids`` that run under this node's agent (a pid read from a
+        heartbeat is only trusted inside the agent's own process tree); returns those signalled."""
+        below = set(descendants(agent.pid)) - {agent.pid}
+        sent = []
+        for pid in pids:
+            if pid in below:
+                try:
+                    os.kill(pid, sig)
+                    sent.append(pid)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        return sent
+
+    def stop(self, node: str, agent) -> None:
+        kill_tree(agent.pid)
+
 
 class SlurmNodes:
     """The nodes of the Slurm allocation (``SLURM_JOB_NODELIST``), one ``srun`` step per agent."""
 
     kind = "slurm"
 
-    def __init__(self, names: list[str], base_port: int = 29500):
+    def __init__(self, names: list[str], base_port: int = 29500, job_id: str | None = None):
         self.names = names
         self.base_port = base_port
+        self.job_id = job_id or os.environ.get("SLURM_JOB_ID", "")
         self._starts = 0
+        self._step_names: dict[str, str] = {}  # node -> the name of the job step its agent runs as
 
     @classmethod
     def from_environment(cls) -> "SlurmNodes":
@@ -213,17 +237,60 @@ class SlurmNodes:
         return cls(out.stdout.split())
 
     def endpoint(self, slot0: str) -> str:
-        # a new port per incarnation: the previous store's socket may linger in TIME_WAIT
+        # a new port per incarnation (the previous store's socket may linger in TIME_WAIT), and another
+        # range per job (two jobs may share a node)
         self._starts += 1
-        return f"{slot0}:{self.base_port + self._starts % 1000}"
+        offset = (int(self.job_id or 0) * 16 + self._starts) % 2000
+        return f"{self.address(slot0)}:{self.base_port + offset}"
 
-    def command(self, node: str, command: list[str]) -> list[str]:
+    @staticmethod
+    def address(node: str) -> str:
+        """The node's address as Slurm knows it (``NodeAddr``, which defaults to the node's name)."""
+        out = subprocess.run(["scontrol", "show", "node", "-o", node], capture_output=True, text=True)
+        fields = dict(item.split("=", 1) for item in out.stdout.split() if "=" in item)
+        return fields.get("NodeAddr") or node
+
+    def command(self, node: str, command: list[str], step_name: str = "trainguard") -> list[str]:
         return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--kill-on-bad-exit=1",
-                "--output=%x-%j-%N.out", "--open-mode=append", *command]
+                f"--job-name={step_name}", "--output=%x-%j-%N.out", "--open-mode=append", *command]
 
     def start(self, node: str, command: list[str], env: dict[str, str]) -> subprocess.Popen:
+        # the step's name finds its id later: signals and the end of a step go through Slurm
+        step_name = f"trainguard-{self._starts}-{node}"
+        self._step_names[node] = step_name
         # srun passes the environment on to the task (--export=ALL is its default)
-        return subprocess.Popen(self.command(node, command), env={**os.environ, **env})
+        return subprocess.Popen(self.command(node, command, step_name), env={**os.environ, **env})
+
+    def step_id(self, node: str) -> str | None:
+        """``JOB.STEP`` of the step running this node's agent, or None once it is gone."""
+        name = self._step_names.get(node)
+        out = subprocess.run(["squeue", "--steps", "--noheader", "--jobs", self.job_id, "--format", "%i %j"],
+                             capture_output=True, text=True)
+        for line in out.stdout.splitlines():
+            step, _, step_name = line.strip().partition(" ")
+            if step_name.strip() == name:
+                return step
+        return None
+
+    def signal_ranks(self, node: str, agent, pids: list[int], sig: signal.Signals) -> list[int]:
+        """Has Slurm deliver ``sig`` to every process of the node's job step (the agent ignores it,
+        the ranks act on it); no pid of another host is ever used here."""
+        step = self.step_id(node)
+        if step is None:
+            return []
+        done = subprocess.run(["scancel", f"--signal={sig.name.removeprefix('SIG')}", step], capture_output=True)
+        return list(pids) if done.returncode == 0 else []
+
+    def stop(self, node: str, agent) -> None:
+        """Ends the node's job step itself (killing only the local ``srun`` client would leave it running
+        and block the next step), then the client."""
+        step = self.step_id(node)
+        if step is not None:
+            subprocess.run(["scancel", "--signal=KILL", step], capture_output=True)
+        try:
+            agent.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            kill_tree(agent.pid)
 
 
 def render(command: list[str]) -> str:

@@ -1,4 +1,4 @@
-"""Slurm job scripts for long runs (reference 002): pure rendering, no Slurm needed.
+"""Slurm job scripts for long runs (reference 002): rendering (pure), and ending a job array's remaining tasks.
 
 The script asks for the active nodes plus the spares, gets ``USR1`` some seconds before the time limit
 (the ranks save and exit 16), runs as a job array whose elements run one at a time (``%1``) and each
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 import shlex
+import shutil
+import subprocess
 from dataclasses import dataclass, field
 
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
@@ -86,8 +88,16 @@ def render_job_script(spec: JobSpec) -> str:
         'echo "jobid ${SLURM_JOB_ID} array ${SLURM_ARRAY_JOB_ID:-}_${SLURM_ARRAY_TASK_ID:-} nodes ${SLURM_JOB_NODELIST}"',
         f"PYTHON={shlex.quote(spec.python)}",
         "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}",
-        '"$PYTHON" -m trainguard ' + shlex.join(run) + " -- \\",
+        "# exec: the supervisor is the batch step's process, so scancel -b and --signal=B:... reach it",
+        'exec "$PYTHON" -m trainguard ' + shlex.join(run) + " -- \\",
         '    "$PYTHON" -m trainguard ' + shlex.join(train),
         "",
     ]
     return "\n".join(lines)
+
+
+def cancel_pending_tasks(array_job: str) -> bool:
+    """Cancels the tasks of a job array that have not started (the running one is left alone)."""
+    if shutil.which("scancel") is None:
+        return False
+    return subprocess.run(["scancel", "--state=PENDING", array_job], capture_output=True).returncode == 0

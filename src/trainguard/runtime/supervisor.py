@@ -30,24 +30,29 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.fs.fsio import atomic_write_json
-from trainguard.errors import (
-    EXIT_CRASH,
-    EXIT_DATA_SKIP_ABORT,
-    EXIT_FAULTY_HARDWARE,
-    EXIT_NO_CHECKPOINT,
-    EXIT_OK,
-    EXIT_RESUMABLE_STOP,
-    EXIT_USAGE,
-)
-from trainguard.events import EventLog
+from trainguard.errors import EXIT_CRASH, EXIT_FAULTY_HARDWARE, EXIT_OK, EXIT_RESUMABLE_STOP
+from trainguard.events import EventLog, read_events
 from trainguard.runtime.hang import DUMP_SIGNAL, HangPolicy, dump_dir, remove_empty_dumps, suspect_ranks
 from trainguard.runtime.heartbeat import ENV_INCARNATION, Heartbeat, read_heartbeats
 from trainguard.runtime.lifecycle import ENV_JOB_START
-from trainguard.runtime.nodes import ENV_AGENT_REPORT, LocalNodes, NodePool, agent_env, kill_tree
+from trainguard.runtime.nodes import ENV_AGENT_REPORT, LocalNodes, NodePool, agent_env
+from trainguard.runtime.slurm import cancel_pending_tasks
+from trainguard.runtime.policy import (
+    MEANINGFUL_EXIT_CODES,
+    NEVER_RESTART,
+    Action,
+    Decision,
+    Ended,
+    Outcome,
+    RestartPolicy,
+    classify,
+    first_rank_with,
+    outcome_of,
+)
 
-NEVER_RESTART = (EXIT_OK, EXIT_USAGE, EXIT_DATA_SKIP_ABORT, EXIT_NO_CHECKPOINT, EXIT_RESUMABLE_STOP)
 EXCLUDED_FILE = Path("nodes") / "excluded.json"
 SUPERVISOR_RANK = -1  # the ``rank`` of the supervisor's own events
+ENV_ARRAY_JOB = "SLURM_ARRAY_JOB_ID"
 
 
 @dataclass
@@ -67,6 +72,7 @@ class SupervisorOptions:
     restart_command: list[str] | None = None  # for incarnations after the first (default: ``command``)
     # self-test of a spare before it takes a slot (trainguard doctor): the failure's reason, or None
     doctor: Callable[[str], str | None] | None = None
+    kill_switch: Path | None = None  # armed: start no ranks, end at once with exit 0
 
 
 @dataclass
@@ -78,7 +84,7 @@ class Incarnation:
     reached_step: int | None = None
     ended: float | None = None
     exit_code: int | None = None
-    outcome: str = "running"  # finished | failed | hang | stopped
+    outcome: Outcome = Outcome.RUNNING
     failing_rank: int | None = None
     failing_node: str | None = None
     detail: str = ""
@@ -88,23 +94,18 @@ class Incarnation:
     def row(self) -> dict[str, Any]:
         return {"incarnation": self.number, "nodes": self.nodes, "resumed_step": self.resumed_step,
                 "reached_step": self.reached_step, "seconds": round((self.ended or time.time()) - self.started, 2),
-                "outcome": self.outcome, "exit_code": self.exit_code, "failing_rank": self.failing_rank,
+                "outcome": self.outcome.value, "exit_code": self.exit_code, "failing_rank": self.failing_rank,
                 "failing_node": self.failing_node, "detail": self.detail}
 
+    def ended_as(self) -> Ended:
+        return Ended(self.outcome, self.exit_code if self.exit_code is not None else EXIT_CRASH, self.reached_step,
+                     self.failing_rank, self.failing_node)
 
-def backoff_seconds(base: float, cap: float, failures_without_progress: int) -> float:
-    """``base`` after a failure that followed progress, doubling for each failure in a row without."""
-    return min(cap, base * 2 ** max(0, failures_without_progress - 1))
 
-
-def classify(codes: list[int]) -> int:
-    """The exit code that explains an incarnation from its agents' codes (signals count as crashes)."""
-    from trainguard.runtime.launcher import exit_code_of
-
-    failed = [code for code in codes if code != 0]
-    if not failed:
-        return EXIT_OK
-    return exit_code_of(failed)
+def rank_exit_records(beats: dict[int, Heartbeat]) -> tuple[dict[int, int], dict[int, float]]:
+    """The exit code each rank recorded in its heartbeat before leaving, and when, by rank."""
+    exits = {rank: beat.exit_code for rank, beat in beats.items() if beat.phase == "exit" and beat.exit_code is not None}
+    return exits, {rank: beats[rank].time for rank in exits}
 
 
 def load_excluded(run_dir: Path) -> dict[str, str]:
@@ -119,20 +120,33 @@ def load_excluded(run_dir: Path) -> dict[str, str]:
         raise ConfigError(f"{path}: not a valid excluded-node list ({exc})") from None
 
 
+def finished_in_array(run_dir: Path, array_job: str) -> bool:
+    """True when an earlier task of this job array already ended the run with exit 0."""
+    path = run_dir / "events.jsonl"
+    if not path.exists():
+        return False
+    return any(event.get("exit_code") == EXIT_OK and event.get("array_job") == array_job
+               for event in read_events(path, "supervisor_finished"))
+
+
 class Supervisor:
     def __init__(self, options: SupervisorOptions, nodes=None, out=None):
         self.o = options
         self.run_dir = Path(options.run_dir)
         self.nodes = nodes or LocalNodes(options.nnodes + options.spare_nodes)
         self.pool = NodePool(list(self.nodes.names), options.nnodes, excluded=load_excluded(self.run_dir))
+        self.policy = RestartPolicy(max_restarts=options.max_restarts, crash_loop=options.crash_loop,
+                                    backoff=options.backoff, backoff_max=options.backoff_max,
+                                    node_failures=options.node_failures, several_nodes=len(self.pool.names) > 1)
         self.out = out
         self.events: EventLog | None = None
         self.incarnations: list[Incarnation] = []
-        self.high_water = -1  # the highest step any incarnation completed
         self.longest_gap = 0.0
-        self.node_deaths: dict[str, int] = {}
         self.stop_signal: str | None = None
+        self._forward: list[signal.Signals] = []  # signals received, not yet passed on to the ranks
+        self._stops_forwarded = 0
         self.job_start = time.time()
+        self.array_job = os.environ.get(ENV_ARRAY_JOB)
         self._agents: dict[str, Any] = {}
 
     # ------------------------------------------------------------------------------------ helpers
@@ -154,25 +168,36 @@ class Supervisor:
         return {rank: beat for rank, beat in read_heartbeats(self.run_dir).items() if beat.incarnation == number}
 
     def _on_signal(self, signum: int, frame) -> None:
+        # only flags here: the watch loop passes the signal on (through each node's agent) between polls
         name = signal.Signals(signum).name
         first = self.stop_signal is None
         self.stop_signal = name
+        self._forward.append(signal.Signals(signum))
         self.say(f"received {name}: asking every rank to save and stop" if first else f"received {name} again")
-        for beat in read_heartbeats(self.run_dir).values():
-            if self.incarnations and beat.incarnation == self.incarnations[-1].number:
-                try:
-                    os.kill(beat.pid, signal.SIGUSR1)
-                except ProcessLookupError:
-                    pass
-        if not first or not self.incarnations:
-            self._kill_all()
+
+    def _signal_ranks(self, number: int, sig: signal.Signals) -> list[int]:
+        """Sends ``sig`` to this incarnation's ranks, node by node through that node's agent."""
+        beats = self._beats(number)
+        reached = []
+        for node, agent in self._agents.items():
+            pids = {beat.pid: rank for rank, beat in beats.items() if beat.node == node}
+            reached += [pids[pid] for pid in self.nodes.signal_ranks(node, agent, sorted(pids), sig) if pid in pids]
+        return sorted(reached)
+
+    def _forward_signals(self, number: int) -> None:
+        while self._forward:
+            self._forward.pop(0)
+            self._stops_forwarded += 1
+            self._signal_ranks(number, signal.SIGUSR1)
+            if self._stops_forwarded > 1:  # a second stop: the newest committed checkpoint is the resume point
+                self._kill_all()
 
     def _kill_all(self) -> None:
-        for proc in self._agents.values():
-            if proc.poll() is None:
-                kill_tree(proc.pid)
-        for proc in self._agents.values():
-            proc.wait()
+        for node, agent in self._agents.items():
+            if agent.poll() is None:
+                self.nodes.stop(node, agent)
+        for agent in self._agents.values():
+            agent.wait()
 
     # ---------------------------------------------------------------------------------------- run
     def run(self) -> int:
@@ -188,6 +213,13 @@ class Supervisor:
             if self.events is not None:
                 self.events.close()
 
+    def _nothing_to_do(self) -> str | None:
+        if self.o.kill_switch is not None and Path(self.o.kill_switch).exists():
+            return f"kill switch {self.o.kill_switch} is armed"
+        if self.array_job and finished_in_array(self.run_dir, self.array_job):
+            return f"an earlier task of job array {self.array_job} finished the run"
+        return None
+
     def _run(self) -> int:
         o = self.o
         if not self.pool.complete:
@@ -195,65 +227,67 @@ class Supervisor:
                      f"(excluded: {', '.join(self.pool.excluded) or 'none'}); not starting")
             return EXIT_FAULTY_HARDWARE
         number = self._first_incarnation_number()
-        restarts = 0
-        failures_without_progress = 0
         pending_recovery: dict[str, Any] | None = None
         self.emit("supervisor_started", command=o.command, nnodes=o.nnodes, spare_nodes=o.spare_nodes,
                   nodes=list(self.pool.slots), spares=self.pool.spares, max_restarts=o.max_restarts)
         while True:
+            if (why := self._nothing_to_do()) is not None:
+                return self._end_without_ranks(why)
+            if self.stop_signal and not self.incarnations:  # stopped before anything started
+                return self._end_without_ranks(f"received {self.stop_signal}", EXIT_RESUMABLE_STOP)
             inc = self._run_incarnation(number, pending_recovery)
-            pending_recovery = None
-            code = inc.exit_code
-            progressed = inc.reached_step is not None and inc.reached_step > self.high_water
-            if inc.reached_step is not None:
-                self.high_water = max(self.high_water, inc.reached_step)
-            if inc.outcome == "finished" or code in NEVER_RESTART or self.stop_signal:
-                return self._finish(inc, code if code is not None else EXIT_CRASH)
-            failures_without_progress = 0 if progressed else failures_without_progress + 1
-
-            excluded_node = self._node_to_exclude(inc)
-            if excluded_node is not None:
-                spare = self.pool.exclude(excluded_node, inc.detail or inc.outcome)
-                self._save_excluded()
-                self.emit("node_excluded", node=excluded_node, reason=inc.outcome, exit_code=code,
-                          ranks=[inc.failing_rank] if inc.failing_rank is not None else [], spare=spare)
-                self.say(f"node {excluded_node} excluded ({inc.detail or inc.outcome})")
-                while spare is not None and o.doctor is not None and (why := o.doctor(spare)) is not None:
-                    failed, spare = spare, self.pool.exclude(spare, f"doctor: {why}")  # the next spare, if any
-                    self._save_excluded()
-                    self.emit("node_excluded", node=failed, reason="doctor", detail=why, ranks=[], spare=spare)
-                    self.say(f"spare node {failed} failed its self-test ({why}): excluded")
-                if spare is None:
-                    self.say(f"no spare node left to take {excluded_node}'s slot: the world size must stay "
-                             f"{o.nnodes} node(s), stopping")
-                    return self._give_up(inc, "no spare node", code or EXIT_CRASH)
-                self.emit("spare_started", node=spare, replaces=excluded_node, slot=self.pool.slots.index(spare))
-                self.say(f"spare node {spare} takes the slot of {excluded_node}")
-                failures_without_progress = 0  # a new node deserves a fresh count
-            elif code == EXIT_FAULTY_HARDWARE:
-                return self._give_up(inc, "faulty hardware, but no node could be named", code)
-
-            if restarts >= o.max_restarts:
-                return self._give_up(inc, f"--max-restarts {o.max_restarts} used up", code or EXIT_CRASH)
-            if failures_without_progress >= o.crash_loop:
-                return self._give_up(inc, f"crash loop: {failures_without_progress} failures in a row without "
-                                          f"a new step (highest step {self.high_water})", code or EXIT_CRASH)
-            delay = backoff_seconds(o.backoff, o.backoff_max, max(1, failures_without_progress))
-            restarts += 1
-            self.say(f"incarnation {inc.number} {inc.outcome} (exit {code}); restart {restarts}/{o.max_restarts} "
-                     f"in {delay:.1f}s" + (f"; failing rank {inc.failing_rank} on {inc.failing_node}"
-                                           if inc.failing_rank is not None else ""))
-            pending_recovery = {"reason": inc.outcome, "exit_code": code, "failing_rank": inc.failing_rank,
-                                "failing_node": inc.failing_node, "failed_incarnation": inc.number,
-                                "failed_at": inc.last_progress or inc.started, "detected_at": inc.ended,
-                                "reached_step": inc.reached_step, "backoff": delay}
-            self.emit("restart", step=inc.reached_step, incarnation=number + 1, reason=inc.outcome,
-                      exit_code=code, failing_rank=inc.failing_rank, failing_node=inc.failing_node,
-                      detail=inc.detail, backoff=delay, restarts=restarts)
-            time.sleep(delay)
+            ended = inc.ended_as()
+            decision = self.policy.observe(ended, stop_requested=self.stop_signal is not None)
+            if decision is not None:
+                return self._finish(inc, decision.exit_code)
+            excluded = self.policy.node_to_exclude(ended, self.pool.slots)
+            if excluded is not None:
+                if not self._replace(inc, excluded):
+                    return self._give_up(inc, "no spare node", ended.exit_code)
+                self.policy.replaced_node()
+            elif ended.exit_code == EXIT_FAULTY_HARDWARE:
+                return self._give_up(inc, "faulty hardware, but no node could be named", ended.exit_code)
+            decision = self.policy.next_attempt(ended)
+            if decision.action is Action.GIVE_UP:
+                return self._give_up(inc, decision.reason, decision.exit_code)
+            pending_recovery = self._announce_restart(inc, decision)
+            time.sleep(decision.delay)
             if self.stop_signal:  # asked to stop while waiting: the last checkpoint is the resume point
                 return self._finish(inc, EXIT_RESUMABLE_STOP)
             number += 1
+
+    def _replace(self, inc: Incarnation, node: str) -> bool:
+        """Excludes ``node`` and gives its slot to a spare that passes its self-test; False if none is left."""
+        spare = self.pool.exclude(node, inc.detail or inc.outcome.value)
+        self._save_excluded()
+        self.emit("node_excluded", node=node, reason=inc.outcome.value, exit_code=inc.exit_code,
+                  ranks=[inc.failing_rank] if inc.failing_rank is not None else [], spare=spare)
+        self.say(f"node {node} excluded ({inc.detail or inc.outcome.value})")
+        while spare is not None and self.o.doctor is not None and (why := self.o.doctor(spare)) is not None:
+            failed, spare = spare, self.pool.exclude(spare, f"doctor: {why}")  # the next spare, if any
+            self._save_excluded()
+            self.emit("node_excluded", node=failed, reason="doctor", detail=why, ranks=[], spare=spare)
+            self.say(f"spare node {failed} failed its self-test ({why}): excluded")
+        if spare is None:
+            self.say(f"no spare node left to take {node}'s slot: the world size must stay "
+                     f"{self.o.nnodes} node(s), stopping")
+            return False
+        self.emit("spare_started", node=spare, replaces=node, slot=self.pool.slots.index(spare))
+        self.say(f"spare node {spare} takes the slot of {node}")
+        return True
+
+    def _announce_restart(self, inc: Incarnation, decision: Decision) -> dict[str, Any]:
+        restarts, code = self.policy.restarts, inc.exit_code
+        self.say(f"incarnation {inc.number} {inc.outcome.value} (exit {code}); restart {restarts}/{self.o.max_restarts} "
+                 f"in {decision.delay:.1f}s" + (f"; failing rank {inc.failing_rank} on {inc.failing_node}"
+                                                if inc.failing_rank is not None else ""))
+        self.emit("restart", step=inc.reached_step, incarnation=inc.number + 1, reason=inc.outcome.value,
+                  exit_code=code, failing_rank=inc.failing_rank, failing_node=inc.failing_node,
+                  detail=inc.detail, backoff=decision.delay, restarts=restarts)
+        return {"reason": inc.outcome.value, "exit_code": code, "failing_rank": inc.failing_rank,
+                "failing_node": inc.failing_node, "failed_incarnation": inc.number,
+                "failed_at": inc.last_progress or inc.started, "detected_at": inc.ended,
+                "reached_step": inc.reached_step, "backoff": decision.delay}
 
     # ------------------------------------------------------------------------------- incarnation
     def _run_incarnation(self, number: int, recovery: dict[str, Any] | None) -> Incarnation:
@@ -277,6 +311,7 @@ class Supervisor:
         first_failure: float | None = None
         hung = False
         while True:
+            self._forward_signals(number)
             now = time.time()
             for node, proc in self._agents.items():
                 code = proc.poll()
@@ -302,19 +337,23 @@ class Supervisor:
                 break
             time.sleep(o.poll)
         inc.ended = time.time()
-        self._observe(inc, self._beats(number), None)
+        beats = self._beats(number)
+        self._observe(inc, beats, None)
         remove_empty_dumps(self.run_dir, number)
-        codes = [code for code, _ in exits.values()]
+        rank_exits, exit_times = rank_exit_records(beats)
         if hung:
-            inc.outcome, inc.exit_code = "hang", EXIT_CRASH
+            inc.outcome, inc.exit_code = Outcome.HANG, EXIT_CRASH
         else:
-            inc.exit_code = classify(codes)
-            inc.outcome = "finished" if inc.exit_code == EXIT_OK else (
-                "stopped" if inc.exit_code == EXIT_RESUMABLE_STOP else "failed")
-        if inc.outcome != "finished":
-            self._attribute(inc, exits)
+            inc.exit_code = classify([code for code, _ in exits.values()], rank_exits)
+            if self.stop_signal and inc.exit_code not in NEVER_RESTART:
+                # asked to stop (a time limit, scancel) before the ranks could save: whatever ended them,
+                # the newest committed checkpoint is the resume point
+                inc.exit_code = EXIT_RESUMABLE_STOP
+            inc.outcome = outcome_of(inc.exit_code)
+        if inc.outcome in (Outcome.FAILED, Outcome.HANG):
+            self._attribute(inc, exits, beats, rank_exits, exit_times)
         self.emit("incarnation_ended", step=inc.reached_step, **inc.row(),
-                  exit_codes={node: code for node, (code, _) in exits.items()})
+                  exit_codes={node: code for node, (code, _) in exits.items()}, rank_exit_codes=rank_exits)
         return inc
 
     def _observe(self, inc: Incarnation, beats: dict[int, Heartbeat], recovery) -> None:
@@ -347,13 +386,7 @@ class Supervisor:
         return True
 
     def _dump_and_kill(self, inc: Incarnation, beats: dict[int, Heartbeat]) -> None:
-        signalled = []
-        for rank, beat in beats.items():
-            try:
-                os.kill(beat.pid, DUMP_SIGNAL)
-                signalled.append(rank)
-            except (ProcessLookupError, PermissionError):
-                pass
+        signalled = self._signal_ranks(inc.number, DUMP_SIGNAL)
         directory = dump_dir(self.run_dir, inc.number)
         deadline = time.time() + 3.0
         while time.time() < deadline:
@@ -368,7 +401,7 @@ class Supervisor:
             path = directory / f"rank_{rank}.txt"
             if path.exists():
                 dumps[rank] = path.read_text(errors="replace")
-        suspects = suspect_ranks(dumps)
+        suspects = suspect_ranks(beats, dumps)
         if len(suspects) == 1:
             inc.failing_rank = suspects[0]
             inc.failing_node = beats[suspects[0]].node
@@ -376,9 +409,10 @@ class Supervisor:
                   dumps=str(directory), ranks_dumped=sorted(dumps), suspect_ranks=suspects)
 
     # ------------------------------------------------------------------------------- attribution
-    def _attribute(self, inc: Incarnation, exits: dict[str, tuple[int, float]]) -> None:
-        """Names the failing rank and node: faulty_ranks.json, then agents' reports, then exit order."""
-        beats = self._beats(inc.number)
+    def _attribute(self, inc: Incarnation, exits: dict[str, tuple[int, float]], beats: dict[int, Heartbeat],
+                   rank_exits: dict[int, int], exit_times: dict[int, float]) -> None:
+        """Names the failing rank and node: faulty_ranks.json, the ranks' exit records, the agents'
+        reports, then exit order."""
         node_of = {rank: beat.node for rank, beat in beats.items()}
         if inc.exit_code == EXIT_FAULTY_HARDWARE:
             from trainguard.guards.sdc import faulty_ranks_path
@@ -396,6 +430,12 @@ class Supervisor:
                 return
         if inc.failing_rank is not None:
             return
+        if inc.exit_code in MEANINGFUL_EXIT_CODES:
+            rank = first_rank_with(inc.exit_code, rank_exits, exit_times)
+            if rank is not None:
+                inc.failing_rank, inc.failing_node = rank, node_of[rank]
+                inc.detail = inc.detail or f"rank {rank} on {node_of[rank]} exited {inc.exit_code} (its exit record)"
+                return
         failures = []
         for node in inc.nodes:
             report = self.run_dir / "supervisor" / f"incarnation_{inc.number}" / f"{node}.json"
@@ -409,7 +449,7 @@ class Supervisor:
         # without a word (SIGKILL, OOM killer, segfault)
         signalled = [(f, node) for f, node in failures if f["exitcode"] < 0]
         silent = sorted(rank for rank, beat in beats.items() if beat.phase != "exit")
-        if not signalled and silent and len(silent) < len(beats) and inc.outcome != "hang":
+        if not signalled and silent and len(silent) < len(beats) and inc.outcome is not Outcome.HANG:
             inc.failing_rank = silent[0]
             inc.failing_node = node_of[silent[0]]
             inc.detail = inc.detail or f"rank {silent[0]} on {inc.failing_node} died without an exit (killed)"
@@ -423,21 +463,10 @@ class Supervisor:
             inc.detail = inc.detail or f"rank {failure['rank']} on {inc.failing_node} failed ({how})"
             return
         failed = sorted((at, node, code) for node, (code, at) in exits.items() if code != 0)
-        if failed and inc.outcome != "hang":
+        if failed and inc.outcome is not Outcome.HANG:
             at, node, code = failed[0]
             inc.failing_node = node
             inc.detail = inc.detail or f"agent on {node} exited {code}"
-
-    def _node_to_exclude(self, inc: Incarnation) -> str | None:
-        node = inc.failing_node
-        if node is None or node not in self.pool.slots:
-            return None
-        if inc.exit_code == EXIT_FAULTY_HARDWARE:
-            return node
-        if len(self.pool.names) < 2 or inc.failing_rank is None:
-            return None  # on a single node a repeated death is a crash loop, not a node to exclude
-        self.node_deaths[node] = self.node_deaths.get(node, 0) + 1
-        return node if self.node_deaths[node] >= self.o.node_failures else None
 
     def _save_excluded(self) -> None:
         entries = [{"node": node, "reason": reason, "time": time.time()} for node, reason in self.pool.excluded.items()]
@@ -489,13 +518,33 @@ class Supervisor:
         if self.o.max_restarts > 0 or self.o.spare_nodes > 0 or self.o.nnodes > 1:
             self.say(f"giving up: {why}")
             self._summary()
-        self.emit("supervisor_gave_up", step=self.high_water if self.high_water >= 0 else None, reason=why,
+        high_water = self.policy.high_water
+        self.emit("supervisor_gave_up", step=high_water if high_water >= 0 else None, reason=why,
                   exit_code=code, incarnations=[i.row() for i in self.incarnations])
         return code
 
     def _finish(self, inc: Incarnation, code: int) -> int:
         if len(self.incarnations) > 1:
             self._summary()
-        self.emit("supervisor_finished", step=inc.reached_step, exit_code=code, outcome=inc.outcome,
-                  stop_signal=self.stop_signal, incarnations=[i.row() for i in self.incarnations])
+        self.emit("supervisor_finished", step=inc.reached_step, exit_code=code, outcome=inc.outcome.value,
+                  stop_signal=self.stop_signal, array_job=self.array_job,
+                  incarnations=[i.row() for i in self.incarnations])
+        if code == EXIT_OK and self.array_job:
+            self._end_array()
         return code
+
+    def _end_without_ranks(self, why: str, code: int = EXIT_OK) -> int:
+        self.say(f"{why}: starting no ranks, exit {code}")
+        outcome = "nothing_to_do" if code == EXIT_OK else Outcome.STOPPED.value
+        self.emit("supervisor_finished", step=None, exit_code=code, outcome=outcome, reason=why,
+                  stop_signal=self.stop_signal, array_job=self.array_job,
+                  incarnations=[i.row() for i in self.incarnations])
+        if code == EXIT_OK and self.array_job:
+            self._end_array()
+        return code
+
+    def _end_array(self) -> None:
+        """The run is over: the job array's remaining tasks would each take an allocation for nothing."""
+        cancelled = cancel_pending_tasks(self.array_job)
+        if cancelled:
+            self.say(f"cancelled the pending tasks of job array {self.array_job}")

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from trainguard.guards.health import HealthConfig, is_unhealthy
+from trainguard.guards.health import HealthConfig, health_record, judge_health
 
 
 class EmbeddingNorm:
@@ -48,8 +48,7 @@ class EmbeddingNorm:
         if not config.enabled or self._local is None:
             return None
         norm = max_over_ranks(self._local)
-        return {"is_health": int(is_unhealthy(norm, config.embedding_threshold)), "embedding_local_norm": norm,
-                "threshold": config.embedding_threshold}
+        return health_record(judge_health(norm, config.embedding_threshold), norm, config.embedding_threshold)
 
 
 def max_over_ranks(value: torch.Tensor) -> float:

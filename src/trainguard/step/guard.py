@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainguard.backup.attach import attach_mirror
 from trainguard.checkpoint.manager import CheckpointManager, Stateful
 from trainguard.config.load import config_to_dict, load_config
 from trainguard.config.schema import RunConfig
@@ -47,18 +48,20 @@ from trainguard.events.rank_logging import LOGGER_NAME, setup_logging
 from trainguard.faults import FaultInjector
 from trainguard.guards.rollback import RollbackGuard
 from trainguard.guards.sdc import FaultyDeviceError, faulty_ranks_path, sdc_config_from_env, write_faulty_ranks
-from trainguard.guards.skip import DataSkipAbort, DataSkipGuard
+from trainguard.guards.skip import DataSkipAbort, DataSkipGuard, reference_abort_message, reference_log_lines
+from trainguard.guards.state_guard import StateGuard
 from trainguard.norms import clip_grads_, local_grad_norms
 from trainguard.runtime.heartbeat import node_name
 from trainguard.runtime.lifecycle import EXIT_CODES, NONE, REASON_NAMES, Lifecycle
 from trainguard.step.embedding import EmbeddingNorm
-from trainguard.step.local_tier import build_local_tier, fire_wipe_faults, resolve_ranks_per_node
+from trainguard.step.local_tier import build_local_tier, build_memory_tier, fire_wipe_faults, resolve_ranks_per_node
 from trainguard.step.report import StepReport
 from trainguard.step.rollback import SkippableData, roll_back, skippable_data
 from trainguard.step.sdc import RerunVerdict, SdcGuard
 from trainguard.step.slots import Reduced, Slot, local_slots, reduce_step
 from trainguard.step.snapshot import StepSnapshot
 from trainguard.step.static_files import huggingface_files
+from trainguard.topology.replica_groups import device_mesh_replica_groups
 
 Config = RunConfig  # the keys of `trainguard train`; a loop of its own uses the sections it needs
 
@@ -98,6 +101,16 @@ def _input_embedding(model: torch.nn.Module) -> torch.nn.Parameter | None:
             return module.weight
     module = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
     return module.weight if module is not None else None
+
+
+def _replica_groups(mesh_shape: list[int], mesh_dim_names: list[str], world_size: int) -> list[tuple[int, ...]]:
+    """The ranks holding the same parameter and optimizer shards (they differ in ``dp_replicate``
+    alone); every rank alone when the mesh's dims are not the DeviceMesh names trainguard knows."""
+    try:
+        groups = device_mesh_replica_groups(mesh_shape, mesh_dim_names)
+    except ValueError:
+        return [(rank,) for rank in range(world_size)]
+    return sorted({tuple(groups.full_replicas(rank)) for rank in range(world_size)})
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
@@ -172,19 +185,29 @@ class Guard:
                                      events=self.events, static_files=static_files)
         else:
             self.faults.check_nodes(None)
+        memory = None
+        if cfg.checkpoint.memory_interval:
+            memory = build_memory_tier(self.run_dir, cfg.checkpoint, mesh_shape=mesh_shape,
+                                       mesh_dim_names=mesh_dim_names, model=model, events=self.events,
+                                       ranks_per_node=resolve_ranks_per_node(cfg.parallel.ranks_per_node,
+                                                                             self.world_size))
         managed: dict[str, Stateful] = {"scheduler": scheduler} if scheduler is not None else {}
         managed.update(self.stateful)
         self.checkpoints = CheckpointManager(
             self.run_dir, model, optimizer, managed, cfg.checkpoint, mesh_shape=mesh_shape,
             mesh_dim_names=mesh_dim_names, static_files=static_files, events=self.events,
-            after_commit=self.faults.after_commit, seed=cfg.train.seed, local=local,
+            after_commit=self.faults.after_commit, seed=cfg.train.seed, local=local, memory=memory,
         )
+        attach_mirror(self.checkpoints)
         sdc_config = sdc_config_from_env(cfg.guards.sdc)
         self.sdc: SdcGuard | None = None
         if sdc_config.enabled:  # installed after the faults, so a point sees a fault injected at its module
             self.sdc = SdcGuard(sdc_config, model, cfg.train.micro_batches, self.device, self.rank, self.host,
                                 self.log, self.events)
             self.checkpoints.stateful.update(self.sdc.stateful)
+        self.state = StateGuard(cfg.guards.fingerprint, model, optimizer,
+                                _replica_groups(mesh_shape, mesh_dim_names, self.world_size), self.rank, self.log,
+                                self.events.emit, strike=self._strike if self.sdc is not None else None)
         self.skip_guard = DataSkipGuard(cfg.guards.skip) if cfg.guards.skip.enabled else None
         if self.skip_guard is not None:
             self.checkpoints.stateful["skip_guard"] = self.skip_guard
@@ -291,6 +314,8 @@ class Guard:
         step = self.global_step + 1
         first_sample = self.data.consumed_samples if self.data is not None else None
         self.faults.at_step_start(step)
+        self.faults.at_rest(step, self.model, self.optimizer)
+        self.state.before_step(step)
         snapshot = StepSnapshot.take(self.stateful) if self.sdc is not None else None
         loss = self._forward_backward(closure, step)
         detected = self.sdc.check(step) if self.sdc is not None else False
@@ -302,7 +327,7 @@ class Guard:
             self.events.emit("local_norm", step=step, norms=local_grad_norms(self.model.named_parameters()))
         lr = self._lr()
         if self.skip_guard is not None and not skipped:
-            skipped = self._decide_skip(step, reduced.global_norm)
+            skipped = self._decide_skip(step, reduced.global_norm, reduced.loss)
         if self.rollback is not None and not skipped:
             spike = self.rollback.check(step, reduced.global_norm, reduced.loss)
             if spike is not None:
@@ -313,11 +338,15 @@ class Guard:
                     self.embedding.forget()
                 return StepOutcome(self.global_step, reduced.loss, reduced.global_norm, applied=False,
                                    skipped=False, rolled_back=True)
+        if not skipped and not math.isfinite(reduced.global_norm):
+            skipped = self._skip_nonfinite(step, reduced.global_norm)
         if not skipped:
             clip_grads_(self._grads(), cfg.optim.grad_clip, reduced.global_norm)
+            self.checkpoints.wait_for_staging()  # a save's copy ran during this forward and backward
             self.optimizer.step()
             if self.scheduler is not None:
                 self.scheduler.step()
+            self.state.after_update(step)
         self.global_step = step
         self._last_loss = reduced.loss
         samples = (self.data.ranges_between(first_sample, self.data.consumed_samples)
@@ -352,7 +381,7 @@ class Guard:
         """One all-reduce: the global norm, the mean loss, the count of ranks raising each flag."""
         share = None
         if loss is not None:  # the loss-holding ranks of a stage: its dp ranks (different data) × tp ranks
-            share = torch.as_tensor(loss, device=self.device).detach().double() / self.ranks_per_stage
+            share = torch.as_tensor(loss, dtype=torch.float64, device=self.device).detach() / self.ranks_per_stage
         return reduce_step(self._grads(), local_slots(self.device, share, flags), self.ranks_per_stage)
 
     def _rerun(self, step: int, closure: Callable[[], Any], snapshot: StepSnapshot, loss: Any) -> tuple[Reduced, bool]:
@@ -376,7 +405,7 @@ class Guard:
             self.global_step = step
             if self.embedding is not None:
                 self.embedding.forget()
-            self.checkpoints.save(step, self.trainer_state(), stopping=True)
+            self.checkpoints.save(step, self.trainer_state(), self._health, stopping=True)
             self.checkpoints.close()
             faulty = [r for r, v in enumerate(verdicts) if v == RerunVerdict.FAULTY]
             if self.rank in faulty:
@@ -395,19 +424,33 @@ class Guard:
         dist.all_gather(parts, mine)
         return [int(part) for part in parts]
 
-    def _decide_skip(self, step: int, norm: float) -> bool:
-        decision = self.skip_guard.decide(step, norm, opt_global_step=step - 1 - self.skip_guard.skipped_total)
-        for line in decision.log_lines:
+    def _decide_skip(self, step: int, norm: float, loss: float) -> bool:
+        decision = self.skip_guard.decide(step, norm, opt_global_step=step - 1 - self.skip_guard.skipped_total,
+                                          loss=loss)
+        for line in reference_log_lines(decision):
             self.log.info(line)
         if decision.skip and self.rank == 0:
             self.events.emit("data_skip", step=step, global_norm=norm, threshold=decision.threshold,
                              consecutive=decision.consecutive, nan=decision.nan)
         if decision.abort:
-            self.log.error("ValueError: %s", decision.abort_message)
+            message = reference_abort_message(decision)
+            self.log.error("ValueError: %s", message)
             if self.rank == 0:
-                self.events.emit("data_skip_abort", step=step, global_norm=norm, message=decision.abort_message)
-            raise DataSkipAbort(f"ValueError: {decision.abort_message}")
+                self.events.emit("data_skip_abort", step=step, global_norm=norm, message=message)
+            raise DataSkipAbort(f"ValueError: {message}")
         return decision.skip
+
+    def _skip_nonfinite(self, step: int, norm: float) -> bool:
+        """A NaN/Inf global norm never reaches the optimizer, whatever the guards' settings: it would
+        poison every weight. The data's or the math's, not a device fault: no strike."""
+        self.log.warning("step %d: the global norm is %s: the update is skipped", step, norm)
+        if self.rank == 0:
+            self.events.emit("nonfinite_skip", step=step, global_norm=norm)
+        return True
+
+    def _strike(self, step: int, evidence: dict[str, Any]) -> bool:
+        """A fingerprint mismatch attributed to this rank: a strike against its device."""
+        return self.sdc.strikes.record(self.rank, self.host, self.sdc.device_label, step, evidence)
 
     def _lr(self) -> float:
         if self.scheduler is not None:
@@ -422,7 +465,10 @@ class Guard:
 
     # ------------------------------------------------------------------------------------ save
     def _health(self) -> dict | None:
-        return self.embedding.health(self.config.guards.health) if self.embedding is not None else None
+        """The save's health: the embedding norm's verdict, and no NaN/Inf state, replicas agreeing
+        (collective: every rank calls it when a tier saves)."""
+        embedding = self.embedding.health(self.config.guards.health) if self.embedding is not None else None
+        return self.state.before_save(self.global_step, embedding)
 
     def trainer_state(self) -> dict[str, Any]:
         """What a checkpoint's manifest records about the run: step, data position, lr, loss, config."""

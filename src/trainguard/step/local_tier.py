@@ -12,6 +12,7 @@ import torch.distributed as dist
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.local.paths import node_of
 from trainguard.checkpoint.local.tier import LocalTier
+from trainguard.checkpoint.memory_tier import DEFAULT_MEMORY_DIR, MemoryTier, run_key
 from trainguard.errors import ConfigError
 from trainguard.events import EventLog
 from trainguard.faults import FaultInjector
@@ -32,13 +33,32 @@ def build_local_tier(run_dir: Path, config: CheckpointConfig, *, mesh_shape: Seq
     """The rank's ``LocalTier`` when ``checkpoint.local_interval`` is set (collective), else None."""
     if not config.local_interval:
         return None
+    return _rank_tier(run_dir, mesh_shape, mesh_dim_names, ranks_per_node, model, events, static_files,
+                      interval=config.local_interval, directory=config.local_dir, keep_last=config.local_keep_last,
+                      tier="local")
+
+
+def build_memory_tier(run_dir: Path, config: CheckpointConfig, *, mesh_shape: Sequence[int],
+                      mesh_dim_names: Sequence[str], ranks_per_node: int, model: torch.nn.Module,
+                      events: EventLog) -> MemoryTier | None:
+    """The rank's ``MemoryTier`` when ``checkpoint.memory_interval`` is set (collective), else None."""
+    if not config.memory_interval:
+        return None
+    directory = (config.memory_dir or DEFAULT_MEMORY_DIR).replace("{run}", run_key(run_dir))
+    return MemoryTier(_rank_tier(run_dir, mesh_shape, mesh_dim_names, ranks_per_node, model, events, None,
+                                 interval=config.memory_interval, directory=directory,
+                                 keep_last=config.memory_keep_last, tier="memory"))
+
+
+def _rank_tier(run_dir: Path, mesh_shape: Sequence[int], mesh_dim_names: Sequence[str], ranks_per_node: int,
+               model: torch.nn.Module, events: EventLog, static_files: Callable[[Path], None] | None, *,
+               interval: int, directory: str | None, keep_last: int, tier: str) -> LocalTier:
     return LocalTier(
         run_dir, rank=dist.get_rank(), world_size=dist.get_world_size(),
         groups=device_mesh_replica_groups(mesh_shape, mesh_dim_names),
         layout={"kind": "device_mesh", "mesh_shape": list(mesh_shape), "mesh_dim_names": list(mesh_dim_names)},
-        local_dir=config.local_dir, ranks_per_node=ranks_per_node, interval=config.local_interval,
-        keep_last=config.local_keep_last, model=model, events=events,
-        process_group=dist.new_group(backend="gloo"), static_files=static_files,
+        local_dir=directory, ranks_per_node=ranks_per_node, interval=interval, keep_last=keep_last, model=model,
+        events=events, process_group=dist.new_group(backend="gloo"), static_files=static_files, tier=tier,
     )
 
 

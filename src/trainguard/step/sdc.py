@@ -18,10 +18,12 @@ from typing import Any
 
 import torch
 
+from trainguard.errors import ConfigError
 from trainguard.events import EventLog
 from trainguard.guards.sdc import (
     STATISTIC,
     DetectionPoints,
+    GradientPoints,
     RerunAttribution,
     SdcConfig,
     SdcDetector,
@@ -29,7 +31,8 @@ from trainguard.guards.sdc import (
     format_detection,
     format_values,
 )
-from trainguard.guards.sdc.detectors import Detection
+from trainguard.guards.sdc.detectors import Detection, SdcLevel
+from trainguard.guards.sdc.points import GRADIENT_PREFIX
 
 
 class RerunVerdict(IntEnum):
@@ -52,10 +55,15 @@ class SdcGuard:
         self.config = config
         self.rank, self.host, self.device = rank, host, device
         self.log, self.events = log, events
-        self.points = DetectionPoints(STATISTIC[self.config.rule], micro_batches=micro_batches, device=device,
+        statistic = STATISTIC[self.config.rule]
+        self.points = DetectionPoints(statistic, micro_batches=micro_batches, device=device,
                                       shares=self.config.peak > 0)
-        self.points.install(model, self.config.points)
-        self.detector = SdcDetector.from_config(self.config, self.points.names)
+        self.points.install(model, self.config.points, blocks=self.config.blocks)
+        self.gradients = GradientPoints(model, statistic, shares=self.config.peak > 0) if self.config.gradients else None
+        # the loss scale divides out of the statistic: v1's L2 norm scales with it, v3's max(g²) with its square
+        self.unscale = self.config.loss_scale ** (1 if statistic == "l2" else 2)
+        self._announce(model)
+        self.detector = SdcDetector.from_config(self.config, self.names)
         self.strikes = StrikeBook(self.config.strikes, self.config.strike_window_hours)
         # strikes are kept per (host, device): on CPU every rank has device index None, so the local rank
         # names the device instead, or the ranks of one host would share their strikes
@@ -73,47 +81,75 @@ class SdcGuard:
     def begin_pass(self) -> None:
         self.points.reset()
 
+    @property
+    def names(self) -> list[str]:
+        """Every point, in the order of ``values()``: module and tensor points, then parameter gradients."""
+        return self.points.names + (self.gradients.names if self.gradients is not None else [])
+
+    def _announce(self, model: torch.nn.Module) -> None:
+        """Logs how many detection points there are and which; none at all is a configuration error."""
+        module_points = self.points.names
+        if not self.names:
+            raise ConfigError(
+                f"guards.sdc: the model ({type(model).__name__}) has no detection point: no norm layer, no "
+                "transformer block (guards.sdc.blocks), no parameter gradient (guards.sdc.gradients) and no "
+                "guards.sdc.points; add points or set guards.sdc.enabled_level: 0")
+        norms = sum(1 for name in module_points if self.points.where(name) == "auto")
+        self.log.info("sdc detection points: %d (norm layers and custom points %d, block outputs %d, parameter "
+                      "gradients %d): %s", len(self.names), norms, len(module_points) - norms,
+                      len(self.names) - len(module_points), ", ".join(self.names))
+        if self.rank == 0:
+            self.events.emit("sdc_points", step=0, count=len(self.names), names=self.names)
+
     def values(self) -> tuple[list[float], list[float] | None]:
-        """This pass's statistic per point and, with the peak criterion on, peak share per point (one sync)."""
-        if not self.points.shares:
-            return self.points.collect().tolist(), None
-        values, shares = self.points.collect(with_shares=True).tolist()
+        """This pass's statistic per point and, with the peak criterion on, peak share per point (one
+        sync), the loss scale divided out."""
+        shares = self.points.shares
+        parts = [self.points.collect(with_shares=shares)]
+        if self.gradients is not None:
+            parts.append(self.gradients.collect(with_shares=shares).to(parts[0].device))
+        collected = torch.cat(parts, dim=-1)
+        values, shares = collected.tolist() if shares else (collected.tolist(), None)
+        if self.unscale != 1.0:
+            values = [v / self.unscale if v >= 0 else v for v in values]  # NOT_CHECKED stays negative
         return values, shares
 
     def check(self, step: int) -> bool:
         """Judges this pass's values; logs and records detections; True when this rank saw a level-1 value."""
         self.first_values, self.first_shares = self.values()
         if self.config.log_values:
-            self.log.info(format_values(step, self.rank, self.host, self.device, self.points.names, self.first_values))
-        self.detections = self.detector.detect(self.first_values, step, names=self.points.names,
-                                               shares=self.first_shares)
+            self.log.info(format_values(step, self.rank, self.host, self.device, self.names, self.first_values))
+        self.detections = self.detector.detect(self.first_values, step, names=self.names, shares=self.first_shares)
         for detection in self.detections:
             self.log.log(detection.log_level, format_detection(detection, step, self.rank, self.host, self.device))
             self.events.emit("sdc_detected", step=step, point=detection.point, level=detection.level,
                              value=detection.value, thresholds=detection.thresholds, rule=detection.rule,
                              device=self.device_label)
-        return any(d.level == 1 for d in self.detections)
+        return any(d.level == SdcLevel.ABNORMAL for d in self.detections)
 
     def attribute(self, step: int, reran: bool) -> RerunVerdict:
         """After the rerun (or, with ``rerun: false``, instead of it): this rank's verdict, NONE when it
         detected nothing at level 1. A transient fault counts only if the rerun is clean."""
-        level_one = [d.point for d in self.detections if d.level == 1]
+        level_one = [d.point for d in self.detections if d.level == SdcLevel.ABNORMAL]
         if not level_one:
             return RerunVerdict.NONE
-        names = self.points.names
+        names = self.names
         first = {p: self.first_values[names.index(p)] for p in level_one}
         rerun = rerun_shares = None
         if reran:
             values, shares = self.values()
             rerun = {p: values[names.index(p)] for p in level_one}
             rerun_shares = {p: None if shares is None else shares[names.index(p)] for p in level_one}
-        attribution = self.attribution.on_detection(step, self.rank, first, rerun)
+        # a reduced parameter gradient carries every rank's contribution: a fault there may be another
+        # rank's, so only the points this rank computed alone can strike it
+        local = any(not p.startswith(GRADIENT_PREFIX) for p in level_one)
+        attribution = self.attribution.on_detection(step, self.rank, first, rerun, local=local)
         still_abnormal = []
         if attribution.kind == "transient":
             # the detected points' first values never entered their state; the clean rerun's do, as
             # they would have in a run without the fault
             still_abnormal = [p for p in level_one
-                              if self.detector.point(p).check(rerun[p], rerun_shares[p]).level == 1]
+                              if self.detector.point(p).check(rerun[p], rerun_shares[p]).level == SdcLevel.ABNORMAL]
         self.log.error(attribution.message + (f"; the rerun is abnormal too at {', '.join(still_abnormal)}"
                                               if still_abnormal else ""))
         self.events.emit("sdc_attribution", step=step, attribution=attribution.kind, points=list(attribution.points),

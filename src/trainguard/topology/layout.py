@@ -5,11 +5,21 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from trainguard.config.schema import ParallelConfig
 from trainguard.errors import ConfigError
 
 # Mesh dimension order, outermost first: ranks of one tp group are contiguous (DeviceMesh row-major).
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass
+class ParallelConfig:
+    """Degrees of the device mesh; a ``None`` degree is derived so the product equals the world size."""
+
+    dp_replicate: int | None = None
+    dp_shard: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    ranks_per_node: int | None = None  # ranks sharing a node (and its local directory); None = all of them
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from trainguard.config import load_config
 from trainguard.errors import ConfigError, TrainguardError
+from trainguard.trainer.model import check_tokenizer_fits
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,7 +42,9 @@ def overrides_from_args(args: argparse.Namespace) -> list[str]:
 
 
 def config_from_args(args: argparse.Namespace):
-    return load_config(args.config, overrides_from_args(args))
+    config = load_config(args.config, overrides_from_args(args))
+    check_tokenizer_fits(config.model, str(args.config) if args.config else "--set")
+    return config
 
 
 def main(argv: list[str] | None = None) -> int:

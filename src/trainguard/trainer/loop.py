@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from trainguard.checkpoint.rng_state import seed_everything
 from trainguard.config.schema import RunConfig
 from trainguard.events.rank_logging import setup_logging
+from trainguard.hf.config import build_empty_model
 from trainguard.hf.init import (
-    build_empty_model,
     current_rss,
     load_hf_weights,
     materialize,

@@ -2,41 +2,40 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 
+from trainguard.config.presets import PRESETS
 from trainguard.config.schema import ModelConfig
+from trainguard.errors import ConfigError
+from trainguard.hf.config import CONFIG_FILE, MODEL_KEYS, model_config_from_hf, read_hf_config
+from trainguard.trainer.tokenizer import ByteTokenizer
 
-# vocab_size is padded past the byte tokenizer's 259 ids so it splits evenly across shards.
-PRESETS: dict[str, dict] = {
-    # for tests: fast on two CPU cores
-    "llama-micro": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                        intermediate_size=160, vocab_size=320, tie_word_embeddings=True),
-    # the default: a few million parameters
-    "llama-tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-                       intermediate_size=688, vocab_size=320, tie_word_embeddings=True),
-    # for benchmarks: about 60M parameters
-    "llama-60m": dict(hidden_size=768, num_hidden_layers=10, num_attention_heads=12, num_key_value_heads=4,
-                      intermediate_size=2048, vocab_size=320, tie_word_embeddings=True),
-}
 
-_OVERRIDES = {
-    "hidden_size": "hidden_size",
-    "num_layers": "num_hidden_layers",
-    "num_heads": "num_attention_heads",
-    "num_kv_heads": "num_key_value_heads",
-    "intermediate_size": "intermediate_size",
-    "tie_word_embeddings": "tie_word_embeddings",
-}
+def explicit_model_keys(model: ModelConfig) -> dict[str, object]:
+    """The ``model.*`` keys that name a Hugging Face config value, as set (None where not set)."""
+    return {ours: getattr(model, ours) for ours in MODEL_KEYS}
+
+
+def check_tokenizer_fits(model: ModelConfig, source: str) -> None:
+    """With ``model.init_from``, the Hugging Face model's vocabulary must hold every id of the trainer's
+    tokenizer (checked before processes start)."""
+    if model.init_from is None:
+        return
+    config = read_hf_config(Path(model.init_from), model.attn_implementation)
+    needed = ByteTokenizer().vocab_size
+    if config.vocab_size < needed:
+        raise ConfigError(f"{source}: model.init_from: {Path(model.init_from) / CONFIG_FILE}: vocab_size="
+                          f"{config.vocab_size} is smaller than the trainer's tokenizer ({needed} ids)")
 
 
 def build_model_config(model: ModelConfig, max_position_embeddings: int) -> PretrainedConfig:
     if model.init_from is not None:  # the architecture of the Hugging Face directory (trainguard.hf)
-        from trainguard.hf.config import model_config_from_hf
-
-        return model_config_from_hf(model)
+        return model_config_from_hf(Path(model.init_from), model.attn_implementation, explicit_model_keys(model))
     params = dict(PRESETS[model.preset])
-    for ours, theirs in _OVERRIDES.items():
+    for ours, theirs in MODEL_KEYS.items():
         value = getattr(model, ours)
         if value is not None:
             params[theirs] = value

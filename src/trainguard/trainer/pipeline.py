@@ -36,7 +36,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
@@ -235,7 +234,7 @@ def build_pipeline(
     pp_mesh = mesh["pp"]
     stage_index = pp_mesh.get_local_rank()
     if empty:
-        from trainguard.hf.init import build_empty_model
+        from trainguard.hf.config import build_empty_model
 
         model = build_empty_model(model_config)
     else:
@@ -276,8 +275,3 @@ def build_pipeline(
         is_last=stage_index == num_stages - 1, stage_index=stage_index, num_stages=num_stages,
         n_microbatches=n_microbatches, layer_ids=layer_ids,
     )
-
-
-def pipeline_group(mesh: DeviceMesh) -> dist.ProcessGroup:
-    """The process group of this rank's pipeline (for broadcasting the last stage's loss, for example)."""
-    return mesh["pp"].get_group()

@@ -40,3 +40,17 @@ def test_local_on_its_own_interval_and_only_healthy():
     unhealthy = decide(4, local_interval=2, unhealthy=True)
     assert unhealthy == SaveDecision(durable=True, local=False)  # the durable copy is kept, marked
     assert bool(SaveDecision(False, False)) is False and bool(unhealthy) is True
+
+
+def test_memory_tier_every_step_by_the_local_tier_rules():
+    def memory(step, **kw):
+        return decide_save(step, save_interval=4, local_interval=0, last_step=False, durable_saved=None,
+                           local_saved=None, **{"stopping": False, "unhealthy": False, **kw}).memory
+
+    assert [s for s in range(1, 6) if memory(s, memory_interval=1)] == [1, 2, 3, 4, 5]
+    assert not memory(3, memory_interval=0)
+    assert not memory(3, memory_interval=1, stopping=True)  # a stop's save goes to the durable tier
+    assert not memory(3, memory_interval=1, unhealthy=True)
+    assert not memory(3, memory_interval=1, memory_saved=3)  # not twice (right after a resume from it)
+    assert decide_save(3, save_interval=0, local_interval=0, last_step=False, stopping=False, unhealthy=False,
+                       durable_saved=None, local_saved=None, memory_interval=1)  # a memory save is a save

@@ -13,12 +13,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from trainguard.checkpoint.checksum import file_checksum
-from trainguard.checkpoint.durable import (
-    ChecksummingFileSystemWriter,
-    _HashingFile,
-    _SerializeOnceSavePlanner,
-    read_full_state_dict,
-)
+from trainguard.checkpoint.dcp_writer import ChecksummingFileSystemWriter, SerializeOnceSavePlanner
+from trainguard.checkpoint.durable import read_full_state_dict
+from trainguard.checkpoint.hashing_file import HashingFile
 from trainguard.checkpoint.staging import ReusableStager
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -128,7 +125,7 @@ def test_serializing_equal_values_once_changes_no_byte(tmp_path):
     torch.serialization.set_crc32_options(False)  # only so the planner's torch.save of values matches
     try:
         dcp.save(state, storage_writer=ChecksummingFileSystemWriter(tmp_path / "once"),
-                 planner=_SerializeOnceSavePlanner(), no_dist=True)
+                 planner=SerializeOnceSavePlanner(), no_dist=True)
         dcp.save(state, storage_writer=ChecksummingFileSystemWriter(tmp_path / "each"), no_dist=True)
     finally:
         torch.serialization.set_crc32_options(previous)
@@ -143,7 +140,7 @@ def test_serializing_equal_values_once_changes_no_byte(tmp_path):
 
 def test_hashing_file_coalesces_small_writes_in_order(tmp_path):
     path = tmp_path / "f"
-    stream = _HashingFile(path)
+    stream = HashingFile(path)
     chunks = [b"a" * 10, bytes(range(256)) * 300, b"b" * 3, os.urandom(5 << 20), b"c" * 7, b"d" * 70_000]
     for chunk in chunks:
         assert stream.write(chunk) == len(chunk)
@@ -199,7 +196,7 @@ def _two_rank_async_save(rank: int, world: int, store_path: str, root: str, resu
         for step in (1, 2):
             before = snapshot()
             checkpointer.save(step, model, optimizer, {"step": step}, {"step": step}, lambda d: None)
-            pointers.append([t.data_ptr() for t in _flat_tensors(checkpointer._stager._buffers).values()])
+            pointers.append([t.data_ptr() for t in _flat_tensors(checkpointer.capture.stager._buffers).values()])
             train_step()  # mutates every parameter and optimizer state in place while the save writes
             with torch.no_grad():
                 for param in model.parameters():
@@ -216,7 +213,7 @@ def _two_rank_async_save(rank: int, world: int, store_path: str, root: str, resu
                 names = {entry.path for entry in read_manifest(ckpt).files}
                 assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= names
                 assert {f"extra_state_world_size_2_rank_{r}.pt" for r in range(world)} <= names
-        assert checkpointer._stager.allocations == 1
+        assert checkpointer.capture.stager.allocations == 1
         assert pointers[0] == pointers[1]
         dist.barrier()
         dist.destroy_process_group()

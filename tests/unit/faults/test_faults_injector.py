@@ -216,6 +216,16 @@ def test_nan_goes_into_the_first_parameter_with_a_gradient_on_rank_0_by_default(
     assert recorder.events[0]["parameter"] == "1.weight"
 
 
+def test_a_planted_nan_comes_back_when_its_step_is_rerun_and_never_after(tmp_path):
+    model = tiny_model()
+    injector, recorder = make_injector("nan:step=2", tmp_path, rank=0)
+    for step in (1, 2, 2, 3):  # step 2 runs twice: an SDC rerun
+        backward_once(model)
+        injector.after_backward(step, model)
+        assert bool(torch.isnan(model[0].weight.grad).any()) == (step == 2)
+    assert [e["step"] for e in recorder.events] == [2, 2]
+
+
 @pytest.fixture
 def single_process_group(tmp_path):
     if dist.is_initialized():
@@ -425,3 +435,33 @@ def test_from_env_errors_name_their_source(tmp_path, monkeypatch):
     monkeypatch.delenv("TRAINGUARD_FAULTS")
     with pytest.raises(ConfigError, match=r"^config key 'faults': bad fault 'kill:rank=3,step=1': rank 3 is outside"):
         FaultInjector.from_env(tmp_path, 0, 2, Recorder(), "kill:rank=3,step=1")
+
+
+# --- state at rest -------------------------------------------------------------------------------
+
+
+def test_stateflip_flips_one_bit_of_a_weight_or_an_adam_moment_at_its_step(tmp_path):
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    backward_once(model)
+    optimizer.step()
+    text = "stateflip:rank=0,step=2,site=0.weight,state=weight,index=5;stateflip:rank=0,step=2,site=2.bias,state=exp_avg"
+    injector, recorder = make_injector(text, tmp_path)
+    injector.install(model)
+    weight, moment = model[0].weight.detach().clone(), optimizer.state[model[2].bias]["exp_avg"].clone()
+    injector.at_rest(1, model, optimizer)
+    assert recorder.events == []
+    injector.at_rest(2, model, optimizer)
+    changed = (model[0].weight.detach() != weight).flatten().nonzero().flatten().tolist()
+    assert changed == [5]
+    assert (optimizer.state[model[2].bias]["exp_avg"] != moment).sum() == 1
+    assert [(e["fault"], e["state"], e["flipped"]) for e in recorder.events] == [
+        ("stateflip", "weight", True), ("stateflip", "exp_avg", True)]
+
+
+def test_stateflip_of_an_unknown_parameter_is_a_clear_error(tmp_path):
+    injector, _ = make_injector("stateflip:rank=0,step=2,site=0.wieght,state=weight", tmp_path)
+    with pytest.raises(ConfigError, match=r"no parameter '0.wieght' \(did you mean '0.weight'"):
+        injector.install(tiny_model())
+    with pytest.raises(ConfigError, match="state must be one of weight|exp_avg|exp_avg_sq"):
+        parse_faults("stateflip:rank=0,step=2,site=0.weight,state=momentum")

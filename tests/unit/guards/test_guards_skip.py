@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from trainguard.errors import EXIT_DATA_SKIP_ABORT, CheckpointError, ConfigError
 from trainguard.guards import ADAPTIVE_STD_FLOOR, DataSkipAbort, DataSkipGuard, SkipConfig
+from trainguard.guards.skip import MAD_TO_STD, reference_abort_message, reference_log_lines
 
 
 def guard(**overrides) -> DataSkipGuard:
@@ -32,11 +33,11 @@ def test_reference_log_lines_for_a_spike():
     assert decision.skip and not decision.abort and not decision.nan
     assert decision.consecutive == 1
     assert decision.threshold == 3.0
-    assert decision.log_lines == (
+    assert reference_log_lines(decision) == (
         "opt_global_step: 0, skip_data_grad_norm_threshold: 3.0, is_skip: [ True]",
         "Current global norm [44.313248] of step 1 has been 1 consecutive times greater than threshold: 3.0",
     )
-    assert decision.abort_message is None
+    assert reference_abort_message(decision) is None
 
 
 def test_reference_abort_message_at_the_count():
@@ -44,25 +45,25 @@ def test_reference_abort_message_at_the_count():
     g.decide(1, 44.313248, 0)
     decision = g.decide(2, 47.329006, 0)
     assert decision.skip and decision.abort and decision.consecutive == 2
-    assert decision.log_lines == ("opt_global_step: 0, skip_data_grad_norm_threshold: 3.0, is_skip: [ True]",)
-    assert decision.abort_message == (
+    assert reference_log_lines(decision) == ("opt_global_step: 0, skip_data_grad_norm_threshold: 3.0, is_skip: [ True]",)
+    assert reference_abort_message(decision) == (
         "Current global norm [47.329006] of step 2 has been 2 consecutive times greater than threshold 3.0, "
         "stop training..."
     )
-    error = DataSkipAbort(decision.abort_message)
-    assert error.exit_code == EXIT_DATA_SKIP_ABORT and str(error) == decision.abort_message
+    error = DataSkipAbort(reference_abort_message(decision))
+    assert error.exit_code == EXIT_DATA_SKIP_ABORT and str(error) == reference_abort_message(decision)
 
 
 def test_normal_step_logs_only_is_skip_false():
     decision = guard(threshold=3.0).decide(7, 1.25, 6)
     assert not decision.skip and not decision.abort and decision.consecutive == 0
-    assert decision.log_lines == ("opt_global_step: 6, skip_data_grad_norm_threshold: 3.0, is_skip: [False]",)
+    assert reference_log_lines(decision) == ("opt_global_step: 6, skip_data_grad_norm_threshold: 3.0, is_skip: [False]",)
 
 
 def test_threshold_is_printed_as_python_float_repr():
     decision = guard(threshold=270).decide(1, 300.0, 0)
-    assert "skip_data_grad_norm_threshold: 270.0," in decision.log_lines[0]
-    assert decision.log_lines[1].endswith("threshold: 270.0")
+    assert "skip_data_grad_norm_threshold: 270.0," in reference_log_lines(decision)[0]
+    assert reference_log_lines(decision)[1].endswith("threshold: 270.0")
 
 
 def test_equal_to_threshold_is_not_a_spike():
@@ -82,7 +83,7 @@ def test_abort_exactly_at_count_threshold():
     decisions = [g.decide(s, 2.0, 0) for s in range(1, 5)]
     assert [d.abort for d in decisions] == [False, False, False, True]
     assert all(d.skip for d in decisions)
-    assert decisions[-1].abort_message.startswith("Current global norm [2.000000] of step 4 has been 4 consecutive")
+    assert reference_abort_message(decisions[-1]).startswith("Current global norm [2.000000] of step 4 has been 4 consecutive")
 
 
 def test_count_threshold_one_aborts_on_the_first_spike():
@@ -96,8 +97,8 @@ def test_non_finite_norm_is_a_counted_skip(bad):
     decision = g.decide(5, bad, 4)
     assert decision.skip and decision.nan and decision.consecutive == 1
     assert g.nan_total == 1 and g.skipped_total == 1
-    assert decision.log_lines[0].endswith("is_skip: [ True]")
-    assert f"Current global norm [{bad:.6f}] of step 5" in decision.log_lines[1]
+    assert reference_log_lines(decision)[0].endswith("is_skip: [ True]")
+    assert f"Current global norm [{bad:.6f}] of step 5" in reference_log_lines(decision)[1]
     g.decide(6, 1.0, 4)
     assert g.nan_total == 1 and g.consecutive == 0
 
@@ -113,7 +114,7 @@ def test_nan_counts_toward_abort_together_with_spikes():
 def test_disabled_guard_never_skips_and_keeps_no_state():
     g = DataSkipGuard(SkipConfig(enabled=False, threshold=1.0, count_threshold=1))
     decision = g.decide(1, 100.0, 0)
-    assert not decision.skip and not decision.abort and decision.log_lines == ()
+    assert not decision.skip and not decision.abort and reference_log_lines(decision) == ()
     assert g.decide(2, math.nan, 0).nan
     assert g.skipped_total == g.nan_total == g.consecutive == 0
 
@@ -144,14 +145,16 @@ def test_state_dict_roundtrip_mid_streak_continues_the_streak():
     g.decide(2, math.nan, 1)
     g.decide(3, 9.0, 1)
     state = roundtrip(g.state_dict())
-    assert state == {"version": 1, "skipped_total": 2, "nan_total": 1, "consecutive": 2, "window": [1.0]}
+    # the skipped 9.0 entered the window clipped to the bar (3.0); the NaN did not
+    assert state == {"version": 1, "skipped_total": 2, "nan_total": 1, "consecutive": 2, "window": [1.0, 3.0],
+                     "streak": [], "loss_window": []}
 
     resumed = guard(threshold=3.0, count_threshold=3)
     resumed.load_state_dict(state)
     assert (resumed.skipped_total, resumed.nan_total, resumed.consecutive) == (2, 1, 2)
     decision = resumed.decide(4, 9.5, 1)
     assert decision.abort and decision.consecutive == 3
-    assert "of step 4 has been 3 consecutive times" in decision.abort_message
+    assert "of step 4 has been 3 consecutive times" in reference_abort_message(decision)
 
 
 def test_adaptive_window_survives_a_resume_and_gives_the_same_decisions():
@@ -199,19 +202,21 @@ def test_adaptive_no_skip_during_warmup_except_non_finite():
     decisions = [g.decide(s, n, 0) for s, n in enumerate([1.0, 1e6, 2.0, 3.0], 1)]
     assert not any(d.skip for d in decisions)
     assert all(d.threshold == math.inf for d in decisions)
-    assert "skip_data_grad_norm_threshold: inf," in decisions[0].log_lines[0]
+    assert "skip_data_grad_norm_threshold: inf," in reference_log_lines(decisions[0])[0]
     assert g.decide(5, math.nan, 0).skip and g.nan_total == 1
 
 
-def test_adaptive_threshold_is_mean_plus_z_std():
-    values = [1.0, 2.0, 3.0, 4.0, 5.0]
+def test_adaptive_threshold_is_median_plus_z_mad():
+    values = [1.0, 2.0, 3.0, 4.0, 50.0]  # one outlier moves neither the median nor the MAD
     g = guard(mode="adaptive", window=8, warmup=5, z_threshold=2.0)
     for s, n in enumerate(values, 1):
         g.decide(s, n, 0)
-    mean, std = float(np.mean(values)), float(np.std(values))
-    decision = g.decide(6, mean + 2.0 * std + 1e-9, 0)
-    assert decision.skip and decision.threshold == pytest.approx(mean + 2.0 * std)
-    assert not g.decide(7, mean + 2.0 * std - 1e-9, 0).skip
+    median = 3.0
+    mad = float(np.median(np.abs(np.array(values) - median)))
+    bar = median + 2.0 * MAD_TO_STD * mad
+    assert g.current_threshold() == pytest.approx(bar)
+    assert not g.decide(6, bar - 1e-9, 0).skip
+    assert g.current_threshold() > bar  # that value entered the window
 
 
 def test_adaptive_flat_window_uses_the_std_floor():
@@ -224,20 +229,71 @@ def test_adaptive_flat_window_uses_the_std_floor():
     assert g.decide(12, bar * 1.01, 0).skip
 
 
-def test_adaptive_skipped_values_do_not_enter_the_window():
-    g = guard(mode="adaptive", window=8, warmup=4, count_threshold=100)
-    for s, n in enumerate([1.0, 1.1, 0.9, 1.0], 1):
-        g.decide(s, n, 0)
-    before = g.window
+def test_adaptive_skipped_values_enter_the_window_clipped_to_the_bar():
+    g = guard(mode="adaptive", window=64, warmup=20, count_threshold=100, regime_steps=0)
+    for s in range(1, 41):
+        g.decide(s, 1.0 + 0.02 * (s % 5), 0)
     threshold = g.current_threshold()
-    for s in range(5, 15):  # a long streak of spikes does not raise the bar
-        decision = g.decide(s, 1e4, 0)
-        assert decision.skip and decision.threshold == threshold
-    assert g.window == before and g.consecutive == 10
-    g.decide(15, math.nan, 0)
-    assert g.window == before
-    g.decide(16, 1.05, 0)
-    assert g.window == before + (1.05,) and g.consecutive == 0
+    decision = g.decide(41, 1e4, 0)
+    assert decision.skip and g.window[-1] == threshold  # learnt, but no higher than the bar
+    for s in range(42, 51):  # a streak of huge spikes raises the bar only slowly (median/MAD)
+        assert g.decide(s, 1e4, 0).skip
+    assert threshold < g.current_threshold() < 1.2 * threshold and g.consecutive == 10
+    before = g.window
+    g.decide(51, math.nan, 0)
+    assert g.window == before  # a NaN never enters
+    g.decide(52, 1.05, 0)
+    assert g.window[-1] == 1.05 and g.consecutive == 0
+
+
+def test_a_regime_change_re_adapts_instead_of_aborting():
+    """A sequence-length change (128 -> 16) makes the norm ~2.8x larger and noisier for good."""
+    rng = np.random.default_rng(0)
+    g = guard(mode="adaptive", count_threshold=10)
+    for s in range(1, 201):
+        assert not g.decide(s, float(1.0 + 0.05 * rng.standard_normal()), s).skip
+    decisions = [g.decide(s, float(2.8 * (1.0 + 0.15 * rng.standard_normal())), s) for s in range(201, 501)]
+    assert not any(d.abort for d in decisions)
+    assert [d.skip for d in decisions[:5]] == [True] * 4 + [False] and decisions[4].regime_change
+    assert "regime change" in reference_log_lines(decisions[4])[1]
+    assert sum(d.skip for d in decisions) <= 5 and g.consecutive == 0
+
+
+def test_a_diverging_run_is_no_regime_change_and_still_aborts():
+    g = guard(mode="adaptive", count_threshold=10)
+    for s in range(1, 101):
+        g.decide(s, 1.0 + 0.01 * (s % 3), s)
+    norm, decision = 1.0, None
+    for s in range(101, 111):
+        norm *= 1.6  # growing without bound: not one level
+        decision = g.decide(s, norm, s)
+    assert decision.abort and not decision.regime_change
+
+
+def test_the_loss_spike_rule_skips_a_loss_outlier_with_a_normal_norm():
+    g = guard(mode="adaptive", loss=True, warmup=10)
+    for s in range(1, 41):
+        assert not g.decide(s, 1.0 + 0.01 * (s % 5), s, loss=3.0 - 0.001 * s + 0.01 * (s % 4)).skip
+    decision = g.decide(41, 1.02, 41, loss=6.0)
+    assert decision.skip and decision.loss_spike
+    assert reference_log_lines(decision)[1].startswith("Current loss [6.000000] of step 41 is greater than threshold:")
+    assert not g.decide(42, 1.02, 42, loss=2.97).skip
+    without = guard(mode="adaptive", warmup=10)
+    for s in range(1, 41):
+        without.decide(s, 1.0, s)
+    assert not without.decide(41, 1.0, 41, loss=6.0).skip  # off by default
+
+
+def test_the_streak_and_loss_window_survive_a_resume():
+    g = guard(mode="adaptive", loss=True, warmup=4, count_threshold=10)
+    for s in range(1, 11):
+        g.decide(s, 1.0, s, loss=2.0)
+    g.decide(11, 5.0, 11, loss=2.0)
+    g.decide(12, 5.1, 12, loss=2.0)
+    other = guard(mode="adaptive", loss=True, warmup=4, count_threshold=10)
+    other.load_state_dict(roundtrip(g.state_dict()))
+    assert other.streak == g.streak and len(other.streak) == 2
+    assert [other.decide(s, 5.0, s, loss=2.0).regime_change for s in (13, 14, 15)] == [False, False, True]
 
 
 def test_adaptive_window_is_bounded():
@@ -254,7 +310,7 @@ def test_adaptive_abort_uses_the_applied_threshold():
     g.decide(5, 100.0, 0)
     decision = g.decide(6, 100.0, 0)
     assert decision.abort
-    assert decision.abort_message.endswith(f"threshold {decision.threshold!r}, stop training...")
+    assert reference_abort_message(decision).endswith(f"threshold {decision.threshold!r}, stop training...")
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -280,4 +336,4 @@ def test_adaptive_stationary_series_is_never_skipped_and_a_huge_spike_is(seed, l
     spike = g.decide(401, float(1e4 * norms.mean()), 400)
     assert spike.skip and not spike.abort and spike.consecutive == 1
     assert spike.threshold < 1e4 * norms.mean()
-    assert len(g.window) == min(window, 400) and g.window[-1] == float(norms[-1])
+    assert len(g.window) == min(window, 400) and g.window[-1] == spike.threshold  # clipped to the bar

@@ -673,7 +673,25 @@ def test_rerun_that_is_bitwise_identical_is_reproducible_and_skipped():
     assert missing.kind == "transient"  # the point did not fire on the rerun: not the same result
     unverified = rerun.on_detection(8, 0, {"a": 1.0}, None, now=3.0)
     assert (unverified.kind, unverified.action) == ("unverified", "skip_step")
-    assert unverified.faulty and unverified.strikes == 4  # every attribution is a strike
+    # only the two transient verdicts are strikes: a reproducible value (NaN included) is the data's
+    assert (unverified.faulty, unverified.strikes) == (False, 2)
+    assert "no strike" in same.message and "strike 2 of 3" in missing.message
+
+
+def test_a_transient_fault_seen_only_at_reduced_gradients_strikes_no_one():
+    book = StrikeBook()
+    attribution = RerunAttribution(book, "h", "cuda:0").on_detection(3, 0, {"grad:w": 9e9}, {"grad:w": 1.0},
+                                                                      now=0.0, local=False)
+    assert (attribution.kind, attribution.action, attribution.strikes) == ("transient", "use_rerun", 0)
+
+
+def test_reproducible_nan_never_makes_a_device_faulty():
+    book = StrikeBook(strikes=3)
+    rerun = RerunAttribution(book, "h", "cuda:0")
+    for step in range(10):
+        attribution = rerun.on_detection(step, 0, {"a": NAN}, {"a": NAN}, now=float(step))
+        assert (attribution.kind, attribution.strikes, attribution.faulty) == ("reproducible", 0, False)
+    assert book.faulty_entries() == [] and book.count("h", "cuda:0", now=10.0) == 0
 
 
 def test_strikes_within_the_window_make_a_device_faulty():

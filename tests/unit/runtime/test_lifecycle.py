@@ -10,12 +10,11 @@ import time
 import pytest
 
 from trainguard.cli import main
-from trainguard.runtime.hang import HangPolicy, suspect_ranks
+from trainguard.runtime.hang import HangPolicy
 from trainguard.runtime.heartbeat import HeartbeatWriter, read_heartbeats
 from trainguard.runtime.lifecycle import DEADLINE, KILL_SWITCH, NONE, SIGNAL, Lifecycle, LifecycleConfig, deadline_near
 from trainguard.runtime.nodes import NodePool, SlurmNodes
 from trainguard.runtime.slurm import JobSpec, render_job_script, time_limit_minutes
-from trainguard.runtime.supervisor import backoff_seconds, classify
 
 
 class Result:
@@ -70,28 +69,6 @@ def test_hang_policy():
     assert fixed.timeout(100.0, True) == 5 and fixed.timeout(0.0, False) == 600
 
 
-def test_suspect_rank_is_the_one_outside_torch_distributed():
-    def dump(top: str) -> str:
-        return (f"Thread 0x1 (most recent call first):\n  File \"{top}\", line 1 in f\n"
-                "  File \"/x/trainguard/trainer/loop.py\", line 9 in run\n")
-
-    dumps = {0: dump("/x/torch/distributed/distributed_c10d.py"), 1: dump("/x/trainguard/faults/injector.py"),
-             2: dump("/x/torch/distributed/distributed_c10d.py")}
-    assert suspect_ranks(dumps) == [1]
-    assert suspect_ranks({0: dumps[0], 2: dumps[2]}) == []
-
-
-def test_backoff_doubles_without_progress_and_is_capped():
-    assert [backoff_seconds(1.0, 5.0, n) for n in (0, 1, 2, 3, 4)] == [1.0, 1.0, 2.0, 4.0, 5.0]
-
-
-def test_classify_prefers_meaningful_codes():
-    assert classify([0, 0]) == 0
-    assert classify([-9, 1]) == 1
-    assert classify([1, 17]) == 17
-    assert classify([16, 0]) == 16
-
-
 def test_heartbeats_are_rewritten_and_read_back(tmp_path):
     writer = HeartbeatWriter(tmp_path, rank=3)
     writer.beat("train", 4)
@@ -141,6 +118,8 @@ def test_job_script_has_the_reference_pieces():
         assert expected in lines
     assert "lifecycle.exit_duration_in_mins=5990" in text  # the reference's 99:50 for a 100 h limit
     assert "-m trainguard run --launcher slurm --run-dir /runs/tr11 --nnodes 48 --spare-nodes 4" in text
+    # exec'd: the batch step's process is the supervisor, so scancel -b and --signal=B:... reach it
+    assert any(line.startswith('exec "$PYTHON" -m trainguard run ') for line in lines)
     assert "-m trainguard train --nproc 8 --run-dir /runs/tr11" in text
 
 
@@ -168,7 +147,8 @@ def _stale_run(tmp_path):
     return run
 
 
-def test_watch_alerts_once_on_a_stale_run(trainguard, tmp_path):
+def test_watch_alerts_once_on_a_stale_run(trainguard, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no squeue: the machine's Slurm, if any, stays out of it
     run = _stale_run(tmp_path)
     marker = tmp_path / "alerts"
     proc = trainguard("watch", str(run), "--once", "--stale-after", "60", "--alert-cmd", f"echo $RUN >> {marker}")
@@ -190,7 +170,7 @@ def test_watch_loop_runs_the_alert_command_once_per_incident(tmp_path):
     marker = tmp_path / "alerts"
     proc = subprocess.Popen([sys.executable, "-m", "trainguard", "watch", str(run), "--interval", "0.1",
                              "--stale-after", "60", "--alert-cmd", f"echo x >> {marker}"],
-                            env=worker_env(), stdout=subprocess.PIPE, text=True)
+                            env=worker_env(PATH=str(tmp_path)), stdout=subprocess.PIPE, text=True)  # no squeue
     try:
         deadline = time.monotonic() + 60
         while not marker.exists() and time.monotonic() < deadline:

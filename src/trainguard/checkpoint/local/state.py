@@ -9,21 +9,32 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from trainguard.checkpoint.durable import _STATE_DICT_OPTIONS
+from trainguard.checkpoint.state_dict import STATE_DICT_OPTIONS
+
+
+def _local(value: Any) -> Any:
+    if isinstance(value, DTensor):
+        value = value.to_local()
+    return value.detach() if isinstance(value, torch.Tensor) else value
 
 
 def _plain(value: Any) -> Any:
-    if isinstance(value, DTensor):
-        value = value.to_local()
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu").contiguous()
-    return value
+    value = _local(value)
+    return value.to("cpu").contiguous() if isinstance(value, torch.Tensor) else value
+
+
+def local_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``local_state`` with each tensor where it lives (the rank's shard, not copied): what the memory
+    tier stages, in the background, into CPU buffers."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
+    return {k: _local(v) for k, v in model_sd.items()}, {k: _local(v) for k, v in optim_sd.items()}
 
 
 def local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(model, optimizer)`` state of this rank: ``{fqn: local tensor}`` and the optimizer state
-    flattened with the durable tier's keys (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``)."""
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_STATE_DICT_OPTIONS)
+    flattened with the durable tier's keys (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``), as
+    plain contiguous CPU tensors."""
+    model_sd, optim_sd = local_tensors(model, optimizer)
     return {k: _plain(v) for k, v in model_sd.items()}, {k: _plain(v) for k, v in optim_sd.items()}
 
 
@@ -42,7 +53,7 @@ def _like(template: Any, loaded: Any, key: str) -> Any:
 def load_local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                      model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
     """Puts this rank's local tensors back into the model and the optimizer (same layout as saved)."""
-    model_template, optim_template = get_state_dict(model, optimizer, options=_STATE_DICT_OPTIONS)
+    model_template, optim_template = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
     for name, template, loaded in (("model", model_template, model_sd), ("optimizer", optim_template, optim_sd)):
         missing = sorted(set(template) - set(loaded))
         if missing:
@@ -50,7 +61,7 @@ def load_local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     model_state = {k: _like(v, model_sd[k], k) for k, v in model_template.items()}
     optim_state = {k: _like(v, optim_sd[k], k) for k, v in optim_template.items()}
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
-                   options=_STATE_DICT_OPTIONS)
+                   options=STATE_DICT_OPTIONS)
 
 
 def placement_name(placement: Any) -> str:

@@ -51,8 +51,10 @@ class LocalTier:
         self, run_dir: Path, *, rank: int, world_size: int, groups: ReplicaGroups, layout: dict[str, Any],
         local_dir: str | None, ranks_per_node: int, interval: int, keep_last: int, model: torch.nn.Module,
         events: EventLog, process_group: dist.ProcessGroup | None,
-        static_files: Callable[[Path], None] | None = None,
+        static_files: Callable[[Path], None] | None = None, tier: str = "local",
     ):
+        """``tier`` names the tier in events: ``"local"``, or ``"memory"`` for the memory tier's copy."""
+        self.tier = tier
         self.rank, self.world_size, self.groups = rank, world_size, groups
         self.interval, self.keep_last, self.events, self.group = interval, keep_last, events, process_group
         self.ranks_per_node = ranks_per_node
@@ -97,9 +99,15 @@ class LocalTier:
         self.wait()
         extra = io.BytesIO()
         torch.save(extra_state, extra)
-        extra_bytes = extra.getvalue()
-        copy = swap_in_ring(extra_bytes, self.buddy, self.keeps_copy_of, self.group)
         model_state, optim_state = local_state(model, optimizer)
+        return self.write(step, model_state, optim_state, extra.getvalue())
+
+    def write(self, step: int, model_state: dict[str, Any], optim_state: dict[str, Any],
+              extra_bytes: bytes) -> SavedStep:
+        """``save`` of a state already taken: this rank's local tensors and its serialized extra state
+        (the memory tier writes a snapshot this way, from a background thread)."""
+        self.wait()
+        copy = swap_in_ring(extra_bytes, self.buddy, self.keeps_copy_of, self.group)
         self.dir.mkdir(parents=True, exist_ok=True)  # a wiped node's directory comes back
         self._write_group_info()
         saved = save_rank_step(
@@ -107,7 +115,8 @@ class LocalTier:
             optim_state=optim_state, extra_state=extra_bytes,
             replica_extras={self.keeps_copy_of: copy} if copy is not None else {}, fsdp_config=self.fsdp_config,
         )
-        self.events.emit("local_saved", step=step, bytes=saved.bytes, seconds=saved.seconds, path=str(self.dir))
+        self.events.emit("local_saved", step=step, bytes=saved.bytes, seconds=saved.seconds, path=str(self.dir),
+                         tier=self.tier)
         # deleting old files costs about as much as writing them (freeing pages): off the training path
         self._pruner = threading.Thread(target=self._prune, daemon=True)
         self._pruner.start()
@@ -115,7 +124,7 @@ class LocalTier:
 
     def _prune(self) -> None:
         for old in prune(self.dir, self.world_size, self.rank, self.keep_last):
-            self.events.emit("checkpoint_deleted", step=old, reason="retention", tier="local")
+            self.events.emit("checkpoint_deleted", step=old, reason="retention", tier=self.tier)
 
     def wait(self) -> None:
         """Waits for the retention of the last save (the files it deletes are never read)."""
@@ -157,7 +166,7 @@ class LocalTier:
         if plan is None:
             if self.rank == 0 and candidates:
                 self.events.emit("local_recovery", step=None, reason="no local step is complete across the "
-                                 "replica groups and at least as new as the durable tier's", bytes=0, seconds=0.0)
+                                 "replica groups and at least as new as the durable tier's", bytes=0, seconds=0.0, tier=self.tier)
             return None
         received = self._execute(plan, held)
         step_dir = self.dir / step_dir_name(plan.step)
@@ -172,10 +181,11 @@ class LocalTier:
         seconds = time.perf_counter() - started
         if received:
             self.events.emit("local_recovered", step=plan.step, bytes=received, seconds=seconds,
-                             sources=sorted({t.src for t in plan.transfers if t.dst == self.rank}))
+                             sources=sorted({t.src for t in plan.transfers if t.dst == self.rank}), tier=self.tier)
         if self.rank == 0:
             self.events.emit("local_recovery", step=plan.step, bytes=plan.bytes, seconds=seconds,
-                             transfers=len(plan.transfers), ranks=sorted({t.dst for t in plan.transfers}))
+                             transfers=len(plan.transfers), ranks=sorted({t.dst for t in plan.transfers}),
+                             tier=self.tier)
         return plan.step, extra
 
     def _execute(self, plan: StepPlan, held: StepHoldings) -> int:

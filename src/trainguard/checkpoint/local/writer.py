@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.checkpoint.checksum import file_checksum
-from trainguard.checkpoint.durable import _HashingFile, _save_tensor
+from trainguard.checkpoint.hashing_file import HashingFile, save_tensor
 from trainguard.fs.fsio import atomic_write_json, fsync_dir
 from trainguard.fs.layout import new_token, parse_step_dir, step_dir_name, TEMP_MARKER
 from trainguard.checkpoint.local.paths import (
@@ -49,7 +49,7 @@ def write_file_durably(path: Path, write, expected: FileEntry | None = None) -> 
     to the step directory is filled in by the caller). With ``expected``, bytes of another size or
     checksum never reach ``path``: the temporary file is removed and ``BytesMismatch`` raised."""
     temp = path.with_name(f"{path.name}{TEMP_MARKER}{new_token()}")
-    stream = _HashingFile(temp)
+    stream = HashingFile(temp)
     try:
         write(stream)
         size, checksum = stream.close_durably()
@@ -69,7 +69,7 @@ def _bytes_writer(data: bytes):
 
 
 def _object_writer(obj: Any):
-    return lambda stream: _save_tensor(obj, stream)
+    return lambda stream: save_tensor(obj, stream)
 
 
 def uncommit(step_dir: Path, world_size: int, rank: int) -> None:

@@ -73,6 +73,13 @@ class SdcConfig:
     # flips of small elements that do change the loss, and at 0.5 it raised no false alarm
     # (benchmarks/README.md, sdc_detection.py)
     peak: float = 0.5
+    # detection points beyond the norm layers: every transformer block's output gradient, and every
+    # parameter's gradient as the optimizer sees it (after the reduction)
+    blocks: bool = True
+    gradients: bool = True
+    # the loss scale the gradients carry (fp16 training): statistics are divided by it before the rules
+    # look at them; 1 = none. A loop with a dynamic scale passes the current one to the check instead
+    loss_scale: float = 1.0
 
     @property
     def enabled(self) -> bool:
@@ -120,6 +127,13 @@ class SdcConfig:
             raise ConfigError(f"config key guards.sdc.peak must be 0 (off) or a share between 0 and 1 "
                               f"(e.g. 0.5), got {peak!r}")
         self.peak = float(peak)
+        for key in ("blocks", "gradients"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"config key guards.sdc.{key} must be true or false, got {getattr(self, key)!r}")
+        scale = self.loss_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+            raise ConfigError(f"config key guards.sdc.loss_scale must be a positive number, got {scale!r}")
+        self.loss_scale = float(scale)
 
 
 def parse_pair(value: Any, what: str) -> tuple[int, int]:

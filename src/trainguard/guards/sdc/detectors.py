@@ -53,7 +53,8 @@ ratio (trainguard's criterion, off by default: ``guards.sdc.ratio``; applies on 
     After loading a state saved with the criterion off, it waits until ``recent`` holds the
     warm-up's number of values again. With ``ratio = 0`` (the default) nothing is tracked and v1/v3 behave exactly as described above.
 
-peak (trainguard's criterion, off by default: ``guards.sdc.peak``, e.g. 0.5; applies on top of either rule)
+peak (trainguard's criterion, on by default: ``guards.sdc.peak`` 0.5 in ``SdcConfig``; the classes here
+default to 0; applies on top of either rule)
     The signature of a bit flip: one element blown up until it carries most of the point's gradient.
     Besides the rule's statistic, the point records its *peak share* ``max(g²) / Σg²`` (the largest
     element's share of the squared L2 norm, ``DetectionPoints(shares=True)``; the largest over the
@@ -62,7 +63,11 @@ peak (trainguard's criterion, off by default: ``guards.sdc.peak``, e.g. 0.5; app
     already make level 1 is level 1 with reason ``"peak"`` when
 
     - its share is above ``peak``, and
-    - the value is above ``PEAK_JUMP`` (4) times the median of ``recent`` (v3: 4² = 16 times).
+    - the value is above ``PEAK_JUMP`` (4) times the median of ``recent`` (v3: 4² = 16 times);
+
+    or, whatever the value (large points, where one element barely moves the norm), when the share is
+    above ``PEAK_SHARE_FLOOR`` and over ``PEAK_SHARE_JUMP`` (100) times the median of the point's
+    recent clean shares (``recent_shares``).
 
     A real gradient spike, even a ×300 one early in training, is spread over many elements (its share
     stays low: at most 0.17 over 4000 clean checks in ``benchmarks/sdc_detection.py``), while an
@@ -77,6 +82,7 @@ Checkpointing: ``state_dict()`` holds plain ints, floats, strings, lists and dic
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 from collections.abc import Sequence
@@ -98,9 +104,29 @@ V3_A1 = 1e6
 V3_A2 = 100.0
 RATIO_WINDOW = 16  # clean values the ratio and peak baselines look back on (their max, their median)
 PEAK_JUMP = 4.0  # the peak criterion's jump over the recent median, in gradient units (v3: squared)
+PEAK_SHARE_JUMP = 100.0  # ... or the share's jump over the point's recent median share
+PEAK_SHARE_FLOOR = 1e-3  # ... the share jump counts only above this share
 
 STATISTIC = {"v1": "l2", "v3": "max_sq"}  # the statistic each rule judges (DetectionPoints(statistic=...))
-LOG_LEVELS = {1: logging.ERROR, 2: logging.WARNING}
+
+
+class SdcLevel(enum.IntEnum):
+    """A value's level, the reference's numbers (in its log lines and in events)."""
+
+    CLEAN = 0  # or suspect (v3)
+    ABNORMAL = 1  # stops the step when guards.sdc.enabled_level >= 2
+    WARNING = 2
+
+
+class Severity(enum.IntEnum):
+    """One rank's detections of a step, ordered so that the ranks agree by all-reducing it with MAX."""
+
+    NOTHING = 0
+    WARNINGS = 1  # level-2 detections only
+    ABNORMAL = 2  # a level-1 detection: stop the step
+
+
+LOG_LEVELS = {SdcLevel.ABNORMAL: logging.ERROR, SdcLevel.WARNING: logging.WARNING}
 ABNORMAL = "accuracy sensitivity feature abnormal"  # the reference's keyword (level 1, ERROR)
 WARNING_TEXT = "accuracy sensitivity feature warning"  # level 2, WARNING
 
@@ -111,7 +137,7 @@ _STATE_VERSION = 1
 class Verdict:
     """One point's judgement of one value."""
 
-    level: int  # 0 clean (or suspect), 1 abnormal, 2 warning
+    level: SdcLevel
     reason: str  # "" | "non-finite" | "upper" | "jump" | "markov" | "ratio" | "suspect" (level 0, v3)
     thresholds: dict[str, float]  # the thresholds of the level reported (level 0: those of level 2 for v1)
     state: dict[str, float]  # the state the value was judged against (v1 adds "jump" once it applies)
@@ -166,34 +192,59 @@ class _RatioBaseline:
     def peak_verdict(self, value: float, share: float | None, warmed_up: bool,
                      state: dict[str, float]) -> dict[str, float] | None:
         """The peak criterion: its thresholds when ``value`` is level 1 by it, else None."""
-        if self.peak <= 0 or share is None or not share > self.peak or not warmed_up:
+        if self.peak <= 0 or share is None or not math.isfinite(share) or not warmed_up:
             return None
         if len(self.recent) < min(self.min_steps, RATIO_WINDOW):
             return None
-        ordered = sorted(self.recent)
-        middle = len(ordered) // 2
-        median = ordered[middle] if len(ordered) % 2 else 0.5 * (ordered[middle - 1] + ordered[middle])
+        median = _median(self.recent)
         limit = median * PEAK_JUMP ** self.exponent
-        state["share"] = share
-        state["peak_median"] = median
-        if median <= 0 or not value > limit:
+        by_value = share > self.peak and median > 0 and value > limit
+        # a large point: one blown-up element barely moves its norm, but its share jumps by orders of
+        # magnitude over the point's usual share (which, for a point always concentrated, it cannot)
+        enough = len(self.recent_shares) >= min(self.min_steps, RATIO_WINDOW)
+        share_median = _median(self.recent_shares) if enough else None
+        by_share = (share_median is not None and share > PEAK_SHARE_FLOOR
+                    and share > PEAK_SHARE_JUMP * share_median)
+        if share > self.peak or by_share:
+            state["share"] = share
+            state["peak_median"] = median
+        if not (by_value or by_share):
             return None
-        return {"peak": self.peak, "median": median, "limit": limit}
+        return {"peak": self.peak, "median": median, "limit": limit,
+                **({"share_median": share_median} if share_median is not None else {})}
 
-    def remember(self, value: float) -> None:
+    def remember(self, value: float, share: float | None = None) -> None:
         if self.tracking:
             self.recent.append(value)
             del self.recent[:-RATIO_WINDOW]
+        if self.peak > 0 and share is not None and math.isfinite(share):
+            self.recent_shares.append(float(share))
+            del self.recent_shares[:-RATIO_WINDOW]
 
     def _ratio_state(self) -> dict[str, Any]:
-        return {"recent": [float(v) for v in self.recent]} if self.tracking else {}
+        state: dict[str, Any] = {"recent": [float(v) for v in self.recent]} if self.tracking else {}
+        if self.peak > 0:
+            state["recent_shares"] = [float(v) for v in self.recent_shares]
+        return state
 
     def _load_ratio_state(self, state: dict[str, Any]) -> list[float]:
-        """The saved ``recent`` (validated), or [] for a state saved without the criterion."""
+        """The saved ``recent`` (validated), or [] for a state saved without the criterion; the saved
+        ``recent_shares`` go straight into place (absent from older states: they refill)."""
         recent = state.get("recent", [])
         if not isinstance(recent, list) or len(recent) > RATIO_WINDOW:
             raise ValueError(f"recent must be a list of at most {RATIO_WINDOW} numbers, got {recent!r}")
-        return [_float({"recent": v}, "recent") for v in recent]
+        shares = state.get("recent_shares", [])
+        if not isinstance(shares, list) or len(shares) > RATIO_WINDOW:
+            raise ValueError(f"recent_shares must be a list of at most {RATIO_WINDOW} numbers, got {shares!r}")
+        values = [_float({"recent": v}, "recent") for v in recent]
+        self.recent_shares = [_float({"recent_shares": v}, "recent_shares") for v in shares] if self.peak > 0 else []
+        return values
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else 0.5 * (ordered[middle - 1] + ordered[middle])
 
 
 class V1Detector(_RatioBaseline):
@@ -207,6 +258,7 @@ class V1Detector(_RatioBaseline):
         self.ratio = _check_ratio(ratio)
         self.peak = _check_peak(peak)
         self.recent: list[float] = []
+        self.recent_shares: list[float] = []  # the peak criterion's: the point's recent clean peak shares
         self.upper = (float(upper[0]), float(upper[1]))
         self.sigma = (float(sigma[0]), float(sigma[1]))
         self.min_steps = int(min_steps)
@@ -233,37 +285,37 @@ class V1Detector(_RatioBaseline):
         state: dict[str, float] = {"pre_val": self.pre_val, "min_val": self.min_val, "max_val": self.max_val,
                                    "count": self.count}
         if not _finite(value):
-            return Verdict(1, "non-finite", self._thresholds(1), state)
+            return Verdict(SdcLevel.ABNORMAL, "non-finite", self._thresholds(SdcLevel.ABNORMAL), state)
         jump = self.jump(value)
         if jump is not None:
             state["jump"] = jump
-        level, reason = 0, ""
-        for candidate in (1, 2):
+        level, reason = SdcLevel.CLEAN, ""
+        for candidate in (SdcLevel.ABNORMAL, SdcLevel.WARNING):
             if value > self.upper[candidate - 1]:
                 level, reason = candidate, "upper"
             elif jump is not None and jump > self.sigma[candidate - 1]:
                 level, reason = candidate, "jump"
             if level:
                 break
-        thresholds = self._thresholds(level or 2)
-        if level != 1:
+        thresholds = self._thresholds(level or SdcLevel.WARNING)
+        if level is not SdcLevel.ABNORMAL:
             bound = self.ratio_bound(self.count >= self.min_steps)
             if bound is not None:
                 state["ratio_baseline"] = bound[0]
                 if value > bound[1]:
-                    level, reason, thresholds = 1, "ratio", self.ratio_thresholds(bound)
-        if level != 1:
+                    level, reason, thresholds = SdcLevel.ABNORMAL, "ratio", self.ratio_thresholds(bound)
+        if level is not SdcLevel.ABNORMAL:
             peak = self.peak_verdict(value, share, self.count >= self.min_steps, state)
             if peak is not None:
-                level, reason, thresholds = 1, "peak", peak
-        if level != 1:
-            self._absorb(value)
+                level, reason, thresholds = SdcLevel.ABNORMAL, "peak", peak
+        if level is not SdcLevel.ABNORMAL:
+            self._absorb(value, share)
         return Verdict(level, reason, thresholds, state)
 
     def _thresholds(self, level: int) -> dict[str, float]:
         return {"upper": self.upper[level - 1], "sigma": self.sigma[level - 1]}
 
-    def _absorb(self, value: float) -> None:
+    def _absorb(self, value: float, share: float | None = None) -> None:
         if self.count == 0:
             self.min_val = self.max_val = value
         else:
@@ -271,7 +323,7 @@ class V1Detector(_RatioBaseline):
             self.max_val = max(self.max_val, value)
         self.pre_val = value
         self.count += 1
-        self.remember(value)
+        self.remember(value, share)
 
     def state_dict(self) -> dict[str, Any]:
         return {"pre_val": float(self.pre_val), "min_val": float(self.min_val), "max_val": float(self.max_val),
@@ -299,6 +351,7 @@ class V3Detector(_RatioBaseline):
         self.ratio = _check_ratio(ratio)
         self.peak = _check_peak(peak)
         self.recent: list[float] = []
+        self.recent_shares: list[float] = []  # the peak criterion's: the point's recent clean peak shares
         self.a1 = float(a1)
         self.a2 = float(a2)
         self.beta = float(beta)
@@ -323,29 +376,29 @@ class V3Detector(_RatioBaseline):
         thresholds = {"thr1": bounds[0], "thr2": bounds[1]} if bounds else {}
         thresholds.update(a1=self.a1, a2=self.a2)
         if not _finite(value):
-            return Verdict(1, "non-finite", thresholds, state)
+            return Verdict(SdcLevel.ABNORMAL, "non-finite", thresholds, state)
         if bounds is not None:
             thr1 = bounds[0]
             if value > thr1 and abs(value - self.pre_val) > thr1:
-                return Verdict(1, "markov", thresholds, state)
+                return Verdict(SdcLevel.ABNORMAL, "markov", thresholds, state)
         bound = self.ratio_bound(self.n >= self.min_steps)
         if bound is not None:
             state["ratio_baseline"] = bound[0]
             if value > bound[1]:
-                return Verdict(1, "ratio", {**thresholds, **self.ratio_thresholds(bound)}, state)
+                return Verdict(SdcLevel.ABNORMAL, "ratio", {**thresholds, **self.ratio_thresholds(bound)}, state)
         peak = self.peak_verdict(value, share, self.n >= self.min_steps, state)
         if peak is not None:
-            return Verdict(1, "peak", {**thresholds, **peak}, state)
+            return Verdict(SdcLevel.ABNORMAL, "peak", {**thresholds, **peak}, state)
         if bounds is not None and value > bounds[1]:
             self.pre_val = value
             self.suspect_total += 1
-            self.remember(value)
-            return Verdict(0, "suspect", thresholds, state)
+            self.remember(value, share)
+            return Verdict(SdcLevel.CLEAN, "suspect", thresholds, state)
         self.avg = self.beta * self.avg + (1.0 - self.beta) * value
         self.n += 1
         self.pre_val = value
-        self.remember(value)
-        return Verdict(0, "", thresholds, state)
+        self.remember(value, share)
+        return Verdict(SdcLevel.CLEAN, "", thresholds, state)
 
     def state_dict(self) -> dict[str, Any]:
         return {"avg": float(self.avg), "n": int(self.n), "pre_val": float(self.pre_val),
@@ -381,7 +434,7 @@ class Detection:
     """A level-1 (abnormal) or level-2 (warning) verdict on one point's value at one step, on this rank."""
 
     point: str
-    level: int
+    level: SdcLevel
     value: float
     thresholds: dict[str, float]
     rule: str
@@ -499,11 +552,12 @@ class SdcDetector:
         self.detections_total = total
 
 
-def severity(detections: Sequence[Detection]) -> int:
-    """The verdict of one rank's detections, ordered so that the trainer can all-reduce it with MAX:
-    0 nothing, 1 warnings only (level 2), 2 an abnormal value (level 1: stop the step)."""
+def severity(detections: Sequence[Detection]) -> Severity:
+    """The verdict of one rank's detections (all-reduced with MAX by the trainer)."""
     levels = {d.level for d in detections}
-    return 2 if 1 in levels else 1 if 2 in levels else 0
+    if SdcLevel.ABNORMAL in levels:
+        return Severity.ABNORMAL
+    return Severity.WARNINGS if SdcLevel.WARNING in levels else Severity.NOTHING
 
 
 # --------------------------------------------------------------------------------------- log lines
@@ -518,7 +572,7 @@ def format_detection(detection: Detection, step: int, rank: int, host: str, devi
     """The log line of a detection: for level 1 (log it at ERROR) it holds the reference's keyword
     ``accuracy sensitivity feature abnormal``; for level 2 (WARNING) ``accuracy sensitivity feature
     warning``. ``device`` is the local device (``"cuda:3"``, ``3``, a ``torch.device``)."""
-    head = ABNORMAL if detection.level == 1 else WARNING_TEXT
+    head = ABNORMAL if detection.level == SdcLevel.ABNORMAL else WARNING_TEXT
     thresholds = ", ".join(f"{key}={_number(value)}" for key, value in detection.thresholds.items())
     state = ", ".join(f"{key}={value}" if isinstance(value, int) else f"{key}={float(value):.6e}"
                       for key, value in detection.state.items())

@@ -67,9 +67,31 @@ def is_norm_module(module: nn.Module) -> bool:
     return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith("Norm")
 
 
+BLOCK_SUFFIXES = ("Layer", "Block")
+
+
+def block_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's transformer blocks: the members of an ``nn.ModuleList`` whose class name ends in
+    ``Layer`` or ``Block`` (``LlamaDecoderLayer``, FSDP2's ``FSDPLlamaDecoderLayer``, ``GPT2Block``)."""
+    blocks = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList):
+            for index, child in enumerate(module):
+                if type(child).__name__.endswith(BLOCK_SUFFIXES):
+                    blocks.append((f"{name}.{index}" if name else str(index), child))
+    return blocks
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     # the statistic is this rank's: its shard of a DTensor gradient
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def max_abs(tensor: torch.Tensor) -> torch.Tensor:
+    """``max|g|`` as a 0-d float32 tensor (NaN propagates): one min/max pass, far cheaper on CPU than
+    ``abs().amax()``, which writes a whole copy first."""
+    low, high = torch.aminmax(tensor.reshape(-1))
+    return torch.maximum(high, low.neg()).float()
 
 
 def gradient_statistic(tensors: Sequence[torch.Tensor], statistic: str) -> torch.Tensor | None:
@@ -82,7 +104,7 @@ def gradient_statistic(tensors: Sequence[torch.Tensor], statistic: str) -> torch
             return None
         if statistic == "l2":
             return torch.linalg.vector_norm(grad, dtype=torch.float32)
-        return grad.abs().amax().float().square()
+        return max_abs(grad).square()
     local = [_local(t).detach() for t in tensors]
     local = [t for t in local if t.numel()]
     if not local:
@@ -90,7 +112,7 @@ def gradient_statistic(tensors: Sequence[torch.Tensor], statistic: str) -> torch
     if statistic == "l2":
         norms = [torch.linalg.vector_norm(t, dtype=torch.float32) for t in local]
         return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
-    peaks = [t.abs().amax().float().square() for t in local]
+    peaks = [max_abs(t).square() for t in local]
     return peaks[0] if len(peaks) == 1 else torch.stack(peaks).amax()
 
 
@@ -105,7 +127,7 @@ def peak_share(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     if not local:
         return None
     total = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in local]).square().sum()
-    peak = torch.stack([t.abs().amax().float() for t in local]).amax().square()
+    peak = torch.stack([max_abs(t) for t in local]).amax().square()
     return torch.where(total > 0, peak / total, torch.zeros_like(total))
 
 
@@ -117,7 +139,7 @@ def _statistic_and_share(tensors: Sequence[torch.Tensor], statistic: str) -> tor
         if not grad.numel():
             return None
         total = torch.linalg.vector_norm(grad, dtype=torch.float32)
-        peak = grad.abs().amax().float().square()
+        peak = max_abs(grad).square()
         share = peak / total.square().clamp_min(torch.finfo(torch.float32).tiny)  # all zeros: 0
         return torch.stack([total if statistic == "l2" else peak, share])
     stat = gradient_statistic(tensors, statistic)
@@ -176,8 +198,10 @@ class DetectionPoints:
         """``auto``, ``grad_input`` or ``grad_output`` for module points; ``tensor`` for tensor points."""
         return self._where[name]
 
-    def install(self, model: nn.Module, extra_points: Iterable[PointSpec] = (), *, norms: bool = True) -> list[str]:
-        """Hooks every norm module of ``model`` (unless ``norms=False``) and each extra point: a dotted
+    def install(self, model: nn.Module, extra_points: Iterable[PointSpec] = (), *, norms: bool = True,
+                blocks: bool = False) -> list[str]:
+        """Hooks every norm module of ``model`` (unless ``norms=False``), with ``blocks`` every
+        transformer block's output gradient (``block_modules``), and each extra point: a dotted
         module name, a module object of ``model``, or ``(name or module, where)``. Installing again
         replaces every point. Makes this the active instance for ``watch_tensor``/``watch_function``.
         Returns ``names``. Raises ConfigError for an unknown module or a bad ``where``."""
@@ -192,6 +216,9 @@ class DetectionPoints:
                 for name, module in model.named_modules():
                     if is_norm_module(module):
                         self._add_module(name or type(module).__name__, module, "auto")
+            if blocks:  # the residual stream's gradient at each block's output
+                for name, module in block_modules(model):
+                    self._add_module(name, module, "grad_output")
             for spec in extra_points:
                 target, where = spec if isinstance(spec, tuple) else (spec, None)
                 self.add(target, where=where)
@@ -413,6 +440,58 @@ class DetectionPoints:
     def _tensor_hook(self, index: int, grad: torch.Tensor) -> None:
         if self.enabled:
             self._record(index, [grad])
+
+
+# ------------------------------------------------------------------------- parameter gradient points
+GRADIENT_PREFIX = "grad:"
+# below this many elements a gradient may legitimately sit in one element (a norm's weight, a bias):
+# the peak criterion gets no share for such a point (measured: benchmarks/sdc_coverage.py)
+PEAK_MIN_ELEMENTS = 4096
+
+
+class GradientPoints:
+    """One detection point per parameter, on its gradient as the optimizer will see it (after the
+    backward's reduction: under FSDP2 this rank's shard of the reduce-scattered gradient). Read once
+    per step after backward: ``collect()`` stacks the statistics on the device, no host sync."""
+
+    def __init__(self, model: nn.Module, statistic: str = "l2", shares: bool = False):
+        if statistic not in STATISTICS:
+            raise ValueError(f"statistic must be one of {STATISTICS}, got {statistic!r}")
+        self.statistic = statistic
+        self.shares = bool(shares)
+        self._parameters = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+    @property
+    def names(self) -> list[str]:
+        return [GRADIENT_PREFIX + name for name, _ in self._parameters]
+
+    def collect(self, with_shares: bool = False) -> torch.Tensor:
+        """``[len(names)]`` float32 (``[2, len(names)]`` with the peak shares), ``NOT_CHECKED`` for a
+        parameter without a gradient or with an empty shard. Fused per-tensor norms and one min/max
+        pass per gradient: about one and a half reads of the gradients."""
+        if with_shares and not self.shares:
+            raise ValueError("collect(with_shares=True) needs GradientPoints(shares=True)")
+        grads = [None if p.grad is None else _local(p.grad).detach() for _, p in self._parameters]
+        present = [i for i, g in enumerate(grads) if g is not None and g.numel()]
+        device = grads[present[0]].device if present else torch.device("cpu")
+        rows = 2 if with_shares else 1
+        out = torch.full((rows, len(grads)), NOT_CHECKED, dtype=torch.float32, device=device)
+        if present:
+            with torch.no_grad():
+                tensors = [grads[i] for i in present]
+                norms = torch.stack(torch._foreach_norm(tensors)).float()
+                index = torch.tensor(present, device=device)
+                if self.statistic == "l2" and not self.shares:
+                    out[0, index] = norms
+                else:
+                    peaks = torch.stack([max_abs(t) for t in tensors]).square()
+                    out[0, index] = norms if self.statistic == "l2" else peaks
+                    if with_shares:
+                        shares = torch.where(norms > 0, peaks / norms.square().clamp_min(
+                            torch.finfo(torch.float32).tiny), torch.zeros_like(norms))
+                        large = torch.tensor([t.numel() >= PEAK_MIN_ELEMENTS for t in tensors], device=device)
+                        out[1, index] = torch.where(large, shares, torch.full_like(shares, NOT_CHECKED))
+        return out if with_shares else out[0]
 
 
 # --------------------------------------------------------------------- the active instance (one-liners)

@@ -57,6 +57,7 @@ from trainguard.errors import (
 )
 
 KINDS = ("transient", "reproducible", "unverified")
+STRIKING_KINDS = ("transient",)  # only a rerun that differs from the first pass is evidence against the device
 FAULTY_RANKS_FILE = "faulty_ranks.json"
 
 _STATE_VERSION = 1
@@ -109,7 +110,7 @@ class Attribution:
     points: tuple[str, ...]  # the detected points compared
     differing: tuple[str, ...]  # those whose rerun value differs bitwise from the first pass
     action: str  # "use_rerun" (transient) | "skip_step" (reproducible, unverified)
-    strikes: int  # this device's strikes within the window, this one included
+    strikes: int  # this device's strikes within the window (this one included, when it was one)
     faulty: bool  # the device is faulty: write faulty_ranks.json and stop (FaultyDeviceError)
     message: str  # one line for the log (WARNING; ERROR when faulty)
 
@@ -231,10 +232,12 @@ class RerunAttribution:
         self.device = device
 
     def on_detection(self, step: int, rank: int, first_values: Values, rerun_values: Values | None,
-                     now: float | None = None) -> Attribution:
+                     now: float | None = None, local: bool = True) -> Attribution:
         """``first_values``: the detected points' values of the first pass (``{point: value}``, or a
         list compared position by position); ``rerun_values``: the rerun's values of (at least) those
-        points, or None when there was no rerun. Records one strike and returns the attribution."""
+        points, or None when there was no rerun. Records a strike for a transient fault seen at a
+        ``local`` point (one whose value this rank computed alone: not a gradient already reduced
+        over the ranks, which carries any rank's fault) and returns the attribution."""
         first = _as_mapping(first_values)
         points = tuple(first)
         if rerun_values is None:
@@ -247,17 +250,25 @@ class RerunAttribution:
         evidence: dict[str, Any] = {"kind": kind, "points": list(points), "first_values": first}
         if rerun is not None:
             evidence["rerun_values"] = {p: rerun[p] for p in points if p in rerun}
-        faulty = self.strike_book.record(rank, self.host, self.device, step, evidence, now)
+        # a strike is evidence against the hardware: only a rerun that differs is. A reproducible value
+        # (NaN/Inf included) is the data's or the math's, and no rerun proves nothing
+        struck = kind in STRIKING_KINDS and local
+        if struck:
+            faulty = self.strike_book.record(rank, self.host, self.device, step, evidence, now)
+        else:
+            faulty = self.strike_book.is_faulty(self.host, self.device)
         strikes = self.strike_book.count(self.host, self.device, now)
         what = {
             "transient": "rerun differs: transient fault on this rank, the rerun's gradients are used",
-            "reproducible": "rerun identical: data, math or a persistent fault; the step is skipped",
+            "reproducible": "rerun identical: the data or the math produced it, the step is skipped",
             "unverified": "no rerun: the step is skipped",
         }[kind]
+        tally = (f"strike {strikes} of {self.strike_book.strikes} within {self.strike_book.window_hours:g} h"
+                 if struck else f"no strike ({strikes} of {self.strike_book.strikes} within "
+                                f"{self.strike_book.window_hours:g} h)")
         message = (
             f"sdc attribution: step {step}, rank {rank}, host {self.host}, local device {self.device}, "
-            f"points {', '.join(points)}: {what}; strike {strikes} of {self.strike_book.strikes} within "
-            f"{self.strike_book.window_hours:g} h" + ("; the device is faulty" if faulty else "")
+            f"points {', '.join(points)}: {what}; {tally}" + ("; the device is faulty" if faulty else "")
         )
         return Attribution(kind, step, rank, points, differing, action, strikes, faulty, message)
 

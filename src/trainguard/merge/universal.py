@@ -35,9 +35,10 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-from trainguard.checkpoint.durable import _HashingFile, _save_tensor
+from trainguard.checkpoint.hashing_file import HashingFile, save_tensor
 from trainguard.fs.layout import HF_DIR, MANIFEST_NAME, parse_step_dir
-from trainguard.checkpoint.manifest import FileEntry, build_manifest, read_manifest, write_manifest
+from trainguard.checkpoint.commit import seal
+from trainguard.checkpoint.manifest import FileEntry, build_manifest, read_manifest
 from trainguard.checkpoint.safe_load import DCP_METADATA_NAME, safe_torch_load
 from trainguard.errors import CheckpointError, ConfigError
 from trainguard.merge.merger import hf_dir_of, stream_full_tensors
@@ -57,20 +58,20 @@ class _DcpFiles:
 
     def __init__(self, directory: Path):
         self.directory = directory
-        self.files: dict[str, _HashingFile] = {}
+        self.files: dict[str, HashingFile] = {}
         self.state: dict[str, Any] = {}
         self.storage: dict[MetadataIndex, _StorageInfo] = {}
 
-    def _file(self, name: str) -> _HashingFile:
+    def _file(self, name: str) -> HashingFile:
         if name not in self.files:
-            self.files[name] = _HashingFile(self.directory / name)
+            self.files[name] = HashingFile(self.directory / name)
         return self.files[name]
 
     def tensor_chunk(self, name: str, key: str, shape: tuple[int, ...], offsets: tuple[int, ...],
                      tensor: torch.Tensor) -> None:
         stream = self._file(name)
         start = stream.tell()
-        _save_tensor(tensor.contiguous(), stream)
+        save_tensor(tensor.contiguous(), stream)
         item = self.state.setdefault(key, TensorStorageMetadata(TensorProperties(dtype=tensor.dtype),
                                                                 torch.Size(shape), []))
         item.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(tensor.shape)))
@@ -92,7 +93,7 @@ class _DcpFiles:
             entries[name] = FileEntry(name, size, checksum)
         planner_data = {key: tuple(key.split(".", 1)) for key in self.state}
         metadata = Metadata(state_dict_metadata=self.state, planner_data=planner_data, storage_data=self.storage)
-        stream = _HashingFile(self.directory / DCP_METADATA_NAME)
+        stream = HashingFile(self.directory / DCP_METADATA_NAME)
         try:
             stream.write(pickle.dumps(metadata))
             size, checksum = stream.close_durably()
@@ -209,6 +210,6 @@ def convert_checkpoint(source: Path, target: Path, fmt: str, *, force: bool = Fa
                                   mesh_shape=contents.mesh_shape, mesh_dim_names=contents.mesh_dim_names,
                                   trainer_state=trainer_state, known=known,
                                   extra={"converted_from": str(source), "format": fmt})
-        write_manifest(staging, manifest)
+        seal(staging, manifest, fsynced=known)  # the copies and universal.json were written plainly
     assert (target / MANIFEST_NAME).is_file()
     return target

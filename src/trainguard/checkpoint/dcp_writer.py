@@ -1,0 +1,187 @@
+"""The durable tier's writer: DCP shards hashed as they are written, and every rank's file entries
+gathered to rank 0 for the manifest.
+
+``write_rank_files`` writes one rank's files of a save (its DCP shard through
+``ChecksummingFileSystemWriter``, its extra-state file); ``gather_entries`` brings every rank's entries
+to rank 0 over the checkpoint's own process group, raising on every rank when any rank failed. What
+rank 0 then does with them is ``checkpoint.commit``.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
+from torch.distributed.checkpoint.planner import WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from trainguard.checkpoint.hashing_file import HashingFile, save_tensor
+from trainguard.checkpoint.manifest import FileEntry
+from trainguard.errors import CheckpointError
+
+
+class ChecksummingFileSystemWriter(FileSystemWriter):
+    """DCP's file system writer, writing each rank's items to its one file ``__<rank>_0.distcp`` in
+    the layout ``FileSystemReader`` reads (a ``torch.save`` record per tensor, raw bytes per object),
+    hashing the bytes as they are written and fsyncing the file.
+
+    After ``dcp.save`` returns, ``written`` maps each file this rank wrote to its manifest entry.
+    Planning and the ``.metadata`` file are DCP's own (``finish`` is inherited).
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
+        self.written: dict[str, FileEntry] = {}
+
+    def write_data(self, plan, planner):
+        name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+        # Objects first, then tensors in plan order: what DCP's own writer does with one thread.
+        items = [item for item in plan.items if item.type == WriteItemType.BYTE_IO]
+        items += [item for item in plan.items if item.type != WriteItemType.BYTE_IO]
+        results = []
+        stream = HashingFile(Path(self.path) / name)
+        try:
+            for item in items:
+                data = planner.resolve_data(item)
+                offset = stream.tell()
+                if item.type == WriteItemType.BYTE_IO:
+                    stream.write(data.getbuffer())
+                else:
+                    tensor = data.detach()
+                    if tensor.device.type != "cpu":
+                        tensor = tensor.cpu()
+                    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+                        tensor = tensor.clone()  # a view: save its bytes, not its whole storage
+                    save_tensor(tensor, stream)
+                length = stream.tell() - offset
+                results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                           storage_data=_StorageInfo(name, offset, length)))
+            size, checksum = stream.close_durably()
+        finally:
+            stream.close()
+        self.written[name] = FileEntry(name, size, checksum)
+        future = torch.futures.Future()
+        future.set_result(results)
+        return future
+
+
+def _plain(value: Any) -> bool:
+    if type(value) is tuple:
+        return all(_plain(item) for item in value)
+    return value is None or type(value) in (bool, int, float, complex, str, bytes)
+
+
+class SerializeOnceSavePlanner(DefaultSavePlanner):
+    """DCP's planner, except that equal non-tensor values are ``torch.save``d once per save.
+
+    The flattened optimizer state holds each hyperparameter once per parameter (``lr``, ``betas``,
+    ``eps``, flags...: hundreds of values, few distinct ones); ``torch.save`` of each took longer than
+    the rest of planning. Only plain values (numbers, strings, None and tuples of them) are shared:
+    two are equal when they pickle to the same bytes (so 1, 1.0 and True stay apart), and
+    ``torch.save`` of equal plain values gives equal bytes, so the shard is byte for byte what DCP's
+    planner would give.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._serialized: dict[bytes, bytes] = {}
+
+    def transform_object(self, write_item, object: Any):
+        if write_item.type != WriteItemType.BYTE_IO or not _plain(object):
+            return super().transform_object(write_item, object)
+        key = pickle.dumps(object, protocol=torch.serialization.DEFAULT_PROTOCOL)
+        serialized = self._serialized.get(key)
+        if serialized is None:
+            serialized = self._serialized[key] = super().transform_object(write_item, object).getvalue()
+        return io.BytesIO(serialized)
+
+
+@dataclass
+class SaveJob:
+    """One rank's part of one save: where its files go and what it writes besides the DCP shard."""
+
+    step: int
+    tmp: Path
+    trainer_state: dict[str, Any]
+    started: float
+    extra_path: Path
+    extra_state: bytes
+    health: dict[str, Any] | None = None
+
+
+def write_rank_files(
+    state: dict[str, Any], job: SaveJob, process_group: dist.ProcessGroup | None
+) -> tuple[dict[str, FileEntry], BaseException | None]:
+    """Writes this rank's files; returns their manifest entries and a local failure, if any.
+
+    The extra state is fsynced after DCP's save: an fsync while the big shards are being written
+    back waits for the file system journal, and so for them. A failure to write the extra state
+    does not skip DCP's save, whose collectives every rank must enter; DCP itself raises on every
+    rank alike when any rank's write fails.
+    """
+    entries: dict[str, FileEntry] = {}
+    failure: BaseException | None = None
+    extra: HashingFile | None = None
+    try:
+        try:
+            extra = HashingFile(job.extra_path)
+            extra.write(job.extra_state)
+        except Exception as exc:
+            failure = exc
+        writer = ChecksummingFileSystemWriter(job.tmp)
+        dcp.save(state, storage_writer=writer, planner=SerializeOnceSavePlanner(), process_group=process_group)
+        entries.update(writer.written)
+        if failure is None and extra is not None:
+            try:
+                size, checksum = extra.close_durably()
+                entries[job.extra_path.name] = FileEntry(job.extra_path.name, size, checksum)
+            except Exception as exc:
+                failure = exc
+    finally:
+        if extra is not None:
+            extra.close()
+    return entries, failure
+
+
+def gather_entries(
+    job: SaveJob,
+    entries: dict[str, FileEntry],
+    failure: BaseException | None,
+    *,
+    rank: int,
+    world_size: int,
+    process_group: dist.ProcessGroup | None,
+) -> dict[str, FileEntry]:
+    """Every rank's entries on rank 0 (an empty dict elsewhere), over the checkpoint's own group;
+    raises on every rank if any rank failed to write its files."""
+    mine = (f"rank {rank}: {failure!r}" if failure is not None else None,
+            [(e.path, e.size, e.checksum) for e in entries.values()])
+    if process_group is None or not dist.is_initialized() or world_size == 1:
+        # Without a group of its own (CheckpointManager always makes one), rank 0 hashes the other
+        # ranks' files itself rather than use a group the training thread may be using.
+        parts = [mine]
+    else:
+        parts = [None] * world_size if rank == 0 else None
+        dist.gather_object(mine, parts, dst=0, group=process_group)
+    if failure is not None:
+        raise failure
+    if rank != 0:
+        return {}
+    errors = [error for error, _ in parts if error is not None]
+    if errors:
+        raise CheckpointError(f"{job.tmp}: checkpoint of step {job.step} not saved: " + "; ".join(errors))
+    known: dict[str, FileEntry] = {}
+    for _, part in parts:
+        for path, size, checksum in part:
+            known[path] = FileEntry(path, size, checksum)
+    return known

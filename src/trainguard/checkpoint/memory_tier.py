@@ -1,0 +1,102 @@
+"""The memory tier: a checkpoint of every step (or every ``checkpoint.memory_interval``) in node memory.
+
+It is the local tier (per-rank files, replica groups, the buddy's copy of the extra state, recovery
+over ``torch.distributed``) kept in node-local shared memory (``/dev/shm``: the files outlive the
+training processes, not the node), and saved without stalling the loop: ``save`` captures the extra
+state, plans the copy of this rank's local tensors into staging buffers reused from step to step and
+returns; the copy runs while the next forward and backward run (``LazySnapshot``), the optimizer step
+waits for what is left of it, and a background thread then writes and commits the step (the ring
+hand-over of the extra state included) on the tier's own process group. At most one save is in
+flight: the next ``save`` first waits for the previous write, so when a process dies during step
+S + 1, step S - 1 at least is committed, and with it every step but the one being written is safe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainguard.checkpoint.local.state import local_tensors
+from trainguard.checkpoint.local.tier import LocalTier
+from trainguard.checkpoint.snapshot import LazySnapshot, StagingGate
+from trainguard.checkpoint.state_capture import CaptureCache
+
+DEFAULT_MEMORY_DIR = "/dev/shm/trainguard/{run}/node{node}"
+"""``checkpoint.memory_dir``'s default; ``{run}`` is a digest of the run directory's absolute path."""
+
+
+def run_key(run_dir: Path) -> str:
+    """The ``{run}`` of a memory directory: the same run directory finds its memory tier again."""
+    return hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
+
+
+class MemoryTier:
+    def __init__(self, tier: LocalTier):
+        """``tier``: a ``LocalTier`` whose directory is in node memory (``tier="memory"``)."""
+        self.tier = tier
+        self.capture = CaptureCache(_local_training_state)
+        self._gate = StagingGate()
+        self._writer: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def dir(self) -> Path:
+        return self.tier.dir
+
+    @property
+    def interval(self) -> int:
+        return self.tier.interval
+
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             extra_state: dict[str, Any]) -> None:
+        """Starts the save of ``step``; returns before the state is copied (see the module's doc)."""
+        self.wait()
+        extra = io.BytesIO()
+        torch.save(extra_state, extra)  # now: the objects it comes from change at the next step
+        capture = self.capture.take(model, optimizer)
+        snapshot = LazySnapshot(capture.plan.copies, capture.lazy)
+        self._gate.hold(snapshot, optimizer)
+        self._writer = threading.Thread(target=self._write, args=(snapshot, step, capture.plan.staged, extra.getvalue()),
+                                        daemon=True, name="trainguard-memory-tier")
+        self._writer.start()
+
+    def _write(self, snapshot: LazySnapshot, step: int, staged: dict[str, Any], extra: bytes) -> None:
+        try:
+            snapshot.copied()
+            self.tier.write(step, staged["model"], staged["optim"], extra)
+        except BaseException as exc:  # raised by the next save or wait()
+            self._error = exc
+
+    def wait_for_staging(self) -> float:
+        """Blocks until the live tensors may change again; returns the seconds blocked."""
+        return self._gate.wait()
+
+    def wait(self) -> None:
+        """Blocks until the save in flight is committed (and the tier's retention done); raises its error."""
+        self.wait_for_staging()
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        self.tier.wait()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def recover(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                newer_than: int | None) -> tuple[int, dict[str, Any]] | None:
+        self.wait()
+        return self.tier.recover(model, optimizer, newer_than)
+
+    def discard_newer(self, step: int) -> None:
+        self.wait()
+        self.tier.discard_newer(step)
+
+
+def _local_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    model_state, optim_state = local_tensors(model, optimizer)
+    return {"model": model_state, "optim": optim_state}

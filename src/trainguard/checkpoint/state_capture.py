@@ -1,0 +1,115 @@
+"""The staging plan of a save, taken once per layout and refreshed for the next saves.
+
+``get_state_dict`` and the walk that plans the staging copies cost tens of milliseconds per save in
+Python (name lookups per parameter, FSDP module traversals, a DTensor rebuilt per tensor), which is
+most of what a lazy async save still blocks for. Between two saves of one run nothing of that changes
+but the optimizer's plain values (the learning rate a scheduler sets, a step count kept as a number):
+the tensors are the same objects with the same storage, updated in place. ``CaptureCache`` keeps the
+plan of the last save with a fingerprint of the live tensors (identity and storage address of every
+parameter, buffer and optimizer-state tensor, and the parameter groups' membership); while the
+fingerprint holds, the next plan is the kept one with every plain value read again from the live
+optimizer. The cache is used only where each plain value's source was found and checked against what
+``get_state_dict`` returned; otherwise every save takes the state again.
+
+The state is ``{"model": {fqn: ...}, "optim": {flattened key: ...}}`` with the optimizer flattened as
+``torch.distributed.checkpoint.state_dict`` flattens it (``state.<fqn>.<name>``,
+``param_groups.<fqn>.<name>``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from trainguard.checkpoint.snapshot import local_tensor, mutable_by_optimizer
+from trainguard.checkpoint.staging import ReusableStager, StagingPlan, is_immutable
+
+Getter = Callable[[], Any]
+
+
+def fingerprint(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple:
+    """Identity and storage of every tensor a save reads, and which parameters each group holds."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    for state in optimizer.state.values():
+        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    return (
+        tuple((id(t), local_tensor(t).data_ptr()) for t in tensors),
+        tuple(tuple(id(p) for p in group["params"]) for group in optimizer.param_groups),
+        tuple(tuple(sorted(state)) for state in optimizer.state.values()),
+    )
+
+
+def plain_value_getters(state: dict[str, Any], model: torch.nn.Module,
+                        optimizer: torch.optim.Optimizer) -> dict[str, Getter] | None:
+    """For each non-tensor value of ``state["optim"]``, a function reading it from the live optimizer,
+    checked to give the value it has now; None when one cannot be found (or ``state["model"]`` holds
+    a non-tensor value)."""
+    if any(not isinstance(v, torch.Tensor) for v in state["model"].values()):
+        return None
+    params = dict(model.named_parameters(remove_duplicate=False))
+    group_of = {id(p): index for index, group in enumerate(optimizer.param_groups) for p in group["params"]}
+    getters: dict[str, Getter] = {}
+    for key, value in state.get("optim", {}).items():
+        if isinstance(value, torch.Tensor):
+            continue
+        kind, _, rest = key.partition(".")
+        fqn, _, name = rest.rpartition(".")
+        param = params.get(fqn)
+        if param is None:
+            return None
+        if kind == "param_groups" and id(param) in group_of:
+            group = optimizer.param_groups[group_of[id(param)]]
+            getter = (lambda group, name: lambda: group[name])(group, name)
+        elif kind == "state" and param in optimizer.state:
+            getter = (lambda state, name: lambda: state[name])(optimizer.state[param], name)
+        else:
+            return None
+        try:
+            current = getter()
+        except KeyError:
+            return None
+        if type(current) is not type(value) or current != value or not is_immutable(current):
+            return None
+        getters[key] = getter
+    return getters
+
+
+@dataclass(frozen=True)
+class Capture:
+    plan: StagingPlan
+    lazy: set[int]
+    """What ``LazySnapshot`` may copy later: ``mutable_by_optimizer`` of the state planned."""
+
+
+class CaptureCache:
+    def __init__(self, take_state: Callable[[torch.nn.Module, torch.optim.Optimizer], dict[str, Any]]):
+        """``take_state(model, optimizer)`` gives the state as described in the module's doc."""
+        self.take_state = take_state
+        self.stager = ReusableStager()
+        self._fingerprint: tuple | None = None
+        self._capture: Capture | None = None
+        self._getters: dict[str, Getter] = {}
+        self.hits = 0
+
+    def take(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Capture:
+        """The staging plan of the live state (the caller makes its copies). Only one plan may be in
+        use at a time: the buffers and the kept structure are reused by the next call."""
+        current = fingerprint(model, optimizer)
+        kept = self._capture
+        if kept is not None and current == self._fingerprint:
+            self.hits += 1
+            staged = {part: dict(values) for part, values in kept.plan.staged.items()}
+            for key, getter in self._getters.items():
+                staged["optim"][key] = getter()
+            return Capture(StagingPlan(staged, kept.plan.copies), kept.lazy)
+        state = self.take_state(model, optimizer)
+        capture = Capture(self.stager.plan(state), mutable_by_optimizer(model, optimizer))
+        getters = plain_value_getters(state, model, optimizer) if set(state) <= {"model", "optim"} else None
+        if getters is None:
+            self._fingerprint, self._capture, self._getters = None, None, {}
+        else:
+            self._fingerprint, self._capture, self._getters = current, capture, getters
+        return capture

@@ -1,0 +1,44 @@
+"""Command-line values shared by several commands, checked as argparse types or right after parsing."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from trainguard.checkpoint.discovery import checkpoints_root, list_checkpoints
+from trainguard.errors import CheckpointError, ConfigError
+from trainguard.fs.layout import LATEST_FILE
+
+
+def seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected seconds ≥ 0, got {text!r}")
+    return value
+
+
+def count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer ≥ 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer ≥ 0, got {text!r}")
+    return value
+
+
+def resolve_root(directory: str) -> Path:
+    try:
+        root = checkpoints_root(directory)
+    except CheckpointError as exc:
+        raise ConfigError(f"{exc} (expected a run directory or its checkpoints/ directory)") from None
+    # An arbitrary directory would list as empty; say instead that it is the wrong one.
+    if root.name != "checkpoints" and not list_checkpoints(root) and not (root / LATEST_FILE).exists():
+        raise ConfigError(
+            f"{directory}: not a run directory or checkpoints root (no checkpoints/ or global_step_N/ in it)"
+        )
+    return root

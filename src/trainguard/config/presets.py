@@ -1,0 +1,16 @@
+"""The reference trainer's named model sizes (``model.preset``): Hugging Face Llama config values."""
+
+from __future__ import annotations
+
+# vocab_size is padded past the byte tokenizer's 259 ids so it splits evenly across shards.
+PRESETS: dict[str, dict] = {
+    # for tests: fast on two CPU cores
+    "llama-micro": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        intermediate_size=160, vocab_size=320, tie_word_embeddings=True),
+    # the default: a few million parameters
+    "llama-tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                       intermediate_size=688, vocab_size=320, tie_word_embeddings=True),
+    # for benchmarks: about 60M parameters
+    "llama-60m": dict(hidden_size=768, num_hidden_layers=10, num_attention_heads=12, num_key_value_heads=4,
+                      intermediate_size=2048, vocab_size=320, tie_word_embeddings=True),
+}

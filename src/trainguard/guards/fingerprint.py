@@ -1,0 +1,214 @@
+"""Replica fingerprints: corruption of weights or optimizer state found by comparing replicas' hashes.
+
+Ranks that differ only in their ``dp_replicate`` coordinate (``topology.replica_groups``) hold
+bit-identical parameter and optimizer shards after every step. Every ``guards.fingerprint.interval``
+steps and before every save, each rank hashes its shards where they live (:func:`fingerprints`: two
+integer sums per tensor, no copy to the host) and the replica group all-gathers the hashes, one
+``[tensors, 3]`` int64 tensor per rank. Replicas that disagree hold corrupted state: no false alarm
+is possible, a clean run is bitwise identical across replicas.
+
+Attribution (:func:`compare_replicas`, pure):
+
+- ``majority``: with 3 or more replicas, a value held by more than half of them is the right one;
+- ``at_rest``: each rank also hashed its shards right after the previous optimizer step (when a check
+  is due next); a rank whose shard changed since then, with no step in between, had its memory
+  corrupted at rest. This attributes the 2-replica case when the corruption happened at rest, and is
+  the only check there is without replicas (pure FSDP);
+- ``unattributed``: 2 replicas that disagree with neither changed at rest (the corruption happened
+  during the update itself): the save is refused (marked unhealthy) and nothing is repaired.
+
+Repair (:meth:`ReplicaFingerprints.repair`): the corrupt shard is overwritten in place by a broadcast
+from an agreeing replica of the same group, without a restart.
+
+The hash: the tensor's bytes read as int64 words, summed (any single bit flip changes the sum by a
+power of two below 2^64: always seen), and a second, position-weighted sum (the running sums of rows
+of 1024 words: values moved from one row to another are seen too). Both are plain int64 reductions,
+the fast ones on CPU and GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from trainguard.errors import ConfigError
+from trainguard.guards.state_health import NamedTensors
+
+DEFAULT_INTERVAL = 50
+
+
+@dataclass
+class FingerprintConfig:
+    """``guards.fingerprint``: compare replicas' state every ``interval`` steps and before every save
+    (0 = off)."""
+
+    interval: int = DEFAULT_INTERVAL
+
+    def validate(self) -> None:
+        interval = self.interval
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+            raise ConfigError(f"config key guards.fingerprint.interval must be a non-negative integer (0 = off), "
+                              f"got {interval!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.interval > 0
+
+HOW = ("majority", "at_rest", "unattributed")
+
+_ROW = 1024  # int64 words per row of the position-weighted sum
+
+
+def tensor_fingerprint(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's hash as an int64 ``[2]`` tensor on its device (no host synchronisation).
+
+    Its bytes are read as int64 words (the last few bytes one by one); ``total`` is their sum and
+    ``weighted`` the sum of the running sums of rows of ``_ROW`` words. int64 sums are the fast
+    reductions on every device (integer sums of narrower types are not vectorised on CPU)."""
+    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    whole = data.numel() - data.numel() % 8
+    words = data[:whole].view(torch.int64)
+    full = words.numel() - words.numel() % _ROW
+    rows = torch.cat([words[:full].view(-1, _ROW).sum(1), words[full:].sum().reshape(1),
+                      data[whole:].to(torch.int64).sum().reshape(1)])
+    return torch.stack([rows.sum(), rows.cumsum(0).sum()])
+
+
+def fingerprints(named: NamedTensors) -> torch.Tensor:
+    """``[len(named), 2]`` int64 hashes on the tensors' device (all tensors on one device)."""
+    if not named:
+        return torch.zeros((0, 2), dtype=torch.int64)
+    return torch.stack([tensor_fingerprint(tensor) for _, tensor in named])
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """One tensor whose replicas disagree (or that changed at rest on a rank without replicas)."""
+
+    tensor: str
+    faulty: tuple[int, ...]  # the ranks attributed; empty when unattributed
+    source: int | None  # a rank holding the agreeing value, to repair from; None: nothing to repair from
+    how: str  # "majority" | "at_rest" | "unattributed"
+
+
+@dataclass(frozen=True)
+class FingerprintVerdict:
+    mismatches: tuple[Mismatch, ...] = ()
+
+    @property
+    def clean(self) -> bool:
+        return not self.mismatches
+
+    @property
+    def faulty_ranks(self) -> tuple[int, ...]:
+        return tuple(sorted({rank for m in self.mismatches for rank in m.faulty}))
+
+    @property
+    def repairable(self) -> bool:
+        """Every mismatch has an agreeing replica to copy from."""
+        return all(m.source is not None for m in self.mismatches)
+
+
+def compare_replicas(names: Sequence[str], hashes: Mapping[int, Sequence[tuple[int, int]]],
+                     changed_at_rest: Mapping[int, Sequence[bool]] | None = None) -> FingerprintVerdict:
+    """Compares one replica group's hashes (``hashes[rank][i]``: rank's hash of ``names[i]``);
+    ``changed_at_rest[rank][i]``: whether the rank's tensor changed since its own hash after the last
+    optimizer step. Pure; every member computes the same verdict from the same gathered values."""
+    changed_at_rest = changed_at_rest or {}
+    members = sorted(hashes)
+    mismatches = []
+    for i, name in enumerate(names):
+        values: dict[tuple[int, int], list[int]] = {}
+        for rank in members:
+            values.setdefault(tuple(hashes[rank][i]), []).append(rank)
+        moved = [rank for rank in members if changed_at_rest.get(rank) and changed_at_rest[rank][i]]
+        if len(values) == 1:
+            if moved:  # no replica disagrees (there is none, or all moved alike): the memory changed at rest
+                mismatches.append(Mismatch(name, tuple(moved), None, "at_rest"))
+            continue
+        holders = max(values.values(), key=len)
+        if 2 * len(holders) > len(members):
+            faulty = tuple(rank for rank in members if rank not in holders)
+            mismatches.append(Mismatch(name, faulty, holders[0], "majority"))
+            continue
+        rest = [rank for rank in members if rank not in moved]
+        if moved and rest and len({tuple(hashes[rank][i]) for rank in rest}) == 1:
+            mismatches.append(Mismatch(name, tuple(moved), rest[0], "at_rest"))
+        else:
+            mismatches.append(Mismatch(name, (), None, "unattributed"))
+    return FingerprintVerdict(tuple(mismatches))
+
+
+def replica_partition(groups: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+    """The distinct groups, each sorted, in a fixed order (every rank creates the same process groups)."""
+    return sorted({tuple(sorted(group)) for group in groups})
+
+
+class ReplicaFingerprints:
+    """This rank's side of the fingerprint check: its hashes, the all-gather in its replica group,
+    the repair broadcast. Construct it on every rank (it creates one process group per replica group)."""
+
+    def __init__(self, groups: Sequence[Sequence[int]], rank: int, interval: int):
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+            raise ValueError(f"interval must be a non-negative integer, got {interval!r}")
+        self.rank = rank
+        self.interval = interval
+        self.members: tuple[int, ...] = (rank,)
+        self.group: dist.ProcessGroup | None = None
+        for members in replica_partition(groups):
+            # new_group is collective over the whole world: every rank creates every group
+            group = dist.new_group(list(members)) if len(members) > 1 else None
+            if rank in members:
+                self.members, self.group = members, group
+        self._after_update: torch.Tensor | None = None
+        self.checks = 0
+
+    @property
+    def replicas(self) -> int:
+        return len(self.members)
+
+    def due(self, step: int) -> bool:
+        """A check is due before ``step``'s forward."""
+        return self.interval > 0 and step % self.interval == 0
+
+    def remember(self, named: NamedTensors) -> None:
+        """Hashes the state right after an optimizer step, for the at-rest comparison of the next check."""
+        self._after_update = fingerprints(named)
+
+    def check(self, named: NamedTensors, at_rest: bool = True) -> FingerprintVerdict:
+        """Hashes ``named`` (the same names in the same order on every replica), gathers the group's
+        hashes and compares them. ``at_rest``: no optimizer step since ``remember`` (then a tensor that
+        changed is flagged); False for the check before a save, right after the update."""
+        self.checks += 1
+        current = fingerprints(named)
+        changed = torch.zeros(len(named), dtype=torch.int64, device=current.device)
+        if at_rest and self._after_update is not None and self._after_update.shape == current.shape:
+            changed = (current != self._after_update).any(dim=1).to(torch.int64)
+        if at_rest:
+            self._after_update = None
+        mine = torch.cat([current, changed[:, None]], dim=1)
+        if self.group is None:
+            gathered = [mine]
+        else:
+            gathered = [torch.empty_like(mine) for _ in self.members]
+            dist.all_gather(gathered, mine, group=self.group)
+        rows = torch.stack(gathered).tolist()  # one host synchronisation
+        names = [name for name, _ in named]
+        hashes = {rank: [(row[0], row[1]) for row in rows[k]] for k, rank in enumerate(self.members)}
+        moved = {rank: [bool(row[2]) for row in rows[k]] for k, rank in enumerate(self.members)}
+        return compare_replicas(names, hashes, moved)
+
+    def repair(self, named: NamedTensors, verdict: FingerprintVerdict) -> list[str]:
+        """Overwrites every attributed corrupt tensor from its agreeing replica (a broadcast in the
+        replica group, in place); returns the names repaired. Every member calls it with the same verdict."""
+        tensors = dict(named)
+        repaired = []
+        for mismatch in verdict.mismatches:
+            if mismatch.source is None or self.group is None:
+                continue
+            dist.broadcast(tensors[mismatch.tensor], src=mismatch.source, group=self.group)
+            repaired.append(mismatch.tensor)
+        return repaired

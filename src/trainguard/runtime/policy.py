@@ -1,0 +1,157 @@
+"""The supervisor's decisions as pure functions: what an incarnation's end means, and what comes next.
+
+No I/O, no clock, no sleeps: the supervisor (``supervisor.py``) feeds in what it observed (the agents'
+exit codes, the ranks' heartbeat exit records, the step reached) and carries out the verdict (exclude
+a node, wait, restart, stop). Importing this module imports no torch, so the supervisor's exit path
+stays fast.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from trainguard.errors import (
+    EXIT_CRASH,
+    EXIT_DATA_SKIP_ABORT,
+    EXIT_FAULTY_HARDWARE,
+    EXIT_NO_CHECKPOINT,
+    EXIT_OK,
+    EXIT_RESUMABLE_STOP,
+    EXIT_USAGE,
+)
+
+# codes a rank gives on purpose, strongest explanation first
+MEANINGFUL_EXIT_CODES = (EXIT_USAGE, EXIT_DATA_SKIP_ABORT, EXIT_NO_CHECKPOINT, EXIT_RESUMABLE_STOP,
+                         EXIT_FAULTY_HARDWARE)
+NEVER_RESTART = (EXIT_OK, EXIT_USAGE, EXIT_DATA_SKIP_ABORT, EXIT_NO_CHECKPOINT, EXIT_RESUMABLE_STOP)
+
+
+def exit_code_of(failure_codes: list[int]) -> int:
+    """The code that explains a failed group: a meaningful code if any rank gave one, else crash."""
+    for code in MEANINGFUL_EXIT_CODES:
+        if code in failure_codes:
+            return code
+    return EXIT_CRASH
+
+
+class Outcome(str, enum.Enum):
+    """How an incarnation ended (the spelling is what events and summaries show)."""
+
+    RUNNING = "running"
+    FINISHED = "finished"
+    STOPPED = "stopped"  # a stop asked for (signal, time limit): exit 16, resumable, not a failure
+    FAILED = "failed"
+    HANG = "hang"
+
+
+def classify(agent_codes: list[int], rank_exits: dict[int, int]) -> int:
+    """The exit code that explains an incarnation.
+
+    ``agent_codes`` are what the supervisor's children returned (a launcher such as ``torchrun`` turns
+    every rank's code into 1, an agent killed by a signal gives a negative code); ``rank_exits`` are
+    the codes the ranks recorded in their heartbeats just before exiting, by rank. The ranks' own
+    codes explain a failure whatever launcher sat between them and the supervisor.
+    """
+    failed = [code for code in agent_codes if code != 0]
+    if not failed:
+        return EXIT_OK
+    intended = [code for code in rank_exits.values() if code != 0]
+    return exit_code_of(intended + failed)
+
+
+def outcome_of(exit_code: int) -> Outcome:
+    if exit_code == EXIT_OK:
+        return Outcome.FINISHED
+    if exit_code == EXIT_RESUMABLE_STOP:
+        return Outcome.STOPPED
+    return Outcome.FAILED
+
+
+def first_rank_with(code: int, rank_exits: dict[int, int], exit_times: dict[int, float]) -> int | None:
+    """The rank that recorded ``code`` first (the one whose decision ended the group), or None."""
+    ranks = [rank for rank, recorded in rank_exits.items() if recorded == code]
+    return min(ranks, key=lambda rank: (exit_times.get(rank, 0.0), rank)) if ranks else None
+
+
+def backoff_seconds(base: float, cap: float, failures_without_progress: int) -> float:
+    """``base`` after a failure that followed progress, doubling for each failure in a row without."""
+    return min(cap, base * 2 ** max(0, failures_without_progress - 1))
+
+
+class Action(enum.Enum):
+    FINISH = "finish"  # pass the exit code on: done, stopped on purpose, or an error a restart cannot fix
+    RESTART = "restart"
+    GIVE_UP = "give_up"
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    exit_code: int
+    reason: str = ""
+    delay: float = 0.0  # seconds to wait before a restart
+
+
+@dataclass(frozen=True)
+class Ended:
+    """What the policy needs to know of an ended incarnation."""
+
+    outcome: Outcome
+    exit_code: int
+    reached_step: int | None
+    failing_rank: int | None = None
+    failing_node: str | None = None
+
+
+@dataclass
+class RestartPolicy:
+    """Restart budget, crash loop, backoff and node exclusion over the incarnations of one run."""
+
+    max_restarts: int
+    crash_loop: int
+    backoff: float
+    backoff_max: float
+    node_failures: int
+    several_nodes: bool  # with one node, a repeated death is a crash loop, not a node to exclude
+    restarts: int = 0
+    failures_without_progress: int = 0
+    high_water: int = -1  # the highest step any incarnation completed
+    node_deaths: dict[str, int] = field(default_factory=dict)
+
+    def observe(self, ended: Ended, stop_requested: bool) -> Decision | None:
+        """Records an ended incarnation; a decision to end the run here, or None to go on failing over."""
+        progressed = ended.reached_step is not None and ended.reached_step > self.high_water
+        if ended.reached_step is not None:
+            self.high_water = max(self.high_water, ended.reached_step)
+        if ended.outcome is Outcome.FINISHED or ended.exit_code in NEVER_RESTART or stop_requested:
+            return Decision(Action.FINISH, ended.exit_code)
+        self.failures_without_progress = 0 if progressed else self.failures_without_progress + 1
+        return None
+
+    def node_to_exclude(self, ended: Ended, active_nodes: list[str]) -> str | None:
+        node = ended.failing_node
+        if node is None or node not in active_nodes:
+            return None
+        if ended.exit_code == EXIT_FAULTY_HARDWARE:
+            return node
+        if not self.several_nodes or ended.failing_rank is None:
+            return None
+        self.node_deaths[node] = self.node_deaths.get(node, 0) + 1
+        return node if self.node_deaths[node] >= self.node_failures else None
+
+    def replaced_node(self) -> None:
+        """A spare took a failed node's slot: a new node deserves a fresh count."""
+        self.failures_without_progress = 0
+
+    def next_attempt(self, ended: Ended) -> Decision:
+        """After a failure (and any exclusion): restart after a backoff, or give up."""
+        code = ended.exit_code if ended.exit_code not in (EXIT_OK, None) else EXIT_CRASH
+        if self.restarts >= self.max_restarts:
+            return Decision(Action.GIVE_UP, code, f"--max-restarts {self.max_restarts} used up")
+        if self.failures_without_progress >= self.crash_loop:
+            return Decision(Action.GIVE_UP, code, f"crash loop: {self.failures_without_progress} failures in a row "
+                                                  f"without a new step (highest step {self.high_water})")
+        self.restarts += 1
+        delay = backoff_seconds(self.backoff, self.backoff_max, max(1, self.failures_without_progress))
+        return Decision(Action.RESTART, code, ended.outcome.value, delay)

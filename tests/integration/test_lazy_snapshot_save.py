@@ -1,0 +1,148 @@
+"""An async save copies the state while the next forward and backward run (a lazy snapshot): what it
+commits is the state at ``save()``, bitwise what a synchronous save of that state writes, however the
+tensors change once ``wait_for_staging()`` returned or the optimizer stepped."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import traceback
+from pathlib import Path
+
+import torch
+
+WORLD = 2
+
+
+class _Counting(torch.nn.Module):
+    """A layer with a buffer that every forward pass changes (like running statistics)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(64, 64)
+        self.register_buffer("calls", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.linear(x)
+
+
+def _worker(rank: int, store: str, root: str, results: str) -> None:
+    try:
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import DTensor
+
+        from trainguard.checkpoint.durable import read_full_state_dict
+        from trainguard.checkpoint.manager import CheckpointManager
+        from trainguard.checkpoint.manifest import verify_checkpoint
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(_Counting(), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+        mesh = init_device_mesh("cpu", (WORLD,))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        lazy = CheckpointManager(Path(root) / "lazy", model, optimizer, async_save=True, keep_last=5)
+        sync = CheckpointManager(Path(root) / "sync", model, optimizer, async_save=False, keep_last=5)
+
+        def forward_backward() -> None:
+            model(torch.randn(16, 64)).square().mean().backward()
+
+        def state_now() -> dict[str, torch.Tensor]:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            flat = {f"model.{k}": v for k, v in model_sd.items()}
+            flat.update({f"optim.state.{k}.{name}": v for k, s in optim_sd["state"].items() for name, v in s.items()})
+            return {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone() for k, v in flat.items()}
+
+        def corrupt() -> None:
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.add_(1000.0)
+                for state in optimizer.state.values():
+                    state["exp_avg"].mul_(-7.0)
+
+        forward_backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        saved_states = {}
+        for step in (1, 2):
+            saved_states[step] = state_now()
+            lazy.save_durable(step)
+            forward_backward()  # the next step's forward (changes the buffer) and backward run during the copy
+            if step == 1:
+                lazy.wait_for_staging()  # explicitly, then the tensors change
+                corrupt()
+                sync.save_durable(step)  # the state as changed: must not leak into the lazy checkpoint
+            else:
+                optimizer.step()  # waits for the copy by itself (a step pre-hook)
+                corrupt()
+            optimizer.zero_grad()
+            lazy.close()
+            optimizer.param_groups[0]["lr"] = 0.05  # a scheduler's step: the next save records it
+        assert lazy.durable.capture.hits == 1  # the second save reused the first one's plan
+        sync.close()
+        ckpt = Path(root) / "lazy" / "checkpoints"
+        for step, expected in saved_states.items():
+            saved = read_full_state_dict(ckpt / f"global_step_{step}")
+            for key, value in expected.items():
+                assert torch.equal(saved[key], value), f"step {step}: {key} is not the state at save()"
+            if rank == 0:
+                assert verify_checkpoint(ckpt / f"global_step_{step}") == []
+        # bitwise what a synchronous save writes: the live state rolled back to step 2's, saved again
+        with torch.no_grad():
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            for key, tensor in model_sd.items():
+                local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+                target = saved_states[2][f"model.{key}"]
+                if isinstance(tensor, DTensor):
+                    target = torch.distributed.tensor.distribute_tensor(target, tensor.device_mesh,
+                                                                        tensor.placements).to_local()
+                local.copy_(target)
+            for key, state in optim_sd["state"].items():
+                for name, tensor in state.items():
+                    target = saved_states[2][f"optim.state.{key}.{name}"]
+                    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+                    if isinstance(tensor, DTensor):
+                        target = torch.distributed.tensor.distribute_tensor(target, tensor.device_mesh,
+                                                                            tensor.placements).to_local()
+                    local.copy_(target)
+        sync.save_durable(2)
+        sync.close()
+        Path(results, f"ok{rank}").write_text("ok")
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        Path(results, f"error{rank}").write_text(traceback.format_exc())
+        os._exit(1)
+    os._exit(0)
+
+
+def test_lazy_async_save_commits_the_state_at_save_bitwise_as_a_sync_save(tmp_path):
+    context = multiprocessing.get_context("fork")
+    results = tmp_path / "results"
+    results.mkdir()
+    procs = [context.Process(target=_worker, args=(rank, str(tmp_path / "store"), str(tmp_path), str(results)))
+             for rank in range(WORLD)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=240)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    errors = [p.read_text() for p in sorted(results.glob("error*"))]
+    assert not errors, "\n".join(errors)
+    assert sorted(p.name for p in results.iterdir()) == ["ok0", "ok1"]
+    lazy = tmp_path / "lazy" / "checkpoints" / "global_step_2"
+    sync = tmp_path / "sync" / "checkpoints" / "global_step_2"
+    names = sorted(p.name for p in lazy.iterdir() if p.name.endswith(".distcp") or p.name.startswith("extra_state"))
+    assert names == [f"__{r}_0.distcp" for r in range(WORLD)] + [
+        f"extra_state_world_size_{WORLD}_rank_{r}.pt" for r in range(WORLD)]
+    for name in names:
+        if name.endswith(".distcp"):
+            assert (lazy / name).read_bytes() == (sync / name).read_bytes(), name

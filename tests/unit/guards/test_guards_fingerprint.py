@@ -1,0 +1,100 @@
+"""Replica fingerprints: the hash sees every single bit flip; attribution by majority and at rest."""
+
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from trainguard.faults.bits import flip_bit
+from trainguard.guards.fingerprint import (
+    Mismatch,
+    compare_replicas,
+    fingerprints,
+    replica_partition,
+    tensor_fingerprint,
+)
+from trainguard.guards.state_health import local_state, merge_health, nonfinite_state, poisoned_health
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("numel", [1, 3, 1023, 2048 * 3 + 7])
+def test_every_single_bit_flip_changes_the_fingerprint(dtype, numel):
+    rng = random.Random(numel)
+    tensor = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(dtype)
+    clean = tensor_fingerprint(tensor)
+    width = tensor.element_size() * 8
+    for _ in range(40):
+        flipped = tensor.clone()
+        flip_bit(flipped, rng.randrange(numel), rng.randrange(width))
+        assert not torch.equal(tensor_fingerprint(flipped), clean)
+    assert torch.equal(tensor_fingerprint(tensor.clone()), clean)
+
+
+def test_swapped_elements_change_the_fingerprint():
+    tensor = torch.arange(5000, dtype=torch.float32)
+    swapped = tensor.clone()
+    swapped[[3, 4000]] = swapped[[4000, 3]]
+    assert not torch.equal(tensor_fingerprint(swapped), tensor_fingerprint(tensor))
+
+
+def hashes_of(values):
+    return {rank: [(v, 0) for v in row] for rank, row in values.items()}
+
+
+def test_agreeing_replicas_are_clean():
+    verdict = compare_replicas(["a", "b"], hashes_of({0: [1, 2], 4: [1, 2], 8: [1, 2]}))
+    assert verdict.clean and verdict.faulty_ranks == () and verdict.repairable
+
+
+def test_majority_of_three_attributes_the_odd_one_and_repairs_from_an_agreeing_one():
+    verdict = compare_replicas(["a", "b"], hashes_of({0: [1, 2], 4: [1, 9], 8: [1, 2]}))
+    assert verdict.mismatches == (Mismatch("b", (4,), 0, "majority"),)
+    assert verdict.faulty_ranks == (4,) and verdict.repairable
+
+
+def test_two_replicas_are_attributed_by_the_rank_whose_memory_changed_at_rest():
+    names = ["a", "b"]
+    hashes = hashes_of({0: [1, 2], 1: [1, 7]})
+    verdict = compare_replicas(names, hashes, {0: [False, False], 1: [False, True]})
+    assert verdict.mismatches == (Mismatch("b", (1,), 0, "at_rest"),)
+    unattributed = compare_replicas(names, hashes, {0: [False, False], 1: [False, False]})
+    assert unattributed.mismatches == (Mismatch("b", (), None, "unattributed"),)
+    assert not unattributed.repairable and unattributed.faulty_ranks == ()
+
+
+def test_without_replicas_a_change_at_rest_is_attributed_but_cannot_be_repaired():
+    verdict = compare_replicas(["a"], hashes_of({3: [5]}), {3: [True]})
+    assert verdict.mismatches == (Mismatch("a", (3,), None, "at_rest"),) and not verdict.repairable
+    assert compare_replicas(["a"], hashes_of({3: [5]}), {3: [False]}).clean
+
+
+def test_replica_partition_is_sorted_and_deduplicated():
+    assert replica_partition([(2, 0), (1, 3), (0, 2)]) == [(0, 2), (1, 3)]
+
+
+def test_local_state_lists_weights_and_adam_moments_and_finds_a_nan():
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    named = local_state(model, optimizer)
+    names = [name for name, _ in named]
+    assert names == ["param:weight", "param:bias", "exp_avg:weight", "exp_avg_sq:weight",
+                     "exp_avg:bias", "exp_avg_sq:bias"]
+    assert fingerprints(named).shape == (6, 2)
+    assert nonfinite_state(named) == []
+    optimizer.state[model.bias]["exp_avg"][1] = float("inf")
+    with torch.no_grad():
+        model.weight[0, 0] = float("nan")
+    assert nonfinite_state(local_state(model, optimizer)) == ["param:weight", "exp_avg:bias"]
+
+
+def test_poisoned_health_marks_the_save_unhealthy_and_merges_with_the_embedding_verdict():
+    assert poisoned_health(0) is None
+    poisoned = poisoned_health(2, ["param:w", "exp_avg:w"])
+    assert poisoned["is_health"] == 1 and poisoned["nonfinite_tensors"] == 2
+    assert merge_health(None, None) is None
+    assert merge_health({"is_health": 0, "embedding_local_norm": 0.1}, None)["is_health"] == 0
+    merged = merge_health({"is_health": 0, "embedding_local_norm": 0.1}, poisoned)
+    assert merged["is_health"] == 1 and merged["embedding_local_norm"] == 0.1

@@ -1,0 +1,115 @@
+"""Detection points beyond norms: every transformer block's output gradient, every parameter's gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from trainguard.guards import sdc
+from trainguard.guards.sdc import NOT_CHECKED, DetectionPoints, GradientPoints, block_modules
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.mlp = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+class FusedLayer(nn.Module):  # no norm module at all: the norm is fused into the block's code
+    def __init__(self, dim: int):
+        super().__init__()
+        self.mlp = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return x + self.mlp(x / x.norm(dim=-1, keepdim=True))
+
+
+class Stack(nn.Module):
+    def __init__(self, layer=DecoderLayer, n: int = 3, dim: int = 8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(layer(dim) for _ in range(n))
+        self.experts = nn.ModuleList(nn.Linear(dim, dim) for _ in range(2))  # not blocks: Linear
+        self.head = nn.Linear(dim, 1)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x + self.experts[0](x))
+
+
+@pytest.fixture(autouse=True)
+def no_active_points():
+    yield
+    active = sdc.active_points()
+    if active is not None:
+        active.remove()
+
+
+def test_blocks_are_the_layer_members_of_module_lists():
+    assert [name for name, _ in block_modules(Stack())] == ["layers.0", "layers.1", "layers.2"]
+
+
+def test_block_points_check_the_gradient_at_each_block_output():
+    model = Stack()
+    points = DetectionPoints("l2")
+    names = points.install(model, blocks=True)
+    assert names == ["layers.0.norm", "layers.1.norm", "layers.2.norm", "layers.0", "layers.1", "layers.2"]
+    x = torch.randn(4, 8)
+    outputs = []
+    h = x
+    for layer in model.layers:  # the same forward by hand, keeping each block's output gradient
+        h = layer(h)
+        h.retain_grad()
+        outputs.append(h)
+    model.head(h + model.experts[0](h)).sum().backward()
+    expected = [torch.linalg.vector_norm(o.grad).item() for o in outputs]
+    model.zero_grad()
+    points.reset()
+    model(x).sum().backward()
+    values = points.collect().tolist()
+    assert values[3:] == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_fused_norm_model_gets_block_points_only():
+    points = DetectionPoints("l2")
+    assert points.install(Stack(FusedLayer)) == []  # norms alone: nothing to check on this model
+    assert points.install(Stack(FusedLayer), blocks=True) == ["layers.0", "layers.1", "layers.2"]
+
+
+@pytest.mark.parametrize("shares", [False, True])
+def test_gradient_points_measure_every_parameter_gradient(shares):
+    model = Stack()
+    points = GradientPoints(model, "l2", shares=shares)
+    assert points.names[:2] == ["grad:layers.0.norm.weight", "grad:layers.0.norm.bias"]
+    model(torch.randn(4, 8)).sum().backward()
+    model.experts[1].weight.grad = None  # a parameter without a gradient is not checked
+    collected = points.collect(with_shares=shares)
+    values = (collected[0] if shares else collected).tolist()
+    params = [p for _, p in model.named_parameters()]
+    for value, parameter in zip(values, params):
+        expected = NOT_CHECKED if parameter.grad is None else torch.linalg.vector_norm(parameter.grad).item()
+        assert value == pytest.approx(expected, rel=1e-6)
+    if shares:  # no share for a small parameter: one element may legitimately carry its gradient
+        assert collected[1].tolist() == [NOT_CHECKED] * len(params)
+
+
+def test_gradient_points_give_a_large_parameter_its_peak_share():
+    model = nn.Linear(128, 64)
+    model(torch.randn(2, 128)).sum().backward()
+    with torch.no_grad():
+        model.weight.grad[3, 5] = 1e6
+    shares = GradientPoints(model, "l2", shares=True).collect(with_shares=True)[1].tolist()
+    assert shares[0] == pytest.approx(1.0, abs=1e-6) and shares[1] == NOT_CHECKED
+
+
+def test_gradient_points_give_v3_the_largest_square():
+    model = Stack()
+    model(torch.randn(4, 8)).sum().backward()
+    values = GradientPoints(model, "max_sq").collect().tolist()
+    assert values[0] == pytest.approx(model.layers[0].norm.weight.grad.abs().max().item() ** 2, rel=1e-6)

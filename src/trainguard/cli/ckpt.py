@@ -21,7 +21,8 @@ from trainguard.fs.layout import HEALTH_FILE, LATEST_FILE, step_dir_name
 from trainguard.checkpoint.manifest import BadFile, verify_checkpoint
 from trainguard.checkpoint.role_dirs import checkpoint_dir, frozen_role_dirs
 from trainguard.errors import ConfigError
-from trainguard.guards.health import Health, health_of
+from trainguard.fs.bounded import parse_json, read_regular_text
+from trainguard.guards.health import MAX_HEALTH_FILE_BYTES, Health, health_of
 
 EXIT_BAD_CHECKPOINT = 1
 _DIR_HELP = "run directory, its checkpoints/ directory, or one checkpoint (global_step_N, global_step_N/ROLE)"

@@ -15,6 +15,21 @@ class TrainguardError(Exception):
     """An expected failure: printed as one line, mapped to ``exit_code``."""
 
     exit_code = EXIT_CRASH
+    every_rank_raises = False
+    """Set (by ``raised_by_every_rank``) when all ranks of a run raise this failure alike: rank 0 alone
+    reports it, the others stay quiet."""
+
+
+def raised_by_every_rank(exc: TrainguardError) -> TrainguardError:
+    exc.every_rank_raises = True
+    return exc
+
+
+def failure_of_rank(rank: int, message: str, exit_code: int) -> TrainguardError:
+    """What every rank raises after learning that ``rank`` failed with ``message``."""
+    exc = TrainguardError(f"{message} (rank {rank})")
+    exc.exit_code = exit_code
+    return raised_by_every_rank(exc)
 
 
 class ConfigError(TrainguardError):

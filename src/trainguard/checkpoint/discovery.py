@@ -6,14 +6,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from trainguard.fs.fsio import PathLike, atomic_write_text
-from trainguard.fs.layout import LATEST_FILE, MANIFEST_NAME, parse_step_dir, parse_temp_dir
+from trainguard.fs.bounded import read_regular_bytes
+from trainguard.fs.fsio import PathLike, atomic_write_text, remove_directory_crash_safe
+from trainguard.fs.layout import LATEST_FILE, MANIFEST_NAME, STEP_DIR_PREFIX, parse_step_dir, parse_temp_dir
 from trainguard.checkpoint.manifest import Manifest, ManifestError, read_manifest, verify_checkpoint
 from trainguard.errors import CheckpointError
 
 INCOMPLETE = "incomplete (being written or abandoned)"
-
-
+_MAX_TRACKER_BYTES = 64
 
 @dataclass(frozen=True)
 class CheckpointInfo:
@@ -49,7 +49,7 @@ def list_checkpoints(root: PathLike) -> list[CheckpointInfo]:
     """Every checkpoint directory and unfinished one under ``root``, by step; nothing is verified."""
     found = []
     for entry in Path(root).iterdir():
-        if not entry.is_dir():
+        if entry.is_symlink() or not entry.is_dir():
             continue
         step = parse_step_dir(entry.name)
         if step is not None:
@@ -102,18 +102,45 @@ def find_resume_checkpoint(
 
 
 def read_latest(root: PathLike) -> int | None:
-    """The step in ``latest_checkpointed_iteration.txt``, None when there is no such file."""
+    """The step in ``latest_checkpointed_iteration.txt``, None when there is no such file; a tracker
+    that is not a regular file holding a bare step number is a ``CheckpointError`` naming it."""
     path = Path(root) / LATEST_FILE
     try:
-        text = path.read_bytes().decode("ascii", errors="replace")
+        data = read_regular_bytes(path, _MAX_TRACKER_BYTES)
     except FileNotFoundError:
         return None
-    stripped = text.strip()
-    if not stripped.isdigit():
+    except OSError as exc:
+        raise CheckpointError(f"{path}: {exc.strerror or exc}, expected a file holding a bare step number") from None
+    text = data.decode("ascii", errors="replace")
+    if parse_step_dir(f"{STEP_DIR_PREFIX}{text.strip()}") is None:
         raise CheckpointError(f"{path}: expected a bare step number, found {text[:40]!r}")
-    return int(stripped)
+    return int(text.strip())
+
+
+def latest_fault(root: PathLike, committed_steps: set[int]) -> str | None:
+    """Why the tracker is wrong: unreadable, not a bare step number, or naming no committed checkpoint."""
+    try:
+        step = read_latest(root)
+    except CheckpointError as exc:
+        return str(exc)
+    if step is not None and step not in committed_steps:
+        return f"{Path(root) / LATEST_FILE}: names step {step}, which is not a committed checkpoint"
+    return None
 
 
 def write_latest(root: PathLike, step: int) -> None:
-    """Records ``step`` as the newest committed checkpoint; call only after it is committed."""
-    atomic_write_text(Path(root) / LATEST_FILE, f"{step}\n")
+    """Records ``step`` as the newest committed checkpoint; call only after it is committed. A directory
+    in the tracker's place is removed first (a link or file is simply replaced)."""
+    path = Path(root) / LATEST_FILE
+    if path.is_dir() and not path.is_symlink():
+        remove_directory_crash_safe(path)
+    atomic_write_text(path, f"{step}\n")
+
+
+def repair_latest(root: PathLike, step: int, warn: Callable[[str], None]) -> None:
+    """Rewrites a tracker that is wrong (see ``latest_fault``) to ``step``, the checkpoint resumed from."""
+    committed = {info.step for info in list_checkpoints(root) if info.committed}
+    fault = latest_fault(root, committed)
+    if fault is not None:
+        warn(f"{fault}; rewriting it to {step}")
+        write_latest(root, step)

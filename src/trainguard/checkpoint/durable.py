@@ -41,6 +41,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from trainguard.checkpoint.commit import Committed, commit_checkpoint
+from trainguard.checkpoint.discovery import list_checkpoints
+from trainguard.checkpoint.disk_full import disk_full_error, is_disk_full, tensor_bytes
 from trainguard.checkpoint.dcp_writer import SaveJob, gather_entries, write_rank_files
 from trainguard.checkpoint.hooks import CommitHook
 from trainguard.checkpoint.manifest import build_manifest, read_manifest
@@ -168,7 +170,7 @@ class DurableCheckpointer:
                                               daemon=True)
             self._inflight.start()
         else:
-            self._finish(training_state(model, optimizer), job)
+            self._finish_or_say_full(training_state(model, optimizer), job)
             blocked = time.perf_counter() - started
         if self.rank == 0:
             self.events.emit("checkpoint_saved", step=step, blocked_s=blocked, async_save=self.async_save)
@@ -193,9 +195,21 @@ class DurableCheckpointer:
     def _finish_guarded(self, snapshot: LazySnapshot, state: dict[str, Any], job: SaveJob) -> None:
         try:
             snapshot.copied()
-            self._finish(state, job)
+            self._finish_or_say_full(state, job)
         except BaseException as exc:  # surfaced by the next wait()
             self._error = exc
+
+    def _finish_or_say_full(self, state: dict[str, Any], job: SaveJob) -> None:
+        try:
+            self._finish(state, job)
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            if not is_disk_full(exc):
+                raise
+            previous = [info for info in list_checkpoints(self.root) if info.committed]
+            # the previous checkpoint's size, else this rank's share of tensors times the ranks
+            needed = previous[-1].manifest.total_size if previous and previous[-1].manifest else \
+                tensor_bytes(state) * self.world_size
+            raise disk_full_error(self.root, job.step, needed) from None
 
     def _finish(self, state: dict[str, Any], job: SaveJob) -> None:
         entries, failure = write_rank_files(state, job, self.process_group)

@@ -32,7 +32,7 @@ from trainguard.checkpoint.manifest import read_manifest
 from trainguard.checkpoint.memory_tier import MemoryTier
 from trainguard.checkpoint.resume import choose_resume_checkpoint
 from trainguard.checkpoint.save_policy import SaveDecision, decide_save
-from trainguard.errors import NoCheckpointError
+from trainguard.errors import NoCheckpointError, TrainguardError, failure_of_rank, raised_by_every_rank
 from trainguard.events import EventLog
 from trainguard.guards.health import marked_unhealthy
 from trainguard.checkpoint.rng_state import capture_rng_state, restore_rng_state, seed_everything
@@ -53,6 +53,20 @@ def _broadcast(value: Any) -> Any:
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _raise_if_any_rank_failed(failure: TrainguardError | None) -> None:
+    """Every rank raises when any rank failed (none is left waiting in a collective for the others),
+    with the first failing rank's message, so that rank 0 can report it in one line."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if failure is not None:
+            raise failure
+        return
+    reports: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, (str(failure), failure.exit_code) if failure is not None else None)
+    for rank, report in enumerate(reports):
+        if report is not None:
+            raise failure_of_rank(rank, *report)
 
 
 class CheckpointManager:
@@ -165,7 +179,7 @@ class CheckpointManager:
                 if recovered is not None:
                     return self._resume_from_local(*recovered, tier=tier)
         if error is not None:
-            raise error
+            raise raised_by_every_rank(error) if isinstance(error, TrainguardError) else error
         if path is None:
             for tier in self._rank_tiers():
                 tier.discard_newer(0)
@@ -173,7 +187,12 @@ class CheckpointManager:
                 self.events.emit("run_started", step=0, resumed_from=None)
             return 0
         started = time.perf_counter()
-        step = self._load_durable(Path(path))
+        failure = None
+        try:
+            step = self._load_durable(Path(path))
+        except TrainguardError as exc:  # e.g. a file refused as unsafe on this rank only
+            failure = exc
+        _raise_if_any_rank_failed(failure)
         seconds = time.perf_counter() - started
         log.info("resumed from %s at step %d (%.2fs)", path, step, seconds)
         if self.rank == 0:
@@ -343,7 +362,7 @@ class CheckpointManager:
                 error = exc
         path, error = _broadcast((path, error))
         if error is not None:
-            raise error
+            raise raised_by_every_rank(error) if isinstance(error, TrainguardError) else error
         if path is None:
             return None
         step = self._load_durable(Path(path))

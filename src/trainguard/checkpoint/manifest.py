@@ -7,6 +7,7 @@ the not-yet-committed directory, and lists every file with its size and checksum
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import stat
@@ -16,17 +17,26 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Mapping
 
+import xxhash
+
 from trainguard.checkpoint.checksum import CHECKSUM_ALGORITHM, file_checksum
+from trainguard.fs.bounded import BoundedReadError, parse_json, read_regular_text
 from trainguard.fs.fsio import PathLike, atomic_write_json
 from trainguard.fs.layout import MANIFEST_NAME
 from trainguard.errors import CheckpointError
 
 FORMAT = "trainguard-checkpoint"
-VERSION = 1
+VERSION = 2
+"""Version 2 adds ``manifest_checksum``; version 1 manifests (no checksum) are still read."""
+READABLE_VERSIONS = (1, 2)
+SELF_CHECKSUM_KEY = "manifest_checksum"
+MAX_MANIFEST_BYTES = 64 << 20
 # Hashing overlaps reads of several files; xxh3 itself outruns any disk.
 DEFAULT_HASH_WORKERS = 4
 
 _CHECKSUM = re.compile(rf"{CHECKSUM_ALGORITHM}:[0-9a-f]{{16}}")
+# Per-rank files whose names carry the world size they were written for (fs.layout's names).
+_RANK_FILE = re.compile(r"(extra_state|model|optim)_world_size_([0-9]+)_rank_([0-9]+)\.pt")
 
 Progress = Callable[[int], None]
 """Called with the byte count of each file once it is hashed (from worker threads)."""
@@ -66,9 +76,10 @@ class Manifest:
         return sum(entry.size for entry in self.files)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        """The manifest's JSON object, with the checksum of all its other fields (always the current version)."""
+        data = {
             "format": self.format,
-            "version": self.version,
+            "version": VERSION,
             "step": self.step,
             "created": self.created,
             "world_size": self.world_size,
@@ -79,6 +90,8 @@ class Manifest:
             "extra": self.extra,
             "files": [asdict(entry) for entry in self.files],
         }
+        data[SELF_CHECKSUM_KEY] = fields_checksum(data)
+        return data
 
     @classmethod
     def from_dict(cls, data: Any) -> Manifest:
@@ -90,12 +103,17 @@ class Manifest:
         if file_format != FORMAT:
             raise ValueError(f"format is {file_format!r}, expected {FORMAT!r}")
         version = _field(data, "version", "integer")
-        if version != VERSION:
-            raise ValueError(f"version {version} is not supported (this trainguard reads version {VERSION})")
+        if version not in READABLE_VERSIONS:
+            raise ValueError(f"version {version} is not supported (this trainguard reads versions {READABLE_VERSIONS})")
+        # Checked before any field is trusted: a hand-edited or damaged manifest says so here.
+        if version >= 2:
+            recorded = _field(data, SELF_CHECKSUM_KEY, "string")
+            if recorded != fields_checksum(data):
+                raise ValueError(f"key '{SELF_CHECKSUM_KEY}' does not match the manifest's fields (edited or damaged)")
         health = data.get("health")
         if health is not None and not isinstance(health, dict):
             raise ValueError(f"key 'health' should be an object or null, found {_json_type(health)}")
-        return cls(
+        manifest = cls(
             step=_field(data, "step", "integer"),
             created=float(_field(data, "created", "number")),
             world_size=_field(data, "world_size", "integer"),
@@ -106,6 +124,47 @@ class Manifest:
             health=health,
             extra=_field(data, "extra", "object") if "extra" in data else {},
         )
+        inconsistency = manifest_inconsistency(manifest)
+        if inconsistency:
+            raise ValueError(inconsistency)
+        return manifest
+
+
+def fields_checksum(data: Mapping[str, Any]) -> str:
+    """Checksum of a manifest's fields but the checksum itself, over their canonical JSON."""
+    fields = {key: value for key, value in data.items() if key != SELF_CHECKSUM_KEY}
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return f"{CHECKSUM_ALGORITHM}:{xxhash.xxh3_64(canonical.encode()).hexdigest()}"
+
+
+def manifest_inconsistency(manifest: Manifest) -> str | None:
+    """Why the fields that decide how a checkpoint is loaded contradict each other or its file list."""
+    if manifest.step < 0:
+        return f"step is negative ({manifest.step})"
+    if manifest.world_size < 1:
+        return f"world_size is {manifest.world_size}, expected ≥ 1"
+    if manifest.mesh_shape:
+        if len(manifest.mesh_shape) != len(manifest.mesh_dim_names):
+            return f"mesh_shape {manifest.mesh_shape} and mesh_dim_names {manifest.mesh_dim_names} differ in length"
+        if any(degree < 1 for degree in manifest.mesh_shape) or math.prod(manifest.mesh_shape) != manifest.world_size:
+            return f"mesh_shape {manifest.mesh_shape} does not multiply to world_size {manifest.world_size}"
+    ranks_by_kind: dict[str, set[int]] = {}
+    for entry in manifest.files:
+        match = _RANK_FILE.fullmatch(entry.path)
+        if match is None:
+            continue
+        kind, world_size, rank = match.group(1), int(match.group(2)), int(match.group(3))
+        if world_size != manifest.world_size:
+            return f"lists {entry.path} but records world_size {manifest.world_size}"
+        ranks_by_kind.setdefault(kind, set()).add(rank)
+    for kind, ranks in ranks_by_kind.items():
+        if ranks != set(range(manifest.world_size)):
+            missing = sorted(set(range(manifest.world_size)) - ranks)
+            return f"world_size {manifest.world_size} but no {kind} file of rank {missing[0] if missing else max(ranks)}"
+    step = manifest.trainer_state.get("step")
+    if isinstance(step, int) and not isinstance(step, bool) and step != manifest.step:
+        return f"step {manifest.step} but trainer_state.step {step}"
+    return None
 
 
 class ManifestError(CheckpointError):
@@ -178,17 +237,19 @@ def read_manifest(ckpt_dir: PathLike) -> Manifest:
     """Reads and validates the manifest; raises ``ManifestError`` naming the file and the fault."""
     path = Path(ckpt_dir) / MANIFEST_NAME
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_regular_text(path, MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         raise ManifestError(path, "missing (not a committed checkpoint)") from None
     except UnicodeDecodeError:
         raise ManifestError(path, "not valid UTF-8 text") from None
+    except BoundedReadError as exc:
+        raise ManifestError(path, str(exc)) from None
     except OSError as exc:
         raise ManifestError(path, f"cannot read ({exc.strerror})") from None
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ManifestError(path, f"not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+        data = parse_json(text)
+    except ValueError as exc:
+        raise ManifestError(path, str(exc)) from None
     try:
         return Manifest.from_dict(data)
     except ValueError as exc:
@@ -220,15 +281,55 @@ def verify_checkpoint(
     with ThreadPoolExecutor(max_workers=hash_workers) as pool:
         bad = [fault for fault in pool.map(check, manifest.files) if fault is not None]
     listed = {entry.path for entry in manifest.files}
-    bad += [BadFile(relative, "unexpected file") for relative, _, _ in _regular_files(root) if relative not in listed]
+    faulty = {fault.path for fault in bad}
+    for relative, kind in checkpoint_entries(root):
+        if relative in faulty:
+            continue
+        if kind == "file" and relative not in listed:
+            bad.append(BadFile(relative, "unexpected file"))
+        elif kind not in ("file", "directory"):
+            bad.append(BadFile(relative, f"not a regular file ({kind})"))
+        elif kind == "directory" and not any(path.startswith(relative + "/") for path in listed):
+            bad.append(BadFile(relative, "unexpected directory"))
     return sorted(bad, key=lambda fault: fault.path)
+
+
+def checkpoint_entries(root: Path) -> list[tuple[str, str]]:
+    """(relative posix path, kind) of every entry under ``root`` but the manifest, never following a
+    link; kind is file, directory, symlink, fifo, socket, device or other."""
+    found = []
+    for directory, subdirs, names in os.walk(root):
+        subdirs.sort()
+        for name in sorted(subdirs + names):
+            path = Path(directory, name)
+            relative = path.relative_to(root).as_posix()
+            if relative != MANIFEST_NAME:
+                found.append((relative, entry_kind(os.lstat(path).st_mode)))
+    return found
+
+
+def entry_kind(mode: int) -> str:
+    if stat.S_ISREG(mode):
+        return "file"
+    if stat.S_ISDIR(mode):
+        return "directory"
+    if stat.S_ISLNK(mode):
+        return "symlink"
+    if stat.S_ISFIFO(mode):
+        return "fifo"
+    if stat.S_ISSOCK(mode):
+        return "socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "device"
+    return "other"
 
 
 def _file_fault(path: Path, entry: FileEntry) -> str | None:
     try:
-        info = os.stat(path)
+        # lstat: a listed file replaced by a link is refused, never followed outside the checkpoint.
+        info = os.lstat(path)
         if not stat.S_ISREG(info.st_mode):
-            return "not a regular file"
+            return f"not a regular file ({entry_kind(info.st_mode)})"
         if info.st_size != entry.size:
             return f"size {info.st_size} != expected {entry.size}"
         if file_checksum(path) != entry.checksum:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from trainguard.checkpoint.discovery import CheckpointInfo, find_resume_checkpoint, list_checkpoints
+from trainguard.checkpoint.discovery import CheckpointInfo, find_resume_checkpoint, list_checkpoints, repair_latest
 from trainguard.fs.layout import HEALTH_FILE
 from trainguard.checkpoint.manifest import read_manifest, verify_checkpoint
 from trainguard.errors import CheckpointError, ConfigError, NoCheckpointError
@@ -27,8 +27,8 @@ def check_explicit_resume_path(path: Path) -> None:
         raise ConfigError(f"--resume {path}: not a trainguard checkpoint ({exc})") from None
 
 
-def health_rejection(root: Path) -> Callable[[CheckpointInfo], str | None]:
-    recorded_unhealthy = unhealthy_names(root / HEALTH_FILE)
+def health_rejection(root: Path, warn: Callable[[str], None]) -> Callable[[CheckpointInfo], str | None]:
+    recorded_unhealthy = unhealthy_names(root / HEALTH_FILE, warn)
 
     def reject(info: CheckpointInfo) -> str | None:
         health = info.manifest.health if info.manifest else None
@@ -61,7 +61,7 @@ def choose_resume_checkpoint(
         return path
     if not root.is_dir():
         return None
-    unhealthy = health_rejection(root)
+    unhealthy = health_rejection(root, warn)
     rejected_unhealthy: list[str] = []
 
     def combined(info: CheckpointInfo) -> str | None:
@@ -73,6 +73,7 @@ def choose_resume_checkpoint(
 
     chosen = find_resume_checkpoint(root, accept=combined, warn=warn)
     if chosen is not None:
+        repair_latest(root, chosen.step, warn)
         return chosen.path
     committed = [info for info in list_checkpoints(root) if info.committed]
     if committed and len(rejected_unhealthy) == len(committed):

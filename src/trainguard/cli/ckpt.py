@@ -14,14 +14,15 @@ from rich.console import Console
 from rich.filesize import decimal
 from rich.table import Table
 
-from trainguard.checkpoint.discovery import CheckpointInfo, list_checkpoints
+from trainguard.checkpoint.discovery import CheckpointInfo, latest_fault, list_checkpoints
 from trainguard.cli.arguments import resolve_root
 from trainguard.cli.output import byte_progress, warn
-from trainguard.fs.layout import HEALTH_FILE, step_dir_name
+from trainguard.fs.layout import HEALTH_FILE, LATEST_FILE, step_dir_name
 from trainguard.checkpoint.manifest import BadFile, verify_checkpoint
 from trainguard.checkpoint.role_dirs import checkpoint_dir, frozen_role_dirs
 from trainguard.errors import ConfigError
-from trainguard.guards.health import Health, health_of
+from trainguard.fs.bounded import parse_json, read_regular_text
+from trainguard.guards.health import MAX_HEALTH_FILE_BYTES, Health, health_of
 
 EXIT_BAD_CHECKPOINT = 1
 _DIR_HELP = "run directory, its checkpoints/ directory, or one checkpoint (global_step_N, global_step_N/ROLE)"
@@ -88,6 +89,11 @@ def run_verify(args: argparse.Namespace) -> int:
         if not bad:
             print(f"OK {info.name}")
         all_good = all_good and not bad
+    if root.is_dir() and checkpoint_dir(Path(args.dir)) is None and args.step is None:
+        fault = latest_fault(root, {info.step for info in infos if info.committed})
+        if fault is not None:
+            print(f"BAD {LATEST_FILE}: {fault.removeprefix(str(root / LATEST_FILE) + ': ')}")
+            all_good = False
     return 0 if all_good else EXIT_BAD_CHECKPOINT
 
 
@@ -111,7 +117,7 @@ def _read_health_records(root: Path) -> dict[str, dict]:
     """``ckpt_name -> record`` from ``health_ckpts.json``; the last record wins."""
     path = root / HEALTH_FILE
     try:
-        records = json.loads(path.read_text(encoding="utf-8"))
+        records = parse_json(read_regular_text(path, MAX_HEALTH_FILE_BYTES))
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as exc:

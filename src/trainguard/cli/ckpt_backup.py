@@ -56,8 +56,10 @@ def run_backup(args: argparse.Namespace) -> int:
     failed = 0
     for info in checkpoints:
         if not info.committed:
-            warn(f"skipping {info.path}: {info.error}")
-            continue
+            if args.step is None:
+                warn(f"skipping {info.path}: {info.error}")
+                continue
+            raise CheckpointError(f"{info.path}: {info.error}; not backed up")
         try:
             result = _backup_one(info.path, root, mirror, throttle, args)
         except MirrorError:
@@ -75,8 +77,12 @@ def run_backup(args: argparse.Namespace) -> int:
 
 
 def _backup_one(path: Path, root: Path, mirror: Mirror, throttle: Throttle, args: argparse.Namespace) -> MirrorResult:
+    from trainguard.checkpoint.trusted import require_regular_entries, require_verified
+
     if not args.weights_only:
+        require_regular_entries(path)  # the upload checks every checksum as it reads
         return _upload(path, mirror, throttle, args.workers)
+    require_verified(path)  # the export writes a fresh manifest: never over unverified bytes
     staging = Path(tempfile.mkdtemp(prefix=f"{TRASH_PREFIX}weights-", dir=root))
     try:
         from trainguard.backup.weights_only import export_weights_only

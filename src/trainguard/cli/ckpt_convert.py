@@ -24,6 +24,9 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def run_convert(args: argparse.Namespace) -> int:
+    from trainguard.checkpoint.trusted import require_verified
+
+    require_verified(args.from_hf if args.from_hf is not None else args.source)
     if args.from_hf is not None:
         from trainguard.hf.convert import hf_to_durable  # transformers and DCP: only when needed
 

@@ -41,9 +41,11 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def run_merge(args: argparse.Namespace) -> int:
+    from trainguard.checkpoint.trusted import require_verified
     from trainguard.merge.merger import merge_to_hf
     from trainguard.merge.safetensors_out import parse_size
 
+    require_verified(args.local_dir)
     started = time.perf_counter()
     with ExitStack() as stack:
         result = merge_to_hf(args.local_dir, args.target_dir, backend=args.backend,
@@ -58,11 +60,13 @@ def run_merge(args: argparse.Namespace) -> int:
 
 
 def run_test(args: argparse.Namespace) -> int:
+    from trainguard.checkpoint.trusted import require_verified
     from trainguard.merge.compare import compare_tensors, hf_tensors, reference_tensors
 
     for path in (args.local_dir, args.reference):
         if not path.is_dir():
             raise ConfigError(f"{path}: no such directory")
+        require_verified(path)
     compared, differences = compare_tensors(hf_tensors(args.local_dir), reference_tensors(args.reference, args.local_dir))
     for difference in differences:
         print(difference)

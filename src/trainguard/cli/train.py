@@ -34,9 +34,17 @@ def run(args: argparse.Namespace) -> int:
     resolve_layout(config.parallel, args.nproc * max(1, nnodes))
     if config.checkpoint.resume not in ("auto", "disable") and "://" not in config.checkpoint.resume:
         check_explicit_resume_path(Path(config.checkpoint.resume))
+    if args.run_dir is not None and not args.run_dir.strip():
+        raise ConfigError("--run-dir '': an empty path; name a directory or leave the flag out")
     run_dir = Path(args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"--run-dir {run_dir}: exists and is not a directory")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--run-dir {run_dir}: cannot create it ({exc.strerror})") from None
+    if not os.access(run_dir, os.W_OK):
+        raise ConfigError(f"--run-dir {run_dir}: not writable (read-only file system or no permission)")
     worker_args = ["--run-dir", str(run_dir)]
     if args.config:
         worker_args += ["--config", str(Path(args.config).resolve())]

@@ -18,8 +18,84 @@ from trainguard.backup.config import validate_mirror_config
 from trainguard.config.aliases import translate_reference_keys
 from trainguard.config.presets import PRESETS
 from trainguard.config.schema import RunConfig
+from trainguard.fs.bounded import read_regular_text
 from trainguard.guards.sdc.config import sdc_config_from_env
 from trainguard.errors import ConfigError
+
+MAX_CONFIG_BYTES = 1 << 20
+MAX_YAML_ALIASES = 64
+MAX_YAML_NODES = 100_000
+"""Nodes of the document with every alias expanded: what building it and walking it costs."""
+MAX_YAML_DEPTH = 32
+MAX_INT = 2**63 - 1
+"""Every integer key fits the int64 that torch and the file formats store it in."""
+MAX_MODEL_DIM = 1 << 20
+"""Larger model dimensions cannot be allocated on any machine (hidden_size=1e23 would fail deep in torch)."""
+
+
+class _RefusedYaml(yaml.YAMLError):
+    """A document the bounded loader refuses; the message says why."""
+
+
+class BoundedYamlLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` with limits on aliases and nesting ("billion laughs" and stack bombs are
+    refused while composing, before anything is built) and with duplicate keys an error."""
+
+    def __init__(self, stream: Any):
+        super().__init__(stream)
+        self._aliases = 0
+        self._depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            self._aliases += 1
+            if self._aliases > MAX_YAML_ALIASES:
+                raise _RefusedYaml(f"more than {MAX_YAML_ALIASES} aliases (*name)")
+        self._depth += 1
+        if self._depth > MAX_YAML_DEPTH:
+            raise _RefusedYaml(f"nested deeper than {MAX_YAML_DEPTH} levels")
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise _RefusedYaml(f"duplicate key {key!r} at line {key_node.start_mark.line + 1}")
+            if isinstance(key, (str, int, float, bool)):
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(text: str) -> Any:
+    """Parses YAML with ``BoundedYamlLoader``; raises ``yaml.YAMLError`` (a ``_RefusedYaml`` saying why)."""
+    loader = BoundedYamlLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        if _expanded_size(node, {}) > MAX_YAML_NODES:
+            raise _RefusedYaml(f"more than {MAX_YAML_NODES} values once its aliases are expanded")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _expanded_size(node: Any, sizes: dict[int, int]) -> int:
+    """How many nodes ``node`` stands for with aliases expanded; shared nodes are counted once each time
+    they are used, but computed once (depth is already bounded by the loader)."""
+    if id(node) in sizes:
+        return sizes[id(node)]
+    size = 1
+    if isinstance(node, yaml.SequenceNode):
+        size += sum(_expanded_size(child, sizes) for child in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        size += sum(_expanded_size(k, sizes) + _expanded_size(v, sizes) for k, v in node.value)
+    sizes[id(node)] = size
+    return size
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
@@ -37,15 +113,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_regular_text(path.resolve(), MAX_CONFIG_BYTES)  # a link to a config is fine; a FIFO is not
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not UTF-8 text") from None
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
+    except _RefusedYaml as exc:
+        raise ConfigError(f"config file {path} refused: {exc}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"config file {path} is not valid YAML{where}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {path} refused: nested too deeply") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -58,8 +140,10 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
     if not sep or not key.strip():
         raise ConfigError(f"--set {item!r}: expected section.key=value")
     try:
-        value = yaml.safe_load(text) if text.strip() else None
-    except yaml.YAMLError:
+        value = load_yaml(text) if text.strip() else None
+    except _RefusedYaml as exc:
+        raise ConfigError(f"--set {item!r}: {exc}") from None
+    except (yaml.YAMLError, RecursionError):
         value = text
     node = raw
     parts = key.strip().split(".")
@@ -110,6 +194,8 @@ def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
             return value
     elif base is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if abs(value) > MAX_INT:
+                raise ConfigError(f"{source}: config key {key!r} must fit in 64 bits, got a {len(str(abs(value)))}-digit integer")
             return value
     elif base is float:
         number = None
@@ -138,12 +224,17 @@ def validate(config: RunConfig, source: str = "<config>") -> None:
             bound = "≥ 0" if allow_zero else "> 0"
             raise ConfigError(f"{source}: config key {key!r} must be {bound}, got {value!r}")
 
+    def at_most(key: str, value: int | None, bound: int) -> None:
+        if value is not None and value > bound:
+            raise ConfigError(f"{source}: config key {key!r} must be ≤ {bound}, got {value!r}")
+
     if config.model.preset not in PRESETS:
         raise ConfigError(
             f"{source}: config key 'model.preset' must be one of {sorted(PRESETS)}, got {config.model.preset!r}"
         )
     for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
         positive(f"model.{name}", getattr(config.model, name))
+        at_most(f"model.{name}", getattr(config.model, name), MAX_MODEL_DIM)
     positive("data.seq_len", config.data.seq_len)
     positive("data.micro_batch_size", config.data.micro_batch_size)
     for name in ("dp_replicate", "dp_shard", "tp", "pp"):

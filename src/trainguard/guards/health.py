@@ -19,17 +19,21 @@ whatever its health, as in the reference). Only one process (rank 0) writes the 
 from __future__ import annotations
 
 import enum
-import json
+import logging
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainguard.fs.bounded import parse_json, read_regular_text
 from trainguard.fs.fsio import atomic_write_json
 from trainguard.fs.layout import step_dir_name
 from trainguard.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+MAX_HEALTH_FILE_BYTES = 16 << 20
 
 NO_HEALTHY_CHECKPOINT_MESSAGE = (
     "no healthy checkpoint to resume from: every checkpoint in health_ckpts.json is recorded as unhealthy "
@@ -100,18 +104,18 @@ def _validate(path: Path, records: Any) -> list[dict]:
 
 def read_health_records(path: str | os.PathLike) -> list[dict]:
     """The records in file order; ``[]`` when the file does not exist; CheckpointError naming the file
-    when it is not valid JSON or not a list of records."""
+    when it is not a regular file, not valid JSON or not a list of records."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_regular_text(path, MAX_HEALTH_FILE_BYTES)
     except FileNotFoundError:
         return []
     except (OSError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: cannot read health record file: {exc}") from None
+        raise CheckpointError(f"{path}: cannot read health record file: {getattr(exc, 'strerror', None) or exc}") from None
     try:
-        records = json.loads(text)
+        records = parse_json(text)
     except ValueError as exc:
-        raise CheckpointError(f"{path}: malformed health record file: not valid JSON ({exc})") from None
+        raise CheckpointError(f"{path}: malformed health record file: {exc}") from None
     return [{"is_health": r["is_health"], "ckpt_name": r["ckpt_name"]} for r in _validate(path, records)]
 
 
@@ -133,10 +137,19 @@ def record_health(path: str | os.PathLike, ckpt_name: str, unhealthy: bool) -> N
     atomic_write_json(path, records, indent=4)
 
 
-def unhealthy_names(path: str | os.PathLike) -> set[str]:
-    """Names of the checkpoints recorded as unhealthy (for a name recorded twice, the last record wins)."""
-    latest = {r["ckpt_name"]: r for r in read_health_records(path)}
+def unhealthy_names(path: str | os.PathLike, warn: Callable[[str], None] | None = None) -> set[str]:
+    """Names of the checkpoints recorded as unhealthy (for a name recorded twice, the last record wins).
+    An unreadable file is a warning, not a stop: every manifest carries its checkpoint's health too."""
+    latest = {r["ckpt_name"]: r for r in _readable_records(path, warn or log.warning)}
     return {name for name, record in latest.items() if marked_unhealthy(record)}
+
+
+def _readable_records(path: str | os.PathLike, warn: Callable[[str], None]) -> list[dict]:
+    try:
+        return read_health_records(path)
+    except CheckpointError as exc:
+        warn(f"{exc}; health taken from the checkpoints' manifests only")
+        return []
 
 
 def latest_healthy_step(steps: Iterable[int], unhealthy: set[str]) -> int | None:

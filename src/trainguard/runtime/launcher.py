@@ -8,8 +8,10 @@ has imported the trainer, so each rank does not pay seconds of imports again (CU
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
+import logging
 import os
 import signal
 import time
@@ -30,6 +32,9 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path, entrypoint: 
     """Runs ``entrypoint(worker_args)`` in ``nproc`` ranks; ``preload`` names the modules to import
     here first when the ranks are forked (imported once, inherited by every rank)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # A rank that exits non-zero has said why in one line; the agent's traceback of its own poll loop
+    # ("ProcessExitedException") repeats nothing useful. The exit codes reach the supervisor below.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     import torch
 
     fork = not torch.cuda.is_available()
@@ -62,7 +67,8 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path, entrypoint: 
     try:
         elastic_launch(config, entrypoint=entrypoint)(worker_args)
     except ChildFailedError as exc:
-        _write_agent_report(exc)
+        with contextlib.suppress(OSError):  # on a full disk the ranks' exit codes still count
+            _write_agent_report(exc)
         return exit_code_of([failure.exitcode for failure in exc.failures.values()])
     return 0
 

@@ -23,6 +23,8 @@ faulty device: exit 17) ends the process from inside ``step`` after the last che
 
 from __future__ import annotations
 
+import contextlib
+
 import functools
 import logging
 import math
@@ -515,8 +517,10 @@ class Guard:
         last good state) and the heartbeat's exit record tells the supervisor why."""
         code = error.exit_code
         self.checkpoints.close()
-        self.lifecycle.beat("exit", self.global_step, code)
-        print(f"trainguard: error: [rank {self.rank}] {error}", file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):  # a full disk must not mask the error reported below
+            self.lifecycle.beat("exit", self.global_step, code)
+        if self.rank == 0 or not error.every_rank_raises:
+            print(f"trainguard: error: [rank {self.rank}] {error}", file=sys.stderr, flush=True)
         self._exit_code = code
         if dist.is_initialized():
             dist.destroy_process_group()

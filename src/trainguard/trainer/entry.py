@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -68,10 +69,12 @@ def main(argv: list[str] | None = None) -> int:
         except SystemExit:
             raise  # the guard ended the run itself, its exit record written
         except BaseException as exc:  # the supervisor tells a rank that failed from one that was killed
-            trainer.guard.lifecycle.beat("exit", trainer.guard.global_step, getattr(exc, "exit_code", 1))
+            with contextlib.suppress(OSError):  # a full disk must not mask the error being raised
+                trainer.guard.lifecycle.beat("exit", trainer.guard.global_step, getattr(exc, "exit_code", 1))
             raise
     except TrainguardError as exc:
-        print(f"trainguard: error: [rank {rank}] {exc}", file=sys.stderr, flush=True)
+        if rank == 0 or not exc.every_rank_raises:
+            print(f"trainguard: error: [rank {rank}] {exc}", file=sys.stderr, flush=True)
         code = exc.exit_code
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -50,6 +50,7 @@ from trainguard.checkpoint.manifest import (
     BadFile,
     ManifestError,
     build_manifest,
+    fields_checksum,
     read_manifest,
     verify_checkpoint,
     write_manifest,
@@ -230,7 +231,7 @@ def test_manifest_round_trip_lists_every_file_but_itself(tmp_path):
     ]
     assert manifest.files[1].size == 3000
     assert manifest.files[1].checksum == file_checksum(ckpt / "__0_0.distcp")
-    assert manifest.format == "trainguard-checkpoint" and manifest.version == 1
+    assert manifest.format == "trainguard-checkpoint" and manifest.version == 2
     assert manifest.step == 7 and manifest.world_size == 2 and manifest.health["is_health"] == 0
     assert manifest.trainer_state == {"step": 7, "consumed_samples": 56}
     assert manifest.total_size == sum(f.size for f in manifest.files)
@@ -247,7 +248,7 @@ def _valid_manifest_dict(tmp_path: Path) -> dict:
     [
         (lambda d: d.update(format="verl"), "format is 'verl', expected 'trainguard-checkpoint'"),
         (lambda d: d.pop("format"), "missing key 'format'"),
-        (lambda d: d.update(version=2), "version 2 is not supported"),
+        (lambda d: d.update(version=3), "version 3 is not supported"),
         (lambda d: d.pop("world_size"), "missing key 'world_size'"),
         (lambda d: d.update(step="1"), "key 'step' should be an integer, found a string"),
         (lambda d: d.update(step=True), "key 'step' should be an integer, found a boolean"),
@@ -264,6 +265,7 @@ def _valid_manifest_dict(tmp_path: Path) -> dict:
 def test_read_manifest_names_file_and_fault(tmp_path, mutate, message):
     data = _valid_manifest_dict(tmp_path)
     mutate(data)
+    data["manifest_checksum"] = fields_checksum(data)  # as a faulty writer would sign it
     path = tmp_path / "global_step_1" / MANIFEST_NAME
     path.write_text(json.dumps(data))
     with pytest.raises(ManifestError) as caught:

@@ -1,0 +1,164 @@
+"""Hostile and broken input against real 2-rank runs and the ckpt commands (issue 24): each case ends
+in one line naming the file, key or value, with the documented exit code, and no raw traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+from trainguard.cli import main
+from trainguard.fs.layout import HEALTH_FILE, LATEST_FILE, MANIFEST_NAME
+
+from helpers.runs import events, train, trainguard
+
+TENSOR_FILE = "__1_0.distcp"
+
+
+def _copy(committed_run: Path, tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    shutil.copytree(committed_run, run, symlinks=True)
+    return run
+
+
+def _flip_byte_inside_a_tensor(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("trainguard: error:")]
+
+
+def _no_traceback(proc: subprocess.CompletedProcess) -> None:
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
+
+
+def _edit_world_size(ckpt: Path, world_size: int) -> None:
+    data = json.loads((ckpt / MANIFEST_NAME).read_text())
+    data["world_size"] = world_size
+    (ckpt / MANIFEST_NAME).write_text(json.dumps(data))
+
+
+CKPT_DAMAGE = {
+    "manifest world size 2->3": lambda c: _edit_world_size(c, 3),
+    "manifest world size 2->1": lambda c: _edit_world_size(c, 1),
+    "a tensor byte flipped": lambda c: _flip_byte_inside_a_tensor(c / TENSOR_FILE),
+    "a file replaced by a symlink": lambda c: ((c / ".metadata").unlink(), (c / ".metadata").symlink_to("/etc/passwd")),
+    "a symlink out of huggingface/": lambda c: (c / "huggingface/vocab.json").symlink_to("/etc/passwd"),
+    "a fifo added": lambda c: os.mkfifo(c / "pipe"),
+    "an empty directory added": lambda c: (c / "empty").mkdir(),
+}
+
+
+@pytest.mark.parametrize("damage", CKPT_DAMAGE.values(), ids=CKPT_DAMAGE.keys())
+def test_every_reader_refuses_a_damaged_checkpoint(committed_run, tmp_path, capsys, damage):
+    run = _copy(committed_run, tmp_path)
+    ckpt = run / "checkpoints/global_step_8"
+    damage(ckpt)
+    assert main(["ckpt", "verify", str(run)]) == 1
+    out = capsys.readouterr().out
+    assert "BAD global_step_8/" in out and "OK global_step_4" in out
+
+    commands = {
+        "merge": ["ckpt", "merge", "--local_dir", str(ckpt), "--target_dir", str(tmp_path / "merged")],
+        "convert": ["ckpt", "convert", "--from", str(ckpt), "--to", str(tmp_path / "converted")],
+        "test": ["ckpt", "test", "--local_dir", str(ckpt / "huggingface"), "--reference", str(ckpt)],
+        "backup": ["ckpt", "backup", str(run), f"file://{tmp_path}/mirror", "--step", "8", "--weights-only"],
+    }
+    for name, argv in commands.items():
+        code = main(argv)
+        err = capsys.readouterr().err
+        assert code != 0, (name, err)
+        lines = _error_lines(err)
+        assert len(lines) == 1 and "global_step_8" in lines[0], (name, err)
+    assert not (tmp_path / "merged").exists() and not (tmp_path / "converted").exists()  # nothing laundered
+
+
+@pytest.mark.parametrize("value", [b"../../etc", b"999", b"-5", b"", b"\x00\xff\x13binary", "symlink", "directory"])
+def test_ckpt_verify_checks_the_tracker(committed_run, tmp_path, capsys, value):
+    run = _copy(committed_run, tmp_path)
+    tracker = run / "checkpoints" / LATEST_FILE
+    tracker.unlink()
+    if value == "symlink":
+        tracker.symlink_to("/etc/hostname")
+    elif value == "directory":
+        tracker.mkdir()
+    else:
+        tracker.write_bytes(value)
+    assert main(["ckpt", "verify", str(run)]) == 1
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("BAD")]
+    assert len(lines) == 1 and lines[0].startswith(f"BAD {LATEST_FILE}: "), lines
+
+
+def test_resume_passes_over_an_edited_manifest_and_repairs_tracker_and_health(committed_run, tmp_path):
+    """Three rows of the issue in one run: the newest manifest edited (world size 2->3), the tracker a
+    directory, health_ckpts.json not JSON: the run resumes from step 4, commits, and rewrites the tracker."""
+    run = _copy(committed_run, tmp_path)
+    root = run / "checkpoints"
+    _edit_world_size(root / "global_step_8", 3)
+    (root / LATEST_FILE).unlink()
+    (root / LATEST_FILE).mkdir()
+    (root / HEALTH_FILE).write_text("{not json")
+    proc = train(run, 2, 10, "--save-interval", "4", "--resume", "auto")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _no_traceback(proc)
+    assert events(run, "run_started")[-1]["resumed_from"].endswith("global_step_4")
+    assert "global_step_8" in proc.stdout + proc.stderr and HEALTH_FILE in proc.stdout + proc.stderr
+    assert (root / LATEST_FILE).read_text() == "10\n"
+    verify = trainguard("ckpt", "verify", str(run))
+    assert verify.returncode == 0, verify.stdout
+
+
+def test_a_code_running_pickle_on_one_rank_is_one_line_from_rank_0(committed_run, tmp_path):
+    import pickle
+
+    marker = tmp_path / "code-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    run = _copy(committed_run, tmp_path)
+    ckpt = run / "checkpoints/global_step_8"
+    (ckpt / "extra_state_world_size_2_rank_1.pt").write_bytes(pickle.dumps(Payload()))
+    from trainguard.checkpoint.manifest import build_manifest, read_manifest, write_manifest
+
+    old = read_manifest(ckpt)
+    (ckpt / MANIFEST_NAME).unlink()
+    write_manifest(ckpt, build_manifest(ckpt, step=8, world_size=2, mesh_shape=old.mesh_shape,
+                                        mesh_dim_names=old.mesh_dim_names, trainer_state=old.trainer_state))
+    proc = train(run, 2, 10, "--save-interval", "4", "--resume", str(ckpt))
+    assert proc.returncode == 1
+    _no_traceback(proc)
+    lines = _error_lines(proc.stderr)
+    assert len(lines) == 1 and "refusing to load" in lines[0] and "rank_1.pt" in lines[0], proc.stderr[-3000:]
+    assert not marker.exists()
+
+
+@pytest.fixture
+def small_file_system(tmp_path):
+    mount_point = tmp_path / f"small-{uuid.uuid4().hex[:6]}"
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a 1 MiB tmpfs here (needs root): {mounted.stderr.strip()}")
+    yield mount_point
+    subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_a_full_disk_at_save_is_one_line_naming_the_directory(small_file_system):
+    run = small_file_system / "run"
+    proc = train(run, 2, 2, "--save-interval", "2")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    _no_traceback(proc)
+    lines = _error_lines(proc.stderr)
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert "file system full" in lines[0] and str(run / "checkpoints") in lines[0] and "bytes free" in lines[0]

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -127,3 +128,15 @@ def make_checkpoint(root: Path, step: int, *, world_size: int = 2, health: dict 
 
 def read_json(path: Path):
     return json.loads(Path(path).read_text())
+
+
+OUTSIDE_TEXT = "a file outside the checkpoint\n"
+
+
+def outside_file() -> Path:
+    """A file outside any checkpoint for symlinks to point at: never a system file (the tests run as
+    root, and a bug that wrote through such a link must damage nothing but this)."""
+    directory = Path(tempfile.mkdtemp(prefix="trainguard-outside-"))
+    target = directory / "outside.txt"
+    target.write_text(OUTSIDE_TEXT)
+    return target

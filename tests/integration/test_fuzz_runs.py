@@ -15,7 +15,7 @@ import pytest
 from trainguard.cli import main
 from trainguard.fs.layout import HEALTH_FILE, LATEST_FILE, MANIFEST_NAME
 
-from helpers.runs import events, train, trainguard
+from helpers.runs import events, train, trainguard, outside_file
 
 TENSOR_FILE = "__1_0.distcp"
 
@@ -50,8 +50,8 @@ CKPT_DAMAGE = {
     "manifest world size 2->3": lambda c: _edit_world_size(c, 3),
     "manifest world size 2->1": lambda c: _edit_world_size(c, 1),
     "a tensor byte flipped": lambda c: _flip_byte_inside_a_tensor(c / TENSOR_FILE),
-    "a file replaced by a symlink": lambda c: ((c / ".metadata").unlink(), (c / ".metadata").symlink_to("/etc/passwd")),
-    "a symlink out of huggingface/": lambda c: (c / "huggingface/vocab.json").symlink_to("/etc/passwd"),
+    "a file replaced by a symlink": lambda c: ((c / ".metadata").unlink(), (c / ".metadata").symlink_to(outside_file())),
+    "a symlink out of huggingface/": lambda c: (c / "huggingface/vocab.json").symlink_to(outside_file()),
     "a fifo added": lambda c: os.mkfifo(c / "pipe"),
     "an empty directory added": lambda c: (c / "empty").mkdir(),
 }
@@ -87,7 +87,7 @@ def test_ckpt_verify_checks_the_tracker(committed_run, tmp_path, capsys, value):
     tracker = run / "checkpoints" / LATEST_FILE
     tracker.unlink()
     if value == "symlink":
-        tracker.symlink_to("/etc/hostname")
+        tracker.symlink_to(outside_file())
     elif value == "directory":
         tracker.mkdir()
     else:

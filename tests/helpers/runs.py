@@ -103,7 +103,8 @@ def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return proc
 
 
-def make_checkpoint(root: Path, step: int, *, world_size: int = 2, health: dict | None = None) -> Path:
+def make_checkpoint(root: Path, step: int, *, world_size: int = 2, health: dict | None = None,
+                    trainer_state: dict | None = None) -> Path:
     """A committed checkpoint with small files in the real layout and a real manifest."""
     ckpt = root / step_dir_name(step)
     (ckpt / "huggingface").mkdir(parents=True)
@@ -119,7 +120,7 @@ def make_checkpoint(root: Path, step: int, *, world_size: int = 2, health: dict 
         world_size=world_size,
         mesh_shape=[world_size],
         mesh_dim_names=["dp_shard"],
-        trainer_state={"step": step, "consumed_samples": step * 8},
+        trainer_state=trainer_state or {"step": step, "consumed_samples": step * 8},
         health=health,
     )
     write_manifest(ckpt, manifest)

@@ -131,9 +131,11 @@ class Manifest:
 
 
 def fields_checksum(data: Mapping[str, Any]) -> str:
-    """Checksum of a manifest's fields but the checksum itself, over their canonical JSON."""
+    """Checksum of a manifest's fields but the checksum itself, over their canonical JSON. NaN stays
+    allowed: a trainer state may hold a NaN loss (a step-0 save, a save after a skipped step), and
+    Python's JSON writes and reads it back as the same token."""
     fields = {key: value for key, value in data.items() if key != SELF_CHECKSUM_KEY}
-    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return f"{CHECKSUM_ALGORITHM}:{xxhash.xxh3_64(canonical.encode()).hexdigest()}"
 
 

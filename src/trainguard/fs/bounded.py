@@ -42,14 +42,11 @@ def read_regular_text(path: PathLike, max_bytes: int) -> str:
 
 
 def parse_json(text: str) -> Any:
-    """``json.loads`` refusing NaN and Infinity and nesting deeper than ``MAX_JSON_DEPTH``; raises
-    ``ValueError`` with a one-line reason."""
-
-    def refuse_constant(name: str) -> Any:
-        raise ValueError(f"not valid JSON ({name} is not a number JSON allows)")
-
+    """``json.loads`` refusing nesting deeper than ``MAX_JSON_DEPTH``; raises ``ValueError`` with a
+    one-line reason. NaN and Infinity are read as Python writes them: trainguard's own files carry a
+    NaN loss or norm where a step had one, and fields that need a finite number check it themselves."""
     try:
-        data = json.loads(text, parse_constant=refuse_constant)
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
     except RecursionError:

@@ -263,3 +263,9 @@ def verify_checkpoint_or_none(ckpt: Path):
         return verify_checkpoint(ckpt)
     except ManifestError:
         return None
+
+
+def test_a_manifest_with_a_nan_loss_commits_and_verifies(tmp_path):
+    # a step-0 save (or one after a skipped step) carries loss NaN in its trainer state
+    ckpt = make_checkpoint(tmp_path, 0, trainer_state={"step": 0, "loss": float("nan")})
+    assert verify_checkpoint(ckpt) == []

@@ -89,13 +89,19 @@ def torchrun(script: Path, *args: str, nproc: int = 2, env: dict[str, str] | Non
                str(script), *args]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env or worker_env(), start_new_session=True)
+    return finish_session(proc, timeout, script.name)
+
+
+def finish_session(proc: subprocess.Popen, timeout: float, what: str) -> subprocess.CompletedProcess:
+    """Waits for ``proc`` (started with ``start_new_session=True``, stdout piped with stderr); on a
+    timeout kills its whole session and fails with the output's end."""
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
-        raise AssertionError(f"{script.name} did not finish in {timeout}s:\n{output[-4000:]}") from None
-    return subprocess.CompletedProcess(command, proc.returncode, output, "")
+        raise AssertionError(f"{what} did not finish in {timeout}s:\n{output[-4000:]}") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, output, "")
 
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

@@ -194,9 +194,9 @@ class Cluster:
             except ProcessLookupError:
                 continue
             deadline = time.time() + 10
-            while time.time() < deadline and _alive(pid):
+            while time.time() < deadline and alive(pid):
                 time.sleep(0.1)
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
     # ---------------------------------------------------------------------------------- queries
@@ -227,7 +227,7 @@ class Cluster:
         return states
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -9,7 +9,9 @@ run spans several tasks of its array whatever the load of the machine.
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.runs import TINY, assert_same_tensors, events, ok, train
+from helpers.runs import TINY, assert_same_tensors, events, finish_session, ok, worker_env
 from trainguard.runtime.heartbeat import read_heartbeats
 
 SLOW_STEPS = "hang:rank=0,step=1,seconds=1,persistent=1"  # every step takes at least 1 s
@@ -78,6 +80,12 @@ def jobs(slurm, tmp_path_factory):
     submitted = {"where": where}
     # three tasks; the test shortens the first two's time limits while they train
     submitted["array"] = sbatch(slurm, where, "array", ARRAY_STEPS, array=3, faults=ARRAY_SLOW_STEPS)
+    # the array's uninterrupted twin, trained meanwhile (the jobs mostly wait on their time limits)
+    reference = where / "array_reference"
+    submitted["array_reference"] = reference, subprocess.Popen(
+        [sys.executable, "-m", "trainguard", "train", "--nproc", "1", "--steps", str(ARRAY_STEPS), "--run-dir",
+         str(reference), *TINY, "--save-interval", "1000"], env=worker_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True)
     submitted["hang"] = sbatch(slurm, where, "hang", 12, "--save-interval", "3",
                                faults=f"{SLOW_STEPS};hang:rank=0,step=5", options=("--hang-timeout", str(HANG_TIMEOUT)))
     # n1 holds slot 0 (nodes are allocated in order) and its rank dies at every start there
@@ -85,7 +93,11 @@ def jobs(slurm, tmp_path_factory):
                                 spares=1, options=("--sbatch-option=--nodelist=n1,n2",))
     for variant in CANCELS:  # cancelled by their test, long before the last step
         submitted[variant] = sbatch(slurm, where, variant, 2000)
-    return submitted
+    yield submitted
+    training = submitted["array_reference"][1]
+    if training.poll() is None:  # its test failed before waiting for it
+        os.killpg(training.pid, signal.SIGKILL)
+        training.communicate()
 
 
 # ------------------------------------------------------------------------------------ time limit
@@ -108,14 +120,14 @@ def run_out_of_time(slurm, run: Path, job: str, task: int) -> None:
     slurm.wait_for_state(f"{job}_{task}", ("TIMEOUT", "FAILED"), 300)
 
 
-def test_job_array_runs_out_of_time_twice_and_ends_bitwise_equal(slurm, jobs, tmp_path):
+def test_job_array_runs_out_of_time_twice_and_ends_bitwise_equal(slurm, jobs):
     steps = ARRAY_STEPS
     run, job = jobs["array"]
     run_out_of_time(slurm, run, job, 1)
     run_out_of_time(slurm, run, job, 2)
     slurm.wait_for_state(f"{job}_3", ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 1200)
-    reference = tmp_path / "reference"
-    ok(train(reference, 1, steps, "--save-interval", "1000", timeout=900))
+    reference, training = jobs["array_reference"]
+    ok(finish_session(training, 900, "the reference run"))
     ends = events(run, "supervisor_finished")
     assert [(e["exit_code"], e["outcome"]) for e in ends] == [(16, "stopped"), (16, "stopped"), (0, "finished")], ends
     stops = events(run, "lifecycle_stop")  # the limit's --signal=USR1 warning, or its SIGTERM
@@ -168,9 +180,15 @@ def test_every_scancel_saves_exits_16_and_is_recorded_as_a_stop(slurm, jobs):
     cancels = {variant: jobs[variant] for variant in CANCELS}
     for variant, (run, job) in cancels.items():
         wait_for_step(run, 3, timeout=600)
+        if variant == "scancel":  # the watchdog while the job runs (and, below, once it has ended)
+            running = watch(slurm, run, variant)
+            assert running.returncode == 0 and "ALERT" not in running.stdout, running.stdout
         slurm.run(*(part.format(job=job) for part in CANCELS[variant]))
     for variant, (run, job) in cancels.items():
         wait_until_done(slurm, f"{job}_1", 180)
+        if variant == "scancel":
+            after = watch(slurm, run, variant)
+            assert after.returncode == 1 and f"***ALERT: {variant} is not RUNNING or SCHEDULED!***" in after.stdout
         end = finished(run)
         assert end["exit_code"] == 16 and end["outcome"] == "stopped", (variant, end)
         assert events(run, "restart") == [], variant

@@ -38,8 +38,17 @@ def add_supervisor_arguments(parser: argparse.ArgumentParser, max_restarts: int)
                        help="self-test a spare node with trainguard doctor (burn-in, collectives across the node's "
                             "ranks, storage of the run's checkpoints) before it takes a slot; a spare that fails "
                             "is excluded too and the next one tried (local launcher)")
-    group.add_argument("--launcher", choices=("local", "slurm"), default="local",
-                       help="local: simulated nodes on this machine; slurm: the allocation's nodes, one srun each")
+    group.add_argument("--launcher", choices=("local", "slurm", "hosts"), default="local",
+                       help="local: simulated nodes on this machine; slurm: the allocation's nodes, one srun each; "
+                            "hosts: the nodes of --hosts, each agent started by --node-command")
+    group.add_argument("--hosts", metavar="NAME=ADDRESS,...",
+                       help="--launcher hosts: the nodes (slots first, then spares) and the address each listens on")
+    group.add_argument("--node-command", metavar="TEMPLATE",
+                       help="--launcher hosts: the command that runs a program on a node, {node} and {address} "
+                            "filled in (e.g. 'ip netns exec {node}'); the agent's environment and command follow it")
+    group.add_argument("--node-timeout", type=seconds, default=30.0,
+                       help="--launcher hosts: seconds a node's agent may leave the liveness check unanswered "
+                            "before the node counts as lost and is excluded (default 30)")
 
 
 def options_from_args(args: argparse.Namespace, run_dir: Path, command: list[str]) -> SupervisorOptions:
@@ -49,12 +58,15 @@ def options_from_args(args: argparse.Namespace, run_dir: Path, command: list[str
         raise ConfigError(f"--crash-loop must be ≥ 1, got {args.crash_loop}")
     if args.hang_timeout is not None and args.hang_timeout <= 0:
         raise ConfigError(f"--hang-timeout must be > 0, got {args.hang_timeout}")
+    if args.node_timeout <= 0:
+        raise ConfigError(f"--node-timeout must be > 0, got {args.node_timeout}")
     return SupervisorOptions(
         run_dir=run_dir, command=command, max_restarts=args.max_restarts, backoff=args.backoff,
         crash_loop=args.crash_loop, nnodes=args.nnodes, spare_nodes=args.spare_nodes,
         node_failures=max(1, args.node_failures),
         hang=HangPolicy(fixed=args.hang_timeout, startup=args.startup_timeout),
         doctor=spare_self_test(run_dir, getattr(args, "nproc", 1)) if args.doctor else None,
+        node_timeout=args.node_timeout,
     )
 
 
@@ -81,7 +93,23 @@ def make_nodes(args: argparse.Namespace, fork_run=None):
         if len(nodes.names) < args.nnodes:
             raise ConfigError(f"--nnodes {args.nnodes}: the allocation has only {len(nodes.names)} node(s)")
         return nodes
+    if args.launcher == "hosts":
+        return host_nodes(args)
+    if args.hosts or args.node_command:
+        raise ConfigError(f"--hosts and --node-command need --launcher hosts (not {args.launcher})")
     return LocalNodes(args.nnodes + args.spare_nodes, fork_run=fork_run)
+
+
+def host_nodes(args: argparse.Namespace):
+    from trainguard.runtime.hosts import HostNodes, parse_hosts
+
+    if not args.hosts or not args.node_command:
+        raise ConfigError("--launcher hosts needs --hosts NAME=ADDRESS,... and --node-command TEMPLATE")
+    addresses = parse_hosts(args.hosts)
+    if len(addresses) != args.nnodes + args.spare_nodes:
+        raise ConfigError(f"--hosts names {len(addresses)} node(s); --nnodes {args.nnodes} + --spare-nodes "
+                          f"{args.spare_nodes} need {args.nnodes + args.spare_nodes}")
+    return HostNodes(addresses, args.node_command)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from trainguard.runtime.agent_control import node_address, serve_from_environment
 from trainguard.runtime.policy import exit_code_of
 from trainguard.runtime.nodes import ENV_AGENT_REPORT, ENV_NNODES, ENV_NODE_RANK, ENV_RDZV_ENDPOINT
 
@@ -62,8 +63,9 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path, entrypoint: 
         max_restarts=0,
         monitor_interval=0.1,
         start_method="fork" if fork else "spawn",
-        local_addr="127.0.0.1",
+        local_addr=node_address(),
     )
+    serve_from_environment(run_dir)  # signals, stop and liveness through this agent (--launcher hosts)
     try:
         elastic_launch(config, entrypoint=entrypoint)(worker_args)
     except ChildFailedError as exc:

@@ -196,19 +196,24 @@ class LocalNodes:
             return fork_agent(self.fork_run, command, env)
         return subprocess.Popen(self.command(node, command), env={**os.environ, **env})
 
-    def signal_ranks(self, node: str, agent, pids: list[int], sig: signal.Signals) -> list[int]:
-        """Signals the ranks among ``pids`` that run under this node's agent (a pid read from a
-        heartbeat is only trusted inside the agent's own process tree); returns those signalled."""
+    def signal_ranks(self, node: str, agent, ranks: dict[int, int], sig: signal.Signals) -> list[int]:
+        """Signals the ranks (``pid -> rank``, from the node's heartbeats) that run under this node's
+        agent (a pid read from a heartbeat is only trusted inside the agent's own process tree);
+        returns the ranks signalled."""
         below = set(descendants(agent.pid)) - {agent.pid}
         sent = []
-        for pid in pids:
+        for pid, rank in ranks.items():
             if pid in below:
                 try:
                     os.kill(pid, sig)
-                    sent.append(pid)
+                    sent.append(rank)
                 except (ProcessLookupError, PermissionError):
                     pass
         return sent
+
+    def answers(self, node: str) -> bool | None:
+        """Whether the node's agent answers over the network: never asked of processes of this machine."""
+        return None
 
     def stop(self, node: str, agent) -> None:
         kill_tree(agent.pid)
@@ -272,14 +277,18 @@ class SlurmNodes:
                 return step
         return None
 
-    def signal_ranks(self, node: str, agent, pids: list[int], sig: signal.Signals) -> list[int]:
+    def signal_ranks(self, node: str, agent, ranks: dict[int, int], sig: signal.Signals) -> list[int]:
         """Has Slurm deliver ``sig`` to every process of the node's job step (the agent ignores it,
         the ranks act on it); no pid of another host is ever used here."""
         step = self.step_id(node)
         if step is None:
             return []
         done = subprocess.run(["scancel", f"--signal={sig.name.removeprefix('SIG')}", step], capture_output=True)
-        return list(pids) if done.returncode == 0 else []
+        return sorted(ranks.values()) if done.returncode == 0 else []
+
+    def answers(self, node: str) -> bool | None:
+        """Not asked: a node that stops answering is Slurm's to notice (``SlurmdTimeout``)."""
+        return None
 
     def stop(self, node: str, agent) -> None:
         """Ends the node's job step itself (killing only the local ``srun`` client would leave it running

@@ -43,6 +43,7 @@ class Outcome(str, enum.Enum):
     STOPPED = "stopped"  # a stop asked for (signal, time limit): exit 16, resumable, not a failure
     FAILED = "failed"
     HANG = "hang"
+    NODE_LOST = "node_lost"  # a node's agent stopped answering over the network (link down, host gone)
 
 
 def classify(agent_codes: list[int], rank_exits: dict[int, int]) -> int:
@@ -133,8 +134,8 @@ class RestartPolicy:
         node = ended.failing_node
         if node is None or node not in active_nodes:
             return None
-        if ended.exit_code == EXIT_FAULTY_HARDWARE:
-            return node
+        if ended.exit_code == EXIT_FAULTY_HARDWARE or ended.outcome is Outcome.NODE_LOST:
+            return node  # a node that cannot be reached is not retried: its ranks' peers cannot reach it either
         if not self.several_nodes or ended.failing_rank is None:
             return None
         self.node_deaths[node] = self.node_deaths.get(node, 0) + 1

@@ -73,6 +73,8 @@ class SupervisorOptions:
     # self-test of a spare before it takes a slot (trainguard doctor): the failure's reason, or None
     doctor: Callable[[str], str | None] | None = None
     kill_switch: Path | None = None  # armed: start no ranks, end at once with exit 0
+    node_timeout: float = 30.0  # seconds a node's agent may leave the liveness check unanswered (hosts launcher)
+    node_check: float = 1.0  # seconds between liveness checks
 
 
 @dataclass
@@ -148,6 +150,8 @@ class Supervisor:
         self.job_start = time.time()
         self.array_job = os.environ.get(ENV_ARRAY_JOB)
         self._agents: dict[str, Any] = {}
+        self._silent_since: dict[str, float] = {}  # node -> when its agent first left a liveness check unanswered
+        self._checked = 0.0  # when the nodes' liveness was last checked
 
     # ------------------------------------------------------------------------------------ helpers
     def say(self, message: str) -> None:
@@ -180,8 +184,8 @@ class Supervisor:
         beats = self._beats(number)
         reached = []
         for node, agent in self._agents.items():
-            pids = {beat.pid: rank for rank, beat in beats.items() if beat.node == node}
-            reached += [pids[pid] for pid in self.nodes.signal_ranks(node, agent, sorted(pids), sig) if pid in pids]
+            ranks = {beat.pid: rank for rank, beat in beats.items() if beat.node == node}
+            reached += self.nodes.signal_ranks(node, agent, ranks, sig)
         return sorted(reached)
 
     def _forward_signals(self, number: int) -> None:
@@ -309,7 +313,9 @@ class Supervisor:
                   pids={node: proc.pid for node, proc in self._agents.items()})
         exits: dict[str, tuple[int, float]] = {}
         first_failure: float | None = None
-        hung = False
+        hung = lost = False
+        self._silent_since: dict[str, float] = {}
+        self._checked = 0.0
         while True:
             self._forward_signals(number)
             now = time.time()
@@ -329,6 +335,12 @@ class Supervisor:
             if first_failure is not None and now - first_failure > o.grace:
                 self._kill_all()  # the others wait on a dead peer: collectives would time out much later
                 continue
+            if self._lost_node(inc, exits, now):
+                lost = True
+                self._kill_all()
+                for node, proc in self._agents.items():
+                    exits.setdefault(node, (proc.returncode, time.time()))
+                break
             if first_failure is None and self._hung(inc, beats, now):
                 hung = True
                 self._dump_and_kill(inc, beats)
@@ -343,6 +355,8 @@ class Supervisor:
         rank_exits, exit_times = rank_exit_records(beats)
         if hung:
             inc.outcome, inc.exit_code = Outcome.HANG, EXIT_CRASH
+        elif lost:
+            inc.outcome, inc.exit_code = Outcome.NODE_LOST, EXIT_CRASH
         else:
             inc.exit_code = classify([code for code, _ in exits.values()], rank_exits)
             if self.stop_signal and inc.exit_code not in NEVER_RESTART:
@@ -374,6 +388,28 @@ class Supervisor:
     @staticmethod
     def _expected_ranks(beats: dict[int, Heartbeat]) -> int:
         return max(beats) + 1
+
+    def _lost_node(self, inc: Incarnation, exits: dict[str, tuple[int, float]], now: float) -> bool:
+        """True when a running node's agent has not answered the liveness check for ``node_timeout``
+        seconds (names the node in ``inc``); checked every ``node_check`` seconds."""
+        if now - self._checked < self.o.node_check:
+            return False
+        self._checked = now
+        for node in self._agents:
+            answered = None if node in exits else self.nodes.answers(node)
+            if answered is None or answered:
+                self._silent_since.pop(node, None)
+                continue
+            since = self._silent_since.setdefault(node, now)
+            if now - since >= self.o.node_timeout:
+                inc.failing_node = node
+                inc.detail = (f"node {node} lost: its agent has not answered for {now - since:.1f}s "
+                              f"(--node-timeout {self.o.node_timeout:g}s; link down or host gone)")
+                self.say(f"incarnation {inc.number}: {inc.detail}")
+                self.emit("node_lost", step=inc.reached_step, incarnation=inc.number, node=node,
+                          silent_seconds=round(now - since, 2))
+                return True
+        return False
 
     def _hung(self, inc: Incarnation, beats: dict[int, Heartbeat], now: float) -> bool:
         training = any(beat.phase in ("train", "step", "save") for beat in beats.values())

@@ -105,6 +105,8 @@ def host_nodes(args: argparse.Namespace):
 
     if not args.hosts or not args.node_command:
         raise ConfigError("--launcher hosts needs --hosts NAME=ADDRESS,... and --node-command TEMPLATE")
+    if args.doctor:
+        raise ConfigError("--doctor self-tests a spare on this machine: not available with --launcher hosts")
     addresses = parse_hosts(args.hosts)
     if len(addresses) != args.nnodes + args.spare_nodes:
         raise ConfigError(f"--hosts names {len(addresses)} node(s); --nnodes {args.nnodes} + --spare-nodes "

@@ -8,6 +8,7 @@ through the node's own agent. A node failure is its link cut (``ip link set tg0 
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import threading
@@ -17,9 +18,10 @@ from pathlib import Path
 from helpers.runs import TINY, assert_same_tensors, events, finish_session, ok, train, worker_env
 from trainguard.runtime.heartbeat import read_heartbeats
 
-STEPS = 10
+STEPS = 14
 HANG_AT = 2  # rank 1 (on n2) hangs in this step, once: stack dumps through the agents, a restart
 CUT_AT = 5  # then the link of n2 is cut once every rank has completed this step
+STOP_AFTER = 8  # then the supervisor gets a SIGTERM once every rank (n3's too) has completed this step
 SLOW_STEPS = "hang:rank=0,step=1,seconds=1,persistent=1"  # ≥ 1 s a step: the cut lands mid-run whatever the load
 FAULTS = f"{SLOW_STEPS};hang:rank=1,step={HANG_AT}"
 HANG_TIMEOUT = 8
@@ -29,7 +31,7 @@ REPLICATED = ["--save-interval", "1000", "--set", "parallel.dp_replicate=2", "--
 
 def train_on_hosts(cluster, run: Path, steps: int, *extra: str, faults: str | None = None,
                    during=None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """``trainguard train --launcher hosts`` in the head namespace; ``during(run)`` runs alongside."""
+    """``trainguard train --launcher hosts`` in the head namespace; ``during(run, supervisor)`` runs alongside."""
     command = cluster.on_head([
         sys.executable, "-m", "trainguard", "train", "--launcher", "hosts", "--hosts", cluster.hosts(),
         "--node-command", cluster.node_command(), "--nnodes", "2", "--spare-nodes", "1", "--nproc", "1",
@@ -38,7 +40,7 @@ def train_on_hosts(cluster, run: Path, steps: int, *extra: str, faults: str | No
     env = worker_env(GLOO_SOCKET_IFNAME="tg0", **({"TRAINGUARD_FAULTS": faults} if faults else {}))
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    helper = threading.Thread(target=during, args=(run,), daemon=True) if during else None
+    helper = threading.Thread(target=during, args=(run, proc), daemon=True) if during else None
     if helper:
         helper.start()
     done = finish_session(proc, timeout, "the run on hosts")
@@ -60,15 +62,21 @@ def wait_for_step(run: Path, step: int, ranks: int, timeout: float = 300) -> Non
 def test_a_hang_then_a_cut_link_across_hosts_ends_bitwise_equal(netns, tmp_path):
     """One run: a hang (stack dumps asked of each node's agent, whose ranks live in another pid
     namespace), then n2's link cut mid-run: detected, n2 excluded, the spare n3 takes its slot and gets
-    rank 1's local shards from rank 0 over gloo, and the run ends bitwise equal to a fault-free one."""
-    def cut(run: Path) -> None:
+    rank 1's local shards from rank 0 over gloo; then a SIGTERM to the supervisor, passed to the ranks
+    through their agents (save, exit 16), and a new supervisor that keeps n2 out finishes the run,
+    bitwise equal to a fault-free one."""
+    def cut_then_stop(run: Path, supervisor: subprocess.Popen) -> None:
         wait_for_step(run, CUT_AT, ranks=2)
         netns.cut_link("n2")
+        wait_for_step(run, STOP_AFTER, ranks=2)
+        supervisor.send_signal(signal.SIGTERM)
 
     run = tmp_path / "cut"
-    done = train_on_hosts(netns, run, STEPS, *REPLICATED, "--hang-timeout", str(HANG_TIMEOUT), faults=FAULTS,
-                          during=cut)
-    assert done.returncode == 0, done.stdout[-6000:]
+    stopped = train_on_hosts(netns, run, STEPS, *REPLICATED, "--hang-timeout", str(HANG_TIMEOUT), faults=FAULTS,
+                             during=cut_then_stop)
+    assert stopped.returncode == 16, stopped.stdout[-6000:]
+    finished = train_on_hosts(netns, run, STEPS, *REPLICATED)
+    assert finished.returncode == 0, finished.stdout[-6000:]
     reference = tmp_path / "reference"
     ok(train(reference, 2, STEPS, *REPLICATED))
 
@@ -79,11 +87,18 @@ def test_a_hang_then_a_cut_link_across_hosts_ends_bitwise_equal(netns, tmp_path)
     assert "in _hang" in (Path(hang["dumps"]) / "rank_1.txt").read_text()
     # then the cut link: detected as a lost node (its agent stopped answering), not as a hang or a crash
     (lost,) = events(run, "node_lost")
-    assert lost["node"] == "n2" and lost["silent_seconds"] >= NODE_TIMEOUT
-    hung, cut_off, last = events(run, "incarnation_ended")
+    # (its silence lasts either --node-timeout, or until the ranks' silence has become a hang: whichever is first)
+    assert lost["node"] == "n2" and lost["noticed_by"] in ("liveness", "hang"), lost
+    assert lost["silent_seconds"] >= (NODE_TIMEOUT if lost["noticed_by"] == "liveness" else 1), lost
+    hung, cut_off, stop, last = events(run, "incarnation_ended")
     assert hung["outcome"] == "hang" and hung["nodes"] == ["n1", "n2"], hung
     assert cut_off["outcome"] == "node_lost" and cut_off["failing_node"] == "n2", cut_off
-    assert cut_off["nodes"] == ["n1", "n2"] and last["nodes"] == ["n1", "n3"] and last["outcome"] == "finished"
+    assert cut_off["nodes"] == ["n1", "n2"] and stop["nodes"] == ["n1", "n3"] == last["nodes"], (stop, last)
+    # the stop reached both ranks through their agents: both exited 16 after the save
+    assert stop["outcome"] == "stopped" and stop["rank_exit_codes"] == {"0": 16, "1": 16}, stop
+    (lifecycle_stop,) = events(run, "lifecycle_stop")
+    assert lifecycle_stop["reason"] == "signal" and lifecycle_stop["step"] >= STOP_AFTER, lifecycle_stop
+    assert last["outcome"] == "finished" and last["resumed_step"] == lifecycle_stop["step"], last
     # excluded at once, and the spare took its slot
     assert [(e["node"], e["spare"]) for e in events(run, "node_excluded")] == [("n2", "n3")]
     assert [e["node"] for e in events(run, "spare_started")] == ["n3"]
@@ -95,7 +110,7 @@ def test_a_hang_then_a_cut_link_across_hosts_ends_bitwise_equal(netns, tmp_path)
     assert recovery["ranks"] == [1] and recovery["step"] >= CUT_AT and recovery["bytes"] > 0, recovery
     (received,) = events(run, "local_recovered")
     assert received["rank"] == 1 and received["sources"] == [0] and received["host"] == "n3", received
-    resumed = events(run, "run_started")[-1]
+    resumed = events(run, "run_started")[-2]
     assert resumed.get("tier") == "local" and resumed["step"] == recovery["step"], resumed
     # each node's disk holds only its own slot's files; n2's stops where its link was cut
     assert any(netns.disk("n3").glob("node1/global_step_*/model_world_size_2_rank_1.pt"))

@@ -333,6 +333,7 @@ class Supervisor:
             if len(exits) == len(self._agents):
                 break
             if first_failure is not None and now - first_failure > o.grace:
+                lost = lost or self._lost_node(inc, exits, now, after="failure")
                 self._kill_all()  # the others wait on a dead peer: collectives would time out much later
                 continue
             if self._lost_node(inc, exits, now):
@@ -342,8 +343,13 @@ class Supervisor:
                     exits.setdefault(node, (proc.returncode, time.time()))
                 break
             if first_failure is None and self._hung(inc, beats, now):
-                hung = True
-                self._dump_and_kill(inc, beats)
+                # a node nobody can reach stops its peers' collectives: that is a lost node, not a hang
+                lost = self._lost_node(inc, exits, now, after="hang")
+                hung = not lost
+                if lost:
+                    self._kill_all()
+                else:
+                    self._dump_and_kill(inc, beats)
                 for node, proc in self._agents.items():
                     exits.setdefault(node, (proc.returncode, time.time()))
                 break
@@ -389,10 +395,13 @@ class Supervisor:
     def _expected_ranks(beats: dict[int, Heartbeat]) -> int:
         return max(beats) + 1
 
-    def _lost_node(self, inc: Incarnation, exits: dict[str, tuple[int, float]], now: float) -> bool:
+    def _lost_node(self, inc: Incarnation, exits: dict[str, tuple[int, float]], now: float,
+                   after: str | None = None) -> bool:
         """True when a running node's agent has not answered the liveness check for ``node_timeout``
-        seconds (names the node in ``inc``); checked every ``node_check`` seconds."""
-        if now - self._checked < self.o.node_check:
+        seconds (names the node in ``inc``); checked every ``node_check`` seconds. ``after`` a hang or
+        a failure, checked at once, and a node that fails this check and failed the one before is lost
+        without waiting for the timeout: it explains the hang."""
+        if after is None and now - self._checked < self.o.node_check:
             return False
         self._checked = now
         for node in self._agents:
@@ -400,14 +409,16 @@ class Supervisor:
             if answered is None or answered:
                 self._silent_since.pop(node, None)
                 continue
+            failed_before = node in self._silent_since
             since = self._silent_since.setdefault(node, now)
-            if now - since >= self.o.node_timeout:
+            if now - since >= self.o.node_timeout or (after is not None and failed_before):
                 inc.failing_node = node
                 inc.detail = (f"node {node} lost: its agent has not answered for {now - since:.1f}s "
-                              f"(--node-timeout {self.o.node_timeout:g}s; link down or host gone)")
+                              + (f"when the incarnation's {after} was noticed" if after else
+                                 f"(--node-timeout {self.o.node_timeout:g}s)") + "; link down or host gone")
                 self.say(f"incarnation {inc.number}: {inc.detail}")
                 self.emit("node_lost", step=inc.reached_step, incarnation=inc.number, node=node,
-                          silent_seconds=round(now - since, 2))
+                          silent_seconds=round(now - since, 2), noticed_by=after or "liveness")
                 return True
         return False
 

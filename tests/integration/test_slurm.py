@@ -226,6 +226,14 @@ def test_watch_tells_a_held_job_and_a_failing_squeue_apart(slurm, tmp_path):
         slurm.run("scancel", job, check=False)
     gone = watch(slurm, run, "held")
     assert "***ALERT: held is not RUNNING or SCHEDULED!***" in gone.stdout
+    # pending for an ordinary reason (its start time) is scheduled: no alert
+    later = slurm.run("sbatch", "--begin=now+1hour", "--job-name=later", "--wrap=true", "--output=/dev/null")
+    try:
+        assert slurm.job_state(later.stdout.split()[-1]) == "PENDING"
+        pending = watch(slurm, run, "later")
+        assert pending.returncode == 0 and "ALERT" not in pending.stdout, pending.stdout
+    finally:
+        slurm.run("scancel", later.stdout.split()[-1], check=False)
 
 
 def test_an_armed_kill_switch_ends_the_array_without_starting_ranks(slurm, tmp_path):

@@ -409,8 +409,8 @@ class Supervisor:
             if answered is None or answered:
                 self._silent_since.pop(node, None)
                 continue
-            failed_before = node in self._silent_since
             since = self._silent_since.setdefault(node, now)
+            failed_before = now - since >= self.o.node_check  # an earlier check, not one just made
             if now - since >= self.o.node_timeout or (after is not None and failed_before):
                 inc.failing_node = node
                 inc.detail = (f"node {node} lost: its agent has not answered for {now - since:.1f}s "

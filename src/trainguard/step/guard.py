@@ -387,7 +387,8 @@ class Guard:
         share = None
         if loss is not None:  # the loss-holding ranks of a stage: its dp ranks (different data) × tp ranks
             share = torch.as_tensor(loss, dtype=torch.float64, device=self.device).detach() / self.ranks_per_stage
-        return reduce_step(self._grads(), local_slots(self.device, share, flags), self.ranks_per_stage)
+        return reduce_step(self._grads(), local_slots(self.device, share, flags), self.ranks_per_stage,
+                           known=self.sdc.take_gradient_norms() if self.sdc is not None else ())
 
     def _rerun(self, step: int, closure: Callable[[], Any], snapshot: StepSnapshot, loss: Any,
                alone: bool) -> tuple[Reduced, bool]:

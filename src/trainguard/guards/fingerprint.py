@@ -245,8 +245,9 @@ class ReplicaFingerprints:
         then) to the recomputed tensors, compared across the group."""
         tensors = dict(named)
         names = sorted(before)
-        distances = torch.stack([distance(tensors[name], before[name]) for name in names]) if names else \
-            torch.zeros(0, dtype=torch.float64)
+        device = named[0][1].device if named else torch.device("cpu")  # the group's collectives run there
+        distances = (torch.stack([distance(tensors[name], before[name]) for name in names]) if names
+                     else torch.zeros(0, dtype=torch.float64, device=device))
         rows = self.gather(distances[:, None])
         return attribute_by_recompute(names, {rank: [row[0] for row in rows[rank]] for rank in self.members})
 

@@ -3,6 +3,12 @@
 How it runs (one process, CPU, llama-micro)::
 
     python benchmarks/sdc_coverage.py [--draws 5] [--steps 160] [--seed 0] [--quick] [--json out.json]
+        [--sites SITE ...] [--classes CLASS ...] [--ratio R] [--no-flips | --no-clean]
+
+``--sites``/``--classes`` limit the flips to some cells (more draws where they are needed);
+``--no-flips`` runs only the clean runs, ``--no-clean`` only the flips (each fits ~10 min on a busy
+machine). ``--ratio R`` also judges every flip and clean check with a candidate: the same detectors
+with the ratio criterion (``guards.sdc.ratio: R``) on top, reported beside the defaults.
 
 The detection set is trainguard's default: detection points on every norm layer's input gradient,
 every transformer block's output gradient and every parameter's gradient (``guards.sdc.blocks``,
@@ -30,9 +36,11 @@ loss of a fixed batch moved by more than 0.1 % relative, or the parameters by mo
 
 False alarms: every clean check (one point, one step) of the clean runs: the base run and, unless
 ``--quick``, a high-LR run (lr 1e-2), a run with a garbage batch (uniform random tokens) every 10
-steps, a run whose sequence length drops from 32 to 8 halfway, and a run with fp16-style loss scaling
+steps, a run whose sequence length drops from 32 to 8 halfway, a run with fp16-style loss scaling
 (the loss multiplied by 2^16, the statistics divided by it before the rules look at them:
-``guards.sdc.loss_scale``).
+``guards.sdc.loss_scale``), and a resume on fewer ranks: halfway, the detectors' state goes through a
+``weights_only`` checkpoint round trip and the rank's batch doubles from 4 to 8 sequences, as on one
+rank of a run resumed on half the ranks with the same global batch.
 
 Targets (printed, never asserted): >= 95 % of the flips that mattered detected at every site and
 dtype; 0 false alarms.
@@ -52,7 +60,7 @@ from typing import Any
 SITES = ("norm.grad_input", "o_proj", "down_proj", "qkv", "embed", "param.grad", "weight", "exp_avg")
 STATE_SITES = ("weight", "exp_avg")
 CLASSES = ("top", "x2^16", "mantissa")
-DETECTORS = ("v1+peak", "v3+peak")
+DETECTORS = ("v1+peak", "v3+peak")  # the defaults; "detected" means either
 AFTER = 3  # more steps after the injected one: the window for state sites and for "mattered"
 LOSS_SCALE = 2.0 ** 16
 
@@ -65,6 +73,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="2 draws per cell, 80 steps, the base clean run only")
     p.add_argument("--json", default=None, metavar="PATH")
+    p.add_argument("--sites", nargs="+", choices=SITES, default=list(SITES))
+    p.add_argument("--classes", nargs="+", choices=CLASSES, default=list(CLASSES))
+    p.add_argument("--ratio", type=float, default=0.0, help="also judge with guards.sdc.ratio R on top (a candidate)")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--no-flips", action="store_true", help="only the clean runs")
+    group.add_argument("--no-clean", action="store_true", help="only the flips")
     return p.parse_args(argv)
 
 
@@ -101,6 +115,10 @@ class Harness:
         self.names = self.points["v1"].names + self.gradients["v1"].names
         self.detectors = {"v1+peak": SdcDetector("v1", self.names, peak=peak),
                           "v3+peak": SdcDetector("v3", self.names, peak=peak)}
+        if args.ratio:
+            for rule in ("v1", "v3"):
+                self.detectors[f"{rule}+peak+ratio{args.ratio:g}"] = SdcDetector(rule, self.names, peak=peak,
+                                                                                 ratio=args.ratio)
         self.modules = dict(self.model.named_modules())
         self.armed: dict[str, Any] = {}
         for name, module in self.modules.items():
@@ -178,13 +196,14 @@ class Harness:
             for p in self.params:
                 if p.grad is not None:
                     p.grad.div_(self.loss_scale)
-        return float(loss), measured
+        return float(loss.detach()), measured
 
-    def judge(self, detectors, measured, step) -> bool:
-        found = False
+    def judge(self, detectors, measured, step) -> dict[str, bool]:
+        """Each detector's verdict on the step (any detection)."""
+        found = {}
         for name, detector in detectors.items():
             values, shares = measured[name.split("+")[0]]
-            found = bool(detector.detect(values, step, shares=shares)) or found
+            found[name] = bool(detector.detect(values, step, shares=shares))
         return found
 
     def snapshot(self):
@@ -208,19 +227,29 @@ class Harness:
                                                            batch[1].reshape(-1)))
 
 
-def clean_run(args, label: str, lr: float = 1e-3, garbage_every: int = 0, seq_change: bool = False,
-              loss_scale: float = 1.0) -> dict[str, Any]:
-    """False alarms of one clean run: detections after the warm-up over the clean checks."""
+def clean_run(args, label: str, seed: int, lr: float = 1e-3, garbage_every: int = 0, seq_change: bool = False,
+              loss_scale: float = 1.0, fewer_ranks: bool = False) -> dict[str, Any]:
+    """False alarms of one clean run: detections after the warm-up over the clean checks. Each run has
+    a seed of its own (initial weights and batch order), so no two runs repeat the same checks."""
+    args = copy.copy(args)
+    args.seed = seed
     harness = Harness(args, lr=lr)
     harness.loss_scale = loss_scale
-    alarms = {name: [] for name in DETECTORS}
+    alarms = {name: [] for name in harness.detectors}
     checks = 0
     for step in range(1, args.steps + 1):
-        if seq_change and step == args.steps // 2:
+        if (seq_change or fewer_ranks) and step == args.steps // 2:
             from trainguard.trainer.data import StatefulSampler, TokenDataset
 
-            harness.dataset = TokenDataset(harness.tokens, 8)
-            harness.sampler = StatefulSampler(len(harness.dataset), 0, 1, 4, args.seed)
+            if seq_change:
+                harness.dataset = TokenDataset(harness.tokens, 8)
+                harness.sampler = StatefulSampler(len(harness.dataset), 0, 1, 4, args.seed)
+            else:  # resumed on half the ranks: a checkpoint round trip, and twice the rank's batch
+                harness.detectors = {name: checkpoint_round_trip(detector, harness.names)
+                                     for name, detector in harness.detectors.items()}
+                position = harness.sampler.state_dict()
+                harness.sampler = StatefulSampler(len(harness.dataset), 0, 1, 8, args.seed)
+                harness.sampler.load_state_dict(position)
         inputs, labels = harness.batch(garbage=bool(garbage_every) and step % garbage_every == 0)
         _, measured = harness.measure(inputs, labels)
         for name, detector in harness.detectors.items():
@@ -234,14 +263,28 @@ def clean_run(args, label: str, lr: float = 1e-3, garbage_every: int = 0, seq_ch
     return {"run": label, "checks": checks, "alarms": alarms}
 
 
+def checkpoint_round_trip(detector, names):
+    """The detector as a resumed run gets it: its state through torch.save / torch.load(weights_only)."""
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(detector.state_dict(), buffer)
+    buffer.seek(0)
+    resumed = copy.deepcopy(detector)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    return resumed
+
+
 def coverage(args) -> list[dict[str, Any]]:
     harness = Harness(args)
     torch = harness.torch
     rng = random.Random(args.seed)
     from trainguard.guards.fingerprint import tensor_fingerprint
 
-    cells = [(site, dtype, klass) for site in SITES for dtype in (("fp32",) if site in STATE_SITES else ("fp32", "bf16"))
-             for klass in CLASSES]
+    cells = [(site, dtype, klass) for site in args.sites
+             for dtype in (("fp32",) if site in STATE_SITES else ("fp32", "bf16")) for klass in args.classes]
     plan = [cell for cell in cells for _ in range(args.draws)]
     rng.shuffle(plan)
     eval_batch = harness.batch()
@@ -280,12 +323,12 @@ def coverage(args) -> list[dict[str, Any]]:
                     fingerprint_seen = not torch.equal(before, tensor_fingerprint(target))
                 elif site != "param.grad":
                     harness.armed["module"] = rng.choice(sites[site])
-                detected = False
+                detected_by = dict.fromkeys(harness.detectors, False)
                 for k, batch in enumerate(batches):
                     _, measured = harness.measure(*batch)
                     found = harness.judge(harness.detectors, measured, step + k)
                     if k == 0 or site in STATE_SITES:
-                        detected = detected or found
+                        detected_by = {name: seen or found[name] for name, seen in detected_by.items()}
                     harness.optimizer.step()
                     harness.armed["fired"] = True
                 params_now = [p.detach() for p in harness.params]
@@ -295,7 +338,8 @@ def coverage(args) -> list[dict[str, Any]]:
                 loss = harness.eval_loss(eval_batch) if finite else math.inf
                 loss_change = abs(loss - reference[1]) / reference[1] if math.isfinite(loss) else math.inf
                 mattered = drift > 0.01 or loss_change > 1e-3
-                records.append({"site": site, "dtype": dtype, "class": klass, "step": step, "detected": detected,
+                records.append({"site": site, "dtype": dtype, "class": klass, "step": step,
+                                "detected": any(detected_by[name] for name in DETECTORS), "detected_by": detected_by,
                                 "fingerprint": fingerprint_seen, "mattered": mattered, "param_drift": drift,
                                 "loss_change": loss_change})
             plan = plan[per_step:]
@@ -315,17 +359,25 @@ def main(argv: list[str]) -> int:
     if args.quick:
         args.draws, args.steps = 2, 80
     started = time.perf_counter()
-    records = coverage(args)
-    runs = [clean_run(args, "base")]
-    if not args.quick:
-        runs += [clean_run(args, "high LR 1e-2", lr=1e-2), clean_run(args, "garbage batch every 10", garbage_every=10),
-                 clean_run(args, "seq len 32 -> 8", seq_change=True),
-                 clean_run(args, "fp16 loss scale 2^16", loss_scale=LOSS_SCALE)]
+    records = [] if args.no_flips else coverage(args)
+    runs = []
+    if not args.no_clean:
+        runs = [clean_run(args, "base", args.seed)]
+        if not args.quick:
+            runs += [clean_run(args, "high LR 1e-2", args.seed + 1, lr=1e-2),
+                     clean_run(args, "garbage batch every 10", args.seed + 2, garbage_every=10),
+                     clean_run(args, "seq len 32 -> 8", args.seed + 3, seq_change=True),
+                     clean_run(args, "fp16 loss scale 2^16", args.seed + 4, loss_scale=LOSS_SCALE),
+                     clean_run(args, "resume on half the ranks", args.seed + 5, fewer_ranks=True)]
     wall = time.perf_counter() - started
+    candidates = [name for name in (records[0]["detected_by"] if records else runs[0]["alarms"]) if name not in DETECTORS]
     print(f"SDC coverage, llama-micro, default detection set (norm + block + parameter-gradient points; v1+peak and "
           f"v3+peak judged together: detected = either), {args.draws} draws per cell, {wall:.0f} s\n")
-    print("| site | dtype | class | flips | mattered | detected (of those that mattered) | detected, all | fingerprint |")
-    print("|---|---|---|---:|---:|---:|---:|---:|")
+    if records:
+        extra = "".join(f" {name} (of those that mattered) |" for name in candidates)
+        print(f"| site | dtype | class | flips | mattered | detected (of those that mattered) | detected, all | "
+              f"fingerprint |{extra}")
+        print("|---|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(candidates))
     for site in SITES:
         for dtype in ("fp32", "bf16"):
             for klass in CLASSES:
@@ -337,34 +389,39 @@ def main(argv: list[str]) -> int:
                 print(f"| {site} | {dtype} | {klass} | {len(cell)} | {len(mattered)} | "
                       f"{sum(r['detected'] for r in mattered)}/{len(mattered)} | "
                       f"{sum(r['detected'] for r in cell)}/{len(cell)} | "
-                      + (f"{sum(r['fingerprint'] for r in fp)}/{len(fp)}" if fp else "n/a") + " |")
-    print("\n| clean run | checks | false alarms v1+peak | false alarms v3+peak |")
-    print("|---|---:|---:|---:|")
-    for run in runs:
-        print(f"| {run['run']} | {run['checks']} | {len(run['alarms']['v1+peak'])} | {len(run['alarms']['v3+peak'])} |")
+                      + (f"{sum(r['fingerprint'] for r in fp)}/{len(fp)}" if fp else "n/a") + " |"
+                      + "".join(f" {sum(r['detected_by'][name] or r['detected'] for r in mattered)}/{len(mattered)} |"
+                                for name in candidates))
     total = sum(r["checks"] for r in runs)
-    print(f"| all | {total} | {sum(len(r['alarms']['v1+peak']) for r in runs)} | "
-          f"{sum(len(r['alarms']['v3+peak']) for r in runs)} |")
-    for run in runs:
-        for name in DETECTORS:
-            for alarm in run["alarms"][name][:5]:
-                print(f"  false alarm, {run['run']}, {name}: step {alarm[0]} point {alarm[1]} ({alarm[2]})")
+    if runs:
+        names = list(runs[0]["alarms"])
+        print("\n| clean run | checks |" + "".join(f" false alarms {name} |" for name in names))
+        print("|---|---:|" + "---:|" * len(names))
+        for run in runs:
+            print(f"| {run['run']} | {run['checks']} |" + "".join(f" {len(run['alarms'][n])} |" for n in names))
+        print(f"| all | {total} |" + "".join(f" {sum(len(r['alarms'][n]) for r in runs)} |" for n in names))
+        for run in runs:
+            for name in names:
+                for alarm in run["alarms"][name][:5]:
+                    print(f"  false alarm, {run['run']}, {name}: step {alarm[0]} point {alarm[1]} ({alarm[2]})")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as out:
             json.dump({"args": vars(args), "records": records, "clean": runs, "wall_s": wall}, out, indent=1,
                       default=str)
-    mattered = [r for r in records if r["mattered"]]
-    caught = sum(r["detected"] or bool(r["fingerprint"]) for r in mattered)
-    rules_only = sum(r["detected"] for r in mattered)
-    print("RESULT " + json.dumps({
-        "figure": "sdc default detection set + fingerprints: share of flips that mattered detected, every site",
-        "trainguard": caught / len(mattered) if mattered else 1.0,
-        "baseline": rules_only / len(mattered) if mattered else 1.0, "ratio": None,
-        "target": ">= 0.95 at every site", "met": bool(mattered) and caught / len(mattered) >= 0.95}))
-    alarms = sum(len(run["alarms"][name]) for run in runs for name in DETECTORS)
-    print("RESULT " + json.dumps({
-        "figure": f"sdc default detection set: false alarms over {total} clean checks x {len(DETECTORS)} detectors",
-        "trainguard": alarms, "baseline": 0, "ratio": None, "target": "0", "met": alarms == 0}))
+    if records:
+        mattered = [r for r in records if r["mattered"]]
+        caught = sum(r["detected"] or bool(r["fingerprint"]) for r in mattered)
+        rules_only = sum(r["detected"] for r in mattered)
+        print("RESULT " + json.dumps({
+            "figure": "sdc default detection set + fingerprints: share of flips that mattered detected, every site",
+            "trainguard": caught / len(mattered) if mattered else 1.0,
+            "baseline": rules_only / len(mattered) if mattered else 1.0, "ratio": None,
+            "target": ">= 0.95 at every site", "met": bool(mattered) and caught / len(mattered) >= 0.95}))
+    if runs:
+        alarms = sum(len(run["alarms"][name]) for run in runs for name in DETECTORS)
+        print("RESULT " + json.dumps({
+            "figure": f"sdc default detection set: false alarms over {total} clean checks x {len(DETECTORS)} detectors",
+            "trainguard": alarms, "baseline": 0, "ratio": None, "target": "0", "met": alarms == 0}))
     return 0
 
 

@@ -3,6 +3,7 @@ to the right rank, repaired from a replica, and the run ends bitwise equal to a 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from helpers.replica_worker import build, train_replica
+from helpers.runs import assert_same_tensors, events, ok, train
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "replica_worker.py"
 STEPS = 9
@@ -83,3 +85,63 @@ def test_two_replicas_that_diverged_in_an_update_are_never_saved_as_healthy(tmp_
         assert result["health"]["is_health"] == 1 and result["health"]["reason"] == "replicas disagree"
     (mismatch,) = [e for e in results[0]["events"] if e["kind"] == "fingerprint_mismatch" and e["step"] == 6]
     assert mismatch["how"] == ["unattributed"] and mismatch["faulty"] == [] and mismatch["repaired"] == []
+
+
+# ---- the same in `trainguard train` runs (Guard.step): exit 17, the recompute, pure FSDP at rest ----
+GUARD_STEPS = 9
+DOWN_PROJ = "model.layers.0.mlp.down_proj.weight"
+FINGERPRINTS = ["--save-interval", "2", "--set", "guards.fingerprint.interval=3", "--set", "guards.sdc.enabled_level=2"]
+HSDP = ["--set", "parallel.dp_replicate=2"]
+
+
+@pytest.fixture(scope="module")
+def fault_free_hsdp(tmp_path_factory):
+    run = tmp_path_factory.mktemp("hsdp-clean") / "run"
+    ok(train(run, 2, GUARD_STEPS, *HSDP, *FINGERPRINTS))
+    return run
+
+
+def test_two_replicas_that_diverged_in_an_update_are_recomputed_attributed_and_repaired(fault_free_hsdp, tmp_path):
+    # step 4 is no check step: the flipped weight trains through steps 4 and 5 on rank 1 (and, through
+    # the all-reduced gradient, moves rank 0's update too); the check at 6 sees the replicas disagree,
+    # neither changed at rest; the save at 4 was refused, so the recompute starts at global_step_2
+    run = tmp_path / "run"
+    ok(train(run, 2, GUARD_STEPS, *HSDP, *FINGERPRINTS,
+             faults=f"stateflip:rank=1,step=4,site={DOWN_PROJ},state=weight,index=7,bit=27"))
+    assert [(e["step"], e["to_step"]) for e in events(run, "fingerprint_recompute")] == [(6, 2)]
+    mismatches = [(e["step"], e["how"], e["faulty"], e["repaired"]) for e in events(run, "fingerprint_mismatch")]
+    assert mismatches == [(4, ["unattributed"], [], []), (6, ["unattributed"], [], []),
+                          (6, ["recompute"], [1], [f"param:{DOWN_PROJ}"])]
+    assert not (run / "checkpoints/global_step_4").exists()  # the abandoned timeline's refused save
+    assert_same_tensors(fault_free_hsdp / f"checkpoints/global_step_{GUARD_STEPS}",
+                        run / f"checkpoints/global_step_{GUARD_STEPS}")
+
+
+def test_fingerprint_strikes_exclude_the_rank_with_exit_17(tmp_path):
+    # one strike is the limit here: the at-rest flip found at the check of step 3 excludes rank 1 after
+    # its shard is repaired; the run saves step 2's repaired state (already saved) and stops
+    run = tmp_path / "run"
+    proc = train(run, 2, GUARD_STEPS, *HSDP, *FINGERPRINTS, "--set", "guards.sdc.strikes=1",
+                 faults=f"stateflip:rank=1,step=3,site={DOWN_PROJ},state=exp_avg,index=5,bit=26")
+    assert proc.returncode == 17, proc.stderr[-2000:]
+    assert "fingerprint mismatches" in proc.stderr
+    (entry,) = json.loads((run / "faults/faulty_ranks.json").read_text())
+    assert entry["rank"] == 1 and [(s["step"], s["kind"]) for s in entry["strikes"]] == [(3, "fingerprint")]
+    (mismatch,) = events(run, "fingerprint_mismatch")
+    assert mismatch["faulty"] == [1] and mismatch["how"] == ["at_rest"]
+    assert [e["step"] for e in events(run, "step")] == [1, 2]
+
+
+def test_without_replicas_memory_changed_at_rest_is_caught_and_recomputed(tmp_path):
+    # pure FSDP (2 shards, no replica): the flip between step 2's update and step 3 is found by the
+    # hashes taken after the update and again before step 3; nothing can repair the shard, so the run
+    # recomputes from global_step_2 and ends with the fault-free run's state
+    clean, run = tmp_path / "clean", tmp_path / "run"
+    ok(train(clean, 2, GUARD_STEPS, *FINGERPRINTS))
+    ok(train(run, 2, GUARD_STEPS, *FINGERPRINTS,
+             faults=f"stateflip:rank=1,step=3,site={DOWN_PROJ},state=weight,index=3,bit=29"))
+    (mismatch,) = events(run, "fingerprint_mismatch")
+    assert (mismatch["step"], mismatch["faulty"], mismatch["how"], mismatch["repaired"]) == (3, [1], ["at_rest"], [])
+    assert [(e["step"], e["to_step"]) for e in events(run, "fingerprint_recompute")] == [(3, 2)]
+    assert not (run / "faults/faulty_ranks.json").exists()  # one strike of the default 3
+    assert_same_tensors(clean / f"checkpoints/global_step_{GUARD_STEPS}", run / f"checkpoints/global_step_{GUARD_STEPS}")

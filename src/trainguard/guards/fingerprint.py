@@ -14,8 +14,17 @@ Attribution (:func:`compare_replicas`, pure):
   is due next); a rank whose shard changed since then, with no step in between, had its memory
   corrupted at rest. This attributes the 2-replica case when the corruption happened at rest, and is
   the only check there is without replicas (pure FSDP);
-- ``unattributed``: 2 replicas that disagree with neither changed at rest (the corruption happened
-  during the update itself): the save is refused (marked unhealthy) and nothing is repaired.
+- ``recompute``: 2 replicas that disagree with neither changed at rest (the corruption entered an
+  update) are ``unattributed`` at first: each rank keeps a host copy of the tensors that disagree, the
+  step guard rolls every rank back to the last agreeing state (the newest healthy checkpoint: its
+  replicas agreed when it was saved) and the run recomputes the steps since. At the same check step
+  again, each rank measures how far its old copy is from the recomputed tensor (max |old - new|;
+  :func:`attribute_by_recompute`). A computation is deterministic, so the recomputed state is the
+  right one: a rank at distance 0 was right; when neither is, the gradient all-reduce carried the
+  corruption to the other replica too, and the rank at least ``RECOMPUTE_RATIO`` times further away
+  than the other holds the corruption itself. The recompute has repaired both either way;
+- ``unattributed``: replicas that disagree with nothing above to attribute it (and nothing to
+  recompute from): the save is refused (marked unhealthy) and nothing is repaired.
 
 Repair (:meth:`ReplicaFingerprints.repair`): the corrupt shard is overwritten in place by a broadcast
 from an agreeing replica of the same group, without a restart.
@@ -28,6 +37,7 @@ the fast ones on CPU and GPU.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -57,9 +67,11 @@ class FingerprintConfig:
     def enabled(self) -> bool:
         return self.interval > 0
 
-HOW = ("majority", "at_rest", "unattributed")
+HOW = ("majority", "at_rest", "recompute", "unattributed")
 
 _ROW = 1024  # int64 words per row of the position-weighted sum
+# after a recompute, a replica this many times further from the recomputed state than the other holds the corruption
+RECOMPUTE_RATIO = 4.0
 
 
 def tensor_fingerprint(tensor: torch.Tensor) -> torch.Tensor:
@@ -77,6 +89,14 @@ def tensor_fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     return torch.stack([rows.sum(), rows.cumsum(0).sum()])
 
 
+def distance(tensor: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """max |tensor - other| as a float64 scalar on ``tensor``'s device; inf when either is not finite."""
+    difference = (tensor.detach().double() - other.to(tensor.device).double()).abs()
+    if not difference.numel():
+        return torch.zeros((), dtype=torch.float64, device=tensor.device)
+    return torch.nan_to_num(difference.max(), nan=math.inf)
+
+
 def fingerprints(named: NamedTensors) -> torch.Tensor:
     """``[len(named), 2]`` int64 hashes on the tensors' device (all tensors on one device)."""
     if not named:
@@ -91,7 +111,7 @@ class Mismatch:
     tensor: str
     faulty: tuple[int, ...]  # the ranks attributed; empty when unattributed
     source: int | None  # a rank holding the agreeing value, to repair from; None: nothing to repair from
-    how: str  # "majority" | "at_rest" | "unattributed"
+    how: str  # one of HOW
 
 
 @dataclass(frozen=True)
@@ -137,6 +157,30 @@ def compare_replicas(names: Sequence[str], hashes: Mapping[int, Sequence[tuple[i
         rest = [rank for rank in members if rank not in moved]
         if moved and rest and len({tuple(hashes[rank][i]) for rank in rest}) == 1:
             mismatches.append(Mismatch(name, tuple(moved), rest[0], "at_rest"))
+        else:
+            mismatches.append(Mismatch(name, (), None, "unattributed"))
+    return FingerprintVerdict(tuple(mismatches))
+
+
+def attribute_by_recompute(names: Sequence[str], distances: Mapping[int, Sequence[float]]) -> FingerprintVerdict:
+    """After a recompute from the last agreeing state: ``distances[rank][i]``: max |old - recomputed|
+    of the rank's ``names[i]`` (inf for a non-finite one). A rank at distance 0 computed right; the
+    others are faulty. When no rank is at 0 (the all-reduced gradient carried the corruption to every
+    replica), the rank ``RECOMPUTE_RATIO`` times further than every other is; otherwise unattributed.
+    The repair source is a rank attributed right. Pure."""
+    members = sorted(distances)
+    mismatches = []
+    for i, name in enumerate(names):
+        far = {rank: distances[rank][i] for rank in members}
+        right = [rank for rank in members if far[rank] == 0]
+        if len(right) == len(members):
+            continue
+        if not right:
+            farthest = max(members, key=far.get)
+            if all(far[farthest] >= RECOMPUTE_RATIO * far[rank] for rank in members if rank != farthest):
+                right = [rank for rank in members if rank != farthest]
+        if right:
+            mismatches.append(Mismatch(name, tuple(r for r in members if r not in right), right[0], "recompute"))
         else:
             mismatches.append(Mismatch(name, (), None, "unattributed"))
     return FingerprintVerdict(tuple(mismatches))
@@ -189,17 +233,33 @@ class ReplicaFingerprints:
             changed = (current != self._after_update).any(dim=1).to(torch.int64)
         if at_rest:
             self._after_update = None
-        mine = torch.cat([current, changed[:, None]], dim=1)
+        rows = self.gather(torch.cat([current, changed[:, None]], dim=1))
+        names = [name for name, _ in named]
+        hashes = {rank: [(row[0], row[1]) for row in rows[rank]] for rank in self.members}
+        moved = {rank: [bool(row[2]) for row in rows[rank]] for rank in self.members}
+        return compare_replicas(names, hashes, moved)
+
+    def check_recompute(self, named: NamedTensors, before: Mapping[str, torch.Tensor]) -> FingerprintVerdict:
+        """After the recompute from the last agreeing state, at the check step where the replicas
+        disagreed: each rank's distance from ``before`` (its copies of the tensors that disagreed
+        then) to the recomputed tensors, compared across the group."""
+        tensors = dict(named)
+        names = sorted(before)
+        device = named[0][1].device if named else torch.device("cpu")  # the group's collectives run there
+        distances = (torch.stack([distance(tensors[name], before[name]) for name in names]) if names
+                     else torch.zeros(0, dtype=torch.float64, device=device))
+        rows = self.gather(distances[:, None])
+        return attribute_by_recompute(names, {rank: [row[0] for row in rows[rank]] for rank in self.members})
+
+    def gather(self, mine: torch.Tensor) -> dict[int, list[list[int]]]:
+        """Every group member's ``mine`` (the same shape and dtype on each), by rank: one host synchronisation."""
         if self.group is None:
             gathered = [mine]
         else:
             gathered = [torch.empty_like(mine) for _ in self.members]
             dist.all_gather(gathered, mine, group=self.group)
-        rows = torch.stack(gathered).tolist()  # one host synchronisation
-        names = [name for name, _ in named]
-        hashes = {rank: [(row[0], row[1]) for row in rows[k]] for k, rank in enumerate(self.members)}
-        moved = {rank: [bool(row[2]) for row in rows[k]] for k, rank in enumerate(self.members)}
-        return compare_replicas(names, hashes, moved)
+        rows = torch.stack(gathered).tolist()
+        return {rank: rows[k] for k, rank in enumerate(self.members)}
 
     def repair(self, named: NamedTensors, verdict: FingerprintVerdict) -> list[str]:
         """Overwrites every attributed corrupt tensor from its agreeing replica (a broadcast in the

@@ -5,7 +5,14 @@ Three calls per step, every rank:
 
 - ``before_step(step)``: on a fingerprint step (``guards.fingerprint.interval``), hashes this rank's
   shards, compares them across its replica group (``guards.fingerprint``), strikes the ranks
-  attributed and repairs their shards from an agreeing replica, in place;
+  attributed and repairs their shards from an agreeing replica, in place. Then every rank learns, with
+  one all-gather of two numbers over the world, the ranks whose device reached its strike limit
+  (``struck_out``: the step saves and ends the run with exit 17) and whether some rank holds a corrupt
+  shard that no replica can repair (``recompute``): 2 replicas that disagree with no attribution, or a
+  shard that changed at rest with no replica (pure FSDP). The step then rolls every rank back to the
+  last agreeing state, the newest healthy checkpoint, and the run recomputes the steps since; at this
+  check step again, :meth:`ReplicaFingerprints.check_recompute` names the rank whose first computation
+  went wrong, from host copies of the tensors that disagreed;
 - ``after_update(step)``: right after the optimizer step, hashes the shards when the next step is a
   fingerprint step (the at-rest comparison's reference);
 - ``before_save(step)``: the save's health verdict (``None`` when healthy and nothing is monitored):
@@ -41,6 +48,10 @@ class StateGuard:
                              if config.enabled else None)
         self.faulty = False  # this rank's device reached its strike limit through a fingerprint mismatch
         self.unrepaired: FingerprintVerdict | None = None  # a mismatch nothing could repair, until a save
+        self.struck_out: list[int] = []  # every rank whose device is faulty, as of the last check (world)
+        self.recompute = False  # the last check asks for a recompute from the last agreeing state (world)
+        # (check step, host copies of this rank's tensors that disagreed there), until the recompute reaches it
+        self._recomputing: tuple[int, dict[str, torch.Tensor]] | None = None
 
     def _state(self):
         return local_state(self.model, self.optimizer)
@@ -49,9 +60,40 @@ class StateGuard:
         if self.fingerprints is None or not self.fingerprints.due(step):
             return None
         named = self._state()
+        recomputed = self._recomputing is not None and self._recomputing[0] == step
+        if recomputed:
+            self._handle(step, named, self.fingerprints.check_recompute(named, self._recomputing[1]))
+            self._recomputing = None
         verdict = self.fingerprints.check(named, at_rest=True)
         self._handle(step, named, verdict)
+        # what no replica can repair is recomputed (a second mismatch right after a recompute is not: it
+        # stays, and the next save is marked unhealthy)
+        self._exchange(not recomputed and not verdict.repairable, named[0][1].device if named else torch.device("cpu"))
+        if self.recompute:
+            disagreeing = {m.tensor for m in verdict.mismatches if m.how == "unattributed"}
+            self._recomputing = (step, {name: tensor.detach().to("cpu", copy=True)
+                                        for name, tensor in named if name in disagreeing})
         return verdict
+
+    def _exchange(self, recompute: bool, device: torch.device) -> None:
+        """Every rank's (faulty, recompute) flags, gathered over the world."""
+        mine = torch.tensor([int(self.faulty), int(recompute)], dtype=torch.int64, device=device)
+        flags = [mine]
+        if dist.is_initialized():
+            flags = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(flags, mine)
+        rows = torch.stack(flags).tolist()
+        self.struck_out = [rank for rank, (faulty, _) in enumerate(rows) if faulty]
+        self.recompute = any(wanted for _, wanted in rows)
+
+    def recomputing_from(self, step: int | None) -> None:
+        """The step rolled back to ``step`` for the recompute (None: there was no healthy checkpoint
+        before; the mismatch stays unattributed and the next save is marked unhealthy)."""
+        self.recompute = False
+        if step is None:
+            self._recomputing = None
+        else:
+            self.unrepaired = None  # the disagreeing state is gone
 
     def after_update(self, step: int) -> None:
         if self.fingerprints is not None and self.fingerprints.due(step + 1):

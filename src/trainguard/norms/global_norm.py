@@ -10,7 +10,7 @@ meshes). Extra scalars (the loss) ride along in the same collective.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,15 +33,35 @@ def _local_and_weight(grad: torch.Tensor, ranks_per_stage: int) -> tuple[torch.T
     return grad, 1.0 / ranks_per_stage
 
 
-def local_sq_sum(grads: Iterable[torch.Tensor], ranks_per_stage: int, device: torch.device) -> torch.Tensor:
-    """This rank's weighted share of the squared global norm, on ``device`` (NaN/Inf propagate)."""
-    pairs = [_local_and_weight(g, ranks_per_stage) for g in grads]
-    pairs = [(local, weight) for local, weight in pairs if local.numel()]
-    if not pairs:
+# (gradient, the L2 norm of its local part) pairs measured already (the SDC gradient points'): the
+# pair holds the gradient, so its id cannot be reused by another tensor while the pair lives
+KnownNorms = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+
+def local_sq_sum(grads: Iterable[torch.Tensor], ranks_per_stage: int, device: torch.device,
+                 known: KnownNorms = ()) -> torch.Tensor:
+    """This rank's weighted share of the squared global norm, on ``device`` (NaN/Inf propagate).
+    ``known``: local norms measured already, not read again (the same ``_foreach_norm`` values)."""
+    found = {id(grad): (grad, norm) for grad, norm in known}
+    norms, weights, missing = [], [], []
+    for grad in grads:
+        local, weight = _local_and_weight(grad, ranks_per_stage)
+        if not local.numel():
+            continue
+        entry = found.get(id(grad))
+        if entry is not None and entry[0] is grad:
+            norms.append(entry[1])
+        else:
+            norms.append(None)
+            missing.append((len(norms) - 1, local.detach()))
+        weights.append(weight)
+    if not norms:
         return torch.zeros((), dtype=torch.float64, device=device)
-    norms = torch._foreach_norm([local.detach() for local, _ in pairs])
-    weights = torch.tensor([weight for _, weight in pairs], dtype=torch.float64, device=device)
-    return (torch.stack(norms).to(device, torch.float64).square() * weights).sum()
+    if missing:
+        for (i, _), norm in zip(missing, torch._foreach_norm([local for _, local in missing])):
+            norms[i] = norm
+    weights = torch.tensor(weights, dtype=torch.float64, device=device)
+    return (torch.stack([n.to(device, torch.float64) for n in norms]).square() * weights).sum()
 
 
 def global_norm_and_sums(
@@ -49,10 +69,12 @@ def global_norm_and_sums(
     extras: torch.Tensor,
     ranks_per_stage: int,
     group: dist.ProcessGroup | None = None,
+    known: KnownNorms = (),
 ) -> tuple[float, list[float]]:
     """Returns (global L2 norm, world sum of each of ``extras``) from one all-reduce and one host sync."""
     device = extras.device
-    buffer = torch.cat([local_sq_sum(grads, ranks_per_stage, device).reshape(1), extras.to(torch.float64).reshape(-1)])
+    buffer = torch.cat([local_sq_sum(grads, ranks_per_stage, device, known).reshape(1),
+                        extras.to(torch.float64).reshape(-1)])
     if dist.is_initialized():
         dist.all_reduce(buffer, group=group)
     values = buffer.tolist()

@@ -315,7 +315,12 @@ class Guard:
         first_sample = self.data.consumed_samples if self.data is not None else None
         self.faults.at_step_start(step)
         self.faults.at_rest(step, self.model, self.optimizer)
-        self.state.before_step(step)
+        if self.state.before_step(step) is not None:
+            if self.state.struck_out:
+                self._exclude(self.global_step, self.state.struck_out, "fingerprint mismatches")
+            if self.state.recompute and self._recompute(step):
+                return StepOutcome(self.global_step, math.nan, math.nan, applied=False, skipped=False,
+                                   rolled_back=True)
         snapshot = StepSnapshot.take(self.stateful) if self.sdc is not None else None
         loss = self._forward_backward(closure, step)
         detected = self.sdc.check(step) if self.sdc is not None else False
@@ -382,7 +387,8 @@ class Guard:
         share = None
         if loss is not None:  # the loss-holding ranks of a stage: its dp ranks (different data) × tp ranks
             share = torch.as_tensor(loss, dtype=torch.float64, device=self.device).detach() / self.ranks_per_stage
-        return reduce_step(self._grads(), local_slots(self.device, share, flags), self.ranks_per_stage)
+        return reduce_step(self._grads(), local_slots(self.device, share, flags), self.ranks_per_stage,
+                           known=self.sdc.take_gradient_norms() if self.sdc is not None else ())
 
     def _rerun(self, step: int, closure: Callable[[], Any], snapshot: StepSnapshot, loss: Any,
                alone: bool) -> tuple[Reduced, bool]:
@@ -407,16 +413,41 @@ class Guard:
             self.global_step = step
             if self.embedding is not None:
                 self.embedding.forget()
-            self.checkpoints.save(step, self.trainer_state(), self._health, stopping=True)
-            self.checkpoints.close()
-            faulty = [r for r, v in enumerate(verdicts) if v == RerunVerdict.FAULTY]
-            if self.rank in faulty:
-                write_faulty_ranks(faulty_ranks_path(self.run_dir), self.sdc.strikes.faulty_entries())
-            if dist.is_initialized():
-                dist.barrier()
-            raise FaultyDeviceError(f"faulty hardware: rank(s) {faulty} reached "
-                                    f"{self.sdc.config.strikes} SDC strikes; see {faulty_ranks_path(self.run_dir)}")
+            self._exclude(step, [r for r, v in enumerate(verdicts) if v == RerunVerdict.FAULTY], "SDC strikes")
         return reduced, strongest == RerunVerdict.REPRODUCIBLE
+
+    def _exclude(self, step: int, faulty: list[int], evidence: str) -> None:
+        """Ranks whose device reached its strike limit: saves ``step`` (unless it is saved), writes
+        ``faulty_ranks.json`` (each faulty rank its entry) and ends the run on every rank with exit 17."""
+        if step > 0 and self.checkpoints.last_saved_step != step:
+            self.checkpoints.save(step, self.trainer_state(), self._health, stopping=True)
+        self.checkpoints.close()
+        if self.rank in faulty:
+            write_faulty_ranks(faulty_ranks_path(self.run_dir), self.sdc.strikes.faulty_entries())
+        if dist.is_initialized():
+            dist.barrier()
+        raise FaultyDeviceError(f"faulty hardware: rank(s) {faulty} reached {self.sdc.config.strikes} strikes "
+                                f"({evidence}); see {faulty_ranks_path(self.run_dir)}")
+
+    def _recompute(self, step: int) -> bool:
+        """A corrupt shard that no replica can repair (2 replicas disagree with neither changed at rest,
+        or a shard changed at rest with no replica): rolls back to the newest healthy checkpoint (its
+        replicas agreed when it was saved) so that the run recomputes the steps since and the check at
+        ``step`` can tell which rank computed wrongly. False when there is none."""
+        restored = self.checkpoints.roll_back(before_step=step)
+        self.state.recomputing_from(restored)
+        if restored is None:
+            self.log.error("fingerprint mismatch at step %d: no healthy checkpoint to recompute from; the "
+                           "mismatch stays unattributed and the next save is marked unhealthy", step)
+            return False
+        self.log.warning("fingerprint mismatch at step %d that no replica can repair: recomputing from "
+                         "global_step_%d, the last agreeing state", step, restored)
+        if self.rank == 0:
+            self.events.emit("fingerprint_recompute", step=step, to_step=restored)
+        self.global_step = restored
+        if self.embedding is not None:
+            self.embedding.forget()
+        return True
 
     def _gather(self, value: int) -> list[int]:
         if not dist.is_initialized():

@@ -80,6 +80,17 @@ class SdcGuard:
 
     def begin_pass(self) -> None:
         self.points.reset()
+        if self.gradients is not None:
+            self.gradients.forget()
+
+    def take_gradient_norms(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The parameter-gradient points' local norms of this pass, for the global norm to reuse; they
+        are dropped here, so that the old gradients they hold are not kept alive into the next step."""
+        if self.gradients is None:
+            return []
+        norms = self.gradients.norms
+        self.gradients.forget()
+        return norms
 
     @property
     def names(self) -> list[str]:

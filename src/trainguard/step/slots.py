@@ -15,7 +15,7 @@ from enum import IntEnum
 
 import torch
 
-from trainguard.norms import global_norm_and_sums
+from trainguard.norms import KnownNorms, global_norm_and_sums
 
 
 class Slot(IntEnum):
@@ -55,7 +55,8 @@ def local_slots(device: torch.device, loss_share: torch.Tensor | None = None,
     return slots
 
 
-def reduce_step(grads: list[torch.Tensor], slots: torch.Tensor, ranks_per_stage: int) -> Reduced:
-    """One all-reduce (and one host sync) of the norm and every slot."""
-    norm, sums = global_norm_and_sums(grads, slots, ranks_per_stage)
+def reduce_step(grads: list[torch.Tensor], slots: torch.Tensor, ranks_per_stage: int, known: KnownNorms = ()) -> Reduced:
+    """One all-reduce (and one host sync) of the norm and every slot; ``known``: local gradient norms
+    measured already (the SDC gradient points')."""
+    norm, sums = global_norm_and_sums(grads, slots, ranks_per_stage, known=known)
     return Reduced(norm, sums[Slot.LOSS], {slot: int(sums[slot]) for slot in Slot if slot != Slot.LOSS})

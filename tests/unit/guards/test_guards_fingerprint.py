@@ -8,8 +8,11 @@ from torch import nn
 
 from trainguard.faults.bits import flip_bit
 from trainguard.guards.fingerprint import (
+    RECOMPUTE_RATIO,
     Mismatch,
+    attribute_by_recompute,
     compare_replicas,
+    distance,
     fingerprints,
     replica_partition,
     tensor_fingerprint,
@@ -67,6 +70,26 @@ def test_without_replicas_a_change_at_rest_is_attributed_but_cannot_be_repaired(
     verdict = compare_replicas(["a"], hashes_of({3: [5]}), {3: [True]})
     assert verdict.mismatches == (Mismatch("a", (3,), None, "at_rest"),) and not verdict.repairable
     assert compare_replicas(["a"], hashes_of({3: [5]}), {3: [False]}).clean
+
+
+def test_after_a_recompute_the_rank_whose_state_changed_is_the_faulty_one():
+    # exact: rank 0's old tensor equals its recompute (the corruption stayed on rank 1, e.g. an Adam moment)
+    verdict = attribute_by_recompute(["a", "b"], {0: [0.0, 0.0], 1: [0.0, 3e-4]})
+    assert verdict.mismatches == (Mismatch("b", (1,), 0, "recompute"),) and verdict.repairable
+    # the all-reduced gradient moved rank 0 too, far less than the flip itself
+    leaked = attribute_by_recompute(["a"], {0: [1e-6], 1: [RECOMPUTE_RATIO * 1e-6]})
+    assert leaked.mismatches == (Mismatch("a", (1,), 0, "recompute"),)
+    # comparable distances (or a computation that is not deterministic): nothing to tell them apart
+    unclear = attribute_by_recompute(["a"], {0: [1e-6], 1: [2e-6]})
+    assert unclear.mismatches == (Mismatch("a", (), None, "unattributed"),) and not unclear.repairable
+    assert attribute_by_recompute(["a"], {0: [0.0], 1: [0.0]}).clean
+
+
+def test_distance_is_the_largest_difference_and_infinite_for_a_nan():
+    a = torch.tensor([1.0, 2.0, 3.0])
+    assert float(distance(a, torch.tensor([1.0, 2.5, 3.0]))) == 0.5
+    assert float(distance(a, torch.tensor([1.0, float("nan"), 3.0]))) == float("inf")
+    assert float(distance(torch.zeros(0), torch.zeros(0))) == 0.0
 
 
 def test_replica_partition_is_sorted_and_deduplicated():

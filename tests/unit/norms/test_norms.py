@@ -36,3 +36,23 @@ def test_clip_scales_to_max_norm_and_leaves_small_grads():
     assert clip_grads_(grads, max_norm=1.0, total_norm=0.5) == 1.0
     assert torch.equal(grads[0], torch.tensor([0.3, 0.4]))
     assert clip_grads_(grads, max_norm=1.0, total_norm=float("nan")) == 1.0
+
+
+def test_known_norms_are_reused_bitwise_and_a_stale_pair_is_not():
+    from trainguard.guards.sdc import GradientPoints
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2))
+    model(torch.randn(4, 8)).sum().backward()
+    points = GradientPoints(model, "l2", shares=True)
+    points.collect(with_shares=True)
+    grads = [p.grad for p in model.parameters()]
+    measured = local_sq_sum(grads, 1, torch.device("cpu"))
+    assert torch.equal(local_sq_sum(grads, 1, torch.device("cpu"), known=points.norms), measured)
+    # a pair whose gradient is another tensor (a new backward since) is ignored, never trusted
+    stale = [(g.clone(), torch.tensor(1e9)) for g in grads]
+    assert torch.equal(local_sq_sum(grads, 1, torch.device("cpu"), known=stale), measured)
+    # the pairs really are used: a planted value changes the sum
+    planted = [(grads[0], torch.tensor(0.0))] + points.norms[1:]
+    assert local_sq_sum(grads, 1, torch.device("cpu"), known=planted) < measured
+    points.forget()
+    assert points.norms == []

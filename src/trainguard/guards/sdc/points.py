@@ -460,6 +460,13 @@ class GradientPoints:
         self.statistic = statistic
         self.shares = bool(shares)
         self._parameters = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        # (gradient, L2 norm of its local part) of the last collect, for the global norm to reuse
+        # (``norms.KnownNorms``: one read of the gradients less); cleared by ``forget``
+        self.norms: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def forget(self) -> None:
+        """Drops the last collect's norms (and with them the old gradients): call before a new backward."""
+        self.norms = []
 
     @property
     def names(self) -> list[str]:
@@ -468,18 +475,23 @@ class GradientPoints:
     def collect(self, with_shares: bool = False) -> torch.Tensor:
         """``[len(names)]`` float32 (``[2, len(names)]`` with the peak shares), ``NOT_CHECKED`` for a
         parameter without a gradient or with an empty shard. Fused per-tensor norms and one min/max
-        pass per gradient: about one and a half reads of the gradients."""
+        pass per gradient: about one and a half reads of the gradients; the norms are kept in ``norms``
+        for the global norm, which then reads the gradients no more."""
         if with_shares and not self.shares:
             raise ValueError("collect(with_shares=True) needs GradientPoints(shares=True)")
-        grads = [None if p.grad is None else _local(p.grad).detach() for _, p in self._parameters]
+        originals = [p.grad for _, p in self._parameters]
+        grads = [None if g is None else _local(g).detach() for g in originals]
         present = [i for i, g in enumerate(grads) if g is not None and g.numel()]
+        self.norms = []
         device = grads[present[0]].device if present else torch.device("cpu")
         rows = 2 if with_shares else 1
         out = torch.full((rows, len(grads)), NOT_CHECKED, dtype=torch.float32, device=device)
         if present:
             with torch.no_grad():
                 tensors = [grads[i] for i in present]
-                norms = torch.stack(torch._foreach_norm(tensors)).float()
+                raw = torch._foreach_norm(tensors)
+                self.norms = [(originals[i], norm) for i, norm in zip(present, raw)]
+                norms = torch.stack(raw).float()
                 index = torch.tensor(present, device=device)
                 if self.statistic == "l2" and not self.shares:
                     out[0, index] = norms

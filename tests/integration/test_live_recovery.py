@@ -11,6 +11,7 @@ from trainguard.live.files import events_path, final_path
 from trainguard.live.launcher import LiveRun, launch
 from trainguard.live.samples import sample_problems
 from trainguard.live.workload import Workload
+from trainguard.report import write_report
 
 RUN = LiveRun(groups=2, group_size=2, steps=40, micro_batch_s=0.02)
 KILLED = 3
@@ -77,3 +78,14 @@ def test_the_sample_check_sees_a_lost_and_a_repeated_micro_batch(runs):
     assert any("lost" in p for p in sample_problems(lost, RUN.steps, per_step))
     repeated = events + [next(e for e in events if e["step"] == 12)]
     assert any("repeated" in p for p in sample_problems(repeated, RUN.steps, per_step))
+
+
+def test_the_report_shows_the_quorum_changes_and_their_costs(runs):
+    root, _, _ = runs
+    path, facts = write_report(root / "failed", root / "report.html")
+    shrink, join = facts.quorum_changes[1:]
+    assert shrink.left == [2, 3] and shrink.step == 10 and shrink.survivors_lost_s is not None
+    assert join.joining == [2, 3] and join.step is not None and join.step > 10
+    assert join.rejoin_s is not None and join.rejoin_s > 0
+    page = path.read_text()
+    assert "Live recovery: quorum changes" in page and "replica group 1 rejoins" in page

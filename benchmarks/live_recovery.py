@@ -91,7 +91,7 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     cycles = 1 if args.quick else args.cycles
     base = LiveRun(steps=args.steps, micro_batch_s=args.micro_batch_s, checkpoint_every=10)
-    failing = {**base.__dict__, "kill_rank": KILLED, "kill_at_step": KILL_AT}
+    failing = {**base.__dict__, "kill_ranks": (KILLED,), "kill_at_step": KILL_AT}
     rows: dict[str, list[dict[str, float]]] = {LIVE: [], RESTART: []}
     equal = {LIVE: True, RESTART: True}
     with tempfile.TemporaryDirectory(prefix="live_bench_") as tmp:

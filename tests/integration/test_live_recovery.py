@@ -4,6 +4,7 @@ The runs are the ones ``trainguard demo --live`` makes; every claim is checked h
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -11,14 +12,16 @@ from collections import defaultdict
 
 import pytest
 
+from trainguard.demo.live import FAILING
 from trainguard.events.log import read_events
 from trainguard.live.compare import bitwise_differences, load_final
 from trainguard.live.files import events_path, final_path
+from trainguard.live.launcher import launch
 from trainguard.live.samples import sample_problems
 from trainguard.live.workload import Workload
 from trainguard.report import read_run
 
-STEPS, WORLD, KILLED = 40, 4, 3
+STEPS, WORLD, KILLED = FAILING.steps, FAILING.world, 3
 SRC = os.path.join(os.path.dirname(__file__), "..", "..", "src")
 
 
@@ -107,3 +110,20 @@ def test_the_report_shows_the_quorum_changes_and_their_costs(drill):
     assert join.rejoin_s is not None and join.rejoin_s > 0
     page = (root / "failed" / "report.html").read_text()
     assert "Live recovery: quorum changes" in page and "replica group 1 rejoins" in page
+
+
+def test_a_whole_node_dies_and_the_other_group_carries_on_bitwise(drill, tmp_path):
+    """Both ranks of replica group 0 (its node: its process group) SIGKILLed together: group 1 keeps
+    stepping alone, is the source of the state, and the end state is still the fault-free one."""
+    root, _ = drill
+    run = dataclasses.replace(FAILING, kill_ranks=(0, 1), steps=STEPS)
+    result = launch(tmp_path / "node", run)
+    assert [result.last_pids[r] == result.first_pids[r] for r in range(WORLD)] == [False, False, True, True]
+    events = _events(tmp_path / "node")
+    quorums = [e for e in events if e["kind"] == "live_quorum"]
+    assert [q["members"] for q in quorums] == [[0, 1, 2, 3], [2, 3], [0, 1, 2, 3]]
+    assert {e["rank"] for e in events if e["kind"] == "live_joined"} == {0, 1}
+    reference = load_final(final_path(root / "clean", 0))
+    for rank in range(WORLD):
+        assert bitwise_differences(load_final(final_path(tmp_path / "node", rank)), reference) == [], rank
+    assert sample_problems(events, STEPS, Workload().samples_per_step) == []

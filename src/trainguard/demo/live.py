@@ -25,7 +25,7 @@ from trainguard.live.samples import sample_problems
 from trainguard.live.workload import Workload
 from trainguard.report import write_report
 
-FAILING = LiveRun(groups=2, group_size=2, steps=40, micro_batch_s=0.02, kill_rank=3, kill_at_step=10)
+FAILING = LiveRun(groups=2, group_size=2, steps=40, micro_batch_s=0.02, kill_ranks=(3,), kill_at_step=10)
 
 
 def pids_by_rank(run_dir: Path) -> dict[int, list[int]]:
@@ -39,9 +39,9 @@ def pids_by_rank(run_dir: Path) -> dict[int, list[int]]:
 def live_checks(clean: Path, failed: Path, run: LiveRun) -> list[tuple[str, bool, str]]:
     """(what, passed, detail) for each claim of the drill."""
     pids = pids_by_rank(failed)
-    survivors = [r for r in range(run.world) if r != run.kill_rank]
+    survivors = [r for r in range(run.world) if r not in run.kill_ranks]
     kept = all(len(pids.get(r, [])) == 1 for r in survivors)
-    replaced = len(set(pids.get(run.kill_rank, []))) == 2
+    replaced = all(len(set(pids.get(r, []))) == 2 for r in run.kill_ranks)
     events = list(read_events(events_path(failed)))
     joined = sorted(e["rank"] for e in events if e["kind"] == "live_joined")
     reference = load_final(final_path(clean, 0))
@@ -50,8 +50,8 @@ def live_checks(clean: Path, failed: Path, run: LiveRun) -> list[tuple[str, bool
     samples = sample_problems(events, run.steps, Workload(micro_batches=run.micro_batches).samples_per_step)
     return [
         ("survivors never restarted", kept, f"pids {[pids.get(r) for r in survivors]}"),
-        ("the killed rank was replaced and rejoined", replaced and run.kill_rank in joined,
-         f"rank {run.kill_rank}: pids {pids.get(run.kill_rank)}, joined: ranks {joined}"),
+        ("the killed ranks were replaced and rejoined", replaced and set(run.kill_ranks) <= set(joined),
+         f"pids {[pids.get(r) for r in run.kill_ranks]}, joined: ranks {joined}"),
         ("final parameters and optimizer state bitwise equal to the fault-free run", not differences,
          "; ".join(differences[:3]) or f"{run.world} ranks compared"),
         ("no sample lost or repeated", not samples, "; ".join(samples[:3]) or f"{run.steps} steps checked"),
@@ -64,9 +64,9 @@ def run_live_drill(out: Path, console: Console | None = None) -> int:
     started = time.monotonic()
     console.print(f"[bold]trainguard live-recovery drill[/] → {out}")
     console.print(f"{FAILING.groups} replica groups × {FAILING.group_size} ranks (gloo), {FAILING.steps} steps; "
-                  f"SIGKILL of rank {FAILING.kill_rank} after step {FAILING.kill_at_step}, no job restart")
+                  f"SIGKILL of rank {FAILING.kill_ranks[0]} after step {FAILING.kill_at_step}, no job restart")
     with console.status("fault-free run"):
-        launch(out / "clean", dataclasses.replace(FAILING, kill_rank=None))
+        launch(out / "clean", dataclasses.replace(FAILING, kill_ranks=()))
     with console.status("run with the SIGKILL"):
         launch(out / "failed", FAILING)
     report, facts = write_report(out / "failed")

@@ -33,8 +33,8 @@ class LiveRun:
     micro_batch_s: float = 0.01  # simulated compute per micro-batch, so survivors pay for extra ones
     checkpoint_every: int = 10
     collective_timeout_s: float = 30.0
-    kill_rank: int | None = None  # SIGKILL this rank once it has committed ``kill_at_step`` steps
-    kill_at_step: int = 0
+    kill_ranks: tuple[int, ...] = ()  # SIGKILL these ranks (one, or a whole node's) together once the
+    kill_at_step: int = 0  # first of them has committed this many steps
     recovery: str = LIVE  # or RESTART: today's recovery, every rank started again
     timeout_s: float = 240.0
 
@@ -82,27 +82,31 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
         while any(p.returncode is None for p in procs.values()):
             if time.monotonic() - began > run.timeout_s:
                 raise RuntimeError(f"live run did not finish within {run.timeout_s:.0f} s")
-            if run.kill_rank is not None and result.killed_at is None and _progress(store, run.kill_rank) >= run.kill_at_step:
-                os.kill(procs[run.kill_rank].pid, signal.SIGKILL)
+            if run.kill_ranks and result.killed_at is None and _progress(store, run.kill_ranks[0]) >= run.kill_at_step:
+                for rank in run.kill_ranks:
+                    os.kill(procs[rank].pid, signal.SIGKILL)
+                    events.emit("live_kill", step=run.kill_at_step, target=rank, pid=procs[rank].pid)
                 result.killed_at = time.time()
-                events.emit("live_kill", step=run.kill_at_step, target=run.kill_rank, pid=procs[run.kill_rank].pid)
             for rank, proc in list(procs.items()):
                 code = proc.poll()
                 if code is None or code == 0:
                     continue
-                if result.killed_at is None or rank != run.kill_rank or rank in result.replaced_at:
+                if result.killed_at is None or rank not in run.kill_ranks or rank in result.replaced_at:
                     raise RuntimeError(f"live run: rank {rank} exited with {code}")
-                result.replaced_at[rank] = time.time()
                 if run.recovery == LIVE:
+                    result.replaced_at[rank] = time.time()
                     lighthouse.died(rank)
                     procs[rank] = _spawn(run, rank, store.port, run_dir, rejoin=True)
-                else:
-                    for other in procs.values():
-                        if other.poll() is None:
-                            other.kill()
-                            other.wait()
-                    lighthouse.restart(_newest_checkpoint(run_dir, run.steps))
-                    procs = {r: _spawn(run, r, store.port, run_dir, rejoin=False) for r in range(run.world)}
+                    continue
+                # today's recovery: every rank killed and started again, once for all the killed ranks
+                for other in procs.values():
+                    if other.poll() is None:
+                        other.kill()
+                        other.wait()
+                lighthouse.restart(_newest_checkpoint(run_dir, run.steps))
+                result.replaced_at.update({r: time.time() for r in run.kill_ranks})
+                procs = {r: _spawn(run, r, store.port, run_dir, rejoin=False) for r in range(run.world)}
+                break
             if run.recovery == LIVE:
                 lighthouse.poll()
             time.sleep(0.005)

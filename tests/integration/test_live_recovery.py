@@ -112,16 +112,19 @@ def test_the_report_shows_the_quorum_changes_and_their_costs(drill):
     assert "Live recovery: quorum changes" in page and "replica group 1 rejoins" in page
 
 
-def test_a_whole_node_dies_and_the_other_group_carries_on_bitwise(drill, tmp_path):
-    """Both ranks of replica group 0 (its node: its process group) SIGKILLed together: group 1 keeps
-    stepping alone, is the source of the state, and the end state is still the fault-free one."""
+def test_a_node_cut_off_is_found_silent_fenced_and_replaced_bitwise(drill, tmp_path):
+    """Both ranks of replica group 0 (its node) stopped together (SIGSTOP: alive, sockets open, silent,
+    as behind a cut link): no collective fails until the lighthouse finds them silent for ``hang_s``,
+    has them killed, and group 1 carries on alone as the source of the state; same end state."""
     root, _ = drill
-    run = dataclasses.replace(FAILING, kill_ranks=(0, 1), steps=STEPS)
+    run = dataclasses.replace(FAILING, kill_ranks=(0, 1), fault="stop", hang_s=5.0)
     result = launch(tmp_path / "node", run)
     assert [result.last_pids[r] == result.first_pids[r] for r in range(WORLD)] == [False, False, True, True]
     events = _events(tmp_path / "node")
+    assert sorted(e["target"] for e in events if e["kind"] == "live_hung") == [0, 1]
     quorums = [e for e in events if e["kind"] == "live_quorum"]
     assert [q["members"] for q in quorums] == [[0, 1, 2, 3], [2, 3], [0, 1, 2, 3]]
+    assert "hung, fenced" in quorums[1]["reason"]
     assert {e["rank"] for e in events if e["kind"] == "live_joined"} == {0, 1}
     reference = load_final(final_path(root / "clean", 0))
     for rank in range(WORLD):

@@ -13,6 +13,7 @@ not shorten that wait on gloo; so the worker keeps every retired group until it 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -31,8 +32,10 @@ def end_epoch(store: dist.Store, epoch: int) -> None:
     store.set(abort_key(epoch), "1")
 
 
-def wait(work: dist.Work, store: dist.Store, epoch: int) -> None:
+def wait(work: dist.Work, store: dist.Store, epoch: int, beat: Callable[[], None]) -> None:
+    """``beat``: this rank's heartbeat, so the lighthouse tells a waiting rank from a hung one."""
     while not work.is_completed():
+        beat()
         if store.check([abort_key(epoch)]):
             raise EpochAborted(f"epoch {epoch} ended while this rank waited in a collective")
         time.sleep(POLL_S)

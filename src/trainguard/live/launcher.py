@@ -33,10 +33,18 @@ class LiveRun:
     micro_batch_s: float = 0.01  # simulated compute per micro-batch, so survivors pay for extra ones
     checkpoint_every: int = 10
     collective_timeout_s: float = 30.0
-    kill_ranks: tuple[int, ...] = ()  # SIGKILL these ranks (one, or a whole node's) together once the
+    kill_ranks: tuple[int, ...] = ()  # hit these ranks (one, or a whole node's) together once the
     kill_at_step: int = 0  # first of them has committed this many steps
+    fault: str = "kill"  # "kill": SIGKILL; "stop": SIGSTOP (a hang, or a cut link: alive, silent)
+    hang_s: float = 10.0  # a member silent this long is hung (the lighthouse's heartbeat timeout)
     recovery: str = LIVE  # or RESTART: today's recovery, every rank started again
     timeout_s: float = 240.0
+
+    def __post_init__(self) -> None:
+        if self.fault not in ("kill", "stop"):
+            raise ValueError(f"LiveRun.fault={self.fault!r}: expected 'kill' or 'stop'")
+        if self.recovery not in (LIVE, RESTART):
+            raise ValueError(f"LiveRun.recovery={self.recovery!r}: expected {LIVE!r} or {RESTART!r}")
 
     @property
     def world(self) -> int:
@@ -74,7 +82,7 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
     (run_dir / "final").mkdir(exist_ok=True)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     events = EventLog(events_path(run_dir), rank=-1)
-    lighthouse = Lighthouse(store, run.world, run.group_size, events)
+    lighthouse = Lighthouse(store, run.world, run.group_size, events, run.hang_s)
     began = time.monotonic()
     procs = {rank: _spawn(run, rank, store.port, run_dir, rejoin=False) for rank in range(run.world)}
     result = LiveResult(0.0, {r: p.pid for r, p in procs.items()}, {})
@@ -84,8 +92,9 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
                 raise RuntimeError(f"live run did not finish within {run.timeout_s:.0f} s")
             if run.kill_ranks and result.killed_at is None and _progress(store, run.kill_ranks[0]) >= run.kill_at_step:
                 for rank in run.kill_ranks:
-                    os.kill(procs[rank].pid, signal.SIGKILL)
-                    events.emit("live_kill", step=run.kill_at_step, target=rank, pid=procs[rank].pid)
+                    os.kill(procs[rank].pid, signal.SIGKILL if run.fault == "kill" else signal.SIGSTOP)
+                    events.emit("live_kill", step=run.kill_at_step, target=rank, pid=procs[rank].pid,
+                                signal=run.fault)
                 result.killed_at = time.time()
             for rank, proc in list(procs.items()):
                 code = proc.poll()
@@ -108,6 +117,8 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
                 procs = {r: _spawn(run, r, store.port, run_dir, rejoin=False) for r in range(run.world)}
                 break
             if run.recovery == LIVE:
+                for rank in lighthouse.hung():
+                    procs[rank].kill()  # fenced: SIGKILL reaches a stopped process too; seen as a death next
                 lighthouse.poll()
             time.sleep(0.005)
     finally:

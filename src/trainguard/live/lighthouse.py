@@ -5,6 +5,10 @@ torchft's lighthouse. A replica group is the unit of membership (HSDP's replicat
 one of its ranks dies, the whole group leaves the quorum, and it comes back only when every one of its
 ranks (the replacement and the group's survivors) has asked to join.
 
+- Hang (a stopped process, a cut link): a member whose heartbeat counter (``beat/<rank>``, raised
+  while it computes and while it waits) has not moved for ``hang_s`` is reported by :meth:`hung`; the
+  launcher SIGKILLs it (so it cannot come back into a quorum it no longer belongs to) and it is a
+  death from then on.
 - Failure: once every live member of the current epoch has reported its last committed step (each
   does after its collective fails), the next epoch is the members of the intact groups, starting at
   the smallest step they committed.
@@ -17,19 +21,24 @@ ranks (the replacement and the group's survivors) has asked to join.
 
 from __future__ import annotations
 
+import time
+
 import torch.distributed as dist
 
 from trainguard.events import EventLog
 from trainguard.live.collective import end_epoch
-from trainguard.live.quorum import Quorum, has, publish, ready_key, report_key
+from trainguard.live.quorum import Quorum, beat_key, done_key, has, publish, ready_key, report_key
 
 
 class Lighthouse:
-    def __init__(self, store: dist.Store, world: int, group_size: int, events: EventLog):
+    def __init__(self, store: dist.Store, world: int, group_size: int, events: EventLog, hang_s: float):
         if world % group_size:
             raise ValueError(f"group_size={group_size} does not divide the world of {world} ranks")
         self.store, self.world, self.group_size, self.events = store, world, group_size, events
         self.dead: set[int] = set()
+        self.hang_s = hang_s
+        self.fenced: set[int] = set()  # ranks found hung, killed by the launcher
+        self.beats: dict[int, tuple[int, float]] = {}  # rank -> (its counter, when the lighthouse saw it move)
         self.asked = {rank: 0 for rank in range(world)}  # join requests already answered
         self.broken: set[int] = set()  # replica groups out of the quorum
         self.quorum = Quorum(0, list(range(world)), 0, "start")
@@ -44,6 +53,25 @@ class Lighthouse:
 
     def died(self, rank: int) -> None:
         self.dead.add(rank)
+        self.beats.pop(rank, None)  # its replacement is judged from its own first beat
+
+    def hung(self) -> list[int]:
+        """Members of the current epoch that have beaten before and not for ``hang_s``."""
+        now, silent = time.monotonic(), []
+        for rank in self.quorum.members:
+            if rank in self.dead or has(self.store, done_key(rank)):
+                continue
+            count = int(self.store.add(beat_key(rank), 0))
+            seen, since = self.beats.get(rank, (0, now))
+            if count != seen:
+                self.beats[rank] = (count, now)
+            elif count and now - since > self.hang_s:
+                silent.append(rank)
+        for rank in silent:
+            self.fenced.add(rank)
+            self.events.emit("live_hung", step=None, target=rank, silent_s=now - self.beats[rank][1])
+            self.beats.pop(rank)
+        return silent
 
     def poll(self) -> None:
         quorum = self.quorum
@@ -78,7 +106,9 @@ class Lighthouse:
         if not members:
             raise RuntimeError(f"live recovery: no replica group is left intact after ranks {sorted(failed)} died")
         self.dead -= failed
-        reason = f"ranks {sorted(failed)} died" if failed else "a collective failed"
+        hung = sorted(failed & self.fenced)
+        reason = (f"ranks {sorted(failed)} died" + (f" (hung, fenced: {hung})" if hung else "")) if failed \
+            else "a collective failed"
         self.quorum = Quorum(self.quorum.epoch + 1, members, min(reported[r] for r in members), reason)
         publish(self.store, self.quorum)
         self._emit(self.quorum, left=sorted(r for g in broken for r in self.ranks_of(g)))
@@ -87,6 +117,7 @@ class Lighthouse:
         self.broken.discard(group)
         for rank in ranks:
             self.asked[rank] += 1
+            self.beats.pop(rank, None)  # judged from its next beat, not from before it waited to join
         members = sorted(set(self.quorum.members) | set(ranks))
         self.quorum = Quorum(self.quorum.epoch + 1, members, None, f"replica group {group} rejoins",
                              joining=ranks, source=self.quorum.members[0])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch.distributed as dist
@@ -39,6 +40,17 @@ def start_key(epoch: int) -> str:
 
 def progress_key(rank: int) -> str:
     return f"progress/{rank}"
+
+
+def done_key(rank: int) -> str:
+    """Set by a rank that has written its final state: it beats no more and is not hung."""
+    return f"done/{rank}"
+
+
+def beat_key(rank: int) -> str:
+    """A counter each rank raises while it computes and while it waits (collectives, the lighthouse):
+    a rank whose counter stops is hung, stopped or cut off."""
+    return f"beat/{rank}"
 
 
 @dataclass(frozen=True)
@@ -79,10 +91,13 @@ def has(store: dist.Store, key: str) -> bool:
     return store.check([key])
 
 
-def wait_for(store: dist.Store, key: str, timeout_s: float, poll_s: float = 0.005) -> bytes:
-    """The key's value once it exists; polling (not ``store.wait``) so a timeout names the key."""
+def wait_for(store: dist.Store, key: str, timeout_s: float, beat: Callable[[], None],
+             poll_s: float = 0.005) -> bytes:
+    """The key's value once it exists; polling (not ``store.wait``) so a timeout names the key and the
+    rank keeps beating."""
     deadline = time.monotonic() + timeout_s
     while not store.check([key]):
+        beat()
         if time.monotonic() > deadline:
             raise TimeoutError(f"live recovery: no {key!r} in the store after {timeout_s:.0f} s")
         time.sleep(poll_s)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -29,13 +30,14 @@ from trainguard.events import EventLog
 from trainguard.fs.fsio import atomic_write_bytes
 from trainguard.live import collective
 from trainguard.live.ordered_sum import my_micro_batches, reduce_rows
-from trainguard.live.quorum import (Quorum, has, latest_epoch, progress_key, read_quorum, ready_key, report_key,
-                                    start_key, wait_for)
+from trainguard.live.quorum import (Quorum, beat_key, done_key, epoch_key, latest_epoch, progress_key, read_quorum, ready_key,
+                                    report_key, start_key, wait_for)
 from trainguard.live.transfer import broadcast_state, load_state, state_of
 from trainguard.live.workload import Workload, set_grads
 from trainguard.live.files import checkpoint_path, events_path, final_path, state_bytes
 
 WAIT_S = 120.0  # the longest a rank waits for the lighthouse (a new epoch, a join's start step)
+BEAT_S = 0.05  # the most often a rank raises its heartbeat counter
 
 
 class LiveWorker:
@@ -52,6 +54,7 @@ class LiveWorker:
         self.retired: list[dist.ProcessGroup] = []  # the groups of failed epochs (see collective.py)
         self.step_index = 0
         self.previous: tuple[int, dict] | None = None  # (step, state before that step's update)
+        self.last_beat = -BEAT_S
 
     def run(self, rejoin: bool) -> None:
         self.events.emit("live_start", pid=os.getpid(), rejoin=rejoin)
@@ -75,6 +78,7 @@ class LiveWorker:
                 self.recover(error)
         atomic_write_bytes(final_path(self.run_dir, self.rank), state_bytes(state_of(self.model, self.optimizer)))
         self.events.emit("live_done", step=self.step_index, epoch=self.quorum.epoch)
+        self.store.set(done_key(self.rank), "1")
 
     def enter(self, quorum: Quorum, start_step: int) -> None:
         """Makes this epoch's process group (a fresh store prefix: no state of the old one is reused)."""
@@ -84,13 +88,20 @@ class LiveWorker:
                                           self.collective_timeout)
 
     def wait(self, work: dist.Work) -> None:
-        collective.wait(work, self.store, self.quorum.epoch)
+        collective.wait(work, self.store, self.quorum.epoch, self.beat)
+
+    def beat(self) -> None:
+        now = time.monotonic()
+        if now - self.last_beat >= BEAT_S:
+            self.store.add(beat_key(self.rank), 1)
+            self.last_beat = now
 
     def step(self) -> None:
         quorum, step = self.quorum, self.step_index
         mine = my_micro_batches(self.workload.micro_batches, len(quorum.members), quorum.index(self.rank))
         rows = None
         for micro_batch in mine:
+            self.beat()
             grad = self.workload.micro_batch_grad(self.model, step, micro_batch)
             if rows is None:
                 rows = torch.zeros(self.workload.micro_batches, grad.numel(), dtype=grad.dtype)
@@ -119,7 +130,7 @@ class LiveWorker:
         self.group = None
         self.store.set(report_key(epoch, self.rank), str(committed))
         self.events.emit("live_collective_failed", step=committed, epoch=epoch, error=str(error).splitlines()[0][:200])
-        quorum = Quorum.from_json(wait_for(self.store, f"epoch/{epoch + 1}", WAIT_S))
+        quorum = Quorum.from_json(wait_for(self.store, epoch_key(epoch + 1), WAIT_S, self.beat))
         if self.rank not in quorum.members:
             self.join()
             return
@@ -137,6 +148,7 @@ class LiveWorker:
     def wait_for_join_epoch(self) -> int:
         deadline = time.monotonic() + WAIT_S
         while latest_epoch(self.store) <= self.quorum.epoch:
+            self.beat()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"live recovery: rank {self.rank} waited {WAIT_S:.0f} s for a replacement")
             time.sleep(0.005)
@@ -164,10 +176,11 @@ class LiveWorker:
             quorum = read_quorum(self.store, latest_epoch(self.store))
             if self.rank in quorum.joining:
                 break
+            self.beat()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"live recovery: rank {self.rank} was not let in within {WAIT_S:.0f} s")
             time.sleep(0.005)
-        start = int(wait_for(self.store, start_key(quorum.epoch), WAIT_S))
+        start = int(wait_for(self.store, start_key(quorum.epoch), WAIT_S, self.beat))
         self.enter(quorum, start)
         received = broadcast_state(self.group, quorum.index(quorum.source), quorum.index(self.rank), self.model,
                                    self.optimizer, self.wait)
@@ -194,6 +207,11 @@ def main(argv: list[str] | None = None) -> None:
     store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=WAIT_S))
     LiveWorker(store, args.rank, args.world, args.steps, args.run_dir, Workload(micro_batches=args.micro_batches),
                args.micro_batch_s, args.checkpoint_every, args.collective_timeout_s).run(args.rejoin)
+    # Everything is written (events unbuffered, the final state fsynced). A normal exit would destroy
+    # the retired groups, whose threads wait for their abandoned operation's timeout (collective.py).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

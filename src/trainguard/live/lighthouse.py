@@ -30,6 +30,9 @@ from trainguard.live.collective import end_epoch
 from trainguard.live.quorum import Quorum, beat_key, done_key, has, publish, ready_key, report_key
 
 
+LOOKED_AWAY_S = 1.0  # a gap between two looks at the heartbeats longer than this resets every window
+
+
 class Lighthouse:
     def __init__(self, store: dist.Store, world: int, group_size: int, events: EventLog, hang_s: float):
         if world % group_size:
@@ -38,6 +41,7 @@ class Lighthouse:
         self.dead: set[int] = set()
         self.hang_s = hang_s
         self.fenced: set[int] = set()  # ranks found hung, killed by the launcher
+        self.last_check = time.monotonic()
         self.beats: dict[int, tuple[int, float]] = {}  # rank -> (its counter, when the lighthouse saw it move)
         self.asked = {rank: 0 for rank in range(world)}  # join requests already answered
         self.broken: set[int] = set()  # replica groups out of the quorum
@@ -58,6 +62,11 @@ class Lighthouse:
     def hung(self) -> list[int]:
         """Members of the current epoch that have beaten before and not for ``hang_s``."""
         now, silent = time.monotonic(), []
+        if now - self.last_check > LOOKED_AWAY_S:
+            # this process was not scheduled for a while (a loaded machine): it saw nobody's beats in
+            # that time, so it judges nobody on it and starts every member's window again
+            self.beats = {rank: (count, now) for rank, (count, _) in self.beats.items()}
+        self.last_check = now
         for rank in self.quorum.members:
             if rank in self.dead or has(self.store, done_key(rank)):
                 continue

@@ -74,7 +74,7 @@ class LiveWorker:
                 continue
             try:
                 self.step()
-            except RuntimeError as error:  # gloo's errors when a peer dies or the link times out
+            except RuntimeError as error:  # gloo's errors (a peer died, a timeout) and EpochAborted
                 self.recover(error)
         atomic_write_bytes(final_path(self.run_dir, self.rank), state_bytes(state_of(self.model, self.optimizer)))
         self.events.emit("live_done", step=self.step_index, epoch=self.quorum.epoch)
@@ -129,13 +129,13 @@ class LiveWorker:
         self.retired.append(self.group)  # destroying it would block until its pending operation times out
         self.group = None
         self.store.set(report_key(epoch, self.rank), str(committed))
-        self.events.emit("live_collective_failed", step=committed, epoch=epoch, error=str(error).splitlines()[0][:200])
+        self.events.emit("live_collective_failed", step=committed, epoch=epoch, error=f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
         quorum = Quorum.from_json(wait_for(self.store, epoch_key(epoch + 1), WAIT_S, self.beat))
         if self.rank not in quorum.members:
             self.join()
             return
         if quorum.start_step < committed:
-            step, state = self.previous
+            step, state = self.previous or (None, None)
             if step != quorum.start_step:
                 raise RuntimeError(f"live recovery: epoch {quorum.epoch} starts at step {quorum.start_step}, "
                                    f"rank {self.rank} can undo only step {step}")

@@ -130,3 +130,23 @@ def test_a_node_cut_off_is_found_silent_fenced_and_replaced_bitwise(drill, tmp_p
     for rank in range(WORLD):
         assert bitwise_differences(load_final(final_path(tmp_path / "node", rank)), reference) == [], rank
     assert sample_problems(events, STEPS, Workload().samples_per_step) == []
+
+
+def test_a_transient_failure_is_undone_and_redone_bitwise_on_another_layout(drill, tmp_path):
+    """2 replica groups of 1 rank. Rank 0's all-reduce of step 20 fails after rank 1's succeeded: rank 1
+    committed step 20, rank 0 did not. Nobody died, so the next epoch keeps both, from step 20; rank 1
+    undoes its step 20 and both redo it. The end state equals the 4-rank fault-free run's bit for bit
+    (the gradient does not depend on the layout either)."""
+    root, _ = drill
+    run = dataclasses.replace(FAILING, groups=2, group_size=1, kill_ranks=(), transient=(0, 20))
+    result = launch(tmp_path / "transient", run)
+    assert result.last_pids == result.first_pids
+    events = _events(tmp_path / "transient")
+    quorums = [e for e in events if e["kind"] == "live_quorum"]
+    assert [(q["members"], q["step"], q["reason"]) for q in quorums] == [
+        ([0, 1], 0, "start"), ([0, 1], 20, "a collective failed")]
+    assert [(e["rank"], e["step"]) for e in events if e["kind"] == "live_undo"] == [(1, 20)]
+    reference = load_final(final_path(root / "clean", 0))
+    for rank in range(2):
+        assert bitwise_differences(load_final(final_path(tmp_path / "transient", rank)), reference) == [], rank
+    assert sample_problems(events, STEPS, Workload().samples_per_step) == []

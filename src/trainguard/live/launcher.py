@@ -37,6 +37,9 @@ class LiveRun:
     kill_at_step: int = 0  # first of them has committed this many steps
     fault: str = "kill"  # "kill": SIGKILL; "stop": SIGSTOP (a hang, or a cut link: alive, silent)
     hang_s: float = 10.0  # a member silent this long is hung (the lighthouse's heartbeat timeout)
+    # (rank, step): that rank's all-reduce of that step fails after the others' succeeded (a transient
+    # error, no death): the others committed the step, it did not; they undo it and all redo it
+    transient: tuple[int, int] | None = None
     recovery: str = LIVE  # or RESTART: today's recovery, every rank started again
     timeout_s: float = 240.0
 
@@ -67,6 +70,8 @@ def _spawn(run: LiveRun, rank: int, store_port: int, run_dir: Path, rejoin: bool
                "--micro-batches", str(run.micro_batches), "--micro-batch-s", str(run.micro_batch_s),
                "--checkpoint-every", str(run.checkpoint_every),
                "--collective-timeout-s", str(run.collective_timeout_s)] + (["--rejoin"] if rejoin else [])
+    if run.transient is not None and run.transient[0] == rank and not rejoin:
+        command += ["--fail-after-reduce", str(run.transient[1])]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.Popen(command, env=env)
 

@@ -42,7 +42,8 @@ BEAT_S = 0.05  # the most often a rank raises its heartbeat counter
 
 class LiveWorker:
     def __init__(self, store: dist.Store, rank: int, world: int, steps: int, run_dir: Path, workload: Workload,
-                 micro_batch_s: float, checkpoint_every: int, collective_timeout_s: float):
+                 micro_batch_s: float, checkpoint_every: int, collective_timeout_s: float,
+                 fail_after_reduce: int | None = None):
         self.store, self.rank, self.world, self.steps = store, rank, world, steps
         self.run_dir, self.workload = run_dir, workload
         self.micro_batch_s, self.checkpoint_every = micro_batch_s, checkpoint_every
@@ -55,6 +56,8 @@ class LiveWorker:
         self.step_index = 0
         self.previous: tuple[int, dict] | None = None  # (step, state before that step's update)
         self.last_beat = -BEAT_S
+        # the drill's transient fault: this rank's all-reduce of that step counts as failed once
+        self.fail_after_reduce = fail_after_reduce
 
     def run(self, rejoin: bool) -> None:
         self.events.emit("live_start", pid=os.getpid(), rejoin=rejoin)
@@ -109,6 +112,9 @@ class LiveWorker:
             time.sleep(self.micro_batch_s)  # the compute time a real micro-batch would take
         newer = latest_epoch(self.store) > quorum.epoch
         total, flags = reduce_rows(self.group, rows, int(newer), self.wait)
+        if step == self.fail_after_reduce:
+            self.fail_after_reduce = None
+            raise RuntimeError(f"injected: rank {self.rank}'s collective of step {step} failed after the others' succeeded")
         self.previous = (step, copy.deepcopy(state_of(self.model, self.optimizer)))
         set_grads(self.model, total)
         self.optimizer.step()
@@ -201,12 +207,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("--collective-timeout-s", type=float, default=30.0)
     parser.add_argument("--rejoin", action="store_true")
+    parser.add_argument("--fail-after-reduce", type=int, help="drill: treat this step's all-reduce as failed here, once")
     args = parser.parse_args(argv)
     host, port = args.store.rsplit(":", 1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=WAIT_S))
     LiveWorker(store, args.rank, args.world, args.steps, args.run_dir, Workload(micro_batches=args.micro_batches),
-               args.micro_batch_s, args.checkpoint_every, args.collective_timeout_s).run(args.rejoin)
+               args.micro_batch_s, args.checkpoint_every, args.collective_timeout_s,
+               args.fail_after_reduce).run(args.rejoin)
     # Everything is written (events unbuffered, the final state fsynced). A normal exit would destroy
     # the retired groups, whose threads wait for their abandoned operation's timeout (collective.py).
     sys.stdout.flush()

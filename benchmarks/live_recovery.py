@@ -3,8 +3,10 @@
 4 gloo ranks (2 replica groups x 2), 60 steps of the live drill's workload (``trainguard.live``), one
 rank SIGKILLed after step 25 (checkpoints every 10 steps, so the restart redoes 5 steps). Per cycle,
 in alternating order: a fault-free run, the failure recovered live (the replacement alone starts, the
-others keep their processes), and the failure recovered as today (every rank killed and started
-again from the newest checkpoint). Figures, from the runs' event timestamps:
+others keep their processes), the same with a warm spare as the replacement (``LiveRun.spares``:
+a process started with the others, torch imported, waiting to be told which rank it replaces), and
+the failure recovered as today (every rank killed and started again from the newest checkpoint).
+Figures, from the runs' event timestamps:
 
 - survivors' lost time: from the kill until the surviving ranks are stepping again past the failure
   point and stay so: live, the stall until their new epoch's first step plus the pause of the join's
@@ -37,6 +39,7 @@ from trainguard.live.files import events_path, final_path  # noqa: E402
 from trainguard.live.launcher import LIVE, RESTART, LiveRun, launch  # noqa: E402
 
 TARGET = 5.0
+SPARE = "live+spare"  # live recovery whose replacement is a warm spare process (torch imported, waiting)
 KILL_AT = 25
 KILLED = 3
 
@@ -92,19 +95,20 @@ def main() -> None:
     cycles = 1 if args.quick else args.cycles
     base = LiveRun(steps=args.steps, micro_batch_s=args.micro_batch_s, checkpoint_every=10)
     failing = {**base.__dict__, "kill_ranks": (KILLED,), "kill_at_step": KILL_AT}
-    rows: dict[str, list[dict[str, float]]] = {LIVE: [], RESTART: []}
-    equal = {LIVE: True, RESTART: True}
+    rows: dict[str, list[dict[str, float]]] = {LIVE: [], SPARE: [], RESTART: []}
+    equal = {LIVE: True, SPARE: True, RESTART: True}
     with tempfile.TemporaryDirectory(prefix="live_bench_") as tmp:
         for cycle in range(cycles):
-            order = ["clean", LIVE, RESTART] if cycle % 2 == 0 else [RESTART, LIVE, "clean"]
+            order = ["clean", LIVE, SPARE, RESTART] if cycle % 2 == 0 else [RESTART, SPARE, LIVE, "clean"]
             dirs = {}
             for mode in order:
                 dirs[mode] = Path(tmp) / f"{cycle}_{mode}"
-                run = base if mode == "clean" else LiveRun(**{**failing, "recovery": mode})
+                run = base if mode == "clean" else LiveRun(**{**failing, "recovery": RESTART if mode == RESTART else LIVE,
+                                                               "spares": int(mode == SPARE)})
                 launch(dirs[mode], run)
             tail = clean_tail(list(read_events(events_path(dirs["clean"]))))
             reference = load_final(final_path(dirs["clean"], 0))
-            for mode, figures_of in ((LIVE, live_figures), (RESTART, restart_figures)):
+            for mode, figures_of in ((LIVE, live_figures), (SPARE, live_figures), (RESTART, restart_figures)):
                 figures = figures_of(list(read_events(events_path(dirs[mode]))))
                 figures["delay"] = figures.pop("tail") - tail
                 rows[mode].append(figures)
@@ -113,21 +117,23 @@ def main() -> None:
     table = {mode: {key: median([r[key] for r in runs]) for key in runs[0]} for mode, runs in rows.items()}
     print(f"\nlive recovery vs restart, 4 gloo ranks (2 groups x 2), {args.steps} steps, SIGKILL of rank "
           f"{KILLED} after step {KILL_AT}, {cycles} cycle(s), medians; load {os.getloadavg()[0]:.1f}")
-    print(f"{'recovery':<10}{'survivors lost s':>18}{'lost, warm start s':>20}{'rejoin s':>10}{'job delay s':>13}"
+    print(f"{'recovery':<12}{'survivors lost s':>18}{'lost, warm start s':>20}{'rejoin s':>10}{'job delay s':>13}"
           f"{'bitwise equal':>15}")
-    for mode in (RESTART, LIVE):
+    for mode in (RESTART, LIVE, SPARE):
         t = table[mode]
         warm = t.get("lost_warm", t["lost"])
-        print(f"{mode:<10}{t['lost']:>18.3f}{warm:>20.3f}{t['rejoin']:>10.3f}{t['delay']:>13.3f}{str(equal[mode]):>15}")
+        print(f"{mode:<12}{t['lost']:>18.3f}{warm:>20.3f}{t['rejoin']:>10.3f}{t['delay']:>13.3f}{str(equal[mode]):>15}")
     ratio = table[RESTART]["lost"] / table[LIVE]["lost"]
     warm_ratio = table[RESTART]["lost_warm"] / table[LIVE]["lost"]
     print(f"restart / live: survivors' lost time {ratio:.1f}x ({warm_ratio:.1f}x with a warm start), job delay "
           f"{table[RESTART]['delay'] / table[LIVE]['delay']:.1f}x, time to rejoin "
-          f"{table[RESTART]['rejoin'] / table[LIVE]['rejoin']:.1f}x")
+          f"{table[RESTART]['rejoin'] / table[LIVE]['rejoin']:.1f}x ({table[RESTART]['rejoin'] / table[SPARE]['rejoin']:.1f}x "
+          f"with a warm spare)")
     print_result("live recovery: survivors' lost time per failure (s)", table[LIVE]["lost"], table[RESTART]["lost"],
                  f"restart >= {TARGET:.0f}x live", ratio >= TARGET and equal[LIVE],
                  warm_start_ratio=warm_ratio, job_delay_live=table[LIVE]["delay"], job_delay_restart=table[RESTART]["delay"],
-                 rejoin_live=table[LIVE]["rejoin"], rejoin_restart=table[RESTART]["rejoin"])
+                 rejoin_live=table[LIVE]["rejoin"], rejoin_live_spare=table[SPARE]["rejoin"],
+                 rejoin_restart=table[RESTART]["rejoin"])
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ def test_survivors_keep_their_processes_and_the_replacement_is_new(drill):
             pids[event["rank"]].append((event["pid"], event["rejoin"]))
     for rank in range(WORLD):
         if rank == KILLED:
-            (first, rejoin_first), (second, rejoin_second) = pids[rank]
+            (first, rejoin_first), (second, rejoin_second) = pids[rank]  # the second: the warm spare
             assert first != second and not rejoin_first and rejoin_second
         else:
             assert len(pids[rank]) == 1, pids[rank]
@@ -69,6 +69,8 @@ def test_quorum_shrinks_to_the_intact_group_then_the_broken_group_rejoins(drill)
     assert quorums[1]["left"] == [2, 3] and quorums[2]["joining"] == [2, 3]
     joined = {e["rank"]: e for e in events if e["kind"] == "live_joined"}
     assert sorted(joined) == [2, 3] and {e["epoch"] for e in joined.values()} == {2}
+    # the warm spare took rank 3's place at once: the group rejoined while the survivors were stepping
+    assert 10 < joined[3]["step"] < STEPS
     # the survivors stepped on their own, computing the missing group's micro-batches
     degraded = [e for e in events if e["kind"] == "live_step" and e["members"] == 2]
     assert degraded and {e["rank"] for e in degraded} == {0, 1}
@@ -117,7 +119,7 @@ def test_a_node_cut_off_is_found_silent_fenced_and_replaced_bitwise(drill, tmp_p
     as behind a cut link): no collective fails until the lighthouse finds them silent for ``hang_s``,
     has them killed, and group 1 carries on alone as the source of the state; same end state."""
     root, _ = drill
-    run = dataclasses.replace(FAILING, kill_ranks=(0, 1), fault="stop", hang_s=5.0)
+    run = dataclasses.replace(FAILING, kill_ranks=(0, 1), fault="stop", hang_s=5.0, spares=0)  # cold replacements
     result = launch(tmp_path / "node", run)
     assert [result.last_pids[r] == result.first_pids[r] for r in range(WORLD)] == [False, False, True, True]
     events = _events(tmp_path / "node")
@@ -138,7 +140,7 @@ def test_a_transient_failure_is_undone_and_redone_bitwise_on_another_layout(dril
     undoes its step 20 and both redo it. The end state equals the 4-rank fault-free run's bit for bit
     (the gradient does not depend on the layout either)."""
     root, _ = drill
-    run = dataclasses.replace(FAILING, groups=2, group_size=1, kill_ranks=(), transient=(0, 20))
+    run = dataclasses.replace(FAILING, groups=2, group_size=1, kill_ranks=(), spares=0, transient=(0, 20))
     result = launch(tmp_path / "transient", run)
     assert result.last_pids == result.first_pids
     events = _events(tmp_path / "transient")

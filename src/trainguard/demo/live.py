@@ -25,7 +25,9 @@ from trainguard.live.samples import sample_problems
 from trainguard.live.workload import Workload
 from trainguard.report import write_report
 
-FAILING = LiveRun(groups=2, group_size=2, steps=40, micro_batch_s=0.02, kill_ranks=(3,), kill_at_step=10)
+# one warm spare (torch imported, waiting): the dead rank's replacement is ready in milliseconds, so it
+# rejoins while the survivors are still stepping, not at the last step
+FAILING = LiveRun(groups=2, group_size=2, steps=40, micro_batch_s=0.02, kill_ranks=(3,), kill_at_step=10, spares=1)
 
 
 def pids_by_rank(run_dir: Path) -> dict[int, list[int]]:
@@ -63,10 +65,11 @@ def run_live_drill(out: Path, console: Console | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     console.print(f"[bold]trainguard live-recovery drill[/] → {out}")
-    console.print(f"{FAILING.groups} replica groups × {FAILING.group_size} ranks (gloo), {FAILING.steps} steps; "
+    console.print(f"{FAILING.groups} replica groups × {FAILING.group_size} ranks (gloo) and {FAILING.spares} warm spare, "
+                  f"{FAILING.steps} steps; "
                   f"SIGKILL of rank {FAILING.kill_ranks[0]} after step {FAILING.kill_at_step}, no job restart")
     with console.status("fault-free run"):
-        launch(out / "clean", dataclasses.replace(FAILING, kill_ranks=()))
+        launch(out / "clean", dataclasses.replace(FAILING, kill_ranks=(), spares=0))
     with console.status("run with the SIGKILL"):
         launch(out / "failed", FAILING)
     report, facts = write_report(out / "failed")

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from trainguard.events import EventLog
 from trainguard.live.files import checkpoint_path, events_path
 from trainguard.live.lighthouse import Lighthouse
-from trainguard.live.quorum import progress_key
+from trainguard.live.quorum import progress_key, spare_key, spare_ready_key
 
 LIVE, RESTART = "live", "restart"
 
@@ -40,6 +40,7 @@ class LiveRun:
     # (rank, step): that rank's all-reduce of that step fails after the others' succeeded (a transient
     # error, no death): the others committed the step, it did not; they undo it and all redo it
     transient: tuple[int, int] | None = None
+    spares: int = 0  # warm spare processes (torch imported, waiting) that replace dead ranks first
     recovery: str = LIVE  # or RESTART: today's recovery, every rank started again
     timeout_s: float = 240.0
 
@@ -64,9 +65,11 @@ class LiveResult:
     exit_codes: dict[int, int] = field(default_factory=dict)
 
 
-def _spawn(run: LiveRun, rank: int, store_port: int, run_dir: Path, rejoin: bool) -> subprocess.Popen:
+def _spawn(run: LiveRun, rank: int, store_port: int, run_dir: Path, rejoin: bool,
+           spare: int | None = None) -> subprocess.Popen:
+    role = ["--rank", str(rank)] if spare is None else ["--spare", str(spare)]
     command = [sys.executable, "-m", "trainguard.live.worker", "--store", f"127.0.0.1:{store_port}",
-               "--rank", str(rank), "--world", str(run.world), "--steps", str(run.steps), "--run-dir", str(run_dir),
+               *role, "--world", str(run.world), "--steps", str(run.steps), "--run-dir", str(run_dir),
                "--micro-batches", str(run.micro_batches), "--micro-batch-s", str(run.micro_batch_s),
                "--checkpoint-every", str(run.checkpoint_every),
                "--collective-timeout-s", str(run.collective_timeout_s)] + (["--rejoin"] if rejoin else [])
@@ -90,12 +93,15 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
     lighthouse = Lighthouse(store, run.world, run.group_size, events, run.hang_s)
     began = time.monotonic()
     procs = {rank: _spawn(run, rank, store.port, run_dir, rejoin=False) for rank in range(run.world)}
+    spares = [(i, _spawn(run, -1, store.port, run_dir, rejoin=True, spare=i)) for i in range(run.spares)]
     result = LiveResult(0.0, {r: p.pid for r, p in procs.items()}, {})
     try:
         while any(p.returncode is None for p in procs.values()):
             if time.monotonic() - began > run.timeout_s:
                 raise RuntimeError(f"live run did not finish within {run.timeout_s:.0f} s")
-            if run.kill_ranks and result.killed_at is None and _progress(store, run.kill_ranks[0]) >= run.kill_at_step:
+            # the drill's fault waits for the spares to be warm (a spare still starting is a cold one)
+            warm = all(store.check([spare_ready_key(i)]) for i, _ in spares)
+            if run.kill_ranks and result.killed_at is None and warm and _progress(store, run.kill_ranks[0]) >= run.kill_at_step:
                 for rank in run.kill_ranks:
                     os.kill(procs[rank].pid, signal.SIGKILL if run.fault == "kill" else signal.SIGSTOP)
                     events.emit("live_kill", step=run.kill_at_step, target=rank, pid=procs[rank].pid,
@@ -110,7 +116,11 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
                 if run.recovery == LIVE:
                     result.replaced_at[rank] = time.time()
                     lighthouse.died(rank)
-                    procs[rank] = _spawn(run, rank, store.port, run_dir, rejoin=True)
+                    if spares:
+                        index, procs[rank] = spares.pop(0)
+                        store.set(spare_key(index), str(rank))
+                    else:
+                        procs[rank] = _spawn(run, rank, store.port, run_dir, rejoin=True)
                     continue
                 # today's recovery: every rank killed and started again, once for all the killed ranks
                 for other in procs.values():
@@ -127,7 +137,7 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
                 lighthouse.poll()
             time.sleep(0.005)
     finally:
-        for proc in procs.values():
+        for proc in [*procs.values(), *(proc for _, proc in spares)]:  # unused spares end here
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()

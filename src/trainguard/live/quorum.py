@@ -42,6 +42,16 @@ def progress_key(rank: int) -> str:
     return f"progress/{rank}"
 
 
+def spare_key(index: int) -> str:
+    """The rank a warm spare is to replace, set by the launcher when a rank dies."""
+    return f"spare/{index}"
+
+
+def spare_ready_key(index: int) -> str:
+    """Set by a spare once it has imported everything and waits for its rank."""
+    return f"spare_ready/{index}"
+
+
 def done_key(rank: int) -> str:
     """Set by a rank that has written its final state: it beats no more and is not hung."""
     return f"done/{rank}"

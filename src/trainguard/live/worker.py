@@ -30,13 +30,14 @@ from trainguard.events import EventLog
 from trainguard.fs.fsio import atomic_write_bytes
 from trainguard.live import collective
 from trainguard.live.ordered_sum import my_micro_batches, reduce_rows
-from trainguard.live.quorum import (Quorum, beat_key, done_key, epoch_key, latest_epoch, progress_key, read_quorum, ready_key,
-                                    report_key, start_key, wait_for)
+from trainguard.live.quorum import (Quorum, beat_key, done_key, epoch_key, latest_epoch, progress_key, read_quorum,
+                                    ready_key, report_key, spare_key, spare_ready_key, start_key, wait_for)
 from trainguard.live.transfer import broadcast_state, load_state, state_of
 from trainguard.live.workload import Workload, set_grads
 from trainguard.live.files import checkpoint_path, events_path, final_path, state_bytes
 
 WAIT_S = 120.0  # the longest a rank waits for the lighthouse (a new epoch, a join's start step)
+SPARE_WAIT_S = 24 * 3600.0  # a spare waits as long as a run lasts; the launcher ends it if unused
 BEAT_S = 0.05  # the most often a rank raises its heartbeat counter
 
 
@@ -198,7 +199,9 @@ class LiveWorker:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m trainguard.live.worker")
     parser.add_argument("--store", required=True, help="HOST:PORT of the launcher's TCPStore")
-    parser.add_argument("--rank", type=int, required=True)
+    role = parser.add_mutually_exclusive_group(required=True)
+    role.add_argument("--rank", type=int)
+    role.add_argument("--spare", type=int, help="a warm spare: wait (torch imported) to be told which rank to replace")
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--run-dir", type=Path, required=True)
@@ -212,9 +215,19 @@ def main(argv: list[str] | None = None) -> None:
     host, port = args.store.rsplit(":", 1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=WAIT_S))
-    LiveWorker(store, args.rank, args.world, args.steps, args.run_dir, Workload(micro_batches=args.micro_batches),
+    rank, rejoin = args.rank, args.rejoin
+    workload = Workload(micro_batches=args.micro_batches)
+    if args.spare is not None:
+        # warm: torch loads parts of itself at the first optimizer and the first backward (seconds on a
+        # loaded machine), so a spare goes through both once before it says it is ready
+        model, optimizer = workload.build()
+        workload.micro_batch_grad(model, 0, 0)
+        optimizer.step()
+        store.set(spare_ready_key(args.spare), "1")
+        rank, rejoin = int(wait_for(store, spare_key(args.spare), SPARE_WAIT_S, beat=lambda: None)), True
+    LiveWorker(store, rank, args.world, args.steps, args.run_dir, workload,
                args.micro_batch_s, args.checkpoint_every, args.collective_timeout_s,
-               args.fail_after_reduce).run(args.rejoin)
+               args.fail_after_reduce).run(rejoin)
     # Everything is written (events unbuffered, the final state fsynced). A normal exit would destroy
     # the retired groups, whose threads wait for their abandoned operation's timeout (collective.py).
     sys.stdout.flush()

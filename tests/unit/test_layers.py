@@ -24,8 +24,8 @@ FLOORS: list[tuple[str, frozenset[str]]] = [
     ("guards: pure rules and their typed verdicts", frozenset({"guards"})),
     ("checkpoint tiers", frozenset({"checkpoint"})),
     ("backup, merge/convert, Hugging Face", frozenset({"backup", "merge", "hf"})),
-    ("runtime: lifecycle, supervisor; fault injection, node doctor, planning; the run configuration",
-     frozenset({"runtime", "faults", "doctor", "plan", "config"})),
+    ("runtime: lifecycle, supervisor, live recovery; fault injection, node doctor, planning; the run configuration",
+     frozenset({"runtime", "live", "faults", "doctor", "plan", "config"})),
     ("step API", frozenset({"step"})),
     ("trainer, demo, report, cli, integrations", frozenset(
         {"trainer", "demo", "report", "cli", "integrations", "__main__", ""})),

@@ -125,6 +125,23 @@ class Action:
 
 
 @dataclass(frozen=True)
+class QuorumChange:
+    """A live-recovery epoch (``live_quorum``, docs/live_recovery.md) and what it cost."""
+
+    time: float
+    epoch: int
+    step: int | None  # its first step (None: a join the survivors had not placed yet)
+    members: list[int]
+    left: list[int]
+    joining: list[int]
+    reason: str
+    survivors_lost_s: float | None
+    """Shrink: the survivors' longest stall from the failure to this epoch; join: their pause for the transfer."""
+    rejoin_s: float | None
+    """Join: from the epoch that left the joiners out to the last of them stepping again."""
+
+
+@dataclass(frozen=True)
 class Heartbeat:
     rank: int
     step: int | None
@@ -144,6 +161,7 @@ class RunFacts:
     incidents: list[Incident] = field(default_factory=list)
     actions: list[Action] = field(default_factory=list)
     faults: list[dict] = field(default_factory=list)
+    quorum_changes: list[QuorumChange] = field(default_factory=list)
     heartbeats: list[Heartbeat] = field(default_factory=list)
     skip_threshold: float | None = None
     """The fixed data-skip threshold of the run's configuration (None: guard off or adaptive)."""
@@ -279,8 +297,36 @@ def _from_events(events: list[dict], facts: RunFacts) -> None:
     ]
     facts.attempts = [_attempt(index, chunk) for index, chunk in enumerate(attempt_events)]
     facts.incidents = _incidents(facts.attempts, attempt_events, facts.steps)
+    facts.quorum_changes = _quorum_changes(events)
     if facts.attempts and not facts.attempts[-1].finished:
         facts.stop_reason = _cause(attempt_events[-1])
+
+
+def _quorum_changes(events: list[dict]) -> list[QuorumChange]:
+    def of_epoch(kind: str, epoch: int) -> list[dict]:
+        return [e for e in events if e.get("kind") == kind and e.get("epoch") == epoch]
+
+    changes: list[QuorumChange] = []
+    left_at: dict[int, float] = {}  # rank -> when an epoch left it out
+    for event in (e for e in events if e.get("kind") == "live_quorum"):
+        epoch, t = _int(event.get("epoch")), _time(event)
+        left, joining = list(event.get("left") or []), list(event.get("joining") or [])
+        for rank in left:
+            left_at[rank] = t
+        lost, rejoin = None, None
+        if left:
+            lost = max((number(e.get("stalled_s")) or 0.0 for e in of_epoch("live_resumed", epoch)), default=None)
+        if joining:
+            lost = max((number(e.get("paused_s")) or 0.0 for e in of_epoch("live_switch", epoch)), default=None)
+            joined = [_time(e) for e in of_epoch("live_joined", epoch)]
+            since = [left_at[r] for r in joining if r in left_at]
+            rejoin = max(joined) - min(since) if joined and since else None
+        step = _int(event.get("step"))
+        if step is None:  # a join: the survivors placed it at the step boundary they switched at
+            step = next((_int(e.get("step")) for e in of_epoch("live_switch", epoch)), None)
+        changes.append(QuorumChange(t, epoch, step, list(event.get("members") or []), left,
+                                    joining, str(event.get("reason", "")), lost, rejoin))
+    return changes
 
 
 def _split_attempts(events: list[dict]) -> list[list[dict]]:

@@ -103,6 +103,12 @@ def render(facts: RunFacts, plots: dict[str, bytes]) -> str:
               f"<code>{_e(f.get('spec'))}</code>"] for f in facts.faults),
             "No fault injected."),
     ]
+    if facts.quorum_changes:
+        sections.insert(2 + len(plots), "<h2>Live recovery: quorum changes</h2>" + _table(
+            ["time", "epoch", "from step", "members", "left", "joining", "reason", "survivors lost", "time to rejoin"],
+            ([_clock(facts, q.time), _e(q.epoch), _e(q.step), _e(q.members), _e(q.left or ""),
+              _e(q.joining or ""), _e(q.reason), _num(q.survivors_lost_s, "{:.3f} s"), _num(q.rejoin_s, "{:.2f} s")]
+             for q in facts.quorum_changes), ""))
     if facts.notes:
         sections.append("<h2>Could not read</h2><ul>" + "".join(f"<li>{_e(n)}</li>" for n in facts.notes) + "</ul>")
     title = f"trainguard report: {facts.run_dir.name}"

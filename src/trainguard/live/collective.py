@@ -1,0 +1,42 @@
+"""Waiting on a collective while watching for the end of its epoch.
+
+A rank blocked in a gloo collective hears about a dead peer only from a socket it shares with it; a
+rank of the ring that has none waits for the whole collective timeout (30 s measured here). So ranks
+wait by polling the work and the store's ``abort/<epoch>`` key, which the lighthouse sets as soon as
+the launcher sees a rank exit and any rank sets when its own collective fails; once it is set, the
+wait raises within ``POLL_S``. The abandoned group cannot be destroyed yet: its destructor joins its
+threads, which wait for the pending operation's timeout (measured: the next step stalled for
+exactly the collective timeout, 30 s, until the worker kept the old groups alive), and ``abort()`` did
+not shorten that wait on gloo; so the worker keeps every retired group until it exits.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+POLL_S = 0.002
+
+
+class EpochAborted(RuntimeError):
+    """The epoch's group is gone: a member died or its collective failed."""
+
+
+def abort_key(epoch: int) -> str:
+    return f"abort/{epoch}"
+
+
+def end_epoch(store: dist.Store, epoch: int) -> None:
+    store.set(abort_key(epoch), "1")
+
+
+def wait(work: dist.Work, store: dist.Store, epoch: int, beat: Callable[[], None]) -> None:
+    """``beat``: this rank's heartbeat, so the lighthouse tells a waiting rank from a hung one."""
+    while not work.is_completed():
+        beat()
+        if store.check([abort_key(epoch)]):
+            raise EpochAborted(f"epoch {epoch} ended while this rank waited in a collective")
+        time.sleep(POLL_S)
+    work.wait()  # raises the collective's own error, if it failed

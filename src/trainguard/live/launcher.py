@@ -1,0 +1,153 @@
+"""Starts a live-recovery run's ranks, hosts its store and lighthouse, kills a rank on request, and
+recovers either live (the replacement alone is started; the others keep their processes) or as today
+(every rank is killed and started again from the newest checkpoint), for the benchmark's comparison.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+from trainguard.events import EventLog
+from trainguard.live.files import checkpoint_path, events_path
+from trainguard.live.lighthouse import Lighthouse
+from trainguard.live.quorum import progress_key, spare_key, spare_ready_key
+
+LIVE, RESTART = "live", "restart"
+
+
+@dataclass(frozen=True)
+class LiveRun:
+    groups: int = 2  # replica groups (HSDP's replicate dimension)
+    group_size: int = 2  # ranks per group (its shard dimension)
+    steps: int = 30
+    micro_batches: int = 8
+    micro_batch_s: float = 0.01  # simulated compute per micro-batch, so survivors pay for extra ones
+    checkpoint_every: int = 10
+    collective_timeout_s: float = 30.0
+    kill_ranks: tuple[int, ...] = ()  # hit these ranks (one, or a whole node's) together once the
+    kill_at_step: int = 0  # first of them has committed this many steps
+    fault: str = "kill"  # "kill": SIGKILL; "stop": SIGSTOP (a hang, or a cut link: alive, silent)
+    hang_s: float = 10.0  # a member silent this long is hung (the lighthouse's heartbeat timeout)
+    # (rank, step): that rank's all-reduce of that step fails after the others' succeeded (a transient
+    # error, no death): the others committed the step, it did not; they undo it and all redo it
+    transient: tuple[int, int] | None = None
+    spares: int = 0  # warm spare processes (torch imported, waiting) that replace dead ranks first
+    recovery: str = LIVE  # or RESTART: today's recovery, every rank started again
+    timeout_s: float = 240.0
+
+    def __post_init__(self) -> None:
+        if self.fault not in ("kill", "stop"):
+            raise ValueError(f"LiveRun.fault={self.fault!r}: expected 'kill' or 'stop'")
+        if self.recovery not in (LIVE, RESTART):
+            raise ValueError(f"LiveRun.recovery={self.recovery!r}: expected {LIVE!r} or {RESTART!r}")
+
+    @property
+    def world(self) -> int:
+        return self.groups * self.group_size
+
+
+@dataclass
+class LiveResult:
+    wall_s: float
+    first_pids: dict[int, int]  # rank -> pid of its first process
+    last_pids: dict[int, int]  # rank -> pid of the process that finished it
+    killed_at: float | None = None  # time.time() of the SIGKILL
+    replaced_at: dict[int, float] = field(default_factory=dict)  # rank -> time.time() of its new start
+    exit_codes: dict[int, int] = field(default_factory=dict)
+
+
+def _spawn(run: LiveRun, rank: int, store_port: int, run_dir: Path, rejoin: bool,
+           spare: int | None = None) -> subprocess.Popen:
+    role = ["--rank", str(rank)] if spare is None else ["--spare", str(spare)]
+    command = [sys.executable, "-m", "trainguard.live.worker", "--store", f"127.0.0.1:{store_port}",
+               *role, "--world", str(run.world), "--steps", str(run.steps), "--run-dir", str(run_dir),
+               "--micro-batches", str(run.micro_batches), "--micro-batch-s", str(run.micro_batch_s),
+               "--checkpoint-every", str(run.checkpoint_every),
+               "--collective-timeout-s", str(run.collective_timeout_s)] + (["--rejoin"] if rejoin else [])
+    if run.transient is not None and run.transient[0] == rank and not rejoin:
+        command += ["--fail-after-reduce", str(run.transient[1])]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.Popen(command, env=env)
+
+
+def _newest_checkpoint(run_dir: Path, steps: int) -> int | None:
+    return next((s for s in range(steps, 0, -1) if checkpoint_path(run_dir, s).exists()), None)
+
+
+def launch(run_dir: Path, run: LiveRun) -> LiveResult:
+    """Runs to the end; raises RuntimeError when a rank fails without being the injected kill."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "checkpoints").mkdir(exist_ok=True)
+    (run_dir / "final").mkdir(exist_ok=True)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    events = EventLog(events_path(run_dir), rank=-1)
+    lighthouse = Lighthouse(store, run.world, run.group_size, events, run.hang_s)
+    began = time.monotonic()
+    procs = {rank: _spawn(run, rank, store.port, run_dir, rejoin=False) for rank in range(run.world)}
+    spares = [(i, _spawn(run, -1, store.port, run_dir, rejoin=True, spare=i)) for i in range(run.spares)]
+    result = LiveResult(0.0, {r: p.pid for r, p in procs.items()}, {})
+    try:
+        while any(p.returncode is None for p in procs.values()):
+            if time.monotonic() - began > run.timeout_s:
+                raise RuntimeError(f"live run did not finish within {run.timeout_s:.0f} s")
+            # the drill's fault waits for the spares to be warm (a spare still starting is a cold one)
+            warm = all(store.check([spare_ready_key(i)]) for i, _ in spares)
+            if run.kill_ranks and result.killed_at is None and warm and _progress(store, run.kill_ranks[0]) >= run.kill_at_step:
+                for rank in run.kill_ranks:
+                    os.kill(procs[rank].pid, signal.SIGKILL if run.fault == "kill" else signal.SIGSTOP)
+                    events.emit("live_kill", step=run.kill_at_step, target=rank, pid=procs[rank].pid,
+                                signal=run.fault)
+                result.killed_at = time.time()
+            for rank, proc in list(procs.items()):
+                code = proc.poll()
+                if code is None or code == 0:
+                    continue
+                if result.killed_at is None or rank not in run.kill_ranks or rank in result.replaced_at:
+                    raise RuntimeError(f"live run: rank {rank} exited with {code}")
+                if run.recovery == LIVE:
+                    result.replaced_at[rank] = time.time()
+                    lighthouse.died(rank)
+                    if spares:
+                        index, procs[rank] = spares.pop(0)
+                        store.set(spare_key(index), str(rank))
+                    else:
+                        procs[rank] = _spawn(run, rank, store.port, run_dir, rejoin=True)
+                    continue
+                # today's recovery: every rank killed and started again, once for all the killed ranks
+                for other in procs.values():
+                    if other.poll() is None:
+                        other.kill()
+                        other.wait()
+                lighthouse.restart(_newest_checkpoint(run_dir, run.steps))
+                result.replaced_at.update({r: time.time() for r in run.kill_ranks})
+                procs = {r: _spawn(run, r, store.port, run_dir, rejoin=False) for r in range(run.world)}
+                break
+            if run.recovery == LIVE:
+                for rank in lighthouse.hung():
+                    procs[rank].kill()  # fenced: SIGKILL reaches a stopped process too; seen as a death next
+                lighthouse.poll()
+            time.sleep(0.005)
+    finally:
+        for proc in [*procs.values(), *(proc for _, proc in spares)]:  # unused spares end here
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        events.close()
+    result.wall_s = time.monotonic() - began
+    result.last_pids = {r: p.pid for r, p in procs.items()}
+    result.exit_codes = {r: p.returncode for r, p in procs.items()}
+    return result
+
+
+def _progress(store: dist.Store, rank: int) -> int:
+    key = progress_key(rank)
+    return int(store.get(key)) if store.check([key]) else 0

@@ -1,0 +1,138 @@
+"""The lighthouse: decides each epoch's quorum from the ranks' reports and the launcher's deaths.
+
+It runs in the launcher's process (the one that outlives every rank and hosts the store), like
+torchft's lighthouse. A replica group is the unit of membership (HSDP's replicate dimension): when
+one of its ranks dies, the whole group leaves the quorum, and it comes back only when every one of its
+ranks (the replacement and the group's survivors) has asked to join.
+
+- Hang (a stopped process, a cut link): a member whose heartbeat counter (``beat/<rank>``, raised
+  while it computes and while it waits) has not moved for ``hang_s`` is reported by :meth:`hung`; the
+  launcher SIGKILLs it (so it cannot come back into a quorum it no longer belongs to) and it is a
+  death from then on.
+- Failure: once every live member of the current epoch has reported its last committed step (each
+  does after its collective fails), the next epoch is the members of the intact groups, starting at
+  the smallest step they committed.
+- Join: once a whole broken group has asked, the next epoch is everyone, with the group's ranks as
+  joiners and the lowest survivor as the state's source; the survivors fix its first step (the
+  boundary after their collective told them all about it).
+- Restart (today's recovery, for the benchmark): every rank is started again, and the epoch resumes
+  from the newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch.distributed as dist
+
+from trainguard.events import EventLog
+from trainguard.live.collective import end_epoch
+from trainguard.live.quorum import Quorum, beat_key, done_key, has, publish, ready_key, report_key
+
+
+LOOKED_AWAY_S = 1.0  # a gap between two looks at the heartbeats longer than this resets every window
+
+
+class Lighthouse:
+    def __init__(self, store: dist.Store, world: int, group_size: int, events: EventLog, hang_s: float):
+        if world % group_size:
+            raise ValueError(f"group_size={group_size} does not divide the world of {world} ranks")
+        self.store, self.world, self.group_size, self.events = store, world, group_size, events
+        self.dead: set[int] = set()
+        self.hang_s = hang_s
+        self.fenced: set[int] = set()  # ranks found hung, killed by the launcher
+        self.last_check = time.monotonic()
+        self.beats: dict[int, tuple[int, float]] = {}  # rank -> (its counter, when the lighthouse saw it move)
+        self.asked = {rank: 0 for rank in range(world)}  # join requests already answered
+        self.broken: set[int] = set()  # replica groups out of the quorum
+        self.quorum = Quorum(0, list(range(world)), 0, "start")
+        publish(store, self.quorum)
+        self._emit(self.quorum)
+
+    def group_of(self, rank: int) -> int:
+        return rank // self.group_size
+
+    def ranks_of(self, group: int) -> list[int]:
+        return list(range(group * self.group_size, (group + 1) * self.group_size))
+
+    def died(self, rank: int) -> None:
+        self.dead.add(rank)
+        self.beats.pop(rank, None)  # its replacement is judged from its own first beat
+
+    def hung(self) -> list[int]:
+        """Members of the current epoch that have beaten before and not for ``hang_s``."""
+        now, silent = time.monotonic(), []
+        if now - self.last_check > LOOKED_AWAY_S:
+            # this process was not scheduled for a while (a loaded machine): it saw nobody's beats in
+            # that time, so it judges nobody on it and starts every member's window again
+            self.beats = {rank: (count, now) for rank, (count, _) in self.beats.items()}
+        self.last_check = now
+        for rank in self.quorum.members:
+            if rank in self.dead or has(self.store, done_key(rank)):
+                continue
+            count = int(self.store.add(beat_key(rank), 0))
+            seen, since = self.beats.get(rank, (0, now))
+            if count != seen:
+                self.beats[rank] = (count, now)
+            elif count and now - since > self.hang_s:
+                silent.append(rank)
+        for rank in silent:
+            self.fenced.add(rank)
+            self.events.emit("live_hung", step=None, target=rank, silent_s=now - self.beats[rank][1])
+            self.beats.pop(rank)
+        return silent
+
+    def poll(self) -> None:
+        quorum = self.quorum
+        reported = {r: int(self.store.get(report_key(quorum.epoch, r)))
+                    for r in quorum.members if has(self.store, report_key(quorum.epoch, r))}
+        failed = self.dead & set(quorum.members)
+        if failed:
+            end_epoch(self.store, quorum.epoch)  # wakes the members blocked in a collective
+        if failed or reported:
+            if set(quorum.members) - self.dead <= set(reported):
+                self._shrink(failed, reported)
+            return
+        for group in sorted(self.broken):
+            ranks = self.ranks_of(group)
+            if all(int(self.store.add(ready_key(r), 0)) > self.asked[r] for r in ranks):
+                self._join(group, ranks)
+                return
+
+    def restart(self, resume_from: int | None) -> Quorum:
+        """Every rank starts again; the new epoch resumes from ``resume_from`` (None: from scratch)."""
+        self.dead.clear()
+        self.quorum = Quorum(self.quorum.epoch + 1, list(range(self.world)), resume_from or 0, "restart",
+                             resume_from=resume_from)
+        publish(self.store, self.quorum)
+        self._emit(self.quorum)
+        return self.quorum
+
+    def _shrink(self, failed: set[int], reported: dict[int, int]) -> None:
+        broken = {self.group_of(r) for r in failed}
+        self.broken |= broken
+        members = [r for r in self.quorum.members if self.group_of(r) not in self.broken]
+        if not members:
+            raise RuntimeError(f"live recovery: no replica group is left intact after ranks {sorted(failed)} died")
+        self.dead -= failed
+        hung = sorted(failed & self.fenced)
+        reason = (f"ranks {sorted(failed)} died" + (f" (hung, fenced: {hung})" if hung else "")) if failed \
+            else "a collective failed"
+        self.quorum = Quorum(self.quorum.epoch + 1, members, min(reported[r] for r in members), reason)
+        publish(self.store, self.quorum)
+        self._emit(self.quorum, left=sorted(r for g in broken for r in self.ranks_of(g)))
+
+    def _join(self, group: int, ranks: list[int]) -> None:
+        self.broken.discard(group)
+        for rank in ranks:
+            self.asked[rank] += 1
+            self.beats.pop(rank, None)  # judged from its next beat, not from before it waited to join
+        members = sorted(set(self.quorum.members) | set(ranks))
+        self.quorum = Quorum(self.quorum.epoch + 1, members, None, f"replica group {group} rejoins",
+                             joining=ranks, source=self.quorum.members[0])
+        publish(self.store, self.quorum)
+        self._emit(self.quorum)
+
+    def _emit(self, quorum: Quorum, left: list[int] | None = None) -> None:
+        self.events.emit("live_quorum", step=quorum.start_step, epoch=quorum.epoch, members=quorum.members,
+                         joining=quorum.joining, left=left or [], reason=quorum.reason)

@@ -1,0 +1,39 @@
+"""A step's gradient that does not depend on how many ranks computed it.
+
+The global batch is a fixed list of micro-batches. Each member of the quorum computes the gradients
+of its share of them (member ``i`` of ``n`` takes micro-batches ``i, i+n, i+2n, ...``), one row per
+micro-batch, zeros in the rows it did not compute. One all-reduce of the ``[micro_batches, P]`` rows
+adds, in each row, one computed value to zeros only, which is exact (``x + 0 == x``; a ``-0.0`` is
+normalised to ``+0.0`` first so the sign of a zero does not depend on the count either). Every rank
+then adds the rows in micro-batch order, on its own CPU, the same way whatever the membership was:
+the sum is bitwise the one of a fault-free run. The cost is ``micro_batches`` gradient-sized rows per
+step instead of one (fine for this drill's model; at scale a fixed reduction tree over the
+micro-batches would replace the gather, see docs/live_recovery.md).
+
+A trailing element carries a flag: the number of ranks that saw a newer epoch in the store, so every
+rank learns from the same collective that the quorum changes at the next step boundary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+
+def my_micro_batches(micro_batches: int, members: int, index: int) -> list[int]:
+    return list(range(index, micro_batches, members))
+
+
+def reduce_rows(group: dist.ProcessGroup, rows: torch.Tensor, flag: int,
+                wait: Callable[[dist.Work], None]) -> tuple[torch.Tensor, int]:
+    """The summed gradient (rows added in index order) and the world's count of raised flags;
+    ``wait`` waits for the all-reduce (``collective.wait`` bound to the epoch)."""
+    flat = torch.cat([(rows + 0.0).flatten(), torch.tensor([float(flag)], dtype=rows.dtype)])
+    wait(group.allreduce([flat]))
+    summed = flat[:-1].view_as(rows)
+    total = summed[0].clone()
+    for row in summed[1:]:
+        total += row
+    return total, int(flat[-1].item())

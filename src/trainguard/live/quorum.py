@@ -1,0 +1,114 @@
+"""The membership of each epoch, agreed through one ``TCPStore`` that the launcher hosts.
+
+A *quorum* (epoch ``e``) is the list of ranks that step together on one gloo process group made for
+that epoch alone (``pg/<e>`` prefix of the store), from ``start_step`` on. Epochs are numbered without
+gaps and every rank walks them in order, so two ranks never disagree about which group a collective
+belongs to. The launcher's :class:`~trainguard.live.lighthouse.Lighthouse` writes the records; ranks
+only read them and write their own reports (``report/<e>/<rank>``: the last step they committed,
+``ready/<rank>``: a count of the times they asked to join).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch.distributed as dist
+
+LATEST = "latest"  # the newest published epoch
+
+
+def epoch_key(epoch: int) -> str:
+    return f"epoch/{epoch}"
+
+
+def report_key(epoch: int, rank: int) -> str:
+    return f"report/{epoch}/{rank}"
+
+
+def ready_key(rank: int) -> str:
+    return f"ready/{rank}"
+
+
+def start_key(epoch: int) -> str:
+    """A join epoch's first step: the survivors choose it (the step boundary after they all saw the
+    epoch) and its source rank writes it for the joiners."""
+    return f"start/{epoch}"
+
+
+def progress_key(rank: int) -> str:
+    return f"progress/{rank}"
+
+
+def spare_key(index: int) -> str:
+    """The rank a warm spare is to replace, set by the launcher when a rank dies."""
+    return f"spare/{index}"
+
+
+def spare_ready_key(index: int) -> str:
+    """Set by a spare once it has imported everything and waits for its rank."""
+    return f"spare_ready/{index}"
+
+
+def done_key(rank: int) -> str:
+    """Set by a rank that has written its final state: it beats no more and is not hung."""
+    return f"done/{rank}"
+
+
+def beat_key(rank: int) -> str:
+    """A counter each rank raises while it computes and while it waits (collectives, the lighthouse):
+    a rank whose counter stops is hung, stopped or cut off."""
+    return f"beat/{rank}"
+
+
+@dataclass(frozen=True)
+class Quorum:
+    epoch: int
+    members: list[int]  # global ranks, ascending: a member's index is its rank in the epoch's group
+    start_step: int | None  # None for a join epoch until the survivors fix it (start_key)
+    reason: str
+    joining: list[int] = field(default_factory=list)  # ranks that receive the state at the start
+    source: int | None = None  # the live member whose state the joiners receive
+    resume_from: int | None = None  # restart mode: the checkpoint step every rank loads
+
+    def index(self, rank: int) -> int:
+        return self.members.index(rank)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: bytes | str) -> Quorum:
+        return cls(**json.loads(text))
+
+
+def publish(store: dist.Store, quorum: Quorum) -> None:
+    store.set(epoch_key(quorum.epoch), quorum.to_json())
+    store.set(LATEST, str(quorum.epoch))
+
+
+def latest_epoch(store: dist.Store) -> int:
+    return int(store.get(LATEST))
+
+
+def read_quorum(store: dist.Store, epoch: int) -> Quorum:
+    return Quorum.from_json(store.get(epoch_key(epoch)))
+
+
+def has(store: dist.Store, key: str) -> bool:
+    return store.check([key])
+
+
+def wait_for(store: dist.Store, key: str, timeout_s: float, beat: Callable[[], None],
+             poll_s: float = 0.005) -> bytes:
+    """The key's value once it exists; polling (not ``store.wait``) so a timeout names the key and the
+    rank keeps beating."""
+    deadline = time.monotonic() + timeout_s
+    while not store.check([key]):
+        beat()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"live recovery: no {key!r} in the store after {timeout_s:.0f} s")
+        time.sleep(poll_s)
+    return store.get(key)

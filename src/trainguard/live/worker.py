@@ -1,0 +1,239 @@
+"""One rank of a live-recovery run: steps with its epoch's quorum, survives a peer's death without
+restarting, and (as a replacement or an excluded survivor) rejoins at a step boundary.
+
+``python -m trainguard.live.worker --store HOST:PORT --rank R ...`` (the launcher starts it).
+
+Each step: compute this member's micro-batches (``ordered_sum``), one all-reduce that also carries
+the "a newer epoch exists" flag, keep the state of before the update (the one step a survivor may
+have to undo, below), apply the update. A failed collective means the epoch is over: the rank reports
+the last step it committed and waits for the lighthouse's next epoch. A member that finished the
+failed step while another did not undoes it (the lighthouse starts the new epoch at the smallest
+committed step); the redone step is bitwise the same, so nothing is counted twice. A rank left out of
+the new epoch (its replica group lost a rank) asks to join and receives the state from a live peer
+when the survivors reach the next step boundary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from trainguard.events import EventLog
+from trainguard.fs.fsio import atomic_write_bytes
+from trainguard.live import collective
+from trainguard.live.ordered_sum import my_micro_batches, reduce_rows
+from trainguard.live.quorum import (Quorum, beat_key, done_key, epoch_key, latest_epoch, progress_key, read_quorum,
+                                    ready_key, report_key, spare_key, spare_ready_key, start_key, wait_for)
+from trainguard.live.transfer import broadcast_state, load_state, state_of
+from trainguard.live.workload import Workload, set_grads
+from trainguard.live.files import checkpoint_path, events_path, final_path, state_bytes
+
+WAIT_S = 120.0  # the longest a rank waits for the lighthouse (a new epoch, a join's start step)
+SPARE_WAIT_S = 24 * 3600.0  # a spare waits as long as a run lasts; the launcher ends it if unused
+BEAT_S = 0.05  # the most often a rank raises its heartbeat counter
+
+
+class LiveWorker:
+    def __init__(self, store: dist.Store, rank: int, world: int, steps: int, run_dir: Path, workload: Workload,
+                 micro_batch_s: float, checkpoint_every: int, collective_timeout_s: float,
+                 fail_after_reduce: int | None = None):
+        self.store, self.rank, self.world, self.steps = store, rank, world, steps
+        self.run_dir, self.workload = run_dir, workload
+        self.micro_batch_s, self.checkpoint_every = micro_batch_s, checkpoint_every
+        self.collective_timeout = timedelta(seconds=collective_timeout_s)
+        self.events = EventLog(events_path(run_dir), rank=rank)
+        self.model, self.optimizer = workload.build()
+        self.quorum: Quorum | None = None
+        self.group: dist.ProcessGroup | None = None
+        self.retired: list[dist.ProcessGroup] = []  # the groups of failed epochs (see collective.py)
+        self.step_index = 0
+        self.previous: tuple[int, dict] | None = None  # (step, state before that step's update)
+        self.last_beat = -BEAT_S
+        # the drill's transient fault: this rank's all-reduce of that step counts as failed once
+        self.fail_after_reduce = fail_after_reduce
+
+    def run(self, rejoin: bool) -> None:
+        self.events.emit("live_start", pid=os.getpid(), rejoin=rejoin)
+        if rejoin:
+            self.join()
+        else:
+            quorum = read_quorum(self.store, latest_epoch(self.store))
+            if quorum.resume_from is not None:
+                state = torch.load(checkpoint_path(self.run_dir, quorum.resume_from), weights_only=True)
+                load_state(self.model, self.optimizer, state)
+            self.enter(quorum, quorum.start_step)
+        while True:
+            if self.step_index >= self.steps:
+                if self.quorum.members == list(range(self.world)):
+                    break
+                self.switch(self.wait_for_join_epoch())  # the replacement joins at the last boundary
+                continue
+            try:
+                self.step()
+            except RuntimeError as error:  # gloo's errors (a peer died, a timeout) and EpochAborted
+                self.recover(error)
+        atomic_write_bytes(final_path(self.run_dir, self.rank), state_bytes(state_of(self.model, self.optimizer)))
+        self.events.emit("live_done", step=self.step_index, epoch=self.quorum.epoch)
+        self.store.set(done_key(self.rank), "1")
+
+    def enter(self, quorum: Quorum, start_step: int) -> None:
+        """Makes this epoch's process group (a fresh store prefix: no state of the old one is reused)."""
+        self.quorum, self.step_index = quorum, start_step
+        prefix = dist.PrefixStore(f"pg/{quorum.epoch}", self.store)
+        self.group = dist.ProcessGroupGloo(prefix, quorum.index(self.rank), len(quorum.members),
+                                          self.collective_timeout)
+
+    def wait(self, work: dist.Work) -> None:
+        collective.wait(work, self.store, self.quorum.epoch, self.beat)
+
+    def beat(self) -> None:
+        now = time.monotonic()
+        if now - self.last_beat >= BEAT_S:
+            self.store.add(beat_key(self.rank), 1)
+            self.last_beat = now
+
+    def step(self) -> None:
+        quorum, step = self.quorum, self.step_index
+        mine = my_micro_batches(self.workload.micro_batches, len(quorum.members), quorum.index(self.rank))
+        rows = None
+        for micro_batch in mine:
+            self.beat()
+            grad = self.workload.micro_batch_grad(self.model, step, micro_batch)
+            if rows is None:
+                rows = torch.zeros(self.workload.micro_batches, grad.numel(), dtype=grad.dtype)
+            rows[micro_batch] = grad
+            time.sleep(self.micro_batch_s)  # the compute time a real micro-batch would take
+        newer = latest_epoch(self.store) > quorum.epoch
+        total, flags = reduce_rows(self.group, rows, int(newer), self.wait)
+        if step == self.fail_after_reduce:
+            self.fail_after_reduce = None
+            raise RuntimeError(f"injected: rank {self.rank}'s collective of step {step} failed after the others' succeeded")
+        self.previous = (step, copy.deepcopy(state_of(self.model, self.optimizer)))
+        set_grads(self.model, total)
+        self.optimizer.step()
+        self.events.emit("live_step", step=step, epoch=quorum.epoch, members=len(quorum.members),
+                         samples=[self.workload.sample_range(step, m) for m in mine])
+        self.step_index = step + 1
+        self.store.set(progress_key(self.rank), str(self.step_index))
+        if self.checkpoint_every and self.step_index % self.checkpoint_every == 0 and quorum.index(self.rank) == 0:
+            atomic_write_bytes(checkpoint_path(self.run_dir, self.step_index),
+                               state_bytes(state_of(self.model, self.optimizer)))
+        if flags:
+            self.switch(quorum.epoch + 1)
+
+    def recover(self, error: RuntimeError) -> None:
+        epoch, committed = self.quorum.epoch, self.step_index
+        failed_at = time.time()
+        collective.end_epoch(self.store, epoch)  # the members still blocked learn it now
+        self.retired.append(self.group)  # destroying it would block until its pending operation times out
+        self.group = None
+        self.store.set(report_key(epoch, self.rank), str(committed))
+        self.events.emit("live_collective_failed", step=committed, epoch=epoch, error=f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
+        quorum = Quorum.from_json(wait_for(self.store, epoch_key(epoch + 1), WAIT_S, self.beat))
+        if self.rank not in quorum.members:
+            self.join()
+            return
+        if quorum.start_step < committed:
+            step, state = self.previous or (None, None)
+            if step != quorum.start_step:
+                raise RuntimeError(f"live recovery: epoch {quorum.epoch} starts at step {quorum.start_step}, "
+                                   f"rank {self.rank} can undo only step {step}")
+            load_state(self.model, self.optimizer, state)
+            self.events.emit("live_undo", step=step, epoch=epoch)
+        self.enter(quorum, quorum.start_step)
+        self.events.emit("live_resumed", step=quorum.start_step, epoch=quorum.epoch,
+                         stalled_s=time.time() - failed_at)
+
+    def wait_for_join_epoch(self) -> int:
+        deadline = time.monotonic() + WAIT_S
+        while latest_epoch(self.store) <= self.quorum.epoch:
+            self.beat()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"live recovery: rank {self.rank} waited {WAIT_S:.0f} s for a replacement")
+            time.sleep(0.005)
+        return self.quorum.epoch + 1
+
+    def switch(self, epoch: int) -> None:
+        """A survivor's side of a join: at this step boundary, the joiners receive the state."""
+        quorum = read_quorum(self.store, epoch)
+        if quorum.source == self.rank:
+            self.store.set(start_key(epoch), str(self.step_index))
+        began = time.time()
+        self.enter(quorum, self.step_index)
+        sent = broadcast_state(self.group, quorum.index(quorum.source), quorum.index(self.rank), self.model,
+                               self.optimizer, self.wait)
+        self.events.emit("live_switch", step=self.step_index, epoch=epoch, state_bytes=sent,
+                         paused_s=time.time() - began)
+
+    def join(self) -> None:
+        """A joiner's side: ask, wait for an epoch that names this rank, receive the state at its start."""
+        asked = time.time()
+        self.store.add(ready_key(self.rank), 1)
+        self.events.emit("live_join_wait", step=None)
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            quorum = read_quorum(self.store, latest_epoch(self.store))
+            if self.rank in quorum.joining:
+                break
+            self.beat()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"live recovery: rank {self.rank} was not let in within {WAIT_S:.0f} s")
+            time.sleep(0.005)
+        start = int(wait_for(self.store, start_key(quorum.epoch), WAIT_S, self.beat))
+        self.enter(quorum, start)
+        received = broadcast_state(self.group, quorum.index(quorum.source), quorum.index(self.rank), self.model,
+                                   self.optimizer, self.wait)
+        self.previous = None
+        self.events.emit("live_joined", step=start, epoch=quorum.epoch, state_bytes=received,
+                         waited_s=time.time() - asked)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m trainguard.live.worker")
+    parser.add_argument("--store", required=True, help="HOST:PORT of the launcher's TCPStore")
+    role = parser.add_mutually_exclusive_group(required=True)
+    role.add_argument("--rank", type=int)
+    role.add_argument("--spare", type=int, help="a warm spare: wait (torch imported) to be told which rank to replace")
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--run-dir", type=Path, required=True)
+    parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--micro-batch-s", type=float, default=0.0)
+    parser.add_argument("--checkpoint-every", type=int, default=0)
+    parser.add_argument("--collective-timeout-s", type=float, default=30.0)
+    parser.add_argument("--rejoin", action="store_true")
+    parser.add_argument("--fail-after-reduce", type=int, help="drill: treat this step's all-reduce as failed here, once")
+    args = parser.parse_args(argv)
+    host, port = args.store.rsplit(":", 1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=WAIT_S))
+    rank, rejoin = args.rank, args.rejoin
+    workload = Workload(micro_batches=args.micro_batches)
+    if args.spare is not None:
+        # warm: torch loads parts of itself at the first optimizer and the first backward (seconds on a
+        # loaded machine), so a spare goes through both once before it says it is ready
+        model, optimizer = workload.build()
+        workload.micro_batch_grad(model, 0, 0)
+        optimizer.step()
+        store.set(spare_ready_key(args.spare), "1")
+        rank, rejoin = int(wait_for(store, spare_key(args.spare), SPARE_WAIT_S, beat=lambda: None)), True
+    LiveWorker(store, rank, args.world, args.steps, args.run_dir, workload,
+               args.micro_batch_s, args.checkpoint_every, args.collective_timeout_s,
+               args.fail_after_reduce).run(rejoin)
+    # Everything is written (events unbuffered, the final state fsynced). A normal exit would destroy
+    # the retired groups, whose threads wait for their abandoned operation's timeout (collective.py).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""Live recovery (issue 23): 4 gloo ranks in 2 replica groups x 2, one SIGKILLed mid-run; the others
+keep their processes, the replacement rejoins, and the end state is bitwise the fault-free run's.
+The runs are the ones ``trainguard demo --live`` makes; every claim is checked here again from files."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from collections import defaultdict
+
+import pytest
+
+from trainguard.demo.live import FAILING
+from trainguard.events.log import read_events
+from trainguard.live.compare import bitwise_differences, load_final
+from trainguard.live.files import events_path, final_path
+from trainguard.live.launcher import launch
+from trainguard.live.samples import sample_problems
+from trainguard.live.workload import Workload
+from trainguard.report import read_run
+
+STEPS, WORLD, KILLED = FAILING.steps, FAILING.world, 3
+SRC = os.path.join(os.path.dirname(__file__), "..", "..", "src")
+
+
+@pytest.fixture(scope="module")
+def drill(tmp_path_factory):
+    root = tmp_path_factory.mktemp("live")
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(SRC), OMP_NUM_THREADS="1", COLUMNS="200")
+    done = subprocess.run([sys.executable, "-m", "trainguard", "demo", "--live", "--out", str(root)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    return root, done
+
+
+def _events(run_dir):
+    return list(read_events(events_path(run_dir)))
+
+
+def test_the_live_drill_passes_and_says_so(drill):
+    root, done = drill
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "live drill passed" in done.stdout and "quorum changes" in done.stdout
+    assert (root / "failed" / "report.html").is_file()
+
+
+def test_survivors_keep_their_processes_and_the_replacement_is_new(drill):
+    root, _ = drill
+    pids = defaultdict(list)
+    for event in _events(root / "failed"):
+        if event["kind"] == "live_start":
+            pids[event["rank"]].append((event["pid"], event["rejoin"]))
+    for rank in range(WORLD):
+        if rank == KILLED:
+            (first, rejoin_first), (second, rejoin_second) = pids[rank]  # the second: the warm spare
+            assert first != second and not rejoin_first and rejoin_second
+        else:
+            assert len(pids[rank]) == 1, pids[rank]
+    kill = next(e for e in _events(root / "failed") if e["kind"] == "live_kill")
+    assert kill["pid"] == pids[KILLED][0][0]
+
+
+def test_quorum_shrinks_to_the_intact_group_then_the_broken_group_rejoins(drill):
+    root, _ = drill
+    events = _events(root / "failed")
+    quorums = [e for e in events if e["kind"] == "live_quorum"]
+    assert [q["members"] for q in quorums] == [[0, 1, 2, 3], [0, 1], [0, 1, 2, 3]]
+    assert quorums[1]["left"] == [2, 3] and quorums[2]["joining"] == [2, 3]
+    joined = {e["rank"]: e for e in events if e["kind"] == "live_joined"}
+    assert sorted(joined) == [2, 3] and {e["epoch"] for e in joined.values()} == {2}
+    # the warm spare took rank 3's place at once: the group rejoined while the survivors were stepping
+    assert 10 < joined[3]["step"] < STEPS
+    # the survivors stepped on their own, computing the missing group's micro-batches
+    degraded = [e for e in events if e["kind"] == "live_step" and e["members"] == 2]
+    assert degraded and {e["rank"] for e in degraded} == {0, 1}
+    assert all(len(e["samples"]) == Workload().micro_batches // 2 for e in degraded)
+
+
+def test_final_parameters_and_optimizer_state_are_bitwise_the_fault_free_ones(drill):
+    root, _ = drill
+    reference = load_final(final_path(root / "clean", 0))
+    for rank in range(WORLD):
+        assert bitwise_differences(load_final(final_path(root / "clean", rank)), reference) == []
+        assert bitwise_differences(load_final(final_path(root / "failed", rank)), reference) == [], rank
+    assert reference["optimizer"]["state"][0]["step"].item() == STEPS
+
+
+def test_no_sample_lost_or_repeated(drill):
+    root, _ = drill
+    per_step = Workload().samples_per_step
+    for name in ("clean", "failed"):
+        assert sample_problems(_events(root / name), STEPS, per_step) == [], name
+
+
+def test_the_sample_check_sees_a_lost_and_a_repeated_micro_batch(drill):
+    root, _ = drill
+    events = [e for e in _events(root / "failed") if e["kind"] == "live_step"]
+    per_step = Workload().samples_per_step
+    lost = [e for e in events if not (e["step"] == 12 and e["rank"] == 0)]
+    assert any("lost" in p for p in sample_problems(lost, STEPS, per_step))
+    repeated = events + [next(e for e in events if e["step"] == 12)]
+    assert any("repeated" in p for p in sample_problems(repeated, STEPS, per_step))
+
+
+def test_the_report_shows_the_quorum_changes_and_their_costs(drill):
+    root, _ = drill
+    facts = read_run(root / "failed")
+    shrink, join = facts.quorum_changes[1:]
+    assert shrink.left == [2, 3] and shrink.step == 10 and shrink.survivors_lost_s is not None
+    assert join.joining == [2, 3] and join.step is not None and join.step > 10
+    assert join.rejoin_s is not None and join.rejoin_s > 0
+    page = (root / "failed" / "report.html").read_text()
+    assert "Live recovery: quorum changes" in page and "replica group 1 rejoins" in page
+
+
+def test_a_node_cut_off_is_found_silent_fenced_and_replaced_bitwise(drill, tmp_path):
+    """Both ranks of replica group 0 (its node) stopped together (SIGSTOP: alive, sockets open, silent,
+    as behind a cut link): no collective fails until the lighthouse finds them silent for ``hang_s``,
+    has them killed, and group 1 carries on alone as the source of the state; same end state."""
+    root, _ = drill
+    run = dataclasses.replace(FAILING, kill_ranks=(0, 1), fault="stop", hang_s=5.0, spares=0)  # cold replacements
+    result = launch(tmp_path / "node", run)
+    assert [result.last_pids[r] == result.first_pids[r] for r in range(WORLD)] == [False, False, True, True]
+    events = _events(tmp_path / "node")
+    assert sorted(e["target"] for e in events if e["kind"] == "live_hung") == [0, 1]
+    quorums = [e for e in events if e["kind"] == "live_quorum"]
+    assert [q["members"] for q in quorums] == [[0, 1, 2, 3], [2, 3], [0, 1, 2, 3]]
+    assert "hung, fenced" in quorums[1]["reason"]
+    assert {e["rank"] for e in events if e["kind"] == "live_joined"} == {0, 1}
+    reference = load_final(final_path(root / "clean", 0))
+    for rank in range(WORLD):
+        assert bitwise_differences(load_final(final_path(tmp_path / "node", rank)), reference) == [], rank
+    assert sample_problems(events, STEPS, Workload().samples_per_step) == []
+
+
+def test_a_transient_failure_is_undone_and_redone_bitwise_on_another_layout(drill, tmp_path):
+    """2 replica groups of 1 rank. Rank 0's all-reduce of step 20 fails after rank 1's succeeded: rank 1
+    committed step 20, rank 0 did not. Nobody died, so the next epoch keeps both, from step 20; rank 1
+    undoes its step 20 and both redo it. The end state equals the 4-rank fault-free run's bit for bit
+    (the gradient does not depend on the layout either)."""
+    root, _ = drill
+    run = dataclasses.replace(FAILING, groups=2, group_size=1, kill_ranks=(), spares=0, transient=(0, 20))
+    result = launch(tmp_path / "transient", run)
+    assert result.last_pids == result.first_pids
+    events = _events(tmp_path / "transient")
+    quorums = [e for e in events if e["kind"] == "live_quorum"]
+    assert [(q["members"], q["step"], q["reason"]) for q in quorums] == [
+        ([0, 1], 0, "start"), ([0, 1], 20, "a collective failed")]
+    assert [(e["rank"], e["step"]) for e in events if e["kind"] == "live_undo"] == [(1, 20)]
+    reference = load_final(final_path(root / "clean", 0))
+    for rank in range(2):
+        assert bitwise_differences(load_final(final_path(tmp_path / "transient", rank)), reference) == [], rank
+    assert sample_problems(events, STEPS, Workload().samples_per_step) == []

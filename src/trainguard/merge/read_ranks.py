@@ -1,19 +1,18 @@
 """Per-rank checkpoints as pieces: trainguard local checkpoints and verl's FSDP checkpoints.
 
 Both are ``model_world_size_W_rank_R.pt`` (+ ``optim_...``, ``extra_state_...``) and
-``fsdp_config.json``. trainguard's local tier stores plain local tensors and describes the layout in
-``fsdp_config.json`` (``mesh_shape``, ``params: {fqn: {shape, dtype, placements}}``); verl stores
-DTensors, whose pickled mesh and placements describe themselves; plain tensors in a verl file mean a
-1-D mesh sharded on dim 0. Files are loaded with ``weights_only=True`` (DTensor classes allow-listed
-explicitly) and memory-mapped, once each, so reading one tensor touches only its pages; the pages read
+``fsdp_config.json``. trainguard's local tier describes the layout of the whole mesh in
+``fsdp_config.json`` (``mesh_shape``, ``params: {fqn: {shape, dtype, placements}}``), which is what is
+read here (its model files hold DTensors over verl's mesh names too, for verl's own merger); verl's
+files are read by their DTensors, whose pickled mesh and placements describe themselves; plain tensors
+in a verl file mean a 1-D mesh sharded on dim 0. Files are loaded with ``weights_only=True`` (DTensor
+classes allow-listed explicitly) and memory-mapped, once each, so reading one tensor touches only its pages; the pages read
 are given back after every ``_MAPPED_BUDGET`` bytes, which keeps the resident set bounded.
 """
 
 from __future__ import annotations
 
 import json
-import logging
-import pickle
 import re
 import threading
 from dataclasses import dataclass
@@ -22,7 +21,8 @@ from typing import Any
 
 import torch
 
-from trainguard.errors import CheckpointError, UnsafeCheckpointError
+from trainguard.checkpoint.safe_load import safe_torch_load
+from trainguard.errors import CheckpointError
 from trainguard.merge import mapped_pages
 from trainguard.merge.pieces import CheckpointContents, Piece, ShardedTensor
 from trainguard.merge.placement import Placement, coordinate, local_block, parse_placement, placement_of, SHARD
@@ -31,41 +31,6 @@ from trainguard.topology.group_info import GROUP_INFO_NAME, read_group_info
 FSDP_CONFIG = "fsdp_config.json"
 _RANK_FILE = re.compile(r"(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt")
 _MAPPED_BUDGET = 64 << 20
-
-
-def _dtensor_classes() -> list[type]:
-    """What a pickled DTensor names besides plain tensors: the class, its spec and mesh, the placements."""
-    from torch.distributed import _mesh_layout
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
-
-    return [DTensor, DTensorSpec, TensorMeta, DeviceMesh, _mesh_layout._MeshLayout, _mesh_layout._FlatLayout,
-            Shard, _StridedShard, Replicate, Partial]
-
-
-def load_rank_file(path: Path, mmap: bool = True) -> Any:
-    """``torch.load(weights_only=True)`` with the DTensor classes allowed; nothing else can run.
-    ``torch.distributed.tensor`` (most of a second to import) is imported only for files that name it."""
-    mesh_log = logging.getLogger("torch.distributed.device_mesh")
-    level = mesh_log.level
-    mesh_log.setLevel(logging.ERROR)  # "unpickling of the DeviceMesh before the PGs were created": expected
-    try:
-        named = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-        allowed = _dtensor_classes() if any(g.startswith("torch.distributed.") for g in named) else []
-        with torch.serialization.safe_globals(allowed):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError as exc:
-        offender = re.search(r"GLOBAL ([\w.]+)", str(exc))
-        raise UnsafeCheckpointError(f"refusing to load {path}: it contains pickled code/objects that weights_only "
-                                    f"loading does not allow{f' ({offender.group(1)})' if offender else ''}") from None
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing") from None
-    except (RuntimeError, KeyError, EOFError, ValueError, OSError) as exc:
-        raise CheckpointError(f"cannot load {path}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}") from None
-    finally:
-        mesh_log.setLevel(level)
 
 
 def flatten(state: Any, prefix: str = "") -> dict[str, Any]:
@@ -97,7 +62,7 @@ class _MappedFiles:
         with self._lock:
             content = self._files.get(path)
             if content is None:
-                content = self._files[path] = flatten(load_rank_file(path))
+                content = self._files[path] = flatten(safe_torch_load(path, mmap=True))
                 self._mappings += mapped_pages.private_read_mappings(path)
             return content
 
@@ -239,6 +204,8 @@ def _add_local_file(builder: _Builder, prefix: str, path: Path, rank: int, conte
         if not isinstance(value, torch.Tensor):
             objects[prefix + key] = value
             continue
+        if hasattr(value, "to_local"):  # a DTensor (model files): its local shard is what is placed
+            value = value.to_local()
         local_shape = tuple(value.shape)
         fqn = key if prefix == "model." else _optimizer_param(key)
         if fqn in params and value.dim() > 0:

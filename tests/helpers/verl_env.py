@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 
 VERL_VERSION = "0.9.1"
-# verl itself plus the pure-Python packages its import of ``verl.model_merger`` and
-# ``verl.utils.checkpoint`` reaches that the project's environment lacks (torch, transformers,
-# accelerate, numpy... come from the environment; --no-deps keeps pip from replacing them).
+# verl itself plus what its imports of ``verl.model_merger`` and ``verl.utils.checkpoint`` reach that
+# the project's environment lacks (torch, transformers, accelerate, numpy... come from the environment;
+# --no-deps keeps pip from replacing them).
 PACKAGES = (f"verl=={VERL_VERSION}", "ray", "tensordict==0.10.0", "codetiming", "hydra-core", "omegaconf==2.3.1",
-            "antlr4-python3-runtime==4.9.3", "msgpack", "pyvers", "cloudpickle")
-CACHE = Path(tempfile.gettempdir()) / f"trainguard-test-verl-{VERL_VERSION}"
+            "antlr4-python3-runtime==4.9.3", "msgpack", "pyvers", "cloudpickle", "peft", "datasets", "pyarrow",
+            "pandas", "dill", "multiprocess", "pytz", "tzdata", "orjson")
+CACHE = Path(tempfile.gettempdir()) / f"trainguard-test-verl-{VERL_VERSION}-2"  # -2: the package list above
 _READY = ".installed"
 
 

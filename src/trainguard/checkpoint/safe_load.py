@@ -7,6 +7,7 @@ unpickler that resolves only the classes DCP actually writes into it.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import pickle
 import re
@@ -59,8 +60,25 @@ def _dtensor_classes() -> list[type]:
             _mesh_layout._FlatLayout, Shard, _StridedShard, Replicate, Partial]
 
 
+def _numpy_array_classes() -> list[Any]:
+    """What a pickled numpy RNG state names (verl's extra state holds ``np.random.get_state()``: a uint32
+    array): ``_reconstruct`` makes an empty array of the class it is given, and only ``ndarray`` is
+    allowed; the array's bytes are data, and its dtype may only be uint32 (an object array, whose
+    elements could name anything, is refused by its dtype class)."""
+    import numpy
+
+    allowed: list[Any] = [numpy.ndarray, numpy.dtype, type(numpy.dtype(numpy.uint32))]
+    for module in ("numpy._core.multiarray", "numpy.core.multiarray"):  # numpy 2, numpy 1 files
+        try:
+            allowed.append((importlib.import_module(module)._reconstruct, f"{module}._reconstruct"))
+        except (ImportError, AttributeError):
+            pass
+    return allowed
+
+
 def safe_torch_load(path: PathLike, *, mmap: bool = False) -> Any:
-    """``torch.load`` to CPU with ``weights_only=True`` (DTensors allowed: their classes hold data only);
+    """``torch.load`` to CPU with ``weights_only=True`` (DTensors and numpy arrays allowed: their classes
+    hold data only);
     a file that would need to run code is refused with ``UnsafeCheckpointError``, an unreadable one with
     ``CheckpointError``, both naming it. ``torch.distributed.tensor`` (most of a second to import) is
     imported only for files that name it."""
@@ -70,6 +88,8 @@ def safe_torch_load(path: PathLike, *, mmap: bool = False) -> Any:
     try:
         named = torch.serialization.get_unsafe_globals_in_checkpoint(path)
         allowed = _dtensor_classes() if any(g.startswith("torch.distributed.") for g in named) else []
+        if any(g.startswith("numpy.") for g in named):
+            allowed += _numpy_array_classes()
         with torch.serialization.safe_globals(allowed):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:

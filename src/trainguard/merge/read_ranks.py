@@ -17,6 +17,7 @@ import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -51,8 +52,10 @@ class _MappedFiles:
     """Memory-mapped rank files, each loaded once; after every ``budget`` bytes handed out, the pages
     read so far are given back (``mapped_pages``), which keeps the resident set bounded."""
 
-    def __init__(self, budget: int = _MAPPED_BUDGET):
+    def __init__(self, budget: int = _MAPPED_BUDGET, param_order: Callable[[], list[str]] | None = None):
         self._budget = budget
+        self._param_order = param_order
+        self._names: list[str] | None = None
         self._files: dict[Path, dict[str, Any]] = {}
         self._mappings: list[tuple[int, int]] = []
         self._read = 0
@@ -62,9 +65,19 @@ class _MappedFiles:
         with self._lock:
             content = self._files.get(path)
             if content is None:
-                content = self._files[path] = flatten(safe_torch_load(path, mmap=True))
+                content = self._files[path] = flatten(self._by_name(safe_torch_load(path, mmap=True), path))
                 self._mappings += mapped_pages.private_read_mappings(path)
             return content
+
+    def _by_name(self, state: Any, path: Path) -> Any:
+        if not _index_keyed(state):
+            return state
+        if self._param_order is None:
+            raise CheckpointError(f"{path}: optimizer state keyed by parameter index; naming it needs the "
+                                  "model's parameter order (its huggingface/config.json)")
+        if self._names is None:
+            self._names = self._param_order()
+        return optimizer_by_name(state, self._names, path)
 
     def tensor(self, path: Path, key: str) -> torch.Tensor:
         value = self.content(path).get(key)
@@ -271,8 +284,36 @@ def _add_plain_tensors(builder: _Builder, paths: dict[str, list[Path]], plain: d
             builder.add(key, shape, first.dtype, block, paths[key][rank], key.split(".", 1)[1], tuple(local.shape))
 
 
-def open_rank_checkpoint(directory: Path, include_optimizer: bool = False) -> CheckpointContents:
-    """A per-rank checkpoint (trainguard local or verl FSDP) as pieces, every rank's file checked."""
+def _index_keyed(state: Any) -> bool:
+    return (isinstance(state, dict) and set(state) == {"state", "param_groups"}
+            and isinstance(state["param_groups"], list) and all(isinstance(k, int) for k in state["state"]))
+
+
+def optimizer_by_name(state: dict[str, Any], names: list[str], path: Path) -> dict[str, Any]:
+    """verl's optimizer files are ``optimizer.state_dict()``: the state and the param groups' ``params``
+    keyed by each parameter's index in the model's parameter order (``model.parameters()``, a tied
+    weight once). Returned under the durable tier's keys: ``state.<fqn>.<exp_avg|exp_avg_sq|step>``,
+    ``param_groups.<fqn>.<hyperparameter>``."""
+    indices = [index for group in state["param_groups"] for index in group.get("params", [])]
+    if sorted(indices) != list(range(len(names))):
+        raise CheckpointError(f"{path}: the optimizer's param groups list {len(indices)} parameters, the model "
+                              f"of huggingface/config.json has {len(names)}: not this model's optimizer")
+    named: dict[str, Any] = {}
+    for index, entry in state["state"].items():
+        if index not in indices or not isinstance(entry, dict):
+            raise CheckpointError(f"{path}: optimizer state for parameter index {index!r}, which no param group lists")
+        named.update({f"state.{names[index]}.{key}": value for key, value in entry.items()})
+    for group in state["param_groups"]:
+        settings = {key: value for key, value in group.items() if key != "params"}
+        for index in group["params"]:
+            named.update({f"param_groups.{names[index]}.{key}": value for key, value in settings.items()})
+    return named
+
+
+def open_rank_checkpoint(directory: Path, include_optimizer: bool = False,
+                         param_order: Callable[[], list[str]] | None = None) -> CheckpointContents:
+    """A per-rank checkpoint (trainguard local or verl FSDP) as pieces, every rank's file checked.
+    ``param_order`` gives the model's parameter names in order, for optimizer files keyed by index."""
     files = find_rank_files(directory)
     config = read_fsdp_config(directory)
     world = files.world_size
@@ -282,7 +323,7 @@ def open_rank_checkpoint(directory: Path, include_optimizer: bool = False) -> Ch
     local_layout = None
     if config is not None and "params" in config:
         local_layout = _layout_from_config(directory / FSDP_CONFIG, config, world)
-    mapped = _MappedFiles()
+    mapped = _MappedFiles(param_order=param_order)
     builder = _Builder(mapped)
     objects: dict[str, Any] = {}
     plain: dict[str, list] = {}

@@ -1,6 +1,6 @@
 """verl's own tools on trainguard's checkpoints: verl 0.9.1's FSDP model merger (``python -m
 verl.model_merger merge --backend fsdp``, installed without its GPU dependencies, see
-helpers/verl_env.py) on a step of the local tier, FSDP and HSDP, gives every tensor that
+helpers/verl_env.py) on a step of the local tier, FSDP and HSDP (Llama) and FSDP (Qwen2), gives every tensor that
 ``trainguard ckpt merge`` gives (verl writes bfloat16: compared with ours cast the same way)."""
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from helpers.verl_env import VERL_MERGE, run_in_verl
 
 FSDP = ["--save-interval", "0", "--set", "checkpoint.local_interval=2"]
 HSDP = FSDP + ["--set", "parallel.dp_replicate=2", "--set", "parallel.ranks_per_node=2"]
+QWEN2 = ["--set", "model.preset=qwen2-micro"]
+ARCHITECTURES = {"fsdp": "LlamaForCausalLM", "hsdp": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 def _merged(directory: Path) -> dict[str, torch.Tensor]:
@@ -29,11 +31,10 @@ def _merged(directory: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("verl")
-    steps = {"fsdp": root / "fsdp" / "local" / "node0" / "global_step_4",
-             "hsdp": root / "hsdp" / "local" / "node0" / "global_step_4"}  # node 0: ranks 0, 1 (verl reads those)
-    ok(train(root / "fsdp", 2, 4, *FSDP))
-    ok(train(root / "hsdp", 4, 4, *HSDP))
-    return steps
+    for name, nproc, extra in (("fsdp", 2, FSDP), ("hsdp", 4, HSDP), ("qwen2", 2, FSDP + QWEN2)):
+        ok(train(root / name, nproc, 4, *extra))
+    # HSDP: node 0's step holds ranks 0 and 1, the ranks verl reads (one replica)
+    return {name: root / name / "local" / "node0" / "global_step_4" for name in ("fsdp", "hsdp", "qwen2")}
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,7 @@ def verl_merged(runs, tmp_path_factory) -> dict[str, Path]:
     return targets
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "hsdp"])
+@pytest.mark.parametrize("layout", ["fsdp", "hsdp", "qwen2"])
 def test_verl_merger_reads_a_local_step_as_trainguard_merges_it(runs, verl_merged, layout, tmp_path):
     step = runs[layout]
     ours = tmp_path / "ours"
@@ -59,6 +60,6 @@ def test_verl_merger_reads_a_local_step_as_trainguard_merges_it(runs, verl_merge
         assert theirs[key].dtype == torch.bfloat16 and torch.equal(theirs[key], tensor.to(torch.bfloat16)), key
     from transformers import AutoConfig, AutoTokenizer
 
-    assert AutoConfig.from_pretrained(verl_merged[layout]).architectures == ["LlamaForCausalLM"]
+    assert AutoConfig.from_pretrained(verl_merged[layout]).architectures == [ARCHITECTURES[layout]]
     tokenizer = AutoTokenizer.from_pretrained(verl_merged[layout])  # the step's byte tokenizer, via tokenizer.json
     assert tokenizer.encode("héllo", add_special_tokens=False) == list("héllo".encode())

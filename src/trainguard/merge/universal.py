@@ -47,6 +47,7 @@ from trainguard.merge.pieces import CheckpointContents, read_piece
 from trainguard.merge.read_ranks import rank_file_dirs
 from trainguard.merge.source import open_checkpoint
 from trainguard.merge.target import check_target, staged_directory
+from trainguard.merge.verl_state import is_verl_extra_state, trainguard_extra_state
 
 FORMATS = ("dcp", "universal")
 UNIVERSAL_INDEX = "universal.json"
@@ -174,6 +175,16 @@ def _source_step(source: Path, contents: CheckpointContents, extra_files: list[P
     return step, {"step": step}
 
 
+def _copy_extra_state(source: Path, target: Path, step: int) -> None:
+    """trainguard's extra state as it is; verl's in trainguard's form (verl_state), so the step resumes."""
+    state = safe_torch_load(source)
+    if not is_verl_extra_state(state):
+        shutil.copy2(source, target)
+        return
+    world_size, rank = (int(n) for n in re.findall(r"\d+", source.name))
+    torch.save(trainguard_extra_state(state, step=step, rank=rank, world_size=world_size), target)
+
+
 def convert_checkpoint(source: Path, target: Path, fmt: str, *, force: bool = False,
                        progress: Callable[[int, str], Callable[[int], None]] | None = None) -> Path:
     source, target = Path(source), Path(target)
@@ -205,7 +216,7 @@ def convert_checkpoint(source: Path, target: Path, fmt: str, *, force: bool = Fa
         if index:
             (staging / UNIVERSAL_INDEX).write_text(json.dumps(index, indent=2) + "\n")
         for path in extra_files:
-            shutil.copy2(path, staging / path.name)
+            _copy_extra_state(path, staging / path.name, step)
         hf_dir = hf_dir_of(source)
         if hf_dir.is_dir():
             shutil.copytree(hf_dir, staging / HF_DIR)

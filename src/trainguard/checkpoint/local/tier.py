@@ -115,7 +115,7 @@ class LocalTier:
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              extra_state: dict[str, Any]) -> SavedStep:
         """Writes this rank's state of ``step``; the only communication is the small extra state
-        going to the buddy, before anything is written."""
+        going to the buddy, before anything is written, and a barrier after (for the tracker)."""
         self.wait()
         extra = io.BytesIO()
         torch.save(extra_state, extra)

@@ -10,7 +10,10 @@ import pytest
 import torch
 
 from helpers.runs import assert_same_tensors, events, ok, read_json, train, trainguard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
 from trainguard.checkpoint.checksum import file_checksum
+from trainguard.checkpoint.safe_load import safe_torch_load
 from trainguard.fs.layout import model_shard_name, optim_shard_name
 from trainguard.faults.spec import parse_faults
 from trainguard.topology import restore_group_info_list
@@ -64,8 +67,16 @@ def test_local_files_use_verl_names_and_group_info(undisturbed):
     assert sorted(p.name for p in node_dir(undisturbed, 0).glob("global_step_*")) == ["global_step_6", "global_step_8"]
     assert restore_group_info_list(node_dir(undisturbed, 0)) == [0, 2]
     assert restore_group_info_list(node_dir(undisturbed, 1) / "group_info.json", rank=3) == [1, 3]
-    model = torch.load(rank_file(undisturbed, 8, 0, "model"), weights_only=True)
-    assert all(isinstance(v, torch.Tensor) for v in model.values())
+    # verl's layout: each step self-contained (huggingface/ inside), the tracker beside the steps, and the
+    # model files hold DTensors over verl's mesh names ("ddp", "fsdp"), loadable with weights_only=True
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in (step_dir / "huggingface").iterdir()}
+    assert (node_dir(undisturbed, 1) / "global_step_8" / "huggingface" / "config.json").is_file()
+    assert (node_dir(undisturbed, 0) / "latest_checkpointed_iteration.txt").read_text() == "8\n"
+    model = safe_torch_load(rank_file(undisturbed, 8, 0, "model"))
+    embed = model["model.embed_tokens.weight"]
+    assert isinstance(embed, DTensor) and embed.device_mesh.mesh_dim_names == ("ddp", "fsdp")
+    assert embed.device_mesh.mesh.tolist() == [[0, 1], [2, 3]] and embed.placements == (Replicate(), Shard(0))
+    assert embed.to_local().shape[0] * 2 == embed.shape[0]
 
 
 def test_group_members_hold_identical_shards_and_others_differ(undisturbed):
@@ -73,9 +84,8 @@ def test_group_members_hold_identical_shards_and_others_differ(undisturbed):
         sums = {rank: file_checksum(rank_file(undisturbed, 8, rank, kind)) for rank in range(4)}
         assert sums[0] == sums[2] and sums[1] == sums[3], kind
         assert sums[0] != sums[1], kind
-    a = torch.load(rank_file(undisturbed, 8, 0, "model"), weights_only=True)
-    b = torch.load(rank_file(undisturbed, 8, 2, "model"), weights_only=True)
-    c = torch.load(rank_file(undisturbed, 8, 1, "model"), weights_only=True)
+    a, b, c = ({k: v.to_local() for k, v in safe_torch_load(rank_file(undisturbed, 8, rank, "model")).items()}
+               for rank in (0, 2, 1))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert any(not torch.equal(a[k], c[k]) for k in a if a[k].shape == c[k].shape)
 
@@ -101,6 +111,8 @@ def test_wiped_node_recovers_online_and_matches_bitwise(undisturbed, wiped):
     assert all(e["bytes"] > 0 and e["seconds"] > 0 for e in received.values())
     started = events(wiped, "run_started")[-1]
     assert started["step"] == 4 and started.get("tier") == "local"
+    assert (node_dir(wiped, 1) / "global_step_8" / "huggingface" / "config.json").is_file()
+    assert (node_dir(wiped, 1) / "latest_checkpointed_iteration.txt").read_text() == "8\n"
     assert assert_same_tensors(undisturbed / "checkpoints" / "global_step_8", wiped / "checkpoints" / "global_step_8") > 0
 
 
@@ -127,6 +139,25 @@ def test_offline_repair_restores_byte_identical_files(undisturbed, local_copy):
     assert repaired and repaired[-1]["bytes"] > 0 and repaired[-1]["files"] == 2
     again = ok(trainguard("ckpt", "repair", str(local_copy)))
     assert "REPAIRED" not in again.stdout
+
+
+def test_repair_rebuilds_a_wiped_node_whole_and_it_merges(undisturbed, local_copy, tmp_path):
+    shutil.rmtree(node_dir(local_copy, 1))
+    result = ok(trainguard("ckpt", "repair", str(local_copy / "local" / "node0")))
+    assert "OK global_step_8" in result.stdout
+    rebuilt = node_dir(local_copy, 1)
+    info, original = read_json(rebuilt / "group_info.json"), read_json(node_dir(undisturbed, 1) / "group_info.json")
+    assert info["rank_dirs"] == {str(r): str(node_dir(local_copy, r // 2).resolve()) for r in range(4)}
+    assert {k: v for k, v in info.items() if k != "rank_dirs"} == {k: v for k, v in original.items() if k != "rank_dirs"}
+    assert (rebuilt / "latest_checkpointed_iteration.txt").read_text() == "8\n"
+    for step in (6, 8):
+        for name in ("config.json", "tokenizer.json"):
+            assert ((rebuilt / f"global_step_{step}" / "huggingface" / name).read_bytes()
+                    == (node_dir(undisturbed, 1) / f"global_step_{step}" / "huggingface" / name).read_bytes())
+    # a merge given the rebuilt node's step finds every rank (the other node's through group_info.json)
+    ok(trainguard("ckpt", "merge", "--local_dir", str(rebuilt / "global_step_8"), "--target_dir", str(tmp_path / "hf"),
+                  "--dtype", "fp32"))
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
 
 
 def test_lost_group_exits_1_and_resume_falls_back_to_durable(local_copy):

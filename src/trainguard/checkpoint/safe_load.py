@@ -7,6 +7,8 @@ unpickler that resolves only the classes DCP actually writes into it.
 
 from __future__ import annotations
 
+import importlib
+import logging
 import pickle
 import re
 from pathlib import Path
@@ -45,11 +47,51 @@ _DCP_METADATA_CLASSES: dict[str, frozenset[str]] = {
 _UNSUPPORTED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 
 
-def safe_torch_load(path: PathLike) -> Any:
-    """``torch.load`` to CPU with ``weights_only=True``; a file that would need to run code is refused
-    with ``UnsafeCheckpointError``, an unreadable one with ``CheckpointError``, both naming it."""
+def _dtensor_classes() -> list[type]:
+    """What a pickled DTensor names besides plain tensors: the class, its spec and mesh, the placements
+    (verl's rank files and the local tier's hold DTensors). Plain data classes: nothing runs code."""
+    from torch.distributed import _mesh_layout
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry, TensorMeta
+    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
+
+    return [DTensor, DTensorSpec, TensorMeta, ShardOrderEntry, DeviceMesh, _mesh_layout._MeshLayout,
+            _mesh_layout._FlatLayout, Shard, _StridedShard, Replicate, Partial]
+
+
+def _numpy_array_classes() -> list[Any]:
+    """What a pickled numpy RNG state names (verl's extra state holds ``np.random.get_state()``: a uint32
+    array): ``_reconstruct`` makes an empty array of the class it is given, and only ``ndarray`` is
+    allowed; the array's bytes are data, and its dtype may only be uint32 (an object array, whose
+    elements could name anything, is refused by its dtype class)."""
+    import numpy
+
+    allowed: list[Any] = [numpy.ndarray, numpy.dtype, type(numpy.dtype(numpy.uint32))]
+    for module in ("numpy._core.multiarray", "numpy.core.multiarray"):  # numpy 2, numpy 1 files
+        try:
+            allowed.append((importlib.import_module(module)._reconstruct, f"{module}._reconstruct"))
+        except (ImportError, AttributeError):
+            pass
+    return allowed
+
+
+def safe_torch_load(path: PathLike, *, mmap: bool = False) -> Any:
+    """``torch.load`` to CPU with ``weights_only=True`` (DTensors and numpy arrays allowed: their classes
+    hold data only);
+    a file that would need to run code is refused with ``UnsafeCheckpointError``, an unreadable one with
+    ``CheckpointError``, both naming it. ``torch.distributed.tensor`` (most of a second to import) is
+    imported only for files that name it."""
+    mesh_log = logging.getLogger("torch.distributed.device_mesh")
+    level = mesh_log.level
+    mesh_log.setLevel(logging.ERROR)  # "unpickling of the DeviceMesh before the PGs were created": expected
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        named = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        allowed = _dtensor_classes() if any(g.startswith("torch.distributed.") for g in named) else []
+        if any(g.startswith("numpy.") for g in named):
+            allowed += _numpy_array_classes()
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         offender = _UNSUPPORTED_GLOBAL.search(str(exc))
         detail = f" ({offender.group(1)})" if offender else ""
@@ -62,6 +104,8 @@ def safe_torch_load(path: PathLike) -> Any:
     except (RuntimeError, KeyError, EOFError, ValueError, OSError) as exc:
         # torch reports a truncated or foreign file as any of these.
         raise CheckpointError(f"cannot load {path}: {_first_line(exc)}") from None
+    finally:
+        mesh_log.setLevel(level)
 
 
 class _DcpMetadataUnpickler(pickle.Unpickler):

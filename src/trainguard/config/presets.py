@@ -1,4 +1,5 @@
-"""The reference trainer's named model sizes (``model.preset``): Hugging Face Llama config values."""
+"""The reference trainer's named model sizes (``model.preset``): Hugging Face config values of the
+preset's ``model_type`` (Llama when it names none)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ PRESETS: dict[str, dict] = {
     # for tests: fast on two CPU cores
     "llama-micro": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                         intermediate_size=160, vocab_size=320, tie_word_embeddings=True),
+    # Qwen2 (q/k/v biases, tied embeddings like its small sizes), for tests
+    "qwen2-micro": dict(model_type="qwen2", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, intermediate_size=160, vocab_size=320, tie_word_embeddings=True),
     # the default: a few million parameters
     "llama-tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                        intermediate_size=688, vocab_size=320, tie_word_embeddings=True),

@@ -16,14 +16,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
+from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from trainguard.errors import ConfigError
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-SUPPORTED_MODEL_TYPES = ("llama",)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")  # one decoder layout: model.layers.N.{self_attn,mlp}
 
 # trainguard's model.<key> -> the Hugging Face config's name for it: a preset's overrides, and the keys
 # that must agree with the Hugging Face config when model.init_from is set
@@ -71,7 +72,8 @@ def check_hf_dir(hf_dir: Path) -> Path:
 
 
 def read_hf_config(hf_dir: Path, attn_implementation: str = "sdpa") -> PretrainedConfig:
-    """The model config of ``hf_dir/config.json`` (Llama family only; no remote code is ever run)."""
+    """The model config of ``hf_dir/config.json`` (``SUPPORTED_MODEL_TYPES``, transformers' own config
+    classes; no remote code is ever run)."""
     path = check_hf_dir(hf_dir) / CONFIG_FILE
     data = _read_json(path)
     if not isinstance(data, dict):
@@ -80,7 +82,7 @@ def read_hf_config(hf_dir: Path, attn_implementation: str = "sdpa") -> Pretraine
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"{path}: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
     try:
-        return LlamaConfig.from_dict(data, attn_implementation=attn_implementation)
+        return CONFIG_MAPPING[model_type].from_dict(data, attn_implementation=attn_implementation)
     except (TypeError, ValueError, KeyError) as exc:
         raise ConfigError(f"{path}: not a valid {model_type} config ({exc})") from None
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from trainguard.errors import CheckpointError, ConfigError
 from trainguard.merge.pieces import CheckpointContents, ShardedTensor
 
@@ -42,6 +44,22 @@ def load_config(hf_dir: Path) -> dict[str, Any]:
     if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
         raise ConfigError(f"{path}: not a Hugging Face model config (no model_type)")
     return config
+
+
+def parameter_order(hf_dir: Path) -> list[str]:
+    """The parameter names of the model ``hf_dir/config.json`` describes, in ``model.parameters()`` order
+    (a tied weight once), from the model built on the ``meta`` device: nothing is allocated."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = load_config(hf_dir)
+    try:
+        hf_config = AutoConfig.for_model(**config)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{hf_dir / 'config.json'}: cannot build its model to name the optimizer's "
+                          f"parameters ({exc})") from None
+    return [name for name, _ in model.named_parameters()]
 
 
 def is_value_config(config: dict[str, Any]) -> bool:

@@ -94,10 +94,12 @@ def stream_full_tensors(tensors: list[ShardedTensor], dtype: torch.dtype | None 
 
 def hf_dir_of(checkpoint: Path) -> Path:
     """The checkpoint's ``huggingface/`` (config, tokenizer): in its directory, or for a local-tier step
-    in the local directory of any node holding the step (written once per directory, not per step)."""
+    in the same step of another node, or beside the steps (where local directories written before it
+    moved into each step keep it)."""
     candidates = [checkpoint / HF_DIR]
     if (checkpoint.parent / GROUP_INFO_NAME).is_file():
-        candidates += [d.parent / HF_DIR for d in rank_file_dirs(checkpoint)]
+        steps = rank_file_dirs(checkpoint)
+        candidates += [d / HF_DIR for d in steps] + [d.parent / HF_DIR for d in steps]
     return next((c for c in candidates if (c / "config.json").is_file()), candidates[0])
 
 

@@ -1,28 +1,29 @@
 """Per-rank checkpoints as pieces: trainguard local checkpoints and verl's FSDP checkpoints.
 
 Both are ``model_world_size_W_rank_R.pt`` (+ ``optim_...``, ``extra_state_...``) and
-``fsdp_config.json``. trainguard's local tier stores plain local tensors and describes the layout in
-``fsdp_config.json`` (``mesh_shape``, ``params: {fqn: {shape, dtype, placements}}``); verl stores
-DTensors, whose pickled mesh and placements describe themselves; plain tensors in a verl file mean a
-1-D mesh sharded on dim 0. Files are loaded with ``weights_only=True`` (DTensor classes allow-listed
-explicitly) and memory-mapped, once each, so reading one tensor touches only its pages; the pages read
+``fsdp_config.json``. trainguard's local tier describes the layout of the whole mesh in
+``fsdp_config.json`` (``mesh_shape``, ``params: {fqn: {shape, dtype, placements}}``), which is what is
+read here (its model files hold DTensors over verl's mesh names too, for verl's own merger); verl's
+files are read by their DTensors, whose pickled mesh and placements describe themselves; plain tensors
+in a verl file mean a 1-D mesh sharded on dim 0. Files are loaded with ``weights_only=True`` (DTensor
+classes allow-listed explicitly) and memory-mapped, once each, so reading one tensor touches only its pages; the pages read
 are given back after every ``_MAPPED_BUDGET`` bytes, which keeps the resident set bounded.
 """
 
 from __future__ import annotations
 
 import json
-import logging
-import pickle
 import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from trainguard.errors import CheckpointError, UnsafeCheckpointError
+from trainguard.checkpoint.safe_load import safe_torch_load
+from trainguard.errors import CheckpointError
 from trainguard.merge import mapped_pages
 from trainguard.merge.pieces import CheckpointContents, Piece, ShardedTensor
 from trainguard.merge.placement import Placement, coordinate, local_block, parse_placement, placement_of, SHARD
@@ -31,41 +32,6 @@ from trainguard.topology.group_info import GROUP_INFO_NAME, read_group_info
 FSDP_CONFIG = "fsdp_config.json"
 _RANK_FILE = re.compile(r"(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt")
 _MAPPED_BUDGET = 64 << 20
-
-
-def _dtensor_classes() -> list[type]:
-    """What a pickled DTensor names besides plain tensors: the class, its spec and mesh, the placements."""
-    from torch.distributed import _mesh_layout
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
-
-    return [DTensor, DTensorSpec, TensorMeta, DeviceMesh, _mesh_layout._MeshLayout, _mesh_layout._FlatLayout,
-            Shard, _StridedShard, Replicate, Partial]
-
-
-def load_rank_file(path: Path, mmap: bool = True) -> Any:
-    """``torch.load(weights_only=True)`` with the DTensor classes allowed; nothing else can run.
-    ``torch.distributed.tensor`` (most of a second to import) is imported only for files that name it."""
-    mesh_log = logging.getLogger("torch.distributed.device_mesh")
-    level = mesh_log.level
-    mesh_log.setLevel(logging.ERROR)  # "unpickling of the DeviceMesh before the PGs were created": expected
-    try:
-        named = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-        allowed = _dtensor_classes() if any(g.startswith("torch.distributed.") for g in named) else []
-        with torch.serialization.safe_globals(allowed):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError as exc:
-        offender = re.search(r"GLOBAL ([\w.]+)", str(exc))
-        raise UnsafeCheckpointError(f"refusing to load {path}: it contains pickled code/objects that weights_only "
-                                    f"loading does not allow{f' ({offender.group(1)})' if offender else ''}") from None
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing") from None
-    except (RuntimeError, KeyError, EOFError, ValueError, OSError) as exc:
-        raise CheckpointError(f"cannot load {path}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}") from None
-    finally:
-        mesh_log.setLevel(level)
 
 
 def flatten(state: Any, prefix: str = "") -> dict[str, Any]:
@@ -86,8 +52,10 @@ class _MappedFiles:
     """Memory-mapped rank files, each loaded once; after every ``budget`` bytes handed out, the pages
     read so far are given back (``mapped_pages``), which keeps the resident set bounded."""
 
-    def __init__(self, budget: int = _MAPPED_BUDGET):
+    def __init__(self, budget: int = _MAPPED_BUDGET, param_order: Callable[[], list[str]] | None = None):
         self._budget = budget
+        self._param_order = param_order
+        self._names: list[str] | None = None
         self._files: dict[Path, dict[str, Any]] = {}
         self._mappings: list[tuple[int, int]] = []
         self._read = 0
@@ -97,9 +65,19 @@ class _MappedFiles:
         with self._lock:
             content = self._files.get(path)
             if content is None:
-                content = self._files[path] = flatten(load_rank_file(path))
+                content = self._files[path] = flatten(self._by_name(safe_torch_load(path, mmap=True), path))
                 self._mappings += mapped_pages.private_read_mappings(path)
             return content
+
+    def _by_name(self, state: Any, path: Path) -> Any:
+        if not _index_keyed(state):
+            return state
+        if self._param_order is None:
+            raise CheckpointError(f"{path}: optimizer state keyed by parameter index; naming it needs the "
+                                  "model's parameter order (its huggingface/config.json)")
+        if self._names is None:
+            self._names = self._param_order()
+        return optimizer_by_name(state, self._names, path)
 
     def tensor(self, path: Path, key: str) -> torch.Tensor:
         value = self.content(path).get(key)
@@ -239,6 +217,8 @@ def _add_local_file(builder: _Builder, prefix: str, path: Path, rank: int, conte
         if not isinstance(value, torch.Tensor):
             objects[prefix + key] = value
             continue
+        if hasattr(value, "to_local"):  # a DTensor (model files): its local shard is what is placed
+            value = value.to_local()
         local_shape = tuple(value.shape)
         fqn = key if prefix == "model." else _optimizer_param(key)
         if fqn in params and value.dim() > 0:
@@ -304,8 +284,36 @@ def _add_plain_tensors(builder: _Builder, paths: dict[str, list[Path]], plain: d
             builder.add(key, shape, first.dtype, block, paths[key][rank], key.split(".", 1)[1], tuple(local.shape))
 
 
-def open_rank_checkpoint(directory: Path, include_optimizer: bool = False) -> CheckpointContents:
-    """A per-rank checkpoint (trainguard local or verl FSDP) as pieces, every rank's file checked."""
+def _index_keyed(state: Any) -> bool:
+    return (isinstance(state, dict) and set(state) == {"state", "param_groups"}
+            and isinstance(state["param_groups"], list) and all(isinstance(k, int) for k in state["state"]))
+
+
+def optimizer_by_name(state: dict[str, Any], names: list[str], path: Path) -> dict[str, Any]:
+    """verl's optimizer files are ``optimizer.state_dict()``: the state and the param groups' ``params``
+    keyed by each parameter's index in the model's parameter order (``model.parameters()``, a tied
+    weight once). Returned under the durable tier's keys: ``state.<fqn>.<exp_avg|exp_avg_sq|step>``,
+    ``param_groups.<fqn>.<hyperparameter>``."""
+    indices = [index for group in state["param_groups"] for index in group.get("params", [])]
+    if sorted(indices) != list(range(len(names))):
+        raise CheckpointError(f"{path}: the optimizer's param groups list {len(indices)} parameters, the model "
+                              f"of huggingface/config.json has {len(names)}: not this model's optimizer")
+    named: dict[str, Any] = {}
+    for index, entry in state["state"].items():
+        if index not in indices or not isinstance(entry, dict):
+            raise CheckpointError(f"{path}: optimizer state for parameter index {index!r}, which no param group lists")
+        named.update({f"state.{names[index]}.{key}": value for key, value in entry.items()})
+    for group in state["param_groups"]:
+        settings = {key: value for key, value in group.items() if key != "params"}
+        for index in group["params"]:
+            named.update({f"param_groups.{names[index]}.{key}": value for key, value in settings.items()})
+    return named
+
+
+def open_rank_checkpoint(directory: Path, include_optimizer: bool = False,
+                         param_order: Callable[[], list[str]] | None = None) -> CheckpointContents:
+    """A per-rank checkpoint (trainguard local or verl FSDP) as pieces, every rank's file checked.
+    ``param_order`` gives the model's parameter names in order, for optimizer files keyed by index."""
     files = find_rank_files(directory)
     config = read_fsdp_config(directory)
     world = files.world_size
@@ -315,7 +323,7 @@ def open_rank_checkpoint(directory: Path, include_optimizer: bool = False) -> Ch
     local_layout = None
     if config is not None and "params" in config:
         local_layout = _layout_from_config(directory / FSDP_CONFIG, config, world)
-    mapped = _MappedFiles()
+    mapped = _MappedFiles(param_order=param_order)
     builder = _Builder(mapped)
     objects: dict[str, Any] = {}
     plain: dict[str, list] = {}

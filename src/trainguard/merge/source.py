@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from trainguard.errors import ConfigError
@@ -24,7 +25,9 @@ def detect_backend(directory: Path) -> str:
     raise ConfigError(f"{directory}: not a checkpoint (neither a DCP .metadata nor model_world_size_W_rank_R.pt files)")
 
 
-def open_checkpoint(directory: Path, backend: str = "auto", include_optimizer: bool = False) -> CheckpointContents:
+def open_checkpoint(directory: Path, backend: str = "auto", include_optimizer: bool = False,
+                    param_order: Callable[[], list[str]] | None = None) -> CheckpointContents:
+    """``param_order``: the model's parameter names in order, for verl's index-keyed optimizer files."""
     directory = Path(directory)
     if not directory.is_dir():
         raise ConfigError(f"{directory}: no such checkpoint directory")
@@ -39,4 +42,4 @@ def open_checkpoint(directory: Path, backend: str = "auto", include_optimizer: b
 
         return open_dcp(directory)
     find_rank_files(directory)  # the one clear error for a missing rank or mixed world sizes, before any load
-    return open_rank_checkpoint(directory, include_optimizer=include_optimizer)
+    return open_rank_checkpoint(directory, include_optimizer=include_optimizer, param_order=param_order)

@@ -41,11 +41,13 @@ from trainguard.checkpoint.commit import seal
 from trainguard.checkpoint.manifest import FileEntry, build_manifest, read_manifest
 from trainguard.checkpoint.safe_load import DCP_METADATA_NAME, safe_torch_load
 from trainguard.errors import CheckpointError, ConfigError
+from trainguard.merge.hf_layout import parameter_order
 from trainguard.merge.merger import hf_dir_of, stream_full_tensors
 from trainguard.merge.pieces import CheckpointContents, read_piece
 from trainguard.merge.read_ranks import rank_file_dirs
 from trainguard.merge.source import open_checkpoint
 from trainguard.merge.target import check_target, staged_directory
+from trainguard.merge.verl_state import is_verl_extra_state, trainguard_extra_state
 
 FORMATS = ("dcp", "universal")
 UNIVERSAL_INDEX = "universal.json"
@@ -163,12 +165,24 @@ def _source_step(source: Path, contents: CheckpointContents, extra_files: list[P
     except CheckpointError:
         pass
     step = parse_step_dir(source.name)
+    if step is None:  # a role of a step, as verl lays it out: global_step_N/actor
+        step = parse_step_dir(source.resolve().parent.name)
     if step is None and extra_files:
         step = safe_torch_load(extra_files[0]).get("step")
     if not isinstance(step, int):
-        raise CheckpointError(f"{source}: cannot tell the step (no manifest, no global_step_N name, no step "
-                              "in its extra state)")
+        raise CheckpointError(f"{source}: cannot tell the step (no manifest, no global_step_N name of it or "
+                              "its parent, no step in its extra state)")
     return step, {"step": step}
+
+
+def _copy_extra_state(source: Path, target: Path, step: int) -> None:
+    """trainguard's extra state as it is; verl's in trainguard's form (verl_state), so the step resumes."""
+    state = safe_torch_load(source)
+    if not is_verl_extra_state(state):
+        shutil.copy2(source, target)
+        return
+    world_size, rank = (int(n) for n in re.findall(r"\d+", source.name))
+    torch.save(trainguard_extra_state(state, step=step, rank=rank, world_size=world_size), target)
 
 
 def convert_checkpoint(source: Path, target: Path, fmt: str, *, force: bool = False,
@@ -177,7 +191,7 @@ def convert_checkpoint(source: Path, target: Path, fmt: str, *, force: bool = Fa
     if fmt not in FORMATS:
         raise ConfigError(f"--format {fmt}: expected one of {', '.join(FORMATS)}")
     check_target(target, force)
-    contents = open_checkpoint(source, include_optimizer=True)
+    contents = open_checkpoint(source, include_optimizer=True, param_order=lambda: parameter_order(hf_dir_of(source)))
     if not any(key.startswith("optim.") for key in contents.tensors):
         raise CheckpointError(f"{contents.description}: holds no optimizer state (optim_world_size_W_rank_R.pt "
                               "files); a resumable checkpoint needs it")
@@ -202,7 +216,7 @@ def convert_checkpoint(source: Path, target: Path, fmt: str, *, force: bool = Fa
         if index:
             (staging / UNIVERSAL_INDEX).write_text(json.dumps(index, indent=2) + "\n")
         for path in extra_files:
-            shutil.copy2(path, staging / path.name)
+            _copy_extra_state(path, staging / path.name, step)
         hf_dir = hf_dir_of(source)
         if hf_dir.is_dir():
             shutil.copytree(hf_dir, staging / HF_DIR)

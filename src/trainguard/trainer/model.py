@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from trainguard.config.presets import PRESETS
 from trainguard.config.schema import ModelConfig
@@ -39,7 +39,8 @@ def build_model_config(model: ModelConfig, max_position_embeddings: int) -> Pret
         value = getattr(model, ours)
         if value is not None:
             params[theirs] = value
-    return LlamaConfig(
+    return AutoConfig.for_model(
+        params.pop("model_type", "llama"),
         **params,
         max_position_embeddings=max_position_embeddings,
         rms_norm_eps=1e-5,

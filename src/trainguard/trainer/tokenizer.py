@@ -4,9 +4,11 @@ Bytes are their own ids (0..255), so there is no vocabulary file to ship or lice
 round-trips, and any model trained on the shipped corpus can be reproduced from this module alone.
 Three special ids follow the bytes: bos 256, eos 257, pad 258.
 
-This is *not* a Hugging Face tokenizer class. `save_pretrained` writes the usual
-`tokenizer_config.json` / `special_tokens_map.json` so an exported model directory states how it was
-tokenized; `ByteTokenizer.from_pretrained` reads them back. `transformers.AutoTokenizer` cannot load it.
+This is not a Hugging Face tokenizer class, but `save_pretrained` writes what one reads: the usual
+`tokenizer_config.json` / `special_tokens_map.json` and a `tokenizer.json` (a byte-level BPE without
+merges: byte b is id b) that `transformers.AutoTokenizer` loads as a fast tokenizer giving the same ids
+(text that spells a special token, such as "<eos>", becomes that token there). Tools that export a
+checkpoint's `huggingface/` (verl's merger) need it. `ByteTokenizer.from_pretrained` reads the files back.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 TOKENIZER_TYPE = "trainguard-byte"
 _CONFIG = "tokenizer_config.json"
 _SPECIAL = "special_tokens_map.json"
+_FAST = "tokenizer.json"
 _BOS, _EOS, _PAD = "<bos>", "<eos>", "<pad>"
 
 
@@ -47,8 +50,7 @@ class ByteTokenizer:
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         config = {
-            # tokenizer_class names no transformers class on purpose: loading must go through us.
-            "tokenizer_class": "ByteTokenizer",
+            "tokenizer_class": "PreTrainedTokenizerFast",  # from tokenizer.json (see _byte_level_tokenizer)
             "tokenizer_type": TOKENIZER_TYPE,
             "description": "byte-level: ids 0..255 are UTF-8 bytes; 256 bos, 257 eos, 258 pad "
                            "(trainguard.trainer.tokenizer.ByteTokenizer)",
@@ -64,6 +66,7 @@ class ByteTokenizer:
         special = {"bos_token": _BOS, "eos_token": _EOS, "pad_token": _PAD}
         (d / _CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         (d / _SPECIAL).write_text(json.dumps(special, indent=2) + "\n")
+        _byte_level_tokenizer().save(str(d / _FAST))
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike[str]) -> ByteTokenizer:
@@ -82,3 +85,23 @@ class ByteTokenizer:
 
     def __repr__(self) -> str:
         return f"ByteTokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_id={self.eos_id}, pad_id={self.pad_id})"
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in for each byte, the alphabet of the ``ByteLevel`` pre-tokenizer."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
+def _byte_level_tokenizer():
+    """A ``tokenizers`` tokenizer with ``ByteTokenizer``'s ids: every byte its own token (no merges), then
+    the special tokens 256, 257, 258."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {char: byte for byte, char in _byte_to_unicode().items()}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(token, special=True) for token in (_BOS, _EOS, _PAD)])
+    return tokenizer

@@ -477,6 +477,37 @@ def test_safe_torch_load_refuses_code_without_running_it(tmp_path):
     assert not marker.exists()
 
 
+def test_safe_torch_load_reads_numpy_rng_state_and_nothing_else_numpy(tmp_path):
+    import numpy
+
+    path = tmp_path / "extra.pt"
+    state = numpy.random.RandomState(7).get_state()  # what verl's extra state holds: a uint32 array
+    torch.save({"rng": {"numpy": state}}, path)
+    loaded = safe_torch_load(path)["rng"]["numpy"]
+    assert loaded[0] == "MT19937" and numpy.array_equal(loaded[1], state[1]) and loaded[2:] == state[2:]
+    marker = tmp_path / "marker"
+    for name, value in (("objects", numpy.array([_CreatesMarker(marker)], dtype=object)),
+                        ("floats", numpy.zeros(3))):  # only the uint32 dtype of an RNG state is allowed
+        torch.save({"x": value}, tmp_path / f"{name}.pt")
+        with pytest.raises(UnsafeCheckpointError, match="refusing to load"):
+            safe_torch_load(tmp_path / f"{name}.pt")
+    assert not marker.exists()
+
+
+def test_safe_torch_load_reads_dtensors_without_a_process_group(tmp_path):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = DeviceMesh("cpu", torch.arange(4).reshape(2, 2), mesh_dim_names=("ddp", "fsdp"), _init_backend=False,
+                      _rank=1)
+    local = torch.arange(6.0).reshape(3, 2)
+    torch.save({"w": DTensor.from_local(local, mesh, [Replicate(), Shard(0)], run_check=False,
+                                        shape=torch.Size([6, 2]), stride=(2, 1))}, tmp_path / "model.pt")
+    loaded = safe_torch_load(tmp_path / "model.pt")["w"]
+    assert loaded.device_mesh.mesh_dim_names == ("ddp", "fsdp") and loaded.placements == (Replicate(), Shard(0))
+    assert loaded.shape == (6, 2) and torch.equal(loaded.to_local(), local)
+
+
 def test_safe_torch_load_reports_damaged_files_as_unreadable(tmp_path):
     path = tmp_path / "model.pt"
     torch.save({"x": torch.ones(100)}, path)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trainguard.merge import mapped_pages
-from trainguard.merge.read_ranks import load_rank_file
+from trainguard.checkpoint.safe_load import safe_torch_load
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc")
 
@@ -31,7 +31,7 @@ def test_released_pages_leave_the_resident_set_and_reads_stay_correct(tmp_path):
     expected = torch.arange(4 << 20, dtype=torch.float32)  # 16 MiB
     path = tmp_path / "model_world_size_1_rank_0.pt"
     torch.save({"w": expected}, path)
-    loaded = load_rank_file(path)["w"]
+    loaded = safe_torch_load(path, mmap=True)["w"]
     ranges = mapped_pages.private_read_mappings(path)
     assert ranges, "torch.load(mmap=True) should have mapped the file"
     assert torch.equal(loaded, expected)

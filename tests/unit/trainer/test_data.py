@@ -77,6 +77,13 @@ def test_tokenizer_save_and_load(tmp_path) -> None:
     assert (tmp_path / "hf" / "special_tokens_map.json").is_file()
     tok = ByteTokenizer.from_pretrained(tmp_path / "hf")
     assert tok.decode(tok.encode("seven plus five is twelve.")) == "seven plus five is twelve."
+    from transformers import AutoTokenizer
+
+    fast = AutoTokenizer.from_pretrained(tmp_path / "hf")  # tokenizer.json: the same ids, for other tools
+    for text in ("seven plus five is twelve.", "héllo wörld\n\t日本"):
+        assert fast.encode(text, add_special_tokens=False) == tok.encode(text)
+        assert fast.decode(tok.encode(text)) == text
+    assert fast.convert_tokens_to_ids(["<bos>", "<eos>", "<pad>"]) == [tok.bos_id, tok.eos_id, tok.pad_id]
 
     cfg = tmp_path / "hf" / "tokenizer_config.json"
     cfg.write_text(cfg.read_text().replace('"eos_token_id": 257', '"eos_token_id": 2'))

@@ -3,11 +3,13 @@ each from a healthy member of its replica group, then re-verifies.
 
 Input is a directory holding one or more local directories (each with its ``group_info.json``), e.g.
 a run directory (``RUN/local/node*/``), ``RUN/local`` or one node's directory. Ranks whose directory
-is gone entirely are repaired into the directory ``group_info.json`` recorded for them.
+is gone entirely are repaired into the directory ``group_info.json`` recorded for them, rebuilt whole:
+its ``group_info.json``, the step's ``huggingface/`` and ``latest_checkpointed_iteration.txt`` too.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections import deque
 from collections.abc import Callable
@@ -15,14 +17,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from trainguard.checkpoint.discovery import list_checkpoints
-from trainguard.fs.layout import parse_step_dir, step_dir_name
+from trainguard.checkpoint.discovery import list_checkpoints, read_latest, write_latest
+from trainguard.fs.fsio import atomic_write_json, fsync_dir, fsync_tree
+from trainguard.fs.layout import HF_DIR, TEMP_MARKER, new_token, parse_step_dir, step_dir_name
 from trainguard.checkpoint.local.paths import FSDP_CONFIG_NAME, parse_rank_file, replica_extra_name
 from trainguard.checkpoint.local.plan import StepPlan, Transfer, plan_step
 from trainguard.checkpoint.local.rank_manifest import file_fault, read_rank_manifest
 from trainguard.checkpoint.local.reader import StepHoldings, rank_holdings
 from trainguard.checkpoint.local.writer import BytesMismatch, commit_rank_manifest, uncommit, write_file_durably
 from trainguard.checkpoint.manifest import FileEntry
+from trainguard.checkpoint.trusted import require_regular_entries
 from trainguard.errors import CheckpointError, ConfigError
 from trainguard.topology.group_info import GROUP_INFO_NAME, GroupInfo, read_group_info
 
@@ -95,7 +99,7 @@ def discover(directory: str | Path) -> LocalSet:
         if info.groups != first.groups:
             raise ConfigError(f"{path}: world size {info.groups.world_size} and replica groups differ from "
                               f"{first_path} (world size {first.groups.world_size}): not one run's checkpoints")
-    rank_dirs = {rank: Path(d) for rank, d in first.rank_dirs.items()}
+    rank_dirs = {rank: _moved_with(Path(d), infos) for rank, d in first.rank_dirs.items()}
     for path, info in infos:
         for rank in info.ranks:
             rank_dirs[rank] = path.parent  # where it is now wins over where the run wrote it
@@ -105,6 +109,20 @@ def discover(directory: str | Path) -> LocalSet:
     local = LocalSet(first, rank_dirs)
     _check_files(local)
     return local
+
+
+def _moved_with(recorded: Path, infos: list[tuple[Path, GroupInfo]]) -> Path:
+    """Where a rank's directory is, given where the run wrote it: beside the directories found, when
+    those were moved or copied (``RUN/local/node1`` of a copied run is the copy's, never the original's)."""
+    for path, info in infos:
+        written = Path(info.rank_dirs[info.ranks[0]]) if info.ranks and info.ranks[0] in info.rank_dirs else None
+        if written is None or written == path.parent:
+            continue
+        try:
+            return path.parent.parent / recorded.relative_to(written.parent)
+        except ValueError:
+            continue
+    return recorded
 
 
 def _check_files(local: LocalSet) -> None:
@@ -255,12 +273,43 @@ def repair_step(local: LocalSet, step: int, progress: Callable[[int], None] | No
             shutil.copyfile(donor, config)
         commit_rank_manifest(step_dirs[rank], step, rank=rank, world_size=local.world_size,
                              entries=ledger.entries(rank))
+    if plan.recoverable:
+        for directory in sorted({local.rank_dirs[rank] for rank in receivers}):
+            _restore_directory_files(local, directory, step)
     result = StepResult(step, plan, actions)
     # Re-verified: every byte was hashed on its way into the new file (checked against the source's
     # manifest before the rename) and fsynced; the sizes on disk are checked here. Reading the files
     # back would only re-read the same pages from the cache, not the medium.
     result.verified = plan.recoverable and all(a.dst_file.stat().st_size == a.transfer.entry.size for a in actions)
     return result
+
+
+def _restore_directory_files(local: LocalSet, directory: Path, step: int) -> None:
+    """What a wiped directory shares among its ranks besides their files: ``group_info.json`` (its
+    ranks, every rank's directory), the step's ``huggingface/`` (copied from another directory's same
+    step) and ``latest_checkpointed_iteration.txt`` (moved forward to ``step``)."""
+    if not (directory / GROUP_INFO_NAME).is_file():
+        ranks = tuple(r for r, d in sorted(local.rank_dirs.items()) if d == directory)
+        info = GroupInfo(local.info.groups, local.info.layout, ranks,
+                         {r: str(d) for r, d in sorted(local.rank_dirs.items())})
+        atomic_write_json(directory / GROUP_INFO_NAME, info.to_dict())
+    step_dir = directory / step_dir_name(step)
+    if not (step_dir / HF_DIR).is_dir():
+        donors = [d / step_dir_name(step) / HF_DIR for d in sorted(set(local.rank_dirs.values())) if d != directory]
+        donor = next((d for d in donors if (d / "config.json").is_file()), None)
+        if donor is not None:
+            require_regular_entries(donor)  # never copied through a link
+            temp = step_dir / f"{HF_DIR}{TEMP_MARKER}{new_token()}"
+            shutil.copytree(donor, temp)
+            fsync_tree(temp)
+            os.replace(temp, step_dir / HF_DIR)
+            fsync_dir(step_dir)
+    try:
+        stale = (read_latest(directory) or -1) < step
+    except CheckpointError:
+        stale = True
+    if stale:
+        write_latest(directory, step)
 
 
 def newest_durable(local: LocalSet) -> Path | None:

@@ -1,12 +1,15 @@
-"""A rank's model and optimizer state as plain local tensors, and back; the ``fsdp_config.json`` that
-says how the local tensors fit together (what a merger needs)."""
+"""A rank's model and optimizer state as plain local tensors, and back; the model's tensors as the
+DTensors verl's checkpoint manager writes (what verl's own merger reads); the ``fsdp_config.json`` that
+says how the local tensors fit together over the whole mesh (what trainguard's merger reads)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from trainguard.checkpoint.state_dict import STATE_DICT_OPTIONS
@@ -38,7 +41,57 @@ def local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tup
     return {k: _plain(v) for k, v in model_sd.items()}, {k: _plain(v) for k, v in optim_sd.items()}
 
 
+VERL_DIM_NAMES = {"dp_replicate": "ddp", "dp_shard": "fsdp"}
+"""verl's FSDP workers name their mesh ``("fsdp",)`` or ``("ddp", "fsdp")``, and its merger accepts
+only those names; the other dims (``tp``, ``pp``) keep theirs (verl's merger does not merge them)."""
+
+
+@dataclass(frozen=True)
+class DTensorLayout:
+    """How one parameter's local shard is written as a DTensor: mesh, placements, global shape, stride."""
+
+    mesh: DeviceMesh
+    placements: tuple[Any, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+
+def dtensor_layouts(model: torch.nn.Module, as_rank: int) -> dict[str, DTensorLayout]:
+    """``fqn -> DTensorLayout`` of each DTensor parameter (a tied weight under each name): the
+    parameter's own (sub)mesh and placements, the mesh renamed to verl's dim names and built without
+    process groups (it is only pickled: a reader needs its ranks and names, never its groups). A pickled
+    mesh records a rank: ``as_rank``, the lowest of this rank's model replica group, so that replicas'
+    files stay byte-identical (a lost file is restored by copying a replica's)."""
+    meshes: dict[int, DeviceMesh] = {}
+    layouts = {}
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        if not isinstance(param, DTensor):
+            continue
+        mesh = param.device_mesh
+        if id(mesh) not in meshes:
+            names = tuple(VERL_DIM_NAMES.get(name, name) for name in mesh.mesh_dim_names or ())
+            meshes[id(mesh)] = DeviceMesh("cpu", mesh.mesh.cpu(), mesh_dim_names=names or None,
+                                          _init_backend=False, _rank=as_rank)
+        layouts[fqn] = DTensorLayout(meshes[id(mesh)], tuple(param.placements), param.shape, param.stride())
+    return layouts
+
+
+def as_dtensors(state: dict[str, Any], layouts: dict[str, DTensorLayout]) -> dict[str, Any]:
+    """Each local CPU tensor of ``state`` that is a DTensor parameter's shard, wrapped as that DTensor
+    (the bytes are the same tensor's: nothing is copied); buffers and other values as they are."""
+    wrapped = {}
+    for key, value in state.items():
+        layout = layouts.get(key)
+        if layout is not None and isinstance(value, torch.Tensor):
+            value = DTensor.from_local(value, layout.mesh, layout.placements, run_check=False,
+                                       shape=layout.shape, stride=layout.stride)
+        wrapped[key] = value
+    return wrapped
+
+
 def _like(template: Any, loaded: Any, key: str) -> Any:
+    if isinstance(loaded, DTensor):  # the local tier's model files (see as_dtensors)
+        loaded = loaded.to_local()
     if isinstance(template, DTensor):
         local = template.to_local()
         if not isinstance(loaded, torch.Tensor) or loaded.shape != local.shape:

@@ -23,7 +23,8 @@ from trainguard.checkpoint.local.exchange import read_for_sending, recv_bytes, s
 from trainguard.checkpoint.local.paths import FSDP_CONFIG_NAME, node_of, rank_file_names, resolve_local_dir
 from trainguard.checkpoint.local.plan import StepPlan, buddy_of, plan_step
 from trainguard.checkpoint.local.reader import StepHoldings, rank_holdings
-from trainguard.checkpoint.local.state import load_local_state, local_state, param_layout
+from trainguard.checkpoint.discovery import read_latest, write_latest
+from trainguard.checkpoint.local.state import as_dtensors, dtensor_layouts, load_local_state, local_state, param_layout
 from trainguard.checkpoint.local.writer import (
     BytesMismatch,
     SavedStep,
@@ -71,18 +72,37 @@ class LocalTier:
             params.update(part)
         self.fsdp_config = {"FSDP_version": 2, "world_size": world_size, "mesh_shape": list(mesh_shape),
                             "mesh_dim_names": list(mesh_dim_names), "params": dict(sorted(params.items()))}
+        self.dtensor_layouts = dtensor_layouts(model, min(groups.model_replicas(rank)))
         self.dir.mkdir(parents=True, exist_ok=True)
         self.group_info = GroupInfo(groups, layout, tuple(r for r, d in self.rank_dirs.items() if d == self.dir),
                                     {r: str(d) for r, d in self.rank_dirs.items()})
         self._write_group_info()
         clean_rank_leftovers(self.dir, world_size, rank)
 
+    @property
+    def writes_directory_files(self) -> bool:
+        """One rank per local directory (its lowest) writes the files its ranks share: ``group_info.json``,
+        each step's ``huggingface/`` and ``latest_checkpointed_iteration.txt``."""
+        return self.rank == self.group_info.ranks[0]
+
     def _write_group_info(self) -> None:
-        if self.rank == self.group_info.ranks[0]:  # one writer per directory
+        if self.writes_directory_files:
             atomic_write_json(self.dir / GROUP_INFO_NAME, self.group_info.to_dict())
-            # huggingface/ (config, tokenizer) once per directory, as a merger of a local step needs it
-            if self.static_files is not None and not (self.dir / HF_DIR / "config.json").exists():
-                self.static_files(self.dir)
+
+    def _write_static_files(self, step_dir: Path) -> None:
+        """``huggingface/`` (config, tokenizer) inside the step, so the step directory alone is what
+        verl's merger and ours need (``--local_dir global_step_N``)."""
+        if self.writes_directory_files and self.static_files is not None:
+            step_dir.mkdir(parents=True, exist_ok=True)
+            self.static_files(step_dir)
+
+    def _mark_latest(self, step: int) -> None:
+        """Once every rank's files of ``step`` are committed (a barrier), the directory's tracker names it,
+        as verl's trainer keeps ``latest_checkpointed_iteration.txt`` beside its ``global_step_N``."""
+        if dist.is_initialized() and self.world_size > 1:
+            dist.barrier(group=self.group)
+        if self.writes_directory_files:
+            write_latest(self.dir, step)
 
     def _all_gather(self, value: Any) -> list[Any]:
         if not dist.is_initialized() or self.world_size == 1:
@@ -95,7 +115,7 @@ class LocalTier:
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              extra_state: dict[str, Any]) -> SavedStep:
         """Writes this rank's state of ``step``; the only communication is the small extra state
-        going to the buddy, before anything is written."""
+        going to the buddy, before anything is written, and a barrier after (for the tracker)."""
         self.wait()
         extra = io.BytesIO()
         torch.save(extra_state, extra)
@@ -110,11 +130,14 @@ class LocalTier:
         copy = swap_in_ring(extra_bytes, self.buddy, self.keeps_copy_of, self.group)
         self.dir.mkdir(parents=True, exist_ok=True)  # a wiped node's directory comes back
         self._write_group_info()
+        self._write_static_files(self.dir / step_dir_name(step))
         saved = save_rank_step(
-            self.dir, step, rank=self.rank, world_size=self.world_size, model_state=model_state,
-            optim_state=optim_state, extra_state=extra_bytes,
-            replica_extras={self.keeps_copy_of: copy} if copy is not None else {}, fsdp_config=self.fsdp_config,
+            self.dir, step, rank=self.rank, world_size=self.world_size,
+            model_state=as_dtensors(model_state, self.dtensor_layouts), optim_state=optim_state,
+            extra_state=extra_bytes, replica_extras={self.keeps_copy_of: copy} if copy is not None else {},
+            fsdp_config=self.fsdp_config,
         )
+        self._mark_latest(step)
         self.events.emit("local_saved", step=step, bytes=saved.bytes, seconds=saved.seconds, path=str(self.dir),
                          tier=self.tier)
         # deleting old files costs about as much as writing them (freeing pages): off the training path
@@ -135,9 +158,19 @@ class LocalTier:
     def discard_newer(self, step: int) -> None:
         """Drops this rank's local steps after ``step``: they belong to a timeline the run left."""
         self.wait()
+        kept = []
         for newer in rank_steps(self.dir, self.world_size, self.rank):
             if newer > step:
                 remove_rank_step(self.dir, newer, self.world_size, self.rank)
+            else:
+                kept.append(newer)
+        if self.writes_directory_files and kept:
+            try:
+                stale = (read_latest(self.dir) or 0) > kept[-1]
+            except CheckpointError:
+                stale = True
+            if stale:
+                write_latest(self.dir, kept[-1])
 
     # ---------------------------------------------------------------------------------- recover
     def recover(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -170,6 +203,9 @@ class LocalTier:
             return None
         received = self._execute(plan, held)
         step_dir = self.dir / step_dir_name(plan.step)
+        if not (step_dir / HF_DIR).is_dir():
+            self._write_static_files(step_dir)  # a replaced node: its steps' huggingface/ comes back too
+        self._mark_latest(plan.step)
         names = rank_file_names(self.world_size, self.rank)
         model_sd = safe_torch_load(step_dir / names["model"])
         optim_sd = safe_torch_load(step_dir / names["optim"])

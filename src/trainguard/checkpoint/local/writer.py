@@ -10,6 +10,7 @@ rank's step uncommitted rather than mixed.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any
 from trainguard.checkpoint.checksum import file_checksum
 from trainguard.checkpoint.hashing_file import HashingFile, save_tensor
 from trainguard.fs.fsio import atomic_write_json, fsync_dir
-from trainguard.fs.layout import new_token, parse_step_dir, step_dir_name, TEMP_MARKER
+from trainguard.fs.layout import HF_DIR, new_token, parse_step_dir, step_dir_name, TEMP_MARKER
 from trainguard.checkpoint.local.paths import (
     FSDP_CONFIG_NAME,
     REPLICA_DIR,
@@ -154,6 +155,8 @@ def remove_if_abandoned(step_dir: Path) -> None:
                     return
             else:
                 leftover.unlink(missing_ok=True)
+        if (step_dir / HF_DIR).is_dir():  # the step's static files (config, tokenizer): no rank's state
+            shutil.rmtree(step_dir / HF_DIR)
         step_dir.rmdir()
         fsync_dir(step_dir.parent)
     except OSError:

@@ -104,6 +104,14 @@ class NetnsCluster:
         """The node's network goes away (its processes keep running, unreachable)."""
         ip("-n", self.ns(node), "link", "set", INTERFACE, "down")
 
+    def restore_link(self, node: str) -> None:
+        """The node's network comes back (its address and route return with the link)."""
+        ip("-n", self.ns(node), "link", "set", INTERFACE, "up")
+
+    def pids_of(self, node: str) -> set[int]:
+        """The processes (host pids) running in the node's network namespace."""
+        return {int(pid) for pid in ip("netns", "pids", self.ns(node), check=False).stdout.split()}
+
     # -------------------------------------------------------------------------------- tear down
     def stop(self) -> None:
         for name in reversed(self.made):

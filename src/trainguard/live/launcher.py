@@ -6,6 +6,7 @@ recovers either live (the replacement alone is started; the others keep their pr
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -43,8 +44,18 @@ class LiveRun:
     spares: int = 0  # warm spare processes (torch imported, waiting) that replace dead ranks first
     recovery: str = LIVE  # or RESTART: today's recovery, every rank started again
     timeout_s: float = 240.0
+    # separate nodes: the node of each replica group, then of each spare; a rank's command is started
+    # behind ``node_command`` with {node} filled in (``ip netns exec NS-{node}``), and reaches the store at
+    # ``store_host``. The launcher cannot signal a node's processes (a cut link): a hung rank is fenced
+    # by epoch alone. Empty: every rank is a local process, which the launcher also SIGKILLs when hung.
+    nodes: tuple[str, ...] = ()
+    node_command: str = ""
+    store_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
+        if self.nodes and len(self.nodes) != self.groups + self.spares:
+            raise ValueError(f"LiveRun.nodes={self.nodes!r}: expected one node per replica group and per spare "
+                             f"({self.groups + self.spares})")
         if self.fault not in ("kill", "stop"):
             raise ValueError(f"LiveRun.fault={self.fault!r}: expected 'kill' or 'stop'")
         if self.recovery not in (LIVE, RESTART):
@@ -63,12 +74,16 @@ class LiveResult:
     killed_at: float | None = None  # time.time() of the SIGKILL
     replaced_at: dict[int, float] = field(default_factory=dict)  # rank -> time.time() of its new start
     exit_codes: dict[int, int] = field(default_factory=dict)
+    fenced_exit_codes: dict[int, int | None] = field(default_factory=dict)  # pid of a fenced process ->
+    # its exit code (None: still silent at the end, killed then)
 
 
 def _spawn(run: LiveRun, rank: int, store_port: int, run_dir: Path, rejoin: bool,
            spare: int | None = None) -> subprocess.Popen:
     role = ["--rank", str(rank)] if spare is None else ["--spare", str(spare)]
-    command = [sys.executable, "-m", "trainguard.live.worker", "--store", f"127.0.0.1:{store_port}",
+    node = run.nodes[run.groups + spare if spare is not None else rank // run.group_size] if run.nodes else None
+    prefix = shlex.split(run.node_command.format(node=node)) if node is not None else []
+    command = [*prefix, sys.executable, "-m", "trainguard.live.worker", "--store", f"{run.store_host}:{store_port}",
                *role, "--world", str(run.world), "--steps", str(run.steps), "--run-dir", str(run_dir),
                "--micro-batches", str(run.micro_batches), "--micro-batch-s", str(run.micro_batch_s),
                "--checkpoint-every", str(run.checkpoint_every),
@@ -88,13 +103,24 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "checkpoints").mkdir(exist_ok=True)
     (run_dir / "final").mkdir(exist_ok=True)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    store = dist.TCPStore(run.store_host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     events = EventLog(events_path(run_dir), rank=-1)
     lighthouse = Lighthouse(store, run.world, run.group_size, events, run.hang_s)
     began = time.monotonic()
     procs = {rank: _spawn(run, rank, store.port, run_dir, rejoin=False) for rank in range(run.world)}
     spares = [(i, _spawn(run, -1, store.port, run_dir, rejoin=True, spare=i)) for i in range(run.spares)]
     result = LiveResult(0.0, {r: p.pid for r, p in procs.items()}, {})
+    fenced: list[subprocess.Popen] = []  # hung processes behind a cut link, left to stop on their own
+
+    def replace(rank: int) -> None:
+        result.replaced_at[rank] = time.time()
+        lighthouse.died(rank)
+        if spares:
+            index, procs[rank] = spares.pop(0)
+            store.set(spare_key(index), str(rank))
+        else:
+            procs[rank] = _spawn(run, rank, store.port, run_dir, rejoin=True)
+
     try:
         while any(p.returncode is None for p in procs.values()):
             if time.monotonic() - began > run.timeout_s:
@@ -114,13 +140,7 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
                 if result.killed_at is None or rank not in run.kill_ranks or rank in result.replaced_at:
                     raise RuntimeError(f"live run: rank {rank} exited with {code}")
                 if run.recovery == LIVE:
-                    result.replaced_at[rank] = time.time()
-                    lighthouse.died(rank)
-                    if spares:
-                        index, procs[rank] = spares.pop(0)
-                        store.set(spare_key(index), str(rank))
-                    else:
-                        procs[rank] = _spawn(run, rank, store.port, run_dir, rejoin=True)
+                    replace(rank)
                     continue
                 # today's recovery: every rank killed and started again, once for all the killed ranks
                 for other in procs.values():
@@ -133,11 +153,16 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
                 break
             if run.recovery == LIVE:
                 for rank in lighthouse.hung():
-                    procs[rank].kill()  # fenced: SIGKILL reaches a stopped process too; seen as a death next
+                    if run.nodes:  # out of reach: fenced by epoch (``died``), it stops if it comes back
+                        fenced.append(procs[rank])
+                        replace(rank)
+                    else:
+                        procs[rank].kill()  # SIGKILL reaches a stopped process too; seen as a death next
                 lighthouse.poll()
             time.sleep(0.005)
     finally:
-        for proc in [*procs.values(), *(proc for _, proc in spares)]:  # unused spares end here
+        result.fenced_exit_codes = {proc.pid: proc.poll() for proc in fenced}
+        for proc in [*procs.values(), *(proc for _, proc in spares), *fenced]:  # unused spares end here
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()

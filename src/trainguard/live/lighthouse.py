@@ -6,9 +6,10 @@ one of its ranks dies, the whole group leaves the quorum, and it comes back only
 ranks (the replacement and the group's survivors) has asked to join.
 
 - Hang (a stopped process, a cut link): a member whose heartbeat counter (``beat/<rank>``, raised
-  while it computes and while it waits) has not moved for ``hang_s`` is reported by :meth:`hung`; the
-  launcher SIGKILLs it (so it cannot come back into a quorum it no longer belongs to) and it is a
-  death from then on.
+  while it computes and while it waits) has not moved for ``hang_s`` is reported by :meth:`hung`; it
+  is a death from then on. A death is fenced by epoch (``fence/<rank>``): a process of that rank whose
+  epoch is not newer stops at its next contact with the store instead of coming back (a node behind a
+  cut link cannot be signalled; where the launcher can, it also SIGKILLs it).
 - Failure: once every live member of the current epoch has reported its last committed step (each
   does after its collective fails), the next epoch is the members of the intact groups, starting at
   the smallest step they committed.
@@ -27,7 +28,7 @@ import torch.distributed as dist
 
 from trainguard.events import EventLog
 from trainguard.live.collective import end_epoch
-from trainguard.live.quorum import Quorum, beat_key, done_key, has, publish, ready_key, report_key
+from trainguard.live.quorum import Quorum, beat_key, done_key, fence_key, has, publish, ready_key, report_key
 
 
 LOOKED_AWAY_S = 1.0  # a gap between two looks at the heartbeats longer than this resets every window
@@ -57,6 +58,7 @@ class Lighthouse:
 
     def died(self, rank: int) -> None:
         self.dead.add(rank)
+        self.store.set(fence_key(rank), str(self.quorum.epoch))
         self.beats.pop(rank, None)  # its replacement is judged from its own first beat
 
     def hung(self) -> list[int]:

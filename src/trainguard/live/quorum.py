@@ -57,6 +57,13 @@ def done_key(rank: int) -> str:
     return f"done/{rank}"
 
 
+def fence_key(rank: int) -> str:
+    """The newest epoch in which this rank's process was declared dead (exited, or silent for the
+    heartbeat timeout). A process of this rank whose epoch is not newer is stale: it must never report,
+    ask to join or step again, even if it comes back (a cut link restored)."""
+    return f"fence/{rank}"
+
+
 def beat_key(rank: int) -> str:
     """A counter each rank raises while it computes and while it waits (collectives, the lighthouse):
     a rank whose counter stops is hung, stopped or cut off."""

@@ -30,15 +30,22 @@ from trainguard.events import EventLog
 from trainguard.fs.fsio import atomic_write_bytes
 from trainguard.live import collective
 from trainguard.live.ordered_sum import my_micro_batches, reduce_rows
-from trainguard.live.quorum import (Quorum, beat_key, done_key, epoch_key, latest_epoch, progress_key, read_quorum,
-                                    ready_key, report_key, spare_key, spare_ready_key, start_key, wait_for)
+from trainguard.live.quorum import (Quorum, beat_key, done_key, epoch_key, fence_key, has, latest_epoch, progress_key,
+                                    read_quorum, ready_key, report_key, spare_key, spare_ready_key, start_key,
+                                    wait_for)
 from trainguard.live.transfer import broadcast_state, load_state, state_of
 from trainguard.live.workload import Workload, set_grads
 from trainguard.live.files import checkpoint_path, events_path, final_path, state_bytes
 
+FENCED_EXIT = 3  # a stale process that found itself fenced ends with this code
+
 WAIT_S = 120.0  # the longest a rank waits for the lighthouse (a new epoch, a join's start step)
 SPARE_WAIT_S = 24 * 3600.0  # a spare waits as long as a run lasts; the launcher ends it if unused
 BEAT_S = 0.05  # the most often a rank raises its heartbeat counter
+
+
+class Fenced(Exception):
+    """This process's rank was declared dead and replaced: it must stop, not rejoin."""
 
 
 class LiveWorker:
@@ -131,6 +138,12 @@ class LiveWorker:
 
     def recover(self, error: RuntimeError) -> None:
         epoch, committed = self.quorum.epoch, self.step_index
+        fence = self.store.get(fence_key(self.rank)) if has(self.store, fence_key(self.rank)) else None
+        if fence is not None and int(fence) >= epoch:
+            # declared dead in this epoch (silent behind a cut link, now back): another process holds
+            # this rank; reporting or asking to join would put two of it in a quorum
+            self.events.emit("live_fenced", step=committed, epoch=epoch, fence_epoch=int(fence), pid=os.getpid())
+            raise Fenced(f"rank {self.rank} (pid {os.getpid()}) was fenced in epoch {int(fence)}")
         failed_at = time.time()
         collective.end_epoch(self.store, epoch)  # the members still blocked learn it now
         self.retired.append(self.group)  # destroying it would block until its pending operation times out
@@ -225,14 +238,20 @@ def main(argv: list[str] | None = None) -> None:
         optimizer.step()
         store.set(spare_ready_key(args.spare), "1")
         rank, rejoin = int(wait_for(store, spare_key(args.spare), SPARE_WAIT_S, beat=lambda: None)), True
-    LiveWorker(store, rank, args.world, args.steps, args.run_dir, workload,
-               args.micro_batch_s, args.checkpoint_every, args.collective_timeout_s,
-               args.fail_after_reduce).run(rejoin)
+    worker = LiveWorker(store, rank, args.world, args.steps, args.run_dir, workload,
+                        args.micro_batch_s, args.checkpoint_every, args.collective_timeout_s,
+                        args.fail_after_reduce)
+    code = 0
+    try:
+        worker.run(rejoin)
+    except Fenced as fenced:
+        print(f"live recovery: {fenced}; exiting", file=sys.stderr)
+        code = FENCED_EXIT
     # Everything is written (events unbuffered, the final state fsynced). A normal exit would destroy
     # the retired groups, whose threads wait for their abandoned operation's timeout (collective.py).
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 if __name__ == "__main__":

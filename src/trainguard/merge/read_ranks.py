@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from trainguard.errors import CheckpointError, UnsafeCheckpointError
+from trainguard.checkpoint.safe_load import describe_error, weights_only_refusal
+from trainguard.errors import CheckpointError
 from trainguard.merge import mapped_pages
 from trainguard.merge.pieces import CheckpointContents, Piece, ShardedTensor
 from trainguard.merge.placement import Placement, coordinate, local_block, parse_placement, placement_of, SHARD
@@ -57,13 +58,11 @@ def load_rank_file(path: Path, mmap: bool = True) -> Any:
         with torch.serialization.safe_globals(allowed):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
-        offender = re.search(r"GLOBAL ([\w.]+)", str(exc))
-        raise UnsafeCheckpointError(f"refusing to load {path}: it contains pickled code/objects that weights_only "
-                                    f"loading does not allow{f' ({offender.group(1)})' if offender else ''}") from None
+        raise weights_only_refusal(path, exc) from None
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing") from None
     except (RuntimeError, KeyError, EOFError, ValueError, OSError) as exc:
-        raise CheckpointError(f"cannot load {path}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}") from None
+        raise CheckpointError(f"cannot load {path}: {describe_error(exc)}") from None
     finally:
         mesh_log.setLevel(level)
 

@@ -331,3 +331,23 @@ def test_a_code_running_shard_file_is_one_line_naming_it(tmp_path, planted):
     text = str(caught.value)
     assert shard.name in text and "\n" not in text, text
     assert not marker.exists()
+
+
+LOCAL_CONTROL_FILE_GARBAGE = {
+    "symlink out of the run": (lambda p: p.symlink_to(outside_file()), "a symbolic link, not a regular file"),
+    "fifo": (_fifo, "not a regular file"),
+    "nested too deeply": (lambda p: p.write_text("[" * 100 + "]" * 100), "nested deeper than 64"),
+    "not UTF-8": (lambda p: p.write_bytes(b"\xff\xfe{}"), "cannot read"),
+}
+
+
+@pytest.mark.parametrize(("make", "reason"), LOCAL_CONTROL_FILE_GARBAGE.values(), ids=LOCAL_CONTROL_FILE_GARBAGE.keys())
+def test_local_tier_control_files_are_never_followed_or_waited_on(tmp_path, make, reason):
+    from trainguard.checkpoint.local.rank_manifest import read_rank_manifest
+    from trainguard.topology import read_group_info
+
+    for name, read in (("group_info.json", read_group_info), ("manifest_world_size_2_rank_0.json", read_rank_manifest)):
+        make(tmp_path / name)
+        with pytest.raises(CheckpointError, match=re.escape(reason)) as caught:
+            read(tmp_path / name)
+        assert str(tmp_path / name) in str(caught.value) and "\n" not in str(caught.value)

@@ -145,3 +145,5 @@ def test_a_full_disk_at_save_is_one_line_naming_the_directory(small_file_system)
     lines = _error_lines(proc.stderr)
     assert len(lines) == 1, proc.stderr[-3000:]
     assert "file system full" in lines[0] and str(run / "checkpoints") in lines[0] and "bytes free" in lines[0]
+    assert "the checkpoint of step 2 needs about" in lines[0]
+    assert "Terminating process" not in proc.stderr  # the ranks that did not fail first stay quiet

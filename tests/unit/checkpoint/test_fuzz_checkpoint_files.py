@@ -8,7 +8,6 @@ import json
 import os
 import random
 import re
-import shutil
 import stat
 from pathlib import Path
 
@@ -109,7 +108,7 @@ def _device(path: Path) -> None:
 ENTRY_ADDITIONS = {
     "listed file replaced by a symlink": ("huggingface/config.json", _symlink_out, "not a regular file (symlink)"),
     "symlink added": ("huggingface/vocab.json", lambda p: p.symlink_to(outside_file()), "not a regular file (symlink)"),
-    "symlink to a directory added": ("etc", lambda p: p.symlink_to("/etc"), "not a regular file (symlink)"),
+    "symlink to a directory added": ("etc", lambda p: p.symlink_to(outside_file().parent), "not a regular file (symlink)"),
     "fifo added": ("pipe", _fifo, "not a regular file (fifo)"),
     "device added": ("null", _device, "not a regular file (device)"),
     "empty directory added": ("empty", lambda p: p.mkdir(), "unexpected directory"),
@@ -247,7 +246,7 @@ def test_random_damage_never_passes_verification(root, seed):
             target.write_bytes(bytes(data) + os.urandom(rng.randint(1, 64)))
         elif kind == "symlink":
             target.unlink()
-            target.symlink_to(shutil.which("sh"))
+            target.symlink_to(outside_file())  # a later damage writes through it: never a system file
         else:
             target.unlink()
             os.mkfifo(target)

@@ -147,3 +147,52 @@ def test_a_full_disk_at_save_is_one_line_naming_the_directory(small_file_system)
     assert "file system full" in lines[0] and str(run / "checkpoints") in lines[0] and "bytes free" in lines[0]
     assert "the checkpoint of step 2 needs about" in lines[0]
     assert "Terminating process" not in proc.stderr  # the ranks that did not fail first stay quiet
+
+
+def _random_damage(rng, run: Path) -> str:
+    """One random kind of damage to the newest checkpoint (and maybe the tracker); returns what it did."""
+    ckpt = run / "checkpoints/global_step_8"
+    files = sorted(p for p in ckpt.rglob("*") if p.is_file())
+    target = rng.choice(files)
+    kind = rng.choice(["flip", "truncate", "extend", "symlink", "fifo", "extra file", "manifest edit"])
+    if kind == "flip":
+        data = bytearray(target.read_bytes())
+        data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+        target.write_bytes(bytes(data))
+    elif kind == "truncate":
+        target.write_bytes(target.read_bytes()[: rng.randrange(target.stat().st_size)])
+    elif kind == "extend":
+        target.write_bytes(target.read_bytes() + os.urandom(rng.randint(1, 64)))
+    elif kind == "symlink":
+        target.unlink()
+        target.symlink_to(outside_file())
+    elif kind == "fifo":
+        target.unlink()
+        os.mkfifo(target)
+    elif kind == "extra file":
+        (target.parent / "planted.bin").write_bytes(os.urandom(16))
+    else:
+        _edit_world_size(ckpt, rng.choice([1, 3, 4]))
+    if rng.random() < 0.5:
+        tracker = run / "checkpoints" / LATEST_FILE
+        tracker.unlink()
+        tracker.write_bytes(rng.choice([b"../../etc", b"999", b"-5", b"", os.urandom(8)]))
+        kind += " + tracker garbage"
+    return f"{kind} of {target.relative_to(ckpt)}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(12))
+def test_random_damage_then_a_real_resume(committed_run, tmp_path, seed):
+    """Random damage to the newest checkpoint of a real run, then `--resume auto`: it resumes from the
+    previous one, without a traceback, and leaves a run that verifies (tracker rewritten)."""
+    import random
+
+    run = _copy(committed_run, tmp_path)
+    what = _random_damage(random.Random(seed), run)
+    proc = train(run, 2, 10, "--save-interval", "4", "--resume", "auto")
+    assert proc.returncode == 0, (what, proc.stderr[-3000:])
+    _no_traceback(proc)
+    assert events(run, "run_started")[-1]["resumed_from"].endswith("global_step_4"), what
+    verify = trainguard("ckpt", "verify", str(run))
+    assert verify.returncode == 0, (what, verify.stdout)

@@ -54,7 +54,7 @@ from trainguard.checkpoint.safe_load import describe_error, load_dcp_metadata, s
 from trainguard.checkpoint.snapshot import LazySnapshot, StagingGate
 from trainguard.checkpoint.state_capture import CaptureCache
 from trainguard.checkpoint.state_dict import STATE_DICT_OPTIONS, training_state
-from trainguard.errors import CheckpointError, raised_by_every_rank
+from trainguard.errors import CheckpointError, UnsafeCheckpointError, raised_by_every_rank
 from trainguard.events import EventLog
 from trainguard.fs.fsio import remove_directory_crash_safe
 from trainguard.fs.layout import HEALTH_FILE, extra_state_name, parse_step_dir, step_dir_name, temp_dir_name
@@ -363,4 +363,5 @@ def _dcp_load_failure(exc: BaseException, ckpt_dir: Path, *, distributed: bool) 
         error = CheckpointError(f"cannot load {ckpt_dir}: {describe_error(error)}")
     if not distributed:
         return error
-    return raised_by_every_rank(type(error)(f"{error} (rank {rank})"))
+    kind = UnsafeCheckpointError if isinstance(error, UnsafeCheckpointError) else CheckpointError
+    return raised_by_every_rank(kind(f"{error} (rank {rank})"))

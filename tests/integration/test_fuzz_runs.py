@@ -15,6 +15,7 @@ import pytest
 from trainguard.cli import main
 from trainguard.fs.layout import HEALTH_FILE, LATEST_FILE, MANIFEST_NAME
 
+from helpers.mounts import tmpfs
 from helpers.runs import events, train, trainguard, outside_file
 
 TENSOR_FILE = "__1_0.distcp"
@@ -116,42 +117,24 @@ def test_resume_passes_over_an_edited_manifest_and_repairs_tracker_and_health(co
     assert verify.returncode == 0, verify.stdout
 
 
-def test_a_code_running_pickle_on_one_rank_is_one_line_from_rank_0(committed_run, tmp_path):
-    import pickle
-
-    marker = tmp_path / "code-ran"
-
-    class Payload:
-        def __reduce__(self):
-            return (os.system, (f"touch {marker}",))
-
-    run = _copy(committed_run, tmp_path)
-    ckpt = run / "checkpoints/global_step_8"
-    (ckpt / "extra_state_world_size_2_rank_1.pt").write_bytes(pickle.dumps(Payload()))
-    from trainguard.checkpoint.manifest import build_manifest, read_manifest, write_manifest
-
-    old = read_manifest(ckpt)
-    (ckpt / MANIFEST_NAME).unlink()
-    write_manifest(ckpt, build_manifest(ckpt, step=8, world_size=2, mesh_shape=old.mesh_shape,
-                                        mesh_dim_names=old.mesh_dim_names, trainer_state=old.trainer_state))
-    proc = train(run, 2, 10, "--save-interval", "4", "--resume", str(ckpt))
-    assert proc.returncode == 1
+def test_a_fault_naming_a_module_one_rank_lacks_is_one_line_from_rank_0(tmp_path):
+    """The site is checked where the hooks go in, on the rank the fault names (rank 1 here): every rank
+    learns of it and stops, and rank 0 alone says so."""
+    run = tmp_path / "run"
+    proc = train(run, 2, 2, "--set", "faults=bitflip:rank=1,step=1,site=model.no_such_layer,where=output")
+    assert proc.returncode == 2, proc.stderr[-3000:]
     _no_traceback(proc)
     lines = _error_lines(proc.stderr)
-    assert len(lines) == 1 and "refusing to load" in lines[0] and "rank_1.pt" in lines[0], proc.stderr[-3000:]
-    assert not marker.exists()
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("trainguard: error: [rank 0] ") and "model.no_such_layer" in lines[0], lines
+    assert lines[0].endswith("(rank 1)")
+    assert "Terminating process" not in proc.stderr  # no rank was left to be killed
 
 
 @pytest.fixture
 def small_file_system(tmp_path):
-    mount_point = tmp_path / f"small-{uuid.uuid4().hex[:6]}"
-    mount_point.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a 1 MiB tmpfs here (needs root): {mounted.stderr.strip()}")
-    yield mount_point
-    subprocess.run(["umount", "-l", str(mount_point)], check=False)
+    with tmpfs(tmp_path / f"small-{uuid.uuid4().hex[:6]}", "size=1m") as mount_point:
+        yield mount_point
 
 
 def test_a_full_disk_at_save_is_one_line_naming_the_directory(small_file_system):
@@ -162,3 +145,54 @@ def test_a_full_disk_at_save_is_one_line_naming_the_directory(small_file_system)
     lines = _error_lines(proc.stderr)
     assert len(lines) == 1, proc.stderr[-3000:]
     assert "file system full" in lines[0] and str(run / "checkpoints") in lines[0] and "bytes free" in lines[0]
+    assert "the checkpoint of step 2 needs about" in lines[0]
+    assert "Terminating process" not in proc.stderr  # the ranks that did not fail first stay quiet
+
+
+def _random_damage(rng, run: Path) -> str:
+    """One random kind of damage to the newest checkpoint (and maybe the tracker); returns what it did."""
+    ckpt = run / "checkpoints/global_step_8"
+    files = sorted(p for p in ckpt.rglob("*") if p.is_file())
+    target = rng.choice(files)
+    kind = rng.choice(["flip", "truncate", "extend", "symlink", "fifo", "extra file", "manifest edit"])
+    if kind == "flip":
+        data = bytearray(target.read_bytes())
+        data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+        target.write_bytes(bytes(data))
+    elif kind == "truncate":
+        target.write_bytes(target.read_bytes()[: rng.randrange(target.stat().st_size)])
+    elif kind == "extend":
+        target.write_bytes(target.read_bytes() + os.urandom(rng.randint(1, 64)))
+    elif kind == "symlink":
+        target.unlink()
+        target.symlink_to(outside_file())
+    elif kind == "fifo":
+        target.unlink()
+        os.mkfifo(target)
+    elif kind == "extra file":
+        (target.parent / "planted.bin").write_bytes(os.urandom(16))
+    else:
+        _edit_world_size(ckpt, rng.choice([1, 3, 4]))
+    if rng.random() < 0.5:
+        tracker = run / "checkpoints" / LATEST_FILE
+        tracker.unlink()
+        tracker.write_bytes(rng.choice([b"../../etc", b"999", b"-5", b"", os.urandom(8)]))
+        kind += " + tracker garbage"
+    return f"{kind} of {target.relative_to(ckpt)}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(12))
+def test_random_damage_then_a_real_resume(committed_run, tmp_path, seed):
+    """Random damage to the newest checkpoint of a real run, then `--resume auto`: it resumes from the
+    previous one, without a traceback, and leaves a run that verifies (tracker rewritten)."""
+    import random
+
+    run = _copy(committed_run, tmp_path)
+    what = _random_damage(random.Random(seed), run)
+    proc = train(run, 2, 10, "--save-interval", "4", "--resume", "auto")
+    assert proc.returncode == 0, (what, proc.stderr[-3000:])
+    _no_traceback(proc)
+    assert events(run, "run_started")[-1]["resumed_from"].endswith("global_step_4"), what
+    verify = trainguard("ckpt", "verify", str(run))
+    assert verify.returncode == 0, (what, verify.stdout)

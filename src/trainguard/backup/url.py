@@ -63,7 +63,14 @@ def open_mirror(url: str, endpoint_url: str | None = None) -> Mirror:
 
     if not is_url(url):
         raise ConfigError(f"mirror URL {url!r}: expected PROTOCOL://PATH, such as s3://bucket/prefix or file:///path")
-    protocol = url.split("://", 1)[0]
+    protocol, location = url.split("://", 1)
+    if not location.strip("/"):
+        raise ConfigError(f"mirror URL {redact(url)}: names no location (a bucket or a directory)")
+    if protocol in ("file", "local") and not location.startswith("/"):
+        # fsspec would take it relative to the working directory, which differs between a run and its restart
+        raise ConfigError(f"mirror URL {redact(url)}: file:// takes an absolute path (file:///path)")
+    if protocol in ("s3", "s3a") and location.startswith("/"):
+        raise ConfigError(f"mirror URL {redact(url)}: names no bucket (s3://bucket/prefix)")
     options: dict[str, Any] = {}
     if protocol in ("s3", "s3a"):
         endpoint = endpoint_url or endpoint_from_env()

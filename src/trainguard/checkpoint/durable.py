@@ -21,7 +21,9 @@ the checkpoint's own process group.
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import pickle
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -39,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.futures import Future
 
 from trainguard.checkpoint.commit import Committed, commit_checkpoint
 from trainguard.checkpoint.discovery import list_checkpoints
@@ -47,11 +50,11 @@ from trainguard.checkpoint.dcp_writer import SaveJob, gather_entries, write_rank
 from trainguard.checkpoint.hooks import CommitHook
 from trainguard.checkpoint.manifest import build_manifest, read_manifest
 from trainguard.checkpoint.retention import retention_after_commit
-from trainguard.checkpoint.safe_load import load_dcp_metadata, safe_torch_load
+from trainguard.checkpoint.safe_load import describe_error, load_dcp_metadata, safe_torch_load, weights_only_refusal
 from trainguard.checkpoint.snapshot import LazySnapshot, StagingGate
 from trainguard.checkpoint.state_capture import CaptureCache
 from trainguard.checkpoint.state_dict import STATE_DICT_OPTIONS, training_state
-from trainguard.errors import CheckpointError
+from trainguard.errors import CheckpointError, UnsafeCheckpointError, raised_by_every_rank
 from trainguard.events import EventLog
 from trainguard.fs.fsio import remove_directory_crash_safe
 from trainguard.fs.layout import HEALTH_FILE, extra_state_name, parse_step_dir, step_dir_name, temp_dir_name
@@ -67,7 +70,8 @@ def _marked_unhealthy(ckpt_dir: Path) -> bool:
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """DCP's reader, except that ``.metadata`` is unpickled with an allow-list, never plainly."""
+    """DCP's reader, except that ``.metadata`` is unpickled with an allow-list, never plainly, and a
+    shard file that fails to load is named in one line (DCP's own error is a traceback of every rank)."""
 
     def read_metadata(self, *args: Any, **kwargs: Any):
         metadata = load_dcp_metadata(Path(self.path) / ".metadata")
@@ -77,6 +81,22 @@ class SafeFileSystemReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def read_data(self, plan: Any, planner: Any):
+        per_file: dict[str, list[Any]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for relative_path, items in per_file.items():
+            path = Path(self.path) / relative_path
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner)
+            except pickle.UnpicklingError as exc:
+                raise weights_only_refusal(path, exc) from None
+            except Exception as exc:  # truncated, foreign or mismatched records fail in many ways
+                raise CheckpointError(f"cannot load {path}: {describe_error(exc)}") from None
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -276,12 +296,15 @@ class DurableCheckpointer:
             state = {"model": model_sd, "optim": optim_sd}
         else:  # saved before any optimizer step: the optimizer starts fresh, as it did then
             state = {"model": get_model_state_dict(model, options=STATE_DICT_OPTIONS)}
-        dcp.load(
-            state,
-            storage_reader=SafeFileSystemReader(ckpt_dir),
-            planner=SafeLoadPlanner(),
-            process_group=self.process_group,
-        )
+        try:
+            dcp.load(
+                state,
+                storage_reader=SafeFileSystemReader(ckpt_dir),
+                planner=SafeLoadPlanner(),
+                process_group=self.process_group,
+            )
+        except BaseException as exc:  # DCP's CheckpointException (every rank raises it) is a BaseException
+            raise _dcp_load_failure(exc, ckpt_dir, distributed=dist.is_initialized()) from None
         if "optim" in state:
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                            options=STATE_DICT_OPTIONS)
@@ -317,5 +340,28 @@ def read_full_state_dict(ckpt_dir: Path) -> dict[str, Any]:
 
     load_dcp_metadata(Path(ckpt_dir))  # refuse unsafe metadata with our one-line error, not DCP's wrapper
     planner = _SafeEmptyStateDictLoadPlanner(flatten_state_dict=False)
-    _load_state_dict({}, storage_reader=SafeFileSystemReader(ckpt_dir), planner=planner, no_dist=True)
+    try:
+        _load_state_dict({}, storage_reader=SafeFileSystemReader(ckpt_dir), planner=planner, no_dist=True)
+    except BaseException as exc:
+        raise _dcp_load_failure(exc, ckpt_dir, distributed=False) from None
     return planner.state_dict
+
+
+def _dcp_load_failure(exc: BaseException, ckpt_dir: Path, *, distributed: bool) -> BaseException:
+    """What to raise for ``exc``, raised by a DCP load of ``ckpt_dir``. DCP gathers every rank's failure
+    into one ``CheckpointException`` that all ranks raise alike: it becomes the first failing rank's
+    error (a ``CheckpointError`` naming the file), raised by every rank of a ``distributed`` load (rank 0
+    reports it in one line; the others stay quiet). Anything else (an interrupt, a failure outside DCP's
+    collectives) is raised as it was."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return exc
+    rank = min(failures)
+    failure = failures[rank]
+    error = failure[0] if isinstance(failure, tuple) else failure
+    if not isinstance(error, CheckpointError):
+        error = CheckpointError(f"cannot load {ckpt_dir}: {describe_error(error)}")
+    if not distributed:
+        return error
+    kind = UnsafeCheckpointError if isinstance(error, UnsafeCheckpointError) else CheckpointError
+    return raised_by_every_rank(kind(f"{error} (rank {rank})"))

@@ -32,8 +32,9 @@ from trainguard.checkpoint.manifest import read_manifest
 from trainguard.checkpoint.memory_tier import MemoryTier
 from trainguard.checkpoint.resume import choose_resume_checkpoint
 from trainguard.checkpoint.save_policy import SaveDecision, decide_save
-from trainguard.errors import NoCheckpointError, TrainguardError, failure_of_rank, raised_by_every_rank
+from trainguard.errors import NoCheckpointError, TrainguardError, raised_by_every_rank
 from trainguard.events import EventLog
+from trainguard.topology.rank_failure import raise_if_any_rank_failed
 from trainguard.guards.health import marked_unhealthy
 from trainguard.checkpoint.rng_state import capture_rng_state, restore_rng_state, seed_everything
 
@@ -53,20 +54,6 @@ def _broadcast(value: Any) -> Any:
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def _raise_if_any_rank_failed(failure: TrainguardError | None) -> None:
-    """Every rank raises when any rank failed (none is left waiting in a collective for the others),
-    with the first failing rank's message, so that rank 0 can report it in one line."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        if failure is not None:
-            raise failure
-        return
-    reports: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, (str(failure), failure.exit_code) if failure is not None else None)
-    for rank, report in enumerate(reports):
-        if report is not None:
-            raise failure_of_rank(rank, *report)
 
 
 class CheckpointManager:
@@ -191,8 +178,10 @@ class CheckpointManager:
         try:
             step = self._load_durable(Path(path))
         except TrainguardError as exc:  # e.g. a file refused as unsafe on this rank only
+            if exc.every_rank_raises:  # DCP already told every rank of it
+                raise
             failure = exc
-        _raise_if_any_rank_failed(failure)
+        raise_if_any_rank_failed(failure)
         seconds = time.perf_counter() - started
         log.info("resumed from %s at step %d (%.2fs)", path, step, seconds)
         if self.rank == 0:

@@ -11,6 +11,7 @@ import importlib
 import logging
 import pickle
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,10 @@ from trainguard.fs.fsio import PathLike
 from trainguard.errors import CheckpointError, UnsafeCheckpointError
 
 DCP_METADATA_NAME = ".metadata"
+
+# torch's weights-only unpickler warns (two lines) about a pickle protocol torch.save never writes just
+# before it refuses such a file: a planted pickle's refusal is to be one line, not three.
+warnings.filterwarnings("ignore", message=r"Detected pickle protocol \d+ in the checkpoint", category=UserWarning)
 
 # What torch's own DCP writes (checked against saves of plain, nested, optimizer and DTensor state).
 _DCP_METADATA_CLASSES: dict[str, frozenset[str]] = {
@@ -93,12 +98,7 @@ def safe_torch_load(path: PathLike, *, mmap: bool = False) -> Any:
         with torch.serialization.safe_globals(allowed):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
-        offender = _UNSUPPORTED_GLOBAL.search(str(exc))
-        detail = f" ({offender.group(1)})" if offender else ""
-        raise UnsafeCheckpointError(
-            f"refusing to load {path}: it contains pickled code/objects that weights_only loading "
-            f"does not allow{detail}"
-        ) from None
+        raise weights_only_refusal(path, exc) from None
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing") from None
     except (RuntimeError, KeyError, EOFError, ValueError, OSError) as exc:
@@ -106,6 +106,15 @@ def safe_torch_load(path: PathLike, *, mmap: bool = False) -> Any:
         raise CheckpointError(f"cannot load {path}: {_first_line(exc)}") from None
     finally:
         mesh_log.setLevel(level)
+
+
+def weights_only_refusal(path: PathLike, exc: pickle.UnpicklingError) -> UnsafeCheckpointError:
+    """The one line for a file ``torch.load(weights_only=True)`` refused, naming what it would have run."""
+    offender = _UNSUPPORTED_GLOBAL.search(str(exc))
+    detail = f" ({offender.group(1)})" if offender else ""
+    return UnsafeCheckpointError(
+        f"refusing to load {path}: it contains pickled code/objects that weights_only loading does not allow{detail}"
+    )
 
 
 class _DcpMetadataUnpickler(pickle.Unpickler):
@@ -140,10 +149,29 @@ def load_dcp_metadata(path: PathLike) -> Metadata:
     except UnsafeCheckpointError:
         raise
     except Exception as exc:  # a damaged pickle fails in many ways; all mean "unreadable"
-        raise CheckpointError(f"cannot load {path}: {type(exc).__name__}: {_first_line(exc)}") from None
+        raise CheckpointError(f"cannot load {path}: {describe_error(exc)}") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"cannot load {path}: holds a {type(metadata).__name__}, not DCP Metadata")
+    storage = metadata.storage_data if metadata.storage_data is not None else {}
+    if not isinstance(storage, dict):
+        raise CheckpointError(f"cannot load {path}: its storage table is a {type(storage).__name__}, not a mapping")
+    for index, info in storage.items():
+        _check_storage_file_name(path, index, getattr(info, "relative_path", None))
     return metadata
+
+
+def _check_storage_file_name(path: Path, index: Any, name: Any) -> None:
+    """DCP writes each shard beside ``.metadata`` under a bare file name; a name with a directory in it
+    (``../../etc/shadow``) would make a reader open a file outside the checkpoint."""
+    if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name:
+        raise CheckpointError(f"{path}: the storage entry of {getattr(index, 'fqn', index)} names {name!r}, "
+                              "not a file of this checkpoint; refusing to read it")
+
+
+def describe_error(exc: BaseException) -> str:
+    """``Type: first line of the message`` (``Type`` alone when there is no message): one line."""
+    text = _first_line(exc)
+    return type(exc).__name__ if text == type(exc).__name__ else f"{type(exc).__name__}: {text}"
 
 
 def _first_line(exc: BaseException) -> str:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from trainguard.checkpoint.resume import check_explicit_resume_path
 from trainguard.errors import ConfigError
+from trainguard.faults.injector import active_faults, check_fault_ranks
 from trainguard.runtime.nodes import ENV_NNODES, ENV_SUPERVISED
 from trainguard.topology import resolve_layout
 from trainguard.trainer.entry import add_train_arguments, config_from_args, overrides_from_args
@@ -31,7 +32,13 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     supervised = bool(os.environ.get(ENV_SUPERVISED))
     nnodes = int(os.environ.get(ENV_NNODES, "1")) if supervised else args.nnodes
-    resolve_layout(config.parallel, args.nproc * max(1, nnodes))
+    world_size = args.nproc * max(1, nnodes)
+    resolve_layout(config.parallel, world_size)
+    source, faults = active_faults(config.faults)
+    try:
+        check_fault_ranks(faults, world_size)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
     if config.checkpoint.resume not in ("auto", "disable") and "://" not in config.checkpoint.resume:
         check_explicit_resume_path(Path(config.checkpoint.resume))
     if args.run_dir is not None and not args.run_dir.strip():

@@ -59,6 +59,13 @@ class BoundedYamlLoader(yaml.SafeLoader):
         finally:
             self._depth -= 1
 
+    def fetch_flow_collection_start(self, TokenClass: Any) -> None:
+        # The scanner reads a flow collection ahead to its end before the composer sees any of it: a
+        # megabyte of "[" is refused here, at the first bracket too many, rather than after the scan.
+        if self.flow_level >= MAX_YAML_DEPTH:
+            raise _RefusedYaml(f"nested deeper than {MAX_YAML_DEPTH} levels")
+        super().fetch_flow_collection_start(TokenClass)
+
     def construct_mapping(self, node: Any, deep: bool = False) -> Any:
         seen = set()
         for key_node, _ in node.value:

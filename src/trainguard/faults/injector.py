@@ -45,16 +45,21 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
+def check_fault_ranks(specs: list[FaultSpec], world_size: int) -> None:
+    """Refuses a fault naming a rank the run does not have (checked before launch and by each rank)."""
+    for spec in specs:
+        if spec.rank is not None and spec.rank >= world_size and spec.kind not in DOCTOR_KINDS:
+            raise ConfigError(
+                f"bad fault {spec.text!r}: rank {spec.rank} is outside the world size {world_size}"
+                f" (ranks 0..{world_size - 1})"
+            )
+
+
 class FaultInjector:
     """Injects the faults meant for this rank; a no-op at every step where none is due."""
 
     def __init__(self, specs: list[FaultSpec], run_dir: Path, rank: int, world_size: int, emit: Callable[..., Any]):
-        for spec in specs:
-            if spec.rank is not None and spec.rank >= world_size and spec.kind not in DOCTOR_KINDS:
-                raise ConfigError(
-                    f"bad fault {spec.text!r}: rank {spec.rank} is outside the world size {world_size}"
-                    f" (ranks 0..{world_size - 1})"
-                )
+        check_fault_ranks(specs, world_size)
         self.specs = list(specs)
         self.rank = rank
         self.world_size = world_size

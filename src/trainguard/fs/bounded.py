@@ -7,11 +7,15 @@ from __future__ import annotations
 import json
 import os
 import stat
+from pathlib import Path
 from typing import Any
 
+from trainguard.errors import CheckpointError
 from trainguard.fs.fsio import PathLike
 
 MAX_JSON_DEPTH = 64
+MAX_FORMAT_JSON_BYTES = 64 << 20
+"""A rank manifest or group_info file lists a few files or ranks; this is thousands of times that."""
 
 
 class BoundedReadError(OSError):
@@ -64,3 +68,25 @@ def _depth(value: Any) -> int:
         children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
         stack.extend((child, depth + 1) for child in children)
     return deepest
+
+
+def read_format_json(path: PathLike, fmt: str, version: int, what: str, missing: str = "missing") -> dict:
+    """A JSON file of one of trainguard's formats (``{"format": fmt, "version": version, ...}``), read as
+    a control file (regular, bounded, never through a link); ``CheckpointError`` naming the file and the
+    fault otherwise (``what`` names the kind of file)."""
+    path = Path(path)
+    try:
+        data = parse_json(read_regular_text(path, MAX_FORMAT_JSON_BYTES))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: {missing}") from None
+    except BoundedReadError as exc:
+        raise CheckpointError(f"{path}: {exc.strerror}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc})") from None
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
+    if not isinstance(data, dict) or data.get("format") != fmt:
+        raise CheckpointError(f"{path}: not a trainguard {what} (format should be {fmt!r})")
+    if data.get("version") != version:
+        raise CheckpointError(f"{path}: version {data.get('version')!r} is not supported (expected {version})")
+    return data

@@ -120,25 +120,6 @@ def clean_stale(root: PathLike) -> list[Path]:
     return removed
 
 
-def read_format_json(path: PathLike, fmt: str, version: int, what: str, missing: str = "missing") -> dict:
-    """A JSON file of one of trainguard's formats (``{"format": fmt, "version": version, ...}``), as a dict;
-    ``CheckpointError`` naming the file and the fault otherwise (``what`` names the kind of file)."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: {missing}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: cannot read ({exc})") from None
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
-    if not isinstance(data, dict) or data.get("format") != fmt:
-        raise CheckpointError(f"{path}: not a trainguard {what} (format should be {fmt!r})")
-    if data.get("version") != version:
-        raise CheckpointError(f"{path}: version {data.get('version')!r} is not supported (expected {version})")
-    return data
-
-
 SYNC_FILE_RANGE_WRITE = 2
 
 

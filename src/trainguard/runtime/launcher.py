@@ -36,6 +36,9 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path, entrypoint: 
     # A rank that exits non-zero has said why in one line; the agent's traceback of its own poll loop
     # ("ProcessExitedException") repeats nothing useful. The exit codes reach the supervisor below.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    # Nor does its "Terminating process N via signal SIGTERM" of the ranks still running after one
+    # failed: rank 0's line already said what failed, and the others are to stay quiet.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     import torch
 
     fork = not torch.cuda.is_available()

@@ -42,7 +42,7 @@ from trainguard.backup.attach import attach_mirror
 from trainguard.checkpoint.manager import CheckpointManager, Stateful
 from trainguard.config.load import config_to_dict, load_config
 from trainguard.config.schema import RunConfig
-from trainguard.errors import EXIT_CRASH, EXIT_OK, TrainguardError
+from trainguard.errors import EXIT_CRASH, EXIT_OK, ConfigError, TrainguardError
 from trainguard.events import EventLog
 from trainguard.events.rank_logging import LOGGER_NAME, setup_logging
 from trainguard.faults import FaultInjector
@@ -61,6 +61,7 @@ from trainguard.step.sdc import RerunVerdict, SdcGuard
 from trainguard.step.slots import Reduced, Slot, local_slots, reduce_step
 from trainguard.step.snapshot import StepSnapshot
 from trainguard.step.static_files import huggingface_files
+from trainguard.topology.rank_failure import raise_if_any_rank_failed
 from trainguard.topology.replica_groups import device_mesh_replica_groups
 
 Config = RunConfig  # the keys of `trainguard train`; a loop of its own uses the sections it needs
@@ -170,27 +171,30 @@ class Guard:
         reserved = {"scheduler", "skip_guard", "rollback", "sdc_detector", "sdc_strikes"} & set(self.stateful)
         if reserved:
             raise ValueError(f"stateful names {sorted(reserved)} are the guard's own; choose other names")
-        self.faults = FaultInjector.from_env(self.run_dir, self.rank, self.world_size, self.events.emit,
-                                             config_text=cfg.faults)
-        self.faults.install(model)
+        rank_tiers = cfg.checkpoint.local_interval or cfg.checkpoint.memory_interval
+        per_node = resolve_ranks_per_node(cfg.parallel.ranks_per_node, self.world_size) if rank_tiers else 1
+        failure = None
+        try:  # a fault naming a module of another pipeline stage fails on some ranks only
+            self.faults = FaultInjector.from_env(self.run_dir, self.rank, self.world_size, self.events.emit,
+                                                 config_text=cfg.faults)
+            self.faults.install(model)
+            self.faults.check_nodes(self.world_size // per_node if cfg.checkpoint.local_interval else None)
+        except ConfigError as exc:
+            failure = exc
+        raise_if_any_rank_failed(failure)
         mesh_shape = list(mesh.shape) if mesh is not None else [self.world_size]
         mesh_dim_names = list(mesh.mesh_dim_names) if mesh is not None else ["dp_shard"]
         static_files = huggingface_files(hf_config, tokenizer) if hf_config is not None else None
         local = None
         if cfg.checkpoint.local_interval:
-            per_node = resolve_ranks_per_node(cfg.parallel.ranks_per_node, self.world_size)
-            self.faults.check_nodes(self.world_size // per_node)
             local = build_local_tier(self.run_dir, cfg.checkpoint, mesh_shape=mesh_shape,
                                      mesh_dim_names=mesh_dim_names, ranks_per_node=per_node, model=model,
                                      events=self.events, static_files=static_files)
-        else:
-            self.faults.check_nodes(None)
         memory = None
         if cfg.checkpoint.memory_interval:
             memory = build_memory_tier(self.run_dir, cfg.checkpoint, mesh_shape=mesh_shape,
                                        mesh_dim_names=mesh_dim_names, model=model, events=self.events,
-                                       ranks_per_node=resolve_ranks_per_node(cfg.parallel.ranks_per_node,
-                                                                             self.world_size))
+                                       ranks_per_node=per_node)
         managed: dict[str, Stateful] = {"scheduler": scheduler} if scheduler is not None else {}
         managed.update(self.stateful)
         self.checkpoints = CheckpointManager(

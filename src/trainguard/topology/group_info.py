@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainguard.fs.fsio import read_format_json
+from trainguard.fs.bounded import read_format_json
 from trainguard.errors import CheckpointError
 from trainguard.topology.replica_groups import ReplicaGroups
 

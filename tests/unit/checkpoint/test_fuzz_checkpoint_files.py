@@ -268,3 +268,85 @@ def test_a_manifest_with_a_nan_loss_commits_and_verifies(tmp_path):
     # a step-0 save (or one after a skipped step) carries loss NaN in its trainer state
     ckpt = make_checkpoint(tmp_path, 0, trainer_state={"step": 0, "loss": float("nan")})
     assert verify_checkpoint(ckpt) == []
+
+
+def _real_dcp(directory: Path) -> Path:
+    """A real (tiny) DCP save: a tensor and a pickled value, as the trainer's checkpoints hold."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.arange(6.0), "note": {"step": 3}}, storage_writer=dcp.FileSystemWriter(directory),
+             no_dist=True)
+    return directory
+
+
+@pytest.mark.parametrize("name", ["../outside.distcp", "/etc/hostname", "sub/__0_0.distcp", "..", ""])
+def test_a_storage_entry_naming_a_file_elsewhere_is_refused_before_anything_is_opened(tmp_path, name):
+    import pickle
+
+    from trainguard.checkpoint.durable import read_full_state_dict
+    from trainguard.checkpoint.safe_load import load_dcp_metadata
+    from trainguard.merge.read_dcp import open_dcp
+
+    ckpt = _real_dcp(tmp_path / "ckpt")
+    assert read_full_state_dict(ckpt)["w"].tolist() == [0, 1, 2, 3, 4, 5]
+    metadata = pickle.loads((ckpt / ".metadata").read_bytes())  # our own file: a plain unpickle is fine here
+    for info in metadata.storage_data.values():
+        info.relative_path = name
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+    for reader in (load_dcp_metadata, read_full_state_dict, open_dcp):  # resume, convert/backup, merge
+        with pytest.raises(CheckpointError, match=f"names {re.escape(repr(name))}, not a file of this checkpoint"):
+            reader(ckpt)
+
+
+class _Payload:
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("planted", ["a plain pickle", "a torch.save stream"])
+def test_a_code_running_shard_file_is_one_line_naming_it(tmp_path, planted):
+    import io
+    import pickle
+
+    import torch
+
+    from trainguard.checkpoint.durable import read_full_state_dict
+
+    marker = tmp_path / "code-ran"
+    ckpt = _real_dcp(tmp_path / "ckpt")
+    shard = next(ckpt.glob("*.distcp"))
+    if planted == "a plain pickle":
+        shard.write_bytes(pickle.dumps(_Payload(marker)))
+    else:
+        stream = io.BytesIO()
+        torch.save({"w": _Payload(marker)}, stream)
+        shard.write_bytes(stream.getvalue())
+    with pytest.raises(CheckpointError) as caught:
+        read_full_state_dict(ckpt)
+    text = str(caught.value)
+    assert shard.name in text and "\n" not in text, text
+    assert not marker.exists()
+
+
+LOCAL_CONTROL_FILE_GARBAGE = {
+    "symlink out of the run": (lambda p: p.symlink_to(outside_file()), "a symbolic link, not a regular file"),
+    "fifo": (_fifo, "not a regular file"),
+    "nested too deeply": (lambda p: p.write_text("[" * 100 + "]" * 100), "nested deeper than 64"),
+    "not UTF-8": (lambda p: p.write_bytes(b"\xff\xfe{}"), "cannot read"),
+}
+
+
+@pytest.mark.parametrize(("make", "reason"), LOCAL_CONTROL_FILE_GARBAGE.values(), ids=LOCAL_CONTROL_FILE_GARBAGE.keys())
+def test_local_tier_control_files_are_never_followed_or_waited_on(tmp_path, make, reason):
+    from trainguard.checkpoint.local.rank_manifest import read_rank_manifest
+    from trainguard.topology import read_group_info
+
+    for name, read in (("group_info.json", read_group_info), ("manifest_world_size_2_rank_0.json", read_rank_manifest)):
+        make(tmp_path / name)
+        with pytest.raises(CheckpointError, match=re.escape(reason)) as caught:
+            read(tmp_path / name)
+        assert str(tmp_path / name) in str(caught.value) and "\n" not in str(caught.value)

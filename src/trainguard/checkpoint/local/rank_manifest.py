@@ -11,7 +11,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from trainguard.checkpoint.checksum import file_checksum
-from trainguard.fs.fsio import atomic_write_json, read_format_json
+from trainguard.fs.bounded import read_format_json
+from trainguard.fs.fsio import atomic_write_json
 from trainguard.checkpoint.local.paths import rank_manifest_name
 from trainguard.checkpoint.manifest import FileEntry
 from trainguard.errors import CheckpointError

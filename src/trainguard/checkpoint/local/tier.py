@@ -207,9 +207,20 @@ class LocalTier:
             self._write_static_files(step_dir)  # a replaced node: its steps' huggingface/ comes back too
         self._mark_latest(plan.step)
         names = rank_file_names(self.world_size, self.rank)
-        model_sd = safe_torch_load(step_dir / names["model"])
-        optim_sd = safe_torch_load(step_dir / names["optim"])
-        extra = safe_torch_load(step_dir / names["extra"])
+        failure = None
+        try:  # read all three before anything is loaded: a step one rank refuses is passed over by all
+            model_sd = safe_torch_load(step_dir / names["model"])
+            optim_sd = safe_torch_load(step_dir / names["optim"])
+            extra = safe_torch_load(step_dir / names["extra"])
+        except CheckpointError as exc:  # e.g. a planted pickle, refused on this rank alone
+            failure = str(exc)
+        refused = [f"{message} (rank {rank})" for rank, message in enumerate(self._all_gather(failure)) if message]
+        if refused:
+            if self.rank == 0:
+                log.warning("local step %d passed over: %s", plan.step, refused[0])
+                self.events.emit("local_recovery", step=None, reason=f"local step {plan.step} refused: {refused[0]}",
+                                 bytes=0, seconds=0.0, tier=self.tier)
+            return None
         try:
             load_local_state(model, optimizer, model_sd, optim_sd)
         except ValueError as exc:

@@ -149,3 +149,26 @@ def save_tensor(tensor: torch.Tensor, stream: HashingFile) -> None:
     writer = torch._C.PyTorchFileWriter(stream, False, torch.serialization._get_storage_alignment())
     torch.serialization._save(tensor, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
     writer.write_end_of_file()
+
+
+def write_records(path: Path, records: list[Any]) -> tuple[list[tuple[int, int]], int, str]:
+    """Writes a new file of ``records`` one after the other (bytes as they are; a tensor as
+    ``save_tensor`` writes it) and fsyncs it; returns each record's ``(offset, length)``, the file's
+    size and its checksum. The writer of a DCP shard and of an extra-state file, in the training
+    process or in a writer process (``checkpoint.writer_process``)."""
+    stream = HashingFile(path)
+    spans = []
+    try:
+        for record in records:
+            offset = stream.tell()
+            if isinstance(record, torch.Tensor):
+                if record.untyped_storage().nbytes() != record.numel() * record.element_size():
+                    record = record.clone()  # a view: save its bytes, not its whole storage
+                save_tensor(record, stream)
+            else:
+                stream.write(record)
+            spans.append((offset, stream.tell() - offset))
+        size, checksum = stream.close_durably()
+    finally:
+        stream.close()
+    return spans, size, checksum

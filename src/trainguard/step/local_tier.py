@@ -47,7 +47,7 @@ def build_memory_tier(run_dir: Path, config: CheckpointConfig, *, mesh_shape: Se
     directory = (config.memory_dir or DEFAULT_MEMORY_DIR).replace("{run}", run_key(run_dir))
     return MemoryTier(_rank_tier(run_dir, mesh_shape, mesh_dim_names, ranks_per_node, model, events, None,
                                  interval=config.memory_interval, directory=directory,
-                                 keep_last=config.memory_keep_last, tier="memory"))
+                                 keep_last=config.memory_keep_last, tier="memory"), writer=config.writer)
 
 
 def _rank_tier(run_dir: Path, mesh_shape: Sequence[int], mesh_dim_names: Sequence[str], ranks_per_node: int,

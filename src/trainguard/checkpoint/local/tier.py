@@ -37,6 +37,7 @@ from trainguard.checkpoint.local.writer import (
     write_file_durably,
 )
 from trainguard.checkpoint.manifest import FileEntry
+from trainguard.checkpoint.writer_process import IN_PROCESS, Writer
 from trainguard.checkpoint.safe_load import safe_torch_load
 from trainguard.errors import CheckpointError
 from trainguard.events import EventLog
@@ -103,15 +104,16 @@ class LocalTier:
         return self.write(step, model_state, optim_state, extra.getvalue())
 
     def write(self, step: int, model_state: dict[str, Any], optim_state: dict[str, Any],
-              extra_bytes: bytes) -> SavedStep:
+              extra_bytes: bytes, files: Writer = IN_PROCESS) -> SavedStep:
         """``save`` of a state already taken: this rank's local tensors and its serialized extra state
-        (the memory tier writes a snapshot this way, from a background thread)."""
+        (the memory tier writes a snapshot this way, from a background thread); ``files`` writes the
+        rank's files (here, or in a writer process)."""
         self.wait()
         copy = swap_in_ring(extra_bytes, self.buddy, self.keeps_copy_of, self.group)
         self.dir.mkdir(parents=True, exist_ok=True)  # a wiped node's directory comes back
         self._write_group_info()
-        saved = save_rank_step(
-            self.dir, step, rank=self.rank, world_size=self.world_size, model_state=model_state,
+        saved = files.run(
+            save_rank_step, self.dir, step, rank=self.rank, world_size=self.world_size, model_state=model_state,
             optim_state=optim_state, extra_state=extra_bytes,
             replica_extras={self.keeps_copy_of: copy} if copy is not None else {}, fsdp_config=self.fsdp_config,
         )

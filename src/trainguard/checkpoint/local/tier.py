@@ -52,10 +52,13 @@ class LocalTier:
         self, run_dir: Path, *, rank: int, world_size: int, groups: ReplicaGroups, layout: dict[str, Any],
         local_dir: str | None, ranks_per_node: int, interval: int, keep_last: int, model: torch.nn.Module,
         events: EventLog, process_group: dist.ProcessGroup | None,
-        static_files: Callable[[Path], None] | None = None, tier: str = "local",
+        static_files: Callable[[Path], None] | None = None, tier: str = "local", recycle: bool = False,
     ):
-        """``tier`` names the tier in events: ``"local"``, or ``"memory"`` for the memory tier's copy."""
+        """``tier`` names the tier in events: ``"local"``, or ``"memory"`` for the memory tier's copy.
+        ``recycle``: pruned steps leave their files as spares that the next save writes over (the
+        memory tier: new pages in node memory cost more than the write)."""
         self.tier = tier
+        self.recycle = recycle
         self.rank, self.world_size, self.groups = rank, world_size, groups
         self.interval, self.keep_last, self.events, self.group = interval, keep_last, events, process_group
         self.ranks_per_node = ranks_per_node
@@ -116,6 +119,7 @@ class LocalTier:
             save_rank_step, self.dir, step, rank=self.rank, world_size=self.world_size, model_state=model_state,
             optim_state=optim_state, extra_state=extra_bytes,
             replica_extras={self.keeps_copy_of: copy} if copy is not None else {}, fsdp_config=self.fsdp_config,
+            recycle=self.recycle,
         )
         self.events.emit("local_saved", step=step, bytes=saved.bytes, seconds=saved.seconds, path=str(self.dir),
                          tier=self.tier)
@@ -125,7 +129,7 @@ class LocalTier:
         return saved
 
     def _prune(self) -> None:
-        for old in prune(self.dir, self.world_size, self.rank, self.keep_last):
+        for old in prune(self.dir, self.world_size, self.rank, self.keep_last, recycle=self.recycle):
             self.events.emit("checkpoint_deleted", step=old, reason="retention", tier=self.tier)
 
     def wait(self) -> None:

@@ -162,3 +162,40 @@ def test_an_unknown_writer_is_refused_naming_the_key(tmp_path: Path, value: str)
     model, optimizer = _training()
     with pytest.raises(Exception, match="checkpoint.writer"):
         _manager(tmp_path, model, optimizer, value)
+
+
+_PARENT = """
+import os, sys, time
+from trainguard.checkpoint.writer_process import WriterProcess
+writer = WriterProcess("test")
+print(writer.run(os.getpid), flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_writer_ignores_stop_signals_and_ends_with_its_training_process() -> None:
+    import subprocess
+
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT], stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        writer_pid = int(parent.stdout.readline())
+        for number in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+            os.kill(writer_pid, number)  # what a job step's stop reaches every process with
+        time.sleep(0.5)
+        assert _alive(writer_pid), "a stop signal ended the writer"
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 30
+    while _alive(writer_pid):
+        assert time.monotonic() < deadline, "the writer outlived its training process"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False

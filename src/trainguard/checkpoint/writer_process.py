@@ -15,10 +15,12 @@ in the background (the durable tier's async saves, the memory tier) has a writer
   in the training process with ``checkpoint.writer: thread``, so files, checksums and manifests are
   the same byte for byte. Everything else (DCP's planning and collectives, the commit, retention,
   events) stays in the training process's background thread;
-- the writer is started at the first save and serves until the training process goes (it reads the
-  end of its socket then). If it dies, the save it was writing fails with ``WriterProcessDied`` (the
-  checkpoint is not committed: the commit follows the write, in the training process) and the next
-  save starts a new writer.
+- the writer is started at the first save and serves until the training process goes (it sees the end
+  of its socket, or another parent process id, and exits at once); it ignores the stop signals, which
+  the training process acts on. If it dies, the save it was writing fails with ``WriterProcessDied`` and
+  nothing of it is committed (the durable commit follows the writes, in the training process; a
+  memory-tier step is committed by its rank manifest, the last file its writer writes), and the
+  next save starts a new writer.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -44,6 +47,9 @@ from trainguard.checkpoint.staging import ReusableStager
 from trainguard.errors import CheckpointError, ConfigError
 
 Result = TypeVar("Result")
+
+PARENT_POLL_S = 0.05
+"""How often a writer process checks that the training process that started it is still there."""
 
 
 class WriterProcessDied(CheckpointError):
@@ -185,10 +191,24 @@ def _rebuilt(value: Any, mappings: dict[str, Any]) -> Any:
     return value
 
 
+def _exit_with(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_S)
+    os._exit(0)
+
+
 def serve(fd: int) -> None:
     """The writer process's loop: one request at a time, until the training process closes its end."""
     import mmap
 
+    # The stop signals reach every process of a job step (Slurm's --signal, Ctrl-C): the training
+    # process acts on them and may save once more, so the writer lives on; it ends with the training
+    # process instead, and at once, so that it never commits a step after the process that asked for
+    # it is gone (and a new incarnation may be recovering).
+    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(number, signal.SIG_IGN)
+    parent = os.getppid()
+    threading.Thread(target=_exit_with, args=(parent,), daemon=True, name="trainguard-writer-watch").start()
     torch.set_num_threads(1)
     connection = Connection(fd)
     mappings: dict[str, mmap.mmap] = {}

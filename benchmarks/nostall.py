@@ -12,10 +12,17 @@ On 2 ranks (FSDP2 over a 1-D gloo mesh, AdamW, a Llama built from a trainguard p
    committed). Maximum over ranks, median of ``--saves`` saves. Target: ≤ 0.01 × sync.
 2. *throughput*: training steps per second with a durable async save every 10 steps, and with the
    memory tier every step (``checkpoint.memory_interval=1``, ``/dev/shm``), against no saves; blocks
-   of 20 steps in ABBA order, each block timed until its saves are committed. Targets: ≥ 0.97 and ≥ 0.95.
+   of 20 steps, each timed until its saves are committed, each mode in ABBA quads with blocks without
+   saves (none X X none, X none none X); the figure is the median over quads of each quad's ratio.
+   Targets: ≥ 0.97 and ≥ 0.95.
 3. *steps redone after a SIGKILL*: ``trainguard train`` with the memory tier every step, rank 1 killed
    (SIGKILL) as it starts step K, restarted with ``--resume auto``: the step it resumes from, and
    whether every step's loss equals a run without the kill (bitwise). Target: ≤ 1 step redone.
+
+Figures 1 and 2 are measured for each ``checkpoint.writer`` (``thread``: the save's background thread;
+``process``: a writer process per rank and tier), side by side; figure 2 also prints, per step, the
+seconds the loop spent in ``save()`` and in ``wait_for_staging()``, and the median time the memory
+tier took to write a step's files (its ``local_saved`` events).
 
 ``--quick``: llama-tiny, fewer saves and steps. Numbers from a shared, loaded machine are noisy: the
 ratios are measured side by side in one run. It is a benchmark: targets are reported, never asserted.
@@ -27,6 +34,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,6 +47,7 @@ TARGET_BLOCKED = 0.01
 TARGET_DURABLE = 0.97
 TARGET_MEMORY = 0.95
 FIGURES = ("blocked", "throughput", "kill")
+WRITERS = ("thread", "process")  # checkpoint.writer, side by side
 BLOCK = 20
 DURABLE_INTERVAL = 10
 
@@ -108,6 +117,7 @@ def inner(args) -> None:
 
     from trainguard.checkpoint.config import CheckpointConfig
     from trainguard.checkpoint.manager import CheckpointManager
+    from trainguard.events import EventLog
     from trainguard.step.local_tier import build_memory_tier
 
     logging_quiet()
@@ -121,10 +131,14 @@ def inner(args) -> None:
     total_bytes = int(max_over_ranks(state_bytes)) * 2
 
     blocked = "blocked" in args.only
-    # 1. blocked time per save
+    # 1. blocked time per save, for each writer (checkpoint.writer), against a sync save
     sync = CheckpointManager(root / "sync", model, optimizer, async_save=False, keep_last=1)
-    lazy = CheckpointManager(root / "lazy", model, optimizer, async_save=True, keep_last=1)
-    sync_s, blocked_s, save_call_s, wait_s = [], [], [], []
+    lazy = {writer: CheckpointManager(root / f"lazy-{writer}", model, optimizer, keep_last=1,
+                                      config=CheckpointConfig(save_interval=0, writer=writer)) for writer in WRITERS}
+    sync_s: list[float] = []
+    call_s: dict[str, list[float]] = {writer: [] for writer in WRITERS}
+    wait_s: dict[str, list[float]] = {writer: [] for writer in WRITERS}
+    blocked_s: dict[str, list[float]] = {writer: [] for writer in WRITERS}
     step = 0
     for round in range(args.saves + 1 if blocked else 0):  # round 0 warms up (the first save allocates and plans)
         step += 1
@@ -133,81 +147,127 @@ def inner(args) -> None:
         started = time.perf_counter()
         sync.save_durable(step)
         sync.close()
-        sync_s.append(max_over_ranks(time.perf_counter() - started))
-        dist.barrier()
-        started = time.perf_counter()
-        lazy.save_durable(step)
-        call = time.perf_counter() - started
-        forward_backward()  # the next step's forward and backward: the copy runs meanwhile
-        waited = lazy.wait_for_staging()
-        optimizer.step()
-        optimizer.zero_grad()
-        lazy.close()
-        samples = [max_over_ranks(call), max_over_ranks(waited), max_over_ranks(call + waited)]
-        if round == 0:
-            sync_s.clear()
-            continue
-        for values, sample in zip((save_call_s, wait_s, blocked_s), samples):
-            values.append(sample)
+        if round:
+            sync_s.append(max_over_ranks(time.perf_counter() - started))
+        for writer, manager in lazy.items():
+            dist.barrier()
+            started = time.perf_counter()
+            manager.save_durable(step)
+            call = time.perf_counter() - started
+            forward_backward()  # the next step's forward and backward: the copy (and the write) run meanwhile
+            waited = manager.wait_for_staging()
+            optimizer.step()
+            optimizer.zero_grad()
+            manager.close()
+            samples = [max_over_ranks(call), max_over_ranks(waited), max_over_ranks(call + waited)]
+            if round:
+                for values, sample in zip((call_s[writer], wait_s[writer], blocked_s[writer]), samples):
+                    values.append(sample)
 
-    # 2. throughput
-    durable_config = CheckpointConfig(save_interval=DURABLE_INTERVAL, keep_last=2)
-    durable = CheckpointManager(root / "durable", model, optimizer, config=durable_config)
-    memory_config = CheckpointConfig(save_interval=0, memory_interval=1, memory_dir=str(shm / "node{node}"))
-    memory = CheckpointManager(root / "memory", model, optimizer, config=memory_config,
-                               memory=build_memory_tier(root / "memory", memory_config, mesh_shape=(2,),
-                                                        mesh_dim_names=("dp_shard",), ranks_per_node=2,
-                                                        model=model, events=durable.events))
-    managers = {"none": None, "durable10": durable, "memory1": memory}
+    # 2. throughput, with each writer; the memory tier's cost in the loop broken down
+    managers: dict[str, CheckpointManager | None] = {"none": None}
+    for writer in WRITERS:
+        durable_config = CheckpointConfig(save_interval=DURABLE_INTERVAL, keep_last=2, writer=writer)
+        managers[f"durable10-{writer}"] = CheckpointManager(root / f"durable-{writer}", model, optimizer,
+                                                           config=durable_config)
+    for writer in WRITERS:
+        memory_config = CheckpointConfig(save_interval=0, memory_interval=1, memory_dir=str(shm / writer / "node{node}"),
+                                         writer=writer)
+        run_dir = root / f"memory-{writer}"
+        events = EventLog(run_dir / "events.jsonl", rank=rank, host="bench")
+        memory_tier = build_memory_tier(run_dir, memory_config, mesh_shape=(2,), mesh_dim_names=("dp_shard",),
+                                        ranks_per_node=2, model=model, events=events)
+        managers[f"memory1-{writer}"] = CheckpointManager(run_dir, model, optimizer, config=memory_config,
+                                                         memory=memory_tier, events=events)
     rates: dict[str, list[float]] = {mode: [] for mode in managers}
+    in_save: dict[str, list[float]] = {mode: [] for mode in managers}
+    in_wait: dict[str, list[float]] = {mode: [] for mode in managers}
     step = DURABLE_INTERVAL // 2  # durable saves fall inside blocks, not at their ends
-    order = []
+    # each mode against no saves in ABBA quads (none X X none, then X none none X), so that the load of
+    # a shared machine, which drifts over minutes, weighs on both sides of each ratio alike
+    order: list[tuple[str, int]] = []
     for cycle in range(args.cycles if "throughput" in args.only else 0):
-        modes = list(managers) if cycle % 2 == 0 else list(reversed(managers))
-        order += modes + list(reversed(modes))
-    for mode in order:
+        for mode in [m for m in managers if m != "none"]:
+            quad = ["none", mode, mode, "none"] if cycle % 2 == 0 else [mode, "none", "none", mode]
+            order += [(m, len(order) // 4) for m in quad]
+    warmup = [(mode, -1) for mode in managers] if order else []  # one untimed block of each mode first
+    quads: dict[int, dict[str, list[float]]] = {}
+    for index, (mode, quad_id) in enumerate(warmup + order):
+        timed = index >= len(warmup)
         manager = managers[mode]
         dist.barrier()
         started = time.perf_counter()
+        saving = waiting = 0.0
         for _ in range(BLOCK):
             step += 1
-            train_step()
+            forward_backward()
             if manager is not None:
+                waiting += manager.wait_for_staging()
+            optimizer.step()
+            optimizer.zero_grad()
+            if manager is not None:
+                begun = time.perf_counter()
                 manager.save(step)
+                saving += time.perf_counter() - begun
         if manager is not None:
             manager.close()  # the block's saves are committed within its time
-        rates[mode].append(BLOCK / max_over_ranks(time.perf_counter() - started))
+        elapsed = max_over_ranks(time.perf_counter() - started)
+        if timed:
+            rates[mode].append(BLOCK / elapsed)
+            quads.setdefault(quad_id, {}).setdefault(mode, []).append(BLOCK / elapsed)
+            in_save[mode].append(max_over_ranks(saving) / BLOCK)
+            in_wait[mode].append(max_over_ranks(waiting) / BLOCK)
     shutil.rmtree(shm, ignore_errors=True)
 
     if rank == 0:
-        sync_med, blocked_med = median(sync_s), median(blocked_s)
         print(f"\nstate: {args.preset}, {total_bytes / 1e9:.3f} GB (model + AdamW) over 2 ranks; "
-              f"seq {args.seq_len} x batch {args.batch} per rank\n")
+              f"seq {args.seq_len} x batch {args.batch} per rank; load average at the end "
+              f"{os.getloadavg()[0]:.2f}\n")
         print("| figure | median | samples |\n|---|---:|---|")
         if blocked:
-            print(f"| sync save, until committed (s) | {sync_med:.3f} | {', '.join(f'{x:.3f}' for x in sync_s)} |")
-            print(f"| lazy async save: save_durable() (s) | {median(save_call_s):.4f} | "
-                  f"{', '.join(f'{x:.4f}' for x in save_call_s)} |")
-            print(f"| lazy async save: wait_for_staging() after forward+backward (s) | {median(wait_s):.4f} | "
-                  f"{', '.join(f'{x:.4f}' for x in wait_s)} |")
-            print(f"| lazy async save: blocked in all (s) | {blocked_med:.4f} | "
-                  f"{', '.join(f'{x:.4f}' for x in blocked_s)} |")
-        for mode, values in (rates.items() if "throughput" in args.only else ()):
-            print(f"| steps/s, {mode} | {median(values):.3f} | {', '.join(f'{x:.3f}' for x in values)} |")
+            print(f"| sync save, until committed (s) | {median(sync_s):.3f} | {', '.join(f'{x:.3f}' for x in sync_s)} |")
+            for writer in WRITERS:
+                for label, values in (("save_durable()", call_s[writer]),
+                                      ("wait_for_staging() after forward+backward", wait_s[writer]),
+                                      ("blocked in all", blocked_s[writer])):
+                    print(f"| lazy async save, writer {writer}: {label} (s) | {median(values):.4f} | "
+                          f"{', '.join(f'{x:.4f}' for x in values)} |")
+        if "throughput" in args.only:
+            for mode, values in rates.items():
+                print(f"| steps/s, {mode} | {median(values):.3f} | {', '.join(f'{x:.3f}' for x in values)} |")
+            for mode in managers:
+                if mode != "none":
+                    print(f"| {mode}: per step in save() / in wait_for_staging() (ms) | "
+                          f"{1000 * median(in_save[mode]):.2f} / {1000 * median(in_wait[mode]):.2f} | |")
+            print("\nmemory tier, per step (ms, rank 0): " + "; ".join(
+                f"{writer}: {memory_profile(root / f'memory-{writer}')}" for writer in WRITERS))
         print()
         if blocked:
-            print_result("blocked time per async save vs sync save (s)", blocked_med, sync_med,
-                         f"ratio <= {TARGET_BLOCKED}", blocked_med <= TARGET_BLOCKED * sync_med)
-        none = median(rates["none"])
-        for mode, target, label in (("durable10", TARGET_DURABLE, "durable async save every 10 steps"),
-                                    ("memory1", TARGET_MEMORY, "memory tier every step")):
-            if "throughput" not in args.only:
-                break
-            value = median(rates[mode])
-            print_result(f"steps/s with a {label} vs no saves", value, none, f"ratio >= {target}",
-                         value >= target * none)
+            for writer in WRITERS:
+                value = median(blocked_s[writer])
+                print_result(f"blocked time per async save vs sync save (s), writer {writer}", value, median(sync_s),
+                             f"ratio <= {TARGET_BLOCKED}", value <= TARGET_BLOCKED * median(sync_s))
+        if "throughput" in args.only:
+            for writer in WRITERS:
+                for mode, target, label in ((f"durable10-{writer}", TARGET_DURABLE, "durable async save every 10 steps"),
+                                            (f"memory1-{writer}", TARGET_MEMORY, "memory tier every step")):
+                    ratios = [statistics.mean(q[mode]) / statistics.mean(q["none"]) for q in quads.values() if mode in q]
+                    value = median(ratios)
+                    print(f"{mode}: ratios of its ABBA quads {', '.join(f'{r:.3f}' for r in ratios)}")
+                    print_result(f"steps/s with a {label} vs no saves, writer {writer} (median of ABBA quad ratios)",
+                                 value * median(rates["none"]), median(rates["none"]), f"ratio >= {target}",
+                                 value >= target)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def memory_profile(run_dir: Path) -> str:
+    """The memory tier's write of a step, from its ``local_saved`` events: the rank's files written
+    and committed (in the writer process or the background thread)."""
+    lines = (run_dir / "events.jsonl").read_text().splitlines() if (run_dir / "events.jsonl").exists() else []
+    seconds = [e["seconds"] for e in map(json.loads, lines)
+               if e.get("kind") == "local_saved" and e.get("tier") == "memory" and e.get("rank", 0) == 0]
+    return f"files written in {1000 * median(seconds):.1f} (median of {len(seconds)})"
 
 
 def logging_quiet() -> None:

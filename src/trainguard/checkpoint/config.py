@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+WRITERS = ("process", "thread")
+"""The values of ``checkpoint.writer``."""
+
+
 @dataclass
 class MirrorConfig:
     url: str | None = None  # any fsspec URL (s3://bucket/prefix, file:///path, ...); None: no mirror
@@ -20,6 +24,7 @@ class CheckpointConfig:
     keep_last: int = 3
     keep_every: int | None = None
     async_save: bool = True
+    writer: str = "process"  # where async saves and the memory tier write: "process" (a writer process per rank) or "thread"
     resume: str = "auto"
     local_interval: int = 0  # steps between local-tier saves (every rank its own files); 0 = off
     local_dir: str | None = None  # template with {node} and {rank}; relative to the run dir; None = local/node{node}

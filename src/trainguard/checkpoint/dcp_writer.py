@@ -25,8 +25,9 @@ from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from trainguard.checkpoint.hashing_file import HashingFile, save_tensor
+from trainguard.checkpoint.hashing_file import write_records
 from trainguard.checkpoint.manifest import FileEntry
+from trainguard.checkpoint.writer_process import IN_PROCESS, Writer
 from trainguard.errors import CheckpointError
 
 
@@ -39,8 +40,10 @@ class ChecksummingFileSystemWriter(FileSystemWriter):
     Planning and the ``.metadata`` file are DCP's own (``finish`` is inherited).
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, files: Writer = IN_PROCESS):
+        """``files`` runs the writing (``write_records``): here (the default), or in a writer process."""
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
+        self.files = files
         self.written: dict[str, FileEntry] = {}
 
     def write_data(self, plan, planner):
@@ -48,27 +51,17 @@ class ChecksummingFileSystemWriter(FileSystemWriter):
         # Objects first, then tensors in plan order: what DCP's own writer does with one thread.
         items = [item for item in plan.items if item.type == WriteItemType.BYTE_IO]
         items += [item for item in plan.items if item.type != WriteItemType.BYTE_IO]
-        results = []
-        stream = HashingFile(Path(self.path) / name)
-        try:
-            for item in items:
-                data = planner.resolve_data(item)
-                offset = stream.tell()
-                if item.type == WriteItemType.BYTE_IO:
-                    stream.write(data.getbuffer())
-                else:
-                    tensor = data.detach()
-                    if tensor.device.type != "cpu":
-                        tensor = tensor.cpu()
-                    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
-                        tensor = tensor.clone()  # a view: save its bytes, not its whole storage
-                    save_tensor(tensor, stream)
-                length = stream.tell() - offset
-                results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                           storage_data=_StorageInfo(name, offset, length)))
-            size, checksum = stream.close_durably()
-        finally:
-            stream.close()
+        records: list[Any] = []
+        for item in items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                records.append(data.getvalue())
+            else:
+                tensor = data.detach()
+                records.append(tensor.cpu() if tensor.device.type != "cpu" else tensor)
+        spans, size, checksum = self.files.run(write_records, Path(self.path) / name, records)
+        results = [WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length))
+                   for item, (offset, length) in zip(items, spans)]
         self.written[name] = FileEntry(name, size, checksum)
         future = torch.futures.Future()
         future.set_result(results)
@@ -120,37 +113,24 @@ class SaveJob:
 
 
 def write_rank_files(
-    state: dict[str, Any], job: SaveJob, process_group: dist.ProcessGroup | None
+    state: dict[str, Any], job: SaveJob, process_group: dist.ProcessGroup | None, files: Writer = IN_PROCESS
 ) -> tuple[dict[str, FileEntry], BaseException | None]:
-    """Writes this rank's files; returns their manifest entries and a local failure, if any.
+    """Writes this rank's files through ``files`` (here, or in a writer process); returns their
+    manifest entries and a local failure, if any.
 
-    The extra state is fsynced after DCP's save: an fsync while the big shards are being written
-    back waits for the file system journal, and so for them. A failure to write the extra state
-    does not skip DCP's save, whose collectives every rank must enter; DCP itself raises on every
-    rank alike when any rank's write fails.
+    The extra state is written after DCP's save: an fsync while the big shards are being written
+    back waits for the file system journal, and so for them. DCP itself raises on every rank alike
+    when any rank's write fails (a writer process that died included).
     """
-    entries: dict[str, FileEntry] = {}
-    failure: BaseException | None = None
-    extra: HashingFile | None = None
+    writer = ChecksummingFileSystemWriter(job.tmp, files)
+    dcp.save(state, storage_writer=writer, planner=SerializeOnceSavePlanner(), process_group=process_group)
+    entries = dict(writer.written)
     try:
-        try:
-            extra = HashingFile(job.extra_path)
-            extra.write(job.extra_state)
-        except Exception as exc:
-            failure = exc
-        writer = ChecksummingFileSystemWriter(job.tmp)
-        dcp.save(state, storage_writer=writer, planner=SerializeOnceSavePlanner(), process_group=process_group)
-        entries.update(writer.written)
-        if failure is None and extra is not None:
-            try:
-                size, checksum = extra.close_durably()
-                entries[job.extra_path.name] = FileEntry(job.extra_path.name, size, checksum)
-            except Exception as exc:
-                failure = exc
-    finally:
-        if extra is not None:
-            extra.close()
-    return entries, failure
+        _, size, checksum = files.run(write_records, job.extra_path, [job.extra_state])
+    except Exception as exc:
+        return entries, exc
+    entries[job.extra_path.name] = FileEntry(job.extra_path.name, size, checksum)
+    return entries, None
 
 
 def gather_entries(

@@ -54,6 +54,7 @@ from trainguard.checkpoint.safe_load import describe_error, load_dcp_metadata, s
 from trainguard.checkpoint.snapshot import LazySnapshot, StagingGate
 from trainguard.checkpoint.state_capture import CaptureCache
 from trainguard.checkpoint.state_dict import STATE_DICT_OPTIONS, training_state
+from trainguard.checkpoint.writer_process import make_writer, staging_for, writer_died
 from trainguard.errors import CheckpointError, UnsafeCheckpointError, raised_by_every_rank
 from trainguard.events import EventLog
 from trainguard.fs.fsio import remove_directory_crash_safe
@@ -129,9 +130,12 @@ class DurableCheckpointer:
         events: EventLog,
         commit_hooks: Sequence[CommitHook] = (),
         protected: Callable[[], set[int]] | None = None,
+        writer: str = "thread",
     ):
         """``commit_hooks`` are called in order on rank 0 after each commit (and after retention); a
-        list given here is read at each commit, so hooks appended to it later are called too."""
+        list given here is read at each commit, so hooks appended to it later are called too.
+        ``writer`` (``checkpoint.writer``): where async saves serialise, hash and write their files,
+        ``"process"`` (a writer process of this rank) or ``"thread"`` (the save's background thread)."""
         self.root = Path(root)
         self.rank = rank
         self.world_size = world_size
@@ -147,7 +151,9 @@ class DurableCheckpointer:
         self.protected = protected  # steps retention must keep for now (e.g. waiting for their mirror upload)
         self._inflight: threading.Thread | None = None
         self._error: BaseException | None = None
-        self.capture = CaptureCache(training_state)
+        self.files = make_writer(writer if async_save else "thread", "durable")
+        """What writes the files of a save: the writer process of async saves, or this process."""
+        self.capture = CaptureCache(training_state, staging_for(self.files))
         """The staging plan of async saves, with its reused buffers (``capture.stager``)."""
         self._gate = StagingGate()
 
@@ -223,6 +229,9 @@ class DurableCheckpointer:
         try:
             self._finish(state, job)
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            died = writer_died(exc)
+            if died is not None:
+                raise died from None
             if not is_disk_full(exc):
                 raise
             previous = [info for info in list_checkpoints(self.root) if info.committed]
@@ -232,7 +241,7 @@ class DurableCheckpointer:
             raise disk_full_error(self.root, job.step, needed) from None
 
     def _finish(self, state: dict[str, Any], job: SaveJob) -> None:
-        entries, failure = write_rank_files(state, job, self.process_group)
+        entries, failure = write_rank_files(state, job, self.process_group, self.files)
         known = gather_entries(job, entries, failure, rank=self.rank, world_size=self.world_size,
                                process_group=self.process_group)
         if self.rank != 0:

@@ -39,9 +39,14 @@ class HashingFile:
     """A new file, written sequentially: every byte is hashed on its way to the disk (xxh3_64, the
     manifest's checksum), and ``close_durably`` fsyncs it and returns its size and checksum."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, *, overwrite: bool = False):
+        """A new file at ``path``; with ``overwrite``, the file already there is written over from its
+        start (and cut to the bytes written at ``close_durably``): a recycled file, whose pages are
+        not allocated again (the memory tier's spares, ``checkpoint.local.writer.remove_rank_step``)."""
         self.path = Path(path)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        self._overwrite = overwrite
+        create = 0 if overwrite else os.O_CREAT | os.O_EXCL
+        self._fd = os.open(self.path, os.O_WRONLY | create | getattr(os, "O_CLOEXEC", 0), 0o644)
         self._position = 0
         self._written_back = 0
         self._digest = xxhash.xxh3_64()
@@ -109,6 +114,8 @@ class HashingFile:
 
     def close_durably(self) -> tuple[int, str]:
         self._flush_pending()
+        if self._overwrite:
+            os.ftruncate(self._fd, self._position)  # what is left of the recycled file's old bytes
         os.fsync(self._fd)
         self.close()
         return self._position, _checksum_of(self._digest)
@@ -149,3 +156,26 @@ def save_tensor(tensor: torch.Tensor, stream: HashingFile) -> None:
     writer = torch._C.PyTorchFileWriter(stream, False, torch.serialization._get_storage_alignment())
     torch.serialization._save(tensor, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
     writer.write_end_of_file()
+
+
+def write_records(path: Path, records: list[Any]) -> tuple[list[tuple[int, int]], int, str]:
+    """Writes a new file of ``records`` one after the other (bytes as they are; a tensor as
+    ``save_tensor`` writes it) and fsyncs it; returns each record's ``(offset, length)``, the file's
+    size and its checksum. The writer of a DCP shard and of an extra-state file, in the training
+    process or in a writer process (``checkpoint.writer_process``)."""
+    stream = HashingFile(path)
+    spans = []
+    try:
+        for record in records:
+            offset = stream.tell()
+            if isinstance(record, torch.Tensor):
+                if record.untyped_storage().nbytes() != record.numel() * record.element_size():
+                    record = record.clone()  # a view: save its bytes, not its whole storage
+                save_tensor(record, stream)
+            else:
+                stream.write(record)
+            spans.append((offset, stream.tell() - offset))
+        size, checksum = stream.close_durably()
+    finally:
+        stream.close()
+    return spans, size, checksum

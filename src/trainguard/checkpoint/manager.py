@@ -135,6 +135,7 @@ class CheckpointManager:
             events=self.events,
             commit_hooks=self.commit_hooks,
             protected=lambda: self.mirror.pending_steps() if self.mirror is not None else set(),
+            writer=config.writer,
         )
         self.last_saved_step: int | None = None
         """The step the durable tier last saved (or the run resumed from)."""

@@ -25,6 +25,7 @@ from trainguard.checkpoint.local.state import local_tensors
 from trainguard.checkpoint.local.tier import LocalTier
 from trainguard.checkpoint.snapshot import LazySnapshot, StagingGate
 from trainguard.checkpoint.state_capture import CaptureCache
+from trainguard.checkpoint.writer_process import make_writer, staging_for
 
 DEFAULT_MEMORY_DIR = "/dev/shm/trainguard/{run}/node{node}"
 """``checkpoint.memory_dir``'s default; ``{run}`` is a digest of the run directory's absolute path."""
@@ -36,10 +37,13 @@ def run_key(run_dir: Path) -> str:
 
 
 class MemoryTier:
-    def __init__(self, tier: LocalTier):
-        """``tier``: a ``LocalTier`` whose directory is in node memory (``tier="memory"``)."""
+    def __init__(self, tier: LocalTier, writer: str = "process"):
+        """``tier``: a ``LocalTier`` whose directory is in node memory (``tier="memory"``); ``writer``
+        (``checkpoint.writer``): where the rank's files are serialised and written, ``"process"`` (a
+        writer process of this rank) or ``"thread"`` (the background thread)."""
         self.tier = tier
-        self.capture = CaptureCache(_local_training_state)
+        self.files = make_writer(writer, "memory")
+        self.capture = CaptureCache(_local_training_state, staging_for(self.files))
         self._gate = StagingGate()
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -68,7 +72,7 @@ class MemoryTier:
     def _write(self, snapshot: LazySnapshot, step: int, staged: dict[str, Any], extra: bytes) -> None:
         try:
             snapshot.copied()
-            self.tier.write(step, staged["model"], staged["optim"], extra)
+            self.tier.write(step, staged["model"], staged["optim"], extra, files=self.files)
         except BaseException as exc:  # raised by the next save or wait()
             self._error = exc
 

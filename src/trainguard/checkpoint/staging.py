@@ -62,7 +62,10 @@ class ReusableStager:
     ``stage`` call, which overwrites it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, allocate: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None) -> None:
+        """``allocate(sources)`` gives a CPU buffer shaped like each source (default: one tensor each;
+        a writer process's shared memory, ``WriterProcess.allocate``)."""
+        self._allocate = allocate or _allocate_each
         self._layout: Layout | None = None
         self._buffers: list[torch.Tensor] = []
         self.allocations = 0
@@ -102,7 +105,7 @@ class ReusableStager:
         )
         if layout != self._layout:
             self._buffers = []  # drop the old set before allocating the new one
-            self._buffers = [_allocate(t) for t in sources]
+            self._buffers = self._allocate(sources)
             self._layout = layout
             self.allocations += 1
         return StagingPlan(skeleton(iter(self._buffers)), list(zip(self._buffers, sources)))
@@ -172,5 +175,5 @@ def _wants_pinned(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cuda" and torch.cuda.is_available()
 
 
-def _allocate(source: torch.Tensor) -> torch.Tensor:
-    return torch.empty(tuple(source.shape), dtype=source.dtype, device="cpu", pin_memory=_wants_pinned(source))
+def _allocate_each(sources: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.empty(tuple(t.shape), dtype=t.dtype, device="cpu", pin_memory=_wants_pinned(t)) for t in sources]

@@ -85,10 +85,12 @@ class Capture:
 
 
 class CaptureCache:
-    def __init__(self, take_state: Callable[[torch.nn.Module, torch.optim.Optimizer], dict[str, Any]]):
-        """``take_state(model, optimizer)`` gives the state as described in the module's doc."""
+    def __init__(self, take_state: Callable[[torch.nn.Module, torch.optim.Optimizer], dict[str, Any]],
+                 stager: ReusableStager | None = None):
+        """``take_state(model, optimizer)`` gives the state as described in the module's doc; ``stager``
+        holds the buffers (default: a ``ReusableStager`` of its own)."""
         self.take_state = take_state
-        self.stager = ReusableStager()
+        self.stager = stager or ReusableStager()
         self._fingerprint: tuple | None = None
         self._capture: Capture | None = None
         self._getters: dict[str, Getter] = {}

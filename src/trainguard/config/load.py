@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from trainguard.backup.config import validate_mirror_config
+from trainguard.checkpoint.config import WRITERS
 from trainguard.config.aliases import translate_reference_keys
 from trainguard.config.presets import PRESETS
 from trainguard.config.schema import RunConfig
@@ -269,6 +270,9 @@ def validate(config: RunConfig, source: str = "<config>") -> None:
     positive("checkpoint.local_keep_last", config.checkpoint.local_keep_last)
     positive("checkpoint.memory_interval", config.checkpoint.memory_interval, allow_zero=True)
     positive("checkpoint.memory_keep_last", config.checkpoint.memory_keep_last)
+    if config.checkpoint.writer not in WRITERS:
+        raise ConfigError(f"{source}: config key 'checkpoint.writer' must be one of {', '.join(WRITERS)}, "
+                          f"got {config.checkpoint.writer!r}")
     positive("parallel.ranks_per_node", config.parallel.ranks_per_node)
     validate_mirror_config(config.checkpoint.mirror, source)
     skip, health = config.guards.skip, config.guards.health

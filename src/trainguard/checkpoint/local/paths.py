@@ -17,6 +17,10 @@ FSDP_CONFIG_NAME = "fsdp_config.json"
 REPLICA_DIR = "replica"
 """Per step: copies of other ranks' extra state (``replica/extra_state_world_size_W_rank_Q.pt``)."""
 
+SPARE_DIR = "spare"
+"""Per tier directory: each rank's state files of a pruned step, written over by its next save
+(``local.writer.remove_rank_step``); never part of a checkpoint."""
+
 _RANK_FILE = re.compile(r"(model|optim|extra_state|manifest)_world_size_([0-9]+)_rank_([0-9]+)\.(pt|json)")
 
 

@@ -24,7 +24,7 @@ from trainguard.checkpoint.local.paths import FSDP_CONFIG_NAME, node_of, rank_fi
 from trainguard.checkpoint.local.plan import StepPlan, buddy_of, plan_step
 from trainguard.checkpoint.local.reader import StepHoldings, rank_holdings
 from trainguard.checkpoint.discovery import read_latest, write_latest
-from trainguard.checkpoint.local.state import as_dtensors, dtensor_layouts, load_local_state, local_state, param_layout
+from trainguard.checkpoint.local.state import dtensor_layouts, load_local_state, local_state, param_layout
 from trainguard.checkpoint.local.writer import (
     BytesMismatch,
     SavedStep,
@@ -38,6 +38,7 @@ from trainguard.checkpoint.local.writer import (
     write_file_durably,
 )
 from trainguard.checkpoint.manifest import FileEntry
+from trainguard.checkpoint.writer_process import IN_PROCESS, Writer
 from trainguard.checkpoint.safe_load import safe_torch_load
 from trainguard.errors import CheckpointError
 from trainguard.events import EventLog
@@ -52,10 +53,13 @@ class LocalTier:
         self, run_dir: Path, *, rank: int, world_size: int, groups: ReplicaGroups, layout: dict[str, Any],
         local_dir: str | None, ranks_per_node: int, interval: int, keep_last: int, model: torch.nn.Module,
         events: EventLog, process_group: dist.ProcessGroup | None,
-        static_files: Callable[[Path], None] | None = None, tier: str = "local",
+        static_files: Callable[[Path], None] | None = None, tier: str = "local", recycle: bool = False,
     ):
-        """``tier`` names the tier in events: ``"local"``, or ``"memory"`` for the memory tier's copy."""
+        """``tier`` names the tier in events: ``"local"``, or ``"memory"`` for the memory tier's copy.
+        ``recycle``: pruned steps leave their files as spares that the next save writes over (the
+        memory tier: new pages in node memory cost more than the write)."""
         self.tier = tier
+        self.recycle = recycle
         self.rank, self.world_size, self.groups = rank, world_size, groups
         self.interval, self.keep_last, self.events, self.group = interval, keep_last, events, process_group
         self.ranks_per_node = ranks_per_node
@@ -123,19 +127,20 @@ class LocalTier:
         return self.write(step, model_state, optim_state, extra.getvalue())
 
     def write(self, step: int, model_state: dict[str, Any], optim_state: dict[str, Any],
-              extra_bytes: bytes) -> SavedStep:
+              extra_bytes: bytes, files: Writer = IN_PROCESS) -> SavedStep:
         """``save`` of a state already taken: this rank's local tensors and its serialized extra state
-        (the memory tier writes a snapshot this way, from a background thread)."""
+        (the memory tier writes a snapshot this way, from a background thread); ``files`` writes the
+        rank's files (here, or in a writer process)."""
         self.wait()
         copy = swap_in_ring(extra_bytes, self.buddy, self.keeps_copy_of, self.group)
         self.dir.mkdir(parents=True, exist_ok=True)  # a wiped node's directory comes back
         self._write_group_info()
         self._write_static_files(self.dir / step_dir_name(step))
-        saved = save_rank_step(
-            self.dir, step, rank=self.rank, world_size=self.world_size,
-            model_state=as_dtensors(model_state, self.dtensor_layouts), optim_state=optim_state,
-            extra_state=extra_bytes, replica_extras={self.keeps_copy_of: copy} if copy is not None else {},
-            fsdp_config=self.fsdp_config,
+        saved = files.run(
+            save_rank_step, self.dir, step, rank=self.rank, world_size=self.world_size, model_state=model_state,
+            optim_state=optim_state, extra_state=extra_bytes,
+            replica_extras={self.keeps_copy_of: copy} if copy is not None else {}, fsdp_config=self.fsdp_config,
+            recycle=self.recycle, dtensor_layouts=self.dtensor_layouts,
         )
         self._mark_latest(step)
         self.events.emit("local_saved", step=step, bytes=saved.bytes, seconds=saved.seconds, path=str(self.dir),
@@ -146,7 +151,7 @@ class LocalTier:
         return saved
 
     def _prune(self) -> None:
-        for old in prune(self.dir, self.world_size, self.rank, self.keep_last):
+        for old in prune(self.dir, self.world_size, self.rank, self.keep_last, recycle=self.recycle):
             self.events.emit("checkpoint_deleted", step=old, reason="retention", tier=self.tier)
 
     def wait(self) -> None:

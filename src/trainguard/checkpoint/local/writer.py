@@ -23,11 +23,13 @@ from trainguard.fs.layout import HF_DIR, new_token, parse_step_dir, step_dir_nam
 from trainguard.checkpoint.local.paths import (
     FSDP_CONFIG_NAME,
     REPLICA_DIR,
+    SPARE_DIR,
     parse_rank_file,
     rank_file_names,
     rank_manifest_name,
     replica_extra_name,
 )
+from trainguard.checkpoint.local.state import DTensorLayout, as_dtensors
 from trainguard.checkpoint.local.rank_manifest import RankManifest, read_rank_manifest, write_rank_manifest
 from trainguard.checkpoint.manifest import FileEntry
 from trainguard.checkpoint.retention import select_for_deletion
@@ -45,12 +47,20 @@ class BytesMismatch(CheckpointError):
     """The bytes written do not have the size and checksum they were expected to have."""
 
 
-def write_file_durably(path: Path, write, expected: FileEntry | None = None) -> FileEntry:
+def write_file_durably(path: Path, write, expected: FileEntry | None = None, spare: Path | None = None) -> FileEntry:
     """Writes ``path`` via a temporary sibling, hashing on the way; returns its entry (name relative
     to the step directory is filled in by the caller). With ``expected``, bytes of another size or
-    checksum never reach ``path``: the temporary file is removed and ``BytesMismatch`` raised."""
+    checksum never reach ``path``: the temporary file is removed and ``BytesMismatch`` raised. A
+    ``spare`` file, when there is one, becomes the temporary file and is written over."""
     temp = path.with_name(f"{path.name}{TEMP_MARKER}{new_token()}")
-    stream = HashingFile(temp)
+    recycled = False
+    if spare is not None:
+        try:
+            os.rename(spare, temp)
+            recycled = True
+        except FileNotFoundError:
+            pass
+    stream = HashingFile(temp, overwrite=recycled)
     try:
         write(stream)
         size, checksum = stream.close_durably()
@@ -83,18 +93,28 @@ def uncommit(step_dir: Path, world_size: int, rank: int) -> None:
 def save_rank_step(
     local_dir: Path, step: int, *, rank: int, world_size: int, model_state: dict[str, Any],
     optim_state: dict[str, Any], extra_state: bytes, replica_extras: dict[int, bytes], fsdp_config: dict[str, Any],
+    recycle: bool = False, dtensor_layouts: dict[str, DTensorLayout] | None = None,
 ) -> SavedStep:
     """Writes and commits this rank's files for ``step``; ``replica_extras`` are other ranks' extra
-    states this rank keeps a copy of."""
+    states this rank keeps a copy of. With ``recycle``, the state files are written over the spares
+    a pruned step left (``remove_rank_step(keep_as_spares=True)``), where there are some. With
+    ``dtensor_layouts``, the model's local shards are written as the DTensors verl's tools read (wrapped
+    here, so that a writer process gets plain tensors through shared memory and the small layouts by pickle)."""
     started = time.perf_counter()
+    if dtensor_layouts:
+        model_state = as_dtensors(model_state, dtensor_layouts)
     step_dir = local_dir / step_dir_name(step)
     step_dir.mkdir(parents=True, exist_ok=True)
     uncommit(step_dir, world_size, rank)
     names = rank_file_names(world_size, rank)
+
+    def spare(kind: str) -> Path | None:
+        return local_dir / SPARE_DIR / names[kind] if recycle else None
+
     entries = [
-        write_file_durably(step_dir / names["model"], _object_writer(model_state)),
-        write_file_durably(step_dir / names["optim"], _object_writer(optim_state)),
-        write_file_durably(step_dir / names["extra"], _bytes_writer(extra_state)),
+        write_file_durably(step_dir / names["model"], _object_writer(model_state), spare=spare("model")),
+        write_file_durably(step_dir / names["optim"], _object_writer(optim_state), spare=spare("optim")),
+        write_file_durably(step_dir / names["extra"], _bytes_writer(extra_state), spare=spare("extra")),
     ]
     if replica_extras:
         (step_dir / REPLICA_DIR).mkdir(exist_ok=True)
@@ -129,15 +149,27 @@ def own_files(step_dir: Path, world_size: int, rank: int) -> list[Path]:
     return found
 
 
-def remove_rank_step(local_dir: Path, step: int, world_size: int, rank: int) -> None:
-    """Deletes this rank's files of ``step``, manifest first; the directory goes with the last rank."""
+def remove_rank_step(local_dir: Path, step: int, world_size: int, rank: int, *, keep_as_spares: bool = False) -> None:
+    """Deletes this rank's files of ``step``, manifest first; the directory goes with the last rank.
+    With ``keep_as_spares``, the rank's state files are kept, uncommitted, in ``SPARE_DIR``, for the
+    next save to write over (``save_rank_step(recycle=True)``): in node memory, giving a new file its
+    pages costs several times writing over pages it has (the memory tier)."""
     step_dir = local_dir / step_dir_name(step)
     if not step_dir.is_dir():
         return
     files = own_files(step_dir, world_size, rank)
     uncommit(step_dir, world_size, rank)
+    kept = set(rank_file_names(world_size, rank).values()) if keep_as_spares else set()
+    if kept:
+        (local_dir / SPARE_DIR).mkdir(exist_ok=True)
     for path in files:
-        path.unlink(missing_ok=True)
+        if path.parent == step_dir and path.name in kept:
+            try:
+                os.replace(path, local_dir / SPARE_DIR / path.name)
+            except FileNotFoundError:
+                pass
+        else:
+            path.unlink(missing_ok=True)
     remove_if_abandoned(step_dir)
 
 
@@ -175,11 +207,12 @@ def rank_steps(local_dir: Path, world_size: int, rank: int) -> list[int]:
     return sorted(steps)
 
 
-def prune(local_dir: Path, world_size: int, rank: int, keep_last: int) -> list[int]:
-    """Deletes this rank's oldest local checkpoints beyond ``keep_last``; returns the deleted steps."""
+def prune(local_dir: Path, world_size: int, rank: int, keep_last: int, recycle: bool = False) -> list[int]:
+    """Deletes this rank's oldest local checkpoints beyond ``keep_last`` (with ``recycle``, keeping
+    their state files as spares); returns their steps."""
     deleted = select_for_deletion(rank_steps(local_dir, world_size, rank), keep_last)
     for step in deleted:
-        remove_rank_step(local_dir, step, world_size, rank)
+        remove_rank_step(local_dir, step, world_size, rank, keep_as_spares=recycle)
     return deleted
 
 

@@ -16,14 +16,15 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from helpers.runs import (TINY, assert_same_tensors, events, flat_state, make_checkpoint, ok, read_json, train, trainguard,
+from helpers.runs import (TINY, assert_same_tensors, events, flat_state, make_checkpoint, ok, outside_file, read_json, train, trainguard,
                       worker_env)
 from helpers.s3_server import free_port, start_s3_server
 from trainguard.backup import mirror as mirror_module
 from trainguard.backup.mirror import delete_mirrored, list_mirrored, mirror_checkpoint
 from trainguard.backup.retention_mirror import mirror_deletions
 from trainguard.backup.throttle import Throttle
-from trainguard.backup.url import open_mirror
+from trainguard.backup.restore import restore_checkpoint
+from trainguard.backup.url import MirrorError, open_mirror
 from trainguard.fs.layout import MANIFEST_NAME, step_dir_name
 from trainguard.checkpoint.manifest import build_manifest, read_manifest, verify_checkpoint, write_manifest
 
@@ -303,6 +304,33 @@ def test_file_url_mirror_round_trip(tmp_path):
     mirror_checkpoint(ckpt, mirror)
     assert not verify_checkpoint(tmp_path / "mirror" / "global_step_7")
     same_bytes(ckpt, tmp_path / "mirror" / "global_step_7")
+
+
+@pytest.mark.parametrize("damage", ["listed file replaced by a symlink", "symlink added", "fifo added",
+                                    "unlisted file added"])
+def test_restore_refuses_a_mirrored_checkpoint_with_links_or_unlisted_entries(tmp_path, damage):
+    ckpt = make_checkpoint(tmp_path / "src", 7)
+    mirror = open_mirror(f"file://{tmp_path}/mirror")
+    mirror_checkpoint(ckpt, mirror)
+    mirrored = tmp_path / "mirror" / "global_step_7"
+    listed = read_manifest(mirrored).files[0].path
+    if damage == "listed file replaced by a symlink":
+        target, entry = outside_file(), listed
+        target.write_bytes((mirrored / listed).read_bytes())  # same bytes: only the link itself is wrong
+        (mirrored / listed).unlink()
+        (mirrored / listed).symlink_to(target)
+    elif damage == "symlink added":
+        entry = "extra.bin"
+        (mirrored / entry).symlink_to(outside_file())
+    elif damage == "fifo added":
+        entry = "pipe"
+        os.mkfifo(mirrored / entry)
+    else:
+        entry = "unlisted.bin"
+        (mirrored / entry).write_bytes(b"not in the manifest")
+    with pytest.raises(MirrorError, match=f"global_step_7/{entry}: .*refusing to restore"):
+        restore_checkpoint(mirror, list_mirrored(mirror)[7], tmp_path / "restored")
+    assert not (tmp_path / "restored").exists() or not any((tmp_path / "restored").iterdir())
 
 
 def test_mirror_retention_keeps_multiples_newest_and_newest_healthy():

@@ -73,6 +73,7 @@ def restore_checkpoint(mirror: Mirror, manifest: Manifest, root: Path, *, progre
         except CheckpointError:
             pass
         log.warning("replacing local %s, which does not verify, with the mirrored copy", final)
+    check_mirrored_entries(mirror, name, manifest)
     tmp = root / temp_dir_name(manifest.step)
     try:
         for entry in manifest.files:
@@ -91,6 +92,29 @@ def restore_checkpoint(mirror: Mirror, manifest: Manifest, root: Path, *, progre
             remove_directory_crash_safe(tmp)
         raise
     return final
+
+
+def check_mirrored_entries(mirror: Mirror, name: str, manifest: Manifest) -> None:
+    """Refuses a mirrored checkpoint holding anything but its listed regular files and its manifest: a
+    symlink (a ``file://`` mirror would be read through it, from outside the checkpoint), a FIFO or device
+    (a read would block or never end), or an entry the manifest does not list (one line naming it)."""
+    listed = {entry.path for entry in manifest.files} | {MANIFEST_NAME}
+    prefix = mirror.path(name).rstrip("/") + "/"
+    try:
+        found = mirror.fs.find(mirror.path(name), detail=True)
+    except Exception as exc:
+        raise MirrorError(describe_error(exc, mirror.url_of(name))) from None
+    for path, info in sorted(found.items()):
+        relative = path[len(prefix):] if path.startswith(prefix) else path
+        if info.get("islink"):
+            problem = "a symlink"
+        elif info.get("type") != "file":
+            problem = f"not a regular file ({info.get('type')})"
+        elif relative not in listed:
+            problem = f"not listed in {MANIFEST_NAME}"
+        else:
+            continue
+        raise MirrorError(f"{mirror.url_of(name, relative)}: {problem}; refusing to restore this checkpoint")
 
 
 def split_step_url(url: str) -> tuple[str, int | None]:

@@ -6,6 +6,7 @@ state, and every rank ends with the fault-free run's parameters and optimizer st
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -32,10 +33,12 @@ def _launch(run_dir: Path, *flags: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("live_user_loop")
+    outputs = {}
     for name, flags in (("clean", ()), ("failed", ("--kill-rank", str(KILLED), "--spares", "1"))):
         done = _launch(root / name, *flags)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return root
+        outputs[name] = done.stdout
+    return root, outputs
 
 
 def _events(run_dir: Path) -> list[dict]:
@@ -43,6 +46,7 @@ def _events(run_dir: Path) -> list[dict]:
 
 
 def test_survivors_keep_their_pids_and_the_killed_rank_is_replaced(runs):
+    runs, _ = runs
     pids = defaultdict(list)
     for event in _events(runs / "failed"):
         if event["kind"] == "live_start":
@@ -54,6 +58,7 @@ def test_survivors_keep_their_pids_and_the_killed_rank_is_replaced(runs):
 
 
 def test_the_broken_group_leaves_and_rejoins_with_a_peers_state(runs):
+    runs, _ = runs
     events = _events(runs / "failed")
     assert [q["members"] for q in events if q["kind"] == "live_quorum"] == [[0, 1, 2, 3], [0, 1], [0, 1, 2, 3]]
     joined = {e["rank"]: e for e in events if e["kind"] == "live_joined"}
@@ -65,6 +70,7 @@ def test_the_broken_group_leaves_and_rejoins_with_a_peers_state(runs):
 
 
 def test_final_parameters_and_optimizer_state_equal_the_fault_free_run_bitwise(runs):
+    runs, _ = runs
     reference = load_final(final_path(runs / "clean", 0))
     assert reference["optimizer"]["state"][0]["step"].item() == STEPS
     for rank in range(WORLD):
@@ -73,5 +79,17 @@ def test_final_parameters_and_optimizer_state_equal_the_fault_free_run_bitwise(r
 
 
 def test_no_sample_lost_or_repeated(runs):
+    runs, _ = runs
     for name in ("clean", "failed"):
         assert sample_problems(_events(runs / name), STEPS, SAMPLES_PER_STEP) == [], name
+
+
+def test_the_loop_body_sees_every_step_on_every_rank(runs):
+    """The example prints every 10th step from inside ``for step in guard.steps(...)``: each of the 4
+    ranks (the replacement from its join on) reports them, the same losses in both runs."""
+    _, outputs = runs
+    # found anywhere in the output: 4 unbuffered processes on one pipe may interleave a line's end
+    reports = {name: sorted(re.findall(r"step (\d+) loss (\d+\.\d+)", out)) for name, out in outputs.items()}
+    assert sorted({int(step) for step, _ in reports["clean"]}) == list(range(0, STEPS, 10))
+    assert len(reports["clean"]) == WORLD * len(range(0, STEPS, 10))
+    assert set(reports["failed"]) == set(reports["clean"])

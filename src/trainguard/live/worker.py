@@ -21,7 +21,7 @@ import argparse
 import copy
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -125,7 +125,9 @@ class LiveWorker:
         # the drill's transient fault: this rank's all-reduce of that step counts as failed once
         self.fail_after_reduce = args.fail_after_reduce
 
-    def run(self, rejoin: bool) -> None:
+    def train(self, rejoin: bool) -> Iterator[int]:
+        """Trains to the last step, yielding the index of each step as it commits it (a step undone
+        after a peer's failure is yielded again when it is redone); at the end writes the final state."""
         self.events.emit("live_start", pid=os.getpid(), rejoin=rejoin)
         if rejoin:
             self.join()
@@ -141,10 +143,13 @@ class LiveWorker:
                     break
                 self.switch(self.wait_for_join_epoch())  # the replacement joins at the last boundary
                 continue
+            step = self.step_index
             try:
                 self.step()
             except RuntimeError as error:  # gloo's errors (a peer died, a timeout) and EpochAborted
                 self.recover(error)
+                continue
+            yield step
         atomic_write_bytes(final_path(self.run_dir, self.rank), state_bytes(state_of(self.model, self.optimizer)))
         self.events.emit("live_done", step=self.step_index, epoch=self.quorum.epoch)
         self.store.set(done_key(self.rank), "1")

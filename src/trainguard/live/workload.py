@@ -58,7 +58,9 @@ def main(argv: list[str] | None = None) -> None:
     model, optimizer = workload.build()
     guard = LiveGuard(model, optimizer, argv)
     workload = dataclasses.replace(workload, micro_batches=guard.micro_batches)  # the run's global batch
-    guard.run(workload.micro_batch_loss, workload.sample_range)
+    for _ in guard.steps(workload.micro_batch_loss, workload.sample_range):
+        pass
+    guard.close()
 
 
 if __name__ == "__main__":

@@ -23,9 +23,14 @@ import trainguard
 CLASSES, FEATURES, MICRO_BATCH = 4, 12, 8
 
 
+def sample_range(step: int, micro_batch: int, micro_batches: int) -> tuple[int, int]:
+    first = (step * micro_batches + micro_batch) * MICRO_BATCH
+    return first, first + MICRO_BATCH
+
+
 def batch(step: int, micro_batch: int, micro_batches: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The samples of one micro-batch, a pure function of its index: the data position is the step."""
-    first = (step * micro_batches + micro_batch) * MICRO_BATCH
+    first, _ = sample_range(step, micro_batch, micro_batches)
     generator = torch.Generator().manual_seed(first)
     inputs = torch.randn(MICRO_BATCH, FEATURES, generator=generator)
     return inputs, (inputs[:, :CLASSES].argmax(dim=1) + (inputs[:, -1] > 1).long()) % CLASSES
@@ -45,11 +50,10 @@ def rank_main(argv: list[str]) -> None:
         inputs, labels = batch(step, micro_batch, guard.micro_batches)
         return F.cross_entropy(model(inputs), labels)
 
-    def sample_range(step: int, micro_batch: int) -> tuple[int, int]:
-        first = (step * guard.micro_batches + micro_batch) * MICRO_BATCH
-        return first, first + MICRO_BATCH
+    def samples_of(step: int, micro_batch: int) -> tuple[int, int]:  # for the events' sample check
+        return sample_range(step, micro_batch, guard.micro_batches)
 
-    for step in guard.steps(loss_of, sample_range):  # each step as it commits (a redone step comes again)
+    for step in guard.steps(loss_of, samples_of):  # each step as it commits (a redone step comes again)
         if step % 10 == 0:
             with torch.no_grad():
                 inputs, labels = batch(step, 0, guard.micro_batches)

@@ -8,6 +8,8 @@ The public API for your own training loop:
 - ``CheckpointManager``: durable async checkpoints with atomic commit, verification and exact resume.
 - ``clip_grad_norm_``: the true global gradient norm under FSDP2/HSDP/TP/PP, and clipping by it.
 - ``DataSkipGuard``: the global-norm spike rule (skip, count, abort) on its own.
+- ``LiveGuard``: a model, optimizer and micro-batch loss trained with live recovery (a rank dies, the
+  others keep stepping, its replacement rejoins; same result). See ``docs/live_recovery.md``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from trainguard._lazy import lazy_exports
 if TYPE_CHECKING:
     from trainguard.checkpoint.manager import CheckpointManager
     from trainguard.guards.skip import DataSkipGuard
+    from trainguard.live.guard import LiveGuard
     from trainguard.norms import clip_grad_norm_
     from trainguard.step.guard import Config, Guard, StepOutcome
 
@@ -29,6 +32,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "checkpoint.manager": ("CheckpointManager",),
     "guards.skip": ("DataSkipGuard",),
+    "live.guard": ("LiveGuard",),
     "norms": ("clip_grad_norm_",),
     "step.guard": ("Config", "Guard", "StepOutcome"),
 }

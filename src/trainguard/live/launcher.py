@@ -51,6 +51,9 @@ class LiveRun:
     nodes: tuple[str, ...] = ()
     node_command: str = ""
     store_host: str = "127.0.0.1"
+    # what each rank runs after the interpreter, the launcher's flags appended: the drill's workload, or
+    # a user's script that trains through ``LiveGuard`` (with its own flags, e.g. ("examples/user_loop_live.py",))
+    entry: tuple[str, ...] = ("-m", "trainguard.live.workload")
 
     def __post_init__(self) -> None:
         if self.nodes and len(self.nodes) != self.groups + self.spares:
@@ -83,7 +86,7 @@ def _spawn(run: LiveRun, rank: int, store_port: int, run_dir: Path, rejoin: bool
     role = ["--rank", str(rank)] if spare is None else ["--spare", str(spare)]
     node = run.nodes[run.groups + spare if spare is not None else rank // run.group_size] if run.nodes else None
     prefix = shlex.split(run.node_command.format(node=node)) if node is not None else []
-    command = [*prefix, sys.executable, "-m", "trainguard.live.worker", "--store", f"{run.store_host}:{store_port}",
+    command = [*prefix, sys.executable, *run.entry, "--store", f"{run.store_host}:{store_port}",
                *role, "--world", str(run.world), "--steps", str(run.steps), "--run-dir", str(run_dir),
                "--micro-batches", str(run.micro_batches), "--micro-batch-s", str(run.micro_batch_s),
                "--checkpoint-every", str(run.checkpoint_every),

@@ -1,7 +1,9 @@
 """One rank of a live-recovery run: steps with its epoch's quorum, survives a peer's death without
 restarting, and (as a replacement or an excluded survivor) rejoins at a step boundary.
 
-``python -m trainguard.live.worker --store HOST:PORT --rank R ...`` (the launcher starts it).
+The model, the optimizer and the loss of one micro-batch are the user's (``trainguard.live.guard.LiveGuard``
+hands them in; the drill's ``workload`` is one such user); the rank's place in the run comes from the
+launcher's arguments (``LiveArgs``).
 
 Each step: compute this member's micro-batches (``ordered_sum``), one all-reduce that also carries
 the "a newer epoch exists" flag, keep the state of before the update (the one step a survivor may
@@ -18,8 +20,9 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import sys
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -31,33 +34,88 @@ from trainguard.fs.fsio import atomic_write_bytes
 from trainguard.live import collective
 from trainguard.live.ordered_sum import my_micro_batches, reduce_rows
 from trainguard.live.quorum import (Quorum, beat_key, done_key, epoch_key, fence_key, has, latest_epoch, progress_key,
-                                    read_quorum, ready_key, report_key, spare_key, spare_ready_key, start_key,
-                                    wait_for)
+                                    read_quorum, ready_key, report_key, start_key, wait_for)
 from trainguard.live.transfer import broadcast_state, load_state, state_of
-from trainguard.live.workload import Workload, set_grads
 from trainguard.live.files import checkpoint_path, events_path, final_path, state_bytes
 
 FENCED_EXIT = 3  # a stale process that found itself fenced ends with this code
 
 WAIT_S = 120.0  # the longest a rank waits for the lighthouse (a new epoch, a join's start step)
-SPARE_WAIT_S = 24 * 3600.0  # a spare waits as long as a run lasts; the launcher ends it if unused
 BEAT_S = 0.05  # the most often a rank raises its heartbeat counter
+
+
+# the loss of micro-batch ``m`` of step ``t`` (model, t, m): a pure function of (t, m) and the parameters
+MicroBatchLoss = Callable[[torch.nn.Module, int, int], torch.Tensor]
+# the sample range ``[first, end)`` of micro-batch ``m`` of step ``t``, for the events' sample check
+SampleRange = Callable[[int, int], tuple[int, int]]
 
 
 class Fenced(Exception):
     """This process's rank was declared dead and replaced: it must stop, not rejoin."""
 
 
+@dataclass(frozen=True)
+class LiveArgs:
+    """What the launcher tells a rank (``launcher._spawn`` writes these flags)."""
+    store: str  # HOST:PORT of the launcher's TCPStore
+    rank: int | None
+    spare: int | None  # a warm spare: waits (torch imported) to be told which rank to replace
+    world: int
+    steps: int
+    run_dir: Path
+    micro_batches: int  # per step (the global batch), whatever the number of live ranks
+    micro_batch_s: float  # drill: simulated compute per micro-batch
+    checkpoint_every: int
+    collective_timeout_s: float
+    rejoin: bool
+    fail_after_reduce: int | None  # drill: treat this step's all-reduce as failed here, once
+
+    @classmethod
+    def parse(cls, argv: list[str] | None = None) -> LiveArgs:
+        """The launcher's flags in ``argv``; the others (the user's own flags) are left alone."""
+        parser = argparse.ArgumentParser(description="a rank of a live-recovery run (trainguard.live.launcher)")
+        parser.add_argument("--store", required=True)
+        role = parser.add_mutually_exclusive_group(required=True)
+        role.add_argument("--rank", type=int)
+        role.add_argument("--spare", type=int)
+        parser.add_argument("--world", type=int, required=True)
+        parser.add_argument("--steps", type=int, required=True)
+        parser.add_argument("--run-dir", type=Path, required=True)
+        parser.add_argument("--micro-batches", type=int, required=True)
+        parser.add_argument("--micro-batch-s", type=float, default=0.0)
+        parser.add_argument("--checkpoint-every", type=int, default=0)
+        parser.add_argument("--collective-timeout-s", type=float, default=30.0)
+        parser.add_argument("--rejoin", action="store_true")
+        parser.add_argument("--fail-after-reduce", type=int)
+        known, _ = parser.parse_known_args(argv)
+        return cls(**vars(known))
+
+
+def micro_batch_grad(model: torch.nn.Module, loss_of: MicroBatchLoss, step: int, micro_batch: int,
+                     micro_batches: int) -> torch.Tensor:
+    """The flat gradient of one micro-batch's share of the step's loss (the mean over micro-batches)."""
+    model.zero_grad(set_to_none=True)
+    (loss_of(model, step, micro_batch) / micro_batches).backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def set_grads(model: torch.nn.Module, flat: torch.Tensor) -> None:
+    offset = 0
+    for p in model.parameters():
+        p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+        offset += p.numel()
+
+
 class LiveWorker:
-    def __init__(self, store: dist.Store, rank: int, world: int, steps: int, run_dir: Path, workload: Workload,
-                 micro_batch_s: float, checkpoint_every: int, collective_timeout_s: float,
-                 fail_after_reduce: int | None = None):
-        self.store, self.rank, self.world, self.steps = store, rank, world, steps
-        self.run_dir, self.workload = run_dir, workload
-        self.micro_batch_s, self.checkpoint_every = micro_batch_s, checkpoint_every
-        self.collective_timeout = timedelta(seconds=collective_timeout_s)
-        self.events = EventLog(events_path(run_dir), rank=rank)
-        self.model, self.optimizer = workload.build()
+    def __init__(self, store: dist.Store, args: LiveArgs, rank: int, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, loss_of: MicroBatchLoss, sample_range: SampleRange | None):
+        self.store, self.rank, self.world, self.steps = store, rank, args.world, args.steps
+        self.run_dir, self.micro_batches = args.run_dir, args.micro_batches
+        self.loss_of, self.sample_range = loss_of, sample_range
+        self.micro_batch_s, self.checkpoint_every = args.micro_batch_s, args.checkpoint_every
+        self.collective_timeout = timedelta(seconds=args.collective_timeout_s)
+        self.events = EventLog(events_path(args.run_dir), rank=rank)
+        self.model, self.optimizer = model, optimizer
         self.quorum: Quorum | None = None
         self.group: dist.ProcessGroup | None = None
         self.retired: list[dist.ProcessGroup] = []  # the groups of failed epochs (see collective.py)
@@ -65,9 +123,11 @@ class LiveWorker:
         self.previous: tuple[int, dict] | None = None  # (step, state before that step's update)
         self.last_beat = -BEAT_S
         # the drill's transient fault: this rank's all-reduce of that step counts as failed once
-        self.fail_after_reduce = fail_after_reduce
+        self.fail_after_reduce = args.fail_after_reduce
 
-    def run(self, rejoin: bool) -> None:
+    def train(self, rejoin: bool) -> Iterator[int]:
+        """Trains to the last step, yielding the index of each step as it commits it (a step undone
+        after a peer's failure is yielded again when it is redone); at the end writes the final state."""
         self.events.emit("live_start", pid=os.getpid(), rejoin=rejoin)
         if rejoin:
             self.join()
@@ -83,10 +143,13 @@ class LiveWorker:
                     break
                 self.switch(self.wait_for_join_epoch())  # the replacement joins at the last boundary
                 continue
+            step = self.step_index
             try:
                 self.step()
             except RuntimeError as error:  # gloo's errors (a peer died, a timeout) and EpochAborted
                 self.recover(error)
+                continue
+            yield step
         atomic_write_bytes(final_path(self.run_dir, self.rank), state_bytes(state_of(self.model, self.optimizer)))
         self.events.emit("live_done", step=self.step_index, epoch=self.quorum.epoch)
         self.store.set(done_key(self.rank), "1")
@@ -109,13 +172,13 @@ class LiveWorker:
 
     def step(self) -> None:
         quorum, step = self.quorum, self.step_index
-        mine = my_micro_batches(self.workload.micro_batches, len(quorum.members), quorum.index(self.rank))
+        mine = my_micro_batches(self.micro_batches, len(quorum.members), quorum.index(self.rank))
         rows = None
         for micro_batch in mine:
             self.beat()
-            grad = self.workload.micro_batch_grad(self.model, step, micro_batch)
+            grad = micro_batch_grad(self.model, self.loss_of, step, micro_batch, self.micro_batches)
             if rows is None:
-                rows = torch.zeros(self.workload.micro_batches, grad.numel(), dtype=grad.dtype)
+                rows = torch.zeros(self.micro_batches, grad.numel(), dtype=grad.dtype)
             rows[micro_batch] = grad
             time.sleep(self.micro_batch_s)  # the compute time a real micro-batch would take
         newer = latest_epoch(self.store) > quorum.epoch
@@ -126,8 +189,9 @@ class LiveWorker:
         self.previous = (step, copy.deepcopy(state_of(self.model, self.optimizer)))
         set_grads(self.model, total)
         self.optimizer.step()
+        samples = {"samples": [self.sample_range(step, m) for m in mine]} if self.sample_range else {}
         self.events.emit("live_step", step=step, epoch=quorum.epoch, members=len(quorum.members),
-                         samples=[self.workload.sample_range(step, m) for m in mine])
+                         micro_batches=mine, **samples)
         self.step_index = step + 1
         self.store.set(progress_key(self.rank), str(self.step_index))
         if self.checkpoint_every and self.step_index % self.checkpoint_every == 0 and quorum.index(self.rank) == 0:
@@ -207,52 +271,3 @@ class LiveWorker:
         self.previous = None
         self.events.emit("live_joined", step=start, epoch=quorum.epoch, state_bytes=received,
                          waited_s=time.time() - asked)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m trainguard.live.worker")
-    parser.add_argument("--store", required=True, help="HOST:PORT of the launcher's TCPStore")
-    role = parser.add_mutually_exclusive_group(required=True)
-    role.add_argument("--rank", type=int)
-    role.add_argument("--spare", type=int, help="a warm spare: wait (torch imported) to be told which rank to replace")
-    parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--run-dir", type=Path, required=True)
-    parser.add_argument("--micro-batches", type=int, default=8)
-    parser.add_argument("--micro-batch-s", type=float, default=0.0)
-    parser.add_argument("--checkpoint-every", type=int, default=0)
-    parser.add_argument("--collective-timeout-s", type=float, default=30.0)
-    parser.add_argument("--rejoin", action="store_true")
-    parser.add_argument("--fail-after-reduce", type=int, help="drill: treat this step's all-reduce as failed here, once")
-    args = parser.parse_args(argv)
-    host, port = args.store.rsplit(":", 1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=WAIT_S))
-    rank, rejoin = args.rank, args.rejoin
-    workload = Workload(micro_batches=args.micro_batches)
-    if args.spare is not None:
-        # warm: torch loads parts of itself at the first optimizer and the first backward (seconds on a
-        # loaded machine), so a spare goes through both once before it says it is ready
-        model, optimizer = workload.build()
-        workload.micro_batch_grad(model, 0, 0)
-        optimizer.step()
-        store.set(spare_ready_key(args.spare), "1")
-        rank, rejoin = int(wait_for(store, spare_key(args.spare), SPARE_WAIT_S, beat=lambda: None)), True
-    worker = LiveWorker(store, rank, args.world, args.steps, args.run_dir, workload,
-                        args.micro_batch_s, args.checkpoint_every, args.collective_timeout_s,
-                        args.fail_after_reduce)
-    code = 0
-    try:
-        worker.run(rejoin)
-    except Fenced as fenced:
-        print(f"live recovery: {fenced}; exiting", file=sys.stderr)
-        code = FENCED_EXIT
-    # Everything is written (events unbuffered, the final state fsynced). A normal exit would destroy
-    # the retired groups, whose threads wait for their abandoned operation's timeout (collective.py).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-if __name__ == "__main__":
-    main()

@@ -3,13 +3,19 @@
 Sample ``i`` is drawn from a generator seeded with ``i``, so any rank can compute any micro-batch,
 and the data position of a run is its step: micro-batch ``m`` of step ``t`` holds the samples
 ``[t*G + m*B, t*G + (m+1)*B)`` with ``B`` samples per micro-batch and ``G`` per step.
+
+``python -m trainguard.live.workload --store HOST:PORT --rank R ...`` is the drill's rank (the
+launcher's default entry): one user of ``LiveGuard``, as ``examples/user_loop_live.py`` is another.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
+
+from trainguard.live.guard import LiveGuard
 
 FEATURES = 16
 
@@ -41,17 +47,21 @@ class Workload:
         xs = torch.stack([torch.randn(FEATURES, generator=torch.Generator().manual_seed(i)) for i in range(first, end)])
         return xs, torch.sin(xs.sum(dim=1, keepdim=True))
 
-    def micro_batch_grad(self, model: torch.nn.Module, step: int, micro_batch: int) -> torch.Tensor:
-        """The flat gradient of one micro-batch's share of the global mean loss."""
+    def micro_batch_loss(self, model: torch.nn.Module, step: int, micro_batch: int) -> torch.Tensor:
+        """The mean squared error over one micro-batch's samples."""
         xs, ys = self.batch(step, micro_batch)
-        model.zero_grad(set_to_none=True)
-        loss = ((model(xs) - ys) ** 2).sum() / self.samples_per_step
-        loss.backward()
-        return torch.cat([p.grad.flatten() for p in model.parameters()])
+        return ((model(xs) - ys) ** 2).sum() / self.micro_batch_size
 
 
-def set_grads(model: torch.nn.Module, flat: torch.Tensor) -> None:
-    offset = 0
-    for p in model.parameters():
-        p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
-        offset += p.numel()
+def main(argv: list[str] | None = None) -> None:
+    workload = Workload()
+    model, optimizer = workload.build()
+    guard = LiveGuard(model, optimizer, argv)
+    workload = dataclasses.replace(workload, micro_batches=guard.micro_batches)  # the run's global batch
+    for _ in guard.steps(workload.micro_batch_loss, workload.sample_range):
+        pass
+    guard.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""A user's own model, optimizer and data trained with live recovery (``trainguard.LiveGuard``).
+
+Each rank builds the model and optimizer (seeded: every rank starts alike) and hands them, with the
+loss of one micro-batch by index, to ``LiveGuard``; the library does the rest: per-micro-batch backward,
+the order-fixed gradient sum over the ranks alive, the optimizer step, the quorum changes and the rejoin
+of a replaced rank. The live launcher starts the ranks (4 gloo ranks: 2 replica groups x 2) and, here,
+SIGKILLs rank 3 once it has committed step 5; a warm spare (``--spares 1``) takes its place:
+
+    PYTHONPATH=src python examples/user_loop_live.py --launch runs/live --steps 60 --kill-rank 3 --spares 1
+
+A rank is this script with the launcher's flags (``--store ... --rank R ...``) and its own (``--lr``).
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import trainguard
+
+CLASSES, FEATURES, MICRO_BATCH = 4, 12, 8
+
+
+def sample_range(step: int, micro_batch: int, micro_batches: int) -> tuple[int, int]:
+    first = (step * micro_batches + micro_batch) * MICRO_BATCH
+    return first, first + MICRO_BATCH
+
+
+def batch(step: int, micro_batch: int, micro_batches: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The samples of one micro-batch, a pure function of its index: the data position is the step."""
+    first, _ = sample_range(step, micro_batch, micro_batches)
+    generator = torch.Generator().manual_seed(first)
+    inputs = torch.randn(MICRO_BATCH, FEATURES, generator=generator)
+    return inputs, (inputs[:, :CLASSES].argmax(dim=1) + (inputs[:, -1] > 1).long()) % CLASSES
+
+
+def rank_main(argv: list[str]) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 24), torch.nn.GELU(), torch.nn.LayerNorm(24),
+                                torch.nn.Linear(24, CLASSES))
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lr", type=float, default=3e-3)
+    own, _ = parser.parse_known_args(argv)  # the rest are the launcher's flags, LiveGuard's
+    optimizer = torch.optim.AdamW(model.parameters(), lr=own.lr, weight_decay=0.1)
+    guard = trainguard.LiveGuard(model, optimizer, argv)
+
+    def loss_of(model: torch.nn.Module, step: int, micro_batch: int) -> torch.Tensor:
+        inputs, labels = batch(step, micro_batch, guard.micro_batches)
+        return F.cross_entropy(model(inputs), labels)
+
+    def samples_of(step: int, micro_batch: int) -> tuple[int, int]:  # for the events' sample check
+        return sample_range(step, micro_batch, guard.micro_batches)
+
+    for step in guard.steps(loss_of, samples_of):  # each step as it commits (a redone step comes again)
+        if step % 10 == 0:
+            with torch.no_grad():
+                inputs, labels = batch(step, 0, guard.micro_batches)
+                print(f"step {step} loss {F.cross_entropy(model(inputs), labels):.4f}", flush=True)
+    guard.close()  # ends this process (exit 0)
+
+
+def launch_main(argv: list[str]) -> None:
+    from trainguard.live.launcher import LiveRun, launch
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--launch", type=Path, required=True, help="the run directory")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--kill-rank", type=int, help="SIGKILL this rank after step 5")
+    parser.add_argument("--spares", type=int, default=0, help="warm spare processes that replace a dead rank")
+    args = parser.parse_args(argv)
+    run = LiveRun(groups=2, group_size=2, steps=args.steps, micro_batches=8, micro_batch_s=0.0, checkpoint_every=0,
+                  kill_ranks=() if args.kill_rank is None else (args.kill_rank,), kill_at_step=5, spares=args.spares,
+                  entry=(str(Path(__file__).resolve()), "--lr", "3e-3"))
+    result = launch(args.launch, run)
+    print(f"done in {result.wall_s:.1f} s; pids first {result.first_pids} last {result.last_pids}")
+
+
+if __name__ == "__main__":
+    (launch_main if "--launch" in sys.argv else rank_main)(sys.argv[1:])

@@ -1,0 +1,78 @@
+"""``LiveGuard``: a user's model, optimizer and micro-batch loss, trained with live recovery.
+
+A script that builds its model and optimizer and hands them, with the loss of one micro-batch by
+index, to ``LiveGuard(...).steps(loss_of)`` (then ``close()``) is a rank of a live-recovery run: started by
+``trainguard.live.launcher.launch`` (``LiveRun.entry`` names the script), it does the per-micro-batch
+backward, the order-fixed sum over the current quorum, the optimizer step, the membership changes and
+the rejoin of ``worker.LiveWorker`` (docs/live_recovery.md). What makes the result independent of the
+failures is the user's part of the contract: the loss of micro-batch ``m`` of step ``t`` is a pure
+function of ``(t, m)`` and the parameters (the data position is the step; no dropout or other random
+draws after the seeded initialisation, which every rank does alike).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import NoReturn
+
+import torch
+import torch.distributed as dist
+
+from trainguard.live.quorum import spare_key, spare_ready_key, wait_for
+from trainguard.live.worker import (FENCED_EXIT, WAIT_S, Fenced, LiveArgs, LiveWorker, MicroBatchLoss, SampleRange,
+                                    micro_batch_grad)
+
+SPARE_WAIT_S = 24 * 3600.0  # a spare waits as long as a run lasts; the launcher ends it if unused
+
+
+class LiveGuard:
+    """One rank's side of a live run. ``argv`` (default ``sys.argv[1:]``) carries the launcher's flags
+    (``LiveArgs``; any others are the script's own and left alone). ``total_steps`` and
+    ``micro_batches`` (the global batch of every step, whatever the number of live ranks) are the
+    launcher's."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, argv: list[str] | None = None):
+        self.model, self.optimizer = model, optimizer
+        self.args = LiveArgs.parse(argv)
+        self.total_steps, self.micro_batches = self.args.steps, self.args.micro_batches
+        self.exit_code = 0
+
+    def steps(self, loss_of: MicroBatchLoss, sample_range: SampleRange | None = None) -> Iterator[int]:
+        """Trains the launcher's ``steps`` with the run's quorums, yielding the index of each step as it
+        is committed (a step undone after a peer's failure comes again when it is redone); iterate to
+        the end, then ``close()``. ``loss_of(model, step, micro_batch)`` returns that micro-batch's loss;
+        the step's loss is their mean. ``sample_range`` (optional) names each micro-batch's samples in
+        the ``live_step`` events (``samples.py``). Code in the loop must leave the model, the optimizer
+        and the data alone: they are the run's state."""
+        args = self.args
+        host, port = args.store.rsplit(":", 1)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=WAIT_S))
+        rank, rejoin = args.rank, args.rejoin
+        if args.spare is not None:
+            # warm: torch loads parts of itself at the first optimizer and the first backward (seconds on a
+            # loaded machine), so a spare goes through both once, on a copy, before it says it is ready;
+            # copied together, so the copied optimizer steps the copied parameters
+            model, optimizer = copy.deepcopy((self.model, self.optimizer))
+            micro_batch_grad(model, loss_of, 0, 0, args.micro_batches)
+            optimizer.step()
+            store.set(spare_ready_key(args.spare), "1")
+            rank, rejoin = int(wait_for(store, spare_key(args.spare), SPARE_WAIT_S, beat=lambda: None)), True
+        worker = LiveWorker(store, args, rank, self.model, self.optimizer, loss_of, sample_range)
+        try:
+            yield from worker.train(rejoin)
+        except Fenced as fenced:
+            print(f"live recovery: {fenced}; exiting", file=sys.stderr)
+            self.exit_code = FENCED_EXIT
+
+    def close(self) -> NoReturn:
+        """Ends this process: 0, or ``FENCED_EXIT`` for a stale process of a rank that was replaced."""
+        # Everything is written (events unbuffered, the final state fsynced). A normal exit would destroy
+        # the retired groups, whose threads wait for their abandoned operation's timeout (collective.py).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(self.exit_code)

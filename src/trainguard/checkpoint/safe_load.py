@@ -81,6 +81,15 @@ def _numpy_array_classes() -> list[Any]:
     return allowed
 
 
+def _globals_named(path: PathLike) -> list[str]:
+    """The globals a ``torch.save`` file's pickle names; none for a file of another format (a bare
+    pickle, say), which ``torch.load(weights_only=True)`` then refuses by what it would have run."""
+    try:
+        return torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except (ValueError, RuntimeError):  # torch 2.13 raises ValueError for a file that is not torch.save's zip
+        return []
+
+
 def safe_torch_load(path: PathLike, *, mmap: bool = False) -> Any:
     """``torch.load`` to CPU with ``weights_only=True`` (DTensors and numpy arrays allowed: their classes
     hold data only);
@@ -91,7 +100,7 @@ def safe_torch_load(path: PathLike, *, mmap: bool = False) -> Any:
     level = mesh_log.level
     mesh_log.setLevel(logging.ERROR)  # "unpickling of the DeviceMesh before the PGs were created": expected
     try:
-        named = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        named = _globals_named(path)
         allowed = _dtensor_classes() if any(g.startswith("torch.distributed.") for g in named) else []
         if any(g.startswith("numpy.") for g in named):
             allowed += _numpy_array_classes()

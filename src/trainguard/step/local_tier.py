@@ -47,20 +47,22 @@ def build_memory_tier(run_dir: Path, config: CheckpointConfig, *, mesh_shape: Se
     directory = (config.memory_dir or DEFAULT_MEMORY_DIR).replace("{run}", run_key(run_dir))
     return MemoryTier(_rank_tier(run_dir, mesh_shape, mesh_dim_names, ranks_per_node, model, events, None,
                                  interval=config.memory_interval, directory=directory,
-                                 keep_last=config.memory_keep_last, tier="memory", recycle=True),
+                                 keep_last=config.memory_keep_last, tier="memory", recycle=True,
+                                 tracker=False),
                       writer=config.writer)
 
 
 def _rank_tier(run_dir: Path, mesh_shape: Sequence[int], mesh_dim_names: Sequence[str], ranks_per_node: int,
                model: torch.nn.Module, events: EventLog, static_files: Callable[[Path], None] | None, *,
-               interval: int, directory: str | None, keep_last: int, tier: str, recycle: bool = False) -> LocalTier:
+               interval: int, directory: str | None, keep_last: int, tier: str, recycle: bool = False,
+               tracker: bool = True) -> LocalTier:
     return LocalTier(
         run_dir, rank=dist.get_rank(), world_size=dist.get_world_size(),
         groups=device_mesh_replica_groups(mesh_shape, mesh_dim_names),
         layout={"kind": "device_mesh", "mesh_shape": list(mesh_shape), "mesh_dim_names": list(mesh_dim_names)},
         local_dir=directory, ranks_per_node=ranks_per_node, interval=interval, keep_last=keep_last, model=model,
         events=events, process_group=dist.new_group(backend="gloo"), static_files=static_files, tier=tier,
-        recycle=recycle,
+        recycle=recycle, tracker=tracker,
     )
 
 

@@ -54,11 +54,15 @@ class LocalTier:
         local_dir: str | None, ranks_per_node: int, interval: int, keep_last: int, model: torch.nn.Module,
         events: EventLog, process_group: dist.ProcessGroup | None,
         static_files: Callable[[Path], None] | None = None, tier: str = "local", recycle: bool = False,
+        tracker: bool = True,
     ):
         """``tier`` names the tier in events: ``"local"``, or ``"memory"`` for the memory tier's copy.
         ``recycle``: pruned steps leave their files as spares that the next save writes over (the
-        memory tier: new pages in node memory cost more than the write)."""
+        memory tier: new pages in node memory cost more than the write). ``tracker``: keep verl's
+        ``latest_checkpointed_iteration.txt`` (a barrier per save); the memory tier, saved every step and
+        read by no outside tool, does without."""
         self.tier = tier
+        self.tracker = tracker
         self.recycle = recycle
         self.rank, self.world_size, self.groups = rank, world_size, groups
         self.interval, self.keep_last, self.events, self.group = interval, keep_last, events, process_group
@@ -103,6 +107,8 @@ class LocalTier:
     def _mark_latest(self, step: int) -> None:
         """Once every rank's files of ``step`` are committed (a barrier), the directory's tracker names it,
         as verl's trainer keeps ``latest_checkpointed_iteration.txt`` beside its ``global_step_N``."""
+        if not self.tracker:
+            return
         if dist.is_initialized() and self.world_size > 1:
             dist.barrier(group=self.group)
         if self.writes_directory_files:
@@ -169,7 +175,7 @@ class LocalTier:
                 remove_rank_step(self.dir, newer, self.world_size, self.rank)
             else:
                 kept.append(newer)
-        if self.writes_directory_files and kept:
+        if self.tracker and self.writes_directory_files and kept:
             try:
                 stale = (read_latest(self.dir) or 0) > kept[-1]
             except CheckpointError:

@@ -22,7 +22,8 @@ import pytest
 from helpers.netns_cluster import HEAD
 from helpers.runs import worker_env
 from trainguard.events.log import read_events
-from trainguard.live.compare import bitwise_differences, load_final
+from trainguard.checkpoint.safe_load import safe_torch_load
+from trainguard.live.compare import bitwise_differences
 from trainguard.live.files import events_path, final_path
 from trainguard.live.launcher import LiveRun, launch
 from trainguard.live.samples import sample_problems
@@ -129,8 +130,8 @@ def test_the_cut_ranks_come_back_stale_and_are_fenced_by_epoch(cut_run):
 
 def test_final_state_is_bitwise_the_fault_free_one_and_no_sample_is_lost_or_repeated(cut_run):
     root, _, _ = cut_run
-    reference = load_final(final_path(root / "clean", 0))
+    reference = safe_torch_load(final_path(root / "clean", 0))
     assert reference["optimizer"]["state"][0]["step"].item() == RUN.steps
     for rank in range(4):
-        assert bitwise_differences(load_final(final_path(root / "cut", rank)), reference) == [], rank
+        assert bitwise_differences(safe_torch_load(final_path(root / "cut", rank)), reference) == [], rank
     assert sample_problems(_events(root / "cut"), RUN.steps, Workload().samples_per_step) == []

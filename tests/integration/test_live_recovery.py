@@ -14,7 +14,8 @@ import pytest
 
 from trainguard.demo.live import FAILING
 from trainguard.events.log import read_events
-from trainguard.live.compare import bitwise_differences, load_final
+from trainguard.checkpoint.safe_load import safe_torch_load
+from trainguard.live.compare import bitwise_differences
 from trainguard.live.files import events_path, final_path
 from trainguard.live.launcher import launch
 from trainguard.live.samples import sample_problems
@@ -79,10 +80,10 @@ def test_quorum_shrinks_to_the_intact_group_then_the_broken_group_rejoins(drill)
 
 def test_final_parameters_and_optimizer_state_are_bitwise_the_fault_free_ones(drill):
     root, _ = drill
-    reference = load_final(final_path(root / "clean", 0))
+    reference = safe_torch_load(final_path(root / "clean", 0))
     for rank in range(WORLD):
-        assert bitwise_differences(load_final(final_path(root / "clean", rank)), reference) == []
-        assert bitwise_differences(load_final(final_path(root / "failed", rank)), reference) == [], rank
+        assert bitwise_differences(safe_torch_load(final_path(root / "clean", rank)), reference) == []
+        assert bitwise_differences(safe_torch_load(final_path(root / "failed", rank)), reference) == [], rank
     assert reference["optimizer"]["state"][0]["step"].item() == STEPS
 
 
@@ -128,9 +129,9 @@ def test_a_node_cut_off_is_found_silent_fenced_and_replaced_bitwise(drill, tmp_p
     assert [q["members"] for q in quorums] == [[0, 1, 2, 3], [2, 3], [0, 1, 2, 3]]
     assert "hung, fenced" in quorums[1]["reason"]
     assert {e["rank"] for e in events if e["kind"] == "live_joined"} == {0, 1}
-    reference = load_final(final_path(root / "clean", 0))
+    reference = safe_torch_load(final_path(root / "clean", 0))
     for rank in range(WORLD):
-        assert bitwise_differences(load_final(final_path(tmp_path / "node", rank)), reference) == [], rank
+        assert bitwise_differences(safe_torch_load(final_path(tmp_path / "node", rank)), reference) == [], rank
     assert sample_problems(events, STEPS, Workload().samples_per_step) == []
 
 
@@ -148,7 +149,7 @@ def test_a_transient_failure_is_undone_and_redone_bitwise_on_another_layout(dril
     assert [(q["members"], q["step"], q["reason"]) for q in quorums] == [
         ([0, 1], 0, "start"), ([0, 1], 20, "a collective failed")]
     assert [(e["rank"], e["step"]) for e in events if e["kind"] == "live_undo"] == [(1, 20)]
-    reference = load_final(final_path(root / "clean", 0))
+    reference = safe_torch_load(final_path(root / "clean", 0))
     for rank in range(2):
-        assert bitwise_differences(load_final(final_path(tmp_path / "transient", rank)), reference) == [], rank
+        assert bitwise_differences(safe_torch_load(final_path(tmp_path / "transient", rank)), reference) == [], rank
     assert sample_problems(events, STEPS, Workload().samples_per_step) == []

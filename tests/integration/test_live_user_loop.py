@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from trainguard.events.log import read_events
-from trainguard.live.compare import bitwise_differences, load_final
+from trainguard.checkpoint.safe_load import safe_torch_load
+from trainguard.live.compare import bitwise_differences
 from trainguard.live.files import events_path, final_path
 from trainguard.live.samples import sample_problems
 
@@ -71,11 +72,11 @@ def test_the_broken_group_leaves_and_rejoins_with_a_peers_state(runs):
 
 def test_final_parameters_and_optimizer_state_equal_the_fault_free_run_bitwise(runs):
     runs, _ = runs
-    reference = load_final(final_path(runs / "clean", 0))
+    reference = safe_torch_load(final_path(runs / "clean", 0))
     assert reference["optimizer"]["state"][0]["step"].item() == STEPS
     for rank in range(WORLD):
-        assert bitwise_differences(load_final(final_path(runs / "clean", rank)), reference) == [], rank
-        assert bitwise_differences(load_final(final_path(runs / "failed", rank)), reference) == [], rank
+        assert bitwise_differences(safe_torch_load(final_path(runs / "clean", rank)), reference) == [], rank
+        assert bitwise_differences(safe_torch_load(final_path(runs / "failed", rank)), reference) == [], rank
 
 
 def test_no_sample_lost_or_repeated(runs):

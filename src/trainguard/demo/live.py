@@ -18,7 +18,8 @@ from rich.console import Console
 from rich.table import Table
 
 from trainguard.events import read_events
-from trainguard.live.compare import bitwise_differences, load_final
+from trainguard.checkpoint.safe_load import safe_torch_load
+from trainguard.live.compare import bitwise_differences
 from trainguard.live.files import events_path, final_path
 from trainguard.live.launcher import LiveRun, launch
 from trainguard.live.samples import sample_problems
@@ -46,9 +47,9 @@ def live_checks(clean: Path, failed: Path, run: LiveRun) -> list[tuple[str, bool
     replaced = all(len(set(pids.get(r, []))) == 2 for r in run.kill_ranks)
     events = list(read_events(events_path(failed)))
     joined = sorted(e["rank"] for e in events if e["kind"] == "live_joined")
-    reference = load_final(final_path(clean, 0))
+    reference = safe_torch_load(final_path(clean, 0))
     differences = [f"rank {r}: {d}" for r in range(run.world)
-                   for d in bitwise_differences(load_final(final_path(failed, r)), reference)]
+                   for d in bitwise_differences(safe_torch_load(final_path(failed, r)), reference)]
     samples = sample_problems(events, run.steps, Workload(micro_batches=run.micro_batches).samples_per_step)
     return [
         ("survivors never restarted", kept, f"pids {[pids.get(r) for r in survivors]}"),

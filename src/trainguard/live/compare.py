@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,7 +22,3 @@ def bitwise_differences(a: Any, b: Any, where: str = "") -> list[str]:
             return [f"{where}: lengths differ"]
         return [d for i, (x, y) in enumerate(zip(a, b)) for d in bitwise_differences(x, y, f"{where}/{i}")]
     return [] if a == b else [f"{where}: {a!r} != {b!r}"]
-
-
-def load_final(path: Path) -> dict:
-    return torch.load(path, weights_only=True)

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from trainguard.checkpoint.safe_load import safe_torch_load
 from trainguard.events import EventLog
 from trainguard.fs.fsio import atomic_write_bytes
 from trainguard.live import collective
@@ -134,7 +135,7 @@ class LiveWorker:
         else:
             quorum = read_quorum(self.store, latest_epoch(self.store))
             if quorum.resume_from is not None:
-                state = torch.load(checkpoint_path(self.run_dir, quorum.resume_from), weights_only=True)
+                state = safe_torch_load(checkpoint_path(self.run_dir, quorum.resume_from))
                 load_state(self.model, self.optimizer, state)
             self.enter(quorum, quorum.start_step)
         while True:

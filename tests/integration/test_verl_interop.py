@@ -1,6 +1,6 @@
 """verl's own tools on trainguard's checkpoints: verl 0.9.1's FSDP model merger (``python -m
 verl.model_merger merge --backend fsdp``, installed without its GPU dependencies, see
-helpers/verl_env.py) on a step of the local tier, FSDP and HSDP (Llama) and FSDP (Qwen2), gives every tensor that
+helpers/verl_env.py) on a step of the local tier, FSDP and HSDP, Llama and Qwen2, gives every tensor that
 ``trainguard ckpt merge`` gives (verl writes bfloat16: compared with ours cast the same way)."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from helpers.verl_env import VERL_MERGE, run_in_verl
 FSDP = ["--save-interval", "0", "--set", "checkpoint.local_interval=2"]
 HSDP = FSDP + ["--set", "parallel.dp_replicate=2", "--set", "parallel.ranks_per_node=2"]
 QWEN2 = ["--set", "model.preset=qwen2-micro"]
-ARCHITECTURES = {"fsdp": "LlamaForCausalLM", "hsdp": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {"fsdp": "LlamaForCausalLM", "hsdp": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen2-hsdp": "Qwen2ForCausalLM"}
 
 
 def _merged(directory: Path) -> dict[str, torch.Tensor]:
@@ -31,10 +32,11 @@ def _merged(directory: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("verl")
-    for name, nproc, extra in (("fsdp", 2, FSDP), ("hsdp", 4, HSDP), ("qwen2", 2, FSDP + QWEN2)):
+    for name, nproc, extra in (("fsdp", 2, FSDP), ("hsdp", 4, HSDP), ("qwen2", 2, FSDP + QWEN2),
+                               ("qwen2-hsdp", 4, HSDP + QWEN2)):
         ok(train(root / name, nproc, 4, *extra))
     # HSDP: node 0's step holds ranks 0 and 1, the ranks verl reads (one replica)
-    return {name: root / name / "local" / "node0" / "global_step_4" for name in ("fsdp", "hsdp", "qwen2")}
+    return {name: root / name / "local" / "node0" / "global_step_4" for name in ARCHITECTURES}
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,7 @@ def verl_merged(runs, tmp_path_factory) -> dict[str, Path]:
     return targets
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "hsdp", "qwen2"])
+@pytest.mark.parametrize("layout", list(ARCHITECTURES))
 def test_verl_merger_reads_a_local_step_as_trainguard_merges_it(runs, verl_merged, layout, tmp_path):
     step = runs[layout]
     ours = tmp_path / "ours"

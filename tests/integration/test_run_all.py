@@ -1,4 +1,5 @@
-"""``benchmarks/run_all`` collects every benchmark's RESULT lines and lists every failure."""
+"""``benchmarks/run_all`` collects every benchmark's RESULT lines and lists every failure; the sections
+measured by hand below its marker line survive a rewrite."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sys
 from pathlib import Path
 
 RUN_ALL = Path(__file__).resolve().parents[2] / "benchmarks" / "run_all"
+KEPT_MARKER = "<!-- run_all writes the part above this line; the part below is kept when it writes the file -->"
 
 GOOD = """
 import json, sys
@@ -29,6 +31,9 @@ def test_run_all_collects_results_and_lists_failures(tmp_path):
     for name, text in (("good.py", GOOD), ("crashes.py", CRASHES), ("silent.py", SILENT),
                        ("malformed.py", MALFORMED), ("common.py", "raise SystemExit(9)\n")):
         (bench / name).write_text(text)
+    old_run = "| stale figure | 1 | 1 | 1 | x | yes | gone.py |"
+    hand = "## Measured by hand (issue 99)\n\n| figure | value |\n|---|---|\n| kept | 42 |\n"
+    (bench / "RESULTS.md").write_text(f"# Benchmark results\n\n{old_run}\n\n{KEPT_MARKER}\n\n{hand}")
     proc = subprocess.run([sys.executable, str(RUN_ALL), "--quick", "--dir", str(bench), "--python", sys.executable,
                            "--logs", str(tmp_path / "logs"), "--label", "test machine"],
                           capture_output=True, text=True, timeout=300)
@@ -44,6 +49,7 @@ def test_run_all_collects_results_and_lists_failures(tmp_path):
     assert "good.py" not in failed and "common.py" not in results
     for fact in ("**Note:** test machine", "| cores |", "| RAM |", "torch", "| total time |", "benchmarks/run_all --quick"):
         assert fact in results
+    assert old_run not in results and results.endswith(f"{KEPT_MARKER}\n\n{hand}")
     assert (tmp_path / "logs" / "crashes.log").read_text().strip().endswith("out of memory")
 
 

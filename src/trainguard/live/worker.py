@@ -1,9 +1,9 @@
 """One rank of a live-recovery run: steps with its epoch's quorum, survives a peer's death without
 restarting, and (as a replacement or an excluded survivor) rejoins at a step boundary.
 
-The model, the optimizer and the loss of one micro-batch are the user's (``trainguard.live.guard.LiveGuard``
-hands them in; the drill's ``workload`` is one such user); the rank's place in the run comes from the
-launcher's arguments (``LiveArgs``).
+The model, the optimizer and the loss of one micro-batch are the user's (``trainguard.live.rank.LiveRank``,
+the engine of ``trainguard.Guard``'s live mode, hands them in; the drill's ``workload`` is one such
+user); the rank's place in the run comes from the launcher's arguments (``LiveArgs``).
 
 Each step: compute this member's micro-batches (``ordered_sum``), one all-reduce that also carries
 the "a newer epoch exists" flag, keep the state of before the update (the one step a survivor may

@@ -11,6 +11,7 @@ in live mode, so asking for it there is refused, never ignored.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,8 @@ def live_rank(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
               argv: list[str] | None, unsupported: list[str]) -> LiveRank:
     """This process's rank of the live run, after refusing what live mode would not do: ``unsupported``
     (the ``Guard`` arguments given that it cannot honour), a key of the closure mode's sections set,
-    a fault drill in force, or a run directory that is not the launcher's."""
+    a fault drill in force, a process the live launcher did not start, or a run directory that is not
+    the launcher's. ``argv``: the command line with the launcher's flags (default ``sys.argv[1:]``)."""
     if unsupported:
         raise ConfigError(f"Guard({', '.join(f'{name}=...' for name in unsupported)}): not supported with "
                           "fault_tolerance.live: true (live recovery transfers and compares the model and the "
@@ -69,6 +71,11 @@ def live_rank(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
     if faults:
         raise ConfigError(f"{source}: fault drills are not run with fault_tolerance.live: true (the live launcher "
                           "injects its own: LiveRun.kill_ranks)")
+    argv = sys.argv[1:] if argv is None else argv
+    if not any(arg == "--store" or arg.startswith("--store=") for arg in argv):  # torchrun's, or no launcher
+        raise ConfigError("fault_tolerance.live: true, but this process was not started by the live launcher (no "
+                          "--store among its arguments); start the ranks with trainguard.live.launcher.launch "
+                          "(docs/live_recovery.md)")
     args = LiveArgs.parse(argv)
     if Path(run_dir).resolve() != args.run_dir.resolve():
         raise ConfigError(f"Guard(run_dir={str(run_dir)!r}): the live launcher started this rank with --run-dir "

@@ -133,6 +133,13 @@ def test_live_mode_refuses_a_fault_drill_from_the_environment(tmp_path, monkeypa
         trainguard.Guard(tmp_path, model, optimizer, config=LIVE, live_argv=launcher_flags(tmp_path))
 
 
+def test_live_mode_outside_the_live_launcher_is_one_error_saying_so(tmp_path):
+    model, optimizer = model_and_optimizer()
+    with pytest.raises(ConfigError, match=r"^fault_tolerance.live: true, but this process was not started by the "
+                                          r"live launcher \(no --store among its arguments\)"):
+        trainguard.Guard(tmp_path, model, optimizer, config=LIVE, live_argv=["--run-dir", str(tmp_path), "--lr", "1"])
+
+
 def test_live_mode_refuses_a_run_directory_that_is_not_the_launchers(tmp_path):
     model, optimizer = model_and_optimizer()
     with pytest.raises(ConfigError, match=r"the live launcher started this rank with --run-dir '.*launcher'"):

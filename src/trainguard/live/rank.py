@@ -23,6 +23,7 @@ from typing import NoReturn
 
 import torch
 import torch.distributed as dist
+from torch.optim.lr_scheduler import LambdaLR
 
 from trainguard.live.quorum import spare_key, spare_ready_key, wait_for
 from trainguard.live.worker import (FENCED_EXIT, WAIT_S, Fenced, LiveArgs, LiveWorker, MicroBatchLoss, SampleRange,
@@ -36,8 +37,9 @@ class LiveRank:
     ``total_steps`` and ``micro_batches`` (the global batch of every step, whatever the number of live
     ranks) are the launcher's."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: LiveArgs):
-        self.model, self.optimizer = model, optimizer
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: LiveArgs,
+                 scheduler: LambdaLR | None = None):
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.args = args
         self.total_steps, self.micro_batches = self.args.steps, self.args.micro_batches
         self.exit_code = 0
@@ -59,7 +61,7 @@ class LiveRank:
             optimizer.step()
             store.set(spare_ready_key(args.spare), "1")
             rank, rejoin = int(wait_for(store, spare_key(args.spare), SPARE_WAIT_S, beat=lambda: None)), True
-        worker = LiveWorker(store, args, rank, self.model, self.optimizer, loss_of, sample_range)
+        worker = LiveWorker(store, args, rank, self.model, self.optimizer, loss_of, sample_range, self.scheduler)
         try:
             yield from worker.train(rejoin)
         except Fenced as fenced:

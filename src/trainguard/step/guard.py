@@ -145,8 +145,9 @@ class Guard:
     tokens of one step, for the ``tokens/s`` figure.
 
     Live mode (``fault_tolerance.live: true``): ``run_dir`` is the launcher's ``--run-dir``, ``live_argv``
-    (default ``sys.argv[1:]``) holds the launcher's flags among the script's own, and the loop is
-    ``guard.steps(loss_of)``; the other arguments, ``resume``, ``should_stop`` and ``step`` are refused.
+    (default ``sys.argv[1:]``) holds the launcher's flags among the script's own, ``scheduler`` may be a
+    ``LambdaLR`` (each step's LR set from the step alone), and the loop is ``guard.steps(loss_of)``; the
+    other arguments, ``resume``, ``should_stop`` and ``step`` are refused.
     """
 
     def __init__(
@@ -170,11 +171,11 @@ class Guard:
         self._live: LiveRank | None = None
         if cfg.fault_tolerance.live:
             self.run_dir, self.model, self.optimizer = Path(run_dir), model, optimizer
-            given = {"scheduler": scheduler is not None, "stateful": stateful is not None, "mesh": mesh is not None,
+            given = {"stateful": stateful is not None, "mesh": mesh is not None,
                      "pipeline_stages": pipeline_stages != 1, "embedding": not isinstance(embedding, str),
                      "hf_config": hf_config is not None, "tokenizer": tokenizer is not None,
                      "tokens_per_step": tokens_per_step is not None}
-            self._live = live_rank(self.run_dir, model, optimizer, cfg, live_argv,
+            self._live = live_rank(self.run_dir, model, optimizer, scheduler, cfg, live_argv,
                                    unsupported=[name for name, set_ in given.items() if set_])
             return
         if live_argv is not None:

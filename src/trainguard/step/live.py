@@ -4,8 +4,8 @@ loop to (``trainguard.live.rank.LiveRank``) and the errors that keep the two mod
 In live mode the launcher's flags place the rank (``LiveArgs``), the library does each step inside
 ``guard.steps(loss_of)`` (one backward per micro-batch, so that the survivors can compute a failed
 group's micro-batches), and the model and the optimizer are the whole state of the run. What ``Guard``
-does besides (guards, checkpoint tiers, lifecycle, fault drills, scheduler, extra state) is not done
-in live mode, so asking for it there is refused, never ignored.
+does besides (guards, checkpoint tiers, lifecycle, fault drills, extra state, a scheduler other than a
+``LambdaLR``) is not done in live mode, so asking for it there is refused, never ignored.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.optim.lr_scheduler import LambdaLR
 
 from trainguard.config.schema import RunConfig
 from trainguard.errors import ConfigError
@@ -51,22 +52,31 @@ def changed_keys(value: Any, default: Any, key: str) -> list[str]:
     return [key] if value != default else []
 
 
-def live_rank(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: RunConfig,
-              argv: list[str] | None, unsupported: list[str]) -> LiveRank:
-    """This process's rank of the live run, after refusing what live mode would not do: ``unsupported``
-    (the ``Guard`` arguments given that it cannot honour), a key of the closure mode's sections set,
-    a fault drill in force, a process the live launcher did not start, or a run directory that is not
-    the launcher's. ``argv``: the command line with the launcher's flags (default ``sys.argv[1:]``)."""
-    if unsupported:
-        raise ConfigError(f"Guard({', '.join(f'{name}=...' for name in unsupported)}): not supported with "
-                          "fault_tolerance.live: true (live recovery transfers and compares the model and the "
-                          "optimizer only)")
+def refuse_closure_mode_keys(config: RunConfig, source: str = "<config>") -> None:
+    """One error naming the first key of the closure mode's sections that is not at its default."""
     defaults = RunConfig()
     changed = [key for section in CLOSURE_MODE_SECTIONS
                for key in changed_keys(getattr(config, section), getattr(defaults, section), section)]
     if changed:
-        raise ConfigError(f"config key {changed[0]!r} is not used with fault_tolerance.live: true (live mode runs no "
-                          f"{', '.join(CLOSURE_MODE_SECTIONS)}); leave it at its default")
+        raise ConfigError(f"{source}: config key {changed[0]!r} is not used with fault_tolerance.live: true (live "
+                          f"mode runs no {', '.join(CLOSURE_MODE_SECTIONS)}); leave it at its default")
+
+
+def live_rank(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+              config: RunConfig, argv: list[str] | None, unsupported: list[str]) -> LiveRank:
+    """This process's rank of the live run, after refusing what live mode would not do: ``unsupported``
+    (the ``Guard`` arguments given that it cannot honour), a scheduler other than a ``LambdaLR``, a key
+    of the closure mode's sections set, a fault drill in force, a process the live launcher did not
+    start, or a run directory that is not the launcher's. ``argv``: the command line with the
+    launcher's flags (default ``sys.argv[1:]``)."""
+    if unsupported:
+        raise ConfigError(f"Guard({', '.join(f'{name}=...' for name in unsupported)}): not supported with "
+                          "fault_tolerance.live: true (live recovery transfers and compares the model and the "
+                          "optimizer only)")
+    if scheduler is not None and not isinstance(scheduler, LambdaLR):
+        raise ConfigError(f"Guard(scheduler={type(scheduler).__name__}): live mode takes a "
+                          "torch.optim.lr_scheduler.LambdaLR only (the LR of each step set from the step alone)")
+    refuse_closure_mode_keys(config)
     source, faults = active_faults(None)
     if faults:
         raise ConfigError(f"{source}: fault drills are not run with fault_tolerance.live: true (the live launcher "
@@ -80,4 +90,4 @@ def live_rank(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
     if Path(run_dir).resolve() != args.run_dir.resolve():
         raise ConfigError(f"Guard(run_dir={str(run_dir)!r}): the live launcher started this rank with --run-dir "
                           f"{str(args.run_dir)!r}; pass that one")
-    return LiveRank(model, optimizer, args)
+    return LiveRank(model, optimizer, args, scheduler)

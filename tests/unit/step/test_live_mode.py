@@ -1,6 +1,7 @@
 """``Guard``'s live mode (``fault_tolerance.live``): one ``Guard``, two loops, each refusing the other's
 calls with one clear error; live mode refusing what it would not do rather than ignoring it;
-``LiveGuard`` as ``Guard`` in live mode; ``trainguard train`` refusing the key (exit 2, one line).
+``LiveGuard`` as ``Guard`` in live mode; a ``LambdaLR`` setting each step's LR from the step alone;
+``trainguard train`` in live mode refusing, before making anything, what the live path does not do.
 
 A rank in live mode is built here from the launcher's flags without a launcher: nothing connects to
 the store before ``steps`` is iterated. The full live runs are tests/integration/test_live_*.py."""
@@ -16,11 +17,11 @@ import torch
 
 import trainguard
 from trainguard.cli import main
-from trainguard.cli.train import LIVE_TRAINER_MISSING
 from trainguard.config import FaultToleranceConfig, RunConfig, load_config
 from trainguard.errors import ConfigError
 from trainguard.events.rank_logging import LOGGER_NAME
 from trainguard.faults.injector import ENV_VAR
+from trainguard.live.worker import set_lr
 
 LIVE = RunConfig(fault_tolerance=FaultToleranceConfig(live=True))
 
@@ -103,7 +104,6 @@ def test_launcher_flags_without_live_mode_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("arguments, named", [
-    ({"scheduler": object()}, "scheduler=..."),
     ({"stateful": {"data": object()}, "tokens_per_step": 64}, "stateful=..., tokens_per_step=..."),
     ({"pipeline_stages": 2}, "pipeline_stages=..."),
 ])
@@ -133,6 +133,30 @@ def test_live_mode_refuses_a_fault_drill_from_the_environment(tmp_path, monkeypa
         trainguard.Guard(tmp_path, model, optimizer, config=LIVE, live_argv=launcher_flags(tmp_path))
 
 
+def test_live_mode_takes_a_lambda_lr_and_refuses_other_schedulers(tmp_path):
+    model, optimizer = model_and_optimizer()
+    step_lr = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
+    with pytest.raises(ConfigError, match=r"Guard\(scheduler=StepLR\): live mode takes a "
+                                          r"torch.optim.lr_scheduler.LambdaLR only"):
+        trainguard.Guard(tmp_path, model, optimizer, step_lr, config=LIVE, live_argv=launcher_flags(tmp_path))
+    lambda_lr = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (step + 3))
+    assert trainguard.Guard(tmp_path, model, optimizer, lambda_lr, config=LIVE,
+                            live_argv=launcher_flags(tmp_path)).micro_batches == 8
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
+def test_each_steps_lr_is_the_schedulers_after_as_many_steps_bitwise():
+    model, optimizer = model_and_optimizer()
+    scheduled = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    reference = torch.optim.lr_scheduler.LambdaLR(scheduled, lambda step: 0.7 ** step / 3)
+    live = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.7 ** step / 3)
+    for step in (5, 0, 9, 3):  # any order: a replacement or a redone step sets it from the step alone
+        reference.last_epoch = step - 1
+        reference.step()
+        set_lr(optimizer, live, step)
+        assert optimizer.param_groups[0]["lr"] == scheduled.param_groups[0]["lr"] == 0.1 * 0.7 ** step / 3
+
+
 def test_live_mode_outside_the_live_launcher_is_one_error_saying_so(tmp_path):
     model, optimizer = model_and_optimizer()
     with pytest.raises(ConfigError, match=r"^fault_tolerance.live: true, but this process was not started by the "
@@ -156,8 +180,14 @@ def test_live_guard_is_guard_in_live_mode_in_the_launchers_run_directory(tmp_pat
         guard.step(lambda: None)
 
 
-def test_the_reference_trainer_refuses_live_mode_in_one_line(tmp_path, capsys):
-    code = main(["train", "--run-dir", str(tmp_path / "run"), "--set", "fault_tolerance.live=true"])
+@pytest.mark.parametrize("flags, message", [
+    (["--save-interval", "5"], "--set: config key 'checkpoint.save_interval' is not used with fault_tolerance.live"),
+    (["--max-restarts", "1"], "--max-restarts: a supervisor option; with fault_tolerance.live: true the live launcher"),
+    (["--set", "parallel.dp_replicate="], "--set: config key 'parallel.dp_replicate' must be set for a live run"),
+])
+def test_the_reference_trainer_in_live_mode_refuses_what_it_does_not_do_in_one_line(tmp_path, capsys, flags, message):
+    code = main(["train", "--nproc", "4", "--run-dir", str(tmp_path / "run"), "--set", "fault_tolerance.live=true",
+                 "--set", "parallel.dp_replicate=2", "--set", "train.micro_batches=4", *flags])
     err = capsys.readouterr().err
-    assert code == 2 and err == f"trainguard: error: {LIVE_TRAINER_MISSING}\n"
+    assert code == 2 and err.startswith("trainguard: error: ") and message in err and err.count("\n") == 1, err
     assert not (tmp_path / "run").exists()  # refused before anything was made

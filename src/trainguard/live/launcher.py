@@ -79,9 +79,9 @@ class LiveRun:
         parallel, tolerance = config.parallel, config.fault_tolerance
         if not tolerance.live:
             raise ConfigError(f"{source}: config key 'fault_tolerance.live' must be true to start a live run")
-        if parallel.dp_replicate is None:
-            raise ConfigError(f"{source}: config key 'parallel.dp_replicate' must be set for a live run "
-                              "(the replica groups that outlive each other's failures)")
+        if parallel.dp_replicate is None or parallel.dp_replicate < 2:
+            raise ConfigError(f"{source}: config key 'parallel.dp_replicate' must be ≥ 2 for a live run (the "
+                              f"replica groups that outlive each other's failures), got {parallel.dp_replicate}")
         for name in ("tp", "pp"):
             if getattr(parallel, name) not in (None, 1):
                 raise ConfigError(f"{source}: config key 'parallel.{name}' must be 1 for a live run (it trains "

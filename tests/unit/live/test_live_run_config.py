@@ -23,7 +23,9 @@ def test_the_config_gives_the_layout_the_batch_and_the_fault_tolerance_keys():
 
 @pytest.mark.parametrize("change, message", [
     ("fault_tolerance.live=false", "config key 'fault_tolerance.live' must be true to start a live run"),
-    ("parallel.dp_replicate=", "config key 'parallel.dp_replicate' must be set for a live run"),
+    ("parallel.dp_replicate=", "config key 'parallel.dp_replicate' must be ≥ 2 for a live run"),
+    ("parallel.dp_replicate=1", "config key 'parallel.dp_replicate' must be ≥ 2 for a live run (the replica "
+                                "groups that outlive each other's failures), got 1"),
     ("parallel.tp=2", "config key 'parallel.tp' must be 1 for a live run"),
     ("train.micro_batches=3", "config key 'train.micro_batches' must be ≥ the ranks of the live run "
                               "(parallel.dp_replicate × dp_shard = 4), got 3"),

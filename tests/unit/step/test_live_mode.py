@@ -183,7 +183,7 @@ def test_live_guard_is_guard_in_live_mode_in_the_launchers_run_directory(tmp_pat
 @pytest.mark.parametrize("flags, message", [
     (["--save-interval", "5"], "--set: config key 'checkpoint.save_interval' is not used with fault_tolerance.live"),
     (["--max-restarts", "1"], "--max-restarts: a supervisor option; with fault_tolerance.live: true the live launcher"),
-    (["--set", "parallel.dp_replicate="], "--set: config key 'parallel.dp_replicate' must be set for a live run"),
+    (["--set", "parallel.dp_replicate="], "--set: config key 'parallel.dp_replicate' must be ≥ 2 for a live run"),
 ])
 def test_the_reference_trainer_in_live_mode_refuses_what_it_does_not_do_in_one_line(tmp_path, capsys, flags, message):
     code = main(["train", "--nproc", "4", "--run-dir", str(tmp_path / "run"), "--set", "fault_tolerance.live=true",

@@ -1,14 +1,17 @@
-"""A user's own model, optimizer and data trained with live recovery (``trainguard.LiveGuard``).
+"""A user's own model, optimizer and data trained with live recovery (``trainguard.Guard`` in live mode).
 
-Each rank builds the model and optimizer (seeded: every rank starts alike) and hands them, with the
-loss of one micro-batch by index, to ``LiveGuard``; the library does the rest: per-micro-batch backward,
-the order-fixed gradient sum over the ranks alive, the optimizer step, the quorum changes and the rejoin
-of a replaced rank. The live launcher starts the ranks (4 gloo ranks: 2 replica groups x 2) and, here,
-SIGKILLs rank 3 once it has committed step 5; a warm spare (``--spares 1``) takes its place:
+Each rank builds the model and optimizer (seeded: every rank starts alike) and hands them to
+``trainguard.Guard`` with a config that says ``fault_tolerance.live: true`` (``user_loop_live.yaml``),
+then loops over ``guard.steps(loss_of)`` with the loss of one micro-batch by index; the library does the
+rest: per-micro-batch backward, the order-fixed gradient sum over the ranks alive, the optimizer step,
+the quorum changes and the rejoin of a replaced rank. The live launcher starts the ranks as the config
+says (4 gloo ranks: 2 replica groups x 2) and, here, SIGKILLs rank 3 once it has committed step 5; a
+warm spare (``--spares 1``: ``fault_tolerance.spares``) takes its place:
 
     PYTHONPATH=src python examples/user_loop_live.py --launch runs/live --steps 60 --kill-rank 3 --spares 1
 
-A rank is this script with the launcher's flags (``--store ... --rank R ...``) and its own (``--lr``).
+A rank is this script with the launcher's flags (``--store ... --rank R --run-dir DIR ...``: they decide
+its place, the steps and the global batch) and its own (``--config``, ``--lr``).
 """
 
 import argparse
@@ -21,6 +24,7 @@ import torch.nn.functional as F
 import trainguard
 
 CLASSES, FEATURES, MICRO_BATCH = 4, 12, 8
+CONFIG = Path(__file__).with_suffix(".yaml")
 
 
 def sample_range(step: int, micro_batch: int, micro_batches: int) -> tuple[int, int]:
@@ -41,10 +45,12 @@ def rank_main(argv: list[str]) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 24), torch.nn.GELU(), torch.nn.LayerNorm(24),
                                 torch.nn.Linear(24, CLASSES))
     parser = argparse.ArgumentParser()
+    parser.add_argument("--config", type=Path, default=CONFIG)
     parser.add_argument("--lr", type=float, default=3e-3)
-    own, _ = parser.parse_known_args(argv)  # the rest are the launcher's flags, LiveGuard's
+    parser.add_argument("--run-dir", type=Path, required=True)  # the launcher's flag: the run's directory
+    own, _ = parser.parse_known_args(argv)  # the rest are the launcher's flags, the guard's
     optimizer = torch.optim.AdamW(model.parameters(), lr=own.lr, weight_decay=0.1)
-    guard = trainguard.LiveGuard(model, optimizer, argv)
+    guard = trainguard.Guard(own.run_dir, model, optimizer, config=own.config)  # live: the config says so
 
     def loss_of(model: torch.nn.Module, step: int, micro_batch: int) -> torch.Tensor:
         inputs, labels = batch(step, micro_batch, guard.micro_batches)
@@ -62,17 +68,20 @@ def rank_main(argv: list[str]) -> None:
 
 
 def launch_main(argv: list[str]) -> None:
+    from trainguard.config import load_config
     from trainguard.live.launcher import LiveRun, launch
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--launch", type=Path, required=True, help="the run directory")
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, help="train.steps (default: the config's)")
     parser.add_argument("--kill-rank", type=int, help="SIGKILL this rank after step 5")
-    parser.add_argument("--spares", type=int, default=0, help="warm spare processes that replace a dead rank")
+    parser.add_argument("--spares", type=int, default=0, help="fault_tolerance.spares: warm spare processes that "
+                                                                "replace a dead rank")
     args = parser.parse_args(argv)
-    run = LiveRun(groups=2, group_size=2, steps=args.steps, micro_batches=8, micro_batch_s=0.0, checkpoint_every=0,
-                  kill_ranks=() if args.kill_rank is None else (args.kill_rank,), kill_at_step=5, spares=args.spares,
-                  entry=(str(Path(__file__).resolve()), "--lr", "3e-3"))
+    overrides = [f"fault_tolerance.spares={args.spares}"] + ([] if args.steps is None else [f"train.steps={args.steps}"])
+    run = LiveRun.from_config(load_config(CONFIG, overrides), str(CONFIG), micro_batch_s=0.0, checkpoint_every=0,
+                              kill_ranks=() if args.kill_rank is None else (args.kill_rank,), kill_at_step=5,
+                              entry=(str(Path(__file__).resolve()), "--config", str(CONFIG), "--lr", "3e-3"))
     result = launch(args.launch, run)
     print(f"done in {result.wall_s:.1f} s; pids first {result.first_pids} last {result.last_pids}")
 

@@ -4,12 +4,13 @@ The public API for your own training loop:
 
 - ``Guard``: the step protocol (resume, should_stop, step(closure), close) with every guard, checkpoint
   tier, fault drill and lifecycle feature behind it, configured by a ``Config`` (or its YAML file);
-  ``StepOutcome`` is what ``Guard.step`` returns. See ``docs/library.md``.
+  ``StepOutcome`` is what ``Guard.step`` returns. See ``docs/library.md``. With
+  ``fault_tolerance.live: true`` it trains with live recovery instead (``guard.steps(loss_of)``: a rank
+  dies, the others keep stepping, its replacement rejoins; same result). See ``docs/live_recovery.md``.
 - ``CheckpointManager``: durable async checkpoints with atomic commit, verification and exact resume.
 - ``clip_grad_norm_``: the true global gradient norm under FSDP2/HSDP/TP/PP, and clipping by it.
 - ``DataSkipGuard``: the global-norm spike rule (skip, count, abort) on its own.
-- ``LiveGuard``: a model, optimizer and micro-batch loss trained with live recovery (a rank dies, the
-  others keep stepping, its replacement rejoins; same result). See ``docs/live_recovery.md``.
+- ``LiveGuard``: ``Guard`` in live mode under its earlier name.
 """
 
 from __future__ import annotations
@@ -21,9 +22,8 @@ from trainguard._lazy import lazy_exports
 if TYPE_CHECKING:
     from trainguard.checkpoint.manager import CheckpointManager
     from trainguard.guards.skip import DataSkipGuard
-    from trainguard.live.guard import LiveGuard
     from trainguard.norms import clip_grad_norm_
-    from trainguard.step.guard import Config, Guard, StepOutcome
+    from trainguard.step.guard import Config, Guard, LiveGuard, StepOutcome
 
 __version__ = "0.1.0"
 
@@ -32,9 +32,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "checkpoint.manager": ("CheckpointManager",),
     "guards.skip": ("DataSkipGuard",),
-    "live.guard": ("LiveGuard",),
     "norms": ("clip_grad_norm_",),
-    "step.guard": ("Config", "Guard", "StepOutcome"),
+    "step.guard": ("Config", "Guard", "LiveGuard", "StepOutcome"),
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 __all__ = sorted(name for names in _EXPORTS.values() for name in names) + ["__version__"]

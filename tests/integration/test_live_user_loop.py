@@ -1,6 +1,7 @@
-"""``trainguard.LiveGuard`` in a user's script (examples/user_loop_live.py): 4 gloo ranks (2 replica
-groups x 2) run the example once without a fault and once with rank 3 SIGKILLed after step 5 (a warm
-spare replaces it). The survivors keep their processes, the replaced group rejoins with a live peer's
+"""``trainguard.Guard`` in live mode (``fault_tolerance.live: true``) in a user's script
+(examples/user_loop_live.py, its launcher's run built from examples/user_loop_live.yaml by
+``LiveRun.from_config``): 4 gloo ranks (2 replica groups x 2) run the example once without a fault and
+once with rank 3 SIGKILLed after step 5 (a warm spare replaces it). The survivors keep their processes, the replaced group rejoins with a live peer's
 state, and every rank ends with the fault-free run's parameters and optimizer state, bit for bit."""
 
 from __future__ import annotations

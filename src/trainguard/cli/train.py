@@ -9,11 +9,12 @@ import time
 from pathlib import Path
 
 from trainguard.checkpoint.resume import check_explicit_resume_path
+from trainguard.cli.train_live import live_run, run_live
 from trainguard.errors import ConfigError
 from trainguard.faults.injector import active_faults, check_fault_ranks
 from trainguard.runtime.nodes import ENV_NNODES, ENV_SUPERVISED
 from trainguard.topology import resolve_layout
-from trainguard.trainer.entry import add_train_arguments, config_from_args, overrides_from_args
+from trainguard.trainer.entry import add_train_arguments, config_arguments, config_from_args
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -30,7 +31,11 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be ≥ 1, got {args.nproc}")
     config = config_from_args(args)
+    live = live_run(args, config, str(args.config) if args.config else "--set") if config.fault_tolerance.live else None
     supervised = bool(os.environ.get(ENV_SUPERVISED))
+    if live is not None and supervised:
+        raise ConfigError("fault_tolerance.live: true under a supervisor (trainguard run): the live launcher starts "
+                          "and replaces the ranks itself; run trainguard train directly")
     nnodes = int(os.environ.get(ENV_NNODES, "1")) if supervised else args.nnodes
     world_size = args.nproc * max(1, nnodes)
     resolve_layout(config.parallel, world_size)
@@ -52,11 +57,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--run-dir {run_dir}: cannot create it ({exc.strerror})") from None
     if not os.access(run_dir, os.W_OK):
         raise ConfigError(f"--run-dir {run_dir}: not writable (read-only file system or no permission)")
-    worker_args = ["--run-dir", str(run_dir)]
-    if args.config:
-        worker_args += ["--config", str(Path(args.config).resolve())]
-    for item in overrides_from_args(args):
-        worker_args += ["--set", item]
+    if live is not None:
+        return run_live(live, run_dir)
+    worker_args = ["--run-dir", str(run_dir), *config_arguments(args)]
     if supervised:  # an agent started by a supervisor (``trainguard run -- trainguard train ...``, or below)
         from trainguard.runtime.launcher import launch_local
         from trainguard.trainer.entry import run_worker

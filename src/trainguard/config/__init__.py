@@ -4,6 +4,7 @@ from trainguard.config.load import config_to_dict, load_config
 from trainguard.config.schema import (
     CheckpointConfig,
     DataConfig,
+    FaultToleranceConfig,
     ModelConfig,
     OptimConfig,
     ParallelConfig,
@@ -14,6 +15,7 @@ from trainguard.config.schema import (
 __all__ = [
     "CheckpointConfig",
     "DataConfig",
+    "FaultToleranceConfig",
     "ModelConfig",
     "OptimConfig",
     "ParallelConfig",

@@ -294,6 +294,9 @@ def validate(config: RunConfig, source: str = "<config>") -> None:
     config.guards.sdc.validate()
     config.guards.fingerprint.validate()
     config.lifecycle.validate(source)
+    positive("fault_tolerance.spares", config.fault_tolerance.spares, allow_zero=True)
+    positive("fault_tolerance.hang_s", config.fault_tolerance.hang_s)
+    positive("fault_tolerance.collective_timeout_s", config.fault_tolerance.collective_timeout_s)
     sdc_config_from_env(config.guards.sdc)
     pp = config.parallel.pp or 1
     if pp > 1 and config.train.micro_batches < pp:

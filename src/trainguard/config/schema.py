@@ -69,6 +69,18 @@ class GuardsConfig:
 
 
 @dataclass
+class FaultToleranceConfig:
+    """Live recovery (docs/live_recovery.md): the surviving replica groups keep stepping through a rank's
+    failure and its replacement rejoins, instead of every rank restarting. The other keys are read by
+    whoever starts the ranks (``LiveRun.from_config``)."""
+
+    live: bool = False  # Guard's live mode: ``guard.steps(loss_of)`` under the live launcher
+    spares: int = 0  # warm spare processes started with the ranks, each replacing a dead rank at once
+    hang_s: float = 10.0  # a rank whose heartbeat has not moved this long is declared dead
+    collective_timeout_s: float = 30.0  # gloo's timeout of one collective of a rank
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -78,4 +90,5 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     guards: GuardsConfig = field(default_factory=GuardsConfig)
     lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     faults: str | None = None  # same grammar as TRAINGUARD_FAULTS; the environment variable wins

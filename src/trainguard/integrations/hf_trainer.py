@@ -141,6 +141,10 @@ class GuardedTrainer(Trainer):
             raise ValueError("GuardedTrainer: set TrainingArguments(max_steps=N); the guard's schedule counts steps")
         self.run_dir = Path(run_dir)
         config = guard_config if isinstance(guard_config, RunConfig) else load_config(guard_config)
+        if config.fault_tolerance.live:
+            raise ValueError("GuardedTrainer: fault_tolerance.live is not supported (live recovery needs the loss of "
+                             "each micro-batch and carries no LR scheduler); use trainguard.Guard in live mode in "
+                             "your own loop (docs/live_recovery.md)")
         if config.guards.check_for_global_norm:
             raise ValueError("GuardedTrainer: rollback mode (guards.check_for_global_norm) needs a data source "
                              "that can skip ranges; use data skip (guards.skip) instead")

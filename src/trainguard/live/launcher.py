@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from trainguard.config.schema import RunConfig
+from trainguard.errors import ConfigError
 from trainguard.events import EventLog
 from trainguard.live.files import checkpoint_path, events_path
 from trainguard.live.lighthouse import Lighthouse
@@ -52,7 +54,7 @@ class LiveRun:
     node_command: str = ""
     store_host: str = "127.0.0.1"
     # what each rank runs after the interpreter, the launcher's flags appended: the drill's workload, or
-    # a user's script that trains through ``LiveGuard`` (with its own flags, e.g. ("examples/user_loop_live.py",))
+    # a user's script that trains through ``Guard`` in live mode (with its own flags, e.g. ("examples/user_loop_live.py",))
     entry: tuple[str, ...] = ("-m", "trainguard.live.workload")
 
     def __post_init__(self) -> None:
@@ -67,6 +69,30 @@ class LiveRun:
     @property
     def world(self) -> int:
         return self.groups * self.group_size
+
+    @classmethod
+    def from_config(cls, config: RunConfig, source: str = "<config>", **drill: object) -> LiveRun:
+        """The run a configuration describes: its replica groups (``parallel.dp_replicate``) of
+        ``parallel.dp_shard`` ranks, ``train.steps`` steps of ``train.micro_batches`` micro-batches, and
+        the ``fault_tolerance`` keys; ``drill`` sets the other fields (``entry``, a fault to inject, ...).
+        A layout live recovery cannot run is a ``ConfigError`` naming the key."""
+        parallel, tolerance = config.parallel, config.fault_tolerance
+        if not tolerance.live:
+            raise ConfigError(f"{source}: config key 'fault_tolerance.live' must be true to start a live run")
+        if parallel.dp_replicate is None or parallel.dp_replicate < 2:
+            raise ConfigError(f"{source}: config key 'parallel.dp_replicate' must be ≥ 2 for a live run (the "
+                              f"replica groups that outlive each other's failures), got {parallel.dp_replicate}")
+        for name in ("tp", "pp"):
+            if getattr(parallel, name) not in (None, 1):
+                raise ConfigError(f"{source}: config key 'parallel.{name}' must be 1 for a live run (it trains "
+                                  f"whole replicas, data-parallel only), got {getattr(parallel, name)}")
+        groups, group_size = parallel.dp_replicate, parallel.dp_shard or 1
+        if config.train.micro_batches < groups * group_size:  # every rank computes at least one of them
+            raise ConfigError(f"{source}: config key 'train.micro_batches' must be ≥ the ranks of the live run "
+                              f"(parallel.dp_replicate × dp_shard = {groups * group_size}), got {config.train.micro_batches}")
+        return cls(groups=groups, group_size=group_size, steps=config.train.steps,
+                   micro_batches=config.train.micro_batches, spares=tolerance.spares, hang_s=tolerance.hang_s,
+                   collective_timeout_s=tolerance.collective_timeout_s, **drill)
 
 
 @dataclass

@@ -1,9 +1,9 @@
 """One rank of a live-recovery run: steps with its epoch's quorum, survives a peer's death without
 restarting, and (as a replacement or an excluded survivor) rejoins at a step boundary.
 
-The model, the optimizer and the loss of one micro-batch are the user's (``trainguard.live.guard.LiveGuard``
-hands them in; the drill's ``workload`` is one such user); the rank's place in the run comes from the
-launcher's arguments (``LiveArgs``).
+The model, the optimizer and the loss of one micro-batch are the user's (``trainguard.live.rank.LiveRank``,
+the engine of ``trainguard.Guard``'s live mode, hands them in; the drill's ``workload`` is one such
+user); the rank's place in the run comes from the launcher's arguments (``LiveArgs``).
 
 Each step: compute this member's micro-batches (``ordered_sum``), one all-reduce that also carries
 the "a newer epoch exists" flag, keep the state of before the update (the one step a survivor may
@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.optim.lr_scheduler import LambdaLR
 
 from trainguard.checkpoint.safe_load import safe_torch_load
 from trainguard.events import EventLog
@@ -107,16 +108,25 @@ def set_grads(model: torch.nn.Module, flat: torch.Tensor) -> None:
         offset += p.numel()
 
 
+def set_lr(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, step: int) -> None:
+    """The LR of 0-based ``step``, as the scheduler would have set it after ``step`` steps: a function of
+    the step alone, so a replacement, a rank that undid a step and a fault-free run all use the same
+    (nothing of the scheduler travels; its ``last_epoch`` is left alone)."""
+    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * factor(step)
+
+
 class LiveWorker:
     def __init__(self, store: dist.Store, args: LiveArgs, rank: int, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer, loss_of: MicroBatchLoss, sample_range: SampleRange | None):
+                 optimizer: torch.optim.Optimizer, loss_of: MicroBatchLoss, sample_range: SampleRange | None,
+                 scheduler: LambdaLR | None = None):
         self.store, self.rank, self.world, self.steps = store, rank, args.world, args.steps
         self.run_dir, self.micro_batches = args.run_dir, args.micro_batches
         self.loss_of, self.sample_range = loss_of, sample_range
         self.micro_batch_s, self.checkpoint_every = args.micro_batch_s, args.checkpoint_every
         self.collective_timeout = timedelta(seconds=args.collective_timeout_s)
         self.events = EventLog(events_path(args.run_dir), rank=rank)
-        self.model, self.optimizer = model, optimizer
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.quorum: Quorum | None = None
         self.group: dist.ProcessGroup | None = None
         self.retired: list[dist.ProcessGroup] = []  # the groups of failed epochs (see collective.py)
@@ -189,6 +199,8 @@ class LiveWorker:
             raise RuntimeError(f"injected: rank {self.rank}'s collective of step {step} failed after the others' succeeded")
         self.previous = (step, copy.deepcopy(state_of(self.model, self.optimizer)))
         set_grads(self.model, total)
+        if self.scheduler is not None:
+            set_lr(self.optimizer, self.scheduler, step)
         self.optimizer.step()
         samples = {"samples": [self.sample_range(step, m) for m in mine]} if self.sample_range else {}
         self.events.emit("live_step", step=step, epoch=quorum.epoch, members=len(quorum.members),

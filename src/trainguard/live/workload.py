@@ -5,7 +5,8 @@ and the data position of a run is its step: micro-batch ``m`` of step ``t`` hold
 ``[t*G + m*B, t*G + (m+1)*B)`` with ``B`` samples per micro-batch and ``G`` per step.
 
 ``python -m trainguard.live.workload --store HOST:PORT --rank R ...`` is the drill's rank (the
-launcher's default entry): one user of ``LiveGuard``, as ``examples/user_loop_live.py`` is another.
+launcher's default entry): one user of ``LiveRank``, the engine of ``Guard``'s live mode that
+``examples/user_loop_live.py`` uses.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from trainguard.live.guard import LiveGuard
+from trainguard.live.rank import LiveRank
+from trainguard.live.worker import LiveArgs
 
 FEATURES = 16
 
@@ -56,7 +58,7 @@ class Workload:
 def main(argv: list[str] | None = None) -> None:
     workload = Workload()
     model, optimizer = workload.build()
-    guard = LiveGuard(model, optimizer, argv)
+    guard = LiveRank(model, optimizer, LiveArgs.parse(argv))
     workload = dataclasses.replace(workload, micro_batches=guard.micro_batches)  # the run's global batch
     for _ in guard.steps(workload.micro_batch_loss, workload.sample_range):
         pass

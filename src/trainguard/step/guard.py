@@ -13,6 +13,15 @@
         step = guard.step(closure).step
     raise SystemExit(guard.close())
 
+With ``fault_tolerance.live: true`` the same ``Guard`` is one rank of a live-recovery run instead
+(``step/live.py``, docs/live_recovery.md): a rank's death stops no other rank, and its replacement
+rejoins with a live peer's state::
+
+    guard = trainguard.Guard(run_dir, model, optimizer, config=config)   # the launcher's --run-dir
+    for step in guard.steps(loss_of):   # loss_of(model, step, micro_batch): the library does each step
+        ...                             # observe only
+    guard.close()                       # ends the process
+
 ``step(closure)`` zeroes the gradients, runs the closure (forward and backward; it may run twice, see
 ``docs/library.md``), measures the global norm, the loss, the embedding's local norm before clipping
 and the SDC verdicts with one all-reduce of constant size, reruns the closure on an SDC detection,
@@ -30,7 +39,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +50,7 @@ import torch.distributed as dist
 from trainguard.backup.attach import attach_mirror
 from trainguard.checkpoint.manager import CheckpointManager, Stateful
 from trainguard.config.load import config_to_dict, load_config
-from trainguard.config.schema import RunConfig
+from trainguard.config.schema import FaultToleranceConfig, RunConfig
 from trainguard.errors import EXIT_CRASH, EXIT_OK, ConfigError, TrainguardError
 from trainguard.events import EventLog
 from trainguard.events.rank_logging import LOGGER_NAME, setup_logging
@@ -50,10 +59,13 @@ from trainguard.guards.rollback import RollbackGuard
 from trainguard.guards.sdc import FaultyDeviceError, faulty_ranks_path, sdc_config_from_env, write_faulty_ranks
 from trainguard.guards.skip import DataSkipAbort, DataSkipGuard, reference_abort_message, reference_log_lines
 from trainguard.guards.state_guard import StateGuard
+from trainguard.live.rank import LiveRank
+from trainguard.live.worker import LiveArgs, MicroBatchLoss, SampleRange
 from trainguard.norms import clip_grads_, local_grad_norms
 from trainguard.runtime.heartbeat import node_name
 from trainguard.runtime.lifecycle import EXIT_CODES, NONE, REASON_NAMES, Lifecycle
 from trainguard.step.embedding import EmbeddingNorm
+from trainguard.step.live import closure_only, live_only, live_rank
 from trainguard.step.local_tier import build_local_tier, build_memory_tier, fire_wipe_faults, resolve_ranks_per_node
 from trainguard.step.report import StepReport
 from trainguard.step.rollback import SkippableData, roll_back, skippable_data
@@ -131,6 +143,11 @@ class Guard:
     rank without it). ``hf_config`` (and ``tokenizer``): written into every checkpoint's
     ``huggingface/`` so that ``trainguard ckpt merge`` needs nothing else. ``tokens_per_step``: global
     tokens of one step, for the ``tokens/s`` figure.
+
+    Live mode (``fault_tolerance.live: true``): ``run_dir`` is the launcher's ``--run-dir``, ``live_argv``
+    (default ``sys.argv[1:]``) holds the launcher's flags among the script's own, ``scheduler`` may be a
+    ``LambdaLR`` (each step's LR set from the step alone), and the loop is ``guard.steps(loss_of)``; the
+    other arguments, ``resume``, ``should_stop`` and ``step`` are refused.
     """
 
     def __init__(
@@ -148,8 +165,21 @@ class Guard:
         hf_config: Any = None,
         tokenizer: Any = None,
         tokens_per_step: int | None = None,
+        live_argv: list[str] | None = None,
     ):
         self.config = cfg = _load(config)
+        self._live: LiveRank | None = None
+        if cfg.fault_tolerance.live:
+            self.run_dir, self.model, self.optimizer = Path(run_dir), model, optimizer
+            given = {"stateful": stateful is not None, "mesh": mesh is not None,
+                     "pipeline_stages": pipeline_stages != 1, "embedding": not isinstance(embedding, str),
+                     "hf_config": hf_config is not None, "tokenizer": tokenizer is not None,
+                     "tokens_per_step": tokens_per_step is not None}
+            self._live = live_rank(self.run_dir, model, optimizer, scheduler, cfg, live_argv,
+                                   unsupported=[name for name, set_ in given.items() if set_])
+            return
+        if live_argv is not None:
+            raise live_only("__init__(live_argv=...)")
         self.run_dir = Path(run_dir)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -239,6 +269,8 @@ class Guard:
         """Restores the newest verified healthy checkpoint (model, optimizer, scheduler, stateful
         objects, guard state, every RNG) and returns its step, 0 for a fresh start. A stop asked for
         before it (the kill switch exists) loads nothing: ``should_stop`` then answers True."""
+        if self._live is not None:
+            raise closure_only("resume()")
         self._pending_stop = self.lifecycle.decide()
         if self._pending_stop:
             return 0
@@ -253,6 +285,8 @@ class Guard:
     def should_stop(self, step: int, total_steps: int) -> bool:
         """True when the loop must end: ``total_steps`` (or ``train.exit_at_step``) reached, the kill
         switch, SIGTERM/SIGUSR1, or the time limit near. A stop saves the current step first."""
+        if self._live is not None:
+            raise closure_only("should_stop(step, total_steps)")
         if self._exit_code is not None:
             return True
         if step != self.global_step:
@@ -302,6 +336,8 @@ class Guard:
     def step(self, closure: Callable[[], Any]) -> StepOutcome:
         """One optimizer step (see the module docstring); ``closure`` runs forward and backward and
         returns the loss (None on pipeline stages without the loss)."""
+        if self._live is not None:
+            raise closure_only("step(closure)")
         if self._exit_code is not None:
             raise RuntimeError("Guard.step after the run stopped (should_stop returned True)")
         try:
@@ -311,6 +347,33 @@ class Guard:
         except BaseException:
             self.lifecycle.beat("exit", self.global_step, EXIT_CRASH)
             raise
+
+    # ------------------------------------------------------------------------------- live mode
+    def steps(self, loss_of: MicroBatchLoss, sample_range: SampleRange | None = None) -> Iterator[int]:
+        """Live mode's loop: trains the launcher's ``total_steps`` with the run's quorums, yielding the
+        index of each step as it is committed (a step undone after a peer's failure comes again when
+        it is redone); iterate to the end, then ``close()``. ``loss_of(model, step, micro_batch)``
+        returns that micro-batch's loss (a pure function of its indices and the parameters); the step's
+        loss is their mean. ``sample_range(step, micro_batch) -> (first, end)`` (optional) names each
+        micro-batch's samples in the ``live_step`` events. The loop's body must leave the model, the
+        optimizer and the data alone: they are the run's state."""
+        return self._live_rank("steps(loss_of)").steps(loss_of, sample_range)
+
+    @property
+    def total_steps(self) -> int:
+        """Live mode: the steps of the run (the launcher's)."""
+        return self._live_rank("total_steps").total_steps
+
+    @property
+    def micro_batches(self) -> int:
+        """Live mode: the micro-batches of every step (the global batch, the launcher's), whatever the
+        number of live ranks."""
+        return self._live_rank("micro_batches").micro_batches
+
+    def _live_rank(self, call: str) -> LiveRank:
+        if self._live is None:
+            raise live_only(call)
+        return self._live
 
     def _step(self, closure: Callable[[], Any]) -> StepOutcome:
         cfg = self.config
@@ -534,7 +597,10 @@ class Guard:
     # ----------------------------------------------------------------------------------- close
     def close(self) -> int:
         """Waits until the last checkpoint is committed on every rank; returns the exit code: 0, or 16
-        after a signal or time-limit stop (0 after the kill switch)."""
+        after a signal or time-limit stop (0 after the kill switch). Live mode: ends the process (0, or
+        ``FENCED_EXIT`` for a stale process of a rank that was replaced) and does not return."""
+        if self._live is not None:
+            self._live.close()
         if self._exit_code is not None:
             return self._exit_code
         self.checkpoints.close()
@@ -560,3 +626,13 @@ class Guard:
         if dist.is_initialized():
             dist.destroy_process_group()
         raise SystemExit(code)
+
+
+class LiveGuard(Guard):
+    """``Guard`` in live mode, spelled as before the mode existed (scripts written for it keep working):
+    ``LiveGuard(model, optimizer, argv)`` is ``Guard(<the launcher's --run-dir>, model, optimizer,
+    config=Config(fault_tolerance=FaultToleranceConfig(live=True)), live_argv=argv)``."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, argv: list[str] | None = None):
+        super().__init__(LiveArgs.parse(argv).run_dir, model, optimizer,
+                         config=RunConfig(fault_tolerance=FaultToleranceConfig(live=True)), live_argv=argv)

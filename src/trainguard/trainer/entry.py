@@ -41,6 +41,15 @@ def overrides_from_args(args: argparse.Namespace) -> list[str]:
     return items
 
 
+def config_arguments(args: argparse.Namespace) -> list[str]:
+    """The flags that give a rank started elsewhere the same configuration: the file (absolute) and the
+    overrides."""
+    items = ["--config", str(Path(args.config).resolve())] if args.config else []
+    for item in overrides_from_args(args):
+        items += ["--set", item]
+    return items
+
+
 def config_from_args(args: argparse.Namespace):
     config = load_config(args.config, overrides_from_args(args))
     check_tokenizer_fits(config.model, str(args.config) if args.config else "--set")

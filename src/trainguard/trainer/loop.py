@@ -8,7 +8,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from trainguard.checkpoint.rng_state import seed_everything
 from trainguard.config.schema import RunConfig
@@ -24,15 +23,11 @@ from trainguard.hf.init import (
 from trainguard.step.guard import Guard
 from trainguard.topology.layout import resolve_layout
 from trainguard.trainer.data import StatefulSampler, TokenDataset, load_corpus_tokens, make_batch
-from trainguard.trainer.model import build_model, build_model_config
+from trainguard.trainer.model import build_model, build_model_config, token_cross_entropy
 from trainguard.trainer.optim import build_optimizer
 from trainguard.trainer.parallelize import build_mesh, parallelize
 from trainguard.trainer.pipeline import PipelineParts, build_pipeline
 from trainguard.trainer.tokenizer import ByteTokenizer
-
-
-def _token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1))
 
 
 class Trainer:
@@ -55,7 +50,7 @@ class Trainer:
         if self.layout.pp > 1:
             self.pipeline = build_pipeline(
                 self.model_config, config.train.seed, self.mesh, self.layout, self.device,
-                n_microbatches=config.train.micro_batches, loss_fn=_token_cross_entropy,
+                n_microbatches=config.train.micro_batches, loss_fn=token_cross_entropy,
                 microbatch_size=config.data.micro_batch_size, seq_len=config.data.seq_len,
                 empty=config.model.init_from is not None,
             )
@@ -101,7 +96,7 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for inputs, labels in batches:
             logits = self.model(input_ids=inputs.to(self.device)).logits
-            loss = _token_cross_entropy(logits, labels.to(self.device))
+            loss = token_cross_entropy(logits, labels.to(self.device))
             (loss / len(batches)).backward()
             loss_sum += loss.detach().double() / len(batches)
         return loss_sum

@@ -1,5 +1,5 @@
 """The launcher's flags and a user script's own flags on one command line (``LiveArgs.parse``), and the
-gradient ``LiveGuard`` takes of one micro-batch (its share of the step's mean loss)."""
+gradient live mode takes of one micro-batch (its share of the step's mean loss)."""
 
 from __future__ import annotations
 

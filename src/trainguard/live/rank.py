@@ -1,13 +1,15 @@
-"""``LiveGuard``: a user's model, optimizer and micro-batch loss, trained with live recovery.
+"""``LiveRank``: one rank of a live-recovery run, training a user's model, optimizer and micro-batch loss.
 
-A script that builds its model and optimizer and hands them, with the loss of one micro-batch by
-index, to ``LiveGuard(...).steps(loss_of)`` (then ``close()``) is a rank of a live-recovery run: started by
+``trainguard.Guard`` in live mode (``fault_tolerance.live: true``) is the public face of it: a script
+that builds its model and optimizer and hands them, with the loss of one micro-batch by index, to
+``Guard(...).steps(loss_of)`` (then ``close()``) is a rank of a live-recovery run. Started by
 ``trainguard.live.launcher.launch`` (``LiveRun.entry`` names the script), it does the per-micro-batch
 backward, the order-fixed sum over the current quorum, the optimizer step, the membership changes and
 the rejoin of ``worker.LiveWorker`` (docs/live_recovery.md). What makes the result independent of the
 failures is the user's part of the contract: the loss of micro-batch ``m`` of step ``t`` is a pure
 function of ``(t, m)`` and the parameters (the data position is the step; no dropout or other random
-draws after the seeded initialisation, which every rank does alike).
+draws after the seeded initialisation, which every rank does alike). The drill's ``workload`` uses this
+class directly (it sits on this floor, below ``Guard``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import NoReturn
 
 import torch
 import torch.distributed as dist
+from torch.optim.lr_scheduler import LambdaLR
 
 from trainguard.live.quorum import spare_key, spare_ready_key, wait_for
 from trainguard.live.worker import (FENCED_EXIT, WAIT_S, Fenced, LiveArgs, LiveWorker, MicroBatchLoss, SampleRange,
@@ -29,25 +32,21 @@ from trainguard.live.worker import (FENCED_EXIT, WAIT_S, Fenced, LiveArgs, LiveW
 SPARE_WAIT_S = 24 * 3600.0  # a spare waits as long as a run lasts; the launcher ends it if unused
 
 
-class LiveGuard:
-    """One rank's side of a live run. ``argv`` (default ``sys.argv[1:]``) carries the launcher's flags
-    (``LiveArgs``; any others are the script's own and left alone). ``total_steps`` and
-    ``micro_batches`` (the global batch of every step, whatever the number of live ranks) are the
-    launcher's."""
+class LiveRank:
+    """One rank's side of a live run, placed by the launcher's flags (``LiveArgs.parse``).
+    ``total_steps`` and ``micro_batches`` (the global batch of every step, whatever the number of live
+    ranks) are the launcher's."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, argv: list[str] | None = None):
-        self.model, self.optimizer = model, optimizer
-        self.args = LiveArgs.parse(argv)
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: LiveArgs,
+                 scheduler: LambdaLR | None = None):
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.args = args
         self.total_steps, self.micro_batches = self.args.steps, self.args.micro_batches
         self.exit_code = 0
 
     def steps(self, loss_of: MicroBatchLoss, sample_range: SampleRange | None = None) -> Iterator[int]:
-        """Trains the launcher's ``steps`` with the run's quorums, yielding the index of each step as it
-        is committed (a step undone after a peer's failure comes again when it is redone); iterate to
-        the end, then ``close()``. ``loss_of(model, step, micro_batch)`` returns that micro-batch's loss;
-        the step's loss is their mean. ``sample_range`` (optional) names each micro-batch's samples in
-        the ``live_step`` events (``samples.py``). Code in the loop must leave the model, the optimizer
-        and the data alone: they are the run's state."""
+        """Trains the launcher's ``steps``, yielding each step's index as it is committed (a redone step
+        again); the contract is documented where users meet it, ``Guard.steps``."""
         args = self.args
         host, port = args.store.rsplit(":", 1)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -62,7 +61,7 @@ class LiveGuard:
             optimizer.step()
             store.set(spare_ready_key(args.spare), "1")
             rank, rejoin = int(wait_for(store, spare_key(args.spare), SPARE_WAIT_S, beat=lambda: None)), True
-        worker = LiveWorker(store, args, rank, self.model, self.optimizer, loss_of, sample_range)
+        worker = LiveWorker(store, args, rank, self.model, self.optimizer, loss_of, sample_range, self.scheduler)
         try:
             yield from worker.train(rejoin)
         except Fenced as fenced:

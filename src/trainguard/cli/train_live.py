@@ -1,0 +1,58 @@
+"""``trainguard train`` with ``fault_tolerance.live: true``: the reference trainer's ranks started by the
+live launcher (``trainguard.trainer.live``), which keeps the surviving replica groups stepping through a
+rank's failure instead of restarting the job (docs/live_recovery.md).
+
+What the live path does not do is refused before anything starts, with one line naming it: the
+closure mode's sections (checkpoints, guards, lifecycle, fault drills), ``model.init_from``, the
+supervisor's options (the live launcher replaces the supervisor), and a layout that is not whole
+replicas (``LiveRun.from_config``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+from trainguard.config.schema import RunConfig
+from trainguard.errors import ConfigError
+from trainguard.live.launcher import LiveRun, launch
+from trainguard.step.live import refuse_closure_mode_keys
+from trainguard.topology import resolve_layout
+from trainguard.trainer.entry import config_arguments
+
+# the supervisor's options and their defaults under ``trainguard train``: none applies to a live run
+SUPERVISOR_DEFAULTS = {"max_restarts": 0, "nnodes": 1, "spare_nodes": 0, "launcher": "local", "doctor": False,
+                       "hang_timeout": None, "hosts": None, "node_command": None}
+
+
+def live_run(args: argparse.Namespace, config: RunConfig, source: str) -> LiveRun:
+    """The live run of ``--nproc`` ranks the configuration describes, or a ``ConfigError`` naming what the
+    live path does not do."""
+    refuse_closure_mode_keys(config, source)
+    if config.model.init_from is not None:
+        raise ConfigError(f"{source}: config key 'model.init_from' is not supported with fault_tolerance.live: true "
+                          "(every rank builds its model from the seed)")
+    for name, default in SUPERVISOR_DEFAULTS.items():
+        if getattr(args, name, default) != default:
+            raise ConfigError(f"--{name.replace('_', '-')}: a supervisor option; with fault_tolerance.live: true the "
+                              "live launcher starts and replaces the ranks instead")
+    layout = resolve_layout(config.parallel, args.nproc)
+    config.parallel.dp_shard = layout.dp_shard  # the ranks of a replica group, derived from --nproc as usual
+    return LiveRun.from_config(config, source, micro_batch_s=0.0, checkpoint_every=0, timeout_s=math.inf,
+                               entry=("-m", "trainguard.trainer.live", *config_arguments(args)))
+
+
+def run_live(run: LiveRun, run_dir: Path) -> int:
+    """Trains to the end; 0, or 1 with one line when a rank failed without being replaced."""
+    print(f"trainguard: run directory {run_dir} (live recovery: {run.groups} replica groups of "
+          f"{run.group_size} ranks, {run.spares} spares)", flush=True)
+    try:
+        result = launch(run_dir, run)
+    except RuntimeError as error:
+        print(f"trainguard: error: {error}", file=sys.stderr, flush=True)
+        return 1
+    print(f"trainguard: live run finished: {run.steps} steps in {result.wall_s:.1f} s, "
+          f"ranks replaced: {sorted(result.replaced_at) or 'none'}", flush=True)
+    return 0

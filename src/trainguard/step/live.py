@@ -1,0 +1,93 @@
+"""``Guard``'s live mode (``fault_tolerance.live: true``, docs/live_recovery.md): the rank it hands the
+loop to (``trainguard.live.rank.LiveRank``) and the errors that keep the two modes apart.
+
+In live mode the launcher's flags place the rank (``LiveArgs``), the library does each step inside
+``guard.steps(loss_of)`` (one backward per micro-batch, so that the survivors can compute a failed
+group's micro-batches), and the model and the optimizer are the whole state of the run. What ``Guard``
+does besides (guards, checkpoint tiers, lifecycle, fault drills, extra state, a scheduler other than a
+``LambdaLR``) is not done in live mode, so asking for it there is refused, never ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from trainguard.config.schema import RunConfig
+from trainguard.errors import ConfigError
+from trainguard.faults.injector import active_faults
+from trainguard.live.rank import LiveRank
+from trainguard.live.worker import LiveArgs
+
+# the run configuration's sections that only the closure mode (``Guard.step``) runs
+CLOSURE_MODE_SECTIONS = ("checkpoint", "guards", "lifecycle", "faults")
+
+
+def live_only(call: str) -> ConfigError:
+    """A live-mode call on a ``Guard`` whose configuration has live recovery off."""
+    return ConfigError(f"Guard.{call} needs live recovery: set config key 'fault_tolerance.live' to true and start "
+                       "the ranks with the live launcher (docs/live_recovery.md); without it, train with "
+                       "guard.step(closure)")
+
+
+def closure_only(call: str) -> ConfigError:
+    """A call of the closure mode on a ``Guard`` in live mode."""
+    return ConfigError(f"Guard.{call} is refused with fault_tolerance.live: true: live recovery needs the loss of "
+                       "each micro-batch, so that the survivors can compute a failed group's micro-batches, and "
+                       "resumes, steps and stops by itself; loop over guard.steps(loss_of) instead "
+                       "(docs/live_recovery.md)")
+
+
+def changed_keys(value: Any, default: Any, key: str) -> list[str]:
+    """The dotted keys under ``key`` whose value is not the default's."""
+    if dataclasses.is_dataclass(value):
+        return [changed for field in dataclasses.fields(value)
+                for changed in changed_keys(getattr(value, field.name), getattr(default, field.name),
+                                            f"{key}.{field.name}")]
+    return [key] if value != default else []
+
+
+def refuse_closure_mode_keys(config: RunConfig, source: str = "<config>") -> None:
+    """One error naming the first key of the closure mode's sections that is not at its default."""
+    defaults = RunConfig()
+    changed = [key for section in CLOSURE_MODE_SECTIONS
+               for key in changed_keys(getattr(config, section), getattr(defaults, section), section)]
+    if changed:
+        raise ConfigError(f"{source}: config key {changed[0]!r} is not used with fault_tolerance.live: true (live "
+                          f"mode runs no {', '.join(CLOSURE_MODE_SECTIONS)}); leave it at its default")
+
+
+def live_rank(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+              config: RunConfig, argv: list[str] | None, unsupported: list[str]) -> LiveRank:
+    """This process's rank of the live run, after refusing what live mode would not do: ``unsupported``
+    (the ``Guard`` arguments given that it cannot honour), a scheduler other than a ``LambdaLR``, a key
+    of the closure mode's sections set, a fault drill in force, a process the live launcher did not
+    start, or a run directory that is not the launcher's. ``argv``: the command line with the
+    launcher's flags (default ``sys.argv[1:]``)."""
+    if unsupported:
+        raise ConfigError(f"Guard({', '.join(f'{name}=...' for name in unsupported)}): not supported with "
+                          "fault_tolerance.live: true (live recovery transfers and compares the model and the "
+                          "optimizer only)")
+    if scheduler is not None and not isinstance(scheduler, LambdaLR):
+        raise ConfigError(f"Guard(scheduler={type(scheduler).__name__}): live mode takes a "
+                          "torch.optim.lr_scheduler.LambdaLR only (the LR of each step set from the step alone)")
+    refuse_closure_mode_keys(config)
+    source, faults = active_faults(None)
+    if faults:
+        raise ConfigError(f"{source}: fault drills are not run with fault_tolerance.live: true (the live launcher "
+                          "injects its own: LiveRun.kill_ranks)")
+    argv = sys.argv[1:] if argv is None else argv
+    if not any(arg == "--store" or arg.startswith("--store=") for arg in argv):  # torchrun's, or no launcher
+        raise ConfigError("fault_tolerance.live: true, but this process was not started by the live launcher (no "
+                          "--store among its arguments); start the ranks with trainguard.live.launcher.launch "
+                          "(docs/live_recovery.md)")
+    args = LiveArgs.parse(argv)
+    if Path(run_dir).resolve() != args.run_dir.resolve():
+        raise ConfigError(f"Guard(run_dir={str(run_dir)!r}): the live launcher started this rank with --run-dir "
+                          f"{str(args.run_dir)!r}; pass that one")
+    return LiveRank(model, optimizer, args, scheduler)

@@ -1,0 +1,93 @@
+"""The reference trainer in live mode: ``trainguard train --set fault_tolerance.live=true`` on 4 gloo
+ranks (2 replica groups x 2, llama-micro), once as a user runs it, once with rank 3 SIGKILLed after
+step 3 (the same run as the command builds it, ``cli.train_live.live_run``, plus the launcher's kill;
+a cold replacement rejoins, at the latest at the last step, where the survivors wait for it). The survivors keep their processes and every rank ends with the
+fault-free run's parameters and optimizer state, bit for bit, its LR the schedule's for the last step."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from trainguard.checkpoint.safe_load import safe_torch_load
+from trainguard.cli import build_parser
+from trainguard.cli.train_live import live_run
+from trainguard.events.log import read_events
+from trainguard.live.compare import bitwise_differences
+from trainguard.live.files import events_path, final_path
+from trainguard.live.launcher import launch
+from trainguard.live.samples import sample_problems
+from trainguard.trainer.entry import config_from_args
+from trainguard.trainer.optim import lr_factor
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS, WORLD, KILLED, MICRO_BATCHES, MICRO_BATCH_SIZE = 8, 4, 3, 4, 2
+OVERRIDES = ["fault_tolerance.live=true", "parallel.dp_replicate=2",
+             "model.preset=llama-micro", "data.seq_len=32", f"train.micro_batches={MICRO_BATCHES}",
+             f"data.micro_batch_size={MICRO_BATCH_SIZE}"]
+
+
+def train_argv(run_dir: Path) -> list[str]:
+    return ["train", "--nproc", str(WORLD), "--run-dir", str(run_dir), "--steps", str(STEPS),
+            *[arg for item in OVERRIDES for arg in ("--set", item)]]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("live_trainer")
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
+    clean = subprocess.run([sys.executable, "-m", "trainguard", *train_argv(root / "clean")], env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-3000:]
+    argv = train_argv(root / "failed")
+    args = build_parser(argv).parse_args(argv)
+    run = dataclasses.replace(live_run(args, config_from_args(args), "--set"), kill_ranks=(KILLED,), kill_at_step=3)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", env["PYTHONPATH"])  # the ranks import this checkout
+        result = launch(root / "failed", run)
+    return root, clean.stdout, result
+
+
+def test_the_command_trains_every_step_on_every_rank(runs):
+    root, stdout, _ = runs
+    assert f"live run finished: {STEPS} steps" in stdout and "ranks replaced: none" in stdout
+    reference = safe_torch_load(final_path(root / "clean", 0))
+    for rank in range(1, WORLD):
+        assert bitwise_differences(safe_torch_load(final_path(root / "clean", rank)), reference) == [], rank
+
+
+def test_the_lr_follows_the_trainers_schedule(runs):
+    root, _, _ = runs
+    config = config_from_args(build_parser(train_argv(root)).parse_args(train_argv(root)))
+    groups = safe_torch_load(final_path(root / "clean", 0))["optimizer"]["param_groups"]
+    expected = config.optim.lr * lr_factor(STEPS - 1, config.optim.warmup_steps, STEPS, config.optim.min_lr_ratio)
+    assert {group["lr"] for group in groups} == {expected} and expected != config.optim.lr
+
+
+def test_survivors_keep_their_processes_and_end_bitwise_equal_to_the_fault_free_run(runs):
+    root, _, result = runs
+    assert all(result.first_pids[r] == result.last_pids[r] for r in range(WORLD) if r != KILLED)
+    assert result.first_pids[KILLED] != result.last_pids[KILLED]
+    events = list(read_events(events_path(root / "failed")))
+    assert [q["members"] for q in events if q["kind"] == "live_quorum"] == [[0, 1, 2, 3], [0, 1], [0, 1, 2, 3]]
+    pids = defaultdict(set)
+    for event in events:
+        if event["kind"] == "live_start":
+            pids[event["rank"]].add(event["pid"])
+    assert all(len(pids[r]) == 1 for r in range(WORLD) if r != KILLED)
+    reference = safe_torch_load(final_path(root / "clean", 0))
+    for rank in range(WORLD):
+        assert bitwise_differences(safe_torch_load(final_path(root / "failed", rank)), reference) == [], rank
+
+
+def test_no_sample_lost_or_repeated(runs):
+    root, _, _ = runs
+    for name in ("clean", "failed"):
+        events = list(read_events(events_path(root / name)))
+        assert sample_problems(events, STEPS, MICRO_BATCHES * MICRO_BATCH_SIZE) == [], name

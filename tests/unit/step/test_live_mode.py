@@ -1,0 +1,193 @@
+"""``Guard``'s live mode (``fault_tolerance.live``): one ``Guard``, two loops, each refusing the other's
+calls with one clear error; live mode refusing what it would not do rather than ignoring it;
+``LiveGuard`` as ``Guard`` in live mode; a ``LambdaLR`` setting each step's LR from the step alone;
+``trainguard train`` in live mode refusing, before making anything, what the live path does not do.
+
+A rank in live mode is built here from the launcher's flags without a launcher: nothing connects to
+the store before ``steps`` is iterated. The full live runs are tests/integration/test_live_*.py."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+import trainguard
+from trainguard.cli import main
+from trainguard.config import FaultToleranceConfig, RunConfig, load_config
+from trainguard.errors import ConfigError
+from trainguard.events.rank_logging import LOGGER_NAME
+from trainguard.faults.injector import ENV_VAR
+from trainguard.live.worker import set_lr
+
+LIVE = RunConfig(fault_tolerance=FaultToleranceConfig(live=True))
+
+
+def launcher_flags(run_dir: Path) -> list[str]:
+    return ["--store", "127.0.0.1:1", "--rank", "1", "--world", "4", "--steps", "12", "--run-dir", str(run_dir),
+            "--micro-batches", "8"]
+
+
+def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.Linear(3, 1)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def loss_of(model: torch.nn.Module, step: int, micro_batch: int) -> torch.Tensor:
+    return model(torch.full((1, 3), float(step + micro_batch))).sum()
+
+
+@pytest.fixture
+def live_guard(tmp_path):
+    model, optimizer = model_and_optimizer()
+    return trainguard.Guard(tmp_path, model, optimizer, config=LIVE, live_argv=launcher_flags(tmp_path))
+
+
+@pytest.fixture
+def closure_guard(tmp_path, monkeypatch):
+    """A ``Guard`` with live recovery off; its logging and signal handlers are the test's, not pytest's."""
+    monkeypatch.setattr(logging.getLogger(LOGGER_NAME), "handlers", [logging.NullHandler()])
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    model, optimizer = model_and_optimizer()
+    guard = trainguard.Guard(tmp_path, model, optimizer)
+    yield guard
+    guard.close()
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+
+
+def test_the_key_is_off_by_default_and_read_from_yaml_and_set(tmp_path):
+    assert RunConfig().fault_tolerance == FaultToleranceConfig(live=False, spares=0, hang_s=10.0,
+                                                               collective_timeout_s=30.0)
+    path = tmp_path / "run.yaml"
+    path.write_text("fault_tolerance: {live: true, spares: 1, hang_s: 4}\n")
+    config = load_config(path, ["fault_tolerance.collective_timeout_s=5"])
+    assert config.fault_tolerance == FaultToleranceConfig(live=True, spares=1, hang_s=4.0, collective_timeout_s=5.0)
+
+
+@pytest.mark.parametrize("item, message", [
+    ("fault_tolerance.live=maybe", "config key 'fault_tolerance.live' must be bool, got 'maybe'"),
+    ("fault_tolerance.spares=-1", "config key 'fault_tolerance.spares' must be ≥ 0, got -1"),
+    ("fault_tolerance.hang_s=0", "config key 'fault_tolerance.hang_s' must be > 0, got 0.0"),
+    ("fault_tolerance.collective_timeout_s=-3", "config key 'fault_tolerance.collective_timeout_s' must be > 0"),
+    ("fault_tolerance.lve=true", "unknown config key 'fault_tolerance.lve'"),
+])
+def test_a_bad_value_is_one_error_naming_the_key(item, message):
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")) as error:
+        load_config(None, [item])
+    assert "\n" not in str(error.value)
+
+
+def test_live_mode_takes_the_runs_shape_from_the_launcher_and_refuses_the_closure_loop(live_guard, tmp_path):
+    assert (live_guard.total_steps, live_guard.micro_batches) == (12, 8)
+    for call in (lambda: live_guard.step(lambda: None), live_guard.resume, lambda: live_guard.should_stop(0, 12)):
+        with pytest.raises(ConfigError, match=r"refused with fault_tolerance.live: true: live recovery needs the "
+                                              r"loss of each micro-batch.*guard.steps\(loss_of\)"):
+            call()
+    assert not (tmp_path / "events.jsonl").exists()  # nothing of the closure mode was built
+
+
+def test_closure_mode_refuses_the_live_loop_at_the_call_not_at_the_first_iteration(closure_guard):
+    for call in (lambda: closure_guard.steps(loss_of), lambda: closure_guard.micro_batches):
+        with pytest.raises(ConfigError, match=r"needs live recovery: set config key 'fault_tolerance.live' to true"):
+            call()
+    assert closure_guard.resume() == 0  # the closure mode itself works
+
+
+def test_launcher_flags_without_live_mode_are_refused(tmp_path):
+    model, optimizer = model_and_optimizer()
+    with pytest.raises(ConfigError, match=r"Guard.__init__\(live_argv=...\) needs live recovery"):
+        trainguard.Guard(tmp_path, model, optimizer, live_argv=launcher_flags(tmp_path))
+
+
+@pytest.mark.parametrize("arguments, named", [
+    ({"stateful": {"data": object()}, "tokens_per_step": 64}, "stateful=..., tokens_per_step=..."),
+    ({"pipeline_stages": 2}, "pipeline_stages=..."),
+])
+def test_live_mode_refuses_the_arguments_it_cannot_honour(tmp_path, arguments, named):
+    model, optimizer = model_and_optimizer()
+    with pytest.raises(ConfigError, match=rf"Guard\({named}\): not supported with fault_tolerance.live: true"):
+        trainguard.Guard(tmp_path, model, optimizer, config=LIVE, live_argv=launcher_flags(tmp_path), **arguments)
+
+
+@pytest.mark.parametrize("item, key", [
+    ("checkpoint.save_interval=5", "checkpoint.save_interval"),
+    ("guards.skip.enabled=true", "guards.skip.enabled"),
+    ("lifecycle.kill_switch_path=stop", "lifecycle.kill_switch_path"),
+    ("faults=kill:rank=1,step=3", "faults"),
+])
+def test_live_mode_refuses_a_key_of_the_closure_mode_naming_it(tmp_path, item, key):
+    model, optimizer = model_and_optimizer()
+    config = load_config(None, ["fault_tolerance.live=true", item])
+    with pytest.raises(ConfigError, match=rf"config key '{key}' is not used with fault_tolerance.live: true"):
+        trainguard.Guard(tmp_path, model, optimizer, config=config, live_argv=launcher_flags(tmp_path))
+
+
+def test_live_mode_refuses_a_fault_drill_from_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "kill:rank=1,step=3")
+    model, optimizer = model_and_optimizer()
+    with pytest.raises(ConfigError, match=rf"{ENV_VAR}: fault drills are not run with fault_tolerance.live: true"):
+        trainguard.Guard(tmp_path, model, optimizer, config=LIVE, live_argv=launcher_flags(tmp_path))
+
+
+def test_live_mode_takes_a_lambda_lr_and_refuses_other_schedulers(tmp_path):
+    model, optimizer = model_and_optimizer()
+    step_lr = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
+    with pytest.raises(ConfigError, match=r"Guard\(scheduler=StepLR\): live mode takes a "
+                                          r"torch.optim.lr_scheduler.LambdaLR only"):
+        trainguard.Guard(tmp_path, model, optimizer, step_lr, config=LIVE, live_argv=launcher_flags(tmp_path))
+    lambda_lr = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (step + 3))
+    assert trainguard.Guard(tmp_path, model, optimizer, lambda_lr, config=LIVE,
+                            live_argv=launcher_flags(tmp_path)).micro_batches == 8
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
+def test_each_steps_lr_is_the_schedulers_after_as_many_steps_bitwise():
+    model, optimizer = model_and_optimizer()
+    scheduled = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    reference = torch.optim.lr_scheduler.LambdaLR(scheduled, lambda step: 0.7 ** step / 3)
+    live = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.7 ** step / 3)
+    for step in (5, 0, 9, 3):  # any order: a replacement or a redone step sets it from the step alone
+        reference.last_epoch = step - 1
+        reference.step()
+        set_lr(optimizer, live, step)
+        assert optimizer.param_groups[0]["lr"] == scheduled.param_groups[0]["lr"] == 0.1 * 0.7 ** step / 3
+
+
+def test_live_mode_outside_the_live_launcher_is_one_error_saying_so(tmp_path):
+    model, optimizer = model_and_optimizer()
+    with pytest.raises(ConfigError, match=r"^fault_tolerance.live: true, but this process was not started by the "
+                                          r"live launcher \(no --store among its arguments\)"):
+        trainguard.Guard(tmp_path, model, optimizer, config=LIVE, live_argv=["--run-dir", str(tmp_path), "--lr", "1"])
+
+
+def test_live_mode_refuses_a_run_directory_that_is_not_the_launchers(tmp_path):
+    model, optimizer = model_and_optimizer()
+    with pytest.raises(ConfigError, match=r"the live launcher started this rank with --run-dir '.*launcher'"):
+        trainguard.Guard(tmp_path / "mine", model, optimizer, config=LIVE,
+                         live_argv=launcher_flags(tmp_path / "launcher"))
+
+
+def test_live_guard_is_guard_in_live_mode_in_the_launchers_run_directory(tmp_path):
+    model, optimizer = model_and_optimizer()
+    guard = trainguard.LiveGuard(model, optimizer, ["--lr", "3e-3", *launcher_flags(tmp_path)])
+    assert isinstance(guard, trainguard.Guard) and guard.config.fault_tolerance.live
+    assert guard.run_dir == tmp_path and guard.micro_batches == 8
+    with pytest.raises(ConfigError, match=r"Guard.step\(closure\) is refused"):
+        guard.step(lambda: None)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--save-interval", "5"], "--set: config key 'checkpoint.save_interval' is not used with fault_tolerance.live"),
+    (["--max-restarts", "1"], "--max-restarts: a supervisor option; with fault_tolerance.live: true the live launcher"),
+    (["--set", "parallel.dp_replicate="], "--set: config key 'parallel.dp_replicate' must be ≥ 2 for a live run"),
+])
+def test_the_reference_trainer_in_live_mode_refuses_what_it_does_not_do_in_one_line(tmp_path, capsys, flags, message):
+    code = main(["train", "--nproc", "4", "--run-dir", str(tmp_path / "run"), "--set", "fault_tolerance.live=true",
+                 "--set", "parallel.dp_replicate=2", "--set", "train.micro_batches=4", *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("trainguard: error: ") and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()  # refused before anything was made

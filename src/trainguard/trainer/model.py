@@ -10,8 +10,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from trainguard.config.presets import PRESETS
 from trainguard.config.schema import ModelConfig
 from trainguard.errors import ConfigError
-from trainguard.hf.config import CONFIG_FILE, MODEL_KEYS, model_config_from_hf, model_keys, read_hf_config
 from trainguard.hf import gpt2
+from trainguard.hf.config import CONFIG_FILE, MODEL_KEYS, model_config_from_hf, model_keys, read_hf_config
 from trainguard.hf.model_types import check_model_keys
 from trainguard.trainer.tokenizer import ByteTokenizer
 

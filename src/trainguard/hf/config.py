@@ -20,8 +20,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from trainguard.errors import ConfigError
-from trainguard.hf import gpt2
-from trainguard.hf.model_types import KEY_NAMES, check_model_keys, check_parallel_support
+from trainguard.hf.model_types import KEY_NAMES, check_model_keys, check_parallel_support, config_value
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -44,13 +43,6 @@ MODEL_KEYS = {
 def model_keys(model_type: str) -> dict[str, str | None]:
     """``MODEL_KEYS`` as ``model_type``'s config names them (None: it has no such setting)."""
     return {**MODEL_KEYS, **KEY_NAMES.get(model_type, {})}
-
-
-def config_value(config: PretrainedConfig, name: str) -> Any:
-    """``config.<name>`` as the model reads it (GPT-2's ``n_inner`` None is 4 × ``n_embd``)."""
-    if config.model_type == gpt2.MODEL_TYPE:
-        return gpt2.config_value(config, name)
-    return getattr(config, name)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,13 @@ KEY_NAMES: dict[str, dict[str, str | None]] = {gpt2.MODEL_TYPE: gpt2.KEY_NAMES}
 UNSUPPORTED_PARALLEL: dict[str, dict[str, str]] = {gpt2.MODEL_TYPE: gpt2.UNSUPPORTED_PARALLEL}
 
 
+def config_value(config: Any, name: str) -> Any:
+    """``config.<name>`` as the model reads it (GPT-2's ``n_inner`` None is 4 × ``n_embd``)."""
+    if config.model_type == gpt2.MODEL_TYPE:
+        return gpt2.config_value(config, name)
+    return getattr(config, name)
+
+
 def check_model_keys(model_type: str, explicit: dict[str, Any]) -> None:
     """Raises for a ``model.*`` key set (not None in ``explicit``) that ``model_type`` has no setting for."""
     for ours, theirs in KEY_NAMES.get(model_type, {}).items():

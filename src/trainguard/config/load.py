@@ -308,10 +308,26 @@ def validate(config: RunConfig, source: str = "<config>") -> None:
         from trainguard.hf.config import MODEL_KEYS, check_init_from
 
         explicit = {key: getattr(config.model, key) for key in MODEL_KEYS}
-        check_init_from(Path(config.model.init_from), config.model.attn_implementation, explicit, pp, source)
+        check_init_from(Path(config.model.init_from), config.model.attn_implementation, explicit, pp, source,
+                        tp=config.parallel.tp or 1)
+    else:
+        check_preset_fits(config, source)
     from trainguard.faults import active_faults
 
     active_faults(config.faults)
+
+
+def check_preset_fits(config: RunConfig, source: str) -> None:
+    """The ``model.*`` keys and ``parallel.*`` degrees set must suit the preset's model type (GPT-2 has no
+    ``num_kv_heads`` and trains with FSDP2 / HSDP only: ``hf.model_types``)."""
+    from trainguard.hf.model_types import check_model_keys, check_parallel_support
+
+    model_type = PRESETS[config.model.preset].get("model_type", "llama")
+    try:
+        check_model_keys(model_type, dataclasses.asdict(config.model))
+        check_parallel_support(model_type, {"tp": config.parallel.tp, "pp": config.parallel.pp})
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: model.preset={config.model.preset}: {exc}") from None
 
 
 def config_to_dict(config: RunConfig) -> dict[str, Any]:

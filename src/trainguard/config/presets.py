@@ -17,4 +17,8 @@ PRESETS: dict[str, dict] = {
     # for benchmarks: about 60M parameters
     "llama-60m": dict(hidden_size=768, num_hidden_layers=10, num_attention_heads=12, num_key_value_heads=4,
                       intermediate_size=2048, vocab_size=320, tie_word_embeddings=True),
+    # GPT-2 (fused c_attn, Conv1D weights, LayerNorm with bias, learned positions: n_positions is
+    # data.seq_len), for tests; dropout 0 (GPT-2's default is 0.1) so runs agree across layouts
+    "gpt2-micro": dict(model_type="gpt2", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       vocab_size=320, tie_word_embeddings=True, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
 }

@@ -20,11 +20,13 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from trainguard.errors import ConfigError
+from trainguard.hf.model_types import KEY_NAMES, check_model_keys, check_parallel_support, config_value
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")  # one decoder layout: model.layers.N.{self_attn,mlp}
+# the Llama layout (model.layers.N.{self_attn,mlp}), and GPT-2's (hf/gpt2.py)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2")
 
 # trainguard's model.<key> -> the Hugging Face config's name for it: a preset's overrides, and the keys
 # that must agree with the Hugging Face config when model.init_from is set
@@ -36,6 +38,11 @@ MODEL_KEYS = {
     "intermediate_size": "intermediate_size",
     "tie_word_embeddings": "tie_word_embeddings",
 }
+
+
+def model_keys(model_type: str) -> dict[str, str | None]:
+    """``MODEL_KEYS`` as ``model_type``'s config names them (None: it has no such setting)."""
+    return {**MODEL_KEYS, **KEY_NAMES.get(model_type, {})}
 
 
 @dataclass(frozen=True)
@@ -92,11 +99,12 @@ def model_config_from_hf(hf_dir: Path, attn_implementation: str, explicit: dict[
     ``MODEL_KEYS`` that are not None) disagrees."""
     hf_dir = Path(hf_dir)
     config = read_hf_config(hf_dir, attn_implementation)
-    for ours, theirs in MODEL_KEYS.items():
+    check_model_keys(config.model_type, explicit)
+    for ours, theirs in model_keys(config.model_type).items():
         value = explicit.get(ours)
-        if value is not None and value != getattr(config, theirs):
+        if value is not None and value != config_value(config, theirs):
             raise ConfigError(
-                f"model.{ours}={value} disagrees with {hf_dir / CONFIG_FILE} ({theirs}={getattr(config, theirs)}); "
+                f"model.{ours}={value} disagrees with {hf_dir / CONFIG_FILE} ({theirs}={config_value(config, theirs)}); "
                 f"with model.init_from the architecture comes from the Hugging Face config: unset model.{ours}"
             )
     return config
@@ -171,6 +179,21 @@ def expected_shapes(config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
 
 
+def tied_aliases(config: PretrainedConfig) -> dict[str, str]:
+    """{name: the name it shares its tensor with} for the tied parameters of the model ``config`` describes
+    (``lm_head.weight`` -> ``model.embed_tokens.weight`` for a tied Llama, ``transformer.wte.weight`` for
+    GPT-2): ``save_pretrained`` writes such a tensor under its first name only."""
+    model = build_empty_model(config)
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
+
+
 def tensors_to_load(config: PretrainedConfig, tensors: dict[str, HFTensor], hf_dir: Path) -> list[str]:
     """The names to read from the directory for a model built from ``config``; raises naming the first
     tensor that is missing, has another shape, or is not part of the model."""
@@ -194,12 +217,13 @@ def tensors_to_load(config: PretrainedConfig, tensors: dict[str, HFTensor], hf_d
 
 
 def check_init_from(hf_dir: Path, attn_implementation: str, explicit: dict[str, Any], pp: int,
-                    source: str) -> PretrainedConfig:
+                    source: str, tp: int = 1) -> PretrainedConfig:
     """Everything about ``model.init_from`` that can be checked before processes start and without the
     trainer's tokenizer; returns the directory's config."""
     hf_dir = Path(hf_dir)
     try:
         config = model_config_from_hf(hf_dir, attn_implementation, explicit)
+        check_parallel_support(config.model_type, {"tp": tp, "pp": pp})
         if pp > 1 and config.tie_word_embeddings:
             raise ConfigError(f"{hf_dir / CONFIG_FILE}: tie_word_embeddings=true, but parallel.pp > 1 "
                               "needs untied input and output embeddings")

@@ -30,7 +30,7 @@ from trainguard.checkpoint.dcp_writer import ChecksummingFileSystemWriter
 from trainguard.checkpoint.manifest import build_manifest
 from trainguard.fs.layout import HF_DIR, extra_state_name, step_dir_name, temp_dir_name
 from trainguard.errors import ConfigError
-from trainguard.hf.config import hf_tensors, read_hf_config, tensors_to_load
+from trainguard.hf.config import hf_tensors, read_hf_config, tensors_to_load, tied_aliases
 
 # copied into huggingface/ when HF_DIR has them, so an export of the checkpoint keeps its tokenizer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
@@ -58,8 +58,8 @@ def _read_weights(hf_dir: Path, progress: bool) -> dict[str, torch.Tensor]:
                 for name in file_names:
                     weights[name] = handle.get_tensor(name).to(torch.float32)
                     bar.advance(task)
-    if config.tie_word_embeddings and "lm_head.weight" not in weights:
-        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]  # one tensor, as in the model
+    for name, shared in tied_aliases(config).items():  # a tied lm_head: one tensor, as in the model
+        weights.setdefault(name, weights[shared])
     return weights
 
 

@@ -18,11 +18,14 @@ from typing import Any
 import torch
 
 from trainguard.errors import CheckpointError, ConfigError
+from trainguard.hf import gpt2
 from trainguard.merge.pieces import CheckpointContents, ShardedTensor
 
 MODEL_PREFIX = "model."
 INPUT_EMBEDDING = "model.embed_tokens.weight"
 OUTPUT_EMBEDDING = "lm_head.weight"
+# model_type -> its input embedding where it is not INPUT_EMBEDDING
+INPUT_EMBEDDINGS = {gpt2.MODEL_TYPE: gpt2.INPUT_EMBEDDING}
 VALUE_HEAD = "score.weight"
 # where value heads live in the wild (verl's critic is a TokenClassification model: score.weight)
 _VALUE_HEAD_NAMES = ("score.weight", "v_head.weight", "value_head.weight", "lm_head.weight")
@@ -166,8 +169,9 @@ def plan_merge(contents: CheckpointContents, config: dict[str, Any], tie: bool, 
     tied = bool(out_config.get("tie_word_embeddings", False))
     if tied and OUTPUT_EMBEDDING in model and not value_model:
         output = model.pop(OUTPUT_EMBEDDING)
-        if tie and not config.get("tie_word_embeddings", False) and INPUT_EMBEDDING in model:
-            check_tied = (model[INPUT_EMBEDDING], output)  # trained untied: tying must not change the model
+        embedding = INPUT_EMBEDDINGS.get(config["model_type"], INPUT_EMBEDDING)
+        if tie and not config.get("tie_word_embeddings", False) and embedding in model:
+            check_tied = (model[embedding], output)  # trained untied: tying must not change the model
     if not value_model and VALUE_HEAD in model:
         raise CheckpointError(f"{contents.description}: holds a value head ({VALUE_HEAD}); pass --is-value-model")
     for name, tensor in model.items():

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from trainguard.config import load_config
 from trainguard.errors import ConfigError, TrainguardError
-from trainguard.trainer.model import check_tokenizer_fits
+from trainguard.trainer.model import check_positions_fit, check_tokenizer_fits
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,7 +52,9 @@ def config_arguments(args: argparse.Namespace) -> list[str]:
 
 def config_from_args(args: argparse.Namespace):
     config = load_config(args.config, overrides_from_args(args))
-    check_tokenizer_fits(config.model, str(args.config) if args.config else "--set")
+    source = str(args.config) if args.config else "--set"
+    check_tokenizer_fits(config.model, source)
+    check_positions_fit(config.model, config.data.seq_len, source)
     return config
 
 

@@ -76,7 +76,7 @@ class Trainer:
         self.guard = Guard(
             self.run_dir, self.model, self.optimizer, self.scheduler, {"sampler": self.sampler}, config,
             mesh=self.mesh, pipeline_stages=self.layout.pp,
-            embedding=self.model.model.embed_tokens.weight if holds_embedding else None,
+            embedding=self.model.get_input_embeddings().weight if holds_embedding else None,
             hf_config=self.model_config, tokenizer=self.tokenizer,
             tokens_per_step=dp * config.data.micro_batch_size * config.data.seq_len * config.train.micro_batches,
         )

@@ -11,7 +11,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from trainguard.config.presets import PRESETS
 from trainguard.config.schema import ModelConfig
 from trainguard.errors import ConfigError
-from trainguard.hf.config import CONFIG_FILE, MODEL_KEYS, model_config_from_hf, read_hf_config
+from trainguard.hf import gpt2
+from trainguard.hf.config import CONFIG_FILE, MODEL_KEYS, model_config_from_hf, model_keys, read_hf_config
+from trainguard.hf.model_types import check_model_keys
 from trainguard.trainer.tokenizer import ByteTokenizer
 
 
@@ -32,16 +34,31 @@ def check_tokenizer_fits(model: ModelConfig, source: str) -> None:
                           f"{config.vocab_size} is smaller than the trainer's tokenizer ({needed} ids)")
 
 
+def check_positions_fit(model: ModelConfig, seq_len: int, source: str) -> None:
+    """With ``model.init_from`` a GPT-2, ``data.seq_len`` must not exceed its ``n_positions``: it learns
+    one embedding per position (``transformer.wpe``), where rotary positions have no such limit. (A
+    preset's ``n_positions`` is ``data.seq_len`` itself.)"""
+    if model.init_from is None:
+        return
+    config = read_hf_config(Path(model.init_from), model.attn_implementation)
+    if config.model_type == gpt2.MODEL_TYPE and seq_len > config.n_positions:
+        raise ConfigError(f"{source}: data.seq_len={seq_len} is longer than model.init_from's "
+                          f"{Path(model.init_from) / CONFIG_FILE}: n_positions={config.n_positions} "
+                          "(GPT-2 has one learned position embedding per position)")
+
+
 def build_model_config(model: ModelConfig, max_position_embeddings: int) -> PretrainedConfig:
     if model.init_from is not None:  # the architecture of the Hugging Face directory (trainguard.hf)
         return model_config_from_hf(Path(model.init_from), model.attn_implementation, explicit_model_keys(model))
     params = dict(PRESETS[model.preset])
-    for ours, theirs in MODEL_KEYS.items():
-        value = getattr(model, ours)
-        if value is not None:
-            params[theirs] = value
+    model_type = params.pop("model_type", "llama")
+    explicit = explicit_model_keys(model)
+    check_model_keys(model_type, explicit)
+    for ours, theirs in model_keys(model_type).items():
+        if explicit[ours] is not None:
+            params[theirs] = explicit[ours]
     return AutoConfig.for_model(
-        params.pop("model_type", "llama"),
+        model_type,
         **params,
         max_position_embeddings=max_position_embeddings,
         rms_norm_eps=1e-5,

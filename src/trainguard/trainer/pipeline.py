@@ -27,7 +27,7 @@ the same as the non-pipelined trainer's ``(loss / micro_batches).backward()`` ac
 
 Refused (``ConfigError``): ``pp > 1`` with tied input/output embeddings (the embedding and the head sit on
 different stages; set ``model.tie_word_embeddings=false``), ``pp > 1`` with ``tp > 1`` (not supported
-yet), and more stages than layers.
+yet), more stages than layers, and a model type the stages are not built for (GPT-2: ``hf.model_types``).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from transformers import PretrainedConfig
 
 from trainguard.errors import ConfigError
+from trainguard.hf.model_types import check_parallel_support
 from trainguard.topology.layout import Layout
 from trainguard.trainer.model import build_model
 from trainguard.trainer.parallelize import data_parallel_mesh
@@ -82,6 +83,7 @@ def check_pipeline_config(model_config: PretrainedConfig, layout: Layout) -> Non
     """Raises ``ConfigError`` for what pipelining cannot do (pure: no mesh, no model needed)."""
     if layout.pp <= 1:
         return
+    check_parallel_support(model_config.model_type, {"pp": layout.pp})
     if getattr(model_config, "tie_word_embeddings", False):
         raise ConfigError(
             "parallel.pp > 1 needs model.tie_word_embeddings=false: the embedding (first stage) and the "
@@ -126,6 +128,10 @@ class PipelineStageModule(nn.Module):
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.layer_ids = list(layer_ids)
+
+    def get_input_embeddings(self) -> nn.Module | None:
+        """The input embedding, as a Hugging Face model answers it (None on the stages after the first)."""
+        return self.model.embed_tokens
 
     @property
     def is_first(self) -> bool:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, GPT2Config, LlamaConfig, Qwen2Config
 
 from trainguard.cli import main
 from trainguard.merge.hf_layout import _llama_family_shapes
@@ -119,15 +119,18 @@ def test_value_model_keeps_its_head_and_says_so(tmp_path):
     assert torch.equal(loaded(input_ids=ids).logits, critic(input_ids=ids).logits)
 
 
-def test_tie_word_embedding_refuses_to_change_an_untied_model(tmp_path):
+@pytest.mark.parametrize("config", [  # GPT-2's input embedding is transformer.wte
+    LlamaConfig(**TINY, tie_word_embeddings=False),
+    GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=40, n_positions=16, tie_word_embeddings=False),
+], ids=["llama", "gpt2"])
+def test_tie_word_embedding_refuses_to_change_an_untied_model(tmp_path, config):
     torch.manual_seed(0)
-    config = LlamaConfig(**TINY, tie_word_embeddings=False)
     model = AutoModelForCausalLM.from_config(config).eval()
     untied = one_rank_checkpoint(tmp_path / "untied", model, config)
     proc = cli("ckpt", "merge", "--local_dir", str(untied), "--target_dir", str(tmp_path / "x"), "--tie-word-embedding")
     assert proc.returncode == 1 and "lm_head.weight differs" in proc.stderr and not (tmp_path / "x").exists()
     with torch.no_grad():
-        model.lm_head.weight.copy_(model.model.embed_tokens.weight)
+        model.lm_head.weight.copy_(model.get_input_embeddings().weight)
     same = one_rank_checkpoint(tmp_path / "same", model, config)
     assert cli("ckpt", "merge", "--local_dir", str(same), "--target_dir", str(tmp_path / "tied"),
                "--tie-word-embedding").returncode == 0

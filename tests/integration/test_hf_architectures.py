@@ -21,6 +21,7 @@ ARCHITECTURES = {  # name: (model_type, tied)
     "qwen2-tied": ("qwen2", True),
     "qwen2-untied": ("qwen2", False),
     "mistral": ("mistral", False),
+    "mixtral": ("mixtral", False),  # 8 experts, top-2: fused in memory, per expert in the files
 }
 
 
@@ -37,6 +38,14 @@ def write_hf_model(path: Path, model_type: str, tied: bool) -> Path:
     return path
 
 
+def source_tensors(hf_dir: Path, model_type: str) -> dict[str, torch.Tensor]:
+    """The HF weights under the model's in-memory names: for Mixtral as transformers' ``from_pretrained``
+    fuses its per-expert tensors (an independent check of trainguard's own mapping)."""
+    if model_type != "mixtral":
+        return load_file(hf_dir / "model.safetensors")
+    return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).state_dict()
+
+
 def model_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
     return {key[len("model."):]: value for key, value in flat_state(ckpt).items() if key.startswith("model.")}
 
@@ -47,7 +56,7 @@ def model_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
 def test_init_from_train_merge_from_pretrained(tmp_path, name):
     model_type, tied = ARCHITECTURES[name]
     hf_dir = write_hf_model(tmp_path / "hf", model_type, tied)
-    source = load_file(hf_dir / "model.safetensors")
+    source = source_tensors(hf_dir, model_type)
     init = ["--set", f"model.init_from={hf_dir}"]
 
     ok(train(tmp_path / "zero", 2, 3, *init, "--set", "train.exit_at_step=0"))
@@ -64,6 +73,8 @@ def test_init_from_train_merge_from_pretrained(tmp_path, name):
     ok(train(tmp_path / "run", 2, 4, *init, "--save-interval", "4"))
     ckpt = tmp_path / "run" / "checkpoints" / "global_step_4"
     ok(trainguard("ckpt", "merge", "--local_dir", str(ckpt), "--target_dir", str(tmp_path / "merged"), "--dtype", "fp32"))
+    # the Hugging Face format, as save_pretrained writes it (Mixtral: one tensor per expert)
+    assert load_file(tmp_path / "merged" / "model.safetensors").keys() == load_file(hf_dir / "model.safetensors").keys()
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
     assert merged.config.model_type == model_type and merged.config.tie_word_embeddings == tied
     trained = model_tensors(ckpt)

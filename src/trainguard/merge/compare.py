@@ -20,6 +20,7 @@ from trainguard.merge.hf_layout import is_value_config, load_config, plan_merge
 from trainguard.merge.pieces import assemble
 from trainguard.merge.safetensors_out import INDEX_FILE, SINGLE_FILE
 from trainguard.merge.source import open_checkpoint
+from trainguard.merge.split_experts import stored_layout
 
 # (rtol, atol) by dtype: torch.testing.assert_close's defaults
 TOLERANCES = {torch.float64: (1e-7, 1e-7), torch.float32: (1.3e-6, 1e-5), torch.float16: (1e-3, 1e-5),
@@ -81,7 +82,10 @@ def reference_tensors(reference: Path, target: Path) -> dict[str, LazyTensor]:
         return hf_tensors(reference)
     config = load_config(target)
     plan = plan_merge(open_checkpoint(reference), config, tie=False, value_model=is_value_config(config))
-    return {name: LazyTensor(t.shape, t.dtype, lambda t=t: assemble(t)) for name, t in plan.outputs}
+    layout = stored_layout(config["model_type"], plan.outputs)  # fused experts: as the merge writes them
+    return {part.name: LazyTensor(part.shape, t.dtype, lambda t=t, part=part: assemble(t)[part.block(len(t.shape))]
+                                  .reshape(part.shape))
+            for (_, t), parts in zip(plan.outputs, layout) for part in parts}
 
 
 def compare_tensors(target: dict[str, LazyTensor], reference: dict[str, LazyTensor]) -> tuple[int, list[Difference]]:

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from helpers.runs import flat_state, ok, train, trainguard
+from helpers.runs import assert_same_tensors, flat_state, ok, step_losses, train, trainguard
 
 SIZES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=160, vocab_size=320, max_position_embeddings=64)
@@ -84,3 +84,46 @@ def test_init_from_train_merge_from_pretrained(tmp_path, name):
     ids = torch.arange(32).reshape(2, 16) * 7 % 259
     with torch.no_grad():
         assert torch.equal(merged(input_ids=ids).logits, expected(input_ids=ids).logits)
+
+
+MIXTRAL = ["--set", "model.preset=mixtral-micro"]
+MIXTRAL_LAYOUTS = {  # on 2 ranks
+    "fsdp": [],  # 2 of the 4 experts on each rank
+    "hsdp": ["--set", "parallel.dp_replicate=2"],
+    "pp": ["--set", "parallel.pp=2", "--set", "train.micro_batches=2"],
+}
+
+
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=() if name == "fsdp" else pytest.mark.slow)
+                                    for name in MIXTRAL_LAYOUTS])
+def test_mixtral_stop_and_resume_is_bitwise_identical(tmp_path, layout):
+    extra = [*MIXTRAL, *MIXTRAL_LAYOUTS[layout], "--save-interval", "2"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    ok(train(straight, 2, 4, *extra))
+    ok(train(split, 2, 4, *extra, "--set", "train.exit_at_step=2"))
+    resumed = ok(train(split, 2, 4, *extra, "--resume", "auto"))
+    assert "resumed from" in resumed.stdout and "global_step_2" in resumed.stdout
+    assert assert_same_tensors(straight / "checkpoints/global_step_4", split / "checkpoints/global_step_4") > 20
+    assert "model.model.layers.1.mlp.experts.gate_up_proj" in flat_state(split / "checkpoints/global_step_4")
+    assert sorted(step_losses(straight)) == [1, 2, 3, 4] and step_losses(split) == step_losses(straight)
+
+
+@pytest.mark.slow
+def test_mixtral_init_from_on_pipeline_stages(tmp_path):
+    """Each pipeline stage reads its own layers' experts from the per-expert files."""
+    hf_dir = write_hf_model(tmp_path / "hf", "mixtral", False)
+    ok(train(tmp_path / "zero", 2, 3, "--set", f"model.init_from={hf_dir}", "--set", "parallel.pp=2",
+             "--set", "train.micro_batches=2", "--set", "train.exit_at_step=0"))
+    saved, source = model_tensors(tmp_path / "zero" / "checkpoints" / "global_step_0"), source_tensors(hf_dir, "mixtral")
+    assert saved.keys() == source.keys() and all(torch.equal(saved[k], source[k]) for k in source)
+
+
+def test_mixtral_layouts_the_trainer_cannot_run_are_refused_before_any_process_starts(tmp_path):
+    for nproc, setting, line in [
+        (2, "parallel.tp=2", "parallel.tp=2: tensor parallel is not supported for model_type 'mixtral'"),
+        (3, "parallel.dp_shard=3", "parallel.dp_shard=3: model_type 'mixtral' has num_local_experts=4"),
+    ]:
+        refused = train(tmp_path / "run", nproc, 1, *MIXTRAL, "--set", setting)
+        assert refused.returncode == 2
+        assert len(refused.stderr.strip().splitlines()) == 1 and line in refused.stderr
+        assert not (tmp_path / "run").exists()  # refused before the run directory, let alone a process

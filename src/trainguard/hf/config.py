@@ -26,7 +26,7 @@ CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2",  # one decoder layout: model.layers.N.{self_attn,mlp}
-                         "mixtral")  # the same, its mlp experts fused in memory (hf.fused_experts)
+                         "mixtral", "qwen2_moe")  # the same, mlp experts fused in memory (hf.fused_experts)
 
 # trainguard's model.<key> -> the Hugging Face config's name for it: a preset's overrides, and the keys
 # that must agree with the Hugging Face config when model.init_from is set

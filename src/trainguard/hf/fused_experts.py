@@ -1,12 +1,14 @@
-"""Mixture-of-experts tensors: fused in the model in memory, one tensor per expert in the checkpoint.
+"""Mixture-of-experts tensors (Mixtral, Qwen2-MoE): fused in the model in memory, one tensor per expert
+in the checkpoint.
 
 transformers 5 builds a Mixtral layer with its experts fused (``mlp.experts.gate_up_proj`` [E, 2I, H],
 ``mlp.experts.down_proj`` [E, H, I], the router ``mlp.gate.weight`` [E, H]), but ``save_pretrained``
 writes, and ``from_pretrained`` and vLLM read, the format Mixtral was published in: per expert,
 ``block_sparse_moe.experts.K.w1/w3.weight`` [I, H] (gate and up projections) and ``w2.weight`` [H, I],
-and the router as ``block_sparse_moe.gate.weight``. transformers converts between the two on load and
-save (its ``conversion_mapping``); this module is the same mapping for trainguard, which reads and
-writes checkpoints without going through a model.
+and the router as ``block_sparse_moe.gate.weight`` (Qwen2-MoE: per expert
+``mlp.experts.K.gate_proj/up_proj/down_proj.weight``; its router and shared expert keep their names).
+transformers converts between the two on load and save (its ``conversion_mapping``); this module is
+the same mapping for trainguard, which reads and writes checkpoints without going through a model.
 
 A model tensor is stored as one or more :class:`StoredTensor`, each a block of it. The blocks of a
 fused tensor tile it in its own byte order (expert 0's w1 rows, then its w3 rows, then expert 1's ...),
@@ -63,11 +65,20 @@ _FORMATS: dict[str, list[tuple[re.Pattern[str], str | tuple[str, ...]]]] = {
                                                              "{layer}.block_sparse_moe.experts.{expert}.w3.weight")),
         (re.compile(_LAYER + r"mlp\.experts\.down_proj"), ("{layer}.block_sparse_moe.experts.{expert}.w2.weight",)),
     ],
+    # the router (mlp.gate), the shared expert and its gate keep their names
+    "qwen2_moe": [
+        (re.compile(_LAYER + r"mlp\.experts\.gate_up_proj"), ("{layer}.mlp.experts.{expert}.gate_proj.weight",
+                                                             "{layer}.mlp.experts.{expert}.up_proj.weight")),
+        (re.compile(_LAYER + r"mlp\.experts\.down_proj"), ("{layer}.mlp.experts.{expert}.down_proj.weight",)),
+    ],
 }
+# the config key that counts a layer's experts
+_EXPERT_COUNT_KEYS = {"mixtral": "num_local_experts", "qwen2_moe": "num_experts"}
 
 
-def has_fused_experts(model_type: str) -> bool:
-    return model_type in _FORMATS
+def expert_count_key(model_type: str) -> str | None:
+    """The config key counting the experts of ``model_type``'s fused expert tensors (None: it has none)."""
+    return _EXPERT_COUNT_KEYS.get(model_type)
 
 
 def stored_tensors(model_type: str, name: str, shape: tuple[int, ...]) -> list[StoredTensor]:

@@ -65,6 +65,7 @@ class HFDirReader(HuggingFaceStorageReader):
         super().__init__(str(hf_dir))
         self.tensors = tensors
         self.to_load = to_load  # model tensor -> the checkpoint tensors that hold it (tensors_to_load)
+        self.bytes_read = 0
         self.stored_names = {MetadataIndex(fqn=name, offset=torch.Size(part.offsets)): part.name
                              for name, parts in to_load.items() for part in parts}
 
@@ -94,6 +95,7 @@ class HFDirReader(HuggingFaceStorageReader):
         slices = tuple(slice(offset, offset + length)
                        for offset, length in zip(req.storage_offsets[-dims:], req.lengths[-dims:]))
         block = f.get_slice(stored.name)[slices]
+        self.bytes_read += block.numel() * block.element_size()
         target = planner.resolve_tensor(req).detach()
         if tuple(target.shape) != tuple(req.lengths):
             raise AssertionError(f"{stored.name}: DCP asks for {list(req.lengths)} into {list(target.shape)}")
@@ -139,6 +141,6 @@ def load_hf_weights(model: nn.Module, config: PretrainedConfig, hf_dir: Path,
     to_load = tensors_to_load(config, tensors, Path(hf_dir))
     # the parameters themselves (DTensors for FSDP2/TP): DCP reads into them in place
     state = {name: value for name, value in model.state_dict().items() if name in to_load}
-    dcp.load(state, storage_reader=HFDirReader(Path(hf_dir), tensors, to_load), planner=DefaultLoadPlanner(),
-             process_group=process_group)
-    return {"tensors": len(state), "seconds": time.perf_counter() - started}
+    reader = HFDirReader(Path(hf_dir), tensors, to_load)
+    dcp.load(state, storage_reader=reader, planner=DefaultLoadPlanner(), process_group=process_group)
+    return {"tensors": len(state), "bytes_read": reader.bytes_read, "seconds": time.perf_counter() - started}

@@ -1,4 +1,4 @@
-"""Mixtral's fused experts against transformers itself: the mapping between the model in memory
+"""Mixtral's and Qwen2-MoE's fused experts against transformers itself: the mapping between the model in memory
 (``mlp.experts.gate_up_proj`` ...) and the per-expert checkpoint ``save_pretrained`` writes, reading it
 (``tensors_to_load``, the DCP reader of ``model.init_from``, ``ckpt convert --from-hf``) and writing it
 (``ckpt merge`` streaming a fused tensor in row blocks), all in one process on a model of a few KB."""
@@ -17,40 +17,59 @@ from trainguard.hf.config import build_empty_model, hf_tensors, read_hf_config, 
 from trainguard.hf.convert import hf_to_durable
 from trainguard.hf.fused_experts import stored_tensors
 from trainguard.hf.init import load_hf_weights, materialize
+from trainguard.merge.compare import compare_tensors, reference_tensors
+from trainguard.merge.compare import hf_tensors as merged_tensors
 from trainguard.merge.merger import merge_to_hf
 from trainguard.merge.split_experts import split_stream
 
 EXPERTS, INTERMEDIATE, HIDDEN = 4, 24, 32
 
 
-@pytest.fixture(scope="module")
-def mixtral(tmp_path_factory) -> tuple[torch.nn.Module, Path]:
-    """A Mixtral built from a config, and the directory its ``save_pretrained`` wrote."""
+SIZES = {  # model_type: its own config keys for the expert count and widths
+    "mixtral": dict(num_local_experts=EXPERTS, intermediate_size=INTERMEDIATE),
+    "qwen2_moe": dict(num_experts=EXPERTS, moe_intermediate_size=INTERMEDIATE, intermediate_size=40,
+                      shared_expert_intermediate_size=16),
+}
+
+
+def saved_model(model_type: str, path: Path) -> tuple[torch.nn.Module, Path]:
+    """A model built from a config, and the directory its ``save_pretrained`` wrote."""
     torch.manual_seed(3)
-    config = AutoConfig.for_model("mixtral", hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
-                                  num_key_value_heads=2, intermediate_size=INTERMEDIATE, vocab_size=300,
-                                  num_local_experts=EXPERTS, num_experts_per_tok=2, max_position_embeddings=32)
+    config = AutoConfig.for_model(model_type, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, vocab_size=300, num_experts_per_tok=2,
+                                  max_position_embeddings=32, **SIZES[model_type])
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    path = tmp_path_factory.mktemp("mixtral") / "hf"
     model.save_pretrained(path)
     return model, path
 
 
-def test_the_mapping_is_what_save_pretrained_writes(mixtral):
-    model, path = mixtral
+@pytest.fixture(scope="module", params=list(SIZES))
+def moe(request, tmp_path_factory) -> tuple[torch.nn.Module, Path]:
+    return saved_model(request.param, tmp_path_factory.mktemp(request.param) / "hf")
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory) -> tuple[torch.nn.Module, Path]:
+    return saved_model("mixtral", tmp_path_factory.mktemp("mixtral") / "hf")
+
+
+def test_the_mapping_is_what_save_pretrained_writes(moe):
+    model, path = moe
     saved = load_file(path / "model.safetensors")
     assert "model.layers.1.mlp.experts.gate_up_proj" in dict(model.named_parameters())  # fused in memory
+    assert not any(".experts.gate_up_proj" in name for name in saved)  # per expert in the file
     mapped = {}
     for name, tensor in model.state_dict().items():
-        parts = stored_tensors("mixtral", name, tuple(tensor.shape))
+        parts = stored_tensors(model.config.model_type, name, tuple(tensor.shape))
         for part in parts:
             mapped[part.name] = tensor[part.block(tensor.dim())].reshape(part.shape)
         # the parts tile the model tensor in its byte order: written one after another, they are its bytes
         assert torch.equal(torch.cat([saved[part.name].reshape(-1) for part in parts]), tensor.reshape(-1))
     assert mapped.keys() == saved.keys()
     assert all(torch.equal(mapped[name], saved[name]) for name in saved)
-    # gate (w1) before up (w3) in gate_up_proj, as transformers fuses them
-    w1 = saved["model.layers.0.block_sparse_moe.experts.2.w1.weight"]
+    # gate before up in gate_up_proj, as transformers fuses them
+    gate = {"mixtral": "block_sparse_moe.experts.2.w1.weight", "qwen2_moe": "mlp.experts.2.gate_proj.weight"}
+    w1 = saved["model.layers.0." + gate[model.config.model_type]]
     assert torch.equal(model.model.layers[0].mlp.experts.gate_up_proj[2, :INTERMEDIATE], w1)
 
 
@@ -92,8 +111,8 @@ def test_tensors_to_load_checks_the_per_expert_names_and_shapes(mixtral, tmp_pat
         tensors_to_load(config, hf_tensors(broken), broken)
 
 
-def test_init_from_reader_fills_the_fused_parameters(mixtral):
-    model, path = mixtral
+def test_init_from_reader_fills_the_fused_parameters(moe):
+    model, path = moe
     config = read_hf_config(path)
     empty = build_empty_model(config)
     materialize(empty, torch.device("cpu"), empty)
@@ -103,16 +122,19 @@ def test_init_from_reader_fills_the_fused_parameters(mixtral):
     assert loaded.keys() == expected.keys() and all(torch.equal(loaded[k], expected[k]) for k in expected)
 
 
-def test_convert_then_merge_gives_the_model_back(mixtral, tmp_path):
+def test_convert_then_merge_gives_the_model_back(moe, tmp_path):
     """``ckpt convert --from-hf`` then ``ckpt merge``: the merged directory holds exactly what
-    ``save_pretrained`` wrote, and ``from_pretrained`` reads it into the same model."""
-    model, path = mixtral
+    ``save_pretrained`` wrote, ``ckpt test`` finds it equal to the checkpoint, and ``from_pretrained``
+    reads it into the same model."""
+    model, path = moe
     step = hf_to_durable(path, tmp_path / "converted", progress=False)
     merge_to_hf(step, tmp_path / "merged")
     saved, merged = load_file(path / "model.safetensors"), load_file(tmp_path / "merged" / "model.safetensors")
     assert merged.keys() == saved.keys() and all(torch.equal(merged[k], saved[k]) for k in saved)
+    compared, differences = compare_tensors(merged_tensors(tmp_path / "merged"), reference_tensors(step, tmp_path / "merged"))
+    assert (compared, differences) == (len(saved), [])  # ckpt test reads the checkpoint under the same names
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
-    assert again.config.architectures == ["MixtralForCausalLM"]
+    assert again.config.architectures == [type(model).__name__]  # MixtralForCausalLM, Qwen2MoeForCausalLM
     ids = torch.arange(24).reshape(2, 12) * 11 % 300
     with torch.no_grad():
         assert torch.equal(again(input_ids=ids).logits, model(input_ids=ids).logits)

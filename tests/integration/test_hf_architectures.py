@@ -113,7 +113,8 @@ MOE_LAYOUTS = {  # on 2 ranks
 
 @pytest.mark.parametrize("preset,layout", [pytest.param("mixtral-micro", "fsdp")] + [
     pytest.param(preset, layout, marks=pytest.mark.slow)
-    for preset, layout in [("mixtral-micro", "hsdp"), ("mixtral-micro", "pp"), ("qwen2-moe-micro", "fsdp")]])
+    for preset in ("mixtral-micro", "qwen2-moe-micro") for layout in MOE_LAYOUTS
+    if (preset, layout) != ("mixtral-micro", "fsdp")])
 def test_moe_stop_and_resume_is_bitwise_identical(tmp_path, preset, layout):
     extra = ["--set", f"model.preset={preset}", *MOE_LAYOUTS[layout], "--save-interval", "2"]
     straight, split = tmp_path / "straight", tmp_path / "split"

@@ -93,9 +93,7 @@ def stored_tensors(model_type: str, name: str, shape: tuple[int, ...]) -> list[S
         if isinstance(stored, str):
             return [StoredTensor(stored.format(**match.groupdict()), shape, (0,) * len(shape))]
         experts, rows, columns = shape
-        if rows % len(stored):
-            raise ValueError(f"{name}: shape {list(shape)} does not split into {len(stored)} projections along dim 1")
-        part = rows // len(stored)
+        part = rows // len(stored)  # transformers fuses projections of equal width
         return [StoredTensor(template.format(expert=expert, **match.groupdict()), (part, columns), (expert, i * part, 0))
                 for expert in range(experts) for i, template in enumerate(stored)]
     return [StoredTensor(name, shape, (0,) * len(shape))]

@@ -87,6 +87,8 @@ class HFDirReader(HuggingFaceStorageReader):
         metadata.storage_meta = StorageMeta(load_id=self.load_id)
         return metadata
 
+    # replaces the base class's per-request read (torch 2.13), which takes the request's fqn for the
+    # tensor's name in the file and its offsets as that tensor's own
     def _process_read_request(self, f: Any, req: ReadItem, planner: LoadPlanner) -> None:
         """Reads the requested slice of the chunk from the checkpoint tensor that holds it (the slice of
         a per-expert tensor, given the fused tensor's size-1 expert dimension) into the model tensor."""

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from helpers.runs import events, flat_state, ok, train, trainguard
+from helpers.runs import assert_same_tensors, events, flat_state, ok, step_losses, train, trainguard
 
 SIZES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=160, vocab_size=320, max_position_embeddings=64)
@@ -23,6 +23,11 @@ ARCHITECTURES = {  # name: (model_type, tied)
     "qwen2-untied": ("qwen2", False),
     "mistral": ("mistral", False),
     "gpt2": ("gpt2", True),
+    "mixtral": ("mixtral", False),  # 8 experts, top-2: fused in memory, per expert in the files
+    "qwen2-moe": ("qwen2_moe", False),  # the same, and a shared expert
+}
+MODEL_SIZES = {  # beyond SIZES (Qwen2-MoE's defaults are 60 experts of width 1408)
+    "qwen2_moe": dict(num_experts=8, moe_intermediate_size=48, shared_expert_intermediate_size=96),
 }
 # GPT-2's own sizes: no num_key_value_heads, n_inner left None (4 x hidden), its default dropout 0.1 kept
 GPT2_SIZES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=320,
@@ -34,15 +39,34 @@ LLAMA_NAMES = ("model.embed_tokens.weight", "model.norm.weight")
 
 def write_hf_model(path: Path, model_type: str, tied: bool) -> Path:
     torch.manual_seed(5)
-    config = AutoConfig.for_model(model_type, tie_word_embeddings=tied, **(GPT2_SIZES if model_type == "gpt2" else SIZES))
+    sizes = GPT2_SIZES if model_type == "gpt2" else {**SIZES, **MODEL_SIZES.get(model_type, {})}
+    config = AutoConfig.for_model(model_type, tie_word_embeddings=tied, **sizes)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if model_type in ("qwen2", "gpt2"):  # biases start at zero; make them count
+    if model_type in ("qwen2", "qwen2_moe", "gpt2"):  # biases start at zero; make them count
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith(".bias"):
                     param.normal_()
     model.save_pretrained(path)
     return path
+
+
+def source_tensors(hf_dir: Path, model_type: str) -> dict[str, torch.Tensor]:
+    """The HF weights under the model's in-memory names: for Mixtral and Qwen2-MoE as transformers'
+    ``from_pretrained`` fuses their per-expert tensors (an independent check of trainguard's own mapping)."""
+    if model_type not in ("mixtral", "qwen2_moe"):
+        return load_file(hf_dir / "model.safetensors")
+    return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).state_dict()
+
+
+def fsdp_bytes(tensors, rank: int, ranks: int) -> int:
+    """The bytes of ``tensors`` in FSDP2 shard ``rank`` (``torch.chunk`` of dim 0: the last shards may be
+    smaller or empty)."""
+    total = 0
+    for tensor in tensors:
+        rows = -(-tensor.shape[0] // ranks)
+        total += max(0, min(rows, tensor.shape[0] - rank * rows)) * tensor[0].numel() * tensor.element_size()
+    return total
 
 
 def model_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -57,10 +81,14 @@ def test_init_from_train_merge_from_pretrained(tmp_path, name):
     model_type, tied = ARCHITECTURES[name]
     embedding, final_norm = NAMES.get(model_type, LLAMA_NAMES)
     hf_dir = write_hf_model(tmp_path / "hf", model_type, tied)
-    source = load_file(hf_dir / "model.safetensors")
+    source = source_tensors(hf_dir, model_type)
     init = ["--set", f"model.init_from={hf_dir}"]
 
     ok(train(tmp_path / "zero", 2, 3, *init, "--set", "train.exit_at_step=0"))
+    # each rank read only its own slices (for Mixtral: its own experts' per-expert tensors)
+    files = load_file(hf_dir / "model.safetensors").values()
+    loads = sorted(events(tmp_path / "zero", "init_from"), key=lambda e: e["rank"])
+    assert [e["bytes_read"] for e in loads] == [fsdp_bytes(files, rank, 2) for rank in (0, 1)]
     saved = model_tensors(tmp_path / "zero" / "checkpoints" / "global_step_0")
     if tied:
         assert torch.equal(saved.pop("lm_head.weight"), source[embedding])
@@ -74,6 +102,8 @@ def test_init_from_train_merge_from_pretrained(tmp_path, name):
     ok(train(tmp_path / "run", 2, 4, *init, "--save-interval", "4"))
     ckpt = tmp_path / "run" / "checkpoints" / "global_step_4"
     ok(trainguard("ckpt", "merge", "--local_dir", str(ckpt), "--target_dir", str(tmp_path / "merged"), "--dtype", "fp32"))
+    # the Hugging Face format, as save_pretrained writes it (Mixtral: one tensor per expert)
+    assert load_file(tmp_path / "merged" / "model.safetensors").keys() == load_file(hf_dir / "model.safetensors").keys()
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
     assert merged.config.model_type == model_type and merged.config.tie_word_embeddings == tied
     trained = model_tensors(ckpt)
@@ -107,3 +137,48 @@ def test_gpt2_preset_trains_on_two_ranks_and_merges(tmp_path):
     ids = torch.arange(32).reshape(2, 16) * 7 % 259
     with torch.no_grad():
         assert torch.equal(merged(input_ids=ids).logits, expected(input_ids=ids).logits)
+
+
+MOE_LAYOUTS = {  # on 2 ranks
+    "fsdp": [],  # 2 of the 4 experts on each rank
+    "hsdp": ["--set", "parallel.dp_replicate=2"],
+    "pp": ["--set", "parallel.pp=2", "--set", "train.micro_batches=2"],
+}
+
+
+@pytest.mark.parametrize("preset,layout", [pytest.param("mixtral-micro", "fsdp")] + [
+    pytest.param(preset, layout, marks=pytest.mark.slow)
+    for preset in ("mixtral-micro", "qwen2-moe-micro") for layout in MOE_LAYOUTS
+    if (preset, layout) != ("mixtral-micro", "fsdp")])
+def test_moe_stop_and_resume_is_bitwise_identical(tmp_path, preset, layout):
+    extra = ["--set", f"model.preset={preset}", *MOE_LAYOUTS[layout], "--save-interval", "2"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    ok(train(straight, 2, 4, *extra))
+    ok(train(split, 2, 4, *extra, "--set", "train.exit_at_step=2"))
+    resumed = ok(train(split, 2, 4, *extra, "--resume", "auto"))
+    assert "resumed from" in resumed.stdout and "global_step_2" in resumed.stdout
+    assert assert_same_tensors(straight / "checkpoints/global_step_4", split / "checkpoints/global_step_4") > 20
+    assert "model.model.layers.1.mlp.experts.gate_up_proj" in flat_state(split / "checkpoints/global_step_4")
+    assert sorted(step_losses(straight)) == [1, 2, 3, 4] and step_losses(split) == step_losses(straight)
+
+
+@pytest.mark.slow
+def test_mixtral_init_from_on_pipeline_stages(tmp_path):
+    """Each pipeline stage reads its own layers' experts from the per-expert files."""
+    hf_dir = write_hf_model(tmp_path / "hf", "mixtral", False)
+    ok(train(tmp_path / "zero", 2, 3, "--set", f"model.init_from={hf_dir}", "--set", "parallel.pp=2",
+             "--set", "train.micro_batches=2", "--set", "train.exit_at_step=0"))
+    saved, source = model_tensors(tmp_path / "zero" / "checkpoints" / "global_step_0"), source_tensors(hf_dir, "mixtral")
+    assert saved.keys() == source.keys() and all(torch.equal(saved[k], source[k]) for k in source)
+
+
+def test_moe_layouts_the_trainer_cannot_run_are_refused_before_any_process_starts(tmp_path):
+    for preset, nproc, setting, line in [
+        ("mixtral-micro", 2, "parallel.tp=2", "parallel.tp=2: tensor parallel is not supported for model_type 'mixtral'"),
+        ("mixtral-micro", 3, "parallel.dp_shard=3", "parallel.dp_shard=3: model_type 'mixtral' has num_local_experts=4"),
+        ("qwen2-moe-micro", 3, "parallel.dp_shard=3", "model_type 'qwen2_moe' has num_experts=4"),
+    ]:
+        refused = train(tmp_path / "run", nproc, 1, "--set", f"model.preset={preset}", "--set", setting)
+        assert refused.returncode == 2
+        assert len(refused.stderr.strip().splitlines()) == 1 and line in refused.stderr
+        assert not (tmp_path / "run").exists()  # refused before the run directory, let alone a process

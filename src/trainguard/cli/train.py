@@ -15,6 +15,8 @@ from trainguard.faults.injector import active_faults, check_fault_ranks
 from trainguard.runtime.nodes import ENV_NNODES, ENV_SUPERVISED
 from trainguard.topology import resolve_layout
 from trainguard.trainer.entry import add_train_arguments, config_arguments, config_from_args
+from trainguard.trainer.expert_layout import check_expert_layout
+from trainguard.trainer.model import build_model_config
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -38,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
                           "and replaces the ranks itself; run trainguard train directly")
     nnodes = int(os.environ.get(ENV_NNODES, "1")) if supervised else args.nnodes
     world_size = args.nproc * max(1, nnodes)
-    resolve_layout(config.parallel, world_size)
+    layout = resolve_layout(config.parallel, world_size)
+    check_expert_layout(build_model_config(config.model, config.data.seq_len), layout)
     source, faults = active_faults(config.faults)
     try:
         check_fault_ranks(faults, world_size)

@@ -11,6 +11,15 @@ PRESETS: dict[str, dict] = {
     # Qwen2 (q/k/v biases, tied embeddings like its small sizes), for tests
     "qwen2-micro": dict(model_type="qwen2", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, intermediate_size=160, vocab_size=320, tie_word_embeddings=True),
+    # Mixtral (4 experts, top-2; fused expert parameters in memory), for tests
+    "mixtral-micro": dict(model_type="mixtral", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, intermediate_size=96, num_local_experts=4,
+                          num_experts_per_tok=2, vocab_size=320, tie_word_embeddings=False),
+    # Qwen2-MoE (4 routed experts, top-2, and a shared expert with its gate), for tests
+    "qwen2-moe-micro": dict(model_type="qwen2_moe", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=160, moe_intermediate_size=48,
+                            shared_expert_intermediate_size=96, num_experts=4, num_experts_per_tok=2,
+                            vocab_size=320, tie_word_embeddings=False),
     # the default: a few million parameters
     "llama-tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                        intermediate_size=688, vocab_size=320, tie_word_embeddings=True),

@@ -21,12 +21,14 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from trainguard.errors import ConfigError
 from trainguard.hf.model_types import KEY_NAMES, check_model_keys, check_parallel_support, config_value
+from trainguard.hf.fused_experts import StoredTensor, stored_tensors
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-# the Llama layout (model.layers.N.{self_attn,mlp}), and GPT-2's (hf/gpt2.py)
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2")
+# the Llama layout (model.layers.N.{self_attn,mlp}), the same with mlp experts fused in memory
+# (hf.fused_experts), and GPT-2's (hf/gpt2.py)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "gpt2")
 
 # trainguard's model.<key> -> the Hugging Face config's name for it: a preset's overrides, and the keys
 # that must agree with the Hugging Face config when model.init_from is set
@@ -194,26 +196,31 @@ def tied_aliases(config: PretrainedConfig) -> dict[str, str]:
     return aliases
 
 
-def tensors_to_load(config: PretrainedConfig, tensors: dict[str, HFTensor], hf_dir: Path) -> list[str]:
-    """The names to read from the directory for a model built from ``config``; raises naming the first
-    tensor that is missing, has another shape, or is not part of the model."""
+def tensors_to_load(config: PretrainedConfig, tensors: dict[str, HFTensor], hf_dir: Path) -> dict[str, list[StoredTensor]]:
+    """The model tensors to read from the directory for a model built from ``config``, each with the
+    checkpoint tensors that hold it (``hf.fused_experts``: several for fused experts); raises naming
+    the first checkpoint tensor that is missing, has another shape, or is not part of the model."""
     expected = expected_shapes(config)
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    names = []
+    to_load: dict[str, list[StoredTensor]] = {}
+    known = set()
     for name, shape in expected.items():
-        if name not in tensors:
-            if tied and name == "lm_head.weight":
-                continue  # the output layer is the embedding, saved once
-            raise ConfigError(f"tensor {name!r} of the model is in none of the safetensors files of {hf_dir}")
-        found = tensors[name]
-        if found.shape != shape:
-            raise ConfigError(f"{found.file}: tensor {name!r} has shape {list(found.shape)}, but the model "
-                              f"built from {CONFIG_FILE} expects {list(shape)}")
-        names.append(name)
+        if tied and name == "lm_head.weight" and name not in tensors:
+            continue  # the output layer is the embedding, saved once
+        stored = stored_tensors(config.model_type, name, shape)
+        for part in stored:
+            known.add(part.name)
+            if part.name not in tensors:
+                raise ConfigError(f"tensor {part.name!r} of the model is in none of the safetensors files of {hf_dir}")
+            found = tensors[part.name]
+            if found.shape != part.shape:
+                raise ConfigError(f"{found.file}: tensor {part.name!r} has shape {list(found.shape)}, but the model "
+                                  f"built from {CONFIG_FILE} expects {list(part.shape)}")
+        to_load[name] = stored
     for name, found in tensors.items():
-        if name not in expected:
+        if name not in known:
             raise ConfigError(f"{found.file}: tensor {name!r} is not a parameter of the model built from {CONFIG_FILE}")
-    return names
+    return to_load
 
 
 def check_init_from(hf_dir: Path, attn_implementation: str, explicit: dict[str, Any], pp: int,

@@ -31,6 +31,7 @@ from trainguard.checkpoint.manifest import build_manifest
 from trainguard.fs.layout import HF_DIR, extra_state_name, step_dir_name, temp_dir_name
 from trainguard.errors import ConfigError
 from trainguard.hf.config import hf_tensors, read_hf_config, tensors_to_load, tied_aliases
+from trainguard.hf.fused_experts import StoredTensor, model_shape
 
 # copied into huggingface/ when HF_DIR has them, so an export of the checkpoint keeps its tokenizer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
@@ -44,19 +45,27 @@ def _read_weights(hf_dir: Path, progress: bool) -> dict[str, torch.Tensor]:
 
     config = read_hf_config(hf_dir)
     tensors = hf_tensors(hf_dir)
-    names = tensors_to_load(config, tensors, hf_dir)
+    to_load = tensors_to_load(config, tensors, hf_dir)
     weights: dict[str, torch.Tensor] = {}
     console = Console(stderr=True)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
     with Progress(*columns, console=console, transient=True, disable=not (progress and console.is_terminal)) as bar:
-        task = bar.add_task(f"reading {hf_dir.name}", total=len(names))
-        by_file: dict[Path, list[str]] = {}
-        for name in names:
-            by_file.setdefault(tensors[name].file, []).append(name)
-        for file, file_names in by_file.items():
+        task = bar.add_task(f"reading {hf_dir.name}", total=sum(len(parts) for parts in to_load.values()))
+        by_file: dict[Path, list[tuple[str, StoredTensor]]] = {}
+        for name, parts in to_load.items():
+            if len(parts) > 1:  # fused experts: the model tensor, filled block by block from its files
+                weights[name] = torch.empty(model_shape(parts), dtype=torch.float32)
+            for part in parts:
+                by_file.setdefault(tensors[part.name].file, []).append((name, part))
+        for file, file_parts in by_file.items():
             with safe_open(str(file), framework="pt") as handle:
-                for name in file_names:
-                    weights[name] = handle.get_tensor(name).to(torch.float32)
+                for name, part in file_parts:
+                    tensor = handle.get_tensor(part.name).to(torch.float32)
+                    if name in weights:
+                        block = weights[name][part.block(weights[name].dim())]
+                        block.copy_(tensor.reshape(block.shape))
+                    else:
+                        weights[name] = tensor
                     bar.advance(task)
     for name, shared in tied_aliases(config).items():  # a tied lm_head: one tensor, as in the model
         weights.setdefault(name, weights[shared])

@@ -28,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint._hf_utils import _HFStorageInfo
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -40,6 +41,7 @@ from torch.distributed.checkpoint.metadata import (
 from transformers import PretrainedConfig
 
 from trainguard.hf.config import HFTensor, hf_tensors, tensors_to_load
+from trainguard.hf.fused_experts import StoredTensor, model_shape
 
 
 def materialize(model: nn.Module, device: torch.device, hf_model: nn.Module) -> None:
@@ -54,28 +56,53 @@ def materialize(model: nn.Module, device: torch.device, hf_model: nn.Module) -> 
 
 class HFDirReader(HuggingFaceStorageReader):
     """``HuggingFaceStorageReader`` whose metadata comes from the checked files of the directory (the
-    index's shards, or ``model.safetensors``), not from every ``*.safetensors`` file lying there."""
+    index's shards, or ``model.safetensors``), not from every ``*.safetensors`` file lying there, and
+    names the model's tensors: a fused expert tensor (``hf.fused_experts``) is described as made of
+    one chunk per checkpoint tensor that holds a block of it, so DCP asks each rank's slice of it from
+    just the per-expert tensors that slice covers."""
 
-    def __init__(self, hf_dir: Path, tensors: dict[str, HFTensor]):
+    def __init__(self, hf_dir: Path, tensors: dict[str, HFTensor], to_load: dict[str, list[StoredTensor]]):
         super().__init__(str(hf_dir))
         self.tensors = tensors
+        self.to_load = to_load  # model tensor -> the checkpoint tensors that hold it (tensors_to_load)
+        self.bytes_read = 0
+        self.stored_names = {MetadataIndex(fqn=name, offset=torch.Size(part.offsets)): part.name
+                             for name, parts in to_load.items() for part in parts}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         state_dict_metadata: dict[str, TensorStorageMetadata] = {}
         storage_data: dict[MetadataIndex, _HFStorageInfo] = {}
-        for name, tensor in self.tensors.items():
-            origin = torch.Size([0] * len(tensor.shape))
+        for name, parts in self.to_load.items():
+            shape = model_shape(parts)
+            chunks = [ChunkStorageMetadata(offsets=torch.Size(part.offsets), sizes=torch.Size(part.block_sizes(len(shape))))
+                      for part in parts]
+            for part, chunk in zip(parts, chunks):
+                stored = self.tensors[part.name]
+                storage_data[MetadataIndex(fqn=name, offset=chunk.offsets)] = _HFStorageInfo(
+                    relative_path=str(stored.file), shape=chunk.sizes, dtype=stored.dtype)
             state_dict_metadata[name] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=tensor.dtype),
-                size=torch.Size(tensor.shape),
-                chunks=[ChunkStorageMetadata(offsets=origin, sizes=torch.Size(tensor.shape))],
-            )
-            storage_data[MetadataIndex(fqn=name, offset=origin)] = _HFStorageInfo(
-                relative_path=str(tensor.file), shape=torch.Size(tensor.shape), dtype=tensor.dtype
-            )
+                properties=TensorProperties(dtype=self.tensors[parts[0].name].dtype), size=torch.Size(shape),
+                chunks=chunks)
         metadata = Metadata(state_dict_metadata=state_dict_metadata, storage_data=storage_data)
         metadata.storage_meta = StorageMeta(load_id=self.load_id)
         return metadata
+
+    # replaces the base class's per-request read (torch 2.13), which takes the request's fqn for the
+    # tensor's name in the file and its offsets as that tensor's own
+    def _process_read_request(self, f: Any, req: ReadItem, planner: LoadPlanner) -> None:
+        """Reads the requested slice of the chunk from the checkpoint tensor that holds it (the slice of
+        a per-expert tensor, given the fused tensor's size-1 expert dimension) into the model tensor."""
+        stored = self.tensors[self.stored_names[req.storage_index]]
+        dims = len(stored.shape)
+        slices = tuple(slice(offset, offset + length)
+                       for offset, length in zip(req.storage_offsets[-dims:], req.lengths[-dims:]))
+        block = f.get_slice(stored.name)[slices]
+        self.bytes_read += block.numel() * block.element_size()
+        target = planner.resolve_tensor(req).detach()
+        if tuple(target.shape) != tuple(req.lengths):
+            raise AssertionError(f"{stored.name}: DCP asks for {list(req.lengths)} into {list(target.shape)}")
+        target.copy_(block.reshape(target.shape))
+        planner.commit_tensor(req, target)
 
 
 def _rss_bytes(field: str) -> int | None:
@@ -113,9 +140,9 @@ def load_hf_weights(model: nn.Module, config: PretrainedConfig, hf_dir: Path,
     ``process_group`` (all ranks, whatever their pipeline stage). Returns facts for the event log."""
     started = time.perf_counter()
     tensors = hf_tensors(Path(hf_dir))
-    wanted = set(tensors_to_load(config, tensors, Path(hf_dir)))
+    to_load = tensors_to_load(config, tensors, Path(hf_dir))
     # the parameters themselves (DTensors for FSDP2/TP): DCP reads into them in place
-    state = {name: value for name, value in model.state_dict().items() if name in wanted}
-    dcp.load(state, storage_reader=HFDirReader(Path(hf_dir), tensors), planner=DefaultLoadPlanner(),
-             process_group=process_group)
-    return {"tensors": len(state), "seconds": time.perf_counter() - started}
+    state = {name: value for name, value in model.state_dict().items() if name in to_load}
+    reader = HFDirReader(Path(hf_dir), tensors, to_load)
+    dcp.load(state, storage_reader=reader, planner=DefaultLoadPlanner(), process_group=process_group)
+    return {"tensors": len(state), "bytes_read": reader.bytes_read, "seconds": time.perf_counter() - started}

@@ -7,6 +7,7 @@ match. Values are compared with tolerances by dtype (``torch.testing``'s default
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,10 +17,12 @@ import torch
 from safetensors import safe_open
 
 from trainguard.errors import ConfigError
+from trainguard.hf.fused_experts import StoredTensor
 from trainguard.merge.hf_layout import is_value_config, load_config, plan_merge
 from trainguard.merge.pieces import assemble
 from trainguard.merge.safetensors_out import INDEX_FILE, SINGLE_FILE
 from trainguard.merge.source import open_checkpoint
+from trainguard.merge.split_experts import stored_layout
 
 # (rtol, atol) by dtype: torch.testing.assert_close's defaults
 TOLERANCES = {torch.float64: (1e-7, 1e-7), torch.float32: (1.3e-6, 1e-5), torch.float16: (1e-3, 1e-5),
@@ -81,7 +84,18 @@ def reference_tensors(reference: Path, target: Path) -> dict[str, LazyTensor]:
         return hf_tensors(reference)
     config = load_config(target)
     plan = plan_merge(open_checkpoint(reference), config, tie=False, value_model=is_value_config(config))
-    return {name: LazyTensor(t.shape, t.dtype, lambda t=t: assemble(t)) for name, t in plan.outputs}
+    layout = stored_layout(config["model_type"], plan.outputs)  # fused experts: as the merge writes them
+
+    @functools.lru_cache(maxsize=2)  # the per-expert tensors of a layer's two fused tensors come in turns
+    def full(i: int) -> torch.Tensor:
+        return assemble(plan.outputs[i][1])
+
+    def load(i: int, part: StoredTensor) -> torch.Tensor:
+        tensor = full(i)
+        return tensor[part.block(tensor.dim())].reshape(part.shape)
+
+    return {part.name: LazyTensor(part.shape, tensor.dtype, functools.partial(load, i, part))
+            for i, ((_, tensor), parts) in enumerate(zip(plan.outputs, layout)) for part in parts}
 
 
 def compare_tensors(target: dict[str, LazyTensor], reference: dict[str, LazyTensor]) -> tuple[int, list[Difference]]:

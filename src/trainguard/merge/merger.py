@@ -24,6 +24,7 @@ from trainguard.merge.pieces import Piece, ShardedTensor, assemble, read_piece
 from trainguard.merge.read_ranks import rank_file_dirs
 from trainguard.merge.safetensors_out import OutputTensor, write_safetensors
 from trainguard.merge.source import open_checkpoint
+from trainguard.merge.split_experts import split_stream, stored_layout
 from trainguard.merge.target import check_target, staged_directory
 from trainguard.topology.group_info import GROUP_INFO_NAME
 
@@ -127,8 +128,9 @@ def merge_to_hf(local_dir: Path, target_dir: Path, *, backend: str = "auto", tie
     plan = plan_merge(contents, config, tie_word_embedding, is_value_model, DTYPE_NAMES[dtype])
     _check_tied(plan)
     out_dtype = getattr(torch, DTYPE_NAMES[dtype]) if DTYPE_NAMES[dtype] else None
-    outputs = [OutputTensor(name, tensor.shape, out_dtype if out_dtype and tensor.dtype.is_floating_point
-                            else tensor.dtype) for name, tensor in plan.outputs]
+    layout = stored_layout(plan.config["model_type"], plan.outputs)  # fused experts: one tensor per expert
+    outputs = [OutputTensor(part.name, part.shape, out_dtype if out_dtype and tensor.dtype.is_floating_point
+                            else tensor.dtype) for (_, tensor), parts in zip(plan.outputs, layout) for part in parts]
     total = sum(t.nbytes for t in outputs)
     advance = progress(total, f"merging {len(outputs)} tensors") if progress else (lambda n: None)
     with staged_directory(target_dir, force) as staging:
@@ -136,6 +138,6 @@ def merge_to_hf(local_dir: Path, target_dir: Path, *, backend: str = "auto", tie
             if path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES):
                 shutil.copy2(path, staging / path.name)
         (staging / "config.json").write_text(json.dumps(plan.config, indent=2, sort_keys=True) + "\n")
-        files = write_safetensors(staging, outputs, stream_tensor_parts([t for _, t in plan.outputs], out_dtype),
-                                  max_shard_bytes, advance)
+        streams = stream_tensor_parts([t for _, t in plan.outputs], out_dtype)
+        files = write_safetensors(staging, outputs, split_stream(streams, layout), max_shard_bytes, advance)
     return MergeResult(files, len(outputs), total, contents.description)

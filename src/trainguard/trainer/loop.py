@@ -23,6 +23,7 @@ from trainguard.hf.init import (
 from trainguard.step.guard import Guard
 from trainguard.topology.layout import resolve_layout
 from trainguard.trainer.data import StatefulSampler, TokenDataset, load_corpus_tokens, make_batch
+from trainguard.trainer.expert_layout import check_expert_layout
 from trainguard.trainer.model import build_model, build_model_config, token_cross_entropy
 from trainguard.trainer.optim import build_optimizer
 from trainguard.trainer.parallelize import build_mesh, parallelize
@@ -43,6 +44,7 @@ class Trainer:
         self.dp_rank = self.layout.dp_rank(self.rank)
 
         self.model_config = build_model_config(config.model, max_position_embeddings=config.data.seq_len)
+        check_expert_layout(self.model_config, self.layout)  # also refused before processes start (cli.train)
         self.tokenizer = ByteTokenizer()
         self.pipeline: PipelineParts | None = None
         # what building and loading the model adds to this rank's peak memory (reported by init_from)

@@ -38,4 +38,8 @@ def run_command_live(args: argparse.Namespace, command: list[str], run_dir: Path
         raise ConfigError("--kill-switch: a supervisor option; with fault_tolerance.live: true the live launcher "
                           "starts and replaces the ranks instead")
     run = live_layout(args, config, source, executable=command[0], entry=tuple(command[1:]))
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--run-dir {run_dir}: cannot create it ({exc.strerror})") from None
     return run_live(run, run_dir)

@@ -1,14 +1,16 @@
-"""A user's own model, optimizer and data trained with live recovery (``trainguard.Guard`` in live mode).
+r"""A user's own model, optimizer and data trained with live recovery (``trainguard.Guard`` in live mode).
 
 Each rank builds the model and optimizer (seeded: every rank starts alike) and hands them to
 ``trainguard.Guard`` with a config that says ``fault_tolerance.live: true`` (``user_loop_live.yaml``),
 then loops over ``guard.steps(loss_of)`` with the loss of one micro-batch by index; the library does the
 rest: per-micro-batch backward, the order-fixed gradient sum over the ranks alive, the optimizer step,
-the quorum changes and the rejoin of a replaced rank. The live launcher starts the ranks as the config
-says (4 gloo ranks: 2 replica groups x 2) and, here, SIGKILLs rank 3 once it has committed step 5; a
-warm spare (``--spares 1``: ``fault_tolerance.spares``) takes its place:
+the quorum changes and the rejoin of a replaced rank. ``trainguard run`` starts this script as the ranks
+of the live run the config describes (4 gloo ranks: 2 replica groups x 2); here its drill SIGKILLs
+rank 3 once it has committed 5 steps (``faults``: ``kill:rank=3,step=5``) and a warm spare
+(``fault_tolerance.spares=1``) takes its place:
 
-    PYTHONPATH=src python examples/user_loop_live.py --launch runs/live --steps 60 --kill-rank 3 --spares 1
+    PYTHONPATH=src python -m trainguard run --nproc 4 --config examples/user_loop_live.yaml --run-dir runs/live \
+        --set fault_tolerance.spares=1 --set 'faults=kill:rank=3,step=5' -- python examples/user_loop_live.py
 
 A rank is this script with the launcher's flags (``--store ... --rank R --run-dir DIR ...``: they decide
 its place, the steps and the global batch) and its own (``--config``, ``--lr``).
@@ -67,24 +69,5 @@ def rank_main(argv: list[str]) -> None:
     guard.close()  # ends this process (exit 0)
 
 
-def launch_main(argv: list[str]) -> None:
-    from trainguard.config import load_config
-    from trainguard.live.launcher import LiveRun, launch
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--launch", type=Path, required=True, help="the run directory")
-    parser.add_argument("--steps", type=int, help="train.steps (default: the config's)")
-    parser.add_argument("--kill-rank", type=int, help="SIGKILL this rank after step 5")
-    parser.add_argument("--spares", type=int, default=0, help="fault_tolerance.spares: warm spare processes that "
-                                                                "replace a dead rank")
-    args = parser.parse_args(argv)
-    overrides = [f"fault_tolerance.spares={args.spares}"] + ([] if args.steps is None else [f"train.steps={args.steps}"])
-    run = LiveRun.from_config(load_config(CONFIG, overrides), str(CONFIG), micro_batch_s=0.0, checkpoint_every=0,
-                              kill_ranks=() if args.kill_rank is None else (args.kill_rank,), kill_at_step=5,
-                              entry=(str(Path(__file__).resolve()), "--config", str(CONFIG), "--lr", "3e-3"))
-    result = launch(args.launch, run)
-    print(f"done in {result.wall_s:.1f} s; pids first {result.first_pids} last {result.last_pids}")
-
-
 if __name__ == "__main__":
-    (launch_main if "--launch" in sys.argv else rank_main)(sys.argv[1:])
+    rank_main(sys.argv[1:])

@@ -1,12 +1,11 @@
 """The reference trainer in live mode: ``trainguard train --set fault_tolerance.live=true`` on 4 gloo
 ranks (2 replica groups x 2, llama-micro), once as a user runs it, once with rank 3 SIGKILLed after
-step 3 (the same run as the command builds it, ``cli.train_live.live_run``, plus the launcher's kill;
+step 3 (the run the command builds with ``--set faults=kill:rank=3,step=3``, ``cli.train_live.live_run``;
 a cold replacement rejoins, at the latest at the last step, where the survivors wait for it). The survivors keep their processes and every rank ends with the
 fault-free run's parameters and optimizer state, bit for bit, its LR the schedule's for the last step."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -45,9 +44,10 @@ def runs(tmp_path_factory):
     clean = subprocess.run([sys.executable, "-m", "trainguard", *train_argv(root / "clean")], env=env,
                            capture_output=True, text=True, timeout=300)
     assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-3000:]
-    argv = train_argv(root / "failed")
+    argv = [*train_argv(root / "failed"), "--set", f"faults=kill:rank={KILLED},step=3"]  # the live drill's key
     args = build_parser(argv).parse_args(argv)
-    run = dataclasses.replace(live_run(args, config_from_args(args), "--set"), kill_ranks=(KILLED,), kill_at_step=3)
+    run = live_run(args, config_from_args(args), "--set")
+    assert (run.kill_ranks, run.kill_at_step) == ((KILLED,), 3)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PYTHONPATH", env["PYTHONPATH"])  # the ranks import this checkout
         result = launch(root / "failed", run)

@@ -1,8 +1,10 @@
 """``trainguard.Guard`` in live mode (``fault_tolerance.live: true``) in a user's script
-(examples/user_loop_live.py, its launcher's run built from examples/user_loop_live.yaml by
-``LiveRun.from_config``): 4 gloo ranks (2 replica groups x 2) run the example once without a fault and
-once with rank 3 SIGKILLed after step 5 (a warm spare replaces it). The survivors keep their processes, the replaced group rejoins with a live peer's
-state, and every rank ends with the fault-free run's parameters and optimizer state, bit for bit."""
+(examples/user_loop_live.py), started the way a user starts it: ``trainguard run --nproc 4 --config
+examples/user_loop_live.yaml -- python examples/user_loop_live.py`` (4 gloo ranks, 2 replica groups x
+2), once without a fault and once with the drill ``--set faults=kill:rank=3,step=5`` and a warm spare
+(``--set fault_tolerance.spares=1``). The survivors keep their processes, the replaced group rejoins
+with a live peer's state, and every rank ends with the fault-free run's parameters and optimizer state,
+bit for bit."""
 
 from __future__ import annotations
 
@@ -23,12 +25,15 @@ from trainguard.live.samples import sample_problems
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "user_loop_live.py"
-STEPS, WORLD, KILLED, SAMPLES_PER_STEP = 60, 4, 3, 8 * 8
+CONFIG = EXAMPLE.with_suffix(".yaml")
+STEPS, WORLD, KILLED, KILL_AT, SAMPLES_PER_STEP = 60, 4, 3, 5, 8 * 8
 
 
-def _launch(run_dir: Path, *flags: str) -> subprocess.CompletedProcess:
+def _run(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, str(EXAMPLE), "--launch", str(run_dir), "--steps", str(STEPS), *flags],
+    sets = [arg for item in (f"train.steps={STEPS}", *overrides) for arg in ("--set", item)]
+    return subprocess.run([sys.executable, "-m", "trainguard", "run", "--nproc", str(WORLD), "--config", str(CONFIG),
+                           "--run-dir", str(run_dir), *sets, "--", sys.executable, str(EXAMPLE)],
                           env=env, capture_output=True, text=True, timeout=240)
 
 
@@ -36,8 +41,9 @@ def _launch(run_dir: Path, *flags: str) -> subprocess.CompletedProcess:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("live_user_loop")
     outputs = {}
-    for name, flags in (("clean", ()), ("failed", ("--kill-rank", str(KILLED), "--spares", "1"))):
-        done = _launch(root / name, *flags)
+    for name, overrides in (("clean", ()), ("failed", (f"faults=kill:rank={KILLED},step={KILL_AT}",
+                                                         "fault_tolerance.spares=1"))):
+        done = _run(root / name, *overrides)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         outputs[name] = done.stdout
     return root, outputs
@@ -56,7 +62,7 @@ def test_survivors_keep_their_pids_and_the_killed_rank_is_replaced(runs):
     assert all(len(pids[rank]) == 1 for rank in range(WORLD) if rank != KILLED), dict(pids)
     assert len(set(pids[KILLED])) == 2, pids[KILLED]
     kill = next(e for e in _events(runs / "failed") if e["kind"] == "live_kill")
-    assert kill["pid"] == pids[KILLED][0]
+    assert (kill["pid"], kill["target"], kill["step"]) == (pids[KILLED][0], KILLED, KILL_AT)
 
 
 def test_the_broken_group_leaves_and_rejoins_with_a_peers_state(runs):
@@ -65,7 +71,7 @@ def test_the_broken_group_leaves_and_rejoins_with_a_peers_state(runs):
     assert [q["members"] for q in events if q["kind"] == "live_quorum"] == [[0, 1, 2, 3], [0, 1], [0, 1, 2, 3]]
     joined = {e["rank"]: e for e in events if e["kind"] == "live_joined"}
     assert sorted(joined) == [2, 3] and all(e["state_bytes"] > 0 for e in joined.values())
-    assert all(5 < e["step"] <= STEPS for e in joined.values())
+    assert all(KILL_AT < e["step"] <= STEPS for e in joined.values())
     degraded = [e for e in events if e["kind"] == "live_step" and e["members"] == 2]
     assert degraded and {e["rank"] for e in degraded} == {0, 1}  # the survivors did the group's share
     assert all(len(e["micro_batches"]) == 4 for e in degraded)
@@ -95,3 +101,10 @@ def test_the_loop_body_sees_every_step_on_every_rank(runs):
     assert sorted({int(step) for step, _ in reports["clean"]}) == list(range(0, STEPS, 10))
     assert len(reports["clean"]) == WORLD * len(range(0, STEPS, 10))
     assert set(reports["failed"]) == set(reports["clean"])
+
+
+def test_the_command_reports_the_run_and_the_replaced_rank(runs):
+    _, outputs = runs
+    for name, replaced in (("clean", "none"), ("failed", f"[{KILLED}]")):
+        assert "(live recovery: 2 replica groups of 2 ranks" in outputs[name]
+        assert f"live run finished: {STEPS} steps" in outputs[name] and f"ranks replaced: {replaced}" in outputs[name]

@@ -1,4 +1,6 @@
-"""``trainguard run [options] -- COMMAND...``: runs COMMAND under the supervisor (restarts, hangs, nodes).
+"""``trainguard run [options] -- COMMAND...``: runs COMMAND under the supervisor (restarts, hangs, nodes),
+or, given ``--nproc``/``--config``/``--set`` with ``fault_tolerance.live: true``, as the ranks of a live
+run (``cli.run_live``).
 
 COMMAND is started once per node slot with ``TRAINGUARD_NODE``, ``TRAINGUARD_NODE_RANK``,
 ``TRAINGUARD_NNODES``, ``TRAINGUARD_RDZV_ENDPOINT`` and ``TRAINGUARD_INCARNATION`` in its environment;
@@ -19,36 +21,43 @@ from trainguard.runtime.supervisor import SupervisorOptions
 
 def add_supervisor_arguments(parser: argparse.ArgumentParser, max_restarts: int) -> None:
     group = parser.add_argument_group("supervisor")
-    group.add_argument("--max-restarts", type=count, default=max_restarts,
-                       help=f"restarts after failures before giving up (default {max_restarts})")
-    group.add_argument("--backoff", type=seconds, default=0.5,
-                       help="seconds before a restart; doubles per failure without progress (default 0.5)")
-    group.add_argument("--crash-loop", type=count, default=2,
-                       help="give up after this many failures in a row without a new step (default 2)")
-    group.add_argument("--hang-timeout", type=seconds, default=None,
-                       help="seconds without heartbeat progress that make a hang (default: 10 × the longest "
-                            "step seen, at least 60)")
-    group.add_argument("--startup-timeout", type=seconds, default=600.0,
-                       help="seconds allowed before the first step of an incarnation (default 600)")
-    group.add_argument("--nnodes", type=count, default=1, help="nodes the run needs (default 1)")
-    group.add_argument("--spare-nodes", type=count, default=0, help="extra nodes kept in reserve (default 0)")
-    group.add_argument("--node-failures", type=count, default=2,
-                       help="rank deaths on one node that exclude it when there are several nodes (default 2)")
-    group.add_argument("--doctor", action="store_true",
-                       help="self-test a spare node with trainguard doctor (burn-in, collectives across the node's "
-                            "ranks, storage of the run's checkpoints) before it takes a slot; a spare that fails "
-                            "is excluded too and the next one tried (local launcher)")
-    group.add_argument("--launcher", choices=("local", "slurm", "hosts"), default="local",
-                       help="local: simulated nodes on this machine; slurm: the allocation's nodes, one srun each; "
-                            "hosts: the nodes of --hosts, each agent started by --node-command")
-    group.add_argument("--hosts", metavar="NAME=ADDRESS,...",
-                       help="--launcher hosts: the nodes (slots first, then spares) and the address each listens on")
-    group.add_argument("--node-command", metavar="TEMPLATE",
-                       help="--launcher hosts: the command that runs a program on a node, {node} and {address} "
-                            "filled in (e.g. 'ip netns exec {node}'); the agent's environment and command follow it")
-    group.add_argument("--node-timeout", type=seconds, default=30.0,
-                       help="--launcher hosts: seconds a node's agent may leave the liveness check unanswered "
-                            "before the node counts as lost and is excluded (default 30)")
+    added: list[argparse.Action] = []
+
+    def option(*names: str, **details) -> None:
+        added.append(group.add_argument(*names, **details))
+
+    option("--max-restarts", type=count, default=max_restarts,
+           help=f"restarts after failures before giving up (default {max_restarts})")
+    option("--backoff", type=seconds, default=0.5,
+           help="seconds before a restart; doubles per failure without progress (default 0.5)")
+    option("--crash-loop", type=count, default=2,
+           help="give up after this many failures in a row without a new step (default 2)")
+    option("--hang-timeout", type=seconds, default=None,
+           help="seconds without heartbeat progress that make a hang (default: 10 × the longest "
+                "step seen, at least 60)")
+    option("--startup-timeout", type=seconds, default=600.0,
+           help="seconds allowed before the first step of an incarnation (default 600)")
+    option("--nnodes", type=count, default=1, help="nodes the run needs (default 1)")
+    option("--spare-nodes", type=count, default=0, help="extra nodes kept in reserve (default 0)")
+    option("--node-failures", type=count, default=2,
+           help="rank deaths on one node that exclude it when there are several nodes (default 2)")
+    option("--doctor", action="store_true",
+           help="self-test a spare node with trainguard doctor (burn-in, collectives across the node's "
+                "ranks, storage of the run's checkpoints) before it takes a slot; a spare that fails "
+                "is excluded too and the next one tried (local launcher)")
+    option("--launcher", choices=("local", "slurm", "hosts"), default="local",
+           help="local: simulated nodes on this machine; slurm: the allocation's nodes, one srun each; "
+                "hosts: the nodes of --hosts, each agent started by --node-command")
+    option("--hosts", metavar="NAME=ADDRESS,...",
+           help="--launcher hosts: the nodes (slots first, then spares) and the address each listens on")
+    option("--node-command", metavar="TEMPLATE",
+           help="--launcher hosts: the command that runs a program on a node, {node} and {address} "
+                "filled in (e.g. 'ip netns exec {node}'); the agent's environment and command follow it")
+    option("--node-timeout", type=seconds, default=30.0,
+           help="--launcher hosts: seconds a node's agent may leave the liveness check unanswered "
+                "before the node counts as lost and is excluded (default 30)")
+    # their defaults, for the live paths that refuse every one given (the live launcher replaces the supervisor)
+    parser.set_defaults(supervisor_defaults={action.dest: action.default for action in added})
 
 
 def options_from_args(args: argparse.Namespace, run_dir: Path, command: list[str]) -> SupervisorOptions:
@@ -65,7 +74,7 @@ def options_from_args(args: argparse.Namespace, run_dir: Path, command: list[str
         crash_loop=args.crash_loop, nnodes=args.nnodes, spare_nodes=args.spare_nodes,
         node_failures=max(1, args.node_failures),
         hang=HangPolicy(fixed=args.hang_timeout, startup=args.startup_timeout),
-        doctor=spare_self_test(run_dir, getattr(args, "nproc", 1)) if args.doctor else None,
+        doctor=spare_self_test(run_dir, getattr(args, "nproc", None) or 1) if args.doctor else None,
         node_timeout=args.node_timeout,
     )
 
@@ -122,6 +131,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--kill-switch", metavar="PATH",
                         help="the run's kill switch file (lifecycle.kill_switch_path): while it exists, start no "
                              "ranks and exit 0 at once (and cancel a job array's pending tasks)")
+    live = parser.add_argument_group("live recovery (fault_tolerance.live: true; docs/live_recovery.md)")
+    live.add_argument("--nproc", type=int, help="ranks of the live run: COMMAND started once per rank by the live "
+                                                "launcher, its flags appended (required with live recovery)")
+    live.add_argument("--config", help="YAML config file with fault_tolerance.live: true: the live run's layout, "
+                                       "steps, global batch, spares and drill (faults: kill:rank=R,step=S)")
+    live.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                      help="override a key of that configuration; repeatable")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
     parser.set_defaults(func=run)
 
@@ -151,6 +167,10 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(run_dir).resolve()
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"--run-dir {run_dir}: exists and is not a directory")
+    if args.nproc is not None or args.config is not None or args.overrides:
+        from trainguard.cli.run_live import run_command_live
+
+        return run_command_live(args, command, run_dir)
     from trainguard.runtime.supervisor import Supervisor
 
     options = options_from_args(args, run_dir, command)

@@ -3,9 +3,10 @@ live launcher (``trainguard.trainer.live``), which keeps the surviving replica g
 rank's failure instead of restarting the job (docs/live_recovery.md).
 
 What the live path does not do is refused before anything starts, with one line naming it: the
-closure mode's sections (checkpoints, guards, lifecycle, fault drills), ``model.init_from``, the
-supervisor's options (the live launcher replaces the supervisor), and a layout that is not whole
-replicas (``LiveRun.from_config``).
+closure mode's sections (checkpoints, guards, lifecycle), ``model.init_from``, the supervisor's options
+(the live launcher replaces the supervisor), a layout that is not whole replicas and a fault other than
+the live drill's ``kill`` (``LiveRun.from_config``). ``trainguard run``'s live path (``cli.run_live``)
+starts a user's command the same way.
 """
 
 from __future__ import annotations
@@ -22,26 +23,31 @@ from trainguard.step.live import refuse_closure_mode_keys
 from trainguard.topology import resolve_layout
 from trainguard.trainer.entry import config_arguments
 
-# the supervisor's options and their defaults under ``trainguard train``: none applies to a live run
-SUPERVISOR_DEFAULTS = {"max_restarts": 0, "nnodes": 1, "spare_nodes": 0, "launcher": "local", "doctor": False,
-                       "hang_timeout": None, "hosts": None, "node_command": None}
+def refuse_supervisor_options(args: argparse.Namespace) -> None:
+    """One line naming the first supervisor option given: the live launcher starts and replaces the ranks."""
+    for name, default in args.supervisor_defaults.items():
+        if getattr(args, name) != default:
+            raise ConfigError(f"--{name.replace('_', '-')}: a supervisor option; with fault_tolerance.live: true the "
+                              "live launcher starts and replaces the ranks instead")
+
+
+def live_layout(args: argparse.Namespace, config: RunConfig, source: str, **program: object) -> LiveRun:
+    """The live run of ``--nproc`` ranks the configuration describes, each running ``program`` (LiveRun's
+    ``entry``, ``executable``), its drill the faults in force; or a ``ConfigError`` naming what the live
+    path does not do."""
+    refuse_closure_mode_keys(config, source)
+    refuse_supervisor_options(args)
+    layout = resolve_layout(config.parallel, args.nproc)
+    config.parallel.dp_shard = layout.dp_shard  # the ranks of a replica group, derived from --nproc as usual
+    return LiveRun.from_config(config, source, micro_batch_s=0.0, checkpoint_every=0, timeout_s=math.inf, **program)
 
 
 def live_run(args: argparse.Namespace, config: RunConfig, source: str) -> LiveRun:
-    """The live run of ``--nproc`` ranks the configuration describes, or a ``ConfigError`` naming what the
-    live path does not do."""
-    refuse_closure_mode_keys(config, source)
+    """The reference trainer's live run (``live_layout``); ``model.init_from`` refused."""
     if config.model.init_from is not None:
         raise ConfigError(f"{source}: config key 'model.init_from' is not supported with fault_tolerance.live: true "
                           "(every rank builds its model from the seed)")
-    for name, default in SUPERVISOR_DEFAULTS.items():
-        if getattr(args, name, default) != default:
-            raise ConfigError(f"--{name.replace('_', '-')}: a supervisor option; with fault_tolerance.live: true the "
-                              "live launcher starts and replaces the ranks instead")
-    layout = resolve_layout(config.parallel, args.nproc)
-    config.parallel.dp_shard = layout.dp_shard  # the ranks of a replica group, derived from --nproc as usual
-    return LiveRun.from_config(config, source, micro_batch_s=0.0, checkpoint_every=0, timeout_s=math.inf,
-                               entry=("-m", "trainguard.trainer.live", *config_arguments(args)))
+    return live_layout(args, config, source, entry=("-m", "trainguard.trainer.live", *config_arguments(args)))
 
 
 def run_live(run: LiveRun, run_dir: Path) -> int:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from trainguard.config.schema import RunConfig
 from trainguard.errors import ConfigError
 from trainguard.events import EventLog
+from trainguard.live.drill import live_drill
 from trainguard.live.files import checkpoint_path, events_path
 from trainguard.live.lighthouse import Lighthouse
 from trainguard.live.quorum import progress_key, spare_key, spare_ready_key
@@ -53,9 +54,11 @@ class LiveRun:
     nodes: tuple[str, ...] = ()
     node_command: str = ""
     store_host: str = "127.0.0.1"
-    # what each rank runs after the interpreter, the launcher's flags appended: the drill's workload, or
-    # a user's script that trains through ``Guard`` in live mode (with its own flags, e.g. ("examples/user_loop_live.py",))
+    # what each rank runs, the launcher's flags appended: ``executable`` (this interpreter, or the first
+    # word of a user's command under ``trainguard run``), then ``entry``: the drill's workload, or a user's
+    # script that trains through ``Guard`` in live mode (with its own flags, e.g. ("examples/user_loop_live.py",))
     entry: tuple[str, ...] = ("-m", "trainguard.live.workload")
+    executable: str = sys.executable
 
     def __post_init__(self) -> None:
         if self.nodes and len(self.nodes) != self.groups + self.spares:
@@ -74,8 +77,9 @@ class LiveRun:
     def from_config(cls, config: RunConfig, source: str = "<config>", **drill: object) -> LiveRun:
         """The run a configuration describes: its replica groups (``parallel.dp_replicate``) of
         ``parallel.dp_shard`` ranks, ``train.steps`` steps of ``train.micro_batches`` micro-batches, and
-        the ``fault_tolerance`` keys; ``drill`` sets the other fields (``entry``, a fault to inject, ...).
-        A layout live recovery cannot run is a ``ConfigError`` naming the key."""
+        the ``fault_tolerance`` keys, and the kill drill of the faults in force (``trainguard.live.drill``);
+        ``drill`` sets the other fields (``entry``, a fault to inject, ...). A layout live recovery cannot
+        run, or a fault it does not drill, is a ``ConfigError`` naming the key or the entry."""
         parallel, tolerance = config.parallel, config.fault_tolerance
         if not tolerance.live:
             raise ConfigError(f"{source}: config key 'fault_tolerance.live' must be true to start a live run")
@@ -90,9 +94,10 @@ class LiveRun:
         if config.train.micro_batches < groups * group_size:  # every rank computes at least one of them
             raise ConfigError(f"{source}: config key 'train.micro_batches' must be ≥ the ranks of the live run "
                               f"(parallel.dp_replicate × dp_shard = {groups * group_size}), got {config.train.micro_batches}")
+        faults = live_drill(config.faults, groups * group_size, config.train.steps)
         return cls(groups=groups, group_size=group_size, steps=config.train.steps,
                    micro_batches=config.train.micro_batches, spares=tolerance.spares, hang_s=tolerance.hang_s,
-                   collective_timeout_s=tolerance.collective_timeout_s, **drill)
+                   collective_timeout_s=tolerance.collective_timeout_s, **{**faults, **drill})
 
 
 @dataclass
@@ -112,7 +117,7 @@ def _spawn(run: LiveRun, rank: int, store_port: int, run_dir: Path, rejoin: bool
     role = ["--rank", str(rank)] if spare is None else ["--spare", str(spare)]
     node = run.nodes[run.groups + spare if spare is not None else rank // run.group_size] if run.nodes else None
     prefix = shlex.split(run.node_command.format(node=node)) if node is not None else []
-    command = [*prefix, sys.executable, *run.entry, "--store", f"{run.store_host}:{store_port}",
+    command = [*prefix, run.executable, *run.entry, "--store", f"{run.store_host}:{store_port}",
                *role, "--world", str(run.world), "--steps", str(run.steps), "--run-dir", str(run_dir),
                "--micro-batches", str(run.micro_batches), "--micro-batch-s", str(run.micro_batch_s),
                "--checkpoint-every", str(run.checkpoint_every),

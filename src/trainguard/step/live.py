@@ -4,8 +4,10 @@ loop to (``trainguard.live.rank.LiveRank``) and the errors that keep the two mod
 In live mode the launcher's flags place the rank (``LiveArgs``), the library does each step inside
 ``guard.steps(loss_of)`` (one backward per micro-batch, so that the survivors can compute a failed
 group's micro-batches), and the model and the optimizer are the whole state of the run. What ``Guard``
-does besides (guards, checkpoint tiers, lifecycle, fault drills, extra state, a scheduler other than a
-``LambdaLR``) is not done in live mode, so asking for it there is refused, never ignored.
+does besides (guards, checkpoint tiers, lifecycle, the closure mode's fault drills, extra state, a
+scheduler other than a ``LambdaLR``) is not done in live mode, so asking for it there is refused, never
+ignored. The faults in force may only be the live launcher's drill (``trainguard.live.drill``), which the
+rank checks and leaves to the launcher.
 """
 
 from __future__ import annotations
@@ -20,12 +22,12 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from trainguard.config.schema import RunConfig
 from trainguard.errors import ConfigError
-from trainguard.faults.injector import active_faults
+from trainguard.live.drill import live_drill
 from trainguard.live.rank import LiveRank
 from trainguard.live.worker import LiveArgs
 
 # the run configuration's sections that only the closure mode (``Guard.step``) runs
-CLOSURE_MODE_SECTIONS = ("checkpoint", "guards", "lifecycle", "faults")
+CLOSURE_MODE_SECTIONS = ("checkpoint", "guards", "lifecycle")
 
 
 def live_only(call: str) -> ConfigError:
@@ -66,8 +68,8 @@ def live_rank(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
               config: RunConfig, argv: list[str] | None, unsupported: list[str]) -> LiveRank:
     """This process's rank of the live run, after refusing what live mode would not do: ``unsupported``
     (the ``Guard`` arguments given that it cannot honour), a scheduler other than a ``LambdaLR``, a key
-    of the closure mode's sections set, a fault drill in force, a process the live launcher did not
-    start, or a run directory that is not the launcher's. ``argv``: the command line with the
+    of the closure mode's sections set, a process the live launcher did not start, a run directory that
+    is not the launcher's, or faults in force other than the launcher's drill. ``argv``: the command line with the
     launcher's flags (default ``sys.argv[1:]``)."""
     if unsupported:
         raise ConfigError(f"Guard({', '.join(f'{name}=...' for name in unsupported)}): not supported with "
@@ -77,17 +79,14 @@ def live_rank(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
         raise ConfigError(f"Guard(scheduler={type(scheduler).__name__}): live mode takes a "
                           "torch.optim.lr_scheduler.LambdaLR only (the LR of each step set from the step alone)")
     refuse_closure_mode_keys(config)
-    source, faults = active_faults(None)
-    if faults:
-        raise ConfigError(f"{source}: fault drills are not run with fault_tolerance.live: true (the live launcher "
-                          "injects its own: LiveRun.kill_ranks)")
     argv = sys.argv[1:] if argv is None else argv
     if not any(arg == "--store" or arg.startswith("--store=") for arg in argv):  # torchrun's, or no launcher
         raise ConfigError("fault_tolerance.live: true, but this process was not started by the live launcher (no "
-                          "--store among its arguments); start the ranks with trainguard.live.launcher.launch "
+                          "--store among its arguments); start the ranks with trainguard run --nproc N --config FILE -- COMMAND "
                           "(docs/live_recovery.md)")
     args = LiveArgs.parse(argv)
     if Path(run_dir).resolve() != args.run_dir.resolve():
         raise ConfigError(f"Guard(run_dir={str(run_dir)!r}): the live launcher started this rank with --run-dir "
                           f"{str(args.run_dir)!r}; pass that one")
+    live_drill(config.faults, args.world, args.steps)  # the launcher's to inject; anything else refused here
     return LiveRank(model, optimizer, args, scheduler)

@@ -20,7 +20,6 @@ from trainguard.cli import main
 from trainguard.config import FaultToleranceConfig, RunConfig, load_config
 from trainguard.errors import ConfigError
 from trainguard.events.rank_logging import LOGGER_NAME
-from trainguard.faults.injector import ENV_VAR
 from trainguard.live.worker import set_lr
 
 LIVE = RunConfig(fault_tolerance=FaultToleranceConfig(live=True))
@@ -117,20 +116,12 @@ def test_live_mode_refuses_the_arguments_it_cannot_honour(tmp_path, arguments, n
     ("checkpoint.save_interval=5", "checkpoint.save_interval"),
     ("guards.skip.enabled=true", "guards.skip.enabled"),
     ("lifecycle.kill_switch_path=stop", "lifecycle.kill_switch_path"),
-    ("faults=kill:rank=1,step=3", "faults"),
 ])
 def test_live_mode_refuses_a_key_of_the_closure_mode_naming_it(tmp_path, item, key):
     model, optimizer = model_and_optimizer()
     config = load_config(None, ["fault_tolerance.live=true", item])
     with pytest.raises(ConfigError, match=rf"config key '{key}' is not used with fault_tolerance.live: true"):
         trainguard.Guard(tmp_path, model, optimizer, config=config, live_argv=launcher_flags(tmp_path))
-
-
-def test_live_mode_refuses_a_fault_drill_from_the_environment(tmp_path, monkeypatch):
-    monkeypatch.setenv(ENV_VAR, "kill:rank=1,step=3")
-    model, optimizer = model_and_optimizer()
-    with pytest.raises(ConfigError, match=rf"{ENV_VAR}: fault drills are not run with fault_tolerance.live: true"):
-        trainguard.Guard(tmp_path, model, optimizer, config=LIVE, live_argv=launcher_flags(tmp_path))
 
 
 def test_live_mode_takes_a_lambda_lr_and_refuses_other_schedulers(tmp_path):

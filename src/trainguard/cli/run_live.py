@@ -1,0 +1,45 @@
+"""``trainguard run --nproc N --config FILE [--set KEY=VALUE ...] -- COMMAND...`` with
+``fault_tolerance.live: true``: COMMAND (a user's script training through ``Guard`` in live mode) is
+started as each of the N ranks of a live run by the live launcher (store, lighthouse, warm spares), the
+launcher's flags appended (``--store ... --rank R --run-dir DIR ...``, which ``Guard`` reads); a rank's
+failure is replaced while the others keep stepping (docs/live_recovery.md). The configuration gives the
+layout, the steps, the global batch, the ``fault_tolerance`` keys and the drill (``faults``:
+``kill:rank=R,step=S``, ``trainguard.live.drill``); COMMAND loads its own (the same file) for ``Guard``.
+
+What does not apply is refused before anything starts, one line: the supervisor's options, no
+``--nproc``, a configuration with live recovery off, and what ``cli.train_live.live_layout`` refuses.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from trainguard.cli.train_live import live_layout, run_live
+from trainguard.config import load_config
+from trainguard.errors import ConfigError
+
+LIVE_FLAGS = "--nproc, --config and --set"
+
+
+def run_command_live(args: argparse.Namespace, command: list[str], run_dir: Path) -> int:
+    """Runs COMMAND as the ranks of the live run the configuration describes; 0, or 1 with one line when a
+    rank failed without being replaced."""
+    source = str(args.config) if args.config else "--set"
+    config = load_config(args.config, args.overrides)
+    if not config.fault_tolerance.live:
+        raise ConfigError(f"{source}: {LIVE_FLAGS} start a live run, and config key 'fault_tolerance.live' is not "
+                          "true; without live recovery trainguard run supervises COMMAND, which reads its own "
+                          "configuration (leave them out)")
+    if args.nproc is None or args.nproc < 1:
+        raise ConfigError(f"--nproc is required with fault_tolerance.live: true, ≥ 1 (the ranks of the live run, "
+                          f"each one COMMAND), got {args.nproc}")
+    if args.kill_switch:
+        raise ConfigError("--kill-switch: a supervisor option; with fault_tolerance.live: true the live launcher "
+                          "starts and replaces the ranks instead")
+    run = live_layout(args, config, source, executable=command[0], entry=tuple(command[1:]))
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--run-dir {run_dir}: cannot create it ({exc.strerror})") from None
+    return run_live(run, run_dir)

@@ -1,0 +1,67 @@
+"""A live run's fault drill in the faults grammar (``trainguard.live.drill``): ``kill:rank=R,step=S``
+entries become the launcher's SIGKILL (``LiveRun.kill_ranks``, ``kill_at_step``), from the config key
+``faults`` or ``TRAINGUARD_FAULTS`` (which wins); anything else a live run does not drill is one error
+naming the source and the entry, on the launcher's side (``LiveRun.from_config``) and on a rank's
+(``Guard`` in live mode)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import trainguard
+from trainguard.config import load_config
+from trainguard.errors import ConfigError
+from trainguard.faults.injector import ENV_VAR
+from trainguard.live.drill import live_drill
+from trainguard.live.launcher import LiveRun
+
+LIVE_LAYOUT = ["fault_tolerance.live=true", "parallel.dp_replicate=2", "parallel.dp_shard=2", "train.micro_batches=8",
+               "train.steps=20"]
+
+
+@pytest.fixture(autouse=True)
+def no_faults_from_the_environment(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+
+
+def test_the_config_keys_kill_is_the_launchers_kill_of_that_rank_after_that_step():
+    run = LiveRun.from_config(load_config(None, [*LIVE_LAYOUT, "faults=kill:rank=3,step=5"]))
+    assert (run.kill_ranks, run.kill_at_step, run.fault) == ((3,), 5, "kill")
+    assert LiveRun.from_config(load_config(None, LIVE_LAYOUT)).kill_ranks == ()
+
+
+def test_a_nodes_ranks_are_killed_together_and_the_environment_wins(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "kill:rank=2,step=7; kill:rank=3,step=7")
+    run = LiveRun.from_config(load_config(None, [*LIVE_LAYOUT, "faults=kill:rank=1,step=4"]))
+    assert (run.kill_ranks, run.kill_at_step) == ((2, 3), 7)
+
+
+@pytest.mark.parametrize("faults, message", [
+    ("hang:rank=1,step=3", "fault 'hang:rank=1,step=3': a live run drills 'kill:rank=R,step=S' only (the live "
+                           "launcher SIGKILLs the rank); 'hang' is a closure-mode fault"),
+    ("kill:rank=1,step=3,persistent=1", "a live run's kill takes rank and step only"),
+    ("kill:rank=1,step=3,node=node0", "a live run's kill takes rank and step only"),
+    ("kill:rank=4,step=3", "rank 4 is outside the world size 4"),
+    ("kill:rank=1,step=0", "step must be between 1 and train.steps - 1 = 19"),
+    ("kill:rank=1,step=20", "step must be between 1 and train.steps - 1 = 19"),
+    ("kill:rank=1,step=3;kill:rank=2,step=4", "a live run's kills hit their ranks together (a node's), so they "
+                                              "name one step"),
+    ("kill:rank=1", "missing required key step for kill"),
+])
+def test_what_a_live_run_does_not_drill_is_one_error_naming_the_entry(faults, message):
+    with pytest.raises(ConfigError, match=r"^config key 'faults': ") as error:
+        live_drill(faults, world=4, steps=20)
+    assert message in str(error.value)
+
+
+def test_a_rank_in_live_mode_leaves_the_kill_to_the_launcher_and_refuses_any_other_fault(tmp_path, monkeypatch):
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    argv = ["--store", "127.0.0.1:1", "--rank", "1", "--world", "4", "--steps", "12", "--run-dir", str(tmp_path),
+            "--micro-batches", "8"]
+    config = load_config(None, ["fault_tolerance.live=true", "faults=kill:rank=3,step=5"])
+    assert trainguard.Guard(tmp_path, model, optimizer, config=config, live_argv=argv).micro_batches == 8
+    monkeypatch.setenv(ENV_VAR, "spike:step=3")
+    with pytest.raises(ConfigError, match=rf"^{ENV_VAR}: fault 'spike:step=3': a live run drills 'kill:rank=R,step=S'"):
+        trainguard.Guard(tmp_path, model, optimizer, config=config, live_argv=argv)

@@ -113,7 +113,7 @@ def test_the_cut_is_found_silent_the_group_leaves_and_rejoins_from_a_live_peer(c
     # the survivors stepped alone (each computing 4 of the 8 micro-batches) between the two epochs
     degraded = [e for e in events if e["kind"] == "live_step" and e["members"] == 2]
     assert {e["rank"] for e in degraded} == {0, 1}
-    assert all(len(e["samples"]) == Workload().micro_batches // 2 for e in degraded)
+    assert all(len(e["micro_batches"]) == Workload().micro_batches // 2 for e in degraded)
 
 
 def test_the_cut_ranks_come_back_stale_and_are_fenced_by_epoch(cut_run):

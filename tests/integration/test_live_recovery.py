@@ -75,7 +75,7 @@ def test_quorum_shrinks_to_the_intact_group_then_the_broken_group_rejoins(drill)
     # the survivors stepped on their own, computing the missing group's micro-batches
     degraded = [e for e in events if e["kind"] == "live_step" and e["members"] == 2]
     assert degraded and {e["rank"] for e in degraded} == {0, 1}
-    assert all(len(e["samples"]) == Workload().micro_batches // 2 for e in degraded)
+    assert all(len(e["micro_batches"]) == Workload().micro_batches // 2 for e in degraded)
 
 
 def test_final_parameters_and_optimizer_state_are_bitwise_the_fault_free_ones(drill):
@@ -96,7 +96,7 @@ def test_no_sample_lost_or_repeated(drill):
 
 def test_the_sample_check_sees_a_lost_and_a_repeated_micro_batch(drill):
     root, _ = drill
-    events = [e for e in _events(root / "failed") if e["kind"] == "live_step"]
+    events = [e for e in _events(root / "failed") if e["kind"] == "live_samples"]
     per_step = Workload().samples_per_step
     lost = [e for e in events if not (e["step"] == 12 and e["rank"] == 0)]
     assert any("lost" in p for p in sample_problems(lost, STEPS, per_step))

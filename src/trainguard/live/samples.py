@@ -1,9 +1,11 @@
 """What a live run's events say about its samples and its quorum changes.
 
-Every rank emits, for each step it commits, the sample ranges of the micro-batches it computed
-(``live_step``). A step a survivor committed and then undid (``live_undo``) is committed again in the
-next epoch, so for each step the events of its newest epoch count. :func:`sample_problems` checks that
-those ranges tile each step's global batch exactly: no sample lost, none repeated.
+Every rank emits, for each step it computes, the sample ranges of its micro-batches (``live_samples``)
+just before their gradients enter the step's sum, so a rank that dies once its rows are in the sum has
+said so. A step whose sum failed, or that a survivor committed and then undid (``live_undo``), is
+computed again in the next epoch, and the step is committed by the last epoch that computed it: for
+each step the events of its newest epoch count. :func:`sample_problems` checks that those ranges tile
+each step's global batch exactly: no sample lost, none repeated.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ def committed_ranges(events: list[dict]) -> dict[int, list[tuple[int, int]]]:
     """step -> the sample ranges of the epoch that last committed it."""
     by_step: dict[int, dict[int, list[tuple[int, int]]]] = defaultdict(lambda: defaultdict(list))
     for event in events:
-        if event["kind"] == "live_step":
+        if event["kind"] == "live_samples":
             by_step[event["step"]][event["epoch"]].extend(tuple(r) for r in event["samples"])
     return {step: sorted(epochs[max(epochs)]) for step, epochs in by_step.items()}
 

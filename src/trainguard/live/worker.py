@@ -192,6 +192,11 @@ class LiveWorker:
                 rows = torch.zeros(self.micro_batches, grad.numel(), dtype=grad.dtype)
             rows[micro_batch] = grad
             time.sleep(self.micro_batch_s)  # the compute time a real micro-batch would take
+        if self.sample_range:
+            # before the sum, not after: a rank killed once its rows are in the sum, before it could say
+            # so, leaves the step committed by the others with its samples in it
+            self.events.emit("live_samples", step=step, epoch=quorum.epoch, members=len(quorum.members),
+                             micro_batches=mine, samples=[self.sample_range(step, m) for m in mine])
         newer = latest_epoch(self.store) > quorum.epoch
         total, flags = reduce_rows(self.group, rows, int(newer), self.wait)
         if step == self.fail_after_reduce:
@@ -202,9 +207,8 @@ class LiveWorker:
         if self.scheduler is not None:
             set_lr(self.optimizer, self.scheduler, step)
         self.optimizer.step()
-        samples = {"samples": [self.sample_range(step, m) for m in mine]} if self.sample_range else {}
         self.events.emit("live_step", step=step, epoch=quorum.epoch, members=len(quorum.members),
-                         micro_batches=mine, **samples)
+                         micro_batches=mine)
         self.step_index = step + 1
         self.store.set(progress_key(self.rank), str(self.step_index))
         if self.checkpoint_every and self.step_index % self.checkpoint_every == 0 and quorum.index(self.rank) == 0:

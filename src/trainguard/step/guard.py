@@ -355,7 +355,7 @@ class Guard:
         it is redone); iterate to the end, then ``close()``. ``loss_of(model, step, micro_batch)``
         returns that micro-batch's loss (a pure function of its indices and the parameters); the step's
         loss is their mean. ``sample_range(step, micro_batch) -> (first, end)`` (optional) names each
-        micro-batch's samples in the ``live_step`` events. The loop's body must leave the model, the
+        micro-batch's samples in the ``live_samples`` events. The loop's body must leave the model, the
         optimizer and the data alone: they are the run's state."""
         return self._live_rank("steps(loss_of)").steps(loss_of, sample_range)
 

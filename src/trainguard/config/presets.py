@@ -11,6 +11,9 @@ PRESETS: dict[str, dict] = {
     # Qwen2 (q/k/v biases, tied embeddings like its small sizes), for tests
     "qwen2-micro": dict(model_type="qwen2", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, intermediate_size=160, vocab_size=320, tie_word_embeddings=True),
+    # Mistral (the Llama layout, untied embeddings like its released sizes), for tests
+    "mistral-micro": dict(model_type="mistral", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, intermediate_size=160, vocab_size=320, tie_word_embeddings=False),
     # Mixtral (4 experts, top-2; fused expert parameters in memory), for tests
     "mixtral-micro": dict(model_type="mixtral", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, intermediate_size=96, num_local_experts=4,

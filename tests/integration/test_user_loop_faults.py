@@ -15,16 +15,14 @@ Each run is launched once per module and shared by the assertions on it.
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers.runs import assert_same_tensors, events, flat_state, ok, read_json, trainguard, worker_env
+from helpers.runs import assert_same_tensors, events, finish_session, flat_state, ok, read_json, trainguard, worker_env
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 LOOP, CONFIG, PLAIN = EXAMPLES / "user_loop.py", EXAMPLES / "user_loop.yaml", EXAMPLES / "user_loop_plain.py"
@@ -50,13 +48,7 @@ def supervised(run_dir: Path, *overrides: str, faults: str | None = None,
     env = worker_env(**({"TRAINGUARD_FAULTS": faults} if faults else {}))
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        raise AssertionError(f"the supervised loop did not end in {TIMEOUT_S}s:\n{output[-4000:]}") from None
-    return subprocess.CompletedProcess(command, proc.returncode, output, "")
+    return finish_session(proc, TIMEOUT_S, "the supervised loop")
 
 
 def final(run_dir: Path) -> Path:

@@ -28,14 +28,11 @@ def worker_env(**extra: str) -> dict[str, str]:
 
 
 def trainguard(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Runs ``python -m trainguard ARGS`` and returns the finished process (output captured)."""
-    return subprocess.run(
-        [sys.executable, "-m", "trainguard", *args],
-        env=env or worker_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    """Runs ``python -m trainguard ARGS`` and returns the finished process (stdout and stderr captured).
+    A session of its own, so that a timeout kills the supervisor's agents and ranks too, not only it."""
+    proc = subprocess.Popen([sys.executable, "-m", "trainguard", *args], env=env or worker_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return finish_session(proc, timeout, f"trainguard {' '.join(args[:1])}")
 
 
 def train(run_dir: Path, nproc: int, steps: int, *extra: str, faults: str | None = None,
@@ -93,15 +90,15 @@ def torchrun(script: Path, *args: str, nproc: int = 2, env: dict[str, str] | Non
 
 
 def finish_session(proc: subprocess.Popen, timeout: float, what: str) -> subprocess.CompletedProcess:
-    """Waits for ``proc`` (started with ``start_new_session=True``, stdout piped with stderr); on a
-    timeout kills its whole session and fails with the output's end."""
+    """Waits for ``proc`` (started with ``start_new_session=True``, stdout piped, stderr piped or with
+    stdout); on a timeout kills its whole session and fails with the output's end."""
     try:
-        output, _ = proc.communicate(timeout=timeout)
+        output, errors = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        raise AssertionError(f"{what} did not finish in {timeout}s:\n{output[-4000:]}") from None
-    return subprocess.CompletedProcess(proc.args, proc.returncode, output, "")
+        output, errors = proc.communicate()
+        raise AssertionError(f"{what} did not finish in {timeout}s:\n{output[-4000:]}\n{(errors or '')[-4000:]}") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, output, errors or "")
 
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

@@ -4,6 +4,7 @@ in a subprocess with it. Tests that need it skip, naming the reason, when pip ca
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -29,6 +30,7 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else "no output"
 
 
+@functools.cache  # installed and checked once per session (a skip raises, and is not cached)
 def verl_pythonpath() -> str:
     """``PYTHONPATH`` for a subprocess that imports verl (installing it at the first call); skips the
     calling test with the reason when verl cannot be installed or imported here."""

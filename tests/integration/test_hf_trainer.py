@@ -5,15 +5,13 @@ skipped by the guard, not applied by the Trainer."""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers.runs import assert_same_tensors, events, worker_env
+from helpers.runs import assert_same_tensors, events, finish_session, worker_env
 
 pytest.importorskip("accelerate", reason="the Trainer adapter needs accelerate (pip install 'trainguard[hf]')")
 
@@ -32,13 +30,7 @@ def fine_tune(run_dir: Path, faults: str) -> subprocess.CompletedProcess:
         command += ["--set", override]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=worker_env(TRAINGUARD_FAULTS=faults), start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        raise AssertionError(f"the fine-tune did not end in {TIMEOUT_S}s:\n{output[-4000:]}") from None
-    return subprocess.CompletedProcess(command, proc.returncode, output, "")
+    return finish_session(proc, TIMEOUT_S, "the fine-tune")
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,12 @@ def faulty_run(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.fixture(scope="module")
+def reported(faulty_run) -> subprocess.CompletedProcess:
+    """``trainguard report`` on the faulty run, once: its page and its TensorBoard scalars are read apart."""
+    return ok(trainguard("report", str(faulty_run)))
+
+
 def test_facts_of_a_faulty_run(faulty_run):
     facts = read_run(faulty_run)
     assert facts.state == "finished"
@@ -72,8 +78,8 @@ def _chromium(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=180)
 
 
-def test_report_renders_in_headless_chromium(faulty_run, tmp_path):
-    proc = ok(trainguard("report", str(faulty_run)))
+def test_report_renders_in_headless_chromium(faulty_run, reported, tmp_path):
+    proc = reported
     page_path = faulty_run / "report.html"
     assert f"report: {page_path}" in proc.stdout
     page = page_path.read_text()
@@ -100,8 +106,7 @@ def test_report_renders_in_headless_chromium(faulty_run, tmp_path):
     assert coloured.sum() > 2000, f"only {coloured.sum()} coloured pixels: the plots did not render"
 
 
-def test_tensorboard_scalars(faulty_run):
-    ok(trainguard("report", str(faulty_run)))
+def test_tensorboard_scalars(faulty_run, reported):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     accumulator = EventAccumulator(str(faulty_run / "tensorboard"))

@@ -23,8 +23,14 @@ from helpers.runs import TINY, assert_same_tensors, events, finish_session, ok, 
 from trainguard.runtime.heartbeat import read_heartbeats
 
 SLOW_STEPS = "hang:rank=0,step=1,seconds=1,persistent=1"  # every step takes at least 1 s
-ARRAY_STEPS = 100
-ARRAY_SLOW_STEPS = "hang:rank=0,step=1,seconds=2,persistent=1"  # ≤ 45 steps before a 1-minute limit expires
+ARRAY_STEPS = 50
+ARRAY_SLOW_STEPS = "hang:rank=0,step=1,seconds=2,persistent=1"  # ≥ 2 s a step
+# The array's --signal=USR1@55: once the test has cut a task's limit to 1 minute, the warning is due
+# (the task has run for more than 5 s) and the controller sends it at its next check, within about
+# 30 s: a task trains at most ~2 + 16 steps, two tasks fewer than ARRAY_STEPS, and the third
+# finishes the rest (with USR1@30 the warning came 30 to 60 s after a task's start, and the third
+# task trained what two such tasks might have, at 2 s a step)
+ARRAY_SIGNAL_SECONDS = 55
 HANG_TIMEOUT = 30
 
 
@@ -79,7 +85,8 @@ def jobs(slurm, tmp_path_factory):
     where = tmp_path_factory.mktemp("slurm_jobs")
     submitted = {"where": where}
     # three tasks; the test shortens the first two's time limits while they train
-    submitted["array"] = sbatch(slurm, where, "array", ARRAY_STEPS, array=3, faults=ARRAY_SLOW_STEPS)
+    submitted["array"] = sbatch(slurm, where, "array", ARRAY_STEPS, array=3, faults=ARRAY_SLOW_STEPS,
+                                signal_seconds=ARRAY_SIGNAL_SECONDS)
     # the array's uninterrupted twin, trained meanwhile (the jobs mostly wait on their time limits)
     reference = where / "array_reference"
     submitted["array_reference"] = reference, subprocess.Popen(
@@ -103,8 +110,9 @@ def jobs(slurm, tmp_path_factory):
 # ------------------------------------------------------------------------------------ time limit
 def run_out_of_time(slurm, run: Path, job: str, task: int) -> None:
     """Once array task ``task`` has resumed and trained two steps, cuts its time limit to one minute
-    (Slurm's granularity): the controller ends it at its next check with SIGTERM, then SIGKILL after
-    KillWait, as at any time limit. Done by the test so that the stops do not depend on the machine's load."""
+    (Slurm's granularity): at its next check the controller sends the limit's USR1 warning (due
+    ``ARRAY_SIGNAL_SECONDS`` before the limit) or ends it with SIGTERM, then SIGKILL after KillWait, as
+    at any time limit. Done by the test so that the stops do not depend on the machine's load."""
     deadline = time.time() + 900
     while time.time() < deadline:
         started = events(run, "run_started")

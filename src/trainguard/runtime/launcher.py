@@ -2,8 +2,9 @@
 
 The agent runs in this process (not as a ``torchrun`` child) so the workers' own exit codes, which
 carry meaning (3 data-skip abort, 4 no checkpoint, 16 resumable stop, 17 faulty hardware), are not
-flattened into torchrun's generic 1. Without CUDA the workers are forked from this process after it
-has imported the trainer, so each rank does not pay seconds of imports again (CUDA forbids forking).
+flattened into torchrun's generic 1. Without CUDA the workers are forked, from a fork server forked
+from this process after it has imported the trainer and before it starts any thread
+(``fork_server``), so each rank does not pay seconds of imports again (CUDA forbids forking).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from trainguard.runtime.agent_control import node_address, serve_from_environment
+from trainguard.runtime.fork_server import START_METHOD, run_rank, start_fork_server
 from trainguard.runtime.policy import exit_code_of
 from trainguard.runtime.nodes import ENV_AGENT_REPORT, ENV_NNODES, ENV_NODE_RANK, ENV_RDZV_ENDPOINT
 
@@ -31,7 +33,8 @@ from trainguard.runtime.nodes import ENV_AGENT_REPORT, ENV_NNODES, ENV_NODE_RANK
 def launch_local(nproc: int, worker_args: list[str], run_dir: Path, entrypoint: Callable[[list[str]], Any],
                  preload: tuple[str, ...] = ()) -> int:
     """Runs ``entrypoint(worker_args)`` in ``nproc`` ranks; ``preload`` names the modules to import
-    here first when the ranks are forked (imported once, inherited by every rank)."""
+    here first when the ranks are forked (imported once, inherited by every rank). Call it before
+    this process starts any thread: the ranks' fork server is forked from it."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # A rank that exits non-zero has said why in one line; the agent's traceback of its own poll loop
     # ("ProcessExitedException") repeats nothing useful. The exit codes reach the supervisor below.
@@ -49,6 +52,8 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path, entrypoint: 
     # the agent must not die of it; SIGUSR2 asks the ranks for stack dumps. Ranks install their own.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    if fork:  # after the signals above (the server and its ranks inherit them), before any thread
+        start_fork_server()
     nnodes = int(os.environ.get(ENV_NNODES, "1"))
     if ENV_RDZV_ENDPOINT in os.environ:
         # one agent per node, started by the supervisor: static rendezvous, so the node rank (the
@@ -65,12 +70,12 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path, entrypoint: 
         **rendezvous,
         max_restarts=0,
         monitor_interval=0.1,
-        start_method="fork" if fork else "spawn",
+        start_method=START_METHOD if fork else "spawn",
         local_addr=node_address(),
     )
     serve_from_environment(run_dir)  # signals, stop and liveness through this agent (--launcher hosts)
     try:
-        elastic_launch(config, entrypoint=entrypoint)(worker_args)
+        elastic_launch(config, entrypoint=run_rank)(entrypoint, worker_args)
     except ChildFailedError as exc:
         with contextlib.suppress(OSError):  # on a full disk the ranks' exit codes still count
             _write_agent_report(exc)

@@ -201,6 +201,7 @@ class LiveWorker:
         total, flags = reduce_rows(self.group, rows, int(newer), self.wait)
         if step == self.fail_after_reduce:
             self.fail_after_reduce = None
+            self.await_peers_committed(step)
             raise RuntimeError(f"injected: rank {self.rank}'s collective of step {step} failed after the others' succeeded")
         self.previous = (step, copy.deepcopy(state_of(self.model, self.optimizer)))
         set_grads(self.model, total)
@@ -216,6 +217,17 @@ class LiveWorker:
                                state_bytes(state_of(self.model, self.optimizer)))
         if flags:
             self.switch(quorum.epoch + 1)
+
+    def await_peers_committed(self, step: int) -> None:
+        """The transient drill fails this rank's all-reduce *after the others' succeeded*: a peer whose
+        own all-reduce has not returned yet when this rank gives up would fail it too, and commit nothing."""
+        deadline = time.monotonic() + WAIT_S
+        for peer in (m for m in self.quorum.members if m != self.rank):
+            while int(wait_for(self.store, progress_key(peer), WAIT_S, self.beat)) <= step:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"live recovery drill: rank {peer} did not commit step {step} in {WAIT_S:.0f} s")
+                self.beat()
+                time.sleep(0.005)
 
     def recover(self, error: RuntimeError) -> None:
         epoch, committed = self.quorum.epoch, self.step_index

@@ -15,9 +15,9 @@ def validate_mirror_config(config: MirrorConfig, source: str) -> None:
         if value is not None and value <= 0:
             raise ConfigError(f"{source}: config key 'checkpoint.mirror.{key}' must be > 0, got {value!r}")
     if config.url is not None:
-        from trainguard.backup.url import open_mirror
+        from trainguard.backup.url import check_mirror_url
 
         try:
-            open_mirror(config.url, config.endpoint_url)
+            check_mirror_url(config.url)
         except ConfigError as exc:
             raise ConfigError(f"{source}: config key 'checkpoint.mirror.url': {exc}") from None

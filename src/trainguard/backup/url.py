@@ -57,8 +57,10 @@ def endpoint_from_env() -> str | None:
     return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
 
 
-def open_mirror(url: str, endpoint_url: str | None = None) -> Mirror:
-    """The mirror at ``url``; ``ConfigError`` (exit 2) for a URL no installed client can open."""
+def check_mirror_url(url: str) -> None:
+    """``ConfigError`` (exit 2) for a URL no installed client can open. Nothing is connected or started:
+    an fsspec client of an async protocol starts an event-loop thread, and a process that checks its
+    config before it forks the ranks' fork server must still have one thread."""
     import fsspec
 
     if not is_url(url):
@@ -71,6 +73,20 @@ def open_mirror(url: str, endpoint_url: str | None = None) -> Mirror:
         raise ConfigError(f"mirror URL {redact(url)}: file:// takes an absolute path (file:///path)")
     if protocol in ("s3", "s3a") and location.startswith("/"):
         raise ConfigError(f"mirror URL {redact(url)}: names no bucket (s3://bucket/prefix)")
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except ImportError as exc:
+        raise ConfigError(f"mirror URL {redact(url)}: no client for {protocol}:// is installed ({exc})") from None
+    except ValueError as exc:
+        raise ConfigError(f"mirror URL {redact(url)}: {exc}") from None
+
+
+def open_mirror(url: str, endpoint_url: str | None = None) -> Mirror:
+    """The mirror at ``url``; ``ConfigError`` (exit 2) for a URL no installed client can open."""
+    import fsspec
+
+    check_mirror_url(url)
+    protocol = url.split("://", 1)[0]
     options: dict[str, Any] = {}
     if protocol in ("s3", "s3a"):
         endpoint = endpoint_url or endpoint_from_env()

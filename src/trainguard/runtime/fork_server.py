@@ -36,12 +36,19 @@ def thread_count() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+def _python_threads() -> str:
+    import threading
+
+    return ", ".join(thread.name for thread in threading.enumerate())
+
+
 def start_fork_server() -> None:
     """Forks the fork server from this process, which must have one thread, and makes it the one that
     multiprocessing's ``forkserver`` start method asks for new processes."""
     threads = thread_count()
     if threads != 1:
-        raise RuntimeError(f"the fork server must be forked from a process with one thread, this one has {threads}")
+        raise RuntimeError(f"the fork server must be forked from a process with one thread, this one has {threads} "
+                           f"(Python's: {_python_threads()})")
     resource_tracker.ensure_running()  # started here, once: the server's children share it
     directory = tempfile.mkdtemp(prefix="trainguard-forkserver-")  # mode 0700: only this user connects
     address = os.path.join(directory, "socket")

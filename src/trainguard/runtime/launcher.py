@@ -13,8 +13,10 @@ import contextlib
 import importlib
 import json
 import logging
+import multiprocessing
 import os
 import signal
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -25,9 +27,22 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from trainguard.runtime.agent_control import node_address, serve_from_environment
-from trainguard.runtime.fork_server import START_METHOD, run_rank, start_fork_server
+from trainguard.runtime.fork_server import START_METHOD, run_rank, start_fork_server, thread_count
 from trainguard.runtime.policy import exit_code_of
 from trainguard.runtime.nodes import ENV_AGENT_REPORT, ENV_NNODES, ENV_NODE_RANK, ENV_RDZV_ENDPOINT
+
+
+def start_rank_server(preload: tuple[str, ...]) -> None:
+    """The fork server of this process if it still has one thread; else (something it imported or
+    ran already started a thread) Python's own fork server, a new interpreter that imports ``preload``
+    once per incarnation: seconds slower to start, never a rank forked from a process with threads."""
+    threads = thread_count()
+    if threads == 1:
+        start_fork_server()
+        return
+    print(f"trainguard: warning: the agent already has {threads} threads; its ranks start from Python's own "
+          "fork server, which imports the trainer again (seconds per incarnation)", file=sys.stderr, flush=True)
+    multiprocessing.set_forkserver_preload(list(preload))
 
 
 def launch_local(nproc: int, worker_args: list[str], run_dir: Path, entrypoint: Callable[[list[str]], Any],
@@ -53,7 +68,7 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path, entrypoint: 
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     if fork:  # after the signals above (the server and its ranks inherit them), before any thread
-        start_fork_server()
+        start_rank_server(preload)
     nnodes = int(os.environ.get(ENV_NNODES, "1"))
     if ENV_RDZV_ENDPOINT in os.environ:
         # one agent per node, started by the supervisor: static rendezvous, so the node rank (the

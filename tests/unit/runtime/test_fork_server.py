@@ -81,3 +81,38 @@ def test_the_same_rank_forked_from_the_agent_finds_the_lock_held_for_ever():
     result = run_agent("fork")
     assert result["parent"] == result["agent"]
     assert result["lock_free"] is False
+
+
+THREADED_AGENT = r"""
+import json, multiprocessing as mp, os, sys, threading, time
+from trainguard.runtime.launcher import start_rank_server
+
+def report(queue):
+    queue.put({"parent": os.getppid(), "parent_threads": len(os.listdir(f"/proc/{os.getppid()}/task")),
+               "preloaded": "colorsys" in sys.modules})
+
+if __name__ == "__main__":
+    threading.Thread(target=time.sleep, args=(30,), daemon=True).start()  # a thread before the server
+    start_rank_server(preload=("colorsys",))
+    ctx = mp.get_context("forkserver")
+    queue = ctx.SimpleQueue()
+    rank = ctx.Process(target=report, args=(queue,))
+    rank.start()
+    result = queue.get()
+    rank.join()
+    result["agent"] = os.getpid()
+    print(json.dumps(result), flush=True)
+"""
+
+
+def test_an_agent_that_already_has_a_thread_starts_its_ranks_from_pythons_own_fork_server(tmp_path):
+    """Not a refusal (every run with an s3 mirror failed so once: its client's event-loop thread): a
+    warning, and the ranks come from a new one-thread interpreter that imported the preload."""
+    script = tmp_path / "agent.py"
+    script.write_text(THREADED_AGENT)
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "its ranks start from Python's own fork server" in proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["parent"] != result["agent"] and result["parent_threads"] == 1 and result["preloaded"]

@@ -174,7 +174,7 @@ def test_mixtral_init_from_on_pipeline_stages(tmp_path):
 
 def test_moe_layouts_the_trainer_cannot_run_are_refused_before_any_process_starts(tmp_path):
     for preset, nproc, setting, line in [
-        ("mixtral-micro", 2, "parallel.tp=2", "parallel.tp=2: tensor parallel is not supported for model_type 'mixtral'"),
+        ("mixtral-micro", 2, "parallel.tp=2", "parallel.tp=2 is not supported for model_type 'mixtral': its experts are fused"),
         ("mixtral-micro", 3, "parallel.dp_shard=3", "parallel.dp_shard=3: model_type 'mixtral' has num_local_experts=4"),
         ("qwen2-moe-micro", 3, "parallel.dp_shard=3", "model_type 'qwen2_moe' has num_experts=4"),
     ]:

@@ -13,8 +13,16 @@ from trainguard.hf import gpt2
 # model type has no such setting, and setting the key is an error (not a value silently ignored)
 KEY_NAMES: dict[str, dict[str, str | None]] = {gpt2.MODEL_TYPE: gpt2.KEY_NAMES}
 
+# tensor parallel's plan (trainer.parallelize) splits a dense MLP's projections: an expert layer has none,
+# so every expert would be replicated whole on every TP rank (there is no expert parallelism)
+_FUSED_EXPERTS_TP = "its experts are fused 3-D parameters the TP plan does not split"
+
 # model_type -> {parallel.<key>: why the reference trainer cannot split it that way}
-UNSUPPORTED_PARALLEL: dict[str, dict[str, str]] = {gpt2.MODEL_TYPE: gpt2.UNSUPPORTED_PARALLEL}
+UNSUPPORTED_PARALLEL: dict[str, dict[str, str]] = {
+    gpt2.MODEL_TYPE: gpt2.UNSUPPORTED_PARALLEL,
+    "mixtral": {"tp": _FUSED_EXPERTS_TP},
+    "qwen2_moe": {"tp": _FUSED_EXPERTS_TP},
+}
 
 
 def config_value(config: Any, name: str) -> Any:

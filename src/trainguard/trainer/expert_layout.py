@@ -4,9 +4,8 @@ transformers keeps their experts as fused 3-D parameters (``hf.fused_experts``):
 them along dim 0, the expert dimension, so each rank holds whole experts when the number of experts
 (Mixtral's ``num_local_experts``, Qwen2-MoE's ``num_experts``) divides by ``parallel.dp_shard``
 (checked, so that a rank's shard never cuts an expert in two). Pipeline stages hold whole layers and
-need nothing more. Tensor parallel is refused: its plan (``parallelize._TP_PLAN``) splits a dense
-MLP's projections, which an expert layer does not have, so every expert would be replicated on every
-TP rank, unsharded; there is no expert parallelism.
+need nothing more. Tensor parallel is refused with the other layouts a model type cannot take
+(``hf.model_types.UNSUPPORTED_PARALLEL``).
 """
 
 from __future__ import annotations
@@ -25,9 +24,6 @@ def check_expert_layout(model_config: PretrainedConfig, layout: Layout) -> None:
     count_key = expert_count_key(model_type)
     if count_key is None:
         return
-    if layout.tp > 1:
-        raise ConfigError(f"parallel.tp={layout.tp}: tensor parallel is not supported for model_type {model_type!r} "
-                          "(its experts are fused 3-D parameters the TP plan does not split); use parallel.tp=1")
     experts = getattr(model_config, count_key)
     if experts % layout.dp_shard:
         raise ConfigError(f"parallel.dp_shard={layout.dp_shard}: model_type {model_type!r} has {count_key}="

@@ -4,11 +4,29 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from pathlib import Path
 
 from trainguard.checkpoint.discovery import checkpoints_root, list_checkpoints
 from trainguard.errors import CheckpointError, ConfigError
 from trainguard.fs.layout import LATEST_FILE
+
+
+def make_run_dir(run_dir: str | Path) -> Path:
+    """The run directory, absolute, created if missing; one ``ConfigError`` line when it cannot be a
+    writable directory."""
+    if not str(run_dir).strip():
+        raise ConfigError("--run-dir '': an empty path; name a directory or leave the flag out")
+    run_dir = Path(run_dir).resolve()
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"--run-dir {run_dir}: exists and is not a directory")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--run-dir {run_dir}: cannot create it ({exc.strerror})") from None
+    if not os.access(run_dir, os.W_OK):
+        raise ConfigError(f"--run-dir {run_dir}: not writable (read-only file system or no permission)")
+    return run_dir
 
 
 def seconds(text: str) -> float:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from trainguard.cli.arguments import make_run_dir
 from trainguard.cli.train_live import live_layout, run_live
 from trainguard.config import load_config
 from trainguard.errors import ConfigError
@@ -38,8 +39,4 @@ def run_command_live(args: argparse.Namespace, command: list[str], run_dir: Path
         raise ConfigError("--kill-switch: a supervisor option; with fault_tolerance.live: true the live launcher "
                           "starts and replaces the ranks instead")
     run = live_layout(args, config, source, executable=command[0], entry=tuple(command[1:]))
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"--run-dir {run_dir}: cannot create it ({exc.strerror})") from None
-    return run_live(run, run_dir)
+    return run_live(run, make_run_dir(run_dir))

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from trainguard.checkpoint.resume import check_explicit_resume_path
+from trainguard.cli.arguments import make_run_dir
 from trainguard.cli.train_live import live_run, run_live
 from trainguard.errors import ConfigError
 from trainguard.faults.injector import active_faults, check_fault_ranks
@@ -49,17 +50,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"{source}: {exc}") from None
     if config.checkpoint.resume not in ("auto", "disable") and "://" not in config.checkpoint.resume:
         check_explicit_resume_path(Path(config.checkpoint.resume))
-    if args.run_dir is not None and not args.run_dir.strip():
-        raise ConfigError("--run-dir '': an empty path; name a directory or leave the flag out")
-    run_dir = Path(args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ConfigError(f"--run-dir {run_dir}: exists and is not a directory")
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"--run-dir {run_dir}: cannot create it ({exc.strerror})") from None
-    if not os.access(run_dir, os.W_OK):
-        raise ConfigError(f"--run-dir {run_dir}: not writable (read-only file system or no permission)")
+    run_dir = make_run_dir(Path("runs") / time.strftime("%Y%m%d-%H%M%S") if args.run_dir is None else args.run_dir)
     if live is not None:
         return run_live(live, run_dir)
     worker_args = ["--run-dir", str(run_dir), *config_arguments(args)]

@@ -34,9 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import median, print_result  # noqa: E402
 
 from trainguard.events.log import read_events  # noqa: E402
-from trainguard.checkpoint.safe_load import safe_torch_load  # noqa: E402
-from trainguard.live.compare import bitwise_differences  # noqa: E402
-from trainguard.live.files import events_path, final_path  # noqa: E402
+from trainguard.live.compare import run_differences  # noqa: E402
+from trainguard.live.files import events_path  # noqa: E402
 from trainguard.live.launcher import LIVE, RESTART, LiveRun, launch  # noqa: E402
 
 TARGET = 5.0
@@ -108,13 +107,11 @@ def main() -> None:
                                                                "spares": int(mode == SPARE)})
                 launch(dirs[mode], run)
             tail = clean_tail(list(read_events(events_path(dirs["clean"]))))
-            reference = safe_torch_load(final_path(dirs["clean"], 0))
             for mode, figures_of in ((LIVE, live_figures), (SPARE, live_figures), (RESTART, restart_figures)):
                 figures = figures_of(list(read_events(events_path(dirs[mode]))))
                 figures["delay"] = figures.pop("tail") - tail
                 rows[mode].append(figures)
-                equal[mode] &= all(bitwise_differences(safe_torch_load(final_path(dirs[mode], r)), reference) == []
-                                   for r in range(base.world))
+                equal[mode] &= run_differences(dirs["clean"], dirs[mode], base.world) == {}
     table = {mode: {key: median([r[key] for r in runs]) for key in runs[0]} for mode, runs in rows.items()}
     print(f"\nlive recovery vs restart, 4 gloo ranks (2 groups x 2), {args.steps} steps, SIGKILL of rank "
           f"{KILLED} after step {KILL_AT}, {cycles} cycle(s), medians; load {os.getloadavg()[0]:.1f}")

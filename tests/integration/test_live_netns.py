@@ -21,9 +21,8 @@ import pytest
 from helpers.netns_cluster import HEAD
 from helpers.runs import worker_env
 from trainguard.events.log import read_events
-from trainguard.checkpoint.safe_load import safe_torch_load
-from trainguard.live.compare import bitwise_differences
-from trainguard.live.files import events_path, final_path
+from trainguard.live.compare import replica_differences, run_differences, whole_final_state
+from trainguard.live.files import events_path
 from trainguard.live.launcher import LiveRun, launch
 from trainguard.live.samples import sample_problems
 from trainguard.live.worker import FENCED_EXIT
@@ -129,8 +128,8 @@ def test_the_cut_ranks_come_back_stale_and_are_fenced_by_epoch(cut_run):
 
 def test_final_state_is_bitwise_the_fault_free_one_and_no_sample_is_lost_or_repeated(cut_run):
     root, _, _ = cut_run
-    reference = safe_torch_load(final_path(root / "clean", 0))
-    assert reference["optimizer"]["state"][0]["step"].item() == RUN.steps
-    for rank in range(4):
-        assert bitwise_differences(safe_torch_load(final_path(root / "cut", rank)), reference) == [], rank
+    whole = whole_final_state(root / "clean", RUN.group_size)
+    assert {state["step"].item() for state in whole["optimizer"]["state"].values()} == {RUN.steps}
+    assert run_differences(root / "clean", root / "cut", RUN.world) == {}
+    assert replica_differences(root / "cut", RUN.world, RUN.group_size) == {}
     assert sample_problems(_events(root / "cut"), RUN.steps, Workload().samples_per_step) == []

@@ -15,14 +15,15 @@ import pytest
 from trainguard.demo.live import FAILING
 from trainguard.events.log import read_events
 from trainguard.checkpoint.safe_load import safe_torch_load
-from trainguard.live.compare import bitwise_differences
+from trainguard.live.compare import bitwise_differences, replica_differences, run_differences, whole_final_state
 from trainguard.live.files import events_path, final_path
+from trainguard.live.shards import shard_owners
 from trainguard.live.launcher import launch
 from trainguard.live.samples import sample_problems
 from trainguard.live.workload import Workload
 from trainguard.report import read_run
 
-STEPS, WORLD, KILLED = FAILING.steps, FAILING.world, 3
+STEPS, WORLD, GROUP, KILLED = FAILING.steps, FAILING.world, FAILING.group_size, 3
 SRC = os.path.join(os.path.dirname(__file__), "..", "..", "src")
 
 
@@ -80,11 +81,24 @@ def test_quorum_shrinks_to_the_intact_group_then_the_broken_group_rejoins(drill)
 
 def test_final_parameters_and_optimizer_state_are_bitwise_the_fault_free_ones(drill):
     root, _ = drill
-    reference = safe_torch_load(final_path(root / "clean", 0))
-    for rank in range(WORLD):
-        assert bitwise_differences(safe_torch_load(final_path(root / "clean", rank)), reference) == []
-        assert bitwise_differences(safe_torch_load(final_path(root / "failed", rank)), reference) == [], rank
-    assert reference["optimizer"]["state"][0]["step"].item() == STEPS
+    assert run_differences(root / "clean", root / "failed", WORLD) == {}
+    assert replica_differences(root / "clean", WORLD, GROUP) == {}
+    assert replica_differences(root / "failed", WORLD, GROUP) == {}
+    whole = whole_final_state(root / "clean", GROUP)
+    assert {state["step"].item() for state in whole["optimizer"]["state"].values()} == {STEPS}
+
+
+def test_each_rank_of_a_group_holds_the_optimizer_state_of_its_shard_only(drill):
+    """2 shards per replica group: each rank's optimizer state covers exactly the parameters the rule
+    gives its shard, the shards split every parameter between them, and the replacement's is its shard's."""
+    root, _ = drill
+    for run in ("clean", "failed"):
+        states = [safe_torch_load(final_path(root / run, rank)) for rank in range(WORLD)]
+        sizes = [tensor.numel() for tensor in states[0]["model"].values()]
+        owners = shard_owners(sizes, GROUP)
+        for rank, state in enumerate(states):
+            assert sorted(state["optimizer"]["state"]) == [i for i, o in enumerate(owners) if o == rank % GROUP], (run, rank)
+    assert set(owners) == set(range(GROUP))
 
 
 def test_no_sample_lost_or_repeated(drill):
@@ -129,9 +143,7 @@ def test_a_node_cut_off_is_found_silent_fenced_and_replaced_bitwise(drill, tmp_p
     assert [q["members"] for q in quorums] == [[0, 1, 2, 3], [2, 3], [0, 1, 2, 3]]
     assert "hung, fenced" in quorums[1]["reason"]
     assert {e["rank"] for e in events if e["kind"] == "live_joined"} == {0, 1}
-    reference = safe_torch_load(final_path(root / "clean", 0))
-    for rank in range(WORLD):
-        assert bitwise_differences(safe_torch_load(final_path(tmp_path / "node", rank)), reference) == [], rank
+    assert run_differences(root / "clean", tmp_path / "node", WORLD) == {}
     assert sample_problems(events, STEPS, Workload().samples_per_step) == []
 
 
@@ -139,7 +151,7 @@ def test_a_transient_failure_is_undone_and_redone_bitwise_on_another_layout(dril
     """2 replica groups of 1 rank. Rank 0's all-reduce of step 20 fails after rank 1's succeeded: rank 1
     committed step 20, rank 0 did not. Nobody died, so the next epoch keeps both, from step 20; rank 1
     undoes its step 20 and both redo it. The end state equals the 4-rank fault-free run's bit for bit
-    (the gradient does not depend on the layout either)."""
+    (the gradient does not depend on the layout either, nor the update on how it is sharded)."""
     root, _ = drill
     run = dataclasses.replace(FAILING, groups=2, group_size=1, kill_ranks=(), spares=0, transient=(0, 20))
     result = launch(tmp_path / "transient", run)
@@ -149,7 +161,7 @@ def test_a_transient_failure_is_undone_and_redone_bitwise_on_another_layout(dril
     assert [(q["members"], q["step"], q["reason"]) for q in quorums] == [
         ([0, 1], 0, "start"), ([0, 1], 20, "a collective failed")]
     assert [(e["rank"], e["step"]) for e in events if e["kind"] == "live_undo"] == [(1, 20)]
-    reference = safe_torch_load(final_path(root / "clean", 0))
-    for rank in range(2):
-        assert bitwise_differences(safe_torch_load(final_path(tmp_path / "transient", rank)), reference) == [], rank
+    assert replica_differences(tmp_path / "transient", 2, 1) == {}
+    whole = whole_final_state(root / "clean", GROUP)
+    assert bitwise_differences(whole_final_state(tmp_path / "transient", 1), whole) == []
     assert sample_problems(events, STEPS, Workload().samples_per_step) == []

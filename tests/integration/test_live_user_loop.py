@@ -18,15 +18,14 @@ from pathlib import Path
 import pytest
 
 from trainguard.events.log import read_events
-from trainguard.checkpoint.safe_load import safe_torch_load
-from trainguard.live.compare import bitwise_differences
-from trainguard.live.files import events_path, final_path
+from trainguard.live.compare import replica_differences, run_differences, whole_final_state
+from trainguard.live.files import events_path
 from trainguard.live.samples import sample_problems
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "user_loop_live.py"
 CONFIG = EXAMPLE.with_suffix(".yaml")
-STEPS, WORLD, KILLED, KILL_AT, SAMPLES_PER_STEP = 60, 4, 3, 5, 8 * 8
+STEPS, WORLD, GROUP, KILLED, KILL_AT, SAMPLES_PER_STEP = 60, 4, 2, 3, 5, 8 * 8
 
 
 def _run(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
@@ -79,11 +78,11 @@ def test_the_broken_group_leaves_and_rejoins_with_a_peers_state(runs):
 
 def test_final_parameters_and_optimizer_state_equal_the_fault_free_run_bitwise(runs):
     runs, _ = runs
-    reference = safe_torch_load(final_path(runs / "clean", 0))
-    assert reference["optimizer"]["state"][0]["step"].item() == STEPS
-    for rank in range(WORLD):
-        assert bitwise_differences(safe_torch_load(final_path(runs / "clean", rank)), reference) == [], rank
-        assert bitwise_differences(safe_torch_load(final_path(runs / "failed", rank)), reference) == [], rank
+    whole = whole_final_state(runs / "clean", GROUP)
+    assert {state["step"].item() for state in whole["optimizer"]["state"].values()} == {STEPS}
+    assert run_differences(runs / "clean", runs / "failed", WORLD) == {}
+    for name in ("clean", "failed"):
+        assert replica_differences(runs / name, WORLD, GROUP) == {}, name
 
 
 def test_no_sample_lost_or_repeated(runs):

@@ -18,9 +18,8 @@ from rich.console import Console
 from rich.table import Table
 
 from trainguard.events import read_events
-from trainguard.checkpoint.safe_load import safe_torch_load
-from trainguard.live.compare import bitwise_differences
-from trainguard.live.files import events_path, final_path
+from trainguard.live.compare import replica_differences, run_differences
+from trainguard.live.files import events_path
 from trainguard.live.launcher import LiveRun, launch
 from trainguard.live.samples import sample_problems
 from trainguard.live.workload import Workload
@@ -47,9 +46,9 @@ def live_checks(clean: Path, failed: Path, run: LiveRun) -> list[tuple[str, bool
     replaced = all(len(set(pids.get(r, []))) == 2 for r in run.kill_ranks)
     events = list(read_events(events_path(failed)))
     joined = sorted(e["rank"] for e in events if e["kind"] == "live_joined")
-    reference = safe_torch_load(final_path(clean, 0))
-    differences = [f"rank {r}: {d}" for r in range(run.world)
-                   for d in bitwise_differences(safe_torch_load(final_path(failed, r)), reference)]
+    differences = [f"rank {r}: {d}" for r, where in run_differences(clean, failed, run.world).items() for d in where]
+    replicas = [f"rank {r}: {d}" for r, where in replica_differences(failed, run.world, run.group_size).items()
+                for d in where]
     samples = sample_problems(events, run.steps, Workload(micro_batches=run.micro_batches).samples_per_step)
     return [
         ("survivors never restarted", kept, f"pids {[pids.get(r) for r in survivors]}"),
@@ -57,6 +56,8 @@ def live_checks(clean: Path, failed: Path, run: LiveRun) -> list[tuple[str, bool
          f"pids {[pids.get(r) for r in run.kill_ranks]}, joined: ranks {joined}"),
         ("final parameters and optimizer state bitwise equal to the fault-free run", not differences,
          "; ".join(differences[:3]) or f"{run.world} ranks compared"),
+        ("the replicas of each shard hold the same state", not replicas,
+         "; ".join(replicas[:3]) or f"{run.groups} replica groups × {run.group_size} shards compared"),
         ("no sample lost or repeated", not samples, "; ".join(samples[:3]) or f"{run.steps} steps checked"),
     ]
 

@@ -1,10 +1,16 @@
-"""Bitwise comparison of two ranks' final states (parameters and optimizer state)."""
+"""Bitwise comparison of final states (parameters and optimizer state): two states, two runs rank by
+rank, the replicas of each shard within a run."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from trainguard.checkpoint.safe_load import safe_torch_load
+from trainguard.live.files import final_path
+from trainguard.live.shards import shard_of, whole_state
 
 
 def bitwise_differences(a: Any, b: Any, where: str = "") -> list[str]:
@@ -22,3 +28,25 @@ def bitwise_differences(a: Any, b: Any, where: str = "") -> list[str]:
             return [f"{where}: lengths differ"]
         return [d for i, (x, y) in enumerate(zip(a, b)) for d in bitwise_differences(x, y, f"{where}/{i}")]
     return [] if a == b else [f"{where}: {a!r} != {b!r}"]
+
+
+def run_differences(reference: Path, run: Path, world: int) -> dict[int, list[str]]:
+    """Each rank's final state in ``run`` against the same rank's in ``reference`` (the same layout):
+    the ranks that differ, with where."""
+    found = {rank: bitwise_differences(safe_torch_load(final_path(run, rank)),
+                                       safe_torch_load(final_path(reference, rank))) for rank in range(world)}
+    return {rank: where for rank, where in found.items() if where}
+
+
+def replica_differences(run: Path, world: int, group_size: int) -> dict[int, list[str]]:
+    """Each rank's final state against replica group 0's rank of the same shard: the replicas of a shard
+    hold the same parameters and optimizer state bit for bit."""
+    found = {rank: bitwise_differences(safe_torch_load(final_path(run, rank)),
+                                       safe_torch_load(final_path(run, shard_of(rank, group_size))))
+             for rank in range(group_size, world)}
+    return {rank: where for rank, where in found.items() if where}
+
+
+def whole_final_state(run: Path, group_size: int) -> dict:
+    """Replica group 0's final state put together from its shards: comparable across layouts."""
+    return whole_state([safe_torch_load(final_path(run, shard)) for shard in range(group_size)])

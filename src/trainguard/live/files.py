@@ -12,9 +12,16 @@ def events_path(run_dir: Path) -> Path:
     return run_dir / "events.jsonl"
 
 
-def checkpoint_path(run_dir: Path, step: int) -> Path:
-    """The whole-state file the restart-based recovery resumes from (every rank holds the same state)."""
-    return run_dir / "checkpoints" / f"step_{step}.pt"
+def checkpoint_path(run_dir: Path, step: int, shard: int) -> Path:
+    """One shard's state file (parameters and that shard's optimizer state) that the restart-based
+    recovery resumes from; every replica of the shard holds the same."""
+    return run_dir / "checkpoints" / f"step_{step}" / f"shard{shard}.pt"
+
+
+def newest_checkpoint(run_dir: Path, steps: int, shards: int) -> int | None:
+    """The newest step whose every shard file is written (each is written atomically, one by one)."""
+    return next((step for step in range(steps, 0, -1)
+                 if all(checkpoint_path(run_dir, step, shard).exists() for shard in range(shards))), None)
 
 
 def final_path(run_dir: Path, rank: int) -> Path:

@@ -21,7 +21,7 @@ from trainguard.config.schema import RunConfig
 from trainguard.errors import ConfigError
 from trainguard.events import EventLog
 from trainguard.live.drill import live_drill
-from trainguard.live.files import checkpoint_path, events_path
+from trainguard.live.files import events_path, newest_checkpoint
 from trainguard.live.lighthouse import Lighthouse
 from trainguard.live.quorum import progress_key, spare_key, spare_ready_key
 
@@ -118,7 +118,7 @@ def _spawn(run: LiveRun, rank: int, store_port: int, run_dir: Path, rejoin: bool
     node = run.nodes[run.groups + spare if spare is not None else rank // run.group_size] if run.nodes else None
     prefix = shlex.split(run.node_command.format(node=node)) if node is not None else []
     command = [*prefix, run.executable, *run.entry, "--store", f"{run.store_host}:{store_port}",
-               *role, "--world", str(run.world), "--steps", str(run.steps), "--run-dir", str(run_dir),
+               *role, "--world", str(run.world), "--group-size", str(run.group_size), "--steps", str(run.steps), "--run-dir", str(run_dir),
                "--micro-batches", str(run.micro_batches), "--micro-batch-s", str(run.micro_batch_s),
                "--checkpoint-every", str(run.checkpoint_every),
                "--collective-timeout-s", str(run.collective_timeout_s)] + (["--rejoin"] if rejoin else [])
@@ -126,10 +126,6 @@ def _spawn(run: LiveRun, rank: int, store_port: int, run_dir: Path, rejoin: bool
         command += ["--fail-after-reduce", str(run.transient[1])]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.Popen(command, env=env)
-
-
-def _newest_checkpoint(run_dir: Path, steps: int) -> int | None:
-    return next((s for s in range(steps, 0, -1) if checkpoint_path(run_dir, s).exists()), None)
 
 
 def launch(run_dir: Path, run: LiveRun) -> LiveResult:
@@ -181,7 +177,7 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
                     if other.poll() is None:
                         other.kill()
                         other.wait()
-                lighthouse.restart(_newest_checkpoint(run_dir, run.steps))
+                lighthouse.restart(newest_checkpoint(run_dir, run.steps, run.group_size))
                 result.replaced_at.update({r: time.time() for r in run.kill_ranks})
                 procs = {r: _spawn(run, r, store.port, run_dir, rejoin=False) for r in range(run.world)}
                 break

@@ -1,9 +1,10 @@
 """The state a joining rank receives from a live peer at a step boundary, over the new epoch's group.
 
-Parameters and optimizer state travel as a ``torch.save`` byte buffer broadcast from the source
-member; the receiver loads it with ``weights_only=True`` (a peer's bytes never execute code). The
-data position and the RNGs need nothing more: the data is a function of the step (``workload``),
-and the model draws no random numbers after its seeded initialisation.
+Parameters and optimizer state travel as a ``torch.save`` byte buffer broadcast from a live replica
+of each shard (``shards``; with replica groups of one rank, the whole state from one member); the
+receiver loads it with ``weights_only=True`` (a peer's bytes never execute code). The data position
+and the RNGs need nothing more: the data is a function of the step (``workload``), and the model
+draws no random numbers after its seeded initialisation.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import torch
 import torch.distributed as dist
 
 from trainguard.live.files import state_bytes
+from trainguard.live.quorum import Quorum
+from trainguard.live.shards import shard_of
 
 
 def state_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -26,19 +29,34 @@ def load_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: 
     optimizer.load_state_dict(state["optimizer"])
 
 
-def broadcast_state(group: dist.ProcessGroup, source_index: int, my_index: int, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer, wait: Callable[[dist.Work], None]) -> int:
-    """Sends (source) or receives and loads (everyone else) the state; returns the bytes moved."""
+def send_shards(group: dist.ProcessGroup, quorum: Quorum, rank: int, group_size: int, model: torch.nn.Module,
+                optimizer: torch.optim.Optimizer, wait: Callable[[dist.Work], None]) -> int:
+    """A join's state transfer: for each shard of a replica group, one broadcast from its lowest live
+    replica (a member that is not joining); the joiners holding that shard load it, everyone else
+    passes it on. Returns the bytes this rank sent or loaded."""
+    survivors = [member for member in quorum.members if member not in quorum.joining]
+    moved = 0
+    for shard in range(group_size):
+        source = next(member for member in survivors if shard_of(member, group_size) == shard)
+        load = rank in quorum.joining and shard_of(rank, group_size) == shard
+        size = _broadcast_state(group, quorum.index(source), rank == source, load, model, optimizer, wait)
+        moved += size if rank == source or load else 0
+    return moved
+
+
+def _broadcast_state(group: dist.ProcessGroup, source_index: int, is_source: bool, load: bool,
+                     model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                     wait: Callable[[dist.Work], None]) -> int:
     size = torch.zeros(1, dtype=torch.int64)
     payload = None
-    if my_index == source_index:
+    if is_source:
         payload = torch.frombuffer(bytearray(state_bytes(state_of(model, optimizer))), dtype=torch.uint8)
         size[0] = payload.numel()
     wait(group.broadcast(size, source_index))
     if payload is None:
         payload = torch.empty(int(size[0]), dtype=torch.uint8)
     wait(group.broadcast(payload, source_index))
-    if my_index != source_index:
+    if load:
         state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
         load_state(model, optimizer, state)
     return int(size[0])

@@ -37,7 +37,8 @@ from trainguard.live import collective
 from trainguard.live.ordered_sum import my_micro_batches, reduce_rows
 from trainguard.live.quorum import (Quorum, beat_key, done_key, epoch_key, fence_key, has, latest_epoch, progress_key,
                                     read_quorum, ready_key, report_key, start_key, wait_for)
-from trainguard.live.transfer import broadcast_state, load_state, state_of
+from trainguard.live.shards import ShardedUpdate
+from trainguard.live.transfer import load_state, send_shards, state_of
 from trainguard.live.files import checkpoint_path, events_path, final_path, state_bytes
 
 FENCED_EXIT = 3  # a stale process that found itself fenced ends with this code
@@ -63,6 +64,7 @@ class LiveArgs:
     rank: int | None
     spare: int | None  # a warm spare: waits (torch imported) to be told which rank to replace
     world: int
+    group_size: int  # ranks per replica group: each one a shard of the optimizer state (``shards``)
     steps: int
     run_dir: Path
     micro_batches: int  # per step (the global batch), whatever the number of live ranks
@@ -81,6 +83,7 @@ class LiveArgs:
         role.add_argument("--rank", type=int)
         role.add_argument("--spare", type=int)
         parser.add_argument("--world", type=int, required=True)
+        parser.add_argument("--group-size", type=int, default=1)
         parser.add_argument("--steps", type=int, required=True)
         parser.add_argument("--run-dir", type=Path, required=True)
         parser.add_argument("--micro-batches", type=int, required=True)
@@ -127,6 +130,7 @@ class LiveWorker:
         self.collective_timeout = timedelta(seconds=args.collective_timeout_s)
         self.events = EventLog(events_path(args.run_dir), rank=rank)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.update = ShardedUpdate(model, args.group_size, rank)
         self.quorum: Quorum | None = None
         self.group: dist.ProcessGroup | None = None
         self.retired: list[dist.ProcessGroup] = []  # the groups of failed epochs (see collective.py)
@@ -145,7 +149,7 @@ class LiveWorker:
         else:
             quorum = read_quorum(self.store, latest_epoch(self.store))
             if quorum.resume_from is not None:
-                state = safe_torch_load(checkpoint_path(self.run_dir, quorum.resume_from))
+                state = safe_torch_load(checkpoint_path(self.run_dir, quorum.resume_from, self.update.shard))
                 load_state(self.model, self.optimizer, state)
             self.enter(quorum, quorum.start_step)
         while True:
@@ -205,15 +209,25 @@ class LiveWorker:
             raise RuntimeError(f"injected: rank {self.rank}'s collective of step {step} failed after the others' succeeded")
         self.previous = (step, copy.deepcopy(state_of(self.model, self.optimizer)))
         set_grads(self.model, total)
+        self.update.drop_unowned_grads()
         if self.scheduler is not None:
             set_lr(self.optimizer, self.scheduler, step)
         self.optimizer.step()
+        if self.update.sharded:
+            try:
+                self.update.gather(self.group, quorum.members, self.wait)
+            except RuntimeError:
+                load_state(self.model, self.optimizer, self.previous[1])  # this step is not committed here
+                raise
         self.events.emit("live_step", step=step, epoch=quorum.epoch, members=len(quorum.members),
                          micro_batches=mine)
         self.step_index = step + 1
         self.store.set(progress_key(self.rank), str(self.step_index))
-        if self.checkpoint_every and self.step_index % self.checkpoint_every == 0 and quorum.index(self.rank) == 0:
-            atomic_write_bytes(checkpoint_path(self.run_dir, self.step_index),
+        if (self.checkpoint_every and self.step_index % self.checkpoint_every == 0
+                and quorum.index(self.rank) < self.update.group_size):  # the lowest live group's shards
+            path = checkpoint_path(self.run_dir, self.step_index, self.update.shard)
+            path.parent.mkdir(exist_ok=True)
+            atomic_write_bytes(path,
                                state_bytes(state_of(self.model, self.optimizer)))
         if flags:
             self.switch(quorum.epoch + 1)
@@ -274,8 +288,8 @@ class LiveWorker:
             self.store.set(start_key(epoch), str(self.step_index))
         began = time.time()
         self.enter(quorum, self.step_index)
-        sent = broadcast_state(self.group, quorum.index(quorum.source), quorum.index(self.rank), self.model,
-                               self.optimizer, self.wait)
+        sent = send_shards(self.group, quorum, self.rank, self.update.group_size, self.model, self.optimizer,
+                           self.wait)
         self.events.emit("live_switch", step=self.step_index, epoch=epoch, state_bytes=sent,
                          paused_s=time.time() - began)
 
@@ -295,8 +309,8 @@ class LiveWorker:
             time.sleep(0.005)
         start = int(wait_for(self.store, start_key(quorum.epoch), WAIT_S, self.beat))
         self.enter(quorum, start)
-        received = broadcast_state(self.group, quorum.index(quorum.source), quorum.index(self.rank), self.model,
-                                   self.optimizer, self.wait)
+        received = send_shards(self.group, quorum, self.rank, self.update.group_size, self.model, self.optimizer,
+                               self.wait)
         self.previous = None
         self.events.emit("live_joined", step=start, epoch=quorum.epoch, state_bytes=received,
                          waited_s=time.time() - asked)

@@ -40,8 +40,10 @@ def _run(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("live_user_loop")
     outputs = {}
-    for name, overrides in (("clean", ()), ("failed", (f"faults=kill:rank={KILLED},step={KILL_AT}",
-                                                         "fault_tolerance.spares=1"))):
+    # two warm spares, the first made to fail its self-test (the doctor's miscompute fault): the second
+    # replaces the killed rank
+    for name, overrides in (("clean", ()), ("failed", (f"faults=kill:rank={KILLED},step={KILL_AT}; miscompute:rep=0,rank=0",
+                                                         "fault_tolerance.spares=2"))):
         done = _run(root / name, *overrides)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         outputs[name] = done.stdout
@@ -62,6 +64,19 @@ def test_survivors_keep_their_pids_and_the_killed_rank_is_replaced(runs):
     assert len(set(pids[KILLED])) == 2, pids[KILLED]
     kill = next(e for e in _events(runs / "failed") if e["kind"] == "live_kill")
     assert (kill["pid"], kill["target"], kill["step"]) == (pids[KILLED][0], KILLED, KILL_AT)
+
+
+def test_a_spare_that_fails_its_self_test_is_passed_over_for_the_next(runs):
+    runs, _ = runs
+    events = _events(runs / "failed")
+    checked = {e["spare"]: e for e in events if e["kind"] == "live_spare_checked"}
+    assert sorted(checked) == [0, 1] and all(e["checks"] == ["burn-in", "storage"] for e in checked.values())
+    assert not checked[0]["healthy"] and "burn-in spare 0" in checked[0]["reason"]
+    assert checked[1]["healthy"] and checked[1]["reason"] is None
+    excluded = [e for e in events if e["kind"] == "live_spare_excluded"]
+    assert [(e["spare"], e["reason"]) for e in excluded] == [(0, checked[0]["reason"])]
+    replacement = [e["pid"] for e in events if e["kind"] == "live_start" and e["rank"] == KILLED][-1]
+    assert replacement == checked[1]["pid"]
 
 
 def test_the_broken_group_leaves_and_rejoins_with_a_peers_state(runs):

@@ -78,6 +78,7 @@ class FaultToleranceConfig:
     spares: int = 0  # warm spare processes started with the ranks, each replacing a dead rank at once
     hang_s: float = 10.0  # a rank whose heartbeat has not moved this long is declared dead
     collective_timeout_s: float = 30.0  # gloo's timeout of one collective of a rank
+    doctor_spares: bool = True  # a warm spare self-tests (trainguard doctor's burn-in and storage checks) first
 
 
 @dataclass

@@ -3,6 +3,9 @@ the config key ``faults`` or in ``TRAINGUARD_FAULTS`` (which wins, as everywhere
 launcher SIGKILL rank R once it has committed S steps (the steps ``guard.steps`` yields, counted from 0:
 as it starts step S). Several entries are one node's ranks hit together, so they share one step.
 
+A ``miscompute`` entry (the doctor's fault, docs/faults.md) acts in the warm spares' self-test
+(``spare_check``), ``rank=`` naming the spare: that spare is found unhealthy and never used.
+
 The launcher injects the drill, not the rank: every other kind (a closure-mode fault the live ranks do
 not run) and the keys that narrow a kill (``persistent``, ``node``) are refused, with one line naming
 the entry, by the launcher and by each rank, never ignored.
@@ -14,29 +17,43 @@ from trainguard.errors import ConfigError
 from trainguard.faults.injector import active_faults, check_fault_ranks
 
 LIVE_FAULT_KIND = "kill"
+SPARE_FAULT_KIND = "miscompute"  # the doctor's fault: acts in the spares' self-tests (``spare_check``)
 
 
-def live_drill(faults: str | None, world: int, steps: int) -> dict[str, object]:
-    """``LiveRun``'s fault fields for the faults in force (``faults``: the config key's text): none, or
-    ``kill_ranks`` and ``kill_at_step``; a ``ConfigError`` naming the source and the entry otherwise."""
+def live_drill(faults: str | None, world: int, steps: int, spares: int | None = None) -> dict[str, object]:
+    """``LiveRun``'s fault fields for the faults in force (``faults``: the config key's text): none,
+    ``kill_ranks`` and ``kill_at_step``, ``spare_faults`` (``miscompute`` entries, ``rank=`` naming a
+    spare; checked against ``spares`` when the caller knows them); a ``ConfigError`` naming the source
+    and the entry otherwise."""
     source, specs = active_faults(faults)
-    if not specs:
-        return {}
+    kills = [spec for spec in specs if spec.kind != SPARE_FAULT_KIND]
+    spare_faults = [spec for spec in specs if spec.kind == SPARE_FAULT_KIND]
+    for spec in spare_faults:
+        if spares is not None and (spares == 0 or (spec.rank is not None and spec.rank >= spares)):
+            raise ConfigError(f"{source}: fault {spec.text!r}: in a live run, {SPARE_FAULT_KIND} acts in the warm "
+                              f"spares' self-test and rank= names a spare; this run has {spares} spares "
+                              "(fault_tolerance.spares)")
     try:
-        check_fault_ranks(specs, world)
+        check_fault_ranks(kills, world)
     except ConfigError as error:
         raise ConfigError(f"{source}: {error}") from None
-    for spec in specs:
+    for spec in kills:
         if spec.kind != LIVE_FAULT_KIND:
             raise ConfigError(f"{source}: fault {spec.text!r}: a live run drills '{LIVE_FAULT_KIND}:rank=R,step=S' "
-                              f"only (the live launcher SIGKILLs the rank); {spec.kind!r} is a closure-mode fault")
+                              f"only (the live launcher SIGKILLs the rank; '{SPARE_FAULT_KIND}' acts in the "
+                              f"spares' self-test); {spec.kind!r} is a closure-mode fault")
         if spec.persistent or spec.params:
             raise ConfigError(f"{source}: fault {spec.text!r}: a live run's kill takes rank and step only (no "
                               "persistent, no node): it fires once, the launcher's SIGKILL")
         if not 0 < spec.step < steps:
             raise ConfigError(f"{source}: fault {spec.text!r}: step must be between 1 and train.steps - 1 = "
                               f"{steps - 1} (a live run's kill comes after a committed step and before the last)")
-    if len({spec.step for spec in specs}) > 1:
-        raise ConfigError(f"{source}: faults {'; '.join(spec.text for spec in specs)!r}: a live run's kills hit "
+    if len({spec.step for spec in kills}) > 1:
+        raise ConfigError(f"{source}: faults {'; '.join(spec.text for spec in kills)!r}: a live run's kills hit "
                           "their ranks together (a node's), so they name one step")
-    return {"kill_ranks": tuple(dict.fromkeys(spec.rank for spec in specs)), "kill_at_step": specs[0].step}
+    drill: dict[str, object] = {}
+    if kills:
+        drill.update(kill_ranks=tuple(dict.fromkeys(spec.rank for spec in kills)), kill_at_step=kills[0].step)
+    if spare_faults:
+        drill["spare_faults"] = "; ".join(spec.text for spec in spare_faults)
+    return drill

@@ -23,7 +23,7 @@ from trainguard.events import EventLog
 from trainguard.live.drill import live_drill
 from trainguard.live.files import events_path, newest_checkpoint
 from trainguard.live.lighthouse import Lighthouse
-from trainguard.live.quorum import progress_key, spare_key, spare_ready_key
+from trainguard.live.quorum import progress_key, spare_failed_key, spare_key, spare_ready_key
 
 LIVE, RESTART = "live", "restart"
 
@@ -45,6 +45,8 @@ class LiveRun:
     # error, no death): the others committed the step, it did not; they undo it and all redo it
     transient: tuple[int, int] | None = None
     spares: int = 0  # warm spare processes (torch imported, waiting) that replace dead ranks first
+    doctor_spares: bool = True  # each spare self-tests first (``spare_check``); one that fails is passed over
+    spare_faults: str = ""  # drill: ``miscompute`` entries for the spares' self-tests (``live.drill``)
     recovery: str = LIVE  # or RESTART: today's recovery, every rank started again
     timeout_s: float = 240.0
     # separate nodes: the node of each replica group, then of each spare; a rank's command is started
@@ -94,10 +96,11 @@ class LiveRun:
         if config.train.micro_batches < groups * group_size:  # every rank computes at least one of them
             raise ConfigError(f"{source}: config key 'train.micro_batches' must be ≥ the ranks of the live run "
                               f"(parallel.dp_replicate × dp_shard = {groups * group_size}), got {config.train.micro_batches}")
-        faults = live_drill(config.faults, groups * group_size, config.train.steps)
+        faults = live_drill(config.faults, groups * group_size, config.train.steps, tolerance.spares)
         return cls(groups=groups, group_size=group_size, steps=config.train.steps,
                    micro_batches=config.train.micro_batches, spares=tolerance.spares, hang_s=tolerance.hang_s,
-                   collective_timeout_s=tolerance.collective_timeout_s, **{**faults, **drill})
+                   collective_timeout_s=tolerance.collective_timeout_s, doctor_spares=tolerance.doctor_spares,
+                   **{**faults, **drill})
 
 
 @dataclass
@@ -122,6 +125,8 @@ def _spawn(run: LiveRun, rank: int, store_port: int, run_dir: Path, rejoin: bool
                "--micro-batches", str(run.micro_batches), "--micro-batch-s", str(run.micro_batch_s),
                "--checkpoint-every", str(run.checkpoint_every),
                "--collective-timeout-s", str(run.collective_timeout_s)] + (["--rejoin"] if rejoin else [])
+    if spare is not None and run.doctor_spares:
+        command += ["--doctor"] + (["--doctor-faults", run.spare_faults] if run.spare_faults else [])
     if run.transient is not None and run.transient[0] == rank and not rejoin:
         command += ["--fail-after-reduce", str(run.transient[1])]
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -145,6 +150,9 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
     def replace(rank: int) -> None:
         result.replaced_at[rank] = time.time()
         lighthouse.died(rank)
+        while spares and store.check([spare_failed_key(spares[0][0])]):  # failed its self-test: never used
+            index, _ = spares.pop(0)
+            events.emit("live_spare_excluded", spare=index, reason=store.get(spare_failed_key(index)).decode())
         if spares:
             index, procs[rank] = spares.pop(0)
             store.set(spare_key(index), str(rank))
@@ -155,8 +163,9 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
         while any(p.returncode is None for p in procs.values()):
             if time.monotonic() - began > run.timeout_s:
                 raise RuntimeError(f"live run did not finish within {run.timeout_s:.0f} s")
-            # the drill's fault waits for the spares to be warm (a spare still starting is a cold one)
-            warm = all(store.check([spare_ready_key(i)]) for i, _ in spares)
+            # the drill's fault waits for the spares to be warm or found unhealthy (a spare still starting
+            # or self-testing is a cold one)
+            warm = all(store.check([spare_ready_key(i)]) or store.check([spare_failed_key(i)]) for i, _ in spares)
             if run.kill_ranks and result.killed_at is None and warm and _progress(store, run.kill_ranks[0]) >= run.kill_at_step:
                 for rank in run.kill_ranks:
                     os.kill(procs[rank].pid, signal.SIGKILL if run.fault == "kill" else signal.SIGSTOP)

@@ -52,6 +52,11 @@ def spare_ready_key(index: int) -> str:
     return f"spare_ready/{index}"
 
 
+def spare_failed_key(index: int) -> str:
+    """Set by a spare whose self-test failed (the reason): the launcher never hands it a rank."""
+    return f"spare_failed/{index}"
+
+
 def done_key(rank: int) -> str:
     """Set by a rank that has written its final state: it beats no more and is not hung."""
     return f"done/{rank}"

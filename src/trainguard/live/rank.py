@@ -25,10 +25,14 @@ import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
-from trainguard.live.quorum import spare_key, spare_ready_key, wait_for
+from trainguard.events import EventLog
+from trainguard.live.files import events_path
+from trainguard.live.quorum import spare_failed_key, spare_key, spare_ready_key, wait_for
+from trainguard.live.spare_check import check_spare
 from trainguard.live.worker import (FENCED_EXIT, WAIT_S, Fenced, LiveArgs, LiveWorker, MicroBatchLoss, SampleRange,
                                     micro_batch_grad)
 
+SPARE_UNHEALTHY_EXIT = 5  # a spare that failed its self-test ends with this code, unused
 SPARE_WAIT_S = 24 * 3600.0  # a spare waits as long as a run lasts; the launcher ends it if unused
 
 
@@ -53,6 +57,8 @@ class LiveRank:
         store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=WAIT_S))
         rank, rejoin = args.rank, args.rejoin
         if args.spare is not None:
+            if args.doctor and not self.spare_is_healthy(store):
+                return
             # warm: torch loads parts of itself at the first optimizer and the first backward (seconds on a
             # loaded machine), so a spare goes through both once, on a copy, before it says it is ready;
             # copied together, so the copied optimizer steps the copied parameters
@@ -67,6 +73,22 @@ class LiveRank:
         except Fenced as fenced:
             print(f"live recovery: {fenced}; exiting", file=sys.stderr)
             self.exit_code = FENCED_EXIT
+
+    def spare_is_healthy(self, store: dist.Store) -> bool:
+        """The spare's self-test; a failure is an event, a store key the launcher reads, and this
+        process's exit code (``SPARE_UNHEALTHY_EXIT``)."""
+        args = self.args
+        report = check_spare(args.run_dir, args.spare, args.doctor_faults)
+        events = EventLog(events_path(args.run_dir), rank=None)
+        events.emit("live_spare_checked", spare=args.spare, pid=os.getpid(), healthy=report.healthy,
+                    reason=report.reason, checks=[check.check for check in report.checks],
+                    seconds=sum(check.seconds for check in report.checks))
+        events.close()
+        if not report.healthy:
+            store.set(spare_failed_key(args.spare), report.reason)
+            print(f"live recovery: spare {args.spare} failed its self-test: {report.reason}", file=sys.stderr)
+            self.exit_code = SPARE_UNHEALTHY_EXIT
+        return report.healthy
 
     def close(self) -> NoReturn:
         """Ends this process: 0, or ``FENCED_EXIT`` for a stale process of a rank that was replaced."""

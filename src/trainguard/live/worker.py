@@ -73,6 +73,8 @@ class LiveArgs:
     collective_timeout_s: float
     rejoin: bool
     fail_after_reduce: int | None  # drill: treat this step's all-reduce as failed here, once
+    doctor: bool  # a spare: self-test before saying it is ready (``spare_check``)
+    doctor_faults: str | None  # drill: ``miscompute`` entries for the spares' self-tests
 
     @classmethod
     def parse(cls, argv: list[str] | None = None) -> LiveArgs:
@@ -92,6 +94,8 @@ class LiveArgs:
         parser.add_argument("--collective-timeout-s", type=float, default=30.0)
         parser.add_argument("--rejoin", action="store_true")
         parser.add_argument("--fail-after-reduce", type=int)
+        parser.add_argument("--doctor", action="store_true")
+        parser.add_argument("--doctor-faults")
         known, _ = parser.parse_known_args(argv)
         return cls(**vars(known))
 

@@ -39,7 +39,8 @@ def test_a_nodes_ranks_are_killed_together_and_the_environment_wins(monkeypatch)
 
 @pytest.mark.parametrize("faults, message", [
     ("hang:rank=1,step=3", "fault 'hang:rank=1,step=3': a live run drills 'kill:rank=R,step=S' only (the live "
-                           "launcher SIGKILLs the rank); 'hang' is a closure-mode fault"),
+                           "launcher SIGKILLs the rank; 'miscompute' acts in the spares' self-test); 'hang' is a "
+                           "closure-mode fault"),
     ("kill:rank=1,step=3,persistent=1", "a live run's kill takes rank and step only"),
     ("kill:rank=1,step=3,node=node0", "a live run's kill takes rank and step only"),
     ("kill:rank=4,step=3", "rank 4 is outside the world size 4"),
@@ -53,6 +54,18 @@ def test_what_a_live_run_does_not_drill_is_one_error_naming_the_entry(faults, me
     with pytest.raises(ConfigError, match=r"^config key 'faults': ") as error:
         live_drill(faults, world=4, steps=20)
     assert message in str(error.value)
+
+
+def test_a_miscompute_entry_is_the_spares_self_test_fault_and_names_a_spare():
+    run = LiveRun.from_config(load_config(None, [*LIVE_LAYOUT, "fault_tolerance.spares=2",
+                                                 "faults=kill:rank=3,step=5; miscompute:rep=0,rank=1"]))
+    assert (run.kill_ranks, run.spare_faults, run.doctor_spares) == ((3,), "miscompute:rep=0,rank=1", True)
+    assert live_drill("miscompute:rep=2", world=4, steps=20) == {"spare_faults": "miscompute:rep=2"}
+    for spares, faults in ((2, "miscompute:rep=0,rank=2"), (0, "miscompute:rep=0")):
+        with pytest.raises(ConfigError, match=rf"^config key 'faults': fault '{faults}': in a live run, miscompute "
+                                              rf"acts in the warm spares' self-test and rank= names a spare; this "
+                                              rf"run has {spares} spares"):
+            live_drill(faults, world=4, steps=20, spares=spares)
 
 
 def test_a_rank_in_live_mode_leaves_the_kill_to_the_launcher_and_refuses_any_other_fault(tmp_path, monkeypatch):

@@ -165,3 +165,28 @@ def test_a_transient_failure_is_undone_and_redone_bitwise_on_another_layout(dril
     whole = whole_final_state(root / "clean", GROUP)
     assert bitwise_differences(whole_final_state(tmp_path / "transient", 1), whole) == []
     assert sample_problems(events, STEPS, Workload().samples_per_step) == []
+
+
+def test_a_second_failure_during_the_join_sends_the_group_out_again_and_it_rejoins_bitwise(drill, tmp_path):
+    """Rank 3 is SIGKILLed after step 10; its replacement (a warm spare) is SIGKILLed too as soon as the
+    lighthouse lets its group in, before the state transfer finished: rank 2, the other joiner, reports
+    no state, the group leaves again, the survivors carry on, and the second spare brings the group back.
+    Ranks 0-2 keep their processes; the end state is the fault-free run's, bit for bit."""
+    root, _ = drill
+    run = dataclasses.replace(FAILING, spares=2, kill_joiner=True)
+    result = launch(tmp_path / "twice", run)
+    assert result.joiner_killed_at is not None and result.replacements == {KILLED: 2}
+    assert all(result.last_pids[r] == result.first_pids[r] for r in range(WORLD) if r != KILLED)
+    events = _events(tmp_path / "twice")
+    kills = [e for e in events if e["kind"] == "live_kill"]
+    assert [e["target"] for e in kills] == [KILLED, KILLED] and kills[1].get("during_join") is not None
+    quorums = [e for e in events if e["kind"] == "live_quorum"]
+    assert [(q["members"], q["joining"]) for q in quorums] == [
+        ([0, 1, 2, 3], []), ([0, 1], []), ([0, 1, 2, 3], [2, 3]), ([0, 1], []), ([0, 1, 2, 3], [2, 3])]
+    assert quorums[3]["left"] == [2, 3] and quorums[3]["epoch"] == kills[1]["during_join"] + 1
+    # rank 2 was let in twice, the first time left with no state; it joined once
+    assert [e["step"] for e in events if e["kind"] == "live_collective_failed" and e["rank"] == 2
+            and e["epoch"] == kills[1]["during_join"]] == [None]
+    assert sorted(e["rank"] for e in events if e["kind"] == "live_joined") == [2, 3]
+    assert run_differences(root / "clean", tmp_path / "twice", WORLD) == {}
+    assert sample_problems(events, STEPS, Workload().samples_per_step) == []

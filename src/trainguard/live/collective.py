@@ -12,8 +12,10 @@ not shorten that wait on gloo; so the worker keeps every retired group until it 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -30,6 +32,36 @@ def abort_key(epoch: int) -> str:
 
 def end_epoch(store: dist.Store, epoch: int) -> None:
     store.set(abort_key(epoch), "1")
+
+
+def make_group(store: dist.TCPStore, epoch: int, index: int, size: int, timeout: timedelta,
+               beat: Callable[[], None]) -> dist.ProcessGroup:
+    """The epoch's gloo group, on the store prefix ``pg/<epoch>``. Its constructor connects to every
+    member and blocks until they all have (up to ``timeout``): a member that died meanwhile (a second
+    failure during a join) would keep this rank there, silent. So it is built in a thread while this
+    rank beats and watches ``abort/<epoch>``; an abandoned build ends on its own at ``timeout``. The
+    build gets a store connection of its own: one client serialises its calls, and the build's blocking
+    reads would hold up this rank's heartbeats behind them."""
+    built: list[dist.ProcessGroup] = []
+    failed: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            connection = dist.TCPStore(store.host, store.port, is_master=False, timeout=timeout)
+            built.append(dist.ProcessGroupGloo(dist.PrefixStore(f"pg/{epoch}", connection), index, size, timeout))
+        except Exception as error:  # surfaced by the waiting thread, or dropped with an abandoned build
+            failed.append(error)
+
+    thread = threading.Thread(target=build, name=f"gloo-group-{epoch}", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        beat()
+        if store.check([abort_key(epoch)]):
+            raise EpochAborted(f"epoch {epoch} ended while this rank connected to its group")
+        thread.join(POLL_S)
+    if failed:
+        raise RuntimeError(f"epoch {epoch}: its gloo group could not be built: {failed[0]}")
+    return built[0]
 
 
 def wait(work: dist.Work, store: dist.Store, epoch: int, beat: Callable[[], None]) -> None:

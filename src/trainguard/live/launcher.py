@@ -44,6 +44,9 @@ class LiveRun:
     # (rank, step): that rank's all-reduce of that step fails after the others' succeeded (a transient
     # error, no death): the others committed the step, it did not; they undo it and all redo it
     transient: tuple[int, int] | None = None
+    kill_joiner: bool = False  # drill: SIGKILL the first killed rank's replacement too, once it is let in (a
+    # second failure during the join)
+    max_replacements: int = 16  # a run whose ranks died more often than this ends (something is wrong with it)
     spares: int = 0  # warm spare processes (torch imported, waiting) that replace dead ranks first
     doctor_spares: bool = True  # each spare self-tests first (``spare_check``); one that fails is passed over
     spare_faults: str = ""  # drill: ``miscompute`` entries for the spares' self-tests (``live.drill``)
@@ -109,7 +112,9 @@ class LiveResult:
     first_pids: dict[int, int]  # rank -> pid of its first process
     last_pids: dict[int, int]  # rank -> pid of the process that finished it
     killed_at: float | None = None  # time.time() of the SIGKILL
-    replaced_at: dict[int, float] = field(default_factory=dict)  # rank -> time.time() of its new start
+    replaced_at: dict[int, float] = field(default_factory=dict)  # rank -> time.time() of its newest start
+    replacements: dict[int, int] = field(default_factory=dict)  # rank -> how many times it was replaced
+    joiner_killed_at: float | None = None  # the kill_joiner drill's SIGKILL
     exit_codes: dict[int, int] = field(default_factory=dict)
     fenced_exit_codes: dict[int, int | None] = field(default_factory=dict)  # pid of a fenced process ->
     # its exit code (None: still silent at the end, killed then)
@@ -134,7 +139,9 @@ def _spawn(run: LiveRun, rank: int, store_port: int, run_dir: Path, rejoin: bool
 
 
 def launch(run_dir: Path, run: LiveRun) -> LiveResult:
-    """Runs to the end; raises RuntimeError when a rank fails without being the injected kill."""
+    """Runs to the end. In live recovery every rank that dies (the drill's or not) is replaced while
+    the others keep stepping, up to ``run.max_replacements``; in restart mode only the drill's kill is
+    recovered. Raises RuntimeError otherwise, or when the run outlasts ``run.timeout_s``."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "checkpoints").mkdir(exist_ok=True)
     (run_dir / "final").mkdir(exist_ok=True)
@@ -149,6 +156,7 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
 
     def replace(rank: int) -> None:
         result.replaced_at[rank] = time.time()
+        result.replacements[rank] = result.replacements.get(rank, 0) + 1
         lighthouse.died(rank)
         while spares and store.check([spare_failed_key(spares[0][0])]):  # failed its self-test: never used
             index, _ = spares.pop(0)
@@ -172,15 +180,25 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
                     events.emit("live_kill", step=run.kill_at_step, target=rank, pid=procs[rank].pid,
                                 signal=run.fault)
                 result.killed_at = time.time()
+            joiner = run.kill_ranks[0] if run.kill_joiner and run.kill_ranks else None
+            if joiner in lighthouse.quorum.joining and result.joiner_killed_at is None:
+                os.kill(procs[joiner].pid, signal.SIGKILL)
+                events.emit("live_kill", step=None, target=joiner, pid=procs[joiner].pid, signal="kill",
+                            during_join=lighthouse.quorum.epoch)
+                result.joiner_killed_at = time.time()
             for rank, proc in list(procs.items()):
                 code = proc.poll()
                 if code is None or code == 0:
                     continue
-                if result.killed_at is None or rank not in run.kill_ranks or rank in result.replaced_at:
-                    raise RuntimeError(f"live run: rank {rank} exited with {code}")
-                if run.recovery == LIVE:
+                if run.recovery == LIVE:  # any death, the drill's or not: the others keep stepping
+                    events.emit("live_exit", step=None, target=rank, pid=proc.pid, code=code)
+                    if sum(result.replacements.values()) >= run.max_replacements:
+                        raise RuntimeError(f"live run: rank {rank} exited with {code}, after "
+                                           f"{run.max_replacements} replacements (LiveRun.max_replacements)")
                     replace(rank)
                     continue
+                if result.killed_at is None or rank not in run.kill_ranks or rank in result.replaced_at:
+                    raise RuntimeError(f"live run: rank {rank} exited with {code}")
                 # today's recovery: every rank killed and started again, once for all the killed ranks
                 for other in procs.values():
                     if other.poll() is None:

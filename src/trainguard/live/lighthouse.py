@@ -13,6 +13,8 @@ ranks (the replacement and the group's survivors) has asked to join.
 - Failure: once every live member of the current epoch has reported its last committed step (each
   does after its collective fails), the next epoch is the members of the intact groups, starting at
   the smallest step they committed.
+- A second failure during a join: the joiners whose transfer did not finish report no state; their
+  group leaves again with the dead rank's (and asks again), and the others carry on as in a failure.
 - Join: once a whole broken group has asked, the next epoch is everyone, with the group's ranks as
   joiners and the lowest survivor as the state's source; the survivors fix its first step (the
   boundary after their collective told them all about it).
@@ -111,7 +113,9 @@ class Lighthouse:
         return self.quorum
 
     def _shrink(self, failed: set[int], reported: dict[int, int]) -> None:
-        broken = {self.group_of(r) for r in failed}
+        # a joiner whose state transfer did not finish (a second failure during the join) holds no state
+        # its group could step from: the group leaves again and asks again
+        broken = {self.group_of(r) for r in failed} | {self.group_of(r) for r, step in reported.items() if step < 0}
         self.broken |= broken
         members = [r for r in self.quorum.members if self.group_of(r) not in self.broken]
         if not members:

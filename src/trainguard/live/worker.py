@@ -42,6 +42,7 @@ from trainguard.live.transfer import load_state, send_shards, state_of
 from trainguard.live.files import checkpoint_path, events_path, final_path, state_bytes
 
 FENCED_EXIT = 3  # a stale process that found itself fenced ends with this code
+NO_STATE = -1  # reported by a joiner whose state transfer failed: its group cannot step from it
 
 WAIT_S = 120.0  # the longest a rank waits for the lighthouse (a new epoch, a join's start step)
 BEAT_S = 0.05  # the most often a rank raises its heartbeat counter
@@ -157,13 +158,13 @@ class LiveWorker:
                 load_state(self.model, self.optimizer, state)
             self.enter(quorum, quorum.start_step)
         while True:
-            if self.step_index >= self.steps:
-                if self.quorum.members == list(range(self.world)):
-                    break
-                self.switch(self.wait_for_join_epoch())  # the replacement joins at the last boundary
-                continue
             step = self.step_index
             try:
+                if step >= self.steps:
+                    if self.quorum.members == list(range(self.world)):
+                        break
+                    self.switch(self.wait_for_join_epoch())  # the replacement joins at the last boundary
+                    continue
                 self.step()
             except RuntimeError as error:  # gloo's errors (a peer died, a timeout) and EpochAborted
                 self.recover(error)
@@ -176,9 +177,8 @@ class LiveWorker:
     def enter(self, quorum: Quorum, start_step: int) -> None:
         """Makes this epoch's process group (a fresh store prefix: no state of the old one is reused)."""
         self.quorum, self.step_index = quorum, start_step
-        prefix = dist.PrefixStore(f"pg/{quorum.epoch}", self.store)
-        self.group = dist.ProcessGroupGloo(prefix, quorum.index(self.rank), len(quorum.members),
-                                          self.collective_timeout)
+        self.group = collective.make_group(self.store, quorum.epoch, quorum.index(self.rank), len(quorum.members),
+                                           self.collective_timeout, self.beat)
 
     def wait(self, work: dist.Work) -> None:
         collective.wait(work, self.store, self.quorum.epoch, self.beat)
@@ -247,21 +247,28 @@ class LiveWorker:
                 self.beat()
                 time.sleep(0.005)
 
-    def recover(self, error: RuntimeError) -> None:
-        epoch, committed = self.quorum.epoch, self.step_index
+    def leave_epoch(self, error: RuntimeError, committed: int) -> Quorum:
+        """Ends the current epoch on this rank after its collective failed: reports ``committed`` (the
+        last step it committed, or ``NO_STATE`` for a joiner whose transfer did not finish) and returns
+        the lighthouse's next epoch."""
+        epoch = self.quorum.epoch
         fence = self.store.get(fence_key(self.rank)) if has(self.store, fence_key(self.rank)) else None
         if fence is not None and int(fence) >= epoch:
             # declared dead in this epoch (silent behind a cut link, now back): another process holds
             # this rank; reporting or asking to join would put two of it in a quorum
-            self.events.emit("live_fenced", step=committed, epoch=epoch, fence_epoch=int(fence), pid=os.getpid())
+            self.events.emit("live_fenced", step=self.step_index, epoch=epoch, fence_epoch=int(fence), pid=os.getpid())
             raise Fenced(f"rank {self.rank} (pid {os.getpid()}) was fenced in epoch {int(fence)}")
-        failed_at = time.time()
         collective.end_epoch(self.store, epoch)  # the members still blocked learn it now
         self.retired.append(self.group)  # destroying it would block until its pending operation times out
         self.group = None
         self.store.set(report_key(epoch, self.rank), str(committed))
-        self.events.emit("live_collective_failed", step=committed, epoch=epoch, error=f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
-        quorum = Quorum.from_json(wait_for(self.store, epoch_key(epoch + 1), WAIT_S, self.beat))
+        self.events.emit("live_collective_failed", step=None if committed == NO_STATE else committed, epoch=epoch,
+                         error=f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
+        return Quorum.from_json(wait_for(self.store, epoch_key(epoch + 1), WAIT_S, self.beat))
+
+    def recover(self, error: RuntimeError) -> None:
+        epoch, committed, failed_at = self.quorum.epoch, self.step_index, time.time()
+        quorum = self.leave_epoch(error, committed)
         if self.rank not in quorum.members:
             self.join()
             return
@@ -298,23 +305,37 @@ class LiveWorker:
                          paused_s=time.time() - began)
 
     def join(self) -> None:
-        """A joiner's side: ask, wait for an epoch that names this rank, receive the state at its start."""
+        """A joiner's side: ask, wait for an epoch that names this rank, receive the state at its start.
+        A failure during the transfer (a peer died: a second failure during the join) ends that epoch
+        with no state to report (``NO_STATE``); the group is out again, and this rank asks again."""
         asked = time.time()
-        self.store.add(ready_key(self.rank), 1)
-        self.events.emit("live_join_wait", step=None)
+        while True:
+            # only an epoch published after this request answers it: an older join epoch naming this rank
+            # let in a process of it that died (this one replaces it; entering that epoch would fence it)
+            asked_in = latest_epoch(self.store)
+            self.store.add(ready_key(self.rank), 1)
+            self.events.emit("live_join_wait", step=None)
+            quorum = self.wait_to_be_let_in(asked_in)
+            start = int(wait_for(self.store, start_key(quorum.epoch), WAIT_S, self.beat))
+            try:
+                self.enter(quorum, start)
+                received = send_shards(self.group, quorum, self.rank, self.update.group_size, self.model,
+                                       self.optimizer, self.wait)
+            except RuntimeError as error:
+                self.leave_epoch(error, NO_STATE)
+                continue
+            break
+        self.previous = None
+        self.events.emit("live_joined", step=start, epoch=quorum.epoch, state_bytes=received,
+                         waited_s=time.time() - asked)
+
+    def wait_to_be_let_in(self, asked_in: int) -> Quorum:
         deadline = time.monotonic() + WAIT_S
         while True:
             quorum = read_quorum(self.store, latest_epoch(self.store))
-            if self.rank in quorum.joining:
-                break
+            if quorum.epoch > asked_in and self.rank in quorum.joining:
+                return quorum
             self.beat()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"live recovery: rank {self.rank} was not let in within {WAIT_S:.0f} s")
             time.sleep(0.005)
-        start = int(wait_for(self.store, start_key(quorum.epoch), WAIT_S, self.beat))
-        self.enter(quorum, start)
-        received = send_shards(self.group, quorum, self.rank, self.update.group_size, self.model, self.optimizer,
-                               self.wait)
-        self.previous = None
-        self.events.emit("live_joined", step=start, epoch=quorum.epoch, state_bytes=received,
-                         waited_s=time.time() - asked)

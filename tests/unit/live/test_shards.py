@@ -52,13 +52,14 @@ def test_two_shards_stepping_their_parameters_and_gathering_equal_one_unsharded_
     _grads(reference)
     optimizer.step()
     store = dist.HashStore()
+    models = [_model() for _ in range(2)]  # here: the global RNG is not the threads' to share
     results: dict[int, dict] = {}
     errors: list[BaseException] = []
 
     def rank_main(rank: int) -> None:
         try:
             group = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=30))
-            model = _model()
+            model = models[rank]
             opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.01)
             _grads(model)
             update = ShardedUpdate(model, 2, rank)

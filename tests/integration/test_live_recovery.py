@@ -153,3 +153,34 @@ def test_a_transient_failure_is_undone_and_redone_bitwise_on_another_layout(dril
     for rank in range(2):
         assert bitwise_differences(safe_torch_load(final_path(tmp_path / "transient", rank)), reference) == [], rank
     assert sample_problems(events, STEPS, Workload().samples_per_step) == []
+
+
+def test_a_peer_alive_but_out_of_the_all_reduce_is_excluded_within_the_stall_bound(drill, tmp_path):
+    """A partial cut, from the others' side: rank 3 stays out of its all-reduce of step 10, alive,
+    beating and reachable through the store (``stall_collective``). gloo's collective timeout is set to
+    120 s, so only the lighthouse's stall watch can explain a resume within the stall bound: it ends the
+    epoch, excludes rank 3's replica group, the survivors step on, and the group (the same processes)
+    rejoins. Nobody is restarted; the end state is the fault-free run's bit for bit."""
+    root, _ = drill
+    run = dataclasses.replace(FAILING, kill_ranks=(), spares=0, stall_collective=(3, 10), collective_timeout_s=120.0)
+    result = launch(tmp_path / "stall", run)
+    assert result.last_pids == result.first_pids and set(result.exit_codes.values()) == {0}
+    events = _events(tmp_path / "stall")
+    drilled = next(e for e in events if e["kind"] == "live_stall_drill")
+    assert (drilled["rank"], drilled["step"]) == (3, 10)
+    (stall,) = [e for e in events if e["kind"] == "live_stall"]
+    assert (stall["step"], stall["absent"], stall["waiting"], stall["excluded"]) == (10, [3], [0, 1, 2], [2, 3])
+    assert run.stall_s <= stall["bound_s"] <= stall["waited_s"]
+    quorums = [e for e in events if e["kind"] == "live_quorum"]
+    assert [q["members"] for q in quorums] == [[0, 1, 2, 3], [0, 1], [0, 1, 2, 3]]
+    assert quorums[1]["step"] == 10 and "stalled" in quorums[1]["reason"] and quorums[2]["joining"] == [2, 3]
+    resumed = {e["rank"]: e for e in events if e["kind"] == "live_resumed" and e["epoch"] == 1}
+    assert sorted(resumed) == [0, 1]
+    for event in resumed.values():  # the stall bound plus a loaded machine's margin, far below gloo's 120 s
+        assert event["time"] - drilled["time"] < min(stall["bound_s"] + 20.0, run.collective_timeout_s / 2)
+    degraded = [e for e in events if e["kind"] == "live_step" and e["members"] == 2]
+    assert degraded and {e["rank"] for e in degraded} == {0, 1}
+    reference = safe_torch_load(final_path(root / "clean", 0))
+    for rank in range(WORLD):
+        assert bitwise_differences(safe_torch_load(final_path(tmp_path / "stall", rank)), reference) == [], rank
+    assert sample_problems(events, STEPS, Workload().samples_per_step) == []

@@ -78,6 +78,10 @@ class FaultToleranceConfig:
     spares: int = 0  # warm spare processes started with the ranks, each replacing a dead rank at once
     hang_s: float = 10.0  # a rank whose heartbeat has not moved this long is declared dead
     collective_timeout_s: float = 30.0  # gloo's timeout of one collective of a rank
+    # a step's all-reduce entered and not left for max(stall_s, stall_steps × the median step time so
+    # far) is stalled (a partial cut: the peers unreachable, the store not; live/stall.py)
+    stall_s: float = 5.0
+    stall_steps: float = 10.0
 
 
 @dataclass

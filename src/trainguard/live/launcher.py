@@ -41,9 +41,16 @@ class LiveRun:
     kill_at_step: int = 0  # first of them has committed this many steps
     fault: str = "kill"  # "kill": SIGKILL; "stop": SIGSTOP (a hang, or a cut link: alive, silent)
     hang_s: float = 10.0  # a member silent this long is hung (the lighthouse's heartbeat timeout)
+    # an all-reduce entered and not left for max(stall_s, stall_steps × the median step time) is stalled
+    # (a partial cut: peers unreachable, store reachable; live/stall.py)
+    stall_s: float = 5.0
+    stall_steps: float = 10.0
     # (rank, step): that rank's all-reduce of that step fails after the others' succeeded (a transient
     # error, no death): the others committed the step, it did not; they undo it and all redo it
     transient: tuple[int, int] | None = None
+    # (rank, step): that rank stays out of that step's all-reduce, alive and beating, until the epoch
+    # ends (a peer that never takes part: a partial cut, from the others' side)
+    stall_collective: tuple[int, int] | None = None
     spares: int = 0  # warm spare processes (torch imported, waiting) that replace dead ranks first
     recovery: str = LIVE  # or RESTART: today's recovery, every rank started again
     timeout_s: float = 240.0
@@ -97,6 +104,7 @@ class LiveRun:
         faults = live_drill(config.faults, groups * group_size, config.train.steps)
         return cls(groups=groups, group_size=group_size, steps=config.train.steps,
                    micro_batches=config.train.micro_batches, spares=tolerance.spares, hang_s=tolerance.hang_s,
+                   stall_s=tolerance.stall_s, stall_steps=tolerance.stall_steps,
                    collective_timeout_s=tolerance.collective_timeout_s, **{**faults, **drill})
 
 
@@ -124,6 +132,8 @@ def _spawn(run: LiveRun, rank: int, store_port: int, run_dir: Path, rejoin: bool
                "--collective-timeout-s", str(run.collective_timeout_s)] + (["--rejoin"] if rejoin else [])
     if run.transient is not None and run.transient[0] == rank and not rejoin:
         command += ["--fail-after-reduce", str(run.transient[1])]
+    if run.stall_collective is not None and run.stall_collective[0] == rank and not rejoin:
+        command += ["--stall-collective", str(run.stall_collective[1])]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.Popen(command, env=env)
 
@@ -139,7 +149,7 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
     (run_dir / "final").mkdir(exist_ok=True)
     store = dist.TCPStore(run.store_host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     events = EventLog(events_path(run_dir), rank=-1)
-    lighthouse = Lighthouse(store, run.world, run.group_size, events, run.hang_s)
+    lighthouse = Lighthouse(store, run.world, run.group_size, events, run.hang_s, run.stall_s, run.stall_steps)
     began = time.monotonic()
     procs = {rank: _spawn(run, rank, store.port, run_dir, rejoin=False) for rank in range(run.world)}
     spares = [(i, _spawn(run, -1, store.port, run_dir, rejoin=True, spare=i)) for i in range(run.spares)]

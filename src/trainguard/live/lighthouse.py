@@ -10,6 +10,10 @@ ranks (the replacement and the group's survivors) has asked to join.
   is a death from then on. A death is fenced by epoch (``fence/<rank>``): a process of that rank whose
   epoch is not newer stops at its next contact with the store instead of coming back (a node behind a
   cut link cannot be signalled; where the launcher can, it also SIGKILLs it).
+- Stall (a partial cut: the peers unreachable, the store not): the current step's all-reduce entered
+  and not left within the stall bound (``live/stall.py``); the lighthouse ends the epoch and the
+  replica groups it excludes leave the next one, to rejoin like a broken group. Nobody is fenced: their
+  processes are alive and rejoin themselves.
 - Failure: once every live member of the current epoch has reported its last committed step (each
   does after its collective fails), the next epoch is the members of the intact groups, starting at
   the smallest step they committed.
@@ -29,18 +33,22 @@ import torch.distributed as dist
 from trainguard.events import EventLog
 from trainguard.live.collective import end_epoch
 from trainguard.live.quorum import Quorum, beat_key, done_key, fence_key, has, publish, ready_key, report_key
+from trainguard.live.stall import StallWatch, excluded_groups
 
 
 LOOKED_AWAY_S = 1.0  # a gap between two looks at the heartbeats longer than this resets every window
 
 
 class Lighthouse:
-    def __init__(self, store: dist.Store, world: int, group_size: int, events: EventLog, hang_s: float):
+    def __init__(self, store: dist.Store, world: int, group_size: int, events: EventLog, hang_s: float,
+                 stall_s: float, stall_steps: float):
         if world % group_size:
             raise ValueError(f"group_size={group_size} does not divide the world of {world} ranks")
         self.store, self.world, self.group_size, self.events = store, world, group_size, events
         self.dead: set[int] = set()
         self.hang_s = hang_s
+        self.stalls = StallWatch(store, stall_s, stall_steps)
+        self.stalled: tuple[int, list[int]] | None = None  # (step, excluded groups) of the epoch ending
         self.fenced: set[int] = set()  # ranks found hung, killed by the launcher
         self.last_check = time.monotonic()
         self.beats: dict[int, tuple[int, float]] = {}  # rank -> (its counter, when the lighthouse saw it move)
@@ -95,6 +103,8 @@ class Lighthouse:
             if set(quorum.members) - self.dead <= set(reported):
                 self._shrink(failed, reported)
             return
+        if self.stalled is None and self._stall(quorum):
+            return
         for group in sorted(self.broken):
             ranks = self.ranks_of(group)
             if all(int(self.store.add(ready_key(r), 0)) > self.asked[r] for r in ranks):
@@ -110,16 +120,38 @@ class Lighthouse:
         self._emit(self.quorum)
         return self.quorum
 
+    def _stall(self, quorum: Quorum) -> bool:
+        """Ends the epoch if its all-reduce stalled and some replica groups can be excluded."""
+        judged = [r for r in quorum.members if not has(self.store, done_key(r))]
+        stall = self.stalls.look(quorum, judged)
+        if stall is None:
+            return False
+        excluded = excluded_groups(quorum.members, stall.absent, self.group_of)
+        self.events.emit("live_stall", step=stall.step, epoch=quorum.epoch, waiting=stall.waiting,
+                         absent=stall.absent, waited_s=stall.waited_s, bound_s=stall.bound_s,
+                         excluded=[r for g in excluded for r in self.ranks_of(g)])
+        if not excluded:  # it would be every group: left to gloo's collective timeout
+            return False
+        self.stalled = (stall.step, excluded)
+        end_epoch(self.store, quorum.epoch)
+        return True
+
     def _shrink(self, failed: set[int], reported: dict[int, int]) -> None:
-        broken = {self.group_of(r) for r in failed}
+        stalled_step, excluded = self.stalled or (None, [])
+        self.stalled = None
+        broken = {self.group_of(r) for r in failed} | set(excluded)
         self.broken |= broken
         members = [r for r in self.quorum.members if self.group_of(r) not in self.broken]
         if not members:
             raise RuntimeError(f"live recovery: no replica group is left intact after ranks {sorted(failed)} died")
         self.dead -= failed
         hung = sorted(failed & self.fenced)
-        reason = (f"ranks {sorted(failed)} died" + (f" (hung, fenced: {hung})" if hung else "")) if failed \
-            else "a collective failed"
+        if failed:
+            reason = f"ranks {sorted(failed)} died" + (f" (hung, fenced: {hung})" if hung else "")
+        elif excluded:
+            reason = f"the all-reduce of step {stalled_step} stalled (replica groups {excluded} excluded)"
+        else:
+            reason = "a collective failed"
         self.quorum = Quorum(self.quorum.epoch + 1, members, min(reported[r] for r in members), reason)
         publish(self.store, self.quorum)
         self._emit(self.quorum, left=sorted(r for g in broken for r in self.ranks_of(g)))

@@ -51,6 +51,7 @@ class LiveRun:
     # (rank, step): that rank stays out of that step's all-reduce, alive and beating, until the epoch
     # ends (a peer that never takes part: a partial cut, from the others' side)
     stall_collective: tuple[int, int] | None = None
+    stall_cut: bool = False  # ... marked as in the all-reduce, its probe socket closed (a cut inside it)
     spares: int = 0  # warm spare processes (torch imported, waiting) that replace dead ranks first
     recovery: str = LIVE  # or RESTART: today's recovery, every rank started again
     timeout_s: float = 240.0
@@ -133,7 +134,7 @@ def _spawn(run: LiveRun, rank: int, store_port: int, run_dir: Path, rejoin: bool
     if run.transient is not None and run.transient[0] == rank and not rejoin:
         command += ["--fail-after-reduce", str(run.transient[1])]
     if run.stall_collective is not None and run.stall_collective[0] == rank and not rejoin:
-        command += ["--stall-collective", str(run.stall_collective[1])]
+        command += ["--stall-collective", str(run.stall_collective[1])] + (["--stall-cut"] if run.stall_cut else [])
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.Popen(command, env=env)
 

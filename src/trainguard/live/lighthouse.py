@@ -11,9 +11,10 @@ ranks (the replacement and the group's survivors) has asked to join.
   epoch is not newer stops at its next contact with the store instead of coming back (a node behind a
   cut link cannot be signalled; where the launcher can, it also SIGKILLs it).
 - Stall (a partial cut: the peers unreachable, the store not): the current step's all-reduce entered
-  and not left within the stall bound (``live/stall.py``); the lighthouse ends the epoch and the
-  replica groups it excludes leave the next one, to rejoin like a broken group. Nobody is fenced: their
-  processes are alive and rejoin themselves.
+  and not left within the stall bound (``live/stall.py``); the lighthouse ends the epoch (with
+  everyone in the all-reduce, it first asks the members to probe each other, ``live/probe.py``) and
+  the replica groups it excludes leave the next one, to rejoin like a broken group. Nobody is fenced:
+  their processes are alive and rejoin themselves.
 - Failure: once every live member of the current epoch has reported its last committed step (each
   does after its collective fails), the next epoch is the members of the intact groups, starting at
   the smallest step they committed.
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from trainguard.events import EventLog
 from trainguard.live.collective import end_epoch
 from trainguard.live.quorum import Quorum, beat_key, done_key, fence_key, has, publish, ready_key, report_key
+from trainguard.live.probe import probe_key, reachable_groups, read_reach
 from trainguard.live.stall import StallWatch, excluded_groups
 
 
@@ -48,7 +50,8 @@ class Lighthouse:
         self.dead: set[int] = set()
         self.hang_s = hang_s
         self.stalls = StallWatch(store, stall_s, stall_steps)
-        self.stalled: tuple[int, list[int]] | None = None  # (step, excluded groups) of the epoch ending
+        # (step, excluded groups, or None: to decide from the members' probes) of the epoch ending
+        self.stalled: tuple[int, list[int] | None] | None = None
         self.fenced: set[int] = set()  # ranks found hung, killed by the launcher
         self.last_check = time.monotonic()
         self.beats: dict[int, tuple[int, float]] = {}  # rank -> (its counter, when the lighthouse saw it move)
@@ -126,12 +129,17 @@ class Lighthouse:
         stall = self.stalls.look(quorum, judged)
         if stall is None:
             return False
-        excluded = excluded_groups(quorum.members, stall.absent, self.group_of)
+        several = len({self.group_of(r) for r in quorum.members}) > 1
+        # absent members: their groups; everyone in: the probes decide (None); one group: nobody
+        excluded = excluded_groups(quorum.members, stall.absent, self.group_of) if stall.absent else \
+            (None if several else [])
         self.events.emit("live_stall", step=stall.step, epoch=quorum.epoch, waiting=stall.waiting,
                          absent=stall.absent, waited_s=stall.waited_s, bound_s=stall.bound_s,
-                         excluded=[r for g in excluded for r in self.ranks_of(g)])
-        if not excluded:  # it would be every group: left to gloo's collective timeout
+                         excluded=None if excluded is None else [r for g in excluded for r in self.ranks_of(g)])
+        if excluded == []:  # it would be every group: left to gloo's collective timeout
             return False
+        if excluded is None:
+            self.store.set(probe_key(quorum.epoch), "1")  # before the abort: whoever sees one sees both
         self.stalled = (stall.step, excluded)
         end_epoch(self.store, quorum.epoch)
         return True
@@ -139,6 +147,12 @@ class Lighthouse:
     def _shrink(self, failed: set[int], reported: dict[int, int]) -> None:
         stalled_step, excluded = self.stalled or (None, [])
         self.stalled = None
+        if excluded is None:
+            reach = read_reach(self.store, self.quorum.epoch, self.quorum.members)
+            excluded = reachable_groups(self.quorum.members, reach, self.group_of)
+            self.events.emit("live_reach", step=stalled_step, epoch=self.quorum.epoch,
+                             reach={str(r): sorted(peers) for r, peers in sorted(reach.items())},
+                             excluded=[r for g in excluded for r in self.ranks_of(g)])
         broken = {self.group_of(r) for r in failed} | set(excluded)
         self.broken |= broken
         members = [r for r in self.quorum.members if self.group_of(r) not in self.broken]
@@ -148,7 +162,7 @@ class Lighthouse:
         hung = sorted(failed & self.fenced)
         if failed:
             reason = f"ranks {sorted(failed)} died" + (f" (hung, fenced: {hung})" if hung else "")
-        elif excluded:
+        elif stalled_step is not None:
             reason = f"the all-reduce of step {stalled_step} stalled (replica groups {excluded} excluded)"
         else:
             reason = "a collective failed"

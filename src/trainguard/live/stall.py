@@ -14,12 +14,15 @@ default). So each rank marks in the store when it enters and when it leaves each
   and for runs whose steps take milliseconds (the lighthouse's own scheduling delays);
 - whom to exclude (:func:`excluded_groups`): the replica groups of the members that never entered
   (alive, beating, not taking part: from the others' side, exactly a peer behind a cut). When every
-  member entered and none left, the marks cannot tell which side of the cut is at fault: the group of
-  the lowest member (rank 0's) stays and the others leave, to rejoin at a step boundary. Never every
-  group: where that would be the verdict, nothing is decided here and gloo's timeout stays the bound.
+  member entered and none left, the marks cannot tell which side of the cut is at fault: the
+  lighthouse asks every member to probe the others over a side channel (``live/probe.py``) and keeps
+  the most replica groups that all reach each other. Never every group: where that would be the
+  verdict, nothing is decided here and gloo's timeout stays the bound.
 
 The drill (``LiveRun.stall_collective``: rank R at step S) makes rank R stop before its all-reduce
-of step S, beating, without marking it entered, until the epoch ends.
+of step S, beating, without marking it entered, until the epoch ends; with ``LiveRun.stall_cut`` it
+marks itself entered and closes its probe socket for the rest of the run (its peers cannot reach it,
+as behind a cut; gloo itself is not cut, so its group can rejoin).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch.distributed as dist
 
 from trainguard.events import EventLog
 from trainguard.live.collective import POLL_S, EpochAborted, abort_key
+from trainguard.live.probe import PeerProbe
 from trainguard.live.quorum import Quorum
 
 IN, OUT = "in", "out"
@@ -47,15 +51,20 @@ def reduce_key(rank: int) -> str:
 
 class ReduceMarks:
     """A rank's side: marks its entry into and exit from each step's all-reduce; ``stall_step``: the
-    drill's step at which this rank stops before it instead (once)."""
+    drill's step at which this rank stops before it instead (once); ``cut``: the drill's probe socket
+    to close there, having marked itself entered (a cut inside the collective)."""
 
-    def __init__(self, store: dist.Store, rank: int, events: EventLog, stall_step: int | None):
-        self.store, self.rank, self.events, self.stall_step = store, rank, events, stall_step
+    def __init__(self, store: dist.Store, rank: int, events: EventLog, stall_step: int | None,
+                 cut: PeerProbe | None):
+        self.store, self.rank, self.events, self.stall_step, self.cut = store, rank, events, stall_step, cut
 
     def entering(self, epoch: int, step: int, beat: Callable[[], None]) -> None:
         if step == self.stall_step:
             self.stall_step = None
-            self.events.emit("live_stall_drill", step=step, epoch=epoch)
+            self.events.emit("live_stall_drill", step=step, epoch=epoch, cut=self.cut is not None)
+            if self.cut is not None:
+                self.store.set(reduce_key(self.rank), f"{epoch} {step} {IN}")
+                self.cut.close()
             while not self.store.check([abort_key(epoch)]):  # alive, beating, never in the collective
                 beat()
                 time.sleep(POLL_S)
@@ -77,10 +86,10 @@ class Stall:
 
 
 def excluded_groups(members: list[int], absent: list[int], group_of: Callable[[int], int]) -> list[int]:
-    """The replica groups a stall excludes: those of the absent members, else (everyone in, nobody out)
-    every group but the lowest member's; none where that would be every group."""
-    groups = sorted({group_of(r) for r in members})
-    excluded = sorted({group_of(r) for r in absent}) if absent else groups[1:]
+    """The replica groups a stall with ``absent`` members excludes: theirs; none where that would be
+    every group."""
+    groups = {group_of(r) for r in members}
+    excluded = sorted({group_of(r) for r in absent})
     return [] if len(excluded) == len(groups) else excluded
 
 

@@ -38,6 +38,7 @@ from trainguard.live.ordered_sum import my_micro_batches, reduce_rows
 from trainguard.live.quorum import (Quorum, beat_key, done_key, epoch_key, fence_key, has, latest_epoch, progress_key,
                                     read_quorum, ready_key, report_key, start_key, wait_for)
 from trainguard.live.rng import micro_batch_rng
+from trainguard.live.probe import PeerProbe
 from trainguard.live.stall import ReduceMarks
 from trainguard.live.transfer import broadcast_state, load_state, state_of
 from trainguard.live.files import checkpoint_path, events_path, final_path, state_bytes
@@ -74,6 +75,7 @@ class LiveArgs:
     rejoin: bool
     fail_after_reduce: int | None  # drill: treat this step's all-reduce as failed here, once
     stall_collective: int | None  # drill: stay out of this step's all-reduce, alive, until the epoch ends
+    stall_cut: bool  # drill: ... marked as in it, with this rank's probe socket closed (live/stall.py)
 
     @classmethod
     def parse(cls, argv: list[str] | None = None) -> LiveArgs:
@@ -93,6 +95,7 @@ class LiveArgs:
         parser.add_argument("--rejoin", action="store_true")
         parser.add_argument("--fail-after-reduce", type=int)
         parser.add_argument("--stall-collective", type=int)
+        parser.add_argument("--stall-cut", action="store_true")
         known, _ = parser.parse_known_args(argv)
         return cls(**vars(known))
 
@@ -142,7 +145,9 @@ class LiveWorker:
         self.last_beat = -BEAT_S
         # the drill's transient fault: this rank's all-reduce of that step counts as failed once
         self.fail_after_reduce = args.fail_after_reduce
-        self.reduce_marks = ReduceMarks(store, rank, self.events, args.stall_collective)  # for the lighthouse's stall watch
+        self.probe = PeerProbe(store, rank)  # the lighthouse's stall watch: marks, and probes of the peers
+        self.reduce_marks = ReduceMarks(store, rank, self.events, args.stall_collective,
+                                        self.probe if args.stall_cut else None)
 
     def train(self, rejoin: bool) -> Iterator[int]:
         """Trains to the last step, yielding the index of each step as it commits it (a step undone
@@ -251,6 +256,7 @@ class LiveWorker:
         collective.end_epoch(self.store, epoch)  # the members still blocked learn it now
         self.retired.append(self.group)  # destroying it would block until its pending operation times out
         self.group = None
+        self.probe.report_if_asked(epoch, self.quorum.members)
         self.store.set(report_key(epoch, self.rank), str(committed))
         self.events.emit("live_collective_failed", step=committed, epoch=epoch, error=f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
         quorum = Quorum.from_json(wait_for(self.store, epoch_key(epoch + 1), WAIT_S, self.beat))

@@ -29,5 +29,10 @@ def micro_batch_seed(seed: int, step: int, micro_batch: int) -> int:
 def micro_batch_rng(seed: int, step: int, micro_batch: int) -> Iterator[None]:
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(micro_batch_seed(seed, step, micro_batch))  # seeds the CPU and every CUDA generator
+        derived = micro_batch_seed(seed, step, micro_batch)
+        # the CPU's and each CUDA device's generator by name: ``torch.manual_seed`` also visits MPS and
+        # XPU, 0.3 ms a call on this machine against 5 µs, times every micro-batch of every step
+        torch.default_generator.manual_seed(derived)
+        if devices:
+            torch.cuda.manual_seed_all(derived)
         yield

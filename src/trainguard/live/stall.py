@@ -11,7 +11,10 @@ default). So each rank marks in the store when it enters and when it leaves each
   the first entry is older than the stall bound ``max(stall_s, stall_steps × the median step time so
   far)``: a bound tied to the run's own pace (a survivor computing twice the micro-batches, a loaded
   machine's slow step stay well inside ``stall_steps`` = 10 medians), with a floor for the first steps
-  and for runs whose steps take milliseconds (the lighthouse's own scheduling delays);
+  and for runs whose steps take milliseconds (the lighthouse's own scheduling delays). The first step
+  an epoch's members take is not judged: a new process's first backward (torch loads parts of itself
+  then: 5 s measured on a loaded machine, docs/live_recovery.md's warm spares) and gloo's first exchanges on the
+  epoch's new group are not a cut; a cut there waits for gloo's timeout;
 - whom to exclude (:func:`excluded_groups`): the replica groups of the members that never entered
   (alive, beating, not taking part: from the others' side, exactly a peer behind a cut). When every
   member entered and none left, the marks cannot tell which side of the cut is at fault: the
@@ -101,6 +104,7 @@ class StallWatch:
         self.step_times: deque[float] = deque(maxlen=STEP_TIMES)
         self.current: tuple[int, int, float] | None = None  # (epoch, step, first seen entered)
         self.judged: tuple[int, int] | None = None  # (epoch, step) already found stalled
+        self.first: tuple[int, int] | None = None  # (epoch, the first step its members were seen at)
         self.last_look = time.monotonic()
 
     def bound_s(self) -> float:
@@ -124,12 +128,15 @@ class StallWatch:
         if not marks:
             return None
         step = max(s for s, _ in marks.values())
+        if self.first is None or self.first[0] != quorum.epoch:
+            self.first = (quorum.epoch, min(s for s, _ in marks.values()))
         if self.current is None or self.current[:2] != (quorum.epoch, step):
             if self.current is not None and self.current[0] == quorum.epoch and step > self.current[1]:
                 self.step_times.append((now - self.current[2]) / (step - self.current[1]))
             self.current = (quorum.epoch, step, now)
         waiting = [r for r, mark in marks.items() if mark == (step, IN)]
-        if not waiting or any(mark == (step, OUT) for mark in marks.values()) or self.judged == (quorum.epoch, step):
+        if (not waiting or any(mark == (step, OUT) for mark in marks.values()) or step == self.first[1]
+                or self.judged == (quorum.epoch, step)):
             return None
         waited, bound = now - self.current[2], self.bound_s()
         if waited <= bound:

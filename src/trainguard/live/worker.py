@@ -37,8 +37,8 @@ from trainguard.live import collective
 from trainguard.live.ordered_sum import my_micro_batches, reduce_rows
 from trainguard.live.quorum import (Quorum, beat_key, done_key, epoch_key, fence_key, has, latest_epoch, progress_key,
                                     read_quorum, ready_key, report_key, start_key, wait_for)
-from trainguard.live.rng import micro_batch_rng
 from trainguard.live.probe import PeerProbe
+from trainguard.live.rng import micro_batch_rng
 from trainguard.live.stall import ReduceMarks
 from trainguard.live.transfer import broadcast_state, load_state, state_of
 from trainguard.live.files import checkpoint_path, events_path, final_path, state_bytes

@@ -31,11 +31,19 @@ def _mark(store, rank, step, phase, epoch=0):
     store.set(reduce_key(rank), f"{epoch} {step} {phase}")
 
 
-def _looks(watch, seconds):
+def _started(store, watch, epoch=0):
+    """The watch after it has seen the epoch's first step (9, every member out of it): it judges from 10."""
+    for rank in MEMBERS:
+        _mark(store, rank, 9, OUT, epoch)
+    assert watch.look(Quorum(epoch, MEMBERS, 9, "start"), MEMBERS) is None
+    return watch
+
+
+def _looks(watch, seconds, quorum=QUORUM):
     """Every stall the watch reports over ``seconds`` of looks, 10 ms apart (as the launcher polls)."""
     found, deadline = [], time.monotonic() + seconds
     while time.monotonic() < deadline:
-        stall = watch.look(QUORUM, MEMBERS)
+        stall = watch.look(quorum, MEMBERS)
         if stall is not None:
             found.append(stall)
         time.sleep(0.01)
@@ -43,27 +51,42 @@ def _looks(watch, seconds):
 
 
 def test_an_all_reduce_entered_and_not_left_is_a_stall_once_naming_the_absent(store):
+    watch = _started(store, StallWatch(store, stall_s=0.3, stall_steps=10.0))
     for rank in (0, 1, 2):
-        _mark(store, rank, 10, IN)
-    _mark(store, 3, 9, OUT)  # rank 3 left step 9's and never entered step 10's
-    watch = StallWatch(store, stall_s=0.3, stall_steps=10.0)
+        _mark(store, rank, 10, IN)  # rank 3 left step 9's and never entered step 10's
     (stall,) = _looks(watch, 1.0)
     assert (stall.step, stall.waiting, stall.absent) == (10, [0, 1, 2], [3])
     assert stall.bound_s == 0.3 and stall.waited_s > 0.3
 
 
 def test_a_step_somebody_left_or_another_epochs_marks_are_no_stall(store):
+    watch = _started(store, StallWatch(store, stall_s=0.2, stall_steps=10.0))
     _mark(store, 0, 10, OUT)  # the all-reduce completed: the others are only slow to come back
     for rank in (1, 2, 3):
         _mark(store, rank, 10, IN)
-    assert _looks(StallWatch(store, stall_s=0.2, stall_steps=10.0), 0.6) == []
-    for rank in MEMBERS:  # in epoch 0's all-reduce for long, but the epoch is 1 now: nobody is in its own
-        _mark(store, rank, 10, IN, epoch=0)
-    watch, newer = StallWatch(store, stall_s=0.01, stall_steps=1.0), Quorum(1, MEMBERS, 10, "a collective failed")
+    assert _looks(watch, 0.6) == []
+    # in epoch 0's all-reduce of step 10 for long, but the epoch is 1 now: nobody is in its own
+    newer = Quorum(1, MEMBERS, 10, "a collective failed")
+    watch = _started(store, StallWatch(store, stall_s=0.01, stall_steps=1.0))
+    for rank in MEMBERS:
+        _mark(store, rank, 10, IN)
     assert watch.look(newer, MEMBERS) is None and watch.look(QUORUM, MEMBERS) is None
     time.sleep(0.05)
     assert watch.look(newer, MEMBERS) is None
     assert watch.look(QUORUM, MEMBERS) is not None  # the same marks in their own epoch: a stall
+
+
+def test_the_first_step_of_an_epoch_is_not_judged(store):
+    """A new process's first backward and gloo's first exchanges on the epoch's group are slow, not cut."""
+    _mark(store, 3, 8, OUT, epoch=0)  # a joiner, still receiving the state: its last mark is of an older epoch
+    joined = Quorum(1, MEMBERS, None, "replica group 1 rejoins")
+    for rank in (0, 1, 2):
+        _mark(store, rank, 9, IN, epoch=1)
+    watch = StallWatch(store, stall_s=0.1, stall_steps=0.1)
+    assert _looks(watch, 0.4, joined) == []
+    for rank in (0, 1, 2):  # the epoch's next step is judged
+        _mark(store, rank, 10, IN, epoch=1)
+    assert [stall.absent for stall in _looks(watch, 0.4, joined)] == [[3]]
 
 
 def test_the_bound_is_the_floor_or_a_multiple_of_the_median_step_time(store):

@@ -125,8 +125,8 @@ class Lighthouse:
 
     def _stall(self, quorum: Quorum) -> bool:
         """Ends the epoch if its all-reduce stalled and some replica groups can be excluded."""
-        judged = [r for r in quorum.members if not has(self.store, done_key(r))]
-        stall = self.stalls.look(quorum, judged)
+        alive = [r for r in quorum.members if not has(self.store, done_key(r))]
+        stall = self.stalls.look(quorum, alive)
         if stall is None:
             return False
         several = len({self.group_of(r) for r in quorum.members}) > 1

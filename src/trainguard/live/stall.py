@@ -111,8 +111,8 @@ class StallWatch:
         median = statistics.median(self.step_times) if self.step_times else 0.0
         return max(self.stall_s, self.stall_steps * median)
 
-    def look(self, quorum: Quorum, judged: list[int]) -> Stall | None:
-        """The stall of the current epoch's all-reduce among ``judged`` (the members alive and not done),
+    def look(self, quorum: Quorum, alive: list[int]) -> Stall | None:
+        """The stall of the current epoch's all-reduce among ``alive`` (the members that have not finished),
         once per step; None while it is not one."""
         now = time.monotonic()
         if now - self.last_look > LOOKED_AWAY_S and self.current is not None:
@@ -120,7 +120,7 @@ class StallWatch:
             self.current = (*self.current[:2], now)
         self.last_look = now
         marks = {}
-        for rank in judged:
+        for rank in alive:
             value = self.store.get(reduce_key(rank)).decode() if self.store.check([reduce_key(rank)]) else ""
             epoch, step, phase = value.split() if value else ("-1", "-1", OUT)
             if int(epoch) == quorum.epoch:
@@ -142,4 +142,4 @@ class StallWatch:
         if waited <= bound:
             return None
         self.judged = (quorum.epoch, step)
-        return Stall(step, sorted(waiting), sorted(r for r in judged if r not in waiting), waited, bound)
+        return Stall(step, sorted(waiting), sorted(r for r in alive if r not in waiting), waited, bound)

@@ -4,7 +4,8 @@ Each rank builds the model and optimizer (seeded: every rank starts alike) and h
 ``trainguard.Guard`` with a config that says ``fault_tolerance.live: true`` (``user_loop_live.yaml``),
 then loops over ``guard.steps(loss_of)`` with the loss of one micro-batch by index; the library does the
 rest: per-micro-batch backward, the order-fixed gradient sum over the ranks alive, the optimizer step,
-the quorum changes and the rejoin of a replaced rank. ``trainguard run`` starts this script as the ranks
+the quorum changes and the rejoin of a replaced rank. The model has dropout: each micro-batch's mask is
+drawn from (``train.seed``, step, micro-batch), so whichever rank computes it draws the same one. ``trainguard run`` starts this script as the ranks
 of the live run the config describes (4 gloo ranks: 2 replica groups x 2); here its drill SIGKILLs
 rank 3 once it has committed 5 steps (``faults``: ``kill:rank=3,step=5``) and a warm spare
 (``fault_tolerance.spares=1``) takes its place:
@@ -45,7 +46,7 @@ def batch(step: int, micro_batch: int, micro_batches: int) -> tuple[torch.Tensor
 def rank_main(argv: list[str]) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 24), torch.nn.GELU(), torch.nn.LayerNorm(24),
-                                torch.nn.Linear(24, CLASSES))
+                                torch.nn.Dropout(0.1), torch.nn.Linear(24, CLASSES))
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", type=Path, default=CONFIG)
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -63,9 +64,11 @@ def rank_main(argv: list[str]) -> None:
 
     for step in guard.steps(loss_of, samples_of):  # each step as it commits (a redone step comes again)
         if step % 10 == 0:
+            model.eval()  # the printed loss without dropout: the body only observes
             with torch.no_grad():
                 inputs, labels = batch(step, 0, guard.micro_batches)
                 print(f"step {step} loss {F.cross_entropy(model(inputs), labels):.4f}", flush=True)
+            model.train()
     guard.close()  # ends this process (exit 0)
 
 

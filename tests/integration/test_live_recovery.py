@@ -190,3 +190,45 @@ def test_a_second_failure_during_the_join_sends_the_group_out_again_and_it_rejoi
     assert sorted(e["rank"] for e in events if e["kind"] == "live_joined") == [2, 3]
     assert run_differences(root / "clean", tmp_path / "twice", WORLD) == {}
     assert sample_problems(events, STEPS, Workload().samples_per_step) == []
+
+
+@pytest.mark.parametrize("stalled, cut, survivors", [(3, False, [0, 1]), (1, True, [2, 3])], ids=["absent", "cut"])
+def test_a_partial_cut_is_found_within_the_stall_bound_and_its_group_excluded(drill, tmp_path, stalled, cut, survivors):
+    """A partial cut: a rank alive, beating and reachable through the store, that its peers cannot
+    reach. "absent": rank 3 stays out of its all-reduce of step 10 (from the others' side, a peer
+    that never takes part); "cut": rank 1 marks itself in it but is not, and its probe socket is closed
+    (the cut inside the collective: the marks cannot tell the side, the probes can; rank 0's group is
+    the one excluded). gloo's collective timeout is 120 s, so only the stall watch can explain a
+    resume within the stall bound. Nobody is restarted; the excluded group (the same processes)
+    rejoins; the end state is the fault-free run's bit for bit."""
+    root, _ = drill
+    run = dataclasses.replace(FAILING, kill_ranks=(), spares=0, stall_collective=(stalled, 10), stall_cut=cut,
+                              collective_timeout_s=120.0)
+    result = launch(tmp_path / "stall", run)
+    assert result.last_pids == result.first_pids and set(result.exit_codes.values()) == {0}
+    events = _events(tmp_path / "stall")
+    excluded = [r for r in range(WORLD) if r not in survivors]
+    drilled = next(e for e in events if e["kind"] == "live_stall_drill")
+    assert (drilled["rank"], drilled["step"], drilled["cut"]) == (stalled, 10, cut)
+    (stall,) = [e for e in events if e["kind"] == "live_stall"]
+    others = [r for r in range(WORLD) if r != stalled]
+    if cut:  # everyone in: the marks leave it to the probes, which nobody reached rank 1 in
+        assert (stall["waiting"], stall["absent"], stall["excluded"]) == ([0, 1, 2, 3], [], None)
+        (reach,) = [e for e in events if e["kind"] == "live_reach"]
+        assert reach["excluded"] == excluded
+        assert reach["reach"] == {str(r): [p for p in others if p != r] for r in others} | {str(stalled): others}
+    else:
+        assert (stall["waiting"], stall["absent"], stall["excluded"]) == (others, [stalled], excluded)
+        assert not [e for e in events if e["kind"] == "live_reach"]
+    assert stall["step"] == 10 and run.stall_s <= stall["bound_s"] <= stall["waited_s"]
+    quorums = [e for e in events if e["kind"] == "live_quorum"]
+    assert [q["members"] for q in quorums] == [[0, 1, 2, 3], survivors, [0, 1, 2, 3]]
+    assert quorums[1]["step"] == 10 and "stalled" in quorums[1]["reason"] and quorums[2]["joining"] == excluded
+    resumed = {e["rank"]: e for e in events if e["kind"] == "live_resumed" and e["epoch"] == 1}
+    assert sorted(resumed) == survivors
+    for event in resumed.values():  # the stall bound plus a loaded machine's margin, far below gloo's 120 s
+        assert event["time"] - drilled["time"] < min(stall["bound_s"] + 20.0, run.collective_timeout_s / 2)
+    degraded = [e for e in events if e["kind"] == "live_step" and e["members"] == 2]
+    assert degraded and {e["rank"] for e in degraded} == set(survivors)
+    assert run_differences(root / "clean", tmp_path / "stall", WORLD) == {}
+    assert sample_problems(events, STEPS, Workload().samples_per_step) == []

@@ -297,6 +297,8 @@ def validate(config: RunConfig, source: str = "<config>") -> None:
     positive("fault_tolerance.spares", config.fault_tolerance.spares, allow_zero=True)
     positive("fault_tolerance.hang_s", config.fault_tolerance.hang_s)
     positive("fault_tolerance.collective_timeout_s", config.fault_tolerance.collective_timeout_s)
+    positive("fault_tolerance.stall_s", config.fault_tolerance.stall_s)
+    positive("fault_tolerance.stall_steps", config.fault_tolerance.stall_steps)
     sdc_config_from_env(config.guards.sdc)
     pp = config.parallel.pp or 1
     if pp > 1 and config.train.micro_batches < pp:

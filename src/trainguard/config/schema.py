@@ -79,6 +79,10 @@ class FaultToleranceConfig:
     hang_s: float = 10.0  # a rank whose heartbeat has not moved this long is declared dead
     collective_timeout_s: float = 30.0  # gloo's timeout of one collective of a rank
     doctor_spares: bool = True  # a warm spare self-tests (trainguard doctor's burn-in and storage checks) first
+    # a step's all-reduce entered and not left for max(stall_s, stall_steps × the median step time so
+    # far) is stalled (a partial cut: the peers unreachable, the store not; live/stall.py)
+    stall_s: float = 5.0
+    stall_steps: float = 10.0
 
 
 @dataclass

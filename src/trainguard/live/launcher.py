@@ -41,12 +41,20 @@ class LiveRun:
     kill_at_step: int = 0  # first of them has committed this many steps
     fault: str = "kill"  # "kill": SIGKILL; "stop": SIGSTOP (a hang, or a cut link: alive, silent)
     hang_s: float = 10.0  # a member silent this long is hung (the lighthouse's heartbeat timeout)
+    # an all-reduce entered and not left for max(stall_s, stall_steps × the median step time) is stalled
+    # (a partial cut: peers unreachable, store reachable; live/stall.py)
+    stall_s: float = 5.0
+    stall_steps: float = 10.0
     # (rank, step): that rank's all-reduce of that step fails after the others' succeeded (a transient
     # error, no death): the others committed the step, it did not; they undo it and all redo it
     transient: tuple[int, int] | None = None
     kill_joiner: bool = False  # drill: SIGKILL the first killed rank's replacement too, once it is let in (a
     # second failure during the join)
     max_replacements: int = 16  # a run whose ranks died more often than this ends (something is wrong with it)
+    # (rank, step): that rank stays out of that step's all-reduce, alive and beating, until the epoch
+    # ends (a peer that never takes part: a partial cut, from the others' side)
+    stall_collective: tuple[int, int] | None = None
+    stall_cut: bool = False  # ... marked as in the all-reduce, its probe socket closed (a cut inside it)
     spares: int = 0  # warm spare processes (torch imported, waiting) that replace dead ranks first
     doctor_spares: bool = True  # each spare self-tests first (``spare_check``); one that fails is passed over
     spare_faults: str = ""  # drill: ``miscompute`` entries for the spares' self-tests (``live.drill``)
@@ -102,6 +110,7 @@ class LiveRun:
         faults = live_drill(config.faults, groups * group_size, config.train.steps, tolerance.spares)
         return cls(groups=groups, group_size=group_size, steps=config.train.steps,
                    micro_batches=config.train.micro_batches, spares=tolerance.spares, hang_s=tolerance.hang_s,
+                   stall_s=tolerance.stall_s, stall_steps=tolerance.stall_steps,
                    collective_timeout_s=tolerance.collective_timeout_s, doctor_spares=tolerance.doctor_spares,
                    **{**faults, **drill})
 
@@ -134,6 +143,8 @@ def _spawn(run: LiveRun, rank: int, store_port: int, run_dir: Path, rejoin: bool
         command += ["--doctor"] + (["--doctor-faults", run.spare_faults] if run.spare_faults else [])
     if run.transient is not None and run.transient[0] == rank and not rejoin:
         command += ["--fail-after-reduce", str(run.transient[1])]
+    if run.stall_collective is not None and run.stall_collective[0] == rank and not rejoin:
+        command += ["--stall-collective", str(run.stall_collective[1])] + (["--stall-cut"] if run.stall_cut else [])
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.Popen(command, env=env)
 
@@ -147,10 +158,15 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
     (run_dir / "final").mkdir(exist_ok=True)
     store = dist.TCPStore(run.store_host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     events = EventLog(events_path(run_dir), rank=-1)
-    lighthouse = Lighthouse(store, run.world, run.group_size, events, run.hang_s)
     began = time.monotonic()
     procs = {rank: _spawn(run, rank, store.port, run_dir, rejoin=False) for rank in range(run.world)}
     spares = [(i, _spawn(run, -1, store.port, run_dir, rejoin=True, spare=i)) for i in range(run.spares)]
+    if run.kill_ranks and spares:
+        # the drill's kill is meant for warm spares (one still starting or self-testing is a cold one): the
+        # ranks wait for epoch 0 until every spare is ready or found unhealthy, so that a short run cannot
+        # finish before its drill
+        _await_spares(store, spares, began + run.timeout_s)
+    lighthouse = Lighthouse(store, run.world, run.group_size, events, run.hang_s, run.stall_s, run.stall_steps)
     result = LiveResult(0.0, {r: p.pid for r, p in procs.items()}, {})
     fenced: list[subprocess.Popen] = []  # hung processes behind a cut link, left to stop on their own
 
@@ -171,10 +187,7 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
         while any(p.returncode is None for p in procs.values()):
             if time.monotonic() - began > run.timeout_s:
                 raise RuntimeError(f"live run did not finish within {run.timeout_s:.0f} s")
-            # the drill's fault waits for the spares to be warm or found unhealthy (a spare still starting
-            # or self-testing is a cold one)
-            warm = all(store.check([spare_ready_key(i)]) or store.check([spare_failed_key(i)]) for i, _ in spares)
-            if run.kill_ranks and result.killed_at is None and warm and _progress(store, run.kill_ranks[0]) >= run.kill_at_step:
+            if run.kill_ranks and result.killed_at is None and _progress(store, run.kill_ranks[0]) >= run.kill_at_step:
                 for rank in run.kill_ranks:
                     os.kill(procs[rank].pid, signal.SIGKILL if run.fault == "kill" else signal.SIGSTOP)
                     events.emit("live_kill", step=run.kill_at_step, target=rank, pid=procs[rank].pid,
@@ -228,6 +241,17 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
     result.last_pids = {r: p.pid for r, p in procs.items()}
     result.exit_codes = {r: p.returncode for r, p in procs.items()}
     return result
+
+
+def _await_spares(store: dist.Store, spares: list[tuple[int, subprocess.Popen]], deadline: float) -> None:
+    def settled(index: int, proc: subprocess.Popen) -> bool:
+        return (store.check([spare_ready_key(index)]) or store.check([spare_failed_key(index)])
+                or proc.poll() is not None)
+
+    while not all(settled(index, proc) for index, proc in spares):
+        if time.monotonic() > deadline:
+            raise RuntimeError("live run: the warm spares were not ready within LiveRun.timeout_s")
+        time.sleep(0.01)
 
 
 def _progress(store: dist.Store, rank: int) -> int:

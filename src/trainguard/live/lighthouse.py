@@ -10,6 +10,11 @@ ranks (the replacement and the group's survivors) has asked to join.
   is a death from then on. A death is fenced by epoch (``fence/<rank>``): a process of that rank whose
   epoch is not newer stops at its next contact with the store instead of coming back (a node behind a
   cut link cannot be signalled; where the launcher can, it also SIGKILLs it).
+- Stall (a partial cut: the peers unreachable, the store not): the current step's all-reduce entered
+  and not left within the stall bound (``live/stall.py``); the lighthouse ends the epoch (with
+  everyone in the all-reduce, it first asks the members to probe each other, ``live/probe.py``) and
+  the replica groups it excludes leave the next one, to rejoin like a broken group. Nobody is fenced:
+  their processes are alive and rejoin themselves.
 - Failure: once every live member of the current epoch has reported its last committed step (each
   does after its collective fails), the next epoch is the members of the intact groups, starting at
   the smallest step they committed.
@@ -31,18 +36,24 @@ import torch.distributed as dist
 from trainguard.events import EventLog
 from trainguard.live.collective import end_epoch
 from trainguard.live.quorum import Quorum, beat_key, done_key, fence_key, has, publish, ready_key, report_key
+from trainguard.live.probe import probe_key, reachable_groups, read_reach
+from trainguard.live.stall import StallWatch, excluded_groups
 
 
 LOOKED_AWAY_S = 1.0  # a gap between two looks at the heartbeats longer than this resets every window
 
 
 class Lighthouse:
-    def __init__(self, store: dist.Store, world: int, group_size: int, events: EventLog, hang_s: float):
+    def __init__(self, store: dist.Store, world: int, group_size: int, events: EventLog, hang_s: float,
+                 stall_s: float, stall_steps: float):
         if world % group_size:
             raise ValueError(f"group_size={group_size} does not divide the world of {world} ranks")
         self.store, self.world, self.group_size, self.events = store, world, group_size, events
         self.dead: set[int] = set()
         self.hang_s = hang_s
+        self.stalls = StallWatch(store, stall_s, stall_steps)
+        # (step, excluded groups, or None: to decide from the members' probes) of the epoch ending
+        self.stalled: tuple[int, list[int] | None] | None = None
         self.fenced: set[int] = set()  # ranks found hung, killed by the launcher
         self.last_check = time.monotonic()
         self.beats: dict[int, tuple[int, float]] = {}  # rank -> (its counter, when the lighthouse saw it move)
@@ -97,6 +108,8 @@ class Lighthouse:
             if set(quorum.members) - self.dead <= set(reported):
                 self._shrink(failed, reported)
             return
+        if self.stalled is None and self._stall(quorum):
+            return
         for group in sorted(self.broken):
             ranks = self.ranks_of(group)
             if all(int(self.store.add(ready_key(r), 0)) > self.asked[r] for r in ranks):
@@ -112,18 +125,52 @@ class Lighthouse:
         self._emit(self.quorum)
         return self.quorum
 
+    def _stall(self, quorum: Quorum) -> bool:
+        """Ends the epoch if its all-reduce stalled and some replica groups can be excluded."""
+        alive = [r for r in quorum.members if not has(self.store, done_key(r))]
+        stall = self.stalls.look(quorum, alive)
+        if stall is None:
+            return False
+        several = len({self.group_of(r) for r in quorum.members}) > 1
+        # absent members: their groups; everyone in: the probes decide (None); one group: nobody
+        excluded = excluded_groups(quorum.members, stall.absent, self.group_of) if stall.absent else \
+            (None if several else [])
+        self.events.emit("live_stall", step=stall.step, epoch=quorum.epoch, waiting=stall.waiting,
+                         absent=stall.absent, waited_s=stall.waited_s, bound_s=stall.bound_s,
+                         excluded=None if excluded is None else [r for g in excluded for r in self.ranks_of(g)])
+        if excluded == []:  # it would be every group: left to gloo's collective timeout
+            return False
+        if excluded is None:
+            self.store.set(probe_key(quorum.epoch), "1")  # before the abort: whoever sees one sees both
+        self.stalled = (stall.step, excluded)
+        end_epoch(self.store, quorum.epoch)
+        return True
+
     def _shrink(self, failed: set[int], reported: dict[int, int]) -> None:
+        stalled_step, excluded = self.stalled or (None, [])
+        self.stalled = None
+        if excluded is None:
+            reach = read_reach(self.store, self.quorum.epoch, self.quorum.members)
+            excluded = reachable_groups(self.quorum.members, reach, self.group_of)
+            self.events.emit("live_reach", step=stalled_step, epoch=self.quorum.epoch,
+                             reach={str(r): sorted(peers) for r, peers in sorted(reach.items())},
+                             excluded=[r for g in excluded for r in self.ranks_of(g)])
         # a joiner whose state transfer did not finish (a second failure during the join) holds no state
         # its group could step from: the group leaves again and asks again
-        broken = {self.group_of(r) for r in failed} | {self.group_of(r) for r, step in reported.items() if step < 0}
+        no_state = {self.group_of(r) for r, step in reported.items() if step < 0}
+        broken = {self.group_of(r) for r in failed} | set(excluded) | no_state
         self.broken |= broken
         members = [r for r in self.quorum.members if self.group_of(r) not in self.broken]
         if not members:
             raise RuntimeError(f"live recovery: no replica group is left intact after ranks {sorted(failed)} died")
         self.dead -= failed
         hung = sorted(failed & self.fenced)
-        reason = (f"ranks {sorted(failed)} died" + (f" (hung, fenced: {hung})" if hung else "")) if failed \
-            else "a collective failed"
+        if failed:
+            reason = f"ranks {sorted(failed)} died" + (f" (hung, fenced: {hung})" if hung else "")
+        elif stalled_step is not None:
+            reason = f"the all-reduce of step {stalled_step} stalled (replica groups {excluded} excluded)"
+        else:
+            reason = "a collective failed"
         self.quorum = Quorum(self.quorum.epoch + 1, members, min(reported[r] for r in members), reason)
         publish(self.store, self.quorum)
         self._emit(self.quorum, left=sorted(r for g in broken for r in self.ranks_of(g)))

@@ -7,9 +7,9 @@ that builds its model and optimizer and hands them, with the loss of one micro-b
 backward, the order-fixed sum over the current quorum, the optimizer step, the membership changes and
 the rejoin of ``worker.LiveWorker`` (docs/live_recovery.md). What makes the result independent of the
 failures is the user's part of the contract: the loss of micro-batch ``m`` of step ``t`` is a pure
-function of ``(t, m)`` and the parameters (the data position is the step; no dropout or other random
-draws after the seeded initialisation, which every rank does alike). The drill's ``workload`` uses this
-class directly (it sits on this floor, below ``Guard``).
+function of ``(t, m)``, the parameters and its random draws (the data position is the step); the
+library makes the draws (dropout's) a function of ``(seed, t, m)`` too (``live/rng.py``). The drill's
+``workload`` uses this class directly (it sits on this floor, below ``Guard``).
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ class LiveRank:
     ranks) are the launcher's."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: LiveArgs,
-                 scheduler: LambdaLR | None = None):
+                 scheduler: LambdaLR | None = None, *, seed: int):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.seed = seed  # the run's seed, the same on every rank: each micro-batch's draws derive from it
         self.args = args
         self.total_steps, self.micro_batches = self.args.steps, self.args.micro_batches
         self.exit_code = 0
@@ -63,11 +64,12 @@ class LiveRank:
             # loaded machine), so a spare goes through both once, on a copy, before it says it is ready;
             # copied together, so the copied optimizer steps the copied parameters
             model, optimizer = copy.deepcopy((self.model, self.optimizer))
-            micro_batch_grad(model, loss_of, 0, 0, args.micro_batches)
+            micro_batch_grad(model, loss_of, 0, 0, args.micro_batches, self.seed)
             optimizer.step()
             store.set(spare_ready_key(args.spare), "1")
             rank, rejoin = int(wait_for(store, spare_key(args.spare), SPARE_WAIT_S, beat=lambda: None)), True
-        worker = LiveWorker(store, args, rank, self.model, self.optimizer, loss_of, sample_range, self.scheduler)
+        worker = LiveWorker(store, args, rank, self.model, self.optimizer, loss_of, sample_range, self.scheduler,
+                            seed=self.seed)
         try:
             yield from worker.train(rejoin)
         except Fenced as fenced:

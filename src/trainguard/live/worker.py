@@ -37,7 +37,10 @@ from trainguard.live import collective
 from trainguard.live.ordered_sum import my_micro_batches, reduce_rows
 from trainguard.live.quorum import (Quorum, beat_key, done_key, epoch_key, fence_key, has, latest_epoch, progress_key,
                                     read_quorum, ready_key, report_key, start_key, wait_for)
+from trainguard.live.probe import PeerProbe
+from trainguard.live.rng import micro_batch_rng
 from trainguard.live.shards import ShardedUpdate
+from trainguard.live.stall import ReduceMarks
 from trainguard.live.transfer import load_state, send_shards, state_of
 from trainguard.live.files import checkpoint_path, events_path, final_path, state_bytes
 
@@ -76,6 +79,8 @@ class LiveArgs:
     fail_after_reduce: int | None  # drill: treat this step's all-reduce as failed here, once
     doctor: bool  # a spare: self-test before saying it is ready (``spare_check``)
     doctor_faults: str | None  # drill: ``miscompute`` entries for the spares' self-tests
+    stall_collective: int | None  # drill: stay out of this step's all-reduce, alive, until the epoch ends
+    stall_cut: bool  # drill: ... marked as in it, with this rank's probe socket closed (live/stall.py)
 
     @classmethod
     def parse(cls, argv: list[str] | None = None) -> LiveArgs:
@@ -97,15 +102,19 @@ class LiveArgs:
         parser.add_argument("--fail-after-reduce", type=int)
         parser.add_argument("--doctor", action="store_true")
         parser.add_argument("--doctor-faults")
+        parser.add_argument("--stall-collective", type=int)
+        parser.add_argument("--stall-cut", action="store_true")
         known, _ = parser.parse_known_args(argv)
         return cls(**vars(known))
 
 
 def micro_batch_grad(model: torch.nn.Module, loss_of: MicroBatchLoss, step: int, micro_batch: int,
-                     micro_batches: int) -> torch.Tensor:
-    """The flat gradient of one micro-batch's share of the step's loss (the mean over micro-batches)."""
+                     micro_batches: int, seed: int) -> torch.Tensor:
+    """The flat gradient of one micro-batch's share of the step's loss (the mean over micro-batches),
+    its random draws (dropout) seeded from ``(seed, step, micro_batch)``: the same on any rank (rng.py)."""
     model.zero_grad(set_to_none=True)
-    (loss_of(model, step, micro_batch) / micro_batches).backward()
+    with micro_batch_rng(seed, step, micro_batch):
+        (loss_of(model, step, micro_batch) / micro_batches).backward()
     return torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
@@ -127,7 +136,8 @@ def set_lr(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, step: int) -> 
 class LiveWorker:
     def __init__(self, store: dist.Store, args: LiveArgs, rank: int, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, loss_of: MicroBatchLoss, sample_range: SampleRange | None,
-                 scheduler: LambdaLR | None = None):
+                 scheduler: LambdaLR | None = None, *, seed: int):
+        self.seed = seed  # the run's: each micro-batch's random draws derive from it (rng.py)
         self.store, self.rank, self.world, self.steps = store, rank, args.world, args.steps
         self.run_dir, self.micro_batches = args.run_dir, args.micro_batches
         self.loss_of, self.sample_range = loss_of, sample_range
@@ -144,6 +154,9 @@ class LiveWorker:
         self.last_beat = -BEAT_S
         # the drill's transient fault: this rank's all-reduce of that step counts as failed once
         self.fail_after_reduce = args.fail_after_reduce
+        self.probe = PeerProbe(store, rank)  # the lighthouse's stall watch: marks, and probes of the peers
+        self.reduce_marks = ReduceMarks(store, rank, self.events, args.stall_collective,
+                                        self.probe if args.stall_cut else None)
 
     def train(self, rejoin: bool) -> Iterator[int]:
         """Trains to the last step, yielding the index of each step as it commits it (a step undone
@@ -195,7 +208,7 @@ class LiveWorker:
         rows = None
         for micro_batch in mine:
             self.beat()
-            grad = micro_batch_grad(self.model, self.loss_of, step, micro_batch, self.micro_batches)
+            grad = micro_batch_grad(self.model, self.loss_of, step, micro_batch, self.micro_batches, self.seed)
             if rows is None:
                 rows = torch.zeros(self.micro_batches, grad.numel(), dtype=grad.dtype)
             rows[micro_batch] = grad
@@ -206,7 +219,9 @@ class LiveWorker:
             self.events.emit("live_samples", step=step, epoch=quorum.epoch, members=len(quorum.members),
                              micro_batches=mine, samples=[self.sample_range(step, m) for m in mine])
         newer = latest_epoch(self.store) > quorum.epoch
+        self.reduce_marks.entering(quorum.epoch, step, self.beat)
         total, flags = reduce_rows(self.group, rows, int(newer), self.wait)
+        self.reduce_marks.left(quorum.epoch, step)
         if step == self.fail_after_reduce:
             self.fail_after_reduce = None
             self.await_peers_committed(step)
@@ -261,6 +276,7 @@ class LiveWorker:
         collective.end_epoch(self.store, epoch)  # the members still blocked learn it now
         self.retired.append(self.group)  # destroying it would block until its pending operation times out
         self.group = None
+        self.probe.report_if_asked(epoch, self.quorum.members)
         self.store.set(report_key(epoch, self.rank), str(committed))
         self.events.emit("live_collective_failed", step=None if committed == NO_STATE else committed, epoch=epoch,
                          error=f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")

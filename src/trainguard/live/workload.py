@@ -58,7 +58,7 @@ class Workload:
 def main(argv: list[str] | None = None) -> None:
     workload = Workload()
     model, optimizer = workload.build()
-    guard = LiveRank(model, optimizer, LiveArgs.parse(argv))
+    guard = LiveRank(model, optimizer, LiveArgs.parse(argv), seed=workload.seed)
     workload = dataclasses.replace(workload, micro_batches=guard.micro_batches)  # the run's global batch
     for _ in guard.steps(workload.micro_batch_loss, workload.sample_range):
         pass

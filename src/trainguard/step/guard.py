@@ -353,7 +353,8 @@ class Guard:
         """Live mode's loop: trains the launcher's ``total_steps`` with the run's quorums, yielding the
         index of each step as it is committed (a step undone after a peer's failure comes again when
         it is redone); iterate to the end, then ``close()``. ``loss_of(model, step, micro_batch)``
-        returns that micro-batch's loss (a pure function of its indices and the parameters); the step's
+        returns that micro-batch's loss (a pure function of its indices and the parameters; its random
+        draws, dropout's, are seeded from ``train.seed``, the step and the micro-batch); the step's
         loss is their mean. ``sample_range(step, micro_batch) -> (first, end)`` (optional) names each
         micro-batch's samples in the ``live_samples`` events. The loop's body must leave the model, the
         optimizer and the data alone: they are the run's state."""

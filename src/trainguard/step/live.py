@@ -89,4 +89,4 @@ def live_rank(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
         raise ConfigError(f"Guard(run_dir={str(run_dir)!r}): the live launcher started this rank with --run-dir "
                           f"{str(args.run_dir)!r}; pass that one")
     live_drill(config.faults, args.world, args.steps)  # the launcher's to inject; anything else refused here
-    return LiveRank(model, optimizer, args, scheduler)
+    return LiveRank(model, optimizer, args, scheduler, seed=config.train.seed)

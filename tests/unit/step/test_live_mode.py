@@ -60,11 +60,12 @@ def closure_guard(tmp_path, monkeypatch):
 
 def test_the_key_is_off_by_default_and_read_from_yaml_and_set(tmp_path):
     assert RunConfig().fault_tolerance == FaultToleranceConfig(live=False, spares=0, hang_s=10.0,
-                                                               collective_timeout_s=30.0)
+                                                               collective_timeout_s=30.0, stall_s=5.0, stall_steps=10.0)
     path = tmp_path / "run.yaml"
-    path.write_text("fault_tolerance: {live: true, spares: 1, hang_s: 4}\n")
-    config = load_config(path, ["fault_tolerance.collective_timeout_s=5"])
-    assert config.fault_tolerance == FaultToleranceConfig(live=True, spares=1, hang_s=4.0, collective_timeout_s=5.0)
+    path.write_text("fault_tolerance: {live: true, spares: 1, hang_s: 4, stall_s: 2}\n")
+    config = load_config(path, ["fault_tolerance.collective_timeout_s=5", "fault_tolerance.stall_steps=4"])
+    assert config.fault_tolerance == FaultToleranceConfig(live=True, spares=1, hang_s=4.0, collective_timeout_s=5.0,
+                                                          stall_s=2.0, stall_steps=4.0)
 
 
 @pytest.mark.parametrize("item, message", [
@@ -72,6 +73,8 @@ def test_the_key_is_off_by_default_and_read_from_yaml_and_set(tmp_path):
     ("fault_tolerance.spares=-1", "config key 'fault_tolerance.spares' must be ≥ 0, got -1"),
     ("fault_tolerance.hang_s=0", "config key 'fault_tolerance.hang_s' must be > 0, got 0.0"),
     ("fault_tolerance.collective_timeout_s=-3", "config key 'fault_tolerance.collective_timeout_s' must be > 0"),
+    ("fault_tolerance.stall_s=0", "config key 'fault_tolerance.stall_s' must be > 0"),
+    ("fault_tolerance.stall_steps=-1", "config key 'fault_tolerance.stall_steps' must be > 0"),
     ("fault_tolerance.lve=true", "unknown config key 'fault_tolerance.lve'"),
 ])
 def test_a_bad_value_is_one_error_naming_the_key(item, message):

@@ -1,0 +1,145 @@
+"""A step's all-reduce that does not finish while every member is alive: a partial cut.
+
+A rank cut off from its peers but not from the launcher's store (gloo's ports blocked between
+nodes, or a rank alive that never calls into the collective) keeps beating, so the heartbeat timeout
+does not see it, and no collective fails until gloo's own timeout (``collective_timeout_s``, 30 s by
+default). So each rank marks in the store when it enters and when it leaves each step's all-reduce
+(``reduce/<rank>`` = ``"<epoch> <step> in|out"``, :class:`ReduceMarks`), and the lighthouse
+(:class:`StallWatch`, in the launcher) judges from the marks, on its own clock:
+
+- the all-reduce of step ``t`` is *stalled* when some member has entered it, none has left it, and
+  the first entry is older than the stall bound ``max(stall_s, stall_steps × the median step time so
+  far)``: a bound tied to the run's own pace (a survivor computing twice the micro-batches, a loaded
+  machine's slow step stay well inside ``stall_steps`` = 10 medians), with a floor for the first steps
+  and for runs whose steps take milliseconds (the lighthouse's own scheduling delays). The first step
+  an epoch's members take is not judged: a new process's first backward (torch loads parts of itself
+  then: 5 s measured on a loaded machine, docs/live_recovery.md's warm spares) and gloo's first exchanges on the
+  epoch's new group are not a cut; a cut there waits for gloo's timeout;
+- whom to exclude (:func:`excluded_groups`): the replica groups of the members that never entered
+  (alive, beating, not taking part: from the others' side, exactly a peer behind a cut). When every
+  member entered and none left, the marks cannot tell which side of the cut is at fault: the
+  lighthouse asks every member to probe the others over a side channel (``live/probe.py``) and keeps
+  the most replica groups that all reach each other. Never every group: where that would be the
+  verdict, nothing is decided here and gloo's timeout stays the bound.
+
+The drill (``LiveRun.stall_collective``: rank R at step S) makes rank R stop before its all-reduce
+of step S, beating, without marking it entered, until the epoch ends; with ``LiveRun.stall_cut`` it
+marks itself entered and closes its probe socket for the rest of the run (its peers cannot reach it,
+as behind a cut; gloo itself is not cut, so its group can rejoin).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from trainguard.events import EventLog
+from trainguard.live.collective import POLL_S, EpochAborted, abort_key
+from trainguard.live.probe import PeerProbe
+from trainguard.live.quorum import Quorum
+
+IN, OUT = "in", "out"
+STEP_TIMES = 256  # the median step time is taken over the last this many steps
+LOOKED_AWAY_S = 1.0  # a gap between two looks longer than this restarts the current step's clock
+
+
+def reduce_key(rank: int) -> str:
+    return f"reduce/{rank}"
+
+
+class ReduceMarks:
+    """A rank's side: marks its entry into and exit from each step's all-reduce; ``stall_step``: the
+    drill's step at which this rank stops before it instead (once); ``cut``: the drill's probe socket
+    to close there, having marked itself entered (a cut inside the collective)."""
+
+    def __init__(self, store: dist.Store, rank: int, events: EventLog, stall_step: int | None,
+                 cut: PeerProbe | None):
+        self.store, self.rank, self.events, self.stall_step, self.cut = store, rank, events, stall_step, cut
+
+    def entering(self, epoch: int, step: int, beat: Callable[[], None]) -> None:
+        if step == self.stall_step:
+            self.stall_step = None
+            self.events.emit("live_stall_drill", step=step, epoch=epoch, cut=self.cut is not None)
+            if self.cut is not None:
+                self.store.set(reduce_key(self.rank), f"{epoch} {step} {IN}")
+                self.cut.close()
+            while not self.store.check([abort_key(epoch)]):  # alive, beating, never in the collective
+                beat()
+                time.sleep(POLL_S)
+            raise EpochAborted(f"drill: rank {self.rank} stayed out of the all-reduce of step {step} until "
+                               f"epoch {epoch} ended")
+        self.store.set(reduce_key(self.rank), f"{epoch} {step} {IN}")
+
+    def left(self, epoch: int, step: int) -> None:
+        self.store.set(reduce_key(self.rank), f"{epoch} {step} {OUT}")
+
+
+@dataclass(frozen=True)
+class Stall:
+    step: int
+    waiting: list[int]  # members in the all-reduce
+    absent: list[int]  # members that have not entered it
+    waited_s: float
+    bound_s: float
+
+
+def excluded_groups(members: list[int], absent: list[int], group_of: Callable[[int], int]) -> list[int]:
+    """The replica groups a stall with ``absent`` members excludes: theirs; none where that would be
+    every group."""
+    groups = {group_of(r) for r in members}
+    excluded = sorted({group_of(r) for r in absent})
+    return [] if len(excluded) == len(groups) else excluded
+
+
+class StallWatch:
+    """The lighthouse's side: the step times seen so far and the current step's all-reduce."""
+
+    def __init__(self, store: dist.Store, stall_s: float, stall_steps: float):
+        self.store, self.stall_s, self.stall_steps = store, stall_s, stall_steps
+        self.step_times: deque[float] = deque(maxlen=STEP_TIMES)
+        self.current: tuple[int, int, float] | None = None  # (epoch, step, first seen entered)
+        self.judged: tuple[int, int] | None = None  # (epoch, step) already found stalled
+        self.first: tuple[int, int] | None = None  # (epoch, the first step its members were seen at)
+        self.last_look = time.monotonic()
+
+    def bound_s(self) -> float:
+        median = statistics.median(self.step_times) if self.step_times else 0.0
+        return max(self.stall_s, self.stall_steps * median)
+
+    def look(self, quorum: Quorum, alive: list[int]) -> Stall | None:
+        """The stall of the current epoch's all-reduce among ``alive`` (the members that have not finished),
+        once per step; None while it is not one."""
+        now = time.monotonic()
+        if now - self.last_look > LOOKED_AWAY_S and self.current is not None:
+            # this process was not scheduled for a while: it judges nobody on that gap
+            self.current = (*self.current[:2], now)
+        self.last_look = now
+        marks = {}
+        for rank in alive:
+            value = self.store.get(reduce_key(rank)).decode() if self.store.check([reduce_key(rank)]) else ""
+            epoch, step, phase = value.split() if value else ("-1", "-1", OUT)
+            if int(epoch) == quorum.epoch:
+                marks[rank] = (int(step), phase)
+        if not marks:
+            return None
+        step = max(s for s, _ in marks.values())
+        if self.first is None or self.first[0] != quorum.epoch:
+            self.first = (quorum.epoch, min(s for s, _ in marks.values()))
+        if self.current is None or self.current[:2] != (quorum.epoch, step):
+            if self.current is not None and self.current[0] == quorum.epoch and step > self.current[1]:
+                self.step_times.append((now - self.current[2]) / (step - self.current[1]))
+            self.current = (quorum.epoch, step, now)
+        waiting = [r for r, mark in marks.items() if mark == (step, IN)]
+        if (not waiting or any(mark == (step, OUT) for mark in marks.values()) or step == self.first[1]
+                or self.judged == (quorum.epoch, step)):
+            return None
+        waited, bound = now - self.current[2], self.bound_s()
+        if waited <= bound:
+            return None
+        self.judged = (quorum.epoch, step)
+        return Stall(step, sorted(waiting), sorted(r for r in alive if r not in waiting), waited, bound)

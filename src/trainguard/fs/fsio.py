@@ -138,3 +138,32 @@ def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
 # Linux's sync_file_range (None elsewhere): start writing back a finished range while later bytes are
 # still being produced, so the closing fsync has little left to do.
 sync_file_range = _load_sync_file_range()
+
+
+_MEMORY_FILE_SYSTEMS = {0x01021994, 0x858458F6}  # tmpfs, ramfs (statfs's f_type)
+
+
+def _load_fstatfs() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).fstatfs
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    function.restype = ctypes.c_int
+    return function
+
+
+_fstatfs = _load_fstatfs()
+
+
+def in_memory_file_system(fd: int) -> bool:
+    """Whether the open file ``fd`` lives in node memory (tmpfs, ramfs: ``/dev/shm``), where its pages
+    are the file itself; False where it cannot be told (not Linux)."""
+    if _fstatfs is None:
+        return False
+    buffer = ctypes.create_string_buffer(256)  # struct statfs (120 bytes on 64-bit Linux); f_type comes first
+    if _fstatfs(fd, buffer) != 0:
+        return False
+    return ctypes.c_long.from_buffer(buffer).value in _MEMORY_FILE_SYSTEMS

@@ -12,7 +12,7 @@ On 2 ranks (FSDP2 over a 1-D gloo mesh, AdamW, a Llama built from a trainguard p
    committed). Maximum over ranks, median of ``--saves`` saves. Target: ≤ 0.01 × sync.
 2. *throughput*: training steps per second with a durable async save every 10 steps, and with the
    memory tier every step (``checkpoint.memory_interval=1``, ``/dev/shm``), against no saves; blocks
-   of 20 steps, each timed until its saves are committed, each mode in ABBA quads with blocks without
+   of ``--block`` steps (20), each timed until its saves are committed, each mode in ABBA quads with blocks without
    saves (none X X none, X none none X); the figure is the median over quads of each quad's ratio.
    Targets: ≥ 0.97 and ≥ 0.95.
 3. *steps redone after a SIGKILL*: ``trainguard train`` with the memory tier every step, rank 1 killed
@@ -69,6 +69,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=2, help="sequences per rank and step")
     p.add_argument("--saves", type=int, default=3, help="saves timed per path for figure 1 (default 3)")
     p.add_argument("--cycles", type=int, default=1, help="ABBA cycles for figure 2 (default 1)")
+    p.add_argument("--block", type=int, default=BLOCK, help=f"steps per timed block of figure 2 (default {BLOCK}; "
+                   f"at least {DURABLE_INTERVAL}, so that each block holds a durable save)")
     p.add_argument("--kill-step", type=int, default=9, help="figure 3: rank 1 is killed as it starts this step")
     p.add_argument("--dir", default=None, help="where checkpoints go (a temporary directory inside; default /tmp)")
     p.add_argument("--quick", action="store_true", help="llama-tiny, 2 saves, seq 64")
@@ -210,7 +212,7 @@ def inner(args) -> None:
         dist.barrier()
         started = time.perf_counter()
         saving = waiting = 0.0
-        for _ in range(BLOCK):
+        for _ in range(args.block):
             step += 1
             forward_backward()
             if manager is not None:
@@ -225,10 +227,10 @@ def inner(args) -> None:
             manager.close()  # the block's saves are committed within its time
         elapsed = max_over_ranks(time.perf_counter() - started)
         if timed:
-            rates[mode].append(BLOCK / elapsed)
-            quads.setdefault(quad_id, {}).setdefault(mode, []).append(BLOCK / elapsed)
-            in_save[mode].append(max_over_ranks(saving) / BLOCK)
-            in_wait[mode].append(max_over_ranks(waiting) / BLOCK)
+            rates[mode].append(args.block / elapsed)
+            quads.setdefault(quad_id, {}).setdefault(mode, []).append(args.block / elapsed)
+            in_save[mode].append(max_over_ranks(saving) / args.block)
+            in_wait[mode].append(max_over_ranks(waiting) / args.block)
     profile = cpu_profile(args, model, optimizer, train_step, root, shm) if "profile" in args.only else []
     shutil.rmtree(shm, ignore_errors=True)
 
@@ -485,7 +487,7 @@ def main() -> None:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         inner_args = ["--preset", args.preset, "--seq-len", str(args.seq_len), "--batch", str(args.batch),
-                      "--saves", str(args.saves), "--cycles", str(args.cycles), "--only", *args.only,
+                      "--saves", str(args.saves), "--cycles", str(args.cycles), "--block", str(args.block), "--only", *args.only,
                       "--writers", *args.writers, "--inner", "--dir", str(work)]
         code = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                                os.path.abspath(__file__), *inner_args], env=env).returncode

@@ -259,7 +259,10 @@ def serve(fd: int) -> None:
     threading.Thread(target=_exit_with, args=(parent,), daemon=True, name="trainguard-writer-watch").start()
     torch.set_num_threads(1)
     connection = Connection(fd)
-    connection.send_bytes(READY)
+    try:
+        connection.send_bytes(READY)
+    except OSError:  # the training process ended before this one was ready (a run that failed at its start)
+        return
     mappings: dict[str, mmap.mmap] = {}
     while True:
         try:

@@ -16,7 +16,7 @@ in the background (the durable tier's async saves, the memory tier) has a writer
   the same byte for byte. Everything else (DCP's planning and collectives, the commit, retention,
   events) stays in the training process's background thread;
 - the writer is started when its tier is built if the tier will save (``start``: its interpreter and
-  imports, about 2 s of CPU, then run beside the training's own start, not on the first save's path),
+  imports, about 1.6 s of CPU, then run beside the training's own start, not on the first save's path),
   else at the first save; it says it is ready once its imports are done, and ``ready_at_first_request``
   records whether the first request found it ready or had to wait for it. It serves until the
   training process goes (it sees the end of its socket, or another parent process id, and exits at

@@ -1,7 +1,7 @@
 """Benchmark: checkpoints that do not stall training (lazy snapshot, memory tier), side by side in one run.
 
     OMP_NUM_THREADS=1 python benchmarks/nostall.py [--preset llama-60m] [--cycles 1] [--quick] [--dir /tmp]
-        [--only blocked throughput kill]
+        [--seq-len 128] [--batch 2] [--only blocked throughput kill profile] [--writers thread process]
 
 On 2 ranks (FSDP2 over a 1-D gloo mesh, AdamW, a Llama built from a trainguard preset, random tokens):
 
@@ -12,14 +12,24 @@ On 2 ranks (FSDP2 over a 1-D gloo mesh, AdamW, a Llama built from a trainguard p
    committed). Maximum over ranks, median of ``--saves`` saves. Target: ≤ 0.01 × sync.
 2. *throughput*: training steps per second with a durable async save every 10 steps, and with the
    memory tier every step (``checkpoint.memory_interval=1``, ``/dev/shm``), against no saves; blocks
-   of 20 steps, each timed until its saves are committed, each mode in ABBA quads with blocks without
+   of ``--block`` steps (20), each timed until its saves are committed, each mode in ABBA quads with blocks without
    saves (none X X none, X none none X); the figure is the median over quads of each quad's ratio.
    Targets: ≥ 0.97 and ≥ 0.95.
 3. *steps redone after a SIGKILL*: ``trainguard train`` with the memory tier every step, rank 1 killed
    (SIGKILL) as it starts step K, restarted with ``--resume auto``: the step it resumes from, and
    whether every step's loss equals a run without the kill (bitwise). Target: ≤ 1 step redone.
 
-Figures 1 and 2 are measured for each ``checkpoint.writer`` (``thread``: the save's background thread;
+4. *where the CPU goes* (``--only profile``): the CPU time, per rank, of one durable async save and of
+   one memory-tier step, the training thread idle meanwhile (the save, then ``close()``; the memory
+   tier's save, then its wait): the training process (capture, the copy into staging, DCP's planning
+   and collectives, the commit) and, with ``writer process``, the writer process (serialisation,
+   hashing, file writes, fsync; ``/proc/<pid>/stat``, averaged over the saves); then the pieces of that
+   work on this rank's own staged bytes, one thread: the memcpy, xxh3_64 (the manifest's checksum),
+   ``os.write`` into a new file and over an existing one, ``write_records`` (a DCP shard's
+   serialisation, hashing, write and fsync); and the step time without saves, with the CPU a save may
+   take for the targets on a machine whose cores the ranks keep busy (0.03 x 10 steps, 0.05 x 1 step).
+
+Figures 1, 2 and 4 are measured for each ``checkpoint.writer`` (``thread``: the save's background thread;
 ``process``: a writer process per rank and tier), side by side; figure 2 also prints, per step, the
 seconds the loop spent in ``save()`` and in ``wait_for_staging()``, and the median time the memory
 tier took to write a step's files (its ``local_saved`` events).
@@ -46,7 +56,7 @@ from common import median, print_result
 TARGET_BLOCKED = 0.01
 TARGET_DURABLE = 0.97
 TARGET_MEMORY = 0.95
-FIGURES = ("blocked", "throughput", "kill")
+FIGURES = ("blocked", "throughput", "kill", "profile")
 WRITERS = ("thread", "process")  # checkpoint.writer, side by side
 BLOCK = 20
 DURABLE_INTERVAL = 10
@@ -59,10 +69,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=2, help="sequences per rank and step")
     p.add_argument("--saves", type=int, default=3, help="saves timed per path for figure 1 (default 3)")
     p.add_argument("--cycles", type=int, default=1, help="ABBA cycles for figure 2 (default 1)")
+    p.add_argument("--block", type=int, default=BLOCK, help=f"steps per timed block of figure 2 (default {BLOCK}; "
+                   f"at least {DURABLE_INTERVAL}, so that each block holds a durable save)")
     p.add_argument("--kill-step", type=int, default=9, help="figure 3: rank 1 is killed as it starts this step")
     p.add_argument("--dir", default=None, help="where checkpoints go (a temporary directory inside; default /tmp)")
     p.add_argument("--quick", action="store_true", help="llama-tiny, 2 saves, seq 64")
     p.add_argument("--only", nargs="+", choices=FIGURES, default=list(FIGURES), help="figures to measure (default all)")
+    p.add_argument("--writers", nargs="+", choices=WRITERS, default=list(WRITERS),
+                   help="checkpoint.writer values measured (default both)")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
@@ -134,11 +148,11 @@ def inner(args) -> None:
     # 1. blocked time per save, for each writer (checkpoint.writer), against a sync save
     sync = CheckpointManager(root / "sync", model, optimizer, async_save=False, keep_last=1)
     lazy = {writer: CheckpointManager(root / f"lazy-{writer}", model, optimizer, keep_last=1,
-                                      config=CheckpointConfig(save_interval=0, writer=writer)) for writer in WRITERS}
+                                      config=CheckpointConfig(save_interval=0, writer=writer)) for writer in args.writers}
     sync_s: list[float] = []
-    call_s: dict[str, list[float]] = {writer: [] for writer in WRITERS}
-    wait_s: dict[str, list[float]] = {writer: [] for writer in WRITERS}
-    blocked_s: dict[str, list[float]] = {writer: [] for writer in WRITERS}
+    call_s: dict[str, list[float]] = {writer: [] for writer in args.writers}
+    wait_s: dict[str, list[float]] = {writer: [] for writer in args.writers}
+    blocked_s: dict[str, list[float]] = {writer: [] for writer in args.writers}
     step = 0
     for round in range(args.saves + 1 if blocked else 0):  # round 0 warms up (the first save allocates and plans)
         step += 1
@@ -166,11 +180,11 @@ def inner(args) -> None:
 
     # 2. throughput, with each writer; the memory tier's cost in the loop broken down
     managers: dict[str, CheckpointManager | None] = {"none": None}
-    for writer in WRITERS:
+    for writer in args.writers:
         durable_config = CheckpointConfig(save_interval=DURABLE_INTERVAL, keep_last=2, writer=writer)
         managers[f"durable10-{writer}"] = CheckpointManager(root / f"durable-{writer}", model, optimizer,
                                                            config=durable_config)
-    for writer in WRITERS:
+    for writer in args.writers:
         memory_config = CheckpointConfig(save_interval=0, memory_interval=1, memory_dir=str(shm / writer / "node{node}"),
                                          writer=writer)
         run_dir = root / f"memory-{writer}"
@@ -198,7 +212,7 @@ def inner(args) -> None:
         dist.barrier()
         started = time.perf_counter()
         saving = waiting = 0.0
-        for _ in range(BLOCK):
+        for _ in range(args.block):
             step += 1
             forward_backward()
             if manager is not None:
@@ -213,20 +227,26 @@ def inner(args) -> None:
             manager.close()  # the block's saves are committed within its time
         elapsed = max_over_ranks(time.perf_counter() - started)
         if timed:
-            rates[mode].append(BLOCK / elapsed)
-            quads.setdefault(quad_id, {}).setdefault(mode, []).append(BLOCK / elapsed)
-            in_save[mode].append(max_over_ranks(saving) / BLOCK)
-            in_wait[mode].append(max_over_ranks(waiting) / BLOCK)
+            rates[mode].append(args.block / elapsed)
+            quads.setdefault(quad_id, {}).setdefault(mode, []).append(args.block / elapsed)
+            in_save[mode].append(max_over_ranks(saving) / args.block)
+            in_wait[mode].append(max_over_ranks(waiting) / args.block)
+    profile = cpu_profile(args, model, optimizer, train_step, root, shm) if "profile" in args.only else []
     shutil.rmtree(shm, ignore_errors=True)
 
     if rank == 0:
         print(f"\nstate: {args.preset}, {total_bytes / 1e9:.3f} GB (model + AdamW) over 2 ranks; "
-              f"seq {args.seq_len} x batch {args.batch} per rank; load average at the end "
-              f"{os.getloadavg()[0]:.2f}\n")
+              f"seq {args.seq_len} x batch {args.batch} per rank ({2 * args.seq_len * args.batch} tokens per step); "
+              f"load average at the end {os.getloadavg()[0]:.2f}\n")
+        if profile:
+            print("| CPU time, per rank (rank 0 / rank 1) | ms |\n|---|---:|")
+            for label, values in profile:
+                print(f"| {label} | {' / '.join(f'{v:.1f}' for v in values)} |")
+            print()
         print("| figure | median | samples |\n|---|---:|---|")
         if blocked:
             print(f"| sync save, until committed (s) | {median(sync_s):.3f} | {', '.join(f'{x:.3f}' for x in sync_s)} |")
-            for writer in WRITERS:
+            for writer in args.writers:
                 for label, values in (("save_durable()", call_s[writer]),
                                       ("wait_for_staging() after forward+backward", wait_s[writer]),
                                       ("blocked in all", blocked_s[writer])):
@@ -240,15 +260,15 @@ def inner(args) -> None:
                     print(f"| {mode}: per step in save() / in wait_for_staging() (ms) | "
                           f"{1000 * median(in_save[mode]):.2f} / {1000 * median(in_wait[mode]):.2f} | |")
             print("\nmemory tier, per step (ms, rank 0): " + "; ".join(
-                f"{writer}: {memory_profile(root / f'memory-{writer}')}" for writer in WRITERS))
+                f"{writer}: {memory_profile(root / f'memory-{writer}')}" for writer in args.writers))
         print()
         if blocked:
-            for writer in WRITERS:
+            for writer in args.writers:
                 value = median(blocked_s[writer])
                 print_result(f"blocked time per async save vs sync save (s), writer {writer}", value, median(sync_s),
                              f"ratio <= {TARGET_BLOCKED}", value <= TARGET_BLOCKED * median(sync_s))
         if "throughput" in args.only:
-            for writer in WRITERS:
+            for writer in args.writers:
                 for mode, target, label in ((f"durable10-{writer}", TARGET_DURABLE, "durable async save every 10 steps"),
                                             (f"memory1-{writer}", TARGET_MEMORY, "memory tier every step")):
                     ratios = [statistics.mean(q[mode]) / statistics.mean(q["none"]) for q in quads.values() if mode in q]
@@ -259,6 +279,157 @@ def inner(args) -> None:
                                  value >= target)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def cpu_profile(args, model, optimizer, train_step, root: Path, shm: Path) -> list[tuple[str, list[float]]]:
+    """Figure 4 (see the module's doc): ``(label, [ms of rank 0, ms of rank 1])`` rows."""
+    import torch
+    import torch.distributed as dist
+    import xxhash
+
+    from trainguard.checkpoint.config import CheckpointConfig
+    from trainguard.checkpoint.hashing_file import write_records
+    from trainguard.checkpoint.manager import CheckpointManager
+    from trainguard.events import EventLog
+    from trainguard.step.local_tier import build_memory_tier
+
+    rank = dist.get_rank()
+    rows: list[tuple[str, float]] = []
+    saves, steps = (2, 6) if args.quick else (3, 6)
+
+    def measure(label: str, save, finish, files, count: int) -> None:
+        """CPU of ``count`` saves, the training thread idle: this process's, and its writer process's."""
+        save(), finish()  # warm: allocation, plans, spares, the writer process's start
+        own = theirs = 0.0
+        for _ in range(count):
+            train_step()
+            dist.barrier()
+            pid = getattr(files, "pid", None)
+            started, started_writer = time.process_time(), process_cpu(pid)
+            save()
+            finish()
+            own += time.process_time() - started
+            theirs += process_cpu(pid) - started_writer
+        rows.append((f"{label}: training process", 1000 * own / count))
+        if getattr(files, "pid", None) is not None:
+            rows.append((f"{label}: writer process", 1000 * theirs / count))
+            rows.append((f"{label}: both", 1000 * (own + theirs) / count))
+
+    step = 10_000
+    for writer in args.writers:
+        manager = CheckpointManager(root / f"profile-{writer}", model, optimizer, keep_last=1,
+                                    config=CheckpointConfig(save_interval=0, writer=writer))
+
+        def save_durable() -> None:
+            nonlocal step
+            step += 1
+            manager.save_durable(step)
+
+        measure(f"durable async save, writer {writer}", save_durable, manager.close, manager.durable.files, saves)
+        capture = manager.durable.capture.take(model, optimizer)
+        manager.close()
+    for writer in args.writers:
+        config = CheckpointConfig(save_interval=0, memory_interval=1, memory_dir=str(shm / f"profile-{writer}" / "node{node}"),
+                                  writer=writer)
+        run_dir = root / f"profile-memory-{writer}"
+        events = EventLog(run_dir / "events.jsonl", rank=rank, host="bench")
+        memory = build_memory_tier(run_dir, config, mesh_shape=(2,), mesh_dim_names=("dp_shard",), ranks_per_node=2,
+                                   model=model, events=events)
+        manager = CheckpointManager(run_dir, model, optimizer, config=config, memory=memory, events=events)
+
+        def save_memory() -> None:
+            nonlocal step
+            step += 1
+            manager.save_memory(step)
+
+        for _ in range(3):  # the pruned steps' spares exist from here on
+            save_memory(), manager.memory.wait()
+        measure(f"memory tier step, writer {writer}", save_memory, manager.memory.wait, manager.memory.files, steps)
+        manager.close()
+
+    # the pieces, on this rank's staged bytes (the durable tier's staging buffers, just filled)
+    buffers = [buffer for buffer, _ in capture.plan.copies]
+    sources = [source.detach() for _, source in capture.plan.copies]
+    views = [buffer.view(-1).view(torch.uint8).numpy() for buffer in buffers if buffer.numel()]
+    nbytes = sum(view.nbytes for view in views)
+
+    def thread_cpu(action) -> float:
+        started = time.thread_time()
+        action()
+        return 1000 * (time.thread_time() - started)
+
+    def copy() -> None:
+        for buffer, source in zip(buffers, sources):
+            buffer.copy_(source)
+
+    def digest() -> None:
+        hasher = xxhash.xxh3_64()
+        for view in views:
+            hasher.update(view)
+
+    scratch = shm / f"pieces-{rank}"
+    scratch.mkdir(parents=True, exist_ok=True)
+
+    def write_to(path: Path, flags: int) -> None:
+        fd = os.open(path, os.O_WRONLY | flags, 0o644)
+        try:
+            for view in views:
+                memory_view = memoryview(view)
+                while memory_view:
+                    memory_view = memory_view[os.write(fd, memory_view):]
+        finally:
+            os.close(fd)
+
+    disk = root / f"pieces-{rank}.bin"
+    rows.append((f"staged bytes of this rank (MB)", nbytes / 1e6))
+    rows.append(("piece: memcpy into staging (torch copy_)", thread_cpu(copy)))
+    rows.append(("piece: xxh3_64 of the staged bytes", thread_cpu(digest)))
+    rows.append((f"piece: os.write into a new file in {root.parent} (page cache)", thread_cpu(lambda: write_to(disk, os.O_CREAT))))
+    fd = os.open(disk, os.O_WRONLY)
+    started = time.perf_counter()
+    os.fsync(fd)
+    os.close(fd)
+    rows.append(("piece: its fsync (wall)", 1000 * (time.perf_counter() - started)))
+    disk.unlink()
+    write_to(scratch / "over", os.O_CREAT)
+    rows.append(("piece: os.write over an existing file in /dev/shm", thread_cpu(lambda: write_to(scratch / "over", 0))))
+    started = time.process_time()
+    write_records(root / f"pieces-{rank}.distcp", buffers)
+    rows.append((f"piece: write_records of the staged tensors in {root.parent} (serialise, hash, write, fsync)",
+                 1000 * (time.process_time() - started)))
+    (root / f"pieces-{rank}.distcp").unlink()
+    shutil.rmtree(scratch, ignore_errors=True)
+    dist.barrier()
+    started, started_cpu = time.perf_counter(), time.process_time()
+    for _ in range(3):
+        train_step()
+    step_cpu = 1000 * (time.process_time() - started_cpu) / 3
+    step_ms = 1000 * max_over_ranks((time.perf_counter() - started) / 3)
+    rows.append(("a training step without saves (wall, max over ranks)", step_ms))
+    rows.append(("a training step without saves (CPU of this rank)", step_cpu))
+    rows.append((f"CPU a durable save every {DURABLE_INTERVAL} steps may take for >= {TARGET_DURABLE}",
+                 (1 - TARGET_DURABLE) * DURABLE_INTERVAL * step_cpu))
+    rows.append((f"CPU a memory-tier step may take for >= {TARGET_MEMORY}", (1 - TARGET_MEMORY) * step_cpu))
+    # a rank that has its core to itself and no spare one: the saves' CPU adds to its steps' CPU
+    measured = dict(rows)
+    for writer in args.writers:
+        for label, interval, kind in ((f"durable async save, writer {writer}", DURABLE_INTERVAL, "durable every 10"),
+                                      (f"memory tier step, writer {writer}", 1, "memory tier every step")):
+            save_cpu = measured.get(f"{label}: both", measured[f"{label}: training process"])
+            rows.append((f"expected steps/s ratio, {kind}, writer {writer}, one busy core per rank (x1000)",
+                         1000 * step_cpu / (step_cpu + save_cpu / interval)))
+    gathered: list = [None, None]
+    dist.all_gather_object(gathered, rows)
+    return [(label, [part[index][1] for part in gathered]) for index, (label, _) in enumerate(rows)]
+
+
+def process_cpu(pid: int | None) -> float:
+    """CPU seconds (user + system, every thread, ended ones included) of process ``pid``; 0 for None."""
+    if pid is None:
+        return 0.0
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def memory_profile(run_dir: Path) -> str:
@@ -326,8 +497,8 @@ def main() -> None:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         inner_args = ["--preset", args.preset, "--seq-len", str(args.seq_len), "--batch", str(args.batch),
-                      "--saves", str(args.saves), "--cycles", str(args.cycles), "--only", *args.only,
-                      "--inner", "--dir", str(work)]
+                      "--saves", str(args.saves), "--cycles", str(args.cycles), "--block", str(args.block), "--only", *args.only,
+                      "--writers", *args.writers, "--inner", "--dir", str(work)]
         code = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                                os.path.abspath(__file__), *inner_args], env=env).returncode
         if code != 0:

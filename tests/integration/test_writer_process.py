@@ -157,6 +157,32 @@ def test_a_writer_process_killed_mid_save_commits_nothing_and_the_save_fails_cle
     assert read_latest(root) == 3
 
 
+def test_a_periodic_saver_starts_its_writer_process_when_built_so_the_first_save_waits_for_no_start(
+        tmp_path: Path) -> None:
+    model, optimizer = _training()
+    config = CheckpointConfig(save_interval=1, keep_last=2, async_save=True, writer="process")
+    manager = CheckpointManager(tmp_path, model, optimizer, config=config)
+    writer = manager.durable.files
+    assert isinstance(writer, WriterProcess)
+    started = writer.pid
+    assert started not in (None, os.getpid()), "no writer process was started when the manager was built"
+    assert writer.ready_at_first_request is None
+    assert writer.ready(timeout=120), "the writer process never said it was ready"  # the training starts meanwhile
+    _step(model, optimizer)
+    manager.save(1)
+    manager.close()
+    assert writer.pid == started and writer.ready_at_first_request is True
+    assert verify_checkpoint(tmp_path / "checkpoints/global_step_1") == []
+
+    # a manager that saves only when asked starts its writer at the first save, which then waits for it
+    lazy = _manager(tmp_path / "lazy", model, optimizer, "process")
+    assert lazy.durable.files.pid is None
+    lazy.save_durable(1)
+    lazy.close()
+    assert lazy.durable.files.ready_at_first_request is False
+    assert verify_checkpoint(tmp_path / "lazy/checkpoints/global_step_1") == []
+
+
 @pytest.mark.parametrize("value", ["processes", ""])
 def test_an_unknown_writer_is_refused_naming_the_key(tmp_path: Path, value: str) -> None:
     model, optimizer = _training()

@@ -7,7 +7,10 @@ CRC32s the manifest's checksums make redundant.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import inspect
+import mmap
 import os
 import pickle
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +21,9 @@ import torch
 import xxhash
 
 from trainguard.checkpoint.checksum import CHECKSUM_ALGORITHM
-from trainguard.fs.fsio import SYNC_FILE_RANGE_WRITE, sync_file_range
+from trainguard.fs.fsio import SYNC_FILE_RANGE_WRITE, in_memory_file_system, sync_file_range
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 # Large writes are handed to the kernel and hashed in pieces of this size, and the kernel is asked to
 # start writing back every _WRITEBACK_CHUNK as soon as it is complete, so the disk works while later
@@ -29,6 +34,9 @@ _WRITEBACK_CHUNK = 16 << 20
 # shard) are gathered into one buffer and written together, one system call per _COALESCE bytes.
 _SMALL_WRITE = 64 << 10
 _COALESCE = 1 << 20
+# Direct writes (O_DIRECT) go through an aligned buffer of this size, in whole blocks of _BLOCK bytes.
+_DIRECT_BUFFER = 8 << 20
+_BLOCK = 4096
 
 
 def _checksum_of(digest: Any) -> str:
@@ -37,7 +45,16 @@ def _checksum_of(digest: Any) -> str:
 
 class HashingFile:
     """A new file, written sequentially: every byte is hashed on its way to the disk (xxh3_64, the
-    manifest's checksum), and ``close_durably`` fsyncs it and returns its size and checksum."""
+    manifest's checksum), and ``close_durably`` fsyncs it and returns its size and checksum.
+
+    On a disk file system the bytes bypass the page cache (``O_DIRECT``, through an aligned buffer):
+    a checkpoint is written once and not read back by the process writing it, and copying it into
+    the page cache costs the writing process several times the copy into the buffer (and the
+    kernel's writeback and page reclaim cost the machine's cores more), CPU taken from training on
+    a machine whose cores the ranks keep busy (``benchmarks/nostall.py --only profile``). The last,
+    partial block is padded for the write and cut off again before the fsync. Files in node memory
+    (tmpfs: their pages are the file) and file systems that refuse ``O_DIRECT`` are written through
+    the page cache. The bytes, and so the checksum, are the same either way."""
 
     def __init__(self, path: Path, *, overwrite: bool = False):
         """A new file at ``path``; with ``overwrite``, the file already there is written over from its
@@ -52,6 +69,26 @@ class HashingFile:
         self._digest = xxhash.xxh3_64()
         self._pending = bytearray()  # small writes not yet handed to the kernel (already hashed)
         self._hasher: ThreadPoolExecutor | None = None
+        self._aligned: mmap.mmap | None = self._direct_buffer()
+        """The aligned buffer of direct writes (None: through the page cache); ``_filled`` bytes of it
+        are pending, and the file holds ``_position - _filled`` bytes."""
+        self._filled = 0
+        self._on_disk = 0  # bytes the direct writes put in the file
+        self._cut = overwrite  # whether close_durably cuts the file to the bytes written
+
+    @property
+    def direct(self) -> bool:
+        """Whether the file is being written with ``O_DIRECT``."""
+        return self._aligned is not None
+
+    def _direct_buffer(self) -> mmap.mmap | None:
+        if not _O_DIRECT or in_memory_file_system(self._fd):
+            return None
+        try:
+            fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) | _O_DIRECT)
+        except OSError:  # a file system without direct I/O
+            return None
+        return mmap.mmap(-1, _DIRECT_BUFFER)  # page-aligned
 
     def write(self, data: Any) -> int:
         view = memoryview(data)
@@ -60,21 +97,27 @@ class HashingFile:
         total = view.nbytes
         if total < _SMALL_WRITE:
             self._digest.update(view)
-            self._pending += view
+            if self._aligned is not None:
+                self._stage(view)
+            else:
+                self._pending += view
+                if len(self._pending) >= _COALESCE:
+                    self._flush_pending()
             self._position += total
-            if len(self._pending) >= _COALESCE:
-                self._flush_pending()
             return total
         self._flush_pending()
-        # Hashed on a second thread while this one copies the same bytes into the page cache (both
-        # release the GIL); waited for before returning, so the caller's buffer outlives the hashing
-        # and the digest sees every write in file order.
+        # Hashed on a second thread while this one copies the same bytes into the page cache or the
+        # aligned buffer (both release the GIL); waited for before returning, so the caller's buffer
+        # outlives the hashing and the digest sees every write in file order.
         if self._hasher is None:
             self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainguard-hash")
         hashed = self._hasher.submit(self._hash_pieces, view)
         try:
-            for start in range(0, total, _PIECE):
-                self._write_out(view[start : start + _PIECE])
+            if self._aligned is not None:
+                self._stage(view)
+            else:
+                for start in range(0, total, _PIECE):
+                    self._write_out(view[start : start + _PIECE])
         finally:
             hashed.result()
         self._position += total
@@ -89,6 +132,46 @@ class HashingFile:
         while view:
             view = view[os.write(self._fd, view) :]
 
+    def _stage(self, view: memoryview) -> None:
+        """Copies ``view`` into the aligned buffer, writing the buffer out each time it is full."""
+        assert self._aligned is not None
+        while view:
+            count = min(len(view), _DIRECT_BUFFER - self._filled)
+            self._aligned[self._filled : self._filled + count] = view[:count]
+            self._filled += count
+            view = view[count:]
+            if self._filled == _DIRECT_BUFFER:
+                self._write_aligned(_DIRECT_BUFFER)
+
+    def _write_aligned(self, count: int) -> None:
+        """Writes the buffer's first ``count`` bytes (whole blocks) directly; keeps the rest pending.
+        A file system that takes ``O_DIRECT`` at open but refuses the write gets the bytes through
+        the page cache, and the rest of the file too."""
+        assert self._aligned is not None
+        with memoryview(self._aligned) as aligned:
+            try:
+                self._write_out(aligned[:count])
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._leave_direct()
+                return
+            self._on_disk += count
+            rest = self._filled - count
+            aligned[:rest] = aligned[count : self._filled]
+        self._filled = rest
+
+    def _leave_direct(self) -> None:
+        """Writes what the aligned buffer holds through the page cache, and everything after it."""
+        assert self._aligned is not None
+        fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~_O_DIRECT)
+        aligned, self._aligned = self._aligned, None
+        os.lseek(self._fd, self._on_disk, os.SEEK_SET)  # after what the direct writes put there
+        with memoryview(aligned) as view:
+            self._write_out(view[: self._filled])
+        self._filled = 0
+        aligned.close()
+
     def _flush_pending(self) -> None:
         if self._pending:
             with memoryview(self._pending) as pending:
@@ -96,7 +179,7 @@ class HashingFile:
             self._pending = bytearray()
 
     def _start_writeback(self) -> None:
-        if sync_file_range is not None and self._position - self._written_back >= _WRITEBACK_CHUNK:
+        if self._aligned is None and sync_file_range is not None and self._position - self._written_back >= _WRITEBACK_CHUNK:
             # asynchronous: starts writeback of what is complete; durability still comes from fsync
             pending = self._position - self._written_back
             sync_file_range(self._fd, self._written_back, pending, SYNC_FILE_RANGE_WRITE)
@@ -106,16 +189,29 @@ class HashingFile:
         return self._position
 
     def flush(self) -> None:
+        """Hands the kernel what can be written now (direct writes: the whole blocks pending)."""
         self._flush_pending()
+        if self._aligned is not None and self._filled >= _BLOCK:
+            self._write_aligned(self._filled - self._filled % _BLOCK)
 
     def fileno(self) -> int:
+        """The file's descriptor, every pending byte written and direct writes left (for raw writes)."""
         self._flush_pending()
+        if self._aligned is not None:
+            self._leave_direct()
         return self._fd
 
     def close_durably(self) -> tuple[int, str]:
         self._flush_pending()
-        if self._overwrite:
-            os.ftruncate(self._fd, self._position)  # what is left of the recycled file's old bytes
+        if self._aligned is not None and self._filled:
+            # the last block, padded to a whole one for the direct write; the padding is cut off below
+            padded = -(-self._filled // _BLOCK) * _BLOCK
+            self._aligned[self._filled : padded] = bytes(padded - self._filled)
+            self._filled = padded
+            self._cut = True
+            self._write_aligned(padded)
+        if self._cut:
+            os.ftruncate(self._fd, self._position)  # a recycled file's old bytes, or the last block's padding
         os.fsync(self._fd)
         self.close()
         return self._position, _checksum_of(self._digest)
@@ -124,6 +220,9 @@ class HashingFile:
         if self._hasher is not None:
             self._hasher.shutdown()
             self._hasher = None
+        if self._aligned is not None:
+            self._aligned.close()
+            self._aligned = None
         if self._fd >= 0:
             fd, self._fd = self._fd, -1
             os.close(fd)

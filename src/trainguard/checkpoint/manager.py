@@ -137,6 +137,9 @@ class CheckpointManager:
             protected=lambda: self.mirror.pending_steps() if self.mirror is not None else set(),
             writer=config.writer,
         )
+        if config.save_interval:
+            # a writer process's interpreter starts beside the run's own start, not in its first save
+            self.durable.files.start()
         self.last_saved_step: int | None = None
         """The step the durable tier last saved (or the run resumed from)."""
         self.last_local_step: int | None = None

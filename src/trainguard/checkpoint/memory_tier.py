@@ -43,6 +43,7 @@ class MemoryTier:
         writer process of this rank) or ``"thread"`` (the background thread)."""
         self.tier = tier
         self.files = make_writer(writer, "memory")
+        self.files.start()  # its interpreter starts now, beside the run's own start, not in the first save
         self.capture = CaptureCache(_local_training_state, staging_for(self.files))
         self._gate = StagingGate()
         self._writer: threading.Thread | None = None

@@ -15,8 +15,12 @@ in the background (the durable tier's async saves, the memory tier) has a writer
   in the training process with ``checkpoint.writer: thread``, so files, checksums and manifests are
   the same byte for byte. Everything else (DCP's planning and collectives, the commit, retention,
   events) stays in the training process's background thread;
-- the writer is started at the first save and serves until the training process goes (it sees the end
-  of its socket, or another parent process id, and exits at once); it ignores the stop signals, which
+- the writer is started when its tier is built if the tier will save (``start``: its interpreter and
+  imports, about 1.6 s of CPU, then run beside the training's own start, not on the first save's path),
+  else at the first save; it says it is ready once its imports are done, and ``ready_at_first_request``
+  records whether the first request found it ready or had to wait for it. It serves until the
+  training process goes (it sees the end of its socket, or another parent process id, and exits at
+  once); it ignores the stop signals, which
   the training process acts on. If it dies, the save it was writing fails with ``WriterProcessDied`` and
   nothing of it is committed (the durable commit follows the writes, in the training process; a
   memory-tier step is committed by its rank manifest, the last file its writer writes), and the
@@ -51,17 +55,25 @@ Result = TypeVar("Result")
 PARENT_POLL_S = 0.05
 """How often a writer process checks that the training process that started it is still there."""
 
+READY = b"ready"
+"""The writer process's first message: its imports are done and it reads requests."""
+
 
 class WriterProcessDied(CheckpointError):
     """The writer process ended while it was writing a save (that save is not committed)."""
 
 
 class Writer(Protocol):
+    def start(self) -> None: ...
+
     def run(self, function: Callable[..., Result], *args: Any, **kwargs: Any) -> Result: ...
 
 
 class InProcess:
     """Runs the writing functions in the calling thread: sync saves, and ``checkpoint.writer: thread``."""
+
+    def start(self) -> None:
+        """Nothing to start."""
 
     def run(self, function: Callable[..., Result], *args: Any, **kwargs: Any) -> Result:
         return function(*args, **kwargs)
@@ -77,7 +89,11 @@ class WriterProcess:
         self._arena: SharedArena | None = None
         self._process: subprocess.Popen | None = None
         self._connection: Connection | None = None
+        self._ready = False
         self._lock = threading.Lock()
+        self.ready_at_first_request: bool | None = None
+        """None until the first request; then whether the writer process had started and finished its
+        imports before that request was made (False: the request waited for the start)."""
 
     @property
     def pid(self) -> int | None:
@@ -89,6 +105,12 @@ class WriterProcess:
         self._arena, buffers = allocate_shared(sources)
         return buffers
 
+    def start(self) -> None:
+        """Starts the writer process unless it runs; returns at once (it becomes ready meanwhile)."""
+        with self._lock:
+            if self._process is None or self._process.poll() is not None:
+                self._start()
+
     def run(self, function: Callable[..., Result], *args: Any, **kwargs: Any) -> Result:
         """``function(*args, **kwargs)`` in the writer process (a module-level function); tensors in
         the staging buffers are passed by position, any other by value."""
@@ -96,6 +118,10 @@ class WriterProcess:
             if self._process is None or self._process.poll() is not None:
                 self._start()
             assert self._process is not None and self._connection is not None
+            if self.ready_at_first_request is None:
+                self.ready_at_first_request = self._ready or self._connection.poll(0)
+            if not self._ready:
+                self._read_ready(function.__name__)
             arena = self._arena
             header = (os.getpid(), arena.token, arena.fd, arena.nbytes) if arena is not None else None
             message = pickle.dumps((header, function, _by_position(args, arena), _by_position(kwargs, arena)),
@@ -104,7 +130,7 @@ class WriterProcess:
                 self._connection.send_bytes(message)
                 status, value = pickle.loads(self._connection.recv_bytes())
             except (EOFError, OSError):
-                raise self._died(function) from None
+                raise self._died(function.__name__) from None
         if status == "error":
             raise value
         return value
@@ -120,9 +146,31 @@ class WriterProcess:
         finally:
             theirs.close()
         self._connection = Connection(ours.detach())
+        self._ready = False
         weakref.finalize(self, _stop, self._connection, self._process)
 
-    def _died(self, function: Callable[..., Any]) -> WriterProcessDied:
+    def ready(self, timeout: float = 0.0) -> bool:
+        """Whether the writer process runs and has said it is ready, waiting up to ``timeout`` seconds
+        for it (it is not started here); raises ``WriterProcessDied`` when it ended first."""
+        with self._lock:
+            if self._ready or self._connection is None:
+                return self._ready
+            if self._connection.poll(timeout):
+                self._read_ready("its start")
+            return self._ready
+
+    def _read_ready(self, during: str) -> None:
+        assert self._connection is not None
+        try:
+            message = self._connection.recv_bytes()
+        except (EOFError, OSError):
+            raise self._died(during) from None
+        if message != READY:
+            raise CheckpointError(f"the {self.name} checkpoint writer process sent {message[:40]!r} before "
+                                  "saying it was ready")
+        self._ready = True
+
+    def _died(self, during: str) -> WriterProcessDied:
         process, connection = self._process, self._connection
         self._process = self._connection = None
         assert process is not None and connection is not None
@@ -134,7 +182,7 @@ class WriterProcess:
             code = process.wait()
         how = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         return WriterProcessDied(f"the {self.name} checkpoint writer process (pid {process.pid}) ended ({how}) "
-                                 f"during {function.__name__}: the checkpoint it was writing is not committed")
+                                 f"during {during}: the checkpoint it was writing is not committed")
 
 
 def make_writer(kind: str, name: str) -> InProcess | WriterProcess:
@@ -211,6 +259,10 @@ def serve(fd: int) -> None:
     threading.Thread(target=_exit_with, args=(parent,), daemon=True, name="trainguard-writer-watch").start()
     torch.set_num_threads(1)
     connection = Connection(fd)
+    try:
+        connection.send_bytes(READY)
+    except OSError:  # the training process ended before this one was ready (a run that failed at its start)
+        return
     mappings: dict[str, mmap.mmap] = {}
     while True:
         try:

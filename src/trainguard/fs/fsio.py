@@ -123,18 +123,36 @@ def clean_stale(root: PathLike) -> list[Path]:
 SYNC_FILE_RANGE_WRITE = 2
 
 
-def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+def _linux_libc(name: str, argtypes: list[Any]) -> Callable[..., int] | None:
+    """The C library's function ``name`` on Linux (returning an int), None elsewhere or without it."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+        function = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.argtypes = argtypes
     function.restype = ctypes.c_int
     return function
 
 
 # Linux's sync_file_range (None elsewhere): start writing back a finished range while later bytes are
 # still being produced, so the closing fsync has little left to do.
-sync_file_range = _load_sync_file_range()
+sync_file_range = _linux_libc("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
+
+
+_MEMORY_FILE_SYSTEMS = {0x01021994, 0x858458F6}  # tmpfs, ramfs (statfs's f_type)
+
+
+_fstatfs = _linux_libc("fstatfs", [ctypes.c_int, ctypes.c_void_p])
+
+
+def in_memory_file_system(fd: int) -> bool:
+    """Whether the open file ``fd`` lives in node memory (tmpfs, ramfs: ``/dev/shm``), where its pages
+    are the file itself; False where it cannot be told (not Linux)."""
+    if _fstatfs is None:
+        return False
+    buffer = ctypes.create_string_buffer(256)  # struct statfs (120 bytes on 64-bit Linux); f_type comes first
+    if _fstatfs(fd, buffer) != 0:
+        return False
+    return ctypes.c_long.from_buffer(buffer).value in _MEMORY_FILE_SYSTEMS

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import random
+import shutil
 import traceback
 from pathlib import Path
 
@@ -148,6 +150,43 @@ def test_hashing_file_coalesces_small_writes_in_order(tmp_path):
     size, checksum = stream.close_durably()
     assert path.read_bytes() == b"".join(chunks)
     assert (size, checksum) == (os.path.getsize(path), file_checksum(path))
+
+
+def _memory_dir(tmp_path: Path) -> Path:
+    """A directory in node memory (tmpfs), where files are written through the page cache."""
+    directory = Path("/dev/shm") / f"trainguard-test-{os.getpid()}-{tmp_path.name}"
+    directory.mkdir()
+    return directory
+
+
+@pytest.mark.parametrize("where", ["disk", "memory"])
+def test_hashing_file_writes_every_byte_directly_or_through_the_page_cache(tmp_path, where):
+    """Direct writes (``O_DIRECT`` through an aligned buffer, the last block padded then cut off) give
+    the bytes written through the page cache, whatever the sizes, flushes, and a switch to raw access
+    (``fileno``) midway; tmpfs files are never written directly."""
+    directory = tmp_path if where == "disk" else _memory_dir(tmp_path)
+    rng = random.Random(0)
+    sizes = [1, 7, 4095, 4096, 5000, 70_000, 1 << 20, (8 << 20) + 3, 9 << 20, 100]
+    try:
+        for trial in range(12):
+            path = directory / f"f{trial}"
+            stream = HashingFile(path)
+            if where == "memory":
+                assert not stream.direct
+            chunks = [os.urandom(rng.choice(sizes)) for _ in range(rng.randint(0, 10))]
+            for index, chunk in enumerate(chunks):
+                assert stream.write(chunk) == len(chunk)
+                if rng.random() < 0.3:
+                    stream.flush()
+                if trial == 5 and index == len(chunks) // 2:
+                    stream.fileno()
+                    assert not stream.direct  # raw access: every pending byte is in the file
+            size, checksum = stream.close_durably()
+            assert path.read_bytes() == b"".join(chunks), trial
+            assert (size, checksum) == (os.path.getsize(path), file_checksum(path))
+    finally:
+        if where == "memory":
+            shutil.rmtree(directory)
 
 
 # --- two ranks: FSDP2 DTensors, an async save, the live state mutated right after save() returns ---

@@ -32,13 +32,9 @@ def worker_env(**extra: str) -> dict[str, str]:
 def trainguard(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """Runs ``python -m trainguard ARGS`` and returns the finished process (stdout and stderr captured).
     A session of its own, so that a timeout kills the supervisor's agents and ranks too, not only it.
-    ``train`` is forked from a warm interpreter (``helpers/warm_command.py``): the same command without
-    seconds of imports per run."""
-    if args[:1] == ("train",):
-        proc = warm_server().start(list(args), env or worker_env())
-    else:
-        proc = subprocess.Popen([sys.executable, "-m", "trainguard", *args], env=env or worker_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    Forked from a warm interpreter (``helpers/warm_command.py``): the same command without seconds of
+    imports per call."""
+    proc = warm_server().start(list(args), env or worker_env())
     return finish_session(proc, timeout, f"trainguard {' '.join(args[:1])}")
 
 

@@ -1,4 +1,4 @@
-"""``python -m trainguard train ...`` forked from a warm interpreter instead of started cold.
+"""``python -m trainguard ...`` forked from a warm interpreter instead of started cold.
 
 Most of a tiny test run's CPU time is the new interpreter's imports (torch, torch.distributed,
 transformers: about 3.5 s of a 1-step 2-rank run's 4 s on two cores), paid again by each of the

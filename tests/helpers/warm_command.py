@@ -13,6 +13,7 @@ its exit status, back to the caller, which sees a ``Popen``-like object.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -100,7 +101,8 @@ def serve(address: str) -> None:
                 _child(request["argv"], request["env"], request["cwd"], fds)
             for fd in fds:
                 os.close(fd)
-            conn.sendall(f"{pid}\n".encode())
+            with contextlib.suppress(OSError):
+                conn.sendall(f"{pid}\n".encode())
             waiting[pid] = conn
         while waiting:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -108,7 +110,8 @@ def serve(address: str) -> None:
                 break
             conn = waiting.pop(pid, None)
             if conn is not None:
-                conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+                with contextlib.suppress(OSError):  # a caller that is gone does not end the server
+                    conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
                 conn.close()
 
 

@@ -15,6 +15,8 @@ import torch
 from trainguard.fs.layout import extra_state_name, step_dir_name
 from trainguard.checkpoint.manifest import build_manifest, write_manifest
 
+from helpers.warm_command import warm_server
+
 # A model and batch small enough for many multi-process runs on two CPU cores.
 TINY = ["--set", "model.preset=llama-micro", "--set", "data.seq_len=32", "--set", "data.micro_batch_size=2"]
 
@@ -29,9 +31,10 @@ def worker_env(**extra: str) -> dict[str, str]:
 
 def trainguard(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """Runs ``python -m trainguard ARGS`` and returns the finished process (stdout and stderr captured).
-    A session of its own, so that a timeout kills the supervisor's agents and ranks too, not only it."""
-    proc = subprocess.Popen([sys.executable, "-m", "trainguard", *args], env=env or worker_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    A session of its own, so that a timeout kills the supervisor's agents and ranks too, not only it.
+    Forked from a warm interpreter (``helpers/warm_command.py``): the same command without seconds of
+    imports per call."""
+    proc = warm_server().start(list(args), env or worker_env())
     return finish_session(proc, timeout, f"trainguard {' '.join(args[:1])}")
 
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
 from helpers.runs import TINY, events, ok, train, trainguard, worker_env
+from helpers.warm_command import warm_server
 
 STEPS = 30
 SAVE = ["--save-interval", "2"]
@@ -19,11 +18,8 @@ SAVE = ["--save-interval", "2"]
 
 def _killed_externally(run_dir, delay: float) -> None:
     """Starts a run, waits for its first commit, then SIGKILLs every process ``delay`` seconds later."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "trainguard", "train", "--nproc", "2", "--steps", str(STEPS),
-         "--run-dir", str(run_dir), *SAVE, *TINY],
-        env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
+    proc = warm_server().start(["train", "--nproc", "2", "--steps", str(STEPS), "--run-dir", str(run_dir), *SAVE, *TINY],
+                               worker_env())  # a session of its own, as train() starts it
     deadline = time.monotonic() + 120
     while not events(run_dir, "checkpoint_committed") and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from helpers.runs import TINY, assert_same_tensors, events, ok, train, worker_env
+from helpers.warm_command import WarmProcess, warm_server
 from trainguard.runtime.heartbeat import read_heartbeats
 
 STEPS = 8  # the committed_run fixture: 2 ranks, 8 steps, saves every 4
@@ -101,13 +102,12 @@ def test_faulty_node_is_excluded_and_a_spare_keeps_the_world_size(tmp_path):
     assert events(run, "run_finished")[-1]["step"] == 8
 
 
-def _start(run, steps: int, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "trainguard", "train", "--nproc", "2", "--steps", str(steps),
-                             "--run-dir", str(run), "--save-interval", "0", *TINY, *extra],
-                            env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _start(run, steps: int, *extra: str) -> WarmProcess:
+    return warm_server().start(["train", "--nproc", "2", "--steps", str(steps), "--run-dir", str(run),
+                                "--save-interval", "0", *TINY, *extra], worker_env())
 
 
-def _wait_for_step(run, step: int, proc: subprocess.Popen) -> None:
+def _wait_for_step(run, step: int, proc: WarmProcess) -> None:
     """Until both ranks' heartbeats say they completed ``step`` (or later)."""
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:

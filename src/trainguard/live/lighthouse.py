@@ -37,10 +37,7 @@ from trainguard.events import EventLog
 from trainguard.live.collective import end_epoch
 from trainguard.live.quorum import Quorum, beat_key, done_key, fence_key, has, publish, ready_key, report_key
 from trainguard.live.probe import probe_key, reachable_groups, read_reach
-from trainguard.live.stall import StallWatch, excluded_groups
-
-
-LOOKED_AWAY_S = 1.0  # a gap between two looks at the heartbeats longer than this resets every window
+from trainguard.live.stall import LOOKED_AWAY_S, StallWatch, excluded_groups
 
 
 class Lighthouse:

@@ -45,7 +45,9 @@ from trainguard.live.quorum import Quorum
 
 IN, OUT = "in", "out"
 STEP_TIMES = 256  # the median step time is taken over the last this many steps
-LOOKED_AWAY_S = 1.0  # a gap between two looks longer than this restarts the current step's clock
+# a gap between two of the launcher's looks longer than this (it was not scheduled: a loaded machine)
+# judges nobody on it: it restarts the current step's clock here, every heartbeat window in the lighthouse
+LOOKED_AWAY_S = 1.0
 
 
 def reduce_key(rank: int) -> str:

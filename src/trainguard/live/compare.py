@@ -33,17 +33,19 @@ def bitwise_differences(a: Any, b: Any, where: str = "") -> list[str]:
 def run_differences(reference: Path, run: Path, world: int) -> dict[int, list[str]]:
     """Each rank's final state in ``run`` against the same rank's in ``reference`` (the same layout):
     the ranks that differ, with where."""
-    found = {rank: bitwise_differences(safe_torch_load(final_path(run, rank)),
-                                       safe_torch_load(final_path(reference, rank))) for rank in range(world)}
-    return {rank: where for rank, where in found.items() if where}
+    return _differing(run, {rank: final_path(reference, rank) for rank in range(world)})
 
 
 def replica_differences(run: Path, world: int, group_size: int) -> dict[int, list[str]]:
     """Each rank's final state against replica group 0's rank of the same shard: the replicas of a shard
     hold the same parameters and optimizer state bit for bit."""
-    found = {rank: bitwise_differences(safe_torch_load(final_path(run, rank)),
-                                       safe_torch_load(final_path(run, shard_of(rank, group_size))))
-             for rank in range(group_size, world)}
+    return _differing(run, {rank: final_path(run, shard_of(rank, group_size)) for rank in range(group_size, world)})
+
+
+def _differing(run: Path, references: dict[int, Path]) -> dict[int, list[str]]:
+    """Rank -> where its final state in ``run`` differs from the state file it is compared with."""
+    found = {rank: bitwise_differences(safe_torch_load(final_path(run, rank)), safe_torch_load(reference))
+             for rank, reference in references.items()}
     return {rank: where for rank, where in found.items() if where}
 
 

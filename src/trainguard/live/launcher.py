@@ -135,7 +135,8 @@ def _spawn(run: LiveRun, rank: int, store_port: int, run_dir: Path, rejoin: bool
     node = run.nodes[run.groups + spare if spare is not None else rank // run.group_size] if run.nodes else None
     prefix = shlex.split(run.node_command.format(node=node)) if node is not None else []
     command = [*prefix, run.executable, *run.entry, "--store", f"{run.store_host}:{store_port}",
-               *role, "--world", str(run.world), "--group-size", str(run.group_size), "--steps", str(run.steps), "--run-dir", str(run_dir),
+               *role, "--world", str(run.world), "--group-size", str(run.group_size), "--steps", str(run.steps),
+               "--run-dir", str(run_dir),
                "--micro-batches", str(run.micro_batches), "--micro-batch-s", str(run.micro_batch_s),
                "--checkpoint-every", str(run.checkpoint_every),
                "--collective-timeout-s", str(run.collective_timeout_s)] + (["--rejoin"] if rejoin else [])

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from trainguard.events import EventLog
 from trainguard.live.collective import end_epoch
-from trainguard.live.quorum import Quorum, beat_key, done_key, fence_key, has, publish, ready_key, report_key
+from trainguard.live.quorum import NO_STATE, Quorum, beat_key, done_key, fence_key, has, publish, ready_key, report_key
 from trainguard.live.probe import probe_key, reachable_groups, read_reach
 from trainguard.live.stall import LOOKED_AWAY_S, StallWatch, excluded_groups
 
@@ -154,7 +154,7 @@ class Lighthouse:
                              excluded=[r for g in excluded for r in self.ranks_of(g)])
         # a joiner whose state transfer did not finish (a second failure during the join) holds no state
         # its group could step from: the group leaves again and asks again
-        no_state = {self.group_of(r) for r, step in reported.items() if step < 0}
+        no_state = {self.group_of(r) for r, step in reported.items() if step == NO_STATE}
         broken = {self.group_of(r) for r in failed} | set(excluded) | no_state
         self.broken |= broken
         members = [r for r in self.quorum.members if self.group_of(r) not in self.broken]

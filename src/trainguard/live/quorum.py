@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 import torch.distributed as dist
 
 LATEST = "latest"  # the newest published epoch
+NO_STATE = -1  # a report (``report/<e>/<rank>``) of a joiner whose state transfer failed: its group holds no state
 
 
 def epoch_key(epoch: int) -> str:

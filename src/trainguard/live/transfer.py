@@ -3,8 +3,8 @@
 Parameters and optimizer state travel as a ``torch.save`` byte buffer broadcast from a live replica
 of each shard (``shards``; with replica groups of one rank, the whole state from one member); the
 receiver loads it with ``weights_only=True`` (a peer's bytes never execute code). The data position
-and the RNGs need nothing more: the data is a function of the step (``workload``), and the model
-draws no random numbers after its seeded initialisation.
+and the RNGs need nothing more: the data is a function of the step (``workload``), and a
+micro-batch's random draws are seeded from the run's seed, the step and the micro-batch (``rng``).
 """
 
 from __future__ import annotations

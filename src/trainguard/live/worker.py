@@ -35,8 +35,8 @@ from trainguard.events import EventLog
 from trainguard.fs.fsio import atomic_write_bytes
 from trainguard.live import collective
 from trainguard.live.ordered_sum import my_micro_batches, reduce_rows
-from trainguard.live.quorum import (Quorum, beat_key, done_key, epoch_key, fence_key, has, latest_epoch, progress_key,
-                                    read_quorum, ready_key, report_key, start_key, wait_for)
+from trainguard.live.quorum import (NO_STATE, Quorum, beat_key, done_key, epoch_key, fence_key, has, latest_epoch,
+                                    progress_key, read_quorum, ready_key, report_key, start_key, wait_for)
 from trainguard.live.probe import PeerProbe
 from trainguard.live.rng import micro_batch_rng
 from trainguard.live.shards import ShardedUpdate
@@ -45,7 +45,6 @@ from trainguard.live.transfer import load_state, send_shards, state_of
 from trainguard.live.files import checkpoint_path, events_path, final_path, state_bytes
 
 FENCED_EXIT = 3  # a stale process that found itself fenced ends with this code
-NO_STATE = -1  # reported by a joiner whose state transfer failed: its group cannot step from it
 
 WAIT_S = 120.0  # the longest a rank waits for the lighthouse (a new epoch, a join's start step)
 BEAT_S = 0.05  # the most often a rank raises its heartbeat counter
@@ -246,8 +245,7 @@ class LiveWorker:
                 and quorum.index(self.rank) < self.update.group_size):  # the lowest live group's shards
             path = checkpoint_path(self.run_dir, self.step_index, self.update.shard)
             path.parent.mkdir(exist_ok=True)
-            atomic_write_bytes(path,
-                               state_bytes(state_of(self.model, self.optimizer)))
+            atomic_write_bytes(path, state_bytes(state_of(self.model, self.optimizer)))
         if flags:
             self.switch(quorum.epoch + 1)
 

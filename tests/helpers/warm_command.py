@@ -75,9 +75,11 @@ def serve(address: str) -> None:
     """The server: preloads, then forks a child per request until its parent (the test process) is gone."""
     import importlib
 
+    from trainguard.runtime.fork_server import thread_count
+
     for module in PRELOAD:
         importlib.import_module(module)
-    threads = len(os.listdir("/proc/self/task"))
+    threads = thread_count()
     assert threads == 1, f"the warm server must have one thread to fork from, it has {threads}"
     parent = os.getppid()
     listener = socket.socket(socket.AF_UNIX)

@@ -98,7 +98,7 @@ def test_each_rank_of_a_group_holds_the_optimizer_state_of_its_shard_only(drill)
         owners = shard_owners(sizes, GROUP)
         for rank, state in enumerate(states):
             assert sorted(state["optimizer"]["state"]) == [i for i, o in enumerate(owners) if o == rank % GROUP], (run, rank)
-    assert set(owners) == set(range(GROUP))
+        assert set(owners) == set(range(GROUP))  # every shard owns some: the check above is not vacuous
 
 
 def test_no_sample_lost_or_repeated(drill):
@@ -226,8 +226,9 @@ def test_a_partial_cut_is_found_within_the_stall_bound_and_its_group_excluded(dr
     assert quorums[1]["step"] == 10 and "stalled" in quorums[1]["reason"] and quorums[2]["joining"] == excluded
     resumed = {e["rank"]: e for e in events if e["kind"] == "live_resumed" and e["epoch"] == 1}
     assert sorted(resumed) == survivors
-    for event in resumed.values():  # the stall bound plus a loaded machine's margin, far below gloo's 120 s
-        assert event["time"] - drilled["time"] < min(stall["bound_s"] + 20.0, run.collective_timeout_s / 2)
+    # the stall watch ended epoch 0, not gloo's timeout: no survivor's collective failed with gloo's error
+    assert not [e for e in events if e["kind"] == "live_collective_failed" and e["epoch"] == 0
+                and e["rank"] in survivors and not e["error"].startswith("EpochAborted")]
     degraded = [e for e in events if e["kind"] == "live_step" and e["members"] == 2]
     assert degraded and {e["rank"] for e in degraded} == set(survivors)
     assert run_differences(root / "clean", tmp_path / "stall", WORLD) == {}

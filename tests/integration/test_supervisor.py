@@ -6,13 +6,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
-from helpers.runs import TINY, assert_same_tensors, events, ok, train, worker_env
+from helpers.runs import TINY, assert_same_tensors, events, ok, train, trainguard, worker_env
 from helpers.warm_command import WarmProcess, warm_server
 from trainguard.runtime.heartbeat import read_heartbeats
 
@@ -137,7 +135,7 @@ def test_sigusr1_saves_and_exits_16_then_the_kill_switch_stops_the_resumed_run(t
     second = _start(run, steps, *common)
     _wait_for_step(run, stopped_at + 2, second)
     assert events(run, "run_started")[-1]["step"] == stopped_at  # resumed from the signal's checkpoint
-    subprocess.run([sys.executable, "-m", "trainguard", "killswitch", str(switch)], env=worker_env(), check=True)
+    ok(trainguard("killswitch", str(switch)))
     out, err = second.communicate(timeout=300)
     assert second.returncode == 0, err[-2000:]
     stop = events(run, "lifecycle_stop")[-1]

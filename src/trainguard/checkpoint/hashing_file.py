@@ -56,12 +56,13 @@ class HashingFile:
     (tmpfs: their pages are the file) and file systems that refuse ``O_DIRECT`` are written through
     the page cache. The bytes, and so the checksum, are the same either way."""
 
-    def __init__(self, path: Path, *, overwrite: bool = False):
+    def __init__(self, path: Path, *, overwrite: bool = False, direct: bool = True):
         """A new file at ``path``; with ``overwrite``, the file already there is written over from its
         start (and cut to the bytes written at ``close_durably``): a recycled file, whose pages are
-        not allocated again (the memory tier's spares, ``checkpoint.local.writer.remove_rank_step``)."""
+        not allocated again (the memory tier's spares, ``checkpoint.local.writer.remove_rank_step``).
+        ``direct=False``: through the page cache even on a disk (a writer holding many files open at
+        once, each of which would pin its own aligned buffer)."""
         self.path = Path(path)
-        self._overwrite = overwrite
         create = 0 if overwrite else os.O_CREAT | os.O_EXCL
         self._fd = os.open(self.path, os.O_WRONLY | create | getattr(os, "O_CLOEXEC", 0), 0o644)
         self._position = 0
@@ -69,9 +70,9 @@ class HashingFile:
         self._digest = xxhash.xxh3_64()
         self._pending = bytearray()  # small writes not yet handed to the kernel (already hashed)
         self._hasher: ThreadPoolExecutor | None = None
-        self._aligned: mmap.mmap | None = self._direct_buffer()
+        self._aligned: mmap.mmap | None = self._direct_buffer() if direct else None
         """The aligned buffer of direct writes (None: through the page cache); ``_filled`` bytes of it
-        are pending, and the file holds ``_position - _filled`` bytes."""
+        are pending, and the file holds ``_on_disk`` bytes."""
         self._filled = 0
         self._on_disk = 0  # bytes the direct writes put in the file
         self._cut = overwrite  # whether close_durably cuts the file to the bytes written
@@ -142,6 +143,9 @@ class HashingFile:
             view = view[count:]
             if self._filled == _DIRECT_BUFFER:
                 self._write_aligned(_DIRECT_BUFFER)
+                if self._aligned is None:  # the file system refused the direct write: the rest as usual
+                    self._write_out(view)
+                    return
 
     def _write_aligned(self, count: int) -> None:
         """Writes the buffer's first ``count`` bytes (whole blocks) directly; keeps the rest pending.
@@ -154,11 +158,15 @@ class HashingFile:
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-                self._leave_direct()
-                return
-            self._on_disk += count
-            rest = self._filled - count
-            aligned[:rest] = aligned[count : self._filled]
+                refused = True
+            else:
+                refused = False
+                self._on_disk += count
+                rest = self._filled - count
+                aligned[:rest] = aligned[count : self._filled]
+        if refused:
+            self._leave_direct()  # after the view is released: the buffer cannot close while exported
+            return
         self._filled = rest
 
     def _leave_direct(self) -> None:

@@ -173,6 +173,7 @@ class WriterProcess:
     def _died(self, during: str) -> WriterProcessDied:
         process, connection = self._process, self._connection
         self._process = self._connection = None
+        self._ready = False
         assert process is not None and connection is not None
         connection.close()
         try:

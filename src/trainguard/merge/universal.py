@@ -66,7 +66,8 @@ class _DcpFiles:
 
     def _file(self, name: str) -> HashingFile:
         if name not in self.files:
-            self.files[name] = HashingFile(self.directory / name)
+            # one file per parameter stays open until close: no aligned buffer each
+            self.files[name] = HashingFile(self.directory / name, direct=False)
         return self.files[name]
 
     def tensor_chunk(self, name: str, key: str, shape: tuple[int, ...], offsets: tuple[int, ...],

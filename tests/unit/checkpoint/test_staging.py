@@ -171,8 +171,7 @@ def test_hashing_file_writes_every_byte_directly_or_through_the_page_cache(tmp_p
         for trial in range(12):
             path = directory / f"f{trial}"
             stream = HashingFile(path)
-            if where == "memory":
-                assert not stream.direct
+            assert stream.direct == (where == "disk")  # the disk case does write directly (tmp_path: ext4 here)
             chunks = [os.urandom(rng.choice(sizes)) for _ in range(rng.randint(0, 10))]
             for index, chunk in enumerate(chunks):
                 assert stream.write(chunk) == len(chunk)
@@ -187,6 +186,34 @@ def test_hashing_file_writes_every_byte_directly_or_through_the_page_cache(tmp_p
     finally:
         if where == "memory":
             shutil.rmtree(directory)
+
+
+def test_a_direct_write_the_file_system_refuses_goes_through_the_page_cache_with_every_byte(tmp_path, monkeypatch):
+    """A file system that takes ``O_DIRECT`` at open and refuses the write (EINVAL): the buffered bytes
+    and the rest of the file go through the page cache, in place, the same bytes and checksum."""
+    import errno
+    import fcntl
+
+    write_out = HashingFile._write_out
+
+    def refusing(self, view):
+        if fcntl.fcntl(self._fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        write_out(self, view)
+
+    monkeypatch.setattr(HashingFile, "_write_out", refusing)
+    rng = random.Random(1)
+    for trial, sizes in enumerate([[10, 9 << 20, 5], [(8 << 20) + 1, 100], [3, 5000], [70_000]]):
+        path = tmp_path / f"f{trial}"
+        stream = HashingFile(path)
+        assert stream.direct
+        chunks = [rng.randbytes(size) for size in sizes]
+        for chunk in chunks:
+            stream.write(chunk)
+        assert stream.direct == (sum(sizes) < 8 << 20)  # left direct writes at its first full buffer
+        size, checksum = stream.close_durably()
+        assert path.read_bytes() == b"".join(chunks), trial
+        assert (size, checksum) == (os.path.getsize(path), file_checksum(path))
 
 
 # --- two ranks: FSDP2 DTensors, an async save, the live state mutated right after save() returns ---

@@ -63,6 +63,6 @@ def test_the_process_generator_is_left_as_it_was():
 
 
 def test_the_seed_is_a_function_of_the_three_numbers_only():
-    assert micro_batch_seed(42, 7, 3) == micro_batch_seed(42, 7, 3)
+    assert micro_batch_seed(42, 7, 3) == 4023695223784337871  # pinned: every process, every Python, the same
     assert len({micro_batch_seed(42, t, m) for t in range(50) for m in range(50)}) == 2500
     assert 0 <= micro_batch_seed(2**40, 10**9, 7) < 2**63

@@ -3,7 +3,8 @@
     OMP_NUM_THREADS=1 python benchmarks/nostall.py [--preset llama-60m] [--cycles 1] [--quick] [--dir /tmp]
         [--seq-len 128] [--batch 2] [--only blocked throughput kill profile] [--writers thread process]
 
-On 2 ranks (FSDP2 over a 1-D gloo mesh, AdamW, a Llama built from a trainguard preset, random tokens):
+On 2 ranks (``--ranks``; FSDP2 over a 1-D gloo mesh, or NCCL with ``--device cuda``; AdamW, a Llama built
+from a trainguard preset, random tokens):
 
 1. *blocked time per save* (after one untimed save of each kind): an async durable save (``CheckpointManager.save_durable``: the copy of the
    state runs in the background) blocks the loop for the time ``save_durable`` takes plus what is left
@@ -77,6 +78,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--only", nargs="+", choices=FIGURES, default=list(FIGURES), help="figures to measure (default all)")
     p.add_argument("--writers", nargs="+", choices=WRITERS, default=list(WRITERS),
                    help="checkpoint.writer values measured (default both)")
+    p.add_argument("--ranks", type=int, default=2, help="ranks on this machine (default 2; 1 for one GPU: NCCL "
+                   "refuses two ranks on one device)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the model trains (cuda: NCCL, pinned staging buffers, the copy on a side stream)")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
@@ -95,8 +100,8 @@ def build(args):
 
     torch.manual_seed(0)
     config = LlamaConfig(**PRESETS[args.preset], max_position_embeddings=args.seq_len)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device(args))
+    mesh = init_device_mesh(args.device, (args.ranks,), mesh_dim_names=("dp_shard",))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -104,7 +109,7 @@ def build(args):
     vocab = config.vocab_size
 
     def forward_backward() -> None:
-        tokens = torch.randint(0, vocab, (args.batch, args.seq_len))
+        tokens = torch.randint(0, vocab, (args.batch, args.seq_len), device=device(args))
         model(input_ids=tokens, labels=tokens).loss.backward()
 
     def train_step() -> None:
@@ -114,6 +119,20 @@ def build(args):
 
     train_step()  # the optimizer state exists from here on
     return model, optimizer, forward_backward, train_step
+
+
+def device(args):
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+
+
+def settle(args) -> None:
+    """Waits for the work enqueued on the GPU, so that a wall-clock reading includes it."""
+    import torch
+
+    if args.device == "cuda":
+        torch.cuda.synchronize()
 
 
 def max_over_ranks(seconds: float) -> float:
@@ -135,14 +154,18 @@ def inner(args) -> None:
     from trainguard.step.local_tier import build_memory_tier
 
     logging_quiet()
-    dist.init_process_group("gloo")
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("cpu:gloo,cuda:nccl")  # the timings' reductions stay on the CPU
+    else:
+        dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank = dist.get_rank()
     root = Path(args.dir)
     shm = Path("/dev/shm") / f"trainguard-bench-{os.getppid()}"
     model, optimizer, forward_backward, train_step = build(args)
     state_bytes = sum(p.to_local().nbytes for p in model.parameters()) * 3
-    total_bytes = int(max_over_ranks(state_bytes)) * 2
+    total_bytes = int(max_over_ranks(state_bytes)) * args.ranks
 
     blocked = "blocked" in args.only
     # 1. blocked time per save, for each writer (checkpoint.writer), against a sync save
@@ -157,6 +180,7 @@ def inner(args) -> None:
     for round in range(args.saves + 1 if blocked else 0):  # round 0 warms up (the first save allocates and plans)
         step += 1
         train_step()
+        settle(args)
         dist.barrier()
         started = time.perf_counter()
         sync.save_durable(step)
@@ -164,6 +188,7 @@ def inner(args) -> None:
         if round:
             sync_s.append(max_over_ranks(time.perf_counter() - started))
         for writer, manager in lazy.items():
+            settle(args)
             dist.barrier()
             started = time.perf_counter()
             manager.save_durable(step)
@@ -189,8 +214,8 @@ def inner(args) -> None:
                                          writer=writer)
         run_dir = root / f"memory-{writer}"
         events = EventLog(run_dir / "events.jsonl", rank=rank, host="bench")
-        memory_tier = build_memory_tier(run_dir, memory_config, mesh_shape=(2,), mesh_dim_names=("dp_shard",),
-                                        ranks_per_node=2, model=model, events=events)
+        memory_tier = build_memory_tier(run_dir, memory_config, mesh_shape=(args.ranks,), mesh_dim_names=("dp_shard",),
+                                        ranks_per_node=args.ranks, model=model, events=events)
         managers[f"memory1-{writer}"] = CheckpointManager(run_dir, model, optimizer, config=memory_config,
                                                          memory=memory_tier, events=events)
     rates: dict[str, list[float]] = {mode: [] for mode in managers}
@@ -209,6 +234,7 @@ def inner(args) -> None:
     for index, (mode, quad_id) in enumerate(warmup + order):
         timed = index >= len(warmup)
         manager = managers[mode]
+        settle(args)
         dist.barrier()
         started = time.perf_counter()
         saving = waiting = 0.0
@@ -225,6 +251,7 @@ def inner(args) -> None:
                 saving += time.perf_counter() - begun
         if manager is not None:
             manager.close()  # the block's saves are committed within its time
+        settle(args)
         elapsed = max_over_ranks(time.perf_counter() - started)
         if timed:
             rates[mode].append(args.block / elapsed)
@@ -235,11 +262,12 @@ def inner(args) -> None:
     shutil.rmtree(shm, ignore_errors=True)
 
     if rank == 0:
-        print(f"\nstate: {args.preset}, {total_bytes / 1e9:.3f} GB (model + AdamW) over 2 ranks; "
-              f"seq {args.seq_len} x batch {args.batch} per rank ({2 * args.seq_len * args.batch} tokens per step); "
+        where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+        print(f"\nstate: {args.preset}, {total_bytes / 1e9:.3f} GB (model + AdamW) over {args.ranks} ranks on {where}; "
+              f"seq {args.seq_len} x batch {args.batch} per rank ({args.ranks * args.seq_len * args.batch} tokens per step); "
               f"load average at the end {os.getloadavg()[0]:.2f}\n")
         if profile:
-            print("| CPU time, per rank (rank 0 / rank 1) | ms |\n|---|---:|")
+            print(f"| CPU time, per rank ({' / '.join(f'rank {r}' for r in range(args.ranks))}) | ms |\n|---|---:|")
             for label, values in profile:
                 print(f"| {label} | {' / '.join(f'{v:.1f}' for v in values)} |")
             print()
@@ -303,6 +331,7 @@ def cpu_profile(args, model, optimizer, train_step, root: Path, shm: Path) -> li
         own = theirs = 0.0
         for _ in range(count):
             train_step()
+            settle(args)
             dist.barrier()
             pid = getattr(files, "pid", None)
             started, started_writer = time.process_time(), process_cpu(pid)
@@ -333,8 +362,8 @@ def cpu_profile(args, model, optimizer, train_step, root: Path, shm: Path) -> li
                                   writer=writer)
         run_dir = root / f"profile-memory-{writer}"
         events = EventLog(run_dir / "events.jsonl", rank=rank, host="bench")
-        memory = build_memory_tier(run_dir, config, mesh_shape=(2,), mesh_dim_names=("dp_shard",), ranks_per_node=2,
-                                   model=model, events=events)
+        memory = build_memory_tier(run_dir, config, mesh_shape=(args.ranks,), mesh_dim_names=("dp_shard",),
+                                   ranks_per_node=args.ranks, model=model, events=events)
         manager = CheckpointManager(run_dir, model, optimizer, config=config, memory=memory, events=events)
 
         def save_memory() -> None:
@@ -399,10 +428,12 @@ def cpu_profile(args, model, optimizer, train_step, root: Path, shm: Path) -> li
                  1000 * (time.process_time() - started)))
     (root / f"pieces-{rank}.distcp").unlink()
     shutil.rmtree(scratch, ignore_errors=True)
+    settle(args)
     dist.barrier()
     started, started_cpu = time.perf_counter(), time.process_time()
     for _ in range(3):
         train_step()
+    settle(args)
     step_cpu = 1000 * (time.process_time() - started_cpu) / 3
     step_ms = 1000 * max_over_ranks((time.perf_counter() - started) / 3)
     rows.append(("a training step without saves (wall, max over ranks)", step_ms))
@@ -418,7 +449,7 @@ def cpu_profile(args, model, optimizer, train_step, root: Path, shm: Path) -> li
             save_cpu = measured.get(f"{label}: both", measured[f"{label}: training process"])
             rows.append((f"expected steps/s ratio, {kind}, writer {writer}, one busy core per rank (x1000)",
                          1000 * step_cpu / (step_cpu + save_cpu / interval)))
-    gathered: list = [None, None]
+    gathered: list = [None] * args.ranks
     dist.all_gather_object(gathered, rows)
     return [(label, [part[index][1] for part in gathered]) for index, (label, _) in enumerate(rows)]
 
@@ -498,13 +529,16 @@ def main() -> None:
         env.setdefault("OMP_NUM_THREADS", "1")
         inner_args = ["--preset", args.preset, "--seq-len", str(args.seq_len), "--batch", str(args.batch),
                       "--saves", str(args.saves), "--cycles", str(args.cycles), "--block", str(args.block), "--only", *args.only,
-                      "--writers", *args.writers, "--inner", "--dir", str(work)]
-        code = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                      "--writers", *args.writers, "--ranks", str(args.ranks), "--device", args.device, "--inner",
+                      "--dir", str(work)]
+        code = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.ranks),
                                os.path.abspath(__file__), *inner_args], env=env).returncode
         if code != 0:
             sys.exit(code)
-        if "kill" in args.only:
+        if "kill" in args.only and args.device == "cpu":
             steps_redone(args, work)
+        elif "kill" in args.only:
+            print("kill: measured on the CPU only (`trainguard train` kills rank 1 of 2, one GPU holds one NCCL rank)")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

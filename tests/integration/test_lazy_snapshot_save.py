@@ -1,6 +1,7 @@
 """An async save copies the state while the next forward and backward run (a lazy snapshot): what it
 commits is the state at ``save()``, bitwise what a synchronous save of that state writes, however the
-tensors change once ``wait_for_staging()`` returned or the optimizer stepped."""
+tensors change once ``wait_for_staging()`` returned or the optimizer stepped. On CPU with two gloo
+ranks; on CUDA (one rank per GPU, NCCL) with pinned staging buffers and the copy on a side stream."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import os
 import traceback
 from pathlib import Path
 
+import pytest
 import torch
 
-WORLD = 2
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 class _Counting(torch.nn.Module):
@@ -27,7 +29,7 @@ class _Counting(torch.nn.Module):
         return self.linear(x)
 
 
-def _worker(rank: int, store: str, root: str, results: str) -> None:
+def _worker(rank: int, world: int, device_type: str, store: str, root: str, results: str) -> None:
     try:
         import torch.distributed as dist
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -40,10 +42,14 @@ def _worker(rank: int, store: str, root: str, results: str) -> None:
         from trainguard.checkpoint.manifest import verify_checkpoint
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+        if device_type == "cuda":
+            torch.cuda.set_device(rank)
+        backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
+        device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
         torch.manual_seed(0)
-        model = torch.nn.Sequential(_Counting(), torch.nn.ReLU(), torch.nn.Linear(64, 8))
-        mesh = init_device_mesh("cpu", (WORLD,))
+        model = torch.nn.Sequential(_Counting(), torch.nn.ReLU(), torch.nn.Linear(64, 8)).to(device)
+        mesh = init_device_mesh(device_type, (world,))
         fully_shard(model[0], mesh=mesh)
         fully_shard(model, mesh=mesh)
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -51,13 +57,13 @@ def _worker(rank: int, store: str, root: str, results: str) -> None:
         sync = CheckpointManager(Path(root) / "sync", model, optimizer, async_save=False, keep_last=5)
 
         def forward_backward() -> None:
-            model(torch.randn(16, 64)).square().mean().backward()
+            model(torch.randn(16, 64, device=device)).square().mean().backward()
 
         def state_now() -> dict[str, torch.Tensor]:
             model_sd, optim_sd = get_state_dict(model, optimizer)
             flat = {f"model.{k}": v for k, v in model_sd.items()}
             flat.update({f"optim.state.{k}.{name}": v for k, s in optim_sd["state"].items() for name, v in s.items()})
-            return {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone() for k, v in flat.items()}
+            return {k: (v.full_tensor() if isinstance(v, DTensor) else v).cpu().clone() for k, v in flat.items()}
 
         def corrupt() -> None:
             with torch.no_grad():
@@ -98,15 +104,15 @@ def _worker(rank: int, store: str, root: str, results: str) -> None:
             model_sd, optim_sd = get_state_dict(model, optimizer)
             for key, tensor in model_sd.items():
                 local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-                target = saved_states[2][f"model.{key}"]
+                target = saved_states[2][f"model.{key}"].to(local.device)
                 if isinstance(tensor, DTensor):
                     target = torch.distributed.tensor.distribute_tensor(target, tensor.device_mesh,
                                                                         tensor.placements).to_local()
                 local.copy_(target)
             for key, state in optim_sd["state"].items():
                 for name, tensor in state.items():
-                    target = saved_states[2][f"optim.state.{key}.{name}"]
                     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+                    target = saved_states[2][f"optim.state.{key}.{name}"].to(local.device)
                     if isinstance(tensor, DTensor):
                         target = torch.distributed.tensor.distribute_tensor(target, tensor.device_mesh,
                                                                             tensor.placements).to_local()
@@ -122,12 +128,16 @@ def _worker(rank: int, store: str, root: str, results: str) -> None:
     os._exit(0)
 
 
-def test_lazy_async_save_commits_the_state_at_save_bitwise_as_a_sync_save(tmp_path):
-    context = multiprocessing.get_context("fork")
+@pytest.mark.parametrize("device_type", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_lazy_async_save_commits_the_state_at_save_bitwise_as_a_sync_save(tmp_path, device_type):
+    # CUDA: a process of its own (no CUDA state inherited through fork), one rank per GPU
+    world = 2 if device_type == "cpu" else min(2, torch.cuda.device_count())
+    context = multiprocessing.get_context("fork" if device_type == "cpu" else "spawn")
     results = tmp_path / "results"
     results.mkdir()
-    procs = [context.Process(target=_worker, args=(rank, str(tmp_path / "store"), str(tmp_path), str(results)))
-             for rank in range(WORLD)]
+    procs = [context.Process(target=_worker, args=(rank, world, device_type, str(tmp_path / "store"), str(tmp_path),
+                                                   str(results)))
+             for rank in range(world)]
     for proc in procs:
         proc.start()
     for proc in procs:
@@ -137,12 +147,12 @@ def test_lazy_async_save_commits_the_state_at_save_bitwise_as_a_sync_save(tmp_pa
             proc.join()
     errors = [p.read_text() for p in sorted(results.glob("error*"))]
     assert not errors, "\n".join(errors)
-    assert sorted(p.name for p in results.iterdir()) == ["ok0", "ok1"]
+    assert sorted(p.name for p in results.iterdir()) == [f"ok{rank}" for rank in range(world)]
     lazy = tmp_path / "lazy" / "checkpoints" / "global_step_2"
     sync = tmp_path / "sync" / "checkpoints" / "global_step_2"
     names = sorted(p.name for p in lazy.iterdir() if p.name.endswith(".distcp") or p.name.startswith("extra_state"))
-    assert names == [f"__{r}_0.distcp" for r in range(WORLD)] + [
-        f"extra_state_world_size_{WORLD}_rank_{r}.pt" for r in range(WORLD)]
+    assert names == [f"__{r}_0.distcp" for r in range(world)] + [
+        f"extra_state_world_size_{world}_rank_{r}.pt" for r in range(world)]
     for name in names:
         if name.endswith(".distcp"):
             assert (lazy / name).read_bytes() == (sync / name).read_bytes(), name

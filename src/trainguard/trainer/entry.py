@@ -67,9 +67,15 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_args(args)
         if not args.run_dir:
             raise ConfigError("--run-dir is required when the trainer is started directly")
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "gloo"
         if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            local_rank = int(os.environ.get("LOCAL_RANK", 0))
+            if local_rank >= torch.cuda.device_count():
+                raise ConfigError(f"local rank {local_rank} has no GPU of its own ({torch.cuda.device_count()} visible; "
+                                  "NCCL runs one rank per GPU): lower --nproc, or CUDA_VISIBLE_DEVICES= to train on CPU")
+            torch.cuda.set_device(local_rank)
+            # the guards' small host-side reductions go through gloo, the model's collectives through NCCL
+            backend = "cpu:gloo,cuda:nccl"
         dist.init_process_group(backend)
         from trainguard.trainer.loop import Trainer
 

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The checks that need a GPU, in one short run on a CUDA machine (its own python with a CUDA build of
+# torch; trainguard from this tree, not installed). Each part has its own time limit and log, so one
+# failing part does not hide the others. Logs go to $1 (default ./gpu-check).
+#
+#   bash benchmarks/gpu_check.sh [LOG_DIR] [PARTS...]     PARTS: env tests doctor nostall-gpu nostall-cpu
+#
+# What each part is: env (the device, torch, /dev/shm); tests (every test that needs CUDA);
+# doctor (`trainguard doctor`: burn-in on the GPU, NCCL collectives, storage);
+# nostall-gpu (benchmarks/nostall.py on the GPU: one NCCL rank, pinned staging, llama-60m);
+# nostall-cpu (the same benchmark on this machine's CPU cores, 2 gloo ranks: a host with free cores).
+set -u
+cd "$(dirname "$0")/.."
+LOGS=${1:-gpu-check}
+shift || true
+PARTS=${*:-env tests doctor nostall-gpu nostall-cpu}
+PYTHON=${PYTHON:-python3}
+mkdir -p "$LOGS"
+export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
+export CUBLAS_WORKSPACE_CONFIG=:4096:8  # deterministic cuBLAS, as use_deterministic_algorithms asks
+
+part() {  # part NAME SECONDS COMMAND...: runs it, logs it, says how it ended
+    local name=$1 limit=$2
+    shift 2
+    local started=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" >"$LOGS/$name.log" 2>&1
+    local code=$?
+    echo "== $name: exit $code in $((SECONDS - started)) s" | tee -a "$LOGS/summary.txt"
+    tail -n 25 "$LOGS/$name.log"
+}
+
+for name in $PARTS; do
+    case $name in
+    env)
+        part env 60 bash -c "nvidia-smi -L; nproc; free -g; df -h /dev/shm /tmp; $PYTHON -c 'import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name(), transformers.__version__)'"
+        # the memory tier and the writer processes' arenas live in /dev/shm: a small one is grown
+        if [ "$(df --output=size -k /dev/shm | tail -1)" -lt $((16 << 20)) ]; then
+            mount -o remount,size=32G /dev/shm 2>/dev/null && echo "/dev/shm grown to 32G" | tee -a "$LOGS/summary.txt"
+        fi
+        ;;
+    tests)
+        part tests 300 "$PYTHON" -m pytest -q -p no:cacheprovider -m "slow or not slow" \
+            tests/integration/test_cuda.py \
+            "tests/integration/test_lazy_snapshot_save.py::test_lazy_async_save_commits_the_state_at_save_bitwise_as_a_sync_save[cuda]" \
+            tests/unit/guards/test_sdc_points.py::test_no_host_synchronisation_on_cuda
+        ;;
+    doctor)
+        part doctor 120 "$PYTHON" -m trainguard doctor --dirs /tmp --reps 20 --json
+        ;;
+    nostall-gpu)
+        part nostall-gpu 240 "$PYTHON" benchmarks/nostall.py --device cuda --ranks 1 --preset llama-60m \
+            --seq-len 1024 --batch 8 --saves 3 --only blocked throughput --writers process thread
+        ;;
+    nostall-cpu)
+        part nostall-cpu 300 env CUDA_VISIBLE_DEVICES= "$PYTHON" benchmarks/nostall.py --preset llama-60m \
+            --saves 3 --only blocked throughput --writers process
+        ;;
+    *)
+        echo "unknown part $name" >&2
+        exit 2
+        ;;
+    esac
+done
+cat "$LOGS/summary.txt"

@@ -52,7 +52,7 @@ for name in $PARTS; do
             --seq-len 1024 --batch 8 --saves 3 --only blocked throughput --writers process thread
         ;;
     nostall-cpu)
-        part nostall-cpu 300 env CUDA_VISIBLE_DEVICES= "$PYTHON" benchmarks/nostall.py --preset llama-60m \
+        part nostall-cpu 240 env CUDA_VISIBLE_DEVICES= "$PYTHON" benchmarks/nostall.py --preset llama-60m \
             --saves 3 --only blocked throughput --writers process
         ;;
     *)

@@ -80,7 +80,10 @@ def serve(address: str) -> None:
     for module in PRELOAD:
         importlib.import_module(module)
     threads = thread_count()
-    assert threads == 1, f"the warm server must have one thread to fork from, it has {threads}"
+    if threads != 1:  # some builds of torch start a thread at import (seen with CUDA builds): no safe fork
+        print(f"the warm server must have one thread to fork from, it has {threads}: commands start cold",
+              file=sys.stderr)
+        os._exit(COLD)
     parent = os.getppid()
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(address)
@@ -163,6 +166,10 @@ class WarmProcess:
         return out, err
 
 
+COLD = 3
+"""The server's exit code when it cannot fork safely: every command then starts a fresh interpreter."""
+
+
 class WarmServer:
     def __init__(self) -> None:
         self._directory = tempfile.mkdtemp(prefix="trainguard-warm-")
@@ -175,12 +182,19 @@ class WarmServer:
         self._proc = subprocess.Popen([sys.executable, "-c", "import sys; from helpers.warm_command import serve; "
                                        "serve(sys.argv[1])", self.address], env=env, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + 300
+        self.cold = False
         while not os.path.exists(self.address):
+            if self._proc.poll() == COLD:
+                self.cold = True
+                return
             if self._proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the warm command server did not start (exit {self._proc.poll()})")
             time.sleep(0.05)
 
-    def start(self, args: list[str], env: dict[str, str]) -> WarmProcess:
+    def start(self, args: list[str], env: dict[str, str]) -> WarmProcess | subprocess.Popen:
+        if self.cold:
+            return subprocess.Popen([sys.executable, "-m", "trainguard", *args], env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, start_new_session=True)
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         conn = socket.socket(socket.AF_UNIX)

@@ -12,7 +12,8 @@ with the ratio criterion (``guards.sdc.ratio: R``) on top, reported beside the d
 
 The detection set is trainguard's default: detection points on every norm layer's input gradient,
 every transformer block's output gradient and every parameter's gradient (``guards.sdc.blocks``,
-``guards.sdc.gradients``), judged by v1 + peak and v3 + peak at the default thresholds; for weights and
+``guards.sdc.gradients``), judged by v1 + peak + row and v3 + peak + row at the default thresholds (and,
+beside them, by the defaults before the row criterion, v1 + peak and v3 + peak); for weights and
 optimizer state also replica fingerprints (``guards.fingerprint``).
 
 Sites (where one bit of one element flips, one injection at a time, on a copy of the run's state):
@@ -60,7 +61,8 @@ from typing import Any
 SITES = ("norm.grad_input", "o_proj", "down_proj", "qkv", "embed", "param.grad", "weight", "exp_avg")
 STATE_SITES = ("weight", "exp_avg")
 CLASSES = ("top", "x2^16", "mantissa")
-DETECTORS = ("v1+peak", "v3+peak")  # the defaults; "detected" means either
+DETECTORS = ("v1+peak+row", "v3+peak+row")  # the defaults; "detected" means either
+BEFORE_ROWS = ("v1+peak", "v3+peak")  # the defaults before the row criterion, reported beside them
 AFTER = 3  # more steps after the injected one: the window for state sites and for "mattered"
 LOSS_SCALE = 2.0 ** 16
 
@@ -106,19 +108,20 @@ class Harness:
         self.tokens = load_corpus_tokens()
         self.dataset = TokenDataset(self.tokens, seq_len)
         self.sampler = StatefulSampler(len(self.dataset), 0, 1, 4, args.seed)
-        peak = SdcConfig().peak
+        peak, row_jump = SdcConfig().peak, SdcConfig().row_jump
         self.points = {"v1": DetectionPoints("l2", shares=True), "v3": DetectionPoints("max_sq", shares=True)}
         for points in self.points.values():
             points.install(self.model, blocks=True)
-        self.gradients = {"v1": GradientPoints(self.model, "l2", shares=True),
-                          "v3": GradientPoints(self.model, "max_sq", shares=True)}
+        self.gradients = {"v1": GradientPoints(self.model, "l2", shares=True, rows=True),
+                          "v3": GradientPoints(self.model, "max_sq", shares=True, rows=True)}
         self.names = self.points["v1"].names + self.gradients["v1"].names
-        self.detectors = {"v1+peak": SdcDetector("v1", self.names, peak=peak),
-                          "v3+peak": SdcDetector("v3", self.names, peak=peak)}
+        self.detectors = {f"{rule}+peak+row": SdcDetector(rule, self.names, peak=peak, row_jump=row_jump)
+                          for rule in ("v1", "v3")}
+        self.detectors.update({f"{rule}+peak": SdcDetector(rule, self.names, peak=peak) for rule in ("v1", "v3")})
         if args.ratio:
             for rule in ("v1", "v3"):
-                self.detectors[f"{rule}+peak+ratio{args.ratio:g}"] = SdcDetector(rule, self.names, peak=peak,
-                                                                                 ratio=args.ratio)
+                self.detectors[f"{rule}+peak+row+ratio{args.ratio:g}"] = SdcDetector(
+                    rule, self.names, peak=peak, row_jump=row_jump, ratio=args.ratio)
         self.modules = dict(self.model.named_modules())
         self.armed: dict[str, Any] = {}
         for name, module in self.modules.items():
@@ -175,7 +178,7 @@ class Harness:
             labels = self.torch.randint(0, int(self.tokens.max()) + 1, labels.shape)
         return inputs, labels
 
-    def measure(self, inputs, labels) -> tuple[float, dict[str, tuple[list[float], list[float]]]]:
+    def measure(self, inputs, labels) -> tuple[float, dict[str, tuple[list[float], list[float], list[float]]]]:
         torch = self.torch
         self.optimizer.zero_grad(set_to_none=True)
         for points in self.points.values():
@@ -189,9 +192,11 @@ class Harness:
         unscale = {"v1": self.loss_scale, "v3": self.loss_scale ** 2}
         measured = {}
         for rule in ("v1", "v3"):
-            values, shares = torch.cat([self.points[rule].collect(with_shares=True),
-                                        self.gradients[rule].collect(with_shares=True)], dim=1).tolist()
-            measured[rule] = ([v / unscale[rule] if v >= 0 else v for v in values], shares)
+            module_part = self.points[rule].collect(with_shares=True)
+            module_part = torch.cat([module_part, torch.full_like(module_part[:1], -1.0)])  # no row odds
+            values, shares, rows = torch.cat([module_part, self.gradients[rule].collect(with_shares=True, with_rows=True)],
+                                             dim=1).tolist()
+            measured[rule] = ([v / unscale[rule] if v >= 0 else v for v in values], shares, rows)
         if self.loss_scale != 1.0:
             for p in self.params:
                 if p.grad is not None:
@@ -202,8 +207,8 @@ class Harness:
         """Each detector's verdict on the step (any detection)."""
         found = {}
         for name, detector in detectors.items():
-            values, shares = measured[name.split("+")[0]]
-            found[name] = bool(detector.detect(values, step, shares=shares))
+            values, shares, rows = measured[name.split("+")[0]]
+            found[name] = bool(detector.detect(values, step, shares=shares, rows=rows))
         return found
 
     def snapshot(self):
@@ -253,8 +258,8 @@ def clean_run(args, label: str, seed: int, lr: float = 1e-3, garbage_every: int 
         inputs, labels = harness.batch(garbage=bool(garbage_every) and step % garbage_every == 0)
         _, measured = harness.measure(inputs, labels)
         for name, detector in harness.detectors.items():
-            values, shares = measured[name.split("+")[0]]
-            found = detector.detect(values, step, shares=shares)
+            values, shares, rows = measured[name.split("+")[0]]
+            found = detector.detect(values, step, shares=shares, rows=rows)
             if step > args.warmup:
                 alarms[name] += [(step, d.point, d.reason) for d in found]
         if step > args.warmup:
@@ -370,14 +375,15 @@ def main(argv: list[str]) -> int:
                      clean_run(args, "fp16 loss scale 2^16", args.seed + 4, loss_scale=LOSS_SCALE),
                      clean_run(args, "resume on half the ranks", args.seed + 5, fewer_ranks=True)]
     wall = time.perf_counter() - started
-    candidates = [name for name in (records[0]["detected_by"] if records else runs[0]["alarms"]) if name not in DETECTORS]
-    print(f"SDC coverage, llama-micro, default detection set (norm + block + parameter-gradient points; v1+peak and "
-          f"v3+peak judged together: detected = either), {args.draws} draws per cell, {wall:.0f} s\n")
+    candidates = [name for name in (records[0]["detected_by"] if records else runs[0]["alarms"])
+                  if name not in DETECTORS + BEFORE_ROWS]
+    print(f"SDC coverage, llama-micro, default detection set (norm + block + parameter-gradient points; v1+peak+row "
+          f"and v3+peak+row judged together: detected = either), {args.draws} draws per cell, {wall:.0f} s\n")
     if records:
         extra = "".join(f" {name} (of those that mattered) |" for name in candidates)
         print(f"| site | dtype | class | flips | mattered | detected (of those that mattered) | detected, all | "
-              f"fingerprint |{extra}")
-        print("|---|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(candidates))
+              f"before the row criterion (of those that mattered) | fingerprint |{extra}")
+        print("|---|---|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(candidates))
     for site in SITES:
         for dtype in ("fp32", "bf16"):
             for klass in CLASSES:
@@ -389,6 +395,7 @@ def main(argv: list[str]) -> int:
                 print(f"| {site} | {dtype} | {klass} | {len(cell)} | {len(mattered)} | "
                       f"{sum(r['detected'] for r in mattered)}/{len(mattered)} | "
                       f"{sum(r['detected'] for r in cell)}/{len(cell)} | "
+                      f"{sum(any(r['detected_by'][name] for name in BEFORE_ROWS) for r in mattered)}/{len(mattered)} | "
                       + (f"{sum(r['fingerprint'] for r in fp)}/{len(fp)}" if fp else "n/a") + " |"
                       + "".join(f" {sum(r['detected_by'][name] or r['detected'] for r in mattered)}/{len(mattered)} |"
                                 for name in candidates))

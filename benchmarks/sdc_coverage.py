@@ -28,7 +28,10 @@ Sites (where one bit of one element flips, one injection at a time, on a copy of
   ``tests/unit/guards/test_guards_fingerprint.py``) and are reported as such with replicas.
 
 Bit classes: ``top`` (the top exponent bit of fp32 / bf16, ``flip_bit(bit="exp")``: x2^128 for |x| < 2),
-``x2^16`` (exponent bit 4, set when it is 0: the value x2^16), ``mantissa`` (the lowest mantissa bit).
+``x2^16`` (exponent bit 4: the value x2^16 when the bit is 0, |x| in [2^-31, 2^-15) or [2, 2^17), and
+/2^16 when it is 1, |x| in [2^-15, 2), where most gradient elements lie: the flip all but zeroes them;
+each record keeps the element's value before and after, ``old`` and ``new``), ``mantissa`` (the lowest
+mantissa bit).
 Gradient sites in fp32 and bf16 (the element cast to bf16, flipped there, cast back); state in fp32.
 
 *Mattered*: after the injected step and 3 more steps (clean batches, the same for both), the eval
@@ -138,12 +141,12 @@ class Harness:
         flat = tensor.reshape(-1)
         index = self.armed["index"] % flat.numel()
         if self.armed["dtype"] == "fp32":
-            flip_bit(flat, index, self.armed["bit"])
+            flip = flip_bit(flat, index, self.armed["bit"])
         else:
             low = flat.to(self.torch.bfloat16)
             flip = flip_bit(low, index, self.armed["bit"])
             flat[flip.index] = low[flip.index].float()
-        self.armed["fired"] = True
+        self.armed.update(fired=True, old=flip.old, new=flip.new)
 
     def _grad_input(self, name, grad_input):
         if self.armed.get("module") != name or self.armed.get("fired") or grad_input[0] is None:
@@ -346,6 +349,7 @@ def coverage(args) -> list[dict[str, Any]]:
                 records.append({"site": site, "dtype": dtype, "class": klass, "step": step,
                                 "detected": any(detected_by[name] for name in DETECTORS), "detected_by": detected_by,
                                 "fingerprint": fingerprint_seen, "mattered": mattered, "param_drift": drift,
+                                "old": harness.armed.get("old"), "new": harness.armed.get("new"),
                                 "loss_change": loss_change})
             plan = plan[per_step:]
             harness.armed = {}

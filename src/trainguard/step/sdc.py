@@ -121,13 +121,15 @@ class SdcGuard:
         shares and odds are ratios: it cancels)."""
         shares = self.points.shares
         rows = self.gradients is not None and self.gradients.rows
-        module_part = self.points.collect(with_shares=shares).reshape(1 + shares, -1)
+        module_part = self.points.collect(with_shares=shares)
+        module_part = module_part if shares else module_part.unsqueeze(0)  # [planes, points]
         if rows:
             module_part = torch.cat([module_part, torch.full_like(module_part[:1], NOT_CHECKED)])
         parts = [module_part]
         if self.gradients is not None:
             gradient_part = self.gradients.collect(with_shares=shares, with_rows=rows)
-            parts.append(gradient_part.reshape(1 + shares + rows, -1).to(module_part.device))
+            gradient_part = gradient_part if shares or rows else gradient_part.unsqueeze(0)
+            parts.append(gradient_part.to(module_part.device))
         table = torch.cat(parts, dim=-1).tolist()
         values = table[0]
         if self.unscale != 1.0:

@@ -179,3 +179,19 @@ def test_a_flipped_output_gradient_element_makes_its_weights_row_odds_jump():
     clean, flipped = odds(False), odds(True)
     assert clean < 1.0
     assert flipped > sdc.detectors.ROW_ODDS_FLOOR and flipped > 100 * clean
+
+
+def test_a_transposed_linear_gets_the_odds_of_its_output_channels():
+    """Hugging Face's GPT-2 Conv1D stores its weight [in, out]: a flipped output-gradient element
+    lands in a column, and the columns are what its row odds measure."""
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(2)
+    layer = Conv1D(48, 32)  # 32 inputs, 48 outputs: weight [32, 48]
+    out = layer(torch.randn(64, 32))
+    out.register_hook(lambda g: g.index_put((torch.tensor(5), torch.tensor(7)), g[5, 7] * 2.0 ** 16))
+    (out ** 2).mean().backward()
+    odds = GradientPoints(layer, "l2", rows=True).collect(with_rows=True)[-1, 0].item()
+    assert odds == pytest.approx(sdc.row_odds(layer.weight.grad.t()).item())
+    assert odds > sdc.detectors.ROW_ODDS_FLOOR
+    assert sdc.row_odds(layer.weight.grad).item() < 1.0  # its first dimension (inputs) sees nothing

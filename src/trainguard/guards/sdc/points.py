@@ -450,16 +450,25 @@ PEAK_MIN_ELEMENTS = 4096
 ROW_ODDS_MAX = 1e30  # row odds are capped here (one row holding everything gives 1/0): a finite number to store
 
 
-def row_odds(grad: torch.Tensor) -> torch.Tensor:
+def row_odds(grad: torch.Tensor, transposed: bool = False) -> torch.Tensor:
     """A weight gradient's largest row's squared L2 norm over the other rows' together,
-    ``max_r |g_r|² / (|g|² − max_r |g_r|²)`` (rows: the first dimension, a layer's output channels), as a
-    0-d float32 tensor (no host sync; 0 for an all-zero gradient, at most ``ROW_ODDS_MAX``). A flipped
+    ``max_r |g_r|² / (|g|² − max_r |g_r|²)`` (rows: a layer's output channels, the first dimension; with
+    ``transposed``, a matrix stored ``[in, out]`` like Hugging Face's ``Conv1D``, the second), as a 0-d
+    float32 tensor (no host sync; 0 for an all-zero gradient, at most ``ROW_ODDS_MAX``). A flipped
     element of the layer's output gradient ``g[t, j]`` adds ``flip · x_t`` to row ``j`` of ``Σ_t g_t x_tᵀ``
     alone, so its odds jump, while a clean gradient's energy moves between rows by much less."""
-    rows = torch.linalg.vector_norm(grad.reshape(grad.shape[0], -1), dim=1, dtype=torch.float32).square()
+    if transposed:
+        rows = torch.linalg.vector_norm(grad, dim=0, dtype=torch.float32).square()
+    else:
+        rows = torch.linalg.vector_norm(grad.reshape(grad.shape[0], -1), dim=1, dtype=torch.float32).square()
     peak = rows.amax()
     rest = (rows.sum() - peak).clamp_min(torch.finfo(torch.float32).tiny)
     return torch.where(peak > 0, (peak / rest).clamp(max=ROW_ODDS_MAX), torch.zeros_like(peak))
+
+
+# modules whose weight is stored [in_features, out_features] (Hugging Face's GPT-2 Conv1D): their
+# output channels are the columns
+TRANSPOSED_LINEAR = ("Conv1D",)
 
 
 def _embedding_weights(model: nn.Module) -> set[int]:
@@ -490,6 +499,9 @@ class GradientPoints:
         # the parameters that get row odds: matrices (or more dimensions, flattened after the first) of
         # at least 2 rows, embedding tables left out
         self._with_rows = [p.dim() >= 2 and p.shape[0] >= 2 and id(p) not in tables for _, p in self._parameters]
+        transposed = {id(m.weight) for m in model.modules()
+                      if type(m).__name__ in TRANSPOSED_LINEAR and isinstance(getattr(m, "weight", None), torch.Tensor)}
+        self._transposed = [p.dim() == 2 and id(p) in transposed for _, p in self._parameters]
         # (gradient, L2 norm of its local part) of the last collect, for the global norm to reuse
         # (``norms.KnownNorms``: one read of the gradients less); cleared by ``forget``
         self.norms: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -538,7 +550,8 @@ class GradientPoints:
                         out[1, index] = torch.where(large, shares, torch.full_like(shares, NOT_CHECKED))
                 matrices = [i for i in present if self._with_rows[i]]
                 if with_rows and matrices:
-                    out[-1, torch.tensor(matrices, device=device)] = torch.stack([row_odds(grads[i]) for i in matrices])
+                    out[-1, torch.tensor(matrices, device=device)] = torch.stack(
+                        [row_odds(grads[i], self._transposed[i]) for i in matrices])
         return out if with_shares or with_rows else out[0]
 
 

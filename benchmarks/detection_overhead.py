@@ -13,13 +13,15 @@ each per round in a rotating order (off norms all, norms all off, all off norms,
 * ``off``: no detection point, no statistic, no rule (``guards.sdc.enabled_level: 0``);
 * ``norms``: detection points on every norm layer's input gradient (the points before issue 18);
 * ``all``: the default set now: those, every transformer block's output gradient
-  (``guards.sdc.blocks``) and every parameter's gradient (``guards.sdc.gradients``).
+  (``guards.sdc.blocks``) and every parameter's gradient (``guards.sdc.gradients``), with the weight
+  matrices' row odds for the row criterion (``guards.sdc.row_jump``).
 
 The overheads are medians over the rounds of per-round ratios: ``norms / off - 1`` (the norm points),
 ``all / norms - 1`` (the extra points) and ``all / off - 1`` (detection as a whole, the defaults).
 In isolation (the fastest of 7, a figure the load hardly moves): the gradient points' statistics
-(per-parameter norms and the peak pass) minus the per-parameter norms alone, which the global norm
-reads anyway and now takes from the points, as a share of the fastest step without detection.
+(per-parameter norms, the peak pass and the row odds) minus the per-parameter norms alone, which the
+global norm reads anyway and now takes from the points, as a share of the fastest step without
+detection; and the row odds alone (the statistics with them minus without them).
 
 Fingerprints (``guards.fingerprint``): after the steps of every round, the time of one fingerprint
 of the whole state (``local_state`` of the model and AdamW, ``fingerprints``, one ``.tolist()``: what
@@ -78,12 +80,13 @@ def main(argv: list[str]) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     dataset = TokenDataset(load_corpus_tokens(), args.seq_len)
     sampler = StatefulSampler(len(dataset), 0, 1, 1, 0)
-    peak = SdcConfig().peak
+    peak, row_jump = SdcConfig().peak, SdcConfig().row_jump
     points = DetectionPoints("l2", shares=True)
-    gradients = GradientPoints(model, "l2", shares=True)
+    gradients = GradientPoints(model, "l2", shares=True, rows=True)
     norm_names = points.install(model)
     all_names = points.install(model, blocks=True) + gradients.names
-    detectors = {"norms": SdcDetector("v1", norm_names, peak=peak), "all": SdcDetector("v1", all_names, peak=peak)}
+    detectors = {"norms": SdcDetector("v1", norm_names, peak=peak),
+                 "all": SdcDetector("v1", all_names, peak=peak, row_jump=row_jump)}
 
     def step(mode: str) -> float:
         if mode == "off":
@@ -97,10 +100,11 @@ def main(argv: list[str]) -> int:
         F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1)).backward()
         if mode != "off":
             parts = [points.collect(with_shares=True)]
-            if mode == "all":
-                parts.append(gradients.collect(with_shares=True))
-            values, shares = torch.cat(parts, dim=1).tolist()
-            detectors[mode].detect(values, 0, shares=shares)
+            if mode == "all":  # module points have no row odds: a NOT_CHECKED row beside theirs
+                parts = [torch.cat([parts[0], torch.full_like(parts[0][:1], -1.0)]),
+                         gradients.collect(with_shares=True, with_rows=True)]
+            table = torch.cat(parts, dim=1).tolist()
+            detectors[mode].detect(table[0], 0, shares=table[1], rows=table[2] if mode == "all" else None)
         # the step's global norm, as Guard.step measures it in every mode: with the gradient points on
         # it reuses their per-parameter norms instead of reading the gradients again
         local_sq_sum([p.grad for p in model.parameters()], 1, torch.device("cpu"), known=gradients.norms).item()
@@ -125,10 +129,13 @@ def main(argv: list[str]) -> int:
     # in isolation, a number the load hardly moves: the gradient points' statistics (norms and the peak
     # pass) against the norms alone, which the global norm reads anyway: the fastest of 7 each
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    collect_s = min(timed(lambda: gradients.collect(with_shares=True).tolist()) for _ in range(7))
+    collect_s = min(timed(lambda: gradients.collect(with_shares=True, with_rows=True).tolist()) for _ in range(7))
+    without_rows_s = min(timed(lambda: gradients.collect(with_shares=True).tolist()) for _ in range(7))
     gradients.forget()
     norms_s = min(timed(lambda: torch.stack(torch._foreach_norm(grads)).tolist()) for _ in range(7))
-    gradient_points = (collect_s - norms_s) / min(r["off"] for r in rounds)
+    fastest_off = min(r["off"] for r in rounds)
+    gradient_points = (collect_s - norms_s) / fastest_off
+    row_odds = (collect_s - without_rows_s) / fastest_off
     median_ms = {mode: 1e3 * statistics.median(r[mode] for r in rounds) for mode in MODES}
     overheads = {pair: [r[pair[0]] / r[pair[1]] - 1 for r in rounds] for pair in COMPARED}
     overhead = {pair: statistics.median(ratios) for pair, ratios in overheads.items()}
@@ -157,6 +164,8 @@ def main(argv: list[str]) -> int:
     print(f"| in isolation: the {len(gradients.names)} gradient points' statistics beyond the norms the global norm "
           f"reads anyway | {1e3 * (collect_s - norms_s):.1f} ms | {100 * gradient_points:.2f} % of the fastest off step | "
           f"{'met' if gradient_points <= TARGET else 'MISSED'} |")
+    print(f"| in isolation: of which the weight matrices' row odds (the row criterion) | "
+          f"{1e3 * (collect_s - without_rows_s):.1f} ms | {100 * row_odds:.2f} % of the fastest off step | |")
     print(f"| one fingerprint of the state (params + AdamW) | {1e3 * hash_s:.1f} ms | "
           f"{100 * fingerprint:.3f} % per step at interval {interval} (2 per check) | "
           f"{'met' if fingerprint <= TARGET else 'MISSED'} |")
@@ -166,6 +175,7 @@ def main(argv: list[str]) -> int:
               "overhead": {f"{a}/{b}": v for (a, b), v in overhead.items()}, "hash_s": hash_s, "scan_s": scan_s,
               "interval": interval, "fingerprint_overhead": fingerprint, "load": load,
               "gradient_points_isolated": gradient_points, "collect_s": collect_s, "norms_s": norms_s,
+              "row_odds_isolated": row_odds, "without_rows_s": without_rows_s,
               "points": {"norms": len(norm_names), "all": len(all_names)}, "wall_s": wall}
     if args.json:
         with open(args.json, "w", encoding="utf-8") as out:

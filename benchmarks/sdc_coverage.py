@@ -12,7 +12,8 @@ with the ratio criterion (``guards.sdc.ratio: R``) on top, reported beside the d
 
 The detection set is trainguard's default: detection points on every norm layer's input gradient,
 every transformer block's output gradient and every parameter's gradient (``guards.sdc.blocks``,
-``guards.sdc.gradients``), judged by v1 + peak and v3 + peak at the default thresholds; for weights and
+``guards.sdc.gradients``), judged by v1 + peak + row and v3 + peak + row at the default thresholds (and,
+beside them, by the defaults before the row criterion, v1 + peak and v3 + peak); for weights and
 optimizer state also replica fingerprints (``guards.fingerprint``).
 
 Sites (where one bit of one element flips, one injection at a time, on a copy of the run's state):
@@ -27,7 +28,10 @@ Sites (where one bit of one element flips, one injection at a time, on a copy of
   ``tests/unit/guards/test_guards_fingerprint.py``) and are reported as such with replicas.
 
 Bit classes: ``top`` (the top exponent bit of fp32 / bf16, ``flip_bit(bit="exp")``: x2^128 for |x| < 2),
-``x2^16`` (exponent bit 4, set when it is 0: the value x2^16), ``mantissa`` (the lowest mantissa bit).
+``x2^16`` (exponent bit 4: the value x2^16 when the bit is 0, |x| in [2^-31, 2^-15) or [2, 2^17), and
+/2^16 when it is 1, |x| in [2^-15, 2), where most gradient elements lie: the flip all but zeroes them;
+each record keeps the element's value before and after, ``old`` and ``new``), ``mantissa`` (the lowest
+mantissa bit).
 Gradient sites in fp32 and bf16 (the element cast to bf16, flipped there, cast back); state in fp32.
 
 *Mattered*: after the injected step and 3 more steps (clean batches, the same for both), the eval
@@ -60,7 +64,8 @@ from typing import Any
 SITES = ("norm.grad_input", "o_proj", "down_proj", "qkv", "embed", "param.grad", "weight", "exp_avg")
 STATE_SITES = ("weight", "exp_avg")
 CLASSES = ("top", "x2^16", "mantissa")
-DETECTORS = ("v1+peak", "v3+peak")  # the defaults; "detected" means either
+DETECTORS = ("v1+peak+row", "v3+peak+row")  # the defaults; "detected" means either
+BEFORE_ROWS = ("v1+peak", "v3+peak")  # the defaults before the row criterion, reported beside them
 AFTER = 3  # more steps after the injected one: the window for state sites and for "mattered"
 LOSS_SCALE = 2.0 ** 16
 
@@ -106,19 +111,20 @@ class Harness:
         self.tokens = load_corpus_tokens()
         self.dataset = TokenDataset(self.tokens, seq_len)
         self.sampler = StatefulSampler(len(self.dataset), 0, 1, 4, args.seed)
-        peak = SdcConfig().peak
+        peak, row_jump = SdcConfig().peak, SdcConfig().row_jump
         self.points = {"v1": DetectionPoints("l2", shares=True), "v3": DetectionPoints("max_sq", shares=True)}
         for points in self.points.values():
             points.install(self.model, blocks=True)
-        self.gradients = {"v1": GradientPoints(self.model, "l2", shares=True),
-                          "v3": GradientPoints(self.model, "max_sq", shares=True)}
+        self.gradients = {"v1": GradientPoints(self.model, "l2", shares=True, rows=True),
+                          "v3": GradientPoints(self.model, "max_sq", shares=True, rows=True)}
         self.names = self.points["v1"].names + self.gradients["v1"].names
-        self.detectors = {"v1+peak": SdcDetector("v1", self.names, peak=peak),
-                          "v3+peak": SdcDetector("v3", self.names, peak=peak)}
+        self.detectors = {f"{rule}+peak+row": SdcDetector(rule, self.names, peak=peak, row_jump=row_jump)
+                          for rule in ("v1", "v3")}
+        self.detectors.update({f"{rule}+peak": SdcDetector(rule, self.names, peak=peak) for rule in ("v1", "v3")})
         if args.ratio:
             for rule in ("v1", "v3"):
-                self.detectors[f"{rule}+peak+ratio{args.ratio:g}"] = SdcDetector(rule, self.names, peak=peak,
-                                                                                 ratio=args.ratio)
+                self.detectors[f"{rule}+peak+row+ratio{args.ratio:g}"] = SdcDetector(
+                    rule, self.names, peak=peak, row_jump=row_jump, ratio=args.ratio)
         self.modules = dict(self.model.named_modules())
         self.armed: dict[str, Any] = {}
         for name, module in self.modules.items():
@@ -135,12 +141,12 @@ class Harness:
         flat = tensor.reshape(-1)
         index = self.armed["index"] % flat.numel()
         if self.armed["dtype"] == "fp32":
-            flip_bit(flat, index, self.armed["bit"])
+            flip = flip_bit(flat, index, self.armed["bit"])
         else:
             low = flat.to(self.torch.bfloat16)
             flip = flip_bit(low, index, self.armed["bit"])
             flat[flip.index] = low[flip.index].float()
-        self.armed["fired"] = True
+        self.armed.update(fired=True, old=flip.old, new=flip.new)
 
     def _grad_input(self, name, grad_input):
         if self.armed.get("module") != name or self.armed.get("fired") or grad_input[0] is None:
@@ -175,7 +181,7 @@ class Harness:
             labels = self.torch.randint(0, int(self.tokens.max()) + 1, labels.shape)
         return inputs, labels
 
-    def measure(self, inputs, labels) -> tuple[float, dict[str, tuple[list[float], list[float]]]]:
+    def measure(self, inputs, labels) -> tuple[float, dict[str, tuple[list[float], list[float], list[float]]]]:
         torch = self.torch
         self.optimizer.zero_grad(set_to_none=True)
         for points in self.points.values():
@@ -189,9 +195,11 @@ class Harness:
         unscale = {"v1": self.loss_scale, "v3": self.loss_scale ** 2}
         measured = {}
         for rule in ("v1", "v3"):
-            values, shares = torch.cat([self.points[rule].collect(with_shares=True),
-                                        self.gradients[rule].collect(with_shares=True)], dim=1).tolist()
-            measured[rule] = ([v / unscale[rule] if v >= 0 else v for v in values], shares)
+            module_part = self.points[rule].collect(with_shares=True)
+            module_part = torch.cat([module_part, torch.full_like(module_part[:1], -1.0)])  # no row odds
+            values, shares, rows = torch.cat([module_part, self.gradients[rule].collect(with_shares=True, with_rows=True)],
+                                             dim=1).tolist()
+            measured[rule] = ([v / unscale[rule] if v >= 0 else v for v in values], shares, rows)
         if self.loss_scale != 1.0:
             for p in self.params:
                 if p.grad is not None:
@@ -202,8 +210,8 @@ class Harness:
         """Each detector's verdict on the step (any detection)."""
         found = {}
         for name, detector in detectors.items():
-            values, shares = measured[name.split("+")[0]]
-            found[name] = bool(detector.detect(values, step, shares=shares))
+            values, shares, rows = measured[name.split("+")[0]]
+            found[name] = bool(detector.detect(values, step, shares=shares, rows=rows))
         return found
 
     def snapshot(self):
@@ -253,8 +261,8 @@ def clean_run(args, label: str, seed: int, lr: float = 1e-3, garbage_every: int 
         inputs, labels = harness.batch(garbage=bool(garbage_every) and step % garbage_every == 0)
         _, measured = harness.measure(inputs, labels)
         for name, detector in harness.detectors.items():
-            values, shares = measured[name.split("+")[0]]
-            found = detector.detect(values, step, shares=shares)
+            values, shares, rows = measured[name.split("+")[0]]
+            found = detector.detect(values, step, shares=shares, rows=rows)
             if step > args.warmup:
                 alarms[name] += [(step, d.point, d.reason) for d in found]
         if step > args.warmup:
@@ -341,6 +349,7 @@ def coverage(args) -> list[dict[str, Any]]:
                 records.append({"site": site, "dtype": dtype, "class": klass, "step": step,
                                 "detected": any(detected_by[name] for name in DETECTORS), "detected_by": detected_by,
                                 "fingerprint": fingerprint_seen, "mattered": mattered, "param_drift": drift,
+                                "old": harness.armed.get("old"), "new": harness.armed.get("new"),
                                 "loss_change": loss_change})
             plan = plan[per_step:]
             harness.armed = {}
@@ -370,14 +379,15 @@ def main(argv: list[str]) -> int:
                      clean_run(args, "fp16 loss scale 2^16", args.seed + 4, loss_scale=LOSS_SCALE),
                      clean_run(args, "resume on half the ranks", args.seed + 5, fewer_ranks=True)]
     wall = time.perf_counter() - started
-    candidates = [name for name in (records[0]["detected_by"] if records else runs[0]["alarms"]) if name not in DETECTORS]
-    print(f"SDC coverage, llama-micro, default detection set (norm + block + parameter-gradient points; v1+peak and "
-          f"v3+peak judged together: detected = either), {args.draws} draws per cell, {wall:.0f} s\n")
+    candidates = [name for name in (records[0]["detected_by"] if records else runs[0]["alarms"])
+                  if name not in DETECTORS + BEFORE_ROWS]
+    print(f"SDC coverage, llama-micro, default detection set (norm + block + parameter-gradient points; v1+peak+row "
+          f"and v3+peak+row judged together: detected = either), {args.draws} draws per cell, {wall:.0f} s\n")
     if records:
         extra = "".join(f" {name} (of those that mattered) |" for name in candidates)
         print(f"| site | dtype | class | flips | mattered | detected (of those that mattered) | detected, all | "
-              f"fingerprint |{extra}")
-        print("|---|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(candidates))
+              f"before the row criterion (of those that mattered) | fingerprint |{extra}")
+        print("|---|---|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(candidates))
     for site in SITES:
         for dtype in ("fp32", "bf16"):
             for klass in CLASSES:
@@ -389,6 +399,7 @@ def main(argv: list[str]) -> int:
                 print(f"| {site} | {dtype} | {klass} | {len(cell)} | {len(mattered)} | "
                       f"{sum(r['detected'] for r in mattered)}/{len(mattered)} | "
                       f"{sum(r['detected'] for r in cell)}/{len(cell)} | "
+                      f"{sum(any(r['detected_by'][name] for name in BEFORE_ROWS) for r in mattered)}/{len(mattered)} | "
                       + (f"{sum(r['fingerprint'] for r in fp)}/{len(fp)}" if fp else "n/a") + " |"
                       + "".join(f" {sum(r['detected_by'][name] or r['detected'] for r in mattered)}/{len(mattered)} |"
                                 for name in candidates))

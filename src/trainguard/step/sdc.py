@@ -31,7 +31,7 @@ from trainguard.guards.sdc import (
     format_detection,
     format_values,
 )
-from trainguard.guards.sdc.detectors import Detection, SdcLevel
+from trainguard.guards.sdc.detectors import NOT_CHECKED, Detection, SdcLevel
 from trainguard.guards.sdc.points import GRADIENT_PREFIX
 
 
@@ -59,7 +59,8 @@ class SdcGuard:
         self.points = DetectionPoints(statistic, micro_batches=micro_batches, device=device,
                                       shares=self.config.peak > 0)
         self.points.install(model, self.config.points, blocks=self.config.blocks)
-        self.gradients = GradientPoints(model, statistic, shares=self.config.peak > 0) if self.config.gradients else None
+        self.gradients = (GradientPoints(model, statistic, shares=self.config.peak > 0, rows=self.config.row_jump > 0)
+                          if self.config.gradients else None)
         # the loss scale divides out of the statistic: v1's L2 norm scales with it, v3's max(g²) with its square
         self.unscale = self.config.loss_scale ** (1 if statistic == "l2" else 2)
         self._announce(model)
@@ -73,6 +74,7 @@ class SdcGuard:
         self.detections: list[Detection] = []
         self.first_values: list[float] = []
         self.first_shares: list[float] | None = None
+        self.first_rows: list[float] | None = None
 
     @property
     def stateful(self) -> dict[str, Any]:
@@ -112,25 +114,35 @@ class SdcGuard:
         if self.rank == 0:
             self.events.emit("sdc_points", step=0, count=len(self.names), names=self.names)
 
-    def values(self) -> tuple[list[float], list[float] | None]:
-        """This pass's statistic per point and, with the peak criterion on, peak share per point (one
-        sync), the loss scale divided out."""
+    def values(self) -> tuple[list[float], list[float] | None, list[float] | None]:
+        """This pass's statistic per point and, with the peak criterion on, peak share per point, with
+        the row criterion on, row odds per point (``NOT_CHECKED`` for the points without: every module
+        point, vectors, embedding tables), in one sync, the loss scale divided out of the statistic (the
+        shares and odds are ratios: it cancels)."""
         shares = self.points.shares
-        parts = [self.points.collect(with_shares=shares)]
+        rows = self.gradients is not None and self.gradients.rows
+        module_part = self.points.collect(with_shares=shares)
+        module_part = module_part if shares else module_part.unsqueeze(0)  # [planes, points]
+        if rows:
+            module_part = torch.cat([module_part, torch.full_like(module_part[:1], NOT_CHECKED)])
+        parts = [module_part]
         if self.gradients is not None:
-            parts.append(self.gradients.collect(with_shares=shares).to(parts[0].device))
-        collected = torch.cat(parts, dim=-1)
-        values, shares = collected.tolist() if shares else (collected.tolist(), None)
+            gradient_part = self.gradients.collect(with_shares=shares, with_rows=rows)
+            gradient_part = gradient_part if shares or rows else gradient_part.unsqueeze(0)
+            parts.append(gradient_part.to(module_part.device))
+        table = torch.cat(parts, dim=-1).tolist()
+        values = table[0]
         if self.unscale != 1.0:
             values = [v / self.unscale if v >= 0 else v for v in values]  # NOT_CHECKED stays negative
-        return values, shares
+        return values, table[1] if shares else None, table[-1] if rows else None
 
     def check(self, step: int) -> bool:
         """Judges this pass's values; logs and records detections; True when this rank saw a level-1 value."""
-        self.first_values, self.first_shares = self.values()
+        self.first_values, self.first_shares, self.first_rows = self.values()
         if self.config.log_values:
             self.log.info(format_values(step, self.rank, self.host, self.device, self.names, self.first_values))
-        self.detections = self.detector.detect(self.first_values, step, names=self.names, shares=self.first_shares)
+        self.detections = self.detector.detect(self.first_values, step, names=self.names, shares=self.first_shares,
+                                               rows=self.first_rows)
         for detection in self.detections:
             self.log.log(detection.log_level, format_detection(detection, step, self.rank, self.host, self.device))
             self.events.emit("sdc_detected", step=step, point=detection.point, level=detection.level,
@@ -153,11 +165,14 @@ class SdcGuard:
             return RerunVerdict.NONE
         names = self.names
         first = {p: self.first_values[names.index(p)] for p in level_one}
-        rerun = rerun_shares = None
+        rerun = rerun_shares = rerun_rows = None
         if reran:
-            values, shares = self.values()
+            values, shares, rows = self.values()
             rerun = {p: values[names.index(p)] for p in level_one}
             rerun_shares = {p: None if shares is None else shares[names.index(p)] for p in level_one}
+            # NOT_CHECKED (negative) row odds: the point has none
+            rerun_rows = {p: None if rows is None or rows[names.index(p)] < 0 else rows[names.index(p)]
+                          for p in level_one}
         # a reduced parameter gradient carries every rank's contribution: a fault there may be another
         # rank's, so only the points this rank computed alone can strike it
         local = any(not p.startswith(GRADIENT_PREFIX) for p in level_one)
@@ -167,7 +182,8 @@ class SdcGuard:
             # the detected points' first values never entered their state; the clean rerun's do, as
             # they would have in a run without the fault
             still_abnormal = [p for p in level_one
-                              if self.detector.point(p).check(rerun[p], rerun_shares[p]).level == SdcLevel.ABNORMAL]
+                              if self.detector.point(p).check(rerun[p], rerun_shares[p], rerun_rows[p]).level
+                              == SdcLevel.ABNORMAL]
         self.log.error(attribution.message + (f"; the rerun is abnormal too at {', '.join(still_abnormal)}"
                                               if still_abnormal else ""))
         self.events.emit("sdc_attribution", step=step, attribution=attribution.kind, points=list(attribution.points),

@@ -465,18 +465,92 @@ def test_peak_config_key_and_from_config():
         SdcDetector("v1", peak=2.0)
 
 
-def test_ratio_config_key_and_from_config():
-    assert SdcConfig().ratio == 0.0
-    config = SdcConfig(rule="v1", ratio=10)
+# --------------------------------------------------------------------------------- the row criterion
+@pytest.mark.parametrize("rule", ["v1", "v3"])
+def test_row_catches_a_row_odds_jump_with_an_unremarkable_value_and_never_absorbs_it(rule):
+    """A flip in a layer's output gradient, seen in its weight's gradient: the value rises only x3 (no
+    rule, no peak), but one row now carries the energy: level 1, reason "row"."""
+    warm = 7 if rule == "v1" else 10
+    detector = SdcDetector(rule, ["w", "b"], peak=0.5, row_jump=100.0)
+    clean = magnitudes(4, 30, 0.0, 0.2)
+    for step, m in enumerate(clean):
+        odds = 0.2 + 0.1 * (step % 3)  # 0.2, 0.3, 0.4: median 0.3 over the last 16
+        assert detector.detect([statistic(rule, m)] * 2, step, shares=[0.01, 0.01], rows=[odds, NOT_CHECKED]) == []
+    before = detector.point("w").state_dict()
+    found = detector.detect([statistic(rule, 3.0)] * 2, 99, shares=[0.05, 0.05], rows=[500.0, NOT_CHECKED])
+    assert [(d.point, d.level, d.reason) for d in found] == [("w", 1, "row")]
+    assert found[0].thresholds["row_median"] == pytest.approx(0.3)
+    assert found[0].thresholds["row_jump"] == 100.0 and found[0].thresholds["row_floor"] == 10.0
+    assert found[0].state["row_odds"] == 500.0
+    assert "(row)" in format_detection(found[0], 99, 0, "h", 0)
+    assert detector.point("w").state_dict() == before  # neither the rule's state nor recent_rows took it
+    assert warm <= len(clean)
+
+
+@pytest.mark.parametrize("rule", ["v1", "v3"])
+def test_row_needs_the_floor_and_the_jump_and_waits_for_the_warm_up(rule):
+    warm = 7 if rule == "v1" else 10
+    detector = V1Detector(row_jump=100.0) if rule == "v1" else V3Detector(row_jump=100.0)
+    for _ in range(warm - 1):
+        assert detector.check(statistic(rule, 1.0), None, 0.05).level == 0
+    assert detector.check(statistic(rule, 1.0), None, 1000.0).level == 0  # still in the warm-up: absorbed
+    for _ in range(16):
+        assert detector.check(statistic(rule, 1.0), None, 0.05).level == 0
+    assert detector.check(statistic(rule, 1.0), None, 9.0).level == 0  # x180 the median, under the floor
+    assert detector.check(statistic(rule, 1.0), None, 5.0).level == 0  # exactly x100: not above it
+    assert detector.check(statistic(rule, 1.0), None, 10.0).level == 0  # at the floor: not above it
+    assert detector.check(statistic(rule, 1.0), None, 10.5).reason == "row"
+    assert detector.check(statistic(rule, 1.0), None, None).level == 0  # no row odds: the criterion is silent
+    always = V1Detector(row_jump=100.0) if rule == "v1" else V3Detector(row_jump=100.0)
+    for _ in range(30):  # a matrix whose gradient always sits in one row: odds high, no jump, quiet
+        assert always.check(statistic(rule, 1.0), None, 1e4).level == 0
+
+
+@pytest.mark.parametrize("rule", ["v1", "v3"])
+def test_row_off_leaves_the_verdicts_and_state_unchanged_and_its_state_round_trips(rule):
+    for sequence in ratio_sequences():
+        stats = [statistic(rule, m) for m in sequence]
+        plain = SdcDetector(rule, ["p"], peak=0.5)
+        off = SdcDetector(rule, ["p"], peak=0.5, row_jump=0.0)
+        for step, value in enumerate(stats):
+            assert off.detect([value], step, shares=[0.01], rows=[1e6 * (step % 2)]) == plain.detect(
+                [value], step, shares=[0.01])
+        assert off.state_dict() == plain.state_dict() and "recent_rows" not in off.state_dict()["points"]["p"]
+    a = SdcDetector(rule, ["p"], row_jump=100.0)
+    for step, m in enumerate(magnitudes(5, 25, 0.0, 0.2)):
+        a.detect([statistic(rule, m)], step, rows=[0.1 + 0.01 * step])
+    b = SdcDetector(rule, ["p"], row_jump=100.0)
+    b.load_state_dict(roundtrip(a.state_dict()))
+    assert len(b.point("p").recent_rows) == 16 and b.state_dict() == a.state_dict()
+    assert a.detect([statistic(rule, 1.0)], 30, rows=[50.0]) == b.detect([statistic(rule, 1.0)], 30, rows=[50.0]) != []
+    older = roundtrip(a.state_dict())
+    del older["points"]["p"]["recent_rows"]  # a state saved before the criterion: the odds refill
+    c = SdcDetector(rule, ["p"], row_jump=100.0)
+    c.load_state_dict(older)
+    assert c.point("p").recent_rows == [] and c.detect([statistic(rule, 1.0)], 31, rows=[50.0]) == []
+    for bad in ("x", [1.0, "x"], [NAN], [1.0] * 17):
+        broken = roundtrip(a.state_dict())
+        broken["points"]["p"]["recent_rows"] = bad
+        with pytest.raises(CheckpointError, match="sdc detector state is malformed"):
+            SdcDetector(rule, ["p"], row_jump=100.0).load_state_dict(broken)
+
+
+@pytest.mark.parametrize("key, default", [("row_jump", 100.0), ("ratio", 0.0)])
+def test_ratio_and_row_jump_config_keys_and_from_config(key, default):
+    assert getattr(SdcConfig(), key) == default  # the row criterion is on by default, the ratio one off
+    config = SdcConfig(rule="v3", **{key: 300})
     config.validate()
-    assert config.ratio == 10.0 and isinstance(config.ratio, float)
-    assert SdcDetector.from_config(config, ["x"]).point("x").ratio == 10.0
-    for bad in (1, 0.5, -2, math.inf, math.nan, True, "10"):
-        with pytest.raises(ConfigError, match=r"guards\.sdc\.ratio"):
-            SdcConfig(ratio=bad).validate()
+    assert getattr(config, key) == 300.0 and isinstance(getattr(config, key), float)
+    assert getattr(SdcDetector.from_config(config, ["x"]).point("x"), key) == 300.0
+    off = SdcConfig(**{key: 0})
+    off.validate()
+    assert getattr(SdcDetector.from_config(off, ["x"]).point("x"), key) == 0.0
+    for bad in (1, 0.5, -2, math.inf, math.nan, True, "100"):
+        with pytest.raises(ConfigError, match=rf"guards\.sdc\.{key} must be 0 \(off\) or a finite number > 1"):
+            SdcConfig(**{key: bad}).validate()
         if not isinstance(bad, (bool, str)):
-            with pytest.raises(ValueError, match="ratio must be 0"):
-                SdcDetector("v1", ratio=bad)
+            with pytest.raises(ValueError, match=f"{key} must be 0"):
+                SdcDetector("v1", **{key: bad})
 
 
 # ------------------------------------------------------------------------------------ log lines

@@ -113,3 +113,85 @@ def test_gradient_points_give_v3_the_largest_square():
     model(torch.randn(4, 8)).sum().backward()
     values = GradientPoints(model, "max_sq").collect().tolist()
     assert values[0] == pytest.approx(model.layers[0].norm.weight.grad.abs().max().item() ** 2, rel=1e-6)
+
+
+def test_row_odds_are_the_largest_rows_energy_over_the_other_rows():
+    grad = torch.tensor([[3.0, 4.0], [1.0, 0.0], [0.0, 2.0]])  # rows' squared norms 25, 1, 4
+    assert sdc.row_odds(grad).item() == pytest.approx(25 / 5)
+    assert sdc.row_odds(torch.zeros(3, 2)).item() == 0.0
+    assert sdc.row_odds(torch.tensor([[1.0, 1.0], [0.0, 0.0]])).item() == pytest.approx(sdc.points.ROW_ODDS_MAX)  # one row
+    conv = torch.zeros(4, 2, 3, 3)
+    conv[1] = 1.0  # more dimensions: rows are the first one's slices
+    conv[2, 0, 0, 0] = 3.0
+    assert sdc.row_odds(conv).item() == pytest.approx(18 / 9)
+
+
+class TinyLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(16, 8)
+        self.proj = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.out = nn.Linear(8, 16, bias=False)
+
+    def get_output_embeddings(self):  # as Hugging Face models name their head
+        return self.out
+
+    def forward(self, ids):
+        return self.out(self.norm(self.proj(self.embed(ids))))
+
+
+@pytest.mark.parametrize("shares", [False, True])
+def test_gradient_points_give_row_odds_to_weight_matrices_only(shares):
+    model = TinyLM()
+    points = GradientPoints(model, "l2", shares=shares, rows=True)
+    assert points.names == ["grad:embed.weight", "grad:proj.weight", "grad:proj.bias", "grad:norm.weight",
+                            "grad:norm.bias", "grad:out.weight"]
+    model(torch.randint(0, 16, (2, 5))).sum().backward()
+    collected = points.collect(with_shares=shares, with_rows=True)
+    assert collected.shape == (2 + shares, 6)
+    # embedding tables (input and output) and vectors get none; the projection's matrix gets its own
+    rows = collected[-1].tolist()
+    assert rows[:1] + rows[2:] == [NOT_CHECKED] * 5
+    assert rows[1] == pytest.approx(sdc.row_odds(model.proj.weight.grad).item())
+    assert collected[0].tolist() == pytest.approx(points.collect().tolist())
+    with pytest.raises(ValueError, match="rows=True"):
+        GradientPoints(model, "l2").collect(with_rows=True)
+
+
+def test_a_flipped_output_gradient_element_makes_its_weights_row_odds_jump():
+    """The row criterion's premise, on a real backward: one element of a layer's output gradient
+    multiplied by 2^16 puts the layer's weight gradient's energy into one row."""
+    torch.manual_seed(1)
+    layer = nn.Linear(64, 64)
+    x = torch.randn(128, 64)
+    target = torch.randn(128, 64)
+
+    def odds(flip: bool) -> float:
+        layer.zero_grad()
+        out = layer(x)
+        if flip:
+            out.register_hook(lambda g: g.index_put((torch.tensor(17), torch.tensor(40)), g[17, 40] * 2.0 ** 16))
+        ((out - target) ** 2).mean().backward()
+        return GradientPoints(layer, "l2", rows=True).collect(with_rows=True)[-1, 0].item()
+
+    clean, flipped = odds(False), odds(True)
+    assert clean < 1.0
+    assert flipped > sdc.detectors.ROW_ODDS_FLOOR and flipped > 100 * clean
+
+
+def test_a_transposed_linear_gets_the_odds_of_its_output_channels():
+    """Hugging Face's GPT-2 Conv1D stores its weight [in, out]: a flipped output-gradient element
+    lands in a column, and the columns are what its row odds measure."""
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(2)
+    layer = Conv1D(48, 32)  # 32 inputs, 48 outputs: weight [32, 48]
+    out = layer(torch.randn(64, 32))
+    out.register_hook(lambda g: g.index_put((torch.tensor(5), torch.tensor(7)), g[5, 7] * 2.0 ** 16))
+    (out ** 2).mean().backward()
+    odds = GradientPoints(layer, "l2", rows=True).collect(with_rows=True)[-1, 0].item()
+    assert odds == pytest.approx(sdc.row_odds(layer.weight.grad.t()).item())
+    assert odds > sdc.detectors.ROW_ODDS_FLOOR
+    assert sdc.row_odds(layer.weight.grad).item() < 1.0  # its first dimension (inputs) sees nothing

@@ -73,6 +73,12 @@ class SdcConfig:
     # flips of small elements that do change the loss, and at 0.5 it raised no false alarm
     # (benchmarks/README.md, sdc_detection.py)
     peak: float = 0.5
+    # trainguard's row criterion, on the parameter-gradient points of weight matrices: after the warm-up,
+    # level 1 when one row (output channel) carries over 10x the energy of all other rows together and
+    # that ratio is over row_jump x its median over the point's last 16 clean checks. A flipped element
+    # of a layer's output gradient lands in one row of its weight's gradient (the flip times the token's
+    # input), however it spreads in the activation gradients; 0 = off (benchmarks/RESULTS.md)
+    row_jump: float = 100.0
     # detection points beyond the norm layers: every transformer block's output gradient, and every
     # parameter's gradient as the optimizer sees it (after the reduction)
     blocks: bool = True
@@ -127,6 +133,12 @@ class SdcConfig:
             raise ConfigError(f"config key guards.sdc.peak must be 0 (off) or a share between 0 and 1 "
                               f"(e.g. 0.5), got {peak!r}")
         self.peak = float(peak)
+        row_jump = self.row_jump
+        if (isinstance(row_jump, bool) or not isinstance(row_jump, (int, float)) or not math.isfinite(row_jump)
+                or not (row_jump == 0 or row_jump > 1)):
+            raise ConfigError(f"config key guards.sdc.row_jump must be 0 (off) or a finite number > 1 (e.g. 100), "
+                              f"got {row_jump!r}")
+        self.row_jump = float(row_jump)
         for key in ("blocks", "gradients"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"config key guards.sdc.{key} must be true or false, got {getattr(self, key)!r}")

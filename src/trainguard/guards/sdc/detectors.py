@@ -76,6 +76,21 @@ default to 0; applies on top of either rule)
     median, not the max, keeps one earlier clean spike from lifting the baseline. Values it alarms do
     not enter ``recent`` nor the rule's state. With ``peak = 0`` nothing is recorded or tracked.
 
+row (trainguard's criterion, on by default: ``guards.sdc.row_jump`` 100 in ``SdcConfig``; the classes here
+default to 0; applies on top of either rule, to the points that get a row statistic: the gradients of
+weight matrices, ``GradientPoints(rows=True)``)
+    The signature of a flipped element of a layer's *output* gradient, seen in the layer's weight
+    gradient: ``dW = Σ_t g_t x_tᵀ``, so a flipped ``g[t, j]`` adds ``flip · x_t`` to row ``j`` alone. The
+    point records its *row odds*: the largest row's share of the squared L2 norm over the rest's,
+    ``max_r |dW_r|² / (|dW|² − max_r |dW_r|²)``. Once the rule's warm-up is over and the point's recent
+    clean row odds (``recent_rows``, the last ``RATIO_WINDOW``) hold the warm-up's number of values, a
+    finite value that no other test made level 1 is level 1 with reason ``"row"`` when its row odds
+    are above ``ROW_ODDS_FLOOR`` (10: one row carries over 10/11 of the energy) and above ``row_jump``
+    times the median of ``recent_rows``. The flip's energy, spread over a token's row in the activation
+    gradients (where clean gradients also concentrate on one token at times, which is why no such
+    test is run there), stays in one row of the weight gradient. Values it alarms do not enter
+    ``recent_rows`` nor the rule's state. With ``row_jump = 0`` nothing is recorded or tracked.
+
 Checkpointing: ``state_dict()`` holds plain ints, floats, strings, lists and dicts (loads with
 ``torch.load(weights_only=True)``); the state is per rank (each rank sees its own gradients).
 """
@@ -106,6 +121,7 @@ RATIO_WINDOW = 16  # clean values the ratio and peak baselines look back on (the
 PEAK_JUMP = 4.0  # the peak criterion's jump over the recent median, in gradient units (v3: squared)
 PEAK_SHARE_JUMP = 100.0  # ... or the share's jump over the point's recent median share
 PEAK_SHARE_FLOOR = 1e-3  # ... the share jump counts only above this share
+ROW_ODDS_FLOOR = 10.0  # the row criterion: the largest row carries over 10x the energy of the others
 
 STATISTIC = {"v1": "l2", "v3": "max_sq"}  # the statistic each rule judges (DetectionPoints(statistic=...))
 
@@ -138,7 +154,7 @@ class Verdict:
     """One point's judgement of one value."""
 
     level: SdcLevel
-    reason: str  # "" | "non-finite" | "upper" | "jump" | "markov" | "ratio" | "suspect" (level 0, v3)
+    reason: str  # "" | "non-finite" | "upper" | "jump" | "markov" | "ratio" | "peak" | "row" | "suspect" (level 0, v3)
     thresholds: dict[str, float]  # the thresholds of the level reported (level 0: those of level 2 for v1)
     state: dict[str, float]  # the state the value was judged against (v1 adds "jump" once it applies)
 
@@ -154,6 +170,13 @@ def _check_peak(peak: float) -> float:
     return peak
 
 
+def _check_row_jump(row_jump: float) -> float:
+    row_jump = float(row_jump)
+    if not math.isfinite(row_jump) or not (row_jump == 0 or row_jump > 1):
+        raise ValueError(f"row_jump must be 0 (off) or a finite number > 1, got {row_jump!r}")
+    return row_jump
+
+
 def _check_ratio(ratio: float) -> float:
     ratio = float(ratio)
     if not math.isfinite(ratio) or not (ratio == 0 or ratio > 1):
@@ -162,11 +185,14 @@ def _check_ratio(ratio: float) -> float:
 
 
 class _RatioBaseline:
-    """The ratio and peak criteria's per-point part: the recent clean values and the bounds they give."""
+    """The ratio, peak and row criteria's per-point part: the recent clean values and the bounds they give."""
 
     ratio: float
     peak: float
+    row_jump: float
     recent: list[float]
+    recent_shares: list[float]
+    recent_rows: list[float]
     min_steps: int
     exponent: int  # 1 for a statistic that scales like the gradient (l2), 2 for its square (max_sq)
 
@@ -213,31 +239,53 @@ class _RatioBaseline:
         return {"peak": self.peak, "median": median, "limit": limit,
                 **({"share_median": share_median} if share_median is not None else {})}
 
-    def remember(self, value: float, share: float | None = None) -> None:
+    def row_verdict(self, row: float | None, warmed_up: bool, state: dict[str, float]) -> dict[str, float] | None:
+        """The row criterion: its thresholds when the row odds ``row`` make the value level 1, else None."""
+        if self.row_jump <= 0 or row is None or not math.isfinite(row) or not warmed_up:
+            return None
+        if len(self.recent_rows) < min(self.min_steps, RATIO_WINDOW):
+            return None
+        median = _median(self.recent_rows)
+        if not (row > ROW_ODDS_FLOOR and row > self.row_jump * median):
+            return None
+        state["row_odds"] = row
+        state["row_median"] = median
+        return {"row_jump": self.row_jump, "row_median": median, "row_floor": ROW_ODDS_FLOOR}
+
+    def remember(self, value: float, share: float | None = None, row: float | None = None) -> None:
         if self.tracking:
             self.recent.append(value)
             del self.recent[:-RATIO_WINDOW]
         if self.peak > 0 and share is not None and math.isfinite(share):
             self.recent_shares.append(float(share))
             del self.recent_shares[:-RATIO_WINDOW]
+        if self.row_jump > 0 and row is not None and math.isfinite(row):
+            self.recent_rows.append(float(row))
+            del self.recent_rows[:-RATIO_WINDOW]
 
     def _ratio_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {"recent": [float(v) for v in self.recent]} if self.tracking else {}
         if self.peak > 0:
             state["recent_shares"] = [float(v) for v in self.recent_shares]
+        if self.row_jump > 0:
+            state["recent_rows"] = [float(v) for v in self.recent_rows]
         return state
 
     def _load_ratio_state(self, state: dict[str, Any]) -> list[float]:
         """The saved ``recent`` (validated), or [] for a state saved without the criterion; the saved
-        ``recent_shares`` go straight into place (absent from older states: they refill)."""
+        ``recent_shares`` and ``recent_rows`` go straight into place (absent from older states: they refill)."""
         recent = state.get("recent", [])
         if not isinstance(recent, list) or len(recent) > RATIO_WINDOW:
             raise ValueError(f"recent must be a list of at most {RATIO_WINDOW} numbers, got {recent!r}")
         shares = state.get("recent_shares", [])
         if not isinstance(shares, list) or len(shares) > RATIO_WINDOW:
             raise ValueError(f"recent_shares must be a list of at most {RATIO_WINDOW} numbers, got {shares!r}")
+        rows = state.get("recent_rows", [])
+        if not isinstance(rows, list) or len(rows) > RATIO_WINDOW:
+            raise ValueError(f"recent_rows must be a list of at most {RATIO_WINDOW} numbers, got {rows!r}")
         values = [_float({"recent": v}, "recent") for v in recent]
         self.recent_shares = [_float({"recent_shares": v}, "recent_shares") for v in shares] if self.peak > 0 else []
+        self.recent_rows = [_float({"recent_rows": v}, "recent_rows") for v in rows] if self.row_jump > 0 else []
         return values
 
 
@@ -254,11 +302,13 @@ class V1Detector(_RatioBaseline):
     exponent = 1
 
     def __init__(self, upper: Sequence[float] = DEFAULT_UPPER, sigma: Sequence[float] = DEFAULT_SIGMA,
-                 min_steps: int = V1_MIN_STEPS, ratio: float = 0.0, peak: float = 0.0):
+                 min_steps: int = V1_MIN_STEPS, ratio: float = 0.0, peak: float = 0.0, row_jump: float = 0.0):
         self.ratio = _check_ratio(ratio)
         self.peak = _check_peak(peak)
+        self.row_jump = _check_row_jump(row_jump)
         self.recent: list[float] = []
         self.recent_shares: list[float] = []  # the peak criterion's: the point's recent clean peak shares
+        self.recent_rows: list[float] = []  # the row criterion's: the point's recent clean row odds
         self.upper = (float(upper[0]), float(upper[1]))
         self.sigma = (float(sigma[0]), float(sigma[1]))
         self.min_steps = int(min_steps)
@@ -278,9 +328,9 @@ class V1Detector(_RatioBaseline):
         spread = self.spread()
         return (value - self.pre_val) / spread if spread > 0 else None
 
-    def check(self, value: float, share: float | None = None) -> Verdict:
+    def check(self, value: float, share: float | None = None, row: float | None = None) -> Verdict:
         """Judges ``value``; ``share`` (the point's peak share, ``points.peak_share``) feeds the peak
-        criterion when it is on."""
+        criterion and ``row`` (its row odds, ``points.row_odds``) the row criterion when they are on."""
         value = float(value)
         state: dict[str, float] = {"pre_val": self.pre_val, "min_val": self.min_val, "max_val": self.max_val,
                                    "count": self.count}
@@ -309,13 +359,17 @@ class V1Detector(_RatioBaseline):
             if peak is not None:
                 level, reason, thresholds = SdcLevel.ABNORMAL, "peak", peak
         if level is not SdcLevel.ABNORMAL:
-            self._absorb(value, share)
+            rows = self.row_verdict(row, self.count >= self.min_steps, state)
+            if rows is not None:
+                level, reason, thresholds = SdcLevel.ABNORMAL, "row", rows
+        if level is not SdcLevel.ABNORMAL:
+            self._absorb(value, share, row)
         return Verdict(level, reason, thresholds, state)
 
     def _thresholds(self, level: int) -> dict[str, float]:
         return {"upper": self.upper[level - 1], "sigma": self.sigma[level - 1]}
 
-    def _absorb(self, value: float, share: float | None = None) -> None:
+    def _absorb(self, value: float, share: float | None = None, row: float | None = None) -> None:
         if self.count == 0:
             self.min_val = self.max_val = value
         else:
@@ -323,7 +377,7 @@ class V1Detector(_RatioBaseline):
             self.max_val = max(self.max_val, value)
         self.pre_val = value
         self.count += 1
-        self.remember(value, share)
+        self.remember(value, share, row)
 
     def state_dict(self) -> dict[str, Any]:
         return {"pre_val": float(self.pre_val), "min_val": float(self.min_val), "max_val": float(self.max_val),
@@ -345,13 +399,15 @@ class V3Detector(_RatioBaseline):
     exponent = 2  # max(g²) grows as the square of the gradient
 
     def __init__(self, a1: float = V3_A1, a2: float = V3_A2, beta: float = V3_BETA, min_steps: int = V3_MIN_STEPS,
-                 ratio: float = 0.0, peak: float = 0.0):
+                 ratio: float = 0.0, peak: float = 0.0, row_jump: float = 0.0):
         if not 0 < a2 < a1:
             raise ValueError(f"v3 needs 0 < a2 < a1, got a1={a1!r}, a2={a2!r}")
         self.ratio = _check_ratio(ratio)
         self.peak = _check_peak(peak)
+        self.row_jump = _check_row_jump(row_jump)
         self.recent: list[float] = []
         self.recent_shares: list[float] = []  # the peak criterion's: the point's recent clean peak shares
+        self.recent_rows: list[float] = []  # the row criterion's: the point's recent clean row odds
         self.a1 = float(a1)
         self.a2 = float(a2)
         self.beta = float(beta)
@@ -368,8 +424,8 @@ class V3Detector(_RatioBaseline):
         correction = 1.0 - self.beta ** self.n
         return self.avg * self.a1 / correction, self.avg * self.a2 / correction
 
-    def check(self, value: float, share: float | None = None) -> Verdict:
-        """Judges ``value``; ``share`` feeds the peak criterion when it is on."""
+    def check(self, value: float, share: float | None = None, row: float | None = None) -> Verdict:
+        """Judges ``value``; ``share`` feeds the peak criterion and ``row`` the row criterion when they are on."""
         value = float(value)
         state: dict[str, float] = {"avg": self.avg, "n": self.n, "pre_val": self.pre_val}
         bounds = self.thresholds()
@@ -389,15 +445,18 @@ class V3Detector(_RatioBaseline):
         peak = self.peak_verdict(value, share, self.n >= self.min_steps, state)
         if peak is not None:
             return Verdict(SdcLevel.ABNORMAL, "peak", {**thresholds, **peak}, state)
+        rows = self.row_verdict(row, self.n >= self.min_steps, state)
+        if rows is not None:
+            return Verdict(SdcLevel.ABNORMAL, "row", {**thresholds, **rows}, state)
         if bounds is not None and value > bounds[1]:
             self.pre_val = value
             self.suspect_total += 1
-            self.remember(value, share)
+            self.remember(value, share, row)
             return Verdict(SdcLevel.CLEAN, "suspect", thresholds, state)
         self.avg = self.beta * self.avg + (1.0 - self.beta) * value
         self.n += 1
         self.pre_val = value
-        self.remember(value, share)
+        self.remember(value, share, row)
         return Verdict(SdcLevel.CLEAN, "", thresholds, state)
 
     def state_dict(self) -> dict[str, Any]:
@@ -452,11 +511,12 @@ class SdcDetector:
 
     def __init__(self, rule: str = "v1", names: Sequence[str] = (), *, upper: Sequence[float] = DEFAULT_UPPER,
                  sigma: Sequence[float] = DEFAULT_SIGMA, a1: float = V3_A1, a2: float = V3_A2, ratio: float = 0.0,
-                 peak: float = 0.0):
+                 peak: float = 0.0, row_jump: float = 0.0):
         if rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
         self.ratio = _check_ratio(ratio)
         self.peak = _check_peak(peak)
+        self.row_jump = _check_row_jump(row_jump)
         self.rule = rule
         self.names = list(names)
         self.upper = tuple(upper)
@@ -468,7 +528,8 @@ class SdcDetector:
 
     @classmethod
     def from_config(cls, config: SdcConfig, names: Sequence[str] = ()) -> SdcDetector:
-        return cls(config.rule, names, upper=config.upper, sigma=config.sigma, ratio=config.ratio, peak=config.peak)
+        return cls(config.rule, names, upper=config.upper, sigma=config.sigma, ratio=config.ratio, peak=config.peak,
+                   row_jump=config.row_jump)
 
     @property
     def statistic(self) -> str:
@@ -483,25 +544,28 @@ class SdcDetector:
 
     def _new_point(self) -> PointDetector:
         if self.rule == "v1":
-            return V1Detector(self.upper, self.sigma, ratio=self.ratio, peak=self.peak)
-        return V3Detector(self.a1, self.a2, ratio=self.ratio, peak=self.peak)
+            return V1Detector(self.upper, self.sigma, ratio=self.ratio, peak=self.peak, row_jump=self.row_jump)
+        return V3Detector(self.a1, self.a2, ratio=self.ratio, peak=self.peak, row_jump=self.row_jump)
 
     def detect(self, values: Sequence[float], step: int, names: Sequence[str] | None = None,
-               shares: Sequence[float] | None = None) -> list[Detection]:
+               shares: Sequence[float] | None = None, rows: Sequence[float] | None = None) -> list[Detection]:
         """Judges one step's values (``values[i]`` belongs to ``names[i]``, by default the names given at
         construction, e.g. ``DetectionPoints.names``) and updates each point's state. A negative value
         (``NOT_CHECKED``) is skipped. Returns the level-1 and level-2 detections, in point order.
         ``step`` is accepted for symmetry with the trainer's calls; the rules do not depend on it.
-        ``shares[i]``: point i's peak share (``DetectionPoints(shares=True)``), for the peak criterion."""
+        ``shares[i]``: point i's peak share (``DetectionPoints(shares=True)``), for the peak criterion;
+        ``rows[i]``: its row odds (``GradientPoints(rows=True)``; negative for a point without), for the
+        row criterion."""
         names = self.names if names is None else list(names)
-        if len(values) != len(names) or (shares is not None and len(shares) != len(names)):
+        if len(values) != len(names) or any(extra is not None and len(extra) != len(names) for extra in (shares, rows)):
             raise ValueError(f"{len(values)} values for {len(names)} detection points")
         detections = []
         for i, (name, value) in enumerate(zip(names, values)):
             value = float(value)
             if value < 0:  # NOT_CHECKED (NaN compares False and is checked)
                 continue
-            verdict = self.point(name).check(value, None if shares is None else float(shares[i]))
+            row = None if rows is None or not float(rows[i]) >= 0 else float(rows[i])
+            verdict = self.point(name).check(value, None if shares is None else float(shares[i]), row)
             if verdict.level:
                 detections.append(Detection(name, verdict.level, value, verdict.thresholds, self.rule,
                                             verdict.reason, verdict.state))

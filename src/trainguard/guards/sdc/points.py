@@ -447,6 +447,39 @@ GRADIENT_PREFIX = "grad:"
 # below this many elements a gradient may legitimately sit in one element (a norm's weight, a bias):
 # the peak criterion gets no share for such a point (measured: benchmarks/sdc_coverage.py)
 PEAK_MIN_ELEMENTS = 4096
+ROW_ODDS_MAX = 1e30  # row odds are capped here (one row holding everything gives 1/0): a finite number to store
+
+
+def row_odds(grad: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+    """A weight gradient's largest row's squared L2 norm over the other rows' together,
+    ``max_r |g_r|² / (|g|² − max_r |g_r|²)`` (rows: a layer's output channels, the first dimension; with
+    ``transposed``, a matrix stored ``[in, out]`` like Hugging Face's ``Conv1D``, the second), as a 0-d
+    float32 tensor (no host sync; 0 for an all-zero gradient, at most ``ROW_ODDS_MAX``). A flipped
+    element of the layer's output gradient ``g[t, j]`` adds ``flip · x_t`` to row ``j`` of ``Σ_t g_t x_tᵀ``
+    alone, so its odds jump, while a clean gradient's energy moves between rows by much less."""
+    if transposed:
+        rows = torch.linalg.vector_norm(grad, dim=0, dtype=torch.float32).square()
+    else:
+        rows = torch.linalg.vector_norm(grad.reshape(grad.shape[0], -1), dim=1, dtype=torch.float32).square()
+    peak = rows.amax()
+    rest = (rows.sum() - peak).clamp_min(torch.finfo(torch.float32).tiny)
+    return torch.where(peak > 0, (peak / rest).clamp(max=ROW_ODDS_MAX), torch.zeros_like(peak))
+
+
+# modules whose weight is stored [in_features, out_features] (Hugging Face's GPT-2 Conv1D): their
+# output channels are the columns
+TRANSPOSED_LINEAR = ("Conv1D",)
+
+
+def _embedding_weights(model: nn.Module) -> set[int]:
+    """The ids of the model's embedding tables (input and output): their rows are tokens, not output
+    channels, and a batch's tokens put its gradient's energy in a few rows of them legitimately."""
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
+    output = getattr(model, "get_output_embeddings", None)
+    head = output() if callable(output) else None
+    if isinstance(getattr(head, "weight", None), torch.Tensor):
+        tables.add(id(head.weight))
+    return tables
 
 
 class GradientPoints:
@@ -454,12 +487,21 @@ class GradientPoints:
     backward's reduction: under FSDP2 this rank's shard of the reduce-scattered gradient). Read once
     per step after backward: ``collect()`` stacks the statistics on the device, no host sync."""
 
-    def __init__(self, model: nn.Module, statistic: str = "l2", shares: bool = False):
+    def __init__(self, model: nn.Module, statistic: str = "l2", shares: bool = False, rows: bool = False):
         if statistic not in STATISTICS:
             raise ValueError(f"statistic must be one of {STATISTICS}, got {statistic!r}")
         self.statistic = statistic
         self.shares = bool(shares)
+        # also record each weight matrix's row odds (``row_odds``: the rules' row criterion needs it)
+        self.rows = bool(rows)
         self._parameters = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        tables = _embedding_weights(model)
+        # the parameters that get row odds: matrices (or more dimensions, flattened after the first) of
+        # at least 2 rows, embedding tables left out
+        self._with_rows = [p.dim() >= 2 and p.shape[0] >= 2 and id(p) not in tables for _, p in self._parameters]
+        transposed = {id(m.weight) for m in model.modules()
+                      if type(m).__name__ in TRANSPOSED_LINEAR and isinstance(getattr(m, "weight", None), torch.Tensor)}
+        self._transposed = [p.dim() == 2 and id(p) in transposed for _, p in self._parameters]
         # (gradient, L2 norm of its local part) of the last collect, for the global norm to reuse
         # (``norms.KnownNorms``: one read of the gradients less); cleared by ``forget``
         self.norms: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -472,20 +514,23 @@ class GradientPoints:
     def names(self) -> list[str]:
         return [GRADIENT_PREFIX + name for name, _ in self._parameters]
 
-    def collect(self, with_shares: bool = False) -> torch.Tensor:
-        """``[len(names)]`` float32 (``[2, len(names)]`` with the peak shares), ``NOT_CHECKED`` for a
-        parameter without a gradient or with an empty shard. Fused per-tensor norms and one min/max
-        pass per gradient: about one and a half reads of the gradients; the norms are kept in ``norms``
-        for the global norm, which then reads the gradients no more."""
+    def collect(self, with_shares: bool = False, with_rows: bool = False) -> torch.Tensor:
+        """``[len(names)]`` float32, ``NOT_CHECKED`` for a parameter without a gradient or with an empty
+        shard; with ``with_shares`` and/or ``with_rows``, ``[1 + with_shares + with_rows, len(names)]``:
+        the statistic, then the peak shares, then the row odds (``row_odds``; ``NOT_CHECKED`` for a
+        parameter that gets none). Fused per-tensor norms and one min/max pass per gradient: about one
+        and a half reads of the gradients (the row odds: one more read of the matrices); the norms are
+        kept in ``norms`` for the global norm, which then reads the gradients no more."""
         if with_shares and not self.shares:
             raise ValueError("collect(with_shares=True) needs GradientPoints(shares=True)")
+        if with_rows and not self.rows:
+            raise ValueError("collect(with_rows=True) needs GradientPoints(rows=True)")
         originals = [p.grad for _, p in self._parameters]
         grads = [None if g is None else _local(g).detach() for g in originals]
         present = [i for i, g in enumerate(grads) if g is not None and g.numel()]
         self.norms = []
         device = grads[present[0]].device if present else torch.device("cpu")
-        rows = 2 if with_shares else 1
-        out = torch.full((rows, len(grads)), NOT_CHECKED, dtype=torch.float32, device=device)
+        out = torch.full((1 + with_shares + with_rows, len(grads)), NOT_CHECKED, dtype=torch.float32, device=device)
         if present:
             with torch.no_grad():
                 tensors = [grads[i] for i in present]
@@ -503,7 +548,11 @@ class GradientPoints:
                             torch.finfo(torch.float32).tiny), torch.zeros_like(norms))
                         large = torch.tensor([t.numel() >= PEAK_MIN_ELEMENTS for t in tensors], device=device)
                         out[1, index] = torch.where(large, shares, torch.full_like(shares, NOT_CHECKED))
-        return out if with_shares else out[0]
+                matrices = [i for i in present if self._with_rows[i]]
+                if with_rows and matrices:
+                    out[-1, torch.tensor(matrices, device=device)] = torch.stack(
+                        [row_odds(grads[i], self._transposed[i]) for i in matrices])
+        return out if with_shares or with_rows else out[0]
 
 
 # --------------------------------------------------------------------- the active instance (one-liners)

@@ -65,7 +65,7 @@ class ReusableStager:
     def __init__(self, allocate: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None) -> None:
         """``allocate(sources)`` gives a CPU buffer shaped like each source (default: one tensor each;
         a writer process's shared memory, ``WriterProcess.allocate``)."""
-        self._allocate = allocate or _allocate_each
+        self._allocate = allocate or allocate_each
         self._layout: Layout | None = None
         self._buffers: list[torch.Tensor] = []
         self.allocations = 0
@@ -175,5 +175,5 @@ def _wants_pinned(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cuda" and torch.cuda.is_available()
 
 
-def _allocate_each(sources: list[torch.Tensor]) -> list[torch.Tensor]:
+def allocate_each(sources: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.empty(tuple(t.shape), dtype=t.dtype, device="cpu", pin_memory=_wants_pinned(t)) for t in sources]

@@ -27,12 +27,13 @@ WORLD, RANK = 2, 1
 KINDS = ("model", "optim")
 
 
-def _state(step: int, size: int = 200_000) -> dict[str, dict]:
-    """Every tensor filled with ``step``; the learning rate is ``step`` too (a plain value in the pickle)."""
+def _state(step: int, size: int = 200_000, lr: float | None = None) -> dict[str, dict]:
+    """Every tensor filled with ``step``; the learning rate is ``step`` too (a plain value in the pickle)
+    unless given."""
     return {"model": {"w": torch.full((size,), float(step)), "norm": torch.full((7,), float(step)),
                       "empty": torch.empty(0)},
             "optim": {"state.w.exp_avg": torch.full((size,), float(step)), "state.w.step": torch.tensor(float(step)),
-                      "param_groups.w.lr": float(step)}}
+                      "param_groups.w.lr": float(step) if lr is None else lr}}
 
 
 class Rank:
@@ -76,16 +77,23 @@ def _assert_whole(directory: Path, step: int) -> None:
     model, optim = safe_torch_load(step_dir / names["model"]), safe_torch_load(step_dir / names["optim"])
     for tensor in (model["w"], model["norm"], optim["state.w.exp_avg"], optim["state.w.step"]):
         assert torch.all(tensor == float(step)), f"step {step} holds bytes of another step"
-    assert optim["param_groups.w.lr"] == float(step)
+    assert optim["param_groups.w.lr"] in (float(step), CONSTANT_LR)
 
 
-def test_a_step_is_copied_into_the_spare_it_is_committed_as_and_is_what_save_tensor_writes(tmp_path: Path) -> None:
+CONSTANT_LR = 0.5
+
+
+@pytest.mark.parametrize("lr", [None, CONSTANT_LR], ids=["lr changing", "lr constant"])
+def test_a_step_is_copied_into_the_spare_it_is_committed_as_and_is_what_save_tensor_writes(tmp_path: Path,
+                                                                                          lr: float | None) -> None:
+    """With the plain values unchanged, the writer reuses what it wrote around the records last time
+    (the small tensors' records included, in place): the files are still the serialiser's, byte for byte."""
     rank = Rank(tmp_path / "memory")
     names = rank_file_names(WORLD, RANK)
     for step in range(1, 6):
         spares = {kind: tmp_path / "memory" / SPARE_DIR / names[kind] for kind in KINDS}
         inodes = {kind: path.stat().st_ino for kind, path in spares.items() if path.exists()}
-        state = _state(step)
+        state = _state(step, lr=lr)
         assert not rank.save(step, state).layout_moved
         step_dir = tmp_path / "memory" / f"global_step_{step}"
         for kind in KINDS:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
+import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,9 +39,6 @@ from trainguard.checkpoint.hashing_file import checksum_of, save_tensor
 from trainguard.checkpoint.manifest import FileEntry
 from trainguard.checkpoint.staging import StagingPlan
 
-_SMALL_RECORD = 64 << 10
-"""Writes shorter than this are copied into the file whatever they are (a small tensor's bytes land
-where they already are): only larger ones are checked for being in place."""
 _HASH_PIECE = 4 << 20
 _LAYOUTS = itertools.count()
 """Each plan's number, unique in the process: a mapping's tensors are built for one plan."""
@@ -113,6 +111,12 @@ class MappedFiles:
 MAPPED = MappedFiles()
 """The mappings of this process (the training process's, or its writer process's)."""
 
+_AROUND_RECORDS: dict[Path, tuple[bytes, list[tuple[int, bytes]]]] = {}
+"""Per staged file, what the last in-place commit wrote around the records (headers, pickle), and for
+which state (its plain values and records' places, pickled): the same state serialises to the same
+bytes (the model's DTensor layouts, the one other input, are the tier's for its life), so the serialiser
+runs again only when a plain value changed (a scheduler's learning rate) or the layout did."""
+
 
 def _tensor(mapping: mmap.mmap, ref: FileSlice) -> torch.Tensor:
     count = 1
@@ -146,10 +150,11 @@ class _Recorder:
 
 
 class _InPlace:
-    """A file-like object the serialiser writes to, over the mapping of a staged file: a large write
-    whose bytes are already at its position is left there; any other is kept to be copied in after
-    the serialisation (so no copy can overwrite a record not serialised yet). ``moved``: a large write
-    from inside the mapping that is not at its position (the layout moved)."""
+    """A file-like object the serialiser writes to, over the mapping of a staged file: a write whose
+    bytes are already at its position (a staged tensor's record) is left there; any other (headers,
+    the pickle) is kept, to be copied in after the serialisation (so that no copy can overwrite a
+    record not serialised yet). ``moved``: a write from inside the mapping that is not at its position
+    (the layout moved)."""
 
     def __init__(self, mapped: _Mapped):
         self.base = _address(memoryview(mapped.map))
@@ -159,12 +164,13 @@ class _InPlace:
     def write(self, data: Any) -> int:
         view = memoryview(data)
         count = view.nbytes
-        if count >= _SMALL_RECORD:
-            address = _address(view)
-            if address == self.base + self.position:
-                self.position += count
-                return count
-            self.moved = self.moved or self.base <= address < self.base + self.size
+        if not count:
+            return 0
+        address = _address(view)
+        if address == self.base + self.position:
+            self.position += count
+            return count
+        self.moved = self.moved or self.base <= address < self.base + self.size
         if not self.moved:
             self.writes.append((self.position, bytes(view)))
         self.position += count
@@ -256,13 +262,21 @@ def commit_staged(staged: StagedFile, target: Path, wrap: Callable[[dict[str, An
     ``target``; returns its entry and True. If the layout moved, ``write_new(target, state)`` writes a
     new file from the staged bytes instead (the staged file stays a spare); returns its entry and False."""
     mapped = MAPPED.open(staged.path, staged.size)
-    state = wrap(_each_tensor(staged.state, lambda value: _tensor(mapped.map, value)
-                              if isinstance(value, FileSlice) else value))
-    stream = _InPlace(mapped)
-    save_tensor(state, stream)
-    if stream.moved or stream.position != staged.size:
-        return write_new(target, state), False
-    for position, data in stream.writes:
+    key = pickle.dumps((staged.size, list(staged.state.items())), protocol=pickle.HIGHEST_PROTOCOL)
+    kept = _AROUND_RECORDS.get(staged.path)
+    if kept is not None and kept[0] == key:
+        writes = kept[1]
+    else:
+        state = wrap(_each_tensor(staged.state, lambda value: _tensor(mapped.map, value)
+                                  if isinstance(value, FileSlice) else value))
+        stream = _InPlace(mapped)
+        save_tensor(state, stream)
+        if stream.moved or stream.position != staged.size:
+            _AROUND_RECORDS.pop(staged.path, None)
+            return write_new(target, state), False
+        writes = stream.writes
+        _AROUND_RECORDS[staged.path] = (key, writes)
+    for position, data in writes:
         mapped.map[position : position + len(data)] = data
     digest = xxhash.xxh3_64()
     with memoryview(mapped.map) as whole:

@@ -24,13 +24,14 @@ from typing import Any
 
 import torch
 
+from trainguard.checkpoint.background import BackgroundWorker
 from trainguard.checkpoint.local.in_place import InPlaceStaging, placeholders
 from trainguard.checkpoint.local.paths import SPARE_DIR, rank_file_names
 from trainguard.checkpoint.local.state import local_tensors
 from trainguard.checkpoint.local.tier import LocalTier
 from trainguard.checkpoint.local.writer import model_file_state
 from trainguard.checkpoint.snapshot import LazySnapshot, StagingGate
-from trainguard.checkpoint.staging import ReusableStager
+from trainguard.checkpoint.staging import ReusableStager, detached
 from trainguard.checkpoint.state_capture import CaptureCache
 from trainguard.checkpoint.writer_process import allocator_for, make_writer
 
@@ -57,7 +58,8 @@ class MemoryTier:
                                        {"model": model_file_state(tier.dtensor_layouts), "optim": lambda state: state})
         self._staged_in_place = False
         self._gate = StagingGate()
-        self._writer: threading.Thread | None = None
+        self._background = BackgroundWorker("trainguard-memory-tier")
+        self._inflight: threading.Event | None = None
         self._error: BaseException | None = None
 
     @property
@@ -72,8 +74,7 @@ class MemoryTier:
              extra_state: dict[str, Any]) -> None:
         """Starts the save of ``step``; returns before the state is copied (see the module's doc)."""
         self.wait()
-        extra = io.BytesIO()
-        torch.save(extra_state, extra)  # now: the objects it comes from change at the next step
+        extra = detached(extra_state)  # now: the objects it comes from change at the next step
         capture = self.capture.take(model, optimizer)
         if self._staged_in_place:
             copies, staged = self.in_place.stage(capture.plan)
@@ -81,9 +82,7 @@ class MemoryTier:
             copies, staged = capture.plan.copies, capture.plan.staged
         snapshot = LazySnapshot(copies, capture.lazy)
         self._gate.hold(snapshot, optimizer)
-        self._writer = threading.Thread(target=self._write, args=(snapshot, step, staged, extra.getvalue()),
-                                        daemon=True, name="trainguard-memory-tier")
-        self._writer.start()
+        self._inflight = self._background.run(self._write, snapshot, step, staged, extra)
 
     def _allocate(self, sources: list[torch.Tensor]) -> list[torch.Tensor]:
         """The staging plan's buffers: placeholders for a state staged in place, pinned shared buffers
@@ -91,10 +90,12 @@ class MemoryTier:
         self._staged_in_place = not any(source.device.type == "cuda" for source in sources)
         return placeholders(sources) if self._staged_in_place else allocator_for(self.files)(sources)
 
-    def _write(self, snapshot: LazySnapshot, step: int, staged: dict[str, Any], extra: bytes) -> None:
+    def _write(self, snapshot: LazySnapshot, step: int, staged: dict[str, Any], extra_state: dict[str, Any]) -> None:
         try:
+            extra = io.BytesIO()
+            torch.save(extra_state, extra)
             snapshot.copied()
-            saved = self.tier.write(step, staged["model"], staged["optim"], extra, files=self.files)
+            saved = self.tier.write(step, staged["model"], staged["optim"], extra.getvalue(), files=self.files)
             if saved.layout_moved:
                 self.in_place.replan()
         except BaseException as exc:  # raised by the next save or wait()
@@ -107,9 +108,9 @@ class MemoryTier:
     def wait(self) -> None:
         """Blocks until the save in flight is committed (and the tier's retention done); raises its error."""
         self.wait_for_staging()
-        if self._writer is not None:
-            self._writer.join()
-            self._writer = None
+        if self._inflight is not None:
+            self._inflight.wait()
+            self._inflight = None
         self.tier.wait()
         if self._error is not None:
             error, self._error = self._error, None

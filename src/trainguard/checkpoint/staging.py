@@ -166,9 +166,25 @@ class ReusableStager:
 
 def is_immutable(value: Any) -> bool:
     """Whether a plain value can be kept as it is in a staged copy (nothing can change it in place)."""
-    if type(value) is tuple:
-        return all(is_immutable(item) for item in value)
+    if type(value) is tuple:  # plain values first: a Python RNG state is a tuple of 625 ints
+        return all(isinstance(item, _IMMUTABLE) or is_immutable(item) for item in value)
     return isinstance(value, _IMMUTABLE)
+
+
+def detached(value: Any) -> Any:
+    """A copy of ``value`` that later changes to the objects it came from cannot reach: tensors cloned,
+    dicts, lists and tuples rebuilt, immutable values shared, anything else deep-copied (an async save's
+    extra state, serialised later in the background; a few KB of RNG states, where ``torch.save`` on
+    the loop's path cost about a millisecond)."""
+    if is_immutable(value):
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if type(value) is dict:
+        return {key: detached(item) for key, item in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(detached(item) for item in value)
+    return copy.deepcopy(value)
 
 
 def _wants_pinned(tensor: torch.Tensor) -> bool:

@@ -193,26 +193,20 @@ class DurableCheckpointer:
             self._gate.hold(snapshot, optimizer)
             blocked = time.perf_counter() - started
             prepare = functools.partial(self._prepare, step, tmp, extra, trainer_state, started, health,
-                                        write_static_files, blocked)
+                                        write_static_files)
             self._inflight = self._background.run(self._finish_guarded, snapshot, plan.staged, prepare)
         else:
             job = self._prepare(step, tmp, extra_state, trainer_state, started, health, write_static_files)
             self._finish_or_say_full(training_state(model, optimizer), job)
             blocked = time.perf_counter() - started
-            self._saved(step, blocked)
-        return blocked
-
-    def _saved(self, step: int, blocked: float) -> None:
-        if self.rank == 0:
+        if self.rank == 0:  # here, in the step's order of events (docs/events.md)
             self.events.emit("checkpoint_saved", step=step, blocked_s=blocked, async_save=self.async_save)
+        return blocked
 
     def _prepare(self, step: int, tmp: Path, extra_state: dict[str, Any], trainer_state: dict[str, Any],
                  started: float, health: dict[str, Any] | None,
-                 write_static_files: Callable[[Path], None], blocked: float | None = None) -> SaveJob:
-        """The save's temporary directory, its extra state serialised, and (rank 0) its static files;
-        with ``blocked`` (an async save, in the background), its ``checkpoint_saved`` event first."""
-        if blocked is not None:
-            self._saved(step, blocked)
+                 write_static_files: Callable[[Path], None]) -> SaveJob:
+        """The save's temporary directory, its extra state serialised, and (rank 0) its static files."""
         tmp.mkdir(parents=True, exist_ok=True)
         extra = io.BytesIO()
         torch.save(extra_state, extra)

@@ -16,10 +16,12 @@ import pytest
 import torch
 
 from trainguard.checkpoint.hashing_file import HashingFile, save_tensor
-from trainguard.checkpoint.local.in_place import InPlaceStaging, placeholders
+from trainguard.checkpoint.checksum import file_checksum
+from trainguard.checkpoint.local.in_place import InPlaceStaging, commit_staged, placeholders
 from trainguard.checkpoint.local.paths import SPARE_DIR, rank_file_names
 from trainguard.checkpoint.local.reader import rank_holdings
-from trainguard.checkpoint.local.writer import prune, rank_steps, save_rank_step
+from trainguard.checkpoint.manifest import FileEntry
+from trainguard.checkpoint.local.writer import prune, rank_steps, remove_if_abandoned, save_rank_step
 from trainguard.checkpoint.safe_load import safe_torch_load
 from trainguard.checkpoint.staging import ReusableStager
 
@@ -195,3 +197,28 @@ def test_a_tier_staged_again_in_one_process_commits_its_own_state(tmp_path: Path
     assert not second.save(4, state(4, ("minus", "plus"))).layout_moved  # same size: the records swapped places
     loaded = safe_torch_load(tmp_path / "memory" / "global_step_4" / rank_file_names(WORLD, RANK)["model"])
     assert torch.all(loaded["plus"] == 4.0) and torch.all(loaded["minus"] == -4.0)
+
+
+def test_a_node_mates_cleanup_during_the_commit_finds_the_step_directory_in_use(tmp_path: Path) -> None:
+    """Ranks of a node share the directory, and a rank starting up removes the step directories that
+    hold no rank's files (``clean_rank_leftovers``): the staged file is moved into the step under a
+    temporary name before it is completed, so the directory is not empty meanwhile."""
+    rank = Rank(tmp_path / "memory")
+    step_dir = tmp_path / "memory" / "global_step_1"
+    state = _state(1)
+    copies, files = rank.staging.stage(rank.stager.plan(state))
+    for buffer, source in copies:
+        buffer.copy_(source)
+
+    def cleaned_up_meanwhile(staged: dict) -> dict:
+        remove_if_abandoned(step_dir)  # what another rank's start does while this rank writes the step
+        return staged
+
+    def write_new(path: Path, staged: dict) -> FileEntry:
+        raise AssertionError("the layout did not move: nothing is written anew")
+
+    step_dir.mkdir(parents=True)
+    target = step_dir / rank_file_names(WORLD, RANK)["model"]
+    entry, in_place = commit_staged(files["model"], target, cleaned_up_meanwhile, write_new)
+    assert in_place and entry.checksum == file_checksum(target)
+    assert target.read_bytes() == _serialised(state["model"], tmp_path / "expected")

@@ -38,6 +38,7 @@ import xxhash
 from trainguard.checkpoint.hashing_file import checksum_of, save_tensor
 from trainguard.checkpoint.manifest import FileEntry
 from trainguard.checkpoint.staging import StagingPlan
+from trainguard.fs.layout import TEMP_MARKER, new_token
 
 _HASH_PIECE = 4 << 20
 _LAYOUTS = itertools.count()
@@ -260,28 +261,39 @@ def commit_staged(staged: StagedFile, target: Path, wrap: Callable[[dict[str, An
                   write_new: Callable[[Path, Any], FileEntry]) -> tuple[FileEntry, bool]:
     """Completes the staged file (its records are in place), hashes and fsyncs it and renames it to
     ``target``; returns its entry and True. If the layout moved, ``write_new(target, state)`` writes a
-    new file from the staged bytes instead (the staged file stays a spare); returns its entry and False."""
+    new file from the staged bytes instead (the staged file stays a spare); returns its entry and False.
+    As ``write_file_durably`` does with a spare, the file is first renamed to a temporary name beside
+    ``target``: the step's directory is never empty while it is written (a node-mate's cleanup removes
+    empty ones), and a crash leaves a temporary file that the next start removes."""
     mapped = MAPPED.open(staged.path, staged.size)
-    key = pickle.dumps((staged.size, list(staged.state.items())), protocol=pickle.HIGHEST_PROTOCOL)
-    kept = _AROUND_RECORDS.get(staged.path)
-    if kept is not None and kept[0] == key:
-        writes = kept[1]
-    else:
-        state = wrap(_each_tensor(staged.state, lambda value: _tensor(mapped.map, value)
-                                  if isinstance(value, FileSlice) else value))
-        stream = _InPlace(mapped)
-        save_tensor(state, stream)
-        if stream.moved or stream.position != staged.size:
-            _AROUND_RECORDS.pop(staged.path, None)
-            return write_new(target, state), False
-        writes = stream.writes
-        _AROUND_RECORDS[staged.path] = (key, writes)
-    for position, data in writes:
-        mapped.map[position : position + len(data)] = data
-    digest = xxhash.xxh3_64()
-    with memoryview(mapped.map) as whole:
-        for start in range(0, staged.size, _HASH_PIECE):
-            digest.update(whole[start : start + _HASH_PIECE])
-    os.fsync(mapped.fd)
-    os.replace(staged.path, target)
+    temp = target.with_name(f"{target.name}{TEMP_MARKER}{new_token()}")
+    os.rename(staged.path, temp)
+    try:
+        key = pickle.dumps((staged.size, list(staged.state.items())), protocol=pickle.HIGHEST_PROTOCOL)
+        kept = _AROUND_RECORDS.get(staged.path)
+        if kept is not None and kept[0] == key:
+            writes = kept[1]
+        else:
+            state = wrap(_each_tensor(staged.state, lambda value: _tensor(mapped.map, value)
+                                      if isinstance(value, FileSlice) else value))
+            stream = _InPlace(mapped)
+            save_tensor(state, stream)
+            if stream.moved or stream.position != staged.size:
+                _AROUND_RECORDS.pop(staged.path, None)
+                entry = write_new(target, state)
+                os.rename(temp, staged.path)  # the spare again
+                return entry, False
+            writes = stream.writes
+            _AROUND_RECORDS[staged.path] = (key, writes)
+        for position, data in writes:
+            mapped.map[position : position + len(data)] = data
+        digest = xxhash.xxh3_64()
+        with memoryview(mapped.map) as whole:
+            for start in range(0, staged.size, _HASH_PIECE):
+                digest.update(whole[start : start + _HASH_PIECE])
+        os.fsync(mapped.fd)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    os.replace(temp, target)
     return FileEntry(target.name, staged.size, checksum_of(digest)), True

@@ -26,6 +26,7 @@ import itertools
 import mmap
 import os
 import pickle
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,9 +79,14 @@ class MappedFiles:
 
     def __init__(self) -> None:
         self._files: dict[tuple[int, int], _Mapped] = {}
+        self._lock = threading.Lock()  # tiers of one process may stage and commit at the same time
 
     def open(self, path: Path, size: int, *, create: bool = False) -> _Mapped:
         """The mapping of ``path``; with ``create``, the file is made (or cut, or grown) to ``size`` first."""
+        with self._lock:
+            return self._open(path, size, create)
+
+    def _open(self, path: Path, size: int, create: bool) -> _Mapped:
         fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0) | os.O_CLOEXEC, 0o644)
         try:
             status = os.fstat(fd)

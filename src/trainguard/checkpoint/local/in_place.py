@@ -4,14 +4,14 @@ the file it will be committed as.
 A step's model and optimizer files are ``torch.save`` archives (``save_tensor``): each tensor's bytes
 are one record, at an offset set by what precedes it (the pickle, the records' headers, their 64-byte
 alignment), never by the bytes themselves. So ``InPlaceStaging`` plans the offsets once per layout (the
-state serialised with its data skipped), maps the rank's spare file of each kind (uncommitted, in
-``spare/``: the file the next step is committed as) and gives the lazy snapshot ``(slice of the mapped
-file, live tensor)`` pairs to copy. The writer (``commit_staged``, in the writer process or the
-training process) serialises the state again over its own mapping of that file: each record whose
-bytes already lie where the archive puts them is left there, everything else (headers, the pickle,
-small records) is written around them; then it hashes the whole file, fsyncs it and renames it into
-the step. Per step the state is copied once and hashed once, where it was copied into staging
-buffers, copied again into the file and hashed.
+state serialised around placeholders whose memory is never touched), maps the rank's spare file of
+each kind (uncommitted, in ``spare/``: the file the next step is committed as) and gives the lazy
+snapshot ``(slice of the mapped file, live tensor)`` pairs to copy. The writer (``commit_staged``, in
+the writer process or the training process) moves the file into the step under a temporary name and
+serialises the state again over its own mapping of it: each record whose bytes already lie where the
+archive puts them is left there, everything else (headers, the pickle) is written around them; then it
+hashes the whole file, fsyncs it and renames it to its name in the step. Per step the state is copied
+once and hashed once, where it was copied into staging buffers, copied again into the file and hashed.
 
 The file committed is the same, byte for byte, as ``save_tensor`` writes (the same serialiser runs
 over it), and is committed as any other (renamed into the step after its fsync; the rank's manifest,

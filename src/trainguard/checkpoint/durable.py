@@ -15,13 +15,15 @@ At most one save is in flight: a new save first waits for the previous commit. A
 the state into staging buffers reused from save to save (``ReusableStager``) in the background, while
 the next forward and backward run (``LazySnapshot``): ``save`` returns before the copy, and the next
 optimizer step waits for what is left of it (``wait_for_staging``, also a step pre-hook on the
-optimizer); writing, gathering and committing then run in the same background thread, the only user of
-the checkpoint's own process group.
+optimizer); the temporary directory, the extra state's serialisation, writing, gathering and
+committing then run in the saver's background thread (``BackgroundWorker``), the only user of the
+checkpoint's own process group.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import pickle
 import threading
@@ -43,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.futures import Future
 
+from trainguard.checkpoint.background import BackgroundWorker
 from trainguard.checkpoint.commit import Committed, commit_checkpoint
 from trainguard.checkpoint.discovery import list_checkpoints
 from trainguard.checkpoint.disk_full import disk_full_error, is_disk_full, tensor_bytes
@@ -52,6 +55,7 @@ from trainguard.checkpoint.manifest import build_manifest, read_manifest
 from trainguard.checkpoint.retention import retention_after_commit
 from trainguard.checkpoint.safe_load import describe_error, load_dcp_metadata, safe_torch_load, weights_only_refusal
 from trainguard.checkpoint.snapshot import LazySnapshot, StagingGate
+from trainguard.checkpoint.staging import detached
 from trainguard.checkpoint.state_capture import CaptureCache
 from trainguard.checkpoint.state_dict import STATE_DICT_OPTIONS, training_state
 from trainguard.checkpoint.writer_process import make_writer, staging_for, writer_died
@@ -149,7 +153,8 @@ class DurableCheckpointer:
         self.events = events
         self.commit_hooks = commit_hooks
         self.protected = protected  # steps retention must keep for now (e.g. waiting for their mirror upload)
-        self._inflight: threading.Thread | None = None
+        self._background = BackgroundWorker("trainguard-durable-save")
+        self._inflight: threading.Event | None = None
         self._error: BaseException | None = None
         self.files = make_writer(writer if async_save else "thread", "durable")
         """What writes the files of a save: the writer process of async saves, or this process."""
@@ -176,31 +181,40 @@ class DurableCheckpointer:
         self.wait()
         started = time.perf_counter()
         tmp = self.root / temp_dir_name(step, self.run_token)
+        if self.async_save:
+            # The previous save's write is over (wait() above), so its buffers may be overwritten. The
+            # copy into them is made in the background, until the next optimizer step (wait_for_staging);
+            # so are the extra state's serialisation (from a copy taken now: the caller may change its
+            # objects as soon as save() returns), the temporary directory and the static files.
+            extra = detached(extra_state)
+            capture = self.capture.take(model, optimizer)
+            plan = capture.plan
+            snapshot = LazySnapshot(plan.copies, capture.lazy)
+            self._gate.hold(snapshot, optimizer)
+            blocked = time.perf_counter() - started
+            prepare = functools.partial(self._prepare, step, tmp, extra, trainer_state, started, health,
+                                        write_static_files)
+            self._inflight = self._background.run(self._finish_guarded, snapshot, plan.staged, prepare)
+        else:
+            job = self._prepare(step, tmp, extra_state, trainer_state, started, health, write_static_files)
+            self._finish_or_say_full(training_state(model, optimizer), job)
+            blocked = time.perf_counter() - started
+        if self.rank == 0:  # here, in the step's order of events (docs/events.md)
+            self.events.emit("checkpoint_saved", step=step, blocked_s=blocked, async_save=self.async_save)
+        return blocked
+
+    def _prepare(self, step: int, tmp: Path, extra_state: dict[str, Any], trainer_state: dict[str, Any],
+                 started: float, health: dict[str, Any] | None,
+                 write_static_files: Callable[[Path], None]) -> SaveJob:
+        """The save's temporary directory, its extra state serialised, and (rank 0) its static files."""
         tmp.mkdir(parents=True, exist_ok=True)
-        # Serialized now: the caller may change the objects it came from as soon as save() returns.
         extra = io.BytesIO()
         torch.save(extra_state, extra)
         job = SaveJob(step, tmp, trainer_state, started, tmp / extra_state_name(self.world_size, self.rank),
                       extra.getvalue(), health)
         if self.rank == 0:
             write_static_files(tmp)
-        if self.async_save:
-            # The previous save's write is over (wait() above), so its buffers may be overwritten. The
-            # copy into them is made in the background, until the next optimizer step (wait_for_staging).
-            capture = self.capture.take(model, optimizer)
-            plan = capture.plan
-            snapshot = LazySnapshot(plan.copies, capture.lazy)
-            self._gate.hold(snapshot, optimizer)
-            blocked = time.perf_counter() - started
-            self._inflight = threading.Thread(target=self._finish_guarded, args=(snapshot, plan.staged, job),
-                                              daemon=True)
-            self._inflight.start()
-        else:
-            self._finish_or_say_full(training_state(model, optimizer), job)
-            blocked = time.perf_counter() - started
-        if self.rank == 0:
-            self.events.emit("checkpoint_saved", step=step, blocked_s=blocked, async_save=self.async_save)
-        return blocked
+        return job
 
     def wait_for_staging(self) -> float:
         """Blocks until the live parameters and optimizer state may change again (the copy of the save
@@ -212,14 +226,15 @@ class DurableCheckpointer:
         """Blocks until the in-flight save is committed; re-raises its failure."""
         self.wait_for_staging()
         if self._inflight is not None:
-            self._inflight.join()
+            self._inflight.wait()
             self._inflight = None
         if self._error is not None:
             error, self._error = self._error, None
             raise error
 
-    def _finish_guarded(self, snapshot: LazySnapshot, state: dict[str, Any], job: SaveJob) -> None:
+    def _finish_guarded(self, snapshot: LazySnapshot, state: dict[str, Any], prepare: Callable[[], SaveJob]) -> None:
         try:
+            job = prepare()
             snapshot.copied()
             self._finish_or_say_full(state, job)
         except BaseException as exc:  # surfaced by the next wait()

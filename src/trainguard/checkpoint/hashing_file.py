@@ -39,7 +39,7 @@ _DIRECT_BUFFER = 8 << 20
 _BLOCK = 4096
 
 
-def _checksum_of(digest: Any) -> str:
+def checksum_of(digest: Any) -> str:
     return f"{CHECKSUM_ALGORITHM}:{digest.hexdigest()}"
 
 
@@ -222,7 +222,7 @@ class HashingFile:
             os.ftruncate(self._fd, self._position)  # a recycled file's old bytes, or the last block's padding
         os.fsync(self._fd)
         self.close()
-        return self._position, _checksum_of(self._digest)
+        return self._position, checksum_of(self._digest)
 
     def close(self) -> None:
         if self._hasher is not None:

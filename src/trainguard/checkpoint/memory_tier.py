@@ -3,10 +3,13 @@
 It is the local tier (per-rank files, replica groups, the buddy's copy of the extra state, recovery
 over ``torch.distributed``) kept in node-local shared memory (``/dev/shm``: the files outlive the
 training processes, not the node), and saved without stalling the loop: ``save`` captures the extra
-state, plans the copy of this rank's local tensors into staging buffers reused from step to step and
-returns; the copy runs while the next forward and backward run (``LazySnapshot``), the optimizer step
-waits for what is left of it, and a background thread then writes and commits the step (the ring
-hand-over of the extra state included) on the tier's own process group. At most one save is in
+state, plans the copy of this rank's local tensors and returns; the copy runs while the next forward
+and backward run (``LazySnapshot``), the optimizer step waits for what is left of it, and a background
+thread then writes and commits the step (the ring hand-over of the extra state included) on the
+tier's own process group. A state on the CPU is copied straight into the files the step is committed
+as (``local.in_place``: one copy per step); a state on CUDA into pinned staging buffers in shared
+memory (the side stream's copies need page-locked memory), which the writer then serialises into the
+files. At most one save is in
 flight: the next ``save`` first waits for the previous write, so when a process dies during step
 S + 1, step S - 1 at least is committed, and with it every step but the one being written is safe.
 """
@@ -21,11 +24,16 @@ from typing import Any
 
 import torch
 
+from trainguard.checkpoint.background import BackgroundWorker
+from trainguard.checkpoint.local.in_place import InPlaceStaging, placeholders
+from trainguard.checkpoint.local.paths import SPARE_DIR, rank_file_names
 from trainguard.checkpoint.local.state import local_tensors
 from trainguard.checkpoint.local.tier import LocalTier
+from trainguard.checkpoint.local.writer import model_file_state
 from trainguard.checkpoint.snapshot import LazySnapshot, StagingGate
+from trainguard.checkpoint.staging import ReusableStager, detached
 from trainguard.checkpoint.state_capture import CaptureCache
-from trainguard.checkpoint.writer_process import make_writer, staging_for
+from trainguard.checkpoint.writer_process import allocator_for, make_writer
 
 DEFAULT_MEMORY_DIR = "/dev/shm/trainguard/{run}/node{node}"
 """``checkpoint.memory_dir``'s default; ``{run}`` is a digest of the run directory's absolute path."""
@@ -44,9 +52,14 @@ class MemoryTier:
         self.tier = tier
         self.files = make_writer(writer, "memory")
         self.files.start()  # its interpreter starts now, beside the run's own start, not in the first save
-        self.capture = CaptureCache(_local_training_state, staging_for(self.files))
+        self.capture = CaptureCache(_local_training_state, ReusableStager(self._allocate))
+        names = rank_file_names(tier.world_size, tier.rank)
+        self.in_place = InPlaceStaging(tier.dir / SPARE_DIR, {kind: names[kind] for kind in ("model", "optim")},
+                                       {"model": model_file_state(tier.dtensor_layouts), "optim": lambda state: state})
+        self._staged_in_place = False
         self._gate = StagingGate()
-        self._writer: threading.Thread | None = None
+        self._background = BackgroundWorker("trainguard-memory-tier")
+        self._inflight: threading.Event | None = None
         self._error: BaseException | None = None
 
     @property
@@ -61,19 +74,30 @@ class MemoryTier:
              extra_state: dict[str, Any]) -> None:
         """Starts the save of ``step``; returns before the state is copied (see the module's doc)."""
         self.wait()
-        extra = io.BytesIO()
-        torch.save(extra_state, extra)  # now: the objects it comes from change at the next step
+        extra = detached(extra_state)  # now: the objects it comes from change at the next step
         capture = self.capture.take(model, optimizer)
-        snapshot = LazySnapshot(capture.plan.copies, capture.lazy)
+        if self._staged_in_place:
+            copies, staged = self.in_place.stage(capture.plan)
+        else:
+            copies, staged = capture.plan.copies, capture.plan.staged
+        snapshot = LazySnapshot(copies, capture.lazy)
         self._gate.hold(snapshot, optimizer)
-        self._writer = threading.Thread(target=self._write, args=(snapshot, step, capture.plan.staged, extra.getvalue()),
-                                        daemon=True, name="trainguard-memory-tier")
-        self._writer.start()
+        self._inflight = self._background.run(self._write, snapshot, step, staged, extra)
 
-    def _write(self, snapshot: LazySnapshot, step: int, staged: dict[str, Any], extra: bytes) -> None:
+    def _allocate(self, sources: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The staging plan's buffers: placeholders for a state staged in place, pinned shared buffers
+        for one on CUDA."""
+        self._staged_in_place = not any(source.device.type == "cuda" for source in sources)
+        return placeholders(sources) if self._staged_in_place else allocator_for(self.files)(sources)
+
+    def _write(self, snapshot: LazySnapshot, step: int, staged: dict[str, Any], extra_state: dict[str, Any]) -> None:
         try:
+            extra = io.BytesIO()
+            torch.save(extra_state, extra)
             snapshot.copied()
-            self.tier.write(step, staged["model"], staged["optim"], extra, files=self.files)
+            saved = self.tier.write(step, staged["model"], staged["optim"], extra.getvalue(), files=self.files)
+            if saved.layout_moved:
+                self.in_place.replan()
         except BaseException as exc:  # raised by the next save or wait()
             self._error = exc
 
@@ -84,9 +108,9 @@ class MemoryTier:
     def wait(self) -> None:
         """Blocks until the save in flight is committed (and the tier's retention done); raises its error."""
         self.wait_for_staging()
-        if self._writer is not None:
-            self._writer.join()
-            self._writer = None
+        if self._inflight is not None:
+            self._inflight.wait()
+            self._inflight = None
         self.tier.wait()
         if self._error is not None:
             error, self._error = self._error, None

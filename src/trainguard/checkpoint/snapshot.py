@@ -54,27 +54,31 @@ class LazySnapshot:
         deferred_cpu: list[tuple[torch.Tensor, torch.Tensor]] = []
         deferred_cuda: list[tuple[torch.Tensor, torch.Tensor]] = []
         for buffer, source in copies:
-            source = source.detach()
             if source.data_ptr() not in lazy:
-                buffer.copy_(source)
+                buffer.copy_(source.detach())
             elif source.device.type == "cuda":
-                deferred_cuda.append((buffer, source))
+                deferred_cuda.append((buffer, source.detach()))
             else:
                 deferred_cpu.append((buffer, source))
-        self._chunks = [chunk for buffer, source in deferred_cpu for chunk in _chunks(buffer, source, chunk_bytes)]
+        self._deferred, self._chunk_bytes = deferred_cpu, chunk_bytes
+        self._chunks: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # cut by the first thread to copy
         self._next = 0
-        self._unfinished = len(self._chunks)
+        self._unfinished = 0
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._cuda_event = _enqueue_on_side_stream(deferred_cuda) if deferred_cuda else None
-        if not self._chunks:
+        if not deferred_cpu:
             self._done.set()
 
     def copy(self) -> None:
         """Copies chunks until none is left to take (any number of threads may call it)."""
         while True:
             with self._lock:
+                if self._chunks is None:  # here, not in __init__: off the path of the save() that made it
+                    self._chunks = [chunk for buffer, source in self._deferred
+                                    for chunk in _chunks(buffer, source.detach(), self._chunk_bytes)]
+                    self._unfinished = len(self._chunks)
                 if self._next >= len(self._chunks) or self._error is not None:
                     return
                 buffer, source = self._chunks[self._next]

@@ -65,7 +65,7 @@ class ReusableStager:
     def __init__(self, allocate: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None) -> None:
         """``allocate(sources)`` gives a CPU buffer shaped like each source (default: one tensor each;
         a writer process's shared memory, ``WriterProcess.allocate``)."""
-        self._allocate = allocate or _allocate_each
+        self._allocate = allocate or allocate_each
         self._layout: Layout | None = None
         self._buffers: list[torch.Tensor] = []
         self.allocations = 0
@@ -166,14 +166,30 @@ class ReusableStager:
 
 def is_immutable(value: Any) -> bool:
     """Whether a plain value can be kept as it is in a staged copy (nothing can change it in place)."""
-    if type(value) is tuple:
-        return all(is_immutable(item) for item in value)
+    if type(value) is tuple:  # plain values first: a Python RNG state is a tuple of 625 ints
+        return all(isinstance(item, _IMMUTABLE) or is_immutable(item) for item in value)
     return isinstance(value, _IMMUTABLE)
+
+
+def detached(value: Any) -> Any:
+    """A copy of ``value`` that later changes to the objects it came from cannot reach: tensors cloned,
+    dicts, lists and tuples rebuilt, immutable values shared, anything else deep-copied (an async save's
+    extra state, serialised later in the background; a few KB of RNG states, where ``torch.save`` on
+    the loop's path cost about a millisecond)."""
+    if is_immutable(value):
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if type(value) is dict:
+        return {key: detached(item) for key, item in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(detached(item) for item in value)
+    return copy.deepcopy(value)
 
 
 def _wants_pinned(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cuda" and torch.cuda.is_available()
 
 
-def _allocate_each(sources: list[torch.Tensor]) -> list[torch.Tensor]:
+def allocate_each(sources: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.empty(tuple(t.shape), dtype=t.dtype, device="cpu", pin_memory=_wants_pinned(t)) for t in sources]

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from trainguard.fs.fsio import atomic_write_json
 from trainguard.fs.layout import HF_DIR, step_dir_name
+from trainguard.checkpoint.local.in_place import StagedFile
 from trainguard.checkpoint.local.exchange import read_for_sending, recv_bytes, send_bytes, swap_in_ring
 from trainguard.checkpoint.local.paths import FSDP_CONFIG_NAME, node_of, rank_file_names, resolve_local_dir
 from trainguard.checkpoint.local.plan import StepPlan, buddy_of, plan_step
@@ -132,11 +133,11 @@ class LocalTier:
         model_state, optim_state = local_state(model, optimizer)
         return self.write(step, model_state, optim_state, extra.getvalue())
 
-    def write(self, step: int, model_state: dict[str, Any], optim_state: dict[str, Any],
+    def write(self, step: int, model_state: dict[str, Any] | StagedFile, optim_state: dict[str, Any] | StagedFile,
               extra_bytes: bytes, files: Writer = IN_PROCESS) -> SavedStep:
-        """``save`` of a state already taken: this rank's local tensors and its serialized extra state
-        (the memory tier writes a snapshot this way, from a background thread); ``files`` writes the
-        rank's files (here, or in a writer process)."""
+        """``save`` of a state already taken: this rank's local tensors (or its files staged in place)
+        and its serialized extra state (the memory tier writes a snapshot this way, from a background
+        thread); ``files`` writes the rank's files (here, or in a writer process)."""
         self.wait()
         copy = swap_in_ring(extra_bytes, self.buddy, self.keeps_copy_of, self.group)
         self.dir.mkdir(parents=True, exist_ok=True)  # a wiped node's directory comes back

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from trainguard.checkpoint.local.paths import (
     rank_manifest_name,
     replica_extra_name,
 )
+from trainguard.checkpoint.local.in_place import StagedFile, commit_staged
 from trainguard.checkpoint.local.state import DTensorLayout, as_dtensors
 from trainguard.checkpoint.local.rank_manifest import RankManifest, read_rank_manifest, write_rank_manifest
 from trainguard.checkpoint.manifest import FileEntry
@@ -41,6 +43,8 @@ class SavedStep:
     step: int
     bytes: int
     seconds: float
+    layout_moved: bool = False
+    """A state file staged in place was written anew instead (``in_place.commit_staged``)."""
 
 
 class BytesMismatch(CheckpointError):
@@ -90,31 +94,49 @@ def uncommit(step_dir: Path, world_size: int, rank: int) -> None:
         fsync_dir(step_dir)
 
 
+def model_file_state(dtensor_layouts: dict[str, DTensorLayout] | None) -> Callable[[dict[str, Any]], Any]:
+    """What a rank's model file holds, given its local tensors: with ``dtensor_layouts``, the local
+    shards as the DTensors verl's tools read."""
+    return (lambda state: as_dtensors(state, dtensor_layouts)) if dtensor_layouts else (lambda state: state)
+
+
+def _write_new(path: Path, state: Any) -> FileEntry:
+    return write_file_durably(path, _object_writer(state))
+
+
 def save_rank_step(
-    local_dir: Path, step: int, *, rank: int, world_size: int, model_state: dict[str, Any],
-    optim_state: dict[str, Any], extra_state: bytes, replica_extras: dict[int, bytes], fsdp_config: dict[str, Any],
-    recycle: bool = False, dtensor_layouts: dict[str, DTensorLayout] | None = None,
+    local_dir: Path, step: int, *, rank: int, world_size: int, model_state: dict[str, Any] | StagedFile,
+    optim_state: dict[str, Any] | StagedFile, extra_state: bytes, replica_extras: dict[int, bytes],
+    fsdp_config: dict[str, Any], recycle: bool = False, dtensor_layouts: dict[str, DTensorLayout] | None = None,
 ) -> SavedStep:
     """Writes and commits this rank's files for ``step``; ``replica_extras`` are other ranks' extra
     states this rank keeps a copy of. With ``recycle``, the state files are written over the spares
-    a pruned step left (``remove_rank_step(keep_as_spares=True)``), where there are some. With
-    ``dtensor_layouts``, the model's local shards are written as the DTensors verl's tools read (wrapped
-    here, so that a writer process gets plain tensors through shared memory and the small layouts by pickle)."""
+    a pruned step left (``remove_rank_step(keep_as_spares=True)``), where there are some; a state given
+    as a ``StagedFile`` is that spare already, its tensors copied in place (``in_place``), and is
+    completed and committed as it is. With ``dtensor_layouts``, the model's local shards are written as
+    the DTensors verl's tools read (wrapped here, so that a writer process gets plain tensors through
+    shared memory and the small layouts by pickle)."""
     started = time.perf_counter()
-    if dtensor_layouts:
-        model_state = as_dtensors(model_state, dtensor_layouts)
     step_dir = local_dir / step_dir_name(step)
     step_dir.mkdir(parents=True, exist_ok=True)
     uncommit(step_dir, world_size, rank)
     names = rank_file_names(world_size, rank)
+    moved = False
 
-    def spare(kind: str) -> Path | None:
-        return local_dir / SPARE_DIR / names[kind] if recycle else None
+    def state_file(kind: str, state: dict[str, Any] | StagedFile, wrap: Callable[[dict[str, Any]], Any]) -> FileEntry:
+        nonlocal moved
+        if isinstance(state, StagedFile):
+            entry, in_place = commit_staged(state, step_dir / names[kind], wrap, _write_new)
+            moved = moved or not in_place
+            return entry
+        spare = local_dir / SPARE_DIR / names[kind] if recycle else None
+        return write_file_durably(step_dir / names[kind], _object_writer(wrap(state)), spare=spare)
 
     entries = [
-        write_file_durably(step_dir / names["model"], _object_writer(model_state), spare=spare("model")),
-        write_file_durably(step_dir / names["optim"], _object_writer(optim_state), spare=spare("optim")),
-        write_file_durably(step_dir / names["extra"], _bytes_writer(extra_state), spare=spare("extra")),
+        state_file("model", model_state, model_file_state(dtensor_layouts)),
+        state_file("optim", optim_state, lambda state: state),
+        write_file_durably(step_dir / names["extra"], _bytes_writer(extra_state),
+                           spare=local_dir / SPARE_DIR / names["extra"] if recycle else None),
     ]
     if replica_extras:
         (step_dir / REPLICA_DIR).mkdir(exist_ok=True)
@@ -129,7 +151,7 @@ def save_rank_step(
     fsync_dir(step_dir)
     write_rank_manifest(step_dir, RankManifest(step, rank, world_size, tuple(entries) + (config_entry,)))
     fsync_dir(local_dir)
-    return SavedStep(step, sum(e.size for e in entries), time.perf_counter() - started)
+    return SavedStep(step, sum(e.size for e in entries), time.perf_counter() - started, moved)
 
 
 def write_config_entry(step_dir: Path) -> FileEntry:

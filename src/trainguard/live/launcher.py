@@ -155,7 +155,7 @@ def _spawn(run: LiveRun, rank: int, store_port: int, run_dir: Path, rejoin: bool
         command += ["--stall-collective", str(run.stall_collective[1])] + (["--stall-cut"] if run.stall_cut else [])
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if node is None and run.executable == sys.executable and _rank_server is not None:
-        # this interpreter's command, started here: forked without imports (``_start_rank_server``)
+        # this interpreter's command, started here: forked without imports (``start_live_rank_server``)
         request = json.dumps({"argv": command[1:], "env": env, "cwd": os.getcwd()}).encode()
         forked = _rank_server.fork(request, [0, 1, 2])
         if forked is not None:
@@ -171,9 +171,10 @@ RANK_PRELOAD = ("trainguard.live.rank",)
 in live mode."""
 
 
-def _start_rank_server() -> None:
+def start_live_rank_server() -> None:
     """Forks the ranks' fork server unless this process has one or has threads (a rank would be forked
-    from a process with threads: its ranks start as new interpreters then). A rank started as this
+    from a process with threads: its ranks start as new interpreters then). ``launch`` calls it; a
+    caller that starts a thread before (a progress spinner) calls it first. A rank started as this
     interpreter (``python -m MODULE`` or ``python SCRIPT``) is then one fork of a one-thread process
     that imported torch and the live rank already, not a new interpreter's seconds of imports, paid by
     every rank, spare and replacement (``trainguard.forking``)."""
@@ -218,7 +219,7 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "checkpoints").mkdir(exist_ok=True)
     (run_dir / "final").mkdir(exist_ok=True)
-    _start_rank_server()  # before the store's threads
+    start_live_rank_server()  # before the store's threads
     store = dist.TCPStore(run.store_host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     events = EventLog(events_path(run_dir), rank=-1)
     began = time.monotonic()

@@ -1,10 +1,15 @@
-"""Test fixture (not a second writer in src): run under torchrun, it trains the reference trainer (whose
+"""Test fixture (not a second writer in src): run as ranks, it trains the reference trainer (whose
 own local tier, when ``checkpoint.local_interval`` is set, writes ``RUN/local/nodeK/global_step_N``) and
 then writes the state the way verl's FSDP checkpoint manager does, from the real sharded model of every
 rank: ``RUN/verl/global_step_N/actor`` (torch.save of DTensor state dicts).
 With ``--resave OUT`` it instead resumes (``--resume PATH``) on this layout, saves the resumed state
 as a durable checkpoint under OUT, and records in OUT/indices.json the sample indices every data
 rank draws for the next step.
+
+``python rank_ckpt_writer.py --nproc N ARGS`` starts its N ranks with trainguard's local launcher
+(``runtime.launcher.launch_local``: torch's elastic agent, as torchrun's, in this process, the ranks
+forked from a one-thread copy of it that imported the trainer: no interpreter start and imports per
+rank); without ``--nproc`` it is one rank of a launcher that set the torch.distributed environment.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from trainguard.fs.layout import extra_state_name, model_shard_name, optim_shard_name, step_dir_name
 from trainguard.checkpoint.rng_state import capture_rng_state
+from trainguard.runtime.launcher import launch_local
 from trainguard.step.static_files import huggingface_files
 from trainguard.trainer.entry import add_train_arguments, config_from_args
 from trainguard.trainer.loop import Trainer
@@ -62,11 +68,11 @@ def resave(trainer: Trainer, out: Path) -> None:
                                                       "dp_size": trainer.layout.dp_size, "by_dp_rank": by_dp}))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     add_train_arguments(parser)
     parser.add_argument("--resave", type=Path)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     dist.init_process_group("gloo")
     torch.use_deterministic_algorithms(True, warn_only=True)
     trainer = Trainer(config_from_args(args), Path(args.run_dir))
@@ -81,4 +87,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if sys.argv[1:2] == ["--nproc"]:
+        worker_args = sys.argv[3:]
+        run_dir = Path(worker_args[worker_args.index("--run-dir") + 1])
+        sys.exit(launch_local(int(sys.argv[2]), worker_args, run_dir, main, preload=("trainguard.trainer.loop",)))
     sys.exit(main())

@@ -1,4 +1,4 @@
-"""A real Slurm on this machine for the tests: munged, slurmctld and three slurmd logical nodes.
+"""A real Slurm on this machine for the tests: munged, slurmctld and eight slurmd logical nodes.
 
 Everything lives under one directory (slurm.conf, state, spool, logs, pid files, munge's socket and
 key); the daemons listen on loopback ports picked free at start and are stopped by pid. Clients find
@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
-NODES = ("n1", "n2", "n3")
+# every long job of test_slurm.py at once (array, hang, 2 for the spare, 4 cancels): none waits for a node
+# (with three, the jobs queued behind each other's time limits); the jobs mostly sleep in hang faults
+NODES = tuple(f"n{i}" for i in range(1, 9))
 BINARIES = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "squeue", "scancel", "scontrol")
 
 # the timers that matter for the tests (docs/lifecycle.md explains each)
@@ -167,13 +169,13 @@ class Cluster:
         deadline = time.time() + timeout
         last = ""
         while time.time() < deadline:
-            done = self.run("srun", "-N3", "--immediate=10", "true", check=False, timeout=30)
+            done = self.run("srun", f"-N{len(NODES)}", "--immediate=10", "true", check=False, timeout=30)
             if done.returncode == 0:
                 return
             last = done.stderr.strip()
             self.run("scontrol", "update", f"NodeName={','.join(NODES)}", "State=RESUME", check=False)
             time.sleep(1)
-        raise RuntimeError(f"srun -N3 true never worked: {last}\n{self.log_tail()}")
+        raise RuntimeError(f"srun -N{len(NODES)} true never worked: {last}\n{self.log_tail()}")
 
     def log_tail(self) -> str:
         path = self.root / "log" / "slurmctld.log"

@@ -25,6 +25,8 @@ import threading
 import time
 from pathlib import Path
 
+from trainguard.forking import end_as_interpreter
+
 # what ``trainguard train`` imports on its way to the supervisor, an agent and a rank (imported once
 # in the server; a rank forked from it, or from its children, finds them loaded)
 PRELOAD = ("trainguard.cli", "trainguard.cli.train", "trainguard.cli.run", "trainguard.runtime.supervisor",
@@ -34,8 +36,8 @@ PRELOAD = ("trainguard.cli", "trainguard.cli.train", "trainguard.cli.run", "trai
 # ----------------------------------------------------------------------------------- server side
 def _child(argv: list[str], env: dict[str, str], cwd: str, fds: list[int]) -> None:
     """In the forked child: become ``python -m trainguard ARGV`` and never return."""
-    code = 1
-    try:
+
+    def command() -> int:
         os.setsid()  # as Popen(start_new_session=True): a timeout kills the whole session
         stdin = os.open(os.devnull, os.O_RDONLY)
         os.dup2(stdin, 0)
@@ -47,28 +49,11 @@ def _child(argv: list[str], env: dict[str, str], cwd: str, fds: list[int]) -> No
         os.environ.update(env)
         os.chdir(cwd)
         sys.argv = [sys.argv[0], *argv]
-        import logging
-
         from trainguard.cli import main
 
-        try:
-            code = main(argv)
-        except SystemExit as exc:  # argparse's errors, as the interpreter would end on them
-            if exc.code is None or isinstance(exc.code, int):
-                code = exc.code or 0
-            else:
-                print(exc.code, file=sys.stderr)
-                code = 1
-        logging.shutdown()
-    except BaseException:  # an uncaught exception ends the interpreter with its traceback and exit 1
-        import traceback
+        return main(argv)
 
-        traceback.print_exc()
-        code = 1
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    end_as_interpreter(command)
 
 
 def serve(address: str) -> None:

@@ -21,7 +21,7 @@ def running(cluster, why_not: str | None, what: str):
 
 @pytest.fixture(scope="session")
 def slurm(tmp_path_factory):
-    """A real Slurm (munged, slurmctld, three slurmd logical nodes n1-n3) shared by the session's tests."""
+    """A real Slurm (munged, slurmctld, eight slurmd logical nodes n1-n8) shared by the session's tests."""
     yield from running(Cluster(tmp_path_factory.mktemp("slurm")), install_packages(), "Slurm")
 
 

@@ -5,13 +5,11 @@ The runs are the ones ``trainguard demo --live`` makes; every claim is checked h
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 from collections import defaultdict
 
 import pytest
 
+from helpers.runs import trainguard, worker_env
 from trainguard.demo.live import FAILING
 from trainguard.events.log import read_events
 from trainguard.checkpoint.safe_load import safe_torch_load
@@ -24,15 +22,12 @@ from trainguard.live.workload import Workload
 from trainguard.report import read_run
 
 STEPS, WORLD, GROUP, KILLED = FAILING.steps, FAILING.world, FAILING.group_size, 3
-SRC = os.path.join(os.path.dirname(__file__), "..", "..", "src")
 
 
 @pytest.fixture(scope="module")
 def drill(tmp_path_factory):
     root = tmp_path_factory.mktemp("live")
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(SRC), OMP_NUM_THREADS="1", COLUMNS="200")
-    done = subprocess.run([sys.executable, "-m", "trainguard", "demo", "--live", "--out", str(root)], env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = trainguard("demo", "--live", "--out", str(root), env=worker_env(COLUMNS="200"), timeout=300)
     return root, done
 
 

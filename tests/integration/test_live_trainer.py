@@ -6,14 +6,12 @@ fault-free run's parameters and optimizer state, bit for bit, its LR the schedul
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
+from helpers.runs import trainguard
 from trainguard.checkpoint.safe_load import safe_torch_load
 from trainguard.cli import build_parser
 from trainguard.cli.train_live import live_run
@@ -40,16 +38,14 @@ def train_argv(run_dir: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("live_trainer")
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
-    clean = subprocess.run([sys.executable, "-m", "trainguard", *train_argv(root / "clean")], env=env,
-                           capture_output=True, text=True, timeout=300)
+    clean = trainguard(*train_argv(root / "clean"), timeout=300)
     assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-3000:]
     argv = [*train_argv(root / "failed"), "--set", f"faults=kill:rank={KILLED},step=3"]  # the live drill's key
     args = build_parser(argv).parse_args(argv)
     run = live_run(args, config_from_args(args), "--set")
     assert (run.kill_ranks, run.kill_at_step) == ((KILLED,), 3)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PYTHONPATH", env["PYTHONPATH"])  # the ranks import this checkout
+        patch.setenv("PYTHONPATH", str(ROOT / "src"))  # the ranks import this checkout (started cold)
         result = launch(root / "failed", run)
     return root, clean.stdout, result
 

@@ -8,7 +8,6 @@ bit for bit."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.runs import trainguard
 from trainguard.events.log import read_events
 from trainguard.live.compare import replica_differences, run_differences, whole_final_state
 from trainguard.live.files import events_path
@@ -29,11 +29,9 @@ STEPS, WORLD, GROUP, KILLED, KILL_AT, SAMPLES_PER_STEP = 60, 4, 2, 3, 5, 8 * 8
 
 
 def _run(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
     sets = [arg for item in (f"train.steps={STEPS}", *overrides) for arg in ("--set", item)]
-    return subprocess.run([sys.executable, "-m", "trainguard", "run", "--nproc", str(WORLD), "--config", str(CONFIG),
-                           "--run-dir", str(run_dir), *sets, "--", sys.executable, str(EXAMPLE)],
-                          env=env, capture_output=True, text=True, timeout=240)
+    return trainguard("run", "--nproc", str(WORLD), "--config", str(CONFIG), "--run-dir", str(run_dir), *sets, "--",
+                      sys.executable, str(EXAMPLE), timeout=240)
 
 
 @pytest.fixture(scope="module")

@@ -32,9 +32,9 @@ STEP = 2
 LOCAL_TIER = ["--set", f"checkpoint.local_interval={STEP}", "--set", "parallel.ranks_per_node=2"]
 
 
-def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(nproc), str(WRITER), *TINY, *args],
+def ranks(nproc: int, *args: str) -> subprocess.CompletedProcess:
+    """``nproc`` ranks of the fixture's writer (gloo), from torch's elastic agent in its launcher process."""
+    return subprocess.run([sys.executable, str(WRITER), "--nproc", str(nproc), *TINY, *args],
                           env=worker_env(), capture_output=True, text=True, timeout=600)
 
 
@@ -42,7 +42,7 @@ def _train(tmp_path_factory, layout: str) -> Path:
     """A run trained 2 steps on 4 ranks (2 nodes of 2): durable and local-tier checkpoints of step 2, and a
     verl-format copy."""
     run_dir = tmp_path_factory.mktemp(layout) / "run"
-    ok(torchrun(4, "--run-dir", str(run_dir), "--steps", str(STEP), "--save-interval", str(STEP), *LOCAL_TIER,
+    ok(ranks(4, "--run-dir", str(run_dir), "--steps", str(STEP), "--save-interval", str(STEP), *LOCAL_TIER,
                 *LAYOUTS[layout]))
     return run_dir
 
@@ -230,7 +230,7 @@ def test_resume_on_another_layout_keeps_state_and_sample_position(hsdp_run, tmp_
     original = flat_state(source)
     for name, ckpt in sources_.items():
         out = tmp_path / f"resaved-{name}"
-        ok(torchrun(nproc, "--run-dir", str(tmp_path / f"run-{name}"), "--steps", "8", "--resume", str(ckpt),
+        ok(ranks(nproc, "--run-dir", str(tmp_path / f"run-{name}"), "--steps", "8", "--resume", str(ckpt),
                     "--resave", str(out), *layout))
         resaved = flat_state(out / "global_step_2")
         tensors = [k for k, v in original.items() if isinstance(v, torch.Tensor)]

@@ -1,8 +1,8 @@
-"""trainguard under a real Slurm (the ``slurm`` fixture: munged, slurmctld, three slurmd logical nodes on
+"""trainguard under a real Slurm (the ``slurm`` fixture: munged, slurmctld, eight slurmd logical nodes on
 this host): job arrays that run out of time and resume, every way of cancelling a job, a hang ending
 its job step, node exclusion with a spare, the watchdog's alerts, and the kill switch.
 
-Jobs run concurrently where they can (three nodes), so the module takes a few minutes, most of it
+Jobs run concurrently (a node each), so the module takes a few minutes, most of it
 time limits running out. Steps are slowed by a persistent ``hang`` fault of a fixed length, so that a
 run spans several tasks of its array whatever the load of the machine.
 """
@@ -81,9 +81,13 @@ CANCELS = {
 
 @pytest.fixture(scope="module")
 def jobs(slurm, tmp_path_factory):
-    """Every long job of the module, submitted at once so that they share the three nodes."""
+    """Every long job of the module, submitted at once so that they run at the same time."""
     where = tmp_path_factory.mktemp("slurm_jobs")
     submitted = {"where": where}
+    # first, so that n1 and n2 are free: n1 holds slot 0 (nodes are allocated in order) and its rank dies
+    # at every start there
+    submitted["spare"] = sbatch(slurm, where, "spare", 6, faults="kill:rank=0,step=2,persistent=1,node=n1",
+                                spares=1, options=("--sbatch-option=--nodelist=n1,n2",))
     # three tasks; the test shortens the first two's time limits while they train
     submitted["array"] = sbatch(slurm, where, "array", ARRAY_STEPS, array=3, faults=ARRAY_SLOW_STEPS,
                                 signal_seconds=ARRAY_SIGNAL_SECONDS)
@@ -95,11 +99,14 @@ def jobs(slurm, tmp_path_factory):
         stderr=subprocess.STDOUT, text=True, start_new_session=True)
     submitted["hang"] = sbatch(slurm, where, "hang", 12, "--save-interval", "3",
                                faults=f"{SLOW_STEPS};hang:rank=0,step=5", options=("--hang-timeout", str(HANG_TIMEOUT)))
-    # n1 holds slot 0 (nodes are allocated in order) and its rank dies at every start there
-    submitted["spare"] = sbatch(slurm, where, "spare", 6, faults="kill:rank=0,step=2,persistent=1,node=n1",
-                                spares=1, options=("--sbatch-option=--nodelist=n1,n2",))
     for variant in CANCELS:  # cancelled by their test, long before the last step
         submitted[variant] = sbatch(slurm, where, variant, 2000)
+    # short jobs, last: they wait for the first node freed (the spare's job's), then take seconds, while
+    # the array test waits on its time limits
+    switch = where / "KILL"
+    subprocess.run([sys.executable, "-m", "trainguard", "killswitch", str(switch)], check=True, capture_output=True)
+    submitted["killed"] = sbatch(slurm, where, "killed", 50, array=3, options=("--kill-switch", str(switch)))
+    submitted["short"] = sbatch(slurm, where, "short", 3, array=3, faults=None)
     yield submitted
     training = submitted["array_reference"][1]
     if training.poll() is None:  # its test failed before waiting for it
@@ -244,11 +251,9 @@ def test_watch_tells_a_held_job_and_a_failing_squeue_apart(slurm, tmp_path):
         slurm.run("scancel", later.stdout.split()[-1], check=False)
 
 
-def test_an_armed_kill_switch_ends_the_array_without_starting_ranks(slurm, tmp_path):
-    switch = tmp_path / "KILL"
-    subprocess.run([sys.executable, "-m", "trainguard", "killswitch", str(switch)], check=True, capture_output=True)
-    run, job = sbatch(slurm, tmp_path, "killed", 50, array=3, options=("--kill-switch", str(switch)))
-    wait_until_done(slurm, f"{job}_1", 120)
+def test_an_armed_kill_switch_ends_the_array_without_starting_ranks(slurm, jobs):
+    run, job = jobs["killed"]  # submitted with the switch armed
+    wait_until_done(slurm, f"{job}_1", 600)
     time.sleep(2)
     assert events(run, "incarnation_started") == [] and not (run / "heartbeats").exists()
     assert finished(run)["outcome"] == "nothing_to_do"
@@ -256,9 +261,9 @@ def test_an_armed_kill_switch_ends_the_array_without_starting_ranks(slurm, tmp_p
     assert states.get("1") == "COMPLETED" and all(states.get(t, "CANCELLED") == "CANCELLED" for t in "23"), states
 
 
-def test_a_finished_run_cancels_the_rest_of_its_array(slurm, tmp_path):
-    run, job = sbatch(slurm, tmp_path, "short", 3, array=3, faults=None)
-    slurm.wait_for_state(f"{job}_1", ("COMPLETED",), 600)
+def test_a_finished_run_cancels_the_rest_of_its_array(slurm, jobs):
+    run, job = jobs["short"]
+    slurm.wait_for_state(f"{job}_1", ("COMPLETED",), 900)
     time.sleep(2)
     assert finished(run)["exit_code"] == 0 and len(events(run, "supervisor_started")) == 1
     states = slurm.array_states(job)

@@ -192,31 +192,73 @@ def test_an_unknown_writer_is_refused_naming_the_key(tmp_path: Path, value: str)
 
 _PARENT = """
 import os, sys, time
-from trainguard.checkpoint.writer_process import WriterProcess
+from trainguard.checkpoint.writer_process import WriterProcess, start_writer_fork_server
+if sys.argv[1] == "forked":
+    start_writer_fork_server()  # what a rank forked from the agent's fork server does first (run_rank)
 writer = WriterProcess("test")
-print(writer.run(os.getpid), flush=True)
+print(writer.run(os.getpid), writer.run(os.getppid), flush=True)
 time.sleep(600)
 """
 
 
-def test_the_writer_ignores_stop_signals_and_ends_with_its_training_process() -> None:
+@pytest.mark.parametrize("start", ["cold", "forked"])
+def test_the_writer_ignores_stop_signals_and_ends_with_its_training_process(start: str) -> None:
+    """Cold: a new interpreter, the training process's child. Forked: from the training process's
+    writer fork server (no imports), the server's child, which ends with the training process too."""
     import subprocess
 
-    parent = subprocess.Popen([sys.executable, "-c", _PARENT], stdout=subprocess.PIPE, text=True,
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, start], stdout=subprocess.PIPE, text=True,
                               env=dict(os.environ, OMP_NUM_THREADS="1"))
     try:
-        writer_pid = int(parent.stdout.readline())
+        writer_pid, writer_parent = map(int, parent.stdout.readline().split())
+        assert (writer_parent == parent.pid) == (start == "cold"), (writer_parent, parent.pid)
+        if start == "forked":  # its parent is the server, a fork of the training process
+            assert _parent_of(writer_parent) == parent.pid
         for number in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             os.kill(writer_pid, number)  # what a job step's stop reaches every process with
+            if start == "forked":
+                os.kill(writer_parent, number)  # the server too
         time.sleep(0.5)
         assert _alive(writer_pid), "a stop signal ended the writer"
     finally:
         parent.kill()
         parent.wait()
     deadline = time.monotonic() + 30
-    while _alive(writer_pid):
-        assert time.monotonic() < deadline, "the writer outlived its training process"
+    while _alive(writer_pid) or (start == "forked" and _alive(writer_parent)):
+        assert time.monotonic() < deadline, "the writer (or its server) outlived its training process"
         time.sleep(0.05)
+
+
+def test_a_forked_writer_killed_is_seen_dead_and_the_next_request_forks_another() -> None:
+    """The ``subprocess.Popen`` part ``WriterProcess`` uses, for a writer the server forked."""
+    code = """
+import os, signal, sys, time
+from trainguard.checkpoint.writer_process import WriterProcess, WriterProcessDied, start_writer_fork_server
+start_writer_fork_server()
+writer = WriterProcess("test")
+first = writer.run(os.getpid)
+os.kill(first, signal.SIGKILL)
+try:
+    writer.run(os.getpid)
+    died = "no error"
+except WriterProcessDied as error:
+    died = str(error)
+second = writer.run(os.getpid)
+print(first, second, writer.run(os.getppid) == writer.run(os.getppid), died, flush=True)
+"""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, second, _, message = done.stdout.split(" ", 3)
+    assert first != second
+    assert f"(pid {first}) ended (killed by signal SIGKILL)" in message, message
+
+
+def _parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().split(")")[-1].split()[1])
 
 
 def _alive(pid: int) -> bool:

@@ -19,7 +19,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 
 # Lowest first. A package may import its own floor and those below; "" is trainguard/__init__.py.
 FLOORS: list[tuple[str, frozenset[str]]] = [
-    ("ground: file-system primitives and layout names, errors", frozenset({"fs", "errors", "_lazy"})),
+    ("ground: file-system primitives and layout names, errors, forking", frozenset({"fs", "errors", "_lazy", "forking"})),
     ("topology, norms, events", frozenset({"topology", "norms", "events"})),
     ("guards: pure rules and their typed verdicts", frozenset({"guards"})),
     ("checkpoint tiers", frozenset({"checkpoint"})),

@@ -49,6 +49,7 @@ from trainguard.checkpoint.config import WRITERS
 from trainguard.checkpoint.shared_buffers import ArenaRef, SharedArena, allocate_shared, tensor_in
 from trainguard.checkpoint.staging import ReusableStager, allocate_each
 from trainguard.errors import CheckpointError, ConfigError
+from trainguard.forking import ForkedProcess, ForkServer
 
 Result = TypeVar("Result")
 
@@ -57,6 +58,21 @@ PARENT_POLL_S = 0.05
 
 READY = b"ready"
 """The writer process's first message: its imports are done and it reads requests."""
+
+_fork_server: ForkServer | None = None
+"""Where this process forks its writer processes from (``start_writer_fork_server``); None: cold starts."""
+
+
+def start_writer_fork_server() -> None:
+    """Makes this process fork its writer processes from a copy of itself taken now, which must have one
+    thread (the caller checks; a rank's first code does it, ``runtime.fork_server.run_rank``): each is
+    then one fork, without the 1.6 s of CPU of a new interpreter's imports (``trainguard.forking``)."""
+    global _fork_server
+    _fork_server = ForkServer(_forked_writer)
+
+
+def _forked_writer(_message: bytes, fds: list[int]) -> None:
+    serve(fds[0])
 
 
 class WriterProcessDied(CheckpointError):
@@ -87,7 +103,7 @@ class WriterProcess:
         """``name`` says which tier it writes for, in errors."""
         self.name = name
         self._arena: SharedArena | None = None
-        self._process: subprocess.Popen | None = None
+        self._process: subprocess.Popen | ForkedProcess | None = None
         self._connection: Connection | None = None
         self._ready = False
         self._lock = threading.Lock()
@@ -139,8 +155,9 @@ class WriterProcess:
         ours, theirs = socket.socketpair()
         source_root = str(Path(__file__).resolve().parents[2])  # the directory holding the trainguard package
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (source_root, os.environ.get("PYTHONPATH")))))
-        try:
-            self._process = subprocess.Popen(
+        try:  # forked, without imports, where this process started a writer fork server
+            forked = _fork_server.fork(b"writer", [theirs.fileno()]) if _fork_server is not None else None
+            self._process = forked or subprocess.Popen(
                 [sys.executable, "-m", "trainguard.checkpoint.writer_process", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
         finally:
@@ -215,7 +232,7 @@ def writer_died(error: BaseException) -> WriterProcessDied | None:
     return None
 
 
-def _stop(connection: Connection, process: subprocess.Popen) -> None:
+def _stop(connection: Connection, process: subprocess.Popen | ForkedProcess) -> None:
     """At exit (or when the writer is dropped): closing the socket ends the writer's loop."""
     connection.close()
     try:

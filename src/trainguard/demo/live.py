@@ -20,7 +20,7 @@ from rich.table import Table
 from trainguard.events import read_events
 from trainguard.live.compare import replica_differences, run_differences
 from trainguard.live.files import events_path
-from trainguard.live.launcher import LiveRun, launch
+from trainguard.live.launcher import LiveRun, launch, start_live_rank_server
 from trainguard.live.samples import sample_problems
 from trainguard.live.workload import Workload
 from trainguard.report import write_report
@@ -70,6 +70,7 @@ def run_live_drill(out: Path, console: Console | None = None) -> int:
     console.print(f"{FAILING.groups} replica groups × {FAILING.group_size} ranks (gloo) and {FAILING.spares} warm spare, "
                   f"{FAILING.steps} steps; "
                   f"SIGKILL of rank {FAILING.kill_ranks[0]} after step {FAILING.kill_at_step}, no job restart")
+    start_live_rank_server()  # before the spinner's thread: the ranks are forked, not new interpreters
     with console.status("fault-free run"):
         launch(out / "clean", dataclasses.replace(FAILING, kill_ranks=(), spares=0))
     with console.status("run with the SIGKILL"):

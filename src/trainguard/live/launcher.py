@@ -5,7 +5,11 @@ recovers either live (the replacement alone is started; the others keep their pr
 
 from __future__ import annotations
 
+import importlib
+import json
+import logging
 import os
+import runpy
 import shlex
 import signal
 import subprocess
@@ -15,15 +19,18 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from trainguard.config.schema import RunConfig
 from trainguard.errors import ConfigError
 from trainguard.events import EventLog
+from trainguard.forking import ForkedProcess, ForkServer
 from trainguard.live.drill import live_drill
 from trainguard.live.files import events_path, newest_checkpoint
 from trainguard.live.lighthouse import Lighthouse
 from trainguard.live.quorum import progress_key, spare_failed_key, spare_key, spare_ready_key
+from trainguard.runtime.fork_server import thread_count
 
 LIVE, RESTART = "live", "restart"
 
@@ -130,7 +137,7 @@ class LiveResult:
 
 
 def _spawn(run: LiveRun, rank: int, store_port: int, run_dir: Path, rejoin: bool,
-           spare: int | None = None) -> subprocess.Popen:
+           spare: int | None = None) -> subprocess.Popen | ForkedProcess:
     role = ["--rank", str(rank)] if spare is None else ["--spare", str(spare)]
     node = run.nodes[run.groups + spare if spare is not None else rank // run.group_size] if run.nodes else None
     prefix = shlex.split(run.node_command.format(node=node)) if node is not None else []
@@ -147,7 +154,62 @@ def _spawn(run: LiveRun, rank: int, store_port: int, run_dir: Path, rejoin: bool
     if run.stall_collective is not None and run.stall_collective[0] == rank and not rejoin:
         command += ["--stall-collective", str(run.stall_collective[1])] + (["--stall-cut"] if run.stall_cut else [])
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    if node is None and run.executable == sys.executable and _rank_server is not None:
+        # this interpreter's command, started here: forked without imports (``start_live_rank_server``)
+        request = json.dumps({"argv": command[1:], "env": env, "cwd": os.getcwd()}).encode()
+        forked = _rank_server.fork(request, [0, 1, 2])
+        if forked is not None:
+            return forked
     return subprocess.Popen(command, env=env)
+
+
+_rank_server: ForkServer | None = None
+"""The ranks' fork server of this process, forked at its first ``launch`` if it had one thread then."""
+
+RANK_PRELOAD = ("trainguard.live.rank",)
+"""Imported before the rank server is forked: the engine of the drill's rank and of a script's ``Guard``
+in live mode."""
+
+
+def start_live_rank_server() -> None:
+    """Forks the ranks' fork server unless this process has one or has threads (a rank would be forked
+    from a process with threads: its ranks start as new interpreters then). ``launch`` calls it; a
+    caller that starts a thread before (a progress spinner) calls it first. A rank started as this
+    interpreter (``python -m MODULE`` or ``python SCRIPT``) is then one fork of a one-thread process
+    that imported torch and the live rank already, not a new interpreter's seconds of imports, paid by
+    every rank, spare and replacement (``trainguard.forking``)."""
+    global _rank_server
+    if _rank_server is not None or thread_count() != 1:
+        return
+    for module in RANK_PRELOAD:
+        importlib.import_module(module)
+    _rank_server = ForkServer(_forked_rank)
+
+
+def _forked_rank(message: bytes, fds: list[int]) -> None:
+    """In a rank forked by the server: becomes ``python ARGV`` with the launcher's environment, working
+    directory, stdin, stdout and stderr, as ``subprocess.Popen`` would have started it."""
+    request = json.loads(message)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    if "OMP_NUM_THREADS" in os.environ:  # read by torch at its import, in the launcher's environment
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    for handler in logging.root.handlers[:]:  # a new interpreter's logging: none of the launcher's handlers
+        logging.root.removeHandler(handler)
+    argv = request["argv"]
+    if argv[0] == "-m":
+        sys.argv = argv[1:]
+        sys.path.insert(0, os.getcwd())
+        sys.modules.pop(argv[1], None)  # run as __main__ only, as in a new interpreter (imported here, maybe)
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = argv
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+        runpy.run_path(argv[0], run_name="__main__")
 
 
 def launch(run_dir: Path, run: LiveRun) -> LiveResult:
@@ -157,6 +219,7 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "checkpoints").mkdir(exist_ok=True)
     (run_dir / "final").mkdir(exist_ok=True)
+    start_live_rank_server()  # before the store's threads
     store = dist.TCPStore(run.store_host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     events = EventLog(events_path(run_dir), rank=-1)
     began = time.monotonic()
@@ -169,7 +232,7 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
         _await_spares(store, spares, began + run.timeout_s)
     lighthouse = Lighthouse(store, run.world, run.group_size, events, run.hang_s, run.stall_s, run.stall_steps)
     result = LiveResult(0.0, {r: p.pid for r, p in procs.items()}, {})
-    fenced: list[subprocess.Popen] = []  # hung processes behind a cut link, left to stop on their own
+    fenced: list[subprocess.Popen | ForkedProcess] = []  # hung processes behind a cut link, left to stop
 
     def replace(rank: int) -> None:
         result.replaced_at[rank] = time.time()
@@ -244,8 +307,9 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
     return result
 
 
-def _await_spares(store: dist.Store, spares: list[tuple[int, subprocess.Popen]], deadline: float) -> None:
-    def settled(index: int, proc: subprocess.Popen) -> bool:
+def _await_spares(store: dist.Store, spares: list[tuple[int, subprocess.Popen | ForkedProcess]],
+                  deadline: float) -> None:
+    def settled(index: int, proc: subprocess.Popen | ForkedProcess) -> bool:
         return (store.check([spare_ready_key(index)]) or store.check([spare_failed_key(index)])
                 or proc.poll() is not None)
 

@@ -28,6 +28,8 @@ from collections.abc import Callable
 from multiprocessing import forkserver, resource_tracker
 from typing import Any
 
+from trainguard.checkpoint.writer_process import start_writer_fork_server
+
 START_METHOD = "forkserver"  # multiprocessing's name for "ask the fork server"
 
 
@@ -80,6 +82,10 @@ def start_fork_server() -> None:
 
 
 def run_rank(entrypoint: Callable[[list[str]], Any], argv: list[str]) -> Any:
-    """A rank's first code: takes SIGTERM back from the server's mask, then runs ``entrypoint(argv)``."""
+    """A rank's first code: forks the server of its checkpoint writer processes while it still has one
+    thread (``writer_process.start_writer_fork_server``), takes SIGTERM back from the server's mask, then
+    runs ``entrypoint(argv)``."""
+    if thread_count() == 1:  # else (a rank spawned by a launcher with threads) its writers start cold
+        start_writer_fork_server()
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     return entrypoint(argv)

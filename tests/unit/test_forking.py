@@ -1,0 +1,84 @@
+"""``trainguard.forking``: a child forked by the server ends as a new interpreter would (its return
+value, a ``SystemExit``'s code, 1 after a traceback), with a new interpreter's signal dispositions,
+gets the fds sent with its request, is waited for, polled and killed as with ``subprocess.Popen``; the
+server ignores the stop signals and ends with its owner.
+
+The owner runs in a new interpreter (the server must be forked from a process with one thread)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+OWNER = r"""
+import json, os, signal, subprocess, sys, time
+from trainguard.forking import ForkServer
+
+def child(message, fds):
+    kind = message.decode()
+    if kind == "return":
+        return 3
+    if kind == "exit":
+        sys.exit(5)
+    if kind == "raise":
+        raise ValueError("raised in the child")
+    if kind == "signals":  # a new interpreter's, not the owner's handler nor the server's SIG_IGN
+        fresh = (signal.getsignal(signal.SIGINT) is signal.default_int_handler
+                 and all(signal.getsignal(s) == signal.SIG_DFL for s in (signal.SIGTERM, signal.SIGUSR1)))
+        return 0 if fresh else 9
+    if kind == "write":
+        os.write(fds[0], b"through the fd it was sent")
+        return 0
+    time.sleep(60)
+
+signal.signal(signal.SIGTERM, lambda *_: None)  # the owner's own handler
+server = ForkServer(child)
+result = {kind: server.fork(kind.encode()).wait(30) for kind in ("return", "exit", "raise", "signals")}
+read, write = os.pipe()
+writer = server.fork(b"write", [write])
+os.close(write)
+result["write"] = [writer.wait(30), os.read(read, 100).decode()]
+sleeper = server.fork(b"sleep")
+result["sleeping"] = sleeper.poll()
+try:
+    sleeper.wait(0.2)
+except subprocess.TimeoutExpired:
+    result["timed_out"] = True
+os.kill(server.pid, signal.SIGTERM)  # a job step's stop reaches the server too
+sleeper.kill()
+result["killed"] = sleeper.wait(30)
+result["server"], result["server_parent"] = server.pid, int(open(f"/proc/{server.pid}/stat").read().split(")")[1].split()[1])
+result["owner"] = os.getpid()
+print(json.dumps(result), flush=True)
+"""
+
+
+def test_children_end_and_are_waited_for_as_new_interpreters_and_the_server_ends_with_its_owner():
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", OWNER], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (result["return"], result["exit"], result["raise"], result["signals"]) == (3, 5, 1, 0), result
+    assert "ValueError: raised in the child" in done.stderr  # the traceback a new interpreter prints
+    assert result["write"] == [0, "through the fd it was sent"]
+    assert result["sleeping"] is None and result["timed_out"] is True
+    assert result["killed"] == -9  # SIGKILL, as Popen.wait reports it; the server outlived its SIGTERM
+    assert result["server_parent"] == result["owner"]
+    deadline = time.monotonic() + 10
+    while _alive(result["server"]):
+        assert time.monotonic() < deadline, "the fork server outlived its owner"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -504,6 +504,11 @@ def test_row_needs_the_floor_and_the_jump_and_waits_for_the_warm_up(rule):
     always = V1Detector(row_jump=100.0) if rule == "v1" else V3Detector(row_jump=100.0)
     for _ in range(30):  # a matrix whose gradient always sits in one row: odds high, no jump, quiet
         assert always.check(statistic(rule, 1.0), None, 1e4).level == 0
+    sometimes = V1Detector(row_jump=100.0) if rule == "v1" else V3Detector(row_jump=100.0)
+    for step in range(60):  # a gradient that is all zeros two steps in three (an expert without tokens)
+        odds = 12.0 if step % 3 == 2 else 0.0  # its odds when it has some: above the floor, no jump
+        assert sometimes.check(statistic(rule, 1.0), None, odds).level == 0
+    assert 0.0 not in sometimes.recent_rows
 
 
 @pytest.mark.parametrize("rule", ["v1", "v3"])

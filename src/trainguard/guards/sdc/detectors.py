@@ -241,7 +241,8 @@ class _RatioBaseline:
 
     def row_verdict(self, row: float | None, warmed_up: bool, state: dict[str, float]) -> dict[str, float] | None:
         """The row criterion: its thresholds when the row odds ``row`` make the value level 1, else None."""
-        if self.row_jump <= 0 or row is None or not math.isfinite(row) or not warmed_up:
+        # an all-zero gradient (odds 0: an expert that got no tokens, a masked branch) is not a check
+        if self.row_jump <= 0 or row is None or not math.isfinite(row) or row <= 0 or not warmed_up:
             return None
         if len(self.recent_rows) < min(self.min_steps, RATIO_WINDOW):
             return None
@@ -259,7 +260,7 @@ class _RatioBaseline:
         if self.peak > 0 and share is not None and math.isfinite(share):
             self.recent_shares.append(float(share))
             del self.recent_shares[:-RATIO_WINDOW]
-        if self.row_jump > 0 and row is not None and math.isfinite(row):
+        if self.row_jump > 0 and row is not None and math.isfinite(row) and row > 0:  # zeros: no baseline
             self.recent_rows.append(float(row))
             del self.recent_rows[:-RATIO_WINDOW]
 

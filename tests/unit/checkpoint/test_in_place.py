@@ -222,3 +222,16 @@ def test_a_node_mates_cleanup_during_the_commit_finds_the_step_directory_in_use(
     entry, in_place = commit_staged(files["model"], target, cleaned_up_meanwhile, write_new)
     assert in_place and entry.checksum == file_checksum(target)
     assert target.read_bytes() == _serialised(state["model"], tmp_path / "expected")
+
+
+def test_placeholders_are_not_filled_under_deterministic_algorithms():
+    """The trainer turns deterministic algorithms on, which fills new tensors with NaN: placeholders
+    would then be a second copy of the state, written for nothing. A fresh large allocation reads as
+    zeros when nothing wrote it."""
+    torch.use_deterministic_algorithms(True)
+    try:
+        (buffer,) = placeholders([torch.empty(4 << 20)])  # 16 MB: pages fresh from the kernel
+        assert not torch.isnan(buffer).any()
+        assert torch.isnan(torch.empty(16)).all()  # the setting is back for everything else
+    finally:
+        torch.use_deterministic_algorithms(False)

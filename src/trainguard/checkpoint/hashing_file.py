@@ -244,7 +244,9 @@ def _fast_tensor_save_available() -> bool:
     return params == ["obj", "zip_file", "pickle_module", "pickle_protocol", "_disable_byteorder_record"]
 
 
-_FAST_TENSOR_SAVE = _fast_tensor_save_available()
+FAST_TENSOR_SAVE = _fast_tensor_save_available()
+"""Whether ``save_tensor`` writes records without CRC32 (torch's private writer has the expected form);
+otherwise it falls back to ``torch.save``, whose records carry CRC32s of their bytes."""
 
 
 def save_tensor(tensor: torch.Tensor, stream: HashingFile) -> None:
@@ -257,7 +259,7 @@ def save_tensor(tensor: torch.Tensor, stream: HashingFile) -> None:
     training thread's own ``torch.save`` calls); this writer is per call. Falls back to ``torch.save``
     where the private API differs.
     """
-    if not _FAST_TENSOR_SAVE:
+    if not FAST_TENSOR_SAVE:
         torch.save(tensor, stream)
         return
     writer = torch._C.PyTorchFileWriter(stream, False, torch.serialization._get_storage_alignment())

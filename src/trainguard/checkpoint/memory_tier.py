@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from trainguard.checkpoint.background import BackgroundWorker
+from trainguard.checkpoint.hashing_file import FAST_TENSOR_SAVE
 from trainguard.checkpoint.local.in_place import InPlaceStaging, placeholders
 from trainguard.checkpoint.local.paths import SPARE_DIR, rank_file_names
 from trainguard.checkpoint.local.state import local_tensors
@@ -87,7 +88,9 @@ class MemoryTier:
     def _allocate(self, sources: list[torch.Tensor]) -> list[torch.Tensor]:
         """The staging plan's buffers: placeholders for a state staged in place, pinned shared buffers
         for one on CUDA."""
-        self._staged_in_place = not any(source.device.type == "cuda" for source in sources)
+        # in place only where the records carry no CRC32: headers written for one step's bytes are
+        # reused around the next step's
+        self._staged_in_place = FAST_TENSOR_SAVE and not any(source.device.type == "cuda" for source in sources)
         return placeholders(sources) if self._staged_in_place else allocator_for(self.files)(sources)
 
     def _write(self, snapshot: LazySnapshot, step: int, staged: dict[str, Any], extra_state: dict[str, Any]) -> None:

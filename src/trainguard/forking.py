@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
@@ -145,6 +146,9 @@ def _serve(control: socket.socket, owner: int, child: Child) -> None:
         signal.signal(number, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_SETMASK, set())  # the owner may have held some back
     atexit._clear()  # the owner's exit handlers are not the children's
+    for finalizer in list(weakref.finalize._registry):  # nor are its objects' finalizers
+        finalizer.detach()
+    weakref.finalize._registered_with_atexit = False  # a child's own finalizers run at its exit
     while os.getppid() == owner:
         readable, _, _ = select.select([control], [], [], PARENT_POLL_S)
         if readable:

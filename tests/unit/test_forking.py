@@ -82,3 +82,34 @@ def _alive(pid: int) -> bool:
             return stat.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+FINALIZERS = r"""
+import os, sys, weakref
+from pathlib import Path
+from trainguard.forking import ForkServer
+
+class Thing:
+    pass
+
+out = Path(sys.argv[1])
+owners = Thing()  # alive in the owner, and in every child as a copy: the child must not finalize it
+weakref.finalize(owners, lambda: (out / f"owner-{os.getpid()}").write_text("finalized"))
+
+def child(message, fds):
+    global kept  # alive until the child's end: only its exit runs the finalizer
+    kept = Thing()
+    weakref.finalize(kept, (out / "child").write_text, "finalized")
+
+server = ForkServer(child)
+sys.exit(server.fork(b"go").wait(30))
+"""
+
+
+def test_a_childs_own_finalizers_run_at_its_exit_and_the_owners_do_not(tmp_path):
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", FINALIZERS, str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "child").read_text() == "finalized"
+    assert len(list(tmp_path.glob("owner-*"))) == 1  # at the owner's exit only, not at the child's

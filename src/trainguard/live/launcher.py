@@ -183,6 +183,8 @@ def start_live_rank_server() -> None:
         return
     for module in RANK_PRELOAD:
         importlib.import_module(module)
+    if thread_count() != 1:  # an import started one (some builds of torch do)
+        return
     _rank_server = ForkServer(_forked_rank)
 
 
@@ -193,6 +195,7 @@ def _forked_rank(message: bytes, fds: list[int]) -> None:
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
+    sys.stdin, sys.stdout, sys.stderr = sys.__stdin__, sys.__stdout__, sys.__stderr__  # not a caller's redirection
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])

@@ -68,7 +68,10 @@ def start_writer_fork_server() -> None:
     thread (the caller checks; a rank's first code does it, ``runtime.fork_server.run_rank``): each is
     then one fork, without the 1.6 s of CPU of a new interpreter's imports (``trainguard.forking``)."""
     global _fork_server
-    _fork_server = ForkServer(_forked_writer)
+    try:
+        _fork_server = ForkServer(_forked_writer)
+    except OSError:  # no process or socket to spare now (EAGAIN, ENOMEM): writers start cold
+        _fork_server = None
 
 
 def _forked_writer(_message: bytes, fds: list[int]) -> None:

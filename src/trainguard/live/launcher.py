@@ -185,7 +185,10 @@ def start_live_rank_server() -> None:
         importlib.import_module(module)
     if thread_count() != 1:  # an import started one (some builds of torch do)
         return
-    _rank_server = ForkServer(_forked_rank)
+    try:
+        _rank_server = ForkServer(_forked_rank)
+    except OSError:  # no process or socket to spare now (EAGAIN, ENOMEM): ranks start cold
+        _rank_server = None
 
 
 def _forked_rank(message: bytes, fds: list[int]) -> None:

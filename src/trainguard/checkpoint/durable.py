@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import io
 import pickle
 import threading
 import time
@@ -55,10 +54,10 @@ from trainguard.checkpoint.manifest import build_manifest, read_manifest
 from trainguard.checkpoint.retention import retention_after_commit
 from trainguard.checkpoint.safe_load import describe_error, load_dcp_metadata, safe_torch_load, weights_only_refusal
 from trainguard.checkpoint.snapshot import LazySnapshot, StagingGate
-from trainguard.checkpoint.staging import detached
+from trainguard.checkpoint.staging import ReusableStager, detached, serialised
 from trainguard.checkpoint.state_capture import CaptureCache
 from trainguard.checkpoint.state_dict import STATE_DICT_OPTIONS, training_state
-from trainguard.checkpoint.writer_process import make_writer, staging_for, writer_died
+from trainguard.checkpoint.writer_process import allocator_for, make_writer, writer_died
 from trainguard.errors import CheckpointError, UnsafeCheckpointError, raised_by_every_rank
 from trainguard.events import EventLog
 from trainguard.fs.fsio import remove_directory_crash_safe
@@ -158,7 +157,7 @@ class DurableCheckpointer:
         self._error: BaseException | None = None
         self.files = make_writer(writer if async_save else "thread", "durable")
         """What writes the files of a save: the writer process of async saves, or this process."""
-        self.capture = CaptureCache(training_state, staging_for(self.files))
+        self.capture = CaptureCache(training_state, ReusableStager(allocator_for(self.files)))
         """The staging plan of async saves, with its reused buffers (``capture.stager``)."""
         self._gate = StagingGate()
 
@@ -208,10 +207,8 @@ class DurableCheckpointer:
                  write_static_files: Callable[[Path], None]) -> SaveJob:
         """The save's temporary directory, its extra state serialised, and (rank 0) its static files."""
         tmp.mkdir(parents=True, exist_ok=True)
-        extra = io.BytesIO()
-        torch.save(extra_state, extra)
         job = SaveJob(step, tmp, trainer_state, started, tmp / extra_state_name(self.world_size, self.rank),
-                      extra.getvalue(), health)
+                      serialised(extra_state), health)
         if self.rank == 0:
             write_static_files(tmp)
         return job

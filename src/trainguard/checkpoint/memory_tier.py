@@ -17,7 +17,6 @@ S + 1, step S - 1 at least is committed, and with it every step but the one bein
 from __future__ import annotations
 
 import hashlib
-import io
 import threading
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ from trainguard.checkpoint.local.state import local_tensors
 from trainguard.checkpoint.local.tier import LocalTier
 from trainguard.checkpoint.local.writer import model_file_state
 from trainguard.checkpoint.snapshot import LazySnapshot, StagingGate
-from trainguard.checkpoint.staging import ReusableStager, detached
+from trainguard.checkpoint.staging import ReusableStager, detached, serialised
 from trainguard.checkpoint.state_capture import CaptureCache
 from trainguard.checkpoint.writer_process import allocator_for, make_writer
 
@@ -95,10 +94,9 @@ class MemoryTier:
 
     def _write(self, snapshot: LazySnapshot, step: int, staged: dict[str, Any], extra_state: dict[str, Any]) -> None:
         try:
-            extra = io.BytesIO()
-            torch.save(extra_state, extra)
+            extra = serialised(extra_state)
             snapshot.copied()
-            saved = self.tier.write(step, staged["model"], staged["optim"], extra.getvalue(), files=self.files)
+            saved = self.tier.write(step, staged["model"], staged["optim"], extra, files=self.files)
             if saved.layout_moved:
                 self.in_place.replan()
         except BaseException as exc:  # raised by the next save or wait()

@@ -27,7 +27,6 @@ the step as one checkpoint. Saves are synchronous; every method is collective.
 
 from __future__ import annotations
 
-import io
 import logging
 import socket
 import time
@@ -53,6 +52,7 @@ from trainguard.checkpoint.retention import retention_after_commit
 from trainguard.checkpoint.rng_state import capture_rng_state, restore_rng_state
 from trainguard.errors import CheckpointError
 from trainguard.events import EventLog
+from trainguard.checkpoint.staging import serialised
 
 log = logging.getLogger("trainguard")
 
@@ -143,11 +143,10 @@ class RoleCheckpointManager:
         directory.mkdir(parents=True, exist_ok=True)
         if dist.is_initialized():
             dist.barrier()
-        extra = io.BytesIO()
-        torch.save({"step": step, "rank": self.rank, "world_size": self.world_size, "rng": capture_rng_state(),
-                    "stateful": {key: obj.state_dict() for key, obj in role.stateful.items()}}, extra)
+        extra = serialised({"step": step, "rank": self.rank, "world_size": self.world_size, "rng": capture_rng_state(),
+                            "stateful": {key: obj.state_dict() for key, obj in role.stateful.items()}})
         job = SaveJob(step, directory, {"step": step, "role": name}, time.perf_counter(),
-                      directory / extra_state_name(self.world_size, self.rank), extra.getvalue())
+                      directory / extra_state_name(self.world_size, self.rank), extra)
         state = training_state(role.model, role.optimizer)
         entries, failure = write_rank_files(state, job, self.group)
         known = gather_entries(job, entries, failure, rank=self.rank, world_size=self.world_size,

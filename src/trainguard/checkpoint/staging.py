@@ -18,6 +18,7 @@ previous staged copy has finished (``DurableCheckpointer`` waits for the previou
 from __future__ import annotations
 
 import copy
+import io
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -169,6 +170,13 @@ def is_immutable(value: Any) -> bool:
     if type(value) is tuple:  # plain values first: a Python RNG state is a tuple of 625 ints
         return all(isinstance(item, _IMMUTABLE) or is_immutable(item) for item in value)
     return isinstance(value, _IMMUTABLE)
+
+
+def serialised(value: Any) -> bytes:
+    """``torch.save(value)``'s bytes: an extra-state file's content."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
 
 
 def detached(value: Any) -> Any:

@@ -47,7 +47,7 @@ import torch
 
 from trainguard.checkpoint.config import WRITERS
 from trainguard.checkpoint.shared_buffers import ArenaRef, SharedArena, allocate_shared, tensor_in
-from trainguard.checkpoint.staging import ReusableStager, allocate_each
+from trainguard.checkpoint.staging import allocate_each
 from trainguard.errors import CheckpointError, ConfigError
 from trainguard.forking import ForkedProcess, ForkServer
 
@@ -216,11 +216,6 @@ def make_writer(kind: str, name: str) -> InProcess | WriterProcess:
 def allocator_for(writer: InProcess | WriterProcess) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
     """How to allocate staging buffers the writer can read: in shared memory for a writer process."""
     return writer.allocate if isinstance(writer, WriterProcess) else allocate_each
-
-
-def staging_for(writer: InProcess | WriterProcess) -> ReusableStager:
-    """Staging buffers the writer can read (``allocator_for``)."""
-    return ReusableStager(allocator_for(writer))
 
 
 def writer_died(error: BaseException) -> WriterProcessDied | None:

@@ -5,7 +5,6 @@ Every method is collective over the tier's own gloo group (created by the caller
 
 from __future__ import annotations
 
-import io
 import logging
 import threading
 import time
@@ -45,6 +44,7 @@ from trainguard.errors import CheckpointError
 from trainguard.events import EventLog
 from trainguard.topology.group_info import GROUP_INFO_NAME, GroupInfo
 from trainguard.topology.replica_groups import ReplicaGroups
+from trainguard.checkpoint.staging import serialised
 
 log = logging.getLogger("trainguard")
 
@@ -128,10 +128,8 @@ class LocalTier:
         """Writes this rank's state of ``step``; the only communication is the small extra state
         going to the buddy, before anything is written, and a barrier after (for the tracker)."""
         self.wait()
-        extra = io.BytesIO()
-        torch.save(extra_state, extra)
         model_state, optim_state = local_state(model, optimizer)
-        return self.write(step, model_state, optim_state, extra.getvalue())
+        return self.write(step, model_state, optim_state, serialised(extra_state))
 
     def write(self, step: int, model_state: dict[str, Any] | StagedFile, optim_state: dict[str, Any] | StagedFile,
               extra_bytes: bytes, files: Writer = IN_PROCESS) -> SavedStep:

@@ -101,13 +101,15 @@ def excluded_groups(members: list[int], absent: list[int], group_of: Callable[[i
 class StallWatch:
     """The lighthouse's side: the step times seen so far and the current step's all-reduce."""
 
-    def __init__(self, store: dist.Store, stall_s: float, stall_steps: float):
-        self.store, self.stall_s, self.stall_steps = store, stall_s, stall_steps
+    def __init__(self, store: dist.Store, stall_s: float, stall_steps: float,
+                 clock: Callable[[], float] = time.monotonic):
+        """``clock``: seconds, monotonic (a test's own clock: the verdicts depend on time alone)."""
+        self.store, self.stall_s, self.stall_steps, self.clock = store, stall_s, stall_steps, clock
         self.step_times: deque[float] = deque(maxlen=STEP_TIMES)
         self.current: tuple[int, int, float] | None = None  # (epoch, step, first seen entered)
         self.judged: tuple[int, int] | None = None  # (epoch, step) already found stalled
         self.first: tuple[int, int] | None = None  # (epoch, the first step its members were seen at)
-        self.last_look = time.monotonic()
+        self.last_look = clock()
 
     def bound_s(self) -> float:
         median = statistics.median(self.step_times) if self.step_times else 0.0
@@ -116,7 +118,7 @@ class StallWatch:
     def look(self, quorum: Quorum, alive: list[int]) -> Stall | None:
         """The stall of the current epoch's all-reduce among ``alive`` (the members that have not finished),
         once per step; None while it is not one."""
-        now = time.monotonic()
+        now = self.clock()
         if now - self.last_look > LOOKED_AWAY_S and self.current is not None:
             # this process was not scheduled for a while: it judges nobody on that gap
             self.current = (*self.current[:2], now)

@@ -1,18 +1,18 @@
 """The stall watch (``live/stall.py``) on a real ``TCPStore``: an all-reduce entered and not left for
 the stall bound is found once, with the members that never entered; a step somebody left is not a
-stall; the bound follows the run's median step time above its floor; the verdict never excludes every
-replica group."""
+stall; the bound follows the run's median step time above its floor; a gap in the watch's own looks
+judges nobody; the verdict never excludes every replica group. Time is the test's own clock: what is
+asserted depends on no scheduler."""
 
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 
 from trainguard.live.quorum import Quorum
-from trainguard.live.stall import IN, OUT, StallWatch, excluded_groups, reduce_key
+from trainguard.live.stall import IN, LOOKED_AWAY_S, OUT, StallWatch, excluded_groups, reduce_key
 
 MEMBERS = [0, 1, 2, 3]
 QUORUM = Quorum(0, MEMBERS, 0, "start")
@@ -25,6 +25,18 @@ def group_of(rank: int) -> int:
 @pytest.fixture
 def store():
     return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _watch(store, stall_s, stall_steps):
+    return StallWatch(store, stall_s=stall_s, stall_steps=stall_steps, clock=Clock())
 
 
 def _mark(store, rank, step, phase, epoch=0):
@@ -41,37 +53,37 @@ def _started(store, watch, epoch=0):
 
 def _looks(watch, seconds, quorum=QUORUM):
     """Every stall the watch reports over ``seconds`` of looks, 10 ms apart (as the launcher polls)."""
-    found, deadline = [], time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    found = []
+    for _ in range(round(seconds / 0.01)):
         stall = watch.look(quorum, MEMBERS)
         if stall is not None:
             found.append(stall)
-        time.sleep(0.01)
+        watch.clock.now += 0.01
     return found
 
 
 def test_an_all_reduce_entered_and_not_left_is_a_stall_once_naming_the_absent(store):
-    watch = _started(store, StallWatch(store, stall_s=0.3, stall_steps=10.0))
+    watch = _started(store, _watch(store, stall_s=0.3, stall_steps=10.0))
     for rank in (0, 1, 2):
         _mark(store, rank, 10, IN)  # rank 3 left step 9's and never entered step 10's
     (stall,) = _looks(watch, 1.0)
     assert (stall.step, stall.waiting, stall.absent) == (10, [0, 1, 2], [3])
-    assert stall.bound_s == 0.3
+    assert stall.bound_s == 0.3 and stall.waited_s == pytest.approx(0.31)  # the first look past the bound
 
 
 def test_a_step_somebody_left_or_another_epochs_marks_are_no_stall(store):
-    watch = _started(store, StallWatch(store, stall_s=0.2, stall_steps=10.0))
+    watch = _started(store, _watch(store, stall_s=0.2, stall_steps=10.0))
     _mark(store, 0, 10, OUT)  # the all-reduce completed: the others are only slow to come back
     for rank in (1, 2, 3):
         _mark(store, rank, 10, IN)
     assert _looks(watch, 0.6) == []
     # in epoch 0's all-reduce of step 10 for long, but the epoch is 1 now: nobody is in its own
     newer = Quorum(1, MEMBERS, 10, "a collective failed")
-    watch = _started(store, StallWatch(store, stall_s=0.01, stall_steps=1.0))
+    watch = _started(store, _watch(store, stall_s=0.01, stall_steps=1.0))
     for rank in MEMBERS:
         _mark(store, rank, 10, IN)
     assert watch.look(newer, MEMBERS) is None and watch.look(QUORUM, MEMBERS) is None
-    time.sleep(0.05)
+    watch.clock.now += 0.05
     assert watch.look(newer, MEMBERS) is None
     assert watch.look(QUORUM, MEMBERS) is not None  # the same marks in their own epoch: a stall
 
@@ -82,7 +94,7 @@ def test_the_first_step_of_an_epoch_is_not_judged(store):
     joined = Quorum(1, MEMBERS, None, "replica group 1 rejoins")
     for rank in (0, 1, 2):
         _mark(store, rank, 9, IN, epoch=1)
-    watch = StallWatch(store, stall_s=0.1, stall_steps=0.1)
+    watch = _watch(store, stall_s=0.1, stall_steps=0.1)
     assert _looks(watch, 0.4, joined) == []
     for rank in (0, 1, 2):  # the epoch's next step is judged
         _mark(store, rank, 10, IN, epoch=1)
@@ -90,7 +102,7 @@ def test_the_first_step_of_an_epoch_is_not_judged(store):
 
 
 def test_the_bound_is_the_floor_or_a_multiple_of_the_median_step_time(store):
-    watch = StallWatch(store, stall_s=5.0, stall_steps=10.0)
+    watch = _watch(store, stall_s=5.0, stall_steps=10.0)
     assert watch.bound_s() == 5.0  # no step seen yet
     watch.step_times.extend([0.1, 0.2, 3.0])  # a slow step does not move the median
     assert watch.bound_s() == 5.0
@@ -99,17 +111,30 @@ def test_the_bound_is_the_floor_or_a_multiple_of_the_median_step_time(store):
 
 
 def test_the_watch_measures_step_times_from_the_marks(store):
-    watch = StallWatch(store, stall_s=5.0, stall_steps=10.0)
+    watch = _watch(store, stall_s=5.0, stall_steps=10.0)
     for step in range(4):
         for rank in MEMBERS:
             _mark(store, rank, step, IN)
         watch.look(QUORUM, MEMBERS)
         for rank in MEMBERS:
             _mark(store, rank, step, OUT)
-        time.sleep(0.02)
+        watch.clock.now += 0.02
+    watch.clock.now += 0.02
     _mark(store, 0, 6, IN)  # steps 4 and 5 passed between two looks: their time is shared
     watch.look(QUORUM, MEMBERS)
-    assert len(watch.step_times) == 4 and all(t > 0 for t in watch.step_times)
+    assert list(watch.step_times) == pytest.approx([0.02, 0.02, 0.02, 0.04 / 3])  # 0.04 s over steps 4-6
+
+
+def test_a_gap_in_the_watchs_own_looks_judges_nobody(store):
+    """The lighthouse was not scheduled for a while: the all-reduce's time restarts from its next look."""
+    watch = _started(store, _watch(store, stall_s=0.3, stall_steps=10.0))
+    for rank in (0, 1, 2):
+        _mark(store, rank, 10, IN)
+    assert watch.look(QUORUM, MEMBERS) is None
+    watch.clock.now += LOOKED_AWAY_S + 0.5  # far past the bound, but unseen
+    assert watch.look(QUORUM, MEMBERS) is None
+    (stall,) = _looks(watch, 1.0)
+    assert stall.waited_s == pytest.approx(0.31)
 
 
 @pytest.mark.parametrize("absent, excluded", [

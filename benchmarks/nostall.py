@@ -99,8 +99,9 @@ def build(args):
     from trainguard.trainer.model import PRESETS
 
     torch.manual_seed(0)
+    where = device(args)
     config = LlamaConfig(**PRESETS[args.preset], max_position_embeddings=args.seq_len)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device(args))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(where)
     mesh = init_device_mesh(args.device, (args.ranks,), mesh_dim_names=("dp_shard",))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
@@ -109,7 +110,7 @@ def build(args):
     vocab = config.vocab_size
 
     def forward_backward() -> None:
-        tokens = torch.randint(0, vocab, (args.batch, args.seq_len), device=device(args))
+        tokens = torch.randint(0, vocab, (args.batch, args.seq_len), device=where)
         model(input_ids=tokens, labels=tokens).loss.backward()
 
     def train_step() -> None:

@@ -69,8 +69,7 @@ def test_cuda_sources_are_staged_into_page_locked_buffers():
     assert staged["weight"].device.type == "cpu" and staged["weight"].is_pinned()
     assert torch.equal(staged["weight"], source["weight"].cpu()) and staged["step"] == 7
 
-    arena, (buffer,) = allocate_shared([source["weight"]])
+    _arena, (buffer,) = allocate_shared([source["weight"]])
     buffer.copy_(source["weight"], non_blocking=True)
     torch.cuda.synchronize()
     assert torch.equal(buffer, source["weight"].cpu())
-    del buffer, arena

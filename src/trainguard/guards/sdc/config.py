@@ -122,23 +122,19 @@ class SdcConfig:
         if not isinstance(points, (list, tuple)) or not all(isinstance(p, str) and p for p in points):
             raise ConfigError(f"config key guards.sdc.points must be a list of module names, got {points!r}")
         self.points = list(points)
-        ratio = self.ratio
-        if (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not math.isfinite(ratio)
-                or not (ratio == 0 or ratio > 1)):
-            raise ConfigError(f"config key guards.sdc.ratio must be 0 (off) or a finite number > 1, got {ratio!r}")
-        self.ratio = float(ratio)
+        for key, example in (("ratio", ""), ("row_jump", " (e.g. 100)")):
+            factor = getattr(self, key)
+            if (isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor)
+                    or not (factor == 0 or factor > 1)):
+                raise ConfigError(f"config key guards.sdc.{key} must be 0 (off) or a finite number > 1{example}, "
+                                  f"got {factor!r}")
+            setattr(self, key, float(factor))
         peak = self.peak
         if (isinstance(peak, bool) or not isinstance(peak, (int, float)) or not math.isfinite(peak)
                 or not (peak == 0 or 0 < peak < 1)):
             raise ConfigError(f"config key guards.sdc.peak must be 0 (off) or a share between 0 and 1 "
                               f"(e.g. 0.5), got {peak!r}")
         self.peak = float(peak)
-        row_jump = self.row_jump
-        if (isinstance(row_jump, bool) or not isinstance(row_jump, (int, float)) or not math.isfinite(row_jump)
-                or not (row_jump == 0 or row_jump > 1)):
-            raise ConfigError(f"config key guards.sdc.row_jump must be 0 (off) or a finite number > 1 (e.g. 100), "
-                              f"got {row_jump!r}")
-        self.row_jump = float(row_jump)
         for key in ("blocks", "gradients"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"config key guards.sdc.{key} must be true or false, got {getattr(self, key)!r}")

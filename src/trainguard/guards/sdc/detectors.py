@@ -170,18 +170,12 @@ def _check_peak(peak: float) -> float:
     return peak
 
 
-def _check_row_jump(row_jump: float) -> float:
-    row_jump = float(row_jump)
-    if not math.isfinite(row_jump) or not (row_jump == 0 or row_jump > 1):
-        raise ValueError(f"row_jump must be 0 (off) or a finite number > 1, got {row_jump!r}")
-    return row_jump
-
-
-def _check_ratio(ratio: float) -> float:
-    ratio = float(ratio)
-    if not math.isfinite(ratio) or not (ratio == 0 or ratio > 1):
-        raise ValueError(f"ratio must be 0 (off) or a finite number > 1, got {ratio!r}")
-    return ratio
+def _check_factor(name: str, factor: float) -> float:
+    """``ratio`` and ``row_jump``: 0 (off) or a finite factor above 1."""
+    factor = float(factor)
+    if not math.isfinite(factor) or not (factor == 0 or factor > 1):
+        raise ValueError(f"{name} must be 0 (off) or a finite number > 1, got {factor!r}")
+    return factor
 
 
 class _RatioBaseline:
@@ -304,9 +298,9 @@ class V1Detector(_RatioBaseline):
 
     def __init__(self, upper: Sequence[float] = DEFAULT_UPPER, sigma: Sequence[float] = DEFAULT_SIGMA,
                  min_steps: int = V1_MIN_STEPS, ratio: float = 0.0, peak: float = 0.0, row_jump: float = 0.0):
-        self.ratio = _check_ratio(ratio)
+        self.ratio = _check_factor("ratio", ratio)
         self.peak = _check_peak(peak)
-        self.row_jump = _check_row_jump(row_jump)
+        self.row_jump = _check_factor("row_jump", row_jump)
         self.recent: list[float] = []
         self.recent_shares: list[float] = []  # the peak criterion's: the point's recent clean peak shares
         self.recent_rows: list[float] = []  # the row criterion's: the point's recent clean row odds
@@ -403,9 +397,9 @@ class V3Detector(_RatioBaseline):
                  ratio: float = 0.0, peak: float = 0.0, row_jump: float = 0.0):
         if not 0 < a2 < a1:
             raise ValueError(f"v3 needs 0 < a2 < a1, got a1={a1!r}, a2={a2!r}")
-        self.ratio = _check_ratio(ratio)
+        self.ratio = _check_factor("ratio", ratio)
         self.peak = _check_peak(peak)
-        self.row_jump = _check_row_jump(row_jump)
+        self.row_jump = _check_factor("row_jump", row_jump)
         self.recent: list[float] = []
         self.recent_shares: list[float] = []  # the peak criterion's: the point's recent clean peak shares
         self.recent_rows: list[float] = []  # the row criterion's: the point's recent clean row odds
@@ -515,9 +509,9 @@ class SdcDetector:
                  peak: float = 0.0, row_jump: float = 0.0):
         if rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
-        self.ratio = _check_ratio(ratio)
+        self.ratio = _check_factor("ratio", ratio)
         self.peak = _check_peak(peak)
-        self.row_jump = _check_row_jump(row_jump)
+        self.row_jump = _check_factor("row_jump", row_jump)
         self.rule = rule
         self.names = list(names)
         self.upper = tuple(upper)
@@ -565,7 +559,7 @@ class SdcDetector:
             value = float(value)
             if value < 0:  # NOT_CHECKED (NaN compares False and is checked)
                 continue
-            row = None if rows is None or not float(rows[i]) >= 0 else float(rows[i])
+            row = None if rows is None else float(rows[i])  # NOT_CHECKED, NaN: the row criterion skips them
             verdict = self.point(name).check(value, None if shares is None else float(shares[i]), row)
             if verdict.level:
                 detections.append(Detection(name, verdict.level, value, verdict.thresholds, self.rule,

@@ -187,10 +187,6 @@ class _InPlace:
         """Nothing to hand on before the end."""
 
 
-def _each_tensor(state: dict[str, Any], replace: Callable[[Any], Any]) -> dict[str, Any]:
-    return {key: replace(value) for key, value in state.items()}
-
-
 class InPlaceStaging:
     def __init__(self, spare_dir: Path, names: dict[str, str], wrap: dict[str, Callable[[dict[str, Any]], Any]]):
         """``spare_dir``/``names[kind]``: the file of each kind (``model``, ``optim``) a step is staged
@@ -251,8 +247,8 @@ class InPlaceStaging:
             copies.append((view, source))
         files = {}
         for kind, name in self.names.items():
-            state = _each_tensor(plan.staged[kind], lambda value: self._slices[id(value)][1]
-                                 if isinstance(value, torch.Tensor) and id(value) in self._slices else value)
+            state = {key: self._slices[id(value)][1] if isinstance(value, torch.Tensor) and id(value) in self._slices
+                     else value for key, value in plan.staged[kind].items()}
             files[kind] = StagedFile(self.spare_dir / name, self._sizes[kind], state)
         return copies, files
 
@@ -287,8 +283,8 @@ def commit_staged(staged: StagedFile, target: Path, wrap: Callable[[dict[str, An
         if kept is not None and kept[0] == key:
             writes = kept[1]
         else:
-            state = wrap(_each_tensor(staged.state, lambda value: _tensor(mapped.map, value)
-                                      if isinstance(value, FileSlice) else value))
+            state = wrap({key: _tensor(mapped.map, value) if isinstance(value, FileSlice) else value
+                          for key, value in staged.state.items()})
             stream = _InPlace(mapped)
             save_tensor(state, stream)
             if stream.moved or stream.position != staged.size:

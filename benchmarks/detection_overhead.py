@@ -17,7 +17,11 @@ each per round in a rotating order (off norms all, norms all off, all off norms,
   matrices' row odds for the row criterion (``guards.sdc.row_jump``).
 
 The overheads are medians over the rounds of per-round ratios: ``norms / off - 1`` (the norm points),
-``all / norms - 1`` (the extra points) and ``all / off - 1`` (detection as a whole, the defaults).
+``all / norms - 1`` (the extra points) and ``all / off - 1`` (detection as a whole, the defaults); and,
+beside them, the same ratios of each mode's fastest step over the rounds. On a virtual machine whose
+step times vary by 10 % from one step to the next with nothing else running, the per-round ratios
+spread over several percent; interference only ever slows a step, so the fastest step of each mode is
+the estimate the noise moves least.
 In isolation (the fastest of 7, a figure the load hardly moves): the gradient points' statistics
 (per-parameter norms, the peak pass and the row odds) minus the per-parameter norms alone, which the
 global norm reads anyway and now takes from the points, as a share of the fastest step without
@@ -137,6 +141,8 @@ def main(argv: list[str]) -> int:
     gradient_points = (collect_s - norms_s) / fastest_off
     row_odds = (collect_s - without_rows_s) / fastest_off
     median_ms = {mode: 1e3 * statistics.median(r[mode] for r in rounds) for mode in MODES}
+    fastest_ms = {mode: 1e3 * min(r[mode] for r in rounds) for mode in MODES}
+    by_fastest = {pair: fastest_ms[pair[0]] / fastest_ms[pair[1]] - 1 for pair in COMPARED}
     overheads = {pair: [r[pair[0]] / r[pair[1]] - 1 for r in rounds] for pair in COMPARED}
     overhead = {pair: statistics.median(ratios) for pair, ratios in overheads.items()}
     step_s = median_ms["off"] / 1e3
@@ -149,30 +155,34 @@ def main(argv: list[str]) -> int:
     print(f"Detection overhead ({args.preset}, {params / 1e6:.1f}M params, seq_len {args.seq_len}, micro-batch 1, "
           f"CPU, {torch.get_num_threads()} threads, {args.rounds} rounds of 3 steps; {wall:.0f} s; load average "
           f"{load:.1f} at the end on {os.cpu_count()} cores)\n")
-    print("| what | median | overhead: median of per-round ratios (p25 .. p75) | target |")
-    print("|---|---:|---:|---|")
-    print(f"| step, no detection (off) | {median_ms['off']:.0f} ms | | |")
+    print("| what | median | overhead: median of per-round ratios (p25 .. p75) | fastest step | overhead: "
+          "fastest against fastest | target |")
+    print("|---|---:|---:|---:|---:|---|")
+    print(f"| step, no detection (off) | {median_ms['off']:.0f} ms | | {fastest_ms['off']:.0f} ms | | |")
     labels = {("norms", "off"): f"step, {len(norm_names)} norm points vs off",
               ("all", "norms"): f"step, default points ({len(all_names)}: {len(norm_names)} norm, {block_points} block, "
                                 f"{len(gradients.names)} gradient) vs norm points: the extra points",
               ("all", "off"): "step, default points vs off"}
     for pair in COMPARED:
         quartiles = statistics.quantiles(overheads[pair], n=4)
+        verdicts = ["met" if value <= TARGET else "MISSED" for value in (overhead[pair], by_fastest[pair])]
         print(f"| {labels[pair]} | {median_ms[pair[0]]:.0f} ms | {100 * overhead[pair]:+.2f} % "
-              f"({100 * quartiles[0]:+.2f} .. {100 * quartiles[2]:+.2f}) | "
-              f"{'met' if overhead[pair] <= TARGET else 'MISSED'} |")
+              f"({100 * quartiles[0]:+.2f} .. {100 * quartiles[2]:+.2f}) | {fastest_ms[pair[0]]:.0f} ms | "
+              f"{100 * by_fastest[pair]:+.2f} % | {verdicts[0]} (median), {verdicts[1]} (fastest) |")
     print(f"| in isolation: the {len(gradients.names)} gradient points' statistics beyond the norms the global norm "
-          f"reads anyway | {1e3 * (collect_s - norms_s):.1f} ms | {100 * gradient_points:.2f} % of the fastest off step | "
+          f"reads anyway | {1e3 * (collect_s - norms_s):.1f} ms | {100 * gradient_points:.2f} % of the fastest off step | | | "
           f"{'met' if gradient_points <= TARGET else 'MISSED'} |")
     print(f"| in isolation: of which the weight matrices' row odds (the row criterion) | "
-          f"{1e3 * (collect_s - without_rows_s):.1f} ms | {100 * row_odds:.2f} % of the fastest off step | |")
+          f"{1e3 * (collect_s - without_rows_s):.1f} ms | {100 * row_odds:.2f} % of the fastest off step | | | |")
     print(f"| one fingerprint of the state (params + AdamW) | {1e3 * hash_s:.1f} ms | "
-          f"{100 * fingerprint:.3f} % per step at interval {interval} (2 per check) | "
+          f"{100 * fingerprint:.3f} % per step at interval {interval} (2 per check) | | | "
           f"{'met' if fingerprint <= TARGET else 'MISSED'} |")
     print(f"| non-finite scan before a save | {1e3 * scan_s:.1f} ms | {100 * scan_s / step_s:.2f} % of one step, "
-          f"per save | |")
+          f"per save | | | |")
     result = {"preset": args.preset, "params": params, "rounds": rounds, "median_ms": median_ms,
-              "overhead": {f"{a}/{b}": v for (a, b), v in overhead.items()}, "hash_s": hash_s, "scan_s": scan_s,
+              "overhead": {f"{a}/{b}": v for (a, b), v in overhead.items()},
+              "fastest_ms": fastest_ms, "overhead_fastest": {f"{a}/{b}": v for (a, b), v in by_fastest.items()},
+              "hash_s": hash_s, "scan_s": scan_s,
               "interval": interval, "fingerprint_overhead": fingerprint, "load": load,
               "gradient_points_isolated": gradient_points, "collect_s": collect_s, "norms_s": norms_s,
               "row_odds_isolated": row_odds, "without_rows_s": without_rows_s,
@@ -187,6 +197,10 @@ def main(argv: list[str]) -> int:
             "figure": f"{figures[pair]}, {args.preset} (median of per-round ratios)",
             "trainguard": median_ms[pair[0]] / 1e3, "baseline": median_ms[pair[1]] / 1e3,
             "ratio": 1 + overhead[pair], "target": "<= 1.01", "met": overhead[pair] <= TARGET}))
+        print("RESULT " + json.dumps({
+            "figure": f"{figures[pair]}, {args.preset} (fastest step of each mode)",
+            "trainguard": fastest_ms[pair[0]] / 1e3, "baseline": fastest_ms[pair[1]] / 1e3,
+            "ratio": 1 + by_fastest[pair], "target": "<= 1.01", "met": by_fastest[pair] <= TARGET}))
     print("RESULT " + json.dumps({"figure": f"fingerprints at interval {interval}, {args.preset}",
                                   "ratio": 1 + fingerprint, "target": "<= 1.01", "met": fingerprint <= TARGET}))
     return 0

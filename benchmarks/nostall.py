@@ -14,7 +14,8 @@ from a trainguard preset, random tokens):
 2. *throughput*: training steps per second with a durable async save every 10 steps, and with the
    memory tier every step (``checkpoint.memory_interval=1``, ``/dev/shm``), against no saves; blocks
    of ``--block`` steps (20), each timed until its saves are committed, each mode in ABBA quads with blocks without
-   saves (none X X none, X none none X); the figure is the median over quads of each quad's ratio.
+   saves (none X X none, X none none X); the figure is the median over quads of each quad's ratio, and beside it the
+   ratio of the fastest block of each mode (interference only slows a block).
    Targets: ≥ 0.97 and ≥ 0.95.
 3. *steps redone after a SIGKILL*: ``trainguard train`` with the memory tier every step, rank 1 killed
    (SIGKILL) as it starts step K, restarted with ``--resume auto``: the step it resumes from, and
@@ -306,6 +307,11 @@ def inner(args) -> None:
                     print_result(f"steps/s with a {label} vs no saves, writer {writer} (median of ABBA quad ratios)",
                                  value * median(rates["none"]), median(rates["none"]), f"ratio >= {target}",
                                  value >= target)
+                    # interference only slows a block: the fastest block of each mode is the figure the
+                    # noise of a shared or virtual machine moves least
+                    fastest, fastest_none = max(rates[mode]), max(rates["none"])
+                    print_result(f"steps/s with a {label} vs no saves, writer {writer} (fastest block of each)",
+                                 fastest, fastest_none, f"ratio >= {target}", fastest >= target * fastest_none)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -411,7 +417,7 @@ def cpu_profile(args, model, optimizer, train_step, root: Path, shm: Path) -> li
             os.close(fd)
 
     disk = root / f"pieces-{rank}.bin"
-    rows.append((f"staged bytes of this rank (MB)", nbytes / 1e6))
+    rows.append(("staged bytes of this rank (MB)", nbytes / 1e6))
     rows.append(("piece: memcpy into staging (torch copy_)", thread_cpu(copy)))
     rows.append(("piece: xxh3_64 of the staged bytes", thread_cpu(digest)))
     rows.append((f"piece: os.write into a new file in {root.parent} (page cache)", thread_cpu(lambda: write_to(disk, os.O_CREAT))))

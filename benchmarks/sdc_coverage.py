@@ -1,8 +1,8 @@
 """Benchmark: detection of single bit flips at every site of a training step, and false alarms.
 
-How it runs (one process, CPU, llama-micro)::
+How it runs (one process, CPU, llama-micro unless ``--preset``)::
 
-    python benchmarks/sdc_coverage.py [--draws 5] [--steps 160] [--seed 0] [--quick] [--json out.json]
+    python benchmarks/sdc_coverage.py [--preset llama-micro] [--draws 5] [--steps 160] [--seed 0] [--quick] [--json out.json]
         [--sites SITE ...] [--classes CLASS ...] [--ratio R] [--no-flips | --no-clean]
 
 ``--sites``/``--classes`` limit the flips to some cells (more draws where they are needed);
@@ -72,6 +72,8 @@ LOSS_SCALE = 2.0 ** 16
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="llama-micro", help="model.preset (default llama-micro; llama-tiny has rows "
+                   "of 256 and 688 elements against llama-micro's 64 and 160)")
     p.add_argument("--draws", type=int, default=5, help="injections per (site, dtype, class) cell (default 5)")
     p.add_argument("--steps", type=int, default=160, help="steps of each clean run (default 160)")
     p.add_argument("--warmup", type=int, default=20)
@@ -93,7 +95,7 @@ def bit_of(klass: str, dtype: str) -> int | str:
 
 
 class Harness:
-    """llama-micro with the default detection set; steps with or without one injection."""
+    """The model (``--preset``) with the default detection set; steps with or without one injection."""
 
     def __init__(self, args: argparse.Namespace, lr: float = 1e-3, seq_len: int = 32):
         import torch
@@ -105,7 +107,7 @@ class Harness:
 
         self.torch = torch
         self.args = args
-        self.model = build_model(build_model_config(ModelConfig(preset="llama-micro"), 64), args.seed)
+        self.model = build_model(build_model_config(ModelConfig(preset=args.preset), 64), args.seed)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=lr)
         self.tokens = load_corpus_tokens()
@@ -381,7 +383,7 @@ def main(argv: list[str]) -> int:
     wall = time.perf_counter() - started
     candidates = [name for name in (records[0]["detected_by"] if records else runs[0]["alarms"])
                   if name not in DETECTORS + BEFORE_ROWS]
-    print(f"SDC coverage, llama-micro, default detection set (norm + block + parameter-gradient points; v1+peak+row "
+    print(f"SDC coverage, {args.preset}, default detection set (norm + block + parameter-gradient points; v1+peak+row "
           f"and v3+peak+row judged together: detected = either), {args.draws} draws per cell, {wall:.0f} s\n")
     if records:
         extra = "".join(f" {name} (of those that mattered) |" for name in candidates)

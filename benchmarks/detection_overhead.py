@@ -22,10 +22,12 @@ beside them, the same ratios of each mode's fastest step over the rounds. On a v
 step times vary by 10 % from one step to the next with nothing else running, the per-round ratios
 spread over several percent; interference only ever slows a step, so the fastest step of each mode is
 the estimate the noise moves least.
-In isolation (the fastest of 7, a figure the load hardly moves): the gradient points' statistics
-(per-parameter norms, the peak pass and the row odds) minus the per-parameter norms alone, which the
-global norm reads anyway and now takes from the points, as a share of the fastest step without
-detection; and the row odds alone (the statistics with them minus without them).
+In isolation (the fastest of 7, a figure the load hardly moves): the gradient points' statistics as
+the defaults take them (each matrix read once for its rows' energies, which give its norm, its row odds
+and its peak share; fused norms and a min/max pass for the other parameters) minus the per-parameter
+norms alone, which the global norm reads anyway and takes from the points, as a share of the fastest
+step without detection; and the same statistics against those without the row odds (fused norms and a
+min/max pass over every gradient, the way before session 9: negative when the rows' pass is cheaper).
 
 Fingerprints (``guards.fingerprint``): after the steps of every round, the time of one fingerprint
 of the whole state (``local_state`` of the model and AdamW, ``fingerprints``, one ``.tolist()``: what
@@ -172,7 +174,7 @@ def main(argv: list[str]) -> int:
     print(f"| in isolation: the {len(gradients.names)} gradient points' statistics beyond the norms the global norm "
           f"reads anyway | {1e3 * (collect_s - norms_s):.1f} ms | {100 * gradient_points:.2f} % of the fastest off step | | | "
           f"{'met' if gradient_points <= TARGET else 'MISSED'} |")
-    print(f"| in isolation: of which the weight matrices' row odds (the row criterion) | "
+    print(f"| in isolation: the same with the row odds against without them (fused norms and a min/max pass) | "
           f"{1e3 * (collect_s - without_rows_s):.1f} ms | {100 * row_odds:.2f} % of the fastest off step | | | |")
     print(f"| one fingerprint of the state (params + AdamW) | {1e3 * hash_s:.1f} ms | "
           f"{100 * fingerprint:.3f} % per step at interval {interval} (2 per check) | | | "

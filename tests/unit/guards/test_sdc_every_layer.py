@@ -108,6 +108,33 @@ def test_gradient_points_give_a_large_parameter_its_peak_share():
     assert shares[0] == pytest.approx(1.0, abs=1e-6) and shares[1] == NOT_CHECKED
 
 
+def test_a_matrix_measured_by_rows_gets_its_norm_and_an_exact_peak_share_above_one_half():
+    torch.manual_seed(0)
+    model = nn.Linear(128, 64)
+    model(torch.randn(2, 128)).sum().backward()
+    by_rows = GradientPoints(model, "l2", shares=True, rows=True)
+    plain = GradientPoints(model, "l2", shares=True)
+    grad = model.weight.grad
+    for planted in (None, 1e-2, 1e6):
+        if planted is not None:
+            grad[3, 5] = planted
+        true_share = (grad.abs().max() ** 2 / grad.square().sum()).item()
+        values, shares, _ = by_rows.collect(with_shares=True, with_rows=True).tolist()
+        reference_values, reference_shares = plain.collect(with_shares=True).tolist()
+        assert values == pytest.approx(reference_values, rel=1e-6)
+        # the largest row's largest element: the true share when it is above 1/2, never above it
+        assert shares[0] <= true_share * (1 + 1e-6)
+        if true_share > 0.5:
+            assert shares[0] == pytest.approx(reference_shares[0], rel=1e-6)
+    assert shares[0] == pytest.approx(1.0, abs=1e-6) and shares[1] == NOT_CHECKED
+
+
+def test_the_largest_rows_peak_is_the_peak_of_the_row_with_most_energy():
+    grad = torch.tensor([[3.0, 4.0], [0.0, 4.5], [1.0, 0.0]])  # rows' energies 25, 20.25, 1
+    assert sdc.points.largest_row_peak(grad, sdc.points.row_energies(grad)).item() == 4.0  # not 4.5
+    assert sdc.points.largest_row_peak(grad.t(), sdc.points.row_energies(grad.t(), True), True).item() == 4.0
+
+
 def test_gradient_points_give_v3_the_largest_square():
     model = Stack()
     model(torch.randn(4, 8)).sum().backward()

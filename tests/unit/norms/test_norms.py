@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from trainguard.norms import clip_grads_, global_norm_and_sums, local_sq_sum
@@ -48,6 +49,13 @@ def test_known_norms_are_reused_bitwise_and_a_stale_pair_is_not():
     grads = [p.grad for p in model.parameters()]
     measured = local_sq_sum(grads, 1, torch.device("cpu"))
     assert torch.equal(local_sq_sum(grads, 1, torch.device("cpu"), known=points.norms), measured)
+    # with the row odds a matrix's norm comes from its rows' energies: the same up to the last bits,
+    # and the global norm takes it as it is
+    with_rows = GradientPoints(model, "l2", shares=True, rows=True)
+    with_rows.collect(with_shares=True, with_rows=True)
+    reused = local_sq_sum(grads, 1, torch.device("cpu"), known=with_rows.norms)
+    assert torch.equal(reused, torch.stack([n.double().square() for _, n in with_rows.norms]).sum())
+    assert reused.item() == pytest.approx(measured.item(), rel=1e-6)
     # a pair whose gradient is another tensor (a new backward since) is ignored, never trusted
     stale = [(g.clone(), torch.tensor(1e9)) for g in grads]
     assert torch.equal(local_sq_sum(grads, 1, torch.device("cpu"), known=stale), measured)

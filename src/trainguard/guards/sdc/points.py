@@ -450,20 +450,39 @@ PEAK_MIN_ELEMENTS = 4096
 ROW_ODDS_MAX = 1e30  # row odds are capped here (one row holding everything gives 1/0): a finite number to store
 
 
-def row_odds(grad: torch.Tensor, transposed: bool = False) -> torch.Tensor:
-    """A weight gradient's largest row's squared L2 norm over the other rows' together,
-    ``max_r |g_r|² / (|g|² − max_r |g_r|²)`` (rows: a layer's output channels, the first dimension; with
-    ``transposed``, a matrix stored ``[in, out]`` like Hugging Face's ``Conv1D``, the second), as a 0-d
-    float32 tensor (no host sync; 0 for an all-zero gradient, at most ``ROW_ODDS_MAX``). A flipped
-    element of the layer's output gradient ``g[t, j]`` adds ``flip · x_t`` to row ``j`` of ``Σ_t g_t x_tᵀ``
-    alone, so its odds jump, while a clean gradient's energy moves between rows by much less."""
+def row_energies(grad: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+    """The squared L2 norm of each row of a weight gradient, float32 (rows: a layer's output channels,
+    the first dimension, more dimensions flattened; with ``transposed``, a matrix stored ``[in, out]``
+    like Hugging Face's ``Conv1D``, its columns). One read of the gradient."""
     if transposed:
-        rows = torch.linalg.vector_norm(grad, dim=0, dtype=torch.float32).square()
-    else:
-        rows = torch.linalg.vector_norm(grad.reshape(grad.shape[0], -1), dim=1, dtype=torch.float32).square()
+        return torch.linalg.vector_norm(grad, dim=0, dtype=torch.float32).square()
+    return torch.linalg.vector_norm(grad.reshape(grad.shape[0], -1), dim=1, dtype=torch.float32).square()
+
+
+def odds_of_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``row_odds`` from the rows' energies (``row_energies``)."""
     peak = rows.amax()
     rest = (rows.sum() - peak).clamp_min(torch.finfo(torch.float32).tiny)
     return torch.where(peak > 0, (peak / rest).clamp(max=ROW_ODDS_MAX), torch.zeros_like(peak))
+
+
+def row_odds(grad: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+    """A weight gradient's largest row's squared L2 norm over the other rows' together,
+    ``max_r |g_r|² / (|g|² − max_r |g_r|²)`` (rows as in ``row_energies``), as a 0-d float32 tensor (no
+    host sync; 0 for an all-zero gradient, at most ``ROW_ODDS_MAX``). A flipped element of the layer's
+    output gradient ``g[t, j]`` adds ``flip · x_t`` to row ``j`` of ``Σ_t g_t x_tᵀ`` alone, so its odds
+    jump, while a clean gradient's energy moves between rows by much less."""
+    return odds_of_rows(row_energies(grad, transposed))
+
+
+def largest_row_peak(grad: torch.Tensor, rows: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+    """``max|g|`` over the row with the most energy (``rows``: ``row_energies(grad, transposed)``), no
+    host sync. It is the gradient's own ``max|g|`` whenever that element carries more than half of the
+    energy (its row then carries more than half, and is the largest), and never more than it: the peak
+    share it gives is exact above 1/2 and at most the true one below."""
+    top = rows.argmax().reshape(1)
+    row = grad.index_select(1, top) if transposed else grad.reshape(grad.shape[0], -1).index_select(0, top)
+    return max_abs(row)
 
 
 # modules whose weight is stored [in_features, out_features] (Hugging Face's GPT-2 Conv1D): their
@@ -499,6 +518,9 @@ class GradientPoints:
         # the parameters that get row odds: matrices (or more dimensions, flattened after the first) of
         # at least 2 rows, embedding tables left out
         self._with_rows = [p.dim() >= 2 and p.shape[0] >= 2 and id(p) not in tables for _, p in self._parameters]
+        # the parameters measured by rows when the row odds are collected (embedding tables too: their
+        # norm and peak share come from their rows' energies, though their odds are not recorded)
+        self._by_rows = [p.dim() >= 2 for _, p in self._parameters]
         transposed = {id(m.weight) for m in model.modules()
                       if type(m).__name__ in TRANSPOSED_LINEAR and isinstance(getattr(m, "weight", None), torch.Tensor)}
         self._transposed = [p.dim() == 2 and id(p) in transposed for _, p in self._parameters]
@@ -518,9 +540,11 @@ class GradientPoints:
         """``[len(names)]`` float32, ``NOT_CHECKED`` for a parameter without a gradient or with an empty
         shard; with ``with_shares`` and/or ``with_rows``, ``[1 + with_shares + with_rows, len(names)]``:
         the statistic, then the peak shares, then the row odds (``row_odds``; ``NOT_CHECKED`` for a
-        parameter that gets none). Fused per-tensor norms and one min/max pass per gradient: about one
-        and a half reads of the gradients (the row odds: one more read of the matrices); the norms are
-        kept in ``norms`` for the global norm, which then reads the gradients no more."""
+        parameter that gets none). With the row odds (and the ``l2`` statistic), one read of each matrix:
+        its rows' energies (``row_energies``) give its norm, its odds and its peak share (taken on its
+        largest row: ``largest_row_peak``); otherwise fused per-tensor norms and one min/max pass per
+        gradient. The norms are kept in ``norms`` for the global norm, which then reads the gradients no
+        more (a matrix's norm from its rows may differ from ``torch._foreach_norm``'s in the last bits)."""
         if with_shares and not self.shares:
             raise ValueError("collect(with_shares=True) needs GradientPoints(shares=True)")
         if with_rows and not self.rows:
@@ -531,27 +555,36 @@ class GradientPoints:
         self.norms = []
         device = grads[present[0]].device if present else torch.device("cpu")
         out = torch.full((1 + with_shares + with_rows, len(grads)), NOT_CHECKED, dtype=torch.float32, device=device)
-        if present:
-            with torch.no_grad():
-                tensors = [grads[i] for i in present]
-                raw = torch._foreach_norm(tensors)
-                self.norms = [(originals[i], norm) for i, norm in zip(present, raw)]
-                norms = torch.stack(raw).float()
-                index = torch.tensor(present, device=device)
-                if self.statistic == "l2" and not self.shares:
-                    out[0, index] = norms
-                else:
-                    peaks = torch.stack([max_abs(t) for t in tensors]).square()
-                    out[0, index] = norms if self.statistic == "l2" else peaks
-                    if with_shares:
-                        shares = torch.where(norms > 0, peaks / norms.square().clamp_min(
-                            torch.finfo(torch.float32).tiny), torch.zeros_like(norms))
-                        large = torch.tensor([t.numel() >= PEAK_MIN_ELEMENTS for t in tensors], device=device)
-                        out[1, index] = torch.where(large, shares, torch.full_like(shares, NOT_CHECKED))
-                matrices = [i for i in present if self._with_rows[i]]
-                if with_rows and matrices:
-                    out[-1, torch.tensor(matrices, device=device)] = torch.stack(
-                        [row_odds(grads[i], self._transposed[i]) for i in matrices])
+        if not present:
+            return out if with_shares or with_rows else out[0]
+        with torch.no_grad():
+            # one read of each matrix when the rows are wanted: its rows' energies give its norm, its
+            # row odds and (from its largest row) its peak share; one fused norm pass and one min/max
+            # pass for the rest (``max_sq`` needs every gradient's exact max|g|)
+            by_rows = [i for i in present if self._by_rows[i]] if with_rows and self.statistic == "l2" else []
+            rows_of = {i: row_energies(grads[i], self._transposed[i]) for i in by_rows}
+            rest = [i for i in present if i not in rows_of]
+            norms_of = dict(zip(rest, torch._foreach_norm([grads[i] for i in rest]))) if rest else {}
+            norms_of.update({i: rows.sum().sqrt() for i, rows in rows_of.items()})
+            self.norms = [(originals[i], norms_of[i]) for i in present]
+            norms = torch.stack([norms_of[i].float() for i in present])
+            index = torch.tensor(present, device=device)
+            if self.statistic == "l2" and not self.shares:
+                out[0, index] = norms
+            else:
+                peaks = torch.stack([(largest_row_peak(grads[i], rows_of[i], self._transposed[i]) if i in rows_of
+                                      else max_abs(grads[i])) for i in present]).square()
+                out[0, index] = norms if self.statistic == "l2" else peaks
+                if with_shares:
+                    shares = torch.where(norms > 0, peaks / norms.square().clamp_min(
+                        torch.finfo(torch.float32).tiny), torch.zeros_like(norms))
+                    large = torch.tensor([grads[i].numel() >= PEAK_MIN_ELEMENTS for i in present], device=device)
+                    out[1, index] = torch.where(large, shares, torch.full_like(shares, NOT_CHECKED))
+            matrices = [i for i in present if self._with_rows[i]]
+            if with_rows and matrices:
+                out[-1, torch.tensor(matrices, device=device)] = torch.stack(
+                    [odds_of_rows(rows_of[i]) if i in rows_of else row_odds(grads[i], self._transposed[i])
+                     for i in matrices])
         return out if with_shares or with_rows else out[0]
 
 

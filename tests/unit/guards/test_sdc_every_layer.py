@@ -129,10 +129,15 @@ def test_a_matrix_measured_by_rows_gets_its_norm_and_an_exact_peak_share_above_o
     assert shares[0] == pytest.approx(1.0, abs=1e-6) and shares[1] == NOT_CHECKED
 
 
-def test_the_largest_rows_peak_is_the_peak_of_the_row_with_most_energy():
-    grad = torch.tensor([[3.0, 4.0], [0.0, 4.5], [1.0, 0.0]])  # rows' energies 25, 20.25, 1
-    assert sdc.points.largest_row_peak(grad, sdc.points.row_energies(grad)).item() == 4.0  # not 4.5
-    assert sdc.points.largest_row_peak(grad.t(), sdc.points.row_energies(grad.t(), True), True).item() == 4.0
+def test_matrix_statistics_read_each_matrix_by_its_rows():
+    grad = torch.tensor([[3.0, 4.0], [0.0, -4.5], [1.0, 0.0]])  # rows' energies 25, 20.25, 1
+    conv = torch.zeros(2, 3, 2, 2)
+    conv[1, 0, 0, 0] = -2.0
+    norms, peaks, odds = sdc.points.matrix_statistics([grad, grad.t(), conv], [False, True, False])
+    assert norms.tolist() == pytest.approx([grad.norm().item(), grad.norm().item(), 2.0])
+    # max|g| of the row with the most energy (4, not the 4.5 of another row); a Conv1D's rows are columns
+    assert peaks.tolist() == [4.0, 4.0, 2.0]
+    assert odds.tolist() == pytest.approx([25 / 21.25, 25 / 21.25, sdc.points.ROW_ODDS_MAX])
 
 
 def test_gradient_points_give_v3_the_largest_square():

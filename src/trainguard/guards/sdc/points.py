@@ -450,39 +450,45 @@ PEAK_MIN_ELEMENTS = 4096
 ROW_ODDS_MAX = 1e30  # row odds are capped here (one row holding everything gives 1/0): a finite number to store
 
 
-def row_energies(grad: torch.Tensor, transposed: bool = False) -> torch.Tensor:
-    """The squared L2 norm of each row of a weight gradient, float32 (rows: a layer's output channels,
-    the first dimension, more dimensions flattened; with ``transposed``, a matrix stored ``[in, out]``
-    like Hugging Face's ``Conv1D``, its columns). One read of the gradient."""
-    if transposed:
-        return torch.linalg.vector_norm(grad, dim=0, dtype=torch.float32).square()
-    return torch.linalg.vector_norm(grad.reshape(grad.shape[0], -1), dim=1, dtype=torch.float32).square()
+def _as_rows(grad: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """The gradient as a matrix whose rows are the layer's output channels: the first dimension, more
+    dimensions flattened; with ``transposed`` (a matrix stored ``[in, out]`` like Hugging Face's
+    ``Conv1D``) its columns."""
+    return grad.t() if transposed else grad.reshape(grad.shape[0], -1)
 
 
-def odds_of_rows(rows: torch.Tensor) -> torch.Tensor:
-    """``row_odds`` from the rows' energies (``row_energies``)."""
-    peak = rows.amax()
-    rest = (rows.sum() - peak).clamp_min(torch.finfo(torch.float32).tiny)
-    return torch.where(peak > 0, (peak / rest).clamp(max=ROW_ODDS_MAX), torch.zeros_like(peak))
+def matrix_statistics(grads: Sequence[torch.Tensor], transposed: Sequence[bool]) -> tuple[torch.Tensor, ...]:
+    """For each gradient (two dimensions or more), from one read of it, its rows' L2 norms: its L2 norm,
+    ``max|g|`` over its row with the most energy, and its row odds (``row_odds``); three float32 tensors
+    of ``[len(grads)]``, no host sync. The row's ``max|g|`` is the gradient's own whenever that element
+    carries more than half of the energy (its row then carries more than half, and is the largest), and
+    never more than it: the peak share it gives is exact above 1/2 and at most the true one below.
+    The few operations per gradient matter on a short CPU step: everything else is done for all at once."""
+    norms, largest, lows, highs = [], [], [], []
+    for grad, columns in zip(grads, transposed):
+        matrix = _as_rows(grad, columns)
+        rows = torch.linalg.vector_norm(matrix, dim=1, dtype=torch.float32)
+        norms.append(torch.linalg.vector_norm(rows))
+        largest.append(rows.amax())
+        low, high = torch.aminmax(matrix.index_select(0, rows.argmax().reshape(1)))
+        lows.append(low)
+        highs.append(high)
+    norms_t = torch.stack(norms)
+    peaks = torch.maximum(torch.stack(highs), torch.stack(lows).neg()).float()
+    top = torch.stack(largest).square()
+    rest = (norms_t.square() - top).clamp_min(torch.finfo(torch.float32).tiny)
+    odds = torch.where(top > 0, (top / rest).clamp(max=ROW_ODDS_MAX), torch.zeros_like(top))
+    return norms_t, peaks, odds
 
 
 def row_odds(grad: torch.Tensor, transposed: bool = False) -> torch.Tensor:
     """A weight gradient's largest row's squared L2 norm over the other rows' together,
-    ``max_r |g_r|² / (|g|² − max_r |g_r|²)`` (rows as in ``row_energies``), as a 0-d float32 tensor (no
-    host sync; 0 for an all-zero gradient, at most ``ROW_ODDS_MAX``). A flipped element of the layer's
-    output gradient ``g[t, j]`` adds ``flip · x_t`` to row ``j`` of ``Σ_t g_t x_tᵀ`` alone, so its odds
-    jump, while a clean gradient's energy moves between rows by much less."""
-    return odds_of_rows(row_energies(grad, transposed))
-
-
-def largest_row_peak(grad: torch.Tensor, rows: torch.Tensor, transposed: bool = False) -> torch.Tensor:
-    """``max|g|`` over the row with the most energy (``rows``: ``row_energies(grad, transposed)``), no
-    host sync. It is the gradient's own ``max|g|`` whenever that element carries more than half of the
-    energy (its row then carries more than half, and is the largest), and never more than it: the peak
-    share it gives is exact above 1/2 and at most the true one below."""
-    top = rows.argmax().reshape(1)
-    row = grad.index_select(1, top) if transposed else grad.reshape(grad.shape[0], -1).index_select(0, top)
-    return max_abs(row)
+    ``max_r |g_r|² / (|g|² − max_r |g_r|²)`` (rows: a layer's output channels, the first dimension; with
+    ``transposed``, a matrix stored ``[in, out]`` like Hugging Face's ``Conv1D``, the second), as a 0-d
+    float32 tensor (no host sync; 0 for an all-zero gradient, at most ``ROW_ODDS_MAX``). A flipped
+    element of the layer's output gradient ``g[t, j]`` adds ``flip · x_t`` to row ``j`` of ``Σ_t g_t x_tᵀ``
+    alone, so its odds jump, while a clean gradient's energy moves between rows by much less."""
+    return matrix_statistics([grad], [transposed])[2][0]
 
 
 # modules whose weight is stored [in_features, out_features] (Hugging Face's GPT-2 Conv1D): their
@@ -541,8 +547,8 @@ class GradientPoints:
         shard; with ``with_shares`` and/or ``with_rows``, ``[1 + with_shares + with_rows, len(names)]``:
         the statistic, then the peak shares, then the row odds (``row_odds``; ``NOT_CHECKED`` for a
         parameter that gets none). With the row odds (and the ``l2`` statistic), one read of each matrix:
-        its rows' energies (``row_energies``) give its norm, its odds and its peak share (taken on its
-        largest row: ``largest_row_peak``); otherwise fused per-tensor norms and one min/max pass per
+        its rows' norms give its norm, its odds and its peak share (taken on its largest row:
+        ``matrix_statistics``); otherwise fused per-tensor norms and one min/max pass per
         gradient. The norms are kept in ``norms`` for the global norm, which then reads the gradients no
         more (a matrix's norm from its rows may differ from ``torch._foreach_norm``'s in the last bits)."""
         if with_shares and not self.shares:
@@ -558,22 +564,27 @@ class GradientPoints:
         if not present:
             return out if with_shares or with_rows else out[0]
         with torch.no_grad():
-            # one read of each matrix when the rows are wanted: its rows' energies give its norm, its
-            # row odds and (from its largest row) its peak share; one fused norm pass and one min/max
-            # pass for the rest (``max_sq`` needs every gradient's exact max|g|)
+            # one read of each matrix when the rows are wanted: its rows' norms give its norm, its row
+            # odds and (from its largest row) its peak share; one fused norm pass and one min/max pass
+            # for the rest (``max_sq`` needs every gradient's exact max|g|)
             by_rows = [i for i in present if self._by_rows[i]] if with_rows and self.statistic == "l2" else []
-            rows_of = {i: row_energies(grads[i], self._transposed[i]) for i in by_rows}
-            rest = [i for i in present if i not in rows_of]
-            norms_of = dict(zip(rest, torch._foreach_norm([grads[i] for i in rest]))) if rest else {}
-            norms_of.update({i: rows.sum().sqrt() for i, rows in rows_of.items()})
+            norms_of: dict[int, torch.Tensor] = {}
+            peaks_of: dict[int, torch.Tensor] = {}
+            odds_of: dict[int, torch.Tensor] = {}
+            if by_rows:
+                measured = matrix_statistics([grads[i] for i in by_rows], [self._transposed[i] for i in by_rows])
+                for statistics, into in zip(measured, (norms_of, peaks_of, odds_of)):
+                    into.update(zip(by_rows, statistics.unbind()))
+            rest = [i for i in present if i not in norms_of]
+            if rest:
+                norms_of.update(zip(rest, torch._foreach_norm([grads[i] for i in rest])))
             self.norms = [(originals[i], norms_of[i]) for i in present]
             norms = torch.stack([norms_of[i].float() for i in present])
             index = torch.tensor(present, device=device)
             if self.statistic == "l2" and not self.shares:
                 out[0, index] = norms
             else:
-                peaks = torch.stack([(largest_row_peak(grads[i], rows_of[i], self._transposed[i]) if i in rows_of
-                                      else max_abs(grads[i])) for i in present]).square()
+                peaks = torch.stack([peaks_of[i] if i in peaks_of else max_abs(grads[i]) for i in present]).square()
                 out[0, index] = norms if self.statistic == "l2" else peaks
                 if with_shares:
                     shares = torch.where(norms > 0, peaks / norms.square().clamp_min(
@@ -583,8 +594,7 @@ class GradientPoints:
             matrices = [i for i in present if self._with_rows[i]]
             if with_rows and matrices:
                 out[-1, torch.tensor(matrices, device=device)] = torch.stack(
-                    [odds_of_rows(rows_of[i]) if i in rows_of else row_odds(grads[i], self._transposed[i])
-                     for i in matrices])
+                    [odds_of[i] if i in odds_of else row_odds(grads[i], self._transposed[i]) for i in matrices])
         return out if with_shares or with_rows else out[0]
 
 

@@ -20,7 +20,8 @@ Sites (where one bit of one element flips, one injection at a time, on a copy of
 
 * ``norm.grad_input``: the gradient flowing into a norm layer (the site of ``sdc_detection.py``);
 * ``o_proj``, ``down_proj``, ``qkv`` (q/k/v_proj), ``embed``: the backward gradient at that module's
-  output (a tensor hook on the output);
+  output (a tensor hook on the output); on GPT-2 (``--preset gpt2-micro``) the modules ``attn.c_proj``,
+  ``mlp.c_proj``, ``attn.c_attn`` (Conv1D) and ``wte``, and the norm layers are LayerNorms;
 * ``param.grad``: an element of a parameter's gradient after backward (after the reduction);
 * ``weight``: an fp32 master weight, before the step's forward; ``exp_avg``: an Adam first moment.
   For these two the rules get the injected step and the 3 after it to notice (their effect shows in
@@ -68,12 +69,21 @@ DETECTORS = ("v1+peak+row", "v3+peak+row")  # the defaults; "detected" means eit
 BEFORE_ROWS = ("v1+peak", "v3+peak")  # the defaults before the row criterion, reported beside them
 AFTER = 3  # more steps after the injected one: the window for state sites and for "mattered"
 LOSS_SCALE = 2.0 ** 16
+# the modules whose output gradient each site flips, by model family (GPT-2's are Conv1D, stored
+# [in, out]: its row odds are taken on columns)
+SITE_MODULES = {
+    "llama": {"o_proj": ("o_proj",), "down_proj": ("down_proj",), "qkv": ("q_proj", "k_proj", "v_proj"),
+              "embed": ("embed_tokens",)},
+    "gpt2": {"o_proj": ("attn.c_proj",), "down_proj": ("mlp.c_proj",), "qkv": ("attn.c_attn",), "embed": ("wte",)},
+}
+NORMS = ("RMSNorm", "LayerNorm")  # the norm layers whose input gradient is the norm.grad_input site
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="llama-micro", help="model.preset (default llama-micro; llama-tiny has rows "
-                   "of 256 and 688 elements against llama-micro's 64 and 160)")
+                   "of 256 and 688 elements against llama-micro's 64 and 160; gpt2-micro: Conv1D layers, whose "
+                   "o_proj, down_proj, qkv and embed sites are attn.c_proj, mlp.c_proj, attn.c_attn and wte)")
     p.add_argument("--draws", type=int, default=5, help="injections per (site, dtype, class) cell (default 5)")
     p.add_argument("--steps", type=int, default=160, help="steps of each clean run (default 160)")
     p.add_argument("--warmup", type=int, default=20)
@@ -128,11 +138,13 @@ class Harness:
                 self.detectors[f"{rule}+peak+row+ratio{args.ratio:g}"] = SdcDetector(
                     rule, self.names, peak=peak, row_jump=row_jump, ratio=args.ratio)
         self.modules = dict(self.model.named_modules())
+        self.site_modules = SITE_MODULES[self.model.config.model_type]
         self.armed: dict[str, Any] = {}
+        outputs = tuple(suffix for suffixes in self.site_modules.values() for suffix in suffixes)
         for name, module in self.modules.items():
-            if type(module).__name__.endswith("RMSNorm"):
+            if type(module).__name__.endswith(NORMS):
                 module.register_full_backward_hook(lambda m, gi, go, _n=name: self._grad_input(_n, gi))
-            if name.endswith(("o_proj", "down_proj", "q_proj", "k_proj", "v_proj", "embed_tokens")):
+            if name.endswith(outputs):
                 module.register_forward_hook(lambda m, a, out, _n=name: self._output(_n, out))
         self.loss_scale = 1.0
 
@@ -301,13 +313,9 @@ def coverage(args) -> list[dict[str, Any]]:
     per_step = max(1, math.ceil(len(plan) / (args.steps - args.warmup - AFTER)))
     records = []
     step = 0
-    sites = {
-        "norm.grad_input": [n for n, m in harness.modules.items() if type(m).__name__.endswith("RMSNorm")],
-        "o_proj": [n for n in harness.modules if n.endswith("o_proj")],
-        "down_proj": [n for n in harness.modules if n.endswith("down_proj")],
-        "qkv": [n for n in harness.modules if n.endswith(("q_proj", "k_proj", "v_proj"))],
-        "embed": [n for n in harness.modules if n.endswith("embed_tokens")],
-    }
+    sites = {"norm.grad_input": [n for n, m in harness.modules.items() if type(m).__name__.endswith(NORMS)]}
+    sites.update({site: [n for n in harness.modules if n.endswith(suffixes)]
+                  for site, suffixes in harness.site_modules.items()})
     while plan or step < args.warmup:
         step += 1
         if step > args.warmup and plan:

@@ -49,12 +49,10 @@ from trainguard.checkpoint.config import WRITERS
 from trainguard.checkpoint.shared_buffers import ArenaRef, SharedArena, allocate_shared, tensor_in
 from trainguard.checkpoint.staging import allocate_each
 from trainguard.errors import CheckpointError, ConfigError
-from trainguard.forking import ForkedProcess, ForkServer
+from trainguard.forking import PARENT_POLL_S, STOP_SIGNALS, ForkedProcess, ForkServer
 
 Result = TypeVar("Result")
 
-PARENT_POLL_S = 0.05
-"""How often a writer process checks that the training process that started it is still there."""
 
 READY = b"ready"
 """The writer process's first message: its imports are done and it reads requests."""
@@ -274,7 +272,7 @@ def serve(fd: int) -> None:
     # process acts on them and may save once more, so the writer lives on; it ends with the training
     # process instead, and at once, so that it never commits a step after the process that asked for
     # it is gone (and a new incarnation may be recovering).
-    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+    for number in STOP_SIGNALS:
         signal.signal(number, signal.SIG_IGN)
     parent = os.getppid()
     threading.Thread(target=_exit_with, args=(parent,), daemon=True, name="trainguard-writer-watch").start()

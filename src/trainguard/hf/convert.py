@@ -17,7 +17,6 @@ The whole model is read into this process's memory once (4 bytes per parameter);
 
 from __future__ import annotations
 
-import io
 import shutil
 import warnings
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 from trainguard.checkpoint.commit import commit_checkpoint
 from trainguard.checkpoint.dcp_writer import ChecksummingFileSystemWriter
 from trainguard.checkpoint.manifest import build_manifest
+from trainguard.checkpoint.staging import serialised
 from trainguard.fs.layout import HF_DIR, extra_state_name, step_dir_name, temp_dir_name
 from trainguard.errors import ConfigError
 from trainguard.hf.config import hf_tensors, read_hf_config, tensors_to_load, tied_aliases
@@ -99,10 +99,8 @@ def hf_to_durable(hf_dir: Path, target: Path, *, progress: bool = True) -> Path:
     with warnings.catch_warnings():  # DCP warns that it saves in a single process: that is the intent
         warnings.simplefilter("ignore", UserWarning)
         dcp.save({"model": weights}, storage_writer=writer, no_dist=True)
-    extra = io.BytesIO()
     # no "rng" and no stateful objects: the resuming run keeps its fresh seeds, schedule and data order
-    torch.save({"step": 0, "rank": 0, "world_size": 1, "stateful": {}}, extra)
-    (tmp / extra_state_name(1, 0)).write_bytes(extra.getvalue())
+    (tmp / extra_state_name(1, 0)).write_bytes(serialised({"step": 0, "rank": 0, "world_size": 1, "stateful": {}}))
     _write_static_files(hf_dir, tmp)
     manifest = build_manifest(
         tmp, step=0, world_size=1, mesh_shape=[1], mesh_dim_names=["world"],

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
-
-import torch
 
 
 def events_path(run_dir: Path) -> Path:
@@ -28,8 +25,3 @@ def final_path(run_dir: Path, rank: int) -> Path:
     """Each rank's parameters and optimizer state at the end: compared bitwise across runs."""
     return run_dir / "final" / f"rank{rank}.pt"
 
-
-def state_bytes(state: dict) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    return buffer.getvalue()

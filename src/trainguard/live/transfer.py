@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from trainguard.live.files import state_bytes
+from trainguard.checkpoint.staging import serialised
 from trainguard.live.quorum import Quorum
 from trainguard.live.shards import shard_of
 
@@ -50,7 +50,7 @@ def _broadcast_state(group: dist.ProcessGroup, source_index: int, is_source: boo
     size = torch.zeros(1, dtype=torch.int64)
     payload = None
     if is_source:
-        payload = torch.frombuffer(bytearray(state_bytes(state_of(model, optimizer))), dtype=torch.uint8)
+        payload = torch.frombuffer(bytearray(serialised(state_of(model, optimizer))), dtype=torch.uint8)
         size[0] = payload.numel()
     wait(group.broadcast(size, source_index))
     if payload is None:

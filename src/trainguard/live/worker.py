@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
 from trainguard.checkpoint.safe_load import safe_torch_load
+from trainguard.checkpoint.staging import serialised
 from trainguard.events import EventLog
 from trainguard.fs.fsio import atomic_write_bytes
 from trainguard.live import collective
@@ -42,7 +43,7 @@ from trainguard.live.rng import micro_batch_rng
 from trainguard.live.shards import ShardedUpdate
 from trainguard.live.stall import ReduceMarks
 from trainguard.live.transfer import load_state, send_shards, state_of
-from trainguard.live.files import checkpoint_path, events_path, final_path, state_bytes
+from trainguard.live.files import checkpoint_path, events_path, final_path
 
 FENCED_EXIT = 3  # a stale process that found itself fenced ends with this code
 
@@ -182,7 +183,7 @@ class LiveWorker:
                 self.recover(error)
                 continue
             yield step
-        atomic_write_bytes(final_path(self.run_dir, self.rank), state_bytes(state_of(self.model, self.optimizer)))
+        atomic_write_bytes(final_path(self.run_dir, self.rank), serialised(state_of(self.model, self.optimizer)))
         self.events.emit("live_done", step=self.step_index, epoch=self.quorum.epoch)
         self.store.set(done_key(self.rank), "1")
 
@@ -245,7 +246,7 @@ class LiveWorker:
                 and quorum.index(self.rank) < self.update.group_size):  # the lowest live group's shards
             path = checkpoint_path(self.run_dir, self.step_index, self.update.shard)
             path.parent.mkdir(exist_ok=True)
-            atomic_write_bytes(path, state_bytes(state_of(self.model, self.optimizer)))
+            atomic_write_bytes(path, serialised(state_of(self.model, self.optimizer)))
         if flags:
             self.switch(quorum.epoch + 1)
 

@@ -170,9 +170,8 @@ class SdcGuard:
             values, shares, rows = self.values()
             rerun = {p: values[names.index(p)] for p in level_one}
             rerun_shares = {p: None if shares is None else shares[names.index(p)] for p in level_one}
-            # NOT_CHECKED (negative) row odds: the point has none
-            rerun_rows = {p: None if rows is None or rows[names.index(p)] < 0 else rows[names.index(p)]
-                          for p in level_one}
+            # NOT_CHECKED (negative) odds are no check: the row criterion skips them, as at the first pass
+            rerun_rows = {p: None if rows is None else rows[names.index(p)] for p in level_one}
         # a reduced parameter gradient carries every rank's contribution: a fault there may be another
         # rank's, so only the points this rank computed alone can strike it
         local = any(not p.startswith(GRADIENT_PREFIX) for p in level_one)

@@ -190,6 +190,15 @@ class _RatioBaseline:
     min_steps: int
     exponent: int  # 1 for a statistic that scales like the gradient (l2), 2 for its square (max_sq)
 
+    def _start_baselines(self, ratio: float, peak: float, row_jump: float) -> None:
+        """The criteria's factors (validated) and empty windows of recent clean values."""
+        self.ratio = _check_factor("ratio", ratio)
+        self.peak = _check_peak(peak)
+        self.row_jump = _check_factor("row_jump", row_jump)
+        self.recent = []
+        self.recent_shares = []  # the peak criterion's: the point's recent clean peak shares
+        self.recent_rows = []  # the row criterion's: the point's recent clean row odds
+
     def ratio_bound(self, warmed_up: bool) -> tuple[float, float] | None:
         """``(baseline, limit)`` when the criterion applies, else None."""
         # len(recent) >= min_steps: the same as the warm-up in a run, and a baseline of several values
@@ -269,18 +278,15 @@ class _RatioBaseline:
     def _load_ratio_state(self, state: dict[str, Any]) -> list[float]:
         """The saved ``recent`` (validated), or [] for a state saved without the criterion; the saved
         ``recent_shares`` and ``recent_rows`` go straight into place (absent from older states: they refill)."""
-        recent = state.get("recent", [])
-        if not isinstance(recent, list) or len(recent) > RATIO_WINDOW:
-            raise ValueError(f"recent must be a list of at most {RATIO_WINDOW} numbers, got {recent!r}")
-        shares = state.get("recent_shares", [])
-        if not isinstance(shares, list) or len(shares) > RATIO_WINDOW:
-            raise ValueError(f"recent_shares must be a list of at most {RATIO_WINDOW} numbers, got {shares!r}")
-        rows = state.get("recent_rows", [])
-        if not isinstance(rows, list) or len(rows) > RATIO_WINDOW:
-            raise ValueError(f"recent_rows must be a list of at most {RATIO_WINDOW} numbers, got {rows!r}")
-        values = [_float({"recent": v}, "recent") for v in recent]
-        self.recent_shares = [_float({"recent_shares": v}, "recent_shares") for v in shares] if self.peak > 0 else []
-        self.recent_rows = [_float({"recent_rows": v}, "recent_rows") for v in rows] if self.row_jump > 0 else []
+        windows = {}
+        for key in ("recent", "recent_shares", "recent_rows"):
+            window = state.get(key, [])
+            if not isinstance(window, list) or len(window) > RATIO_WINDOW:
+                raise ValueError(f"{key} must be a list of at most {RATIO_WINDOW} numbers, got {window!r}")
+            windows[key] = [_float({key: v}, key) for v in window]
+        self.recent_shares = windows["recent_shares"] if self.peak > 0 else []
+        self.recent_rows = windows["recent_rows"] if self.row_jump > 0 else []
+        values = windows["recent"]
         return values
 
 
@@ -298,12 +304,7 @@ class V1Detector(_RatioBaseline):
 
     def __init__(self, upper: Sequence[float] = DEFAULT_UPPER, sigma: Sequence[float] = DEFAULT_SIGMA,
                  min_steps: int = V1_MIN_STEPS, ratio: float = 0.0, peak: float = 0.0, row_jump: float = 0.0):
-        self.ratio = _check_factor("ratio", ratio)
-        self.peak = _check_peak(peak)
-        self.row_jump = _check_factor("row_jump", row_jump)
-        self.recent: list[float] = []
-        self.recent_shares: list[float] = []  # the peak criterion's: the point's recent clean peak shares
-        self.recent_rows: list[float] = []  # the row criterion's: the point's recent clean row odds
+        self._start_baselines(ratio, peak, row_jump)
         self.upper = (float(upper[0]), float(upper[1]))
         self.sigma = (float(sigma[0]), float(sigma[1]))
         self.min_steps = int(min_steps)
@@ -397,12 +398,7 @@ class V3Detector(_RatioBaseline):
                  ratio: float = 0.0, peak: float = 0.0, row_jump: float = 0.0):
         if not 0 < a2 < a1:
             raise ValueError(f"v3 needs 0 < a2 < a1, got a1={a1!r}, a2={a2!r}")
-        self.ratio = _check_factor("ratio", ratio)
-        self.peak = _check_peak(peak)
-        self.row_jump = _check_factor("row_jump", row_jump)
-        self.recent: list[float] = []
-        self.recent_shares: list[float] = []  # the peak criterion's: the point's recent clean peak shares
-        self.recent_rows: list[float] = []  # the row criterion's: the point's recent clean row odds
+        self._start_baselines(ratio, peak, row_jump)
         self.a1 = float(a1)
         self.a2 = float(a2)
         self.beta = float(beta)

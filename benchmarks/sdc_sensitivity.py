@@ -3,6 +3,7 @@
 How it runs (one process, CPU, no model)::
 
     python benchmarks/sdc_sensitivity.py [--sizes 8192,131072,2097152,33554432] [--steps 400] [--seed 0] [--quick]
+        [--width 4096] [--heavy]
 
 A norm layer's input gradient has hidden-size x tokens elements: 8k on a toy model, 33M on a 70B
 model (8192 x 4096 tokens). The larger the point, the less one corrupted element moves the point's
@@ -16,7 +17,8 @@ What it does, per size n:
 * A point's clean value at step t is ``base`` scaled by ``sigma_t``: a log-space AR(1) process
   (``log sigma_t = 0.9 log sigma_{t-1} + N(0, 0.2)``, about 40 % step-to-step spread) with a slow
   decay (gradients shrink during training). So the statistics the rules see are exactly those of the
-  scaled vector: its L2 norm (v1), its max(g²) (v3) and its peak share max(g²)/Σg².
+  scaled vector: its L2 norm (v1), its max(g²) (v3) and its peak share, judged against its row as
+  the activation points do (``isolated_peak_share``; rows of ``--width`` elements, a token's features).
 * Each of 4 detectors (v1, v3, each alone and with the peak criterion at ``--peak``) judges every
   clean step; after ``--warmup`` steps each clean verdict counts as a clean check (a detection there
   is a false alarm), and at every step the same values with one element of ``base`` flipped are
@@ -53,6 +55,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--peak", type=float, default=None, help="guards.sdc.peak (default: SdcConfig's)")
     p.add_argument("--rms", type=float, default=1e-4, help="the elements' RMS at step 0 (default 1e-4)")
+    p.add_argument("--width", type=int, default=4096, help="elements per row (a token's features; the peak share "
+                   "is judged against its row as the activation points do; default 4096, a 70B model's hidden size)")
     p.add_argument("--heavy", action="store_true", help="Student-t(3) elements instead of normal ones")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="150 steps, sizes 8k and 2M")
@@ -74,10 +78,20 @@ def run_size(n: int, args: argparse.Namespace) -> dict:
     squares = base.double().square()
     total = float(squares.sum())
     largest = float(squares.max())
+    rows = squares.reshape(-1, args.width).sum(dim=1)  # each row's energy (a token's features)
+    peak_row = int(squares.argmax()) // args.width
     rng = torch.Generator().manual_seed(args.seed * 7919 + n)
 
-    def stats(total_sq: float, max_sq: float, scale: float) -> tuple[float, float, float]:
-        return math.sqrt(total_sq) * scale, max_sq * scale * scale, (max_sq / total_sq if total_sq > 0 else 0.0)
+    def share_of(total_sq: float, max_sq: float, row_rest: float) -> float:
+        """The isolated peak share (``isolated_peak_share``): the rest of the point counts at least as
+        much as the rest of the peak's row would if every row were like it."""
+        rest = max(total_sq - max_sq, len(rows) * row_rest)
+        return max_sq / (max_sq + rest) if max_sq + rest > 0 else 0.0
+
+    def stats(total_sq: float, max_sq: float, row_rest: float, scale: float) -> tuple[float, float, float]:
+        return math.sqrt(total_sq) * scale, max_sq * scale * scale, share_of(total_sq, max_sq, row_rest)
+
+    clean_rest = float(rows[peak_row]) - largest
 
     detectors = {
         "v1": SdcDetector("v1", ["p"]), "v3": SdcDetector("v3", ["p"]),
@@ -92,14 +106,20 @@ def run_size(n: int, args: argparse.Namespace) -> dict:
     for step in range(args.steps):
         log_sigma = 0.9 * log_sigma + 0.2 * float(torch.randn((), generator=rng))
         scale = args.rms * math.exp(log_sigma) * (1.0 - 0.5 * step / args.steps)
-        l2, max_sq, share = stats(total, largest, scale)
+        l2, max_sq, share = stats(total, largest, clean_rest, scale)
         counted = step >= args.warmup
         if counted:
             index = int(torch.randint(n, (), generator=rng))
             element = float(squares[index])
             for flip, factor in FLIP_FACTOR.items():
                 flipped_total = total + element * (factor * factor - 1.0)
-                f_l2, f_max, f_share = stats(flipped_total, max(largest, element * factor * factor), scale)
+                row = index // args.width
+                if element * factor * factor > largest:  # the flipped element is the peak: its row's rest
+                    f_peak, f_rest = element * factor * factor, float(rows[row]) - element
+                else:  # the clean peak stays, its row's rest grown by the flip if it is the same row
+                    f_peak = largest
+                    f_rest = clean_rest + (element * (factor * factor - 1.0) if row == peak_row else 0.0)
+                f_l2, f_max, f_share = stats(flipped_total, f_peak, f_rest, scale)
                 change = math.sqrt(element) * (factor - 1.0) / math.sqrt(total)
                 if change < 1e-3:
                     harmless[flip] += 1
@@ -120,7 +140,7 @@ def run_size(n: int, args: argparse.Namespace) -> dict:
         "n": n, "checks": checks, "false_alarms": false_alarms,
         "detected": {f"{flip}/{name}": caught[(flip, name)] for flip, name in caught},
         "mattered": mattered, "harmless": harmless,
-        "clean_share": largest / total,
+        "clean_share": share_of(total, largest, clean_rest),
     }
 
 
@@ -131,6 +151,9 @@ def main(argv: list[str]) -> int:
 
         args.peak = SdcConfig().peak
     sizes = [int(s) for s in args.sizes.split(",")]
+    if any(size % args.width for size in sizes):
+        print(f"error: --width {args.width} must divide every size in --sizes {args.sizes}", file=sys.stderr)
+        return 2
     if args.quick:
         args.steps, sizes = 150, [8192, 2097152]
     started = time.perf_counter()

@@ -311,6 +311,35 @@ def test_activation_checkpointing_fires_once_per_micro_batch():
         assert points.collect().tolist() == pytest.approx(expected, rel=1e-5)
 
 
+def judged_share(g: torch.Tensor) -> float:
+    """The isolated peak share written out element by element (rows: the last dimension)."""
+    rows = [[float(v) ** 2 for v in row] for row in g.reshape(-1, g.shape[-1])]
+    total = sum(map(sum, rows))
+    row = max(rows, key=sum)
+    peak = max(row)
+    return peak / (peak + max(total - peak, len(rows) * (sum(row) - peak)))
+
+
+def test_the_isolated_peak_share_is_a_flips_share_but_small_for_an_element_whose_whole_row_is_large():
+    g = torch.full((64, 32), 0.01)
+    g[5, 7] = 0.01 * 2.0**16  # one exponent flip: it dominates its row and the point
+    assert sdc.isolated_peak_share([g]).item() == pytest.approx(sdc.peak_share([g]).item(), rel=1e-6)
+    assert sdc.isolated_peak_share([g]).item() > 0.999
+    natural = torch.randn(64, 32, generator=torch.Generator().manual_seed(0)) * 1e-3
+    natural[9] *= 300  # one token's gradient jumped: 99.7 % of the energy, its largest element ~10 % of it
+    assert sdc.peak_share([natural]).item() > 0.05
+    assert sdc.isolated_peak_share([natural]).item() == pytest.approx(judged_share(natural), rel=1e-5)
+    assert sdc.isolated_peak_share([natural]).item() < 0.01
+    # a vector is one row: its plain share; several tensors: the rows of all of them
+    v = torch.randn(50)
+    assert sdc.isolated_peak_share([v]).item() == pytest.approx(sdc.peak_share([v]).item(), rel=1e-6)
+    assert sdc.isolated_peak_share([torch.ones(3), torch.zeros(1)]).item() == pytest.approx(1 / (1 + 2 * 2))
+    assert sdc.isolated_peak_share([torch.zeros(4, 2)]).item() == 0.0
+    nan = g.clone()
+    nan[1, 1] = float("nan")
+    assert math.isnan(sdc.isolated_peak_share([nan]).item())
+
+
 def test_peak_shares_are_recorded_with_the_statistic_in_one_buffer():
     g = torch.full((100,), 0.01)
     assert sdc.peak_share([g]).item() == pytest.approx(0.01)  # spread evenly: 1/n
@@ -320,7 +349,7 @@ def test_peak_shares_are_recorded_with_the_statistic_in_one_buffer():
     assert sdc.peak_share([torch.ones(3), torch.zeros(1)]).item() == pytest.approx(1 / 3)
     x = torch.randn(5, 4)
     expected = [g.norm().item() for g in manual_gradients(tiny(), x)]
-    shares = [(g.square().max() / g.square().sum()).item() for g in manual_gradients(tiny(), x)]
+    shares = [judged_share(g) for g in manual_gradients(tiny(), x)]
     points = DetectionPoints(shares=True)
     points.install(tiny_model := tiny())
     loss(tiny_model, x).backward()

@@ -20,7 +20,7 @@ _EXPORTS = {
     "detectors": ("ABNORMAL", "NOT_CHECKED", "STATISTIC", "Detection", "SdcDetector", "V1Detector", "V3Detector",
                   "SdcLevel", "Severity", "Verdict", "format_detection", "format_values", "severity"),
     "points": ("DetectionPoints", "GradientPoints", "active_points", "block_modules", "gradient_statistic",
-               "is_norm_module", "peak_share", "row_odds",
+               "is_norm_module", "isolated_peak_share", "peak_share", "row_odds",
                "watch_function", "watch_tensor"),
     "rerun": ("Attribution", "FaultyDeviceError", "RerunAttribution", "StrikeBook", "faulty_ranks_path",
               "read_faulty_ranks", "write_faulty_ranks"),

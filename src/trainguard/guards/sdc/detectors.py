@@ -57,8 +57,12 @@ peak (trainguard's criterion, on by default: ``guards.sdc.peak`` 0.5 in ``SdcCon
 default to 0; applies on top of either rule)
     The signature of a bit flip: one element blown up until it carries most of the point's gradient.
     Besides the rule's statistic, the point records its *peak share* ``max(g²) / Σg²`` (the largest
-    element's share of the squared L2 norm, ``DetectionPoints(shares=True)``; the largest over the
-    micro-batches). Once the rule's warm-up is over and ``recent`` (the same window of clean values as
+    element's share of the squared L2 norm; the largest over the micro-batches). An activation point
+    (``DetectionPoints(shares=True)``) judges it against the element's own row, a token's features
+    (``points.isolated_peak_share``): an element that is large because its whole token is counts for
+    little, since clean activation gradients put most of their energy into one token at times; a
+    weight matrix's gradient point takes it on its largest row when it records row odds
+    (``points.matrix_statistics``). Once the rule's warm-up is over and ``recent`` (the same window of clean values as
     the ratio criterion's) holds the warm-up's number of values, a finite value that the rule did not
     already make level 1 is level 1 with reason ``"peak"`` when
 

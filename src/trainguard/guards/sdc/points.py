@@ -131,19 +131,60 @@ def peak_share(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return torch.where(total > 0, peak / total, torch.zeros_like(total))
 
 
+def _token_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """An activation gradient as rows of its last dimension (a token's features); a vector is one row."""
+    return tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() > 1 else tensor.reshape(1, -1)
+
+
+def _norm_and_isolated_share(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The L2 norm of the (local, non-empty) tensors taken together and their ``isolated_peak_share``,
+    from one read of each (its rows' norms) plus its row of most energy; 0-d float32, no host sync."""
+    totals, largest, peaks, row_count = [], [], [], 0
+    for tensor in tensors:
+        rows = _token_rows(tensor)
+        norms = torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32)
+        top = norms.argmax().reshape(1)  # a NaN is the argmax: it reaches the peak and the share
+        totals.append(torch.linalg.vector_norm(norms))
+        largest.append(norms.index_select(0, top)[0])
+        peaks.append(max_abs(rows.index_select(0, top)))
+        row_count += rows.shape[0]
+    if len(tensors) == 1:
+        total, row, peak = totals[0], largest[0], peaks[0]
+    else:
+        total = torch.linalg.vector_norm(torch.stack(totals))
+        which = torch.stack(largest).argmax().reshape(1)
+        row, peak = torch.stack(largest).index_select(0, which)[0], torch.stack(peaks).index_select(0, which)[0]
+    peak_sq, total_sq = peak.square(), total.square()
+    rest = torch.maximum(total_sq - peak_sq, row_count * (row.square() - peak_sq)).clamp_min(0)
+    share = peak_sq / (peak_sq + rest).clamp_min(torch.finfo(torch.float32).tiny)
+    return total, torch.where(total_sq == 0, torch.zeros_like(share), share)  # a NaN stays NaN
+
+
+def isolated_peak_share(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The peak share of activation gradients judged against its own row (rows: the last dimension, a
+    token's features), as a 0-d float32 tensor (no host sync): with ``r`` the row of most energy, ``m``
+    its largest ``|g|`` and ``R`` the number of rows, ``m² / (m² + max(Σg² − m², R · (|g_r|² − m²)))``:
+    the rest of the point counts at least as much as it would if every row were like ``r``.
+    One blown-up element dominates its row, so this is its plain share (``peak_share``), near 1 for a
+    bit flip; an element that is large because its whole row is (a token whose gradient jumped, as
+    clean activation gradients do: over 99 % of a norm input's energy in one token at times) gets its
+    share of that row divided by about ``R``. 0 when every element is 0; NaN when one is NaN."""
+    local = [_local(t).detach() for t in tensors]
+    local = [t for t in local if t.numel()]
+    return _norm_and_isolated_share(local)[1] if local else None
+
+
 def _statistic_and_share(tensors: Sequence[torch.Tensor], statistic: str) -> torch.Tensor | None:
-    """``[statistic, peak share]`` as one float32 tensor; the usual single plain tensor reuses the
-    reductions (the L2 norm and ``max|g|``) for both."""
-    if len(tensors) == 1 and type(tensors[0]) is torch.Tensor:
-        grad = tensors[0].detach()
-        if not grad.numel():
-            return None
-        total = torch.linalg.vector_norm(grad, dtype=torch.float32)
-        peak = max_abs(grad).square()
-        share = peak / total.square().clamp_min(torch.finfo(torch.float32).tiny)  # all zeros: 0
-        return torch.stack([total if statistic == "l2" else peak, share])
-    stat = gradient_statistic(tensors, statistic)
-    return None if stat is None else torch.stack([stat, peak_share(tensors)])
+    """``[statistic, isolated peak share]`` as one float32 tensor; for ``l2`` the norm comes from the
+    same read of the rows as the share."""
+    local = [_local(t).detach() for t in tensors]
+    local = [t for t in local if t.numel()]
+    if not local:
+        return None
+    total, share = _norm_and_isolated_share(local)
+    if statistic == "l2":
+        return torch.stack([total, share])
+    return torch.stack([torch.stack([max_abs(t) for t in local]).amax().square(), share])
 
 
 class _Call:
@@ -176,7 +217,7 @@ class DetectionPoints:
         self.statistic = statistic
         self.enabled = True  # hooks do nothing while False
         self._capacity = int(micro_batches)
-        # also record each check's peak share (``peak_share``: the rules' peak criterion needs it)
+        # also record each check's peak share (``isolated_peak_share``: the rules' peak criterion needs it)
         self.shares = bool(shares)
         self._device = torch.device(device) if device is not None else None
         self._names: list[str] = []

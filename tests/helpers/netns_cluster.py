@@ -20,7 +20,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from helpers.slurm_cluster import alive
+from helpers.processes import alive
 
 SUBNET = "10.231.0"
 NODES = ("n1", "n2", "n3")

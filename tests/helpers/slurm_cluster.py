@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from helpers.processes import alive
+
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 # every long job of test_slurm.py at once (array, hang, 2 for the spare, 4 cancels): none waits for a node
 # (with three, the jobs queued behind each other's time limits); the jobs mostly sleep in hang faults
@@ -229,12 +231,3 @@ class Cluster:
         return states
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie of ours counts as gone
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False

@@ -70,6 +70,7 @@ def test_cuda_sources_are_staged_into_page_locked_buffers():
     assert torch.equal(staged["weight"], source["weight"].cpu()) and staged["step"] == 7
 
     _arena, (buffer,) = allocate_shared([source["weight"]])
+    assert buffer.is_pinned()  # registered with cudaHostRegister: the copy below is a real async DMA
     buffer.copy_(source["weight"], non_blocking=True)
     torch.cuda.synchronize()
     assert torch.equal(buffer, source["weight"].cpu())

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.processes import alive, parent_of
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.discovery import list_checkpoints, read_latest
 from trainguard.checkpoint.manager import CheckpointManager
@@ -213,18 +214,18 @@ def test_the_writer_ignores_stop_signals_and_ends_with_its_training_process(star
         writer_pid, writer_parent = map(int, parent.stdout.readline().split())
         assert (writer_parent == parent.pid) == (start == "cold"), (writer_parent, parent.pid)
         if start == "forked":  # its parent is the server, a fork of the training process
-            assert _parent_of(writer_parent) == parent.pid
+            assert parent_of(writer_parent) == parent.pid
         for number in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             os.kill(writer_pid, number)  # what a job step's stop reaches every process with
             if start == "forked":
                 os.kill(writer_parent, number)  # the server too
         time.sleep(0.5)
-        assert _alive(writer_pid), "a stop signal ended the writer"
+        assert alive(writer_pid), "a stop signal ended the writer"
     finally:
         parent.kill()
         parent.wait()
     deadline = time.monotonic() + 30
-    while _alive(writer_pid) or (start == "forked" and _alive(writer_parent)):
+    while alive(writer_pid) or (start == "forked" and alive(writer_parent)):
         assert time.monotonic() < deadline, "the writer (or its server) outlived its training process"
         time.sleep(0.05)
 
@@ -254,16 +255,3 @@ print(first, second, died, flush=True)
     first, second, message = done.stdout.split(" ", 2)
     assert first != second
     assert f"(pid {first}) ended (killed by signal SIGKILL)" in message, message
-
-
-def _parent_of(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as stat:
-        return int(stat.read().split(")")[-1].split()[1])
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(")")[-1].split()[0] != "Z"  # a zombie has ended
-    except FileNotFoundError:
-        return False

@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from helpers.processes import alive
+
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 OWNER = r"""
@@ -71,17 +73,9 @@ def test_children_end_and_are_waited_for_as_new_interpreters_and_the_server_ends
     assert result["killed"] == -9  # SIGKILL, as Popen.wait reports it; the server outlived its SIGTERM
     assert result["server_parent"] == result["owner"]
     deadline = time.monotonic() + 10
-    while _alive(result["server"]):
+    while alive(result["server"]):
         assert time.monotonic() < deadline, "the fork server outlived its owner"
         time.sleep(0.05)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 FINALIZERS = r"""

@@ -51,14 +51,17 @@ def _started(store, watch, epoch=0):
     return watch
 
 
+LOOK_S = 1 / 64  # close to the launcher's 10 ms poll, and exact in binary: n looks sum to exactly n * LOOK_S
+
+
 def _looks(watch, seconds, quorum=QUORUM):
-    """Every stall the watch reports over ``seconds`` of looks, 10 ms apart (as the launcher polls)."""
+    """Every stall the watch reports over ``seconds`` of looks, ``LOOK_S`` apart."""
     found = []
-    for _ in range(round(seconds / 0.01)):
+    for _ in range(round(seconds / LOOK_S)):
         stall = watch.look(quorum, MEMBERS)
         if stall is not None:
             found.append(stall)
-        watch.clock.now += 0.01
+        watch.clock.now += LOOK_S
     return found
 
 
@@ -68,7 +71,7 @@ def test_an_all_reduce_entered_and_not_left_is_a_stall_once_naming_the_absent(st
         _mark(store, rank, 10, IN)  # rank 3 left step 9's and never entered step 10's
     (stall,) = _looks(watch, 1.0)
     assert (stall.step, stall.waiting, stall.absent) == (10, [0, 1, 2], [3])
-    assert stall.bound_s == 0.3 and stall.waited_s == pytest.approx(0.31)  # the first look past the bound
+    assert stall.bound_s == 0.3 and stall.waited_s == 20 * LOOK_S  # the first look past the bound (19 looks: 0.297)
 
 
 def test_a_step_somebody_left_or_another_epochs_marks_are_no_stall(store):
@@ -134,7 +137,7 @@ def test_a_gap_in_the_watchs_own_looks_judges_nobody(store):
     watch.clock.now += LOOKED_AWAY_S + 0.5  # far past the bound, but unseen
     assert watch.look(QUORUM, MEMBERS) is None
     (stall,) = _looks(watch, 1.0)
-    assert stall.waited_s == pytest.approx(0.31)
+    assert stall.waited_s == 20 * LOOK_S
 
 
 @pytest.mark.parametrize("absent, excluded", [

@@ -5,7 +5,7 @@ paid by every checkpoint writer process (per rank, tier and incarnation) and eve
 rank. A process that has imported them already can fork its helpers for the price of a fork, but
 only while it has one thread: forked from a process with threads (gloo's, a TCPStore's, an async
 save's), a child finds a lock one of them held at that instant locked for ever. So the process forks
-a ``ForkServer`` while it still has one thread (the caller checks: ``runtime.fork_server.thread_count``);
+a ``ForkServer`` while it still has one thread (``start_server`` checks it: ``thread_count``);
 the server forks a child per request, which runs ``child(message, fds)``, and tells the caller the
 child's pid and, later, its exit status: ``ForkedProcess`` is the part of ``subprocess.Popen`` that
 its users need (pid, poll, wait, kill, returncode).
@@ -41,6 +41,23 @@ MAX_MESSAGE = 1 << 20
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 Child = Callable[[bytes, list[int]], "int | None"]
+
+
+def thread_count() -> int:
+    """Threads of this process, C++ ones included (``threading`` sees only Python's)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def start_server(child: Child) -> ForkServer | None:
+    """A ``ForkServer(child)`` forked now, or None when this process has threads already (a child forked
+    from it could find a lock held for ever) or the system has no process or socket to spare (EAGAIN,
+    ENOMEM): the caller then starts its processes as new interpreters."""
+    if thread_count() != 1:
+        return None
+    try:
+        return ForkServer(child)
+    except OSError:
+        return None
 
 
 class ForkServer:

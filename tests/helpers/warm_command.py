@@ -60,7 +60,7 @@ def serve(address: str) -> None:
     """The server: preloads, then forks a child per request until its parent (the test process) is gone."""
     import importlib
 
-    from trainguard.runtime.fork_server import thread_count
+    from trainguard.forking import thread_count
 
     for module in PRELOAD:
         importlib.import_module(module)

@@ -49,7 +49,7 @@ from trainguard.checkpoint.config import WRITERS
 from trainguard.checkpoint.shared_buffers import ArenaRef, SharedArena, allocate_shared, tensor_in
 from trainguard.checkpoint.staging import allocate_each
 from trainguard.errors import CheckpointError, ConfigError
-from trainguard.forking import PARENT_POLL_S, STOP_SIGNALS, ForkedProcess, ForkServer
+from trainguard.forking import PARENT_POLL_S, STOP_SIGNALS, ForkedProcess, ForkServer, start_server
 
 Result = TypeVar("Result")
 
@@ -62,14 +62,11 @@ _fork_server: ForkServer | None = None
 
 
 def start_writer_fork_server() -> None:
-    """Makes this process fork its writer processes from a copy of itself taken now, which must have one
-    thread (the caller checks; a rank's first code does it, ``runtime.fork_server.run_rank``): each is
-    then one fork, without the 1.6 s of CPU of a new interpreter's imports (``trainguard.forking``)."""
+    """Makes this process fork its writer processes from a copy of itself taken now if it has one thread
+    (a rank's first code calls it, ``runtime.fork_server.run_rank``): each is then one fork, without the
+    1.6 s of CPU of a new interpreter's imports (``trainguard.forking``); otherwise they start cold."""
     global _fork_server
-    try:
-        _fork_server = ForkServer(_forked_writer)
-    except OSError:  # no process or socket to spare now (EAGAIN, ENOMEM): writers start cold
-        _fork_server = None
+    _fork_server = start_server(_forked_writer)
 
 
 def _forked_writer(_message: bytes, fds: list[int]) -> None:

@@ -25,12 +25,11 @@ import torch.distributed as dist
 from trainguard.config.schema import RunConfig
 from trainguard.errors import ConfigError
 from trainguard.events import EventLog
-from trainguard.forking import ForkedProcess, ForkServer
+from trainguard.forking import ForkedProcess, ForkServer, start_server, thread_count
 from trainguard.live.drill import live_drill
 from trainguard.live.files import events_path, newest_checkpoint
 from trainguard.live.lighthouse import Lighthouse
 from trainguard.live.quorum import progress_key, spare_failed_key, spare_key, spare_ready_key
-from trainguard.runtime.fork_server import thread_count
 
 LIVE, RESTART = "live", "restart"
 
@@ -183,12 +182,7 @@ def start_live_rank_server() -> None:
         return
     for module in RANK_PRELOAD:
         importlib.import_module(module)
-    if thread_count() != 1:  # an import started one (some builds of torch do)
-        return
-    try:
-        _rank_server = ForkServer(_forked_rank)
-    except OSError:  # no process or socket to spare now (EAGAIN, ENOMEM): ranks start cold
-        _rank_server = None
+    _rank_server = start_server(_forked_rank)  # None if an import started a thread (some torch builds do)
 
 
 def _forked_rank(message: bytes, fds: list[int]) -> None:

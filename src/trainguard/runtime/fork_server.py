@@ -29,13 +29,9 @@ from multiprocessing import forkserver, resource_tracker
 from typing import Any
 
 from trainguard.checkpoint.writer_process import start_writer_fork_server
+from trainguard.forking import thread_count
 
 START_METHOD = "forkserver"  # multiprocessing's name for "ask the fork server"
-
-
-def thread_count() -> int:
-    """Threads of this process, C++ ones included (``threading`` sees only Python's)."""
-    return len(os.listdir("/proc/self/task"))
 
 
 def _python_threads() -> str:
@@ -85,7 +81,6 @@ def run_rank(entrypoint: Callable[[list[str]], Any], argv: list[str]) -> Any:
     """A rank's first code: forks the server of its checkpoint writer processes while it still has one
     thread (``writer_process.start_writer_fork_server``), takes SIGTERM back from the server's mask, then
     runs ``entrypoint(argv)``."""
-    if thread_count() == 1:  # else (a rank spawned by a launcher with threads) its writers start cold
-        start_writer_fork_server()
+    start_writer_fork_server()  # forked only if this rank has one thread yet (not spawned by a launcher with threads)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     return entrypoint(argv)

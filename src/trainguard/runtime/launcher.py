@@ -26,8 +26,9 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from trainguard.forking import thread_count
 from trainguard.runtime.agent_control import node_address, serve_from_environment
-from trainguard.runtime.fork_server import START_METHOD, run_rank, start_fork_server, thread_count
+from trainguard.runtime.fork_server import START_METHOD, run_rank, start_fork_server
 from trainguard.runtime.policy import exit_code_of
 from trainguard.runtime.nodes import ENV_AGENT_REPORT, ENV_NNODES, ENV_NODE_RANK, ENV_RDZV_ENDPOINT
 

@@ -16,7 +16,8 @@ SRC = str(Path(__file__).resolve().parents[3] / "src")
 
 AGENT = r"""
 import json, multiprocessing as mp, os, signal, sys, threading, time
-from trainguard.runtime.fork_server import run_rank, start_fork_server, thread_count
+from trainguard.forking import thread_count
+from trainguard.runtime.fork_server import run_rank, start_fork_server
 
 lock = threading.Lock()  # made before any fork: a rank gets its own copy
 

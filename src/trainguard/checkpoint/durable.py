@@ -191,6 +191,9 @@ class DurableCheckpointer:
             snapshot = LazySnapshot(plan.copies, capture.lazy)
             self._gate.hold(snapshot, optimizer)
             blocked = time.perf_counter() - started
+            # the event first: its write releases the GIL, which the background thread, once woken,
+            # would hold for up to a switch interval (5 ms) while this thread waits to return
+            self._saved(step, blocked)
             prepare = functools.partial(self._prepare, step, tmp, extra, trainer_state, started, health,
                                         write_static_files)
             self._inflight = self._background.run(self._finish_guarded, snapshot, plan.staged, prepare)
@@ -198,9 +201,12 @@ class DurableCheckpointer:
             job = self._prepare(step, tmp, extra_state, trainer_state, started, health, write_static_files)
             self._finish_or_say_full(training_state(model, optimizer), job)
             blocked = time.perf_counter() - started
+            self._saved(step, blocked)
+        return blocked
+
+    def _saved(self, step: int, blocked: float) -> None:
         if self.rank == 0:  # here, in the step's order of events (docs/events.md)
             self.events.emit("checkpoint_saved", step=step, blocked_s=blocked, async_save=self.async_save)
-        return blocked
 
     def _prepare(self, step: int, tmp: Path, extra_state: dict[str, Any], trainer_state: dict[str, Any],
                  started: float, health: dict[str, Any] | None,

@@ -6,10 +6,17 @@ was a large part of what a lazy save still blocks for (``benchmarks/nostall.py -
 saver keeps one thread instead, started at its first save, and hands it each save's work through a
 queue. It is a daemon thread, as the per-save threads were (a process that exits does not wait for a
 save stuck in a collective), and it ends once its saver is gone.
+
+The thread runs ``BACKGROUND_NICENESS`` below the priority it started with. Linux's scheduler favours a
+thread it has just woken, so on cores the ranks keep busy the save thread, woken by ``save()``, took
+the core of the training thread before ``save()`` returned: half the lazy saves of llama-tiny on 2
+ranks and 2 cores blocked 2-9 ms instead of 1.2 ms. Niced, it runs when the loop waits (or on a free
+core, where nothing changes); the throughput measured with and without was the same.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import weakref
@@ -17,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 _STOP = None
+BACKGROUND_NICENESS = 10
 
 
 class BackgroundWorker:
@@ -40,6 +48,7 @@ class BackgroundWorker:
 
 def _serve(jobs: queue.SimpleQueue) -> None:
     """Runs jobs until the worker is gone (it holds no reference to the worker, only to its queue)."""
+    _lower_priority()
     while (job := jobs.get()) is not _STOP:
         function, args, done = job
         try:
@@ -47,3 +56,14 @@ def _serve(jobs: queue.SimpleQueue) -> None:
         finally:
             done.set()
             del job, function, args  # nothing of a finished save is kept alive while the thread waits
+
+
+def _lower_priority() -> None:
+    """Lowers the calling thread's scheduling priority by ``BACKGROUND_NICENESS`` (Linux: a thread's own
+    nice value); where that is not possible it keeps the one it has."""
+    try:
+        thread = threading.get_native_id()
+        niceness = os.getpriority(os.PRIO_PROCESS, thread)
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, niceness + BACKGROUND_NICENESS))
+    except (AttributeError, OSError):
+        pass

@@ -95,6 +95,10 @@ class StateGuard:
         else:
             self.unrepaired = None  # the disagreeing state is gone
 
+    def checks_at_rest(self, step: int) -> bool:
+        """Whether ``before_step(step)`` compares the shards with their hashes after the last update."""
+        return self.fingerprints is not None and self.fingerprints.due(step)
+
     def after_update(self, step: int) -> None:
         if self.fingerprints is not None and self.fingerprints.due(step + 1):
             self.fingerprints.remember(self._state())

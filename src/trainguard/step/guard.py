@@ -592,6 +592,10 @@ class Guard:
             self.checkpoints.save(step, self.trainer_state(), health, last_step=last)
         if blocked is not None:
             self.lifecycle.note_save(blocked)
+        if self.state.checks_at_rest(step + 1):
+            # the next step starts with the at-rest check, whose mismatch rolls back to this step's
+            # save: its copy is made now, not while the resting memory may already be corrupt
+            self.checkpoints.wait_for_staging()
         if self.checkpoints.local is not None and self.checkpoints.last_local_step == step:
             fire_wipe_faults(self.faults, self.checkpoints.local, step)
 

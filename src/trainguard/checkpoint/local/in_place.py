@@ -256,14 +256,13 @@ class InPlaceStaging:
 def placeholders(sources: list[torch.Tensor]) -> list[torch.Tensor]:
     """Buffers shaped like ``sources`` that are planned around and never written: their memory is
     reserved, not touched (a ``ReusableStager``'s allocator for ``InPlaceStaging``). Not even under
-    ``torch.use_deterministic_algorithms(True)``, which the trainer turns on and which otherwise fills
-    every new tensor with NaN: a second copy of the rank's state written for nothing."""
-    fill = torch.utils.deterministic.fill_uninitialized_memory
-    torch.utils.deterministic.fill_uninitialized_memory = False
-    try:
-        return [torch.empty(tuple(source.shape), dtype=source.dtype) for source in sources]
-    finally:
-        torch.utils.deterministic.fill_uninitialized_memory = fill
+    ``torch.use_deterministic_algorithms(True)``, which the trainer turns on and which fills every
+    tensor ``torch.empty`` makes with NaN (a second copy of the rank's state written for nothing): a
+    bare storage is not filled, and the buffer is a view of it (no process-wide setting is touched,
+    which another thread allocating meanwhile would see)."""
+    return [torch.empty(0, dtype=source.dtype).set_(torch.UntypedStorage(source.numel() * source.element_size()),
+                                                    0, tuple(source.shape))
+            for source in sources]
 
 
 def commit_staged(staged: StagedFile, target: Path, wrap: Callable[[dict[str, Any]], Any],

@@ -208,6 +208,8 @@ class ReplicaFingerprints:
             if rank in members:
                 self.members, self.group = members, group
         self._after_update: torch.Tensor | None = None
+        self.remembered: torch.Tensor | None = None
+        """The hashes of the last ``remember`` (kept after the at-rest comparison used them)."""
         self.checks = 0
 
     @property
@@ -220,7 +222,7 @@ class ReplicaFingerprints:
 
     def remember(self, named: NamedTensors) -> None:
         """Hashes the state right after an optimizer step, for the at-rest comparison of the next check."""
-        self._after_update = fingerprints(named)
+        self._after_update = self.remembered = fingerprints(named)
 
     def check(self, named: NamedTensors, at_rest: bool = True) -> FingerprintVerdict:
         """Hashes ``named`` (the same names in the same order on every replica), gathers the group's

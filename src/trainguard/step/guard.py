@@ -503,6 +503,10 @@ class Guard:
         replicas agreed when it was saved) so that the run recomputes the steps since and the check at
         ``step`` can tell which rank computed wrongly. False when there is none."""
         restored = self.checkpoints.roll_back(before_step=step)
+        while restored is not None and not self.state.restored_agrees(restored):
+            self.log.error("global_step_%d does not hold the state hashed right after its update (memory changed "
+                           "before its copy was made): not recomputed from", restored)
+            restored = self.checkpoints.roll_back(before_step=restored)
         self.state.recomputing_from(restored)
         if restored is None:
             self.log.error("fingerprint mismatch at step %d: no healthy checkpoint to recompute from; the "

@@ -1,5 +1,6 @@
 """Replica fingerprints: the hash sees every single bit flip; attribution by majority and at rest."""
 
+import logging
 import random
 
 import pytest
@@ -9,6 +10,7 @@ from torch import nn
 from trainguard.faults.bits import flip_bit
 from trainguard.guards.fingerprint import (
     RECOMPUTE_RATIO,
+    FingerprintConfig,
     Mismatch,
     attribute_by_recompute,
     compare_replicas,
@@ -17,6 +19,7 @@ from trainguard.guards.fingerprint import (
     replica_partition,
     tensor_fingerprint,
 )
+from trainguard.guards.state_guard import StateGuard
 from trainguard.guards.state_health import local_state, merge_health, nonfinite_state, poisoned_health
 
 
@@ -121,3 +124,26 @@ def test_poisoned_health_marks_the_save_unhealthy_and_merges_with_the_embedding_
     assert merge_health({"is_health": 0, "embedding_local_norm": 0.1}, None)["is_health"] == 0
     merged = merge_health({"is_health": 0, "embedding_local_norm": 0.1}, poisoned)
     assert merged["is_health"] == 1 and merged["embedding_local_norm"] == 0.1
+
+
+def test_a_restored_state_agrees_only_when_it_hashes_as_it_did_right_after_that_steps_update():
+    """The recompute after a change at rest rolls back to the save made right after the last update; a
+    lazy save copies the state after that update, so memory corrupted before the copy is in the
+    checkpoint: such a restore must not be recomputed from."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 8)).square().sum().backward()
+    optimizer.step()
+    guard = StateGuard(FingerprintConfig(interval=2), model, optimizer, [(0,)], 0, logging.getLogger("test"),
+                       lambda *args, **kwargs: None)
+    guard.after_update(1)  # step 2 is a check step: the state after step 1's update is hashed
+    assert guard.restored_agrees(1) and guard.restored_agrees(0)  # unchanged; nothing hashed for step 0
+    with torch.no_grad():
+        model.weight.view(-1)[5] = model.weight.view(-1)[5] * -1.0  # one element's sign: corrupt at rest
+    assert not guard.restored_agrees(1)
+    assert guard.restored_agrees(0)  # another step's checkpoint: nothing to compare it with
+    off = StateGuard(FingerprintConfig(interval=0), model, optimizer, [(0,)], 0, logging.getLogger("test"),
+                     lambda *args, **kwargs: None)
+    off.after_update(1)
+    assert off.restored_agrees(1)

@@ -191,9 +191,7 @@ class DurableCheckpointer:
             snapshot = LazySnapshot(plan.copies, capture.lazy)
             self._gate.hold(snapshot, optimizer)
             blocked = time.perf_counter() - started
-            # the event first: its write releases the GIL, which the background thread, once woken,
-            # would hold for up to a switch interval (5 ms) while this thread waits to return
-            self._saved(step, blocked)
+            self._saved(step, blocked)  # before the background part starts: it precedes the commit's event
             prepare = functools.partial(self._prepare, step, tmp, extra, trainer_state, started, health,
                                         write_static_files)
             self._inflight = self._background.run(self._finish_guarded, snapshot, plan.staged, prepare)

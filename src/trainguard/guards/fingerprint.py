@@ -207,9 +207,8 @@ class ReplicaFingerprints:
             group = dist.new_group(list(members)) if len(members) > 1 else None
             if rank in members:
                 self.members, self.group = members, group
-        self._after_update: torch.Tensor | None = None
-        self.remembered: torch.Tensor | None = None
-        """The hashes of the last ``remember`` (kept after the at-rest comparison used them)."""
+        self._after_update: torch.Tensor | None = None  # for the next at-rest comparison, which uses it up
+        self._remembered: tuple[int, torch.Tensor] | None = None  # (step, hashes) of the last ``remember``
         self.checks = 0
 
     @property
@@ -220,9 +219,19 @@ class ReplicaFingerprints:
         """A check is due before ``step``'s forward."""
         return self.interval > 0 and step % self.interval == 0
 
-    def remember(self, named: NamedTensors) -> None:
-        """Hashes the state right after an optimizer step, for the at-rest comparison of the next check."""
-        self._after_update = self.remembered = fingerprints(named)
+    def remember(self, named: NamedTensors, step: int) -> None:
+        """Hashes the state right after ``step``'s optimizer step, for the at-rest comparison of the next
+        check (and ``agrees_with_update`` after a rollback to that step)."""
+        self._after_update = fingerprints(named)
+        self._remembered = (step, self._after_update)
+
+    def agrees_with_update(self, named: NamedTensors, step: int) -> bool:
+        """Whether ``named`` hashes as the state did right after ``step``'s optimizer step (True when
+        this rank hashed no such state)."""
+        if self._remembered is None or self._remembered[0] != step:
+            return True
+        current, remembered = fingerprints(named), self._remembered[1]
+        return current.shape == remembered.shape and torch.equal(current, remembered)
 
     def check(self, named: NamedTensors, at_rest: bool = True) -> FingerprintVerdict:
         """Hashes ``named`` (the same names in the same order on every replica), gathers the group's

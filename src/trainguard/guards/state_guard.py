@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from trainguard.guards.health import Health, marked_unhealthy
-from trainguard.guards.fingerprint import FingerprintConfig, FingerprintVerdict, ReplicaFingerprints, fingerprints
+from trainguard.guards.fingerprint import FingerprintConfig, FingerprintVerdict, ReplicaFingerprints
 from trainguard.guards.state_health import local_state, merge_health, nonfinite_state, poisoned_health
 
 # strike(step, evidence) -> whether this rank's device is now faulty
@@ -55,7 +55,6 @@ class StateGuard:
         self.recompute = False  # the last check asks for a recompute from the last agreeing state (world)
         # (check step, host copies of this rank's tensors that disagreed there), until the recompute reaches it
         self._recomputing: tuple[int, dict[str, torch.Tensor]] | None = None
-        self._remembered_step: int | None = None  # the step whose post-update hashes the fingerprints hold
 
     def _state(self):
         return local_state(self.model, self.optimizer)
@@ -105,8 +104,7 @@ class StateGuard:
 
     def after_update(self, step: int) -> None:
         if self.fingerprints is not None and self.fingerprints.due(step + 1):
-            self.fingerprints.remember(self._state())
-            self._remembered_step = step
+            self.fingerprints.remember(self._state(), step)
 
     def restored_agrees(self, step: int) -> bool:
         """Whether the state just restored from ``step``'s checkpoint hashes as every rank's did right after
@@ -114,11 +112,7 @@ class StateGuard:
         update: memory corrupted before its copy was made is in the checkpoint, and a recompute from it
         would keep the corruption. Collective: one all-reduce of one number over the world."""
         named = self._state()
-        remembered = self.fingerprints.remembered if self.fingerprints is not None else None
-        agrees = True
-        if remembered is not None and self._remembered_step == step:
-            current = fingerprints(named)
-            agrees = current.shape == remembered.shape and torch.equal(current, remembered)
+        agrees = self.fingerprints is None or self.fingerprints.agrees_with_update(named, step)
         flag = torch.tensor([int(agrees)], dtype=torch.int64, device=named[0][1].device if named else "cpu")
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)

@@ -87,6 +87,11 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
+def _measured(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """This rank's parts of ``tensors`` that hold elements, detached."""
+    return [part for part in (_local(t).detach() for t in tensors) if part.numel()]
+
+
 def max_abs(tensor: torch.Tensor) -> torch.Tensor:
     """``max|g|`` as a 0-d float32 tensor (NaN propagates): one min/max pass, far cheaper on CPU than
     ``abs().amax()``, which writes a whole copy first."""
@@ -105,8 +110,7 @@ def gradient_statistic(tensors: Sequence[torch.Tensor], statistic: str) -> torch
         if statistic == "l2":
             return torch.linalg.vector_norm(grad, dtype=torch.float32)
         return max_abs(grad).square()
-    local = [_local(t).detach() for t in tensors]
-    local = [t for t in local if t.numel()]
+    local = _measured(tensors)
     if not local:
         return None
     if statistic == "l2":
@@ -122,8 +126,7 @@ def peak_share(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     as a 0-d float32 tensor (no host sync).
     One bit flip that blows one element up makes it close to 1; a real gradient spike, spread over
     many elements, leaves it low."""
-    local = [_local(t).detach() for t in tensors]
-    local = [t for t in local if t.numel()]
+    local = _measured(tensors)
     if not local:
         return None
     total = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in local]).square().sum()
@@ -138,7 +141,10 @@ def _token_rows(tensor: torch.Tensor) -> torch.Tensor:
 
 def _norm_and_isolated_share(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """The L2 norm of the (local, non-empty) tensors taken together and their ``isolated_peak_share``,
-    from one read of each (its rows' norms) plus its row of most energy; 0-d float32, no host sync."""
+    from one read of each (its rows' norms) plus its row of most energy; 0-d float32, no host sync.
+    ``matrix_statistics`` reads weight gradients the same way, but batched for many tensors and with
+    their row odds: for one activation gradient per hook its extra operations cost 40 µs more per
+    point (98 against 59 µs at llama-60m's [1, 64, 768], fastest of 300)."""
     totals, largest, peaks, row_count = [], [], [], 0
     for tensor in tensors:
         rows = _token_rows(tensor)
@@ -169,16 +175,14 @@ def isolated_peak_share(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     bit flip; an element that is large because its whole row is (a token whose gradient jumped, as
     clean activation gradients do: over 99 % of a norm input's energy in one token at times) gets its
     share of that row divided by about ``R``. 0 when every element is 0; NaN when one is NaN."""
-    local = [_local(t).detach() for t in tensors]
-    local = [t for t in local if t.numel()]
+    local = _measured(tensors)
     return _norm_and_isolated_share(local)[1] if local else None
 
 
 def _statistic_and_share(tensors: Sequence[torch.Tensor], statistic: str) -> torch.Tensor | None:
     """``[statistic, isolated peak share]`` as one float32 tensor; for ``l2`` the norm comes from the
     same read of the rows as the share."""
-    local = [_local(t).detach() for t in tensors]
-    local = [t for t in local if t.numel()]
+    local = _measured(tensors)
     if not local:
         return None
     total, share = _norm_and_isolated_share(local)

@@ -224,14 +224,22 @@ def test_a_node_mates_cleanup_during_the_commit_finds_the_step_directory_in_use(
     assert target.read_bytes() == _serialised(state["model"], tmp_path / "expected")
 
 
+def _resident_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def test_placeholders_are_not_filled_under_deterministic_algorithms():
     """The trainer turns deterministic algorithms on, which fills new tensors with NaN: placeholders
-    would then be a second copy of the state, written for nothing. A fresh large allocation reads as
-    zeros when nothing wrote it."""
+    would then be a second copy of the state, written for nothing. 256 MiB (above glibc's largest mmap
+    threshold, so pages fresh from the kernel, whatever the heap holds) stay out of memory until read:
+    filled, they would all be resident."""
+    source = torch.empty(64 << 20, device="meta")  # its shape and dtype only
     torch.use_deterministic_algorithms(True)
     try:
-        (buffer,) = placeholders([torch.empty(4 << 20)])  # 16 MB: pages fresh from the kernel
-        assert not torch.isnan(buffer).any()
-        assert torch.isnan(torch.empty(16)).all()  # the setting is back for everything else
+        before = _resident_bytes()
+        (buffer,) = placeholders([source])
+        assert _resident_bytes() - before < (32 << 20)
+        assert buffer.shape == source.shape and buffer.dtype == source.dtype
+        assert torch.isnan(torch.empty(16)).all()  # the setting is untouched for everything else
     finally:
         torch.use_deterministic_algorithms(False)

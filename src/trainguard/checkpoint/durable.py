@@ -188,7 +188,7 @@ class DurableCheckpointer:
             extra = detached(extra_state)
             capture = self.capture.take(model, optimizer)
             plan = capture.plan
-            snapshot = LazySnapshot(plan.copies, capture.lazy)
+            snapshot = LazySnapshot(capture.split)
             self._gate.hold(snapshot, optimizer)
             blocked = time.perf_counter() - started
             self._saved(step, blocked)  # before the background part starts: it precedes the commit's event

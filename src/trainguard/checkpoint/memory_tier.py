@@ -30,7 +30,7 @@ from trainguard.checkpoint.local.paths import SPARE_DIR, rank_file_names
 from trainguard.checkpoint.local.state import local_tensors
 from trainguard.checkpoint.local.tier import LocalTier
 from trainguard.checkpoint.local.writer import model_file_state
-from trainguard.checkpoint.snapshot import LazySnapshot, StagingGate
+from trainguard.checkpoint.snapshot import CopySplit, LazySnapshot, StagingGate
 from trainguard.checkpoint.staging import ReusableStager, detached, serialised
 from trainguard.checkpoint.state_capture import CaptureCache
 from trainguard.checkpoint.writer_process import allocator_for, make_writer
@@ -78,9 +78,10 @@ class MemoryTier:
         capture = self.capture.take(model, optimizer)
         if self._staged_in_place:
             copies, staged = self.in_place.stage(capture.plan)
+            split = CopySplit.of(copies, capture.lazy)
         else:
-            copies, staged = capture.plan.copies, capture.plan.staged
-        snapshot = LazySnapshot(copies, capture.lazy)
+            split, staged = capture.split, capture.plan.staged
+        snapshot = LazySnapshot(split)
         self._gate.hold(snapshot, optimizer)
         self._inflight = self._background.run(self._write, snapshot, step, staged, extra)
 

@@ -3,7 +3,8 @@ forward and backward run, and waited for only before the optimizer step mutates 
 
 Parameters and optimizer state do not change between an optimizer step and the next one, so a save
 taken right after a step need not copy them before it returns (CheckFreq, DataStates-LLM, torchtitan's
-zero-overhead mode). ``LazySnapshot`` receives the ``(buffer, source)`` pairs of a staging plan and:
+zero-overhead mode). ``LazySnapshot`` receives the ``(buffer, source)`` pairs of a staging plan, sorted
+once per plan (``CopySplit``), and:
 
 - copies at once every source that is not a parameter or optimizer state (module buffers, such as
   running statistics, may change in the forward pass; they are small);
@@ -23,6 +24,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -46,29 +48,44 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return local if isinstance(local, torch.Tensor) else tensor
 
 
-class LazySnapshot:
-    def __init__(self, copies: Iterable[tuple[torch.Tensor, torch.Tensor]], lazy: set[int],
-                 chunk_bytes: int = CHUNK_BYTES):
+@dataclass(frozen=True)
+class CopySplit:
+    """A staging plan's ``(buffer, source)`` copies sorted by when they are made: ``now`` (sources
+    that are not parameters or optimizer state), later on CPU, later on a CUDA side stream. Sorting
+    reads every source's storage and device, so a plan kept between saves keeps its split too."""
+    now: list[tuple[torch.Tensor, torch.Tensor]]
+    later_cpu: list[tuple[torch.Tensor, torch.Tensor]]
+    later_cuda: list[tuple[torch.Tensor, torch.Tensor]]
+
+    @classmethod
+    def of(cls, copies: Iterable[tuple[torch.Tensor, torch.Tensor]], lazy: set[int]) -> "CopySplit":
         """``copies``: ``(buffer, source)`` pairs; sources whose ``data_ptr()`` is in ``lazy`` are
         copied later, the others now."""
-        deferred_cpu: list[tuple[torch.Tensor, torch.Tensor]] = []
-        deferred_cuda: list[tuple[torch.Tensor, torch.Tensor]] = []
+        split = cls([], [], [])
         for buffer, source in copies:
             if source.data_ptr() not in lazy:
-                buffer.copy_(source.detach())
+                split.now.append((buffer, source.detach()))
             elif source.device.type == "cuda":
-                deferred_cuda.append((buffer, source.detach()))
+                split.later_cuda.append((buffer, source.detach()))
             else:
-                deferred_cpu.append((buffer, source))
-        self._deferred, self._chunk_bytes = deferred_cpu, chunk_bytes
+                split.later_cpu.append((buffer, source))
+        return split
+
+
+class LazySnapshot:
+    def __init__(self, split: CopySplit, chunk_bytes: int = CHUNK_BYTES):
+        """Makes ``split.now``'s copies; the others are made later (see the module's doc)."""
+        for buffer, source in split.now:
+            buffer.copy_(source)
+        self._deferred, self._chunk_bytes = split.later_cpu, chunk_bytes
         self._chunks: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # cut by the first thread to copy
         self._next = 0
         self._unfinished = 0
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._error: BaseException | None = None
-        self._cuda_event = _enqueue_on_side_stream(deferred_cuda) if deferred_cuda else None
-        if not deferred_cpu:
+        self._cuda_event = _enqueue_on_side_stream(split.later_cuda) if split.later_cuda else None
+        if not split.later_cpu:
             self._done.set()
 
     def copy(self) -> None:

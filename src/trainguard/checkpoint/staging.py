@@ -168,7 +168,12 @@ class ReusableStager:
 def is_immutable(value: Any) -> bool:
     """Whether a plain value can be kept as it is in a staged copy (nothing can change it in place)."""
     if type(value) is tuple:  # plain values first: a Python RNG state is a tuple of 625 ints
-        return all(isinstance(item, _IMMUTABLE) or is_immutable(item) for item in value)
+        kinds = set(map(type, value))  # judged by the kinds of its items: one pass in C, not one per item
+        if tuple in kinds:
+            kinds.discard(tuple)
+            if not all(is_immutable(item) for item in value if type(item) is tuple):
+                return False
+        return all(issubclass(kind, _IMMUTABLE) for kind in kinds)
     return isinstance(value, _IMMUTABLE)
 
 

@@ -24,10 +24,8 @@ from typing import Any
 
 import torch
 
-from trainguard.checkpoint.snapshot import local_tensor, mutable_by_optimizer
+from trainguard.checkpoint.snapshot import CopySplit, local_tensor, mutable_by_optimizer
 from trainguard.checkpoint.staging import ReusableStager, StagingPlan, is_immutable
-
-Getter = Callable[[], Any]
 
 
 def fingerprint(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple:
@@ -42,16 +40,38 @@ def fingerprint(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tup
     )
 
 
-def plain_value_getters(state: dict[str, Any], model: torch.nn.Module,
-                        optimizer: torch.optim.Optimizer) -> dict[str, Getter] | None:
-    """For each non-tensor value of ``state["optim"]``, a function reading it from the live optimizer,
-    checked to give the value it has now; None when one cannot be found (or ``state["model"]`` holds
-    a non-tensor value)."""
+@dataclass(frozen=True)
+class PlainValues:
+    """Where each non-tensor value of ``state["optim"]`` lives in the optimizer: a parameter group's
+    setting (``param_groups.<fqn>.<name>``, the same value for every parameter of the group, so read
+    once per group and name) or a parameter's state (``state.<fqn>.<name>``)."""
+    group_settings: tuple[tuple[int, str, tuple[str, ...]], ...]
+    """``(group index, name, the flattened keys holding it)``."""
+    state_values: tuple[tuple[str, torch.Tensor, str], ...]
+    """``(flattened key, parameter, name)``."""
+
+    def read(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The values as the live optimizer holds them now, by flattened key."""
+        values: dict[str, Any] = {}
+        groups = optimizer.param_groups
+        for index, name, keys in self.group_settings:
+            values.update(dict.fromkeys(keys, groups[index][name]))
+        for key, param, name in self.state_values:
+            values[key] = optimizer.state[param][name]
+        return values
+
+
+def plain_values(state: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> PlainValues | None:
+    """Where to read each non-tensor value of ``state["optim"]`` again, checked to give the value it
+    has now and to be immutable; None when one cannot be found (or ``state["model"]`` holds a
+    non-tensor value)."""
     if any(not isinstance(v, torch.Tensor) for v in state["model"].values()):
         return None
     params = dict(model.named_parameters(remove_duplicate=False))
     group_of = {id(p): index for index, group in enumerate(optimizer.param_groups) for p in group["params"]}
-    getters: dict[str, Getter] = {}
+    settings: dict[tuple[int, str], list[str]] = {}
+    state_values: list[tuple[str, torch.Tensor, str]] = []
+    expected: dict[str, Any] = {}
     for key, value in state.get("optim", {}).items():
         if isinstance(value, torch.Tensor):
             continue
@@ -61,20 +81,23 @@ def plain_value_getters(state: dict[str, Any], model: torch.nn.Module,
         if param is None:
             return None
         if kind == "param_groups" and id(param) in group_of:
-            group = optimizer.param_groups[group_of[id(param)]]
-            getter = (lambda group, name: lambda: group[name])(group, name)
+            settings.setdefault((group_of[id(param)], name), []).append(key)
         elif kind == "state" and param in optimizer.state:
-            getter = (lambda state, name: lambda: state[name])(optimizer.state[param], name)
+            state_values.append((key, param, name))
         else:
             return None
-        try:
-            current = getter()
-        except KeyError:
+        expected[key] = value
+    sources = PlainValues(tuple((index, name, tuple(keys)) for (index, name), keys in settings.items()),
+                          tuple(state_values))
+    try:
+        current = sources.read(optimizer)
+    except KeyError:
+        return None
+    for key, value in expected.items():
+        now = current[key]
+        if type(now) is not type(value) or now != value or not is_immutable(now):
             return None
-        if type(current) is not type(value) or current != value or not is_immutable(current):
-            return None
-        getters[key] = getter
-    return getters
+    return sources
 
 
 @dataclass(frozen=True)
@@ -82,6 +105,8 @@ class Capture:
     plan: StagingPlan
     lazy: set[int]
     """What ``LazySnapshot`` may copy later: ``mutable_by_optimizer`` of the state planned."""
+    split: CopySplit
+    """``plan.copies`` split by ``lazy``."""
 
 
 class CaptureCache:
@@ -93,7 +118,7 @@ class CaptureCache:
         self.stager = stager or ReusableStager()
         self._fingerprint: tuple | None = None
         self._capture: Capture | None = None
-        self._getters: dict[str, Getter] = {}
+        self._plain: PlainValues | None = None
         self.hits = 0
 
     def take(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Capture:
@@ -104,14 +129,14 @@ class CaptureCache:
         if kept is not None and current == self._fingerprint:
             self.hits += 1
             staged = {part: dict(values) for part, values in kept.plan.staged.items()}
-            for key, getter in self._getters.items():
-                staged["optim"][key] = getter()
-            return Capture(StagingPlan(staged, kept.plan.copies), kept.lazy)
+            staged["optim"].update(self._plain.read(optimizer))
+            return Capture(StagingPlan(staged, kept.plan.copies), kept.lazy, kept.split)
         state = self.take_state(model, optimizer)
-        capture = Capture(self.stager.plan(state), mutable_by_optimizer(model, optimizer))
-        getters = plain_value_getters(state, model, optimizer) if set(state) <= {"model", "optim"} else None
-        if getters is None:
-            self._fingerprint, self._capture, self._getters = None, None, {}
+        plan, lazy = self.stager.plan(state), mutable_by_optimizer(model, optimizer)
+        capture = Capture(plan, lazy, CopySplit.of(plan.copies, lazy))
+        plain = plain_values(state, model, optimizer) if set(state) <= {"model", "optim"} else None
+        if plain is None:
+            self._fingerprint, self._capture, self._plain = None, None, None
         else:
-            self._fingerprint, self._capture, self._getters = current, capture, getters
+            self._fingerprint, self._capture, self._plain = current, capture, plain
         return capture

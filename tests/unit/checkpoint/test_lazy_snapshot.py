@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from trainguard.checkpoint.snapshot import LazySnapshot, mutable_by_optimizer
+from trainguard.checkpoint.snapshot import CopySplit, LazySnapshot, mutable_by_optimizer
 
 
 def _pairs(sources: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -25,7 +25,7 @@ def test_only_tensors_outside_the_optimizer_are_copied_at_once():
     sources = [model.weight.data, model.bias.data, model.running, state["exp_avg"], state["exp_avg_sq"]]
     pairs = _pairs(sources)
     expected = [s.clone() for s in sources]
-    snapshot = LazySnapshot(pairs, lazy, chunk_bytes=1024)
+    snapshot = LazySnapshot(CopySplit.of(pairs, lazy), chunk_bytes=1024)
     assert torch.equal(pairs[2][0], expected[2])  # a module buffer: the forward pass may change it
     assert all(torch.isnan(buffer).all() for i, (buffer, _) in enumerate(pairs) if i != 2)
     model.running.add_(1)  # the next forward changes the buffer: the snapshot keeps the old value
@@ -38,7 +38,7 @@ def test_large_copies_are_chunked_and_shared_between_threads():
     source = torch.randn(10_000)
     strided = torch.randn(40, 30).t()  # not contiguous: copied whole
     pairs = _pairs([source, strided])
-    snapshot = LazySnapshot(pairs, {source.data_ptr(), strided.data_ptr()}, chunk_bytes=4096)
+    snapshot = LazySnapshot(CopySplit.of(pairs, {source.data_ptr(), strided.data_ptr()}), chunk_bytes=4096)
     helpers = [threading.Thread(target=snapshot.copy) for _ in range(3)]
     for helper in helpers:
         helper.start()
@@ -50,7 +50,7 @@ def test_large_copies_are_chunked_and_shared_between_threads():
 
 def test_a_failed_copy_is_raised_by_wait():
     source = torch.randn(8)
-    snapshot = LazySnapshot([(torch.empty(4), source)], {source.data_ptr()})
+    snapshot = LazySnapshot(CopySplit.of([(torch.empty(4), source)], {source.data_ptr()}))
     with pytest.raises(RuntimeError):  # a copy between tensors of different sizes
         snapshot.wait()
     with pytest.raises(RuntimeError):

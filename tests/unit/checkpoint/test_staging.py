@@ -3,6 +3,7 @@ hashes DCP shards as it writes them."""
 
 from __future__ import annotations
 
+import collections
 import multiprocessing
 import os
 import random
@@ -18,7 +19,7 @@ from trainguard.checkpoint.checksum import file_checksum
 from trainguard.checkpoint.dcp_writer import ChecksummingFileSystemWriter, SerializeOnceSavePlanner
 from trainguard.checkpoint.durable import read_full_state_dict
 from trainguard.checkpoint.hashing_file import HashingFile
-from trainguard.checkpoint.staging import ReusableStager
+from trainguard.checkpoint.staging import ReusableStager, is_immutable
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -310,3 +311,13 @@ def test_async_save_on_two_ranks_writes_the_state_at_save_time_and_reuses_buffer
     errors = [p.read_text() for p in sorted(results.glob("error*"))]
     assert not errors, "\n".join(errors)
     assert sorted(p.name for p in results.iterdir()) == ["ok0", "ok1"]
+
+
+def test_immutable_values_are_told_from_ones_a_staged_copy_could_see_change():
+    assert is_immutable(random.getstate())  # (version, a tuple of 625 ints, None)
+    assert is_immutable((1, 2.5, "a", None, torch.float32, (torch.Size([2]), (True, b"x"))))
+    assert not is_immutable((1, [2]))
+    assert not is_immutable((1, (2, (3, {"a": 1}))))
+    assert not is_immutable((torch.zeros(1),))
+    assert not is_immutable(collections.namedtuple("Pair", "a b")(1, 2))
+    assert not is_immutable(((1,), (2, [3])))

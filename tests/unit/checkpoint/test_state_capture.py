@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from trainguard.checkpoint.state_dict import training_state
-from trainguard.checkpoint.state_capture import CaptureCache, plain_value_getters
+from trainguard.checkpoint.state_capture import CaptureCache, plain_values
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -53,10 +53,34 @@ def test_a_replaced_tensor_or_new_state_takes_the_state_again():
 def test_no_cache_when_a_plain_value_has_no_live_source():
     model, optimizer = _trained()
     state = training_state(model, optimizer)
-    assert plain_value_getters(state, model, optimizer) is not None
+    assert plain_values(state, model, optimizer) is not None
     state["optim"]["param_groups.0.weight.unknown"] = 3
-    assert plain_value_getters(state, model, optimizer) is None
+    assert plain_values(state, model, optimizer) is None
     state = training_state(model, optimizer)
     optimizer.param_groups[0]["foreach"] = [1]  # a mutable value: the staged copy could change under it
     state["optim"] = dict(state["optim"], **{"param_groups.0.weight.foreach": [1]})
-    assert plain_value_getters(state, model, optimizer) is None
+    assert plain_values(state, model, optimizer) is None
+
+
+def test_settings_of_several_groups_and_plain_state_values_are_read_from_the_live_optimizer():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.Adafactor([{"params": model[0].parameters()},
+                                       {"params": model[1].parameters(), "lr": 0.5}], lr=0.1)
+    model(torch.randn(4, 8)).sum().backward()
+    optimizer.step()
+    optimizer.state[model[1].bias]["plain"] = 7  # a per-parameter value kept as a number
+    cache = CaptureCache(training_state)
+    cache.take(model, optimizer)
+    optimizer.param_groups[1]["lr"] = 0.25
+    optimizer.param_groups[0] = dict(optimizer.param_groups[0], lr=0.05)  # load_state_dict makes new group dicts
+    optimizer.state[model[1].bias]["plain"] = 8
+    second = cache.take(model, optimizer)
+    assert cache.hits == 1
+    staged = second.plan.staged["optim"]
+    assert staged["param_groups.0.weight.lr"] == staged["param_groups.0.bias.lr"] == 0.05
+    assert staged["param_groups.1.weight.lr"] == staged["param_groups.1.bias.lr"] == 0.25
+    assert staged["state.1.bias.plain"] == 8
+    fresh = training_state(model, optimizer)["optim"]
+    assert {k: v for k, v in staged.items() if not isinstance(v, torch.Tensor)} == \
+        {k: v for k, v in fresh.items() if not isinstance(v, torch.Tensor)}

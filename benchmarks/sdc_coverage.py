@@ -3,12 +3,14 @@
 How it runs (one process, CPU, llama-micro unless ``--preset``)::
 
     python benchmarks/sdc_coverage.py [--preset llama-micro] [--draws 5] [--steps 160] [--seed 0] [--quick] [--json out.json]
-        [--sites SITE ...] [--classes CLASS ...] [--ratio R] [--no-flips | --no-clean]
+        [--sites SITE ...] [--classes CLASS ...] [--ratio R] [--row-jump J [--row-floor F]]
+        [--no-flips | --no-clean]
 
 ``--sites``/``--classes`` limit the flips to some cells (more draws where they are needed);
 ``--no-flips`` runs only the clean runs, ``--no-clean`` only the flips (each fits ~10 min on a busy
 machine). ``--ratio R`` also judges every flip and clean check with a candidate: the same detectors
-with the ratio criterion (``guards.sdc.ratio: R``) on top, reported beside the defaults.
+with the ratio criterion (``guards.sdc.ratio: R``) on top, reported beside the defaults; ``--row-jump J
+[--row-floor F]`` likewise with the row criterion at other thresholds (jump J, odds floor F).
 
 The detection set is trainguard's default: detection points on every norm layer's input gradient,
 every transformer block's output gradient and every parameter's gradient (``guards.sdc.blocks``,
@@ -93,6 +95,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sites", nargs="+", choices=SITES, default=list(SITES))
     p.add_argument("--classes", nargs="+", choices=CLASSES, default=list(CLASSES))
     p.add_argument("--ratio", type=float, default=0.0, help="also judge with guards.sdc.ratio R on top (a candidate)")
+    p.add_argument("--row-jump", type=float, default=0.0, metavar="J",
+                   help="also judge with the row criterion at jump J (a candidate; with --row-floor)")
+    p.add_argument("--row-floor", type=float, default=10.0, metavar="F",
+                   help="the candidate's row odds floor (default 10, the default criterion's)")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--no-flips", action="store_true", help="only the clean runs")
     group.add_argument("--no-clean", action="store_true", help="only the flips")
@@ -137,6 +143,10 @@ class Harness:
             for rule in ("v1", "v3"):
                 self.detectors[f"{rule}+peak+row+ratio{args.ratio:g}"] = SdcDetector(
                     rule, self.names, peak=peak, row_jump=row_jump, ratio=args.ratio)
+        if args.row_jump:
+            for rule in ("v1", "v3"):
+                self.detectors[f"{rule}+peak+row(jump {args.row_jump:g}, floor {args.row_floor:g})"] = SdcDetector(
+                    rule, self.names, peak=peak, row_jump=args.row_jump, row_floor=args.row_floor)
         self.modules = dict(self.model.named_modules())
         self.site_modules = SITE_MODULES[self.model.config.model_type]
         self.armed: dict[str, Any] = {}

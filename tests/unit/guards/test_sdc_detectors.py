@@ -512,6 +512,22 @@ def test_row_needs_the_floor_and_the_jump_and_waits_for_the_warm_up(rule):
 
 
 @pytest.mark.parametrize("rule", ["v1", "v3"])
+def test_a_lower_row_floor_is_the_only_difference_between_two_detectors(rule):
+    default = SdcDetector(rule, ["w"], row_jump=50.0)
+    lower = SdcDetector(rule, ["w"], row_jump=50.0, row_floor=3.0)
+    for step in range(30):
+        for detector in (default, lower):
+            assert detector.detect([statistic(rule, 1.0)], step, rows=[0.1]) == []
+    assert default.detect([statistic(rule, 1.0)], 30, rows=[9.6]) == []  # x96 the median, under the floor of 10
+    found = lower.detect([statistic(rule, 1.0)], 30, rows=[9.6])
+    assert [(d.reason, d.thresholds["row_floor"]) for d in found] == [("row", 3.0)]
+    assert lower.detect([statistic(rule, 1.0)], 31, rows=[4.9]) == []  # above the floor, x49 the median
+    for floor in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="row_floor"):
+            SdcDetector(rule, ["w"], row_jump=50.0, row_floor=floor)
+
+
+@pytest.mark.parametrize("rule", ["v1", "v3"])
 def test_row_off_leaves_the_verdicts_and_state_unchanged_and_its_state_round_trips(rule):
     for sequence in ratio_sequences():
         stats = [statistic(rule, m) for m in sequence]

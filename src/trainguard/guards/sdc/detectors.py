@@ -89,8 +89,8 @@ weight matrices, ``GradientPoints(rows=True)``)
     ``max_r |dW_r|² / (|dW|² − max_r |dW_r|²)``. Once the rule's warm-up is over and the point's recent
     clean row odds (``recent_rows``, the last ``RATIO_WINDOW``) hold the warm-up's number of values, a
     finite value that no other test made level 1 is level 1 with reason ``"row"`` when its row odds
-    are above ``ROW_ODDS_FLOOR`` (10: one row carries over 10/11 of the energy) and above ``row_jump``
-    times the median of ``recent_rows``. The flip's energy, spread over a token's row in the activation
+    are above ``row_floor`` (``ROW_ODDS_FLOOR``, 10, unless given: one row carries over 10/11 of the
+    energy) and above ``row_jump`` times the median of ``recent_rows``. The flip's energy, spread over a token's row in the activation
     gradients (where clean gradients also concentrate on one token at times, which is why no such
     test is run there), stays in one row of the weight gradient. Values it alarms do not enter
     ``recent_rows`` nor the rule's state. With ``row_jump = 0`` nothing is recorded or tracked.
@@ -182,23 +182,32 @@ def _check_factor(name: str, factor: float) -> float:
     return factor
 
 
+def _check_row_floor(floor: float) -> float:
+    floor = float(floor)
+    if not (math.isfinite(floor) and floor > 0):
+        raise ValueError(f"row_floor must be a finite number > 0, got {floor!r}")
+    return floor
+
+
 class _RatioBaseline:
     """The ratio, peak and row criteria's per-point part: the recent clean values and the bounds they give."""
 
     ratio: float
     peak: float
     row_jump: float
+    row_floor: float
     recent: list[float]
     recent_shares: list[float]
     recent_rows: list[float]
     min_steps: int
     exponent: int  # 1 for a statistic that scales like the gradient (l2), 2 for its square (max_sq)
 
-    def _start_baselines(self, ratio: float, peak: float, row_jump: float) -> None:
+    def _start_baselines(self, ratio: float, peak: float, row_jump: float, row_floor: float) -> None:
         """The criteria's factors (validated) and empty windows of recent clean values."""
         self.ratio = _check_factor("ratio", ratio)
         self.peak = _check_peak(peak)
         self.row_jump = _check_factor("row_jump", row_jump)
+        self.row_floor = _check_row_floor(row_floor)
         self.recent = []
         self.recent_shares = []  # the peak criterion's: the point's recent clean peak shares
         self.recent_rows = []  # the row criterion's: the point's recent clean row odds
@@ -254,11 +263,11 @@ class _RatioBaseline:
         if len(self.recent_rows) < min(self.min_steps, RATIO_WINDOW):
             return None
         median = _median(self.recent_rows)
-        if not (row > ROW_ODDS_FLOOR and row > self.row_jump * median):
+        if not (row > self.row_floor and row > self.row_jump * median):
             return None
         state["row_odds"] = row
         state["row_median"] = median
-        return {"row_jump": self.row_jump, "row_median": median, "row_floor": ROW_ODDS_FLOOR}
+        return {"row_jump": self.row_jump, "row_median": median, "row_floor": self.row_floor}
 
     def remember(self, value: float, share: float | None = None, row: float | None = None) -> None:
         if self.tracking:
@@ -307,8 +316,9 @@ class V1Detector(_RatioBaseline):
     exponent = 1
 
     def __init__(self, upper: Sequence[float] = DEFAULT_UPPER, sigma: Sequence[float] = DEFAULT_SIGMA,
-                 min_steps: int = V1_MIN_STEPS, ratio: float = 0.0, peak: float = 0.0, row_jump: float = 0.0):
-        self._start_baselines(ratio, peak, row_jump)
+                 min_steps: int = V1_MIN_STEPS, ratio: float = 0.0, peak: float = 0.0, row_jump: float = 0.0,
+                 row_floor: float = ROW_ODDS_FLOOR):
+        self._start_baselines(ratio, peak, row_jump, row_floor)
         self.upper = (float(upper[0]), float(upper[1]))
         self.sigma = (float(sigma[0]), float(sigma[1]))
         self.min_steps = int(min_steps)
@@ -399,10 +409,10 @@ class V3Detector(_RatioBaseline):
     exponent = 2  # max(g²) grows as the square of the gradient
 
     def __init__(self, a1: float = V3_A1, a2: float = V3_A2, beta: float = V3_BETA, min_steps: int = V3_MIN_STEPS,
-                 ratio: float = 0.0, peak: float = 0.0, row_jump: float = 0.0):
+                 ratio: float = 0.0, peak: float = 0.0, row_jump: float = 0.0, row_floor: float = ROW_ODDS_FLOOR):
         if not 0 < a2 < a1:
             raise ValueError(f"v3 needs 0 < a2 < a1, got a1={a1!r}, a2={a2!r}")
-        self._start_baselines(ratio, peak, row_jump)
+        self._start_baselines(ratio, peak, row_jump, row_floor)
         self.a1 = float(a1)
         self.a2 = float(a2)
         self.beta = float(beta)
@@ -506,12 +516,13 @@ class SdcDetector:
 
     def __init__(self, rule: str = "v1", names: Sequence[str] = (), *, upper: Sequence[float] = DEFAULT_UPPER,
                  sigma: Sequence[float] = DEFAULT_SIGMA, a1: float = V3_A1, a2: float = V3_A2, ratio: float = 0.0,
-                 peak: float = 0.0, row_jump: float = 0.0):
+                 peak: float = 0.0, row_jump: float = 0.0, row_floor: float = ROW_ODDS_FLOOR):
         if rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
         self.ratio = _check_factor("ratio", ratio)
         self.peak = _check_peak(peak)
         self.row_jump = _check_factor("row_jump", row_jump)
+        self.row_floor = _check_row_floor(row_floor)
         self.rule = rule
         self.names = list(names)
         self.upper = tuple(upper)
@@ -539,8 +550,10 @@ class SdcDetector:
 
     def _new_point(self) -> PointDetector:
         if self.rule == "v1":
-            return V1Detector(self.upper, self.sigma, ratio=self.ratio, peak=self.peak, row_jump=self.row_jump)
-        return V3Detector(self.a1, self.a2, ratio=self.ratio, peak=self.peak, row_jump=self.row_jump)
+            return V1Detector(self.upper, self.sigma, ratio=self.ratio, peak=self.peak, row_jump=self.row_jump,
+                              row_floor=self.row_floor)
+        return V3Detector(self.a1, self.a2, ratio=self.ratio, peak=self.peak, row_jump=self.row_jump,
+                          row_floor=self.row_floor)
 
     def detect(self, values: Sequence[float], step: int, names: Sequence[str] | None = None,
                shares: Sequence[float] | None = None, rows: Sequence[float] | None = None) -> list[Detection]:

@@ -33,8 +33,10 @@ Sites (where one bit of one element flips, one injection at a time, on a copy of
 Bit classes: ``top`` (the top exponent bit of fp32 / bf16, ``flip_bit(bit="exp")``: x2^128 for |x| < 2),
 ``x2^16`` (exponent bit 4: the value x2^16 when the bit is 0, |x| in [2^-31, 2^-15) or [2, 2^17), and
 /2^16 when it is 1, |x| in [2^-15, 2), where most gradient elements lie: the flip all but zeroes them;
-each record keeps the element's value before and after, ``old`` and ``new``), ``mantissa`` (the lowest
-mantissa bit).
+each record keeps the element's value before and after, ``old`` and ``new``), ``x2^16-up`` (the same
+bit, of an element drawn among the normal non-zero ones where it is 0: every flip multiplies by 2^16, the
+issue's "middle exponent giving x2^16"; at a gradient site these are the small elements), ``mantissa``
+(the lowest mantissa bit).
 Gradient sites in fp32 and bf16 (the element cast to bf16, flipped there, cast back); state in fp32.
 
 *Mattered*: after the injected step and 3 more steps (clean batches, the same for both), the eval
@@ -66,7 +68,8 @@ from typing import Any
 
 SITES = ("norm.grad_input", "o_proj", "down_proj", "qkv", "embed", "param.grad", "weight", "exp_avg")
 STATE_SITES = ("weight", "exp_avg")
-CLASSES = ("top", "x2^16", "mantissa")
+CLASSES = ("top", "x2^16", "x2^16-up", "mantissa")
+UPWARD = "x2^16-up"  # the class whose element is chosen among those the flip multiplies
 DETECTORS = ("v1+peak+row", "v3+peak+row")  # the defaults; "detected" means either
 BEFORE_ROWS = ("v1+peak", "v3+peak")  # the defaults before the row criterion, reported beside them
 AFTER = 3  # more steps after the injected one: the window for state sites and for "mattered"
@@ -107,7 +110,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def bit_of(klass: str, dtype: str) -> int | str:
     mantissa = 23 if dtype == "fp32" else 7
-    return {"top": "exp", "x2^16": mantissa + 4, "mantissa": 0}[klass]
+    return {"top": "exp", "x2^16": mantissa + 4, UPWARD: mantissa + 4, "mantissa": 0}[klass]
+
+
+def upward_index(flat, bit: int, draw: int) -> int | None:
+    """The index of the element ``draw`` picks among the normal, non-zero elements of ``flat`` (fp32 or
+    bf16) whose exponent ``bit`` is 0: flipping it multiplies the value by 2^16; None when there is none."""
+    import torch
+
+    exponent_bits = 8
+    pattern = flat.view(torch.int32 if flat.dtype == torch.float32 else torch.int16).to(torch.int64)
+    mantissa = 23 if flat.dtype == torch.float32 else 7
+    exponent = (pattern >> mantissa) & ((1 << exponent_bits) - 1)
+    candidates = ((exponent > 0) & (((pattern >> bit) & 1) == 0)).nonzero().flatten()
+    return int(candidates[draw % len(candidates)]) if len(candidates) else None
 
 
 class Harness:
@@ -164,11 +180,14 @@ class Harness:
 
         flat = tensor.reshape(-1)
         index = self.armed["index"] % flat.numel()
-        if self.armed["dtype"] == "fp32":
-            flip = flip_bit(flat, index, self.armed["bit"])
-        else:
-            low = flat.to(self.torch.bfloat16)
-            flip = flip_bit(low, index, self.armed["bit"])
+        low = flat if self.armed["dtype"] == "fp32" else flat.to(self.torch.bfloat16)
+        if self.armed.get("upward"):
+            index = upward_index(low, self.armed["bit"], self.armed["index"])
+            if index is None:  # no element the flip would multiply: nothing flips (recorded as such)
+                self.armed.update(fired=True, old=None, new=None)
+                return
+        flip = flip_bit(low, index, self.armed["bit"])
+        if low is not flat:
             flat[flip.index] = low[flip.index].float()
         self.armed.update(fired=True, old=flip.old, new=flip.new)
 
@@ -339,7 +358,7 @@ def coverage(args) -> list[dict[str, Any]]:
             reference = ([p.detach().clone() for p in harness.params], harness.eval_loss(eval_batch))
             for site, dtype, klass in plan[:per_step]:
                 harness.restore(snap)
-                harness.armed = {"site": site, "dtype": dtype, "bit": bit_of(klass, dtype),
+                harness.armed = {"site": site, "dtype": dtype, "bit": bit_of(klass, dtype), "upward": klass == UPWARD,
                                  "index": rng.randrange(1 << 30), "param": rng.randrange(1 << 30)}
                 fingerprint_seen = None
                 if site in STATE_SITES:
@@ -366,6 +385,8 @@ def coverage(args) -> list[dict[str, Any]]:
                 loss = harness.eval_loss(eval_batch) if finite else math.inf
                 loss_change = abs(loss - reference[1]) / reference[1] if math.isfinite(loss) else math.inf
                 mattered = drift > 0.01 or loss_change > 1e-3
+                if harness.armed.get("upward") and harness.armed.get("old") is None:
+                    continue  # no element of this tensor could be multiplied (fp32 weights: none below 2^-15)
                 records.append({"site": site, "dtype": dtype, "class": klass, "step": step,
                                 "detected": any(detected_by[name] for name in DETECTORS), "detected_by": detected_by,
                                 "fingerprint": fingerprint_seen, "mattered": mattered, "param_drift": drift,

@@ -6,7 +6,8 @@ most of what a lazy async save still blocks for. Between two saves of one run no
 but the optimizer's plain values (the learning rate a scheduler sets, a step count kept as a number):
 the tensors are the same objects with the same storage, updated in place. ``CaptureCache`` keeps the
 plan of the last save with a fingerprint of the live tensors (identity and storage address of every
-parameter, buffer and optimizer-state tensor, and the parameter groups' membership); while the
+parameter, buffer and optimizer-state tensor, and the parameter groups' membership; the model's
+tensors from a walk kept until a module registers something, ``ModuleTensors``); while the
 fingerprint holds, the next plan is the kept one with every plain value read again from the live
 optimizer. The cache is used only where each plain value's source was found and checked against what
 ``get_state_dict`` returned; otherwise every save takes the state again.
@@ -24,13 +25,15 @@ from typing import Any
 
 import torch
 
+from trainguard.checkpoint.module_tensors import ModuleTensors
 from trainguard.checkpoint.snapshot import CopySplit, local_tensor, mutable_by_optimizer
 from trainguard.checkpoint.staging import ReusableStager, StagingPlan, is_immutable
 
 
-def fingerprint(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple:
-    """Identity and storage of every tensor a save reads, and which parameters each group holds."""
-    tensors = list(model.parameters()) + list(model.buffers())
+def fingerprint(module_tensors: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> tuple:
+    """Identity and storage of every tensor a save reads (``module_tensors``: the model's parameters and
+    buffers), and which parameters each group holds."""
+    tensors = list(module_tensors)
     for state in optimizer.state.values():
         tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
     return (
@@ -119,12 +122,13 @@ class CaptureCache:
         self._fingerprint: tuple | None = None
         self._capture: Capture | None = None
         self._plain: PlainValues | None = None
+        self.module_tensors = ModuleTensors()
         self.hits = 0
 
     def take(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Capture:
         """The staging plan of the live state (the caller makes its copies). Only one plan may be in
         use at a time: the buffers and the kept structure are reused by the next call."""
-        current = fingerprint(model, optimizer)
+        current = fingerprint(self.module_tensors.of(model), optimizer)
         kept = self._capture
         if kept is not None and current == self._fingerprint:
             self.hits += 1

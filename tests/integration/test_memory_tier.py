@@ -62,6 +62,7 @@ def _worker(rank: int, phase: str, store: str, run_dir: str, memory_dir: str, re
             optimizer.zero_grad()
             manager.save(step)
         manager.close()
+        Path(results, f"plans{rank}_{phase}").write_text(str(memory.in_place.plans))
         model_sd, optim_sd = get_state_dict(model, optimizer)
         flat = {f"model.{k}": v for k, v in model_sd.items()}
         flat.update({f"optim.{k}.{n}": v for k, s in optim_sd["state"].items() for n, v in s.items()})
@@ -103,6 +104,10 @@ def test_memory_tier_recovers_a_lost_node_with_at_most_one_step_redone_bitwise(t
     results.mkdir()
     memory_dir = str(shm_root / "{run}" / "node{node}")
     _run("clean", tmp_path, tmp_path / "clean", memory_dir, results)
+    for rank in range(WORLD):  # every step copied into the file it is committed as (planned once; the
+        # first step's plan, from get_state_dict, may differ from the kept plan's plain values once)
+        plans = int((results / f"plans{rank}_clean").read_text())
+        assert plans <= 2, f"rank {rank}: the in-place layout was planned {plans} times in {STEPS} steps"
 
     run_dir = tmp_path / "faulty"
     _run("crash", tmp_path, run_dir, memory_dir, results)

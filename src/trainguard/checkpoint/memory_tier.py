@@ -55,7 +55,8 @@ class MemoryTier:
         self.capture = CaptureCache(_local_training_state, ReusableStager(self._allocate))
         names = rank_file_names(tier.world_size, tier.rank)
         self.in_place = InPlaceStaging(tier.dir / SPARE_DIR, {kind: names[kind] for kind in ("model", "optim")},
-                                       {"model": model_file_state(tier.dtensor_layouts), "optim": lambda state: state})
+                                       {"model": model_file_state(self.files.received(tier.dtensor_layouts)),
+                                        "optim": lambda state: state})
         self._staged_in_place = False
         self._gate = StagingGate()
         self._background = BackgroundWorker("trainguard-memory-tier")

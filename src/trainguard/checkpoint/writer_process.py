@@ -52,6 +52,7 @@ from trainguard.errors import CheckpointError, ConfigError
 from trainguard.forking import PARENT_POLL_S, STOP_SIGNALS, ForkedProcess, ForkServer, start_server
 
 Result = TypeVar("Result")
+Value = TypeVar("Value")
 
 
 READY = b"ready"
@@ -82,6 +83,8 @@ class Writer(Protocol):
 
     def run(self, function: Callable[..., Result], *args: Any, **kwargs: Any) -> Result: ...
 
+    def received(self, value: Value) -> Value: ...
+
 
 class InProcess:
     """Runs the writing functions in the calling thread: sync saves, and ``checkpoint.writer: thread``."""
@@ -91,6 +94,10 @@ class InProcess:
 
     def run(self, function: Callable[..., Result], *args: Any, **kwargs: Any) -> Result:
         return function(*args, **kwargs)
+
+    def received(self, value: Value) -> Value:
+        """``value`` as a function ``run`` here gets it: itself."""
+        return value
 
 
 IN_PROCESS = InProcess()
@@ -124,6 +131,13 @@ class WriterProcess:
         with self._lock:
             if self._process is None or self._process.poll() is not None:
                 self._start()
+
+    def received(self, value: Value) -> Value:
+        """``value`` as a function ``run`` in the writer process gets it (passed by value): a pickled
+        copy. Serialising it gives the writer's bytes, which serialising ``value`` itself may not:
+        pickle refers back to an object seen before (an interned string such as a mesh's ``"cpu"``,
+        also torch's storage location tag) where the copy has an equal object of its own."""
+        return pickle.loads(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
 
     def run(self, function: Callable[..., Result], *args: Any, **kwargs: Any) -> Result:
         """``function(*args, **kwargs)`` in the writer process (a module-level function); tensors in

@@ -90,9 +90,9 @@ weight matrices, ``GradientPoints(rows=True)``)
     clean row odds (``recent_rows``, the last ``RATIO_WINDOW``) hold the warm-up's number of values, a
     finite value that no other test made level 1 is level 1 with reason ``"row"`` when its row odds
     are above ``row_floor`` (``ROW_ODDS_FLOOR``, 10, unless given: one row carries over 10/11 of the
-    energy) and above ``row_jump`` times the median of ``recent_rows``. The flip's energy, spread over a token's row in the activation
-    gradients (where clean gradients also concentrate on one token at times, which is why no such
-    test is run there), stays in one row of the weight gradient. Values it alarms do not enter
+    energy) and above ``row_jump`` times the median of ``recent_rows``. The flip's energy, spread over
+    a token's row in the activation gradients (where clean gradients also concentrate on one token at
+    times, which is why no such test is run there), stays in one row of the weight gradient. Values it alarms do not enter
     ``recent_rows`` nor the rule's state. With ``row_jump = 0`` nothing is recorded or tracked.
 
 Checkpointing: ``state_dict()`` holds plain ints, floats, strings, lists and dicts (loads with

@@ -150,7 +150,7 @@ class ForkedProcess:
         return self.returncode
 
     def kill(self) -> None:
-        if self.returncode is None:
+        if self.poll() is None:  # an ended child's pid may be another process's by now
             try:
                 os.kill(self.pid, signal.SIGKILL)
             except ProcessLookupError:

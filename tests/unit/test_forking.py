@@ -1,7 +1,8 @@
 """``trainguard.forking``: a child forked by the server ends as a new interpreter would (its return
 value, a ``SystemExit``'s code, 1 after a traceback), with a new interpreter's signal dispositions,
-gets the fds sent with its request, is waited for, polled and killed as with ``subprocess.Popen``; the
-server ignores the stop signals and ends with its owner.
+gets the fds sent with its request, is waited for, polled and killed as with ``subprocess.Popen`` (a
+child that ended is not signalled: its pid may be reused); the server ignores the stop signals and ends
+with its owner.
 
 The owner runs in a new interpreter (the server must be forked from a process with one thread)."""
 
@@ -52,6 +53,15 @@ try:
     sleeper.wait(0.2)
 except subprocess.TimeoutExpired:
     result["timed_out"] = True
+ended = server.fork(b"return")
+while os.path.exists(f"/proc/{ended.pid}"):  # reaped by the server; nothing asked about it on this side
+    time.sleep(0.01)
+time.sleep(0.2)  # the server's "ended" line on its way
+sent = []
+real_kill, os.kill = os.kill, lambda pid, number: sent.append(pid)
+ended.kill()  # its pid may be another process's by now: no signal
+os.kill = real_kill
+result["ended_then_killed"] = [sent, ended.returncode]
 os.kill(server.pid, signal.SIGTERM)  # a job step's stop reaches the server too
 sleeper.kill()
 result["killed"] = sleeper.wait(30)
@@ -71,6 +81,7 @@ def test_children_end_and_are_waited_for_as_new_interpreters_and_the_server_ends
     assert result["write"] == [0, "through the fd it was sent"]
     assert result["sleeping"] is None and result["timed_out"] is True
     assert result["killed"] == -9  # SIGKILL, as Popen.wait reports it; the server outlived its SIGTERM
+    assert result["ended_then_killed"] == [[], 3]
     assert result["server_parent"] == result["owner"]
     deadline = time.monotonic() + 10
     while alive(result["server"]):

@@ -299,8 +299,7 @@ class _RatioBaseline:
             windows[key] = [_float({key: v}, key) for v in window]
         self.recent_shares = windows["recent_shares"] if self.peak > 0 else []
         self.recent_rows = windows["recent_rows"] if self.row_jump > 0 else []
-        values = windows["recent"]
-        return values
+        return windows["recent"]
 
 
 def _median(values: Sequence[float]) -> float:

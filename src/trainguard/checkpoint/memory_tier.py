@@ -30,7 +30,7 @@ from trainguard.checkpoint.local.paths import SPARE_DIR, rank_file_names
 from trainguard.checkpoint.local.state import local_tensors
 from trainguard.checkpoint.local.tier import LocalTier
 from trainguard.checkpoint.local.writer import model_file_state
-from trainguard.checkpoint.snapshot import CopySplit, LazySnapshot, StagingGate
+from trainguard.checkpoint.snapshot import LazySnapshot, StagingGate
 from trainguard.checkpoint.staging import ReusableStager, detached, serialised
 from trainguard.checkpoint.state_capture import CaptureCache
 from trainguard.checkpoint.writer_process import allocator_for, make_writer
@@ -78,8 +78,7 @@ class MemoryTier:
         extra = detached(extra_state)  # now: the objects it comes from change at the next step
         capture = self.capture.take(model, optimizer)
         if self._staged_in_place:
-            copies, staged = self.in_place.stage(capture.plan)
-            split = CopySplit.of(copies, capture.lazy)
+            split, staged = self.in_place.stage(capture.plan, capture.split)
         else:
             split, staged = capture.split, capture.plan.staged
         snapshot = LazySnapshot(split)

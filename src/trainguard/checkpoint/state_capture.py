@@ -106,10 +106,8 @@ def plain_values(state: dict[str, Any], model: torch.nn.Module, optimizer: torch
 @dataclass(frozen=True)
 class Capture:
     plan: StagingPlan
-    lazy: set[int]
-    """What ``LazySnapshot`` may copy later: ``mutable_by_optimizer`` of the state planned."""
     split: CopySplit
-    """``plan.copies`` split by ``lazy``."""
+    """``plan.copies`` sorted by when they are made: what ``mutable_by_optimizer`` names may be copied later."""
 
 
 class CaptureCache:
@@ -134,10 +132,10 @@ class CaptureCache:
             self.hits += 1
             staged = {part: dict(values) for part, values in kept.plan.staged.items()}
             staged["optim"].update(self._plain.read(optimizer))
-            return Capture(StagingPlan(staged, kept.plan.copies), kept.lazy, kept.split)
+            return Capture(StagingPlan(staged, kept.plan.copies), kept.split)
         state = self.take_state(model, optimizer)
-        plan, lazy = self.stager.plan(state), mutable_by_optimizer(model, optimizer)
-        capture = Capture(plan, lazy, CopySplit.of(plan.copies, lazy))
+        plan = self.stager.plan(state)
+        capture = Capture(plan, CopySplit.of(plan.copies, mutable_by_optimizer(model, optimizer)))
         plain = plain_values(state, model, optimizer) if set(state) <= {"model", "optim"} else None
         if plain is None:
             self._fingerprint, self._capture, self._plain = None, None, None

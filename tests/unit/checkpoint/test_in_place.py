@@ -23,6 +23,7 @@ from trainguard.checkpoint.local.reader import rank_holdings
 from trainguard.checkpoint.manifest import FileEntry
 from trainguard.checkpoint.local.writer import prune, rank_steps, remove_if_abandoned, save_rank_step
 from trainguard.checkpoint.safe_load import safe_torch_load
+from trainguard.checkpoint.snapshot import CopySplit
 from trainguard.checkpoint.staging import ReusableStager
 
 WORLD, RANK = 2, 1
@@ -48,8 +49,16 @@ class Rank:
         self.staging = InPlaceStaging(directory / SPARE_DIR, {kind: names[kind] for kind in KINDS},
                                       {kind: (lambda state: state) for kind in KINDS})
 
+    def stage(self, state: dict[str, dict]) -> tuple[list, dict]:
+        """The copies into the staged files (made by the caller, all of them listed as made "now") and
+        the files."""
+        plan = self.stager.plan(state)
+        split, files = self.staging.stage(plan, CopySplit.of(plan.copies, lazy=set()))
+        assert not split.later_cpu and not split.later_cuda
+        return split.now, files
+
     def save(self, step: int, state: dict[str, dict], copy_only: int | None = None):
-        copies, files = self.staging.stage(self.stager.plan(state))
+        copies, files = self.stage(state)
         for buffer, source in copies[:copy_only]:
             buffer.copy_(source)
         if copy_only is not None:
@@ -206,7 +215,7 @@ def test_a_node_mates_cleanup_during_the_commit_finds_the_step_directory_in_use(
     rank = Rank(tmp_path / "memory")
     step_dir = tmp_path / "memory" / "global_step_1"
     state = _state(1)
-    copies, files = rank.staging.stage(rank.stager.plan(state))
+    copies, files = rank.stage(state)
     for buffer, source in copies:
         buffer.copy_(source)
 

@@ -38,6 +38,7 @@ import xxhash
 
 from trainguard.checkpoint.hashing_file import checksum_of, save_tensor
 from trainguard.checkpoint.manifest import FileEntry
+from trainguard.checkpoint.snapshot import CopySplit
 from trainguard.checkpoint.staging import StagingPlan
 from trainguard.fs.layout import TEMP_MARKER, new_token
 
@@ -69,7 +70,8 @@ class _Mapped:
         self.fd, self.size = fd, size
         self.map = mmap.mmap(fd, size)
         self.layout = -1
-        self.views: dict[int, torch.Tensor] = {}  # the staged tensors over this mapping, by copy, for ``layout``
+        self.views: dict[int, torch.Tensor] = {}  # the staged tensors over this mapping, by planned buffer
+        # (its id: the buffers stay held while planned), for ``layout``
 
 
 class MappedFiles:
@@ -224,33 +226,38 @@ class InPlaceStaging:
         self._layout = next(_LAYOUTS)
         self.plans += 1
 
-    def stage(self, plan: StagingPlan) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], dict[str, StagedFile]]:
-        """The lazy snapshot's ``(slice of a staged file, live source)`` copies, and the staged files
-        to commit once they are made. ``plan``: the staging plan around placeholder buffers (shaped
-        like the state, never written: ``placeholders``)."""
+    def stage(self, plan: StagingPlan, split: CopySplit) -> tuple[CopySplit, dict[str, StagedFile]]:
+        """The lazy snapshot's copies, ``split`` (``plan.copies`` sorted by when they are made) with each
+        buffer replaced by its slice of a staged file, and the staged files to commit once they are made.
+        ``plan``: the staging plan around placeholder buffers (shaped like the state, never written:
+        ``placeholders``)."""
         if len(self._planned) != len(plan.copies) or any(a is not b for a, (b, _) in zip(self._planned, plan.copies)):
             self._plan(plan)
         self.spare_dir.mkdir(parents=True, exist_ok=True)
         mapped = {kind: MAPPED.open(self.spare_dir / name, self._sizes[kind], create=True)
                   for kind, name in self.names.items()}
-        copies = []
-        for index, (buffer, source) in enumerate(plan.copies):
-            place = self._slices.get(id(buffer))
-            if place is None:
-                continue  # an empty tensor: in the state as it is
-            target = mapped[place[0]]
-            if target.layout != self._layout:  # built once per mapping and plan
-                target.layout, target.views = self._layout, {}
-            view = target.views.get(index)
-            if view is None:
-                view = target.views[index] = _tensor(target.map, place[1])
-            copies.append((view, source))
+
+        def in_files(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            placed = []
+            for buffer, source in copies:
+                place = self._slices.get(id(buffer))
+                if place is None:
+                    continue  # an empty tensor: in the state as it is
+                target = mapped[place[0]]
+                if target.layout != self._layout:  # built once per mapping and plan
+                    target.layout, target.views = self._layout, {}
+                view = target.views.get(id(buffer))
+                if view is None:
+                    view = target.views[id(buffer)] = _tensor(target.map, place[1])
+                placed.append((view, source))
+            return placed
+
         files = {}
         for kind, name in self.names.items():
             state = {key: self._slices[id(value)][1] if isinstance(value, torch.Tensor) and id(value) in self._slices
                      else value for key, value in plan.staged[kind].items()}
             files[kind] = StagedFile(self.spare_dir / name, self._sizes[kind], state)
-        return copies, files
+        return CopySplit(in_files(split.now), in_files(split.later_cpu), in_files(split.later_cuda)), files
 
 
 def placeholders(sources: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -118,10 +118,11 @@ def upward_index(flat, bit: int, draw: int) -> int | None:
     bf16) whose exponent ``bit`` is 0: flipping it multiplies the value by 2^16; None when there is none."""
     import torch
 
-    exponent_bits = 8
-    pattern = flat.view(torch.int32 if flat.dtype == torch.float32 else torch.int16).to(torch.int64)
-    mantissa = 23 if flat.dtype == torch.float32 else 7
-    exponent = (pattern >> mantissa) & ((1 << exponent_bits) - 1)
+    from trainguard.faults.bits import float_layout
+
+    layout = float_layout(flat.dtype)
+    pattern = flat.view(layout.int_dtype).to(torch.int64)
+    exponent = (pattern >> layout.mantissa_bits) & ((1 << layout.exponent_bits) - 1)
     candidates = ((exponent > 0) & (((pattern >> bit) & 1) == 0)).nonzero().flatten()
     return int(candidates[draw % len(candidates)]) if len(candidates) else None
 

@@ -92,8 +92,9 @@ weight matrices, ``GradientPoints(rows=True)``)
     are above ``row_floor`` (``ROW_ODDS_FLOOR``, 10, unless given: one row carries over 10/11 of the
     energy) and above ``row_jump`` times the median of ``recent_rows``. The flip's energy, spread over
     a token's row in the activation gradients (where clean gradients also concentrate on one token at
-    times, which is why no such test is run there), stays in one row of the weight gradient. Values it alarms do not enter
-    ``recent_rows`` nor the rule's state. With ``row_jump = 0`` nothing is recorded or tracked.
+    times, which is why no such test is run there), stays in one row of the weight gradient. Values it
+    alarms do not enter ``recent_rows`` nor the rule's state. With ``row_jump = 0`` nothing is recorded
+    or tracked.
 
 Checkpointing: ``state_dict()`` holds plain ints, floats, strings, lists and dicts (loads with
 ``torch.load(weights_only=True)``); the state is per rank (each rank sees its own gradients).

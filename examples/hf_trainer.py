@@ -11,6 +11,7 @@ bitwise as if it had never stopped. Guards and checkpoint policy come from ``--s
 import argparse
 
 import torch
+import torch.distributed as dist
 from transformers import Qwen2Config, Qwen2ForCausalLM, TrainingArguments
 
 from trainguard.config import load_config
@@ -54,6 +55,10 @@ def main() -> None:
     trainer = GuardedTrainer(args.run_dir, model=model, args=training, train_dataset=ArithmeticSequences(),
                              guard_config=load_config(None, args.overrides))
     trainer.train()
+    # the Trainer leaves the process group to the script: a gloo group still alive at interpreter exit can
+    # abort the process (SIGABRT, "terminate called without an active exception") after a clean run
+    if dist.is_initialized():
+        dist.destroy_process_group()
     raise SystemExit(trainer.exit_code)
 
 

@@ -39,7 +39,7 @@ for name in $PARTS; do
         fi
         ;;
     tests)
-        part tests 200 "$PYTHON" -m pytest -q -p no:cacheprovider \
+        part tests 240 "$PYTHON" -m pytest -q -p no:cacheprovider \
             tests/integration/test_cuda.py \
             "tests/integration/test_lazy_snapshot_save.py::test_lazy_async_save_commits_the_state_at_save_bitwise_as_a_sync_save[cuda]" \
             tests/unit/guards/test_sdc_points.py::test_no_host_synchronisation_on_cuda
@@ -48,7 +48,7 @@ for name in $PARTS; do
         part doctor 60 "$PYTHON" -m trainguard doctor --dirs /tmp --reps 20 --json
         ;;
     nostall-gpu)
-        part nostall-gpu 150 "$PYTHON" benchmarks/nostall.py --device cuda --ranks 1 --preset llama-60m \
+        part nostall-gpu 180 "$PYTHON" benchmarks/nostall.py --device cuda --ranks 1 --preset llama-60m \
             --seq-len 1024 --batch 8 --saves 3 --only blocked throughput --writers process thread
         ;;
     nostall-cpu)

@@ -291,6 +291,8 @@ def inner(args) -> None:
                           f"{1000 * median(in_save[mode]):.2f} / {1000 * median(in_wait[mode]):.2f} | |")
             print("\nmemory tier, per step (ms, rank 0): " + "; ".join(
                 f"{writer}: {memory_profile(root / f'memory-{writer}')}" for writer in args.writers))
+            print("memory tier, copies planned into its files (0: staged in buffers, then serialised): " + "; ".join(
+                f"{writer}: {managers[f'memory1-{writer}'].memory.in_place.plans}" for writer in args.writers))
         print()
         if blocked:
             for writer in args.writers:

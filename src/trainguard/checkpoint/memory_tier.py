@@ -6,10 +6,12 @@ training processes, not the node), and saved without stalling the loop: ``save``
 state, plans the copy of this rank's local tensors and returns; the copy runs while the next forward
 and backward run (``LazySnapshot``), the optimizer step waits for what is left of it, and a background
 thread then writes and commits the step (the ring hand-over of the extra state included) on the
-tier's own process group. A state on the CPU is copied straight into the files the step is committed
-as (``local.in_place``: one copy per step); a state on CUDA into pinned staging buffers in shared
-memory (the side stream's copies need page-locked memory), which the writer then serialises into the
-files. At most one save is in
+tier's own process group. The state is copied straight into the files the step is committed as
+(``local.in_place``: one copy per step). For a state on CUDA that needs the files' mappings page-locked
+(the side stream's copies run asynchronously only into locked pages), done where the tier's directory
+is in node memory (tmpfs, as the default ``/dev/shm``); with a ``checkpoint.memory_dir`` elsewhere (a
+disk, whose mapped pages CUDA may refuse to lock), a state on CUDA goes into pinned staging buffers in
+shared memory, which the writer then serialises into the files. At most one save is in
 flight: the next ``save`` first waits for the previous write, so when a process dies during step
 S + 1, step S - 1 at least is committed, and with it every step but the one being written is safe.
 """
@@ -17,6 +19,7 @@ S + 1, step S - 1 at least is committed, and with it every step but the one bein
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -34,6 +37,7 @@ from trainguard.checkpoint.snapshot import LazySnapshot, StagingGate
 from trainguard.checkpoint.staging import ReusableStager, detached, serialised
 from trainguard.checkpoint.state_capture import CaptureCache
 from trainguard.checkpoint.writer_process import allocator_for, make_writer
+from trainguard.fs.fsio import in_memory_file_system
 
 DEFAULT_MEMORY_DIR = "/dev/shm/trainguard/{run}/node{node}"
 """``checkpoint.memory_dir``'s default; ``{run}`` is a digest of the run directory's absolute path."""
@@ -86,12 +90,21 @@ class MemoryTier:
         self._inflight = self._background.run(self._write, snapshot, step, staged, extra)
 
     def _allocate(self, sources: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The staging plan's buffers: placeholders for a state staged in place, pinned shared buffers
-        for one on CUDA."""
+        """The staging plan's buffers: placeholders for a state staged in place, shared buffers
+        (pinned for one on CUDA) otherwise."""
         # in place only where the records carry no CRC32: headers written for one step's bytes are
         # reused around the next step's
-        self._staged_in_place = FAST_TENSOR_SAVE and not any(source.device.type == "cuda" for source in sources)
+        on_cuda = any(source.device.type == "cuda" for source in sources)
+        self._staged_in_place = FAST_TENSOR_SAVE and (not on_cuda or self._in_node_memory())
         return placeholders(sources) if self._staged_in_place else allocator_for(self.files)(sources)
+
+    def _in_node_memory(self) -> bool:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            return in_memory_file_system(fd)
+        finally:
+            os.close(fd)
 
     def _write(self, snapshot: LazySnapshot, step: int, staged: dict[str, Any], extra_state: dict[str, Any]) -> None:
         try:

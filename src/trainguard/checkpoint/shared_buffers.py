@@ -61,11 +61,23 @@ def allocate_shared(sources: list[torch.Tensor]) -> tuple[SharedArena, list[torc
         total += -(-source.numel() * source.element_size() // ALIGN) * ALIGN
     arena = SharedArena(total)
     if any(source.device.type == "cuda" for source in sources) and torch.cuda.is_available():
-        # page-locked, so that the side stream's device-to-host copies run asynchronously into it
-        torch.cuda.cudart().cudaHostRegister(arena.base, arena.nbytes, 0)
+        page_lock(arena.base, arena.nbytes)
     buffers = [_view(arena.map, offset, source.dtype, tuple(source.shape), None)
                for offset, source in zip(offsets, sources)]
     return arena, buffers
+
+
+def page_lock(address: int, nbytes: int) -> None:
+    """Page-locks ``nbytes`` of mapped memory from ``address`` for CUDA (``cudaHostRegister``), so that
+    the side stream's device-to-host copies into it run asynchronously (into pageable memory a copy
+    blocks the thread that enqueues it). Shared memory (memfd, tmpfs) can be page-locked; a file of a
+    disk file system mapped for writing cannot be, for long."""
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(address, nbytes, 0))
+
+
+def page_unlock(address: int) -> None:
+    """Undoes ``page_lock`` (before the memory is unmapped, or its pages stay held)."""
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(address))
 
 
 def tensor_in(mapping: mmap.mmap, ref: ArenaRef) -> torch.Tensor:

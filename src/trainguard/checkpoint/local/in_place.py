@@ -12,6 +12,9 @@ serialises the state again over its own mapping of it: each record whose bytes a
 archive puts them is left there, everything else (headers, the pickle) is written around them; then it
 hashes the whole file, fsyncs it and renames it to its name in the step. Per step the state is copied
 once and hashed once, where it was copied into staging buffers, copied again into the file and hashed.
+A state on CUDA is copied the same way, by the side stream, into mappings page-locked for CUDA (once
+per mapping): the spare files live in node memory (tmpfs), whose pages can be locked as the staging
+arenas' are.
 
 The file committed is the same, byte for byte, as ``save_tensor`` writes (the same serialiser runs
 over it), and is committed as any other (renamed into the step after its fsync; the rank's manifest,
@@ -38,6 +41,7 @@ import xxhash
 
 from trainguard.checkpoint.hashing_file import checksum_of, save_tensor
 from trainguard.checkpoint.manifest import FileEntry
+from trainguard.checkpoint.shared_buffers import page_lock, page_unlock
 from trainguard.checkpoint.snapshot import CopySplit
 from trainguard.checkpoint.staging import StagingPlan
 from trainguard.fs.layout import TEMP_MARKER, new_token
@@ -69,6 +73,8 @@ class _Mapped:
     def __init__(self, fd: int, size: int):
         self.fd, self.size = fd, size
         self.map = mmap.mmap(fd, size)
+        self.address = _address(memoryview(self.map))
+        self.page_locked = False
         self.layout = -1
         self.views: dict[int, torch.Tensor] = {}  # the staged tensors over this mapping, by planned buffer
         # (its id: the buffers stay held while planned), for ``layout``
@@ -83,10 +89,16 @@ class MappedFiles:
         self._files: dict[tuple[int, int], _Mapped] = {}
         self._lock = threading.Lock()  # tiers of one process may stage and commit at the same time
 
-    def open(self, path: Path, size: int, *, create: bool = False) -> _Mapped:
-        """The mapping of ``path``; with ``create``, the file is made (or cut, or grown) to ``size`` first."""
+    def open(self, path: Path, size: int, *, create: bool = False, page_locked: bool = False) -> _Mapped:
+        """The mapping of ``path``; with ``create``, the file is made (or cut, or grown) to ``size`` first;
+        with ``page_locked``, the mapping is page-locked for CUDA's copies into it (once per mapping: the
+        spares' inodes are reused, step after step)."""
         with self._lock:
-            return self._open(path, size, create)
+            mapped = self._open(path, size, create)
+            if page_locked and not mapped.page_locked:
+                page_lock(mapped.address, mapped.size)
+                mapped.page_locked = True
+            return mapped
 
     def _open(self, path: Path, size: int, create: bool) -> _Mapped:
         fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0) | os.O_CLOEXEC, 0o644)
@@ -114,6 +126,8 @@ class MappedFiles:
     def _forget(self, key: tuple[int, int]) -> None:
         mapped = self._files.pop(key, None)
         if mapped is not None:  # the mapping itself goes with the last tensor over it
+            if mapped.page_locked:  # a deleted inode's pages would stay held while locked
+                page_unlock(mapped.address)
             os.close(mapped.fd)
 
 
@@ -166,7 +180,7 @@ class _InPlace:
     (the layout moved)."""
 
     def __init__(self, mapped: _Mapped):
-        self.base = _address(memoryview(mapped.map))
+        self.base = mapped.address
         self.size, self.position, self.moved = mapped.size, 0, False
         self.writes: list[tuple[int, bytes]] = []
 
@@ -198,6 +212,7 @@ class InPlaceStaging:
         self._planned: list[torch.Tensor] = []  # the buffers planned for (held: their ids stay theirs)
         self._slices: dict[int, tuple[str, FileSlice]] = {}
         self._sizes: dict[str, int] = {}
+        self._page_locked = False  # sources on CUDA: the side stream copies into the mappings
         self._layout = -1
         self.plans = 0
         """How many times the layout was planned (the first save plans)."""
@@ -223,6 +238,7 @@ class InPlaceStaging:
                 self._slices[id(buffer)] = (kind, FileSlice(offset, buffer.dtype, tuple(buffer.shape)))
             self._sizes[kind] = recorder.position
         self._planned = buffers
+        self._page_locked = any(source.device.type == "cuda" for _, source in plan.copies)
         self._layout = next(_LAYOUTS)
         self.plans += 1
 
@@ -234,8 +250,8 @@ class InPlaceStaging:
         if len(self._planned) != len(plan.copies) or any(a is not b for a, (b, _) in zip(self._planned, plan.copies)):
             self._plan(plan)
         self.spare_dir.mkdir(parents=True, exist_ok=True)
-        mapped = {kind: MAPPED.open(self.spare_dir / name, self._sizes[kind], create=True)
-                  for kind, name in self.names.items()}
+        mapped = {kind: MAPPED.open(self.spare_dir / name, self._sizes[kind], create=True,
+                                    page_locked=self._page_locked) for kind, name in self.names.items()}
 
         def in_files(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
             placed = []

@@ -83,6 +83,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    "refuses two ranks on one device)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the model trains (cuda: NCCL, pinned staging buffers, the copy on a side stream)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1; more on a host with "
+                   "cores to spare, where the ranks would take one core each too slowly)")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
@@ -161,7 +163,7 @@ def inner(args) -> None:
         dist.init_process_group("cpu:gloo,cuda:nccl")  # the timings' reductions stay on the CPU
     else:
         dist.init_process_group("gloo")
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     rank = dist.get_rank()
     root = Path(args.dir)
     shm = Path("/dev/shm") / f"trainguard-bench-{os.getppid()}"
@@ -265,7 +267,7 @@ def inner(args) -> None:
 
     if rank == 0:
         where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
-        print(f"\nstate: {args.preset}, {total_bytes / 1e9:.3f} GB (model + AdamW) over {args.ranks} ranks on {where}; "
+        print(f"\nstate: {args.preset}, {total_bytes / 1e9:.3f} GB (model + AdamW) over {args.ranks} ranks on {where} ({args.threads} torch threads each); "
               f"seq {args.seq_len} x batch {args.batch} per rank ({args.ranks * args.seq_len * args.batch} tokens per step); "
               f"load average at the end {os.getloadavg()[0]:.2f}\n")
         if profile:
@@ -538,7 +540,8 @@ def main() -> None:
         env.setdefault("OMP_NUM_THREADS", "1")
         inner_args = ["--preset", args.preset, "--seq-len", str(args.seq_len), "--batch", str(args.batch),
                       "--saves", str(args.saves), "--cycles", str(args.cycles), "--block", str(args.block), "--only", *args.only,
-                      "--writers", *args.writers, "--ranks", str(args.ranks), "--device", args.device, "--inner",
+                      "--writers", *args.writers, "--ranks", str(args.ranks), "--device", args.device,
+                      "--threads", str(args.threads), "--inner",
                       "--dir", str(work)]
         code = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.ranks),
                                os.path.abspath(__file__), *inner_args], env=env).returncode

@@ -43,6 +43,7 @@ ratios are measured side by side in one run. It is a benchmark: targets are repo
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -337,19 +338,25 @@ def cpu_profile(args, model, optimizer, train_step, root: Path, shm: Path) -> li
     saves, steps = (2, 6) if args.quick else (3, 6)
 
     def measure(label: str, save, finish, files, count: int) -> None:
-        """CPU of ``count`` saves, the training thread idle: this process's, and its writer process's."""
+        """CPU of ``count`` saves, the training thread idle: this process's, and its writer process's;
+        and the full garbage collections the saves set off in this process (each scans every object
+        of the process, holding the GIL)."""
         save(), finish()  # warm: allocation, plans, spares, the writer process's start
         own = theirs = 0.0
+        full_collections = FullCollections()
         for _ in range(count):
             train_step()
             settle(args)
             dist.barrier()
             pid = getattr(files, "pid", None)
             started, started_writer = time.process_time(), process_cpu(pid)
-            save()
-            finish()
+            with full_collections:
+                save()
+                finish()
             own += time.process_time() - started
             theirs += process_cpu(pid) - started_writer
+        rows.append((f"{label}: full garbage collections per save (count)", full_collections.count / count))
+        rows.append((f"{label}: full garbage collections per save (ms)", 1000 * full_collections.seconds / count))
         rows.append((f"{label}: training process", 1000 * own / count))
         if getattr(files, "pid", None) is not None:
             rows.append((f"{label}: writer process", 1000 * theirs / count))
@@ -463,6 +470,29 @@ def cpu_profile(args, model, optimizer, train_step, root: Path, shm: Path) -> li
     gathered: list = [None] * args.ranks
     dist.all_gather_object(gathered, rows)
     return [(label, [part[index][1] for part in gathered]) for index, (label, _) in enumerate(rows)]
+
+
+class FullCollections:
+    """Counts and times the garbage collector's full (generation 2) collections while entered."""
+
+    def __init__(self) -> None:
+        self.count, self.seconds, self._started = 0, 0.0, 0.0
+
+    def _observe(self, phase: str, info: dict) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.count += 1
+            self.seconds += time.perf_counter() - self._started
+
+    def __enter__(self) -> "FullCollections":
+        gc.callbacks.append(self._observe)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        gc.callbacks.remove(self._observe)
 
 
 def process_cpu(pid: int | None) -> float:

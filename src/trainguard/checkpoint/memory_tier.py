@@ -7,10 +7,10 @@ state, plans the copy of this rank's local tensors and returns; the copy runs wh
 and backward run (``LazySnapshot``), the optimizer step waits for what is left of it, and a background
 thread then writes and commits the step (the ring hand-over of the extra state included) on the
 tier's own process group. The state is copied straight into the files the step is committed as
-(``local.in_place``: one copy per step). For a state on CUDA that needs the files' mappings page-locked
-(the side stream's copies run asynchronously only into locked pages), done where the tier's directory
-is in node memory (tmpfs, as the default ``/dev/shm``); with a ``checkpoint.memory_dir`` elsewhere (a
-disk, whose mapped pages CUDA may refuse to lock), a state on CUDA goes into pinned staging buffers in
+(``local.in_place``: one copy per step). A state on CUDA is copied so too where the tier's directory
+is in node memory (tmpfs, as the default ``/dev/shm``), the files' mappings page-locked for CUDA (the
+side stream's copies are asynchronous only into locked pages); with a ``checkpoint.memory_dir``
+elsewhere (a disk, whose mapped pages CUDA may refuse to lock) it goes into pinned staging buffers in
 shared memory, which the writer then serialises into the files. At most one save is in
 flight: the next ``save`` first waits for the previous write, so when a process dies during step
 S + 1, step S - 1 at least is committed, and with it every step but the one being written is safe.

@@ -65,11 +65,16 @@ BLOCK = 20
 DURABLE_INTERVAL = 10
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="llama-60m", help="model preset (default llama-60m)")
+def add_model_arguments(p: argparse.ArgumentParser, preset: str) -> None:
+    """The model and the tokens of a step: ``--preset``, ``--seq-len``, ``--batch`` (what ``build`` reads)."""
+    p.add_argument("--preset", default=preset, help=f"model preset (default {preset})")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=2, help="sequences per rank and step")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_arguments(p, "llama-60m")
     p.add_argument("--saves", type=int, default=3, help="saves timed per path for figure 1 (default 3)")
     p.add_argument("--cycles", type=int, default=1, help="ABBA cycles for figure 2 (default 1)")
     p.add_argument("--block", type=int, default=BLOCK, help=f"steps per timed block of figure 2 (default {BLOCK}; "

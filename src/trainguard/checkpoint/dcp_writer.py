@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from trainguard.checkpoint.collection_pause import collections_paused
 from trainguard.checkpoint.hashing_file import write_records
 from trainguard.checkpoint.manifest import FileEntry
 from trainguard.checkpoint.writer_process import IN_PROCESS, Writer
@@ -120,10 +121,13 @@ def write_rank_files(
 
     The extra state is written after DCP's save: an fsync while the big shards are being written
     back waits for the file system journal, and so for them. DCP itself raises on every rank alike
-    when any rank's write fails (a writer process that died included).
+    when any rank's write fails (a writer process that died included). Automatic garbage collection is
+    paused during DCP's save (``collection_pause``): its planning would otherwise set off full
+    collections that stall the training thread.
     """
     writer = ChecksummingFileSystemWriter(job.tmp, files)
-    dcp.save(state, storage_writer=writer, planner=SerializeOnceSavePlanner(), process_group=process_group)
+    with collections_paused():
+        dcp.save(state, storage_writer=writer, planner=SerializeOnceSavePlanner(), process_group=process_group)
     entries = dict(writer.written)
     try:
         _, size, checksum = files.run(write_records, job.extra_path, [job.extra_state])

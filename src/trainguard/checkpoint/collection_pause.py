@@ -11,8 +11,10 @@ objects are freed by their reference counts without ever being promoted.
 The pause is process-wide (the collector has one switch): while it lasts, cyclic garbage of the
 training thread waits too, until the save is done. Pauses nest across threads; the collector is turned
 back on only by the last one to end, and only if it was on when the first began (a loop that runs with
-automatic collection off, collecting by hand, keeps it off). A process forked during a pause (a data
-loader's worker) starts with automatic collection as it was before the pause.
+automatic collection off, collecting by hand, keeps it off). Code that turns automatic collection off
+or on while a save runs finds it, when the save ends, as it was before the save began. A process
+forked during a pause (a data loader's worker) starts with automatic collection as it was before the
+pause.
 """
 
 from __future__ import annotations

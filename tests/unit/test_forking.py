@@ -56,12 +56,15 @@ except subprocess.TimeoutExpired:
 ended = server.fork(b"return")
 while os.path.exists(f"/proc/{ended.pid}"):  # reaped by the server; nothing asked about it on this side
     time.sleep(0.01)
-time.sleep(0.2)  # the server's "ended" line on its way
 sent = []
 real_kill, os.kill = os.kill, lambda pid, number: sent.append(pid)
-ended.kill()  # its pid may be another process's by now: no signal
+deadline = time.monotonic() + 10
+while ended.returncode is None and time.monotonic() < deadline:  # until kill() learns the end itself
+    sent.clear()  # signals sent before the server's "ended" line came are no fault
+    ended.kill()
+    time.sleep(0.01)
 os.kill = real_kill
-result["ended_then_killed"] = [sent, ended.returncode]
+result["ended_then_killed"] = [sent, ended.returncode]  # the kill that learned it: no signal
 os.kill(server.pid, signal.SIGTERM)  # a job step's stop reaches the server too
 sleeper.kill()
 result["killed"] = sleeper.wait(30)

@@ -273,7 +273,8 @@ def inner(args) -> None:
 
     if rank == 0:
         where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
-        print(f"\nstate: {args.preset}, {total_bytes / 1e9:.3f} GB (model + AdamW) over {args.ranks} ranks on {where} ({args.threads} torch threads each); "
+        print(f"\nstate: {args.preset}, {total_bytes / 1e9:.3f} GB (model + AdamW) over {args.ranks} ranks on {where} "
+              f"({args.threads} torch threads each); "
               f"seq {args.seq_len} x batch {args.batch} per rank ({args.ranks * args.seq_len * args.batch} tokens per step); "
               f"load average at the end {os.getloadavg()[0]:.2f}\n")
         if profile:

@@ -80,8 +80,7 @@ def test_a_state_on_cuda_is_copied_by_the_side_stream_into_the_page_locked_files
     """The memory tier's in-place staging with CUDA sources (the spare files in /dev/shm): the mappings
     are page-locked, the side stream's copies land in them, a tensor changed after ``wait()`` (as the
     next optimizer step does) leaves the step's bytes alone, and each committed file is what
-    ``save_tensor`` writes of the state at the save, byte for byte; one plan for every step, the
-    spares' inodes reused."""
+    ``save_tensor`` writes of the state at the save, byte for byte; one plan for every step."""
     import io
     import shutil
     import tempfile

@@ -3,14 +3,15 @@
 How it runs (one process, CPU, llama-micro unless ``--preset``)::
 
     python benchmarks/sdc_coverage.py [--preset llama-micro] [--draws 5] [--steps 160] [--seed 0] [--quick] [--json out.json]
-        [--sites SITE ...] [--classes CLASS ...] [--ratio R] [--row-jump J [--row-floor F]]
+        [--sites SITE ...] [--classes CLASS ...] [--ratio R] [--row-jump J [--row-floor F]] [--row-joint J]
         [--no-flips | --no-clean]
 
 ``--sites``/``--classes`` limit the flips to some cells (more draws where they are needed);
 ``--no-flips`` runs only the clean runs, ``--no-clean`` only the flips (each fits ~10 min on a busy
 machine). ``--ratio R`` also judges every flip and clean check with a candidate: the same detectors
 with the ratio criterion (``guards.sdc.ratio: R``) on top, reported beside the defaults; ``--row-jump J
-[--row-floor F]`` likewise with the row criterion at other thresholds (jump J, odds floor F).
+[--row-floor F]`` likewise with the row criterion at other thresholds (jump J, odds floor F), ``--row-joint
+J`` with its joint test at J (0: the row criterion without it).
 
 The detection set is trainguard's default: detection points on every norm layer's input gradient,
 every transformer block's output gradient and every parameter's gradient (``guards.sdc.blocks``,
@@ -100,6 +101,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ratio", type=float, default=0.0, help="also judge with guards.sdc.ratio R on top (a candidate)")
     p.add_argument("--row-jump", type=float, default=0.0, metavar="J",
                    help="also judge with the row criterion at jump J (a candidate; with --row-floor)")
+    p.add_argument("--row-joint", type=float, default=None, metavar="J",
+                   help="also judge with the row criterion's joint test at J (a candidate; 0: without it)")
     p.add_argument("--row-floor", type=float, default=10.0, metavar="F",
                    help="the candidate's row odds floor (default 10, the default criterion's)")
     group = p.add_mutually_exclusive_group()
@@ -164,6 +167,10 @@ class Harness:
             for rule in ("v1", "v3"):
                 self.detectors[f"{rule}+peak+row(jump {args.row_jump:g}, floor {args.row_floor:g})"] = SdcDetector(
                     rule, self.names, peak=peak, row_jump=args.row_jump, row_floor=args.row_floor)
+        if args.row_joint is not None:
+            for rule in ("v1", "v3"):
+                self.detectors[f"{rule}+peak+row(joint {args.row_joint:g})"] = SdcDetector(
+                    rule, self.names, peak=peak, row_jump=row_jump, row_joint=args.row_joint)
         self.modules = dict(self.model.named_modules())
         self.site_modules = SITE_MODULES[self.model.config.model_type]
         self.armed: dict[str, Any] = {}

@@ -96,6 +96,15 @@ weight matrices, ``GradientPoints(rows=True)``)
     alarms do not enter ``recent_rows`` nor the rule's state. With ``row_jump = 0`` nothing is recorded
     or tracked.
 
+    Its joint test (``row_joint``, ``ROW_JOINT_JUMP`` unless given; 0 turns it off): a flip that matters
+    but is of the order of the whole layer's gradient raises the row odds tens of times, not a hundred,
+    and the gradient's norm a few times with them. A value is also level 1 with reason ``"row"`` when
+    its row odds are above ``ROW_JOINT_FLOOR`` (1) and above ``row_joint`` (20) times the median of
+    ``recent_rows`` *and* the value is above ``ROW_JOINT_VALUE`` (4; v3: 4² = 16) times the median of
+    ``recent``. Clean steps move one of the two at a time: a gradient spike (high learning rate,
+    garbage batches) spreads over the rows, and clean row odds that jumped more than 20x did so with
+    the norm under 3x its median (``benchmarks/RESULTS.md``, session 13).
+
 Checkpointing: ``state_dict()`` holds plain ints, floats, strings, lists and dicts (loads with
 ``torch.load(weights_only=True)``); the state is per rank (each rank sees its own gradients).
 """
@@ -127,6 +136,9 @@ PEAK_JUMP = 4.0  # the peak criterion's jump over the recent median, in gradient
 PEAK_SHARE_JUMP = 100.0  # ... or the share's jump over the point's recent median share
 PEAK_SHARE_FLOOR = 1e-3  # ... the share jump counts only above this share
 ROW_ODDS_FLOOR = 10.0  # the row criterion: the largest row carries over 10x the energy of the others
+ROW_JOINT_JUMP = 20.0  # the row criterion's joint test: row odds over 20x their median...
+ROW_JOINT_VALUE = 4.0  # ... while the value is over 4x its recent median (gradient units; v3: squared)
+ROW_JOINT_FLOOR = 1.0  # ... and the largest row outweighs all the others together
 
 STATISTIC = {"v1": "l2", "v3": "max_sq"}  # the statistic each rule judges (DetectionPoints(statistic=...))
 
@@ -197,18 +209,20 @@ class _RatioBaseline:
     peak: float
     row_jump: float
     row_floor: float
+    row_joint: float
     recent: list[float]
     recent_shares: list[float]
     recent_rows: list[float]
     min_steps: int
     exponent: int  # 1 for a statistic that scales like the gradient (l2), 2 for its square (max_sq)
 
-    def _start_baselines(self, ratio: float, peak: float, row_jump: float, row_floor: float) -> None:
+    def _start_baselines(self, ratio: float, peak: float, row_jump: float, row_floor: float, row_joint: float) -> None:
         """The criteria's factors (validated) and empty windows of recent clean values."""
         self.ratio = _check_factor("ratio", ratio)
         self.peak = _check_peak(peak)
         self.row_jump = _check_factor("row_jump", row_jump)
         self.row_floor = _check_row_floor(row_floor)
+        self.row_joint = _check_factor("row_joint", row_joint)
         self.recent = []
         self.recent_shares = []  # the peak criterion's: the point's recent clean peak shares
         self.recent_rows = []  # the row criterion's: the point's recent clean row odds
@@ -229,8 +243,9 @@ class _RatioBaseline:
 
     @property
     def tracking(self) -> bool:
-        """Whether the recent clean values are kept (the ratio or the peak criterion is on)."""
-        return self.ratio > 0 or self.peak > 0
+        """Whether the recent clean values are kept (the ratio or the peak criterion, or the row
+        criterion's joint test, is on)."""
+        return self.ratio > 0 or self.peak > 0 or self.joint_test
 
     def peak_verdict(self, value: float, share: float | None, warmed_up: bool,
                      state: dict[str, float]) -> dict[str, float] | None:
@@ -256,19 +271,33 @@ class _RatioBaseline:
         return {"peak": self.peak, "median": median, "limit": limit,
                 **({"share_median": share_median} if share_median is not None else {})}
 
-    def row_verdict(self, row: float | None, warmed_up: bool, state: dict[str, float]) -> dict[str, float] | None:
-        """The row criterion: its thresholds when the row odds ``row`` make the value level 1, else None."""
+    @property
+    def joint_test(self) -> bool:
+        return self.row_jump > 0 and self.row_joint > 0
+
+    def row_verdict(self, row: float | None, value: float, warmed_up: bool,
+                    state: dict[str, float]) -> dict[str, float] | None:
+        """The row criterion: its thresholds when the row odds ``row`` (with ``value``, for the joint
+        test) make the value level 1, else None."""
         # an all-zero gradient (odds 0: an expert that got no tokens, a masked branch) is not a check
         if self.row_jump <= 0 or row is None or not math.isfinite(row) or row <= 0 or not warmed_up:
             return None
         if len(self.recent_rows) < min(self.min_steps, RATIO_WINDOW):
             return None
         median = _median(self.recent_rows)
+        thresholds = {"row_jump": self.row_jump, "row_median": median, "row_floor": self.row_floor}
         if not (row > self.row_floor and row > self.row_jump * median):
-            return None
+            if not (self.joint_test and row > ROW_JOINT_FLOOR and row > self.row_joint * median
+                    and len(self.recent) >= min(self.min_steps, RATIO_WINDOW)):
+                return None
+            value_median = _median(self.recent)
+            value_limit = value_median * ROW_JOINT_VALUE ** self.exponent
+            if not (value_median > 0 and value > value_limit):
+                return None
+            thresholds.update(row_joint=self.row_joint, value_median=value_median, value_limit=value_limit)
         state["row_odds"] = row
         state["row_median"] = median
-        return {"row_jump": self.row_jump, "row_median": median, "row_floor": self.row_floor}
+        return thresholds
 
     def remember(self, value: float, share: float | None = None, row: float | None = None) -> None:
         if self.tracking:
@@ -317,8 +346,8 @@ class V1Detector(_RatioBaseline):
 
     def __init__(self, upper: Sequence[float] = DEFAULT_UPPER, sigma: Sequence[float] = DEFAULT_SIGMA,
                  min_steps: int = V1_MIN_STEPS, ratio: float = 0.0, peak: float = 0.0, row_jump: float = 0.0,
-                 row_floor: float = ROW_ODDS_FLOOR):
-        self._start_baselines(ratio, peak, row_jump, row_floor)
+                 row_floor: float = ROW_ODDS_FLOOR, row_joint: float = ROW_JOINT_JUMP):
+        self._start_baselines(ratio, peak, row_jump, row_floor, row_joint)
         self.upper = (float(upper[0]), float(upper[1]))
         self.sigma = (float(sigma[0]), float(sigma[1]))
         self.min_steps = int(min_steps)
@@ -369,7 +398,7 @@ class V1Detector(_RatioBaseline):
             if peak is not None:
                 level, reason, thresholds = SdcLevel.ABNORMAL, "peak", peak
         if level is not SdcLevel.ABNORMAL:
-            rows = self.row_verdict(row, self.count >= self.min_steps, state)
+            rows = self.row_verdict(row, value, self.count >= self.min_steps, state)
             if rows is not None:
                 level, reason, thresholds = SdcLevel.ABNORMAL, "row", rows
         if level is not SdcLevel.ABNORMAL:
@@ -409,10 +438,11 @@ class V3Detector(_RatioBaseline):
     exponent = 2  # max(g²) grows as the square of the gradient
 
     def __init__(self, a1: float = V3_A1, a2: float = V3_A2, beta: float = V3_BETA, min_steps: int = V3_MIN_STEPS,
-                 ratio: float = 0.0, peak: float = 0.0, row_jump: float = 0.0, row_floor: float = ROW_ODDS_FLOOR):
+                 ratio: float = 0.0, peak: float = 0.0, row_jump: float = 0.0, row_floor: float = ROW_ODDS_FLOOR,
+                 row_joint: float = ROW_JOINT_JUMP):
         if not 0 < a2 < a1:
             raise ValueError(f"v3 needs 0 < a2 < a1, got a1={a1!r}, a2={a2!r}")
-        self._start_baselines(ratio, peak, row_jump, row_floor)
+        self._start_baselines(ratio, peak, row_jump, row_floor, row_joint)
         self.a1 = float(a1)
         self.a2 = float(a2)
         self.beta = float(beta)
@@ -450,7 +480,7 @@ class V3Detector(_RatioBaseline):
         peak = self.peak_verdict(value, share, self.n >= self.min_steps, state)
         if peak is not None:
             return Verdict(SdcLevel.ABNORMAL, "peak", {**thresholds, **peak}, state)
-        rows = self.row_verdict(row, self.n >= self.min_steps, state)
+        rows = self.row_verdict(row, value, self.n >= self.min_steps, state)
         if rows is not None:
             return Verdict(SdcLevel.ABNORMAL, "row", {**thresholds, **rows}, state)
         if bounds is not None and value > bounds[1]:
@@ -516,13 +546,15 @@ class SdcDetector:
 
     def __init__(self, rule: str = "v1", names: Sequence[str] = (), *, upper: Sequence[float] = DEFAULT_UPPER,
                  sigma: Sequence[float] = DEFAULT_SIGMA, a1: float = V3_A1, a2: float = V3_A2, ratio: float = 0.0,
-                 peak: float = 0.0, row_jump: float = 0.0, row_floor: float = ROW_ODDS_FLOOR):
+                 peak: float = 0.0, row_jump: float = 0.0, row_floor: float = ROW_ODDS_FLOOR,
+                 row_joint: float = ROW_JOINT_JUMP):
         if rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
         self.ratio = _check_factor("ratio", ratio)
         self.peak = _check_peak(peak)
         self.row_jump = _check_factor("row_jump", row_jump)
         self.row_floor = _check_row_floor(row_floor)
+        self.row_joint = _check_factor("row_joint", row_joint)
         self.rule = rule
         self.names = list(names)
         self.upper = tuple(upper)
@@ -551,9 +583,9 @@ class SdcDetector:
     def _new_point(self) -> PointDetector:
         if self.rule == "v1":
             return V1Detector(self.upper, self.sigma, ratio=self.ratio, peak=self.peak, row_jump=self.row_jump,
-                              row_floor=self.row_floor)
+                              row_floor=self.row_floor, row_joint=self.row_joint)
         return V3Detector(self.a1, self.a2, ratio=self.ratio, peak=self.peak, row_jump=self.row_jump,
-                          row_floor=self.row_floor)
+                          row_floor=self.row_floor, row_joint=self.row_joint)
 
     def detect(self, values: Sequence[float], step: int, names: Sequence[str] | None = None,
                shares: Sequence[float] | None = None, rows: Sequence[float] | None = None) -> list[Detection]:

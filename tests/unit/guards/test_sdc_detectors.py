@@ -512,55 +512,61 @@ def test_row_needs_the_floor_and_the_jump_and_waits_for_the_warm_up(rule):
     assert 0.0 not in sometimes.recent_rows
 
 
-@pytest.mark.parametrize("rule", ["v1", "v3"])
-def test_row_joint_test_needs_a_row_odds_jump_and_a_value_jump_together(rule):
-    """A flip of the order of the layer's whole gradient: row odds x25 their median (under the floor of
-    10 and under x100) with the value x5: level 1, reason "row", by the joint test alone; either jump
-    alone, or odds that stay under the joint floor of 1, is clean."""
-    def warmed(**kwargs):
-        detector = SdcDetector(rule, ["w"], peak=0.5, row_jump=100.0, **kwargs)
-        for step, m in enumerate(magnitudes(7, 30, 0.0, 0.1)):
-            odds = 0.2 + 0.1 * (step % 3)  # median 0.3
-            assert detector.detect([statistic(rule, m)], step, shares=[0.01], rows=[odds]) == []
-        return detector
+def warmed_row_point(rule: str, **kwargs) -> SdcDetector:
+    detector = SdcDetector(rule, ["w"], peak=0.5, row_jump=100.0, **kwargs)
+    for step, m in enumerate(magnitudes(7, 30, 0.0, 0.1)):
+        odds = 0.2 + 0.1 * (step % 3)  # median 0.3
+        assert detector.detect([statistic(rule, m)], step, shares=[0.01], rows=[odds]) == []
+    return detector
 
-    median = statistics.median(warmed().point("w").recent)  # of the statistic: v3's is squared
-    exponent = 1 if rule == "v1" else 2
-    cases = {  # (row odds, value in gradient units over the median of recent values) -> alarmed
+
+def test_row_joint_test_needs_a_row_odds_jump_and_a_value_jump_together():
+    """A flip of the order of the layer's whole gradient: row odds x25 their median (under the floor of
+    10 and under x100) with the L2 norm x5: level 1, reason "row", by the joint test alone; either jump
+    alone, or odds that stay under the joint floor of 1, is clean."""
+    median = statistics.median(warmed_row_point("v1").point("w").recent)
+    cases = {  # (row odds, value over the median of recent values) -> alarmed
         (7.5, 5.0): True,  # x25 and x5
         (7.5, 3.9): False,  # the value under x4
         (5.7, 5.0): False,  # x19 the odds' median
         (9.0, 60.0): True,  # a larger flip: still under the floor of 10, still the joint test's
     }
     for (odds, jump), alarmed in cases.items():
-        detector = warmed()
+        detector = warmed_row_point("v1")
         before = detector.point("w").state_dict()
-        found = detector.detect([median * jump**exponent], 30, shares=[0.01], rows=[odds])
+        found = detector.detect([median * jump], 30, shares=[0.01], rows=[odds])
         assert [(d.level, d.reason) for d in found] == ([(1, "row")] if alarmed else []), (odds, jump)
         if alarmed:
             assert found[0].thresholds["row_joint"] == 20.0
-            assert found[0].thresholds["value_limit"] == pytest.approx(median * 4.0**exponent)
+            assert found[0].thresholds["value_limit"] == pytest.approx(median * 4.0)
             assert detector.point("w").state_dict() == before  # not absorbed
-    low = SdcDetector(rule, ["w"], peak=0.5, row_jump=100.0)
+    low = SdcDetector("v1", ["w"], peak=0.5, row_jump=100.0)
     for step, m in enumerate(magnitudes(7, 30, 0.0, 0.1)):
-        assert low.detect([statistic(rule, m)], step, shares=[0.01], rows=[0.01]) == []
-    assert low.detect([statistic(rule, 10.0)], 30, shares=[0.01], rows=[0.9]) == []  # x90, under the joint floor
-    assert low.detect([statistic(rule, 10.0)], 31, shares=[0.01], rows=[1.1]) != []  # x110 and over 1
-    off = warmed(row_joint=0.0)
-    assert off.detect([median * 60.0**exponent], 30, shares=[0.01], rows=[9.0]) == []
+        assert low.detect([m], step, shares=[0.01], rows=[0.01]) == []
+    assert low.detect([10.0], 30, shares=[0.01], rows=[0.9]) == []  # x90, under the joint floor
+    assert low.detect([10.0], 31, shares=[0.01], rows=[1.1]) != []  # x110 and over 1
+    off = warmed_row_point("v1", row_joint=0.0)
+    assert off.detect([median * 60.0], 30, shares=[0.01], rows=[9.0]) == []
     with pytest.raises(ValueError, match="row_joint"):
-        SdcDetector(rule, ["w"], row_jump=100.0, row_joint=0.5)
+        SdcDetector("v1", ["w"], row_jump=100.0, row_joint=0.5)
 
 
-@pytest.mark.parametrize("rule", ["v1", "v3"])
-def test_row_joint_test_keeps_the_values_window_without_the_peak_criterion(rule):
-    detector = SdcDetector(rule, ["w"], row_jump=100.0)  # peak off: recent values kept for the joint test
+def test_row_joint_test_is_v1s_alone():
+    """v3's statistic (the largest element squared) jumps with the row odds on clean steps: no joint test."""
+    detector = warmed_row_point("v3")
+    median = statistics.median(detector.point("w").recent)
+    assert detector.row_joint == 0.0 and detector.point("w").row_joint == 0.0
+    assert detector.detect([median * 3600.0], 30, shares=[0.01], rows=[9.0]) == []  # x60 in gradient units
+
+
+def test_row_joint_test_keeps_the_values_window_without_the_peak_criterion():
+    detector = SdcDetector("v1", ["w"], row_jump=100.0)  # peak off: recent values kept for the joint test
     for step in range(30):
-        assert detector.detect([statistic(rule, 1.0)], step, rows=[0.3]) == []
+        assert detector.detect([1.0], step, rows=[0.3]) == []
     assert len(detector.point("w").recent) == 16
-    assert [d.reason for d in detector.detect([statistic(rule, 5.0)], 30, rows=[7.5])] == ["row"]
-    plain = SdcDetector(rule, ["w"], row_jump=100.0, row_joint=0.0)
-    plain.detect([statistic(rule, 1.0)], 0, rows=[0.3])
+    assert [d.reason for d in detector.detect([5.0], 30, rows=[7.5])] == ["row"]
+    plain = SdcDetector("v1", ["w"], row_jump=100.0, row_joint=0.0)
+    plain.detect([1.0], 0, rows=[0.3])
     assert plain.point("w").recent == [] and "recent" not in plain.point("w").state_dict()
 
 

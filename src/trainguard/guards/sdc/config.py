@@ -77,7 +77,8 @@ class SdcConfig:
     # level 1 when one row (output channel) carries over 10x the energy of all other rows together and
     # that ratio is over row_jump x its median over the point's last 16 clean checks. A flipped element
     # of a layer's output gradient lands in one row of its weight's gradient (the flip times the token's
-    # input), however it spreads in the activation gradients; 0 = off (benchmarks/RESULTS.md)
+    # input), however it spreads in the activation gradients; with v1 also its joint test (row odds over
+    # 1 and 20x their median, the L2 norm over 4x its median: detectors.py); 0 = off (benchmarks/RESULTS.md)
     row_jump: float = 100.0
     # detection points beyond the norm layers: every transformer block's output gradient, and every
     # parameter's gradient as the optimizer sees it (after the reduction)

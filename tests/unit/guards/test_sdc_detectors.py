@@ -555,7 +555,7 @@ def test_row_joint_test_is_v1s_alone():
     """v3's statistic (the largest element squared) jumps with the row odds on clean steps: no joint test."""
     detector = warmed_row_point("v3")
     median = statistics.median(detector.point("w").recent)
-    assert detector.row_joint == 0.0 and detector.point("w").row_joint == 0.0
+    assert detector.point("w").row_joint == 0.0 and not detector.point("w").joint_test
     assert detector.detect([median * 3600.0], 30, shares=[0.01], rows=[9.0]) == []  # x60 in gradient units
 
 

@@ -555,7 +555,7 @@ class SdcDetector:
         self.peak = _check_peak(peak)
         self.row_jump = _check_factor("row_jump", row_jump)
         self.row_floor = _check_row_floor(row_floor)
-        self.row_joint = _check_factor("row_joint", row_joint) if rule == "v1" else 0.0  # the joint test is v1's
+        self.row_joint = _check_factor("row_joint", row_joint)  # v1's points take it; v3's have no joint test
         self.rule = rule
         self.names = list(names)
         self.upper = tuple(upper)

@@ -17,13 +17,16 @@ def relaunch_under_torchrun(nproc: int, script: str) -> None:
     os.execve(sys.executable, cmd, env)
 
 
+def abba_quad(cycle: int, baseline: str = "off", mode: str = "on") -> list[str]:
+    """Cycle ``cycle``'s four blocks: ``baseline mode mode baseline``, then ``mode baseline baseline mode``
+    in the next cycle, so that drift weighs on both sides of each quad's ratio alike."""
+    a, b = (baseline, mode) if cycle % 2 == 0 else (mode, baseline)
+    return [a, b, b, a]
+
+
 def schedule(cycles: int) -> list[str]:
     """Block modes in ABBA order, the starting mode alternating per cycle, so drift cancels out."""
-    blocks: list[str] = []
-    for c in range(cycles):
-        a, b = ("off", "on") if c % 2 == 0 else ("on", "off")
-        blocks += [a, b, b, a]
-    return blocks
+    return [block for cycle in range(cycles) for block in abba_quad(cycle)]
 
 
 def median(values: list[float]) -> float:

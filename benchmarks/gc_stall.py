@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import abba_quad
 from nostall import FullCollections, add_model_arguments
 
 
@@ -54,13 +55,12 @@ def inner(args: argparse.Namespace) -> None:
                                config=CheckpointConfig(save_interval=args.every, writer="process"))
     saver = f"durable every {args.every}"
     managers = {"none": None, saver: saving}
-    steps: dict[str, list[tuple[float, float]]] = {mode: [] for mode in managers}  # (step ms, gc ms)
+    steps: dict[str, list[tuple[float, float, int]]] = {mode: [] for mode in managers}  # (step ms, gc ms, count)
     quads: list[dict[str, list[float]]] = []
     step = 0
     order = [("none", -1), (saver, -1)]  # one untimed block of each first
     for cycle in range(args.cycles):
-        quad = ["none", saver, saver, "none"] if cycle % 2 == 0 else [saver, "none", "none", saver]
-        order += [(mode, cycle) for mode in quad]
+        order += [(mode, cycle) for mode in abba_quad(cycle, "none", saver)]
     with FullCollections() as collections:
         for mode, quad_id in order:
             manager = managers[mode]
@@ -69,7 +69,7 @@ def inner(args: argparse.Namespace) -> None:
             records = []
             for _ in range(args.block):
                 step += 1
-                started, collected = time.perf_counter(), collections.seconds
+                started, collected, counted = time.perf_counter(), collections.seconds, collections.count
                 forward_backward()
                 if manager is not None:
                     manager.wait_for_staging()
@@ -77,7 +77,8 @@ def inner(args: argparse.Namespace) -> None:
                 optimizer.zero_grad()
                 if manager is not None:
                     manager.save(step)
-                records.append((1000 * (time.perf_counter() - started), 1000 * (collections.seconds - collected)))
+                records.append((1000 * (time.perf_counter() - started), 1000 * (collections.seconds - collected),
+                                collections.count - counted))
             if manager is not None:
                 manager.close()  # the block's saves are committed within its time
             elapsed = max_over_ranks(time.perf_counter() - block_started)
@@ -93,9 +94,9 @@ def inner(args: argparse.Namespace) -> None:
               "| steps holding one: ms (of it the collection) |")
         print("|---|---:|---:|---|")
         for mode, records in steps.items():
-            held = [f"{ms:.0f} ({gc_ms:.0f})" for ms, gc_ms in records if gc_ms > 0]
-            print(f"| {mode} | {statistics.median(ms for ms, _ in records):.0f} | "
-                  f"{100 * len(held) / len(records):.1f} | {', '.join(held) or '-'} |")
+            held = [f"{ms:.0f} ({gc_ms:.0f})" for ms, gc_ms, count in records if count]
+            print(f"| {mode} | {statistics.median(ms for ms, _, _ in records):.0f} | "
+                  f"{100 * sum(count for _, _, count in records) / len(records):.1f} | {', '.join(held) or '-'} |")
         ratios = [statistics.median(q[saver]) / statistics.median(q["none"]) for q in quads]
         print(f"\nsteps/s, {saver} vs none: median of quad ratios {statistics.median(ratios):.3f} "
               f"(quads {', '.join(f'{r:.3f}' for r in ratios)})")

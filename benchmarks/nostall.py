@@ -54,7 +54,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import median, print_result
+from common import abba_quad, median, print_result
 
 TARGET_BLOCKED = 0.01
 TARGET_DURABLE = 0.97
@@ -237,8 +237,7 @@ def inner(args) -> None:
     order: list[tuple[str, int]] = []
     for cycle in range(args.cycles if "throughput" in args.only else 0):
         for mode in [m for m in managers if m != "none"]:
-            quad = ["none", mode, mode, "none"] if cycle % 2 == 0 else [mode, "none", "none", mode]
-            order += [(m, len(order) // 4) for m in quad]
+            order += [(m, len(order) // 4) for m in abba_quad(cycle, "none", mode)]
     warmup = [(mode, -1) for mode in managers] if order else []  # one untimed block of each mode first
     quads: dict[int, dict[str, list[float]]] = {}
     for index, (mode, quad_id) in enumerate(warmup + order):

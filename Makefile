@@ -10,8 +10,9 @@ bootstrap:
 demo: bootstrap
 	.venv/bin/trainguard demo
 
-# The whole suite, what CI runs (.ci/run): installs Chromium and Slurm for the report and Slurm tests.
-test:
+# The whole suite, what CI runs (.ci/run): the linter, then every test; installs Chromium and Slurm
+# for the report and Slurm tests.
+test: lint
 	@bash scripts/bootstrap.sh --with-browser --with-slurm
 	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q --durations=15
 

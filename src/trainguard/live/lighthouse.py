@@ -14,7 +14,11 @@ ranks (the replacement and the group's survivors) has asked to join.
   and not left within the stall bound (``live/stall.py``); the lighthouse ends the epoch (with
   everyone in the all-reduce, it first asks the members to probe each other, ``live/probe.py``) and
   the replica groups it excludes leave the next one, to rejoin like a broken group. Nobody is fenced:
-  their processes are alive and rejoin themselves.
+  their processes are alive and rejoin themselves. The next epoch does not wait for the excluded ranks'
+  reports (a hung one never sends it), and a rank out of the quorum whose process lives on is still
+  judged for a hang, so that a hung one is found, replaced, and its group can come back.
+- A death out of the quorum (a rank of a group that is out) ends no epoch; a join request of the dead
+  process is void, and its group comes back once the replacement has asked.
 - Failure: once every live member of the current epoch has reported its last committed step (each
   does after its collective fails), the next epoch is the members of the intact groups, starting at
   the smallest step they committed.
@@ -30,6 +34,7 @@ ranks (the replacement and the group's survivors) has asked to join.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -42,17 +47,21 @@ from trainguard.live.stall import LOOKED_AWAY_S, StallWatch, excluded_groups
 
 class Lighthouse:
     def __init__(self, store: dist.Store, world: int, group_size: int, events: EventLog, hang_s: float,
-                 stall_s: float, stall_steps: float):
+                 stall_s: float, stall_steps: float, clock: Callable[[], float] = time.monotonic):
+        """``clock``: seconds, monotonic (a test's own clock: the hang and stall verdicts depend on time alone)."""
         if world % group_size:
             raise ValueError(f"group_size={group_size} does not divide the world of {world} ranks")
         self.store, self.world, self.group_size, self.events = store, world, group_size, events
-        self.dead: set[int] = set()
-        self.hang_s = hang_s
-        self.stalls = StallWatch(store, stall_s, stall_steps)
+        self.dead: set[int] = set()  # members of the current epoch seen dead, until the epoch after them
+        self.hang_s, self.clock = hang_s, clock
+        self.stalls = StallWatch(store, stall_s, stall_steps, clock)
         # (step, excluded groups, or None: to decide from the members' probes) of the epoch ending
         self.stalled: tuple[int, list[int] | None] | None = None
         self.fenced: set[int] = set()  # ranks found hung, killed by the launcher
-        self.last_check = time.monotonic()
+        # ranks whose replica group left the quorum while their own process lived on (a survivor of the
+        # group, one a stall excluded): out of every epoch, yet judged for a hang, or their group never rejoins
+        self.out_alive: set[int] = set()
+        self.last_check = clock()
         self.beats: dict[int, tuple[int, float]] = {}  # rank -> (its counter, when the lighthouse saw it move)
         self.asked = {rank: 0 for rank in range(world)}  # join requests already answered
         self.broken: set[int] = set()  # replica groups out of the quorum
@@ -67,19 +76,26 @@ class Lighthouse:
         return list(range(group * self.group_size, (group + 1) * self.group_size))
 
     def died(self, rank: int) -> None:
-        self.dead.add(rank)
         self.store.set(fence_key(rank), str(self.quorum.epoch))
         self.beats.pop(rank, None)  # its replacement is judged from its own first beat
+        if rank in self.quorum.members:
+            self.dead.add(rank)
+            return
+        # its group is out already: no epoch to end; a join request of the dead process is void (its
+        # replacement asks anew, and the group comes back only once that one has asked)
+        self.out_alive.discard(rank)
+        self.asked[rank] = int(self.store.add(ready_key(rank), 0))
 
     def hung(self) -> list[int]:
-        """Members of the current epoch that have beaten before and not for ``hang_s``."""
-        now, silent = time.monotonic(), []
+        """Members of the current epoch, and ranks out of it alive (``out_alive``), that have beaten before
+        and not for ``hang_s``."""
+        now, silent = self.clock(), []
         if now - self.last_check > LOOKED_AWAY_S:
             # this process was not scheduled for a while (a loaded machine): it saw nobody's beats in
             # that time, so it judges nobody on it and starts every member's window again
             self.beats = {rank: (count, now) for rank, (count, _) in self.beats.items()}
         self.last_check = now
-        for rank in self.quorum.members:
+        for rank in sorted(set(self.quorum.members) | self.out_alive):
             if rank in self.dead or has(self.store, done_key(rank)):
                 continue
             count = int(self.store.add(beat_key(rank), 0))
@@ -102,7 +118,7 @@ class Lighthouse:
         if failed:
             end_epoch(self.store, quorum.epoch)  # wakes the members blocked in a collective
         if failed or reported:
-            if set(quorum.members) - self.dead <= set(reported):
+            if set(quorum.members) - self.dead - self._excluded_by_stall() <= set(reported):
                 self._shrink(failed, reported)
             return
         if self.stalled is None and self._stall(quorum):
@@ -121,6 +137,12 @@ class Lighthouse:
         publish(self.store, self.quorum)
         self._emit(self.quorum)
         return self.quorum
+
+    def _excluded_by_stall(self) -> set[int]:
+        """The ranks a stall verdict has already sent out of the next epoch: the epoch need not wait for
+        their reports (a hung one never sends it; waiting would cost the survivors ``hang_s``)."""
+        excluded = self.stalled[1] if self.stalled is not None else None
+        return {rank for group in excluded or [] for rank in self.ranks_of(group)}
 
     def _stall(self, quorum: Quorum) -> bool:
         """Ends the epoch if its all-reduce stalled and some replica groups can be excluded."""
@@ -157,6 +179,7 @@ class Lighthouse:
         no_state = {self.group_of(r) for r, step in reported.items() if step == NO_STATE}
         broken = {self.group_of(r) for r in failed} | set(excluded) | no_state
         self.broken |= broken
+        self.out_alive |= {r for r in self.quorum.members if self.group_of(r) in broken} - failed
         members = [r for r in self.quorum.members if self.group_of(r) not in self.broken]
         if not members:
             raise RuntimeError(f"live recovery: no replica group is left intact after ranks {sorted(failed)} died")
@@ -174,6 +197,7 @@ class Lighthouse:
 
     def _join(self, group: int, ranks: list[int]) -> None:
         self.broken.discard(group)
+        self.out_alive -= set(ranks)
         for rank in ranks:
             self.asked[rank] += 1
             self.beats.pop(rank, None)  # judged from its next beat, not from before it waited to join

@@ -187,6 +187,27 @@ def test_a_second_failure_during_the_join_sends_the_group_out_again_and_it_rejoi
     assert sample_problems(events, STEPS, Workload().samples_per_step) == []
 
 
+def test_a_death_while_the_shrunk_epochs_group_is_built_is_recovered_not_escaped(drill, tmp_path):
+    """3 replica groups of 1 rank. Rank 2 is SIGKILLed after step 10, and rank 1 the moment the lighthouse
+    publishes the epoch without rank 2, while rank 0 connects to that epoch's gloo group: rank 0's
+    recovery itself is aborted (``EpochAborted`` from the group's build, which used to escape ``recover``
+    and end rank 0 too, losing the run), goes on to the next epoch alone, and both groups rejoin. Rank 0
+    keeps its process; the end state is the 4-rank fault-free run's bit for bit."""
+    root, _ = drill
+    run = dataclasses.replace(FAILING, groups=3, group_size=1, kill_ranks=(2,), spares=0, kill_during_shrink=1)
+    result = launch(tmp_path / "shrink", run)
+    assert result.shrink_killed_at is not None and result.replacements == {1: 1, 2: 1}
+    assert result.last_pids[0] == result.first_pids[0]
+    events = _events(tmp_path / "shrink")
+    quorums = [e for e in events if e["kind"] == "live_quorum"]
+    assert [q["members"] for q in quorums][:3] == [[0, 1, 2], [0, 1], [0]]
+    assert quorums[-1]["members"] == [0, 1, 2]
+    assert [e["epoch"] for e in events if e["kind"] == "live_resumed" and e["rank"] == 0] == [2]
+    whole = whole_final_state(root / "clean", GROUP)
+    assert bitwise_differences(whole_final_state(tmp_path / "shrink", 1), whole) == []
+    assert sample_problems(events, STEPS, Workload().samples_per_step) == []
+
+
 @pytest.mark.parametrize("stalled, cut, survivors", [(3, False, [0, 1]), (1, True, [2, 3])], ids=["absent", "cut"])
 def test_a_partial_cut_is_found_within_the_stall_bound_and_its_group_excluded(drill, tmp_path, stalled, cut, survivors):
     """A partial cut: a rank alive, beating and reachable through the store, that its peers cannot

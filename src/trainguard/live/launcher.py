@@ -56,6 +56,9 @@ class LiveRun:
     transient: tuple[int, int] | None = None
     kill_joiner: bool = False  # drill: SIGKILL the first killed rank's replacement too, once it is let in (a
     # second failure during the join)
+    # drill: SIGKILL this rank too the moment the lighthouse publishes the epoch after the first kill, while
+    # that epoch's gloo group is being built (a second failure during the shrink)
+    kill_during_shrink: int | None = None
     max_replacements: int = 16  # a run whose ranks died more often than this ends (something is wrong with it)
     # (rank, step): that rank stays out of that step's all-reduce, alive and beating, until the epoch
     # ends (a peer that never takes part: a partial cut, from the others' side)
@@ -130,6 +133,7 @@ class LiveResult:
     replaced_at: dict[int, float] = field(default_factory=dict)  # rank -> time.time() of its newest start
     replacements: dict[int, int] = field(default_factory=dict)  # rank -> how many times it was replaced
     joiner_killed_at: float | None = None  # the kill_joiner drill's SIGKILL
+    shrink_killed_at: float | None = None  # the kill_during_shrink drill's SIGKILL
     exit_codes: dict[int, int] = field(default_factory=dict)
     fenced_exit_codes: dict[int, int | None] = field(default_factory=dict)  # pid of a fenced process ->
     # its exit code (None: still silent at the end, killed then)
@@ -293,6 +297,13 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
                     else:
                         procs[rank].kill()  # SIGKILL reaches a stopped process too; seen as a death next
                 lighthouse.poll()
+                if (run.kill_during_shrink is not None and lighthouse.quorum.epoch == 1
+                        and result.shrink_killed_at is None):  # at once: before the epoch's group is built
+                    target = procs[run.kill_during_shrink]
+                    os.kill(target.pid, signal.SIGKILL)
+                    events.emit("live_kill", step=None, target=run.kill_during_shrink, pid=target.pid, signal="kill",
+                                during_shrink=lighthouse.quorum.epoch)
+                    result.shrink_killed_at = time.time()
             time.sleep(0.005)
     finally:
         result.fenced_exit_codes = {proc.pid: proc.poll() for proc in fenced}

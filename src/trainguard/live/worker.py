@@ -273,7 +273,8 @@ class LiveWorker:
             self.events.emit("live_fenced", step=self.step_index, epoch=epoch, fence_epoch=int(fence), pid=os.getpid())
             raise Fenced(f"rank {self.rank} (pid {os.getpid()}) was fenced in epoch {int(fence)}")
         collective.end_epoch(self.store, epoch)  # the members still blocked learn it now
-        self.retired.append(self.group)  # destroying it would block until its pending operation times out
+        if self.group is not None:  # None: the epoch ended while its group was being built
+            self.retired.append(self.group)  # destroying it would block until its pending operation times out
         self.group = None
         self.probe.report_if_asked(epoch, self.quorum.members)
         self.store.set(report_key(epoch, self.rank), str(committed))
@@ -282,19 +283,29 @@ class LiveWorker:
         return Quorum.from_json(wait_for(self.store, epoch_key(epoch + 1), WAIT_S, self.beat))
 
     def recover(self, error: RuntimeError) -> None:
-        epoch, committed, failed_at = self.quorum.epoch, self.step_index, time.time()
-        quorum = self.leave_epoch(error, committed)
-        if self.rank not in quorum.members:
-            self.join()
-            return
-        if quorum.start_step < committed:
-            step, state = self.previous or (None, None)
-            if step != quorum.start_step:
-                raise RuntimeError(f"live recovery: epoch {quorum.epoch} starts at step {quorum.start_step}, "
-                                   f"rank {self.rank} can undo only step {step}")
-            load_state(self.model, self.optimizer, state)
-            self.events.emit("live_undo", step=step, epoch=epoch)
-        self.enter(quorum, quorum.start_step)
+        """Leaves the failed epoch and enters the next one, or joins again if left out; a failure while the
+        next epoch's group is being built (a member died then: ``EpochAborted``) ends that epoch too, and
+        the rank goes on to the one after."""
+        failed_at = time.time()
+        while True:
+            epoch, committed = self.quorum.epoch, self.step_index
+            quorum = self.leave_epoch(error, committed)
+            if self.rank not in quorum.members:
+                self.join()
+                return
+            if quorum.start_step < committed:
+                step, state = self.previous or (None, None)
+                if step != quorum.start_step:
+                    raise RuntimeError(f"live recovery: epoch {quorum.epoch} starts at step {quorum.start_step}, "
+                                       f"rank {self.rank} can undo only step {step}")
+                load_state(self.model, self.optimizer, state)
+                self.events.emit("live_undo", step=step, epoch=epoch)
+            try:
+                self.enter(quorum, quorum.start_step)
+            except RuntimeError as again:
+                error = again
+                continue
+            break
         self.events.emit("live_resumed", step=quorum.start_step, epoch=quorum.epoch,
                          stalled_s=time.time() - failed_at)
 

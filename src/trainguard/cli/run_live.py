@@ -4,7 +4,8 @@ started as each of the N ranks of a live run by the live launcher (store, lighth
 launcher's flags appended (``--store ... --rank R --run-dir DIR ...``, which ``Guard`` reads); a rank's
 failure is replaced while the others keep stepping (docs/live_recovery.md). The configuration gives the
 layout, the steps, the global batch, the ``fault_tolerance`` keys and the drill (``faults``:
-``kill:rank=R,step=S``, ``trainguard.live.drill``); COMMAND loads its own (the same file) for ``Guard``.
+``kill:rank=R,step=S``, ``trainguard.live.drill``); COMMAND loads its own (the same file) for ``Guard``,
+which applies the ``--set`` items on top (``TRAINGUARD_SET`` in the ranks' environment).
 
 What does not apply is refused before anything starts, one line: the supervisor's options, no
 ``--nproc``, a configuration with live recovery off, and what ``cli.train_live.live_layout`` refuses.
@@ -13,12 +14,15 @@ What does not apply is refused before anything starts, one line: the supervisor'
 from __future__ import annotations
 
 import argparse
+import json
+import os
 from pathlib import Path
 
 from trainguard.cli.arguments import make_run_dir
 from trainguard.cli.train_live import live_layout, run_live
 from trainguard.config import load_config
 from trainguard.errors import ConfigError
+from trainguard.step.live import LAUNCHER_OVERRIDES_ENV
 
 LIVE_FLAGS = "--nproc, --config and --set"
 
@@ -39,4 +43,5 @@ def run_command_live(args: argparse.Namespace, command: list[str], run_dir: Path
         raise ConfigError("--kill-switch: a supervisor option; with fault_tolerance.live: true the live launcher "
                           "starts and replaces the ranks instead")
     run = live_layout(args, config, source, executable=command[0], entry=tuple(command[1:]))
+    os.environ[LAUNCHER_OVERRIDES_ENV] = json.dumps(args.overrides)  # the ranks' Guard applies them too
     return run_live(run, make_run_dir(run_dir))

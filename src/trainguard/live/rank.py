@@ -42,9 +42,10 @@ class LiveRank:
     ranks) are the launcher's."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: LiveArgs,
-                 scheduler: LambdaLR | None = None, *, seed: int):
+                 scheduler: LambdaLR | None = None, *, seed: int, grad_clip: float = 0.0):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.seed = seed  # the run's seed, the same on every rank: each micro-batch's draws derive from it
+        self.grad_clip = grad_clip  # optim.grad_clip: the step's gradient clipped to this global norm (0: off)
         self.args = args
         self.total_steps, self.micro_batches = self.args.steps, self.args.micro_batches
         self.exit_code = 0
@@ -69,7 +70,7 @@ class LiveRank:
             store.set(spare_ready_key(args.spare), "1")
             rank, rejoin = int(wait_for(store, spare_key(args.spare), SPARE_WAIT_S, beat=lambda: None)), True
         worker = LiveWorker(store, args, rank, self.model, self.optimizer, loss_of, sample_range, self.scheduler,
-                            seed=self.seed)
+                            seed=self.seed, grad_clip=self.grad_clip)
         try:
             yield from worker.train(rejoin)
         except Fenced as fenced:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -44,6 +45,7 @@ from trainguard.live.shards import ShardedUpdate
 from trainguard.live.stall import ReduceMarks
 from trainguard.live.transfer import load_state, send_shards, state_of
 from trainguard.live.files import checkpoint_path, events_path, final_path
+from trainguard.norms.global_norm import clip_grads_, local_sq_sum
 
 FENCED_EXIT = 3  # a stale process that found itself fenced ends with this code
 
@@ -125,6 +127,17 @@ def set_grads(model: torch.nn.Module, flat: torch.Tensor) -> None:
         offset += p.numel()
 
 
+def clip_to_global_norm(model: torch.nn.Module, max_norm: float) -> None:
+    """``optim.grad_clip`` as ``Guard.step`` applies it: the gradients scaled by ``norms.clip_grads_`` with
+    the global norm summed in float64 from the per-parameter norms. After the order-fixed sum every rank
+    holds the whole gradient of the step, so the norm needs no collective and every rank scales alike."""
+    if max_norm <= 0:
+        return
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = math.sqrt(local_sq_sum(grads, 1, grads[0].device).item())
+    clip_grads_(grads, max_norm, norm)
+
+
 def set_lr(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, step: int) -> None:
     """The LR of 0-based ``step``, as the scheduler would have set it after ``step`` steps: a function of
     the step alone, so a replacement, a rank that undid a step and a fault-free run all use the same
@@ -136,8 +149,9 @@ def set_lr(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, step: int) -> 
 class LiveWorker:
     def __init__(self, store: dist.Store, args: LiveArgs, rank: int, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, loss_of: MicroBatchLoss, sample_range: SampleRange | None,
-                 scheduler: LambdaLR | None = None, *, seed: int):
+                 scheduler: LambdaLR | None = None, *, seed: int, grad_clip: float = 0.0):
         self.seed = seed  # the run's: each micro-batch's random draws derive from it (rng.py)
+        self.grad_clip = grad_clip  # optim.grad_clip (0: off), as the closure mode clips
         self.store, self.rank, self.world, self.steps = store, rank, args.world, args.steps
         self.run_dir, self.micro_batches = args.run_dir, args.micro_batches
         self.loss_of, self.sample_range = loss_of, sample_range
@@ -228,6 +242,7 @@ class LiveWorker:
             raise RuntimeError(f"injected: rank {self.rank}'s collective of step {step} failed after the others' succeeded")
         self.previous = (step, copy.deepcopy(state_of(self.model, self.optimizer)))
         set_grads(self.model, total)
+        clip_to_global_norm(self.model, self.grad_clip)  # before the shards drop the gradients they do not own
         self.update.drop_unowned_grads()
         if self.scheduler is not None:
             set_lr(self.optimizer, self.scheduler, step)

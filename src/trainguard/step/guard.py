@@ -37,6 +37,7 @@ import contextlib
 import functools
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -65,7 +66,7 @@ from trainguard.norms import clip_grads_, local_grad_norms
 from trainguard.runtime.heartbeat import node_name
 from trainguard.runtime.lifecycle import EXIT_CODES, NONE, REASON_NAMES, Lifecycle
 from trainguard.step.embedding import EmbeddingNorm
-from trainguard.step.live import closure_only, live_only, live_rank
+from trainguard.step.live import closure_only, live_only, live_rank, with_launcher_overrides
 from trainguard.step.local_tier import build_local_tier, build_memory_tier, fire_wipe_faults, resolve_ranks_per_node
 from trainguard.step.report import StepReport
 from trainguard.step.rollback import SkippableData, roll_back, skippable_data
@@ -167,7 +168,7 @@ class Guard:
         tokens_per_step: int | None = None,
         live_argv: list[str] | None = None,
     ):
-        self.config = cfg = _load(config)
+        self.config = cfg = with_launcher_overrides(_load(config), os.environ)  # a live launcher's --set
         self._live: LiveRank | None = None
         if cfg.fault_tolerance.live:
             self.run_dir, self.model, self.optimizer = Path(run_dir), model, optimizer

@@ -12,14 +12,19 @@ rank checks and leaves to the launcher.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from trainguard.config import load_config
+from trainguard.config.load import validate
 from trainguard.config.schema import RunConfig
 from trainguard.errors import ConfigError
 from trainguard.live.drill import live_drill
@@ -28,6 +33,16 @@ from trainguard.live.worker import LiveArgs
 
 # the run configuration's sections that only the closure mode (``Guard.step``) runs
 CLOSURE_MODE_SECTIONS = ("checkpoint", "guards", "lifecycle")
+# keys outside those sections that the closure mode honours and live mode does not: why, for the refusal
+CLOSURE_MODE_KEYS = {
+    "train.exit_at_step": "live mode trains the launcher's train.steps to the end",
+    "train.log_interval": "live mode writes no step log lines, only its events",
+    "parallel.ranks_per_node": "live mode has no local tier and no node faults",
+}
+LAUNCHER_OVERRIDES_ENV = "TRAINGUARD_SET"
+"""The live launcher's ``--set`` items (a JSON list), handed to its ranks: ``Guard`` applies them on top of
+the configuration the script gives it, so a key set on the command line means the same to the ranks as to
+the launcher."""
 
 
 def live_only(call: str) -> ConfigError:
@@ -62,6 +77,35 @@ def refuse_closure_mode_keys(config: RunConfig, source: str = "<config>") -> Non
     if changed:
         raise ConfigError(f"{source}: config key {changed[0]!r} is not used with fault_tolerance.live: true (live "
                           f"mode runs no {', '.join(CLOSURE_MODE_SECTIONS)}); leave it at its default")
+    for key, why in CLOSURE_MODE_KEYS.items():
+        section, name = key.split(".")
+        if getattr(getattr(config, section), name) != getattr(getattr(defaults, section), name):
+            raise ConfigError(f"{source}: config key {key!r} is not used with fault_tolerance.live: true ({why}); "
+                              "leave it at its default")
+
+
+def with_launcher_overrides(config: RunConfig, environ: Mapping[str, str]) -> RunConfig:
+    """``config`` with the live launcher's ``--set`` items (``LAUNCHER_OVERRIDES_ENV`` in ``environ``)
+    applied, each parsed and checked as ``load_config`` does; ``config`` itself when there are none."""
+    text = environ.get(LAUNCHER_OVERRIDES_ENV)
+    if not text:
+        return config
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError:
+        items = None
+    if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
+        raise ConfigError(f"{LAUNCHER_OVERRIDES_ENV}={text!r}: expected a JSON list of SECTION.KEY=VALUE strings")
+    merged = copy.deepcopy(config)
+    for item in items:
+        parsed = load_config(None, [item])  # the item alone: its value typed and checked like any --set
+        *sections, name = item.partition("=")[0].strip().split(".")
+        target = merged
+        for section in sections:
+            target, parsed = getattr(target, section), getattr(parsed, section)
+        setattr(target, name, getattr(parsed, name))
+    validate(merged, "--set")
+    return merged
 
 
 def live_rank(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
@@ -89,4 +133,4 @@ def live_rank(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
         raise ConfigError(f"Guard(run_dir={str(run_dir)!r}): the live launcher started this rank with --run-dir "
                           f"{str(args.run_dir)!r}; pass that one")
     live_drill(config.faults, args.world, args.steps)  # the launcher's to inject; anything else refused here
-    return LiveRank(model, optimizer, args, scheduler, seed=config.train.seed)
+    return LiveRank(model, optimizer, args, scheduler, seed=config.train.seed, grad_clip=config.optim.grad_clip)

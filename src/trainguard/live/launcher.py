@@ -11,6 +11,7 @@ import logging
 import os
 import runpy
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -157,13 +158,25 @@ def _spawn(run: LiveRun, rank: int, store_port: int, run_dir: Path, rejoin: bool
     if run.stall_collective is not None and run.stall_collective[0] == rank and not rejoin:
         command += ["--stall-collective", str(run.stall_collective[1])] + (["--stall-cut"] if run.stall_cut else [])
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    if node is None and run.executable == sys.executable and _rank_server is not None:
+    if node is None and _rank_server is not None and is_this_interpreter(run.executable):
         # this interpreter's command, started here: forked without imports (``start_live_rank_server``)
         request = json.dumps({"argv": command[1:], "env": env, "cwd": os.getcwd()}).encode()
         forked = _rank_server.fork(request, [0, 1, 2])
         if forked is not None:
             return forked
     return subprocess.Popen(command, env=env)
+
+
+def is_this_interpreter(executable: str) -> bool:
+    """Whether ``executable`` (a path, or a name found on ``PATH`` as a shell finds it: the documented
+    ``-- python script.py``) starts this interpreter in this environment: the same file, reached from
+    the same directory (a virtual environment's ``python`` and its base interpreter are one file, but
+    not one environment: that one starts cold)."""
+    found = shutil.which(executable)
+    if found is None:
+        return False
+    found_path, this = Path(found).absolute(), Path(sys.executable).absolute()
+    return found_path.parent == this.parent and os.path.samefile(found_path, this)
 
 
 _rank_server: ForkServer | None = None

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from trainguard.live.launcher import is_this_interpreter
+
 SRC = str(Path(__file__).resolve().parents[3] / "src")
 
 RANK = r"""
@@ -36,23 +38,28 @@ LAUNCHER = r"""
 import json, os, sys, threading, time
 from pathlib import Path
 from trainguard.live.launcher import LiveRun, launch
-entry, threaded = json.loads(sys.argv[1]), sys.argv[2] == "threaded"
+entry, threaded, executable = json.loads(sys.argv[1]), sys.argv[2] == "threaded", sys.argv[3]
 if threaded:
     threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
 os.environ["MARKER"] = "set by the launcher before the run"
-launch(Path("run"), LiveRun(groups=2, group_size=1, steps=1, micro_batches=2, entry=tuple(entry)))
+launch(Path("run"), LiveRun(groups=2, group_size=1, steps=1, micro_batches=2, entry=tuple(entry), executable=executable))
 print(json.dumps({"launcher": os.getpid()}), flush=True)
 """
 
 
-@pytest.mark.parametrize("how", ["script", "module", "threaded"])
+@pytest.mark.parametrize("how", ["script", "module", "threaded", "name on PATH"])
 def test_a_rank_started_as_this_interpreter_is_forked_and_finds_what_a_new_interpreter_would(tmp_path, how):
+    """"name on PATH": the documented ``-- python script.py`` (this interpreter's name, found on PATH)."""
     script = tmp_path / "stand_in_rank.py"
     script.write_text(RANK)
     entry = ["-m", "stand_in_rank"] if how == "module" else [str(script)]
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-c", LAUNCHER, json.dumps(entry), how], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
+    executable = sys.executable
+    if how == "name on PATH":
+        executable = Path(sys.executable).name
+        env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    done = subprocess.run([sys.executable, "-c", LAUNCHER, json.dumps(entry), how, executable], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     launcher = json.loads(done.stdout.strip().splitlines()[-1])["launcher"]
     for rank in (0, 1):
@@ -66,3 +73,14 @@ def test_a_rank_started_as_this_interpreter_is_forked_and_finds_what_a_new_inter
             assert found["parent"] == launcher
         else:  # forked by the server, a one-thread child of the launcher
             assert found["parent"] != launcher and found["parent_threads"] == 1
+
+
+def test_this_interpreter_is_its_path_or_its_name_on_path_not_a_link_from_elsewhere(tmp_path, monkeypatch):
+    """A link to this interpreter's file from another directory is another environment (a venv's python
+    and its base interpreter are one file: started there, this test's own rank could not import torch)."""
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
+    assert is_this_interpreter(sys.executable) and is_this_interpreter(Path(sys.executable).name)
+    (tmp_path / "bin").mkdir()
+    os.symlink(sys.executable, tmp_path / "bin" / "python")
+    assert not is_this_interpreter(str(tmp_path / "bin" / "python"))
+    assert not is_this_interpreter(str(tmp_path / "no-such-python"))

@@ -136,7 +136,9 @@ class QuorumChange:
     joining: list[int]
     reason: str
     survivors_lost_s: float | None
-    """Shrink: the survivors' longest stall from the failure to this epoch; join: their pause for the transfer."""
+    """Shrink: the longest a survivor went without committing a step across the change (its last step
+    before this epoch to its first after: detection, agreement and the new group included); join: their
+    pause for the transfer."""
     rejoin_s: float | None
     """Join: from the epoch that left the joiners out to the last of them stepping again."""
 
@@ -300,6 +302,26 @@ def _from_events(events: list[dict], facts: RunFacts) -> None:
     facts.quorum_changes = _quorum_changes(events)
     if facts.attempts and not facts.attempts[-1].finished:
         facts.stop_reason = _cause(attempt_events[-1])
+    _live_progress(events, facts)
+
+
+def _live_progress(events: list[dict], facts: RunFacts) -> None:
+    """A live-recovery run writes ``live_step`` (each rank, each committed step) and ``live_done`` (each
+    rank at its end) instead of ``step`` and ``run_finished``: its steps, one point per step the run
+    committed (numbered as ``step`` events are, the count of steps done), and finished once every rank of
+    its first epoch is done."""
+    committed: dict[int, float] = {}
+    for event in events:
+        step, t = _int(event.get("step")), _time(event)
+        if event.get("kind") == "live_step" and step is not None and t is not None and step + 1 not in committed:
+            committed[step + 1] = t
+    if not facts.steps:
+        facts.steps = [StepPoint(step, t, None, None, False, 0) for step, t in sorted(committed.items())]
+    first = next((e for e in events if e.get("kind") == "live_quorum"), None)
+    world = set(first.get("members") or []) if first is not None else set()
+    done = {_int(e.get("rank")) for e in events if e.get("kind") == "live_done"}
+    if world and world <= done and facts.finish_reason is None:
+        facts.finish_reason = "finished"
 
 
 def _quorum_changes(events: list[dict]) -> list[QuorumChange]:
@@ -315,7 +337,7 @@ def _quorum_changes(events: list[dict]) -> list[QuorumChange]:
             left_at[rank] = t
         lost, rejoin = None, None
         if left:
-            lost = max((number(e.get("stalled_s")) or 0.0 for e in of_epoch("live_resumed", epoch)), default=None)
+            lost = _longest_without_a_step(events, list(event.get("members") or []), t)
         if joining:
             lost = max((number(e.get("paused_s")) or 0.0 for e in of_epoch("live_switch", epoch)), default=None)
             joined = [_time(e) for e in of_epoch("live_joined", epoch)]
@@ -327,6 +349,18 @@ def _quorum_changes(events: list[dict]) -> list[QuorumChange]:
         changes.append(QuorumChange(t, epoch, step, list(event.get("members") or []), left,
                                     joining, str(event.get("reason", "")), lost, rejoin))
     return changes
+
+
+def _longest_without_a_step(events: list[dict], ranks: list[int], at: float | None) -> float | None:
+    """The longest any of ``ranks`` went from its last ``live_step`` before ``at`` to its first after."""
+    gaps = []
+    for rank in ranks:
+        times = [_time(e) for e in events if e.get("kind") == "live_step" and e.get("rank") == rank]
+        before = [t for t in times if t is not None and at is not None and t <= at]
+        after = [t for t in times if t is not None and at is not None and t > at]
+        if before and after:
+            gaps.append(min(after) - max(before))
+    return max(gaps, default=None)
 
 
 def _split_attempts(events: list[dict]) -> list[list[dict]]:

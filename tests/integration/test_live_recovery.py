@@ -142,6 +142,28 @@ def test_a_node_cut_off_is_found_silent_fenced_and_replaced_bitwise(drill, tmp_p
     assert sample_problems(events, STEPS, Workload().samples_per_step) == []
 
 
+def test_a_hung_rank_costs_the_survivors_the_stall_bound_not_the_heartbeat_timeout(drill, tmp_path):
+    """Rank 3 SIGSTOPped while it computes step 10 (alive, sockets open, silent), the heartbeat timeout
+    at its default 10 s, twice the stall bound's floor: the stall watch excludes its group and the
+    survivors go on at once, without waiting for the report the hung rank never sends (they used to wait
+    for ``hang_s``); the hung rank, out of the quorum, is still found silent, killed and replaced, and its
+    group rejoins. The launcher writes the epoch before the hang verdict; ranks 0-2 keep their processes;
+    the end state is the fault-free run's bit for bit."""
+    root, _ = drill
+    run = dataclasses.replace(FAILING, fault="stop", spares=0, micro_batch_s=0.05)
+    assert run.hang_s >= 2 * run.stall_s
+    result = launch(tmp_path / "hang", run)
+    assert [result.last_pids[r] == result.first_pids[r] for r in range(WORLD)] == [True, True, True, False]
+    events = _events(tmp_path / "hang")
+    quorums = [e for e in events if e["kind"] == "live_quorum"]
+    assert [q["members"] for q in quorums] == [[0, 1, 2, 3], [0, 1], [0, 1, 2, 3]]
+    assert "stalled" in quorums[1]["reason"]
+    (hung,) = [e for e in events if e["kind"] == "live_hung"]
+    assert hung["target"] == KILLED and events.index(quorums[1]) < events.index(hung)
+    assert run_differences(root / "clean", tmp_path / "hang", WORLD) == {}
+    assert sample_problems(events, STEPS, Workload().samples_per_step) == []
+
+
 def test_a_transient_failure_is_undone_and_redone_bitwise_on_another_layout(drill, tmp_path):
     """2 replica groups of 1 rank. Rank 0's all-reduce of step 20 fails after rank 1's succeeded: rank 1
     committed step 20, rank 0 did not. Nobody died, so the next epoch keeps both, from step 20; rank 1

@@ -142,6 +142,25 @@ def test_a_node_cut_off_is_found_silent_fenced_and_replaced_bitwise(drill, tmp_p
     assert sample_problems(events, STEPS, Workload().samples_per_step) == []
 
 
+def test_a_rank_that_dies_while_its_group_is_out_does_not_abort_the_groups_rejoin(drill, tmp_path):
+    """Rank 3 SIGKILLed after step 10, and rank 2 (its group's survivor, out of the quorum) the moment the
+    survivors' epoch is published: both are replaced, and the group rejoins once, in the epoch after (its
+    join used to be aborted by rank 2's stale death, "ranks [2] died"). Ranks 0-1 keep their processes;
+    the end state is the fault-free run's bit for bit."""
+    root, _ = drill
+    run = dataclasses.replace(FAILING, spares=2, kill_during_shrink=2)
+    result = launch(tmp_path / "out", run)
+    assert result.shrink_killed_at is not None and result.replacements == {2: 1, 3: 1}
+    assert [result.last_pids[r] == result.first_pids[r] for r in range(WORLD)] == [True, True, False, False]
+    events = _events(tmp_path / "out")
+    quorums = [e for e in events if e["kind"] == "live_quorum"]
+    assert [(q["members"], q["joining"]) for q in quorums] == [
+        ([0, 1, 2, 3], []), ([0, 1], []), ([0, 1, 2, 3], [2, 3])]
+    assert not [e for e in events if e["kind"] == "live_collective_failed" and e["epoch"] == 2]
+    assert run_differences(root / "clean", tmp_path / "out", WORLD) == {}
+    assert sample_problems(events, STEPS, Workload().samples_per_step) == []
+
+
 def test_a_hung_rank_costs_the_survivors_the_stall_bound_not_the_heartbeat_timeout(drill, tmp_path):
     """Rank 3 SIGSTOPped while it computes step 10 (alive, sockets open, silent), the heartbeat timeout
     at its default 10 s, twice the stall bound's floor: the stall watch excludes its group and the

@@ -57,8 +57,9 @@ class LiveRun:
     transient: tuple[int, int] | None = None
     kill_joiner: bool = False  # drill: SIGKILL the first killed rank's replacement too, once it is let in (a
     # second failure during the join)
-    # drill: SIGKILL this rank too the moment the lighthouse publishes the epoch after the first kill, while
-    # that epoch's gloo group is being built (a second failure during the shrink)
+    # drill: SIGKILL this rank too the moment the lighthouse publishes the epoch after the first kill: a
+    # member of it while its gloo group is being built, or a rank of the group it left out (a second failure
+    # during the shrink)
     kill_during_shrink: int | None = None
     max_replacements: int = 16  # a run whose ranks died more often than this ends (something is wrong with it)
     # (rank, step): that rank stays out of that step's all-reduce, alive and beating, until the epoch

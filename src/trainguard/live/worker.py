@@ -280,13 +280,12 @@ class LiveWorker:
         """Ends the current epoch on this rank after its collective failed: reports ``committed`` (the
         last step it committed, or ``NO_STATE`` for a joiner whose transfer did not finish) and returns
         the lighthouse's next epoch."""
-        epoch = self.quorum.epoch
-        fence = self.store.get(fence_key(self.rank)) if has(self.store, fence_key(self.rank)) else None
-        if fence is not None and int(fence) >= epoch:
+        epoch, fence = self.quorum.epoch, self.fence()
+        if fence is not None and fence >= epoch:
             # declared dead in this epoch (silent behind a cut link, now back): another process holds
             # this rank; reporting or asking to join would put two of it in a quorum
-            self.events.emit("live_fenced", step=self.step_index, epoch=epoch, fence_epoch=int(fence), pid=os.getpid())
-            raise Fenced(f"rank {self.rank} (pid {os.getpid()}) was fenced in epoch {int(fence)}")
+            self.events.emit("live_fenced", step=self.step_index, epoch=epoch, fence_epoch=fence, pid=os.getpid())
+            raise Fenced(f"rank {self.rank} (pid {os.getpid()}) was fenced in epoch {fence}")
         collective.end_epoch(self.store, epoch)  # the members still blocked learn it now
         if self.group is not None:  # None: the epoch ended while its group was being built
             self.retired.append(self.group)  # destroying it would block until its pending operation times out
@@ -353,10 +352,10 @@ class LiveWorker:
         while True:
             # only an epoch published after this request answers it: an older join epoch naming this rank
             # let in a process of it that died (this one replaces it; entering that epoch would fence it)
-            asked_in = latest_epoch(self.store)
+            asked_in, fence = latest_epoch(self.store), self.fence()
             self.store.add(ready_key(self.rank), 1)
             self.events.emit("live_join_wait", step=None)
-            quorum = self.wait_to_be_let_in(asked_in)
+            quorum = self.wait_to_be_let_in(asked_in, fence)
             start = int(wait_for(self.store, start_key(quorum.epoch), WAIT_S, self.beat))
             try:
                 self.enter(quorum, start)
@@ -370,9 +369,21 @@ class LiveWorker:
         self.events.emit("live_joined", step=start, epoch=quorum.epoch, state_bytes=received,
                          waited_s=time.time() - asked)
 
-    def wait_to_be_let_in(self, asked_in: int) -> Quorum:
+    def fence(self) -> int | None:
+        """The epoch of this rank's newest death the lighthouse recorded (``fence_key``), if any."""
+        return int(self.store.get(fence_key(self.rank))) if has(self.store, fence_key(self.rank)) else None
+
+    def wait_to_be_let_in(self, asked_in: int, fence: int | None) -> Quorum:
+        """The join epoch that answers a request made in epoch ``asked_in``, when the rank's fence was
+        ``fence``. A fence raised meanwhile means this process was declared dead while it waited out of
+        the quorum (silent behind a cut link, now back) and replaced: the epoch is its replacement's."""
         deadline = time.monotonic() + WAIT_S
         while True:
+            if self.fence() != fence:
+                self.events.emit("live_fenced", step=self.step_index, epoch=asked_in, fence_epoch=self.fence(),
+                                 pid=os.getpid())
+                raise Fenced(f"rank {self.rank} (pid {os.getpid()}) was fenced in epoch {self.fence()} while it "
+                             "waited to join")
             quorum = read_quorum(self.store, latest_epoch(self.store))
             if quorum.epoch > asked_in and self.rank in quorum.joining:
                 return quorum

@@ -138,6 +138,10 @@ class Lighthouse:
         self._emit(self.quorum)
         return self.quorum
 
+    def _silent_s(self, rank: int) -> float:
+        """How long ``rank``'s heartbeat has not moved, as ``hung`` last saw it (0 before its first beat)."""
+        return self.clock() - self.beats[rank][1] if rank in self.beats else 0.0
+
     def _excluded_by_stall(self) -> set[int]:
         """The ranks a stall verdict has already sent out of the next epoch: the epoch need not wait for
         their reports (a hung one never sends it; waiting would cost the survivors ``hang_s``)."""
@@ -151,11 +155,16 @@ class Lighthouse:
         if stall is None:
             return False
         several = len({self.group_of(r) for r in quorum.members}) > 1
+        # a member in the all-reduce beats while it waits there: one silent for half the stall floor is not
+        # running (stopped, hung) and counts as absent, so that its group is excluded without the probes,
+        # whose verdict would wait for its report (it never sends one) until ``hang_s``
+        silent = [r for r in stall.waiting if self._silent_s(r) > self.stalls.stall_s / 2]
+        absent = sorted([*stall.absent, *silent])
         # absent members: their groups; everyone in: the probes decide (None); one group: nobody
-        excluded = excluded_groups(quorum.members, stall.absent, self.group_of) if stall.absent else \
+        excluded = excluded_groups(quorum.members, absent, self.group_of) if absent else \
             (None if several else [])
         self.events.emit("live_stall", step=stall.step, epoch=quorum.epoch, waiting=stall.waiting,
-                         absent=stall.absent, waited_s=stall.waited_s, bound_s=stall.bound_s,
+                         absent=stall.absent, silent=silent, waited_s=stall.waited_s, bound_s=stall.bound_s,
                          excluded=None if excluded is None else [r for g in excluded for r in self.ranks_of(g)])
         if excluded == []:  # it would be every group: left to gloo's collective timeout
             return False

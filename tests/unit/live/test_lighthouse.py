@@ -19,6 +19,7 @@ import torch.distributed as dist
 from trainguard.events import EventLog
 from trainguard.live.collective import abort_key
 from trainguard.live.lighthouse import Lighthouse
+from trainguard.live.probe import probe_key
 from trainguard.live.quorum import beat_key, latest_epoch, read_quorum, ready_key, report_key
 from trainguard.live.stall import OUT, IN, reduce_key
 
@@ -98,6 +99,22 @@ def test_a_stall_verdict_shrinks_the_quorum_without_waiting_for_the_hung_ranks_r
     join = read_quorum(store, latest_epoch(store))
     assert (join.epoch, join.members, join.joining) == (2, [0, 1, 2, 3], [2, 3])
     assert not store.check([abort_key(2)])
+
+
+def test_a_member_silent_inside_the_stalled_all_reduce_counts_as_absent(lighthouse, store, clock):
+    """Rank 3 enters its all-reduce of step 10 and stops there (no beats): everyone is in, but its silence
+    tells the side without the probes, whose verdict would wait for the report it never sends."""
+    for rank in range(4):
+        store.set(reduce_key(rank), f"0 9 {OUT}")
+    _run(lighthouse, store, clock, LOOK_S, beating=range(4))
+    for rank in range(4):
+        store.set(reduce_key(rank), f"0 10 {IN}")
+    _run(lighthouse, store, clock, STALL_S + 0.5, beating=(0, 1, 2))
+    assert store.check([abort_key(0)]) and not store.check([probe_key(0)])
+    _report(store, 0, (0, 1, 2), 10)
+    _run(lighthouse, store, clock, 4 * LOOK_S, beating=(0, 1, 2))
+    assert latest_epoch(store) == 1, "the survivors waited for the silent rank's report"
+    assert read_quorum(store, 1).members == [0, 1]
 
 
 def test_a_rank_that_dies_while_its_group_is_out_leaves_no_stale_death_or_request(lighthouse, store, clock):

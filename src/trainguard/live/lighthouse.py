@@ -24,7 +24,9 @@ ranks (the replacement and the group's survivors) has asked to join.
   the smallest step they committed.
 - A second failure during a join: the joiners whose transfer did not finish report no state; their
   group leaves again with the dead rank's (and asks again), and the others carry on as in a failure.
-- Join: once a whole broken group has asked, the next epoch is everyone, with the group's ranks as
+- Join: once a whole broken group has asked and every member of the current epoch has built its group
+  (``entered/<rank>``: a join published earlier, when a member then died, left the others building the
+  older epoch's group, which nobody ended), the next epoch is everyone, with the group's ranks as
   joiners and the lowest survivor as the state's source; the survivors fix its first step (the
   boundary after their collective told them all about it).
 - Restart (today's recovery, for the benchmark): every rank is started again, and the epoch resumes
@@ -40,7 +42,8 @@ import torch.distributed as dist
 
 from trainguard.events import EventLog
 from trainguard.live.collective import end_epoch
-from trainguard.live.quorum import NO_STATE, Quorum, beat_key, done_key, fence_key, has, publish, ready_key, report_key
+from trainguard.live.quorum import (NO_STATE, Quorum, beat_key, done_key, entered_key, fence_key, has, publish,
+                                    ready_key, report_key)
 from trainguard.live.probe import probe_key, reachable_groups, read_reach
 from trainguard.live.stall import LOOKED_AWAY_S, StallWatch, excluded_groups
 
@@ -125,9 +128,17 @@ class Lighthouse:
             return
         for group in sorted(self.broken):
             ranks = self.ranks_of(group)
-            if all(int(self.store.add(ready_key(r), 0)) > self.asked[r] for r in ranks):
+            if all(int(self.store.add(ready_key(r), 0)) > self.asked[r] for r in ranks) and self._entered(quorum):
                 self._join(group, ranks)
                 return
+
+    def _entered(self, quorum: Quorum) -> bool:
+        """Whether every member of ``quorum`` that has not finished has built its process group."""
+        def entered(rank: int) -> bool:
+            key = entered_key(rank)
+            return has(self.store, key) and int(self.store.get(key)) >= quorum.epoch
+
+        return all(entered(r) or has(self.store, done_key(r)) for r in quorum.members)
 
     def restart(self, resume_from: int | None) -> Quorum:
         """Every rank starts again; the new epoch resumes from ``resume_from`` (None: from scratch)."""

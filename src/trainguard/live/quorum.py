@@ -58,6 +58,13 @@ def spare_failed_key(index: int) -> str:
     return f"spare_failed/{index}"
 
 
+def entered_key(rank: int) -> str:
+    """The newest epoch whose process group this rank has built: the lighthouse lets a group rejoin only
+    once every member has entered the current epoch (a join published before that would leave a member
+    building the older epoch's group when another dies, watching an epoch nobody ends)."""
+    return f"entered/{rank}"
+
+
 def done_key(rank: int) -> str:
     """Set by a rank that has written its final state: it beats no more and is not hung."""
     return f"done/{rank}"

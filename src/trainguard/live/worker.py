@@ -37,7 +37,7 @@ from trainguard.events import EventLog
 from trainguard.fs.fsio import atomic_write_bytes
 from trainguard.live import collective
 from trainguard.live.ordered_sum import my_micro_batches, reduce_rows
-from trainguard.live.quorum import (NO_STATE, Quorum, beat_key, done_key, epoch_key, fence_key, has, latest_epoch,
+from trainguard.live.quorum import (NO_STATE, Quorum, beat_key, done_key, entered_key, epoch_key, fence_key, has, latest_epoch,
                                     progress_key, read_quorum, ready_key, report_key, start_key, wait_for)
 from trainguard.live.probe import PeerProbe
 from trainguard.live.rng import micro_batch_rng
@@ -206,6 +206,7 @@ class LiveWorker:
         self.quorum, self.step_index = quorum, start_step
         self.group = collective.make_group(self.store, quorum.epoch, quorum.index(self.rank), len(quorum.members),
                                            self.collective_timeout, self.beat)
+        self.store.set(entered_key(self.rank), str(quorum.epoch))
 
     def wait(self, work: dist.Work) -> None:
         collective.wait(work, self.store, self.quorum.epoch, self.beat)

@@ -20,7 +20,7 @@ from trainguard.events import EventLog
 from trainguard.live.collective import abort_key
 from trainguard.live.lighthouse import Lighthouse
 from trainguard.live.probe import probe_key
-from trainguard.live.quorum import beat_key, latest_epoch, read_quorum, ready_key, report_key
+from trainguard.live.quorum import beat_key, entered_key, latest_epoch, read_quorum, ready_key, report_key
 from trainguard.live.stall import OUT, IN, reduce_key
 
 LOOK_S = 1 / 64  # close to the launcher's poll, exact in binary
@@ -69,6 +69,11 @@ def _run(lighthouse, store, clock, seconds, beating):
     return found
 
 
+def _entered(store, epoch, ranks):
+    for rank in ranks:
+        store.set(entered_key(rank), str(epoch))
+
+
 def _report(store, epoch, ranks, step):
     for rank in ranks:
         store.set(report_key(epoch, rank), str(step))
@@ -93,6 +98,7 @@ def test_a_stall_verdict_shrinks_the_quorum_without_waiting_for_the_hung_ranks_r
     # and replaces it), and its group comes back once both of its ranks have asked
     assert _run(lighthouse, store, clock, HANG_S - STALL_S, beating=(0, 1, 2)) == [3]
     lighthouse.died(3)
+    _entered(store, 1, (0, 1))
     store.add(ready_key(2), 1)
     store.add(ready_key(3), 1)  # the replacement's request
     _run(lighthouse, store, clock, 4 * LOOK_S, beating=(0, 1, 2, 3))
@@ -123,6 +129,7 @@ def test_a_rank_that_dies_while_its_group_is_out_leaves_no_stale_death_or_reques
     _report(store, 0, (0, 1, 2), 5)
     _run(lighthouse, store, clock, 4 * LOOK_S, beating=(0, 1, 2))
     assert read_quorum(store, 1).members == [0, 1]
+    _entered(store, 1, (0, 1))
 
     store.add(ready_key(2), 1)  # rank 2 asks to join, then dies while its group is out
     lighthouse.died(2)
@@ -137,3 +144,21 @@ def test_a_rank_that_dies_while_its_group_is_out_leaves_no_stale_death_or_reques
     assert not store.check([abort_key(2)]), "the rejoin was aborted by rank 2's death while its group was out"
     _run(lighthouse, store, clock, 0.5, beating=range(4))
     assert latest_epoch(store) == 2
+
+
+def test_a_group_rejoins_only_once_every_member_has_entered_the_current_epoch(lighthouse, store, clock):
+    """Rank 2's replacement asks at once (a forked start), while rank 1 is still building the survivors'
+    epoch's group: a join published then would leave rank 1 building an epoch nobody ends if rank 0
+    died meanwhile (seen: 30 s of gloo's timeout, then the run lost)."""
+    _run(lighthouse, store, clock, 0.5, beating=range(4))
+    lighthouse.died(3)
+    _report(store, 0, (0, 1, 2), 5)
+    _run(lighthouse, store, clock, 4 * LOOK_S, beating=(0, 1, 2))
+    store.add(ready_key(2), 1)
+    store.add(ready_key(3), 1)
+    _entered(store, 1, (0,))  # rank 1 has not built epoch 1's group yet
+    _run(lighthouse, store, clock, 4 * LOOK_S, beating=range(4))
+    assert latest_epoch(store) == 1
+    _entered(store, 1, (1,))
+    _run(lighthouse, store, clock, 4 * LOOK_S, beating=range(4))
+    assert read_quorum(store, 2).joining == [2, 3]

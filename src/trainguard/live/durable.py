@@ -1,0 +1,135 @@
+"""The durable tier in live mode: ``CheckpointManager``'s DCP checkpoints (``global_step_N/``, committed
+with a manifest), saved by every rank of the current quorum at a step boundary they all reached, and the
+resume of a whole job from the newest verified one (``checkpoint.resume``, ``auto`` by default).
+
+Every rank of a live run holds the whole model, bitwise the same on every rank, and its shard's
+optimizer state, bitwise the same in every replica group (``shards``). Saved through DCP by the whole
+quorum, the replicated entries are written once (DCP deduplicates them across ranks), so a checkpoint
+holds one copy of the parameters and the union of the optimizer shards, keyed by parameter name: any
+later quorum, of any number of replica groups, loads it, and each rank keeps the optimizer state of
+the parameters its shard owns (``ShardedUpdate.drop_unowned_state``).
+
+DCP's collectives need a registered process group, which the epoch's step group
+(``collective.make_group``) is not; so an epoch that saves or resumes makes this process's default
+group from its quorum (store prefix ``ckpt/<epoch>``, on a store connection of its own), and a
+``CheckpointManager`` bound to it, both kept until the quorum changes. The save is synchronous: it
+is over before the next step starts, and the rank beats meanwhile (a thread), so that a long save is
+not taken for a hang. A save that fails (a peer died in it: gloo's error, or its timeout) ends the
+epoch like any failed collective; the step stays committed and the next save boundary saves again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from trainguard.checkpoint.config import CheckpointConfig
+from trainguard.checkpoint.manager import CheckpointManager
+from trainguard.events import EventLog
+from trainguard.live.quorum import Quorum
+from trainguard.live.shards import ShardedUpdate
+
+BEAT_S = 0.05
+
+REPLICA_DIMS = ["dp_replicate", "dp_shard"]  # the manifest's mesh: replica groups of the quorum x their ranks
+
+
+class SaveFailed(RuntimeError):
+    """A durable save of the quorum failed: handled as a failed collective (the epoch ends)."""
+
+
+@contextmanager
+def beating(beat: Callable[[], None]) -> Iterator[None]:
+    """Calls ``beat`` every ``BEAT_S`` from a thread while the body runs (a save blocks this thread)."""
+    done = threading.Event()
+
+    def loop() -> None:
+        while not done.wait(BEAT_S):
+            beat()
+
+    thread = threading.Thread(target=loop, name="live-checkpoint-beat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+class LiveCheckpoints:
+    """One rank's durable tier in a live run: ``resume`` at the start of a job, ``save`` after each
+    committed step (the policy of ``CheckpointManager.save``: every ``save_interval`` steps, the last
+    step, and before a stop)."""
+
+    def __init__(self, store: dist.TCPStore, run_dir: Path, config: CheckpointConfig, rank: int,
+                 model: torch.nn.Module, optimizer: torch.optim.Optimizer, update: ShardedUpdate, events: EventLog,
+                 timeout: timedelta, beat: Callable[[], None]):
+        # synchronous: the save must be over before the quorum can change (an async save's background
+        # collectives would outlive the epoch whose group they use)
+        self.config = dataclasses.replace(config, async_save=False)
+        self.store, self.run_dir, self.rank = store, Path(run_dir), rank
+        self.model, self.optimizer, self.update, self.events = model, optimizer, update, events
+        self.timeout, self.beat = timeout, beat
+        self.connection: dist.TCPStore | None = None  # the checkpoint groups' store client (see below)
+        self.epoch: int | None = None  # the epoch of the default group and the manager
+        self.manager: CheckpointManager | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.save_interval > 0
+
+    def _manager(self, quorum: Quorum) -> CheckpointManager:
+        if self.epoch == quorum.epoch:
+            return self.manager
+        if dist.is_initialized():  # an older epoch's: idle (no save is in flight between steps)
+            dist.destroy_process_group()
+        if self.connection is None:
+            # the group's setup blocks on the store until every member connected: on the rank's own
+            # client it would hold up the beats of ``beating`` behind it (one client serialises its calls)
+            self.connection = dist.TCPStore(self.store.host, self.store.port, is_master=False, timeout=self.timeout)
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"ckpt/{quorum.epoch}", self.connection),
+                                rank=quorum.index(self.rank), world_size=len(quorum.members), timeout=self.timeout)
+        groups = len(quorum.members) // self.update.group_size
+        self.manager = CheckpointManager(self.run_dir, self.model, self.optimizer, config=self.config,
+                                         events=self.events, mesh_shape=[groups, self.update.group_size],
+                                         mesh_dim_names=REPLICA_DIMS)
+        self.epoch = quorum.epoch
+        return self.manager
+
+    def resume(self, quorum: Quorum, checkpoint: Path) -> int:
+        """Every member of a job's first epoch: loads ``checkpoint`` (the launcher chose it, by
+        ``checkpoint.resume``, before starting the ranks), verified again, and returns its step."""
+        self.config = dataclasses.replace(self.config, resume=str(checkpoint))
+        with beating(self.beat):
+            step = self._manager(quorum).resume()
+        self.update.drop_unowned_state(self.optimizer)
+        return step
+
+    def save(self, quorum: Quorum, step: int, *, last_step: bool, stopping: bool) -> bool:
+        """Saves ``step`` (the number of committed steps) if the policy says so; every member of the
+        quorum calls it at the same boundary. True when it saved."""
+        if not (self.enabled or stopping):
+            return False
+        with beating(self.beat):
+            manager = self._manager(quorum)
+            if not manager.due(step, last_step=last_step, stopping=stopping).durable:
+                return False
+            live = {"epoch": quorum.epoch, "members": quorum.members, "group_size": self.update.group_size,
+                    "replica_groups": len(quorum.members) // self.update.group_size}
+            try:
+                manager.save(step, {"step": step, "live": live}, last_step=last_step, stopping=stopping)
+                manager.close()  # committed on every member before any steps on
+            except BaseException as error:  # DCP's CheckpointException is a BaseException
+                if not isinstance(error, Exception) and type(error).__name__ != "CheckpointException":
+                    raise
+                self.epoch = None  # its group saw the failure: a new one for the next epoch
+                raise SaveFailed(f"the durable save of step {step} failed: {str(error).splitlines()[0][:200]}") \
+                    from error
+        return True

@@ -1,0 +1,136 @@
+"""The durable tier in live mode, on the documented user path: ``trainguard run --nproc 4 --config FILE --
+python examples/user_loop_live.py --config FILE`` (4 gloo ranks, 2 replica groups x 2, dropout, AdamW),
+its configuration ``examples/user_loop_live.yaml`` with ``checkpoint: {save_interval: 5, keep_last: 3}`` added.
+
+- a fault-free run commits ``global_step_5/10/15/16`` (the 3 newest kept) through ``CheckpointManager``'s DCP tier, each
+  with a manifest naming the live quorum, and DCP's files from every rank of it;
+- the whole job SIGKILLed mid-run (launcher and ranks together) leaves the committed checkpoints; the
+  same command again (``checkpoint.resume`` is ``auto`` by default, as in restart mode) says which one
+  it resumes from and ends with every rank's parameters and optimizer state bitwise the fault-free run's;
+- SIGTERM to the launcher: the quorum saves at its next step boundary and every process exits 16 (the
+  launcher too, as restart mode's save-and-exit); the same command again ends bitwise equal too.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers.runs import finish_session, worker_env
+from helpers.warm_command import warm_server
+from trainguard.checkpoint.discovery import list_checkpoints
+from trainguard.checkpoint.manifest import read_manifest
+from trainguard.events.log import read_events
+from trainguard.live.compare import run_differences
+from trainguard.live.files import events_path, final_path
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "user_loop_live.py"
+STEPS, WORLD, INTERVAL = 16, 4, 5
+TIMEOUT_S = 240
+
+
+def _config(root: Path) -> Path:
+    config = root / "live.yaml"
+    config.write_text((EXAMPLE.with_suffix(".yaml")).read_text().replace("steps: 60", f"steps: {STEPS}")
+                      + f"checkpoint: {{save_interval: {INTERVAL}, keep_last: 3}}\n")
+    return config
+
+
+def _start(run_dir: Path, config: Path):
+    """The user's command, in a session of its own (its pid is the launcher's, its process group the job's)."""
+    return warm_server().start(["run", "--nproc", str(WORLD), "--config", str(config), "--run-dir", str(run_dir), "--",
+                                sys.executable, str(EXAMPLE), "--config", str(config)], worker_env())
+
+
+def _committed_steps(run_dir: Path) -> list[int]:
+    return [info.step for info in list_checkpoints(run_dir / "checkpoints") if info.committed]
+
+
+def _events(run_dir: Path, kind: str) -> list[dict]:
+    return [event for event in read_events(events_path(run_dir)) if event["kind"] == kind]
+
+
+def _wait_until(proc, condition, what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not condition():
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"the run ended (exit {proc.returncode}) before {what}:\n{out[-3000:]}\n{err[-3000:]}")
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError(f"no {what} in {TIMEOUT_S} s")
+        time.sleep(0.05)
+
+
+def _committed_step_reached(run_dir: Path, step: int) -> bool:
+    return events_path(run_dir).exists() and any(e["step"] >= step for e in _events(run_dir, "live_step"))
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("live_durable")
+
+
+@pytest.fixture(scope="module")
+def clean(root):
+    config = _config(root)
+    done = finish_session(_start(root / "clean", config), TIMEOUT_S, "the fault-free live run")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return root / "clean"
+
+
+def test_a_live_run_commits_durable_checkpoints_of_the_whole_quorum(clean):
+    # every save_interval steps and the last one, the oldest deleted by retention (keep_last: 3)
+    assert _committed_steps(clean) == [10, 15, 16]
+    assert [(e["step"], e["reason"]) for e in _events(clean, "checkpoint_deleted")] == [(5, "retention")]
+    manifest = read_manifest(clean / "checkpoints" / "global_step_10")
+    assert manifest.world_size == WORLD and manifest.mesh_shape == [2, 2]
+    assert manifest.mesh_dim_names == ["dp_replicate", "dp_shard"]
+    assert manifest.trainer_state["live"] == {"epoch": 0, "members": [0, 1, 2, 3], "group_size": 2,
+                                              "replica_groups": 2}
+    # every rank of the quorum wrote its DCP shard and its extra state
+    names = {path.name for path in (clean / "checkpoints" / "global_step_10").iterdir()}
+    assert {f"__{rank}_0.distcp" for rank in range(WORLD)} <= names
+    assert {f"extra_state_world_size_4_rank_{rank}.pt" for rank in range(WORLD)} <= names
+
+
+def test_the_whole_job_sigkilled_resumes_from_the_newest_checkpoint_bitwise(root, clean):
+    run_dir, config = root / "killed", _config(root)
+    proc = _start(run_dir, config)
+    # past the save of step 10 (committed before step 11 starts: the save is synchronous)
+    _wait_until(proc, lambda: _committed_step_reached(run_dir, 11), "step 11")
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher (store, lighthouse) and every rank at once
+    proc.wait(30)
+    assert not any(final_path(run_dir, rank).exists() for rank in range(WORLD))
+    newest = _committed_steps(run_dir)[-1]
+    assert newest >= 10
+    again = finish_session(_start(run_dir, config), TIMEOUT_S, "the resumed live run")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"live run resumes from {run_dir / 'checkpoints' / f'global_step_{newest}'}" in again.stdout
+    assert [e["step"] for e in _events(run_dir, "run_started")][-1] == newest
+    assert run_differences(clean, run_dir, WORLD) == {}
+
+
+def test_sigterm_to_the_launcher_saves_at_the_next_boundary_exits_16_and_resumes_bitwise(root, clean):
+    run_dir, config = root / "stopped", _config(root)
+    proc = _start(run_dir, config)
+    _wait_until(proc, lambda: _committed_step_reached(run_dir, 6), "step 6")
+    os.kill(proc.pid, signal.SIGTERM)  # the launcher alone
+    stopped = finish_session(proc, TIMEOUT_S, "the stopped live run")
+    assert stopped.returncode == 16, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    saved = _committed_steps(run_dir)[-1]
+    assert 7 <= saved < STEPS  # the step boundary after the signal
+    assert f"live run stopped (SIGTERM): saved {run_dir / 'checkpoints' / f'global_step_{saved}'}" in stopped.stdout
+    assert sorted(e["rank"] for e in _events(run_dir, "live_stopped")) == list(range(WORLD))
+    assert {e["step"] for e in _events(run_dir, "live_stopped")} == {saved}
+    assert not any(final_path(run_dir, rank).exists() for rank in range(WORLD))
+    again = finish_session(_start(run_dir, config), TIMEOUT_S, "the resumed live run")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"live run resumes from {run_dir / 'checkpoints' / f'global_step_{saved}'}" in again.stdout
+    assert run_differences(clean, run_dir, WORLD) == {}

@@ -7,8 +7,9 @@ its configuration ``examples/user_loop_live.yaml`` with ``checkpoint: {save_inte
 - the whole job SIGKILLed mid-run (launcher and ranks together) leaves the committed checkpoints; the
   same command again (``checkpoint.resume`` is ``auto`` by default, as in restart mode) says which one
   it resumes from and ends with every rank's parameters and optimizer state bitwise the fault-free run's;
-- SIGTERM to the launcher: the quorum saves at its next step boundary and every process exits 16 (the
-  launcher too, as restart mode's save-and-exit); the same command again ends bitwise equal too.
+- SIGTERM to the launcher, or to the whole job (as a preemption): the quorum saves at its next step
+  boundary and every process exits 16 (the launcher too, as restart mode's save-and-exit); the same
+  command again ends bitwise equal too.
 """
 
 from __future__ import annotations
@@ -117,11 +118,16 @@ def test_the_whole_job_sigkilled_resumes_from_the_newest_checkpoint_bitwise(root
     assert run_differences(clean, run_dir, WORLD) == {}
 
 
-def test_sigterm_to_the_launcher_saves_at_the_next_boundary_exits_16_and_resumes_bitwise(root, clean):
-    run_dir, config = root / "stopped", _config(root)
+@pytest.mark.parametrize("whom", ["launcher", "job"])
+def test_sigterm_saves_at_the_next_boundary_exits_16_and_resumes_bitwise(root, clean, whom):
+    """SIGTERM to the launcher alone, or to the whole job (launcher and ranks, as Slurm's preemption)."""
+    run_dir, config = root / f"stopped_{whom}", _config(root)
     proc = _start(run_dir, config)
     _wait_until(proc, lambda: _committed_step_reached(run_dir, 6), "step 6")
-    os.kill(proc.pid, signal.SIGTERM)  # the launcher alone
+    if whom == "launcher":
+        os.kill(proc.pid, signal.SIGTERM)
+    else:
+        os.killpg(proc.pid, signal.SIGTERM)
     stopped = finish_session(proc, TIMEOUT_S, "the stopped live run")
     assert stopped.returncode == 16, stopped.stdout[-3000:] + stopped.stderr[-3000:]
     saved = _committed_steps(run_dir)[-1]

@@ -4,8 +4,10 @@ recovers either live (the replacement alone is started; the others keep their pr
 
 A job's start resumes from the durable checkpoint ``LiveRun.resume`` chooses (``checkpoint.resume``:
 the newest verified one for ``auto``), chosen here, before any rank starts, and handed to every rank
-(``--resume PATH``). A SIGTERM to the launcher asks the quorum to stop: it saves at its next step
-boundary and every member exits ``EXIT_RESUMABLE_STOP``, as does the launcher's ``launch`` (``stopped``).
+(``--resume PATH``). SIGTERM or SIGUSR1 to the launcher (or to the ranks: the whole job, as Slurm
+signals it) asks the quorum to stop: it saves at its next step boundary and every member exits
+``EXIT_RESUMABLE_STOP``; ``launch`` returns then (``stopped``). A second signal, 2 s or more after the
+first, ends every rank at once (restart mode's ``StopSignals``: nothing more is saved).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from trainguard.live.drill import live_drill
 from trainguard.live.files import events_path, newest_checkpoint
 from trainguard.live.lighthouse import Lighthouse
 from trainguard.live.quorum import STOP, progress_key, spare_failed_key, spare_key, spare_ready_key
+from trainguard.runtime.lifecycle import STOP_SIGNALS, StopSignals
 
 LIVE, RESTART = "live", "restart"
 
@@ -145,7 +148,7 @@ class LiveResult:
     fenced_exit_codes: dict[int, int | None] = field(default_factory=dict)  # pid of a fenced process ->
     # its exit code (None: still silent at the end, killed then)
     resumed_from: Path | None = None  # the durable checkpoint the job started from
-    stopped: bool = False  # asked to stop (SIGTERM): the quorum saved a step and exited EXIT_RESUMABLE_STOP
+    stopped: bool = False  # asked to stop (a signal): the quorum saved a step and exited EXIT_RESUMABLE_STOP
 
 
 def resume_point(run: LiveRun, run_dir: Path) -> Path | None:
@@ -257,10 +260,10 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
     lighthouse = Lighthouse(store, run.world, run.group_size, events, run.hang_s, run.stall_s, run.stall_steps)
     result = LiveResult(0.0, {r: p.pid for r, p in procs.items()}, {}, resumed_from=resume)
     fenced: list[subprocess.Popen | ForkedProcess] = []  # hung processes behind a cut link, left to stop
-    stop_asked: list[int] = []  # the signals asking the run to stop, as they arrive
     on_main_thread = threading.current_thread() is threading.main_thread()  # signal handlers can be set there only
-    previous_handler = signal.signal(signal.SIGTERM, lambda signum, frame: stop_asked.append(signum)) \
-        if on_main_thread else None
+    previous_handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} if on_main_thread else {}
+    # a second signal: every rank ends at once (``procs`` as it is then: the cell, not today's dict)
+    signals = StopSignals(on_second=lambda: [proc.kill() for proc in procs.values()]) if on_main_thread else None
 
     def replace(rank: int) -> None:
         result.replaced_at[rank] = time.time()
@@ -279,10 +282,11 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
         while any(p.returncode is None for p in procs.values()):
             if time.monotonic() - began > run.timeout_s:
                 raise RuntimeError(f"live run did not finish within {run.timeout_s:.0f} s")
-            if stop_asked and not result.stopped:
+            if signals is not None and signals.received is not None and not store.check([STOP]):
                 store.set(STOP, "1")  # the quorum's next all-reduce carries it: all save and exit together
-                events.emit("live_stop", step=None, signal=signal.Signals(stop_asked[0]).name)
-                result.stopped = True
+                events.emit("live_stop", step=None, signal=signals.received)
+            if any(procs[m].poll() == EXIT_RESUMABLE_STOP for m in lighthouse.quorum.members):
+                result.stopped = True  # the quorum agreed on it in one all-reduce: every member stops
             if result.stopped and all(procs[m].poll() == EXIT_RESUMABLE_STOP for m in lighthouse.quorum.members):
                 break  # saved; ranks still out of the quorum (joining) end below
             if run.kill_ranks and result.killed_at is None and _progress(store, run.kill_ranks[0]) >= run.kill_at_step:
@@ -329,8 +333,8 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
                 lighthouse.poll()
             time.sleep(0.005)
     finally:
-        if on_main_thread:
-            signal.signal(signal.SIGTERM, previous_handler)
+        for sig, handler in previous_handlers.items():
+            signal.signal(sig, handler)
         result.fenced_exit_codes = {proc.pid: proc.poll() for proc in fenced}
         for proc in [*procs.values(), *(proc for _, proc in spares), *fenced]:  # unused spares end here
             if proc.poll() is None:

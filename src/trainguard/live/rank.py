@@ -33,6 +33,7 @@ from trainguard.live.quorum import spare_failed_key, spare_key, spare_ready_key,
 from trainguard.live.spare_check import check_spare
 from trainguard.live.worker import (FENCED_EXIT, WAIT_S, Fenced, LiveArgs, LiveWorker, MicroBatchLoss, SampleRange,
                                     micro_batch_grad)
+from trainguard.runtime.lifecycle import StopSignals
 
 SPARE_UNHEALTHY_EXIT = 5  # a spare that failed its self-test ends with this code, unused
 SPARE_WAIT_S = 24 * 3600.0  # a spare waits as long as a run lasts; the launcher ends it if unused
@@ -71,8 +72,11 @@ class LiveRank:
             optimizer.step()
             store.set(spare_ready_key(args.spare), "1")
             rank, rejoin = int(wait_for(store, spare_key(args.spare), SPARE_WAIT_S, beat=lambda: None)), True
+        # SIGTERM/SIGUSR1 to this rank (the whole job's, from Slurm) asks the quorum to stop, as the
+        # launcher's does; a second one, 2 s or more later, ends this process at once (exit 16)
+        signals = StopSignals()
         worker = LiveWorker(store, args, rank, self.model, self.optimizer, loss_of, sample_range, self.scheduler,
-                            seed=self.seed, checkpoint=self.checkpoint)
+                            seed=self.seed, checkpoint=self.checkpoint, stop_asked=lambda: signals.received is not None)
         try:
             yield from worker.train(rejoin)
         except Fenced as fenced:

@@ -141,7 +141,8 @@ def set_lr(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, step: int) -> 
 class LiveWorker:
     def __init__(self, store: dist.Store, args: LiveArgs, rank: int, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, loss_of: MicroBatchLoss, sample_range: SampleRange | None,
-                 scheduler: LambdaLR | None = None, *, seed: int, checkpoint: CheckpointConfig | None = None):
+                 scheduler: LambdaLR | None = None, *, seed: int, checkpoint: CheckpointConfig | None = None,
+                 stop_asked: Callable[[], bool] = lambda: False):
         self.seed = seed  # the run's: each micro-batch's random draws derive from it (rng.py)
         self.store, self.rank, self.world, self.steps = store, rank, args.world, args.steps
         self.run_dir, self.micro_batches = args.run_dir, args.micro_batches
@@ -167,7 +168,8 @@ class LiveWorker:
         self.checkpoints = None if checkpoint is None else LiveCheckpoints(
             store, args.run_dir, checkpoint, rank, model, optimizer, self.update, self.events,
             self.collective_timeout, self.beat)
-        self.stopped = False  # the quorum agreed to stop (the launcher's SIGTERM) and saved: no more steps
+        self.stop_asked = stop_asked  # this process was asked to stop (a signal of its own)
+        self.stopped = False  # the quorum agreed to stop (a signal to the launcher or a rank) and saved: no more steps
 
     def train(self, rejoin: bool) -> Iterator[int]:
         """Trains to the last step, yielding the index of each step as it commits it (a step undone
@@ -239,7 +241,7 @@ class LiveWorker:
             self.events.emit("live_samples", step=step, epoch=quorum.epoch, members=len(quorum.members),
                              micro_batches=mine, samples=[self.sample_range(step, m) for m in mine])
         newer = latest_epoch(self.store) > quorum.epoch
-        stop = has(self.store, STOP)
+        stop = self.stop_asked() or has(self.store, STOP)
         self.reduce_marks.entering(quorum.epoch, step, self.beat)
         total, (newer_seen, stop_seen) = reduce_rows(self.group, rows, [int(newer), int(stop)], self.wait)
         self.reduce_marks.left(quorum.epoch, step)

@@ -7,6 +7,8 @@ its configuration ``examples/user_loop_live.yaml`` with ``checkpoint: {save_inte
 - the whole job SIGKILLed mid-run (launcher and ranks together) leaves the committed checkpoints; the
   same command again (``checkpoint.resume`` is ``auto`` by default, as in restart mode) says which one
   it resumes from and ends with every rank's parameters and optimizer state bitwise the fault-free run's;
+- the checkpoint of step 10 of 2 replica groups x 2 resumed by 3 groups x 1 ends with the same whole
+  state (parameters, every shard's optimizer state) bitwise;
 - SIGTERM to the launcher, or to the whole job (as a preemption): the quorum saves at its next step
   boundary and every process exits 16 (the launcher too, as restart mode's save-and-exit); the same
   command again ends bitwise equal too.
@@ -15,6 +17,7 @@ its configuration ``examples/user_loop_live.yaml`` with ``checkpoint: {save_inte
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import time
@@ -27,7 +30,7 @@ from helpers.warm_command import warm_server
 from trainguard.checkpoint.discovery import list_checkpoints
 from trainguard.checkpoint.manifest import read_manifest
 from trainguard.events.log import read_events
-from trainguard.live.compare import run_differences
+from trainguard.live.compare import bitwise_differences, run_differences, whole_final_state
 from trainguard.live.files import events_path, final_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,10 +46,10 @@ def _config(root: Path) -> Path:
     return config
 
 
-def _start(run_dir: Path, config: Path):
+def _start(run_dir: Path, config: Path, *launcher: str, nproc: int = WORLD):
     """The user's command, in a session of its own (its pid is the launcher's, its process group the job's)."""
-    return warm_server().start(["run", "--nproc", str(WORLD), "--config", str(config), "--run-dir", str(run_dir), "--",
-                                sys.executable, str(EXAMPLE), "--config", str(config)], worker_env())
+    return warm_server().start(["run", "--nproc", str(nproc), "--config", str(config), "--run-dir", str(run_dir),
+                                *launcher, "--", sys.executable, str(EXAMPLE), "--config", str(config)], worker_env())
 
 
 def _committed_steps(run_dir: Path) -> list[int]:
@@ -140,3 +143,18 @@ def test_sigterm_saves_at_the_next_boundary_exits_16_and_resumes_bitwise(root, c
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"live run resumes from {run_dir / 'checkpoints' / f'global_step_{saved}'}" in again.stdout
     assert run_differences(clean, run_dir, WORLD) == {}
+
+
+def test_a_checkpoint_of_two_replica_groups_resumes_in_three_of_one_rank_bitwise(root, clean):
+    """The layout: any later quorum loads a checkpoint whole (one copy of the parameters, every optimizer
+    shard's state by parameter name) and keeps its own shard's; the sum's order does not depend on it."""
+    run_dir = root / "three_groups"
+    shutil.copytree(clean / "checkpoints" / "global_step_10", run_dir / "checkpoints" / "global_step_10")
+    (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("10")
+    done = finish_session(_start(run_dir, _config(root), "--set", "parallel.dp_replicate=3", "--set",
+                                 "parallel.dp_shard=1", nproc=3), TIMEOUT_S, "the live run of 3 groups")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "live recovery: 3 replica groups of 1 ranks" in done.stdout
+    assert f"live run resumes from {run_dir / 'checkpoints' / 'global_step_10'}" in done.stdout
+    assert bitwise_differences(whole_final_state(run_dir, 1), whole_final_state(clean, 2)) == []
+    assert read_manifest(run_dir / "checkpoints" / "global_step_16").mesh_shape == [3, 1]

@@ -4,7 +4,8 @@ its configuration ``examples/user_loop_live.yaml`` with ``checkpoint: {save_inte
 
 - a fault-free run commits ``global_step_5/10/15/16`` (the 3 newest kept) through ``CheckpointManager``'s DCP tier, each
   with a manifest naming the live quorum, and DCP's files from every rank of it;
-- the whole job SIGKILLed mid-run (launcher and ranks together) leaves the committed checkpoints; the
+- the whole job SIGKILLed mid-run (launcher and ranks together, or the launcher alone, whose ranks then
+  end by themselves) leaves the committed checkpoints; the
   same command again (``checkpoint.resume`` is ``auto`` by default, as in restart mode) says which one
   it resumes from and ends with every rank's parameters and optimizer state bitwise the fault-free run's;
 - the checkpoint of step 10 of 2 replica groups x 2 resumed by 3 groups x 1 ends with the same whole
@@ -104,12 +105,31 @@ def test_a_live_run_commits_durable_checkpoints_of_the_whole_quorum(clean):
     assert {f"extra_state_world_size_4_rank_{rank}.pt" for rank in range(WORLD)} <= names
 
 
-def test_the_whole_job_sigkilled_resumes_from_the_newest_checkpoint_bitwise(root, clean):
-    run_dir, config = root / "killed", _config(root)
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("whom", ["job", "launcher"])
+def test_the_whole_job_sigkilled_resumes_from_the_newest_checkpoint_bitwise(root, clean, whom):
+    """SIGKILL to the whole job (launcher and ranks at once), or to the launcher alone (the store and the
+    lighthouse die with it: every rank then fails on its next contact with the store, and ends)."""
+    run_dir, config = root / f"killed_{whom}", _config(root)
     proc = _start(run_dir, config)
     # past the save of step 10 (committed before step 11 starts: the save is synchronous)
     _wait_until(proc, lambda: _committed_step_reached(run_dir, 11), "step 11")
-    os.killpg(proc.pid, signal.SIGKILL)  # the launcher (store, lighthouse) and every rank at once
+    if whom == "job":
+        os.killpg(proc.pid, signal.SIGKILL)
+    else:
+        os.kill(proc.pid, signal.SIGKILL)
+    ranks = [e["pid"] for e in _events(run_dir, "live_start")]
+    deadline = time.monotonic() + 60
+    while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in ranks if _alive(pid)], "ranks outlived their launcher by 60 s"
     proc.wait(30)
     assert not any(final_path(run_dir, rank).exists() for rank in range(WORLD))
     newest = _committed_steps(run_dir)[-1]

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.manager import CheckpointManager
@@ -126,9 +127,7 @@ class LiveCheckpoints:
             try:
                 manager.save(step, {"step": step, "live": live}, last_step=last_step, stopping=stopping)
                 manager.close()  # committed on every member before any steps on
-            except BaseException as error:  # DCP's CheckpointException is a BaseException
-                if not isinstance(error, Exception) and type(error).__name__ != "CheckpointException":
-                    raise
+            except (Exception, CheckpointException) as error:  # DCP's is a BaseException
                 self.epoch = None  # its group saw the failure: a new one for the next epoch
                 raise SaveFailed(f"the durable save of step {step} failed: {str(error).splitlines()[0][:200]}") \
                     from error

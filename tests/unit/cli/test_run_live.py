@@ -30,7 +30,9 @@ def run_argv(run_dir: Path, *options: str) -> list[str]:
     (("--nproc", "4", "--config", str(CONFIG), "--kill-switch", "stop"), "--kill-switch: a supervisor option"),
     (("--config", str(CONFIG),), "--nproc is required with fault_tolerance.live: true, ≥ 1"),
     (("--nproc", "4", "--set", "parallel.dp_replicate=2", "--set", "train.micro_batches=8"),
-     "--set: --nproc, --config and --set start a live run, and config key 'fault_tolerance.live' is not true"),
+     "--set: --nproc, --config, --set and --resume start a live run, and config key 'fault_tolerance.live' is not "
+     "true"),
+    (("--resume", "auto"), "--set: --nproc, --config, --set and --resume start a live run"),
     (("--nproc", "4", "--config", str(CONFIG), "--set", "parallel.dp_replicate=1"),
      f"{CONFIG}: config key 'parallel.dp_replicate' must be ≥ 2 for a live run"),
     (("--nproc", "4", "--config", str(CONFIG), "--set", "guards.skip.enabled=true"),
@@ -54,6 +56,14 @@ def test_a_live_run_whose_checkpoints_all_fail_verification_is_one_line_and_exit
     err = capsys.readouterr().err
     assert err.startswith("trainguard: error: no usable checkpoint in ") and err.count("\n") == 1, err
     assert not (tmp_path / "run" / "events.jsonl").exists()  # no rank started
+
+
+def test_resume_path_that_fails_verification_is_one_line_and_exit_4(tmp_path, capsys):
+    bad = make_checkpoint(tmp_path / "elsewhere" / "checkpoints", 10, world_size=4)
+    (bad / "__1_0.distcp").write_bytes(b"flipped")
+    assert main(run_argv(tmp_path / "run", "--nproc", "4", "--config", str(CONFIG), "--resume", str(bad))) == 4
+    err = capsys.readouterr().err
+    assert err.startswith(f"trainguard: error: --resume {bad}: {bad / '__1_0.distcp'}: ") and err.count("\n") == 1, err
 
 
 def test_a_live_run_resumes_from_the_newest_verified_checkpoint_or_as_told(tmp_path):

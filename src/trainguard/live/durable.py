@@ -13,19 +13,20 @@ DCP's collectives need a registered process group, which the epoch's step group
 (``collective.make_group``) is not; so an epoch that saves or resumes makes this process's default
 group from its quorum (store prefix ``ckpt/<epoch>``, on a store connection of its own), and a
 ``CheckpointManager`` bound to it, both kept until the quorum changes. The save is synchronous: it
-is over before the next step starts, and the rank beats meanwhile (a thread), so that a long save is
-not taken for a hang. A save that fails (a peer died in it: gloo's error, or its timeout) ends the
-epoch like any failed collective; the step stays committed and the next save boundary saves again.
+is over before the next step starts. It runs ``collective.watched``: the rank beats meanwhile (a long
+save is not a hang) and watches the epoch's abort key, because DCP's collectives do not: a member
+waiting in one on a peer that died, or that gave up, would wait for gloo's timeout. A save that fails
+or is aborted ends the epoch like any failed collective (the group is dropped, the save's thread
+abandoned); the step stays committed and the next save boundary saves again.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -34,34 +35,16 @@ from torch.distributed.checkpoint.api import CheckpointException
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.manager import CheckpointManager
 from trainguard.events import EventLog
+from trainguard.live.collective import EpochAborted, watched
 from trainguard.live.quorum import Quorum
 from trainguard.live.shards import ShardedUpdate
 
-BEAT_S = 0.05
-
+T = TypeVar("T")
 REPLICA_DIMS = ["dp_replicate", "dp_shard"]  # the manifest's mesh: replica groups of the quorum x their ranks
 
 
 class SaveFailed(RuntimeError):
     """A durable save of the quorum failed: handled as a failed collective (the epoch ends)."""
-
-
-@contextmanager
-def beating(beat: Callable[[], None]) -> Iterator[None]:
-    """Calls ``beat`` every ``BEAT_S`` from a thread while the body runs (a save blocks this thread)."""
-    done = threading.Event()
-
-    def loop() -> None:
-        while not done.wait(BEAT_S):
-            beat()
-
-    thread = threading.Thread(target=loop, name="live-checkpoint-beat", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join()
 
 
 class LiveCheckpoints:
@@ -93,7 +76,7 @@ class LiveCheckpoints:
             dist.destroy_process_group()
         if self.connection is None:
             # the group's setup blocks on the store until every member connected: on the rank's own
-            # client it would hold up the beats of ``beating`` behind it (one client serialises its calls)
+            # client it would hold up the beats of ``watched`` behind it (one client serialises its calls)
             self.connection = dist.TCPStore(self.store.host, self.store.port, is_master=False, timeout=self.timeout)
         dist.init_process_group("gloo", store=dist.PrefixStore(f"ckpt/{quorum.epoch}", self.connection),
                                 rank=quorum.index(self.rank), world_size=len(quorum.members), timeout=self.timeout)
@@ -108,8 +91,7 @@ class LiveCheckpoints:
         """Every member of a job's first epoch: loads ``checkpoint`` (the launcher chose it, by
         ``checkpoint.resume``, before starting the ranks), verified again, and returns its step."""
         self.config = dataclasses.replace(self.config, resume=str(checkpoint))
-        with beating(self.beat):
-            step = self._manager(quorum).resume()
+        step = self._watched(quorum, lambda: self._manager(quorum).resume(), f"resumed from {checkpoint}")
         self.update.drop_unowned_state(self.optimizer)
         return step
 
@@ -118,17 +100,32 @@ class LiveCheckpoints:
         quorum calls it at the same boundary. True when it saved."""
         if not (self.enabled or stopping):
             return False
-        with beating(self.beat):
-            manager = self._manager(quorum)
-            if not manager.due(step, last_step=last_step, stopping=stopping).durable:
-                return False
-            live = {"epoch": quorum.epoch, "members": quorum.members, "group_size": self.update.group_size,
-                    "replica_groups": len(quorum.members) // self.update.group_size}
-            try:
-                manager.save(step, {"step": step, "live": live}, last_step=last_step, stopping=stopping)
-                manager.close()  # committed on every member before any steps on
-            except (Exception, CheckpointException) as error:  # DCP's is a BaseException
-                self.epoch = None  # its group saw the failure: a new one for the next epoch
-                raise SaveFailed(f"the durable save of step {step} failed: {str(error).splitlines()[0][:200]}") \
-                    from error
+        manager = self._watched(quorum, lambda: self._manager(quorum), "made its checkpoint group")
+        if not manager.due(step, last_step=last_step, stopping=stopping).durable:
+            return False
+        live = {"epoch": quorum.epoch, "members": quorum.members, "group_size": self.update.group_size,
+                "replica_groups": len(quorum.members) // self.update.group_size}
+
+        def save_and_commit() -> None:
+            manager.save(step, {"step": step, "live": live}, last_step=last_step, stopping=stopping)
+            manager.close()  # committed on every member before any steps on
+
+        try:
+            self._watched(quorum, save_and_commit, f"saved step {step}")
+        except EpochAborted:
+            raise
+        except (Exception, CheckpointException) as error:  # DCP's is a BaseException
+            raise SaveFailed(f"the durable save of step {step} failed: {str(error).splitlines()[0][:200]}") \
+                from error
         return True
+
+    def _watched(self, quorum: Quorum, work: Callable[[], T], doing: str) -> T:
+        """``collective.watched``; after a failure the epoch's default group and manager are dropped (a
+        thread abandoned in them ends at gloo's timeout), and the next save makes new ones."""
+        try:
+            return watched(work, self.store, quorum.epoch, self.beat, doing)
+        except BaseException:
+            if dist.is_initialized():
+                dist.destroy_process_group()  # unregisters it: it blocks on nothing (gloo)
+            self.epoch = self.manager = None
+            raise

@@ -103,7 +103,7 @@ class LiveRank:
         return report.healthy
 
     def close(self) -> NoReturn:
-        """Ends this process: 0, ``EXIT_RESUMABLE_STOP`` after a stop the launcher asked for, or
+        """Ends this process: 0, ``EXIT_RESUMABLE_STOP`` after a stop (a signal to the launcher or a rank), or
         ``FENCED_EXIT`` for a stale process of a rank that was replaced."""
         # Everything is written (events unbuffered, the final state fsynced). A normal exit would destroy
         # the retired groups, whose threads wait for their abandoned operation's timeout (collective.py).

@@ -7,8 +7,8 @@ group's micro-batches), and the model and the optimizer are the whole state of t
 does besides (guards, the local and memory tiers and the mirror, lifecycle, the closure mode's fault
 drills, extra state, a scheduler other than a ``LambdaLR``) is not done in live mode, so asking for it
 there is refused, never ignored. The durable tier is (``live/durable.py``): its interval, retention and
-resume keys are taken. The faults in force may only be the live launcher's drill (``trainguard.live.drill``), which the
-rank checks and leaves to the launcher.
+resume keys are taken. The faults in force may only be the live launcher's drill
+(``trainguard.live.drill``), which the rank checks and leaves to the launcher.
 """
 
 from __future__ import annotations

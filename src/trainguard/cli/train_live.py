@@ -68,7 +68,7 @@ def run_live(run: LiveRun, run_dir: Path) -> int:
         return 1
     if result.stopped:
         saved = newest_committed(run_dir / "checkpoints")
-        print(f"trainguard: live run stopped (SIGTERM): saved {saved}; run again with --resume auto "
+        print(f"trainguard: live run stopped by SIGTERM/SIGUSR1: saved {saved}; run again with --resume auto "
               "to continue", flush=True)
         return EXIT_RESUMABLE_STOP
     print(f"trainguard: live run finished: {run.steps} steps in {result.wall_s:.1f} s, "

@@ -162,7 +162,8 @@ def test_sigterm_saves_at_the_next_boundary_exits_16_and_resumes_bitwise(root, c
     assert stopped.returncode == 16, stopped.stdout[-3000:] + stopped.stderr[-3000:]
     saved = _committed_steps(run_dir)[-1]
     assert 7 <= saved < STEPS  # the step boundary after the signal
-    assert f"live run stopped by SIGTERM/SIGUSR1: saved {run_dir / 'checkpoints' / f'global_step_{saved}'}" in stopped.stdout
+    saved_dir = run_dir / "checkpoints" / f"global_step_{saved}"
+    assert f"live run stopped by SIGTERM/SIGUSR1: saved {saved_dir}" in stopped.stdout
     assert sorted(e["rank"] for e in _events(run_dir, "live_stopped")) == list(range(WORLD))
     assert {e["step"] for e in _events(run_dir, "live_stopped")} == {saved}
     assert not any(final_path(run_dir, rank).exists() for rank in range(WORLD))

@@ -5,7 +5,8 @@
     trainer = GuardedTrainer(run_dir, model=model, args=TrainingArguments(..., max_steps=1000),
                              train_dataset=dataset, guard_config="trainguard.yaml")
     trainer.train()
-    torch.distributed.destroy_process_group()  # the Trainer leaves it alive; gloo can abort at interpreter exit
+    torch.distributed.barrier()                # then destroy: the Trainer leaves the group alive, and gloo
+    torch.distributed.destroy_process_group()  # can abort at interpreter exit
     raise SystemExit(trainer.exit_code)       # 0, 16 after a signal / time-limit stop: the supervisor's cue
 
 Each optimizer step of the Trainer is one ``Guard.step``: the Trainer's own forward and backward

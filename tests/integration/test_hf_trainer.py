@@ -169,3 +169,23 @@ def test_resume_skips_the_trained_batches_without_loading_them(tmp_path):
     assert counting_run() == {"loads": 20 + 2, "exit_code": 0}
     (started,) = [e for e in events(tmp_path / "run", "run_started") if e.get("resumed_from")]
     assert started["resumed_from"].endswith("global_step_30")
+
+
+def test_state_changed_at_rest_restarts_from_the_restored_checkpoint(straight, tmp_path):
+    """A bit of rank 1's weights flipped at rest before step 60 (the fingerprint check every 10 steps):
+    the guard restores global_step_50, which the Trainer cannot rewind to in place; the process ends
+    saying so, and the supervisor's restart recomputes from there, ending bitwise as the straight run."""
+    run_dir = tmp_path / "flipped"
+    run_dir.mkdir()
+    command = [sys.executable, "-m", "trainguard", "run", "--max-restarts", "3", "--",
+               *example_command(run_dir, STEPS, "--set", "guards.fingerprint.interval=10")]
+    proc = run(command, faults="stateflip:rank=1,step=60,site=model.layers.0.mlp.down_proj.weight,"
+                               "state=weight,index=3,bit=27")
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "GuardedTrainer: the guard restored global_step_50 (state that changed at rest" in proc.stdout
+    (recompute,) = events(run_dir, "fingerprint_recompute")
+    assert recompute["step"] == 60 and recompute["to_step"] == 50
+    (started,) = [e for e in events(run_dir, "run_started") if e.get("resumed_from")]
+    assert started["resumed_from"].endswith("global_step_50")
+    final = f"global_step_{STEPS}"
+    assert assert_same_tensors(straight / "checkpoints" / final, run_dir / "checkpoints" / final) > 0

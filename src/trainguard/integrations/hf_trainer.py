@@ -220,6 +220,11 @@ class GuardedTrainer(Trainer):
             return losses[-1]
 
         self._outcome = self.guard.step(closure)
+        if self._outcome.rolled_back:
+            raise RuntimeError(
+                f"GuardedTrainer: the guard restored global_step_{self._outcome.step} (state that changed at rest, "
+                "see the fingerprint_recompute event); the Trainer cannot rewind its data loader in place, so this "
+                "process ends and a restart (trainguard run) recomputes from that checkpoint")
         self._skipped_since_log += self._outcome.skipped
         return losses[-1]  # this rank's loss, which the Trainer averages over ranks as it always does
 

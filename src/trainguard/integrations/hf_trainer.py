@@ -78,7 +78,8 @@ class CheckpointedTrainerState:
     """The Trainer's ``TrainerState`` (log history, epoch, best metric, tokens seen, stateful callbacks)
     in every trainguard checkpoint, as ``trainer_state.json`` is in the Trainer's own. The guard saves
     inside the Trainer's step, before the Trainer counts that step and logs it: what is saved is the
-    state after the previous step; ``restore`` sets the step and epoch of the checkpoint."""
+    state after the previous step (its log history, flops and tokens seen lack the saved step's); the
+    step and epoch of the checkpoint are set when it is restored."""
 
     def __init__(self, trainer: "GuardedTrainer"):
         self.trainer = trainer

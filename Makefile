@@ -1,5 +1,8 @@
 # The two commands of the README. Each creates or reuses .venv and installs what it needs.
-.PHONY: demo test test-slow bootstrap
+.PHONY: demo test test-fast test-slow test-wheel lint bootstrap
+
+# Python sources ruff checks ([tool.ruff.lint] in pyproject.toml); run_all has no .py suffix
+LINTED = src tests benchmarks benchmarks/run_all tools examples
 
 bootstrap:
 	@bash scripts/bootstrap.sh
@@ -7,10 +10,23 @@ bootstrap:
 demo: bootstrap
 	.venv/bin/trainguard demo
 
-test:
+# The whole suite, what CI runs (.ci/run): the linter, then every test; installs Chromium and Slurm
+# for the report and Slurm tests.
+test: lint
 	@bash scripts/bootstrap.sh --with-browser --with-slurm
-	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q
+	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q --durations=15
+
+# For a change to a pure rule: the linter and the unit tests, no system packages, a few minutes.
+test-fast: bootstrap lint
+	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q --durations=15 tests/unit
+
+lint: bootstrap
+	.venv/bin/ruff check $(LINTED)
 
 test-slow:
 	@bash scripts/bootstrap.sh --with-browser --with-slurm
 	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -m slow
+
+# The built wheel alone in a new venv outside the repository runs the drill (not in CI: minutes).
+test-wheel:
+	@bash scripts/wheel_check.sh

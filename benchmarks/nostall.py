@@ -372,7 +372,7 @@ def cpu_profile(args, model, optimizer, train_step, root: Path, shm: Path) -> li
         manager = CheckpointManager(root / f"profile-{writer}", model, optimizer, keep_last=1,
                                     config=CheckpointConfig(save_interval=0, writer=writer))
 
-        def save_durable() -> None:
+        def save_durable(manager: CheckpointManager = manager) -> None:
             nonlocal step
             step += 1
             manager.save_durable(step)
@@ -389,7 +389,7 @@ def cpu_profile(args, model, optimizer, train_step, root: Path, shm: Path) -> li
                                    ranks_per_node=args.ranks, model=model, events=events)
         manager = CheckpointManager(run_dir, model, optimizer, config=config, memory=memory, events=events)
 
-        def save_memory() -> None:
+        def save_memory(manager: CheckpointManager = manager) -> None:
             nonlocal step
             step += 1
             manager.save_memory(step)

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING
 
 from trainguard._lazy import lazy_exports
 
-if TYPE_CHECKING:
-    from trainguard.checkpoint.manager import CheckpointManager
-    from trainguard.guards.skip import DataSkipGuard
-    from trainguard.norms import clip_grad_norm_
-    from trainguard.step.guard import Config, Guard, LiveGuard, StepOutcome
+if TYPE_CHECKING:  # for type checkers; at run time __getattr__ below imports them, so they look unused
+    from trainguard.checkpoint.manager import CheckpointManager  # noqa: F401
+    from trainguard.guards.skip import DataSkipGuard  # noqa: F401
+    from trainguard.norms import clip_grad_norm_  # noqa: F401
+    from trainguard.step.guard import Config, Guard, LiveGuard, StepOutcome  # noqa: F401
 
 __version__ = "0.1.0"
 

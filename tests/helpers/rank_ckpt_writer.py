@@ -28,7 +28,8 @@ from trainguard.fs.layout import extra_state_name, model_shard_name, optim_shard
 from trainguard.checkpoint.rng_state import capture_rng_state
 from trainguard.runtime.launcher import launch_local
 from trainguard.step.static_files import huggingface_files
-from trainguard.trainer.entry import add_train_arguments, config_from_args
+from trainguard.trainer.arguments import add_train_arguments
+from trainguard.trainer.entry import config_from_args
 from trainguard.trainer.loop import Trainer
 
 

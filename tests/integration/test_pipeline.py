@@ -115,7 +115,7 @@ def _worker(rank: int, world: int, port: int, shape: dict, options: dict) -> Non
             # the weights the step starts from: the same init as pp=1, then the same updates
             for name, param in parts.module.named_parameters():
                 torch.testing.assert_close(param.detach().full_tensor(), ref_weights[name], rtol=1e-5,
-                                           atol=1e-6, msg=lambda m, n=name: f"step {step} weight {n}: {m}")
+                                           atol=1e-6, msg=lambda m, n=name, s=step: f"step {s} weight {n}: {m}")
 
             # (b) the loss equals the unsharded model's
             loss = parts.step(inputs, labels)
@@ -131,7 +131,7 @@ def _worker(rank: int, world: int, port: int, shape: dict, options: dict) -> Non
                 assert isinstance(param, DTensor) and isinstance(param.grad, DTensor), name
                 ref = ref_grads[name]
                 torch.testing.assert_close(param.grad.full_tensor(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item(),
-                                           msg=lambda m, n=name: f"step {step} grad {n}: {m}")
+                                           msg=lambda m, n=name, s=step: f"step {s} grad {n}: {m}")
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         dist.barrier()

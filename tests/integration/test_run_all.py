@@ -51,6 +51,10 @@ def test_run_all_collects_results_and_lists_failures(tmp_path):
         assert fact in results
     assert old_run not in results and results.endswith(f"{KEPT_MARKER}\n\n{hand}")
     assert (tmp_path / "logs" / "crashes.log").read_text().strip().endswith("out of memory")
+    commit = subprocess.run(["git", "-C", str(RUN_ALL.parent), "describe", "--always", "--dirty"],
+                            capture_output=True, text=True).stdout.strip()
+    assert f"| commit | {commit} |" in results
+    assert f"at commit {commit}," in proc.stdout and f"commit {commit})" in proc.stdout  # the console says it too
 
 
 def test_run_all_unknown_benchmark(tmp_path):

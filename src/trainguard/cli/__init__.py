@@ -1,4 +1,10 @@
-"""The ``trainguard`` command: one module per subcommand, each with ``add_parser`` and ``run``."""
+"""The ``trainguard`` command: one module per subcommand, each with ``add_parser`` and ``run``.
+
+A module of this package imports at its top only what its parser needs (no torch, transformers, rich,
+fsspec, numpy); what a command needs to run is imported in its run function. So ``--help``, every
+parser and the everyday commands (``status``, ``watch``, ``killswitch``, ``ckpt list``) answer in a
+fraction of a second (``tests/integration/test_cli_light.py``, ``benchmarks/cli_start.py``).
+"""
 
 from __future__ import annotations
 
@@ -18,8 +24,7 @@ COMMANDS = ("train", "run", "ckpt", "guards", "plan", "demo", "report", "status"
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    """The parser; when ``argv`` starts with a command, only that command's module is imported (the
-    others would import torch.distributed, transformers, ... before a merge could start)."""
+    """The parser; when ``argv`` starts with a command, only that command's module is imported."""
     chosen = [argv[0]] if argv and argv[0] in COMMANDS else list(COMMANDS)
     parser = _Parser(prog="trainguard", description="Keeps training runs alive and checkpoints trustworthy.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)

@@ -7,7 +7,6 @@ import math
 import os
 from pathlib import Path
 
-from trainguard.checkpoint.discovery import checkpoints_root, list_checkpoints
 from trainguard.errors import CheckpointError, ConfigError
 from trainguard.fs.layout import LATEST_FILE
 
@@ -50,6 +49,9 @@ def count(text: str) -> int:
 
 
 def resolve_root(directory: str) -> Path:
+    # here, not at the top: the argparse types above serve parsers that must build without checkpoint code
+    from trainguard.checkpoint.discovery import checkpoints_root, list_checkpoints
+
     try:
         root = checkpoints_root(directory)
     except CheckpointError as exc:

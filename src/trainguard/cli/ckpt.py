@@ -9,11 +9,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rich import box
-from rich.console import Console
-from rich.filesize import decimal
-from rich.table import Table
-
 from trainguard.checkpoint.discovery import CheckpointInfo, latest_fault, list_checkpoints
 from trainguard.cli.arguments import resolve_root
 from trainguard.cli.output import byte_progress, warn
@@ -163,6 +158,12 @@ def _facts(info: CheckpointInfo, bad: list[BadFile] | None, health_records: dict
 
 
 def _print_table(root: Path, facts: list[dict[str, Any]]) -> None:
+    # rich is imported when the command prints, not when ``trainguard --help`` builds every parser
+    from rich import box
+    from rich.console import Console
+    from rich.filesize import decimal
+    from rich.table import Table
+
     console = Console()
     if not console.is_terminal:
         # Piped output is read by tools and people with wide windows: never squeeze it into 80 columns.

@@ -7,16 +7,18 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from trainguard.backup.mirror import MirrorResult, list_mirrored, mirror_checkpoint
-from trainguard.backup.restore import choose_mirrored, is_weights_only, restore_checkpoint
-from trainguard.backup.throttle import Throttle, throttle_from_mbps
-from trainguard.backup.url import Mirror, MirrorError, check_reachable, open_mirror
 from trainguard.checkpoint.discovery import list_checkpoints
 from trainguard.fs.layout import TRASH_PREFIX, step_dir_name
 from trainguard.cli.arguments import resolve_root
 from trainguard.cli.output import byte_progress, warn
 from trainguard.errors import CheckpointError, ConfigError
+
+if TYPE_CHECKING:
+    from trainguard.backup.mirror import MirrorResult
+    from trainguard.backup.throttle import Throttle
+    from trainguard.backup.url import Mirror
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
@@ -40,6 +42,10 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def run_backup(args: argparse.Namespace) -> int:
+    # the backup package is imported when a command runs: fsspec would slow every ``ckpt`` command's start
+    from trainguard.backup.throttle import throttle_from_mbps
+    from trainguard.backup.url import MirrorError, check_reachable, open_mirror
+
     if args.bandwidth_mbps is not None and args.bandwidth_mbps <= 0:
         raise ConfigError(f"--bandwidth-mbps must be > 0, got {args.bandwidth_mbps}")
     if args.workers < 1:
@@ -94,6 +100,7 @@ def _backup_one(path: Path, root: Path, mirror: Mirror, throttle: Throttle, args
 
 
 def _upload(path: Path, mirror: Mirror, throttle: Throttle, workers: int) -> MirrorResult:
+    from trainguard.backup.mirror import mirror_checkpoint
     from trainguard.checkpoint.manifest import read_manifest
 
     total = read_manifest(path).total_size
@@ -102,6 +109,10 @@ def _upload(path: Path, mirror: Mirror, throttle: Throttle, workers: int) -> Mir
 
 
 def run_restore(args: argparse.Namespace) -> int:
+    from trainguard.backup.mirror import list_mirrored
+    from trainguard.backup.restore import choose_mirrored, is_weights_only, restore_checkpoint
+    from trainguard.backup.url import check_reachable, open_mirror
+
     directory = Path(args.dir)
     if directory.exists() and not directory.is_dir():
         raise ConfigError(f"{directory}: exists and is not a directory")

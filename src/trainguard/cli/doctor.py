@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 
+from trainguard.doctor.defaults import DEFAULT_REPS, DEFAULT_STORAGE_MB
 from trainguard.errors import EXIT_CRASH, EXIT_OK
 
 _PIPED_WIDTH = 160
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    from trainguard.doctor.selftest import DEFAULT_REPS, DEFAULT_STORAGE_MB
-
     parser = subparsers.add_parser("doctor", help="self-test this node: compute burn-in, collectives, storage")
     parser.add_argument("--run-dir", help="record the verdict in RUN_DIR/events.jsonl; check RUN_DIR/checkpoints")
     parser.add_argument("--nproc", type=int, help="local ranks (default: LOCAL_WORLD_SIZE, else one per CUDA device, else 1)")

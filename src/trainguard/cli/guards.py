@@ -5,11 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rich import box
-from rich.console import Console
-from rich.syntax import Syntax
-from rich.table import Table
-
 from trainguard.guards.calibrate import (
     DEFAULT_MARGIN,
     JSON_FILE,
@@ -57,6 +52,12 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
 
 def _print(cal: Calibration) -> None:
+    # rich is imported when the command prints, not when ``trainguard --help`` builds every parser
+    from rich import box
+    from rich.console import Console
+    from rich.syntax import Syntax
+    from rich.table import Table
+
     console = Console()
     if not console.is_terminal:
         console = Console(width=_PIPED_WIDTH)

@@ -6,12 +6,13 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
-
 
 @contextmanager
 def byte_progress(description: str, total: int) -> Iterator[Callable[[int], None]]:
+    # rich is imported here, not at the top: every command that may draw a bar imports this module
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
     console = Console(stderr=True)
     columns = (
         TextColumn("{task.description}"),

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from rich.console import Console
-
-from trainguard.report import REPORT_FILE, write_report
-from trainguard.report.tensorboard import write_scalars
+from trainguard.report import REPORT_FILE
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -22,6 +19,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # imported when the command runs, not when ``trainguard --help`` builds every parser
+    from rich.console import Console
+
+    from trainguard.report import write_report
+    from trainguard.report.tensorboard import write_scalars
+
     console = Console(stderr=True)
     with console.status("reading the run and drawing the plots", spinner="dots"):
         path, facts = write_report(args.run_dir, args.out)

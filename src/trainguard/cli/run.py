@@ -12,11 +12,13 @@ from __future__ import annotations
 import argparse
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainguard.cli.arguments import count, seconds
 from trainguard.errors import ConfigError
-from trainguard.runtime.hang import HangPolicy
-from trainguard.runtime.supervisor import SupervisorOptions
+
+if TYPE_CHECKING:
+    from trainguard.runtime.supervisor import SupervisorOptions
 
 
 def add_supervisor_arguments(parser: argparse.ArgumentParser, max_restarts: int) -> None:
@@ -61,6 +63,10 @@ def add_supervisor_arguments(parser: argparse.ArgumentParser, max_restarts: int)
 
 
 def options_from_args(args: argparse.Namespace, run_dir: Path, command: list[str]) -> SupervisorOptions:
+    # here, not at the top: ``trainguard train`` builds its parser from this module's arguments
+    from trainguard.runtime.hang import HangPolicy
+    from trainguard.runtime.supervisor import SupervisorOptions
+
     if args.nnodes < 1:
         raise ConfigError(f"--nnodes must be ≥ 1, got {args.nnodes}")
     if args.crash_loop < 1:

@@ -11,7 +11,6 @@ from pathlib import Path
 from trainguard.cli.arguments import count
 from trainguard.errors import ConfigError
 from trainguard.runtime.slurm import JobSpec, render_job_script
-from trainguard.runtime.supervisor import load_excluded
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -48,6 +47,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from trainguard.runtime.supervisor import load_excluded  # here: the supervisor would slow every parser's start
+
     train_args = list(args.train_args)
     if train_args and train_args[0] == "--":
         train_args = train_args[1:]

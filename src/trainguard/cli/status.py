@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-from rich import box
-from rich.console import Console
-from rich.table import Table
+if TYPE_CHECKING:
+    from rich.table import Table
 
-from trainguard.report.facts import RunFacts, read_run
-from trainguard.report.summary import status_rows
+    from trainguard.report.facts import RunFacts
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -19,6 +18,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # imported when the command runs, not when ``trainguard --help`` builds every parser
+    from rich.console import Console
+
+    from trainguard.report.facts import read_run
+
     facts = read_run(args.run_dir)
     console = Console()
     if not console.is_terminal:
@@ -30,6 +34,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def status_table(facts: RunFacts) -> Table:
+    from rich import box
+    from rich.table import Table
+
+    from trainguard.report.summary import status_rows
+
     table = Table(box=box.SIMPLE, show_header=False, pad_edge=False)
     table.add_column(style="bold", no_wrap=True)
     table.add_column()

@@ -8,29 +8,31 @@ import sys
 import time
 from pathlib import Path
 
-from trainguard.checkpoint.resume import check_explicit_resume_path
-from trainguard.cli.arguments import make_run_dir
-from trainguard.cli.train_live import live_run, run_live
+from trainguard.cli.run import add_supervisor_arguments
 from trainguard.errors import ConfigError
-from trainguard.faults.injector import active_faults, check_fault_ranks
-from trainguard.runtime.nodes import ENV_NNODES, ENV_SUPERVISED
-from trainguard.topology import resolve_layout
-from trainguard.trainer.entry import add_train_arguments, config_arguments, config_from_args
-from trainguard.trainer.expert_layout import check_expert_layout
-from trainguard.trainer.model import build_model_config
+from trainguard.trainer.arguments import add_train_arguments, config_arguments
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("train", help="run the reference trainer on this machine")
     add_train_arguments(parser)
     parser.add_argument("--nproc", type=int, default=1, help="number of training processes (ranks) per node")
-    from trainguard.cli.run import add_supervisor_arguments
-
     add_supervisor_arguments(parser, max_restarts=0)
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    # imported when the command runs, not when its parser is built: they import torch and transformers
+    from trainguard.checkpoint.resume import check_explicit_resume_path
+    from trainguard.cli.arguments import make_run_dir
+    from trainguard.cli.train_live import live_run, run_live
+    from trainguard.faults.injector import active_faults, check_fault_ranks
+    from trainguard.runtime.nodes import ENV_NNODES, ENV_SUPERVISED
+    from trainguard.topology import resolve_layout
+    from trainguard.trainer.entry import config_from_args
+    from trainguard.trainer.expert_layout import check_expert_layout
+    from trainguard.trainer.model import build_model_config
+
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be ≥ 1, got {args.nproc}")
     config = config_from_args(args)

@@ -21,7 +21,7 @@ from trainguard.errors import ConfigError
 from trainguard.live.launcher import LiveRun, launch
 from trainguard.step.live import refuse_closure_mode_keys
 from trainguard.topology import resolve_layout
-from trainguard.trainer.entry import config_arguments
+from trainguard.trainer.arguments import config_arguments
 
 def refuse_supervisor_options(args: argparse.Namespace) -> None:
     """One line naming the first supervisor option given: the live launcher starts and replaces the ranks."""

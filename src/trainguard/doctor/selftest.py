@@ -24,15 +24,13 @@ import torch.distributed as dist
 
 from trainguard.doctor.burnin import burn_in
 from trainguard.doctor.collective import check_collectives
+from trainguard.doctor.defaults import DEFAULT_REPS, DEFAULT_STORAGE_MB
 from trainguard.doctor.report import CheckResult, DoctorReport
 from trainguard.doctor.storage import check_storage
 from trainguard.errors import ConfigError
 from trainguard.events import EventLog
 from trainguard.faults import active_faults
 from trainguard.faults.spec import FaultSpec, parse_faults
-
-DEFAULT_REPS = 20
-DEFAULT_STORAGE_MB = 64
 
 
 def default_nproc() -> int:

@@ -26,8 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from trainguard.fs.fsio import atomic_write_bytes, atomic_write_json
 from trainguard.errors import ConfigError
 from trainguard.events import read_events
@@ -150,6 +148,8 @@ def series_stats(series: Series) -> dict[str, Any] | None:
     """count (finite), non_finite, p50, p90, p99, p99.9, max, min and where the max is; None if empty."""
     if not series.steps:
         return None
+    import numpy as np  # here, not at the top: this package's health rules are read by commands that need no numpy
+
     steps, values = series.finite()
     stats: dict[str, Any] = {"count": len(values), "non_finite": len(series.values) - len(values)}
     if values:
@@ -287,6 +287,8 @@ def load_series(run_dir: str | os.PathLike) -> tuple[Path, dict[str, Series]]:
 def plot_png(cal: Calibration, series: dict[str, Series]) -> bytes | None:
     """The series over steps with the recommended thresholds, and their histograms; None when
     matplotlib (a dependency) cannot be imported."""
+    import numpy as np
+
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure

@@ -16,7 +16,8 @@ import torch
 
 from trainguard.doctor.burnin import burn_in
 from trainguard.doctor.report import DoctorReport
-from trainguard.doctor.selftest import DEFAULT_REPS, default_size
+from trainguard.doctor.defaults import DEFAULT_REPS
+from trainguard.doctor.selftest import default_size
 from trainguard.doctor.storage import check_storage
 from trainguard.faults.spec import parse_faults
 

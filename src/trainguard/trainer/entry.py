@@ -13,41 +13,8 @@ import torch.distributed as dist
 
 from trainguard.config import load_config
 from trainguard.errors import ConfigError, TrainguardError
+from trainguard.trainer.arguments import add_train_arguments, overrides_from_args
 from trainguard.trainer.model import check_positions_fit, check_tokenizer_fits
-
-
-def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="YAML config file")
-    parser.add_argument("--steps", type=int, help="total optimizer steps (train.steps)")
-    parser.add_argument("--run-dir", help="directory holding checkpoints, events and logs of the run")
-    parser.add_argument("--save-interval", type=int, help="steps between durable checkpoints (checkpoint.save_interval)")
-    parser.add_argument("--resume", help="auto (newest verified checkpoint), disable, a checkpoint PATH, "
-                        "or a mirror URL (restored into the run directory first)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override any config key; repeatable")
-
-
-def overrides_from_args(args: argparse.Namespace) -> list[str]:
-    """The flags as ``--set`` items, so workers started anywhere see the same configuration."""
-    items = list(args.overrides)
-    if args.steps is not None:
-        items.append(f"train.steps={args.steps}")
-    if args.save_interval is not None:
-        items.append(f"checkpoint.save_interval={args.save_interval}")
-    if args.resume is not None:
-        keep = args.resume in ("auto", "disable") or "://" in args.resume  # a mirror URL stays as given
-        resume = args.resume if keep else str(Path(args.resume).resolve())
-        items.append(f"checkpoint.resume={resume}")
-    return items
-
-
-def config_arguments(args: argparse.Namespace) -> list[str]:
-    """The flags that give a rank started elsewhere the same configuration: the file (absolute) and the
-    overrides."""
-    items = ["--config", str(Path(args.config).resolve())] if args.config else []
-    for item in overrides_from_args(args):
-        items += ["--set", item]
-    return items
 
 
 def config_from_args(args: argparse.Namespace):

@@ -1,7 +1,7 @@
 """Benchmark: a ``GuardedTrainer`` save beside a plain ``transformers.Trainer`` save of the same run, in one run.
 
     OMP_NUM_THREADS=1 python benchmarks/hf_trainer_save.py [--hidden 256] [--layers 4] [--vocab 8192]
-        [--repeats 7] [--dir /tmp] [--profile]
+        [--repeats 7] [--dir /tmp] [--profile] [--quick]
 
 One process (no torchrun), CPU. The fine-tune is examples/hf_trainer.py's (its data set and training
 arguments) on a Qwen2 of the given size; each trainer trains 2 steps first, so that AdamW has its state.
@@ -17,7 +17,8 @@ after one warm-up save, the methods interleaved round by round:
                   blocks it before the next optimizer step when nothing overlaps the copy (in training
                   the next forward and backward hide it); ``commit`` is until the save is committed.
 
-``--profile``: cProfile of the ``tg sync`` saves, the 25 costliest functions by cumulative time.
+``--profile``: cProfile of the ``tg sync`` saves, the 25 costliest functions by cumulative time
+(``HF_SAVE_PROFILE_SORT=tottime`` sorts by their own time). ``--quick``: 3 repeats.
 It is a benchmark: the target (tg sync at most 1.5x plain) is reported as met or missed, never asserted.
 """
 
@@ -110,7 +111,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--dir", default=tempfile.gettempdir())
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="3 repeats (benchmarks/run_all --quick)")
     args = parser.parse_args()
+    if args.quick:
+        args.repeats = 3
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     root = Path(tempfile.mkdtemp(prefix="hf_trainer_save.", dir=args.dir))
     try:

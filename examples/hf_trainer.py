@@ -6,13 +6,17 @@
 A tiny Qwen2 from a config (no download) on a synthetic causal-LM dataset, DDP through accelerate
 (gloo on CPU). Run it again after a kill and it continues from trainguard's newest verified checkpoint,
 bitwise as if it had never stopped. Guards and checkpoint policy come from ``--set`` (trainguard's keys).
+``--plain`` runs the same fine-tune on a plain ``transformers.Trainer`` (no trainguard) to compare with;
+``--log-file`` appends every log the Trainer emits (what W&B or a callback receives) as JSON lines.
 """
 
 import argparse
+import json
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import Qwen2Config, Qwen2ForCausalLM, TrainingArguments
+from transformers import Qwen2Config, Qwen2ForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 from trainguard.config import load_config
 from trainguard.integrations.hf_trainer import GuardedTrainer
@@ -37,29 +41,54 @@ class ArithmeticSequences(torch.utils.data.Dataset):
         return {"input_ids": tokens, "labels": tokens.clone()}
 
 
+def tiny_qwen2() -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        attention_dropout=0.1, max_position_embeddings=64))
+
+
+def training_arguments(run_dir: str, steps: int) -> TrainingArguments:
+    return TrainingArguments(output_dir=f"{run_dir}/hf_trainer", max_steps=steps, learning_rate=3e-3,
+                             per_device_train_batch_size=2, lr_scheduler_type="cosine", warmup_steps=2,
+                             max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[], seed=0,
+                             use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0)
+
+
+class LogFile(TrainerCallback):
+    """Appends each log of the Trainer, with its step, to a JSON-lines file (the main process only)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero:
+            with self.path.open("a") as out:
+                out.write(json.dumps({**logs, "step": state.global_step}) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--plain", action="store_true", help="a plain transformers.Trainer, to compare with")
+    parser.add_argument("--log-file", type=Path, help="append the Trainer's logs here as JSON lines")
     args = parser.parse_args()
 
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         attention_dropout=0.1, max_position_embeddings=64))
-    training = TrainingArguments(output_dir=f"{args.run_dir}/hf_trainer", max_steps=args.steps, learning_rate=3e-3,
-                                 per_device_train_batch_size=2, lr_scheduler_type="cosine", warmup_steps=2,
-                                 max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[], seed=0,
-                                 use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0)
-    trainer = GuardedTrainer(args.run_dir, model=model, args=training, train_dataset=ArithmeticSequences(),
-                             guard_config=load_config(None, args.overrides))
+    common = {"model": tiny_qwen2(), "args": training_arguments(args.run_dir, args.steps),
+              "train_dataset": ArithmeticSequences(), "callbacks": [LogFile(args.log_file)] if args.log_file else None}
+    if args.plain:
+        trainer = Trainer(**common)
+    else:
+        trainer = GuardedTrainer(args.run_dir, guard_config=load_config(None, args.overrides), **common)
     trainer.train()
     # the Trainer leaves the process group to the script: a gloo group still alive at interpreter exit can
     # abort the process (SIGABRT, "terminate called without an active exception") after a clean run
     if dist.is_initialized():
+        dist.barrier()  # without it the plain Trainer's ranks hung here (gloo, CPU): one destroyed the group early
         dist.destroy_process_group()
-    raise SystemExit(trainer.exit_code)
+    raise SystemExit(0 if args.plain else trainer.exit_code)
 
 
 if __name__ == "__main__":

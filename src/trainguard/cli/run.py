@@ -1,5 +1,5 @@
 """``trainguard run [options] -- COMMAND...``: runs COMMAND under the supervisor (restarts, hangs, nodes),
-or, given ``--nproc``/``--config``/``--set`` with ``fault_tolerance.live: true``, as the ranks of a live
+or, given ``--nproc``/``--config``/``--set``/``--resume`` with ``fault_tolerance.live: true``, as the ranks of a live
 run (``cli.run_live``).
 
 COMMAND is started once per node slot with ``TRAINGUARD_NODE``, ``TRAINGUARD_NODE_RANK``,
@@ -144,6 +144,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                        "steps, global batch, spares and drill (faults: kill:rank=R,step=S)")
     live.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                       help="override a key of that configuration; repeatable")
+    live.add_argument("--resume", metavar="MODE",
+                      help="checkpoint.resume of the live run: auto (the newest verified durable checkpoint of "
+                           "the run directory, the default), disable, or a global_step_N PATH")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
     parser.set_defaults(func=run)
 
@@ -173,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(run_dir).resolve()
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"--run-dir {run_dir}: exists and is not a directory")
-    if args.nproc is not None or args.config is not None or args.overrides:
+    if args.nproc is not None or args.config is not None or args.overrides or args.resume is not None:
         from trainguard.cli.run_live import run_command_live
 
         return run_command_live(args, command, run_dir)

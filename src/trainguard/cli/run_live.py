@@ -4,8 +4,10 @@ started as each of the N ranks of a live run by the live launcher (store, lighth
 launcher's flags appended (``--store ... --rank R --run-dir DIR ...``, which ``Guard`` reads); a rank's
 failure is replaced while the others keep stepping (docs/live_recovery.md). The configuration gives the
 layout, the steps, the global batch, the ``fault_tolerance`` keys and the drill (``faults``:
-``kill:rank=R,step=S``, ``trainguard.live.drill``); COMMAND loads its own (the same file) for ``Guard``,
-which applies the ``--set`` items on top (``TRAINGUARD_SET`` in the ranks' environment).
+``kill:rank=R,step=S``, ``trainguard.live.drill``) and where the job resumes (``--resume``, which is
+``checkpoint.resume``: the launcher chooses the checkpoint and hands it to the ranks); COMMAND loads its
+own (the same file) for ``Guard``, which applies the ``--set`` items on top (``TRAINGUARD_SET`` in the
+ranks' environment).
 
 What does not apply is refused before anything starts, one line: the supervisor's options, no
 ``--nproc``, a configuration with live recovery off, and what ``cli.train_live.live_layout`` refuses.
@@ -23,15 +25,16 @@ from trainguard.cli.train_live import live_layout, run_live
 from trainguard.config import load_config
 from trainguard.errors import ConfigError
 from trainguard.step.live import LAUNCHER_OVERRIDES_ENV
+from trainguard.trainer.arguments import resume_item
 
-LIVE_FLAGS = "--nproc, --config and --set"
+LIVE_FLAGS = "--nproc, --config, --set and --resume"
 
 
 def run_command_live(args: argparse.Namespace, command: list[str], run_dir: Path) -> int:
     """Runs COMMAND as the ranks of the live run the configuration describes; 0, or 1 with one line when a
     rank failed without being replaced."""
     source = str(args.config) if args.config else "--set"
-    config = load_config(args.config, args.overrides)
+    config = load_config(args.config, [*args.overrides, *([resume_item(args.resume)] if args.resume else [])])
     if not config.fault_tolerance.live:
         raise ConfigError(f"{source}: {LIVE_FLAGS} start a live run, and config key 'fault_tolerance.live' is not "
                           "true; without live recovery trainguard run supervises COMMAND, which reads its own "

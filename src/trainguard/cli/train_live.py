@@ -12,13 +12,15 @@ starts a user's command the same way.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 from pathlib import Path
 
+from trainguard.checkpoint.discovery import list_checkpoints
 from trainguard.config.schema import RunConfig
-from trainguard.errors import ConfigError
-from trainguard.live.launcher import LiveRun, launch
+from trainguard.errors import EXIT_RESUMABLE_STOP, ConfigError
+from trainguard.live.launcher import LiveRun, launch, resume_point
 from trainguard.step.live import refuse_closure_mode_keys
 from trainguard.topology import resolve_layout
 from trainguard.trainer.arguments import config_arguments
@@ -51,14 +53,29 @@ def live_run(args: argparse.Namespace, config: RunConfig, source: str) -> LiveRu
 
 
 def run_live(run: LiveRun, run_dir: Path) -> int:
-    """Trains to the end; 0, or 1 with one line when a rank failed without being replaced."""
+    """Trains to the end; 0, ``EXIT_RESUMABLE_STOP`` after a SIGTERM (the quorum saved a step), or 1 with
+    one line when a rank failed without being replaced."""
     print(f"trainguard: run directory {run_dir} (live recovery: {run.groups} replica groups of "
           f"{run.group_size} ranks, {run.spares} spares)", flush=True)
+    resume = resume_point(run, run_dir)  # exit 4 (one line) when checkpoints exist and none qualifies
+    if resume is not None:
+        print(f"trainguard: live run resumes from {resume} (checkpoint.resume: {run.resume})", flush=True)
+    run = dataclasses.replace(run, resume=str(resume) if resume is not None else "disable")  # chosen once
     try:
         result = launch(run_dir, run)
     except RuntimeError as error:
         print(f"trainguard: error: {error}", file=sys.stderr, flush=True)
         return 1
+    if result.stopped:
+        saved = newest_committed(run_dir / "checkpoints")
+        print(f"trainguard: live run stopped by SIGTERM/SIGUSR1: saved {saved}; run again with --resume auto "
+              "to continue", flush=True)
+        return EXIT_RESUMABLE_STOP
     print(f"trainguard: live run finished: {run.steps} steps in {result.wall_s:.1f} s, "
           f"ranks replaced: {sorted(result.replaced_at) or 'none'}", flush=True)
     return 0
+
+
+def newest_committed(root: Path) -> Path | None:
+    committed = [info for info in list_checkpoints(root) if info.committed]
+    return committed[-1].path if committed else None

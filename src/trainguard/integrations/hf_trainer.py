@@ -5,92 +5,52 @@
     trainer = GuardedTrainer(run_dir, model=model, args=TrainingArguments(..., max_steps=1000),
                              train_dataset=dataset, guard_config="trainguard.yaml")
     trainer.train()
-    torch.distributed.destroy_process_group()  # the Trainer leaves it alive; gloo can abort at interpreter exit
+    torch.distributed.barrier()                # then destroy: the Trainer leaves the group alive, and gloo
+    torch.distributed.destroy_process_group()  # can abort at interpreter exit
     raise SystemExit(trainer.exit_code)       # 0, 16 after a signal / time-limit stop: the supervisor's cue
 
 Each optimizer step of the Trainer is one ``Guard.step``: the Trainer's own forward and backward
 (``training_step``, DDP or FSDP2 through accelerate) is the closure, and the guard measures, decides
-skip / abort, clips, steps the optimizer and the LR schedule and saves by its policy. The Trainer's
-own ``optimizer.step()`` and ``lr_scheduler.step()`` that follow are no-ops (the guard already decided),
-and its clipping is off (``max_grad_norm`` becomes the guard's ``optim.grad_clip``).
+skip / abort, clips (``TrainingArguments.max_grad_norm`` is its ``optim.grad_clip``), steps the
+optimizer and the LR schedule and saves by its policy. The Trainer's own clipping, ``optimizer.step()``
+and ``lr_scheduler.step()`` that follow are no-ops (the guard already decided). What the Trainer logs
+is what a plain ``Trainer`` logs for the same steps: each rank's loss, the true global norm before
+clipping as ``grad_norm``, the learning rate the step used, plus ``skipped`` (the count of steps since
+the previous log whose update the guard dropped) when there were any.
 
-Resume goes through trainguard: when training begins, the guard restores the newest verified healthy
-checkpoint of ``RUN_DIR/checkpoints`` (model, optimizer, schedule, every RNG, guard state) and the
-Trainer continues at its step, its data loader fast-forwarded past the batches already trained on.
-Checkpoints are trainguard's (``global_step_N/`` with ``huggingface/`` from ``model.config``, so
-``trainguard ckpt merge`` needs nothing else); leave the Trainer's own ``save_strategy="no"``.
+Resume goes through trainguard and the Trainer's own resume path: before the first batch, the guard
+restores the newest verified healthy checkpoint of ``RUN_DIR/checkpoints`` (model, optimizer,
+schedule, every RNG, guard state and the Trainer's ``TrainerState``), and the Trainer continues at its
+step as after ``resume_from_checkpoint``: it skips the batches already trained on by index
+(accelerate's ``skip_first_batches``) and puts the RNGs back after drawing the first batch.
 
-Limits: one batch per optimizer step (``gradient_accumulation_steps=1``: the guard runs the closure
-once per step, twice on an SDC rerun); ``max_steps`` set; bf16 or fp32, not fp16 with loss scaling (the
-guard measures the gradients as they are); data skip, health and SDC guards as configured, not
-rollback mode (``check_for_global_norm``).
+Limits, each refused at construction: ``gradient_accumulation_steps=1`` (the guard runs the closure
+once per step, twice on an SDC rerun); ``max_steps`` set; not fp16 with loss scaling (the guard
+measures the gradients as they are; bf16 or fp32); not ``load_best_model_at_end`` (it needs the
+Trainer's own checkpoints); not rollback mode (``guards.check_for_global_norm``) nor live mode. The
+Trainer's own checkpoints are turned off (``save_strategy`` becomes "no", with one logged line):
+checkpoints are trainguard's, with ``huggingface/`` from ``model.config``.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator
+import dataclasses
+import json
+import logging
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer, TrainerCallback, TrainerState
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import SaveStrategy
 
 from trainguard.checkpoint.rng_state import capture_rng_state, restore_rng_state
 from trainguard.config.load import load_config
-from trainguard.config.schema import RunConfig
-from trainguard.step.guard import Guard
+from trainguard.config.schema import OptimConfig, RunConfig
+from trainguard.step.guard import Guard, StepOutcome
 
-
-class BatchPosition:
-    """How many batches the run has trained on (one per optimizer step): the data state a checkpoint keeps."""
-
-    def __init__(self) -> None:
-        self.batches = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"batches": self.batches}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.batches = int(state["batches"])
-
-
-class ResumedLoader:
-    """The Trainer's data loader, fast-forwarded to a resumed position on its first pass: whole epochs
-    skipped by epoch number (the sampler's order depends on the epoch only), then the batches of the
-    current epoch drawn and dropped. Creating that first iterator draws from the RNGs, which the
-    uninterrupted run did before the checkpoint's RNG state was taken: they are put back afterwards."""
-
-    def __init__(self, loader: Any, position: BatchPosition):
-        self.loader, self.position = loader, position
-        self.skip: int | None = None  # batches to fast-forward on the next pass; set when the guard resumes
-        self.epoch_offset = 0
-
-    def resume_at(self, batches: int) -> None:
-        per_epoch = len(self.loader)
-        self.epoch_offset, self.skip = divmod(batches, per_epoch)
-
-    def set_epoch(self, epoch: int) -> None:
-        if hasattr(self.loader, "set_epoch"):
-            self.loader.set_epoch(epoch + self.epoch_offset)
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.loader, name)
-
-    def __iter__(self) -> Iterator[Any]:
-        if not self.skip:
-            yield from self.loader
-            return
-        skip, self.skip = self.skip, None
-        rng = capture_rng_state()
-        iterator = iter(self.loader)
-        for _ in range(skip):
-            next(iterator)
-        restore_rng_state(rng)
-        yield from iterator
+log = logging.getLogger(__name__)
 
 
 class SteppedByGuard:
@@ -108,20 +68,50 @@ class SteppedByGuard:
 
 
 def _unwrapped(thing: Any, attribute: str) -> Any:
-    """accelerate's ``AcceleratedScheduler`` holds the torch scheduler in an attribute (and steps it once
-    per process: the guard steps the torch one, once)."""
+    """The torch object inside accelerate's wrapper: ``AcceleratedOptimizer.optimizer`` (the wrapper
+    skips ``Optimizer.__init__``, so it takes no step hooks, which async saves register), and
+    ``AcceleratedScheduler.scheduler`` (the wrapper steps once per process: the guard steps it once)."""
     return getattr(thing, attribute, thing)
 
 
-class _StartGuard(TrainerCallback):
-    """Builds and resumes the guard once the Trainer has prepared model, optimizer and scheduler, before
-    the first batch is drawn."""
+class CheckpointedTrainerState:
+    """The Trainer's ``TrainerState`` (log history, epoch, best metric, tokens seen, stateful callbacks)
+    in every trainguard checkpoint, as ``trainer_state.json`` is in the Trainer's own. The guard saves
+    inside the Trainer's step, before the Trainer counts that step and logs it: what is saved is the
+    state after the previous step (its log history, flops and tokens seen lack the saved step's); the
+    step and epoch of the checkpoint are set when it is restored."""
+
+    def __init__(self, trainer: "GuardedTrainer"):
+        self.trainer = trainer
+        self.loaded: TrainerState | None = None
+
+    def state_dict(self) -> dict[str, str]:
+        trainer = self.trainer
+        exportable = [cb for cb in trainer.callback_handler.callbacks + [trainer.control]
+                      if isinstance(cb, ExportableState)]
+        state = dataclasses.replace(trainer.state, stateful_callbacks=exportable)  # their state now
+        return {"json": json.dumps(dataclasses.asdict(state), sort_keys=True)}
+
+    def load_state_dict(self, state: dict[str, str]) -> None:
+        self.loaded = TrainerState(**json.loads(state["json"]))
+
+
+def epoch_after(step: int, steps_in_epoch: int) -> float:
+    """``TrainerState.epoch`` after optimizer step ``step`` (one batch per step), as the Trainer computes it."""
+    epoch, index = divmod(step - 1, steps_in_epoch)
+    return epoch + (index + 1) / steps_in_epoch
+
+
+class _StopWhenGuardSays(TrainerCallback):
+    """After each step (the Trainer has counted it), asks the guard whether the run ends here: the
+    schedule's end, the kill switch, SIGTERM/SIGUSR1 or the time limit (saved before it answers)."""
 
     def __init__(self, trainer: "GuardedTrainer"):
         self.trainer = trainer
 
-    def on_train_begin(self, args, state, control, **kwargs):
-        state.global_step = self.trainer.start_guard()
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.trainer.guard.should_stop(state.global_step, state.max_steps):
+            control.should_training_stop = True
         return control
 
 
@@ -135,64 +125,28 @@ class GuardedTrainer(Trainer):
     def __init__(self, run_dir: str | Path, *args: Any, guard_config: str | Path | RunConfig | None = None,
                  **kwargs: Any):
         super().__init__(*args, **kwargs)
-        if self.args.gradient_accumulation_steps != 1:
-            raise ValueError("GuardedTrainer: gradient_accumulation_steps must be 1 (one guarded step per batch), "
-                             f"got {self.args.gradient_accumulation_steps}")
-        if self.args.max_steps is None or self.args.max_steps <= 0:
-            raise ValueError("GuardedTrainer: set TrainingArguments(max_steps=N); the guard's schedule counts steps")
-        self.run_dir = Path(run_dir)
         config = guard_config if isinstance(guard_config, RunConfig) else load_config(guard_config)
-        if config.fault_tolerance.live:
-            raise ValueError("GuardedTrainer: fault_tolerance.live is not supported (live recovery needs the loss of "
-                             "each micro-batch and carries no LR scheduler); use trainguard.Guard in live mode in "
-                             "your own loop (docs/live_recovery.md)")
-        if config.guards.check_for_global_norm:
-            raise ValueError("GuardedTrainer: rollback mode (guards.check_for_global_norm) needs a data source "
-                             "that can skip ranges; use data skip (guards.skip) instead")
+        refuse_unsupported(self.args, config)
         config.optim.grad_clip = self.args.max_grad_norm or 0.0  # the guard clips, by the true global norm
-        self.args.max_grad_norm = 0.0
+        if self.args.save_strategy != SaveStrategy.NO:
+            log.warning("GuardedTrainer: save_strategy=%r set to 'no': checkpoints are trainguard's "
+                        "(checkpoint.save_interval)", self.args.save_strategy.value)
+            self.args.save_strategy = SaveStrategy.NO
+        self.run_dir = Path(run_dir)
         self.guard_config = config
-        self.position = BatchPosition()
         self.guard: Guard | None = None
         self.exit_code: int | None = None
         """After ``train()``: 0, or 16 after a signal or time-limit stop. Pass it to ``SystemExit``."""
-        self._loader: ResumedLoader | None = None
-        self.add_callback(_StartGuard(self))
-
-    def get_train_dataloader(self) -> ResumedLoader:
-        self._loader = ResumedLoader(super().get_train_dataloader(), self.position)
-        return self._loader
-
-    def start_guard(self) -> int:
-        """Builds the guard on the prepared model, optimizer and scheduler, resumes, and returns the step."""
-        model = self.model  # unwrapped: FSDP2 shards it in place, DDP wraps it in model_wrapped
-        # accelerate's optimizer wrapper stays: its step() knows the gradient-sync state and loss scaling
-        self.guard = Guard(self.run_dir, model, self.optimizer,
-                           scheduler=_unwrapped(self.lr_scheduler, "scheduler"), stateful={"data": self.position},
-                           config=self.guard_config, hf_config=getattr(model, "config", None),
-                           tokenizer=self.processing_class)
-        step = self.guard.resume()
-        if self._loader is not None and self.position.batches:
-            self._loader.resume_at(self.position.batches)
-        self.optimizer = SteppedByGuard(self.optimizer)
-        self.lr_scheduler = SteppedByGuard(self.lr_scheduler)
-        return step
-
-    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
-                      ) -> torch.Tensor:
-        guard = self.guard
-        if guard.should_stop(guard.global_step, self.state.max_steps):
-            self.control.should_training_stop = True
-            return torch.zeros((), device=self.args.device)
-
-        def closure() -> torch.Tensor:
-            # counted inside: the guard saves after the step, and restores the count for an SDC rerun
-            self.position.batches += 1
-            return super(GuardedTrainer, self).training_step(model, inputs, num_items_in_batch)
-
-        outcome = guard.step(closure)
-        loss = outcome.loss if math.isfinite(outcome.loss) else 0.0
-        return torch.tensor(loss, device=self.args.device)
+        self._checkpointed_state = CheckpointedTrainerState(self)
+        self._train_loader: Any = None
+        self._prepared: tuple[Any, Any] | None = None
+        self._resumed_from: str | None = None  # the Trainer's resume_from_checkpoint, for its data skip
+        self._resumed_rng: dict[str, Any] | None = None
+        self._stopped_at_start = False
+        self._outcome: StepOutcome | None = None
+        self._step_lr: float | None = None
+        self._skipped_since_log = 0
+        self.add_callback(_StopWhenGuardSays(self))
 
     def train(self, *args: Any, **kwargs: Any):
         if kwargs.get("resume_from_checkpoint") or (args and args[0]):
@@ -201,3 +155,116 @@ class GuardedTrainer(Trainer):
         result = super().train(*args, **kwargs)
         self.exit_code = self.guard.close()  # waits for the last commit
         return result
+
+    # The Trainer's resume, fed from the guard: the Trainer prepares model, optimizer and scheduler
+    # right after it sets up its state; both happen here so that the guard restores the checkpoint
+    # before the Trainer decides from which epoch and batch it continues.
+    def get_train_dataloader(self):
+        self._train_loader = super().get_train_dataloader()
+        return self._train_loader
+
+    def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint,
+                             trial):
+        super()._init_training_state(max_steps, num_update_steps_per_epoch, num_train_epochs, None, trial)
+        self._prepared = super()._prepare_for_training(max_steps, self._train_loader, None)
+        step = self._start_guard()
+        if not step:
+            return 0, 0
+        loaded = self._checkpointed_state.loaded
+        if loaded is not None:
+            self.state = loaded
+            self._load_callback_state()
+        self.state.global_step = step
+        self.state.epoch = epoch_after(step, num_update_steps_per_epoch)
+        self.state.init_training_references(self, max_steps, num_train_epochs, trial)
+        return divmod(step, num_update_steps_per_epoch)
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        prepared, self._prepared = self._prepared, None
+        return prepared
+
+    def _start_guard(self) -> int:
+        """Builds the guard on the prepared model, optimizer and scheduler, resumes, and returns the step."""
+        model = self.model  # unwrapped: FSDP2 shards it in place, DDP wraps it in model_wrapped
+        self.guard = Guard(self.run_dir, model, _unwrapped(self.optimizer, "optimizer"),
+                           scheduler=_unwrapped(self.lr_scheduler, "scheduler"),
+                           stateful={"trainer_state": self._checkpointed_state}, config=self.guard_config,
+                           hf_config=getattr(model, "config", None), tokenizer=self.processing_class)
+        step = self.guard.resume()
+        self._resumed_rng = capture_rng_state()
+        if step:
+            self._resumed_from = self.guard.checkpoints.resumed_from or str(self.run_dir / "checkpoints")
+        self._stopped_at_start = self.guard.should_stop(step, self.args.max_steps)
+        self.optimizer = SteppedByGuard(self.optimizer)
+        self.lr_scheduler = SteppedByGuard(self.lr_scheduler)
+        return step
+
+    def _run_epoch(self, **kwargs: Any) -> None:
+        if self._stopped_at_start:  # the kill switch, or a stop asked for before the first step
+            self.control.should_training_stop = True
+            return None
+        return super()._run_epoch(**{**kwargs, "resume_from_checkpoint": self._resumed_from})
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        # the Trainer puts the RNGs back after the iterator of the resumed epoch drew from them
+        if checkpoint is not None:
+            restore_rng_state(self._resumed_rng)
+
+    # The step.
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
+                      ) -> torch.Tensor:
+        self._step_lr = super()._get_learning_rate()  # the rate this step uses: the guard steps the schedule
+        losses: list[torch.Tensor] = []
+
+        def closure() -> torch.Tensor:
+            losses.append(super(GuardedTrainer, self).training_step(model, inputs, num_items_in_batch))
+            return losses[-1]
+
+        self._outcome = self.guard.step(closure)
+        if self._outcome.rolled_back:
+            raise RuntimeError(
+                f"GuardedTrainer: the guard restored global_step_{self._outcome.step} (state that changed at rest, "
+                "see the fingerprint_recompute event); the Trainer cannot rewind its data loader in place, so this "
+                "process ends and a restart (trainguard run) recomputes from that checkpoint")
+        self._skipped_since_log += self._outcome.skipped
+        return losses[-1]  # this rank's loss, which the Trainer averages over ranks as it always does
+
+    def _clip_grad_norm(self, model: torch.nn.Module) -> None:
+        return None  # the guard clipped, by the true global norm
+
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> float:
+        return self._outcome.global_norm  # before clipping, as a plain Trainer logs it
+
+    def _get_learning_rate(self) -> float:
+        return self._step_lr if self._step_lr is not None else super()._get_learning_rate()
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs and self._skipped_since_log:
+            logs["skipped"] = self._skipped_since_log
+            self._skipped_since_log = 0
+        super().log(logs, start_time)
+
+
+def refuse_unsupported(args: Any, config: RunConfig) -> None:
+    """One ``ValueError`` line for the first setting the adapter cannot honour, naming it."""
+    if args.gradient_accumulation_steps != 1:
+        raise ValueError("GuardedTrainer: gradient_accumulation_steps must be 1 (one guarded step per batch), "
+                          f"got {args.gradient_accumulation_steps}")
+    if args.max_steps is None or args.max_steps <= 0:
+        raise ValueError("GuardedTrainer: set TrainingArguments(max_steps=N); the guard's schedule counts steps")
+    if args.fp16:
+        raise ValueError("GuardedTrainer: fp16=True is not supported (the guard measures and clips the gradients "
+                          "as they are, not loss-scaled); use bf16=True or fp32")
+    if args.load_best_model_at_end:
+        raise ValueError("GuardedTrainer: load_best_model_at_end=True needs the Trainer's own checkpoints; "
+                          "checkpoints are trainguard's (trainguard ckpt list / merge)")
+    if config.optim.grad_clip not in (OptimConfig().grad_clip, args.max_grad_norm):
+        raise ValueError(f"GuardedTrainer: optim.grad_clip={config.optim.grad_clip} in the guard config and "
+                          f"TrainingArguments.max_grad_norm={args.max_grad_norm} disagree; set max_grad_norm only")
+    if config.fault_tolerance.live:
+        raise ValueError("GuardedTrainer: fault_tolerance.live is not supported (live recovery needs the loss of "
+                          "each micro-batch and carries no LR scheduler); use trainguard.Guard in live mode in "
+                          "your own loop (docs/live_recovery.md)")
+    if config.guards.check_for_global_norm:
+        raise ValueError("GuardedTrainer: rollback mode (guards.check_for_global_norm) needs a data source "
+                          "that can skip ranges; use data skip (guards.skip) instead")

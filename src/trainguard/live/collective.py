@@ -16,10 +16,13 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 POLL_S = 0.002
+
+T = TypeVar("T")
 
 
 class EpochAborted(RuntimeError):
@@ -38,30 +41,45 @@ def make_group(store: dist.TCPStore, epoch: int, index: int, size: int, timeout:
                beat: Callable[[], None]) -> dist.ProcessGroup:
     """The epoch's gloo group, on the store prefix ``pg/<epoch>``. Its constructor connects to every
     member and blocks until they all have (up to ``timeout``): a member that died meanwhile (a second
-    failure during a join) would keep this rank there, silent. So it is built in a thread while this
-    rank beats and watches ``abort/<epoch>``; an abandoned build ends on its own at ``timeout``. The
-    build gets a store connection of its own: one client serialises its calls, and the build's blocking
-    reads would hold up this rank's heartbeats behind them."""
-    built: list[dist.ProcessGroup] = []
-    failed: list[BaseException] = []
+    failure during a join) would keep this rank there, silent. So it is built ``watched``; an abandoned
+    build ends on its own at ``timeout``. The build gets a store connection of its own: one client
+    serialises its calls, and the build's blocking reads would hold up this rank's heartbeats behind them."""
+    def build() -> dist.ProcessGroup:
+        connection = dist.TCPStore(store.host, store.port, is_master=False, timeout=timeout)
+        return dist.ProcessGroupGloo(dist.PrefixStore(f"pg/{epoch}", connection), index, size, timeout)
 
-    def build() -> None:
+    try:
+        return watched(build, store, epoch, beat, "connected to its group")
+    except EpochAborted:
+        raise
+    except Exception as error:
+        raise RuntimeError(f"epoch {epoch}: its gloo group could not be built: {error}") from error
+
+
+def watched(work: Callable[[], T], store: dist.Store, epoch: int, beat: Callable[[], None], doing: str) -> T:
+    """``work()``, run in a thread while this rank beats and watches ``abort/<epoch>``: its result, or its
+    error raised here; ``EpochAborted`` as soon as the epoch ends (the thread is abandoned: blocked in a
+    collective or a connection, it ends on its own at its timeout). ``doing``: for the error, "this rank
+    <doing>"."""
+    outcome: list[tuple[bool, Any]] = []
+
+    def run() -> None:
         try:
-            connection = dist.TCPStore(store.host, store.port, is_master=False, timeout=timeout)
-            built.append(dist.ProcessGroupGloo(dist.PrefixStore(f"pg/{epoch}", connection), index, size, timeout))
-        except Exception as error:  # surfaced by the waiting thread, or dropped with an abandoned build
-            failed.append(error)
+            outcome.append((True, work()))
+        except BaseException as error:  # raised by the waiting thread (DCP's CheckpointException included)
+            outcome.append((False, error))
 
-    thread = threading.Thread(target=build, name=f"gloo-group-{epoch}", daemon=True)
+    thread = threading.Thread(target=run, name=f"epoch-{epoch}-watched", daemon=True)
     thread.start()
     while thread.is_alive():
         beat()
         if store.check([abort_key(epoch)]):
-            raise EpochAborted(f"epoch {epoch} ended while this rank connected to its group")
+            raise EpochAborted(f"epoch {epoch} ended while this rank {doing}")
         thread.join(POLL_S)
-    if failed:
-        raise RuntimeError(f"epoch {epoch}: its gloo group could not be built: {failed[0]}")
-    return built[0]
+    done, value = outcome[0]
+    if not done:
+        raise value
+    return value
 
 
 def wait(work: dist.Work, store: dist.Store, epoch: int, beat: Callable[[], None]) -> None:

@@ -1,6 +1,13 @@
 """Starts a live-recovery run's ranks, hosts its store and lighthouse, kills a rank on request, and
 recovers either live (the replacement alone is started; the others keep their processes) or as today
 (every rank is killed and started again from the newest checkpoint), for the benchmark's comparison.
+
+A job's start resumes from the durable checkpoint ``LiveRun.resume`` chooses (``checkpoint.resume``:
+the newest verified one for ``auto``), chosen here, before any rank starts, and handed to every rank
+(``--resume PATH``). SIGTERM or SIGUSR1 to the launcher (or to the ranks: the whole job, as Slurm
+signals it) asks the quorum to stop: it saves at its next step boundary and every member exits
+``EXIT_RESUMABLE_STOP``; ``launch`` returns then (``stopped``). A second signal, 2 s or more after the
+first, ends every rank at once (restart mode's ``StopSignals``: nothing more is saved).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -23,14 +31,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from trainguard.checkpoint.manifest import read_manifest
+from trainguard.checkpoint.resume import choose_resume_checkpoint
 from trainguard.config.schema import RunConfig
-from trainguard.errors import ConfigError
+from trainguard.errors import EXIT_RESUMABLE_STOP, ConfigError
 from trainguard.events import EventLog
 from trainguard.forking import ForkedProcess, ForkServer, start_server, thread_count
 from trainguard.live.drill import live_drill
 from trainguard.live.files import events_path, newest_checkpoint
 from trainguard.live.lighthouse import Lighthouse
-from trainguard.live.quorum import progress_key, spare_failed_key, spare_key, spare_ready_key
+from trainguard.live.quorum import STOP, progress_key, spare_failed_key, spare_key, spare_ready_key
+from trainguard.runtime.lifecycle import STOP_SIGNALS, StopSignals
 
 LIVE, RESTART = "live", "restart"
 
@@ -83,6 +94,9 @@ class LiveRun:
     # script that trains through ``Guard`` in live mode (with its own flags, e.g. ("examples/user_loop_live.py",))
     entry: tuple[str, ...] = ("-m", "trainguard.live.workload")
     executable: str = sys.executable
+    # where the job resumes (``checkpoint.resume``): "auto" (the newest verified durable checkpoint of the
+    # run directory, or a fresh start when it has none), "disable", or a ``global_step_N`` directory
+    resume: str = "auto"
 
     def __post_init__(self) -> None:
         if self.nodes and len(self.nodes) != self.groups + self.spares:
@@ -123,7 +137,7 @@ class LiveRun:
                    micro_batches=config.train.micro_batches, spares=tolerance.spares, hang_s=tolerance.hang_s,
                    stall_s=tolerance.stall_s, stall_steps=tolerance.stall_steps,
                    collective_timeout_s=tolerance.collective_timeout_s, doctor_spares=tolerance.doctor_spares,
-                   **{**faults, **drill})
+                   resume=config.checkpoint.resume, **{**faults, **drill})
 
 
 @dataclass
@@ -139,10 +153,18 @@ class LiveResult:
     exit_codes: dict[int, int] = field(default_factory=dict)
     fenced_exit_codes: dict[int, int | None] = field(default_factory=dict)  # pid of a fenced process ->
     # its exit code (None: still silent at the end, killed then)
+    resumed_from: Path | None = None  # the durable checkpoint the job started from
+    stopped: bool = False  # asked to stop (a signal): the quorum saved a step and exited EXIT_RESUMABLE_STOP
+
+
+def resume_point(run: LiveRun, run_dir: Path) -> Path | None:
+    """The durable checkpoint the job starts from (``run.resume``), verified; a ``NoCheckpointError``
+    (exit 4) when committed checkpoints exist and none qualifies, as in restart mode."""
+    return choose_resume_checkpoint(run.resume, run_dir / "checkpoints", warn=logging.getLogger("trainguard").warning)
 
 
 def _spawn(run: LiveRun, rank: int, store_port: int, run_dir: Path, rejoin: bool,
-           spare: int | None = None) -> subprocess.Popen | ForkedProcess:
+           spare: int | None = None, resume: Path | None = None) -> subprocess.Popen | ForkedProcess:
     role = ["--rank", str(rank)] if spare is None else ["--spare", str(spare)]
     node = run.nodes[run.groups + spare if spare is not None else rank // run.group_size] if run.nodes else None
     prefix = shlex.split(run.node_command.format(node=node)) if node is not None else []
@@ -152,6 +174,8 @@ def _spawn(run: LiveRun, rank: int, store_port: int, run_dir: Path, rejoin: bool
                "--micro-batches", str(run.micro_batches), "--micro-batch-s", str(run.micro_batch_s),
                "--checkpoint-every", str(run.checkpoint_every),
                "--collective-timeout-s", str(run.collective_timeout_s)] + (["--rejoin"] if rejoin else [])
+    if resume is not None:
+        command += ["--resume", str(resume)]
     if spare is not None and run.doctor_spares:
         command += ["--doctor"] + (["--doctor-faults", run.spare_faults] if run.spare_faults else [])
     if run.transient is not None and run.transient[0] == rank and not rejoin:
@@ -237,11 +261,14 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "checkpoints").mkdir(exist_ok=True)
     (run_dir / "final").mkdir(exist_ok=True)
+    resume = resume_point(run, run_dir)
     start_live_rank_server()  # before the store's threads
     store = dist.TCPStore(run.store_host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     events = EventLog(events_path(run_dir), rank=-1)
+    if resume is not None:
+        events.emit("live_resume", step=read_manifest(resume).step, path=str(resume))
     began = time.monotonic()
-    procs = {rank: _spawn(run, rank, store.port, run_dir, rejoin=False) for rank in range(run.world)}
+    procs = {rank: _spawn(run, rank, store.port, run_dir, rejoin=False, resume=resume) for rank in range(run.world)}
     spares = [(i, _spawn(run, -1, store.port, run_dir, rejoin=True, spare=i)) for i in range(run.spares)]
     if run.kill_ranks and spares:
         # the drill's kill is meant for warm spares (one still starting or self-testing is a cold one): the
@@ -249,8 +276,12 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
         # finish before its drill
         _await_spares(store, spares, began + run.timeout_s)
     lighthouse = Lighthouse(store, run.world, run.group_size, events, run.hang_s, run.stall_s, run.stall_steps)
-    result = LiveResult(0.0, {r: p.pid for r, p in procs.items()}, {})
+    result = LiveResult(0.0, {r: p.pid for r, p in procs.items()}, {}, resumed_from=resume)
     fenced: list[subprocess.Popen | ForkedProcess] = []  # hung processes behind a cut link, left to stop
+    on_main_thread = threading.current_thread() is threading.main_thread()  # signal handlers can be set there only
+    previous_handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} if on_main_thread else {}
+    # a second signal: every rank ends at once (``procs`` as it is then: the cell, not today's dict)
+    signals = StopSignals(on_second=lambda: [proc.kill() for proc in procs.values()]) if on_main_thread else None
 
     def replace(rank: int) -> None:
         result.replaced_at[rank] = time.time()
@@ -269,6 +300,13 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
         while any(p.returncode is None for p in procs.values()):
             if time.monotonic() - began > run.timeout_s:
                 raise RuntimeError(f"live run did not finish within {run.timeout_s:.0f} s")
+            if signals is not None and signals.received is not None and not store.check([STOP]):
+                store.set(STOP, "1")  # the quorum's next all-reduce carries it: all save and exit together
+                events.emit("live_stop", step=None, signal=signals.received)
+            if any(procs[m].poll() == EXIT_RESUMABLE_STOP for m in lighthouse.quorum.members):
+                result.stopped = True  # the quorum agreed on it in one all-reduce: every member stops
+            if result.stopped and all(procs[m].poll() == EXIT_RESUMABLE_STOP for m in lighthouse.quorum.members):
+                break  # saved; ranks still out of the quorum (joining) end below
             if run.kill_ranks and result.killed_at is None and _progress(store, run.kill_ranks[0]) >= run.kill_at_step:
                 for rank in run.kill_ranks:
                     os.kill(procs[rank].pid, signal.SIGKILL if run.fault == "kill" else signal.SIGSTOP)
@@ -283,7 +321,7 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
                 result.joiner_killed_at = time.time()
             for rank, proc in list(procs.items()):
                 code = proc.poll()
-                if code is None or code == 0:
+                if code is None or code == 0 or (result.stopped and code == EXIT_RESUMABLE_STOP):
                     continue
                 if run.recovery == LIVE:  # any death, the drill's or not: the others keep stepping
                     events.emit("live_exit", step=None, target=rank, pid=proc.pid, code=code)
@@ -320,6 +358,8 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
                     result.shrink_killed_at = time.time()
             time.sleep(0.005)
     finally:
+        for sig, handler in previous_handlers.items():
+            signal.signal(sig, handler)
         result.fenced_exit_codes = {proc.pid: proc.poll() for proc in fenced}
         for proc in [*procs.values(), *(proc for _, proc in spares), *fenced]:  # unused spares end here
             if proc.poll() is None:

@@ -10,13 +10,14 @@ the sum is bitwise the one of a fault-free run. The cost is ``micro_batches`` gr
 step instead of one (fine for this drill's model; at scale a fixed reduction tree over the
 micro-batches would replace the gather, see docs/live_recovery.md).
 
-A trailing element carries a flag: the number of ranks that saw a newer epoch in the store, so every
-rank learns from the same collective that the quorum changes at the next step boundary.
+Trailing elements carry flags, each summed over the ranks: the number of ranks that saw a newer epoch
+in the store, and the number that saw a stop asked for (the launcher's SIGTERM), so every rank learns
+from the same collective that the quorum changes, or that the run stops, at the next step boundary.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,14 +27,14 @@ def my_micro_batches(micro_batches: int, members: int, index: int) -> list[int]:
     return list(range(index, micro_batches, members))
 
 
-def reduce_rows(group: dist.ProcessGroup, rows: torch.Tensor, flag: int,
-                wait: Callable[[dist.Work], None]) -> tuple[torch.Tensor, int]:
-    """The summed gradient (rows added in index order) and the world's count of raised flags;
+def reduce_rows(group: dist.ProcessGroup, rows: torch.Tensor, flags: Sequence[int],
+                wait: Callable[[dist.Work], None]) -> tuple[torch.Tensor, list[int]]:
+    """The summed gradient (rows added in index order) and each flag's count over the world;
     ``wait`` waits for the all-reduce (``collective.wait`` bound to the epoch)."""
-    flat = torch.cat([(rows + 0.0).flatten(), torch.tensor([float(flag)], dtype=rows.dtype)])
+    flat = torch.cat([(rows + 0.0).flatten(), torch.tensor([float(flag) for flag in flags], dtype=rows.dtype)])
     wait(group.allreduce([flat]))
-    summed = flat[:-1].view_as(rows)
+    summed = flat[:-len(flags)].view_as(rows)
     total = summed[0].clone()
     for row in summed[1:]:
         total += row
-    return total, int(flat[-1].item())
+    return total, [int(count) for count in flat[-len(flags):].tolist()]

@@ -77,6 +77,11 @@ def fence_key(rank: int) -> str:
     return f"fence/{rank}"
 
 
+STOP = "stop"
+"""Set by the launcher when it is asked to stop (SIGTERM): the quorum saves at its next step boundary
+and every member exits ``EXIT_RESUMABLE_STOP``; the job resumes from that checkpoint."""
+
+
 def beat_key(rank: int) -> str:
     """A counter each rank raises while it computes and while it waits (collectives, the lighthouse):
     a rank whose counter stops is hung, stopped or cut off."""

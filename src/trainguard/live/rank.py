@@ -25,12 +25,15 @@ import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
+from trainguard.checkpoint.config import CheckpointConfig
+from trainguard.errors import EXIT_RESUMABLE_STOP
 from trainguard.events import EventLog
 from trainguard.live.files import events_path
 from trainguard.live.quorum import spare_failed_key, spare_key, spare_ready_key, wait_for
 from trainguard.live.spare_check import check_spare
 from trainguard.live.worker import (FENCED_EXIT, WAIT_S, Fenced, LiveArgs, LiveWorker, MicroBatchLoss, SampleRange,
                                     micro_batch_grad)
+from trainguard.runtime.lifecycle import StopSignals
 
 SPARE_UNHEALTHY_EXIT = 5  # a spare that failed its self-test ends with this code, unused
 SPARE_WAIT_S = 24 * 3600.0  # a spare waits as long as a run lasts; the launcher ends it if unused
@@ -42,8 +45,10 @@ class LiveRank:
     ranks) are the launcher's."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: LiveArgs,
-                 scheduler: LambdaLR | None = None, *, seed: int, grad_clip: float = 0.0):
+                 scheduler: LambdaLR | None = None, *, seed: int, checkpoint: CheckpointConfig | None = None,
+                 grad_clip: float = 0.0):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.checkpoint = checkpoint  # the durable tier's section (None: no durable tier, the drill's workload)
         self.seed = seed  # the run's seed, the same on every rank: each micro-batch's draws derive from it
         self.grad_clip = grad_clip  # optim.grad_clip: the step's gradient clipped to this global norm (0: off)
         self.args = args
@@ -69,13 +74,20 @@ class LiveRank:
             optimizer.step()
             store.set(spare_ready_key(args.spare), "1")
             rank, rejoin = int(wait_for(store, spare_key(args.spare), SPARE_WAIT_S, beat=lambda: None)), True
+        # SIGTERM/SIGUSR1 to this rank (the whole job's, from Slurm) asks the quorum to stop, as the
+        # launcher's does; a second one, 2 s or more later, ends this process at once (exit 16)
+        signals = StopSignals()
         worker = LiveWorker(store, args, rank, self.model, self.optimizer, loss_of, sample_range, self.scheduler,
-                            seed=self.seed, grad_clip=self.grad_clip)
+                            seed=self.seed, checkpoint=self.checkpoint, stop_asked=lambda: signals.received is not None,
+                            grad_clip=self.grad_clip)
         try:
             yield from worker.train(rejoin)
         except Fenced as fenced:
             print(f"live recovery: {fenced}; exiting", file=sys.stderr)
             self.exit_code = FENCED_EXIT
+            return
+        if worker.stopped:  # asked to stop: the step is saved, the job resumes from it
+            self.exit_code = EXIT_RESUMABLE_STOP
 
     def spare_is_healthy(self, store: dist.Store) -> bool:
         """The spare's self-test; a failure is an event, a store key the launcher reads, and this
@@ -94,7 +106,8 @@ class LiveRank:
         return report.healthy
 
     def close(self) -> NoReturn:
-        """Ends this process: 0, or ``FENCED_EXIT`` for a stale process of a rank that was replaced."""
+        """Ends this process: 0, ``EXIT_RESUMABLE_STOP`` after a stop (a signal to the launcher or a rank), or
+        ``FENCED_EXIT`` for a stale process of a rank that was replaced."""
         # Everything is written (events unbuffered, the final state fsynced). A normal exit would destroy
         # the retired groups, whose threads wait for their abandoned operation's timeout (collective.py).
         sys.stdout.flush()

@@ -66,6 +66,13 @@ class ShardedUpdate:
             if owner != self.shard:
                 param.grad = None
 
+    def drop_unowned_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Forgets the optimizer state of the parameters this rank's shard does not own (a checkpoint
+        loaded whole brings every shard's): the state a rank of this shard holds after stepping alone."""
+        for param, owner in zip(self.params, self.owners):
+            if owner != self.shard:
+                optimizer.state.pop(param, None)
+
     def gather(self, group: dist.ProcessGroup, members: list[int], wait: Callable[[dist.Work], None]) -> None:
         """Copies the parameters of this rank's group's other shards, updated by their owners, from one
         all-gather over the epoch's group (every member sends its owned parameters' bytes, any dtype,

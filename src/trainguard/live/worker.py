@@ -31,14 +31,17 @@ import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
+from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.safe_load import safe_torch_load
 from trainguard.checkpoint.staging import serialised
 from trainguard.events import EventLog
 from trainguard.fs.fsio import atomic_write_bytes
 from trainguard.live import collective
+from trainguard.live.durable import LiveCheckpoints
 from trainguard.live.ordered_sum import my_micro_batches, reduce_rows
-from trainguard.live.quorum import (NO_STATE, Quorum, beat_key, done_key, entered_key, epoch_key, fence_key, has, latest_epoch,
-                                    progress_key, read_quorum, ready_key, report_key, start_key, wait_for)
+from trainguard.live.quorum import (NO_STATE, STOP, Quorum, beat_key, done_key, entered_key, epoch_key, fence_key,
+                                    has, latest_epoch, progress_key, read_quorum, ready_key, report_key, start_key,
+                                    wait_for)
 from trainguard.live.probe import PeerProbe
 from trainguard.live.rng import micro_batch_rng
 from trainguard.live.shards import ShardedUpdate
@@ -83,6 +86,7 @@ class LiveArgs:
     doctor_faults: str | None  # drill: ``miscompute`` entries for the spares' self-tests
     stall_collective: int | None  # drill: stay out of this step's all-reduce, alive, until the epoch ends
     stall_cut: bool  # drill: ... marked as in it, with this rank's probe socket closed (live/stall.py)
+    resume: Path | None  # the durable checkpoint the job resumes from (the launcher chose it), or None
 
     @classmethod
     def parse(cls, argv: list[str] | None = None) -> LiveArgs:
@@ -106,6 +110,7 @@ class LiveArgs:
         parser.add_argument("--doctor-faults")
         parser.add_argument("--stall-collective", type=int)
         parser.add_argument("--stall-cut", action="store_true")
+        parser.add_argument("--resume", type=Path)
         known, _ = parser.parse_known_args(argv)
         return cls(**vars(known))
 
@@ -149,7 +154,8 @@ def set_lr(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, step: int) -> 
 class LiveWorker:
     def __init__(self, store: dist.Store, args: LiveArgs, rank: int, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, loss_of: MicroBatchLoss, sample_range: SampleRange | None,
-                 scheduler: LambdaLR | None = None, *, seed: int, grad_clip: float = 0.0):
+                 scheduler: LambdaLR | None = None, *, seed: int, checkpoint: CheckpointConfig | None = None,
+                 stop_asked: Callable[[], bool] = lambda: False, grad_clip: float = 0.0):
         self.seed = seed  # the run's: each micro-batch's random draws derive from it (rng.py)
         self.grad_clip = grad_clip  # optim.grad_clip (0: off), as the closure mode clips
         self.store, self.rank, self.world, self.steps = store, rank, args.world, args.steps
@@ -171,6 +177,13 @@ class LiveWorker:
         self.probe = PeerProbe(store, rank)  # the lighthouse's stall watch: marks, and probes of the peers
         self.reduce_marks = ReduceMarks(store, rank, self.events, args.stall_collective,
                                         self.probe if args.stall_cut else None)
+        self.resume_from = args.resume
+        # the durable tier (``checkpoint``: the ``checkpoint`` section; None: the drill's workload, none)
+        self.checkpoints = None if checkpoint is None else LiveCheckpoints(
+            store, args.run_dir, checkpoint, rank, model, optimizer, self.update, self.events,
+            self.collective_timeout, self.beat)
+        self.stop_asked = stop_asked  # this process was asked to stop (a signal of its own)
+        self.stopped = False  # the quorum agreed to stop (a signal to the launcher or a rank) and saved: no more steps
 
     def train(self, rejoin: bool) -> Iterator[int]:
         """Trains to the last step, yielding the index of each step as it commits it (a step undone
@@ -184,6 +197,12 @@ class LiveWorker:
                 state = safe_torch_load(checkpoint_path(self.run_dir, quorum.resume_from, self.update.shard))
                 load_state(self.model, self.optimizer, state)
             self.enter(quorum, quorum.start_step)
+            if self.resume_from is not None and quorum.epoch == 0:  # a job's start, resumed
+                if self.checkpoints is None:
+                    raise RuntimeError(f"live recovery: --resume {self.resume_from} needs the durable tier "
+                                       "(the checkpoint section), which this rank was not given")
+                self.step_index = self.checkpoints.resume(quorum, self.resume_from)
+                self.store.set(progress_key(self.rank), str(self.step_index))
         while True:
             step = self.step_index
             try:
@@ -197,6 +216,9 @@ class LiveWorker:
                 self.recover(error)
                 continue
             yield step
+            if self.stopped:
+                self.events.emit("live_stopped", step=self.step_index, epoch=self.quorum.epoch)
+                return
         atomic_write_bytes(final_path(self.run_dir, self.rank), serialised(state_of(self.model, self.optimizer)))
         self.events.emit("live_done", step=self.step_index, epoch=self.quorum.epoch)
         self.store.set(done_key(self.rank), "1")
@@ -234,8 +256,9 @@ class LiveWorker:
             self.events.emit("live_samples", step=step, epoch=quorum.epoch, members=len(quorum.members),
                              micro_batches=mine, samples=[self.sample_range(step, m) for m in mine])
         newer = latest_epoch(self.store) > quorum.epoch
+        stop = self.stop_asked() or has(self.store, STOP)
         self.reduce_marks.entering(quorum.epoch, step, self.beat)
-        total, flags = reduce_rows(self.group, rows, int(newer), self.wait)
+        total, (newer_seen, stop_seen) = reduce_rows(self.group, rows, [int(newer), int(stop)], self.wait)
         self.reduce_marks.left(quorum.epoch, step)
         if step == self.fail_after_reduce:
             self.fail_after_reduce = None
@@ -258,12 +281,16 @@ class LiveWorker:
                          micro_batches=mine)
         self.step_index = step + 1
         self.store.set(progress_key(self.rank), str(self.step_index))
+        stopping = bool(stop_seen) and self.step_index < self.steps  # the last step ends the run anyway
+        if self.checkpoints is not None:
+            self.checkpoints.save(quorum, self.step_index, last_step=self.step_index == self.steps, stopping=stopping)
+        self.stopped = stopping  # (the drill's workload has no durable tier: it stops with nothing saved)
         if (self.checkpoint_every and self.step_index % self.checkpoint_every == 0
                 and quorum.index(self.rank) < self.update.group_size):  # the lowest live group's shards
             path = checkpoint_path(self.run_dir, self.step_index, self.update.shard)
             path.parent.mkdir(exist_ok=True)
             atomic_write_bytes(path, serialised(state_of(self.model, self.optimizer)))
-        if flags:
+        if newer_seen and not self.stopped:
             self.switch(quorum.epoch + 1)
 
     def await_peers_committed(self, step: int) -> None:

@@ -4,10 +4,11 @@ loop to (``trainguard.live.rank.LiveRank``) and the errors that keep the two mod
 In live mode the launcher's flags place the rank (``LiveArgs``), the library does each step inside
 ``guard.steps(loss_of)`` (one backward per micro-batch, so that the survivors can compute a failed
 group's micro-batches), and the model and the optimizer are the whole state of the run. What ``Guard``
-does besides (guards, checkpoint tiers, lifecycle, the closure mode's fault drills, extra state, a
-scheduler other than a ``LambdaLR``) is not done in live mode, so asking for it there is refused, never
-ignored. The faults in force may only be the live launcher's drill (``trainguard.live.drill``), which the
-rank checks and leaves to the launcher.
+does besides (guards, the local and memory tiers and the mirror, lifecycle, the closure mode's fault
+drills, extra state, a scheduler other than a ``LambdaLR``) is not done in live mode, so asking for it
+there is refused, never ignored. The durable tier is (``live/durable.py``): its interval, retention and
+resume keys are taken. The faults in force may only be the live launcher's drill
+(``trainguard.live.drill``), which the rank checks and leaves to the launcher.
 """
 
 from __future__ import annotations
@@ -31,8 +32,11 @@ from trainguard.live.drill import live_drill
 from trainguard.live.rank import LiveRank
 from trainguard.live.worker import LiveArgs
 
-# the run configuration's sections that only the closure mode (``Guard.step``) runs
+# the run configuration's sections that only the closure mode (``Guard.step``) runs, but for the keys below
 CLOSURE_MODE_SECTIONS = ("checkpoint", "guards", "lifecycle")
+# the durable tier's keys, which live mode runs too (``trainguard.live.durable``)
+LIVE_CHECKPOINT_KEYS = ("checkpoint.save_interval", "checkpoint.keep_last", "checkpoint.keep_every",
+                        "checkpoint.resume")
 # keys outside those sections that the closure mode honours and live mode does not: why, for the refusal
 CLOSURE_MODE_KEYS = {
     "train.exit_at_step": "live mode trains the launcher's train.steps to the end",
@@ -70,13 +74,20 @@ def changed_keys(value: Any, default: Any, key: str) -> list[str]:
 
 
 def refuse_closure_mode_keys(config: RunConfig, source: str = "<config>") -> None:
-    """One error naming the first key of the closure mode's sections that is not at its default."""
+    """One error naming the first key of the closure mode's sections, but the durable tier's, that is not
+    at its default, or a mirror URL to resume from (live mode has no mirror)."""
     defaults = RunConfig()
     changed = [key for section in CLOSURE_MODE_SECTIONS
-               for key in changed_keys(getattr(config, section), getattr(defaults, section), section)]
+               for key in changed_keys(getattr(config, section), getattr(defaults, section), section)
+               if key not in LIVE_CHECKPOINT_KEYS]
     if changed:
         raise ConfigError(f"{source}: config key {changed[0]!r} is not used with fault_tolerance.live: true (live "
-                          f"mode runs no {', '.join(CLOSURE_MODE_SECTIONS)}); leave it at its default")
+                          f"mode runs no {', '.join(CLOSURE_MODE_SECTIONS)} but the durable tier's "
+                          f"{', '.join(LIVE_CHECKPOINT_KEYS)}); leave it at its default")
+    if "://" in config.checkpoint.resume:
+        raise ConfigError(f"{source}: config key 'checkpoint.resume' is a mirror URL ({config.checkpoint.resume}), "
+                          "which live mode does not restore from (it has no mirror); restore it with trainguard "
+                          "ckpt, then resume from the run directory")
     for key, why in CLOSURE_MODE_KEYS.items():
         section, name = key.split(".")
         if getattr(getattr(config, section), name) != getattr(getattr(defaults, section), name):
@@ -133,4 +144,5 @@ def live_rank(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
         raise ConfigError(f"Guard(run_dir={str(run_dir)!r}): the live launcher started this rank with --run-dir "
                           f"{str(args.run_dir)!r}; pass that one")
     live_drill(config.faults, args.world, args.steps)  # the launcher's to inject; anything else refused here
-    return LiveRank(model, optimizer, args, scheduler, seed=config.train.seed, grad_clip=config.optim.grad_clip)
+    return LiveRank(model, optimizer, args, scheduler, seed=config.train.seed, checkpoint=config.checkpoint,
+                    grad_clip=config.optim.grad_clip)

@@ -29,10 +29,15 @@ def overrides_from_args(args: argparse.Namespace) -> list[str]:
     if args.save_interval is not None:
         items.append(f"checkpoint.save_interval={args.save_interval}")
     if args.resume is not None:
-        keep = args.resume in ("auto", "disable") or "://" in args.resume  # a mirror URL stays as given
-        resume = args.resume if keep else str(Path(args.resume).resolve())
-        items.append(f"checkpoint.resume={resume}")
+        items.append(resume_item(args.resume))
     return items
+
+
+def resume_item(mode: str) -> str:
+    """``--resume MODE`` as a ``--set`` item: a checkpoint PATH made absolute (``auto``, ``disable`` and a
+    mirror URL as given)."""
+    keep = mode in ("auto", "disable") or "://" in mode
+    return f"checkpoint.resume={mode if keep else Path(mode).resolve()}"
 
 
 def config_arguments(args: argparse.Namespace) -> list[str]:

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from helpers.runs import make_checkpoint
 from trainguard.cli import main
+from trainguard.live.launcher import LiveRun, resume_point
 
 ROOT = Path(__file__).resolve().parents[3]
 CONFIG = ROOT / "examples" / "user_loop_live.yaml"
@@ -28,7 +30,9 @@ def run_argv(run_dir: Path, *options: str) -> list[str]:
     (("--nproc", "4", "--config", str(CONFIG), "--kill-switch", "stop"), "--kill-switch: a supervisor option"),
     (("--config", str(CONFIG),), "--nproc is required with fault_tolerance.live: true, ≥ 1"),
     (("--nproc", "4", "--set", "parallel.dp_replicate=2", "--set", "train.micro_batches=8"),
-     "--set: --nproc, --config and --set start a live run, and config key 'fault_tolerance.live' is not true"),
+     "--set: --nproc, --config, --set and --resume start a live run, and config key 'fault_tolerance.live' is not "
+     "true"),
+    (("--resume", "auto"), "--set: --nproc, --config, --set and --resume start a live run"),
     (("--nproc", "4", "--config", str(CONFIG), "--set", "parallel.dp_replicate=1"),
      f"{CONFIG}: config key 'parallel.dp_replicate' must be ≥ 2 for a live run"),
     (("--nproc", "4", "--config", str(CONFIG), "--set", "guards.skip.enabled=true"),
@@ -41,3 +45,31 @@ def test_what_does_not_apply_to_a_live_run_is_one_line_and_exit_2(tmp_path, caps
     err = capsys.readouterr().err
     assert err.startswith(f"trainguard: error: {line}") and err.count("\n") == 1, err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_live_run_whose_checkpoints_all_fail_verification_is_one_line_and_exit_4(tmp_path, capsys):
+    """``--resume auto`` (the default) as in restart mode: committed checkpoints, none usable, is exit 4
+    before any rank starts; the run never starts again from step 0 over them."""
+    bad = make_checkpoint(tmp_path / "run" / "checkpoints", 10, world_size=4)
+    (bad / "__0_0.distcp").write_bytes(b"flipped")
+    assert main(run_argv(tmp_path / "run", "--nproc", "4", "--config", str(CONFIG))) == 4
+    err = capsys.readouterr().err
+    assert err.startswith("trainguard: error: no usable checkpoint in ") and err.count("\n") == 1, err
+    assert not (tmp_path / "run" / "events.jsonl").exists()  # no rank started
+
+
+def test_resume_path_that_fails_verification_is_one_line_and_exit_4(tmp_path, capsys):
+    bad = make_checkpoint(tmp_path / "elsewhere" / "checkpoints", 10, world_size=4)
+    (bad / "__1_0.distcp").write_bytes(b"flipped")
+    assert main(run_argv(tmp_path / "run", "--nproc", "4", "--config", str(CONFIG), "--resume", str(bad))) == 4
+    err = capsys.readouterr().err
+    assert err.startswith(f"trainguard: error: --resume {bad}: {bad / '__1_0.distcp'}: ") and err.count("\n") == 1, err
+
+
+def test_a_live_run_resumes_from_the_newest_verified_checkpoint_or_as_told(tmp_path):
+    root = tmp_path / "checkpoints"
+    older, newer = make_checkpoint(root, 5, world_size=4), make_checkpoint(root, 10, world_size=4)
+    (newer / "__1_0.distcp").write_bytes(b"truncated")
+    assert resume_point(LiveRun(), tmp_path) == older  # auto: the newest that verifies
+    assert resume_point(LiveRun(resume="disable"), tmp_path) is None
+    assert resume_point(LiveRun(resume=str(older)), tmp_path) == older

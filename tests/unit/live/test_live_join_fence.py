@@ -25,7 +25,7 @@ def _worker(store, run_dir) -> LiveWorker:
     args = LiveArgs(store=f"127.0.0.1:{store.port}", rank=3, spare=None, world=4, group_size=2, steps=10,
                     run_dir=run_dir, micro_batches=4, micro_batch_s=0.0, checkpoint_every=0,
                     collective_timeout_s=5.0, rejoin=True, fail_after_reduce=None, doctor=False, doctor_faults=None,
-                    stall_collective=None, stall_cut=False)
+                    stall_collective=None, stall_cut=False, resume=None)
     model = torch.nn.Linear(2, 1)
     return LiveWorker(store, args, 3, model, torch.optim.SGD(model.parameters(), lr=0.1), lambda *_: None, None,
                       seed=0)

@@ -3,7 +3,7 @@ configuration is either honoured in live mode or refused there with one line nam
 
 Every key is walked (a key added to the schema fails ``test_every_key_is_classified`` until it is put on
 one side). Honoured keys are shown to reach the live engine: the launcher's (``LiveRun.from_config``),
-the rank's (``Guard``'s ``LiveRank``), or the reference trainer's (``trainer/live.py`` builds its model and
+the rank's (``Guard``'s ``LiveRank``: its seed, clipping and durable tier), or the reference trainer's (``trainer/live.py`` builds its model and
 optimizer from the whole ``model`` and ``optim`` sections with the closure mode's builders, and reads
 each ``data`` key); a changed value must change what they build. Refused keys, each set alone to a value
 other than its default, must stop ``trainguard train``'s live path (``cli.train_live.live_run``, which
@@ -38,7 +38,10 @@ LAUNCHER = {
     "fault_tolerance.collective_timeout_s": 31.0, "fault_tolerance.doctor_spares": False,
     "fault_tolerance.stall_s": 6.0, "fault_tolerance.stall_steps": 11.0, "faults": "kill:rank=1,step=2",
 }
-RANK = {"train.seed": 43, "optim.grad_clip": 0.5}
+RANK = {"train.seed": 43, "optim.grad_clip": 0.5,
+        # the durable tier's, which live mode runs (``live.durable``; tests/integration/test_live_durable.py)
+        "checkpoint.save_interval": 7, "checkpoint.keep_last": 4, "checkpoint.keep_every": 20,
+        "checkpoint.resume": "disable"}
 TRAINER_MODEL = {
     "model.preset": "llama-micro", "model.hidden_size": 96, "model.num_layers": 3, "model.num_heads": 4,
     "model.num_kv_heads": 1, "model.intermediate_size": 100, "model.tie_word_embeddings": False,
@@ -140,9 +143,9 @@ def test_a_rank_key_reaches_the_live_rank(key, tmp_path):
             "--micro-batches", "4"]
     model = torch.nn.Linear(2, 1)
 
-    def seen(config: RunConfig) -> tuple[int, float]:
+    def seen(config: RunConfig) -> tuple:
         rank = live_rank(tmp_path, model, torch.optim.SGD(model.parameters(), lr=0.1), None, config, argv, [])
-        return rank.seed, rank.grad_clip
+        return rank.seed, rank.grad_clip, rank.checkpoint
 
     config = live_config()
     assert seen(with_key(config, key, RANK[key])) != seen(config)

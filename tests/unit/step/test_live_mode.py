@@ -116,7 +116,8 @@ def test_live_mode_refuses_the_arguments_it_cannot_honour(tmp_path, arguments, n
 
 
 @pytest.mark.parametrize("item, key", [
-    ("checkpoint.save_interval=5", "checkpoint.save_interval"),
+    ("checkpoint.local_interval=5", "checkpoint.local_interval"),
+    ("checkpoint.async_save=false", "checkpoint.async_save"),
     ("guards.skip.enabled=true", "guards.skip.enabled"),
     ("lifecycle.kill_switch_path=stop", "lifecycle.kill_switch_path"),
 ])
@@ -125,6 +126,14 @@ def test_live_mode_refuses_a_key_of_the_closure_mode_naming_it(tmp_path, item, k
     config = load_config(None, ["fault_tolerance.live=true", item])
     with pytest.raises(ConfigError, match=rf"config key '{key}' is not used with fault_tolerance.live: true"):
         trainguard.Guard(tmp_path, model, optimizer, config=config, live_argv=launcher_flags(tmp_path))
+
+
+def test_live_mode_takes_the_durable_tiers_keys(tmp_path):  # tests/integration/test_live_durable.py runs them
+    model, optimizer = model_and_optimizer()
+    config = load_config(None, ["fault_tolerance.live=true", "checkpoint.save_interval=5", "checkpoint.keep_last=2",
+                                "checkpoint.keep_every=10", "checkpoint.resume=disable"])
+    guard = trainguard.Guard(tmp_path, model, optimizer, config=config, live_argv=launcher_flags(tmp_path))
+    assert guard.micro_batches == 8  # taken, not refused: the multi-process tests show them at work
 
 
 def test_live_mode_takes_a_lambda_lr_and_refuses_other_schedulers(tmp_path):
@@ -175,7 +184,10 @@ def test_live_guard_is_guard_in_live_mode_in_the_launchers_run_directory(tmp_pat
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--save-interval", "5"], "--set: config key 'checkpoint.save_interval' is not used with fault_tolerance.live"),
+    (["--set", "checkpoint.memory_interval=5"], "--set: config key 'checkpoint.memory_interval' is not used with "
+                                                "fault_tolerance.live"),
+    (["--resume", "s3://bucket/run"], "--set: config key 'checkpoint.resume' is a mirror URL (s3://bucket/run), which "
+                                      "live mode does not restore from"),
     (["--max-restarts", "1"], "--max-restarts: a supervisor option; with fault_tolerance.live: true the live launcher"),
     (["--set", "parallel.dp_replicate="], "--set: config key 'parallel.dp_replicate' must be ≥ 2 for a live run"),
 ])

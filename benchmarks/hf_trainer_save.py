@@ -1,0 +1,159 @@
+"""Benchmark: a ``GuardedTrainer`` save beside a plain ``transformers.Trainer`` save of the same run, in one run.
+
+    OMP_NUM_THREADS=1 python benchmarks/hf_trainer_save.py [--hidden 256] [--layers 4] [--vocab 8192]
+        [--repeats 7] [--dir /tmp] [--profile] [--quick]
+
+One process (no torchrun), CPU. The fine-tune is examples/hf_trainer.py's (its data set and training
+arguments) on a Qwen2 of the given size; each trainer trains 2 steps first, so that AdamW has its state.
+What is timed, each save of a new step into a fresh directory under ``--dir``, medians of ``--repeats``
+after one warm-up save, the methods interleaved round by round:
+
+1. ``plain``      ``Trainer._save_checkpoint``: what ``save_strategy="steps"`` runs (model safetensors,
+                  optimizer, scheduler, RNG, trainer_state.json; no fsync), with ``save_total_limit=2``.
+2. ``tg sync``    ``checkpoint.async_save: false``: ``guard.checkpoints.save_durable(step)`` until it
+                  returns, the checkpoint committed (DCP files hashed as written and fsynced, manifest,
+                  rename, ``huggingface/`` config), with ``checkpoint.keep_last=2``.
+3. ``tg async``   the default: the time ``save_durable`` blocks the loop, and the time ``wait_for_staging``
+                  blocks it before the next optimizer step when nothing overlaps the copy (in training
+                  the next forward and backward hide it); ``commit`` is until the save is committed.
+
+``--profile``: cProfile of the ``tg sync`` saves, the 25 costliest functions by cumulative time
+(``HF_SAVE_PROFILE_SORT=tottime`` sorts by their own time). ``--quick``: 3 repeats.
+It is a benchmark: the target (tg sync at most 1.5x plain) is reported as met or missed, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import importlib.util
+import os
+import pstats
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import median, print_result, silence_console
+
+TARGET_SYNC_RATIO = 1.5
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hf_trainer.py"
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("hf_trainer_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def qwen2(args):
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden,
+                                        intermediate_size=args.hidden * 4, num_hidden_layers=args.layers,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+
+
+def trainers(args, root: Path):
+    """A plain Trainer and a GuardedTrainer per save mode, each after 2 trained steps."""
+    from transformers import Trainer
+
+    from trainguard.config import load_config
+    from trainguard.integrations.hf_trainer import GuardedTrainer
+
+    example = load_example()
+    data = example.ArithmeticSequences()
+    data.vocab = args.vocab
+    plain_args = example.training_arguments(str(root / "plain"), 2)
+    plain_args.save_total_limit = 2  # as checkpoint.keep_last=2: both delete their oldest inside the save
+    made = {"plain": Trainer(model=qwen2(args), args=plain_args, train_dataset=data)}
+    for name, async_save in (("tg sync", "false"), ("tg async", "true")):
+        run_dir = root / name.replace(" ", "_")
+        made[name] = GuardedTrainer(run_dir, model=qwen2(args), args=example.training_arguments(str(run_dir), 2),
+                                    train_dataset=data,
+                                    guard_config=load_config(None, [f"checkpoint.async_save={async_save}",
+                                                                    "checkpoint.keep_last=2"]))
+    for trainer in made.values():
+        trainer.train()
+    silence_console()
+    return made
+
+
+def plain_save(trainer, step: int) -> dict[str, float]:
+    trainer.state.global_step = step
+    started = time.perf_counter()
+    trainer._save_checkpoint(trainer.model, trial=None)
+    seconds = time.perf_counter() - started
+    return {"save": seconds}
+
+
+def guarded_save(trainer, step: int) -> dict[str, float]:
+    checkpoints = trainer.guard.checkpoints
+    started = time.perf_counter()
+    checkpoints.save_durable(step, trainer.guard.trainer_state())
+    returned = time.perf_counter()
+    checkpoints.wait_for_staging()
+    staged = time.perf_counter()
+    checkpoints.durable.wait()
+    committed = time.perf_counter()
+    return {"save": returned - started, "staging": staged - returned, "commit": committed - started}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--dir", default=tempfile.gettempdir())
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="3 repeats (benchmarks/run_all --quick)")
+    args = parser.parse_args()
+    if args.quick:
+        args.repeats = 3
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    root = Path(tempfile.mkdtemp(prefix="hf_trainer_save.", dir=args.dir))
+    try:
+        made = trainers(args, root)
+        parameters = sum(p.numel() for p in made["plain"].model.parameters())
+        times: dict[str, list[dict[str, float]]] = {name: [] for name in made}
+        for round_ in range(args.repeats + 1):
+            names = list(made)[round_ % 3:] + list(made)[: round_ % 3]
+            for name in names:
+                step = 1000 + round_
+                measured = plain_save(made[name], step) if name == "plain" else guarded_save(made[name], step)
+                if round_:  # the first is the warm-up
+                    times[name].append(measured)
+        if args.profile:
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for step in range(2000, 2000 + args.repeats):
+                guarded_save(made["tg sync"], step)
+            profiler.disable()
+            pstats.Stats(profiler).sort_stats(os.environ.get("HF_SAVE_PROFILE_SORT", "cumulative")).print_stats(25)
+        for name in ("tg sync", "tg async"):
+            made[name].guard.close()
+        plain = median([t["save"] for t in times["plain"]])
+        print(f"\nhf_trainer_save: Qwen2 hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: "
+              f"{parameters / 1e6:.1f} M parameters ({parameters * 4 / 2**20:.0f} MiB fp32, AdamW state 2x that); "
+              f"medians of {args.repeats} saves, ms")
+        print(f"{'method':<10} {'blocks the loop':>16} {'+ staging':>10} {'committed':>10} {'vs plain':>9}")
+        for name, rows in times.items():
+            save = median([t["save"] for t in rows])
+            staging = median([t.get("staging", 0.0) for t in rows])
+            commit = median([t.get("commit", t["save"]) for t in rows])
+            print(f"{name:<10} {save * 1e3:>16.1f} {staging * 1e3:>10.1f} {commit * 1e3:>10.1f} "
+                  f"{(save + staging) / plain:>8.2f}x")
+        sync = median([t["save"] for t in times["tg sync"]])
+        print_result("hf_trainer sync save vs plain Trainer save", sync, plain, f"<= {TARGET_SYNC_RATIO}x",
+                     sync <= TARGET_SYNC_RATIO * plain)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""The durable tier in live mode: ``CheckpointManager``'s DCP checkpoints (``global_step_N/``, committed
+with a manifest), saved by every rank of the current quorum at a step boundary they all reached, and the
+resume of a whole job from the newest verified one (``checkpoint.resume``, ``auto`` by default).
+
+Every rank of a live run holds the whole model, bitwise the same on every rank, and its shard's
+optimizer state, bitwise the same in every replica group (``shards``). Saved through DCP by the whole
+quorum, the replicated entries are written once (DCP deduplicates them across ranks), so a checkpoint
+holds one copy of the parameters and the union of the optimizer shards, keyed by parameter name: any
+later quorum, of any number of replica groups, loads it, and each rank keeps the optimizer state of
+the parameters its shard owns (``ShardedUpdate.drop_unowned_state``).
+
+DCP's collectives need a registered process group, which the epoch's step group
+(``collective.make_group``) is not; so an epoch that saves or resumes makes this process's default
+group from its quorum (store prefix ``ckpt/<epoch>``, on a store connection of its own), and a
+``CheckpointManager`` bound to it, both kept until the quorum changes. The save is synchronous: it
+is over before the next step starts. It runs ``collective.watched``: the rank beats meanwhile (a long
+save is not a hang) and watches the epoch's abort key, because DCP's collectives do not: a member
+waiting in one on a peer that died, or that gave up, would wait for gloo's timeout. A save that fails
+or is aborted ends the epoch like any failed collective (the group is dropped, the save's thread
+abandoned); the step stays committed and the next save boundary saves again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+from trainguard.checkpoint.config import CheckpointConfig
+from trainguard.checkpoint.manager import CheckpointManager
+from trainguard.events import EventLog
+from trainguard.live.collective import EpochAborted, watched
+from trainguard.live.quorum import Quorum
+from trainguard.live.shards import ShardedUpdate
+
+T = TypeVar("T")
+REPLICA_DIMS = ["dp_replicate", "dp_shard"]  # the manifest's mesh: replica groups of the quorum x their ranks
+
+
+class SaveFailed(RuntimeError):
+    """A durable save of the quorum failed: handled as a failed collective (the epoch ends)."""
+
+
+class LiveCheckpoints:
+    """One rank's durable tier in a live run: ``resume`` at the start of a job, ``save`` after each
+    committed step (the policy of ``CheckpointManager.save``: every ``save_interval`` steps, the last
+    step, and before a stop)."""
+
+    def __init__(self, store: dist.TCPStore, run_dir: Path, config: CheckpointConfig, rank: int,
+                 model: torch.nn.Module, optimizer: torch.optim.Optimizer, update: ShardedUpdate, events: EventLog,
+                 timeout: timedelta, beat: Callable[[], None]):
+        # synchronous: the save must be over before the quorum can change (an async save's background
+        # collectives would outlive the epoch whose group they use)
+        self.config = dataclasses.replace(config, async_save=False)
+        self.store, self.run_dir, self.rank = store, Path(run_dir), rank
+        self.model, self.optimizer, self.update, self.events = model, optimizer, update, events
+        self.timeout, self.beat = timeout, beat
+        self.connection: dist.TCPStore | None = None  # the checkpoint groups' store client (see below)
+        self.epoch: int | None = None  # the epoch of the default group and the manager
+        self.manager: CheckpointManager | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.save_interval > 0
+
+    def _manager(self, quorum: Quorum) -> CheckpointManager:
+        if self.epoch == quorum.epoch:
+            return self.manager
+        if dist.is_initialized():  # an older epoch's: idle (no save is in flight between steps)
+            dist.destroy_process_group()
+        if self.connection is None:
+            # the group's setup blocks on the store until every member connected: on the rank's own
+            # client it would hold up the beats of ``watched`` behind it (one client serialises its calls)
+            self.connection = dist.TCPStore(self.store.host, self.store.port, is_master=False, timeout=self.timeout)
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"ckpt/{quorum.epoch}", self.connection),
+                                rank=quorum.index(self.rank), world_size=len(quorum.members), timeout=self.timeout)
+        groups = len(quorum.members) // self.update.group_size
+        self.manager = CheckpointManager(self.run_dir, self.model, self.optimizer, config=self.config,
+                                         events=self.events, mesh_shape=[groups, self.update.group_size],
+                                         mesh_dim_names=REPLICA_DIMS)
+        self.epoch = quorum.epoch
+        return self.manager
+
+    def resume(self, quorum: Quorum, checkpoint: Path) -> int:
+        """Every member of a job's first epoch: loads ``checkpoint`` (the launcher chose it, by
+        ``checkpoint.resume``, before starting the ranks), verified again, and returns its step."""
+        self.config = dataclasses.replace(self.config, resume=str(checkpoint))
+        step = self._watched(quorum, lambda: self._manager(quorum).resume(), f"resumed from {checkpoint}")
+        self.update.drop_unowned_state(self.optimizer)
+        return step
+
+    def save(self, quorum: Quorum, step: int, *, last_step: bool, stopping: bool) -> bool:
+        """Saves ``step`` (the number of committed steps) if the policy says so; every member of the
+        quorum calls it at the same boundary. True when it saved."""
+        if not (self.enabled or stopping):
+            return False
+        manager = self._watched(quorum, lambda: self._manager(quorum), "made its checkpoint group")
+        if not manager.due(step, last_step=last_step, stopping=stopping).durable:
+            return False
+        live = {"epoch": quorum.epoch, "members": quorum.members, "group_size": self.update.group_size,
+                "replica_groups": len(quorum.members) // self.update.group_size}
+
+        def save_and_commit() -> None:
+            manager.save(step, {"step": step, "live": live}, last_step=last_step, stopping=stopping)
+            manager.close()  # committed on every member before any steps on
+
+        try:
+            self._watched(quorum, save_and_commit, f"saved step {step}")
+        except EpochAborted:
+            raise
+        except (Exception, CheckpointException) as error:  # DCP's is a BaseException
+            raise SaveFailed(f"the durable save of step {step} failed: {str(error).splitlines()[0][:200]}") \
+                from error
+        return True
+
+    def _watched(self, quorum: Quorum, work: Callable[[], T], doing: str) -> T:
+        """``collective.watched``; after a failure the epoch's default group and manager are dropped (a
+        thread abandoned in them ends at gloo's timeout), and the next save makes new ones."""
+        try:
+            return watched(work, self.store, quorum.epoch, self.beat, doing)
+        except BaseException:
+            if dist.is_initialized():
+                dist.destroy_process_group()  # unregisters it: it blocks on nothing (gloo)
+            self.epoch = self.manager = None
+            raise

@@ -1,0 +1,247 @@
+"""The durable tier in live mode, on the documented user path: ``trainguard run --nproc 4 --config FILE --
+python examples/user_loop_live.py --config FILE`` (4 gloo ranks, 2 replica groups x 2, dropout, AdamW),
+its configuration ``examples/user_loop_live.yaml`` with ``checkpoint: {save_interval: 5, keep_last: 3}`` added.
+
+- a fault-free run commits ``global_step_5/10/15/16`` (the 3 newest kept) through ``CheckpointManager``'s DCP tier, each
+  with a manifest naming the live quorum, and DCP's files from every rank of it;
+- the whole job SIGKILLed mid-run (launcher and ranks together, or the launcher alone, whose ranks then
+  end by themselves) leaves the committed checkpoints; the
+  same command again (``checkpoint.resume`` is ``auto`` by default, as in restart mode) says which one
+  it resumes from and ends with every rank's parameters and optimizer state bitwise the fault-free run's;
+- the checkpoint of step 10 of 2 replica groups x 2 resumed by 3 groups x 1 ends with the same whole
+  state (parameters, every shard's optimizer state) bitwise;
+- SIGTERM to the launcher, or to the whole job (as a preemption): the quorum saves at its next step
+  boundary and every process exits 16 (the launcher too, as restart mode's save-and-exit); the same
+  command again ends bitwise equal too;
+- the reference trainer (``trainguard train`` in live mode, ``--save-interval 3``) SIGKILLed whole after
+  step 4 and run again ends bitwise equal to its fault-free run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers.runs import finish_session, worker_env
+from helpers.warm_command import warm_server
+from trainguard.checkpoint.discovery import list_checkpoints
+from trainguard.checkpoint.manifest import read_manifest
+from trainguard.events.log import read_events
+from trainguard.live.compare import bitwise_differences, run_differences, whole_final_state
+from trainguard.live.files import events_path, final_path
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "user_loop_live.py"
+STEPS, WORLD, INTERVAL = 16, 4, 5
+TIMEOUT_S = 240
+TRAINER_STEPS = 8  # the reference trainer's run: llama-micro, 2 replica groups x 2, a save every 3 steps
+TRAINER = ["--nproc", str(WORLD), "--steps", str(TRAINER_STEPS), "--save-interval", "3",
+           *[arg for item in ("fault_tolerance.live=true", "parallel.dp_replicate=2", "model.preset=llama-micro",
+                              "data.seq_len=32", "train.micro_batches=4", "data.micro_batch_size=2")
+             for arg in ("--set", item)]]
+
+
+def _config(root: Path, keep_last: int = 3) -> Path:
+    config = root / f"live_keep{keep_last}.yaml"
+    config.write_text((EXAMPLE.with_suffix(".yaml")).read_text().replace("steps: 60", f"steps: {STEPS}")
+                      + f"checkpoint: {{save_interval: {INTERVAL}, keep_last: {keep_last}}}\n")
+    return config
+
+
+def _start(run_dir: Path, config: Path, *launcher: str, nproc: int = WORLD):
+    """The user's command, in a session of its own (its pid is the launcher's, its process group the job's)."""
+    return warm_server().start(["run", "--nproc", str(nproc), "--config", str(config), "--run-dir", str(run_dir),
+                                *launcher, "--", sys.executable, str(EXAMPLE), "--config", str(config)], worker_env())
+
+
+def _committed_steps(run_dir: Path) -> list[int]:
+    return [info.step for info in list_checkpoints(run_dir / "checkpoints") if info.committed]
+
+
+def _events(run_dir: Path, kind: str) -> list[dict]:
+    return [event for event in read_events(events_path(run_dir)) if event["kind"] == kind]
+
+
+def _wait_until(proc, condition, what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not condition():
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"the run ended (exit {proc.returncode}) before {what}:\n{out[-3000:]}\n{err[-3000:]}")
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError(f"no {what} in {TIMEOUT_S} s")
+        time.sleep(0.05)
+
+
+def _committed_step_reached(run_dir: Path, step: int) -> bool:
+    return events_path(run_dir).exists() and any(e["step"] >= step for e in _events(run_dir, "live_step"))
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("live_durable")
+
+
+@pytest.fixture(scope="module")
+def clean(root):
+    config = _config(root)
+    done = finish_session(_start(root / "clean", config), TIMEOUT_S, "the fault-free live run")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return root / "clean"
+
+
+def test_a_live_run_commits_durable_checkpoints_of_the_whole_quorum(clean):
+    # every save_interval steps and the last one, the oldest deleted by retention (keep_last: 3)
+    assert _committed_steps(clean) == [10, 15, 16]
+    assert [(e["step"], e["reason"]) for e in _events(clean, "checkpoint_deleted")] == [(5, "retention")]
+    manifest = read_manifest(clean / "checkpoints" / "global_step_10")
+    assert manifest.world_size == WORLD and manifest.mesh_shape == [2, 2]
+    assert manifest.mesh_dim_names == ["dp_replicate", "dp_shard"]
+    assert manifest.trainer_state["live"] == {"epoch": 0, "members": [0, 1, 2, 3], "group_size": 2,
+                                              "replica_groups": 2}
+    # every rank of the quorum wrote its DCP shard and its extra state
+    names = {path.name for path in (clean / "checkpoints" / "global_step_10").iterdir()}
+    assert {f"__{rank}_0.distcp" for rank in range(WORLD)} <= names
+    assert {f"extra_state_world_size_4_rank_{rank}.pt" for rank in range(WORLD)} <= names
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("whom", ["job", "launcher"])
+def test_the_whole_job_sigkilled_resumes_from_the_newest_checkpoint_bitwise(root, clean, whom):
+    """SIGKILL to the whole job (launcher and ranks at once), or to the launcher alone (the store and the
+    lighthouse die with it: every rank then fails on its next contact with the store, and ends)."""
+    run_dir, config = root / f"killed_{whom}", _config(root)
+    proc = _start(run_dir, config)
+    # past the save of step 10 (committed before step 11 starts: the save is synchronous)
+    _wait_until(proc, lambda: _committed_step_reached(run_dir, 11), "step 11")
+    if whom == "job":
+        os.killpg(proc.pid, signal.SIGKILL)
+    else:
+        os.kill(proc.pid, signal.SIGKILL)
+    ranks = [e["pid"] for e in _events(run_dir, "live_start")]
+    deadline = time.monotonic() + 60
+    while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in ranks if _alive(pid)], "ranks outlived their launcher by 60 s"
+    proc.wait(30)
+    assert not any(final_path(run_dir, rank).exists() for rank in range(WORLD))
+    newest = _committed_steps(run_dir)[-1]
+    assert newest >= 10
+    again = finish_session(_start(run_dir, config), TIMEOUT_S, "the resumed live run")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"live run resumes from {run_dir / 'checkpoints' / f'global_step_{newest}'}" in again.stdout
+    assert [e["step"] for e in _events(run_dir, "run_started")][-1] == newest
+    assert run_differences(clean, run_dir, WORLD) == {}
+
+
+@pytest.mark.parametrize("whom", ["launcher", "job"])
+def test_sigterm_saves_at_the_next_boundary_exits_16_and_resumes_bitwise(root, clean, whom):
+    """SIGTERM to the launcher alone, or to the whole job (launcher and ranks, as Slurm's preemption)."""
+    run_dir, config = root / f"stopped_{whom}", _config(root)
+    proc = _start(run_dir, config)
+    _wait_until(proc, lambda: _committed_step_reached(run_dir, 6), "step 6")
+    if whom == "launcher":
+        os.kill(proc.pid, signal.SIGTERM)
+    else:
+        os.killpg(proc.pid, signal.SIGTERM)
+    stopped = finish_session(proc, TIMEOUT_S, "the stopped live run")
+    assert stopped.returncode == 16, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    saved = _committed_steps(run_dir)[-1]
+    assert 7 <= saved < STEPS  # the step boundary after the signal
+    saved_dir = run_dir / "checkpoints" / f"global_step_{saved}"
+    assert f"live run stopped by SIGTERM/SIGUSR1: saved {saved_dir}" in stopped.stdout
+    assert sorted(e["rank"] for e in _events(run_dir, "live_stopped")) == list(range(WORLD))
+    assert {e["step"] for e in _events(run_dir, "live_stopped")} == {saved}
+    assert not any(final_path(run_dir, rank).exists() for rank in range(WORLD))
+    again = finish_session(_start(run_dir, config), TIMEOUT_S, "the resumed live run")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"live run resumes from {run_dir / 'checkpoints' / f'global_step_{saved}'}" in again.stdout
+    assert run_differences(clean, run_dir, WORLD) == {}
+
+
+def test_a_checkpoint_of_two_replica_groups_resumes_in_three_of_one_rank_bitwise(root, clean):
+    """The layout: any later quorum loads a checkpoint whole (one copy of the parameters, every optimizer
+    shard's state by parameter name) and keeps its own shard's; the sum's order does not depend on it."""
+    run_dir = root / "three_groups"
+    shutil.copytree(clean / "checkpoints" / "global_step_10", run_dir / "checkpoints" / "global_step_10")
+    (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("10")
+    done = finish_session(_start(run_dir, _config(root), "--set", "parallel.dp_replicate=3", "--set",
+                                 "parallel.dp_shard=1", nproc=3), TIMEOUT_S, "the live run of 3 groups")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "live recovery: 3 replica groups of 1 ranks" in done.stdout
+    assert f"live run resumes from {run_dir / 'checkpoints' / 'global_step_10'}" in done.stdout
+    assert bitwise_differences(whole_final_state(run_dir, 1), whole_final_state(clean, 2)) == []
+    assert read_manifest(run_dir / "checkpoints" / "global_step_16").mesh_shape == [3, 1]
+
+
+def test_the_reference_trainer_sigkilled_whole_resumes_bitwise(root):
+    """``trainguard train`` in live mode (llama-micro, AdamW with warmup and cosine, 2 replica groups x 2)
+    with ``--save-interval 3``: the whole job SIGKILLed after step 4, then the same command, ends bitwise
+    equal to the command run once without a failure."""
+    clean = finish_session(warm_server().start(["train", "--run-dir", str(root / "trainer_clean"), *TRAINER],
+                                               worker_env()), TIMEOUT_S, "the fault-free trainer run")
+    assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-3000:]
+    run_dir = root / "trainer_killed"
+    proc = warm_server().start(["train", "--run-dir", str(run_dir), *TRAINER], worker_env())
+    _wait_until(proc, lambda: _committed_step_reached(run_dir, 4), "step 4")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    newest = _committed_steps(run_dir)[-1]
+    assert 3 <= newest < TRAINER_STEPS
+    again = finish_session(warm_server().start(["train", "--run-dir", str(run_dir), *TRAINER], worker_env()),
+                           TIMEOUT_S, "the resumed trainer run")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"live run resumes from {run_dir / 'checkpoints' / f'global_step_{newest}'}" in again.stdout
+    assert run_differences(root / "trainer_clean", run_dir, WORLD) == {}
+
+
+def test_saves_while_a_group_is_out_are_the_quorums_and_the_run_ends_bitwise(root, clean):
+    """Rank 3 SIGKILLed as it starts step 4 (the live drill; a cold replacement, seconds to start): the
+    saves while its group is out are made by the quorum then, each manifest naming the epoch's members,
+    and the run ends bitwise equal to the fault-free one (seen: step 5 saved by ranks [0, 1], mesh [1, 2];
+    whether the group is back by then is the replacement's start time's, so not asserted)."""
+    run_dir = root / "shrunk"
+    config = _config(root, keep_last=10)
+    done = finish_session(_start(run_dir, config, "--set", "faults=kill:rank=3,step=4"), TIMEOUT_S,
+                          "the live run with a kill")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "ranks replaced: [3]" in done.stdout
+    quorums = {e["epoch"]: e["members"] for e in _events(run_dir, "live_quorum")}
+    manifests = [read_manifest(info.path) for info in list_checkpoints(run_dir / "checkpoints") if info.committed]
+    for manifest in manifests:
+        live = manifest.trainer_state["live"]
+        assert live["members"] == quorums[live["epoch"]] and manifest.world_size == len(live["members"])
+        assert manifest.mesh_shape == [len(live["members"]) // 2, 2]
+    assert [m.step for m in manifests] == [5, 10, 15, 16]
+    assert run_differences(clean, run_dir, WORLD) == {}
+
+
+def test_a_rank_killed_during_a_save_costs_the_survivors_no_timeout_and_the_run_ends_bitwise(root, clean):
+    """Rank 3 SIGKILLed once it has committed step 5, the step of a save: the launcher polls its progress
+    every 5 ms, so the kill lands in the save (seen each time). The survivors that were waiting in the
+    save's collectives on a member that gave up leave it at the epoch's abort key (``collective.watched``),
+    not at gloo's timeout: seen at 121 s, and the run lost, before. The next saves commit, the run ends
+    bitwise equal to the fault-free one."""
+    run_dir = root / "killed_in_save"
+    done = finish_session(_start(run_dir, _config(root, keep_last=10), "--set", "faults=kill:rank=3,step=5"),
+                          TIMEOUT_S, "the live run killed in a save")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    failed = _events(run_dir, "live_collective_failed")
+    assert any("save" in e["error"] for e in failed), failed  # the kill did land in the save of step 5
+    assert all(e["stalled_s"] < 10 for e in _events(run_dir, "live_resumed")), _events(run_dir, "live_resumed")
+    assert {10, 15, 16} <= set(_committed_steps(run_dir))
+    assert run_differences(clean, run_dir, WORLD) == {}

@@ -17,6 +17,7 @@ from enum import IntEnum
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from trainguard.errors import ConfigError
 from trainguard.events import EventLog
@@ -61,6 +62,11 @@ class SdcGuard:
         self.points.install(model, self.config.points, blocks=self.config.blocks)
         self.gradients = (GradientPoints(model, statistic, shares=self.config.peak > 0, rows=self.config.row_jump > 0)
                           if self.config.gradients else None)
+        # a module point measures this rank's share of the step's batch, which the world size sets; a
+        # parameter-gradient point this rank's shard (GradientPoints.layouts)
+        self._world = f"world {dist.get_world_size() if dist.is_initialized() else 1}"
+        self._gradient_layouts = ([f"{self._world}, {layout}" for layout in self.gradients.layouts]
+                                  if self.gradients is not None else [])
         # the loss scale divides out of the statistic: v1's L2 norm scales with it, v3's max(g²) with its square
         self.unscale = self.config.loss_scale ** (1 if statistic == "l2" else 2)
         self._announce(model)
@@ -98,6 +104,15 @@ class SdcGuard:
     def names(self) -> list[str]:
         """Every point, in the order of ``values()``: module and tensor points, then parameter gradients."""
         return self.points.names + (self.gradients.names if self.gradients is not None else [])
+
+    @property
+    def layouts(self) -> list[str]:
+        """What each point of ``names`` measures, in the same order: its detector's history is keyed by it."""
+        return [self._world] * len(self.points.names) + self._gradient_layouts
+
+    def _layout_change(self, restarted: list[str]) -> str:
+        first = restarted[0]
+        return f"{first}: {self.detector.layouts[first]}" + (f", and {len(restarted) - 1} more" if len(restarted) > 1 else "")
 
     def _announce(self, model: torch.nn.Module) -> None:
         """Logs how many detection points there are and which; none at all is a configuration error."""
@@ -141,6 +156,10 @@ class SdcGuard:
         self.first_values, self.first_shares, self.first_rows = self.values()
         if self.config.log_values:
             self.log.info(format_values(step, self.rank, self.host, self.device, self.names, self.first_values))
+        restarted = self.detector.restart_changed(self.names, self.layouts)
+        if restarted:
+            self.log.info("sdc: %d detection point(s) measure another layout than their saved history (%s): "
+                          "they start a fresh warm-up", len(restarted), self._layout_change(restarted))
         self.detections = self.detector.detect(self.first_values, step, names=self.names, shares=self.first_shares,
                                                rows=self.first_rows)
         for detection in self.detections:

@@ -552,6 +552,16 @@ def _embedding_weights(model: nn.Module) -> set[int]:
     return tables
 
 
+def shard_layout(parameter: torch.Tensor) -> str:
+    """``[2048, 64] of [4096, 64] on mesh [2] at [1] (Shard(dim=0),)`` for a DTensor, ``[4096, 64]`` for
+    a plain tensor: the part of the parameter this rank holds, which its gradient's statistics describe."""
+    if not isinstance(parameter, DTensor):
+        return str(list(parameter.shape))
+    mesh = parameter.device_mesh
+    return (f"{list(parameter.to_local().shape)} of {list(parameter.shape)} on mesh {list(mesh.shape)} "
+            f"at {mesh.get_coordinate()} {tuple(parameter.placements)}")
+
+
 class GradientPoints:
     """One detection point per parameter, on its gradient as the optimizer will see it (after the
     backward's reduction: under FSDP2 this rank's shard of the reduce-scattered gradient). Read once
@@ -565,6 +575,9 @@ class GradientPoints:
         # also record each weight matrix's row odds (``row_odds``: the rules' row criterion needs it)
         self.rows = bool(rows)
         self._parameters = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        # what each point measures: this rank's shard of the parameter (its shape, the whole's, its place
+        # in the mesh), so that a detector keyed by it starts afresh when the sharding changes
+        self.layouts = [shard_layout(p) for _, p in self._parameters]
         tables = _embedding_weights(model)
         # the parameters that get row odds: matrices (or more dimensions, flattened after the first) of
         # at least 2 rows, embedding tables left out
@@ -586,6 +599,7 @@ class GradientPoints:
     @property
     def names(self) -> list[str]:
         return [GRADIENT_PREFIX + name for name, _ in self._parameters]
+
 
     def collect(self, with_shares: bool = False, with_rows: bool = False) -> torch.Tensor:
         """``[len(names)]`` float32, ``NOT_CHECKED`` for a parameter without a gradient or with an empty

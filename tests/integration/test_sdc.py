@@ -143,3 +143,17 @@ def test_a_resume_on_fewer_or_more_ranks_neither_alarms_nor_skips(saved_on_two_r
     assert [e["step"] for e in after if e["skipped"]] == []
     assert [(e["step"], e["point"]) for e in events(run, "sdc_detected") if e["step"] > STEPS] == []
     assert "start a fresh warm-up" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("level", [0, 2])
+def test_a_run_that_skips_every_step_aborts_with_exit_3_at_the_default_streak(tmp_path, level):
+    """Issue 39: a run that skipped every remaining step exited 0. A NaN from step 3 on, every step
+    (non-finite at level 0, reproduced by the rerun at level 2): the 20th skip in a row ends the run
+    with exit 3."""
+    run = tmp_path / "run"
+    proc = train(run, 2, 40, "--save-interval", "5", "--set", f"guards.sdc.enabled_level={level}",
+                 faults="nan:step=3,persistent=1")
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "the last 20 steps were all skipped: the run trains nothing" in proc.stderr
+    assert [(e["step"], e["consecutive"]) for e in events(run, "skip_streak_abort")] == [(22, 20)]
+    assert [e["step"] for e in events(run, "step") if e["skipped"]] == list(range(3, 22))

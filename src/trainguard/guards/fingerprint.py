@@ -50,22 +50,37 @@ from trainguard.guards.state_health import NamedTensors
 DEFAULT_INTERVAL = 50
 
 
+AT_REST = ("auto", "every_step", "interval")
+
+
 @dataclass
 class FingerprintConfig:
     """``guards.fingerprint``: compare replicas' state every ``interval`` steps and before every save
-    (0 = off)."""
+    (0 = off). ``at_rest``: when a rank checks that its shards did not change since the last optimizer
+    step: ``interval`` at the replica checks only; ``every_step`` before every update (a shard hashed
+    after each optimizer step and again after the next backward: two hashes per step); ``auto`` (the
+    default) every step on a rank with no replica, where nothing else can find a flip at a random
+    moment, at the checks otherwise."""
 
     interval: int = DEFAULT_INTERVAL
+    at_rest: str = "auto"
 
     def validate(self) -> None:
         interval = self.interval
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
             raise ConfigError(f"config key guards.fingerprint.interval must be a non-negative integer (0 = off), "
                               f"got {interval!r}")
+        if self.at_rest not in AT_REST:
+            raise ConfigError(f"config key guards.fingerprint.at_rest must be one of {', '.join(AT_REST)}, "
+                              f"got {self.at_rest!r}")
 
     @property
     def enabled(self) -> bool:
         return self.interval > 0
+
+    def every_step(self, replicas: int) -> bool:
+        """Whether a rank whose replica group has ``replicas`` members checks its shards at rest every step."""
+        return self.enabled and (self.at_rest == "every_step" or (self.at_rest == "auto" and replicas == 1))
 
 HOW = ("majority", "at_rest", "recompute", "unattributed")
 
@@ -225,13 +240,27 @@ class ReplicaFingerprints:
         self._after_update = fingerprints(named)
         self._remembered = (step, self._after_update)
 
+    def _changes(self, named: NamedTensors, step: int) -> list[bool] | None:
+        """Per tensor of ``named``: whether its hash differs from this rank's right after ``step``'s
+        optimizer step (every one, when the list of tensors is not the same); None when this rank
+        hashed no such state."""
+        if self._remembered is None or self._remembered[0] != step:
+            return None
+        current, remembered = fingerprints(named), self._remembered[1]
+        if current.shape != remembered.shape:
+            return [True] * len(named)
+        return (current != remembered).any(dim=1).tolist()
+
     def agrees_with_update(self, named: NamedTensors, step: int) -> bool:
         """Whether ``named`` hashes as the state did right after ``step``'s optimizer step (True when
         this rank hashed no such state)."""
-        if self._remembered is None or self._remembered[0] != step:
-            return True
-        current, remembered = fingerprints(named), self._remembered[1]
-        return current.shape == remembered.shape and torch.equal(current, remembered)
+        return not any(self._changes(named, step) or ())
+
+    def changed_since_update(self, named: NamedTensors, step: int) -> list[str]:
+        """The tensors of ``named`` whose hash differs from this rank's right after ``step``'s optimizer
+        step ([] when it hashed no such state): with no update since, memory that changed at rest."""
+        changes = self._changes(named, step) or [False] * len(named)
+        return [name for (name, _), changed in zip(named, changes) if changed]
 
     def check(self, named: NamedTensors, at_rest: bool = True) -> FingerprintVerdict:
         """Hashes ``named`` (the same names in the same order on every replica), gathers the group's

@@ -282,6 +282,7 @@ class Guard:
             self.global_step = self.checkpoints.resume()
         except TrainguardError as error:  # no checkpoint to resume from (exit 4), a damaged one, ...
             self._abort(error)
+        self.state.after_update(self.global_step)  # the first step is checked against the state loaded
         return self.global_step
 
     # ----------------------------------------------------------------------------- should_stop
@@ -394,8 +395,18 @@ class Guard:
                                    rolled_back=True)
         snapshot = StepSnapshot.take(self.stateful) if self.sdc is not None else None
         loss = self._forward_backward(closure, step)
+        changed = self.state.changed_at_rest(step)
         detected = self.sdc.check(step) if self.sdc is not None else False
-        reduced = self._reduce(loss, {Slot.SDC_STOP: detected, Slot.SDC_LOCAL: detected and self.sdc.detected_locally})
+        reduced = self._reduce(loss, {Slot.SDC_STOP: detected, Slot.SDC_LOCAL: detected and self.sdc.detected_locally,
+                                      Slot.STATE_AT_REST: changed})
+        if reduced.count(Slot.STATE_AT_REST):
+            # corrupt state, not this step's computation: no rerun, no SDC strike for what it caused
+            self.state.after_change_at_rest(step)
+            if self.state.struck_out:
+                self._exclude(self.global_step, self.state.struck_out, "fingerprint mismatches")
+            if self.state.recompute and self._recompute(step):
+                return StepOutcome(self.global_step, math.nan, math.nan, applied=False, skipped=False,
+                                   rolled_back=True)
         skipped = False
         if reduced.count(Slot.SDC_STOP) and self.sdc.config.recover:
             reduced, skipped = self._rerun(step, closure, snapshot, loss, alone=reduced.count(Slot.SDC_LOCAL) == 1)
@@ -520,6 +531,7 @@ class Guard:
                          "global_step_%d, the last agreeing state", step, restored)
         if self.rank == 0:
             self.events.emit("fingerprint_recompute", step=step, to_step=restored)
+        self.state.after_update(restored)  # the recompute's first step is checked against the state loaded
         self.global_step = restored
         if self.embedding is not None:
             self.embedding.forget()

@@ -33,7 +33,7 @@ from trainguard.guards.sdc import (
     format_values,
 )
 from trainguard.guards.sdc.detectors import NOT_CHECKED, Detection, SdcLevel
-from trainguard.guards.sdc.points import GRADIENT_PREFIX
+from trainguard.guards.sdc.points import GRADIENT_PREFIX, output_head
 
 
 class RerunVerdict(IntEnum):
@@ -59,7 +59,7 @@ class SdcGuard:
         statistic = STATISTIC[self.config.rule]
         self.points = DetectionPoints(statistic, micro_batches=micro_batches, device=device,
                                       shares=self.config.peak > 0)
-        self.points.install(model, self.config.points, blocks=self.config.blocks)
+        self.points.install(model, self.config.points, blocks=self.config.blocks, lm_head=self.config.lm_head)
         self.gradients = (GradientPoints(model, statistic, shares=self.config.peak > 0, rows=self.config.row_jump > 0)
                           if self.config.gradients else None)
         # a module point measures this rank's share of the step's batch, which the world size sets; a
@@ -122,7 +122,9 @@ class SdcGuard:
                 f"guards.sdc: the model ({type(model).__name__}) has no detection point: no norm layer, no "
                 "transformer block (guards.sdc.blocks), no parameter gradient (guards.sdc.gradients) and no "
                 "guards.sdc.points; add points or set guards.sdc.enabled_level: 0")
-        norms = sum(1 for name in module_points if self.points.where(name) == "auto")
+        # the output head's point (a grad_output point, like the blocks') is counted with the custom points
+        head = 1 if self.config.lm_head and output_head(model) is not None else 0
+        norms = sum(1 for name in module_points if self.points.where(name) == "auto") + head
         self.log.info("sdc detection points: %d (norm layers and custom points %d, block outputs %d, parameter "
                       "gradients %d): %s", len(self.names), norms, len(module_points) - norms,
                       len(self.names) - len(module_points), ", ".join(self.names))

@@ -82,6 +82,16 @@ def block_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return blocks
 
 
+def output_head(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """``(name, module)`` of the model's output head (Hugging Face's ``get_output_embeddings()``, the
+    ``lm_head``), or None for a model without one (a pipeline stage before the last)."""
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    if head is None:
+        return None
+    return next(((name, module) for name, module in model.named_modules() if module is head), None)
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     # the statistic is this rank's: its shard of a DTensor gradient
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
@@ -244,9 +254,10 @@ class DetectionPoints:
         return self._where[name]
 
     def install(self, model: nn.Module, extra_points: Iterable[PointSpec] = (), *, norms: bool = True,
-                blocks: bool = False) -> list[str]:
+                blocks: bool = False, lm_head: bool = False) -> list[str]:
         """Hooks every norm module of ``model`` (unless ``norms=False``), with ``blocks`` every
-        transformer block's output gradient (``block_modules``), and each extra point: a dotted
+        transformer block's output gradient (``block_modules``), with ``lm_head`` the output head's
+        output gradient (``output_head``: the logits' gradient), and each extra point: a dotted
         module name, a module object of ``model``, or ``(name or module, where)``. Installing again
         replaces every point. Makes this the active instance for ``watch_tensor``/``watch_function``.
         Returns ``names``. Raises ConfigError for an unknown module or a bad ``where``."""
@@ -264,6 +275,9 @@ class DetectionPoints:
             if blocks:  # the residual stream's gradient at each block's output
                 for name, module in block_modules(model):
                     self._add_module(name, module, "grad_output")
+            head = output_head(model) if lm_head else None
+            if head is not None:
+                self._add_module(*head, "grad_output")
             for spec in extra_points:
                 target, where = spec if isinstance(spec, tuple) else (spec, None)
                 self.add(target, where=where)

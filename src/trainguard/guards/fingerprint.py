@@ -104,6 +104,22 @@ def tensor_fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     return torch.stack([rows.sum(), rows.cumsum(0).sum()])
 
 
+def word_sums(named: NamedTensors) -> torch.Tensor:
+    """``[len(named)]`` int64: each tensor's bytes read as int64 words, summed (``tensor_fingerprint``'s
+    ``total``: any single bit flip changes it), in one reduction per tensor where its bytes allow the
+    view: the every-step at-rest check's hash, whose cost on a small model is the number of operations
+    per tensor, not the bytes (the position-weighted sum, which also sees values moved between
+    positions, is for comparing replicas)."""
+    sums = []
+    for _, tensor in named:
+        flat = tensor.detach().reshape(-1)
+        try:
+            sums.append(flat.view(torch.int64).sum())
+        except RuntimeError:  # a size or an offset not a multiple of 8 bytes: the general path, on a copy
+            sums.append(tensor_fingerprint(flat.clone())[0])  # that starts on an aligned address
+    return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64)
+
+
 def distance(tensor: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     """max |tensor - other| as a float64 scalar on ``tensor``'s device; inf when either is not finite."""
     difference = (tensor.detach().double() - other.to(tensor.device).double()).abs()
@@ -224,6 +240,7 @@ class ReplicaFingerprints:
                 self.members, self.group = members, group
         self._after_update: torch.Tensor | None = None  # for the next at-rest comparison, which uses it up
         self._remembered: tuple[int, torch.Tensor] | None = None  # (step, hashes) of the last ``remember``
+        self._sums: tuple[int, torch.Tensor] | None = None  # (step, word sums) of the last ``remember_sums``
         self.checks = 0
 
     @property
@@ -240,27 +257,26 @@ class ReplicaFingerprints:
         self._after_update = fingerprints(named)
         self._remembered = (step, self._after_update)
 
-    def _changes(self, named: NamedTensors, step: int) -> list[bool] | None:
-        """Per tensor of ``named``: whether its hash differs from this rank's right after ``step``'s
-        optimizer step (every one, when the list of tensors is not the same); None when this rank
-        hashed no such state."""
-        if self._remembered is None or self._remembered[0] != step:
-            return None
-        current, remembered = fingerprints(named), self._remembered[1]
-        if current.shape != remembered.shape:
-            return [True] * len(named)
-        return (current != remembered).any(dim=1).tolist()
-
     def agrees_with_update(self, named: NamedTensors, step: int) -> bool:
         """Whether ``named`` hashes as the state did right after ``step``'s optimizer step (True when
         this rank hashed no such state)."""
-        return not any(self._changes(named, step) or ())
+        if self._remembered is None or self._remembered[0] != step:
+            return True
+        current, remembered = fingerprints(named), self._remembered[1]
+        return current.shape == remembered.shape and torch.equal(current, remembered)
+
+    def remember_sums(self, named: NamedTensors, step: int) -> None:
+        """The word sums of the state right after ``step``'s optimizer step, for ``changed_since_update``."""
+        self._sums = (step, word_sums(named))
 
     def changed_since_update(self, named: NamedTensors, step: int) -> list[str]:
-        """The tensors of ``named`` whose hash differs from this rank's right after ``step``'s optimizer
-        step ([] when it hashed no such state): with no update since, memory that changed at rest."""
-        changes = self._changes(named, step) or [False] * len(named)
-        return [name for (name, _), changed in zip(named, changes) if changed]
+        """The tensors of ``named`` whose word sums differ from this rank's right after ``step``'s
+        optimizer step (``remember_sums``; [] when it took none for that step): with no update since,
+        memory that changed at rest."""
+        if self._sums is None or self._sums[0] != step or len(self._sums[1]) != len(named):
+            return []
+        changed = (word_sums(named) != self._sums[1]).tolist()
+        return [name for (name, _), moved in zip(named, changed) if moved]
 
     def check(self, named: NamedTensors, at_rest: bool = True) -> FingerprintVerdict:
         """Hashes ``named`` (the same names in the same order on every replica), gathers the group's

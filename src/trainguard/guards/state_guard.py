@@ -116,8 +116,12 @@ class StateGuard:
     def after_update(self, step: int) -> None:
         """Right after ``step``'s optimizer step (or once the state of ``step`` is loaded): hashes the
         shards when a check will compare with them."""
-        if self.fingerprints is not None and (self.every_step or self.fingerprints.due(step + 1)):
+        if self.fingerprints is None:
+            return
+        if self.fingerprints.due(step + 1):
             self.fingerprints.remember(self._state(), step)
+        if self.every_step:
+            self.fingerprints.remember_sums(self._state(), step)
 
     def changed_at_rest(self, step: int) -> bool:
         """``every_step``: whether this rank's shards changed since they were hashed after ``step - 1``'s
@@ -132,9 +136,11 @@ class StateGuard:
         kept unrepaired until a recompute replaces it, and every rank learns ``struck_out`` and
         ``recompute``. Collective: every rank calls it at the same step."""
         named = self._state()
-        verdict = FingerprintVerdict(tuple(Mismatch(name, (self.rank,), None, "at_rest") for name in self._changed))
-        self._handle(step, named, verdict)
+        self._handle(step, named, self._changed_verdict())
         self._exchange(bool(self._changed), named[0][1].device if named else torch.device("cpu"))
+
+    def _changed_verdict(self) -> FingerprintVerdict:
+        return FingerprintVerdict(tuple(Mismatch(name, (self.rank,), None, "at_rest") for name in self._changed))
 
     def restored_agrees(self, step: int) -> bool:
         """Whether the state just restored from ``step``'s checkpoint hashes as every rank's did right after
@@ -152,9 +158,10 @@ class StateGuard:
         """``health``: the save's other verdict (the embedding norm's), merged in. Collective."""
         named = self._state()
         if self.fingerprints is not None:
-            # every_step: the shards were hashed right after this step's update, so the save's own hash
-            # also finds memory that changed since
-            self._handle(step, named, self.fingerprints.check(named, at_rest=self.every_step))
+            self._handle(step, named, self.fingerprints.check(named, at_rest=False))
+        if self.every_step:  # the sums taken right after this step's update: memory that changed since
+            self._changed = self.fingerprints.changed_since_update(named, step)
+            self._handle(step, named, self._changed_verdict())
         bad = nonfinite_state(named)
         device = named[0][1].device if named else torch.device("cpu")
         unrepaired_here = self.unrepaired is not None

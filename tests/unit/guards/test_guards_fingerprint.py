@@ -19,6 +19,7 @@ from trainguard.guards.fingerprint import (
     fingerprints,
     replica_partition,
     tensor_fingerprint,
+    word_sums,
 )
 from trainguard.guards.state_guard import StateGuard
 from trainguard.guards.state_health import local_state, merge_health, nonfinite_state, poisoned_health
@@ -36,6 +37,20 @@ def test_every_single_bit_flip_changes_the_fingerprint(dtype, numel):
         flip_bit(flipped, rng.randrange(numel), rng.randrange(width))
         assert not torch.equal(tensor_fingerprint(flipped), clean)
     assert torch.equal(tensor_fingerprint(tensor.clone()), clean)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("numel", [1, 3, 1024, 2048 * 3 + 7])
+def test_every_single_bit_flip_changes_the_word_sums_and_an_offset_view_takes_the_general_path(dtype, numel):
+    rng = random.Random(numel)
+    tensor = torch.randn(numel + 1, generator=torch.Generator().manual_seed(numel)).to(dtype)
+    for part in (tensor[:numel], tensor[1:]):  # the second starts off an 8-byte boundary
+        clean = word_sums([("t", part)])
+        assert torch.equal(clean, torch.stack([tensor_fingerprint(part.clone())[0]]))
+        for _ in range(20):
+            flipped = part.clone()
+            flip_bit(flipped, rng.randrange(numel), rng.randrange(part.element_size() * 8))
+            assert not torch.equal(word_sums([("t", flipped)]), clean)
 
 
 def test_swapped_elements_change_the_fingerprint():

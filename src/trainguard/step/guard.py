@@ -245,7 +245,7 @@ class Guard:
                                 self.events.emit, strike=self._strike if self.sdc is not None else None)
         self.skip_streak = SkipStreak(cfg.guards.max_consecutive_skips)
         self.checkpoints.stateful["skip_streak"] = self.skip_streak
-        self.skip_guard = DataSkipGuard(cfg.guards.skip) if cfg.guards.skip.enabled else None
+        self.skip_guard = DataSkipGuard(cfg.guards.skip, tokens_per_step) if cfg.guards.skip.enabled else None
         if self.skip_guard is not None:
             self.checkpoints.stateful["skip_guard"] = self.skip_guard
         self.rollback: RollbackGuard | None = None

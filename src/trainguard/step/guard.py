@@ -199,7 +199,8 @@ class Guard:
         self.lifecycle = Lifecycle.for_rank(cfg.lifecycle, self.run_dir, self.rank, self.device)
 
         self.stateful = dict(stateful or {})
-        reserved = {"scheduler", "skip_guard", "skip_streak", "rollback", "sdc_detector", "sdc_strikes"} & set(self.stateful)
+        own = {"scheduler", "skip_guard", "skip_streak", "rollback", "sdc_detector", "sdc_strikes"}
+        reserved = own & set(self.stateful)
         if reserved:
             raise ValueError(f"stateful names {sorted(reserved)} are the guard's own; choose other names")
         rank_tiers = cfg.checkpoint.local_interval or cfg.checkpoint.memory_interval
@@ -400,7 +401,8 @@ class Guard:
         reduced = self._reduce(loss, {Slot.SDC_STOP: detected, Slot.SDC_LOCAL: detected and self.sdc.detected_locally,
                                       Slot.STATE_AT_REST: changed})
         if reduced.count(Slot.STATE_AT_REST):
-            # corrupt state, not this step's computation: no rerun, no SDC strike for what it caused
+            # the state, not this step's computation, is at fault: the recompute replaces the step (with
+            # nothing to recompute from, it goes on, and every later save is marked unhealthy)
             self.state.after_change_at_rest(step)
             if self.state.struck_out:
                 self._exclude(self.global_step, self.state.struck_out, "fingerprint mismatches")

@@ -112,7 +112,8 @@ class SdcGuard:
 
     def _layout_change(self, restarted: list[str]) -> str:
         first = restarted[0]
-        return f"{first}: {self.detector.layouts[first]}" + (f", and {len(restarted) - 1} more" if len(restarted) > 1 else "")
+        more = f", and {len(restarted) - 1} more" if len(restarted) > 1 else ""
+        return f"{first}: {self.detector.layouts[first]}{more}"
 
     def _announce(self, model: torch.nn.Module) -> None:
         """Logs how many detection points there are and which; none at all is a configuration error."""

@@ -614,7 +614,6 @@ class GradientPoints:
     def names(self) -> list[str]:
         return [GRADIENT_PREFIX + name for name, _ in self._parameters]
 
-
     def collect(self, with_shares: bool = False, with_rows: bool = False) -> torch.Tensor:
         """``[len(names)]`` float32, ``NOT_CHECKED`` for a parameter without a gradient or with an empty
         shard; with ``with_shares`` and/or ``with_rows``, ``[1 + with_shares + with_rows, len(names)]``:

@@ -291,6 +291,7 @@ def validate(config: RunConfig, source: str = "<config>") -> None:
     if skip.mode not in ("absolute", "adaptive"):
         raise ConfigError(f"{source}: config key 'guards.skip.mode' must be 'absolute' or 'adaptive', got {skip.mode!r}")
     positive("guards.health.embedding_threshold (embedding_local_norm_threshold)", health.embedding_threshold)
+    positive("guards.max_consecutive_skips", config.guards.max_consecutive_skips, allow_zero=True)
     config.guards.sdc.validate()
     config.guards.fingerprint.validate()
     config.lifecycle.validate(source)

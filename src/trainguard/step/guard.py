@@ -51,13 +51,14 @@ from trainguard.backup.attach import attach_mirror
 from trainguard.checkpoint.manager import CheckpointManager, Stateful
 from trainguard.config.load import config_to_dict, load_config
 from trainguard.config.schema import FaultToleranceConfig, RunConfig
-from trainguard.errors import EXIT_CRASH, EXIT_OK, ConfigError, TrainguardError
+from trainguard.errors import EXIT_CRASH, EXIT_OK, ConfigError, TrainguardError, raised_by_every_rank
 from trainguard.events import EventLog
 from trainguard.events.rank_logging import LOGGER_NAME, setup_logging
 from trainguard.faults import FaultInjector
 from trainguard.guards.rollback import RollbackGuard
 from trainguard.guards.sdc import FaultyDeviceError, faulty_ranks_path, sdc_config_from_env, write_faulty_ranks
 from trainguard.guards.skip import DataSkipAbort, DataSkipGuard, reference_abort_message, reference_log_lines
+from trainguard.guards.skip_streak import SkipStreak
 from trainguard.guards.state_guard import StateGuard
 from trainguard.live.rank import LiveRank
 from trainguard.live.worker import LiveArgs, MicroBatchLoss, SampleRange
@@ -198,7 +199,8 @@ class Guard:
         self.lifecycle = Lifecycle.for_rank(cfg.lifecycle, self.run_dir, self.rank, self.device)
 
         self.stateful = dict(stateful or {})
-        reserved = {"scheduler", "skip_guard", "rollback", "sdc_detector", "sdc_strikes"} & set(self.stateful)
+        own = {"scheduler", "skip_guard", "skip_streak", "rollback", "sdc_detector", "sdc_strikes"}
+        reserved = own & set(self.stateful)
         if reserved:
             raise ValueError(f"stateful names {sorted(reserved)} are the guard's own; choose other names")
         rank_tiers = cfg.checkpoint.local_interval or cfg.checkpoint.memory_interval
@@ -242,7 +244,9 @@ class Guard:
         self.state = StateGuard(cfg.guards.fingerprint, model, optimizer,
                                 _replica_groups(mesh_shape, mesh_dim_names, self.world_size), self.rank, self.log,
                                 self.events.emit, strike=self._strike if self.sdc is not None else None)
-        self.skip_guard = DataSkipGuard(cfg.guards.skip) if cfg.guards.skip.enabled else None
+        self.skip_streak = SkipStreak(cfg.guards.max_consecutive_skips)
+        self.checkpoints.stateful["skip_streak"] = self.skip_streak
+        self.skip_guard = DataSkipGuard(cfg.guards.skip, tokens_per_step) if cfg.guards.skip.enabled else None
         if self.skip_guard is not None:
             self.checkpoints.stateful["skip_guard"] = self.skip_guard
         self.rollback: RollbackGuard | None = None
@@ -279,6 +283,7 @@ class Guard:
             self.global_step = self.checkpoints.resume()
         except TrainguardError as error:  # no checkpoint to resume from (exit 4), a damaged one, ...
             self._abort(error)
+        self.state.after_update(self.global_step)  # the first step is checked against the state loaded
         return self.global_step
 
     # ----------------------------------------------------------------------------- should_stop
@@ -391,8 +396,19 @@ class Guard:
                                    rolled_back=True)
         snapshot = StepSnapshot.take(self.stateful) if self.sdc is not None else None
         loss = self._forward_backward(closure, step)
+        changed = self.state.changed_at_rest(step)
         detected = self.sdc.check(step) if self.sdc is not None else False
-        reduced = self._reduce(loss, {Slot.SDC_STOP: detected, Slot.SDC_LOCAL: detected and self.sdc.detected_locally})
+        reduced = self._reduce(loss, {Slot.SDC_STOP: detected, Slot.SDC_LOCAL: detected and self.sdc.detected_locally,
+                                      Slot.STATE_AT_REST: changed})
+        if reduced.count(Slot.STATE_AT_REST):
+            # the state, not this step's computation, is at fault: the recompute replaces the step (with
+            # nothing to recompute from, it goes on, and every later save is marked unhealthy)
+            self.state.after_change_at_rest(step)
+            if self.state.struck_out:
+                self._exclude(self.global_step, self.state.struck_out, "fingerprint mismatches")
+            if self.state.recompute and self._recompute(step):
+                return StepOutcome(self.global_step, math.nan, math.nan, applied=False, skipped=False,
+                                   rolled_back=True)
         skipped = False
         if reduced.count(Slot.SDC_STOP) and self.sdc.config.recover:
             reduced, skipped = self._rerun(step, closure, snapshot, loss, alone=reduced.count(Slot.SDC_LOCAL) == 1)
@@ -413,6 +429,7 @@ class Guard:
                                    skipped=False, rolled_back=True)
         if not skipped and not math.isfinite(reduced.global_norm):
             skipped = self._skip_nonfinite(step, reduced.global_norm)
+        self._count_skip(step, skipped)
         if not skipped:
             clip_grads_(self._grads(), cfg.optim.grad_clip, reduced.global_norm)
             self.checkpoints.wait_for_staging()  # a save's copy ran during this forward and backward
@@ -516,6 +533,7 @@ class Guard:
                          "global_step_%d, the last agreeing state", step, restored)
         if self.rank == 0:
             self.events.emit("fingerprint_recompute", step=step, to_step=restored)
+        self.state.after_update(restored)  # the recompute's first step is checked against the state loaded
         self.global_step = restored
         if self.embedding is not None:
             self.embedding.forget()
@@ -544,6 +562,19 @@ class Guard:
                 self.events.emit("data_skip_abort", step=step, global_norm=norm, message=message)
             raise DataSkipAbort(f"ValueError: {message}")
         return decision.skip
+
+    def _count_skip(self, step: int, skipped: bool) -> None:
+        """A run that skips every step trains nothing: at ``guards.max_consecutive_skips`` skipped steps in
+        a row (any cause) it ends with exit 3 instead of reporting success. The skip decision is every
+        rank's alike, so they all stop here together."""
+        if not self.skip_streak.note(skipped).abort:
+            return
+        message = self.skip_streak.message(step)
+        self.log.error(message)
+        if self.rank == 0:
+            self.events.emit("skip_streak_abort", step=step, consecutive=self.skip_streak.consecutive,
+                             limit=self.skip_streak.limit)
+        raise raised_by_every_rank(DataSkipAbort(message))
 
     def _skip_nonfinite(self, step: int, norm: float) -> bool:
         """A NaN/Inf global norm never reaches the optimizer, whatever the guards' settings: it would

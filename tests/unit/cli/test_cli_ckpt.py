@@ -139,11 +139,17 @@ def test_empty_checkpoints_root(tmp_path, capsys):
 
 def test_verify_a_checkpoint_with_1500_nested_directories_is_one_bad_line(run_dir, capsys):
     """Issue 38 item 13: the walk is not recursive (a RecursionError traceback before) and its depth is bounded."""
-    deep = run_dir / "checkpoints" / "global_step_8" / "huggingface"
-    for _ in range(1500):
-        deep = deep / "d"
-        deep.mkdir()
-    assert main(["ckpt", "verify", str(run_dir), "--step", "8"]) == 1
+    nested = [run_dir / "checkpoints" / "global_step_8" / "huggingface" / "d"]
+    for _ in range(1499):
+        nested.append(nested[-1] / "d")
+    try:
+        for directory in nested:
+            directory.mkdir()
+        assert main(["ckpt", "verify", str(run_dir), "--step", "8"]) == 1
+    finally:  # bottom up: pytest's own clean-up (shutil.rmtree) recurses and would fail on this tree
+        for directory in reversed(nested):
+            if directory.exists():
+                directory.rmdir()
     captured = capsys.readouterr()
     lines = captured.out.splitlines()
     assert len(lines) == 1 and captured.err == ""

@@ -48,6 +48,7 @@ from trainguard.runtime.policy import (
     classify,
     first_rank_with,
     outcome_of,
+    stop_explanation,
 )
 
 EXCLUDED_FILE = Path("nodes") / "excluded.json"
@@ -571,6 +572,9 @@ class Supervisor:
         return code
 
     def _finish(self, inc: Incarnation, code: int) -> int:
+        explanation = stop_explanation(code, inc.reached_step, inc.detail, self.stop_signal)
+        if explanation is not None:
+            self.say(explanation)
         if len(self.incarnations) > 1:
             self._summary()
         self.emit("supervisor_finished", step=inc.reached_step, exit_code=code, outcome=inc.outcome.value,

@@ -39,7 +39,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,7 +51,7 @@ from trainguard.backup.attach import attach_mirror
 from trainguard.checkpoint.manager import CheckpointManager, Stateful
 from trainguard.config.load import config_to_dict, load_config
 from trainguard.config.schema import FaultToleranceConfig, RunConfig
-from trainguard.errors import EXIT_CRASH, EXIT_OK, ConfigError, TrainguardError
+from trainguard.errors import EXIT_CRASH, EXIT_OK, EXIT_USAGE, ConfigError, ConfigErrorExit, TrainguardError
 from trainguard.events import EventLog
 from trainguard.events.rank_logging import LOGGER_NAME, setup_logging
 from trainguard.faults import FaultInjector
@@ -62,7 +62,7 @@ from trainguard.guards.state_guard import StateGuard
 from trainguard.live.rank import LiveRank
 from trainguard.live.worker import LiveArgs, MicroBatchLoss, SampleRange
 from trainguard.norms import clip_grads_, local_grad_norms
-from trainguard.runtime.heartbeat import node_name
+from trainguard.runtime.heartbeat import HeartbeatWriter, node_name
 from trainguard.runtime.lifecycle import EXIT_CODES, NONE, REASON_NAMES, Lifecycle
 from trainguard.step.embedding import EmbeddingNorm
 from trainguard.step.live import closure_only, live_only, live_rank
@@ -95,12 +95,35 @@ class StepOutcome:
     rolled_back: bool  # a spike restored an earlier checkpoint (rollback mode)
 
 
-def _load(config: str | Path | RunConfig | None) -> RunConfig:
-    if config is None:
-        return RunConfig()
+def _load(config: str | Path | RunConfig | None, overrides: Sequence[str]) -> RunConfig:
     if isinstance(config, RunConfig):
+        if overrides:
+            raise ValueError("Guard(overrides=...) applies to a config file (or None), not to a RunConfig")
         return config
-    return load_config(config)
+    return load_config(config, list(overrides))
+
+
+def _config_errors_end_the_process(init: Callable[..., None]) -> Callable[..., None]:
+    """A configuration mistake found while building the guard (a key, a fault site, rollback mode
+    without skippable data) is the same on every rank and a restart cannot fix it: rank 0 prints it in
+    one line, every rank records exit 2 in its heartbeat (the supervisor never restarts it) and raises
+    ``ConfigErrorExit``: uncaught, exit 2 without a traceback; caught, a ``ConfigError``."""
+
+    @functools.wraps(init)
+    def build(self: "Guard", run_dir: str | Path, *args: Any, **kwargs: Any) -> None:
+        try:
+            init(self, run_dir, *args, **kwargs)
+        except TrainguardError as error:
+            if error.exit_code != EXIT_USAGE:
+                raise
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            with contextlib.suppress(OSError):  # an unwritable run directory must not mask the error
+                HeartbeatWriter(run_dir, rank).beat("exit", 0, EXIT_USAGE)
+            if rank == 0:
+                print(f"trainguard: error: {error}", file=sys.stderr, flush=True)
+            raise ConfigErrorExit(str(error)) from None
+
+    return build
 
 
 def _input_embedding(model: torch.nn.Module) -> torch.nn.Parameter | None:
@@ -150,6 +173,7 @@ class Guard:
     other arguments, ``resume``, ``should_stop`` and ``step`` are refused.
     """
 
+    @_config_errors_end_the_process
     def __init__(
         self,
         run_dir: str | Path,
@@ -166,8 +190,9 @@ class Guard:
         tokenizer: Any = None,
         tokens_per_step: int | None = None,
         live_argv: list[str] | None = None,
+        overrides: Sequence[str] = (),
     ):
-        self.config = cfg = _load(config)
+        self.config = cfg = _load(config, overrides)
         self._live: LiveRank | None = None
         if cfg.fault_tolerance.live:
             self.run_dir, self.model, self.optimizer = Path(run_dir), model, optimizer

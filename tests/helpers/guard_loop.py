@@ -3,7 +3,8 @@ from a transformers config, AdamW, a cosine schedule, a resumable synthetic toke
 
     torchrun --nproc-per-node 2 guard_loop.py --run-dir D --steps N [--set section.key=value ...]
 
-Rank 0 prints one line per step outcome: ``outcome step=S skipped=B applied=B norm=X``.
+Rank 0 prints one line per step outcome: ``outcome step=S skipped=B applied=B norm=X``, and at the end
+``run outcome=O finished=B code=C`` (``Guard.outcome``, ``Guard.finished``, ``close()``'s code).
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ def main() -> None:
             print(f"outcome step={outcome.step} skipped={outcome.skipped} applied={outcome.applied} "
                   f"norm={outcome.global_norm:.4f}", flush=True)
     code = guard.close()
+    if rank == 0:  # 0 alone does not say whether the model is the trained one
+        print(f"run outcome={guard.outcome.value} finished={guard.finished} code={code}", flush=True)
     dist.destroy_process_group()
     raise SystemExit(code)
 

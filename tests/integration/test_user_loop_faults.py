@@ -217,6 +217,7 @@ def test_persistent_bit_flip_exits_17_names_the_rank_and_excludes_the_node(fault
     assert restart["exit_code"] == 17 and restart["failing_rank"] == 1 and restart["failing_node"] == "node0"
     (excluded,) = kinds(run_dir, "node_excluded")
     assert excluded["node"] == "node0" and excluded["spare"] == "node1"
+    assert excluded["reason"] == "faulty_hardware" and "rank 1 faulty" in excluded["detail"]  # was "failed"
     assert {e["attribution"] for e in kinds(run_dir, "sdc_attribution")} >= {"reproducible"} or \
         any(e["faulty"] for e in kinds(run_dir, "sdc_attribution"))
     assert (final(run_dir) / "trainguard.json").is_file()
@@ -243,6 +244,11 @@ def test_report_shows_the_same_run(faulty_node, killed_and_hung):
     assert facts.last_step.step == STEPS and facts.restarts == 1
     assert 2 in [s.step for s in facts.skips] and 5 in {d.step for d in facts.detections}
     assert "<img" in page and "node0" in page
+    # issue 38 item 11: each row has its own rank's verdict (rank 0's rows read "faulty", rank 1's verdict)
+    (rerun,) = [e for e in kinds(run_dir, "sdc_rerun") if e["verdict"] == "faulty"]
+    faulty_step = rerun["step"]
+    rows = {d.rank: d.verdict for d in facts.detections if d.step == faulty_step}
+    assert rows.get(1) == "faulty" and all(rows[rank] != "faulty" for rank in rows if rank != 1), rows
     hung_dir, _ = killed_and_hung
     hung = read_run(hung_dir)
     assert hung.restarts == 2 and hung.last_step.step == STEPS and len(hung.incidents) == 2

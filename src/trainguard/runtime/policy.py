@@ -166,6 +166,16 @@ class RestartPolicy:
         self.node_deaths[node] = self.node_deaths.get(node, 0) + 1
         return node if self.node_deaths[node] >= self.node_failures else None
 
+    @staticmethod
+    def exclusion_reason(ended: Ended) -> str:
+        """Why ``node_to_exclude`` named the node, as ``node_excluded`` events spell it (the
+        incarnation's outcome, ``failed``, says nothing of it)."""
+        if ended.exit_code == EXIT_FAULTY_HARDWARE:
+            return "faulty_hardware"
+        if ended.outcome is Outcome.NODE_LOST:
+            return "node_lost"
+        return "repeated_failures"
+
     def replaced_node(self) -> None:
         """A spare took a failed node's slot: a new node deserves a fresh count."""
         self.failures_without_progress = 0

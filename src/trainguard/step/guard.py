@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from trainguard.backup.attach import attach_mirror
+from trainguard.checkpoint.discovery import newest_committed_step
 from trainguard.checkpoint.manager import CheckpointManager, Stateful
 from trainguard.config.load import config_to_dict, load_config
 from trainguard.config.schema import FaultToleranceConfig, RunConfig
@@ -66,6 +67,7 @@ from trainguard.runtime.heartbeat import HeartbeatWriter, node_name
 from trainguard.runtime.lifecycle import EXIT_CODES, NONE, REASON_NAMES, Lifecycle
 from trainguard.step.embedding import EmbeddingNorm
 from trainguard.step.live import closure_only, live_only, live_rank
+from trainguard.step.outcome import RunOutcome, end_outcome, stop_outcome
 from trainguard.step.local_tier import build_local_tier, build_memory_tier, fire_wipe_faults, resolve_ranks_per_node
 from trainguard.step.report import StepReport
 from trainguard.step.rollback import SkippableData, roll_back, skippable_data
@@ -288,6 +290,15 @@ class Guard:
         self._pending_stop = NONE
         self._training = False
         self._exit_code: int | None = None
+        self._trained = False  # resume() found no stop pending: the loop got to train
+        self.outcome = RunOutcome.RUNNING
+        """How the run ended (``close()``'s 0 is a finished run, a kill-switch stop or a start that
+        trained nothing alike): ``RunOutcome.FINISHED`` alone means the model is the trained one."""
+
+    @property
+    def finished(self) -> bool:
+        """The run reached ``total_steps``: what a loop checks before exporting the model."""
+        return self.outcome is RunOutcome.FINISHED
 
     # ---------------------------------------------------------------------------------- resume
     def resume(self) -> int:
@@ -299,6 +310,7 @@ class Guard:
         self._pending_stop = self.lifecycle.decide()
         if self._pending_stop:
             return 0
+        self._trained = True
         self.lifecycle.beat("resume", 0)
         try:
             self.global_step = self.checkpoints.resume()
@@ -349,12 +361,17 @@ class Guard:
             self.checkpoints.save(step, self.trainer_state(), self._health, stopping=True)
         self.checkpoints.close()
         code = EXIT_CODES[reason]
-        self.log.warning("stopping at step %d: %s; exit %d (checkpoint: step %s)", step, why, code,
-                         self.checkpoints.last_saved_step)
+        self.outcome = stop_outcome(reason, self._trained)
+        last_checkpoint = self.checkpoints.last_saved_step
+        if self.outcome is RunOutcome.NOT_STARTED:
+            # nothing was loaded: the run is where its newest checkpoint is, not at step 0
+            step = last_checkpoint = newest_committed_step(self.checkpoints.root)
+            why += " at start: nothing loaded or trained"
+        self.log.warning("stopping at step %s: %s; exit %d (checkpoint: step %s)", step, why, code, last_checkpoint)
         if self.rank == 0:
-            self.events.emit("lifecycle_stop", step=step, reason=REASON_NAMES[reason], message=why,
-                             exit_code=code, last_checkpoint=self.checkpoints.last_saved_step)
-        self.lifecycle.beat("exit", step, code)
+            self.events.emit("lifecycle_stop", step=step, reason=REASON_NAMES[reason], message=why, exit_code=code,
+                             last_checkpoint=last_checkpoint, outcome=self.outcome.value)
+        self.lifecycle.beat("exit", self.global_step, code)
         self._exit_code = code
 
     # ------------------------------------------------------------------------------------ step
@@ -499,8 +516,9 @@ class Guard:
                         default=RerunVerdict.NONE)
         verdicts = self._gather(int(verdict))  # the rare path: which ranks said what
         if self.rank == 0:
-            self.events.emit("sdc_rerun", step=step, verdict=strongest.label,
-                             ranks=[r for r, v in enumerate(verdicts) if v])
+            said = {rank: RerunVerdict(v) for rank, v in enumerate(verdicts) if v}
+            self.events.emit("sdc_rerun", step=step, verdict=strongest.label_after(reran), reran=reran,
+                             ranks=list(said), verdicts={str(rank): v.label_after(reran) for rank, v in said.items()})
         if strongest == RerunVerdict.FAULTY:
             # saved as step N without N's update: like a skipped step, its batch is not replayed
             self.global_step = step
@@ -631,7 +649,7 @@ class Guard:
     # ----------------------------------------------------------------------------------- close
     def close(self) -> int:
         """Waits until the last checkpoint is committed on every rank; returns the exit code: 0, or 16
-        after a signal or time-limit stop (0 after the kill switch). Live mode: ends the process (0, or
+        after a signal or time-limit stop (0 after the kill switch: ``outcome`` tells them apart). Live mode: ends the process (0, or
         ``FENCED_EXIT`` for a stale process of a rank that was replaced) and does not return."""
         if self._live is not None:
             self._live.close()
@@ -639,8 +657,9 @@ class Guard:
             return self._exit_code
         self.checkpoints.close()
         step = self.global_step
+        self.outcome = end_outcome(step, self._total)
         if self.rank == 0:
-            reason = "finished" if self._total is None or step >= self._total else "exit_at_step"
+            reason = self.outcome.value
             self.events.emit("run_finished", step=step, reason=reason, last_checkpoint=self.checkpoints.last_saved_step)
             self.log.info("run %s at step %d", reason, step)
         self.lifecycle.beat("exit", step, EXIT_OK)

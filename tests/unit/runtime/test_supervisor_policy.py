@@ -111,6 +111,10 @@ def test_node_exclusion_rules():
     assert p.node_to_exclude(killed, ["n0", "n1"]) is None
     assert p.node_to_exclude(killed, ["n0", "n1"]) == "n0"  # node_failures=2
     assert policy(several_nodes=False).node_to_exclude(killed, ["n0"]) is None
+    # issue 38 item 11: the event's reason says why the node went, not the incarnation's outcome ("failed")
+    lost = Ended(Outcome.NODE_LOST, 1, 3, failing_node="n1")
+    assert [p.exclusion_reason(e) for e in (faulty, lost, killed)] == ["faulty_hardware", "node_lost",
+                                                                        "repeated_failures"]
 
 
 def test_the_supervisors_exit_path_imports_no_torch():

@@ -88,6 +88,9 @@ class CheckpointFact:
     """Still on disk now (durable tier only; other tiers are known from events only)."""
     deleted: str | None = None
     """Why it was deleted, when an event says so."""
+    blocked_s: float | None = None
+    """Durable tier: what its save blocked the loop (``checkpoint_saved``), the wait for the previous
+    save to commit included."""
 
 
 @dataclass(frozen=True)
@@ -297,6 +300,10 @@ def _from_events(events: list[dict], facts: RunFacts) -> None:
         if d.step is not None else d
         for d in facts.detections
     ]
+    blocked = {_int(e.get("step")): number(e.get("blocked_s")) for e in events if e.get("kind") == "checkpoint_saved"}
+    for ckpt in facts.checkpoints:
+        if ckpt.tier == "durable":
+            ckpt.blocked_s = blocked.get(ckpt.step)
     facts.attempts = [_attempt(index, chunk) for index, chunk in enumerate(attempt_events)]
     facts.incidents = _incidents(facts.attempts, attempt_events, facts.steps)
     facts.quorum_changes = _quorum_changes(events)

@@ -283,6 +283,12 @@ class Guard:
             weight = _input_embedding(model) if isinstance(embedding, str) else embedding
             self.embedding = EmbeddingNorm(weight, self.device)
 
+        if getattr(model, "reducer", None) is not None and not (model.find_unused_parameters or model.static_graph):
+            # a DistributedDataParallel that rebuilds its buckets at its first step (docs/library.md)
+            self.log.warning("DDP rebuilds its gradient buckets at each process's first step: the first step after a "
+                             "resume sums gradients in another order than a run that never stopped (a difference in "
+                             "the last digits); DDP(..., find_unused_parameters=True) keeps the initial buckets and "
+                             "resumes bitwise")
         self.global_step = 0
         """The step the run is at: the last one applied, skipped or restored."""
         self._total: int | None = None

@@ -118,6 +118,9 @@ def test_without_rerun_a_detection_skips_the_step_unverified(tmp_path):
     ok(train(run, 2, 6, "--save-interval", "0", "--set", "guards.sdc.enabled_level=2", "--set", "guards.sdc.rerun=false",
              faults="bitflip:rank=0,step=4,site=model.layers.1.input_layernorm,where=grad_input,bit=exp"))
     assert {(a["step"], a["attribution"], a["strikes"]) for a in events(run, "sdc_attribution")} == {(4, "unverified", 0)}
+    (rerun,) = events(run, "sdc_rerun")  # issue 38 item 10: it said "reproducible" with no rerun
+    assert (rerun["verdict"], rerun["reran"]) == ("unverified", False)
+    assert set(rerun["verdicts"].values()) == {"unverified"}
     steps = {e["step"]: e for e in events(run, "step")}
     assert steps[4]["skipped"] and not steps[5]["skipped"]
 

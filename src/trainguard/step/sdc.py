@@ -49,6 +49,11 @@ class RerunVerdict(IntEnum):
         """The spelling in ``sdc_rerun`` events."""
         return self.name.lower()
 
+    def label_after(self, reran: bool) -> str:
+        """The spelling in ``sdc_rerun`` events: without a rerun (``guards.sdc.rerun: false``) a skipped
+        detection is ``unverified``, as its ``sdc_attribution`` says, never ``reproducible``."""
+        return "unverified" if self is RerunVerdict.REPRODUCIBLE and not reran else self.label
+
 
 class SdcGuard:
     def __init__(self, config: SdcConfig, model: torch.nn.Module, micro_batches: int, device: torch.device,

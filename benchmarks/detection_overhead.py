@@ -13,7 +13,8 @@ each per round in a rotating order (off norms all, norms all off, all off norms,
 * ``off``: no detection point, no statistic, no rule (``guards.sdc.enabled_level: 0``);
 * ``norms``: detection points on every norm layer's input gradient (the points before issue 18);
 * ``all``: the default set now: those, every transformer block's output gradient
-  (``guards.sdc.blocks``) and every parameter's gradient (``guards.sdc.gradients``), with the weight
+  (``guards.sdc.blocks``), the output head's output gradient (``guards.sdc.lm_head``) and every
+  parameter's gradient (``guards.sdc.gradients``), with the weight
   matrices' row odds for the row criterion (``guards.sdc.row_jump``).
 
 The overheads are medians over the rounds of per-round ratios: ``norms / off - 1`` (the norm points),
@@ -34,7 +35,9 @@ of the whole state (``local_state`` of the model and AdamW, ``fingerprints``, on
 a check costs besides its all-gather of ``[tensors, 3]`` int64 values) and of one non-finite scan
 (``nonfinite_state``, done before every save). A fingerprint step costs two hashes (after the update
 before it, and the check), so the per-step overhead at interval K is ``2 x hash / K`` over the median
-step with no detection. Per save: one hash and one scan.
+step with no detection. Per save: one hash and one scan. Without a replica (pure FSDP) the at-rest
+check runs every step (``guards.fingerprint.at_rest: auto``): two passes of ``word_sums`` (one int64
+sum per tensor) per step, timed after each round beside the fingerprint.
 
 Targets (printed, never asserted): each overhead <= 1 % of the step.
 """
@@ -73,7 +76,7 @@ def main(argv: list[str]) -> int:
     import torch.nn.functional as F
 
     from trainguard.config.schema import ModelConfig
-    from trainguard.guards.fingerprint import DEFAULT_INTERVAL, fingerprints
+    from trainguard.guards.fingerprint import DEFAULT_INTERVAL, fingerprints, word_sums
     from trainguard.guards.sdc import DetectionPoints, GradientPoints, SdcConfig, SdcDetector
     from trainguard.guards.state_health import local_state, nonfinite_state
     from trainguard.norms import local_sq_sum
@@ -90,7 +93,7 @@ def main(argv: list[str]) -> int:
     points = DetectionPoints("l2", shares=True)
     gradients = GradientPoints(model, "l2", shares=True, rows=True)
     norm_names = points.install(model)
-    all_names = points.install(model, blocks=True) + gradients.names
+    all_names = points.install(model, blocks=True, lm_head=True) + gradients.names
     detectors = {"norms": SdcDetector("v1", norm_names, peak=peak),
                  "all": SdcDetector("v1", all_names, peak=peak, row_jump=row_jump)}
 
@@ -98,7 +101,7 @@ def main(argv: list[str]) -> int:
         if mode == "off":
             points.remove()
         else:
-            points.install(model, blocks=(mode == "all"))
+            points.install(model, blocks=(mode == "all"), lm_head=(mode == "all"))
         inputs, labels = make_batch(dataset, sampler.next_batch_indices())
         t = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
@@ -125,11 +128,12 @@ def main(argv: list[str]) -> int:
 
     for i in range(args.warmup):
         step(MODES[i % len(MODES)])
-    rounds, hashes, scans = [], [], []
+    rounds, hashes, sums, scans = [], [], [], []
     for i in range(args.rounds):
         order = MODES[i % len(MODES):] + MODES[:i % len(MODES)]  # each mode first, second and last in turn
         rounds.append({mode: step(mode) for mode in order})
         hashes.append(timed(lambda: fingerprints(local_state(model, optimizer)).tolist()))
+        sums.append(timed(lambda: word_sums(local_state(model, optimizer)).tolist()))
         scans.append(timed(lambda: nonfinite_state(local_state(model, optimizer))))
     points.remove()
     # in isolation, a number the load hardly moves: the gradient points' statistics (norms and the peak
@@ -150,6 +154,8 @@ def main(argv: list[str]) -> int:
     step_s = median_ms["off"] / 1e3
     hash_s, scan_s = statistics.median(hashes), statistics.median(scans)
     fingerprint = 2 * hash_s / interval / step_s
+    sums_s = statistics.median(sums)
+    at_rest = 2 * sums_s / step_s  # guards.fingerprint.at_rest every step (auto: a rank with no replica)
     params = sum(p.numel() for p in model.parameters())
     wall = time.perf_counter() - started
     load = os.getloadavg()[0]
@@ -179,13 +185,16 @@ def main(argv: list[str]) -> int:
     print(f"| one fingerprint of the state (params + AdamW) | {1e3 * hash_s:.1f} ms | "
           f"{100 * fingerprint:.3f} % per step at interval {interval} (2 per check) | | | "
           f"{'met' if fingerprint <= TARGET else 'MISSED'} |")
+    print(f"| the at-rest check every step, with no replica (`guards.fingerprint.at_rest` auto: the word sums "
+          f"after the update and after the next backward) | {2e3 * sums_s:.1f} ms | {100 * at_rest:.2f} % per step | | | "
+          f"{'met' if at_rest <= TARGET else 'MISSED'} |")
     print(f"| non-finite scan before a save | {1e3 * scan_s:.1f} ms | {100 * scan_s / step_s:.2f} % of one step, "
           f"per save | | | |")
     result = {"preset": args.preset, "params": params, "rounds": rounds, "median_ms": median_ms,
               "overhead": {f"{a}/{b}": v for (a, b), v in overhead.items()},
               "fastest_ms": fastest_ms, "overhead_fastest": {f"{a}/{b}": v for (a, b), v in by_fastest.items()},
-              "hash_s": hash_s, "scan_s": scan_s,
-              "interval": interval, "fingerprint_overhead": fingerprint, "load": load,
+              "hash_s": hash_s, "sums_s": sums_s, "scan_s": scan_s,
+              "interval": interval, "fingerprint_overhead": fingerprint, "at_rest_overhead": at_rest, "load": load,
               "gradient_points_isolated": gradient_points, "collect_s": collect_s, "norms_s": norms_s,
               "row_odds_isolated": row_odds, "without_rows_s": without_rows_s,
               "points": {"norms": len(norm_names), "all": len(all_names)}, "wall_s": wall}

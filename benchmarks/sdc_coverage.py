@@ -4,7 +4,7 @@ How it runs (one process, CPU, llama-micro unless ``--preset``)::
 
     python benchmarks/sdc_coverage.py [--preset llama-micro] [--draws 5] [--steps 160] [--seed 0] [--quick] [--json out.json]
         [--sites SITE ...] [--classes CLASS ...] [--ratio R] [--row-jump J [--row-floor F]] [--row-joint J]
-        [--no-flips | --no-clean]
+        [--no-lm-head] [--no-flips | --no-clean]
 
 ``--sites``/``--classes`` limit the flips to some cells (more draws where they are needed);
 ``--no-flips`` runs only the clean runs, ``--no-clean`` only the flips (each fits ~10 min on a busy
@@ -16,15 +16,16 @@ detected when the candidate or the other rule's default detects it (the candidat
 rule's default).
 
 The detection set is trainguard's default: detection points on every norm layer's input gradient,
-every transformer block's output gradient and every parameter's gradient (``guards.sdc.blocks``,
-``guards.sdc.gradients``), judged by v1 + peak + row and v3 + peak + row at the default thresholds (and,
+every transformer block's output gradient, the output head's output gradient and every parameter's
+gradient (``guards.sdc.blocks``, ``guards.sdc.lm_head``, ``guards.sdc.gradients``; ``--no-lm-head``:
+without the head's point, as before issue 39), judged by v1 + peak + row and v3 + peak + row at the default thresholds (and,
 beside them, by the defaults before the row criterion, v1 + peak and v3 + peak); for weights and
 optimizer state also replica fingerprints (``guards.fingerprint``).
 
 Sites (where one bit of one element flips, one injection at a time, on a copy of the run's state):
 
 * ``norm.grad_input``: the gradient flowing into a norm layer (the site of ``sdc_detection.py``);
-* ``o_proj``, ``down_proj``, ``qkv`` (q/k/v_proj), ``embed``: the backward gradient at that module's
+* ``o_proj``, ``down_proj``, ``qkv`` (q/k/v_proj), ``embed``, ``lm_head``: the backward gradient at that module's
   output (a tensor hook on the output); on GPT-2 (``--preset gpt2-micro``) the modules ``attn.c_proj``,
   ``mlp.c_proj``, ``attn.c_attn`` (Conv1D) and ``wte``, and the norm layers are LayerNorms;
 * ``param.grad``: an element of a parameter's gradient after backward (after the reduction);
@@ -69,7 +70,7 @@ import sys
 import time
 from typing import Any
 
-SITES = ("norm.grad_input", "o_proj", "down_proj", "qkv", "embed", "param.grad", "weight", "exp_avg")
+SITES = ("norm.grad_input", "o_proj", "down_proj", "qkv", "embed", "lm_head", "param.grad", "weight", "exp_avg")
 STATE_SITES = ("weight", "exp_avg")
 CLASSES = ("top", "x2^16", "x2^16-up", "mantissa")
 UPWARD = "x2^16-up"  # the class whose element is chosen among those the flip multiplies
@@ -81,8 +82,12 @@ LOSS_SCALE = 2.0 ** 16
 # [in, out]: its row odds are taken on columns)
 SITE_MODULES = {
     "llama": {"o_proj": ("o_proj",), "down_proj": ("down_proj",), "qkv": ("q_proj", "k_proj", "v_proj"),
-              "embed": ("embed_tokens",)},
-    "gpt2": {"o_proj": ("attn.c_proj",), "down_proj": ("mlp.c_proj",), "qkv": ("attn.c_attn",), "embed": ("wte",)},
+              "embed": ("embed_tokens",), "lm_head": ("lm_head",)},
+    # Mistral (llama-micro's layout, its head untied from the embedding): the same module names
+    "mistral": {"o_proj": ("o_proj",), "down_proj": ("down_proj",), "qkv": ("q_proj", "k_proj", "v_proj"),
+                "embed": ("embed_tokens",), "lm_head": ("lm_head",)},
+    "gpt2": {"o_proj": ("attn.c_proj",), "down_proj": ("mlp.c_proj",), "qkv": ("attn.c_attn",), "embed": ("wte",),
+             "lm_head": ("lm_head",)},
 }
 NORMS = ("RMSNorm", "LayerNorm")  # the norm layers whose input gradient is the norm.grad_input site
 
@@ -107,6 +112,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="also judge with the row criterion's joint test at J (a candidate; 0: without it)")
     p.add_argument("--row-floor", type=float, default=10.0, metavar="F",
                    help="the candidate's row odds floor (default 10, the default criterion's)")
+    p.add_argument("--no-lm-head", action="store_true", help="without the output head's point (guards.sdc.lm_head: "
+                   "false), as before issue 39")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--no-flips", action="store_true", help="only the clean runs")
     group.add_argument("--no-clean", action="store_true", help="only the flips")
@@ -153,10 +160,21 @@ class Harness:
         self.sampler = StatefulSampler(len(self.dataset), 0, 1, 4, args.seed)
         peak, row_jump = SdcConfig().peak, SdcConfig().row_jump
         self.points = {"v1": DetectionPoints("l2", shares=True), "v3": DetectionPoints("max_sq", shares=True)}
-        for points in self.points.values():
-            points.install(self.model, blocks=True)
         self.gradients = {"v1": GradientPoints(self.model, "l2", shares=True, rows=True),
                           "v3": GradientPoints(self.model, "max_sq", shares=True, rows=True)}
+        self.modules = dict(self.model.named_modules())
+        self.site_modules = SITE_MODULES[self.model.config.model_type]
+        self.armed: dict[str, Any] = {}
+        outputs = tuple(suffix for suffixes in self.site_modules.values() for suffix in suffixes)
+        for name, module in self.modules.items():
+            if type(module).__name__.endswith(NORMS):
+                module.register_full_backward_hook(lambda m, gi, go, _n=name: self._grad_input(_n, gi))
+            if name.endswith(outputs):
+                module.register_forward_hook(lambda m, a, out, _n=name: self._output(_n, out))
+        # after the injection hooks: a point at a module's output (lm_head's) sees the flipped gradient,
+        # its tensor hook running after theirs, as it would see a flip made by the computation before it
+        for points in self.points.values():
+            points.install(self.model, blocks=True, lm_head=not args.no_lm_head)
         self.names = self.points["v1"].names + self.gradients["v1"].names
         self.detectors = {f"{rule}+peak+row": SdcDetector(rule, self.names, peak=peak, row_jump=row_jump)
                           for rule in ("v1", "v3")}
@@ -172,15 +190,6 @@ class Harness:
         if args.row_joint is not None:  # the joint test is v1's
             self.detectors[f"v1+peak+row(joint {args.row_joint:g})"] = SdcDetector(
                 "v1", self.names, peak=peak, row_jump=row_jump, row_joint=args.row_joint)
-        self.modules = dict(self.model.named_modules())
-        self.site_modules = SITE_MODULES[self.model.config.model_type]
-        self.armed: dict[str, Any] = {}
-        outputs = tuple(suffix for suffixes in self.site_modules.values() for suffix in suffixes)
-        for name, module in self.modules.items():
-            if type(module).__name__.endswith(NORMS):
-                module.register_full_backward_hook(lambda m, gi, go, _n=name: self._grad_input(_n, gi))
-            if name.endswith(outputs):
-                module.register_forward_hook(lambda m, a, out, _n=name: self._output(_n, out))
         self.loss_scale = 1.0
 
     # --------------------------------------------------------------------------- injection hooks

@@ -10,7 +10,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import trainguard
-from trainguard.config import load_config
 from user_model import TokenStream, build_model, cosine, init_distributed, parse_args
 
 
@@ -23,7 +22,8 @@ def main() -> None:
     data = TokenStream(rank, device)
 
     guard = trainguard.Guard(args.run_dir, model, optimizer, scheduler=scheduler, stateful={"data": data},
-                             config=load_config(args.config, args.overrides), mesh=mesh, hf_config=hf_config)
+                             config=args.config, overrides=args.overrides, mesh=mesh, hf_config=hf_config)
+    # a config mistake (file, --set or TRAINGUARD_FAULTS) ended every rank above: one line, exit 2
     step = guard.resume()  # the newest verified healthy checkpoint (0 when fresh), every RNG, the data position
     while not guard.should_stop(step, args.steps):  # kill switch, SIGTERM/SIGUSR1, time limit
         def closure() -> torch.Tensor:  # forward and backward; the guard may run it twice (SDC rerun)

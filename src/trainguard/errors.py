@@ -38,6 +38,15 @@ class ConfigError(TrainguardError):
     exit_code = EXIT_USAGE
 
 
+class ConfigErrorExit(ConfigError, SystemExit):
+    """A ``ConfigError`` whose line is already printed: left uncaught it ends the process quietly with
+    exit 2 (a ``SystemExit``), caught as a ``ConfigError`` it is one (a library call in a notebook)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.code = EXIT_USAGE
+
+
 class CheckpointError(TrainguardError):
     """A checkpoint that cannot be read, verified or trusted."""
 

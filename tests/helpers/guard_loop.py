@@ -3,7 +3,8 @@ from a transformers config, AdamW, a cosine schedule, a resumable synthetic toke
 
     torchrun --nproc-per-node 2 guard_loop.py --run-dir D --steps N [--set section.key=value ...]
 
-Rank 0 prints one line per step outcome: ``outcome step=S skipped=B applied=B norm=X``.
+Rank 0 prints one line per step outcome: ``outcome step=S skipped=B applied=B norm=X``, and at the end
+``run outcome=O finished=B code=C`` (``Guard.outcome``, ``Guard.finished``, ``close()``'s code).
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ class TokenStream:
         self.position = int(state["position"])
 
 
-def main() -> None:
+def start_ranks() -> tuple[argparse.Namespace, int, int]:
+    """``--run-dir D --steps N [--set K=V ...]``, the gloo group, deterministic kernels, the same seed on every
+    rank; returns (arguments, rank, world size)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--steps", type=int, required=True)
@@ -52,8 +55,12 @@ def main() -> None:
     args = parser.parse_args()
     dist.init_process_group("gloo")
     torch.use_deterministic_algorithms(True, warn_only=True)
-    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
+    return args, dist.get_rank(), dist.get_world_size()
+
+
+def main() -> None:
+    args, rank, world = start_ranks()
     hf_config = Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                             tie_word_embeddings=False)
@@ -84,6 +91,8 @@ def main() -> None:
             print(f"outcome step={outcome.step} skipped={outcome.skipped} applied={outcome.applied} "
                   f"norm={outcome.global_norm:.4f}", flush=True)
     code = guard.close()
+    if rank == 0:  # 0 alone does not say whether the model is the trained one
+        print(f"run outcome={guard.outcome.value} finished={guard.finished} code={code}", flush=True)
     dist.destroy_process_group()
     raise SystemExit(code)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,23 @@ def test_persistent_spikes_abort_inside_guard_step_with_exit_3(tmp_path):
     assert [e["step"] for e in events(run_dir, "data_skip_abort")] == [4]
     beats = [json.loads(p.read_text()) for p in sorted((run_dir / "heartbeats").glob("rank_*.json"))]
     assert [(b["phase"], b["step"], b["exit_code"]) for b in beats] == [("exit", 3, 3)] * 2
+
+
+def test_close_returns_0_three_ways_and_outcome_tells_them_apart(tmp_path):
+    """Issue 38 item 8: train.exit_at_step, a start with the kill switch armed, and the finished run all
+    exit 0; only the last may be exported. After the no-op start, status names the run's step, not 0."""
+    run_dir, kill_switch = tmp_path / "run", tmp_path / "STOP"
+    first = run_loop(run_dir, "--set", "train.exit_at_step=3")
+    assert "run outcome=exit_at_step finished=False code=0" in first.stdout, first.stdout[-4000:]
+    kill_switch.touch()
+    armed = run_loop(run_dir, "--set", f"lifecycle.kill_switch_path={kill_switch}")
+    assert armed.returncode == 0 and "run outcome=not_started finished=False code=0" in armed.stdout, armed.stdout[-4000:]
+    stop = events(run_dir, "lifecycle_stop")[-1]
+    assert (stop["step"], stop["outcome"], stop["last_checkpoint"]) == (3, "not_started", 3)
+    status = subprocess.run([sys.executable, "-m", "trainguard", "status", str(run_dir)], capture_output=True,
+                            text=True, timeout=120)
+    state = next(line.strip() for line in status.stdout.splitlines() if line.strip().startswith("state"))
+    assert "kill switch armed at start, nothing trained (exit 0; the run is at step 3)" in state, status.stdout
+    kill_switch.unlink()
+    rest = run_loop(run_dir)
+    assert "run outcome=finished finished=True code=0" in rest.stdout, rest.stdout[-4000:]

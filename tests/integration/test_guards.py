@@ -139,3 +139,15 @@ def test_auto_resume_skips_an_unhealthy_step_in_the_local_tier_too(tmp_path):
     ok(train(run, 2, 10, *common, "--resume", "auto"))
     started = events(run, "run_started")[-1]
     assert started["step"] == 6 and started["resumed_from"].endswith("global_step_6"), started
+
+
+def test_adaptive_skip_resumed_after_a_sequence_length_switch_warms_up_again_instead_of_skipping(tmp_path):
+    """Issue 39: resumed with shorter sequences, the adaptive guard judged the new norms against the
+    old window and skipped 14 of the next 20 steps. The trainer declares its tokens per step to the
+    Guard, and a state saved at another count starts a fresh warm-up."""
+    run = tmp_path / "run"
+    adaptive = ["--set", "guards.skip.enabled=true", "--set", "guards.skip.mode=adaptive"]
+    ok(train(run, 2, 30, *adaptive, "--save-interval", "30"))
+    proc = ok(train(run, 2, 50, *adaptive, "--save-interval", "0", "--set", "data.seq_len=4"))
+    assert "start a fresh warm-up" in proc.stdout + proc.stderr
+    assert [e["step"] for e in events(run, "step") if e["step"] > 30 and e["skipped"]] == []

@@ -196,3 +196,24 @@ def test_later_event_kinds_and_heartbeats(tmp_path):
     ok(trainguard("report", str(run_dir), "--no-tensorboard"))
     page = (run_dir / "report.html").read_text()
     assert "node_excluded" in page and "local_recovery" in page and "brand_new_kind" not in page
+
+
+def test_each_sdc_row_shows_its_own_ranks_rerun_verdict(tmp_path):
+    """Issue 38 item 11: the step's strongest verdict ("faulty", rank 1's) was shown on rank 0's rows too;
+    a run without per-rank verdicts (older events) keeps the step's verdict on every row."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    t = time.time() - 60
+    detection = {"kind": "sdc_detected", "point": "transformer.h.0.ln_1", "level": 1, "value": 1e30, "rule": "v1"}
+    _write_events(run_dir / "events.jsonl", [
+        {"time": t, "kind": "run_started", "step": 0, "rank": 0, "resumed_from": None},
+        {"time": t + 1, "step": 5, "rank": 0, **detection},
+        {"time": t + 1, "step": 5, "rank": 1, **detection},
+        {"time": t + 2, "kind": "sdc_rerun", "step": 5, "rank": 0, "verdict": "faulty", "reran": True, "ranks": [0, 1],
+         "verdicts": {"0": "reproducible", "1": "faulty"}},
+        {"time": t + 3, "step": 6, "rank": 0, **detection},
+        {"time": t + 4, "kind": "sdc_rerun", "step": 6, "rank": 0, "verdict": "transient", "ranks": [0]},
+    ])
+    facts = read_run(run_dir)
+    assert [(d.step, d.rank, d.verdict) for d in facts.detections] == [
+        (5, 0, "reproducible"), (5, 1, "faulty"), (6, 0, "transient")]

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-
 import random
+import shutil
 
 import pytest
 import torch
@@ -118,5 +118,45 @@ def test_without_rerun_a_detection_skips_the_step_unverified(tmp_path):
     ok(train(run, 2, 6, "--save-interval", "0", "--set", "guards.sdc.enabled_level=2", "--set", "guards.sdc.rerun=false",
              faults="bitflip:rank=0,step=4,site=model.layers.1.input_layernorm,where=grad_input,bit=exp"))
     assert {(a["step"], a["attribution"], a["strikes"]) for a in events(run, "sdc_attribution")} == {(4, "unverified", 0)}
+    (rerun,) = events(run, "sdc_rerun")  # issue 38 item 10: it said "reproducible" with no rerun
+    assert (rerun["verdict"], rerun["reran"]) == ("unverified", False)
+    assert set(rerun["verdicts"].values()) == {"unverified"}
     steps = {e["step"]: e for e in events(run, "step")}
     assert steps[4]["skipped"] and not steps[5]["skipped"]
+
+
+@pytest.fixture(scope="module")
+def saved_on_two_ranks(tmp_path_factory):
+    run = tmp_path_factory.mktemp("sdc-two-ranks") / "run"
+    ok(train(run, 2, STEPS, *SDC))
+    return run
+
+
+@pytest.mark.parametrize("nproc", [1, 4])
+def test_a_resume_on_fewer_or_more_ranks_neither_alarms_nor_skips(saved_on_two_ranks, tmp_path, nproc):
+    """Issue 39: resumed on one rank, a weight shard too small for a peak share on two became whole and
+    every step was level 1 and skipped. Each point's history is keyed by what it measures (its shard,
+    the world size): a new layout starts a fresh warm-up, never a flood."""
+    run = tmp_path / "run"
+    shutil.copytree(saved_on_two_ranks, run)
+    proc = ok(train(run, nproc, STEPS + 20, "--set", "guards.sdc.enabled_level=2", "--save-interval", "0",
+                    timeout=600))
+    after = [e for e in events(run, "step") if e["step"] > STEPS]
+    assert [e["step"] for e in after] == list(range(STEPS + 1, STEPS + 21))
+    assert [e["step"] for e in after if e["skipped"]] == []
+    assert [(e["step"], e["point"]) for e in events(run, "sdc_detected") if e["step"] > STEPS] == []
+    assert "start a fresh warm-up" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("level", [0, 2])
+def test_a_run_that_skips_every_step_aborts_with_exit_3_at_the_default_streak(tmp_path, level):
+    """Issue 39: a run that skipped every remaining step exited 0. A NaN from step 3 on, every step
+    (non-finite at level 0, reproduced by the rerun at level 2): the 20th skip in a row ends the run
+    with exit 3."""
+    run = tmp_path / "run"
+    proc = train(run, 2, 40, "--save-interval", "5", "--set", f"guards.sdc.enabled_level={level}",
+                 faults="nan:step=3,persistent=1")
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "the last 20 steps were all skipped: the run trains nothing" in proc.stderr
+    assert [(e["step"], e["consecutive"]) for e in events(run, "skip_streak_abort")] == [(22, 20)]
+    assert [e["step"] for e in events(run, "step") if e["skipped"]] == list(range(3, 22))

@@ -89,7 +89,7 @@ def test_faulty_node_is_excluded_and_a_spare_keeps_the_world_size(tmp_path):
     assert [(e["nodes"], e["exit_code"]) for e in ended] == [(["node0", "node1"], 17), (["node0", "node3"], 0)]
     assert (ended[0]["failing_rank"], ended[0]["failing_node"]) == (1, "node1")
     excluded = events(run, "node_excluded")
-    assert [(e["node"], e["reason"]) for e in excluded] == [("node1", "failed"), ("node2", "doctor")]
+    assert [(e["node"], e["reason"]) for e in excluded] == [("node1", "faulty_hardware"), ("node2", "doctor")]
     assert "burn-in" in excluded[1]["detail"]
     assert [e["kind"] for e in events(run) if e["kind"].startswith("doctor_")] == ["doctor_failed", "doctor_passed"]
     assert [e["node"] for e in json.loads((run / "nodes/excluded.json").read_text())] == ["node1", "node2"]

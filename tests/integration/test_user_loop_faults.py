@@ -7,6 +7,8 @@ with faults injected by ``TRAINGUARD_FAULTS``:
 - a spike burst past ``count_threshold``: exit 3, not restarted;
 - a time-limit stop: exit 16, not restarted;
 - a persistent SDC bit flip on node0: exit 17, the faulty rank named, node0 excluded, the spare finishes;
+- config mistakes (a ``--set`` typo, a fault site the model lacks, rollback mode without skippable data):
+  one line from rank 0 naming the source, exit 2, not restarted;
 - ``trainguard status`` and ``trainguard report`` on those runs show their steps, skips, detections and
   restarts.
 
@@ -101,6 +103,23 @@ def faulty_node(runs) -> tuple[Path, subprocess.CompletedProcess]:
     return run_dir, proc
 
 
+CONFIG_MISTAKES = {  # name: (--set overrides, TRAINGUARD_FAULTS, what the one error line must hold)
+    "set_typo": (("guards.skip.treshold=3",), None,
+                 "--set 'guards.skip.treshold=3': unknown config key 'guards.skip.treshold'"),
+    "fault_site": ((), "bitflip:rank=1,step=2,site=transformer.h.7.ln_1,where=grad_input,bit=exp",
+                   "transformer.h.7.ln_1"),
+    "rollback_without_skippable_data": (("guards.skip.enabled=false", "guards.check_for_global_norm=true"), None,
+                                        "needs exactly one stateful data object that can skip sample ranges"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIG_MISTAKES))
+def config_mistake(runs, request) -> tuple[Path, subprocess.CompletedProcess, str]:
+    overrides, faults, expected = CONFIG_MISTAKES[request.param]
+    run_dir = runs / request.param
+    return run_dir, supervised(run_dir, *overrides, faults=faults), expected
+
+
 def kinds(run_dir: Path, kind: str) -> list[dict]:
     return events(run_dir, kind)
 
@@ -163,6 +182,32 @@ def test_time_limit_exits_16_without_restart(time_limit):
     assert kinds(run_dir, "restart") == []
 
 
+@pytest.mark.parametrize("fixture, code, why", [
+    ("spike_burst", 3, "too many consecutive gradient spikes"),
+    ("time_limit", 16, "the time limit"),
+])
+def test_the_supervisor_says_why_a_planned_stop_is_not_restarted(request, fixture, code, why):
+    """Issue 38 item 11: one line of the supervisor's own, not only torchrun's ChildFailedError."""
+    _, proc = request.getfixturevalue(fixture)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("trainguard supervisor: stopped at step")]
+    assert len(lines) == 1, proc.stdout[-4000:]
+    assert f": exit {code}, " in lines[0] and why in lines[0] and "; not restarted: " in lines[0]
+
+
+def test_a_config_mistake_is_one_line_exit_2_and_not_restarted(config_mistake):
+    """Issue 38 item 7: before, tracebacks from every rank, exit 1, restarted until the crash-loop stop."""
+    run_dir, proc, expected = config_mistake
+    assert proc.returncode == 2, proc.stdout[-4000:]
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("trainguard: error:")]
+    assert len(errors) == 1 and expected in errors[0], proc.stdout[-4000:]
+    assert "user_loop.yaml" not in errors[0]  # no mistake here is the file's
+    assert f'File "{LOOP}"' not in proc.stdout  # no rank's traceback (torchrun's own ChildFailedError remains)
+    assert "trainguard supervisor: stopped at step 0: exit 2, a configuration or usage error" in proc.stdout
+    assert kinds(run_dir, "restart") == [] and len(kinds(run_dir, "incarnation_started")) == 1
+    (finished,) = kinds(run_dir, "supervisor_finished")
+    assert finished["exit_code"] == 2
+
+
 def test_persistent_bit_flip_exits_17_names_the_rank_and_excludes_the_node(faulty_node):
     run_dir, proc = faulty_node
     assert proc.returncode == 0, proc.stdout[-4000:]  # the spare finished the run
@@ -172,6 +217,7 @@ def test_persistent_bit_flip_exits_17_names_the_rank_and_excludes_the_node(fault
     assert restart["exit_code"] == 17 and restart["failing_rank"] == 1 and restart["failing_node"] == "node0"
     (excluded,) = kinds(run_dir, "node_excluded")
     assert excluded["node"] == "node0" and excluded["spare"] == "node1"
+    assert excluded["reason"] == "faulty_hardware" and "rank 1 faulty" in excluded["detail"]  # was "failed"
     assert {e["attribution"] for e in kinds(run_dir, "sdc_attribution")} >= {"reproducible"} or \
         any(e["faulty"] for e in kinds(run_dir, "sdc_attribution"))
     assert (final(run_dir) / "trainguard.json").is_file()
@@ -198,6 +244,11 @@ def test_report_shows_the_same_run(faulty_node, killed_and_hung):
     assert facts.last_step.step == STEPS and facts.restarts == 1
     assert 2 in [s.step for s in facts.skips] and 5 in {d.step for d in facts.detections}
     assert "<img" in page and "node0" in page
+    # issue 38 item 11: each row has its own rank's verdict (rank 0's rows read "faulty", rank 1's verdict)
+    (rerun,) = [e for e in kinds(run_dir, "sdc_rerun") if e["verdict"] == "faulty"]
+    faulty_step = rerun["step"]
+    rows = {d.rank: d.verdict for d in facts.detections if d.step == faulty_step}
+    assert rows.get(1) == "faulty" and all(rows[rank] != "faulty" for rank in rows if rank != 1), rows
     hung_dir, _ = killed_and_hung
     hung = read_run(hung_dir)
     assert hung.restarts == 2 and hung.last_step.step == STEPS and len(hung.incidents) == 2

@@ -61,6 +61,14 @@ def list_checkpoints(root: PathLike) -> list[CheckpointInfo]:
     return sorted(found, key=lambda info: (info.step, info.name))
 
 
+def newest_committed_step(root: PathLike) -> int | None:
+    """The step of the newest committed durable checkpoint under ``root`` (None without one or without
+    ``root``): where a run stands, read without loading anything."""
+    if not Path(root).is_dir():
+        return None
+    return max((info.step for info in list_checkpoints(root) if info.committed), default=None)
+
+
 def _committed_or_broken(step: int, path: Path) -> CheckpointInfo:
     try:
         manifest = read_manifest(path)

@@ -116,6 +116,14 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = loaded
 
 
+@dataclasses.dataclass(frozen=True)
+class Blocked:
+    """What one save cost the training loop, in seconds."""
+
+    total: float  # from the call until the loop may go on, the wait for the previous save included
+    waiting: float  # of it, waiting for the previous save to commit (at most one save is in flight)
+
+
 class DurableCheckpointer:
     def __init__(
         self,
@@ -171,12 +179,14 @@ class DurableCheckpointer:
         write_static_files: Callable[[Path], None],
         *,
         health: dict[str, Any] | None = None,
-    ) -> float:
-        """Stages the state and starts writing it; returns the seconds the caller was blocked.
+    ) -> Blocked:
+        """Stages the state and starts writing it; returns what the caller was blocked, the wait for
+        the previous save to commit included (a save every few seconds on slow storage waits for it).
 
         ``health`` (``{"is_health": 0|1, ...}``, 1 = unhealthy), when given, goes into the manifest
         and, once committed, into ``health_ckpts.json`` (rank 0).
         """
+        called = time.perf_counter()
         self.wait()
         started = time.perf_counter()
         tmp = self.root / temp_dir_name(step, self.run_token)
@@ -190,7 +200,7 @@ class DurableCheckpointer:
             plan = capture.plan
             snapshot = LazySnapshot(capture.split)
             self._gate.hold(snapshot, optimizer)
-            blocked = time.perf_counter() - started
+            blocked = Blocked(time.perf_counter() - called, started - called)
             self._saved(step, blocked)  # before the background part starts: it precedes the commit's event
             prepare = functools.partial(self._prepare, step, tmp, extra, trainer_state, started, health,
                                         write_static_files)
@@ -198,13 +208,14 @@ class DurableCheckpointer:
         else:
             job = self._prepare(step, tmp, extra_state, trainer_state, started, health, write_static_files)
             self._finish_or_say_full(training_state(model, optimizer), job)
-            blocked = time.perf_counter() - started
+            blocked = Blocked(time.perf_counter() - called, started - called)
             self._saved(step, blocked)
         return blocked
 
-    def _saved(self, step: int, blocked: float) -> None:
+    def _saved(self, step: int, blocked: Blocked) -> None:
         if self.rank == 0:  # here, in the step's order of events (docs/events.md)
-            self.events.emit("checkpoint_saved", step=step, blocked_s=blocked, async_save=self.async_save)
+            self.events.emit("checkpoint_saved", step=step, blocked_s=blocked.total,
+                             waiting_for_previous_s=blocked.waiting, async_save=self.async_save)
 
     def _prepare(self, step: int, tmp: Path, extra_state: dict[str, Any], trainer_state: dict[str, Any],
                  started: float, health: dict[str, Any] | None,

@@ -298,13 +298,17 @@ class CheckpointManager:
     def save_durable(self, step: int, trainer_state: dict[str, Any] | None = None,
                      health: Health | None = None) -> float:
         """Stages a durable checkpoint of ``step`` now and commits it in the background; returns the
-        seconds blocked."""
+        seconds blocked, the wait for the previous save to commit included."""
         extra = self._extra_state(step)
         blocked = self.durable.save(step, self.model, self.optimizer, extra, trainer_state or {"step": step},
                                     self.static_files, health=health)
         self.last_saved_step = step
-        log.info("checkpoint global_step_%d staged (blocked %.0fms)", step, blocked * 1000)
-        return blocked
+        if blocked.waiting >= 0.001:
+            log.info("checkpoint global_step_%d staged (blocked %.0fms, %.0fms of it waiting for the previous save "
+                     "to commit)", step, blocked.total * 1000, blocked.waiting * 1000)
+        else:
+            log.info("checkpoint global_step_%d staged (blocked %.0fms)", step, blocked.total * 1000)
+        return blocked.total
 
     def wait_for_staging(self) -> float:
         """Blocks until the state of the saves in flight is copied (an async save, and a memory-tier

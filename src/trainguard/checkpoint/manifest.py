@@ -23,6 +23,7 @@ from trainguard.checkpoint.checksum import CHECKSUM_ALGORITHM, file_checksum
 from trainguard.fs.bounded import BoundedReadError, parse_json, read_regular_text
 from trainguard.fs.fsio import PathLike, atomic_write_json
 from trainguard.fs.layout import MANIFEST_NAME
+from trainguard.fs.tree import TreeBoundError, walk_entries
 from trainguard.errors import CheckpointError
 
 FORMAT = "trainguard-checkpoint"
@@ -284,7 +285,12 @@ def verify_checkpoint(
         bad = [fault for fault in pool.map(check, manifest.files) if fault is not None]
     listed = {entry.path for entry in manifest.files}
     faulty = {fault.path for fault in bad}
-    for relative, kind in checkpoint_entries(root):
+    try:
+        entries = checkpoint_entries(root)
+    except TreeBoundError as exc:
+        bad.append(BadFile(exc.path.relative_to(root).as_posix(), exc.reason))
+        entries = []
+    for relative, kind in entries:
         if relative in faulty:
             continue
         if kind == "file" and relative not in listed:
@@ -299,15 +305,8 @@ def verify_checkpoint(
 def checkpoint_entries(root: Path) -> list[tuple[str, str]]:
     """(relative posix path, kind) of every entry under ``root`` but the manifest, never following a
     link; kind is file, directory, symlink, fifo, socket, device or other."""
-    found = []
-    for directory, subdirs, names in os.walk(root):
-        subdirs.sort()
-        for name in sorted(subdirs + names):
-            path = Path(directory, name)
-            relative = path.relative_to(root).as_posix()
-            if relative != MANIFEST_NAME:
-                found.append((relative, entry_kind(os.lstat(path).st_mode)))
-    return found
+    return [(relative, entry_kind(info.st_mode)) for relative, _, info in walk_entries(root)
+            if relative != MANIFEST_NAME]
 
 
 def entry_kind(mode: int) -> str:
@@ -345,16 +344,8 @@ def _file_fault(path: Path, entry: FileEntry) -> str | None:
 
 def _regular_files(root: Path) -> list[tuple[str, Path, int]]:
     """(relative posix path, path, size) of every regular file under ``root`` but the manifest."""
-    found = []
-    for directory, subdirs, names in os.walk(root):
-        subdirs.sort()
-        for name in sorted(names):
-            path = Path(directory, name)
-            info = os.lstat(path)
-            relative = path.relative_to(root).as_posix()
-            if stat.S_ISREG(info.st_mode) and relative != MANIFEST_NAME:
-                found.append((relative, path, info.st_size))
-    return found
+    return [(relative, path, info.st_size) for relative, path, info in walk_entries(root)
+            if stat.S_ISREG(info.st_mode) and relative != MANIFEST_NAME]
 
 
 _KIND_CHECKS: dict[str, Callable[[Any], bool]] = {

@@ -5,10 +5,12 @@ Unknown keys, wrong types and out-of-range values are ``ConfigError``s naming th
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import types
 import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -107,16 +109,49 @@ def _expanded_size(node: Any, sizes: dict[int, int]) -> int:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    source = str(path) if path is not None else "--set"
+    """The configuration of ``path`` (YAML) with the ``--set`` items ``overrides`` applied in order. A
+    ``ConfigError`` names the source at fault: the file, or the ``--set`` item that set the key."""
+    file_source = str(path) if path is not None else "--set"
     raw: dict[str, Any] = {}
     if path is not None:
         raw = _read_yaml(Path(path))
-    raw = translate_reference_keys(raw, source)
-    for item in overrides:
-        _apply_override(raw, item)
-    config = _build(RunConfig, raw, prefix="", source=source)
-    validate(config, source)
+    raw = translate_reference_keys(raw, file_source)
+    from_file = copy.deepcopy(raw)
+    sources = KeySources(file_source, {_apply_override(raw, item): item for item in overrides})
+    config = _build(RunConfig, raw, prefix="", sources=sources)
+    try:
+        validate(config, file_source)
+    except ConfigError:
+        if not overrides or path is None or not _valid(from_file, file_source):
+            raise
+        # the file alone is valid: an override made the combination fail
+        validate(config, "--set " + " ".join(repr(item) for item in overrides))
     return config
+
+
+@dataclass(frozen=True)
+class KeySources:
+    """Where each key of a configuration came from: the file, or the ``--set`` item that set it or a
+    section above it (so an error about a key typed after ``--set`` never blames the file)."""
+
+    file: str
+    overrides: dict[str, str]  # dotted key -> its --set item
+
+    def of(self, key: str) -> str:
+        parts = key.split(".")
+        for end in range(len(parts), 0, -1):
+            item = self.overrides.get(".".join(parts[:end]))
+            if item is not None:
+                return f"--set {item!r}"
+        return self.file
+
+
+def _valid(raw: dict[str, Any], source: str) -> bool:
+    try:
+        validate(_build(RunConfig, raw, prefix="", sources=KeySources(source, {})), source)
+    except ConfigError:
+        return False
+    return True
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -143,7 +178,8 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def _apply_override(raw: dict[str, Any], item: str) -> None:
+def _apply_override(raw: dict[str, Any], item: str) -> str:
+    """Sets the key of ``item`` (``section.key=value``) in ``raw``; returns the dotted key."""
     key, sep, text = item.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--set {item!r}: expected section.key=value")
@@ -161,16 +197,18 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
             raise ConfigError(f"--set {item!r}: {part!r} is not a section")
         node = child
     node[parts[-1]] = value
+    return ".".join(parts)
 
 
-def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
+def _build(cls: type, raw: Any, prefix: str, sources: KeySources) -> Any:
     if not isinstance(raw, dict):
-        raise ConfigError(f"{source}: config key {prefix.rstrip('.') or '<root>'!r} must be a mapping")
+        section = prefix.rstrip('.')
+        raise ConfigError(f"{sources.of(section)}: config key {section or '<root>'!r} must be a mapping")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in raw:
         if key not in fields:
-            raise ConfigError(f"{source}: unknown config key {prefix + str(key)!r}")
+            raise ConfigError(f"{sources.of(prefix + str(key))}: unknown config key {prefix + str(key)!r}")
     values = {}
     for name in fields:
         if name not in raw:
@@ -178,9 +216,9 @@ def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
         hint = hints[name]
         full_key = prefix + name
         if dataclasses.is_dataclass(hint):
-            values[name] = _build(hint, raw[name] if raw[name] is not None else {}, full_key + ".", source)
+            values[name] = _build(hint, raw[name] if raw[name] is not None else {}, full_key + ".", sources)
         else:
-            values[name] = _coerce(raw[name], hint, full_key, source)
+            values[name] = _coerce(raw[name], hint, full_key, sources.of(full_key))
     return cls(**values)
 
 
@@ -291,6 +329,7 @@ def validate(config: RunConfig, source: str = "<config>") -> None:
     if skip.mode not in ("absolute", "adaptive"):
         raise ConfigError(f"{source}: config key 'guards.skip.mode' must be 'absolute' or 'adaptive', got {skip.mode!r}")
     positive("guards.health.embedding_threshold (embedding_local_norm_threshold)", health.embedding_threshold)
+    positive("guards.max_consecutive_skips", config.guards.max_consecutive_skips, allow_zero=True)
     config.guards.sdc.validate()
     config.guards.fingerprint.validate()
     config.lifecycle.validate(source)

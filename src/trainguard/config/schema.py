@@ -10,6 +10,7 @@ from trainguard.guards.health import HealthConfig
 from trainguard.guards.rollback import RollbackConfig
 from trainguard.guards.sdc.config import SdcConfig
 from trainguard.guards.skip import SkipConfig
+from trainguard.guards.skip_streak import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from trainguard.runtime.lifecycle import LifecycleConfig
 from trainguard.topology.layout import ParallelConfig
 
@@ -66,6 +67,8 @@ class GuardsConfig:
     local_norm: bool = False  # compute per-parameter local norms (the reference's runner_wrapper.local_norm)
     check_for_global_norm: bool = False  # rollback on spikes instead of skipping (guards.rollback)
     rollback: RollbackConfig = field(default_factory=RollbackConfig)
+    # this many skipped steps in a row (any cause) end the run with exit 3; 0 = never
+    max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS
 
 
 @dataclass

@@ -50,22 +50,37 @@ from trainguard.guards.state_health import NamedTensors
 DEFAULT_INTERVAL = 50
 
 
+AT_REST = ("auto", "every_step", "interval")
+
+
 @dataclass
 class FingerprintConfig:
     """``guards.fingerprint``: compare replicas' state every ``interval`` steps and before every save
-    (0 = off)."""
+    (0 = off). ``at_rest``: when a rank checks that its shards did not change since the last optimizer
+    step: ``interval`` at the replica checks only; ``every_step`` before every update (a shard hashed
+    after each optimizer step and again after the next backward: two hashes per step); ``auto`` (the
+    default) every step on a rank with no replica, where nothing else can find a flip at a random
+    moment, at the checks otherwise."""
 
     interval: int = DEFAULT_INTERVAL
+    at_rest: str = "auto"
 
     def validate(self) -> None:
         interval = self.interval
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
             raise ConfigError(f"config key guards.fingerprint.interval must be a non-negative integer (0 = off), "
                               f"got {interval!r}")
+        if self.at_rest not in AT_REST:
+            raise ConfigError(f"config key guards.fingerprint.at_rest must be one of {', '.join(AT_REST)}, "
+                              f"got {self.at_rest!r}")
 
     @property
     def enabled(self) -> bool:
         return self.interval > 0
+
+    def every_step(self, replicas: int) -> bool:
+        """Whether a rank whose replica group has ``replicas`` members checks its shards at rest every step."""
+        return self.enabled and (self.at_rest == "every_step" or (self.at_rest == "auto" and replicas == 1))
 
 HOW = ("majority", "at_rest", "recompute", "unattributed")
 
@@ -87,6 +102,22 @@ def tensor_fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     rows = torch.cat([words[:full].view(-1, _ROW).sum(1), words[full:].sum().reshape(1),
                       data[whole:].to(torch.int64).sum().reshape(1)])
     return torch.stack([rows.sum(), rows.cumsum(0).sum()])
+
+
+def word_sums(named: NamedTensors) -> torch.Tensor:
+    """``[len(named)]`` int64: each tensor's bytes read as int64 words, summed (``tensor_fingerprint``'s
+    ``total``: any single bit flip changes it), in one reduction per tensor where its bytes allow the
+    view: the every-step at-rest check's hash, whose cost on a small model is the number of operations
+    per tensor, not the bytes (the position-weighted sum, which also sees values moved between
+    positions, is for comparing replicas)."""
+    sums = []
+    for _, tensor in named:
+        flat = tensor.detach().reshape(-1)
+        try:
+            sums.append(flat.view(torch.int64).sum())
+        except RuntimeError:  # a size or an offset not a multiple of 8 bytes: the general path, on a copy
+            sums.append(tensor_fingerprint(flat.clone())[0])  # that starts on an aligned address
+    return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64)
 
 
 def distance(tensor: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
@@ -209,6 +240,7 @@ class ReplicaFingerprints:
                 self.members, self.group = members, group
         self._after_update: torch.Tensor | None = None  # for the next at-rest comparison, which uses it up
         self._remembered: tuple[int, torch.Tensor] | None = None  # (step, hashes) of the last ``remember``
+        self._sums: tuple[int, torch.Tensor] | None = None  # (step, word sums) of the last ``remember_sums``
         self.checks = 0
 
     @property
@@ -232,6 +264,19 @@ class ReplicaFingerprints:
             return True
         current, remembered = fingerprints(named), self._remembered[1]
         return current.shape == remembered.shape and torch.equal(current, remembered)
+
+    def remember_sums(self, named: NamedTensors, step: int) -> None:
+        """The word sums of the state right after ``step``'s optimizer step, for ``changed_since_update``."""
+        self._sums = (step, word_sums(named))
+
+    def changed_since_update(self, named: NamedTensors, step: int) -> list[str]:
+        """The tensors of ``named`` whose word sums differ from this rank's right after ``step``'s
+        optimizer step (``remember_sums``; [] when it took none for that step): with no update since,
+        memory that changed at rest."""
+        if self._sums is None or self._sums[0] != step or len(self._sums[1]) != len(named):
+            return []
+        changed = (word_sums(named) != self._sums[1]).tolist()
+        return [name for (name, _), moved in zip(named, changed) if moved]
 
     def check(self, named: NamedTensors, at_rest: bool = True) -> FingerprintVerdict:
         """Hashes ``named`` (the same names in the same order on every replica), gathers the group's

@@ -31,6 +31,7 @@ In both modes a NaN or infinite norm is always a spike (counted, skipped, and co
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 from collections import deque
@@ -229,9 +230,12 @@ class SpikeRule:
 class DataSkipGuard:
     """Decides, once per optimizer step, whether to skip the step's update or abort the run."""
 
-    def __init__(self, cfg: SkipConfig):
+    def __init__(self, cfg: SkipConfig, tokens_per_step: int | None = None):
         cfg.validate()
         self.cfg = cfg
+        # what the norms are measured on: a state saved at another number of tokens per step (a
+        # sequence-length switch, another global batch) describes other norms, and its windows are dropped
+        self.tokens_per_step = tokens_per_step
         self.skipped_total = 0
         self.nan_total = 0
         self.consecutive = 0
@@ -323,6 +327,7 @@ class DataSkipGuard:
             "window": self.rule.window_state(),
             "streak": [[n, v] for n, v in self.streak],
             "loss_window": self.loss_rule.window_state() if self.loss_rule is not None else [],
+            "tokens_per_step": self.tokens_per_step,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -341,6 +346,9 @@ class DataSkipGuard:
             # absent from states saved before the regime and loss tests existed
             streak = [(float(n), None if v is None else float(v)) for n, v in state.get("streak", [])]
             loss_window = [float(v) for v in state.get("loss_window", [])]
+            saved_tokens = state.get("tokens_per_step")  # absent from states saved before it was kept
+            if saved_tokens is not None and (isinstance(saved_tokens, bool) or not isinstance(saved_tokens, int)):
+                raise ValueError(f"tokens_per_step must be an integer, got {saved_tokens!r}")
         except KeyError as exc:
             raise CheckpointError(f"data skip guard state is malformed: missing key {exc}") from None
         except (AttributeError, TypeError, ValueError) as exc:
@@ -348,6 +356,13 @@ class DataSkipGuard:
         self.skipped_total = counts["skipped_total"]
         self.nan_total = counts["nan_total"]
         self.consecutive = counts["consecutive"]
+        if self.tokens_per_step is not None and saved_tokens not in (None, self.tokens_per_step):
+            # a norm over other tokens per step is on another scale (issue 39: after a switch from 128 to 16
+            # tokens a sequence, 14 of the next 20 steps were skipped): the adaptive windows warm up again
+            logging.getLogger(__name__).info(
+                "data skip: the state was saved at %d tokens per step, the run now has %d: the adaptive windows "
+                "start a fresh warm-up", saved_tokens, self.tokens_per_step)
+            window, loss_window, streak = [], [], []
         self.rule.load_window(window, "data skip guard")
         self.streak = streak
         if self.loss_rule is not None:

@@ -14,7 +14,12 @@ Three calls per step, every rank:
   check step again, :meth:`ReplicaFingerprints.check_recompute` names the rank whose first computation
   went wrong, from host copies of the tensors that disagreed;
 - ``after_update(step)``: right after the optimizer step, hashes the shards when the next step is a
-  fingerprint step (the at-rest comparison's reference);
+  fingerprint step (the at-rest comparison's reference), or at every step with ``every_step``;
+- ``changed_at_rest(step)`` (``every_step``: ``guards.fingerprint.at_rest``, by default on a rank with
+  no replica): after the backward, whether this rank's shards still hash as they did after the last
+  update; the step's all-reduce carries the flag, and when any rank raised it every rank calls
+  ``after_change_at_rest``: the rank is struck, the state is recomputed from the newest healthy
+  checkpoint (or, with none, every later save is marked unhealthy);
 - ``before_save(step)``: the save's health verdict (``None`` when healthy and nothing is monitored):
   unhealthy when any rank's state holds a NaN/Inf (``state_health``) or replicas disagree with no
   repair. One all-reduce of two numbers over the world, so every rank gets the same verdict.
@@ -33,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from trainguard.guards.health import Health, marked_unhealthy
-from trainguard.guards.fingerprint import FingerprintConfig, FingerprintVerdict, ReplicaFingerprints
+from trainguard.guards.fingerprint import FingerprintConfig, FingerprintVerdict, Mismatch, ReplicaFingerprints
 from trainguard.guards.state_health import local_state, merge_health, nonfinite_state, poisoned_health
 
 # strike(step, evidence) -> whether this rank's device is now faulty
@@ -49,8 +54,14 @@ class StateGuard:
         self.rank, self.log, self.emit, self.strike = rank, log, emit, strike
         self.fingerprints = (ReplicaFingerprints(replica_groups, rank, config.interval)
                              if config.enabled else None)
+        # check the shards at rest before every update, not only at the replica checks (the sizes of the
+        # replica groups are the same on every rank, so every rank decides alike)
+        self.every_step = self.fingerprints is not None and config.every_step(self.fingerprints.replicas)
+        self._changed: list[str] = []  # this rank's tensors that changed at rest, as of the last check
         self.faulty = False  # this rank's device reached its strike limit through a fingerprint mismatch
-        self.unrepaired: FingerprintVerdict | None = None  # a mismatch nothing could repair, until a save
+        # a mismatch nothing could repair: every later save holds it (and is marked unhealthy) until a
+        # recompute from an agreeing checkpoint replaces the state
+        self.unrepaired: FingerprintVerdict | None = None
         self.struck_out: list[int] = []  # every rank whose device is faulty, as of the last check (world)
         self.recompute = False  # the last check asks for a recompute from the last agreeing state (world)
         # (check step, host copies of this rank's tensors that disagreed there), until the recompute reaches it
@@ -103,8 +114,33 @@ class StateGuard:
         return self.fingerprints is not None and self.fingerprints.due(step)
 
     def after_update(self, step: int) -> None:
-        if self.fingerprints is not None and self.fingerprints.due(step + 1):
+        """Right after ``step``'s optimizer step (or once the state of ``step`` is loaded): hashes the
+        shards when a check will compare with them."""
+        if self.fingerprints is None:
+            return
+        if self.fingerprints.due(step + 1):
             self.fingerprints.remember(self._state(), step)
+        if self.every_step:
+            self.fingerprints.remember_sums(self._state(), step)
+
+    def changed_at_rest(self, step: int) -> bool:
+        """``every_step``: whether this rank's shards changed since they were hashed after ``step - 1``'s
+        update (the state changes only in ``optimizer.step``). Local and cheap to share: the step's
+        all-reduce carries it, and only then does every rank call :meth:`after_change_at_rest`."""
+        self._changed = self.fingerprints.changed_since_update(self._state(), step - 1) if self.every_step else []
+        return bool(self._changed)
+
+    def after_change_at_rest(self, step: int) -> None:
+        """Some rank's shards changed at rest (``changed_at_rest``): the rank that holds them is struck
+        (its memory changed with no update: no other rank can have caused it), the change is logged and
+        kept unrepaired until a recompute replaces it, and every rank learns ``struck_out`` and
+        ``recompute``. Collective: every rank calls it at the same step."""
+        named = self._state()
+        self._handle(step, named, self._changed_verdict())
+        self._exchange(bool(self._changed), named[0][1].device if named else torch.device("cpu"))
+
+    def _changed_verdict(self) -> FingerprintVerdict:
+        return FingerprintVerdict(tuple(Mismatch(name, (self.rank,), None, "at_rest") for name in self._changed))
 
     def restored_agrees(self, step: int) -> bool:
         """Whether the state just restored from ``step``'s checkpoint hashes as every rank's did right after
@@ -123,21 +159,27 @@ class StateGuard:
         named = self._state()
         if self.fingerprints is not None:
             self._handle(step, named, self.fingerprints.check(named, at_rest=False))
+        if self.every_step:  # the sums taken right after this step's update: memory that changed since
+            self._changed = self.fingerprints.changed_since_update(named, step)
+            self._handle(step, named, self._changed_verdict())
         bad = nonfinite_state(named)
         device = named[0][1].device if named else torch.device("cpu")
-        counts = torch.tensor([len(bad), int(self.unrepaired is not None)], dtype=torch.int64, device=device)
+        unrepaired_here = self.unrepaired is not None
+        at_rest_only = unrepaired_here and all(m.how == "at_rest" for m in self.unrepaired.mismatches)
+        counts = torch.tensor([len(bad), int(unrepaired_here), int(unrepaired_here and not at_rest_only)],
+                              dtype=torch.int64, device=device)
         if dist.is_initialized():
             dist.all_reduce(counts)
-        nonfinite, unrepaired = counts.tolist()
+        nonfinite, unrepaired, disagreeing = counts.tolist()
         verdicts = [health, poisoned_health(nonfinite, bad)]
         if unrepaired:
-            verdicts.append({"is_health": int(Health.UNHEALTHY), "reason": "replicas disagree",
-                             "fingerprint_groups": unrepaired})
+            # a shard that changed at rest with no replica to repair it, or replicas that disagree
+            reason = "replicas disagree" if disagreeing else "state changed at rest"
+            verdicts.append({"is_health": int(Health.UNHEALTHY), "reason": reason, "fingerprint_groups": unrepaired})
         merged = merge_health(*verdicts)
         if marked_unhealthy(merged):
             self.log.error("checkpoint of step %d is unhealthy and will not be resumed from: %s", step,
                            {k: v for k, v in merged.items() if k != "is_health"})
-        self.unrepaired = None
         return merged
 
     def _handle(self, step: int, named, verdict: FingerprintVerdict) -> None:

@@ -55,7 +55,7 @@ class SkipMark:
     threshold: float | None
     nan: bool
     reason: str
-    """``data_skip``, ``data_skip_abort`` or ``sdc reproducible``."""
+    """``data_skip``, ``data_skip_abort``, ``sdc reproducible`` or ``sdc unverified`` (no rerun)."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,8 @@ class Detection:
     rule: str
     device: str
     verdict: str | None
-    """The rerun's verdict for the step (``transient``, ``reproducible``, ``faulty``), None without rerun."""
+    """This rank's rerun verdict at the step (``transient``, ``reproducible``, ``unverified``, ``faulty``,
+    ``none``: no level-1 value of its own), None when no verdict was recorded."""
 
 
 @dataclass
@@ -87,6 +88,9 @@ class CheckpointFact:
     """Still on disk now (durable tier only; other tiers are known from events only)."""
     deleted: str | None = None
     """Why it was deleted, when an event says so."""
+    blocked_s: float | None = None
+    """Durable tier: what its save blocked the loop (``checkpoint_saved``), the wait for the previous
+    save to commit included."""
 
 
 @dataclass(frozen=True)
@@ -287,16 +291,21 @@ def _from_events(events: list[dict], facts: RunFacts) -> None:
     facts.first_time = _time(events[0])
     facts.last_event_time = _time(events[-1])
     attempt_events = _split_attempts(events)
-    verdicts: dict[int, str] = {}
+    verdicts: dict[tuple[int, int | None], str] = {}  # (step, rank or None for every rank) -> rerun verdict
     saved: dict[int, float] = {}  # step -> time of its latest checkpoint_saved
     for index, chunk in enumerate(attempt_events):
         for event in chunk:
             _one_event(event, index, facts, verdicts, saved)
     facts.detections = [
-        Detection(d.step, d.time, d.rank, d.point, d.level, d.value, d.rule, d.device, verdicts.get(d.step))
+        Detection(d.step, d.time, d.rank, d.point, d.level, d.value, d.rule, d.device,
+                  verdicts.get((d.step, d.rank), verdicts.get((d.step, None))))
         if d.step is not None else d
         for d in facts.detections
     ]
+    blocked = {_int(e.get("step")): number(e.get("blocked_s")) for e in events if e.get("kind") == "checkpoint_saved"}
+    for ckpt in facts.checkpoints:
+        if ckpt.tier == "durable":
+            ckpt.blocked_s = blocked.get(ckpt.step)
     facts.attempts = [_attempt(index, chunk) for index, chunk in enumerate(attempt_events)]
     facts.incidents = _incidents(facts.attempts, attempt_events, facts.steps)
     facts.quorum_changes = _quorum_changes(events)
@@ -373,7 +382,8 @@ def _split_attempts(events: list[dict]) -> list[list[dict]]:
     return chunks
 
 
-def _one_event(event: dict, attempt: int, facts: RunFacts, verdicts: dict[int, str], saved: dict[int, float]) -> None:
+def _one_event(event: dict, attempt: int, facts: RunFacts, verdicts: dict[tuple[int, int | None], str],
+               saved: dict[int, float]) -> None:
     kind = event.get("kind")
     t = _time(event)
     step = _int(event.get("step"))
@@ -394,10 +404,15 @@ def _one_event(event: dict, attempt: int, facts: RunFacts, verdicts: dict[int, s
             number(event.get("value")), str(event.get("rule", "")), str(event.get("device", "")), None))
     elif kind == "sdc_rerun" and step is not None:
         verdict = str(event.get("verdict"))
-        if verdict != "none":
-            verdicts[step] = verdict
-        if verdict == "reproducible":
-            facts.skips.append(SkipMark(step, t, None, None, False, "sdc reproducible"))
+        by_rank = event.get("verdicts")
+        if isinstance(by_rank, dict):  # each rank's own verdict: the strongest is one rank's, not every rank's
+            for rank, label in by_rank.items():
+                if str(rank).isdigit():  # JSON object keys are strings
+                    verdicts[(step, int(rank))] = str(label)
+        elif verdict != "none":  # a run from before per-rank verdicts: the step's verdict for every rank
+            verdicts[(step, None)] = verdict
+        if verdict in ("reproducible", "unverified"):
+            facts.skips.append(SkipMark(step, t, None, None, False, f"sdc {verdict}"))
     elif kind in ("checkpoint_committed", "local_checkpoint_saved", "mirror_uploaded") and step is not None:
         tier = str(event.get("tier") or {"local_checkpoint_saved": "local", "mirror_uploaded": "mirror"}.get(kind, "durable"))
         path = _str(event.get("path"))
@@ -421,6 +436,8 @@ def _one_event(event: dict, attempt: int, facts: RunFacts, verdicts: dict[int, s
         facts.faults.append(event)
     elif kind == "run_finished":
         facts.finish_reason = str(event.get("reason") or "finished")
+    elif kind in ("run_started", "lifecycle_stop"):  # the run went on, or stopped, after an earlier finish
+        facts.finish_reason = None
     if kind in ACTION_KINDS:
         facts.actions.append(Action(t, kind, step, _int(event.get("rank")), _str(event.get("node")),
                                     _str(event.get("reason")), _seconds(event)))
@@ -435,8 +452,15 @@ def _attempt(index: int, chunk: list[dict]) -> Attempt:
         resumed_step=_int(started.get("step")) if started else None,
         last_step=steps[-1]["step"] if steps else (_int(started.get("step")) if started else None),
         last_time=_time(chunk[-1]),
-        finished=any(e.get("kind") == "run_finished" for e in chunk),
+        finished=_ends_finished(chunk),
     )
+
+
+def _ends_finished(chunk: list[dict]) -> bool:
+    """Whether an attempt's last word is ``run_finished``: a start that found the kill switch armed
+    writes its ``lifecycle_stop`` into the attempt before it (it starts nothing), after its finish."""
+    ends = [e.get("kind") for e in chunk if e.get("kind") in ("run_finished", "lifecycle_stop")]
+    return bool(ends) and ends[-1] == "run_finished"
 
 
 def _cause(chunk: list[dict]) -> str | None:
@@ -444,8 +468,11 @@ def _cause(chunk: list[dict]) -> str | None:
     stops = [e for e in chunk if e.get("kind") == "lifecycle_stop"]
     if stops:
         stop = stops[-1]
-        return (f"stopped on purpose: {str(stop.get('reason', '?')).replace('_', ' ')} at step {stop.get('step')}"
-                f" (exit {stop.get('exit_code')})")
+        reason = str(stop.get('reason', '?')).replace('_', ' ')
+        if stop.get("outcome") == "not_started":  # a start that found the stop already asked for
+            return (f"stopped on purpose: {reason} armed at start, nothing trained (exit {stop.get('exit_code')}; "
+                    f"the run is at step {stop.get('step')})")
+        return f"stopped on purpose: {reason} at step {stop.get('step')} (exit {stop.get('exit_code')})"
     faulty = [e for e in chunk if e.get("kind") == "sdc_rerun" and e.get("verdict") == "faulty"]
     if faulty:
         return f"faulty hardware (SDC) at step {faulty[-1].get('step')}"

@@ -90,8 +90,8 @@ def render(facts: RunFacts, plots: dict[str, bytes]) -> str:
               _e(d.verdict)] for d in facts.detections),
             "No silent-data-corruption detection."),
         "<h2>Checkpoints</h2>" + _table(
-            ["step", "tier", "committed", "save seconds", "size", "health", "now"],
-            ([_e(c.step), _e(c.tier), _clock(facts, c.time), _num(c.seconds, "{:.2f}"),
+            ["step", "tier", "committed", "save seconds", "loop blocked s", "size", "health", "now"],
+            ([_e(c.step), _e(c.tier), _clock(facts, c.time), _num(c.seconds, "{:.2f}"), _num(c.blocked_s, "{:.3f}"),
               _num(c.size_bytes / 1e6 if c.size_bytes is not None else None, "{:.1f} MB"),
               f'<span class="{_e(c.health)}">{_e(c.health or "not monitored")}</span>',
               _e(f"deleted ({c.deleted})" if c.deleted else ("on disk" if c.present else "-"))]

@@ -27,6 +27,31 @@ MEANINGFUL_EXIT_CODES = (EXIT_USAGE, EXIT_DATA_SKIP_ABORT, EXIT_NO_CHECKPOINT, E
 NEVER_RESTART = (EXIT_OK, EXIT_USAGE, EXIT_DATA_SKIP_ABORT, EXIT_NO_CHECKPOINT, EXIT_RESUMABLE_STOP)
 
 
+# why a rank's own exit code ends the run, and why a restart would not help
+NO_RESTART_REASONS = {
+    EXIT_USAGE: ("a configuration or usage error",
+                 "a restart would fail the same way; fix it and run the command again"),
+    EXIT_DATA_SKIP_ABORT: ("too many consecutive gradient spikes (data skip abort)",
+                           "a restart would replay the same data; see docs/guards.md"),
+    EXIT_NO_CHECKPOINT: ("no usable checkpoint to resume from", "a restart would find none either"),
+    EXIT_RESUMABLE_STOP: ("a stop asked for (SIGTERM/SIGUSR1 or the time limit), the last step saved",
+                          "it is resumable: run the same command again to continue"),
+}
+
+
+def stop_explanation(exit_code: int, step: int | None, detail: str | None, stop_signal: str | None) -> str | None:
+    """The supervisor's one line when a run ends with a code it never restarts (None for 0 and for
+    codes it does restart): what stopped the run and why it is not restarted."""
+    if exit_code not in NO_RESTART_REASONS:
+        return None
+    what, why = NO_RESTART_REASONS[exit_code]
+    if stop_signal is not None and exit_code == EXIT_RESUMABLE_STOP:
+        what = f"received {stop_signal}, the ranks stopped"
+    at = f" at step {step}" if step is not None else ""
+    by = f"; {detail}" if detail else ""
+    return f"stopped{at}: exit {exit_code}, {what}{by}; not restarted: {why}"
+
+
 def exit_code_of(failure_codes: list[int]) -> int:
     """The code that explains a failed group: a meaningful code if any rank gave one, else crash."""
     for code in MEANINGFUL_EXIT_CODES:
@@ -140,6 +165,16 @@ class RestartPolicy:
             return None
         self.node_deaths[node] = self.node_deaths.get(node, 0) + 1
         return node if self.node_deaths[node] >= self.node_failures else None
+
+    @staticmethod
+    def exclusion_reason(ended: Ended) -> str:
+        """Why ``node_to_exclude`` named the node, as ``node_excluded`` events spell it (the
+        incarnation's outcome, ``failed``, says nothing of it)."""
+        if ended.exit_code == EXIT_FAULTY_HARDWARE:
+            return "faulty_hardware"
+        if ended.outcome is Outcome.NODE_LOST:
+            return "node_lost"
+        return "repeated_failures"
 
     def replaced_node(self) -> None:
         """A spare took a failed node's slot: a new node deserves a fresh count."""

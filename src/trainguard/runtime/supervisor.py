@@ -48,6 +48,7 @@ from trainguard.runtime.policy import (
     classify,
     first_rank_with,
     outcome_of,
+    stop_explanation,
 )
 
 EXCLUDED_FILE = Path("nodes") / "excluded.json"
@@ -246,7 +247,7 @@ class Supervisor:
                 return self._finish(inc, decision.exit_code)
             excluded = self.policy.node_to_exclude(ended, self.pool.slots)
             if excluded is not None:
-                if not self._replace(inc, excluded):
+                if not self._replace(inc, excluded, self.policy.exclusion_reason(ended)):
                     return self._give_up(inc, "no spare node", ended.exit_code)
                 self.policy.replaced_node()
             elif ended.exit_code == EXIT_FAULTY_HARDWARE:
@@ -260,13 +261,13 @@ class Supervisor:
                 return self._finish(inc, EXIT_RESUMABLE_STOP)
             number += 1
 
-    def _replace(self, inc: Incarnation, node: str) -> bool:
+    def _replace(self, inc: Incarnation, node: str, reason: str) -> bool:
         """Excludes ``node`` and gives its slot to a spare that passes its self-test; False if none is left."""
-        spare = self.pool.exclude(node, inc.detail or inc.outcome.value)
+        spare = self.pool.exclude(node, inc.detail or reason)
         self._save_excluded()
-        self.emit("node_excluded", node=node, reason=inc.outcome.value, exit_code=inc.exit_code,
+        self.emit("node_excluded", node=node, reason=reason, detail=inc.detail, exit_code=inc.exit_code,
                   ranks=[inc.failing_rank] if inc.failing_rank is not None else [], spare=spare)
-        self.say(f"node {node} excluded ({inc.detail or inc.outcome.value})")
+        self.say(f"node {node} excluded ({inc.detail or reason})")
         while spare is not None and self.o.doctor is not None and (why := self.o.doctor(spare)) is not None:
             failed, spare = spare, self.pool.exclude(spare, f"doctor: {why}")  # the next spare, if any
             self._save_excluded()
@@ -571,6 +572,9 @@ class Supervisor:
         return code
 
     def _finish(self, inc: Incarnation, code: int) -> int:
+        explanation = stop_explanation(code, inc.reached_step, inc.detail, self.stop_signal)
+        if explanation is not None:
+            self.say(explanation)
         if len(self.incarnations) > 1:
             self._summary()
         self.emit("supervisor_finished", step=inc.reached_step, exit_code=code, outcome=inc.outcome.value,

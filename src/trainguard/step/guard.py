@@ -40,7 +40,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,24 +49,35 @@ import torch
 import torch.distributed as dist
 
 from trainguard.backup.attach import attach_mirror
+from trainguard.checkpoint.discovery import newest_committed_step
 from trainguard.checkpoint.manager import CheckpointManager, Stateful
 from trainguard.config.load import config_to_dict, load_config
 from trainguard.config.schema import FaultToleranceConfig, RunConfig
-from trainguard.errors import EXIT_CRASH, EXIT_OK, ConfigError, TrainguardError
+from trainguard.errors import (
+    EXIT_CRASH,
+    EXIT_OK,
+    EXIT_USAGE,
+    ConfigError,
+    ConfigErrorExit,
+    TrainguardError,
+    raised_by_every_rank,
+)
 from trainguard.events import EventLog
 from trainguard.events.rank_logging import LOGGER_NAME, setup_logging
 from trainguard.faults import FaultInjector
 from trainguard.guards.rollback import RollbackGuard
 from trainguard.guards.sdc import FaultyDeviceError, faulty_ranks_path, sdc_config_from_env, write_faulty_ranks
 from trainguard.guards.skip import DataSkipAbort, DataSkipGuard, reference_abort_message, reference_log_lines
+from trainguard.guards.skip_streak import SkipStreak
 from trainguard.guards.state_guard import StateGuard
 from trainguard.live.rank import LiveRank
 from trainguard.live.worker import LiveArgs, MicroBatchLoss, SampleRange
 from trainguard.norms import clip_grads_, local_grad_norms
-from trainguard.runtime.heartbeat import node_name
+from trainguard.runtime.heartbeat import HeartbeatWriter, node_name
 from trainguard.runtime.lifecycle import EXIT_CODES, NONE, REASON_NAMES, Lifecycle
 from trainguard.step.embedding import EmbeddingNorm
 from trainguard.step.live import closure_only, live_only, live_rank, with_launcher_overrides
+from trainguard.step.outcome import RunOutcome, end_outcome, stop_outcome
 from trainguard.step.local_tier import build_local_tier, build_memory_tier, fire_wipe_faults, resolve_ranks_per_node
 from trainguard.step.report import StepReport
 from trainguard.step.rollback import SkippableData, roll_back, skippable_data
@@ -96,12 +107,35 @@ class StepOutcome:
     rolled_back: bool  # a spike restored an earlier checkpoint (rollback mode)
 
 
-def _load(config: str | Path | RunConfig | None) -> RunConfig:
-    if config is None:
-        return RunConfig()
+def _load(config: str | Path | RunConfig | None, overrides: Sequence[str]) -> RunConfig:
     if isinstance(config, RunConfig):
+        if overrides:
+            raise ValueError("Guard(overrides=...) applies to a config file (or None), not to a RunConfig")
         return config
-    return load_config(config)
+    return load_config(config, list(overrides))
+
+
+def _config_errors_end_the_process(init: Callable[..., None]) -> Callable[..., None]:
+    """A configuration mistake found while building the guard (a key, a fault site, rollback mode
+    without skippable data) is the same on every rank and a restart cannot fix it: rank 0 prints it in
+    one line, every rank records exit 2 in its heartbeat (the supervisor never restarts it) and raises
+    ``ConfigErrorExit``: uncaught, exit 2 without a traceback; caught, a ``ConfigError``."""
+
+    @functools.wraps(init)
+    def build(self: "Guard", run_dir: str | Path, *args: Any, **kwargs: Any) -> None:
+        try:
+            init(self, run_dir, *args, **kwargs)
+        except TrainguardError as error:
+            if error.exit_code != EXIT_USAGE:
+                raise
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            with contextlib.suppress(OSError):  # an unwritable run directory must not mask the error
+                HeartbeatWriter(run_dir, rank).beat("exit", 0, EXIT_USAGE)
+            if rank == 0:
+                print(f"trainguard: error: {error}", file=sys.stderr, flush=True)
+            raise ConfigErrorExit(str(error)) from None
+
+    return build
 
 
 def _input_embedding(model: torch.nn.Module) -> torch.nn.Parameter | None:
@@ -151,6 +185,7 @@ class Guard:
     other arguments, ``resume``, ``should_stop`` and ``step`` are refused.
     """
 
+    @_config_errors_end_the_process
     def __init__(
         self,
         run_dir: str | Path,
@@ -167,8 +202,9 @@ class Guard:
         tokenizer: Any = None,
         tokens_per_step: int | None = None,
         live_argv: list[str] | None = None,
+        overrides: Sequence[str] = (),
     ):
-        self.config = cfg = with_launcher_overrides(_load(config), os.environ)  # a live launcher's --set
+        self.config = cfg = with_launcher_overrides(_load(config, overrides), os.environ)  # and a live launcher's --set
         self._live: LiveRank | None = None
         if cfg.fault_tolerance.live:
             self.run_dir, self.model, self.optimizer = Path(run_dir), model, optimizer
@@ -199,7 +235,8 @@ class Guard:
         self.lifecycle = Lifecycle.for_rank(cfg.lifecycle, self.run_dir, self.rank, self.device)
 
         self.stateful = dict(stateful or {})
-        reserved = {"scheduler", "skip_guard", "rollback", "sdc_detector", "sdc_strikes"} & set(self.stateful)
+        own = {"scheduler", "skip_guard", "skip_streak", "rollback", "sdc_detector", "sdc_strikes"}
+        reserved = own & set(self.stateful)
         if reserved:
             raise ValueError(f"stateful names {sorted(reserved)} are the guard's own; choose other names")
         rank_tiers = cfg.checkpoint.local_interval or cfg.checkpoint.memory_interval
@@ -243,7 +280,9 @@ class Guard:
         self.state = StateGuard(cfg.guards.fingerprint, model, optimizer,
                                 _replica_groups(mesh_shape, mesh_dim_names, self.world_size), self.rank, self.log,
                                 self.events.emit, strike=self._strike if self.sdc is not None else None)
-        self.skip_guard = DataSkipGuard(cfg.guards.skip) if cfg.guards.skip.enabled else None
+        self.skip_streak = SkipStreak(cfg.guards.max_consecutive_skips)
+        self.checkpoints.stateful["skip_streak"] = self.skip_streak
+        self.skip_guard = DataSkipGuard(cfg.guards.skip, tokens_per_step) if cfg.guards.skip.enabled else None
         if self.skip_guard is not None:
             self.checkpoints.stateful["skip_guard"] = self.skip_guard
         self.rollback: RollbackGuard | None = None
@@ -257,6 +296,12 @@ class Guard:
             weight = _input_embedding(model) if isinstance(embedding, str) else embedding
             self.embedding = EmbeddingNorm(weight, self.device)
 
+        if getattr(model, "reducer", None) is not None and not (model.find_unused_parameters or model.static_graph):
+            # a DistributedDataParallel that rebuilds its buckets at its first step (docs/library.md)
+            self.log.warning("DDP rebuilds its gradient buckets at each process's first step: the first step after a "
+                             "resume sums gradients in another order than a run that never stopped (a difference in "
+                             "the last digits); DDP(..., find_unused_parameters=True) keeps the initial buckets and "
+                             "resumes bitwise")
         self.global_step = 0
         """The step the run is at: the last one applied, skipped or restored."""
         self._total: int | None = None
@@ -264,6 +309,15 @@ class Guard:
         self._pending_stop = NONE
         self._training = False
         self._exit_code: int | None = None
+        self._trained = False  # resume() found no stop pending: the loop got to train
+        self.outcome = RunOutcome.RUNNING
+        """How the run ended (``close()``'s 0 is a finished run, a kill-switch stop or a start that
+        trained nothing alike): ``RunOutcome.FINISHED`` alone means the model is the trained one."""
+
+    @property
+    def finished(self) -> bool:
+        """The run reached ``total_steps``: what a loop checks before exporting the model."""
+        return self.outcome is RunOutcome.FINISHED
 
     # ---------------------------------------------------------------------------------- resume
     def resume(self) -> int:
@@ -275,11 +329,13 @@ class Guard:
         self._pending_stop = self.lifecycle.decide()
         if self._pending_stop:
             return 0
+        self._trained = True
         self.lifecycle.beat("resume", 0)
         try:
             self.global_step = self.checkpoints.resume()
         except TrainguardError as error:  # no checkpoint to resume from (exit 4), a damaged one, ...
             self._abort(error)
+        self.state.after_update(self.global_step)  # the first step is checked against the state loaded
         return self.global_step
 
     # ----------------------------------------------------------------------------- should_stop
@@ -325,12 +381,17 @@ class Guard:
             self.checkpoints.save(step, self.trainer_state(), self._health, stopping=True)
         self.checkpoints.close()
         code = EXIT_CODES[reason]
-        self.log.warning("stopping at step %d: %s; exit %d (checkpoint: step %s)", step, why, code,
-                         self.checkpoints.last_saved_step)
+        self.outcome = stop_outcome(reason, self._trained)
+        last_checkpoint = self.checkpoints.last_saved_step
+        if self.outcome is RunOutcome.NOT_STARTED:
+            # nothing was loaded: the run is where its newest checkpoint is, not at step 0
+            step = last_checkpoint = newest_committed_step(self.checkpoints.root)
+            why += " at start: nothing loaded or trained"
+        self.log.warning("stopping at step %s: %s; exit %d (checkpoint: step %s)", step, why, code, last_checkpoint)
         if self.rank == 0:
-            self.events.emit("lifecycle_stop", step=step, reason=REASON_NAMES[reason], message=why,
-                             exit_code=code, last_checkpoint=self.checkpoints.last_saved_step)
-        self.lifecycle.beat("exit", step, code)
+            self.events.emit("lifecycle_stop", step=step, reason=REASON_NAMES[reason], message=why, exit_code=code,
+                             last_checkpoint=last_checkpoint, outcome=self.outcome.value)
+        self.lifecycle.beat("exit", self.global_step, code)
         self._exit_code = code
 
     # ------------------------------------------------------------------------------------ step
@@ -392,8 +453,19 @@ class Guard:
                                    rolled_back=True)
         snapshot = StepSnapshot.take(self.stateful) if self.sdc is not None else None
         loss = self._forward_backward(closure, step)
+        changed = self.state.changed_at_rest(step)
         detected = self.sdc.check(step) if self.sdc is not None else False
-        reduced = self._reduce(loss, {Slot.SDC_STOP: detected, Slot.SDC_LOCAL: detected and self.sdc.detected_locally})
+        reduced = self._reduce(loss, {Slot.SDC_STOP: detected, Slot.SDC_LOCAL: detected and self.sdc.detected_locally,
+                                      Slot.STATE_AT_REST: changed})
+        if reduced.count(Slot.STATE_AT_REST):
+            # the state, not this step's computation, is at fault: the recompute replaces the step (with
+            # nothing to recompute from, it goes on, and every later save is marked unhealthy)
+            self.state.after_change_at_rest(step)
+            if self.state.struck_out:
+                self._exclude(self.global_step, self.state.struck_out, "fingerprint mismatches")
+            if self.state.recompute and self._recompute(step):
+                return StepOutcome(self.global_step, math.nan, math.nan, applied=False, skipped=False,
+                                   rolled_back=True)
         skipped = False
         if reduced.count(Slot.SDC_STOP) and self.sdc.config.recover:
             reduced, skipped = self._rerun(step, closure, snapshot, loss, alone=reduced.count(Slot.SDC_LOCAL) == 1)
@@ -414,6 +486,7 @@ class Guard:
                                    skipped=False, rolled_back=True)
         if not skipped and not math.isfinite(reduced.global_norm):
             skipped = self._skip_nonfinite(step, reduced.global_norm)
+        self._count_skip(step, skipped)
         if not skipped:
             clip_grads_(self._grads(), cfg.optim.grad_clip, reduced.global_norm)
             self.checkpoints.wait_for_staging()  # a save's copy ran during this forward and backward
@@ -475,8 +548,9 @@ class Guard:
                         default=RerunVerdict.NONE)
         verdicts = self._gather(int(verdict))  # the rare path: which ranks said what
         if self.rank == 0:
-            self.events.emit("sdc_rerun", step=step, verdict=strongest.label,
-                             ranks=[r for r, v in enumerate(verdicts) if v])
+            said = {rank: RerunVerdict(v) for rank, v in enumerate(verdicts) if v}
+            self.events.emit("sdc_rerun", step=step, verdict=strongest.label_after(reran), reran=reran,
+                             ranks=list(said), verdicts={str(rank): v.label_after(reran) for rank, v in said.items()})
         if strongest == RerunVerdict.FAULTY:
             # saved as step N without N's update: like a skipped step, its batch is not replayed
             self.global_step = step
@@ -517,6 +591,7 @@ class Guard:
                          "global_step_%d, the last agreeing state", step, restored)
         if self.rank == 0:
             self.events.emit("fingerprint_recompute", step=step, to_step=restored)
+        self.state.after_update(restored)  # the recompute's first step is checked against the state loaded
         self.global_step = restored
         if self.embedding is not None:
             self.embedding.forget()
@@ -545,6 +620,19 @@ class Guard:
                 self.events.emit("data_skip_abort", step=step, global_norm=norm, message=message)
             raise DataSkipAbort(f"ValueError: {message}")
         return decision.skip
+
+    def _count_skip(self, step: int, skipped: bool) -> None:
+        """A run that skips every step trains nothing: at ``guards.max_consecutive_skips`` skipped steps in
+        a row (any cause) it ends with exit 3 instead of reporting success. The skip decision is every
+        rank's alike, so they all stop here together."""
+        if not self.skip_streak.note(skipped).abort:
+            return
+        message = self.skip_streak.message(step)
+        self.log.error(message)
+        if self.rank == 0:
+            self.events.emit("skip_streak_abort", step=step, consecutive=self.skip_streak.consecutive,
+                             limit=self.skip_streak.limit)
+        raise raised_by_every_rank(DataSkipAbort(message))
 
     def _skip_nonfinite(self, step: int, norm: float) -> bool:
         """A NaN/Inf global norm never reaches the optimizer, whatever the guards' settings: it would
@@ -607,7 +695,7 @@ class Guard:
     # ----------------------------------------------------------------------------------- close
     def close(self) -> int:
         """Waits until the last checkpoint is committed on every rank; returns the exit code: 0, or 16
-        after a signal or time-limit stop (0 after the kill switch). Live mode: ends the process (0, or
+        after a signal or time-limit stop (0 after the kill switch: ``outcome`` tells them apart). Live mode: ends the process (0, or
         ``FENCED_EXIT`` for a stale process of a rank that was replaced) and does not return."""
         if self._live is not None:
             self._live.close()
@@ -615,8 +703,9 @@ class Guard:
             return self._exit_code
         self.checkpoints.close()
         step = self.global_step
+        self.outcome = end_outcome(step, self._total)
         if self.rank == 0:
-            reason = "finished" if self._total is None or step >= self._total else "exit_at_step"
+            reason = self.outcome.value
             self.events.emit("run_finished", step=step, reason=reason, last_checkpoint=self.checkpoints.last_saved_step)
             self.log.info("run %s at step %d", reason, step)
         self.lifecycle.beat("exit", step, EXIT_OK)

@@ -17,6 +17,7 @@ from enum import IntEnum
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from trainguard.errors import ConfigError
 from trainguard.events import EventLog
@@ -32,7 +33,7 @@ from trainguard.guards.sdc import (
     format_values,
 )
 from trainguard.guards.sdc.detectors import NOT_CHECKED, Detection, SdcLevel
-from trainguard.guards.sdc.points import GRADIENT_PREFIX
+from trainguard.guards.sdc.points import GRADIENT_PREFIX, output_head
 
 
 class RerunVerdict(IntEnum):
@@ -48,6 +49,11 @@ class RerunVerdict(IntEnum):
         """The spelling in ``sdc_rerun`` events."""
         return self.name.lower()
 
+    def label_after(self, reran: bool) -> str:
+        """The spelling in ``sdc_rerun`` events: without a rerun (``guards.sdc.rerun: false``) a skipped
+        detection is ``unverified``, as its ``sdc_attribution`` says, never ``reproducible``."""
+        return "unverified" if self is RerunVerdict.REPRODUCIBLE and not reran else self.label
+
 
 class SdcGuard:
     def __init__(self, config: SdcConfig, model: torch.nn.Module, micro_batches: int, device: torch.device,
@@ -58,9 +64,14 @@ class SdcGuard:
         statistic = STATISTIC[self.config.rule]
         self.points = DetectionPoints(statistic, micro_batches=micro_batches, device=device,
                                       shares=self.config.peak > 0)
-        self.points.install(model, self.config.points, blocks=self.config.blocks)
+        self.points.install(model, self.config.points, blocks=self.config.blocks, lm_head=self.config.lm_head)
         self.gradients = (GradientPoints(model, statistic, shares=self.config.peak > 0, rows=self.config.row_jump > 0)
                           if self.config.gradients else None)
+        # a module point measures this rank's share of the step's batch, which the world size sets; a
+        # parameter-gradient point this rank's shard (GradientPoints.layouts)
+        self._world = f"world {dist.get_world_size() if dist.is_initialized() else 1}"
+        self._gradient_layouts = ([f"{self._world}, {layout}" for layout in self.gradients.layouts]
+                                  if self.gradients is not None else [])
         # the loss scale divides out of the statistic: v1's L2 norm scales with it, v3's max(g²) with its square
         self.unscale = self.config.loss_scale ** (1 if statistic == "l2" else 2)
         self._announce(model)
@@ -99,6 +110,16 @@ class SdcGuard:
         """Every point, in the order of ``values()``: module and tensor points, then parameter gradients."""
         return self.points.names + (self.gradients.names if self.gradients is not None else [])
 
+    @property
+    def layouts(self) -> list[str]:
+        """What each point of ``names`` measures, in the same order: its detector's history is keyed by it."""
+        return [self._world] * len(self.points.names) + self._gradient_layouts
+
+    def _layout_change(self, restarted: list[str]) -> str:
+        first = restarted[0]
+        more = f", and {len(restarted) - 1} more" if len(restarted) > 1 else ""
+        return f"{first}: {self.detector.layouts[first]}{more}"
+
     def _announce(self, model: torch.nn.Module) -> None:
         """Logs how many detection points there are and which; none at all is a configuration error."""
         module_points = self.points.names
@@ -107,7 +128,9 @@ class SdcGuard:
                 f"guards.sdc: the model ({type(model).__name__}) has no detection point: no norm layer, no "
                 "transformer block (guards.sdc.blocks), no parameter gradient (guards.sdc.gradients) and no "
                 "guards.sdc.points; add points or set guards.sdc.enabled_level: 0")
-        norms = sum(1 for name in module_points if self.points.where(name) == "auto")
+        # the output head's point (a grad_output point, like the blocks') is counted with the custom points
+        head = 1 if self.config.lm_head and output_head(model) is not None else 0
+        norms = sum(1 for name in module_points if self.points.where(name) == "auto") + head
         self.log.info("sdc detection points: %d (norm layers and custom points %d, block outputs %d, parameter "
                       "gradients %d): %s", len(self.names), norms, len(module_points) - norms,
                       len(self.names) - len(module_points), ", ".join(self.names))
@@ -141,6 +164,10 @@ class SdcGuard:
         self.first_values, self.first_shares, self.first_rows = self.values()
         if self.config.log_values:
             self.log.info(format_values(step, self.rank, self.host, self.device, self.names, self.first_values))
+        restarted = self.detector.restart_changed(self.names, self.layouts)
+        if restarted:
+            self.log.info("sdc: %d detection point(s) measure another layout than their saved history (%s): "
+                          "they start a fresh warm-up", len(restarted), self._layout_change(restarted))
         self.detections = self.detector.detect(self.first_values, step, names=self.names, shares=self.first_shares,
                                                rows=self.first_rows)
         for detection in self.detections:

@@ -27,6 +27,7 @@ class Slot(IntEnum):
     SDC_REPRODUCIBLE = 3  # after a rerun: ranks whose detection came back (the step is skipped)
     SDC_FAULTY = 4  # after a rerun: ranks whose device reached its strike limit (exit 17)
     SDC_LOCAL = 5  # ranks with a level-1 value at a point they computed alone (not a reduced gradient)
+    STATE_AT_REST = 6  # ranks whose shards changed since the last update (guards.fingerprint.at_rest)
 
 
 SLOTS = len(Slot)

@@ -135,3 +135,33 @@ def test_empty_checkpoints_root(tmp_path, capsys):
     assert main(["ckpt", "verify", str(tmp_path)]) == 0
     assert "no checkpoints" in capsys.readouterr().err
     assert list_json(capsys, str(tmp_path)) == []
+
+
+def test_verify_a_checkpoint_with_1500_nested_directories_is_one_bad_line(run_dir, capsys):
+    """Issue 38 item 13: the walk is not recursive (a RecursionError traceback before) and its depth is bounded."""
+    nested = [run_dir / "checkpoints" / "global_step_8" / "huggingface" / "d"]
+    for _ in range(1499):
+        nested.append(nested[-1] / "d")
+    try:
+        for directory in nested:
+            directory.mkdir()
+        assert main(["ckpt", "verify", str(run_dir), "--step", "8"]) == 1
+    finally:  # bottom up: pytest's own clean-up (shutil.rmtree) recurses and would fail on this tree
+        for directory in reversed(nested):
+            if directory.exists():
+                directory.rmdir()
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert len(lines) == 1 and captured.err == ""
+    assert lines[0].startswith("BAD global_step_8/huggingface/d/d/")
+    assert lines[0].endswith(": directories nested deeper than 64 levels")
+
+
+def test_walk_entries_bounds_the_count_of_entries_read(tmp_path):
+    from trainguard.fs.tree import TreeBoundError, walk_entries
+
+    for name in "abcde":
+        (tmp_path / name).write_text(name)
+    assert [relative for relative, _, _ in walk_entries(tmp_path, max_entries=5)] == list("abcde")
+    with pytest.raises(TreeBoundError, match="more than 4 entries"):
+        list(walk_entries(tmp_path, max_entries=4))

@@ -69,3 +69,22 @@ def test_non_finite_floats_are_refused():
         load_config(None, ["optim.lr=nan"])
     with pytest.raises(ConfigError, match="guards.skip.threshold"):
         load_config(None, ["guards.skip.threshold=.inf"])
+
+
+def test_an_error_names_the_set_item_of_the_key_not_the_file(tmp_path):
+    """Issue 38 item 7: a key typed after --set is the --set item's fault, never the file's."""
+    path = tmp_path / "guard.yaml"
+    path.write_text("guards:\n  skip: {enabled: true, threshold: 50.0}\n")
+    with pytest.raises(ConfigError) as unknown:
+        load_config(path, ["guards.skip.count_threshold=3", "guards.skip.treshold=3"])
+    assert str(unknown.value) == "--set 'guards.skip.treshold=3': unknown config key 'guards.skip.treshold'"
+    with pytest.raises(ConfigError) as wrong_type:
+        load_config(path, ["guards.skip={threshold: many}"])
+    assert str(wrong_type.value).startswith("--set 'guards.skip={threshold: many}': config key 'guards.skip.threshold'")
+    with pytest.raises(ConfigError) as out_of_range:  # the file alone is valid: the override is at fault
+        load_config(path, ["guards.skip.threshold=-1"])
+    assert str(out_of_range.value).startswith("--set 'guards.skip.threshold=-1': config key 'guards.skip.threshold")
+    path.write_text("guards:\n  skip: {enabled: true, treshold: 50.0}\n")
+    with pytest.raises(ConfigError) as in_file:
+        load_config(path, ["guards.skip.threshold=3"])
+    assert str(in_file.value) == f"{path}: unknown config key 'guards.skip.treshold'"

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from trainguard.errors import ConfigError
 from trainguard.faults.bits import flip_bit
 from trainguard.guards.fingerprint import (
     RECOMPUTE_RATIO,
@@ -18,6 +19,7 @@ from trainguard.guards.fingerprint import (
     fingerprints,
     replica_partition,
     tensor_fingerprint,
+    word_sums,
 )
 from trainguard.guards.state_guard import StateGuard
 from trainguard.guards.state_health import local_state, merge_health, nonfinite_state, poisoned_health
@@ -35,6 +37,20 @@ def test_every_single_bit_flip_changes_the_fingerprint(dtype, numel):
         flip_bit(flipped, rng.randrange(numel), rng.randrange(width))
         assert not torch.equal(tensor_fingerprint(flipped), clean)
     assert torch.equal(tensor_fingerprint(tensor.clone()), clean)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("numel", [1, 3, 1024, 2048 * 3 + 7])
+def test_every_single_bit_flip_changes_the_word_sums_and_an_offset_view_takes_the_general_path(dtype, numel):
+    rng = random.Random(numel)
+    tensor = torch.randn(numel + 1, generator=torch.Generator().manual_seed(numel)).to(dtype)
+    for part in (tensor[:numel], tensor[1:]):  # the second starts off an 8-byte boundary
+        clean = word_sums([("t", part)])
+        assert torch.equal(clean, torch.stack([tensor_fingerprint(part.clone())[0]]))
+        for _ in range(20):
+            flipped = part.clone()
+            flip_bit(flipped, rng.randrange(numel), rng.randrange(part.element_size() * 8))
+            assert not torch.equal(word_sums([("t", flipped)]), clean)
 
 
 def test_swapped_elements_change_the_fingerprint():
@@ -147,3 +163,50 @@ def test_a_restored_state_agrees_only_when_it_hashes_as_it_did_right_after_that_
                      lambda *args, **kwargs: None)
     off.after_update(1)
     assert off.restored_agrees(1)
+
+
+def test_at_rest_every_step_by_default_only_without_a_replica_and_a_bad_value_is_one_config_error():
+    assert FingerprintConfig().every_step(1) and not FingerprintConfig().every_step(2)
+    assert FingerprintConfig(at_rest="every_step").every_step(2)
+    assert not FingerprintConfig(at_rest="interval").every_step(1)
+    assert not FingerprintConfig(interval=0).every_step(1)  # fingerprints off: nothing hashed
+    with pytest.raises(ConfigError, match="guards.fingerprint.at_rest must be one of auto, every_step, interval"):
+        FingerprintConfig(at_rest="always").validate()
+
+
+def test_without_a_replica_a_shard_changed_at_any_step_is_found_before_the_next_update_and_kept_unhealthy():
+    """Issue 39: the at-rest comparison ran only before a check step, so a flip at any other step went
+    into the next update and every later save was committed healthy. Every step now: the hash after each
+    update against the shards after the next backward; an unrepaired change marks every later save."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 8)).square().sum().backward()
+    optimizer.step()
+    events = []
+    guard = StateGuard(FingerprintConfig(interval=50), model, optimizer, [(0,)], 0, logging.getLogger("test"),
+                       lambda kind, **fields: events.append((kind, fields)))
+    assert guard.every_step
+    guard.after_update(6)  # no check is due at step 7: hashed all the same
+    assert not guard.changed_at_rest(7)
+    optimizer.state[model.weight]["exp_avg"].view(-1)[3] *= -1.0  # at rest, between two updates
+    assert guard.changed_at_rest(7)
+    guard.after_change_at_rest(7)
+    assert guard.recompute and guard.unrepaired is not None
+    assert [(kind, f["faulty"], f["how"]) for kind, f in events] == [("fingerprint_mismatch", [0], ["at_rest"])]
+    for step in (8, 10):  # no recompute replaced the state: every later save holds the corruption
+        assert guard.before_save(step)["reason"] == "state changed at rest"
+    # the save's own hash: memory changed between the update's hash and the save
+    fresh = StateGuard(FingerprintConfig(interval=50), model, optimizer, [(0,)], 0, logging.getLogger("test"),
+                       lambda *args, **kwargs: None)
+    fresh.after_update(9)
+    assert fresh.before_save(9) is None
+    fresh.after_update(10)
+    with torch.no_grad():
+        model.bias.view(-1)[1] *= -1.0
+    assert fresh.before_save(10)["reason"] == "state changed at rest"
+    interval_only = StateGuard(FingerprintConfig(interval=50, at_rest="interval"), model, optimizer, [(0,)], 0,
+                               logging.getLogger("test"), lambda *args, **kwargs: None)
+    interval_only.after_update(6)
+    optimizer.state[model.weight]["exp_avg"].view(-1)[4] *= -1.0
+    assert not interval_only.changed_at_rest(7)

@@ -147,7 +147,7 @@ def test_state_dict_roundtrip_mid_streak_continues_the_streak():
     state = roundtrip(g.state_dict())
     # the skipped 9.0 entered the window clipped to the bar (3.0); the NaN did not
     assert state == {"version": 1, "skipped_total": 2, "nan_total": 1, "consecutive": 2, "window": [1.0, 3.0],
-                     "streak": [], "loss_window": []}
+                     "streak": [], "loss_window": [], "tokens_per_step": None}
 
     resumed = guard(threshold=3.0, count_threshold=3)
     resumed.load_state_dict(state)
@@ -337,3 +337,28 @@ def test_adaptive_stationary_series_is_never_skipped_and_a_huge_spike_is(seed, l
     assert spike.skip and not spike.abort and spike.consecutive == 1
     assert spike.threshold < 1e4 * norms.mean()
     assert len(g.window) == min(window, 400) and g.window[-1] == spike.threshold  # clipped to the bar
+
+
+def test_a_state_saved_at_other_tokens_per_step_restarts_the_adaptive_windows():
+    """Issue 39: resumed after a sequence-length switch (128 -> 16 tokens a sequence), the adaptive
+    guard judged the new, larger norms against the old window and skipped 14 of the next 20 steps.
+    The norms' scale follows the tokens per step, which the loop declares (``Guard(tokens_per_step=)``):
+    a state saved at another count warms up again; one saved at the same count continues exactly."""
+    cfg = SkipConfig(enabled=True, mode="adaptive", warmup=20, count_threshold=10)
+    long_sequences = DataSkipGuard(cfg, tokens_per_step=4096)
+    for step in range(1, 61):
+        long_sequences.decide(step, 1.0 + 0.01 * (step % 5), opt_global_step=step - 1)
+    saved = roundtrip(long_sequences.state_dict())
+    short_sequences = DataSkipGuard(cfg, tokens_per_step=512)
+    short_sequences.load_state_dict(saved)
+    skipped = [step for step in range(61, 81)
+               if short_sequences.decide(step, 3.0 + 0.05 * (step % 5), opt_global_step=step - 1).skip]
+    assert skipped == [] and len(short_sequences.window) == 20
+    same = DataSkipGuard(cfg, tokens_per_step=4096)
+    same.load_state_dict(saved)
+    assert same.window == long_sequences.window and same.decide(61, 3.0, opt_global_step=60).skip
+    unknown = DataSkipGuard(cfg)  # a loop that declares nothing keeps the window
+    unknown.load_state_dict(saved)
+    assert unknown.window == long_sequences.window
+    with pytest.raises(CheckpointError, match="tokens_per_step must be an integer"):
+        DataSkipGuard(cfg, tokens_per_step=512).load_state_dict({**saved, "tokens_per_step": "4096"})

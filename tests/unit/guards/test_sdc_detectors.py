@@ -946,3 +946,45 @@ def test_concurrent_writers_of_faulty_ranks_json_lose_no_entry(tmp_path):
     assert sorted(entries) == hosts
     assert all(len(e["strikes"]) == 25 for e in entries.values())
     assert [p.name for p in path.parent.iterdir()] == ["faulty_ranks.json"]
+
+
+# ------------------------------------------------------------------- a new layout: a fresh warm-up
+@pytest.mark.parametrize("rule", ["v1", "v3"])
+def test_a_not_checked_share_or_row_never_enters_a_window(rule):
+    """A shard too small for a peak share reports NOT_CHECKED; once the shard is whole (a resume on
+    fewer ranks) its real share must be judged against real shares, not against a window of -1s
+    (issue 39: every later share was a 100x jump over a median of -1, every step level 1)."""
+    detector = SdcDetector(rule, ["p"], peak=0.5, row_jump=100.0)
+    values = [statistic(rule, m) for m in magnitudes(11, 60, 0.0, 0.1)]
+    for step, value in enumerate(values[:30]):
+        assert detector.detect([value], step, shares=[NOT_CHECKED], rows=[NOT_CHECKED]) == []
+    assert detector.point("p").recent_shares == [] and detector.point("p").recent_rows == []
+    for step, value in enumerate(values[30:], start=30):
+        assert detector.detect([value], step, shares=[0.01], rows=[0.5]) == [], step
+
+
+@pytest.mark.parametrize("rule", ["v1", "v3"])
+def test_a_point_whose_layout_changes_starts_a_fresh_warm_up_and_layouts_round_trip(rule):
+    names = ["grad:w", "norm"]
+    small, whole = ["world 2, [32, 64] of [64, 64]", "world 2"], ["world 1, [64, 64]", "world 1"]
+    a = SdcDetector(rule, names, peak=0.5)
+    for step, value in enumerate([statistic(rule, m) for m in magnitudes(3, 20, 0.0, 0.05)]):
+        assert a.restart_changed(names, small) == []  # the first call records them: no history to drop
+        a.detect([value, value], step, shares=[0.01, 0.01])
+    b = SdcDetector(rule, names, peak=0.5)
+    b.load_state_dict(roundtrip(a.state_dict()))
+    assert b.restart_changed(names, small) == [] and b.state_dict() == a.state_dict()
+    # the same checkpoint on one rank: what each point measured is gone, its warm-up starts again,
+    # so a value 1000x the old ones is not judged against them
+    assert b.restart_changed(names, whole) == names and b.points == {}
+    assert b.detect([statistic(rule, 1000.0)] * 2, 20, shares=[0.9, 0.9]) == []
+    assert b.layouts == dict(zip(names, whole))
+    # a state saved before layouts were kept holds no layout: its points start afresh too
+    older = {key: value for key, value in a.state_dict().items() if key != "layouts"}
+    c = SdcDetector(rule, names, peak=0.5)
+    c.load_state_dict(roundtrip(older))
+    assert c.restart_changed(names, small) == names
+    with pytest.raises(CheckpointError, match="layouts must be a mapping"):
+        SdcDetector(rule, names).load_state_dict({**a.state_dict(), "layouts": {"grad:w": 3}})
+    with pytest.raises(ValueError, match="1 layouts for 2 detection points"):
+        a.restart_changed(names, small[:1])

@@ -17,6 +17,7 @@ from trainguard.guards import sdc
 from trainguard.guards.sdc import (
     NOT_CHECKED,
     DetectionPoints,
+    GradientPoints,
     RerunAttribution,
     SdcDetector,
     StrikeBook,
@@ -515,3 +516,55 @@ def test_a_scaled_embedding_gradient_is_detected_and_attributed_by_a_rerun():
         assert (verdict.kind, verdict.action, verdict.strikes) == ("transient", "use_rerun", 1)
         assert detector.detect(rerun_values, step) == []  # the rerun is clean and absorbed
         optimizer.step()
+
+
+def test_the_output_heads_point_sees_a_flip_of_the_logits_gradient_that_no_other_point_flags():
+    """Issue 39: a x2^16 flip of one element of the logits' gradient lands in one vocabulary row of the
+    lm-head's weight gradient, which on llama-micro is the tied embedding table (exempt from the row
+    criterion): 1 of 35 such flips that mattered was detected. The head's grad_output point (the
+    default ``lm_head=True``) gives the peak criterion the flipped element itself."""
+    from trainguard.config.schema import ModelConfig
+    from trainguard.faults.bits import flip_bit
+    from trainguard.trainer.model import build_model, build_model_config
+
+    def run(lm_head: bool) -> list[tuple[int, str, str]]:
+        model = build_model(build_model_config(ModelConfig(preset="llama-micro"), max_position_embeddings=32), seed=0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        flip_at = 24
+
+        def flip(grad: torch.Tensor) -> torch.Tensor:
+            flat = grad.detach().clone().reshape(-1)
+            small = ((flat.abs() > 2.0 ** -31) & (flat.abs() < 2.0 ** -15)).nonzero().flatten()
+            flip_bit(flat, int(small[len(small) // 2]), 27)  # exponent bit 4 of an element where it is 0: x2^16
+            return flat.view_as(grad)
+
+        def arm(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+            if step == flip_at:
+                out.register_hook(flip)
+
+        # registered before the points: the flip happens before the head's point sees the gradient
+        model.lm_head.register_forward_hook(arm)
+        points = DetectionPoints("l2", shares=True)
+        names = points.install(model, blocks=True, lm_head=lm_head)
+        assert ("lm_head" in names) == lm_head and (not lm_head or points.where("lm_head") == "grad_output")
+        gradients = GradientPoints(model, "l2", shares=True, rows=True)
+        detector = SdcDetector("v1", names + gradients.names, peak=0.5, row_jump=100.0)
+        generator = torch.Generator().manual_seed(1)
+        found = []
+        for step in range(1, flip_at + 1):
+            tokens = torch.randint(0, 320, (4, 33), generator=generator)
+            optimizer.zero_grad(set_to_none=True)
+            points.reset()
+            logits = model(input_ids=tokens[:, :-1]).logits
+            F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1)).backward()
+            module_part = points.collect(with_shares=True)
+            module_part = torch.cat([module_part, torch.full_like(module_part[:1], NOT_CHECKED)])
+            values, shares, rows = torch.cat([module_part, gradients.collect(with_shares=True, with_rows=True)],
+                                             dim=1).tolist()
+            found += [(step, d.point, d.reason) for d in detector.detect(values, step, shares=shares, rows=rows)]
+            optimizer.step()
+        points.remove()
+        return found
+
+    assert run(lm_head=True) == [(24, "lm_head", "peak")]
+    assert run(lm_head=False) == []

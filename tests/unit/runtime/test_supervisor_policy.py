@@ -16,6 +16,7 @@ from trainguard.runtime.policy import (
     classify,
     first_rank_with,
     outcome_of,
+    stop_explanation,
 )
 
 
@@ -110,6 +111,10 @@ def test_node_exclusion_rules():
     assert p.node_to_exclude(killed, ["n0", "n1"]) is None
     assert p.node_to_exclude(killed, ["n0", "n1"]) == "n0"  # node_failures=2
     assert policy(several_nodes=False).node_to_exclude(killed, ["n0"]) is None
+    # issue 38 item 11: the event's reason says why the node went, not the incarnation's outcome ("failed")
+    lost = Ended(Outcome.NODE_LOST, 1, 3, failing_node="n1")
+    assert [p.exclusion_reason(e) for e in (faulty, lost, killed)] == ["faulty_hardware", "node_lost",
+                                                                        "repeated_failures"]
 
 
 def test_the_supervisors_exit_path_imports_no_torch():
@@ -135,3 +140,14 @@ def test_exit_records_and_an_array_already_finished(tmp_path):
     log.emit("supervisor_finished", exit_code=0, array_job="7")
     log.close()
     assert finished_in_array(tmp_path, "7")
+
+
+def test_a_code_never_restarted_is_explained_in_one_line():
+    """Issue 38 items 7 and 11: the supervisor says why it stops and why it does not restart."""
+    usage = stop_explanation(2, 0, "rank 0 on node0 exited 2 (its exit record)", None)
+    assert usage == ("stopped at step 0: exit 2, a configuration or usage error; rank 0 on node0 exited 2 (its exit "
+                     "record); not restarted: a restart would fail the same way; fix it and run the command again")
+    assert "consecutive gradient spikes" in stop_explanation(3, 5, None, None)
+    assert stop_explanation(16, 7, None, "SIGTERM").startswith("stopped at step 7: exit 16, received SIGTERM")
+    assert "time limit" in stop_explanation(16, 7, None, None) and "\n" not in stop_explanation(16, 7, None, None)
+    assert [stop_explanation(code, 3, None, None) for code in (0, 1, 17)] == [None, None, None]  # finished, restarted

@@ -15,6 +15,9 @@ def test_the_strongest_rerun_verdict_wins_and_is_spelled_as_in_events():
     assert max([RerunVerdict.TRANSIENT, RerunVerdict.FAULTY, RerunVerdict.REPRODUCIBLE]) is RerunVerdict.FAULTY
     assert [v.label for v in RerunVerdict] == ["none", "transient", "reproducible", "faulty"]
     assert RerunVerdict.NONE < RerunVerdict.TRANSIENT < RerunVerdict.REPRODUCIBLE < RerunVerdict.FAULTY
+    # issue 38 item 10: no rerun, no claim that the value reproduced
+    assert [v.label_after(reran=False) for v in RerunVerdict] == ["none", "transient", "unverified", "faulty"]
+    assert [v.label_after(reran=True) for v in RerunVerdict] == [v.label for v in RerunVerdict]
 
 
 def test_report_line_and_event_fields_in_the_reference_trainer_spelling():
@@ -50,3 +53,15 @@ def test_rollback_without_skippable_data_is_one_clear_error():
 
     with pytest.raises(ConfigError, match=r"rollback mode\) needs exactly one stateful data object .*'data'"):
         skippable_data({"data": Loader()})
+
+
+def test_the_run_outcome_tells_apart_what_exit_0_does_not():
+    """Issue 38 item 8: finished, exit_at_step, the kill switch and a start with it armed all exit 0."""
+    from trainguard.runtime.lifecycle import DEADLINE, KILL_SWITCH, SIGNAL
+    from trainguard.step.outcome import RunOutcome, end_outcome, stop_outcome
+
+    assert end_outcome(20, 20) is RunOutcome.FINISHED and end_outcome(7, None) is RunOutcome.FINISHED
+    assert end_outcome(7, 20) is RunOutcome.EXIT_AT_STEP
+    assert stop_outcome(KILL_SWITCH, trained=True) is RunOutcome.KILL_SWITCH
+    assert stop_outcome(KILL_SWITCH, trained=False) is RunOutcome.NOT_STARTED
+    assert [stop_outcome(r, trained=True) for r in (SIGNAL, DEADLINE)] == [RunOutcome.SIGNAL, RunOutcome.TIME_LIMIT]

@@ -84,6 +84,11 @@ class SdcConfig:
     # parameter's gradient as the optimizer sees it (after the reduction)
     blocks: bool = True
     gradients: bool = True
+    # the gradient at the output head's output (the logits'; ``get_output_embeddings()``): a flipped
+    # element of it lands in one vocabulary row of the head's weight gradient, which for a tied table is
+    # the embedding's and exempt from the row criterion (issue 39: 1 of 35 such flips that mattered was
+    # detected without it); the peak criterion finds it here
+    lm_head: bool = True
     # the loss scale the gradients carry (fp16 training): statistics are divided by it before the rules
     # look at them; 1 = none. A loop with a dynamic scale passes the current one to the check instead
     loss_scale: float = 1.0
@@ -136,7 +141,7 @@ class SdcConfig:
             raise ConfigError(f"config key guards.sdc.peak must be 0 (off) or a share between 0 and 1 "
                               f"(e.g. 0.5), got {peak!r}")
         self.peak = float(peak)
-        for key in ("blocks", "gradients"):
+        for key in ("blocks", "gradients", "lm_head"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"config key guards.sdc.{key} must be true or false, got {getattr(self, key)!r}")
         scale = self.loss_scale

@@ -182,6 +182,13 @@ def _finite(value: float) -> bool:
     return math.isfinite(value)
 
 
+def _measured(ratio: float | None) -> float | None:
+    """A peak share or row odds as the criteria take it: None for no measurement (absent, NaN/Inf, or
+    ``NOT_CHECKED``: a shard too small for a share). Kept out of every window: a -1 in a point's recent
+    shares made every later real share a 100x jump over their median (issue 39)."""
+    return ratio if ratio is not None and math.isfinite(ratio) and ratio >= 0 else None
+
+
 def _check_peak(peak: float) -> float:
     peak = float(peak)
     if not (peak == 0 or 0 < peak < 1):
@@ -252,7 +259,7 @@ class _RatioBaseline:
     def peak_verdict(self, value: float, share: float | None, warmed_up: bool,
                      state: dict[str, float]) -> dict[str, float] | None:
         """The peak criterion: its thresholds when ``value`` is level 1 by it, else None."""
-        if self.peak <= 0 or share is None or not math.isfinite(share) or not warmed_up:
+        if self.peak <= 0 or share is None or not warmed_up:
             return None
         if len(self.recent) < min(self.min_steps, RATIO_WINDOW):
             return None
@@ -282,7 +289,7 @@ class _RatioBaseline:
         """The row criterion: its thresholds when the row odds ``row`` (with ``value``, for the joint
         test) make the value level 1, else None."""
         # an all-zero gradient (odds 0: an expert that got no tokens, a masked branch) is not a check
-        if self.row_jump <= 0 or row is None or not math.isfinite(row) or row <= 0 or not warmed_up:
+        if self.row_jump <= 0 or row is None or row <= 0 or not warmed_up:
             return None
         if len(self.recent_rows) < min(self.min_steps, RATIO_WINDOW):
             return None
@@ -305,10 +312,10 @@ class _RatioBaseline:
         if self.tracking:
             self.recent.append(value)
             del self.recent[:-RATIO_WINDOW]
-        if self.peak > 0 and share is not None and math.isfinite(share):
+        if self.peak > 0 and share is not None:
             self.recent_shares.append(float(share))
             del self.recent_shares[:-RATIO_WINDOW]
-        if self.row_jump > 0 and row is not None and math.isfinite(row) and row > 0:  # zeros: no baseline
+        if self.row_jump > 0 and row is not None and row > 0:  # zeros: no baseline
             self.recent_rows.append(float(row))
             del self.recent_rows[:-RATIO_WINDOW]
 
@@ -372,7 +379,7 @@ class V1Detector(_RatioBaseline):
     def check(self, value: float, share: float | None = None, row: float | None = None) -> Verdict:
         """Judges ``value``; ``share`` (the point's peak share, ``points.peak_share``) feeds the peak
         criterion and ``row`` (its row odds, ``points.row_odds``) the row criterion when they are on."""
-        value = float(value)
+        value, share, row = float(value), _measured(share), _measured(row)
         state: dict[str, float] = {"pre_val": self.pre_val, "min_val": self.min_val, "max_val": self.max_val,
                                    "count": self.count}
         if not _finite(value):
@@ -462,7 +469,7 @@ class V3Detector(_RatioBaseline):
 
     def check(self, value: float, share: float | None = None, row: float | None = None) -> Verdict:
         """Judges ``value``; ``share`` feeds the peak criterion and ``row`` the row criterion when they are on."""
-        value = float(value)
+        value, share, row = float(value), _measured(share), _measured(row)
         state: dict[str, float] = {"avg": self.avg, "n": self.n, "pre_val": self.pre_val}
         bounds = self.thresholds()
         thresholds = {"thr1": bounds[0], "thr2": bounds[1]} if bounds else {}
@@ -563,6 +570,9 @@ class SdcDetector:
         self.a1 = a1
         self.a2 = a2
         self.points: dict[str, PointDetector] = {}
+        # what each point's history was measured on (``detect(layouts=...)``): a point whose layout
+        # changes starts a fresh warm-up instead of judging the new values against the old ones
+        self.layouts: dict[str, str] = {}
         self.detections_total = 0
 
     @classmethod
@@ -587,6 +597,23 @@ class SdcDetector:
                               row_floor=self.row_floor, row_joint=self.row_joint)
         return V3Detector(self.a1, self.a2, ratio=self.ratio, peak=self.peak, row_jump=self.row_jump,
                           row_floor=self.row_floor)
+
+    def restart_changed(self, names: Sequence[str], layouts: Sequence[str]) -> list[str]:
+        """Records what each point measures (``layouts[i]`` for ``names[i]``: e.g. its shard's shape and
+        place in the mesh) and drops the history of every point whose layout is not the one its history
+        was taken on (a resume on another number of ranks, a state saved without layouts): those points
+        start a fresh warm-up. Returns their names."""
+        if len(layouts) != len(names):
+            raise ValueError(f"{len(layouts)} layouts for {len(names)} detection points")
+        restarted = []
+        for name, layout in zip(names, layouts):
+            if self.layouts.get(name) == layout:
+                continue
+            if name in self.points:
+                del self.points[name]
+                restarted.append(name)
+            self.layouts[name] = layout
+        return restarted
 
     def detect(self, values: Sequence[float], step: int, names: Sequence[str] | None = None,
                shares: Sequence[float] | None = None, rows: Sequence[float] | None = None) -> list[Detection]:
@@ -621,6 +648,7 @@ class SdcDetector:
             "rule": self.rule,
             "detections_total": int(self.detections_total),
             "points": {name: detector.state_dict() for name, detector in self.points.items()},
+            "layouts": dict(self.layouts),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -637,6 +665,10 @@ class SdcDetector:
             points = state["points"]
             if not isinstance(points, dict):
                 raise TypeError("points must be a mapping of point names to states")
+            layouts = state.get("layouts", {})  # absent from states saved before layouts were kept
+            if not isinstance(layouts, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                        for k, v in layouts.items()):
+                raise TypeError("layouts must be a mapping of point names to strings")
             restored: dict[str, PointDetector] = {}
             if rule == self.rule:
                 for name, point_state in points.items():
@@ -654,6 +686,7 @@ class SdcDetector:
                 "sdc detector state was saved with rule %s, the run now uses %s: detection points start afresh",
                 rule, self.rule)
         self.points = restored
+        self.layouts = dict(layouts) if rule == self.rule else {}
         self.detections_total = total
 
 

@@ -82,6 +82,16 @@ def block_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return blocks
 
 
+def output_head(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """``(name, module)`` of the model's output head (Hugging Face's ``get_output_embeddings()``, the
+    ``lm_head``), or None for a model without one (a pipeline stage before the last)."""
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    if head is None:
+        return None
+    return next(((name, module) for name, module in model.named_modules() if module is head), None)
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     # the statistic is this rank's: its shard of a DTensor gradient
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
@@ -244,9 +254,10 @@ class DetectionPoints:
         return self._where[name]
 
     def install(self, model: nn.Module, extra_points: Iterable[PointSpec] = (), *, norms: bool = True,
-                blocks: bool = False) -> list[str]:
+                blocks: bool = False, lm_head: bool = False) -> list[str]:
         """Hooks every norm module of ``model`` (unless ``norms=False``), with ``blocks`` every
-        transformer block's output gradient (``block_modules``), and each extra point: a dotted
+        transformer block's output gradient (``block_modules``), with ``lm_head`` the output head's
+        output gradient (``output_head``: the logits' gradient), and each extra point: a dotted
         module name, a module object of ``model``, or ``(name or module, where)``. Installing again
         replaces every point. Makes this the active instance for ``watch_tensor``/``watch_function``.
         Returns ``names``. Raises ConfigError for an unknown module or a bad ``where``."""
@@ -264,6 +275,9 @@ class DetectionPoints:
             if blocks:  # the residual stream's gradient at each block's output
                 for name, module in block_modules(model):
                     self._add_module(name, module, "grad_output")
+            head = output_head(model) if lm_head else None
+            if head is not None:
+                self._add_module(*head, "grad_output")
             for spec in extra_points:
                 target, where = spec if isinstance(spec, tuple) else (spec, None)
                 self.add(target, where=where)
@@ -552,6 +566,16 @@ def _embedding_weights(model: nn.Module) -> set[int]:
     return tables
 
 
+def shard_layout(parameter: torch.Tensor) -> str:
+    """``[2048, 64] of [4096, 64] on mesh [2] at [1] (Shard(dim=0),)`` for a DTensor, ``[4096, 64]`` for
+    a plain tensor: the part of the parameter this rank holds, which its gradient's statistics describe."""
+    if not isinstance(parameter, DTensor):
+        return str(list(parameter.shape))
+    mesh = parameter.device_mesh
+    return (f"{list(parameter.to_local().shape)} of {list(parameter.shape)} on mesh {list(mesh.shape)} "
+            f"at {mesh.get_coordinate()} {tuple(parameter.placements)}")
+
+
 class GradientPoints:
     """One detection point per parameter, on its gradient as the optimizer will see it (after the
     backward's reduction: under FSDP2 this rank's shard of the reduce-scattered gradient). Read once
@@ -565,6 +589,9 @@ class GradientPoints:
         # also record each weight matrix's row odds (``row_odds``: the rules' row criterion needs it)
         self.rows = bool(rows)
         self._parameters = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        # what each point measures: this rank's shard of the parameter (its shape, the whole's, its place
+        # in the mesh), so that a detector keyed by it starts afresh when the sharding changes
+        self.layouts = [shard_layout(p) for _, p in self._parameters]
         tables = _embedding_weights(model)
         # the parameters that get row odds: matrices (or more dimensions, flattened after the first) of
         # at least 2 rows, embedding tables left out

@@ -303,8 +303,6 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
             if signals is not None and signals.received is not None and not store.check([STOP]):
                 store.set(STOP, "1")  # the quorum's next all-reduce carries it: all save and exit together
                 events.emit("live_stop", step=None, signal=signals.received)
-            if any(procs[m].poll() == EXIT_RESUMABLE_STOP for m in lighthouse.quorum.members):
-                result.stopped = True  # the quorum agreed on it in one all-reduce: every member stops
             if result.stopped and all(procs[m].poll() == EXIT_RESUMABLE_STOP for m in lighthouse.quorum.members):
                 break  # saved; ranks still out of the quorum (joining) end below
             if run.kill_ranks and result.killed_at is None and _progress(store, run.kill_ranks[0]) >= run.kill_at_step:
@@ -321,6 +319,10 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
                 result.joiner_killed_at = time.time()
             for rank, proc in list(procs.items()):
                 code = proc.poll()
+                if code == EXIT_RESUMABLE_STOP and rank in lighthouse.quorum.members:
+                    # the quorum agreed on it in one all-reduce: every member stops. Read from this same
+                    # poll, so a member that exits between two polls is never taken for a death.
+                    result.stopped = True
                 if code is None or code == 0 or (result.stopped and code == EXIT_RESUMABLE_STOP):
                     continue
                 if run.recovery == LIVE:  # any death, the drill's or not: the others keep stepping

@@ -110,27 +110,50 @@ def torch_wheel(version: str) -> Path:
 CUDA_INSTALL = threading.Lock()  # environments made side by side share the libraries they pin alike
 
 
-def cuda_library_dirs(python: Path) -> list[Path]:
-    """Installs (once) the ``nvidia-*`` libraries the installed torch pins; returns their directories."""
+def cuda_requirements(python: Path) -> list[str]:
+    """The CUDA libraries the installed torch requires: ``nvidia-*`` pins (cu12 builds) and the
+    ``cuda-toolkit[...]`` meta-package (cu13 builds, from 2.14)."""
     script = ("import importlib.metadata as m\n"
               "for r in m.requires('torch') or []:\n"
               "    print(r)")
-    dirs = []
+    pins = []
     for requirement in checked([str(python), "-c", script]).splitlines():
         pin = requirement.split(";")[0].strip()
-        if not pin.startswith("nvidia-") or "extra ==" in requirement:
-            continue
-        name, _, version = pin.partition("==")
-        target = CUDA / f"{name}-{version}"
+        if pin.startswith(("nvidia-", "cuda-toolkit")) and "extra ==" not in requirement:
+            pins.append(pin)
+    return pins
+
+
+def cuda_library_dirs(python: Path) -> list[Path]:
+    """Installs (once) each CUDA library requirement of the installed torch under ``.venv-compat/cuda/``
+    (a meta-package with the libraries it pulls in); returns their directories."""
+    dirs = []
+    for pin in cuda_requirements(python):
+        meta = pin.startswith("cuda-toolkit")
+        target = CUDA / hashlib.sha256(pin.encode()).hexdigest()[:12] if meta else CUDA / pin.replace("==", "-")
         with CUDA_INSTALL:
             if not (target / ".ready").exists():
                 shutil.rmtree(target, ignore_errors=True)
-                checked([sys.executable, "-m", "pip", "download", "--no-deps", pin, "-d", str(WHEELS)], env=PIP_ENV)
-                checked([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--find-links",
-                         str(WHEELS), "--target", str(target), pin], env=PIP_ENV)
-                (target / ".ready").touch()
+                deps = [] if meta else ["--no-deps"]
+                checked([sys.executable, "-m", "pip", "install", "--no-compile", *deps, "--target", str(target), pin],
+                        env=PIP_ENV)
+                (target / ".ready").write_text(pin)
         dirs.append(target)
     return dirs
+
+
+def link_cuda_libraries(site: Path, dirs: list[Path]) -> None:
+    """Makes the libraries appear where torch's own run paths look (``site-packages/nvidia/...``): each
+    file of each directory's ``nvidia/`` tree, linked at the same place under ``site``."""
+    for directory in dirs:
+        tree = directory / "nvidia"
+        for path in sorted(tree.rglob("*")):
+            if path.is_dir() or path.suffix == ".pyc":
+                continue
+            link = site / "nvidia" / path.relative_to(tree)
+            link.parent.mkdir(parents=True, exist_ok=True)
+            if not link.exists():
+                link.symlink_to(path)
 
 
 def ensure_venv(version: str, requirements: list[str]) -> Path:
@@ -147,7 +170,7 @@ def ensure_venv(version: str, requirements: list[str]) -> Path:
     pip = [str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile"]  # compiled on first import
     checked([*pip, str(torch_wheel(version))], env=PIP_ENV)
     site = Path(checked([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).strip())
-    (site / "trainguard_compat_cuda.pth").write_text("".join(f"{d}\n" for d in cuda_library_dirs(python)))
+    link_cuda_libraries(site, cuda_library_dirs(python))
     requirements_file = venv / "requirements.txt"
     requirements_file.write_text("\n".join(requirements) + "\n")
     checked([*pip, "-r", str(requirements_file)], env=PIP_ENV)
@@ -271,33 +294,35 @@ def main() -> int:
                         help="pytest paths run under each version; empty to skip (default: %(default)s)")
     parser.add_argument("--out", default=str(COMPAT / "results"), help="where results and logs go")
     parser.add_argument("--setup-only", action="store_true", help="make the environments, run nothing")
+    parser.add_argument("--jobs", type=int, default=1, help="versions (then pairs) checked side by side")
     args = parser.parse_args()
     versions = [v for v in args.versions.replace(",", " ").split() if v]
     work = Path(args.out).resolve()
     work.mkdir(parents=True, exist_ok=True)
     requirements = third_party_requirements()
-    # the environments side by side (downloads and unpacking overlap); the checks one version at a time
+    # the environments side by side (downloads and unpacking overlap); the checks --jobs at a time
     with ThreadPoolExecutor(max_workers=len(versions)) as pool:
         pythons = dict(zip(versions, pool.map(lambda version: ensure_venv(version, requirements), versions)))
     if args.setup_only:
         return 0
-    results = []
-    for version in versions:
-        print(f"torch {version}", flush=True)
+
+    def check(version: str) -> VersionResult:
         result = VersionResult(version)
         check_version(pythons[version], version, work, args.unit_tests.split(), result)
-        print(f"  demo: {result.demo}; unit: {result.unit}; checkpoints: {result.written}", flush=True)
-        results.append(result)
-    loads = []
-    for writer in results:
-        for reader in versions:
-            if reader == writer.version or writer.written != "written":
-                continue
-            pair = LoadResult(writer.version, reader)
-            check_load(pythons[reader], pair, work)
-            print(f"  {pair.writer} -> {pair.reader}: verify {pair.verify}; durable {pair.durable}; "
-                  f"local {pair.local}", flush=True)
-            loads.append(pair)
+        print(f"torch {version}: demo {result.demo}; unit {result.unit}; checkpoints {result.written}", flush=True)
+        return result
+
+    def load(pair: LoadResult) -> LoadResult:
+        check_load(pythons[pair.reader], pair, work)
+        print(f"{pair.writer} -> {pair.reader}: verify {pair.verify}; durable {pair.durable}; local {pair.local}",
+              flush=True)
+        return pair
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        results = list(pool.map(check, versions))
+        pairs = [LoadResult(writer.version, reader) for writer in results for reader in versions
+                 if reader != writer.version and writer.written == "written"]
+        loads = list(pool.map(load, pairs))
     report = table(results, loads)
     (work / "results.md").write_text(report + "\n")
     (work / "results.json").write_text(json.dumps({"versions": [asdict(r) for r in results],

@@ -201,12 +201,13 @@ def train(python: Path, run_dir: Path, steps: int, log: Path) -> subprocess.Comp
 
 
 def run_started(run_dir: Path) -> dict:
-    """The last ``run_started`` event of a run (where it resumed from)."""
+    """The last ``run_started`` event of a run (where it resumed from; its ``tier`` is set to "durable"
+    where the event names none, as for a durable resume)."""
     started = {}
     for line in (run_dir / "events.jsonl").read_text().splitlines():
         event = json.loads(line)
         if event.get("kind") == "run_started":
-            started = event
+            started = {"tier": "durable", **event}
     return started
 
 

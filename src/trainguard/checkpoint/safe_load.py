@@ -122,7 +122,7 @@ def safe_torch_load(path: PathLike, *, mmap: bool = False) -> Any:
         missing = [name for name in named if name.startswith("torch.") and resolve_global(name) is None]
         if missing:
             raise IncompatibleCheckpointError(f"cannot load {path}: it names {missing[0]}, which torch "
-                                              f"{torch.__version__} lacks (written under another torch version)")
+                                              f"{torch.__version__} lacks")
         allowed = _dtensor_classes() if any(g.startswith("torch.distributed.") for g in named) else []
         if any(g.startswith("numpy.") for g in named):
             allowed += _numpy_array_classes()

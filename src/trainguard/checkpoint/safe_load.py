@@ -59,7 +59,7 @@ DTENSOR_CLASS_NAMES = (
     "torch.distributed.tensor._dtensor_spec.ShardOrderEntry",  # torch 2.10 on
     "torch.distributed.device_mesh.DeviceMesh",
     "torch.distributed._mesh_layout._MeshLayout",  # torch 2.10 on
-    "torch.distributed._mesh_layout._FlatLayout",  # torch 2.15 on
+    "torch.distributed._mesh_layout._FlatLayout",  # in 2.13 and 2.14, not in 2.10
     "torch.distributed.tensor.placement_types.Shard",
     "torch.distributed.tensor.placement_types._StridedShard",
     "torch.distributed.tensor.placement_types.Replicate",

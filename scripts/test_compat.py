@@ -160,14 +160,15 @@ def ensure_venv(version: str, requirements: list[str]) -> Path:
     """``.venv-compat/torch-<version>/`` with that torch, ``requirements`` and trainguard (editable)."""
     venv = COMPAT / f"torch-{version}"
     python = venv / "bin" / "python"
-    wanted = hashlib.sha256("\n".join([version, *requirements, (ROOT / "pyproject.toml").read_text()]).encode()).hexdigest()
+    wanted = hashlib.sha256("\n".join([version, *requirements]).encode()).hexdigest()
     stamp = venv / ".trainguard-compat"
+    pip = [str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile"]  # compiled on first import
     if stamp.exists() and stamp.read_text() == wanted:
+        checked([*pip, "-e", str(ROOT)], env=PIP_ENV)  # this tree's entry points, whatever pyproject.toml says now
         return python
     print(f"creating {venv.relative_to(ROOT)}", flush=True)
     shutil.rmtree(venv, ignore_errors=True)
     checked([sys.executable, "-m", "venv", str(venv)])
-    pip = [str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile"]  # compiled on first import
     checked([*pip, str(torch_wheel(version))], env=PIP_ENV)
     site = Path(checked([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).strip())
     link_cuda_libraries(site, cuda_library_dirs(python))

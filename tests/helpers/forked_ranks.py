@@ -1,5 +1,5 @@
-"""Ranks of a test as forked processes, each writing ``ok<rank>`` or ``error<rank>`` (its traceback) into
-a results directory."""
+"""Ranks of a test as processes of their own (forked, or spawned where CUDA state must not be inherited),
+each writing ``ok<rank>`` or ``error<rank>`` (its traceback) into a results directory."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 
-def run_forked_ranks(target: Callable[..., None], world: int, args: tuple, results: Path, timeout: float = 120) -> None:
-    """Runs ``target(rank, *args)`` for each rank in a forked process, kills any still running after
+def run_forked_ranks(target: Callable[..., None], world: int, args: tuple, results: Path, timeout: float = 120,
+                     start_method: str = "fork") -> None:
+    """Runs ``target(rank, *args)`` for each rank in a process of its own, kills any still running after
     ``timeout`` seconds, and asserts that every rank wrote ``ok<rank>`` and none an error."""
-    context = multiprocessing.get_context("fork")
+    context = multiprocessing.get_context(start_method)
     procs = [context.Process(target=target, args=(rank, *args)) for rank in range(world)]
     for proc in procs:
         proc.start()

@@ -37,7 +37,7 @@ COMPAT = ROOT / ".venv-compat"
 WHEELS = COMPAT / "wheels"
 CUDA = COMPAT / "cuda"
 REFERENCE_VENV = ROOT / ".venv"
-DEFAULT_VERSIONS = ("2.10.0", "2.13.0", "2.14.1")
+DEFAULT_VERSIONS = ("2.8.0", "2.13.0", "2.14.1")  # the declared floor, the pinned one, the newest tested
 TRAIN = ("--nproc", "2", "--save-interval", "4", "--set", "model.preset=llama-micro", "--set", "data.seq_len=32",
          "--set", "data.micro_batch_size=2", "--set", "checkpoint.local_interval=3")
 WRITTEN_STEPS, RESUMED_STEPS = 6, 8

@@ -1,8 +1,8 @@
 # The two commands of the README. Each creates or reuses .venv and installs what it needs.
-.PHONY: demo test test-fast test-slow test-wheel lint bootstrap
+.PHONY: demo test test-fast test-slow test-wheel test-compat lint bootstrap
 
 # Python sources ruff checks ([tool.ruff.lint] in pyproject.toml); run_all has no .py suffix
-LINTED = src tests benchmarks benchmarks/run_all tools examples
+LINTED = src tests benchmarks benchmarks/run_all tools examples scripts
 
 bootstrap:
 	@bash scripts/bootstrap.sh
@@ -30,3 +30,8 @@ test-slow:
 # The built wheel alone in a new venv outside the repository runs the drill (not in CI: minutes).
 test-wheel:
 	@bash scripts/wheel_check.sh
+
+# Not in CI: PyPI's torch wheels are CUDA builds, several GB with their libraries (docs/compat.md).
+# TORCH_VERSIONS="2.10.0 2.13.0" make test-compat picks the versions.
+test-compat: bootstrap
+	python3 scripts/test_compat.py

@@ -57,6 +57,11 @@ class UnsafeCheckpointError(CheckpointError):
     """A checkpoint file that would run code when loaded; refused, never executed."""
 
 
+class IncompatibleCheckpointError(CheckpointError):
+    """A checkpoint file written under another torch version that this torch cannot rebuild (it names a
+    class this torch lacks)."""
+
+
 class NoCheckpointError(TrainguardError):
     """Resume was asked for but no usable checkpoint exists (exit 4)."""
 

@@ -5,13 +5,14 @@ ranks; on CUDA (one rank per GPU, NCCL) with pinned staging buffers and the copy
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
+
+from helpers.forked_ranks import run_forked_ranks
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -132,22 +133,10 @@ def _worker(rank: int, world: int, device_type: str, store: str, root: str, resu
 def test_lazy_async_save_commits_the_state_at_save_bitwise_as_a_sync_save(tmp_path, device_type):
     # CUDA: a process of its own (no CUDA state inherited through fork), one rank per GPU
     world = 2 if device_type == "cpu" else min(2, torch.cuda.device_count())
-    context = multiprocessing.get_context("fork" if device_type == "cpu" else "spawn")
     results = tmp_path / "results"
     results.mkdir()
-    procs = [context.Process(target=_worker, args=(rank, world, device_type, str(tmp_path / "store"), str(tmp_path),
-                                                   str(results)))
-             for rank in range(world)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout=240)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-    errors = [p.read_text() for p in sorted(results.glob("error*"))]
-    assert not errors, "\n".join(errors)
-    assert sorted(p.name for p in results.iterdir()) == [f"ok{rank}" for rank in range(world)]
+    run_forked_ranks(_worker, world, (world, device_type, str(tmp_path / "store"), str(tmp_path), str(results)),
+                     results, timeout=240, start_method="fork" if device_type == "cpu" else "spawn")
     lazy = tmp_path / "lazy" / "checkpoints" / "global_step_2"
     sync = tmp_path / "sync" / "checkpoints" / "global_step_2"
     names = sorted(p.name for p in lazy.iterdir() if p.name.endswith(".distcp") or p.name.startswith("extra_state"))

@@ -75,6 +75,20 @@ def test_crash_loop_gives_up_with_a_summary(tmp_path):
     assert len(events(run, "restart")) == 2
 
 
+def test_an_error_that_ends_a_rank_at_start_up_reaches_the_terminal_as_one_line(tmp_path):
+    blocker = tmp_path / "not_a_directory"
+    blocker.write_text("a file where the local tier's directory should go")
+    proc = train(tmp_path / "run", 2, 2, "--set", "checkpoint.local_interval=1",
+                 "--set", f"checkpoint.local_dir={blocker}/{{node}}", timeout=300)
+    assert proc.returncode == 1
+    said = [line for line in proc.stderr.splitlines() if "NotADirectoryError" in line]
+    assert len(said) == 1, proc.stderr
+    assert said[0].startswith("trainguard supervisor: incarnation 0: rank ")
+    assert str(blocker) in said[0] and "failed (exit 1): NotADirectoryError: " in said[0]
+    ended = events(tmp_path / "run", "incarnation_ended")[-1]
+    assert "NotADirectoryError" in ended["detail"]
+
+
 def test_faulty_node_is_excluded_and_a_spare_keeps_the_world_size(tmp_path):
     """node1's device miscomputes persistently (exit 17): excluded; the first spare, node2, fails its
     self-test (trainguard doctor, a miscomputed burn-in repetition): excluded too; node3 takes the slot."""

@@ -27,6 +27,7 @@ import functools
 import pickle
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -109,9 +110,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item, value) -> None:
         loaded = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
-            from torch.distributed.checkpoint._nested_dict import set_element
-
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            set_at_path(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
             self.state_dict[read_item.dest_index.fqn] = loaded
 
@@ -122,6 +121,14 @@ class Blocked:
 
     total: float  # from the call until the loop may go on, the wait for the previous save included
     waiting: float  # of it, waiting for the previous save to commit (at most one save is in flight)
+
+
+def set_at_path(root: Any, path: Sequence[Any], value: Any) -> None:
+    """``root[path[0]][path[1]]...[path[-1]] = value``: puts a flattened key's value back where the
+    (unflattened) state dict being loaded holds it (DCP's own helper for this is private)."""
+    for key in path[:-1]:
+        root = root[key]
+    root[path[-1]] = value
 
 
 class DurableCheckpointer:
@@ -372,12 +379,12 @@ class _SafeEmptyStateDictLoadPlanner(SafeLoadPlanner):
 
 def read_full_state_dict(ckpt_dir: Path) -> dict[str, Any]:
     """Every tensor and value of a durable checkpoint, unsharded, keyed by DCP's flattened names."""
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
     load_dcp_metadata(Path(ckpt_dir))  # refuse unsafe metadata with our one-line error, not DCP's wrapper
     planner = _SafeEmptyStateDictLoadPlanner(flatten_state_dict=False)
     try:
-        _load_state_dict({}, storage_reader=SafeFileSystemReader(ckpt_dir), planner=planner, no_dist=True)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load({}, storage_reader=SafeFileSystemReader(ckpt_dir), planner=planner, no_dist=True)
     except BaseException as exc:
         raise _dcp_load_failure(exc, ckpt_dir, distributed=False) from None
     return planner.state_dict

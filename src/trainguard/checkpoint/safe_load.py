@@ -19,7 +19,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from trainguard.fs.fsio import PathLike
-from trainguard.errors import CheckpointError, UnsafeCheckpointError
+from trainguard.errors import CheckpointError, IncompatibleCheckpointError, UnsafeCheckpointError
 
 DCP_METADATA_NAME = ".metadata"
 
@@ -52,17 +52,35 @@ _DCP_METADATA_CLASSES: dict[str, frozenset[str]] = {
 _UNSUPPORTED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 
 
-def _dtensor_classes() -> list[type]:
-    """What a pickled DTensor names besides plain tensors: the class, its spec and mesh, the placements
-    (verl's rank files and the local tier's hold DTensors). Plain data classes: nothing runs code."""
-    from torch.distributed import _mesh_layout
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry, TensorMeta
-    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
+DTENSOR_CLASS_NAMES = (
+    "torch.distributed.tensor.DTensor",
+    "torch.distributed.tensor._dtensor_spec.DTensorSpec",
+    "torch.distributed.tensor._dtensor_spec.TensorMeta",
+    "torch.distributed.tensor._dtensor_spec.ShardOrderEntry",  # torch 2.10 on
+    "torch.distributed.device_mesh.DeviceMesh",
+    "torch.distributed._mesh_layout._MeshLayout",  # torch 2.10 on
+    "torch.distributed._mesh_layout._FlatLayout",  # in 2.13 and 2.14, not in 2.10
+    "torch.distributed.tensor.placement_types.Shard",
+    "torch.distributed.tensor.placement_types._StridedShard",
+    "torch.distributed.tensor.placement_types.Replicate",
+    "torch.distributed.tensor.placement_types.Partial",
+)
+"""What a pickled DTensor names besides plain tensors: the class, its spec and mesh, the placements
+(verl's rank files and the local tier's hold DTensors). Plain data classes: nothing runs code. Most are
+private and come and go between torch releases: the allow-list holds those this torch has."""
 
-    return [DTensor, DTensorSpec, TensorMeta, ShardOrderEntry, DeviceMesh, _mesh_layout._MeshLayout,
-            _mesh_layout._FlatLayout, Shard, _StridedShard, Replicate, Partial]
+
+def resolve_global(name: str) -> Any:
+    """The object a pickle's ``GLOBAL module.name`` names, or None where this torch has no such thing."""
+    module, _, attribute = name.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError):
+        return None
+
+
+def _dtensor_classes() -> list[Any]:
+    return [found for found in map(resolve_global, DTENSOR_CLASS_NAMES) if found is not None]
 
 
 def _numpy_array_classes() -> list[Any]:
@@ -101,6 +119,10 @@ def safe_torch_load(path: PathLike, *, mmap: bool = False) -> Any:
     mesh_log.setLevel(logging.ERROR)  # "unpickling of the DeviceMesh before the PGs were created": expected
     try:
         named = _globals_named(path)
+        missing = [name for name in named if name.startswith("torch.") and resolve_global(name) is None]
+        if missing:
+            raise IncompatibleCheckpointError(f"cannot load {path}: it names {missing[0]}, which torch "
+                                              f"{torch.__version__} lacks")
         allowed = _dtensor_classes() if any(g.startswith("torch.distributed.") for g in named) else []
         if any(g.startswith("numpy.") for g in named):
             allowed += _numpy_array_classes()
@@ -113,6 +135,9 @@ def safe_torch_load(path: PathLike, *, mmap: bool = False) -> Any:
     except (RuntimeError, KeyError, EOFError, ValueError, OSError) as exc:
         # torch reports a truncated or foreign file as any of these.
         raise CheckpointError(f"cannot load {path}: {_first_line(exc)}") from None
+    except (AttributeError, TypeError, ImportError) as exc:  # a class of this torch rebuilt from another's state
+        raise IncompatibleCheckpointError(f"cannot load {path} under torch {torch.__version__}: "
+                                          f"{describe_error(exc)}") from None
     finally:
         mesh_log.setLevel(level)
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from trainguard.checkpoint.durable import read_full_state_dict
@@ -101,6 +102,17 @@ def _env(faults: str | None) -> dict[str, str]:
     if faults:
         env["TRAINGUARD_FAULTS"] = faults
     return env
+
+
+def last_failure(run_dir: Path) -> str:
+    """``": <what ended the run's last incarnation>"`` (the supervisor's attribution, with the error that
+    ended a rank where there was one), or "" when the run recorded none."""
+    try:
+        ended = list(read_events(run_dir / "events.jsonl", "incarnation_ended"))
+    except OSError:
+        return ""
+    detail = ended[-1].get("detail") if ended else None
+    return f": {escape(detail)}" if detail else ""  # "[Errno 2]" is not markup
 
 
 def _highest_step(run_dir: Path) -> int:
@@ -276,7 +288,8 @@ def run_drill(out: Path, quick: bool, console: Console | None = None) -> int:
     with open(log_path, "a") as log, console.status("starting the faulty run") as status:
         code = _run_faulty(faulty, p, log, status)
         if code != 0:
-            console.print(f"[red]drill failed: the faulty run ended with exit {code} (see {log_path})[/]")
+            console.print(f"[red]drill failed: the faulty run ended with exit {code}{last_failure(faulty)} "
+                          f"(see {log_path})[/]", highlight=False)
             return 1
         events = list(read_events(faulty / "events.jsonl"))
         skips, final_step = _final_timeline_skips(events)
@@ -286,7 +299,8 @@ def run_drill(out: Path, quick: bool, console: Console | None = None) -> int:
                            "--set", f"guards.skip.replay_steps=[{','.join(map(str, skips))}]"),
             env=_env(None), stdout=log, stderr=subprocess.STDOUT).returncode
         if reference_code != 0:
-            console.print(f"[red]drill failed: the reference run ended with exit {reference_code} (see {log_path})[/]")
+            console.print(f"[red]drill failed: the reference run ended with exit {reference_code}"
+                          f"{last_failure(reference)} (see {log_path})[/]", highlight=False)
             return 1
         status.update("merging the last checkpoint to Hugging Face format")
         checkpoint = faulty / "checkpoints" / f"global_step_{final_step}"

@@ -7,8 +7,8 @@ How (the torchtitan recipe, with PyTorch's own Hugging Face reader):
 3. :func:`materialize` allocates each rank's shards (uninitialized) and recomputes the non-persistent
    buffers (the rotary frequencies), which no checkpoint holds;
 4. :func:`load_hf_weights` runs ``torch.distributed.checkpoint.load`` on the model's sharded state dict
-   with :class:`HFDirReader`, PyTorch's ``HuggingFaceStorageReader`` restricted to the files the index
-   names. DCP plans, for each rank, the slices its DTensor shards own; the reader reads each with
+   with :class:`HFDirReader`, a ``StorageReader`` (DCP's public reader interface) over the files the
+   index names. DCP plans, for each rank, the slices its DTensor shards own; the reader reads each with
    ``safe_open(...).get_slice(name)[slices]`` from the memory-mapped file and copies it into the shard.
    No rank broadcasts, no process ever holds a full copy of the model.
 
@@ -17,8 +17,10 @@ Weights are converted to the model's dtype (float32) as they are copied.
 
 from __future__ import annotations
 
+import os
 import resource
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +28,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint._hf_utils import _HFStorageInfo
+from torch.futures import Future
+from torch.distributed.checkpoint import StorageReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
-from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
-    StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
 )
@@ -54,45 +55,81 @@ def materialize(model: nn.Module, device: torch.device, hf_model: nn.Module) -> 
             hf_model._init_weights(module)
 
 
-class HFDirReader(HuggingFaceStorageReader):
-    """``HuggingFaceStorageReader`` whose metadata comes from the checked files of the directory (the
-    index's shards, or ``model.safetensors``), not from every ``*.safetensors`` file lying there, and
-    names the model's tensors: a fused expert tensor (``hf.fused_experts``) is described as made of
-    one chunk per checkpoint tensor that holds a block of it, so DCP asks each rank's slice of it from
-    just the per-expert tensors that slice covers."""
+@dataclass(frozen=True)
+class StoredChunk:
+    """Where one chunk of a model tensor lies: the checkpoint tensor ``name`` in the safetensors ``file``."""
+
+    file: str
+    name: str
+
+
+class HFDirReader(StorageReader):
+    """A DCP reader of a Hugging Face directory whose metadata comes from the checked files of the
+    directory (the index's shards, or ``model.safetensors``), not from every ``*.safetensors`` file lying
+    there, and names the model's tensors: a fused expert tensor (``hf.fused_experts``) is described as
+    made of one chunk per checkpoint tensor that holds a block of it, so DCP asks each rank's slice of it
+    from just the per-expert tensors that slice covers. Written on DCP's public ``StorageReader``
+    interface, not on ``HuggingFaceStorageReader``, whose storage records and read path are private and
+    changed between torch 2.8 and 2.9."""
 
     def __init__(self, hf_dir: Path, tensors: dict[str, HFTensor], to_load: dict[str, list[StoredTensor]]):
-        super().__init__(str(hf_dir))
+        super().__init__()
+        self.path = str(hf_dir)
         self.tensors = tensors
         self.to_load = to_load  # model tensor -> the checkpoint tensors that hold it (tensors_to_load)
         self.bytes_read = 0
-        self.stored_names = {MetadataIndex(fqn=name, offset=torch.Size(part.offsets)): part.name
-                             for name, parts in to_load.items() for part in parts}
+        self.storage_data: dict[MetadataIndex, StoredChunk] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self.storage_data = {}
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return Path(checkpoint_id).is_dir()
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         state_dict_metadata: dict[str, TensorStorageMetadata] = {}
-        storage_data: dict[MetadataIndex, _HFStorageInfo] = {}
+        storage_data: dict[MetadataIndex, StoredChunk] = {}
         for name, parts in self.to_load.items():
             shape = model_shape(parts)
             chunks = [ChunkStorageMetadata(offsets=torch.Size(part.offsets), sizes=torch.Size(part.block_sizes(len(shape))))
                       for part in parts]
             for part, chunk in zip(parts, chunks):
                 stored = self.tensors[part.name]
-                storage_data[MetadataIndex(fqn=name, offset=chunk.offsets)] = _HFStorageInfo(
-                    relative_path=str(stored.file), shape=chunk.sizes, dtype=stored.dtype)
+                storage_data[MetadataIndex(fqn=name, offset=chunk.offsets)] = StoredChunk(str(stored.file), part.name)
             state_dict_metadata[name] = TensorStorageMetadata(
                 properties=TensorProperties(dtype=self.tensors[parts[0].name].dtype), size=torch.Size(shape),
                 chunks=chunks)
-        metadata = Metadata(state_dict_metadata=state_dict_metadata, storage_data=storage_data)
-        metadata.storage_meta = StorageMeta(load_id=self.load_id)
-        return metadata
+        return Metadata(state_dict_metadata=state_dict_metadata, storage_data=storage_data)
 
-    # replaces the base class's per-request read (torch 2.13), which takes the request's fqn for the
-    # tensor's name in the file and its offsets as that tensor's own
-    def _process_read_request(self, f: Any, req: ReadItem, planner: LoadPlanner) -> None:
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Reads each planned slice, one open (memory-mapped) file at a time."""
+        from safetensors import safe_open
+
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].file, []).append(item)
+        for file, items in per_file.items():
+            with safe_open(file, framework="pt") as f:
+                for item in items:
+                    self._read_slice(f, item, planner)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _read_slice(self, f: Any, req: ReadItem, planner: LoadPlanner) -> None:
         """Reads the requested slice of the chunk from the checkpoint tensor that holds it (the slice of
         a per-expert tensor, given the fused tensor's size-1 expert dimension) into the model tensor."""
-        stored = self.tensors[self.stored_names[req.storage_index]]
+        stored = self.tensors[self.storage_data[req.storage_index].name]
         dims = len(stored.shape)
         slices = tuple(slice(offset, offset + length)
                        for offset, length in zip(req.storage_offsets[-dims:], req.lengths[-dims:]))

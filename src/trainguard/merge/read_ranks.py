@@ -239,7 +239,11 @@ def _optimizer_param(key: str) -> str:
 
 def _mesh_of(device_mesh, rank: int, path: Path, key: str) -> torch.Tensor:
     """The ranks of the (sub)mesh that ``rank`` belongs to. ``DeviceMesh.mesh`` asks the process group
-    for the current rank, which an offline reader has not got: the file's rank is passed instead."""
+    for the current rank, which an offline reader has not got: the file's rank is passed instead. A mesh
+    pickled under torch before 2.10 holds that (sub)mesh's ranks whole, under its ``mesh`` attribute."""
+    state = vars(device_mesh)
+    if "_layout" not in state and isinstance(state.get("mesh"), torch.Tensor):
+        return state["mesh"]
     try:
         full = device_mesh._layout.remap_to_tensor(device_mesh._rank_map)
         return type(device_mesh)._get_mesh_tensor_from_full_mesh(full, rank)

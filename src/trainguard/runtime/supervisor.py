@@ -105,6 +105,20 @@ class Incarnation:
                      self.failing_rank, self.failing_node)
 
 
+def rank_error_line(failure: dict[str, Any]) -> str:
+    """The first line of the error that ended a rank (``Type: message``), from the agent's report of it
+    (torchrun's error file: ``{"message": ..., "extraInfo": {"py_callstack": ...}}``); "" without one."""
+    message = failure.get("message")
+    if not isinstance(message, str) or not message.strip():
+        return ""
+    try:
+        message = json.loads(message).get("message", message)
+    except (ValueError, AttributeError):
+        pass
+    lines = [line.strip() for line in str(message).splitlines() if line.strip()]
+    return lines[0] if lines else ""
+
+
 def rank_exit_records(beats: dict[int, Heartbeat]) -> tuple[dict[int, int], dict[int, float]]:
     """The exit code each rank recorded in its heartbeat before leaving, and when, by rank."""
     exits = {rank: beat.exit_code for rank, beat in beats.items() if beat.phase == "exit" and beat.exit_code is not None}
@@ -508,7 +522,11 @@ class Supervisor:
             inc.failing_rank = failure["rank"]
             inc.failing_node = node_of.get(failure["rank"], node)
             how = f"signal {failure['signal']}" if failure.get("signal") else f"exit {failure['exitcode']}"
-            inc.detail = inc.detail or f"rank {failure['rank']} on {inc.failing_node} failed ({how})"
+            error = rank_error_line(failure)
+            inc.detail = inc.detail or f"rank {failure['rank']} on {inc.failing_node} failed ({how})" + (
+                f": {error}" if error else "")
+            if error:  # otherwise only in the agent's report: a rank's error is said where the user looks
+                self.say(f"incarnation {inc.number}: {inc.detail}")
             return
         failed = sorted((at, node, code) for node, (code, at) in exits.items() if code != 0)
         if failed and inc.outcome is not Outcome.HANG:

@@ -9,6 +9,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from trainguard.errors import ConfigError
 from trainguard.hf.model_types import check_parallel_support
+from trainguard.trainer.gradient_average import ensure_gradient_average
 from trainguard.topology.layout import MESH_DIMS, Layout
 
 
@@ -63,4 +64,5 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh, layout: Layout) -> tor
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
+    ensure_gradient_average(model, dp_mesh)
     return model

@@ -46,6 +46,7 @@ from trainguard.errors import ConfigError
 from trainguard.hf.model_types import check_parallel_support
 from trainguard.topology.layout import Layout
 from trainguard.trainer.model import build_model
+from trainguard.trainer.gradient_average import ensure_gradient_average
 from trainguard.trainer.parallelize import data_parallel_mesh
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -255,6 +256,7 @@ def build_pipeline(
     for layer in module.model.layers.values():
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard)
     fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard)
+    ensure_gradient_average(module, dp_mesh)
     if empty:
         from trainguard.hf.init import materialize
 

@@ -495,14 +495,20 @@ def test_safe_torch_load_reads_numpy_rng_state_and_nothing_else_numpy(tmp_path):
 
 
 def test_safe_torch_load_reads_dtensors_without_a_process_group(tmp_path):
-    from torch.distributed.device_mesh import DeviceMesh
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    mesh = DeviceMesh("cpu", torch.arange(4).reshape(2, 2), mesh_dim_names=("ddp", "fsdp"), _init_backend=False,
-                      _rank=1)
-    local = torch.arange(6.0).reshape(3, 2)
-    torch.save({"w": DTensor.from_local(local, mesh, [Replicate(), Shard(0)], run_check=False,
-                                        shape=torch.Size([6, 2]), stride=(2, 1))}, tmp_path / "model.pt")
+    from trainguard.checkpoint.local.state import mesh_as_seen_by
+
+    # written as in a run (before torch 2.10 a mesh is built inside a process group), read offline
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = mesh_as_seen_by(torch.arange(4).reshape(2, 2), ("ddp", "fsdp"), 1)
+        local = torch.arange(6.0).reshape(3, 2)
+        torch.save({"w": DTensor.from_local(local, mesh, [Replicate(), Shard(0)], run_check=False,
+                                            shape=torch.Size([6, 2]), stride=(2, 1))}, tmp_path / "model.pt")
+    finally:
+        dist.destroy_process_group()
     loaded = safe_torch_load(tmp_path / "model.pt")["w"]
     assert loaded.device_mesh.mesh_dim_names == ("ddp", "fsdp") and loaded.placements == (Replicate(), Shard(0))
     assert loaded.shape == (6, 2) and torch.equal(loaded.to_local(), local)

@@ -4,7 +4,6 @@ hashes DCP shards as it writes them."""
 from __future__ import annotations
 
 import collections
-import multiprocessing
 import os
 import random
 import shutil
@@ -15,6 +14,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from helpers.forked_ranks import run_forked_ranks
 from trainguard.checkpoint.checksum import file_checksum
 from trainguard.checkpoint.dcp_writer import ChecksummingFileSystemWriter, SerializeOnceSavePlanner
 from trainguard.checkpoint.durable import read_full_state_dict
@@ -292,25 +292,10 @@ def _two_rank_async_save(rank: int, world: int, store_path: str, root: str, resu
 
 
 def test_async_save_on_two_ranks_writes_the_state_at_save_time_and_reuses_buffers(tmp_path):
-    context = multiprocessing.get_context("fork")
     results = tmp_path / "results"
     results.mkdir()
-    procs = [
-        context.Process(target=_two_rank_async_save,
-                        args=(rank, 2, str(tmp_path / "store"), str(tmp_path / "ckpts"), str(results)))
-        for rank in range(2)
-    ]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout=120)
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-    errors = [p.read_text() for p in sorted(results.glob("error*"))]
-    assert not errors, "\n".join(errors)
-    assert sorted(p.name for p in results.iterdir()) == ["ok0", "ok1"]
+    run_forked_ranks(_two_rank_async_save, 2, (2, str(tmp_path / "store"), str(tmp_path / "ckpts"), str(results)),
+                     results)
 
 
 def test_immutable_values_are_told_from_ones_a_staged_copy_could_see_change():

@@ -40,3 +40,18 @@ def test_the_drill_passes_only_when_everything_held(tmp_path: Path):
     assert not drill_verdict(handled(ok=False), True, MERGED, report)[0]
     assert "DIFFERENT" in drill_verdict(handled(), False, MERGED, report)[1]
     assert not drill_verdict(handled(), True, "merge failed: ...", report)[0]
+
+
+def test_a_failed_run_names_what_ended_its_last_incarnation(tmp_path: Path):
+    from trainguard.demo.drill import last_failure
+    from trainguard.events import EventLog
+
+    assert last_failure(tmp_path) == ""  # no events at all
+    events = EventLog(tmp_path / "events.jsonl", rank=-1)
+    events.emit("incarnation_ended", incarnation=0, detail="rank 3 on node1 exited -9")
+    events.emit("incarnation_ended", incarnation=1,
+                detail="rank 0 on node0 failed (exit 1): TypeError: DeviceMesh.__init__() got an unexpected "
+                       "keyword argument '_rank'")
+    events.close()
+    assert last_failure(tmp_path) == (": rank 0 on node0 failed (exit 1): TypeError: DeviceMesh.__init__() got "
+                                      "an unexpected keyword argument '_rank'")

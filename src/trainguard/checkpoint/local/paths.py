@@ -14,6 +14,8 @@ from trainguard.errors import ConfigError
 
 DEFAULT_LOCAL_DIR = "local/node{node}"
 FSDP_CONFIG_NAME = "fsdp_config.json"
+TORCH_VERSION_KEY = "torch_version"
+"""The key of ``fsdp_config.json`` naming the torch version its step was written under."""
 REPLICA_DIR = "replica"
 """Per step: copies of other ranks' extra state (``replica/extra_state_world_size_W_rank_Q.pt``)."""
 

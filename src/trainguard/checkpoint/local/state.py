@@ -4,6 +4,7 @@ says how the local tensors fit together over the whole mesh (what trainguard's m
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,10 +71,27 @@ def dtensor_layouts(model: torch.nn.Module, as_rank: int) -> dict[str, DTensorLa
         mesh = param.device_mesh
         if id(mesh) not in meshes:
             names = tuple(VERL_DIM_NAMES.get(name, name) for name in mesh.mesh_dim_names or ())
-            meshes[id(mesh)] = DeviceMesh("cpu", mesh.mesh.cpu(), mesh_dim_names=names or None,
-                                          _init_backend=False, _rank=as_rank)
+            meshes[id(mesh)] = mesh_as_seen_by(mesh.mesh.cpu(), names or None, as_rank)
         layouts[fqn] = DTensorLayout(meshes[id(mesh)], tuple(param.placements), param.shape, param.stride())
     return layouts
+
+
+MESH_TAKES_RANK = "_rank" in inspect.signature(DeviceMesh.__init__).parameters
+"""Whether ``DeviceMesh`` takes the rank it is built for (torch 2.10 on); before, it records the
+calling process's own rank."""
+
+
+def mesh_as_seen_by(ranks: torch.Tensor, dim_names: tuple[str, ...] | None, rank: int) -> DeviceMesh:
+    """A CPU ``DeviceMesh`` of ``ranks`` without process groups, recording ``rank``'s coordinates (not the
+    caller's), so that the pickles of replicas are byte-identical. ``DeviceMesh``'s ``_rank`` keyword is
+    private and absent before torch 2.10; there, the mesh built for the caller gets ``rank``'s
+    coordinates in the attribute that torch's own constructor fills."""
+    if MESH_TAKES_RANK:
+        return DeviceMesh("cpu", ranks, mesh_dim_names=dim_names, _init_backend=False, _rank=rank)
+    mesh = DeviceMesh("cpu", ranks, mesh_dim_names=dim_names, _init_backend=False)
+    found = (ranks == rank).nonzero()
+    mesh._coordinate_on_dim = found[0].tolist() if found.size(0) else None
+    return mesh
 
 
 def as_dtensors(state: dict[str, Any], layouts: dict[str, DTensorLayout]) -> dict[str, Any]:

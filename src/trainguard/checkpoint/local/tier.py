@@ -5,6 +5,7 @@ Every method is collective over the tier's own gloo group (created by the caller
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -20,7 +21,7 @@ from trainguard.fs.fsio import atomic_write_json
 from trainguard.fs.layout import HF_DIR, step_dir_name
 from trainguard.checkpoint.local.in_place import StagedFile
 from trainguard.checkpoint.local.exchange import read_for_sending, recv_bytes, send_bytes, swap_in_ring
-from trainguard.checkpoint.local.paths import FSDP_CONFIG_NAME, node_of, rank_file_names, resolve_local_dir
+from trainguard.checkpoint.local.paths import FSDP_CONFIG_NAME, TORCH_VERSION_KEY, node_of, rank_file_names, resolve_local_dir
 from trainguard.checkpoint.local.plan import StepPlan, buddy_of, plan_step
 from trainguard.checkpoint.local.reader import StepHoldings, rank_holdings
 from trainguard.checkpoint.discovery import read_latest, write_latest
@@ -40,7 +41,7 @@ from trainguard.checkpoint.local.writer import (
 from trainguard.checkpoint.manifest import FileEntry
 from trainguard.checkpoint.writer_process import IN_PROCESS, Writer
 from trainguard.checkpoint.safe_load import safe_torch_load
-from trainguard.errors import CheckpointError
+from trainguard.errors import CheckpointError, IncompatibleCheckpointError
 from trainguard.events import EventLog
 from trainguard.topology.group_info import GROUP_INFO_NAME, GroupInfo
 from trainguard.topology.replica_groups import ReplicaGroups
@@ -80,7 +81,8 @@ class LocalTier:
         for part in self._all_gather(param_layout(model, mesh_dim_names)):  # pipeline stages hold different params
             params.update(part)
         self.fsdp_config = {"FSDP_version": 2, "world_size": world_size, "mesh_shape": list(mesh_shape),
-                            "mesh_dim_names": list(mesh_dim_names), "params": dict(sorted(params.items()))}
+                            "mesh_dim_names": list(mesh_dim_names), "params": dict(sorted(params.items())),
+                            TORCH_VERSION_KEY: torch.__version__}
         self.dtensor_layouts = dtensor_layouts(model, min(groups.model_replicas(rank)))
         self.dir.mkdir(parents=True, exist_ok=True)
         self.group_info = GroupInfo(groups, layout, tuple(r for r, d in self.rank_dirs.items() if d == self.dir),
@@ -222,6 +224,8 @@ class LocalTier:
             model_sd = safe_torch_load(step_dir / names["model"])
             optim_sd = safe_torch_load(step_dir / names["optim"])
             extra = safe_torch_load(step_dir / names["extra"])
+        except IncompatibleCheckpointError as exc:  # written under a torch whose classes this one lacks
+            failure = f"{exc}; written under torch {written_under(step_dir)}"
         except CheckpointError as exc:  # e.g. a planted pickle, refused on this rank alone
             failure = str(exc)
         refused = [f"{message} (rank {rank})" for rank, message in enumerate(self._all_gather(failure)) if message]
@@ -276,6 +280,15 @@ class LocalTier:
             log.info("local step %d: received %d bytes from ranks %s", plan.step, received,
                      sorted({t.src for t in incoming}))
         return received
+
+
+def written_under(step_dir: Path) -> str:
+    """The torch version a local step was written under (its ``fsdp_config.json`` says), "unknown"
+    for steps of trainguard versions that did not record it."""
+    try:
+        return str(json.loads((step_dir / FSDP_CONFIG_NAME).read_text()).get(TORCH_VERSION_KEY, "unknown"))
+    except (OSError, ValueError, AttributeError):
+        return "unknown"
 
 
 def _holdings_from(data: dict[str, Any]) -> StepHoldings:

@@ -13,7 +13,7 @@ demo: bootstrap
 # The whole suite, what CI runs (.ci/run): the linter, then every test; installs Chromium and Slurm
 # for the report and Slurm tests.
 test: lint
-	@bash scripts/bootstrap.sh --with-browser --with-slurm
+	@bash scripts/bootstrap.sh --with-browser --with-slurm --with-torchtitan
 	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q --durations=15
 
 # For a change to a pure rule: the linter and the unit tests, no system packages, a few minutes.
@@ -24,7 +24,7 @@ lint: bootstrap
 	.venv/bin/ruff check $(LINTED)
 
 test-slow:
-	@bash scripts/bootstrap.sh --with-browser --with-slurm
+	@bash scripts/bootstrap.sh --with-browser --with-slurm --with-torchtitan
 	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -m slow
 
 # The built wheel alone in a new venv outside the repository runs the drill (not in CI: minutes).

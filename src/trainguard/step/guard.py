@@ -132,7 +132,7 @@ def _config_errors_end_the_process(init: Callable[..., None]) -> Callable[..., N
             with contextlib.suppress(OSError):  # an unwritable run directory must not mask the error
                 HeartbeatWriter(run_dir, rank).beat("exit", 0, EXIT_USAGE)
             if rank == 0:
-                print(f"trainguard: error: {error}", file=sys.stderr, flush=True)
+                print(f"trainguard: error: [rank 0] {error}", file=sys.stderr, flush=True)
             raise ConfigErrorExit(str(error)) from None
 
     return build
@@ -335,7 +335,10 @@ class Guard:
             self.global_step = self.checkpoints.resume()
         except TrainguardError as error:  # no checkpoint to resume from (exit 4), a damaged one, ...
             self._abort(error)
-        self.state.after_update(self.global_step)  # the first step is checked against the state loaded
+        if self.checkpoints.resumed_from is not None:
+            # the first step is checked against the state loaded; a fresh start's weights may still be
+            # set by the loop after resume() (model.init_from, a user's own load): nothing to compare yet
+            self.state.after_update(self.global_step)
         return self.global_step
 
     # ----------------------------------------------------------------------------- should_stop

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from trainguard.config import load_config
-from trainguard.errors import ConfigError, TrainguardError
+from trainguard.errors import ConfigError, ConfigErrorExit, TrainguardError
 from trainguard.trainer.arguments import add_train_arguments, overrides_from_args
 from trainguard.trainer.model import check_positions_fit, check_tokenizer_fits
 
@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.suppress(OSError):  # a full disk must not mask the error being raised
                 trainer.guard.lifecycle.beat("exit", trainer.guard.global_step, getattr(exc, "exit_code", 1))
             raise
+    except ConfigErrorExit as exc:  # the guard printed it already, on rank 0 alone
+        code = exc.exit_code
     except TrainguardError as exc:
         if rank == 0 or not exc.every_rank_raises:
             print(f"trainguard: error: [rank {rank}] {exc}", file=sys.stderr, flush=True)

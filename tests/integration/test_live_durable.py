@@ -120,6 +120,15 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _resumes_bitwise(run_dir: Path, config: Path, clean: Path, step: int) -> None:
+    """The same command again resumes from ``global_step_<step>`` and ends bitwise equal to ``clean``."""
+    again = finish_session(_start(run_dir, config), TIMEOUT_S, "the resumed live run")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"live run resumes from {run_dir / 'checkpoints' / f'global_step_{step}'}" in again.stdout
+    assert [e["step"] for e in _events(run_dir, "run_started")][-1] == step
+    assert run_differences(clean, run_dir, WORLD) == {}
+
+
 @pytest.mark.parametrize("whom", ["job", "launcher"])
 def test_the_whole_job_sigkilled_resumes_from_the_newest_checkpoint_bitwise(root, clean, whom):
     """SIGKILL to the whole job (launcher and ranks at once), or to the launcher alone (the store and the
@@ -141,11 +150,7 @@ def test_the_whole_job_sigkilled_resumes_from_the_newest_checkpoint_bitwise(root
     assert not any(final_path(run_dir, rank).exists() for rank in range(WORLD))
     newest = _committed_steps(run_dir)[-1]
     assert newest >= 10
-    again = finish_session(_start(run_dir, config), TIMEOUT_S, "the resumed live run")
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert f"live run resumes from {run_dir / 'checkpoints' / f'global_step_{newest}'}" in again.stdout
-    assert [e["step"] for e in _events(run_dir, "run_started")][-1] == newest
-    assert run_differences(clean, run_dir, WORLD) == {}
+    _resumes_bitwise(run_dir, config, clean, newest)
 
 
 @pytest.mark.parametrize("whom", ["launcher", "job"])
@@ -167,10 +172,7 @@ def test_sigterm_saves_at_the_next_boundary_exits_16_and_resumes_bitwise(root, c
     assert sorted(e["rank"] for e in _events(run_dir, "live_stopped")) == list(range(WORLD))
     assert {e["step"] for e in _events(run_dir, "live_stopped")} == {saved}
     assert not any(final_path(run_dir, rank).exists() for rank in range(WORLD))
-    again = finish_session(_start(run_dir, config), TIMEOUT_S, "the resumed live run")
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert f"live run resumes from {run_dir / 'checkpoints' / f'global_step_{saved}'}" in again.stdout
-    assert run_differences(clean, run_dir, WORLD) == {}
+    _resumes_bitwise(run_dir, config, clean, saved)
 
 
 def test_a_checkpoint_of_two_replica_groups_resumes_in_three_of_one_rank_bitwise(root, clean):

@@ -183,7 +183,7 @@ def test_time_limit_exits_16_without_restart(time_limit):
 
 
 @pytest.mark.parametrize("fixture, code, why", [
-    ("spike_burst", 3, "too many consecutive gradient spikes"),
+    ("spike_burst", 3, "too many skipped steps in a row (consecutive gradient spikes"),
     ("time_limit", 16, "the time limit"),
 ])
 def test_the_supervisor_says_why_a_planned_stop_is_not_restarted(request, fixture, code, why):

@@ -24,19 +24,18 @@ from trainguard.errors import (
 # codes a rank gives on purpose, strongest explanation first
 MEANINGFUL_EXIT_CODES = (EXIT_USAGE, EXIT_DATA_SKIP_ABORT, EXIT_NO_CHECKPOINT, EXIT_RESUMABLE_STOP,
                          EXIT_FAULTY_HARDWARE)
-NEVER_RESTART = (EXIT_OK, EXIT_USAGE, EXIT_DATA_SKIP_ABORT, EXIT_NO_CHECKPOINT, EXIT_RESUMABLE_STOP)
-
-
 # why a rank's own exit code ends the run, and why a restart would not help
 NO_RESTART_REASONS = {
     EXIT_USAGE: ("a configuration or usage error",
                  "a restart would fail the same way; fix it and run the command again"),
-    EXIT_DATA_SKIP_ABORT: ("too many consecutive gradient spikes (data skip abort)",
-                           "a restart would replay the same data; see docs/guards.md"),
+    EXIT_DATA_SKIP_ABORT: ("too many skipped steps in a row (consecutive gradient spikes, a rollback that "
+                           "gave up, or guards.max_consecutive_skips)",
+                           "a restart would resume the same state and data; see docs/guards.md"),
     EXIT_NO_CHECKPOINT: ("no usable checkpoint to resume from", "a restart would find none either"),
     EXIT_RESUMABLE_STOP: ("a stop asked for (SIGTERM/SIGUSR1 or the time limit), the last step saved",
                           "it is resumable: run the same command again to continue"),
 }
+NEVER_RESTART = (EXIT_OK, *NO_RESTART_REASONS)  # each with its line, so a code never stops a run unexplained
 
 
 def stop_explanation(exit_code: int, step: int | None, detail: str | None, stop_signal: str | None) -> str | None:

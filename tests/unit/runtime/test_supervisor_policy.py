@@ -8,6 +8,7 @@ import sys
 from trainguard.runtime.hang import suspect_ranks
 from trainguard.runtime.heartbeat import Heartbeat
 from trainguard.runtime.policy import (
+    NEVER_RESTART,
     Action,
     Ended,
     Outcome,
@@ -147,7 +148,8 @@ def test_a_code_never_restarted_is_explained_in_one_line():
     usage = stop_explanation(2, 0, "rank 0 on node0 exited 2 (its exit record)", None)
     assert usage == ("stopped at step 0: exit 2, a configuration or usage error; rank 0 on node0 exited 2 (its exit "
                      "record); not restarted: a restart would fail the same way; fix it and run the command again")
-    assert "consecutive gradient spikes" in stop_explanation(3, 5, None, None)
+    assert "guards.max_consecutive_skips" in stop_explanation(3, 5, None, None)  # exit 3 is any skip streak's
+    assert all(stop_explanation(code, 1, None, None) for code in NEVER_RESTART if code != 0)  # each explained
     assert stop_explanation(16, 7, None, "SIGTERM").startswith("stopped at step 7: exit 16, received SIGTERM")
     assert "time limit" in stop_explanation(16, 7, None, None) and "\n" not in stop_explanation(16, 7, None, None)
     assert [stop_explanation(code, 3, None, None) for code in (0, 1, 17)] == [None, None, None]  # finished, restarted

@@ -83,12 +83,10 @@ LOSS_SCALE = 2.0 ** 16
 SITE_MODULES = {
     "llama": {"o_proj": ("o_proj",), "down_proj": ("down_proj",), "qkv": ("q_proj", "k_proj", "v_proj"),
               "embed": ("embed_tokens",), "lm_head": ("lm_head",)},
-    # Mistral (llama-micro's layout, its head untied from the embedding): the same module names
-    "mistral": {"o_proj": ("o_proj",), "down_proj": ("down_proj",), "qkv": ("q_proj", "k_proj", "v_proj"),
-                "embed": ("embed_tokens",), "lm_head": ("lm_head",)},
     "gpt2": {"o_proj": ("attn.c_proj",), "down_proj": ("mlp.c_proj",), "qkv": ("attn.c_attn",), "embed": ("wte",),
              "lm_head": ("lm_head",)},
 }
+SITE_MODULES["mistral"] = SITE_MODULES["llama"]  # llama-micro's module names, its head untied from the embedding
 NORMS = ("RMSNorm", "LayerNorm")  # the norm layers whose input gradient is the norm.grad_input site
 
 

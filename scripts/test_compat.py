@@ -65,7 +65,8 @@ class LoadResult:
 
 def run(command: list[str], *, env: dict[str, str] | None = None, cwd: Path = ROOT, timeout: float = 1800,
         log: Path | None = None) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, **(env or {})}
+    # a fault drill exported in the developer's shell must not reach the checks
+    full_env = {key: value for key, value in os.environ.items() if key != "TRAINGUARD_FAULTS"} | (env or {})
     proc = subprocess.run(command, env=full_env, cwd=cwd, timeout=timeout, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     if log is not None:
@@ -185,10 +186,8 @@ def ensure_venv(version: str, requirements: list[str]) -> Path:
 
 # ------------------------------------------------------------------------------------------- checks
 def venv_env(python: Path) -> dict[str, str]:
-    env = {"PATH": f"{python.parent}{os.pathsep}{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1",
-           "VIRTUAL_ENV": str(python.parent.parent)}
-    env.pop("TRAINGUARD_FAULTS", None)
-    return env
+    return {"PATH": f"{python.parent}{os.pathsep}{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1",
+            "VIRTUAL_ENV": str(python.parent.parent)}
 
 
 def last_line(text: str) -> str:

@@ -104,7 +104,10 @@ def test_sigkilled_fine_tune_under_the_supervisor_resumes_bitwise(straight, plai
     run_dir = tmp_path / "killed"
     run_dir.mkdir()
     command = [sys.executable, "-m", "trainguard", "run", "--max-restarts", "3", "--", *example_command(run_dir, STEPS)]
-    proc = run(command, faults="kill:rank=1,step=55")
+    # Steps take ~20 ms here and the async save of step 50 ~0.15 s: a bare kill at step 55 can land before
+    # that save commits (then the rerun rightly starts from step 0). Rank 1 first stands still 2 s at step
+    # 55, so the background save finishes, then dies: the kill this test is about, after a committed save.
+    proc = run(command, faults="hang:rank=1,step=55,seconds=2;kill:rank=1,step=55")
     assert proc.returncode == 0, proc.stdout[-4000:]
     (started,) = [e for e in events(run_dir, "run_started") if e.get("resumed_from")]
     assert started["resumed_from"].endswith("global_step_50")

@@ -13,7 +13,6 @@ resume keys are taken. The faults in force may only be the live launcher's drill
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import sys
@@ -24,8 +23,7 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from trainguard.config import load_config
-from trainguard.config.load import validate
+from trainguard.config.load import with_overrides
 from trainguard.config.schema import RunConfig
 from trainguard.errors import ConfigError
 from trainguard.live.drill import live_drill
@@ -97,7 +95,8 @@ def refuse_closure_mode_keys(config: RunConfig, source: str = "<config>") -> Non
 
 def with_launcher_overrides(config: RunConfig, environ: Mapping[str, str]) -> RunConfig:
     """``config`` with the live launcher's ``--set`` items (``LAUNCHER_OVERRIDES_ENV`` in ``environ``)
-    applied, each parsed and checked as ``load_config`` does; ``config`` itself when there are none."""
+    applied as ``load_config`` applies them (``config.load.with_overrides``); ``config`` itself when there
+    are none."""
     text = environ.get(LAUNCHER_OVERRIDES_ENV)
     if not text:
         return config
@@ -107,16 +106,7 @@ def with_launcher_overrides(config: RunConfig, environ: Mapping[str, str]) -> Ru
         items = None
     if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
         raise ConfigError(f"{LAUNCHER_OVERRIDES_ENV}={text!r}: expected a JSON list of SECTION.KEY=VALUE strings")
-    merged = copy.deepcopy(config)
-    for item in items:
-        parsed = load_config(None, [item])  # the item alone: its value typed and checked like any --set
-        *sections, name = item.partition("=")[0].strip().split(".")
-        target = merged
-        for section in sections:
-            target, parsed = getattr(target, section), getattr(parsed, section)
-        setattr(target, name, getattr(parsed, name))
-    validate(merged, "--set")
-    return merged
+    return with_overrides(config, items)
 
 
 def live_rank(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,

@@ -189,6 +189,13 @@ def test_the_launchers_set_items_are_applied_over_the_ranks_configuration():
     assert with_launcher_overrides(config, {}) is config
 
 
+def test_launcher_set_items_are_checked_on_the_ranks_configuration_not_alone():
+    """``parallel.pp=2`` alone, on the defaults (``train.micro_batches: 1``), fails the pipeline's check; on
+    this configuration (8 micro-batches) it is valid: it was refused before (each item was loaded alone)."""
+    merged = with_launcher_overrides(live_config(), {LAUNCHER_OVERRIDES_ENV: json.dumps(["parallel.pp=2"])})
+    assert merged.parallel.pp == 2 and merged.train.micro_batches == 8
+
+
 @pytest.mark.parametrize("text, named", [("not json", LAUNCHER_OVERRIDES_ENV), ('["train.nope=1"]', "train.nope"),
                                          ('["optim.grad_clip=-1"]', "optim.grad_clip")])
 def test_a_bad_launcher_set_item_is_one_error_naming_it(text, named):

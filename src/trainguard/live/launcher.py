@@ -97,6 +97,9 @@ class LiveRun:
     # where the job resumes (``checkpoint.resume``): "auto" (the newest verified durable checkpoint of the
     # run directory, or a fresh start when it has none), "disable", or a ``global_step_N`` directory
     resume: str = "auto"
+    # (NAME, VALUE) pairs added to each rank's environment (``trainguard run``'s ``--set`` items for the
+    # ranks' ``Guard``), never to the launcher's own
+    rank_env: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.nodes and len(self.nodes) != self.groups + self.spares:
@@ -182,7 +185,7 @@ def _spawn(run: LiveRun, rank: int, store_port: int, run_dir: Path, rejoin: bool
         command += ["--fail-after-reduce", str(run.transient[1])]
     if run.stall_collective is not None and run.stall_collective[0] == rank and not rejoin:
         command += ["--stall-collective", str(run.stall_collective[1])] + (["--stall-cut"] if run.stall_cut else [])
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", **dict(run.rank_env))
     if node is None and _rank_server is not None and is_this_interpreter(run.executable):
         # this interpreter's command, started here: forked without imports (``start_live_rank_server``)
         request = json.dumps({"argv": command[1:], "env": env, "cwd": os.getcwd()}).encode()

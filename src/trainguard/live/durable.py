@@ -38,9 +38,11 @@ from trainguard.events import EventLog
 from trainguard.live.collective import EpochAborted, watched
 from trainguard.live.quorum import Quorum
 from trainguard.live.shards import ShardedUpdate
+from trainguard.live.step_guards import LiveGuards
 
 T = TypeVar("T")
 REPLICA_DIMS = ["dp_replicate", "dp_shard"]  # the manifest's mesh: replica groups of the quorum x their ranks
+LIVE_GUARDS = "live_guards"  # the guards' state's name in a checkpoint's extra state (``step_guards``)
 
 
 class SaveFailed(RuntimeError):
@@ -53,17 +55,20 @@ class LiveCheckpoints:
     step, and before a stop)."""
 
     def __init__(self, store: dist.TCPStore, run_dir: Path, config: CheckpointConfig, rank: int,
-                 model: torch.nn.Module, optimizer: torch.optim.Optimizer, update: ShardedUpdate, events: EventLog,
-                 timeout: timedelta, beat: Callable[[], None]):
+                 model: torch.nn.Module, optimizer: torch.optim.Optimizer, update: ShardedUpdate, guards: LiveGuards,
+                 events: EventLog, timeout: timedelta, beat: Callable[[], None]):
         # synchronous: the save must be over before the quorum can change (an async save's background
         # collectives would outlive the epoch whose group they use)
         self.config = dataclasses.replace(config, async_save=False)
         self.store, self.run_dir, self.rank = store, Path(run_dir), rank
         self.model, self.optimizer, self.update, self.events = model, optimizer, update, events
+        self.guards = guards  # rides in each checkpoint's extra state, as the closure mode's guards do
         self.timeout, self.beat = timeout, beat
         self.connection: dist.TCPStore | None = None  # the checkpoint groups' store client (see below)
         self.epoch: int | None = None  # the epoch of the default group and the manager
         self.manager: CheckpointManager | None = None
+        # the step this rank last saved or resumed from: kept across epochs (each epoch's manager is new)
+        self.last_saved: int | None = None
 
     @property
     def enabled(self) -> bool:
@@ -81,9 +86,9 @@ class LiveCheckpoints:
         dist.init_process_group("gloo", store=dist.PrefixStore(f"ckpt/{quorum.epoch}", self.connection),
                                 rank=quorum.index(self.rank), world_size=len(quorum.members), timeout=self.timeout)
         groups = len(quorum.members) // self.update.group_size
-        self.manager = CheckpointManager(self.run_dir, self.model, self.optimizer, config=self.config,
-                                         events=self.events, mesh_shape=[groups, self.update.group_size],
-                                         mesh_dim_names=REPLICA_DIMS)
+        self.manager = CheckpointManager(self.run_dir, self.model, self.optimizer, {LIVE_GUARDS: self.guards},
+                                         config=self.config, events=self.events,
+                                         mesh_shape=[groups, self.update.group_size], mesh_dim_names=REPLICA_DIMS)
         self.epoch = quorum.epoch
         return self.manager
 
@@ -93,6 +98,7 @@ class LiveCheckpoints:
         self.config = dataclasses.replace(self.config, resume=str(checkpoint))
         step = self._watched(quorum, lambda: self._manager(quorum).resume(), f"resumed from {checkpoint}")
         self.update.drop_unowned_state(self.optimizer)
+        self.last_saved = step
         return step
 
     def save(self, quorum: Quorum, step: int, *, last_step: bool, stopping: bool) -> bool:
@@ -117,6 +123,7 @@ class LiveCheckpoints:
         except (Exception, CheckpointException) as error:  # DCP's is a BaseException
             raise SaveFailed(f"the durable save of step {step} failed: {str(error).splitlines()[0][:200]}") \
                 from error
+        self.last_saved = step
         return True
 
     def _watched(self, quorum: Quorum, work: Callable[[], T], doing: str) -> T:

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.manager import CheckpointManager
+from trainguard.checkpoint.save_policy import decide_save
 from trainguard.events import EventLog
 from trainguard.live.collective import EpochAborted, watched
 from trainguard.live.quorum import Quorum
@@ -70,10 +71,6 @@ class LiveCheckpoints:
         # the step this rank last saved or resumed from: kept across epochs (each epoch's manager is new)
         self.last_saved: int | None = None
 
-    @property
-    def enabled(self) -> bool:
-        return self.config.save_interval > 0
-
     def _manager(self, quorum: Quorum) -> CheckpointManager:
         if self.epoch == quorum.epoch:
             return self.manager
@@ -104,11 +101,12 @@ class LiveCheckpoints:
     def save(self, quorum: Quorum, step: int, *, last_step: bool, stopping: bool) -> bool:
         """Saves ``step`` (the number of committed steps) if the policy says so; every member of the
         quorum calls it at the same boundary. True when it saved."""
-        if not (self.enabled or stopping):
+        # the policy first: the checkpoint group and its manager are made for a save that is due only
+        if not decide_save(step, save_interval=self.config.save_interval, local_interval=0, last_step=last_step,
+                           stopping=stopping, unhealthy=False, durable_saved=self.last_saved,
+                           local_saved=None).durable:
             return False
         manager = self._watched(quorum, lambda: self._manager(quorum), "made its checkpoint group")
-        if not manager.due(step, last_step=last_step, stopping=stopping).durable:
-            return False
         live = {"epoch": quorum.epoch, "members": quorum.members, "group_size": self.update.group_size,
                 "replica_groups": len(quorum.members) // self.update.group_size}
 

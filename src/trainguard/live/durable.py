@@ -74,8 +74,7 @@ class LiveCheckpoints:
     def _manager(self, quorum: Quorum) -> CheckpointManager:
         if self.epoch == quorum.epoch:
             return self.manager
-        if dist.is_initialized():  # an older epoch's: idle (no save is in flight between steps)
-            dist.destroy_process_group()
+        forget_default_group()  # an older epoch's (idle: no save is in flight between steps), or none
         if self.connection is None:
             # the group's setup blocks on the store until every member connected: on the rank's own
             # client it would hold up the beats of ``watched`` behind it (one client serialises its calls)
@@ -106,7 +105,8 @@ class LiveCheckpoints:
                            stopping=stopping, unhealthy=False, durable_saved=self.last_saved,
                            local_saved=None).durable:
             return False
-        manager = self._watched(quorum, lambda: self._manager(quorum), "made its checkpoint group")
+        manager = self._watched(quorum, lambda: self._manager(quorum),
+                                f"made its checkpoint group to save step {step}")
         live = {"epoch": quorum.epoch, "members": quorum.members, "group_size": self.update.group_size,
                 "replica_groups": len(quorum.members) // self.update.group_size}
 
@@ -130,7 +130,21 @@ class LiveCheckpoints:
         try:
             return watched(work, self.store, quorum.epoch, self.beat, doing)
         except BaseException:
-            if dist.is_initialized():
-                dist.destroy_process_group()  # unregisters it: it blocks on nothing (gloo)
-            self.epoch = self.manager = None
+            forget_default_group()
+            # a thread abandoned in a store wait holds its client until gloo's timeout (one client serialises
+            # its calls): the next group is made on a new one (seen: 30 s before the next save otherwise)
+            self.epoch = self.manager = self.connection = None
             raise
+
+
+def forget_default_group() -> None:
+    """Destroys this process's default group, made or not (it blocks on nothing: gloo). Destroying it is
+    also what resets torch's count of default groups made, which names the next one in its store keys:
+    an ``init_process_group`` abandoned in its rendezvous (a member died meanwhile) raised that count
+    and never made a group, so the next group this rank made was named apart from its peers', and they
+    waited for each other under different keys until the timeout (seen: every save after a rank was
+    killed while the group was being made, 30 s each). With no group, a one-rank group on a local store
+    is made to be destroyed."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.destroy_process_group()

@@ -358,7 +358,11 @@ class LiveWorker:
         if self.step_index < self.steps and (reason != NONE or planned):  # the last step ends the run anyway
             self.stop_here(reason)
         elif self.checkpoints is not None:
-            self.checkpoints.save(quorum, self.step_index, last_step=self.step_index == self.steps, stopping=False)
+            began = time.perf_counter()
+            saved = self.checkpoints.save(quorum, self.step_index, last_step=self.step_index == self.steps,
+                                          stopping=False)
+            if saved and self.lifecycle is not None:  # the time limit keeps room for one step and one save
+                self.lifecycle.note_save(time.perf_counter() - began)
         if (self.checkpoint_every and self.step_index % self.checkpoint_every == 0
                 and quorum.index(self.rank) < self.update.group_size):  # the lowest live group's shards
             path = checkpoint_path(self.run_dir, self.step_index, self.update.shard)

@@ -3,9 +3,10 @@
 groups x 2, dropout, AdamW, durable checkpoints every 5 steps), ``guards.skip`` on with an absolute
 threshold:
 
-- a gradient spike (the drill's ``spike:step=4``) is skipped by every rank at step 4, the run goes on,
-  and ends with every rank's parameters and optimizer state bitwise those of a fault-free run that
-  skips step 4 by replay (``guards.skip.replay_steps``); the same script in the closure mode
+- a gradient spike (the drill's ``spike:step=4``) and a NaN (``nan:step=7``, rank 0's by default: every
+  rank's in the sum) are skipped by every rank at steps 4 and 7, the run goes on, and ends with every
+  rank's parameters and optimizer state bitwise those of a fault-free run that skips steps 4 and 7 by
+  replay (``guards.skip.replay_steps``); the same script in the closure mode
   (``helpers/user_loop_closure.py``, the same gradients) measures every step's norm and loss bitwise as
   live mode does and skips the same steps;
 - a spike at every step from 3 with ``count_threshold: 2``: every rank aborts at step 4 with the
@@ -37,7 +38,9 @@ from trainguard.live.files import events_path, final_path
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "user_loop_live.py"
 CLOSURE_TWIN = ROOT / "tests" / "helpers" / "user_loop_closure.py"
-STEPS, WORLD, SPIKE_AT, THRESHOLD = 10, 4, 4, 50.0
+STEPS, WORLD, SPIKE_AT, NAN_AT, THRESHOLD = 10, 4, 4, 7, 50.0
+FAULTS = f"faults=spike:step={SPIKE_AT},factor=10000; nan:step={NAN_AT}"
+SKIPPED = [SPIKE_AT, NAN_AT]
 TIMEOUT_S = 240
 
 
@@ -84,21 +87,22 @@ def root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def spiked(root):
-    return root / "spiked", _ok(_live(root / "spiked", _config(root), f"faults=spike:step={SPIKE_AT},factor=10000"))
+    return root / "spiked", _ok(_live(root / "spiked", _config(root), FAULTS))
 
 
 @pytest.fixture(scope="module")
 def replayed(root):
-    _ok(_live(root / "replayed", _config(root), f"guards.skip.replay_steps=[{SPIKE_AT}]"))
+    _ok(_live(root / "replayed", _config(root), f"guards.skip.replay_steps={SKIPPED}"))
     return root / "replayed"
 
 
 def test_a_gradient_spike_is_skipped_by_every_rank_and_the_run_goes_on(spiked):
     run_dir, done = spiked
-    assert [e["step"] for e in _events(run_dir, "data_skip")] == [SPIKE_AT]  # one report, by the quorum's first
+    skips = _events(run_dir, "data_skip")  # one report each, by the quorum's first member
+    assert [(e["step"], e["nan"]) for e in skips] == [(SPIKE_AT, False), (NAN_AT, True)]
     for rank in range(WORLD):  # live_step counts from 0: index 3 is the closure mode's step 4
         steps = [e for e in _events(run_dir, "live_step") if e["rank"] == rank]
-        assert [e["step"] + 1 for e in steps if e["skipped"]] == [SPIKE_AT], rank
+        assert [e["step"] + 1 for e in steps if e["skipped"]] == SKIPPED, rank
         assert len(steps) == STEPS
     assert "ranks replaced: none" in done.stdout
     assert (f"opt_global_step: {SPIKE_AT - 1}, skip_data_grad_norm_threshold: {THRESHOLD!r}, is_skip: [ True]"
@@ -118,16 +122,18 @@ def test_the_closure_mode_skips_the_same_steps_on_the_same_gradients(root, spike
     run_dir, _ = spiked
     closure_dir = root / "closure"
     done = subprocess.run([sys.executable, str(CLOSURE_TWIN), "--config", str(_config(root)), "--run-dir",
-                           str(closure_dir), "--set", f"faults=spike:step={SPIKE_AT},factor=10000"],
+                           str(closure_dir), "--set", FAULTS.replace("; ", ";")],
                           env=worker_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     _ok(done)
     # every step's norm and loss bitwise the live run's (the micro-batches accumulated in the same order,
     # the norm summed alike), so every verdict is the same
-    closure = [(e["step"], e["global_norm"], e["loss"], e["skipped"]) for e in _events(closure_dir, "step")]
-    live = [(e["step"] + 1, e["global_norm"], e["loss"], e["skipped"]) for e in _events(run_dir, "live_step")
-            if e["rank"] == 0]
+    def verdicts(events: list[dict], first: int) -> list[tuple]:  # a NaN norm compared as its text
+        return [(e["step"] + first, repr(e["global_norm"]), e["loss"], e["skipped"]) for e in events]
+
+    closure = verdicts(_events(closure_dir, "step"), 0)
+    live = verdicts([e for e in _events(run_dir, "live_step") if e["rank"] == 0], 1)
     assert closure == live and len(live) == STEPS
-    assert [e["step"] for e in _events(closure_dir, "data_skip")] == [SPIKE_AT]
+    assert [e["step"] for e in _events(closure_dir, "data_skip")] == SKIPPED
 
 
 def test_consecutive_spikes_abort_every_rank_with_exit_3_and_no_rank_is_replaced(root):
@@ -146,7 +152,7 @@ def test_consecutive_spikes_abort_every_rank_with_exit_3_and_no_rank_is_replaced
 
 def test_exit_at_step_saves_and_ends_with_exit_0_and_the_run_resumes_bitwise(root, replayed):
     run_dir, config = root / "planned", _config(root)
-    replay = f"guards.skip.replay_steps=[{SPIKE_AT}]"
+    replay = f"guards.skip.replay_steps={SKIPPED}"
     stopped = _ok(_live(run_dir, config, replay, "train.exit_at_step=6"))
     assert "run exit_at_step at step 6" in stopped.stdout
     assert [(e["step"], e["reason"]) for e in _events(run_dir, "run_finished")] == [(6, "exit_at_step")]

@@ -261,7 +261,7 @@ class Supervisor:
                 return self._finish(inc, decision.exit_code)
             excluded = self.policy.node_to_exclude(ended, self.pool.slots)
             if excluded is not None:
-                if not self._replace(inc, excluded, self.policy.exclusion_reason(ended)):
+                if not self._replace(inc, excluded.node, excluded.reason.value):
                     return self._give_up(inc, "no spare node", ended.exit_code)
                 self.policy.replaced_node()
             elif ended.exit_code == EXIT_FAULTY_HARDWARE:

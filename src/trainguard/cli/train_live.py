@@ -17,7 +17,7 @@ import math
 import sys
 from pathlib import Path
 
-from trainguard.checkpoint.discovery import list_checkpoints
+from trainguard.checkpoint.discovery import newest_committed
 from trainguard.config.schema import RunConfig
 from trainguard.errors import EXIT_RESUMABLE_STOP, ConfigError
 from trainguard.live.launcher import LiveRun, launch, resume_point
@@ -67,15 +67,11 @@ def run_live(run: LiveRun, run_dir: Path) -> int:
         print(f"trainguard: error: {error}", file=sys.stderr, flush=True)
         return 1
     if result.stopped:
-        saved = newest_committed(run_dir / "checkpoints")
+        newest = newest_committed(run_dir / "checkpoints")
+        saved = newest.path if newest is not None else None
         print(f"trainguard: live run stopped by SIGTERM/SIGUSR1: saved {saved}; run again with --resume auto "
               "to continue", flush=True)
         return EXIT_RESUMABLE_STOP
     print(f"trainguard: live run finished: {run.steps} steps in {result.wall_s:.1f} s, "
           f"ranks replaced: {sorted(result.replaced_at) or 'none'}", flush=True)
     return 0
-
-
-def newest_committed(root: Path) -> Path | None:
-    committed = [info for info in list_checkpoints(root) if info.committed]
-    return committed[-1].path if committed else None

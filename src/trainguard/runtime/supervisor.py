@@ -107,15 +107,9 @@ class Incarnation:
 
 def rank_error_line(failure: dict[str, Any]) -> str:
     """The first line of the error that ended a rank (``Type: message``), from the agent's report of it
-    (torchrun's error file: ``{"message": ..., "extraInfo": {"py_callstack": ...}}``); "" without one."""
+    (its ``message``: the text of torchrun's error file, ``launcher.error_text``); "" without one."""
     message = failure.get("message")
-    if not isinstance(message, str) or not message.strip():
-        return ""
-    try:
-        message = json.loads(message).get("message", message)
-    except (ValueError, AttributeError):
-        pass
-    lines = [line.strip() for line in str(message).splitlines() if line.strip()]
+    lines = [line.strip() for line in message.splitlines() if line.strip()] if isinstance(message, str) else []
     return lines[0] if lines else ""
 
 
@@ -261,7 +255,7 @@ class Supervisor:
                 return self._finish(inc, decision.exit_code)
             excluded = self.policy.node_to_exclude(ended, self.pool.slots)
             if excluded is not None:
-                if not self._replace(inc, excluded, self.policy.exclusion_reason(ended)):
+                if not self._replace(inc, excluded.node, excluded.reason.value):
                     return self._give_up(inc, "no spare node", ended.exit_code)
                 self.policy.replaced_node()
             elif ended.exit_code == EXIT_FAULTY_HARDWARE:

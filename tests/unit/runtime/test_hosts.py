@@ -38,7 +38,7 @@ def test_a_node_gets_its_command_with_the_environment_on_the_command_line():
 def test_a_lost_node_is_excluded_at_once_whatever_node_failures_says():
     policy = RestartPolicy(max_restarts=3, crash_loop=2, backoff=0, backoff_max=0, node_failures=5, several_nodes=True)
     lost = Ended(Outcome.NODE_LOST, 1, 4, None, "n2")
-    assert policy.node_to_exclude(lost, ["n1", "n2"]) == "n2"
+    assert policy.node_to_exclude(lost, ["n1", "n2"]).node == "n2"
     assert policy.node_to_exclude(Ended(Outcome.FAILED, 1, 4, 1, "n2"), ["n1", "n2"]) is None
 
 

@@ -54,18 +54,18 @@ def secret_path(run_dir: Path) -> Path:
 def require_owner_only(path: Path, what: str) -> None:
     """Raises ``OwnerOnlyError`` unless ``path`` belongs to this user and no other user may read, write or
     enter it (a directory 0700, a file 0600 or stricter)."""
-    info = os.lstat(path)
-    if info.st_uid != os.geteuid() or info.st_mode & 0o077 or stat.S_ISLNK(info.st_mode):
+    info = os.stat(path)  # a symlink is judged by what it points to (a node directory may be one)
+    if info.st_uid != os.geteuid() or info.st_mode & 0o077:
         raise OwnerOnlyError(f"{path}: {what} must be owned by uid {os.geteuid()} and closed to other users "
-                          f"(found uid {info.st_uid}, mode {stat.S_IMODE(info.st_mode):04o})")
+                             f"(found uid {info.st_uid}, mode {stat.S_IMODE(info.st_mode):04o})")
 
 
 def owner_only_dir(path: Path, what: str) -> Path:
     """``path`` as a directory only this user may enter: made 0700 if new, checked if it exists."""
     path = Path(path)
     path.mkdir(mode=0o700, parents=True, exist_ok=True)  # the mode applies to the last part, umask aside
-    if os.lstat(path).st_uid == os.geteuid():
-        os.chmod(path, stat.S_IMODE(os.lstat(path).st_mode) & 0o700)
+    if os.stat(path).st_uid == os.geteuid():
+        os.chmod(path, stat.S_IMODE(os.stat(path).st_mode) & 0o700)
     require_owner_only(path, what)
     return path
 

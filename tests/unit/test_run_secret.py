@@ -110,3 +110,11 @@ def test_a_stale_or_future_proof_is_refused():
     check = RequestCheck(secret, clock)
     assert "old" in check.check(prove_request(secret, "stop", now=clock.now - MAX_SKEW_S - 1)).refused
     assert "old" in check.check(prove_request(secret, "stop", now=clock.now + MAX_SKEW_S + 1)).refused
+
+
+def test_a_directory_reached_through_a_symlink_is_judged_by_its_target(tmp_path, permissive_umask):
+    """A node's local directory is often a symlink to scratch space: the target is made owner-only."""
+    (tmp_path / "scratch").mkdir(mode=0o755)
+    (tmp_path / "local").symlink_to(tmp_path / "scratch")
+    owner_only_dir(tmp_path / "local", "a test directory")
+    assert _mode(tmp_path / "scratch") == 0o700

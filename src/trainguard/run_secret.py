@@ -34,7 +34,8 @@ ENV_SECRET = "TRAINGUARD_RUN_SECRET"
 SECRET_DIR = ".trainguard"
 SECRET_FILE = "secret"
 SECRET_BYTES = 32
-MAX_SKEW_S = 60.0  # a request older or newer than this (by the sender's clock) is refused
+MAX_SKEW_S = 300.0  # a request older or newer than this (by the sender's clock) is refused: the hosts' clocks must agree
+# within it (NTP keeps them within milliseconds); a refusal says by how much they did not
 VALUE_TAG = b"tg1:"
 _MAC_HEX = 64  # SHA-256's digest in hex
 

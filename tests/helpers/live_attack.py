@@ -4,7 +4,8 @@ It learns the store's address from the launcher's ``live_store`` event (an attac
 port), then, until stopped: writes forged control values under the run's own key names (stop, abort,
 fence, reports, quorums, a spare's rank, join requests...) and random keys with random bytes, each
 only where no value is yet (overwriting one of the run's values is a denial of service the secret
-cannot prevent: docs/security.md), and connects to every rank's probe socket and sends it garbage.
+cannot prevent: docs/security.md), but for ``latest``, which every rank reads at every step
+(the lighthouse restores it), and connects to every rank's probe socket and sends it garbage.
 gloo's own keys (``pg/``, ``ckpt/``) are left alone: they stay open (docs/security.md).
 """
 
@@ -39,6 +40,7 @@ class LiveAttack:
         self.stopped = threading.Event()
         self.written: set[str] = set()  # the keys it wrote
         self.probed: set[int] = set()  # the ranks whose probe socket took its garbage
+        self.overwrote_latest = 0  # times it wrote garbage over the newest epoch's number
         self.thread = threading.Thread(target=self.run, name="live-attack", daemon=True)
         self.error: BaseException | None = None
 
@@ -71,6 +73,9 @@ class LiveAttack:
             while not self.stopped.is_set():
                 self.write_where_empty(store)
                 self.probe(store)
+                if self.random.random() < 0.05:  # the one value it overwrites: the lighthouse restores it
+                    store.set("latest", self.random.randbytes(8))
+                    self.overwrote_latest += 1
                 time.sleep(0.005)
         except BaseException as error:  # reported by the test; a failed store call while the run ends is not
             if not self.stopped.is_set():

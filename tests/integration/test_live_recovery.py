@@ -310,7 +310,7 @@ def test_a_client_without_the_secret_cannot_stop_abort_fence_or_crash_a_live_run
         result = launch(tmp_path / "attacked", run)
     assert attack.error is None, attack.error
     assert {"stop", "abort/0", "report/0/1"} <= attack.written and len(attack.written) > 30, sorted(attack.written)
-    assert attack.probed == set(range(WORLD))
+    assert attack.probed == set(range(WORLD)) and attack.overwrote_latest > 10
     assert result.first_pids == result.last_pids and result.exit_codes == {r: 0 for r in range(WORLD)}
     events = _events(tmp_path / "attacked")
     assert [e["members"] for e in events if e["kind"] == "live_quorum"] == [[0, 1, 2, 3]]

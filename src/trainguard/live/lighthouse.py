@@ -40,7 +40,7 @@ from collections.abc import Callable
 
 from trainguard.events import EventLog
 from trainguard.live.collective import end_epoch
-from trainguard.live.quorum import (MAX_STEP, NO_STATE, Quorum, beat_key, done_key, entered_key, fence_key, has,
+from trainguard.live.quorum import (LATEST, MAX_STEP, NO_STATE, Quorum, beat_key, done_key, entered_key, fence_key, has,
                                     publish, ready_key, report_key)
 from trainguard.live.probe import probe_key, reachable_groups, read_reach
 from trainguard.live.signed_store import SignedStore
@@ -114,6 +114,10 @@ class Lighthouse:
 
     def poll(self) -> None:
         quorum = self.quorum
+        if self.store.get_int(LATEST, 0, MAX_STEP) != quorum.epoch:
+            # overwritten by a client without the secret (garbage, or an older sealed value of ours written
+            # again): every rank reads it at every step, and waits on a foreign one; restored at this look
+            publish(self.store, quorum)
         # a report that is not a step (foreign, garbage) is ignored: logged once by the store, never a crash
         reports = {r: self.store.get_int(report_key(quorum.epoch, r), NO_STATE, MAX_STEP) for r in quorum.members}
         reported = {r: step for r, step in reports.items() if step is not None}

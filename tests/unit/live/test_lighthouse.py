@@ -22,7 +22,7 @@ from trainguard.events import EventLog
 from trainguard.live.collective import abort_key
 from trainguard.live.lighthouse import Lighthouse
 from trainguard.live.probe import probe_key
-from trainguard.live.quorum import beat_key, entered_key, latest_epoch, read_quorum, ready_key, report_key
+from trainguard.live.quorum import LATEST, beat_key, entered_key, latest_epoch, read_quorum, ready_key, report_key
 from trainguard.live.signed_store import SignedStore
 from trainguard.live.stall import OUT, IN, reduce_key
 
@@ -199,3 +199,18 @@ def test_a_sealed_report_out_of_bounds_is_ignored_not_a_crash(lighthouse, store,
         _run(lighthouse, store, clock, 8 * LOOK_S, beating=(0, 1, 2))
     assert latest_epoch(store) == 0
     assert sum("not an integer in" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_the_newest_epoch_overwritten_from_outside_is_restored_at_the_next_look(lighthouse, store, clock):
+    """Every rank reads ``latest`` at every step and waits while it holds a foreign value: the lighthouse
+    puts its own back, whether garbage or an older sealed value written again (a replay)."""
+    old_latest = store.raw.get(LATEST)  # epoch 0's, sealed
+    _run(lighthouse, store, clock, 0.5, beating=range(4))
+    lighthouse.died(3)
+    _report(store, 0, (0, 1, 2), 5)
+    _run(lighthouse, store, clock, 4 * LOOK_S, beating=(0, 1, 2))
+    assert latest_epoch(store) == 1
+    for forged in (b"pwned", old_latest):
+        store.raw.set(LATEST, forged)
+        _run(lighthouse, store, clock, LOOK_S, beating=(0, 1))
+        assert store.raw.get(LATEST) != forged and latest_epoch(store) == 1

@@ -32,8 +32,10 @@ from typing import Any
 from trainguard.fs.fsio import atomic_write_json
 from trainguard.errors import EXIT_CRASH, EXIT_FAULTY_HARDWARE, EXIT_OK, EXIT_RESUMABLE_STOP
 from trainguard.events import EventLog, read_events
+from trainguard.run_secret import create_secret
 from trainguard.runtime.hang import DUMP_SIGNAL, HangPolicy, dump_dir, remove_empty_dumps, suspect_ranks
 from trainguard.runtime.heartbeat import ENV_INCARNATION, Heartbeat, read_heartbeats
+from trainguard.runtime.hosts import HostNodes
 from trainguard.runtime.lifecycle import ENV_JOB_START
 from trainguard.runtime.nodes import ENV_AGENT_REPORT, LocalNodes, NodePool, agent_env
 from trainguard.runtime.slurm import cancel_pending_tasks
@@ -239,6 +241,8 @@ class Supervisor:
             self.say(f"only {len(self.pool.slots)} usable node(s) for {o.nnodes} slot(s) "
                      f"(excluded: {', '.join(self.pool.excluded) or 'none'}); not starting")
             return EXIT_FAULTY_HARDWARE
+        if isinstance(self.nodes, HostNodes):  # its agents answer only requests proved with the run secret
+            self.nodes.secret = create_secret(self.run_dir)
         number = self._first_incarnation_number()
         pending_recovery: dict[str, Any] | None = None
         self.emit("supervisor_started", command=o.command, nnodes=o.nnodes, spare_nodes=o.spare_nodes,

@@ -212,8 +212,13 @@ def main(argv: list[str]) -> int:
             "figure": f"{figures[pair]}, {args.preset} (fastest step of each mode)",
             "trainguard": fastest_ms[pair[0]] / 1e3, "baseline": fastest_ms[pair[1]] / 1e3,
             "ratio": 1 + by_fastest[pair], "target": "<= 1.01", "met": by_fastest[pair] <= TARGET}))
-    print("RESULT " + json.dumps({"figure": f"fingerprints at interval {interval}, {args.preset}",
+    # the step with its share of the fingerprints' cost against the bare step (s); run_all needs both sides
+    print("RESULT " + json.dumps({"figure": f"fingerprints at interval {interval}, {args.preset} (s per step)",
+                                  "trainguard": step_s * (1 + fingerprint), "baseline": step_s,
                                   "ratio": 1 + fingerprint, "target": "<= 1.01", "met": fingerprint <= TARGET}))
+    print("RESULT " + json.dumps({"figure": f"at-rest check every step, {args.preset} (s per step)",
+                                  "trainguard": step_s * (1 + at_rest), "baseline": step_s,
+                                  "ratio": 1 + at_rest, "target": "<= 1.01", "met": at_rest <= TARGET}))
     return 0
 
 

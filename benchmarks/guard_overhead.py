@@ -103,7 +103,11 @@ def main() -> int:
 
     common = ["checkpoint.save_interval=0", "checkpoint.resume=disable", "guards.skip.enabled=true",
               "guards.skip.threshold=1e9", "guards.health.enabled=true", "guards.health.embedding_threshold=1e9",
-              "guards.monitor=true", "lifecycle.exit_duration_in_mins=100000", "train.log_interval=1000000"]
+              "guards.monitor=true", "lifecycle.exit_duration_in_mins=100000", "train.log_interval=1000000",
+              # the three modes step one model in turn, so each guard finds it changed since its own last
+              # update: the every-step at-rest check would (rightly) call that a flip; its cost is
+              # detection_overhead.py's "at-rest check every step" row
+              "guards.fingerprint.at_rest=interval"]
     scratch = Path(tempfile.mkdtemp(prefix="guard_overhead_")) if rank == 0 else None
     box = [str(scratch)]
     dist.broadcast_object_list(box, src=0)

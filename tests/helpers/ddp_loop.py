@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
 import trainguard
-from guard_loop import TokenStream, start_ranks
+from guard_loop import TokenStream, start_ranks, tiny_qwen2_config
 
 FIND_UNUSED = os.environ.get("DDP_FIND_UNUSED_PARAMETERS") == "1"
 """DDP's ``find_unused_parameters``: with it on (and ``static_graph`` off) DDP never rebuilds its buckets."""
@@ -25,10 +25,7 @@ FIND_UNUSED = os.environ.get("DDP_FIND_UNUSED_PARAMETERS") == "1"
 
 def main() -> None:
     args, rank, world = start_ranks()
-    hf_config = Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                            tie_word_embeddings=False)
-    model = DistributedDataParallel(Qwen2ForCausalLM(hf_config), find_unused_parameters=FIND_UNUSED)
+    model = DistributedDataParallel(Qwen2ForCausalLM(tiny_qwen2_config()), find_unused_parameters=FIND_UNUSED)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     data = TokenStream(rank)
 

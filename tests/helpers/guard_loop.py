@@ -59,11 +59,16 @@ def start_ranks() -> tuple[argparse.Namespace, int, int]:
     return args, dist.get_rank(), dist.get_world_size()
 
 
+def tiny_qwen2_config() -> Qwen2Config:
+    """The loops' model: two layers, a vocabulary of ``TokenStream``'s 96 tokens."""
+    return Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                       tie_word_embeddings=False)
+
+
 def main() -> None:
     args, rank, world = start_ranks()
-    hf_config = Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                            tie_word_embeddings=False)
+    hf_config = tiny_qwen2_config()
     model = Qwen2ForCausalLM(hf_config)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
     for layer in model.model.layers:

@@ -23,6 +23,7 @@ from helpers.runs import worker_env
 
 ENTRY_POINT = Path(sys.executable).with_name("trainguard")
 HEAVY = ("torch", "transformers")
+PRINTING = ("rich",)  # a command imports it when it prints; a parser never needs it
 
 
 def imported_modules(*args: str, expect_code: int = 0) -> set[str]:
@@ -34,10 +35,10 @@ def imported_modules(*args: str, expect_code: int = 0) -> set[str]:
     return {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
 
 
-def assert_light(*args: str, expect_code: int = 0) -> None:
+def assert_light(*args: str, expect_code: int = 0, heavy_packages: tuple[str, ...] = HEAVY) -> None:
     modules = imported_modules(*args, expect_code=expect_code)
     assert "trainguard.cli" in modules, "the import trace is missing: PYTHONPROFILEIMPORTTIME had no effect"
-    heavy = sorted(name for name in modules if name.split(".")[0] in HEAVY)
+    heavy = sorted(name for name in modules if name.split(".")[0] in heavy_packages)
     assert not heavy, f"trainguard {' '.join(args)} imported {heavy[:5]}"
 
 
@@ -55,8 +56,8 @@ def help_commands() -> list[tuple[str, ...]]:
 
 
 @pytest.mark.parametrize("command", help_commands(), ids=lambda command: " ".join(command) or "trainguard")
-def test_help_imports_neither_torch_nor_transformers(command):
-    assert_light(*command, "--help")
+def test_help_imports_neither_torch_nor_transformers_nor_rich(command):
+    assert_light(*command, "--help", heavy_packages=HEAVY + PRINTING)
 
 
 def test_status_watch_killswitch_and_ckpt_list_on_a_real_run_import_neither(committed_run, tmp_path):

@@ -5,10 +5,12 @@ The runs are the ones ``trainguard demo --live`` makes; every claim is checked h
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections import defaultdict
 
 import pytest
 
+from helpers.live_attack import LiveAttack
 from helpers.runs import trainguard, worker_env
 from trainguard.demo.live import FAILING
 from trainguard.events.log import read_events
@@ -293,3 +295,32 @@ def test_a_partial_cut_is_found_within_the_stall_bound_and_its_group_excluded(dr
     assert degraded and {e["rank"] for e in degraded} == set(survivors)
     assert run_differences(root / "clean", tmp_path / "stall", WORLD) == {}
     assert sample_problems(events, STEPS, Workload().samples_per_step) == []
+
+
+def test_a_client_without_the_secret_cannot_stop_abort_fence_or_crash_a_live_run(drill, tmp_path, caplog, capfd):
+    """Issue 40: the fault-free drill run again while a client that reaches its store (and not its
+    secret) writes forged stop, abort, fence, report, quorum and join values under the run's own key
+    names, and random keys and bytes, and sends garbage to every rank's probe socket. Before the run's
+    values were sealed, ``pwned`` under a report key killed the lighthouse (ValueError), a forged
+    ``stop`` or ``abort/0`` stopped or broke the epoch. Now: one epoch, no process restarted, the end
+    state bitwise the undisturbed run's, every foreign value the run read logged once per process."""
+    root, _ = drill
+    run = dataclasses.replace(FAILING, kill_ranks=(), spares=0)
+    with caplog.at_level(logging.WARNING, logger="trainguard.live.store"), LiveAttack(tmp_path / "attacked", WORLD) as attack:
+        result = launch(tmp_path / "attacked", run)
+    assert attack.error is None, attack.error
+    assert {"stop", "abort/0", "report/0/1"} <= attack.written and len(attack.written) > 30, sorted(attack.written)
+    assert attack.probed == set(range(WORLD)) and attack.overwrote_latest > 10
+    assert result.first_pids == result.last_pids and result.exit_codes == {r: 0 for r in range(WORLD)}
+    events = _events(tmp_path / "attacked")
+    assert [e["members"] for e in events if e["kind"] == "live_quorum"] == [[0, 1, 2, 3]]
+    assert run_differences(root / "clean", tmp_path / "attacked", WORLD) == {}
+    assert sample_problems(events, STEPS, Workload().samples_per_step) == []
+    # the lighthouse (this process) read the forged reports of epoch 0 at every look: one line each
+    launcher = [r.getMessage() for r in caplog.records if r.name == "trainguard.live.store"]
+    assert launcher.count("trainguard: ignored a foreign value under live store key 'report/0/1' "
+                          "(not sealed with the run secret): b'pwned'") == 1
+    assert len(launcher) == len(set(launcher)) and any("'report/0/" in line for line in launcher), launcher
+    # every rank polled the forged stop at every step: one line per rank
+    ranks = [line for line in capfd.readouterr().err.splitlines() if "foreign value under live store key 'stop'" in line]
+    assert 1 <= len(ranks) <= WORLD, ranks

@@ -7,6 +7,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import shutil
+import stat
 import traceback
 import uuid
 from pathlib import Path
@@ -113,6 +114,8 @@ def test_memory_tier_recovers_a_lost_node_with_at_most_one_step_redone_bitwise(t
     _run("crash", tmp_path, run_dir, memory_dir, results)
     node_dirs = sorted((shm_root / run_key(run_dir)).glob("node*"))
     assert [d.name for d in node_dirs] == ["node0", "node1"]
+    # owner-only in /dev/shm, which every user of the node can list (issue 40)
+    assert [stat.S_IMODE(d.stat().st_mode) for d in node_dirs] == [0o700, 0o700]
     shutil.rmtree(node_dirs[1])  # node 1 lost: its memory with it
 
     _run("resume", tmp_path, run_dir, memory_dir, results)

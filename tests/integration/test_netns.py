@@ -8,6 +8,7 @@ through the node's own agent. A node failure is its link cut (``ip link set tg0 
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -15,9 +16,11 @@ import threading
 import time
 from pathlib import Path
 
+from helpers.agent_attack import REQUESTS
 from helpers.runs import TINY, assert_same_tensors, events, finish_session, ok, train, worker_env
 from trainguard.runtime.heartbeat import read_heartbeats
 
+AGENT_ATTACK = Path(__file__).parent.parent / "helpers" / "agent_attack.py"
 STEPS = 14
 HANG_AT = 2  # rank 1 (on n2) hangs in this step, once: stack dumps through the agents, a restart
 CUT_AT = 5  # then the link of n2 is cut once every rank has completed this step
@@ -59,6 +62,17 @@ def wait_for_step(run: Path, step: int, ranks: int, timeout: float = 300) -> Non
     raise AssertionError(f"{run} did not reach step {step} in {timeout:.0f}s")
 
 
+def attack_agents(cluster, run: Path) -> dict:
+    """Issue 40: a client in the head's network namespace, without the run secret, sends every agent of the
+    running incarnation stop, the signals and ping, bare, with a forged proof and as garbage
+    (``helpers/agent_attack.py``). Returns the answers and the number of requests."""
+    incarnations = sorted(run.glob("supervisor/incarnation_*"), key=lambda path: int(path.name.split("_")[1]))
+    controls = sorted(str(path) for path in incarnations[-1].glob("*.control"))
+    done = subprocess.run(cluster.on_head([sys.executable, str(AGENT_ATTACK), *controls]), capture_output=True,
+                          text=True, timeout=60)
+    return {"controls": controls, "answers": json.loads(done.stdout), "requests": len(REQUESTS) * len(controls)}
+
+
 def test_a_hang_then_a_cut_link_across_hosts_ends_bitwise_equal(netns, tmp_path):
     """One run: a hang (stack dumps asked of each node's agent, whose ranks live in another pid
     namespace), then n2's link cut mid-run: detected, n2 excluded, the spare n3 takes its slot and gets
@@ -67,14 +81,23 @@ def test_a_hang_then_a_cut_link_across_hosts_ends_bitwise_equal(netns, tmp_path)
     bitwise equal to a fault-free one."""
     def cut_then_stop(run: Path, supervisor: subprocess.Popen) -> None:
         wait_for_step(run, CUT_AT, ranks=2)
+        attacked.update(attack_agents(netns, run))
         netns.cut_link("n2")
         wait_for_step(run, STOP_AFTER, ranks=2)
         supervisor.send_signal(signal.SIGTERM)
 
+    attacked: dict = {}
     run = tmp_path / "cut"
     stopped = train_on_hosts(netns, run, STEPS, *REPLICATED, "--hang-timeout", str(HANG_TIMEOUT), faults=FAULTS,
                              during=cut_then_stop)
     assert stopped.returncode == 16, stopped.stdout[-6000:]
+    # the attack: every request refused (nothing stopped or signalled: the assertions below), one line each
+    assert len(attacked["controls"]) == 2 and len(attacked["answers"]) == attacked["requests"], attacked
+    assert all(answer and answer["error"].startswith("refused: ") for answer in attacked["answers"]), attacked
+    refused = [line for line in stopped.stdout.splitlines() if ": refused request " in line]
+    assert len(refused) == attacked["requests"], refused
+    assert all(line.startswith(("trainguard agent n1: ", "trainguard agent n2: ")) and " from 10.231.0.254:" in line
+               for line in refused), refused
     finished = train_on_hosts(netns, run, STEPS, *REPLICATED)
     assert finished.returncode == 0, finished.stdout[-6000:]
     reference = tmp_path / "reference"

@@ -19,7 +19,8 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 
 # Lowest first. A package may import its own floor and those below; "" is trainguard/__init__.py.
 FLOORS: list[tuple[str, frozenset[str]]] = [
-    ("ground: file-system primitives and layout names, errors, forking", frozenset({"fs", "errors", "_lazy", "forking"})),
+    ("ground: file-system primitives and layout names, errors, forking, the run secret",
+     frozenset({"fs", "errors", "_lazy", "forking", "run_secret"})),
     ("topology, norms, events", frozenset({"topology", "norms", "events"})),
     ("guards: pure rules and their typed verdicts", frozenset({"guards"})),
     ("checkpoint tiers", frozenset({"checkpoint"})),

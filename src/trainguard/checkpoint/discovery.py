@@ -61,12 +61,18 @@ def list_checkpoints(root: PathLike) -> list[CheckpointInfo]:
     return sorted(found, key=lambda info: (info.step, info.name))
 
 
-def newest_committed_step(root: PathLike) -> int | None:
-    """The step of the newest committed durable checkpoint under ``root`` (None without one or without
-    ``root``): where a run stands, read without loading anything."""
+def newest_committed(root: PathLike) -> CheckpointInfo | None:
+    """The newest committed durable checkpoint under ``root`` (None without one or without ``root``):
+    where a run stands, read without loading anything."""
     if not Path(root).is_dir():
         return None
-    return max((info.step for info in list_checkpoints(root) if info.committed), default=None)
+    return max((info for info in list_checkpoints(root) if info.committed), key=lambda info: info.step, default=None)
+
+
+def newest_committed_step(root: PathLike) -> int | None:
+    """The step of :func:`newest_committed`."""
+    newest = newest_committed(root)
+    return newest.step if newest is not None else None
 
 
 def _committed_or_broken(step: int, path: Path) -> CheckpointInfo:

@@ -69,6 +69,10 @@ DTENSOR_CLASS_NAMES = (
 (verl's rank files and the local tier's hold DTensors). Plain data classes: nothing runs code. Most are
 private and come and go between torch releases: the allow-list holds those this torch has."""
 
+DTENSOR_MODULES = frozenset(name.rpartition(".")[0] for name in DTENSOR_CLASS_NAMES)
+"""The modules of the allow-list: the only ones a file's globals make us import (to tell a class this
+torch lacks from one never allowed); any other module a file names is refused unimported."""
+
 
 def resolve_global(name: str) -> Any:
     """The object a pickle's ``GLOBAL module.name`` names, or None where this torch has no such thing."""
@@ -119,7 +123,9 @@ def safe_torch_load(path: PathLike, *, mmap: bool = False) -> Any:
     mesh_log.setLevel(logging.ERROR)  # "unpickling of the DeviceMesh before the PGs were created": expected
     try:
         named = _globals_named(path)
-        missing = [name for name in named if name.startswith("torch.") and resolve_global(name) is None]
+        # importing a module an untrusted file names runs that module's code: only the allow-list's own
+        missing = [name for name in named
+                   if name.rpartition(".")[0] in DTENSOR_MODULES and resolve_global(name) is None]
         if missing:
             raise IncompatibleCheckpointError(f"cannot load {path}: it names {missing[0]}, which torch "
                                               f"{torch.__version__} lacks")

@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainguard.checkpoint.discovery import list_checkpoints
+from trainguard.checkpoint.discovery import list_checkpoints, newest_committed
 from trainguard.fs.layout import TRASH_PREFIX, step_dir_name
 from trainguard.cli.arguments import resolve_root
 from trainguard.cli.output import byte_progress, warn
@@ -116,7 +116,7 @@ def run_restore(args: argparse.Namespace) -> int:
     directory = Path(args.dir)
     if directory.exists() and not directory.is_dir():
         raise ConfigError(f"{directory}: exists and is not a directory")
-    has_steps = directory.is_dir() and any(info.committed for info in list_checkpoints(directory))
+    has_steps = newest_committed(directory) is not None
     root = directory if directory.name == "checkpoints" or has_steps else directory / "checkpoints"
     mirror = open_mirror(args.url, args.endpoint_url)
     check_reachable(mirror)

@@ -6,8 +6,6 @@ import argparse
 import time
 from pathlib import Path
 
-from rich.filesize import decimal
-
 from trainguard.fs.layout import step_dir_name
 from trainguard.cli.output import byte_progress
 from trainguard.errors import ConfigError
@@ -32,7 +30,9 @@ def _events_file(directories: list[Path]) -> Path | None:
 
 
 def run_repair(args: argparse.Namespace) -> int:
-    # here, not at the top: every ``trainguard ckpt`` command builds this parser, and this imports torch
+    # here, not at the top: every ``trainguard ckpt`` command builds this parser, and these import torch, rich
+    from rich.filesize import decimal
+
     from trainguard.checkpoint.local.repair import discover, local_steps, newest_durable, repair_rate, repair_step
 
     local = discover(args.dir)

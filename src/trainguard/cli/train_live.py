@@ -18,7 +18,7 @@ import math
 import sys
 from pathlib import Path
 
-from trainguard.checkpoint.discovery import list_checkpoints
+from trainguard.checkpoint.discovery import newest_committed
 from trainguard.config.schema import RunConfig
 from trainguard.errors import EXIT_DATA_SKIP_ABORT, ConfigError
 from trainguard.live.launcher import LiveRun, launch, resume_point
@@ -70,12 +70,13 @@ def run_live(run: LiveRun, run_dir: Path) -> int:
     except RuntimeError as error:
         print(f"trainguard: error: {error}", file=sys.stderr, flush=True)
         return 1
+    newest = newest_committed(run_dir / "checkpoints")
+    saved = newest.path if newest is not None else None
     if result.exit_code == EXIT_DATA_SKIP_ABORT:  # the ranks printed the guard's line
-        print(f"trainguard: live run aborted by the data-skip guard: exit {EXIT_DATA_SKIP_ABORT}; the newest checkpoint "
-              f"is {newest_committed(run_dir / 'checkpoints')}", flush=True)
+        print(f"trainguard: live run aborted by the data-skip guard: exit {EXIT_DATA_SKIP_ABORT}; the newest "
+              f"checkpoint is {saved}", flush=True)
         return EXIT_DATA_SKIP_ABORT
     if result.stop is not None:
-        saved = newest_committed(run_dir / "checkpoints")
         again = "; run again with --resume auto to continue" if result.stopped else ""
         if result.stop["reason"] == REASON_NAMES[SIGNAL]:
             print(f"trainguard: live run stopped by SIGTERM/SIGUSR1: saved {saved}{again}", flush=True)
@@ -86,8 +87,3 @@ def run_live(run: LiveRun, run_dir: Path) -> int:
     print(f"trainguard: live run finished: {run.steps} steps in {result.wall_s:.1f} s, "
           f"ranks replaced: {sorted(result.replaced_at) or 'none'}", flush=True)
     return 0
-
-
-def newest_committed(root: Path) -> Path | None:
-    committed = [info for info in list_checkpoints(root) if info.committed]
-    return committed[-1].path if committed else None

@@ -9,13 +9,13 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from trainguard.fs.layout import TEMP_MARKER, is_transient_name, new_token, trash_name
+from trainguard.fs.tree import remove_tree
 from trainguard.errors import CheckpointError
 
 PathLike = str | os.PathLike
@@ -101,7 +101,7 @@ def remove_directory_crash_safe(path: PathLike) -> None:
     trash = path.with_name(trash_name(path.name))
     os.rename(path, trash)
     fsync_dir(path.parent)
-    shutil.rmtree(trash)
+    remove_tree(trash)
 
 
 def clean_stale(root: PathLike) -> list[Path]:
@@ -113,7 +113,7 @@ def clean_stale(root: PathLike) -> list[Path]:
         if not is_transient_name(entry.name):
             continue
         if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
+            remove_tree(entry)
         else:
             entry.unlink()
         removed.append(entry)

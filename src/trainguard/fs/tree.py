@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,3 +55,18 @@ def walk_entries(root: Path, max_depth: int = MAX_TREE_DEPTH,
             if stat.S_ISDIR(info.st_mode):  # lstat: a link to a directory is not one
                 subdirs.append(path)
         pending.extend((subdir, depth + 1) for subdir in reversed(subdirs))
+
+
+def remove_tree(root: Path) -> None:
+    """Deletes ``root`` and everything under it, at any depth, without recursion (``shutil.rmtree``
+    recurses: a ``RecursionError`` on a hostile tree 1,500 levels deep), never following a link. A
+    tree to delete is ours (a trash or temp directory): no bound on its depth or size."""
+    root = Path(root)
+    directories = [root]  # each before the directories under it
+    for _, path, info in walk_entries(root, max_depth=sys.maxsize, max_entries=sys.maxsize):
+        if stat.S_ISDIR(info.st_mode):
+            directories.append(path)
+        else:
+            path.unlink()
+    for directory in reversed(directories):
+        directory.rmdir()

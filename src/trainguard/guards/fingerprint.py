@@ -240,7 +240,7 @@ class ReplicaFingerprints:
                 self.members, self.group = members, group
         self._after_update: torch.Tensor | None = None  # for the next at-rest comparison, which uses it up
         self._remembered: tuple[int, torch.Tensor] | None = None  # (step, hashes) of the last ``remember``
-        self._sums: tuple[int, torch.Tensor] | None = None  # (step, word sums) of the last ``remember_sums``
+        self._sums: torch.Tensor | None = None  # the word sums of the last ``remember_sums``
         self.checks = 0
 
     @property
@@ -265,18 +265,18 @@ class ReplicaFingerprints:
         current, remembered = fingerprints(named), self._remembered[1]
         return current.shape == remembered.shape and torch.equal(current, remembered)
 
-    def remember_sums(self, named: NamedTensors, step: int) -> None:
-        """The word sums of the state right after ``step``'s optimizer step, for ``changed_since_update``."""
-        self._sums = (step, word_sums(named))
+    def remember_sums(self, named: NamedTensors) -> None:
+        """The word sums of the state as it is now, right after it changed (an optimizer step, a load, a
+        repair), for ``changed_since_update``: a step that changes nothing (a skipped one) keeps them."""
+        self._sums = word_sums(named)
 
-    def changed_since_update(self, named: NamedTensors, step: int) -> list[str]:
-        """The tensors of ``named`` whose word sums differ from this rank's right after ``step``'s
-        optimizer step (``remember_sums``; [] when it took none for that step): with no update since,
-        memory that changed at rest."""
-        if self._sums is None or self._sums[0] != step or len(self._sums[1]) != len(named):
-            return []
-        changed = (word_sums(named) != self._sums[1]).tolist()
-        return [name for (name, _), moved in zip(named, changed) if moved]
+    def changed_since_update(self, named: NamedTensors) -> torch.Tensor:
+        """``[len(named)]`` bool on the tensors' device, without a host synchronisation: which tensors'
+        word sums differ from ``remember_sums``'s (none when it took none, or of other tensors): with
+        no update since, memory that changed at rest."""
+        if self._sums is None or len(self._sums) != len(named):
+            return torch.zeros(len(named), dtype=torch.bool, device=named[0][1].device if named else "cpu")
+        return word_sums(named) != self._sums
 
     def check(self, named: NamedTensors, at_rest: bool = True) -> FingerprintVerdict:
         """Hashes ``named`` (the same names in the same order on every replica), gathers the group's

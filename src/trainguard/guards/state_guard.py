@@ -15,9 +15,10 @@ Three calls per step, every rank:
   went wrong, from host copies of the tensors that disagreed;
 - ``after_update(step)``: right after the optimizer step, hashes the shards when the next step is a
   fingerprint step (the at-rest comparison's reference), or at every step with ``every_step``;
-- ``changed_at_rest(step)`` (``every_step``: ``guards.fingerprint.at_rest``, by default on a rank with
+- ``changed_at_rest()`` (``every_step``: ``guards.fingerprint.at_rest``, by default on a rank with
   no replica): after the backward, whether this rank's shards still hash as they did after the last
-  update; the step's all-reduce carries the flag, and when any rank raised it every rank calls
+  change of the state (an update, a load; a skipped step changes nothing), a flag left on the device
+  for the step's all-reduce to carry; when any rank raised it every rank calls
   ``after_change_at_rest``: the rank is struck, the state is recomputed from the newest healthy
   checkpoint (or, with none, every later save is marked unhealthy);
 - ``before_save(step)``: the save's health verdict (``None`` when healthy and nothing is monitored):
@@ -39,7 +40,7 @@ import torch.distributed as dist
 
 from trainguard.guards.health import Health, marked_unhealthy
 from trainguard.guards.fingerprint import FingerprintConfig, FingerprintVerdict, Mismatch, ReplicaFingerprints
-from trainguard.guards.state_health import local_state, merge_health, nonfinite_state, poisoned_health
+from trainguard.guards.state_health import NamedTensors, local_state, merge_health, nonfinite_state, poisoned_health
 
 # strike(step, evidence) -> whether this rank's device is now faulty
 Strike = Callable[[int, dict[str, Any]], bool]
@@ -57,7 +58,7 @@ class StateGuard:
         # check the shards at rest before every update, not only at the replica checks (the sizes of the
         # replica groups are the same on every rank, so every rank decides alike)
         self.every_step = self.fingerprints is not None and config.every_step(self.fingerprints.replicas)
-        self._changed: list[str] = []  # this rank's tensors that changed at rest, as of the last check
+        self._moved: torch.Tensor | None = None  # per tensor of the state: changed at rest (``changed_at_rest``)
         self.faulty = False  # this rank's device reached its strike limit through a fingerprint mismatch
         # a mismatch nothing could repair: every later save holds it (and is marked unhealthy) until a
         # recompute from an agreeing checkpoint replaces the state
@@ -87,6 +88,10 @@ class StateGuard:
             disagreeing = {m.tensor for m in verdict.mismatches if m.how == "unattributed"}
             self._recomputing = (step, {name: tensor.detach().to("cpu", copy=True)
                                         for name, tensor in named if name in disagreeing})
+        if self.every_step and not verdict.clean:
+            # what this check found (and repaired, or recorded unrepaired) is not to be found again by
+            # this step's every-step comparison: a second strike for one flip
+            self.fingerprints.remember_sums(named)
         return verdict
 
     def _exchange(self, recompute: bool, device: torch.device) -> None:
@@ -114,21 +119,24 @@ class StateGuard:
         return self.fingerprints is not None and self.fingerprints.due(step)
 
     def after_update(self, step: int) -> None:
-        """Right after ``step``'s optimizer step (or once the state of ``step`` is loaded): hashes the
-        shards when a check will compare with them."""
+        """Right after ``step``'s optimizer step, or once the state of ``step`` is loaded (a resume, a
+        rollback, a recompute): hashes the shards when a check will compare with them."""
         if self.fingerprints is None:
             return
         if self.fingerprints.due(step + 1):
             self.fingerprints.remember(self._state(), step)
         if self.every_step:
-            self.fingerprints.remember_sums(self._state(), step)
+            self.fingerprints.remember_sums(self._state())
 
-    def changed_at_rest(self, step: int) -> bool:
-        """``every_step``: whether this rank's shards changed since they were hashed after ``step - 1``'s
-        update (the state changes only in ``optimizer.step``). Local and cheap to share: the step's
-        all-reduce carries it, and only then does every rank call :meth:`after_change_at_rest`."""
-        self._changed = self.fingerprints.changed_since_update(self._state(), step - 1) if self.every_step else []
-        return bool(self._changed)
+    def changed_at_rest(self) -> torch.Tensor | bool:
+        """``every_step``: whether this rank's shards changed since they were last hashed by
+        :meth:`after_update` (the state changes only in ``optimizer.step`` and in loads), as a flag on
+        the state's device: the step's all-reduce carries it without a host synchronisation of its own,
+        and only when some rank raised it does every rank call :meth:`after_change_at_rest`."""
+        if not self.every_step:
+            return False
+        self._moved = self.fingerprints.changed_since_update(self._state())
+        return self._moved.any()
 
     def after_change_at_rest(self, step: int) -> None:
         """Some rank's shards changed at rest (``changed_at_rest``): the rank that holds them is struck
@@ -136,11 +144,15 @@ class StateGuard:
         kept unrepaired until a recompute replaces it, and every rank learns ``struck_out`` and
         ``recompute``. Collective: every rank calls it at the same step."""
         named = self._state()
-        self._handle(step, named, self._changed_verdict())
-        self._exchange(bool(self._changed), named[0][1].device if named else torch.device("cpu"))
+        verdict = self._changed_verdict(named, self._moved)
+        self._handle(step, named, verdict)
+        self._exchange(not verdict.clean, named[0][1].device if named else torch.device("cpu"))
 
-    def _changed_verdict(self) -> FingerprintVerdict:
-        return FingerprintVerdict(tuple(Mismatch(name, (self.rank,), None, "at_rest") for name in self._changed))
+    def _changed_verdict(self, named: NamedTensors, moved: torch.Tensor | None) -> FingerprintVerdict:
+        """This rank's tensors flagged in ``moved`` (``changed_since_update``), each a change at rest."""
+        flags = moved.tolist() if moved is not None and len(moved) == len(named) else []
+        return FingerprintVerdict(tuple(Mismatch(name, (self.rank,), None, "at_rest")
+                                        for (name, _), changed in zip(named, flags) if changed))
 
     def restored_agrees(self, step: int) -> bool:
         """Whether the state just restored from ``step``'s checkpoint hashes as every rank's did right after
@@ -159,9 +171,8 @@ class StateGuard:
         named = self._state()
         if self.fingerprints is not None:
             self._handle(step, named, self.fingerprints.check(named, at_rest=False))
-        if self.every_step:  # the sums taken right after this step's update: memory that changed since
-            self._changed = self.fingerprints.changed_since_update(named, step)
-            self._handle(step, named, self._changed_verdict())
+        if self.every_step:  # the sums taken right after the last update: memory that changed since
+            self._handle(step, named, self._changed_verdict(named, self.fingerprints.changed_since_update(named)))
         bad = nonfinite_state(named)
         device = named[0][1].device if named else torch.device("cpu")
         unrepaired_here = self.unrepaired is not None

@@ -72,9 +72,8 @@ class HFDirReader(StorageReader):
     interface, not on ``HuggingFaceStorageReader``, whose storage records and read path are private and
     changed between torch 2.8 and 2.9."""
 
-    def __init__(self, hf_dir: Path, tensors: dict[str, HFTensor], to_load: dict[str, list[StoredTensor]]):
+    def __init__(self, tensors: dict[str, HFTensor], to_load: dict[str, list[StoredTensor]]):
         super().__init__()
-        self.path = str(hf_dir)
         self.tensors = tensors
         self.to_load = to_load  # model tensor -> the checkpoint tensors that hold it (tensors_to_load)
         self.bytes_read = 0
@@ -180,6 +179,6 @@ def load_hf_weights(model: nn.Module, config: PretrainedConfig, hf_dir: Path,
     to_load = tensors_to_load(config, tensors, Path(hf_dir))
     # the parameters themselves (DTensors for FSDP2/TP): DCP reads into them in place
     state = {name: value for name, value in model.state_dict().items() if name in to_load}
-    reader = HFDirReader(Path(hf_dir), tensors, to_load)
+    reader = HFDirReader(tensors, to_load)
     dcp.load(state, storage_reader=reader, planner=DefaultLoadPlanner(), process_group=process_group)
     return {"tensors": len(state), "bytes_read": reader.bytes_read, "seconds": time.perf_counter() - started}

@@ -33,7 +33,6 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from trainguard.checkpoint.manifest import read_manifest
 from trainguard.checkpoint.resume import choose_resume_checkpoint
@@ -44,7 +43,10 @@ from trainguard.forking import ForkedProcess, ForkServer, start_server, thread_c
 from trainguard.live.drill import live_drill
 from trainguard.live.files import events_path, newest_checkpoint
 from trainguard.live.lighthouse import Lighthouse
-from trainguard.live.quorum import STOP, STOPPED, progress_key, spare_failed_key, spare_key, spare_ready_key
+from trainguard.live.quorum import (MAX_STEP, STOP, STOPPED, progress_key, spare_failed_key, spare_key,
+                                    spare_ready_key)
+from trainguard.live.signed_store import SignedStore, serve_store
+from trainguard.run_secret import ENV_SECRET, create_secret
 from trainguard.runtime.lifecycle import (ENV_JOB_START, KILL_SWITCH, REASON_NAMES, STOP_SIGNALS, StopSignals,
                                           job_start_time)
 from trainguard.runtime.outcome import RunOutcome
@@ -187,12 +189,12 @@ def resume_point(run: LiveRun, run_dir: Path) -> Path | None:
     return choose_resume_checkpoint(run.resume, run_dir / "checkpoints", warn=logging.getLogger("trainguard").warning)
 
 
-def _spawn(run: LiveRun, rank: int, store_port: int, run_dir: Path, rejoin: bool,
+def _spawn(run: LiveRun, rank: int, store: SignedStore, run_dir: Path, rejoin: bool,
            spare: int | None = None, resume: Path | None = None) -> subprocess.Popen | ForkedProcess:
     role = ["--rank", str(rank)] if spare is None else ["--spare", str(spare)]
     node = run.nodes[run.groups + spare if spare is not None else rank // run.group_size] if run.nodes else None
     prefix = shlex.split(run.node_command.format(node=node)) if node is not None else []
-    command = [*prefix, run.executable, *run.entry, "--store", f"{run.store_host}:{store_port}",
+    command = [*prefix, run.executable, *run.entry, "--store", f"{run.store_host}:{store.port}",
                *role, "--world", str(run.world), "--group-size", str(run.group_size), "--steps", str(run.steps),
                "--run-dir", str(run_dir),
                "--micro-batches", str(run.micro_batches), "--micro-batch-s", str(run.micro_batch_s),
@@ -206,7 +208,8 @@ def _spawn(run: LiveRun, rank: int, store_port: int, run_dir: Path, rejoin: bool
         command += ["--fail-after-reduce", str(run.transient[1])]
     if run.stall_collective is not None and run.stall_collective[0] == rank and not rejoin:
         command += ["--stall-collective", str(run.stall_collective[1])] + (["--stall-cut"] if run.stall_cut else [])
-    env = dict(os.environ, OMP_NUM_THREADS="1", **dict(run.rank_env))
+    # the run secret in the environment, never on the command line (which any local user reads)
+    env = dict(os.environ, OMP_NUM_THREADS="1", **{ENV_SECRET: store.secret.hex()}, **dict(run.rank_env))
     if node is None and _rank_server is not None and is_this_interpreter(run.executable):
         # this interpreter's command, started here: forked without imports (``start_live_rank_server``)
         request = json.dumps({"argv": command[1:], "env": env, "cwd": os.getcwd()}).encode()
@@ -291,13 +294,16 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
     # the time limit counts from the job's start for every rank, a replacement's too (as the supervisor's)
     run = dataclasses.replace(run, rank_env=(*run.rank_env, (ENV_JOB_START, str(job_start_time()))))
     start_live_rank_server()  # before the store's threads
-    store = dist.TCPStore(run.store_host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    # every value the run writes to its store is sealed with this launch's secret, and a value read back
+    # that is not is ignored (live/signed_store.py); the store listens on the ranks' address alone
+    store = SignedStore(serve_store(run.store_host, timedelta(seconds=60)), create_secret(run_dir))
     events = EventLog(events_path(run_dir), rank=-1)
+    events.emit("live_store", step=None, host=run.store_host, port=store.port)
     if resume is not None:
         events.emit("live_resume", step=read_manifest(resume).step, path=str(resume))
     began = time.monotonic()
-    procs = {rank: _spawn(run, rank, store.port, run_dir, rejoin=False, resume=resume) for rank in range(run.world)}
-    spares = [(i, _spawn(run, -1, store.port, run_dir, rejoin=True, spare=i)) for i in range(run.spares)]
+    procs = {rank: _spawn(run, rank, store, run_dir, rejoin=False, resume=resume) for rank in range(run.world)}
+    spares = [(i, _spawn(run, -1, store, run_dir, rejoin=True, spare=i)) for i in range(run.spares)]
     if run.kill_ranks and spares:
         # the drill's kill is meant for warm spares (one still starting or self-testing is a cold one): the
         # ranks wait for epoch 0 until every spare is ready or found unhealthy, so that a short run cannot
@@ -322,7 +328,7 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
             index, procs[rank] = spares.pop(0)
             store.set(spare_key(index), str(rank))
         else:
-            procs[rank] = _spawn(run, rank, store.port, run_dir, rejoin=True)
+            procs[rank] = _spawn(run, rank, store, run_dir, rejoin=True)
 
     try:
         while any(p.returncode is None for p in procs.values()):
@@ -370,7 +376,7 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
                         other.wait()
                 lighthouse.restart(newest_checkpoint(run_dir, run.steps, run.group_size))
                 result.replaced_at.update({r: time.time() for r in run.kill_ranks})
-                procs = {r: _spawn(run, r, store.port, run_dir, rejoin=False) for r in range(run.world)}
+                procs = {r: _spawn(run, r, store, run_dir, rejoin=False) for r in range(run.world)}
                 break
             if run.recovery == LIVE:
                 for rank in lighthouse.hung():
@@ -416,7 +422,7 @@ def _not_started(run_dir: Path, kill_switch: str, step: int) -> LiveResult:
     return LiveResult(0.0, {}, {}, exit_code=EXIT_OK, stop=stop)
 
 
-def _await_spares(store: dist.Store, spares: list[tuple[int, subprocess.Popen | ForkedProcess]],
+def _await_spares(store: SignedStore, spares: list[tuple[int, subprocess.Popen | ForkedProcess]],
                   deadline: float) -> None:
     def settled(index: int, proc: subprocess.Popen | ForkedProcess) -> bool:
         return (store.check([spare_ready_key(index)]) or store.check([spare_failed_key(index)])
@@ -428,6 +434,5 @@ def _await_spares(store: dist.Store, spares: list[tuple[int, subprocess.Popen | 
         time.sleep(0.01)
 
 
-def _progress(store: dist.Store, rank: int) -> int:
-    key = progress_key(rank)
-    return int(store.get(key)) if store.check([key]) else 0
+def _progress(store: SignedStore, rank: int) -> int:
+    return store.get_int(progress_key(rank), 0, MAX_STEP) or 0

@@ -38,18 +38,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-import torch.distributed as dist
-
 from trainguard.events import EventLog
 from trainguard.live.collective import end_epoch
-from trainguard.live.quorum import (NO_STATE, Quorum, beat_key, done_key, entered_key, fence_key, has, publish,
-                                    ready_key, report_key)
+from trainguard.live.quorum import (LATEST, MAX_STEP, NO_STATE, Quorum, beat_key, done_key, entered_key, fence_key, has,
+                                    publish, ready_key, report_key)
 from trainguard.live.probe import probe_key, reachable_groups, read_reach
+from trainguard.live.signed_store import SignedStore
 from trainguard.live.stall import LOOKED_AWAY_S, StallWatch, excluded_groups
 
 
 class Lighthouse:
-    def __init__(self, store: dist.Store, world: int, group_size: int, events: EventLog, hang_s: float,
+    def __init__(self, store: SignedStore, world: int, group_size: int, events: EventLog, hang_s: float,
                  stall_s: float, stall_steps: float, clock: Callable[[], float] = time.monotonic):
         """``clock``: seconds, monotonic (a test's own clock: the hang and stall verdicts depend on time alone)."""
         if world % group_size:
@@ -115,8 +114,13 @@ class Lighthouse:
 
     def poll(self) -> None:
         quorum = self.quorum
-        reported = {r: int(self.store.get(report_key(quorum.epoch, r)))
-                    for r in quorum.members if has(self.store, report_key(quorum.epoch, r))}
+        if self.store.get_int(LATEST, 0, MAX_STEP) != quorum.epoch:
+            # overwritten by a client without the secret (garbage, or an older sealed value of ours written
+            # again): every rank reads it at every step, and waits on a foreign one; restored at this look
+            publish(self.store, quorum)
+        # a report that is not a step (foreign, garbage) is ignored: logged once by the store, never a crash
+        reports = {r: self.store.get_int(report_key(quorum.epoch, r), NO_STATE, MAX_STEP) for r in quorum.members}
+        reported = {r: step for r, step in reports.items() if step is not None}
         failed = self.dead & set(quorum.members)
         if failed:
             end_epoch(self.store, quorum.epoch)  # wakes the members blocked in a collective
@@ -135,8 +139,8 @@ class Lighthouse:
     def _entered(self, quorum: Quorum) -> bool:
         """Whether every member of ``quorum`` that has not finished has built its process group."""
         def entered(rank: int) -> bool:
-            key = entered_key(rank)
-            return has(self.store, key) and int(self.store.get(key)) >= quorum.epoch
+            entered_epoch = self.store.get_int(entered_key(rank), 0, MAX_STEP)
+            return entered_epoch is not None and entered_epoch >= quorum.epoch
 
         return all(entered(r) or has(self.store, done_key(r)) for r in quorum.members)
 

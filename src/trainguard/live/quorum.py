@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 import torch.distributed as dist
 
 LATEST = "latest"  # the newest published epoch
+MAX_STEP = 2 ** 62  # the bound of a step or an epoch read back from the store (any run's are far below)
 NO_STATE = -1  # a report (``report/<e>/<rank>``) of a joiner whose state transfer failed: its group holds no state
 
 

@@ -31,10 +31,12 @@ from trainguard.events.rank_logging import setup_logging
 from trainguard.guards.skip import DataSkipAbort
 from trainguard.live.files import events_path
 from trainguard.live.quorum import spare_failed_key, spare_key, spare_ready_key, wait_for
+from trainguard.live.signed_store import SignedStore
 from trainguard.live.spare_check import check_spare
 from trainguard.live.worker import (DEFAULT_RULES, FENCED_EXIT, WAIT_S, Fenced, LiveArgs, LiveRules, LiveWorker,
                                     MicroBatchLoss, SampleRange, micro_batch_grad)
 from trainguard.runtime.lifecycle import Lifecycle
+from trainguard.run_secret import load_secret
 
 SPARE_UNHEALTHY_EXIT = 5  # a spare that failed its self-test ends with this code, unused
 SPARE_WAIT_S = 24 * 3600.0  # a spare waits as long as a run lasts; the launcher ends it if unused
@@ -62,7 +64,10 @@ class LiveRank:
         args = self.args
         host, port = args.store.rsplit(":", 1)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=WAIT_S))
+        # what this rank writes to the store is sealed with the run secret its launcher handed down (in the
+        # environment); what it reads back unsealed is foreign and ignored (live/signed_store.py)
+        store = SignedStore(dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=WAIT_S)),
+                            load_secret(args.run_dir))
         rank, rejoin = args.rank, args.rejoin
         if args.spare is not None:
             if args.doctor and not self.spare_is_healthy(store):
@@ -96,7 +101,7 @@ class LiveRank:
         if worker.stop is not None:  # the quorum stopped at a boundary, saved: the job resumes from it
             self.exit_code = worker.stop.exit_code
 
-    def spare_is_healthy(self, store: dist.Store) -> bool:
+    def spare_is_healthy(self, store: SignedStore) -> bool:
         """The spare's self-test; a failure is an event, a store key the launcher reads, and this
         process's exit code (``SPARE_UNHEALTHY_EXIT``)."""
         args = self.args

@@ -54,6 +54,14 @@ def reduce_key(rank: int) -> str:
     return f"reduce/{rank}"
 
 
+def parse_mark(value: bytes) -> tuple[int, int, str] | None:
+    """``(epoch, step, phase)`` of a mark ``ReduceMarks`` wrote; None for anything else."""
+    parts = value.decode(errors="replace").split()
+    if len(parts) != 3 or parts[2] not in (IN, OUT) or not all(part.isdigit() for part in parts[:2]):
+        return None
+    return int(parts[0]), int(parts[1]), parts[2]
+
+
 class ReduceMarks:
     """A rank's side: marks its entry into and exit from each step's all-reduce; ``stall_step``: the
     drill's step at which this rank stops before it instead (once); ``cut``: the drill's probe socket
@@ -125,10 +133,10 @@ class StallWatch:
         self.last_look = now
         marks = {}
         for rank in alive:
-            value = self.store.get(reduce_key(rank)).decode() if self.store.check([reduce_key(rank)]) else ""
-            epoch, step, phase = value.split() if value else ("-1", "-1", OUT)
-            if int(epoch) == quorum.epoch:
-                marks[rank] = (int(step), phase)
+            value = self.store.read(reduce_key(rank))
+            mark = parse_mark(value) if value is not None else None
+            if mark is not None and mark[0] == quorum.epoch:
+                marks[rank] = mark[1:]
         if not marks:
             return None
         step = max(s for s, _ in marks.values())

@@ -26,10 +26,12 @@ import sys
 import tempfile
 from collections.abc import Callable
 from multiprocessing import forkserver, resource_tracker
+from pathlib import Path
 from typing import Any
 
 from trainguard.checkpoint.writer_process import start_writer_fork_server
 from trainguard.forking import thread_count
+from trainguard.run_secret import require_owner_only
 
 START_METHOD = "forkserver"  # multiprocessing's name for "ask the fork server"
 
@@ -49,9 +51,12 @@ def start_fork_server() -> None:
                            f"(Python's: {_python_threads()})")
     resource_tracker.ensure_running()  # started here, once: the server's children share it
     directory = tempfile.mkdtemp(prefix="trainguard-forkserver-")  # mode 0700: only this user connects
+    require_owner_only(Path(directory), "the fork server's directory")
     address = os.path.join(directory, "socket")
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(address)
+    os.chmod(address, 0o600)  # closed twice: a socket made under a permissive umask is writable by all
+    require_owner_only(Path(address), "the fork server's socket")
     listener.listen()
     alive_r, alive_w = os.pipe()  # the server exits when every holder of alive_w (agent, ranks) is gone
     sys.stdout.flush()

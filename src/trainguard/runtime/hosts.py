@@ -51,12 +51,19 @@ class HostNodes:
         self.base_port = base_port
         self._starts = 0
         self._control: dict[str, Path] = {}  # node -> the file its agent writes its control address to
+        # the run secret that proves this supervisor to the agents (set by the supervisor, which creates it at launch)
+        self.secret: bytes | None = None
         for part in self.template:
             try:
                 part.format(node="", address="")
             except (KeyError, IndexError, ValueError):
                 raise ConfigError(f"--node-command {node_command!r}: only {{node}} and {{address}} may be "
                                   f"used in braces") from None
+
+    def _secret(self) -> bytes:
+        if self.secret is None:
+            raise RuntimeError("HostNodes: no run secret to prove requests to the agents with (the supervisor sets it)")
+        return self.secret
 
     def endpoint(self, slot0: str) -> str:
         # a new port per incarnation: the previous rendezvous store's socket may linger in TIME_WAIT
@@ -76,22 +83,23 @@ class HostNodes:
     def signal_ranks(self, node: str, agent, ranks: dict[int, int], sig: signal.Signals) -> list[int]:
         """Asks the node's agent to signal its own ranks (it reads their pids on its host); the
         supervisor's ``ranks`` (pids of another host) are not used. Returns the ranks reached."""
-        answer = ask(self._control[node], f"signal {sig.name.removeprefix('SIG')}")
-        return list(answer.get("ranks", [])) if answer else []
+        answer = ask(self._control[node], f"signal {sig.name.removeprefix('SIG')}", self._secret())
+        ranks = answer.get("ranks") if answer else None
+        return [rank for rank in ranks if type(rank) is int] if isinstance(ranks, list) else []
 
     def answers(self, node: str) -> bool | None:
         """True when the node's agent answered, False when it did not, None before it said where it listens."""
         control = self._control.get(node)
         if control is None or not control.exists():
             return None
-        return ask(control, "ping") is not None
+        return ask(control, "ping", self._secret()) is not None
 
     def stop(self, node: str, agent) -> None:
         """Asks the agent to end its ranks and itself, then ends the command that started it here (for
         a node that does not answer, only that is possible)."""
         reachable = self.answers(node)
         if reachable:
-            ask(self._control[node], "stop")
+            ask(self._control[node], "stop", self._secret())
             deadline = time.time() + STOP_WAIT
             while agent.poll() is None and time.time() < deadline:
                 time.sleep(0.05)

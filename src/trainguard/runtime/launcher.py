@@ -99,6 +99,12 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path, entrypoint: 
     return 0
 
 
+def error_text(message: str | dict[str, Any]) -> str:
+    """A rank's error as text: torchrun's error file holds it as a string, or (written by ``@record``) as
+    ``{"message": text, "extraInfo": {"py_callstack": ..., "timestamp": ...}}``."""
+    return message if isinstance(message, str) else str(message.get("message", ""))
+
+
 def _write_agent_report(exc: ChildFailedError) -> None:
     """Which ranks failed how, for the supervisor's fault attribution (torchrun's error files, in one)."""
     path = os.environ.get(ENV_AGENT_REPORT)
@@ -111,7 +117,7 @@ def _write_agent_report(exc: ChildFailedError) -> None:
         error_file = failure.error_file
         if error_file and os.path.isfile(error_file):
             entry["error_file"] = error_file
-            entry["message"] = failure.message if isinstance(failure.message, str) else json.dumps(failure.message)
+            entry["message"] = error_text(failure.message)
         failures.append(entry)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps({"time": time.time(), "failures": failures}))

@@ -129,6 +129,21 @@ class Ended:
     failing_node: str | None = None
 
 
+class ExclusionReason(enum.Enum):
+    """Why a node is excluded, as ``node_excluded`` events spell it (the incarnation's outcome,
+    ``failed``, says nothing of it)."""
+
+    FAULTY_HARDWARE = "faulty_hardware"
+    NODE_LOST = "node_lost"
+    REPEATED_FAILURES = "repeated_failures"
+
+
+@dataclass(frozen=True)
+class Exclusion:
+    node: str
+    reason: ExclusionReason
+
+
 @dataclass
 class RestartPolicy:
     """Restart budget, crash loop, backoff and node exclusion over the incarnations of one run."""
@@ -154,26 +169,21 @@ class RestartPolicy:
         self.failures_without_progress = 0 if progressed else self.failures_without_progress + 1
         return None
 
-    def node_to_exclude(self, ended: Ended, active_nodes: list[str]) -> str | None:
+    def node_to_exclude(self, ended: Ended, active_nodes: list[str]) -> Exclusion | None:
         node = ended.failing_node
         if node is None or node not in active_nodes:
             return None
-        if ended.exit_code == EXIT_FAULTY_HARDWARE or ended.outcome is Outcome.NODE_LOST:
-            return node  # a node that cannot be reached is not retried: its ranks' peers cannot reach it either
+        if ended.exit_code == EXIT_FAULTY_HARDWARE:
+            return Exclusion(node, ExclusionReason.FAULTY_HARDWARE)
+        if ended.outcome is Outcome.NODE_LOST:
+            # not retried: its ranks' peers cannot reach it either
+            return Exclusion(node, ExclusionReason.NODE_LOST)
         if not self.several_nodes or ended.failing_rank is None:
             return None
         self.node_deaths[node] = self.node_deaths.get(node, 0) + 1
-        return node if self.node_deaths[node] >= self.node_failures else None
-
-    @staticmethod
-    def exclusion_reason(ended: Ended) -> str:
-        """Why ``node_to_exclude`` named the node, as ``node_excluded`` events spell it (the
-        incarnation's outcome, ``failed``, says nothing of it)."""
-        if ended.exit_code == EXIT_FAULTY_HARDWARE:
-            return "faulty_hardware"
-        if ended.outcome is Outcome.NODE_LOST:
-            return "node_lost"
-        return "repeated_failures"
+        if self.node_deaths[node] < self.node_failures:
+            return None
+        return Exclusion(node, ExclusionReason.REPEATED_FAILURES)
 
     def replaced_node(self) -> None:
         """A spare took a failed node's slot: a new node deserves a fresh count."""

@@ -32,8 +32,10 @@ from typing import Any
 from trainguard.fs.fsio import atomic_write_json
 from trainguard.errors import EXIT_CRASH, EXIT_FAULTY_HARDWARE, EXIT_OK, EXIT_RESUMABLE_STOP
 from trainguard.events import EventLog, read_events
+from trainguard.run_secret import create_secret
 from trainguard.runtime.hang import DUMP_SIGNAL, HangPolicy, dump_dir, remove_empty_dumps, suspect_ranks
 from trainguard.runtime.heartbeat import ENV_INCARNATION, Heartbeat, read_heartbeats
+from trainguard.runtime.hosts import HostNodes
 from trainguard.runtime.lifecycle import ENV_JOB_START
 from trainguard.runtime.nodes import ENV_AGENT_REPORT, LocalNodes, NodePool, agent_env
 from trainguard.runtime.slurm import cancel_pending_tasks
@@ -107,15 +109,9 @@ class Incarnation:
 
 def rank_error_line(failure: dict[str, Any]) -> str:
     """The first line of the error that ended a rank (``Type: message``), from the agent's report of it
-    (torchrun's error file: ``{"message": ..., "extraInfo": {"py_callstack": ...}}``); "" without one."""
+    (its ``message``: the text of torchrun's error file, ``launcher.error_text``); "" without one."""
     message = failure.get("message")
-    if not isinstance(message, str) or not message.strip():
-        return ""
-    try:
-        message = json.loads(message).get("message", message)
-    except (ValueError, AttributeError):
-        pass
-    lines = [line.strip() for line in str(message).splitlines() if line.strip()]
+    lines = [line.strip() for line in message.splitlines() if line.strip()] if isinstance(message, str) else []
     return lines[0] if lines else ""
 
 
@@ -245,6 +241,8 @@ class Supervisor:
             self.say(f"only {len(self.pool.slots)} usable node(s) for {o.nnodes} slot(s) "
                      f"(excluded: {', '.join(self.pool.excluded) or 'none'}); not starting")
             return EXIT_FAULTY_HARDWARE
+        if isinstance(self.nodes, HostNodes):  # its agents answer only requests proved with the run secret
+            self.nodes.secret = create_secret(self.run_dir)
         number = self._first_incarnation_number()
         pending_recovery: dict[str, Any] | None = None
         self.emit("supervisor_started", command=o.command, nnodes=o.nnodes, spare_nodes=o.spare_nodes,
@@ -261,7 +259,7 @@ class Supervisor:
                 return self._finish(inc, decision.exit_code)
             excluded = self.policy.node_to_exclude(ended, self.pool.slots)
             if excluded is not None:
-                if not self._replace(inc, excluded, self.policy.exclusion_reason(ended)):
+                if not self._replace(inc, excluded.node, excluded.reason.value):
                     return self._give_up(inc, "no spare node", ended.exit_code)
                 self.policy.replaced_node()
             elif ended.exit_code == EXIT_FAULTY_HARDWARE:

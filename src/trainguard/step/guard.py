@@ -445,15 +445,11 @@ class Guard:
         first_sample = self.data.consumed_samples if self.data is not None else None
         self.faults.at_step_start(step)
         self.faults.at_rest(step, self.model, self.optimizer)
-        if self.state.before_step(step) is not None:
-            if self.state.struck_out:
-                self._exclude(self.global_step, self.state.struck_out, "fingerprint mismatches")
-            if self.state.recompute and self._recompute(step):
-                return StepOutcome(self.global_step, math.nan, math.nan, applied=False, skipped=False,
-                                   rolled_back=True)
+        if self.state.before_step(step) is not None and self._recomputed_after_mismatch(step):
+            return self._recompute_outcome()
         snapshot = StepSnapshot.take(self.stateful) if self.sdc is not None else None
         loss = self._forward_backward(closure, step)
-        changed = self.state.changed_at_rest(step)
+        changed = self.state.changed_at_rest()
         detected = self.sdc.check(step) if self.sdc is not None else False
         reduced = self._reduce(loss, {Slot.SDC_STOP: detected, Slot.SDC_LOCAL: detected and self.sdc.detected_locally,
                                       Slot.STATE_AT_REST: changed})
@@ -461,11 +457,8 @@ class Guard:
             # the state, not this step's computation, is at fault: the recompute replaces the step (with
             # nothing to recompute from, it goes on, and every later save is marked unhealthy)
             self.state.after_change_at_rest(step)
-            if self.state.struck_out:
-                self._exclude(self.global_step, self.state.struck_out, "fingerprint mismatches")
-            if self.state.recompute and self._recompute(step):
-                return StepOutcome(self.global_step, math.nan, math.nan, applied=False, skipped=False,
-                                   rolled_back=True)
+            if self._recomputed_after_mismatch(step):
+                return self._recompute_outcome()
         skipped = False
         if reduced.count(Slot.SDC_STOP) and self.sdc.config.recover:
             reduced, skipped = self._rerun(step, closure, snapshot, loss, alone=reduced.count(Slot.SDC_LOCAL) == 1)
@@ -480,6 +473,7 @@ class Guard:
                 drawn = self.data.ranges_between(first_sample, self.data.consumed_samples)
                 self.global_step = roll_back(spike, self.rollback, self.data, self.checkpoints, self.events,
                                              self.rank, samples_per_step=sum(b - a for a, b in drawn))
+                self.state.after_update(self.global_step)  # the next step is checked against the state loaded
                 if self.embedding is not None:
                     self.embedding.forget()
                 return StepOutcome(self.global_step, reduced.loss, reduced.global_norm, applied=False,
@@ -571,6 +565,16 @@ class Guard:
             dist.barrier()
         raise FaultyDeviceError(f"faulty hardware: rank(s) {faulty} reached {self.sdc.config.strikes} strikes "
                                 f"({evidence}); see {faulty_ranks_path(self.run_dir)}")
+
+    def _recomputed_after_mismatch(self, step: int) -> bool:
+        """After a fingerprint check found something: ends the run (exit 17) when a rank's device is
+        struck out; whether the state was rolled back for a recompute (the step is then not taken)."""
+        if self.state.struck_out:
+            self._exclude(self.global_step, self.state.struck_out, "fingerprint mismatches")
+        return self.state.recompute and self._recompute(step)
+
+    def _recompute_outcome(self) -> StepOutcome:
+        return StepOutcome(self.global_step, math.nan, math.nan, applied=False, skipped=False, rolled_back=True)
 
     def _recompute(self, step: int) -> bool:
         """A corrupt shard that no replica can repair (2 replicas disagree with neither changed at rest,

@@ -76,6 +76,7 @@ class SdcGuard:
         self.unscale = self.config.loss_scale ** (1 if statistic == "l2" else 2)
         self._announce(model)
         self.detector = SdcDetector.from_config(self.config, self.names)
+        self.detector.restart_changed(self.names, self.layouts)  # records them: no history yet to drop
         self.strikes = StrikeBook(self.config.strikes, self.config.strike_window_hours)
         # strikes are kept per (host, device): on CPU every rank has device index None, so the local rank
         # names the device instead, or the ranks of one host would share their strikes
@@ -89,7 +90,15 @@ class SdcGuard:
 
     @property
     def stateful(self) -> dict[str, Any]:
-        return {"sdc_detector": self.detector, "sdc_strikes": self.strikes}
+        return {"sdc_detector": _LoadedDetector(self), "sdc_strikes": self.strikes}
+
+    def restart_changed_layouts(self) -> None:
+        """After a load: the points whose saved history was taken on another layout (a resume on another
+        number of ranks, a state saved without layouts) start a fresh warm-up."""
+        restarted = self.detector.restart_changed(self.names, self.layouts)
+        if restarted:
+            self.log.info("sdc: %d detection point(s) measure another layout than their saved history (%s): "
+                          "they start a fresh warm-up", len(restarted), self._layout_change(restarted))
 
     def begin_pass(self) -> None:
         self.points.reset()
@@ -164,10 +173,6 @@ class SdcGuard:
         self.first_values, self.first_shares, self.first_rows = self.values()
         if self.config.log_values:
             self.log.info(format_values(step, self.rank, self.host, self.device, self.names, self.first_values))
-        restarted = self.detector.restart_changed(self.names, self.layouts)
-        if restarted:
-            self.log.info("sdc: %d detection point(s) measure another layout than their saved history (%s): "
-                          "they start a fresh warm-up", len(restarted), self._layout_change(restarted))
         self.detections = self.detector.detect(self.first_values, step, names=self.names, shares=self.first_shares,
                                                rows=self.first_rows)
         for detection in self.detections:
@@ -220,3 +225,18 @@ class SdcGuard:
         if attribution.kind == "transient" and not still_abnormal:
             return RerunVerdict.TRANSIENT
         return RerunVerdict.REPRODUCIBLE
+
+
+class _LoadedDetector:
+    """The detector as checkpoints hold it: a load compares the saved history's layouts with this run's
+    once, where they can change, not at every step."""
+
+    def __init__(self, guard: SdcGuard):
+        self.guard = guard
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.guard.detector.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.guard.detector.load_state_dict(state)
+        self.guard.restart_changed_layouts()

@@ -46,13 +46,14 @@ class Reduced:
 
 
 def local_slots(device: torch.device, loss_share: torch.Tensor | None = None,
-                flags: dict[Slot, bool | int] | None = None) -> torch.Tensor:
-    """This rank's contribution: its loss share and a 1 in each raised indicator's slot."""
+                flags: dict[Slot, bool | int | torch.Tensor] | None = None) -> torch.Tensor:
+    """This rank's contribution: its loss share and a 1 in each raised indicator's slot (a flag still
+    on the device is copied there, without a host synchronisation)."""
     slots = torch.zeros(SLOTS, dtype=torch.float64, device=device)
     if loss_share is not None:
         slots[Slot.LOSS] = loss_share
     for slot, raised in (flags or {}).items():
-        slots[slot] = float(raised)
+        slots[slot] = raised
     return slots
 
 

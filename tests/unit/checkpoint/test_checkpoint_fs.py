@@ -159,7 +159,7 @@ def test_remove_directory_crash_safe_leaves_only_trash_on_crash(tmp_path, monkey
         (Path(path) / "__0_0.distcp").unlink()
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(fsio.shutil, "rmtree", crash_midway)
+    monkeypatch.setattr(fsio, "remove_tree", crash_midway)
     with pytest.raises(KeyboardInterrupt):
         remove_directory_crash_safe(tmp_path / "global_step_4")
     monkeypatch.undo()
@@ -168,6 +168,32 @@ def test_remove_directory_crash_safe_leaves_only_trash_on_crash(tmp_path, monkey
     assert list_checkpoints(tmp_path) == []
     assert clean_stale(tmp_path) == [leftover]
     assert list(tmp_path.iterdir()) == []
+
+
+def nested_directories(top: Path, depth: int) -> None:
+    """``top/d/d/.../d``, ``depth`` levels, made one mkdir at a time (``mkdir(parents=True)`` recurses)."""
+    nested = [top]
+    for _ in range(depth - 1):
+        nested.append(nested[-1] / "d")
+    for directory in nested:
+        directory.mkdir()
+    (nested[-1] / "leaf.bin").write_bytes(b"x")
+    outside = top.parent / "outside"
+    outside.mkdir(exist_ok=True)
+    (outside / "kept").write_text("x")
+    os.symlink(outside, nested[-2] / "link")  # removed, never followed
+
+
+def test_a_directory_1500_levels_deep_is_removed_crash_safely_and_as_a_stale_leftover(tmp_path):
+    """Issue 38 item 13: shutil.rmtree recurses, a RecursionError on a tree this deep (a hostile
+    checkpoint replaced, or its temp copy left behind); the removal walks it without recursion."""
+    nested_directories(tmp_path / "global_step_5", 1500)
+    remove_directory_crash_safe(tmp_path / "global_step_5")
+    leftover = tmp_path / temp_dir_name(6)
+    nested_directories(leftover, 1500)
+    assert clean_stale(tmp_path) == [leftover]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["outside"]
+    assert (tmp_path / "outside" / "kept").read_text() == "x"
 
 
 def test_clean_stale_removes_only_transient_entries(tmp_path):

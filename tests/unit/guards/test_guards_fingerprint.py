@@ -22,6 +22,7 @@ from trainguard.guards.fingerprint import (
     word_sums,
 )
 from trainguard.guards.state_guard import StateGuard
+from trainguard.step.slots import Slot, local_slots
 from trainguard.guards.state_health import local_state, merge_health, nonfinite_state, poisoned_health
 
 
@@ -188,9 +189,9 @@ def test_without_a_replica_a_shard_changed_at_any_step_is_found_before_the_next_
                        lambda kind, **fields: events.append((kind, fields)))
     assert guard.every_step
     guard.after_update(6)  # no check is due at step 7: hashed all the same
-    assert not guard.changed_at_rest(7)
+    assert not guard.changed_at_rest()
     optimizer.state[model.weight]["exp_avg"].view(-1)[3] *= -1.0  # at rest, between two updates
-    assert guard.changed_at_rest(7)
+    assert guard.changed_at_rest()
     guard.after_change_at_rest(7)
     assert guard.recompute and guard.unrepaired is not None
     assert [(kind, f["faulty"], f["how"]) for kind, f in events] == [("fingerprint_mismatch", [0], ["at_rest"])]
@@ -209,4 +210,59 @@ def test_without_a_replica_a_shard_changed_at_any_step_is_found_before_the_next_
                                logging.getLogger("test"), lambda *args, **kwargs: None)
     interval_only.after_update(6)
     optimizer.state[model.weight]["exp_avg"].view(-1)[4] *= -1.0
-    assert not interval_only.changed_at_rest(7)
+    assert not interval_only.changed_at_rest()
+
+
+def adam_state_guard(interval: int, strikes: list | None = None) -> tuple[StateGuard, nn.Linear]:
+    """A rank without replicas (every-step at-rest check on) after one AdamW update."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 8)).square().sum().backward()
+    optimizer.step()
+    strike = (lambda step, evidence: strikes.append((step, evidence)) or False) if strikes is not None else None
+    guard = StateGuard(FingerprintConfig(interval=interval), model, optimizer, [(0,)], 0, logging.getLogger("test"),
+                       lambda *args, **kwargs: None, strike=strike)
+    return guard, model
+
+
+def test_the_every_step_check_stays_on_after_a_skipped_step():
+    """The sums were keyed by the step of their update: after a skipped step (no update, nothing
+    re-hashed) no key matched until the next update, which then hashed the corrupt state as the good one."""
+    guard, model = adam_state_guard(interval=50)
+    guard.after_update(6)
+    assert not guard.changed_at_rest()  # step 7, skipped: no after_update
+    flip_bit(model.weight.detach().view(-1), 3)
+    assert guard.changed_at_rest()  # step 8
+    guard.after_change_at_rest(8)
+    assert [m.tensor for m in guard.unrepaired.mismatches] == ["param:weight"]
+
+
+def test_one_flip_found_by_the_check_of_an_interval_step_is_one_strike_not_two():
+    """The replica check before the step found the flip at rest; the step's every-step comparison then
+    found it again against the same sums: a second strike (and mismatch) for one flip."""
+    strikes = []
+    guard, model = adam_state_guard(interval=2, strikes=strikes)
+    guard.after_update(1)  # step 2 is an interval step: hashed for the check and summed for every step
+    flip_bit(model.weight.detach().view(-1), 3)
+    verdict = guard.before_step(2)
+    assert [(m.tensor, m.how) for m in verdict.mismatches] == [("param:weight", "at_rest")]
+    assert not guard.changed_at_rest()  # after the backward of step 2: nothing new since the check
+    assert [step for step, _ in strikes] == [2]
+
+
+def test_the_every_step_flag_stays_on_the_device_until_the_steps_all_reduce(monkeypatch):
+    """``.tolist()`` of the comparison was a host synchronisation every step (on a GPU, a stall of the
+    stream); the flag now rides the step's all-reduce as a device tensor."""
+    guard, model = adam_state_guard(interval=50)
+    guard.after_update(6)
+    flip_bit(model.weight.detach().view(-1), 3)
+
+    def synchronises(*args, **kwargs):
+        raise AssertionError("a host synchronisation")
+
+    for name in ("tolist", "item", "__bool__", "__float__", "__int__"):
+        monkeypatch.setattr(torch.Tensor, name, synchronises)
+    slots = local_slots(torch.device("cpu"), None, {Slot.STATE_AT_REST: guard.changed_at_rest()})
+    monkeypatch.undo()
+    assert slots[Slot.STATE_AT_REST] == 1.0

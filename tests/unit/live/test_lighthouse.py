@@ -11,6 +11,8 @@ replacement had asked.
 
 from __future__ import annotations
 
+import logging
+import secrets
 from datetime import timedelta
 
 import pytest
@@ -20,7 +22,8 @@ from trainguard.events import EventLog
 from trainguard.live.collective import abort_key
 from trainguard.live.lighthouse import Lighthouse
 from trainguard.live.probe import probe_key
-from trainguard.live.quorum import beat_key, entered_key, latest_epoch, read_quorum, ready_key, report_key
+from trainguard.live.quorum import LATEST, beat_key, entered_key, latest_epoch, read_quorum, ready_key, report_key
+from trainguard.live.signed_store import SignedStore
 from trainguard.live.stall import OUT, IN, reduce_key
 
 LOOK_S = 1 / 64  # close to the launcher's poll, exact in binary
@@ -38,7 +41,9 @@ class Clock:
 
 @pytest.fixture
 def store():
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    """The launcher's store as the lighthouse sees it: values sealed with the run secret."""
+    raw = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    return SignedStore(raw, secrets.token_bytes(32))
 
 
 @pytest.fixture
@@ -162,3 +167,50 @@ def test_a_group_rejoins_only_once_every_member_has_entered_the_current_epoch(li
     _entered(store, 1, (1,))
     _run(lighthouse, store, clock, 4 * LOOK_S, beating=range(4))
     assert read_quorum(store, 2).joining == [2, 3]
+
+
+def test_a_foreign_report_is_ignored_and_logged_once_not_a_crash(lighthouse, store, clock, caplog):
+    """Issue 40: a client without the run secret wrote ``pwned`` under a report key and the lighthouse
+    died of ``int(b'pwned')``. Now the value is foreign (not sealed with the secret): ignored, one log
+    line however often it is read, and the real reports still end the epoch."""
+    _run(lighthouse, store, clock, 0.5, beating=range(4))
+    lighthouse.died(3)
+    for rank in (0, 1, 2):
+        store.raw.set(report_key(0, rank), "pwned")  # a client with the address, not the secret
+    with caplog.at_level(logging.WARNING, logger="trainguard.live.store"):
+        _run(lighthouse, store, clock, 8 * LOOK_S, beating=(0, 1, 2))
+    assert latest_epoch(store) == 0, "a foreign report ended the epoch"
+    foreign = [r.getMessage() for r in caplog.records if "foreign value" in r.getMessage()]
+    assert sorted(foreign) == sorted(f"trainguard: ignored a foreign value under live store key "
+                                     f"'report/0/{rank}' (not sealed with the run secret): b'pwned'"
+                                     for rank in (0, 1, 2))
+    _report(store, 0, (0, 1, 2), 5)  # the ranks' own reports, sealed
+    _run(lighthouse, store, clock, 4 * LOOK_S, beating=(0, 1, 2))
+    assert (read_quorum(store, 1).members, read_quorum(store, 1).start_step) == ([0, 1], 5)
+
+
+def test_a_sealed_report_out_of_bounds_is_ignored_not_a_crash(lighthouse, store, clock, caplog):
+    """Parsing is bounded too: a sealed value that is not a step (a defect of ours) is logged and ignored."""
+    _run(lighthouse, store, clock, 0.5, beating=range(4))
+    lighthouse.died(3)
+    store.set(report_key(0, 0), "-7")
+    store.set(report_key(0, 1), "12abc")
+    with caplog.at_level(logging.WARNING, logger="trainguard.live.store"):
+        _run(lighthouse, store, clock, 8 * LOOK_S, beating=(0, 1, 2))
+    assert latest_epoch(store) == 0
+    assert sum("not an integer in" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_the_newest_epoch_overwritten_from_outside_is_restored_at_the_next_look(lighthouse, store, clock):
+    """Every rank reads ``latest`` at every step and waits while it holds a foreign value: the lighthouse
+    puts its own back, whether garbage or an older sealed value written again (a replay)."""
+    old_latest = store.raw.get(LATEST)  # epoch 0's, sealed
+    _run(lighthouse, store, clock, 0.5, beating=range(4))
+    lighthouse.died(3)
+    _report(store, 0, (0, 1, 2), 5)
+    _run(lighthouse, store, clock, 4 * LOOK_S, beating=(0, 1, 2))
+    assert latest_epoch(store) == 1
+    for forged in (b"pwned", old_latest):
+        store.raw.set(LATEST, forged)
+        _run(lighthouse, store, clock, LOOK_S, beating=(0, 1))
+        assert store.raw.get(LATEST) != forged and latest_epoch(store) == 1

@@ -6,12 +6,14 @@ asserted depends on no scheduler."""
 
 from __future__ import annotations
 
+import secrets
 from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 
 from trainguard.live.quorum import Quorum
+from trainguard.live.signed_store import SignedStore
 from trainguard.live.stall import IN, LOOKED_AWAY_S, OUT, StallWatch, excluded_groups, reduce_key
 
 MEMBERS = [0, 1, 2, 3]
@@ -24,7 +26,9 @@ def group_of(rank: int) -> int:
 
 @pytest.fixture
 def store():
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    """The launcher's store as the lighthouse reads it: values sealed with the run secret."""
+    raw = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    return SignedStore(raw, secrets.token_bytes(32))
 
 
 class Clock:
@@ -152,3 +156,14 @@ def test_the_verdict_never_excludes_every_group(absent, excluded):
 
 def test_one_group_alone_is_never_excluded():
     assert excluded_groups([2, 3], [3], group_of) == []
+
+
+def test_a_foreign_or_malformed_mark_is_no_mark_not_a_crash(store):
+    """Issue 40: a mark the stall watch reads back is parsed with bounds: a foreign one (no seal) or a
+    malformed one (``int('x')`` used to end the lighthouse) counts as no mark."""
+    watch = _watch(store, 2.0, 10.0)
+    store.raw.set(reduce_key(0), "pwned")
+    store.set(reduce_key(1), "0 x in")
+    store.set(reduce_key(2), "0 5 in extra")
+    store.set(reduce_key(3), "-1 5 in")
+    assert watch.look(QUORUM, MEMBERS) is None and watch.current is None

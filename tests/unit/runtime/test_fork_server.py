@@ -117,3 +117,32 @@ def test_an_agent_that_already_has_a_thread_starts_its_ranks_from_pythons_own_fo
     assert "its ranks start from Python's own fork server" in proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["parent"] != result["agent"] and result["parent_threads"] == 1 and result["preloaded"]
+
+
+OWNER_ONLY_AGENT = r"""
+import json, os, socket, stat, subprocess, sys
+from multiprocessing import forkserver
+from trainguard.runtime.fork_server import start_fork_server
+
+os.umask(0)  # the most permissive umask: what the server makes must be closed anyway
+start_fork_server()
+address = forkserver._forkserver._forkserver_address
+result = {"socket": stat.S_IMODE(os.stat(address).st_mode), "dir": stat.S_IMODE(os.stat(os.path.dirname(address)).st_mode)}
+if os.geteuid() == 0:  # another user's process tries to connect
+    probe = "import socket, sys\ns = socket.socket(socket.AF_UNIX)\ntry:\n    s.connect(sys.argv[1])\n    print('connected')\nexcept OSError as e:\n    print(type(e).__name__)"
+    result["other_user"] = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
+                                           "-c", probe, address], capture_output=True, text=True).stdout.strip()
+print(json.dumps(result), flush=True)
+"""
+
+
+def test_the_fork_servers_socket_is_owner_only_whatever_the_umask():
+    """Issue 40: the server's socket is a file in a 0700 directory and itself 0600, checked at start, so
+    no other user can ask it for a process (Python's own is an abstract socket anyone may connect to)."""
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", OWNER_ONLY_AGENT], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (result["dir"], result["socket"]) == (0o700, 0o600)
+    if "other_user" in result:
+        assert result["other_user"] == "PermissionError"

@@ -11,6 +11,8 @@ from trainguard.runtime.policy import (
     NEVER_RESTART,
     Action,
     Ended,
+    Exclusion,
+    ExclusionReason,
     Outcome,
     RestartPolicy,
     backoff_seconds,
@@ -106,16 +108,17 @@ def test_crash_loop_and_restart_budget():
 def test_node_exclusion_rules():
     p = policy()
     faulty = Ended(Outcome.FAILED, 17, 3, failing_rank=1, failing_node="n1")
-    assert p.node_to_exclude(faulty, ["n0", "n1"]) == "n1"
+    # issue 38 item 11: the event's reason says why the node went, not the incarnation's outcome ("failed")
+    assert p.node_to_exclude(faulty, ["n0", "n1"]) == Exclusion("n1", ExclusionReason.FAULTY_HARDWARE)
     assert p.node_to_exclude(faulty, ["n0", "n2"]) is None  # not holding a slot any more
     killed = Ended(Outcome.FAILED, 1, 3, failing_rank=0, failing_node="n0")
     assert p.node_to_exclude(killed, ["n0", "n1"]) is None
-    assert p.node_to_exclude(killed, ["n0", "n1"]) == "n0"  # node_failures=2
+    # node_failures=2
+    assert p.node_to_exclude(killed, ["n0", "n1"]) == Exclusion("n0", ExclusionReason.REPEATED_FAILURES)
     assert policy(several_nodes=False).node_to_exclude(killed, ["n0"]) is None
-    # issue 38 item 11: the event's reason says why the node went, not the incarnation's outcome ("failed")
     lost = Ended(Outcome.NODE_LOST, 1, 3, failing_node="n1")
-    assert [p.exclusion_reason(e) for e in (faulty, lost, killed)] == ["faulty_hardware", "node_lost",
-                                                                        "repeated_failures"]
+    assert p.node_to_exclude(lost, ["n0", "n1"]) == Exclusion("n1", ExclusionReason.NODE_LOST)
+    assert [reason.value for reason in ExclusionReason] == ["faulty_hardware", "node_lost", "repeated_failures"]
 
 
 def test_the_supervisors_exit_path_imports_no_torch():

@@ -54,3 +54,25 @@ def test_values_put_module_points_first_with_no_row_odds():
     assert len(values) == len(shares) == len(rows) == 7
     assert values[0] > 0 and rows[0] == NOT_CHECKED  # the norm's input gradient: a module point
     assert rows[1] == pytest.approx(row_odds(model[0].weight.grad).item()) and rows[2:] == [NOT_CHECKED] * 5
+
+
+def test_the_layouts_are_compared_when_a_state_is_loaded_not_at_every_step(monkeypatch):
+    """The comparison of every point's layout with its history's ran at every check; layouts change
+    only where a state is loaded (a resume on another number of ranks)."""
+    from trainguard.guards.sdc.detectors import SdcDetector
+
+    model = NoNorms()
+    sdc = guard(model)
+    compared = []
+    restart_changed = SdcDetector.restart_changed
+    monkeypatch.setattr(SdcDetector, "restart_changed",
+                        lambda self, names, layouts: compared.append(len(names)) or restart_changed(self, names, layouts))
+    for step in (1, 2, 3):
+        sdc.begin_pass()
+        model(torch.randn(4, 8)).sum().backward()
+        sdc.check(step)
+    assert compared == [] and sorted(sdc.detector.points) == sorted(sdc.names)
+    saved = sdc.stateful["sdc_detector"].state_dict()
+    saved["layouts"] = {name: layout.replace("world 1", "world 4") for name, layout in saved["layouts"].items()}
+    sdc.stateful["sdc_detector"].load_state_dict(saved)  # as saved on 4 ranks
+    assert compared == [len(sdc.names)] and sdc.detector.points == {}  # every point starts a fresh warm-up

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from trainguard.fs.fsio import atomic_write_json
 from trainguard.fs.layout import HF_DIR, step_dir_name
+from trainguard.run_secret import owner_only_dir
 from trainguard.checkpoint.local.in_place import StagedFile
 from trainguard.checkpoint.local.exchange import read_for_sending, recv_bytes, send_bytes, swap_in_ring
 from trainguard.checkpoint.local.paths import FSDP_CONFIG_NAME, TORCH_VERSION_KEY, node_of, rank_file_names, resolve_local_dir
@@ -46,6 +47,8 @@ from trainguard.events import EventLog
 from trainguard.topology.group_info import GROUP_INFO_NAME, GroupInfo
 from trainguard.topology.replica_groups import ReplicaGroups
 from trainguard.checkpoint.staging import serialised
+
+LOCAL_DIR_WHAT = "a local tier's node directory"  # checked owner-only (0700) at every start and save
 
 log = logging.getLogger("trainguard")
 
@@ -84,7 +87,7 @@ class LocalTier:
                             "mesh_dim_names": list(mesh_dim_names), "params": dict(sorted(params.items())),
                             TORCH_VERSION_KEY: torch.__version__}
         self.dtensor_layouts = dtensor_layouts(model, min(groups.model_replicas(rank)))
-        self.dir.mkdir(parents=True, exist_ok=True)
+        owner_only_dir(self.dir, LOCAL_DIR_WHAT)  # 0700: another user of the node reads none of its files
         self.group_info = GroupInfo(groups, layout, tuple(r for r, d in self.rank_dirs.items() if d == self.dir),
                                     {r: str(d) for r, d in self.rank_dirs.items()})
         self._write_group_info()
@@ -140,7 +143,7 @@ class LocalTier:
         thread); ``files`` writes the rank's files (here, or in a writer process)."""
         self.wait()
         copy = swap_in_ring(extra_bytes, self.buddy, self.keeps_copy_of, self.group)
-        self.dir.mkdir(parents=True, exist_ok=True)  # a wiped node's directory comes back
+        owner_only_dir(self.dir, LOCAL_DIR_WHAT)  # a wiped node's directory comes back
         self._write_group_info()
         self._write_static_files(self.dir / step_dir_name(step))
         saved = files.run(
@@ -194,7 +197,7 @@ class LocalTier:
         """
         self.wait()
         started = time.perf_counter()
-        self.dir.mkdir(parents=True, exist_ok=True)  # a replaced node starts without one
+        owner_only_dir(self.dir, LOCAL_DIR_WHAT)  # a replaced node starts without one
         self._write_group_info()
         # newest step first, each hashed only when reached: the common case reads one step's files once
         candidates = sorted({s for steps in self._all_gather(rank_steps(self.dir, self.world_size, self.rank))

@@ -6,7 +6,8 @@ threshold:
 - a gradient spike (the drill's ``spike:step=4``) and a NaN (``nan:step=7``, rank 0's by default: every
   rank's in the sum) are skipped by every rank at steps 4 and 7, the run goes on, and ends with every
   rank's parameters and optimizer state bitwise those of a fault-free run that skips steps 4 and 7 by
-  replay (``guards.skip.replay_steps``); the same script in the closure mode
+  replay (``guards.skip.replay_steps``), and so does the same run with rank 3 SIGKILLed between the two
+  (its group rejoins with the guards' state); the same script in the closure mode
   (``helpers/user_loop_closure.py``, the same gradients) measures every step's norm and loss bitwise as
   live mode does and skips the same steps;
 - a spike at every step from 3 with ``count_threshold: 2``: every rank aborts at step 4 with the
@@ -116,6 +117,17 @@ def test_the_spiked_run_ends_bitwise_as_a_run_that_skips_the_same_step_by_replay
     run_dir, _ = spiked
     for rank in range(WORLD):
         assert bitwise_differences(_trained_state(run_dir, rank), _trained_state(replayed, rank)) == [], rank
+
+
+def test_a_rank_killed_between_the_skips_rejoins_with_the_guards_state_and_the_run_ends_bitwise(root, spiked):
+    """Rank 3 SIGKILLed after step 5 (the spike of step 4 skipped, the NaN of step 7 to come): its group
+    rejoins with a live peer's guards' state (skipped steps, the streak, the data-skip window) besides the
+    model and optimizer, and every rank ends with the spiked run's whole final state, guards' state included."""
+    run_dir, _ = spiked
+    done = _ok(_live(root / "killed", _config(root), f"{FAULTS}; kill:rank=3,step=5"))
+    assert "ranks replaced: [3]" in done.stdout
+    assert [e["step"] for e in _events(root / "killed", "data_skip")] == SKIPPED
+    assert run_differences(run_dir, root / "killed", WORLD) == {}
 
 
 def test_the_closure_mode_skips_the_same_steps_on_the_same_gradients(root, spiked):

@@ -18,7 +18,13 @@ Figures, from the runs' event timestamps:
   micro-batches (the same global batch) until it is back.
 
 Every run's final state is compared bitwise with the fault-free run's. Target: survivors' lost time
-of the restart >= 5x the live one. Usage: ``python benchmarks/live_recovery.py [--quick] [--cycles 2]``.
+of the restart >= 5x the live one.
+
+When torchft imports (the optional extra ``trainguard[torchft]``), each cycle also runs torchft on the
+same workload, fault-free and with the same kill (``torchft_run.py``, 4 replica groups x 1 rank), and a
+second table puts one row per mode side by side: survivors' lost time, samples/s committed from the
+kill to the replacement's first step, and the final parameters' largest relative difference from the
+same system's fault-free run (ours: 0, bitwise equal; torchft: as measured). Usage: ``python benchmarks/live_recovery.py [--quick] [--cycles 2]``.
 """
 
 from __future__ import annotations

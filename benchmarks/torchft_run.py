@@ -71,8 +71,8 @@ def launch_torchft(run_dir: Path, run: TorchftRun) -> float | None:
         cmd = [sys.executable, str(WORKER), "--group", str(group), "--groups", str(run.groups), "--steps",
                str(run.steps), "--micro-batch-s", str(run.micro_batch_s), "--log", str(_log(run_dir, group)),
                "--final", str(final_path(run_dir, group)), *(["--ready-dir", str(ready)] if first else [])]
-        out = open(run_dir / f"worker_{group}.out", "ab")
-        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        with open(run_dir / f"worker_{group}.out", "ab") as out:  # the child keeps its own descriptor
+            return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
 
     procs = {g: start(g, first=True) for g in range(run.groups)}
     killed_at = None

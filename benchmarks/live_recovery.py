@@ -24,7 +24,8 @@ When torchft imports (the optional extra ``trainguard[torchft]``), each cycle al
 same workload, fault-free and with the same kill (``torchft_run.py``, 4 replica groups x 1 rank), and a
 second table puts one row per mode side by side: survivors' lost time, samples/s committed from the
 kill to the replacement's first step, and the final parameters' largest relative difference from the
-same system's fault-free run (ours: 0, bitwise equal; torchft: as measured). Usage: ``python benchmarks/live_recovery.py [--quick] [--cycles 2]``.
+same system's fault-free run (ours: 0, bitwise equal; torchft: as measured).
+Usage: ``python benchmarks/live_recovery.py [--quick] [--cycles 2]``.
 """
 
 from __future__ import annotations

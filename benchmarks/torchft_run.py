@@ -50,8 +50,8 @@ def final_path(run_dir: Path, group: int) -> Path:
 
 
 def read_steps(run_dir: Path, groups: int) -> list[dict]:
-    lines = [line for g in range(groups) if _log(run_dir, g).exists() for line in _log(run_dir, g).read_text().splitlines()]
-    return [json.loads(line) for line in lines if line.strip()]
+    logs = [_log(run_dir, g) for g in range(groups)]
+    return [json.loads(line) for log in logs if log.exists() for line in log.read_text().splitlines() if line.strip()]
 
 
 def launch_torchft(run_dir: Path, run: TorchftRun) -> float | None:

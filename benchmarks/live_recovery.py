@@ -100,8 +100,11 @@ def restart_figures(events: list[dict]) -> dict[str, float]:
     respawned = next(e["time"] for e in events if e["kind"] == "live_quorum" and e["reason"] == "restart")
     started = max(e["time"] for e in events if e["kind"] == "live_start" and e["time"] > killed)
     # every rank is down from the kill until the restarted ranks commit: no sample is committed meanwhile
+    # a survivor may commit a step in the moment between the kill and the launcher killing it too: the
+    # restarted ranks' first step is the first one after the respawn
+    rejoined = min(e["time"] for e in after if e["time"] > respawned)
     return {"lost": back - killed, "lost_warm": back - killed - (started - respawned),
-            "rejoin": min(e["time"] for e in after) - killed, "tail": _done(events) - killed, "samples_s": 0.0}
+            "rejoin": rejoined - killed, "tail": _done(events) - killed, "samples_s": 0.0}
 
 
 def clean_samples_s(events: list[dict]) -> float:

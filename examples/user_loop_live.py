@@ -43,10 +43,15 @@ def batch(step: int, micro_batch: int, micro_batches: int) -> tuple[torch.Tensor
     return inputs, (inputs[:, :CLASSES].argmax(dim=1) + (inputs[:, -1] > 1).long()) % CLASSES
 
 
-def rank_main(argv: list[str]) -> None:
+def build_model() -> torch.nn.Module:
+    """Seeded: every rank starts alike."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 24), torch.nn.GELU(), torch.nn.LayerNorm(24),
-                                torch.nn.Dropout(0.1), torch.nn.Linear(24, CLASSES))
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 24), torch.nn.GELU(), torch.nn.LayerNorm(24),
+                               torch.nn.Dropout(0.1), torch.nn.Linear(24, CLASSES))
+
+
+def rank_main(argv: list[str]) -> None:
+    model = build_model()
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", type=Path, default=CONFIG)
     parser.add_argument("--lr", type=float, default=3e-3)

@@ -9,7 +9,10 @@ to ``optim.grad_clip`` by their global norm as ``Guard.step`` clips (``max_norm 
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
+import os
 import runpy
 import sys
 import textwrap
@@ -19,8 +22,10 @@ import torch
 
 from helpers.runs import trainguard
 from trainguard.checkpoint.safe_load import safe_torch_load
+from trainguard.cli.run_live import run_command_live
 from trainguard.live.files import final_path
 from trainguard.live.rng import micro_batch_rng
+from trainguard.step.live import LAUNCHER_OVERRIDES_ENV
 
 STEPS, MICRO_BATCHES, CLIP, SEED = 4, 4, 0.05, 7
 
@@ -111,3 +116,22 @@ def test_grad_clip_and_a_set_seed_reach_the_ranks_of_a_live_run(live_run):
     for seed, clip in ((SEED, 0.0), (42, CLIP)):
         ignored = _trained_here(script, seed, clip)
         assert not all(torch.allclose(final[n], v, rtol=1e-3, atol=1e-5) for n, v in ignored.items()), (seed, clip)
+
+
+def test_the_set_items_reach_the_ranks_environment_and_leave_the_launchers_alone(tmp_path, monkeypatch):
+    """``trainguard run``'s live path in this process, each of its 2 ranks a shell that writes down the
+    ``TRAINGUARD_SET`` it was given and exits 0 (a finished rank): the ranks get the ``--set`` items, and
+    the launcher's own environment is as it was (it used to keep them: a later ``Guard`` in the same
+    process applied them to a configuration of its own)."""
+    monkeypatch.delenv(LAUNCHER_OVERRIDES_ENV, raising=False)
+    monkeypatch.setattr(os, "environ", os.environ.copy())  # whatever the code under test leaves, this test's only
+    (tmp_path / "run.yaml").write_text(CONFIG)
+    items = ["train.seed=7", "optim.grad_clip=0.25"]
+    args = argparse.Namespace(config=str(tmp_path / "run.yaml"), overrides=items, resume=None, nproc=2,
+                              kill_switch=None, supervisor_defaults={})
+    seen = tmp_path / "seen"
+    command = ["sh", "-c", f'printf %s "${LAUNCHER_OVERRIDES_ENV}" > "$0.$$"', str(seen)]
+    assert run_command_live(args, command, tmp_path / "run") == 0
+    assert LAUNCHER_OVERRIDES_ENV not in os.environ
+    written = sorted(tmp_path.glob("seen.*"))
+    assert len(written) == 2 and all(json.loads(path.read_text()) == items for path in written)

@@ -235,8 +235,8 @@ def test_saves_while_a_group_is_out_are_the_quorums_and_the_run_ends_bitwise(roo
 def test_a_rank_killed_during_a_save_costs_the_survivors_no_timeout_and_the_run_ends_bitwise(root, clean):
     """Rank 3 SIGKILLed once it has committed step 5, the step of a save: the launcher polls its progress
     every 5 ms, so the kill lands in the save (seen each time). The survivors that were waiting in the
-    save's collectives on a member that gave up leave it at the epoch's abort key (``collective.watched``),
-    not at gloo's timeout: seen at 121 s, and the run lost, before. The next saves commit, the run ends
+    save's collectives on a member that gave up leave it at the epoch's abort key (``collective.watched``:
+    an ``EpochAborted``), not at gloo's timeout: seen at 121 s, and the run lost, before. The next saves commit, the run ends
     bitwise equal to the fault-free one."""
     run_dir = root / "killed_in_save"
     done = finish_session(_start(run_dir, _config(root, keep_last=10), "--set", "faults=kill:rank=3,step=5"),
@@ -244,6 +244,8 @@ def test_a_rank_killed_during_a_save_costs_the_survivors_no_timeout_and_the_run_
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     failed = _events(run_dir, "live_collective_failed")
     assert any("save" in e["error"] for e in failed), failed  # the kill did land in the save of step 5
-    assert all(e["stalled_s"] < 10 for e in _events(run_dir, "live_resumed")), _events(run_dir, "live_resumed")
+    # the survivors left the save at the epoch's abort key, not at gloo's timeout (the time it took is the
+    # benchmark's business, benchmarks/live_recovery.py)
+    assert not [e for e in failed if "timed out" in e["error"].lower() or "timeout" in e["error"].lower()], failed
     assert {10, 15, 16} <= set(_committed_steps(run_dir))
     assert run_differences(clean, run_dir, WORLD) == {}

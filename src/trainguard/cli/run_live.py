@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 from trainguard.cli.arguments import make_run_dir
@@ -45,6 +44,6 @@ def run_command_live(args: argparse.Namespace, command: list[str], run_dir: Path
     if args.kill_switch:
         raise ConfigError("--kill-switch: a supervisor option; with fault_tolerance.live: true the live launcher "
                           "starts and replaces the ranks instead")
-    run = live_layout(args, config, source, executable=command[0], entry=tuple(command[1:]))
-    os.environ[LAUNCHER_OVERRIDES_ENV] = json.dumps(args.overrides)  # the ranks' Guard applies them too
+    ranks_set = ((LAUNCHER_OVERRIDES_ENV, json.dumps(args.overrides)),)  # the ranks' Guard applies them too
+    run = live_layout(args, config, source, executable=command[0], entry=tuple(command[1:]), rank_env=ranks_set)
     return run_live(run, make_run_dir(run_dir))

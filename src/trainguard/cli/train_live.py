@@ -2,10 +2,11 @@
 live launcher (``trainguard.trainer.live``), which keeps the surviving replica groups stepping through a
 rank's failure instead of restarting the job (docs/live_recovery.md).
 
-What the live path does not do is refused before anything starts, with one line naming it: the
-closure mode's sections (checkpoints, guards, lifecycle), ``model.init_from``, the supervisor's options
-(the live launcher replaces the supervisor), a layout that is not whole replicas and a fault other than
-the live drill's ``kill`` (``LiveRun.from_config``). ``trainguard run``'s live path (``cli.run_live``)
+What the live path does not do is refused before anything starts, with one line naming it: the keys of
+the closure mode's sections (checkpoints, guards, lifecycle) that live mode does not run
+(``step.live.refuse_closure_mode_keys``), ``model.init_from``, the supervisor's options (the live
+launcher replaces the supervisor), a layout that is not whole replicas and a fault other than the live
+drill's (``LiveRun.from_config``). ``trainguard run``'s live path (``cli.run_live``)
 starts a user's command the same way.
 """
 
@@ -19,8 +20,9 @@ from pathlib import Path
 
 from trainguard.checkpoint.discovery import newest_committed
 from trainguard.config.schema import RunConfig
-from trainguard.errors import EXIT_RESUMABLE_STOP, ConfigError
+from trainguard.errors import EXIT_DATA_SKIP_ABORT, ConfigError
 from trainguard.live.launcher import LiveRun, launch, resume_point
+from trainguard.runtime.lifecycle import REASON_NAMES, SIGNAL
 from trainguard.step.live import refuse_closure_mode_keys
 from trainguard.topology import resolve_layout
 from trainguard.trainer.arguments import config_arguments
@@ -53,8 +55,10 @@ def live_run(args: argparse.Namespace, config: RunConfig, source: str) -> LiveRu
 
 
 def run_live(run: LiveRun, run_dir: Path) -> int:
-    """Trains to the end; 0, ``EXIT_RESUMABLE_STOP`` after a SIGTERM (the quorum saved a step), or 1 with
-    one line when a rank failed without being replaced."""
+    """Trains to the end; 0, or the quorum's agreed code after a stop or an abort (``LiveResult.exit_code``:
+    16 after a SIGTERM or the time limit, the quorum saved a step; 0 after the kill switch or
+    ``train.exit_at_step``, saved too; 3 after a data-skip abort), or 1 with one line when a rank failed
+    without being replaced."""
     print(f"trainguard: run directory {run_dir} (live recovery: {run.groups} replica groups of "
           f"{run.group_size} ranks, {run.spares} spares)", flush=True)
     resume = resume_point(run, run_dir)  # exit 4 (one line) when checkpoints exist and none qualifies
@@ -66,12 +70,20 @@ def run_live(run: LiveRun, run_dir: Path) -> int:
     except RuntimeError as error:
         print(f"trainguard: error: {error}", file=sys.stderr, flush=True)
         return 1
-    if result.stopped:
-        newest = newest_committed(run_dir / "checkpoints")
-        saved = newest.path if newest is not None else None
-        print(f"trainguard: live run stopped by SIGTERM/SIGUSR1: saved {saved}; run again with --resume auto "
-              "to continue", flush=True)
-        return EXIT_RESUMABLE_STOP
+    newest = newest_committed(run_dir / "checkpoints")
+    saved = newest.path if newest is not None else None
+    if result.exit_code == EXIT_DATA_SKIP_ABORT:  # the ranks printed the guard's line
+        print(f"trainguard: live run aborted by the data-skip guard: exit {EXIT_DATA_SKIP_ABORT}; the newest "
+              f"checkpoint is {saved}", flush=True)
+        return EXIT_DATA_SKIP_ABORT
+    if result.stop is not None:
+        again = "; run again with --resume auto to continue" if result.stopped else ""
+        if result.stop["reason"] == REASON_NAMES[SIGNAL]:
+            print(f"trainguard: live run stopped by SIGTERM/SIGUSR1: saved {saved}{again}", flush=True)
+        else:
+            print(f"trainguard: live run stopped at step {result.stop['step']}: {result.stop['message']}; saved "
+                  f"{saved}{again}", flush=True)
+        return result.exit_code
     print(f"trainguard: live run finished: {run.steps} steps in {result.wall_s:.1f} s, "
           f"ranks replaced: {sorted(result.replaced_at) or 'none'}", flush=True)
     return 0

@@ -1,6 +1,6 @@
 """Typed run configuration, loaded from YAML with ``--set`` overrides and validated at load."""
 
-from trainguard.config.load import config_to_dict, load_config
+from trainguard.config.load import config_to_dict, load_config, with_overrides
 from trainguard.config.schema import (
     CheckpointConfig,
     DataConfig,
@@ -23,4 +23,5 @@ __all__ = [
     "TrainConfig",
     "config_to_dict",
     "load_config",
+    "with_overrides",
 ]

@@ -5,11 +5,11 @@ Unknown keys, wrong types and out-of-range values are ``ConfigError``s naming th
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,25 +108,38 @@ def _expanded_size(node: Any, sizes: dict[int, int]) -> int:
     return size
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+NO_FILE = "--set"
+"""The source of a configuration made of defaults and ``--set`` items only."""
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
     """The configuration of ``path`` (YAML) with the ``--set`` items ``overrides`` applied in order. A
     ``ConfigError`` names the source at fault: the file, or the ``--set`` item that set the key."""
-    file_source = str(path) if path is not None else "--set"
+    file_source = str(path) if path is not None else NO_FILE
     raw: dict[str, Any] = {}
     if path is not None:
         raw = _read_yaml(Path(path))
     raw = translate_reference_keys(raw, file_source)
-    from_file = copy.deepcopy(raw)
-    sources = KeySources(file_source, {_apply_override(raw, item): item for item in overrides})
-    config = _build(RunConfig, raw, prefix="", sources=sources)
+    return with_overrides(_build(RunConfig, raw, prefix="", sources=KeySources(file_source, {})), overrides,
+                          file_source)
+
+
+def with_overrides(config: RunConfig, overrides: Sequence[str], source: str = NO_FILE) -> RunConfig:
+    """A new configuration: ``config`` with the ``--set`` items ``overrides`` applied in order, each typed
+    and the whole checked as a file is. ``source`` names where ``config`` came from (its file, or
+    ``NO_FILE``): a ``ConfigError`` names it, or the ``--set`` item that set the key at fault, or the
+    items when ``config`` alone is valid and they made the combination fail."""
+    raw = config_to_dict(config)
+    sources = KeySources(source, {_apply_override(raw, item): item for item in overrides})
+    merged = _build(RunConfig, raw, prefix="", sources=sources)
     try:
-        validate(config, file_source)
+        validate(merged, source)
     except ConfigError:
-        if not overrides or path is None or not _valid(from_file, file_source):
+        if not overrides or source == NO_FILE or not _valid(config, source):
             raise
-        # the file alone is valid: an override made the combination fail
-        validate(config, "--set " + " ".join(repr(item) for item in overrides))
-    return config
+        # the configuration alone is valid: an override made the combination fail
+        validate(merged, "--set " + " ".join(repr(item) for item in overrides))
+    return merged
 
 
 @dataclass(frozen=True)
@@ -146,9 +159,9 @@ class KeySources:
         return self.file
 
 
-def _valid(raw: dict[str, Any], source: str) -> bool:
+def _valid(config: RunConfig, source: str) -> bool:
     try:
-        validate(_build(RunConfig, raw, prefix="", sources=KeySources(source, {})), source)
+        validate(config, source)
     except ConfigError:
         return False
     return True

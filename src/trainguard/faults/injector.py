@@ -58,8 +58,13 @@ def check_fault_ranks(specs: list[FaultSpec], world_size: int) -> None:
 class FaultInjector:
     """Injects the faults meant for this rank; a no-op at every step where none is due."""
 
-    def __init__(self, specs: list[FaultSpec], run_dir: Path, rank: int, world_size: int, emit: Callable[..., Any]):
+    def __init__(self, specs: list[FaultSpec], run_dir: Path, rank: int, world_size: int, emit: Callable[..., Any],
+                 once_per_run: bool = True):
         check_fault_ranks(specs, world_size)
+        # True: a fault fires once in the run, whatever restarts (the ledger's claim); False: at its step
+        # each time that step is computed (live mode's gradient faults: a redone step is hit again, as
+        # the data of that step would be)
+        self.once_per_run = once_per_run
         self.specs = list(specs)
         self.rank = rank
         self.world_size = world_size
@@ -223,7 +228,7 @@ class FaultInjector:
             return False
         if spec.persistent:
             return True
-        return step == spec.step and self._ledger.claim(spec, step)
+        return step == spec.step and (not self.once_per_run or self._ledger.claim(spec, step))
 
     def _report(self, spec: FaultSpec, step: int | None, **details: Any) -> None:
         logger.warning("injecting fault %r at step %s: %s", spec.text, step, details)

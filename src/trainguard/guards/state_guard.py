@@ -169,10 +169,18 @@ class StateGuard:
     def before_save(self, step: int, health: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """``health``: the save's other verdict (the embedding norm's), merged in. Collective."""
         named = self._state()
+        found = False
         if self.fingerprints is not None:
-            self._handle(step, named, self.fingerprints.check(named, at_rest=False))
+            verdict = self.fingerprints.check(named, at_rest=False)
+            self._handle(step, named, verdict)
+            found = not verdict.clean
         if self.every_step:  # the sums taken right after the last update: memory that changed since
-            self._handle(step, named, self._changed_verdict(named, self.fingerprints.changed_since_update(named)))
+            changed = self._changed_verdict(named, self.fingerprints.changed_since_update(named))
+            self._handle(step, named, changed)
+            if found or not changed.clean:
+                # what the save's checks found (or repaired from a replica) is not to be found again by the
+                # next step's comparison with the same sums: a second strike for one flip
+                self.fingerprints.remember_sums(named)
         bad = nonfinite_state(named)
         device = named[0][1].device if named else torch.device("cpu")
         unrepaired_here = self.unrepaired is not None

@@ -6,17 +6,28 @@ as it starts step S). Several entries are one node's ranks hit together, so they
 A ``miscompute`` entry (the doctor's fault, docs/faults.md) acts in the warm spares' self-test
 (``spare_check``), ``rank=`` naming the spare: that spare is found unhealthy and never used.
 
-The launcher injects the drill, not the rank: every other kind (a closure-mode fault the live ranks do
+The gradient faults ``spike`` and ``nan`` (``spike:step=N[,factor=F][,persistent=1]``, ``nan:step=N``)
+are the ranks' own: each rank applies them to step N's summed gradient (the step that makes N committed
+steps, as the closure mode numbers it), before the guards judge it, every time that step is computed
+(``gradient_faults``). The sum is every rank's alike, so the fault is too: one narrowed to a node
+(``node=``) is refused, and a ``nan``'s ``rank=`` changes nothing (a NaN in one rank's share of the
+closure mode's all-reduce is in everyone's sum too).
+
+The launcher injects the kill, not the rank: every other kind (a closure-mode fault the live ranks do
 not run) and the keys that narrow a kill (``persistent``, ``node``) are refused, with one line naming
 the entry, by the launcher and by each rank, never ignored.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from trainguard.errors import ConfigError
 from trainguard.faults.injector import active_faults, check_fault_ranks
+from trainguard.faults.spec import FaultSpec
 
 LIVE_FAULT_KIND = "kill"
+GRADIENT_FAULT_KINDS = ("spike", "nan")  # applied by every rank to a step's summed gradient
 SPARE_FAULT_KIND = "miscompute"  # the doctor's fault: acts in the spares' self-tests (``spare_check``)
 
 
@@ -26,7 +37,13 @@ def live_drill(faults: str | None, world: int, steps: int, spares: int | None = 
     spare; checked against ``spares`` when the caller knows them); a ``ConfigError`` naming the source
     and the entry otherwise."""
     source, specs = active_faults(faults)
-    kills = [spec for spec in specs if spec.kind != SPARE_FAULT_KIND]
+    kills = [spec for spec in specs if spec.kind not in (SPARE_FAULT_KIND, *GRADIENT_FAULT_KINDS)]
+    for spec in gradient_faults(faults):
+        if "node" in spec.params:
+            raise ConfigError(f"{source}: fault {spec.text!r}: a live run's {spec.kind} hits the step's summed "
+                              "gradient on every rank alike; leave out node=")
+        if not 0 < spec.step <= steps:
+            raise ConfigError(f"{source}: fault {spec.text!r}: step must be between 1 and train.steps = {steps}")
     spare_faults = [spec for spec in specs if spec.kind == SPARE_FAULT_KIND]
     for spec in spare_faults:
         if spares is not None and (spares == 0 or (spec.rank is not None and spec.rank >= spares)):
@@ -40,8 +57,9 @@ def live_drill(faults: str | None, world: int, steps: int, spares: int | None = 
     for spec in kills:
         if spec.kind != LIVE_FAULT_KIND:
             raise ConfigError(f"{source}: fault {spec.text!r}: a live run drills '{LIVE_FAULT_KIND}:rank=R,step=S' "
-                              f"only (the live launcher SIGKILLs the rank; '{SPARE_FAULT_KIND}' acts in the "
-                              f"spares' self-test); {spec.kind!r} is a closure-mode fault")
+                              f"(the live launcher SIGKILLs the rank), '{SPARE_FAULT_KIND}' (in the spares' "
+                              f"self-test) and {' and '.join(GRADIENT_FAULT_KINDS)} (on a step's summed gradient); "
+                              f"{spec.kind!r} is a closure-mode fault")
         if spec.persistent or spec.params:
             raise ConfigError(f"{source}: fault {spec.text!r}: a live run's kill takes rank and step only (no "
                               "persistent, no node): it fires once, the launcher's SIGKILL")
@@ -57,3 +75,10 @@ def live_drill(faults: str | None, world: int, steps: int, spares: int | None = 
     if spare_faults:
         drill["spare_faults"] = "; ".join(spec.text for spec in spare_faults)
     return drill
+
+
+def gradient_faults(faults: str | None) -> tuple[FaultSpec, ...]:
+    """The ``spike`` and ``nan`` entries of the faults in force (``faults``: the config key's text), each
+    for every rank (a ``nan``'s ``rank=`` dropped: every rank holds the sum it hits)."""
+    return tuple(dataclasses.replace(spec, rank=None) for spec in active_faults(faults)[1]
+                 if spec.kind in GRADIENT_FAULT_KINDS)

@@ -34,13 +34,16 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.manager import CheckpointManager
+from trainguard.checkpoint.save_policy import decide_save
 from trainguard.events import EventLog
 from trainguard.live.collective import EpochAborted, watched
 from trainguard.live.quorum import Quorum
 from trainguard.live.shards import ShardedUpdate
+from trainguard.live.step_guards import LiveGuards
 
 T = TypeVar("T")
 REPLICA_DIMS = ["dp_replicate", "dp_shard"]  # the manifest's mesh: replica groups of the quorum x their ranks
+LIVE_GUARDS = "live_guards"  # the guards' state's name in a checkpoint's extra state (``step_guards``)
 
 
 class SaveFailed(RuntimeError):
@@ -53,27 +56,25 @@ class LiveCheckpoints:
     step, and before a stop)."""
 
     def __init__(self, store: dist.TCPStore, run_dir: Path, config: CheckpointConfig, rank: int,
-                 model: torch.nn.Module, optimizer: torch.optim.Optimizer, update: ShardedUpdate, events: EventLog,
-                 timeout: timedelta, beat: Callable[[], None]):
+                 model: torch.nn.Module, optimizer: torch.optim.Optimizer, update: ShardedUpdate, guards: LiveGuards,
+                 events: EventLog, timeout: timedelta, beat: Callable[[], None]):
         # synchronous: the save must be over before the quorum can change (an async save's background
         # collectives would outlive the epoch whose group they use)
         self.config = dataclasses.replace(config, async_save=False)
         self.store, self.run_dir, self.rank = store, Path(run_dir), rank
         self.model, self.optimizer, self.update, self.events = model, optimizer, update, events
+        self.guards = guards  # rides in each checkpoint's extra state, as the closure mode's guards do
         self.timeout, self.beat = timeout, beat
         self.connection: dist.TCPStore | None = None  # the checkpoint groups' store client (see below)
         self.epoch: int | None = None  # the epoch of the default group and the manager
         self.manager: CheckpointManager | None = None
-
-    @property
-    def enabled(self) -> bool:
-        return self.config.save_interval > 0
+        # the step this rank last saved or resumed from: kept across epochs (each epoch's manager is new)
+        self.last_saved: int | None = None
 
     def _manager(self, quorum: Quorum) -> CheckpointManager:
         if self.epoch == quorum.epoch:
             return self.manager
-        if dist.is_initialized():  # an older epoch's: idle (no save is in flight between steps)
-            dist.destroy_process_group()
+        forget_default_group()  # an older epoch's (idle: no save is in flight between steps), or none
         if self.connection is None:
             # the group's setup blocks on the store until every member connected: on the rank's own
             # client it would hold up the beats of ``watched`` behind it (one client serialises its calls)
@@ -81,9 +82,9 @@ class LiveCheckpoints:
         dist.init_process_group("gloo", store=dist.PrefixStore(f"ckpt/{quorum.epoch}", self.connection),
                                 rank=quorum.index(self.rank), world_size=len(quorum.members), timeout=self.timeout)
         groups = len(quorum.members) // self.update.group_size
-        self.manager = CheckpointManager(self.run_dir, self.model, self.optimizer, config=self.config,
-                                         events=self.events, mesh_shape=[groups, self.update.group_size],
-                                         mesh_dim_names=REPLICA_DIMS)
+        self.manager = CheckpointManager(self.run_dir, self.model, self.optimizer, {LIVE_GUARDS: self.guards},
+                                         config=self.config, events=self.events,
+                                         mesh_shape=[groups, self.update.group_size], mesh_dim_names=REPLICA_DIMS)
         self.epoch = quorum.epoch
         return self.manager
 
@@ -93,16 +94,19 @@ class LiveCheckpoints:
         self.config = dataclasses.replace(self.config, resume=str(checkpoint))
         step = self._watched(quorum, lambda: self._manager(quorum).resume(), f"resumed from {checkpoint}")
         self.update.drop_unowned_state(self.optimizer)
+        self.last_saved = step
         return step
 
     def save(self, quorum: Quorum, step: int, *, last_step: bool, stopping: bool) -> bool:
         """Saves ``step`` (the number of committed steps) if the policy says so; every member of the
         quorum calls it at the same boundary. True when it saved."""
-        if not (self.enabled or stopping):
+        # the policy first: the checkpoint group and its manager are made for a save that is due only
+        if not decide_save(step, save_interval=self.config.save_interval, local_interval=0, last_step=last_step,
+                           stopping=stopping, unhealthy=False, durable_saved=self.last_saved,
+                           local_saved=None).durable:
             return False
-        manager = self._watched(quorum, lambda: self._manager(quorum), "made its checkpoint group")
-        if not manager.due(step, last_step=last_step, stopping=stopping).durable:
-            return False
+        manager = self._watched(quorum, lambda: self._manager(quorum),
+                                f"made its checkpoint group to save step {step}")
         live = {"epoch": quorum.epoch, "members": quorum.members, "group_size": self.update.group_size,
                 "replica_groups": len(quorum.members) // self.update.group_size}
 
@@ -117,6 +121,7 @@ class LiveCheckpoints:
         except (Exception, CheckpointException) as error:  # DCP's is a BaseException
             raise SaveFailed(f"the durable save of step {step} failed: {str(error).splitlines()[0][:200]}") \
                 from error
+        self.last_saved = step
         return True
 
     def _watched(self, quorum: Quorum, work: Callable[[], T], doing: str) -> T:
@@ -125,7 +130,21 @@ class LiveCheckpoints:
         try:
             return watched(work, self.store, quorum.epoch, self.beat, doing)
         except BaseException:
-            if dist.is_initialized():
-                dist.destroy_process_group()  # unregisters it: it blocks on nothing (gloo)
-            self.epoch = self.manager = None
+            forget_default_group()
+            # a thread abandoned in a store wait holds its client until gloo's timeout (one client serialises
+            # its calls): the next group is made on a new one (seen: 30 s before the next save otherwise)
+            self.epoch = self.manager = self.connection = None
             raise
+
+
+def forget_default_group() -> None:
+    """Destroys this process's default group, made or not (it blocks on nothing: gloo). Destroying it is
+    also what resets torch's count of default groups made, which names the next one in its store keys:
+    an ``init_process_group`` abandoned in its rendezvous (a member died meanwhile) raised that count
+    and never made a group, so the next group this rank made was named apart from its peers', and they
+    waited for each other under different keys until the timeout (seen: every save after a rank was
+    killed while the group was being made, 30 s each). With no group, a one-rank group on a local store
+    is made to be destroyed."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.destroy_process_group()

@@ -7,11 +7,15 @@ the newest verified one for ``auto``), chosen here, before any rank starts, and 
 (``--resume PATH``). SIGTERM or SIGUSR1 to the launcher (or to the ranks: the whole job, as Slurm
 signals it) asks the quorum to stop: it saves at its next step boundary and every member exits
 ``EXIT_RESUMABLE_STOP``; ``launch`` returns then (``stopped``). A second signal, 2 s or more after the
-first, ends every rank at once (restart mode's ``StopSignals``: nothing more is saved).
+first, ends every rank at once (restart mode's ``StopSignals``: nothing more is saved). The quorum's
+other agreed ends are read the same way: every member exits 0 (the end, the kill switch,
+``train.exit_at_step``), 3 (a data-skip abort) or 16 (a stop to resume from), and the launcher ends with
+them (``LiveResult.exit_code``) instead of replacing them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import logging
@@ -33,18 +37,25 @@ import torch
 from trainguard.checkpoint.manifest import read_manifest
 from trainguard.checkpoint.resume import choose_resume_checkpoint
 from trainguard.config.schema import RunConfig
-from trainguard.errors import EXIT_RESUMABLE_STOP, ConfigError
+from trainguard.errors import EXIT_DATA_SKIP_ABORT, EXIT_OK, EXIT_RESUMABLE_STOP, ConfigError
 from trainguard.events import EventLog
 from trainguard.forking import ForkedProcess, ForkServer, start_server, thread_count
 from trainguard.live.drill import live_drill
 from trainguard.live.files import events_path, newest_checkpoint
 from trainguard.live.lighthouse import Lighthouse
-from trainguard.live.quorum import MAX_STEP, STOP, progress_key, spare_failed_key, spare_key, spare_ready_key
+from trainguard.live.quorum import (MAX_STEP, STOP, STOPPED, progress_key, spare_failed_key, spare_key,
+                                    spare_ready_key)
 from trainguard.live.signed_store import SignedStore, serve_store
 from trainguard.run_secret import ENV_SECRET, create_secret
-from trainguard.runtime.lifecycle import STOP_SIGNALS, StopSignals
+from trainguard.runtime.lifecycle import (ENV_JOB_START, KILL_SWITCH, REASON_NAMES, STOP_SIGNALS, StopSignals,
+                                          job_start_time)
+from trainguard.runtime.outcome import RunOutcome
 
 LIVE, RESTART = "live", "restart"
+# the exit codes the quorum agrees on in a step's all-reduce, so that every member ends with one of them:
+# the run's end (or a stop that needs no resume: the kill switch, train.exit_at_step), a data-skip abort,
+# a stop to resume from (a signal, the time limit)
+AGREED_EXITS = (EXIT_OK, EXIT_DATA_SKIP_ABORT, EXIT_RESUMABLE_STOP)
 
 
 @dataclass(frozen=True)
@@ -98,6 +109,11 @@ class LiveRun:
     # where the job resumes (``checkpoint.resume``): "auto" (the newest verified durable checkpoint of the
     # run directory, or a fresh start when it has none), "disable", or a ``global_step_N`` directory
     resume: str = "auto"
+    # (NAME, VALUE) pairs added to each rank's environment (``trainguard run``'s ``--set`` items for the
+    # ranks' ``Guard``), never to the launcher's own
+    rank_env: tuple[tuple[str, str], ...] = ()
+    # lifecycle.kill_switch_path: present when the job starts, no rank is started (the ranks watch it after)
+    kill_switch: str | None = None
 
     def __post_init__(self) -> None:
         if self.nodes and len(self.nodes) != self.groups + self.spares:
@@ -138,7 +154,8 @@ class LiveRun:
                    micro_batches=config.train.micro_batches, spares=tolerance.spares, hang_s=tolerance.hang_s,
                    stall_s=tolerance.stall_s, stall_steps=tolerance.stall_steps,
                    collective_timeout_s=tolerance.collective_timeout_s, doctor_spares=tolerance.doctor_spares,
-                   resume=config.checkpoint.resume, **{**faults, **drill})
+                   resume=config.checkpoint.resume, kill_switch=config.lifecycle.kill_switch_path,
+                   **{**faults, **drill})
 
 
 @dataclass
@@ -155,7 +172,15 @@ class LiveResult:
     fenced_exit_codes: dict[int, int | None] = field(default_factory=dict)  # pid of a fenced process ->
     # its exit code (None: still silent at the end, killed then)
     resumed_from: Path | None = None  # the durable checkpoint the job started from
-    stopped: bool = False  # asked to stop (a signal): the quorum saved a step and exited EXIT_RESUMABLE_STOP
+    # the code every member of the quorum ended with (``AGREED_EXITS``): 0 at the end or a stop that needs
+    # no resume, EXIT_DATA_SKIP_ABORT, EXIT_RESUMABLE_STOP after a stop (the quorum saved a step); None: none yet
+    exit_code: int | None = None
+    stop: dict | None = None  # the quorum's stop at a boundary (``quorum.STOPPED``): step, reason, message
+
+    @property
+    def stopped(self) -> bool:
+        """Asked to stop (a signal, the time limit): the quorum saved a step and exited EXIT_RESUMABLE_STOP."""
+        return self.exit_code == EXIT_RESUMABLE_STOP
 
 
 def resume_point(run: LiveRun, run_dir: Path) -> Path | None:
@@ -184,7 +209,7 @@ def _spawn(run: LiveRun, rank: int, store: SignedStore, run_dir: Path, rejoin: b
     if run.stall_collective is not None and run.stall_collective[0] == rank and not rejoin:
         command += ["--stall-collective", str(run.stall_collective[1])] + (["--stall-cut"] if run.stall_cut else [])
     # the run secret in the environment, never on the command line (which any local user reads)
-    env = dict(os.environ, OMP_NUM_THREADS="1", **{ENV_SECRET: store.secret.hex()})
+    env = dict(os.environ, OMP_NUM_THREADS="1", **{ENV_SECRET: store.secret.hex()}, **dict(run.rank_env))
     if node is None and _rank_server is not None and is_this_interpreter(run.executable):
         # this interpreter's command, started here: forked without imports (``start_live_rank_server``)
         request = json.dumps({"argv": command[1:], "env": env, "cwd": os.getcwd()}).encode()
@@ -264,6 +289,10 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
     (run_dir / "checkpoints").mkdir(exist_ok=True)
     (run_dir / "final").mkdir(exist_ok=True)
     resume = resume_point(run, run_dir)
+    if run.kill_switch is not None and Path(run.kill_switch).exists():  # as the closure mode's start: nothing loaded
+        return _not_started(run_dir, run.kill_switch, read_manifest(resume).step if resume is not None else 0)
+    # the time limit counts from the job's start for every rank, a replacement's too (as the supervisor's)
+    run = dataclasses.replace(run, rank_env=(*run.rank_env, (ENV_JOB_START, str(job_start_time()))))
     start_live_rank_server()  # before the store's threads
     # every value the run writes to its store is sealed with this launch's secret, and a value read back
     # that is not is ignored (live/signed_store.py); the store listens on the ranks' address alone
@@ -308,8 +337,9 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
             if signals is not None and signals.received is not None and not store.check([STOP]):
                 store.set(STOP, "1")  # the quorum's next all-reduce carries it: all save and exit together
                 events.emit("live_stop", step=None, signal=signals.received)
-            if result.stopped and all(procs[m].poll() == EXIT_RESUMABLE_STOP for m in lighthouse.quorum.members):
-                break  # saved; ranks still out of the quorum (joining) end below
+            if result.exit_code is not None and all(procs[m].poll() == result.exit_code
+                                                    for m in lighthouse.quorum.members):
+                break  # ended together; ranks still out of the quorum (joining) end below
             if run.kill_ranks and result.killed_at is None and _progress(store, run.kill_ranks[0]) >= run.kill_at_step:
                 for rank in run.kill_ranks:
                     os.kill(procs[rank].pid, signal.SIGKILL if run.fault == "kill" else signal.SIGSTOP)
@@ -324,11 +354,11 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
                 result.joiner_killed_at = time.time()
             for rank, proc in list(procs.items()):
                 code = proc.poll()
-                if code == EXIT_RESUMABLE_STOP and rank in lighthouse.quorum.members:
-                    # the quorum agreed on it in one all-reduce: every member stops. Read from this same
+                if code in AGREED_EXITS and rank in lighthouse.quorum.members:
+                    # the quorum agreed on it in one all-reduce: every member ends so. Read from this same
                     # poll, so a member that exits between two polls is never taken for a death.
-                    result.stopped = True
-                if code is None or code == 0 or (result.stopped and code == EXIT_RESUMABLE_STOP):
+                    result.exit_code = code
+                if code is None or code == 0 or code == result.exit_code:
                     continue
                 if run.recovery == LIVE:  # any death, the drill's or not: the others keep stepping
                     events.emit("live_exit", step=None, target=rank, pid=proc.pid, code=code)
@@ -364,6 +394,8 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
                                 during_shrink=lighthouse.quorum.epoch)
                     result.shrink_killed_at = time.time()
             time.sleep(0.005)
+        if store.check([STOPPED]):
+            result.stop = json.loads(store.get(STOPPED))
     finally:
         for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)
@@ -377,6 +409,17 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
     result.last_pids = {r: p.pid for r, p in procs.items()}
     result.exit_codes = {r: p.returncode for r, p in procs.items()}
     return result
+
+
+def _not_started(run_dir: Path, kill_switch: str, step: int) -> LiveResult:
+    """The kill switch is there at the job's start: no rank starts, exit 0 (the closure mode's stop at start)."""
+    stop = {"step": step, "reason": REASON_NAMES[KILL_SWITCH],
+            "message": f"kill switch {kill_switch} exists at start: nothing loaded or trained"}
+    events = EventLog(events_path(run_dir), rank=-1)
+    events.emit("lifecycle_stop", step=step, reason=stop["reason"], message=stop["message"], exit_code=EXIT_OK,
+                last_checkpoint=step or None, outcome=RunOutcome.NOT_STARTED.value)
+    events.close()
+    return LiveResult(0.0, {}, {}, exit_code=EXIT_OK, stop=stop)
 
 
 def _await_spares(store: SignedStore, spares: list[tuple[int, subprocess.Popen | ForkedProcess]],

@@ -82,6 +82,10 @@ STOP = "stop"
 """Set by the launcher when it is asked to stop (SIGTERM): the quorum saves at its next step boundary
 and every member exits ``EXIT_RESUMABLE_STOP``; the job resumes from that checkpoint."""
 
+STOPPED = "stopped"
+"""Set by the quorum's first member when the quorum stopped at a step boundary (a lifecycle reason, or
+``train.exit_at_step``): JSON ``{"step", "reason", "message"}``, for the launcher's last line."""
+
 
 def beat_key(rank: int) -> str:
     """A counter each rank raises while it computes and while it waits (collectives, the lighthouse):

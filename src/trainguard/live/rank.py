@@ -26,15 +26,16 @@ import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
 from trainguard.checkpoint.config import CheckpointConfig
-from trainguard.errors import EXIT_RESUMABLE_STOP
 from trainguard.events import EventLog
+from trainguard.events.rank_logging import setup_logging
+from trainguard.guards.skip import DataSkipAbort
 from trainguard.live.files import events_path
 from trainguard.live.quorum import spare_failed_key, spare_key, spare_ready_key, wait_for
 from trainguard.live.signed_store import SignedStore
 from trainguard.live.spare_check import check_spare
-from trainguard.live.worker import (FENCED_EXIT, WAIT_S, Fenced, LiveArgs, LiveWorker, MicroBatchLoss, SampleRange,
-                                    micro_batch_grad)
-from trainguard.runtime.lifecycle import StopSignals
+from trainguard.live.worker import (DEFAULT_RULES, FENCED_EXIT, WAIT_S, Fenced, LiveArgs, LiveRules, LiveWorker,
+                                    MicroBatchLoss, SampleRange, micro_batch_grad)
+from trainguard.runtime.lifecycle import Lifecycle
 from trainguard.run_secret import load_secret
 
 SPARE_UNHEALTHY_EXIT = 5  # a spare that failed its self-test ends with this code, unused
@@ -44,15 +45,15 @@ SPARE_WAIT_S = 24 * 3600.0  # a spare waits as long as a run lasts; the launcher
 class LiveRank:
     """One rank's side of a live run, placed by the launcher's flags (``LiveArgs.parse``).
     ``total_steps`` and ``micro_batches`` (the global batch of every step, whatever the number of live
-    ranks) are the launcher's."""
+    ranks) are the launcher's; ``rules`` the configuration's (clipping, guards, gradient faults, stops)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: LiveArgs,
                  scheduler: LambdaLR | None = None, *, seed: int, checkpoint: CheckpointConfig | None = None,
-                 grad_clip: float = 0.0):
+                 rules: LiveRules = DEFAULT_RULES):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.checkpoint = checkpoint  # the durable tier's section (None: no durable tier, the drill's workload)
         self.seed = seed  # the run's seed, the same on every rank: each micro-batch's draws derive from it
-        self.grad_clip = grad_clip  # optim.grad_clip: the step's gradient clipped to this global norm (0: off)
+        self.rules = rules
         self.args = args
         self.total_steps, self.micro_batches = self.args.steps, self.args.micro_batches
         self.exit_code = 0
@@ -79,20 +80,26 @@ class LiveRank:
             optimizer.step()
             store.set(spare_ready_key(args.spare), "1")
             rank, rejoin = int(wait_for(store, spare_key(args.spare), SPARE_WAIT_S, beat=lambda: None)), True
+        setup_logging(rank, args.run_dir / "logs")  # the guards' and the stops' lines, as in the closure mode
         # SIGTERM/SIGUSR1 to this rank (the whole job's, from Slurm) asks the quorum to stop, as the
-        # launcher's does; a second one, 2 s or more later, ends this process at once (exit 16)
-        signals = StopSignals()
+        # launcher's does, and so do the kill switch and the time limit; a second signal, 2 s or more
+        # later, ends this process at once (exit 16)
+        lifecycle = Lifecycle(self.rules.lifecycle)
         worker = LiveWorker(store, args, rank, self.model, self.optimizer, loss_of, sample_range, self.scheduler,
-                            seed=self.seed, checkpoint=self.checkpoint, stop_asked=lambda: signals.received is not None,
-                            grad_clip=self.grad_clip)
+                            seed=self.seed, checkpoint=self.checkpoint, lifecycle=lifecycle, rules=self.rules)
         try:
             yield from worker.train(rejoin)
         except Fenced as fenced:
             print(f"live recovery: {fenced}; exiting", file=sys.stderr)
             self.exit_code = FENCED_EXIT
             return
-        if worker.stopped:  # asked to stop: the step is saved, the job resumes from it
-            self.exit_code = EXIT_RESUMABLE_STOP
+        except DataSkipAbort as abort:  # every member judged the same sum: all abort at this step
+            if worker.reports() or not abort.every_rank_raises:
+                print(f"trainguard: error: [rank {rank}] {abort}", file=sys.stderr, flush=True)
+            self.exit_code = abort.exit_code
+            return
+        if worker.stop is not None:  # the quorum stopped at a boundary, saved: the job resumes from it
+            self.exit_code = worker.stop.exit_code
 
     def spare_is_healthy(self, store: SignedStore) -> bool:
         """The spare's self-test; a failure is an event, a store key the launcher reads, and this

@@ -6,8 +6,12 @@ the engine of ``trainguard.Guard``'s live mode, hands them in; the drill's ``wor
 user); the rank's place in the run comes from the launcher's arguments (``LiveArgs``).
 
 Each step: compute this member's micro-batches (``ordered_sum``), one all-reduce that also carries
-the "a newer epoch exists" flag, keep the state of before the update (the one step a survivor may
-have to undo, below), apply the update. A failed collective means the epoch is over: the rank reports
+the step's loss, the "a newer epoch exists" flag and each rank's stop reasons (the lifecycle's: kill
+switch, signal, time limit), keep the state of before the update (the one step a survivor may have to
+undo, below), judge the summed gradient with the closure mode's guards (``step_guards``: data skip, a
+non-finite norm, the skip streak; the drill's gradient faults first), apply the update unless it is
+skipped, and stop at this boundary with a durable save if any rank saw a reason, or at
+``train.exit_at_step``. A failed collective means the epoch is over: the rank reports
 the last step it committed and waits for the lighthouse's next epoch. A member that finished the
 failed step while another did not undoes it (the lighthouse starts the new epoch at the smallest
 committed step); the redone step is bitwise the same, so nothing is counted twice. A rank left out of
@@ -19,11 +23,14 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
+import json
+import logging
 import math
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -34,26 +41,38 @@ from torch.optim.lr_scheduler import LambdaLR
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.safe_load import safe_torch_load
 from trainguard.checkpoint.staging import serialised
+from trainguard.errors import EXIT_OK
 from trainguard.events import EventLog
+from trainguard.events.rank_logging import LOGGER_NAME
+from trainguard.faults import FaultInjector
+from trainguard.faults.spec import FaultSpec
 from trainguard.fs.fsio import atomic_write_bytes
+from trainguard.guards.skip import SkipConfig
+from trainguard.guards.skip_streak import DEFAULT_MAX_CONSECUTIVE_SKIPS
+from trainguard.guards.step_skips import StepSkips
 from trainguard.live import collective
 from trainguard.live.durable import LiveCheckpoints
 from trainguard.live.ordered_sum import my_micro_batches, reduce_rows
-from trainguard.live.quorum import (NO_STATE, STOP, Quorum, beat_key, done_key, entered_key, epoch_key, fence_key,
-                                    has, latest_epoch, progress_key, read_quorum, ready_key, report_key, start_key,
-                                    wait_for)
+from trainguard.live.quorum import (NO_STATE, STOP, STOPPED, Quorum, beat_key, done_key, entered_key, epoch_key,
+                                    fence_key, has, latest_epoch, progress_key, read_quorum, ready_key, report_key,
+                                    start_key, wait_for)
 from trainguard.live.probe import PeerProbe
 from trainguard.live.rng import micro_batch_rng
 from trainguard.live.shards import ShardedUpdate
 from trainguard.live.stall import ReduceMarks
+from trainguard.live.step_guards import LiveGuards
 from trainguard.live.transfer import load_state, send_shards, state_of
 from trainguard.live.files import checkpoint_path, events_path, final_path
 from trainguard.norms.global_norm import clip_grads_, local_sq_sum
+from trainguard.runtime.lifecycle import (DEADLINE, EXIT_CODES, KILL_SWITCH, NONE, REASON_NAMES, SIGNAL, Lifecycle,
+                                          LifecycleConfig)
+from trainguard.runtime.outcome import RunOutcome, stop_outcome
 
 FENCED_EXIT = 3  # a stale process that found itself fenced ends with this code
 
 WAIT_S = 120.0  # the longest a rank waits for the lighthouse (a new epoch, a join's start step)
 BEAT_S = 0.05  # the most often a rank raises its heartbeat counter
+STOP_REASONS = (DEADLINE, SIGNAL, KILL_SWITCH)  # each one a count in the step's all-reduce; the strongest wins
 
 
 # the loss of micro-batch ``m`` of step ``t`` (model, t, m): a pure function of (t, m) and the parameters
@@ -115,14 +134,39 @@ class LiveArgs:
         return cls(**vars(known))
 
 
+@dataclass(frozen=True)
+class LiveRules:
+    """What a live step does besides the sum and the update, from the run configuration (``Guard``'s live
+    mode; the drill's workload runs the defaults)."""
+    grad_clip: float = 0.0  # optim.grad_clip (0: off), as the closure mode clips
+    skip: SkipConfig = field(default_factory=SkipConfig)  # guards.skip: the data-skip rule
+    max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS  # guards.max_consecutive_skips
+    gradient_faults: tuple[FaultSpec, ...] = ()  # the drill's spike/nan entries (``live.drill.gradient_faults``)
+    exit_at_step: int | None = None  # train.exit_at_step: save and exit 0 once this many steps are committed
+    lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)  # the kill switch, the time limit
+
+
+DEFAULT_RULES = LiveRules()  # the drill's workload's: no clipping, no data skip, the skip streak's default
+
+
+@dataclass(frozen=True)
+class LiveStop:
+    """The quorum's agreed stop at a step boundary, saved first: why, and the process's exit code."""
+    step: int  # the committed steps
+    reason: str  # ``lifecycle.REASON_NAMES``' name, or "exit_at_step"
+    message: str
+    exit_code: int
+
+
 def micro_batch_grad(model: torch.nn.Module, loss_of: MicroBatchLoss, step: int, micro_batch: int,
-                     micro_batches: int, seed: int) -> torch.Tensor:
-    """The flat gradient of one micro-batch's share of the step's loss (the mean over micro-batches),
+                     micro_batches: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch's share of the step's loss (the mean over micro-batches) and its flat gradient,
     its random draws (dropout) seeded from ``(seed, step, micro_batch)``: the same on any rank (rng.py)."""
     model.zero_grad(set_to_none=True)
     with micro_batch_rng(seed, step, micro_batch):
-        (loss_of(model, step, micro_batch) / micro_batches).backward()
-    return torch.cat([p.grad.flatten() for p in model.parameters()])
+        share = loss_of(model, step, micro_batch) / micro_batches
+        share.backward()
+    return share.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
 def set_grads(model: torch.nn.Module, flat: torch.Tensor) -> None:
@@ -132,32 +176,30 @@ def set_grads(model: torch.nn.Module, flat: torch.Tensor) -> None:
         offset += p.numel()
 
 
-def clip_to_global_norm(model: torch.nn.Module, max_norm: float) -> None:
-    """``optim.grad_clip`` as ``Guard.step`` applies it: the gradients scaled by ``norms.clip_grads_`` with
-    the global norm summed in float64 from the per-parameter norms. After the order-fixed sum every rank
-    holds the whole gradient of the step, so the norm needs no collective and every rank scales alike."""
-    if max_norm <= 0:
-        return
+def global_norm(model: torch.nn.Module) -> float:
+    """The step's global gradient norm as ``Guard.step`` measures it: summed in float64 from the
+    per-parameter norms. After the order-fixed sum every rank holds the whole gradient of the step, so
+    the norm needs no collective and is every rank's alike."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    norm = math.sqrt(local_sq_sum(grads, 1, grads[0].device).item())
-    clip_grads_(grads, max_norm, norm)
+    return math.sqrt(local_sq_sum(grads, 1, grads[0].device).item())
 
 
-def set_lr(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, step: int) -> None:
-    """The LR of 0-based ``step``, as the scheduler would have set it after ``step`` steps: a function of
-    the step alone, so a replacement, a rank that undid a step and a fault-free run all use the same
-    (nothing of the scheduler travels; its ``last_epoch`` is left alone)."""
+def set_lr(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, updates: int) -> None:
+    """The LR after ``updates`` applied updates, as the scheduler would have set it: a function of that
+    count alone (the steps less the skipped ones, every rank's alike), so a replacement, a rank that undid
+    a step and a fault-free run all use the same (nothing of the scheduler travels; its ``last_epoch`` is
+    left alone)."""
     for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
-        group["lr"] = base * factor(step)
+        group["lr"] = base * factor(updates)
 
 
 class LiveWorker:
     def __init__(self, store: dist.Store, args: LiveArgs, rank: int, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, loss_of: MicroBatchLoss, sample_range: SampleRange | None,
                  scheduler: LambdaLR | None = None, *, seed: int, checkpoint: CheckpointConfig | None = None,
-                 stop_asked: Callable[[], bool] = lambda: False, grad_clip: float = 0.0):
+                 lifecycle: Lifecycle | None = None, rules: LiveRules = DEFAULT_RULES):
         self.seed = seed  # the run's: each micro-batch's random draws derive from it (rng.py)
-        self.grad_clip = grad_clip  # optim.grad_clip (0: off), as the closure mode clips
+        self.rules = rules
         self.store, self.rank, self.world, self.steps = store, rank, args.world, args.steps
         self.run_dir, self.micro_batches = args.run_dir, args.micro_batches
         self.loss_of, self.sample_range = loss_of, sample_range
@@ -166,6 +208,12 @@ class LiveWorker:
         self.events = EventLog(events_path(args.run_dir), rank=rank)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.update = ShardedUpdate(model, args.group_size, rank)
+        self.log = logging.getLogger(LOGGER_NAME)
+        self.guards = LiveGuards(StepSkips(rules.skip, rules.max_consecutive_skips, self.log, self.events.emit,
+                                           reports=self.reports))
+        # the drill's gradient faults, at their step each time it is computed (a redone step is hit again)
+        self.faults = FaultInjector(list(rules.gradient_faults), args.run_dir, rank, args.world, self.events.emit,
+                                    once_per_run=False)
         self.quorum: Quorum | None = None
         self.group: dist.ProcessGroup | None = None
         self.retired: list[dist.ProcessGroup] = []  # the groups of failed epochs (see collective.py)
@@ -180,10 +228,10 @@ class LiveWorker:
         self.resume_from = args.resume
         # the durable tier (``checkpoint``: the ``checkpoint`` section; None: the drill's workload, none)
         self.checkpoints = None if checkpoint is None else LiveCheckpoints(
-            store, args.run_dir, checkpoint, rank, model, optimizer, self.update, self.events,
+            store, args.run_dir, checkpoint, rank, model, optimizer, self.update, self.guards, self.events,
             self.collective_timeout, self.beat)
-        self.stop_asked = stop_asked  # this process was asked to stop (a signal of its own)
-        self.stopped = False  # the quorum agreed to stop (a signal to the launcher or a rank) and saved: no more steps
+        self.lifecycle = lifecycle  # this rank's stop reasons (its signals, the kill switch, the time limit)
+        self.stop: LiveStop | None = None  # the quorum agreed to stop, and saved: no more steps
 
     def train(self, rejoin: bool) -> Iterator[int]:
         """Trains to the last step, yielding the index of each step as it commits it (a step undone
@@ -195,7 +243,7 @@ class LiveWorker:
             quorum = read_quorum(self.store, latest_epoch(self.store))
             if quorum.resume_from is not None:
                 state = safe_torch_load(checkpoint_path(self.run_dir, quorum.resume_from, self.update.shard))
-                load_state(self.model, self.optimizer, state)
+                load_state(self.model, self.optimizer, self.guards, state)
             self.enter(quorum, quorum.start_step)
             if self.resume_from is not None and quorum.epoch == 0:  # a job's start, resumed
                 if self.checkpoints is None:
@@ -203,7 +251,9 @@ class LiveWorker:
                                        "(the checkpoint section), which this rank was not given")
                 self.step_index = self.checkpoints.resume(quorum, self.resume_from)
                 self.store.set(progress_key(self.rank), str(self.step_index))
-        while True:
+            if self.rules.exit_at_step is not None and self.step_index >= self.rules.exit_at_step:
+                self.stop_here(NONE)  # resumed at (or past) the planned stop: saved, nothing trained
+        while self.stop is None:
             step = self.step_index
             try:
                 if step >= self.steps:
@@ -216,10 +266,12 @@ class LiveWorker:
                 self.recover(error)
                 continue
             yield step
-            if self.stopped:
-                self.events.emit("live_stopped", step=self.step_index, epoch=self.quorum.epoch)
-                return
-        atomic_write_bytes(final_path(self.run_dir, self.rank), serialised(state_of(self.model, self.optimizer)))
+        if self.stop is not None:
+            self.events.emit("live_stopped", step=self.step_index, epoch=self.quorum.epoch, reason=self.stop.reason,
+                             exit_code=self.stop.exit_code)
+            return
+        atomic_write_bytes(final_path(self.run_dir, self.rank),
+                           serialised(state_of(self.model, self.optimizer, self.guards)))
         self.events.emit("live_done", step=self.step_index, epoch=self.quorum.epoch)
         self.store.set(done_key(self.rank), "1")
 
@@ -239,16 +291,22 @@ class LiveWorker:
             self.store.add(beat_key(self.rank), 1)
             self.last_beat = now
 
+    def reports(self) -> bool:
+        """This rank writes the run's events of a decision (the closure mode's rank 0): the quorum's first."""
+        return self.quorum is not None and self.quorum.index(self.rank) == 0
+
     def step(self) -> None:
         quorum, step = self.quorum, self.step_index
+        started = time.perf_counter()
         mine = my_micro_batches(self.micro_batches, len(quorum.members), quorum.index(self.rank))
         rows = None
         for micro_batch in mine:
             self.beat()
-            grad = micro_batch_grad(self.model, self.loss_of, step, micro_batch, self.micro_batches, self.seed)
-            if rows is None:
-                rows = torch.zeros(self.micro_batches, grad.numel(), dtype=grad.dtype)
-            rows[micro_batch] = grad
+            share, grad = micro_batch_grad(self.model, self.loss_of, step, micro_batch, self.micro_batches, self.seed)
+            if rows is None:  # one row per micro-batch: its gradient, then its share of the loss
+                rows = torch.zeros(self.micro_batches, grad.numel() + 1, dtype=grad.dtype)
+            rows[micro_batch, :-1] = grad
+            rows[micro_batch, -1] = share
             time.sleep(self.micro_batch_s)  # the compute time a real micro-batch would take
         if self.sample_range:
             # before the sum, not after: a rank killed once its rows are in the sum, before it could say
@@ -256,42 +314,91 @@ class LiveWorker:
             self.events.emit("live_samples", step=step, epoch=quorum.epoch, members=len(quorum.members),
                              micro_batches=mine, samples=[self.sample_range(step, m) for m in mine])
         newer = latest_epoch(self.store) > quorum.epoch
-        stop = self.stop_asked() or has(self.store, STOP)
+        reason = self.lifecycle.local_reason() if self.lifecycle is not None else NONE
+        if has(self.store, STOP):  # the launcher's signal
+            reason = max(reason, SIGNAL)
         self.reduce_marks.entering(quorum.epoch, step, self.beat)
-        total, (newer_seen, stop_seen) = reduce_rows(self.group, rows, [int(newer), int(stop)], self.wait)
+        total, (newer_seen, *stops_seen) = reduce_rows(self.group, rows,
+                                                       [int(newer), *(int(reason == r) for r in STOP_REASONS)],
+                                                       self.wait)
         self.reduce_marks.left(quorum.epoch, step)
         if step == self.fail_after_reduce:
             self.fail_after_reduce = None
             self.await_peers_committed(step)
             raise RuntimeError(f"injected: rank {self.rank}'s collective of step {step} failed after the others' succeeded")
-        self.previous = (step, copy.deepcopy(state_of(self.model, self.optimizer)))
-        set_grads(self.model, total)
-        clip_to_global_norm(self.model, self.grad_clip)  # before the shards drop the gradients they do not own
-        self.update.drop_unowned_grads()
-        if self.scheduler is not None:
-            set_lr(self.optimizer, self.scheduler, step)
-        self.optimizer.step()
-        if self.update.sharded:
-            try:
-                self.update.gather(self.group, quorum.members, self.wait)
-            except RuntimeError:
-                load_state(self.model, self.optimizer, self.previous[1])  # this step is not committed here
-                raise
+        self.previous = (step, copy.deepcopy(state_of(self.model, self.optimizer, self.guards)))
+        set_grads(self.model, total[:-1])
+        loss = float(total[-1])
+        number = step + 1  # the step as the closure mode numbers it: the guards' and the faults' step
+        self.faults.after_backward(number, self.model)
+        norm = global_norm(self.model)
+        skipped = self.guards.judge(number, norm, loss)  # every rank's alike: the same sum, the same state
+        if not skipped:
+            if self.rules.grad_clip > 0:  # before the shards drop the gradients they do not own
+                clip_grads_([p.grad for p in self.model.parameters() if p.grad is not None], self.rules.grad_clip,
+                            norm)
+            self.update.drop_unowned_grads()
+            if self.scheduler is not None:
+                set_lr(self.optimizer, self.scheduler, step - self.guards.skipped)
+            self.optimizer.step()
+            if self.update.sharded:
+                try:
+                    self.update.gather(self.group, quorum.members, self.wait)
+                except RuntimeError:
+                    load_state(self.model, self.optimizer, self.guards, self.previous[1])  # not committed here
+                    raise
         self.events.emit("live_step", step=step, epoch=quorum.epoch, members=len(quorum.members),
-                         micro_batches=mine)
+                         micro_batches=mine, loss=loss, global_norm=norm, skipped=skipped)
         self.step_index = step + 1
         self.store.set(progress_key(self.rank), str(self.step_index))
-        stopping = bool(stop_seen) and self.step_index < self.steps  # the last step ends the run anyway
-        if self.checkpoints is not None:
-            self.checkpoints.save(quorum, self.step_index, last_step=self.step_index == self.steps, stopping=stopping)
-        self.stopped = stopping  # (the drill's workload has no durable tier: it stops with nothing saved)
+        if self.lifecycle is not None:
+            self.lifecycle.note_step(time.perf_counter() - started)
+        reason = max((r for r, seen in zip(STOP_REASONS, stops_seen) if seen), default=NONE)
+        planned = self.rules.exit_at_step is not None and self.step_index >= self.rules.exit_at_step
+        if self.step_index < self.steps and (reason != NONE or planned):  # the last step ends the run anyway
+            self.stop_here(reason)
+        elif self.checkpoints is not None:
+            began = time.perf_counter()
+            saved = self.checkpoints.save(quorum, self.step_index, last_step=self.step_index == self.steps,
+                                          stopping=False)
+            if saved and self.lifecycle is not None:  # the time limit keeps room for one step and one save
+                self.lifecycle.note_save(time.perf_counter() - began)
         if (self.checkpoint_every and self.step_index % self.checkpoint_every == 0
                 and quorum.index(self.rank) < self.update.group_size):  # the lowest live group's shards
             path = checkpoint_path(self.run_dir, self.step_index, self.update.shard)
             path.parent.mkdir(exist_ok=True)
-            atomic_write_bytes(path, serialised(state_of(self.model, self.optimizer)))
-        if newer_seen and not self.stopped:
+            atomic_write_bytes(path, serialised(state_of(self.model, self.optimizer, self.guards)))
+        if newer_seen and self.stop is None:
             self.switch(quorum.epoch + 1)
+
+    def stop_here(self, reason: int) -> None:
+        """The quorum's stop at this boundary (every member calls it at the same one): a lifecycle
+        ``reason``, or ``NONE`` for ``train.exit_at_step``. Saves the committed steps first (the drill's
+        workload has no durable tier: it stops with nothing saved), then says so as the closure mode does."""
+        step = self.step_index
+        if self.checkpoints is not None:
+            began = time.perf_counter()
+            self.checkpoints.save(self.quorum, step, last_step=False, stopping=True)
+            if self.lifecycle is not None:
+                self.lifecycle.note_save(time.perf_counter() - began)
+        last_checkpoint = self.checkpoints.last_saved if self.checkpoints is not None else None
+        if reason == NONE:
+            self.stop = LiveStop(step, RunOutcome.EXIT_AT_STEP.value, f"train.exit_at_step {self.rules.exit_at_step}",
+                                 EXIT_OK)
+            self.log.info("run %s at step %d", self.stop.reason, step)
+            if self.reports():
+                self.events.emit("run_finished", step=step, reason=self.stop.reason, last_checkpoint=last_checkpoint)
+                self.store.set(STOPPED, json.dumps(dataclasses.asdict(self.stop)))
+            return
+        message = self.lifecycle.describe(reason) if self.lifecycle is not None else "received a stop signal"
+        self.stop = LiveStop(step, REASON_NAMES[reason], message, EXIT_CODES[reason])
+        self.log.warning("stopping at step %s: %s; exit %d (checkpoint: step %s)", step, self.stop.message,
+                         self.stop.exit_code, last_checkpoint)
+        if self.reports():
+            self.events.emit("lifecycle_stop", step=step, reason=self.stop.reason, message=self.stop.message,
+                             exit_code=self.stop.exit_code, last_checkpoint=last_checkpoint,
+                             outcome=stop_outcome(reason, trained=True).value)
+            self.store.set(STOPPED, json.dumps(dataclasses.asdict(self.stop)))
 
     def await_peers_committed(self, step: int) -> None:
         """The transient drill fails this rank's all-reduce *after the others' succeeded*: a peer whose
@@ -340,7 +447,7 @@ class LiveWorker:
                 if step != quorum.start_step:
                     raise RuntimeError(f"live recovery: epoch {quorum.epoch} starts at step {quorum.start_step}, "
                                        f"rank {self.rank} can undo only step {step}")
-                load_state(self.model, self.optimizer, state)
+                load_state(self.model, self.optimizer, self.guards, state)
                 self.events.emit("live_undo", step=step, epoch=epoch)
             try:
                 self.enter(quorum, quorum.start_step)
@@ -368,7 +475,7 @@ class LiveWorker:
         began = time.time()
         self.enter(quorum, self.step_index)
         sent = send_shards(self.group, quorum, self.rank, self.update.group_size, self.model, self.optimizer,
-                           self.wait)
+                           self.guards, self.wait)
         self.events.emit("live_switch", step=self.step_index, epoch=epoch, state_bytes=sent,
                          paused_s=time.time() - began)
 
@@ -388,7 +495,7 @@ class LiveWorker:
             try:
                 self.enter(quorum, start)
                 received = send_shards(self.group, quorum, self.rank, self.update.group_size, self.model,
-                                       self.optimizer, self.wait)
+                                       self.optimizer, self.guards, self.wait)
             except RuntimeError as error:
                 self.leave_epoch(error, NO_STATE)
                 continue

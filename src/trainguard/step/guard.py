@@ -60,15 +60,14 @@ from trainguard.errors import (
     ConfigError,
     ConfigErrorExit,
     TrainguardError,
-    raised_by_every_rank,
 )
 from trainguard.events import EventLog
 from trainguard.events.rank_logging import LOGGER_NAME, setup_logging
 from trainguard.faults import FaultInjector
 from trainguard.guards.rollback import RollbackGuard
 from trainguard.guards.sdc import FaultyDeviceError, faulty_ranks_path, sdc_config_from_env, write_faulty_ranks
-from trainguard.guards.skip import DataSkipAbort, DataSkipGuard, reference_abort_message, reference_log_lines
-from trainguard.guards.skip_streak import SkipStreak
+from trainguard.guards.skip import DataSkipAbort
+from trainguard.guards.step_skips import StepSkips
 from trainguard.guards.state_guard import StateGuard
 from trainguard.live.rank import LiveRank
 from trainguard.live.worker import LiveArgs, MicroBatchLoss, SampleRange
@@ -77,7 +76,7 @@ from trainguard.runtime.heartbeat import HeartbeatWriter, node_name
 from trainguard.runtime.lifecycle import EXIT_CODES, NONE, REASON_NAMES, Lifecycle
 from trainguard.step.embedding import EmbeddingNorm
 from trainguard.step.live import closure_only, live_only, live_rank, with_launcher_overrides
-from trainguard.step.outcome import RunOutcome, end_outcome, stop_outcome
+from trainguard.runtime.outcome import RunOutcome, end_outcome, stop_outcome
 from trainguard.step.local_tier import build_local_tier, build_memory_tier, fire_wipe_faults, resolve_ranks_per_node
 from trainguard.step.report import StepReport
 from trainguard.step.rollback import SkippableData, roll_back, skippable_data
@@ -280,11 +279,9 @@ class Guard:
         self.state = StateGuard(cfg.guards.fingerprint, model, optimizer,
                                 _replica_groups(mesh_shape, mesh_dim_names, self.world_size), self.rank, self.log,
                                 self.events.emit, strike=self._strike if self.sdc is not None else None)
-        self.skip_streak = SkipStreak(cfg.guards.max_consecutive_skips)
-        self.checkpoints.stateful["skip_streak"] = self.skip_streak
-        self.skip_guard = DataSkipGuard(cfg.guards.skip, tokens_per_step) if cfg.guards.skip.enabled else None
-        if self.skip_guard is not None:
-            self.checkpoints.stateful["skip_guard"] = self.skip_guard
+        self.skips = StepSkips(cfg.guards.skip, cfg.guards.max_consecutive_skips, self.log, self.events.emit,
+                               reports=lambda: self.rank == 0, tokens_per_step=tokens_per_step)
+        self.checkpoints.stateful.update(self.skips.stateful)
         self.rollback: RollbackGuard | None = None
         self.data: SkippableData | None = None
         if cfg.guards.check_for_global_norm:
@@ -468,8 +465,8 @@ class Guard:
         if cfg.guards.local_norm:
             self.events.emit("local_norm", step=step, norms=local_grad_norms(self.model.named_parameters()))
         lr = self._lr()
-        if self.skip_guard is not None and not skipped:
-            skipped = self._decide_skip(step, reduced.global_norm, reduced.loss)
+        if not skipped:
+            skipped = self.skips.spike(step, reduced.global_norm, reduced.loss)
         if self.rollback is not None and not skipped:
             spike = self.rollback.check(step, reduced.global_norm, reduced.loss)
             if spike is not None:
@@ -482,8 +479,8 @@ class Guard:
                 return StepOutcome(self.global_step, reduced.loss, reduced.global_norm, applied=False,
                                    skipped=False, rolled_back=True)
         if not skipped and not math.isfinite(reduced.global_norm):
-            skipped = self._skip_nonfinite(step, reduced.global_norm)
-        self._count_skip(step, skipped)
+            skipped = self.skips.nonfinite(step, reduced.global_norm)
+        self.skips.count(step, skipped)
         if not skipped:
             clip_grads_(self._grads(), cfg.optim.grad_clip, reduced.global_norm)
             self.checkpoints.wait_for_staging()  # a save's copy ran during this forward and backward
@@ -500,8 +497,8 @@ class Guard:
         if self.rank == 0:
             self._report(StepReport(
                 step, self._total, reduced.loss, reduced.global_norm, lr, seconds, skipped, self.tokens_per_step,
-                {"skipped_total": self.skip_guard.skipped_total, "nan_total": self.skip_guard.nan_total}
-                if self.skip_guard is not None else None,
+                {"skipped_total": self.skips.data_skip.skipped_total, "nan_total": self.skips.data_skip.nan_total}
+                if self.skips.data_skip is not None else None,
                 self.embedding.local() if self.embedding is not None else None, samples))
         self._save_by_policy(step)
         self.lifecycle.beat("step", step)
@@ -611,43 +608,6 @@ class Guard:
         parts = [torch.zeros_like(mine) for _ in range(self.world_size)]
         dist.all_gather(parts, mine)
         return [int(part) for part in parts]
-
-    def _decide_skip(self, step: int, norm: float, loss: float) -> bool:
-        decision = self.skip_guard.decide(step, norm, opt_global_step=step - 1 - self.skip_guard.skipped_total,
-                                          loss=loss)
-        for line in reference_log_lines(decision):
-            self.log.info(line)
-        if decision.skip and self.rank == 0:
-            self.events.emit("data_skip", step=step, global_norm=norm, threshold=decision.threshold,
-                             consecutive=decision.consecutive, nan=decision.nan)
-        if decision.abort:
-            message = reference_abort_message(decision)
-            self.log.error("ValueError: %s", message)
-            if self.rank == 0:
-                self.events.emit("data_skip_abort", step=step, global_norm=norm, message=message)
-            raise DataSkipAbort(f"ValueError: {message}")
-        return decision.skip
-
-    def _count_skip(self, step: int, skipped: bool) -> None:
-        """A run that skips every step trains nothing: at ``guards.max_consecutive_skips`` skipped steps in
-        a row (any cause) it ends with exit 3 instead of reporting success. The skip decision is every
-        rank's alike, so they all stop here together."""
-        if not self.skip_streak.note(skipped).abort:
-            return
-        message = self.skip_streak.message(step)
-        self.log.error(message)
-        if self.rank == 0:
-            self.events.emit("skip_streak_abort", step=step, consecutive=self.skip_streak.consecutive,
-                             limit=self.skip_streak.limit)
-        raise raised_by_every_rank(DataSkipAbort(message))
-
-    def _skip_nonfinite(self, step: int, norm: float) -> bool:
-        """A NaN/Inf global norm never reaches the optimizer, whatever the guards' settings: it would
-        poison every weight. The data's or the math's, not a device fault: no strike."""
-        self.log.warning("step %d: the global norm is %s: the update is skipped", step, norm)
-        if self.rank == 0:
-            self.events.emit("nonfinite_skip", step=step, global_norm=norm)
-        return True
 
     def _strike(self, step: int, evidence: dict[str, Any]) -> bool:
         """A fingerprint mismatch attributed to this rank: a strike against its device."""

@@ -3,18 +3,21 @@ loop to (``trainguard.live.rank.LiveRank``) and the errors that keep the two mod
 
 In live mode the launcher's flags place the rank (``LiveArgs``), the library does each step inside
 ``guard.steps(loss_of)`` (one backward per micro-batch, so that the survivors can compute a failed
-group's micro-batches), and the model and the optimizer are the whole state of the run. What ``Guard``
-does besides (guards, the local and memory tiers and the mirror, lifecycle, the closure mode's fault
-drills, extra state, a scheduler other than a ``LambdaLR``) is not done in live mode, so asking for it
-there is refused, never ignored. The durable tier is (``live/durable.py``): its interval, retention and
-resume keys are taken. The faults in force may only be the live launcher's drill
-(``trainguard.live.drill``), which the rank checks and leaves to the launcher.
+group's micro-batches), and the model, the optimizer and the guards' counters are the whole state of
+the run. Live mode runs the durable tier (``live/durable.py``: its interval, retention and resume
+keys), data skip and the skip streak (``live/step_guards.py``: ``guards.skip.*``,
+``guards.max_consecutive_skips``), the kill switch, the time limit and ``train.exit_at_step``
+(``LiveWorker.stop_here``). What ``Guard`` does besides (the other guards, the local and memory tiers
+and the mirror, heartbeat files, the closure mode's other fault drills, extra state, a scheduler other
+than a ``LambdaLR``) is not done in live mode, so asking for it there is refused, never ignored. The
+faults in force may only be the live drill (``trainguard.live.drill``: the launcher's kill, the
+ranks' gradient faults), which the rank checks.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
+import fnmatch
 import json
 import sys
 from collections.abc import Mapping
@@ -24,22 +27,22 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from trainguard.config import load_config
-from trainguard.config.load import validate
+from trainguard.config.load import with_overrides
 from trainguard.config.schema import RunConfig
 from trainguard.errors import ConfigError
-from trainguard.live.drill import live_drill
+from trainguard.live.drill import gradient_faults, live_drill
 from trainguard.live.rank import LiveRank
-from trainguard.live.worker import LiveArgs
+from trainguard.live.worker import LiveArgs, LiveRules
 
 # the run configuration's sections that only the closure mode (``Guard.step``) runs, but for the keys below
 CLOSURE_MODE_SECTIONS = ("checkpoint", "guards", "lifecycle")
-# the durable tier's keys, which live mode runs too (``trainguard.live.durable``)
-LIVE_CHECKPOINT_KEYS = ("checkpoint.save_interval", "checkpoint.keep_last", "checkpoint.keep_every",
-                        "checkpoint.resume")
+# the keys of those sections that live mode runs too (patterns): the durable tier's (``live.durable``), the
+# skip decisions' (``live.step_guards``), the kill switch's and the time limit's (``LiveWorker.stop_here``)
+LIVE_SECTION_KEYS = ("checkpoint.save_interval", "checkpoint.keep_last", "checkpoint.keep_every",
+                     "checkpoint.resume", "guards.skip.*", "guards.max_consecutive_skips",
+                     "lifecycle.kill_switch_path", "lifecycle.exit_duration_in_mins", "lifecycle.exit_margin_seconds")
 # keys outside those sections that the closure mode honours and live mode does not: why, for the refusal
 CLOSURE_MODE_KEYS = {
-    "train.exit_at_step": "live mode trains the launcher's train.steps to the end",
     "train.log_interval": "live mode writes no step log lines, only its events",
     "parallel.ranks_per_node": "live mode has no local tier and no node faults",
 }
@@ -74,16 +77,16 @@ def changed_keys(value: Any, default: Any, key: str) -> list[str]:
 
 
 def refuse_closure_mode_keys(config: RunConfig, source: str = "<config>") -> None:
-    """One error naming the first key of the closure mode's sections, but the durable tier's, that is not
+    """One error naming the first key of the closure mode's sections, but those live mode runs, that is not
     at its default, or a mirror URL to resume from (live mode has no mirror)."""
     defaults = RunConfig()
     changed = [key for section in CLOSURE_MODE_SECTIONS
                for key in changed_keys(getattr(config, section), getattr(defaults, section), section)
-               if key not in LIVE_CHECKPOINT_KEYS]
+               if not any(fnmatch.fnmatchcase(key, pattern) for pattern in LIVE_SECTION_KEYS)]
     if changed:
-        raise ConfigError(f"{source}: config key {changed[0]!r} is not used with fault_tolerance.live: true (live "
-                          f"mode runs no {', '.join(CLOSURE_MODE_SECTIONS)} but the durable tier's "
-                          f"{', '.join(LIVE_CHECKPOINT_KEYS)}); leave it at its default")
+        raise ConfigError(f"{source}: config key {changed[0]!r} is not used with fault_tolerance.live: true (of "
+                          f"the {', '.join(CLOSURE_MODE_SECTIONS)} sections live mode runs "
+                          f"{', '.join(LIVE_SECTION_KEYS)} only); leave it at its default")
     if "://" in config.checkpoint.resume:
         raise ConfigError(f"{source}: config key 'checkpoint.resume' is a mirror URL ({config.checkpoint.resume}), "
                           "which live mode does not restore from (it has no mirror); restore it with trainguard "
@@ -97,7 +100,8 @@ def refuse_closure_mode_keys(config: RunConfig, source: str = "<config>") -> Non
 
 def with_launcher_overrides(config: RunConfig, environ: Mapping[str, str]) -> RunConfig:
     """``config`` with the live launcher's ``--set`` items (``LAUNCHER_OVERRIDES_ENV`` in ``environ``)
-    applied, each parsed and checked as ``load_config`` does; ``config`` itself when there are none."""
+    applied as ``load_config`` applies them (``config.load.with_overrides``); ``config`` itself when there
+    are none."""
     text = environ.get(LAUNCHER_OVERRIDES_ENV)
     if not text:
         return config
@@ -107,16 +111,7 @@ def with_launcher_overrides(config: RunConfig, environ: Mapping[str, str]) -> Ru
         items = None
     if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
         raise ConfigError(f"{LAUNCHER_OVERRIDES_ENV}={text!r}: expected a JSON list of SECTION.KEY=VALUE strings")
-    merged = copy.deepcopy(config)
-    for item in items:
-        parsed = load_config(None, [item])  # the item alone: its value typed and checked like any --set
-        *sections, name = item.partition("=")[0].strip().split(".")
-        target = merged
-        for section in sections:
-            target, parsed = getattr(target, section), getattr(parsed, section)
-        setattr(target, name, getattr(parsed, name))
-    validate(merged, "--set")
-    return merged
+    return with_overrides(config, items)
 
 
 def live_rank(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
@@ -143,6 +138,10 @@ def live_rank(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
     if Path(run_dir).resolve() != args.run_dir.resolve():
         raise ConfigError(f"Guard(run_dir={str(run_dir)!r}): the live launcher started this rank with --run-dir "
                           f"{str(args.run_dir)!r}; pass that one")
-    live_drill(config.faults, args.world, args.steps)  # the launcher's to inject; anything else refused here
+    live_drill(config.faults, args.world, args.steps)  # the kill is the launcher's; anything else refused here
+    rules = LiveRules(grad_clip=config.optim.grad_clip, skip=config.guards.skip,
+                      max_consecutive_skips=config.guards.max_consecutive_skips,
+                      gradient_faults=gradient_faults(config.faults), exit_at_step=config.train.exit_at_step,
+                      lifecycle=config.lifecycle)
     return LiveRank(model, optimizer, args, scheduler, seed=config.train.seed, checkpoint=config.checkpoint,
-                    grad_clip=config.optim.grad_clip)
+                    rules=rules)

@@ -35,10 +35,10 @@ def run_argv(run_dir: Path, *options: str) -> list[str]:
     (("--resume", "auto"), "--set: --nproc, --config, --set and --resume start a live run"),
     (("--nproc", "4", "--config", str(CONFIG), "--set", "parallel.dp_replicate=1"),
      f"{CONFIG}: config key 'parallel.dp_replicate' must be ≥ 2 for a live run"),
-    (("--nproc", "4", "--config", str(CONFIG), "--set", "guards.skip.enabled=true"),
-     f"{CONFIG}: config key 'guards.skip.enabled' is not used with fault_tolerance.live: true"),
-    (("--nproc", "4", "--config", str(CONFIG), "--set", "faults=spike:step=3"),
-     "config key 'faults': fault 'spike:step=3': a live run drills 'kill:rank=R,step=S' only"),
+    (("--nproc", "4", "--config", str(CONFIG), "--set", "guards.sdc.enabled_level=2"),
+     f"{CONFIG}: config key 'guards.sdc.enabled_level' is not used with fault_tolerance.live: true"),
+    (("--nproc", "4", "--config", str(CONFIG), "--set", "faults=hang:rank=1,step=3"),
+     "config key 'faults': fault 'hang:rank=1,step=3': a live run drills 'kill:rank=R,step=S' (the live launcher"),
 ])
 def test_what_does_not_apply_to_a_live_run_is_one_line_and_exit_2(tmp_path, capsys, options, line):
     assert main(run_argv(tmp_path / "run", *options)) == 2

@@ -266,3 +266,16 @@ def test_the_every_step_flag_stays_on_the_device_until_the_steps_all_reduce(monk
     slots = local_slots(torch.device("cpu"), None, {Slot.STATE_AT_REST: guard.changed_at_rest()})
     monkeypatch.undo()
     assert slots[Slot.STATE_AT_REST] == 1.0
+
+
+def test_one_flip_found_by_the_check_before_a_save_is_one_strike_not_two():
+    """The save's every-step comparison found the flip at rest; the next step's comparison then found it
+    again against the same sums: a second strike for one flip."""
+    strikes = []
+    guard, model = adam_state_guard(interval=50, strikes=strikes)
+    guard.after_update(4)
+    flip_bit(model.weight.detach().view(-1), 3)
+    health = guard.before_save(4)
+    assert health is not None and health["reason"] == "state changed at rest"
+    assert not guard.changed_at_rest()  # step 5: nothing new since the save's check
+    assert [step for step, _ in strikes] == [4]

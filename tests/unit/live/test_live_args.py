@@ -39,8 +39,10 @@ def test_the_micro_batch_gradients_add_up_to_the_gradient_of_the_mean_loss():
     def loss_of(model, step, micro_batch):
         return model(data[micro_batch]).pow(2).mean()
 
-    summed = sum(micro_batch_grad(model, loss_of, 0, m, 4, seed=0) for m in range(4))
+    shares, grads = zip(*(micro_batch_grad(model, loss_of, 0, m, 4, seed=0) for m in range(4)))
     model.zero_grad()
-    torch.stack([loss_of(model, 0, m) for m in range(4)]).mean().backward()
+    mean = torch.stack([loss_of(model, 0, m) for m in range(4)]).mean()
+    mean.backward()
     expected = torch.cat([p.grad.flatten() for p in model.parameters()])
-    assert torch.allclose(summed, expected) and not torch.allclose(summed, 4 * expected)
+    assert torch.allclose(sum(grads), expected) and not torch.allclose(sum(grads), 4 * expected)
+    assert torch.allclose(sum(shares), mean.detach())  # the shares add up to the step's loss

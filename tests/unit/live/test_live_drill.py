@@ -13,7 +13,7 @@ import trainguard
 from trainguard.config import load_config
 from trainguard.errors import ConfigError
 from trainguard.faults.injector import ENV_VAR
-from trainguard.live.drill import live_drill
+from trainguard.live.drill import gradient_faults, live_drill
 from trainguard.live.launcher import LiveRun
 
 LIVE_LAYOUT = ["fault_tolerance.live=true", "parallel.dp_replicate=2", "parallel.dp_shard=2", "train.micro_batches=8",
@@ -38,9 +38,12 @@ def test_a_nodes_ranks_are_killed_together_and_the_environment_wins(monkeypatch)
 
 
 @pytest.mark.parametrize("faults, message", [
-    ("hang:rank=1,step=3", "fault 'hang:rank=1,step=3': a live run drills 'kill:rank=R,step=S' only (the live "
-                           "launcher SIGKILLs the rank; 'miscompute' acts in the spares' self-test); 'hang' is a "
-                           "closure-mode fault"),
+    ("hang:rank=1,step=3", "fault 'hang:rank=1,step=3': a live run drills 'kill:rank=R,step=S' (the live "
+                           "launcher SIGKILLs the rank), 'miscompute' (in the spares' self-test) and spike and nan "
+                           "(on a step's summed gradient); 'hang' is a closure-mode fault"),
+    ("spike:step=3,node=node0", "a live run's spike hits the step's summed gradient on every rank alike; leave "
+                                "out node="),
+    ("spike:step=21", "step must be between 1 and train.steps = 20"),
     ("kill:rank=1,step=3,persistent=1", "a live run's kill takes rank and step only"),
     ("kill:rank=1,step=3,node=node0", "a live run's kill takes rank and step only"),
     ("kill:rank=4,step=3", "rank 4 is outside the world size 4"),
@@ -75,6 +78,20 @@ def test_a_rank_in_live_mode_leaves_the_kill_to_the_launcher_and_refuses_any_oth
             "--micro-batches", "8"]
     config = load_config(None, ["fault_tolerance.live=true", "faults=kill:rank=3,step=5"])
     assert trainguard.Guard(tmp_path, model, optimizer, config=config, live_argv=argv).micro_batches == 8
-    monkeypatch.setenv(ENV_VAR, "spike:step=3")
-    with pytest.raises(ConfigError, match=rf"^{ENV_VAR}: fault 'spike:step=3': a live run drills 'kill:rank=R,step=S'"):
+    monkeypatch.setenv(ENV_VAR, "hang:rank=1,step=3")
+    with pytest.raises(ConfigError, match=rf"^{ENV_VAR}: fault 'hang:rank=1,step=3': a live run drills 'kill:rank=R"):
         trainguard.Guard(tmp_path, model, optimizer, config=config, live_argv=argv)
+    monkeypatch.setenv(ENV_VAR, "spike:step=3")  # a gradient fault: the rank's own (tests/integration/test_live_guards.py)
+    spiked = trainguard.Guard(tmp_path, model, optimizer, config=config, live_argv=argv)
+    assert [spec.text for spec in spiked._live.rules.gradient_faults] == ["spike:step=3"]
+
+
+def test_gradient_faults_are_the_ranks_not_the_launchers():
+    """``spike`` and ``nan`` pass the drill's check and reach no launcher field: each rank applies them to the
+    step's summed gradient (``LiveWorker.step``; tests/integration/test_live_guards.py)."""
+    faults = "spike:step=3,factor=100; nan:step=5; kill:rank=1,step=4"
+    run = LiveRun.from_config(load_config(None, [*LIVE_LAYOUT, f"faults={faults}"]))
+    assert (run.kill_ranks, run.kill_at_step) == ((1,), 4)
+    # every rank's, a nan's default rank=0 too: a NaN on one rank's sum alone would split the verdicts
+    assert [(spec.kind, spec.step, spec.rank) for spec in gradient_faults(faults)] == [("spike", 3, None),
+                                                                                       ("nan", 5, None)]

@@ -3,7 +3,8 @@ configuration is either honoured in live mode or refused there with one line nam
 
 Every key is walked (a key added to the schema fails ``test_every_key_is_classified`` until it is put on
 one side). Honoured keys are shown to reach the live engine: the launcher's (``LiveRun.from_config``),
-the rank's (``Guard``'s ``LiveRank``: its seed, clipping and durable tier), or the reference trainer's (``trainer/live.py`` builds its model and
+the rank's (``Guard``'s ``LiveRank``: its seed, durable tier and rules: clipping, data skip, the skip
+streak, ``train.exit_at_step``, the kill switch and the time limit), or the reference trainer's (``trainer/live.py`` builds its model and
 optimizer from the whole ``model`` and ``optim`` sections with the closure mode's builders, and reads
 each ``data`` key); a changed value must change what they build. Refused keys, each set alone to a value
 other than its default, must stop ``trainguard train``'s live path (``cli.train_live.live_run``, which
@@ -41,7 +42,15 @@ LAUNCHER = {
 RANK = {"train.seed": 43, "optim.grad_clip": 0.5,
         # the durable tier's, which live mode runs (``live.durable``; tests/integration/test_live_durable.py)
         "checkpoint.save_interval": 7, "checkpoint.keep_last": 4, "checkpoint.keep_every": 20,
-        "checkpoint.resume": "disable"}
+        "checkpoint.resume": "disable",
+        # the skip decisions and the stops (``live.step_guards``, ``LiveWorker.stop_here``;
+        # tests/integration/test_live_guards.py)
+        "guards.skip.enabled": True, "guards.skip.threshold": 5.0, "guards.skip.count_threshold": 3,
+        "guards.skip.mode": "adaptive", "guards.skip.window": 64, "guards.skip.z_threshold": 5.0,
+        "guards.skip.warmup": 10, "guards.skip.regime_steps": 4, "guards.skip.loss": True,
+        "guards.skip.replay_steps": [2], "guards.max_consecutive_skips": 7, "train.exit_at_step": 2,
+        "lifecycle.kill_switch_path": "/nonexistent/switch", "lifecycle.exit_duration_in_mins": 60.0,
+        "lifecycle.exit_margin_seconds": 30.0}
 TRAINER_MODEL = {
     "model.preset": "llama-micro", "model.hidden_size": 96, "model.num_layers": 3, "model.num_heads": 4,
     "model.num_kv_heads": 1, "model.intermediate_size": 100, "model.tie_word_embeddings": False,
@@ -108,7 +117,7 @@ def test_every_key_is_classified():
     assert HONOURED <= keys, sorted(HONOURED - keys)
     assert len(keys) == len(HONOURED) + len(REFUSED)
     assert {"optim.grad_clip", "train.seed"} <= HONOURED
-    assert {"train.exit_at_step", "train.log_interval", "parallel.ranks_per_node"} <= set(REFUSED)
+    assert {"train.log_interval", "parallel.ranks_per_node", "lifecycle.heartbeats"} <= set(REFUSED)
 
 
 def _trainer_args() -> argparse.Namespace:
@@ -145,7 +154,7 @@ def test_a_rank_key_reaches_the_live_rank(key, tmp_path):
 
     def seen(config: RunConfig) -> tuple:
         rank = live_rank(tmp_path, model, torch.optim.SGD(model.parameters(), lr=0.1), None, config, argv, [])
-        return rank.seed, rank.grad_clip, rank.checkpoint
+        return rank.seed, rank.rules, rank.checkpoint
 
     config = live_config()
     assert seen(with_key(config, key, RANK[key])) != seen(config)
@@ -187,6 +196,13 @@ def test_the_launchers_set_items_are_applied_over_the_ranks_configuration():
     assert (merged.train.seed, merged.optim.grad_clip) == (7, 0.25)
     assert (config.train.seed, config.optim.grad_clip) == (42, 1.0)  # the script's own object is left alone
     assert with_launcher_overrides(config, {}) is config
+
+
+def test_launcher_set_items_are_checked_on_the_ranks_configuration_not_alone():
+    """``parallel.pp=2`` alone, on the defaults (``train.micro_batches: 1``), fails the pipeline's check; on
+    this configuration (8 micro-batches) it is valid: it was refused before (each item was loaded alone)."""
+    merged = with_launcher_overrides(live_config(), {LAUNCHER_OVERRIDES_ENV: json.dumps(["parallel.pp=2"])})
+    assert merged.parallel.pp == 2 and merged.train.micro_batches == 8
 
 
 @pytest.mark.parametrize("text, named", [("not json", LAUNCHER_OVERRIDES_ENV), ('["train.nope=1"]', "train.nope"),

@@ -13,7 +13,11 @@ import torch.distributed as dist
 
 from trainguard.live.compare import bitwise_differences
 from trainguard.live.shards import ShardedUpdate, shard_owners, whole_state
-from trainguard.live.transfer import state_of
+
+
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """What a shard holds: its parameters and optimizer state (``whole_state``'s input)."""
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
 
 
 def test_the_largest_parameter_goes_first_to_the_least_loaded_shard():
@@ -66,7 +70,7 @@ def test_two_shards_stepping_their_parameters_and_gathering_equal_one_unsharded_
             update.drop_unowned_grads()
             opt.step()
             update.gather(group, [0, 1], lambda work: work.wait())
-            results[rank] = copy.deepcopy(state_of(model, opt))
+            results[rank] = copy.deepcopy(_state(model, opt))
         except BaseException as error:  # surfaced in the main thread
             errors.append(error)
 
@@ -76,7 +80,7 @@ def test_two_shards_stepping_their_parameters_and_gathering_equal_one_unsharded_
     for thread in threads:
         thread.join(60)
     assert not errors, errors
-    expected = state_of(reference, optimizer)
+    expected = _state(reference, optimizer)
     for rank in range(2):
         assert bitwise_differences(results[rank]["model"], expected["model"]) == [], rank
     assert results[0]["optimizer"]["state"].keys().isdisjoint(results[1]["optimizer"]["state"])

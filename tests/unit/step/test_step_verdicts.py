@@ -58,7 +58,7 @@ def test_rollback_without_skippable_data_is_one_clear_error():
 def test_the_run_outcome_tells_apart_what_exit_0_does_not():
     """Issue 38 item 8: finished, exit_at_step, the kill switch and a start with it armed all exit 0."""
     from trainguard.runtime.lifecycle import DEADLINE, KILL_SWITCH, SIGNAL
-    from trainguard.step.outcome import RunOutcome, end_outcome, stop_outcome
+    from trainguard.runtime.outcome import RunOutcome, end_outcome, stop_outcome
 
     assert end_outcome(20, 20) is RunOutcome.FINISHED and end_outcome(7, None) is RunOutcome.FINISHED
     assert end_outcome(7, 20) is RunOutcome.EXIT_AT_STEP

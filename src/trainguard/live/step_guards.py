@@ -1,0 +1,47 @@
+"""The closure mode's skip decisions on a live step (``guards.step_skips.StepSkips``: the data-skip rule,
+a non-finite global norm, the skip streak) and their state, which travels with the model and the
+optimizer: kept for an undone step, sent to a joining rank, saved in the durable tier.
+
+The verdict is agreed by construction: every rank judges the same summed gradient (the order-fixed sum)
+with the same state, so every rank of every replica group skips, or aborts, at the same step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from trainguard.errors import CheckpointError
+from trainguard.guards.step_skips import StepSkips
+
+
+class LiveGuards:
+    """``judge`` a step; ``skipped``: the steps skipped so far, so that the LR schedule stands still on a
+    skipped step as the closure mode's (whose scheduler steps with the optimizer only)."""
+
+    def __init__(self, skips: StepSkips):
+        self.skips = skips
+        self.skipped = 0
+
+    def judge(self, step: int, norm: float, loss: float) -> bool:
+        """Whether ``step`` (the closure mode's 1-based number) is skipped; ``DataSkipAbort`` ends the run."""
+        skipped = self.skips.spike(step, norm, loss)
+        if not skipped and not math.isfinite(norm):
+            skipped = self.skips.nonfinite(step, norm)
+        self.skips.count(step, skipped)
+        self.skipped += skipped
+        return skipped
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain ints, floats and lists: loads with ``torch.load(weights_only=True)``."""
+        return {"skipped": self.skipped, **{name: obj.state_dict() for name, obj in self.skips.stateful.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        skipped = state.get("skipped") if isinstance(state, dict) else None
+        if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
+            raise CheckpointError(f"live guards' state is malformed: skipped must be a non-negative integer, "
+                                  f"got {skipped!r}")
+        for name, obj in self.skips.stateful.items():
+            if name in state:
+                obj.load_state_dict(state[name])
+        self.skipped = skipped

@@ -1,0 +1,206 @@
+"""The closure mode's guards and stops in live mode, on the documented user path (``trainguard run
+--nproc 4 --config FILE -- python examples/user_loop_live.py --config FILE``: 4 gloo ranks, 2 replica
+groups x 2, dropout, AdamW, durable checkpoints every 5 steps), ``guards.skip`` on with an absolute
+threshold:
+
+- a gradient spike (the drill's ``spike:step=4``) and a NaN (``nan:step=7``, rank 0's by default: every
+  rank's in the sum) are skipped by every rank at steps 4 and 7, the run goes on, and ends with every
+  rank's parameters and optimizer state bitwise those of a fault-free run that skips steps 4 and 7 by
+  replay (``guards.skip.replay_steps``), and so does the same run with rank 3 SIGKILLed between the two
+  (its group rejoins with the guards' state); the same script in the closure mode
+  (``helpers/user_loop_closure.py``, the same gradients) measures every step's norm and loss bitwise as
+  live mode does and skips the same steps;
+- a spike at every step from 3 with ``count_threshold: 2``: every rank aborts at step 4 with the
+  reference's line, exit 3, and no rank is replaced;
+- ``train.exit_at_step: 6``: the quorum saves step 6 and ends with exit 0; the same command without it
+  resumes there and ends bitwise equal to the run that never stopped (guards' state included);
+- the kill switch created mid-run: the quorum stops at its next step boundary, saved, exit 0, with the
+  closure mode's line; present at the start, no rank starts;
+- the time limit (``lifecycle.exit_duration_in_mins``) near: saved, exit 16.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers.runs import finish_session, worker_env
+from helpers.warm_command import warm_server
+from trainguard.checkpoint.discovery import list_checkpoints
+from trainguard.checkpoint.safe_load import safe_torch_load
+from trainguard.events.log import read_events
+from trainguard.live.compare import bitwise_differences, replica_differences, run_differences
+from trainguard.live.files import events_path, final_path
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "user_loop_live.py"
+CLOSURE_TWIN = ROOT / "tests" / "helpers" / "user_loop_closure.py"
+STEPS, WORLD, SPIKE_AT, NAN_AT, THRESHOLD = 10, 4, 4, 7, 50.0
+FAULTS = f"faults=spike:step={SPIKE_AT},factor=10000; nan:step={NAN_AT}"
+SKIPPED = [SPIKE_AT, NAN_AT]
+TIMEOUT_S = 240
+
+
+def _config(root: Path) -> Path:
+    config = root / "live_guards.yaml"
+    config.write_text(EXAMPLE.with_suffix(".yaml").read_text().replace("steps: 60", f"steps: {STEPS}")
+                      + "checkpoint: {save_interval: 5}\n"
+                      + f"guards: {{skip: {{enabled: true, threshold: {THRESHOLD}}}}}\n")
+    return config
+
+
+def _start(run_dir: Path, config: Path, *sets: str):
+    args = [arg for item in sets for arg in ("--set", item)]
+    return warm_server().start(["run", "--nproc", str(WORLD), "--config", str(config), "--run-dir", str(run_dir),
+                                *args, "--", sys.executable, str(EXAMPLE), "--config", str(config)], worker_env())
+
+
+def _live(run_dir: Path, config: Path, *sets: str) -> subprocess.CompletedProcess:
+    return finish_session(_start(run_dir, config, *sets), TIMEOUT_S, f"the live run {run_dir.name}")
+
+
+def _events(run_dir: Path, kind: str) -> list[dict]:
+    return [event for event in read_events(events_path(run_dir)) if event["kind"] == kind]
+
+
+def _committed_steps(run_dir: Path) -> list[int]:
+    return [info.step for info in list_checkpoints(run_dir / "checkpoints") if info.committed]
+
+
+def _trained_state(run_dir: Path, rank: int) -> dict:
+    state = safe_torch_load(final_path(run_dir, rank))
+    return {"model": state["model"], "optimizer": state["optimizer"]}
+
+
+def _ok(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("live_guards")
+
+
+@pytest.fixture(scope="module")
+def spiked(root):
+    return root / "spiked", _ok(_live(root / "spiked", _config(root), FAULTS))
+
+
+@pytest.fixture(scope="module")
+def replayed(root):
+    _ok(_live(root / "replayed", _config(root), f"guards.skip.replay_steps={SKIPPED}"))
+    return root / "replayed"
+
+
+def test_a_gradient_spike_is_skipped_by_every_rank_and_the_run_goes_on(spiked):
+    run_dir, done = spiked
+    skips = _events(run_dir, "data_skip")  # one report each, by the quorum's first member
+    assert [(e["step"], e["nan"]) for e in skips] == [(SPIKE_AT, False), (NAN_AT, True)]
+    for rank in range(WORLD):  # live_step counts from 0: index 3 is the closure mode's step 4
+        steps = [e for e in _events(run_dir, "live_step") if e["rank"] == rank]
+        assert [e["step"] + 1 for e in steps if e["skipped"]] == SKIPPED, rank
+        assert len(steps) == STEPS
+    assert "ranks replaced: none" in done.stdout
+    assert (f"opt_global_step: {SPIKE_AT - 1}, skip_data_grad_norm_threshold: {THRESHOLD!r}, is_skip: [ True]"
+            in done.stdout)
+    assert f"of step {SPIKE_AT} has been 1 consecutive times greater than threshold: {THRESHOLD!r}" in done.stdout
+    assert replica_differences(run_dir, WORLD, 2) == {}
+    assert _committed_steps(run_dir) == [5, 10]
+
+
+def test_the_spiked_run_ends_bitwise_as_a_run_that_skips_the_same_step_by_replay(spiked, replayed):
+    run_dir, _ = spiked
+    for rank in range(WORLD):
+        assert bitwise_differences(_trained_state(run_dir, rank), _trained_state(replayed, rank)) == [], rank
+
+
+def test_a_rank_killed_between_the_skips_rejoins_with_the_guards_state_and_the_run_ends_bitwise(root, spiked):
+    """Rank 3 SIGKILLed after step 5 (the spike of step 4 skipped, the NaN of step 7 to come): its group
+    rejoins with a live peer's guards' state (skipped steps, the streak, the data-skip window) besides the
+    model and optimizer, and every rank ends with the spiked run's whole final state, guards' state included."""
+    run_dir, _ = spiked
+    done = _ok(_live(root / "killed", _config(root), f"{FAULTS}; kill:rank=3,step=5"))
+    assert "ranks replaced: [3]" in done.stdout
+    assert [e["step"] for e in _events(root / "killed", "data_skip")] == SKIPPED
+    assert run_differences(run_dir, root / "killed", WORLD) == {}
+
+
+def test_the_closure_mode_skips_the_same_steps_on_the_same_gradients(root, spiked):
+    run_dir, _ = spiked
+    closure_dir = root / "closure"
+    done = subprocess.run([sys.executable, str(CLOSURE_TWIN), "--config", str(_config(root)), "--run-dir",
+                           str(closure_dir), "--set", FAULTS.replace("; ", ";")],
+                          env=worker_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    _ok(done)
+    # every step's norm and loss bitwise the live run's (the micro-batches accumulated in the same order,
+    # the norm summed alike), so every verdict is the same
+    def verdicts(events: list[dict], first: int) -> list[tuple]:  # a NaN norm compared as its text
+        return [(e["step"] + first, repr(e["global_norm"]), e["loss"], e["skipped"]) for e in events]
+
+    closure = verdicts(_events(closure_dir, "step"), 0)
+    live = verdicts([e for e in _events(run_dir, "live_step") if e["rank"] == 0], 1)
+    assert closure == live and len(live) == STEPS
+    assert [e["step"] for e in _events(closure_dir, "data_skip")] == SKIPPED
+
+
+def test_consecutive_spikes_abort_every_rank_with_exit_3_and_no_rank_is_replaced(root):
+    run_dir = root / "aborted"
+    done = _live(run_dir, _config(root), "faults=spike:step=3,factor=10000,persistent=1",
+                 "guards.skip.count_threshold=2")
+    assert done.returncode == 3, done.stdout[-3000:] + done.stderr[-3000:]
+    line = (f"ValueError: Current global norm [{_events(run_dir, 'data_skip_abort')[0]['global_norm']:.6f}] of step 4 "
+            f"has been 2 consecutive times greater than threshold {THRESHOLD!r}, stop training...")
+    assert f"trainguard: error: [rank 0] {line}" in done.stderr
+    assert "live run aborted by the data-skip guard: exit 3" in done.stdout
+    assert len(_events(run_dir, "data_skip_abort")) == 1
+    assert not _events(run_dir, "live_exit") and len(_events(run_dir, "live_start")) == WORLD
+    assert not any(final_path(run_dir, rank).exists() for rank in range(WORLD))
+
+
+def test_exit_at_step_saves_and_ends_with_exit_0_and_the_run_resumes_bitwise(root, replayed):
+    run_dir, config = root / "planned", _config(root)
+    replay = f"guards.skip.replay_steps={SKIPPED}"
+    stopped = _ok(_live(run_dir, config, replay, "train.exit_at_step=6"))
+    assert "run exit_at_step at step 6" in stopped.stdout
+    assert [(e["step"], e["reason"]) for e in _events(run_dir, "run_finished")] == [(6, "exit_at_step")]
+    assert _committed_steps(run_dir) == [5, 6]
+    assert not any(final_path(run_dir, rank).exists() for rank in range(WORLD))
+    resumed = _ok(_live(run_dir, config, replay))
+    assert f"live run resumes from {run_dir / 'checkpoints' / 'global_step_6'}" in resumed.stdout
+    assert run_differences(replayed, run_dir, WORLD) == {}  # the guards' state too: it rides in the checkpoint
+
+
+def test_the_kill_switch_stops_the_quorum_at_a_saved_boundary_and_at_start_starts_nothing(root):
+    run_dir, switch = root / "switched", root / "switch"
+    proc = _start(run_dir, _config(root), f"lifecycle.kill_switch_path={switch}")
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (events_path(run_dir).exists() and _events(run_dir, "live_step")):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before its first step"
+        time.sleep(0.02)
+    switch.touch()
+    done = _ok(finish_session(proc, TIMEOUT_S, "the live run with the kill switch"))
+    [stop] = _events(run_dir, "lifecycle_stop")
+    step = stop["step"]
+    assert stop["reason"] == "kill_switch" and stop["exit_code"] == 0 and 1 <= step < STEPS
+    assert step in _committed_steps(run_dir) and stop["last_checkpoint"] == step
+    assert f"stopping at step {step}: kill switch {switch} exists; exit 0 (checkpoint: step {step})" in done.stdout
+    assert {e["step"] for e in _events(run_dir, "live_stopped")} == {step}
+    assert sorted(e["rank"] for e in _events(run_dir, "live_stopped")) == list(range(WORLD))
+    again = _ok(_live(run_dir, _config(root), f"lifecycle.kill_switch_path={switch}"))
+    assert f"kill switch {switch} exists at start: nothing loaded or trained" in again.stdout
+    assert len(_events(run_dir, "live_start")) == WORLD  # no rank of the second run started
+
+
+def test_the_time_limit_saves_and_exits_16(root):
+    run_dir = root / "time_limit"
+    done = _live(run_dir, _config(root), "lifecycle.exit_duration_in_mins=0.0001")
+    assert done.returncode == 16, done.stdout[-3000:] + done.stderr[-3000:]
+    [stop] = _events(run_dir, "lifecycle_stop")
+    assert stop["reason"] == "exit_duration" and stop["exit_code"] == 16
+    assert _committed_steps(run_dir) == [stop["step"]]
+    assert "run again with --resume auto to continue" in done.stdout

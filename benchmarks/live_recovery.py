@@ -18,7 +18,14 @@ Figures, from the runs' event timestamps:
   micro-batches (the same global batch) until it is back.
 
 Every run's final state is compared bitwise with the fault-free run's. Target: survivors' lost time
-of the restart >= 5x the live one. Usage: ``python benchmarks/live_recovery.py [--quick] [--cycles 2]``.
+of the restart >= 5x the live one.
+
+When torchft imports (the optional extra ``trainguard[torchft]``), each cycle also runs torchft on the
+same workload, fault-free and with the same kill (``torchft_run.py``, 4 replica groups x 1 rank), and a
+second table puts one row per mode side by side: survivors' lost time, samples/s committed from the
+kill to the replacement's first step, and the final parameters' largest relative difference from the
+same system's fault-free run (ours: 0, bitwise equal; torchft: as measured).
+Usage: ``python benchmarks/live_recovery.py [--quick] [--cycles 2]``.
 """
 
 from __future__ import annotations
@@ -32,16 +39,21 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import median, print_result  # noqa: E402
+from torchft_run import (INSTALL_HINT, TorchftRun, clean_step_s, final_parameters, launch_torchft,  # noqa: E402
+                         max_relative_difference, samples_per_s, torchft_available, torchft_figures)
 
 from trainguard.events.log import read_events  # noqa: E402
-from trainguard.live.compare import run_differences  # noqa: E402
+from trainguard.live.compare import run_differences, whole_final_state  # noqa: E402
 from trainguard.live.files import events_path  # noqa: E402
 from trainguard.live.launcher import LIVE, RESTART, LiveRun, launch  # noqa: E402
+from trainguard.live.workload import Workload  # noqa: E402
 
 TARGET = 5.0
 SPARE = "live+spare"  # live recovery whose replacement is a warm spare process (torch imported, waiting)
 KILL_AT = 25
 KILLED = 3
+TORCHFT = "torchft"
+SAMPLES_PER_STEP = Workload().samples_per_step
 
 
 def parse_args() -> argparse.Namespace:
@@ -76,7 +88,9 @@ def live_figures(events: list[dict]) -> dict[str, float]:
     resumed = max(e["time"] for e in events if e["kind"] == "live_resumed")
     paused = max((e["paused_s"] for e in events if e["kind"] == "live_switch"), default=0.0)
     joined = next(e["time"] for e in events if e["kind"] == "live_joined" and e["rank"] == KILLED)
-    return {"lost": resumed - killed + paused, "rejoin": joined - killed, "tail": _done(events) - killed}
+    degraded_steps = {e["step"] for e in _steps(events) if killed < e["time"] <= joined and e["rank"] != KILLED}
+    return {"lost": resumed - killed + paused, "rejoin": joined - killed, "tail": _done(events) - killed,
+            "samples_s": len(degraded_steps) * SAMPLES_PER_STEP / (joined - killed)}
 
 
 def restart_figures(events: list[dict]) -> dict[str, float]:
@@ -85,18 +99,53 @@ def restart_figures(events: list[dict]) -> dict[str, float]:
     back = max(e["time"] for e in after if e["step"] == KILL_AT - 1)
     respawned = next(e["time"] for e in events if e["kind"] == "live_quorum" and e["reason"] == "restart")
     started = max(e["time"] for e in events if e["kind"] == "live_start" and e["time"] > killed)
+    # every rank is down from the kill until the restarted ranks commit: no sample is committed meanwhile
+    # a survivor may commit a step in the moment between the kill and the launcher killing it too: the
+    # restarted ranks' first step is the first one after the respawn
+    rejoined = min(e["time"] for e in after if e["time"] > respawned)
     return {"lost": back - killed, "lost_warm": back - killed - (started - respawned),
-            "rejoin": min(e["time"] for e in after) - killed, "tail": _done(events) - killed}
+            "rejoin": rejoined - killed, "tail": _done(events) - killed, "samples_s": 0.0}
+
+
+def clean_samples_s(events: list[dict]) -> float:
+    """A fault-free run's committed samples per second, from its first step's end to its last's."""
+    times = {}
+    for e in _steps(events):
+        times[e["step"]] = max(times.get(e["step"], 0.0), e["time"])
+    return (len(times) - 1) * SAMPLES_PER_STEP / (max(times.values()) - min(times.values()))
+
+
+def parameters_of(run: Path) -> dict:
+    return whole_final_state(run, LiveRun().group_size)["model"]
+
+
+def torchft_cycle(tmp: Path, cycle: int, args: argparse.Namespace) -> dict[str, float]:
+    """One fault-free and one faulted torchft run (the order alternating per cycle), 4 groups x 1 rank."""
+    clean = TorchftRun(steps=args.steps, micro_batch_s=args.micro_batch_s)
+    failing = TorchftRun(steps=args.steps, micro_batch_s=args.micro_batch_s, kill_group=KILLED, kill_at=KILL_AT)
+    dirs = {"clean": tmp / f"{cycle}_torchft_clean", "kill": tmp / f"{cycle}_torchft_kill"}
+    killed_at = None
+    for mode in (["clean", "kill"] if cycle % 2 == 0 else ["kill", "clean"]):
+        killed = launch_torchft(dirs[mode], failing if mode == "kill" else clean)
+        killed_at = killed if mode == "kill" else killed_at
+    figures = torchft_figures(dirs["kill"], failing, killed_at, clean_step_s(dirs["clean"], clean.groups))
+    figures["clean_samples_s"] = samples_per_s(dirs["clean"], clean.groups)
+    figures["difference"] = max_relative_difference(final_parameters(dirs["clean"]), final_parameters(dirs["kill"]))
+    return figures
 
 
 def main() -> None:
     args = parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse logs every quorum at info
     cycles = 1 if args.quick else args.cycles
+    with_torchft = torchft_available()
     base = LiveRun(steps=args.steps, micro_batch_s=args.micro_batch_s, checkpoint_every=10)
     failing = {**base.__dict__, "kill_ranks": (KILLED,), "kill_at_step": KILL_AT}
-    rows: dict[str, list[dict[str, float]]] = {LIVE: [], SPARE: [], RESTART: []}
+    rows: dict[str, list[dict[str, float]]] = {LIVE: [], SPARE: [], RESTART: [], TORCHFT: []}
+    clean_rates: list[float] = []
     equal = {LIVE: True, SPARE: True, RESTART: True}
+    difference = {LIVE: 0.0, SPARE: 0.0, RESTART: 0.0}
     with tempfile.TemporaryDirectory(prefix="live_bench_") as tmp:
         for cycle in range(cycles):
             order = ["clean", LIVE, SPARE, RESTART] if cycle % 2 == 0 else [RESTART, SPARE, LIVE, "clean"]
@@ -106,13 +155,19 @@ def main() -> None:
                 run = base if mode == "clean" else LiveRun(**{**failing, "recovery": RESTART if mode == RESTART else LIVE,
                                                                "spares": int(mode == SPARE)})
                 launch(dirs[mode], run)
-            tail = clean_tail(list(read_events(events_path(dirs["clean"]))))
+            clean_events = list(read_events(events_path(dirs["clean"])))
+            tail = clean_tail(clean_events)
+            clean_rates.append(clean_samples_s(clean_events))
             for mode, figures_of in ((LIVE, live_figures), (SPARE, live_figures), (RESTART, restart_figures)):
                 figures = figures_of(list(read_events(events_path(dirs[mode]))))
                 figures["delay"] = figures.pop("tail") - tail
                 rows[mode].append(figures)
                 equal[mode] &= run_differences(dirs["clean"], dirs[mode], base.world) == {}
-    table = {mode: {key: median([r[key] for r in runs]) for key in runs[0]} for mode, runs in rows.items()}
+                difference[mode] = max(difference[mode],
+                                       max_relative_difference(parameters_of(dirs["clean"]), parameters_of(dirs[mode])))
+            if with_torchft:
+                rows[TORCHFT].append(torchft_cycle(Path(tmp), cycle, args))
+    table = {mode: {key: median([r[key] for r in runs]) for key in runs[0]} for mode, runs in rows.items() if runs}
     print(f"\nlive recovery vs restart, 4 gloo ranks (2 groups x 2), {args.steps} steps, SIGKILL of rank "
           f"{KILLED} after step {KILL_AT}, {cycles} cycle(s), medians; load {os.getloadavg()[0]:.1f}")
     print(f"{'recovery':<12}{'survivors lost s':>18}{'lost, warm start s':>20}{'rejoin s':>10}{'job delay s':>13}"
@@ -127,11 +182,41 @@ def main() -> None:
           f"{table[RESTART]['delay'] / table[LIVE]['delay']:.1f}x, time to rejoin "
           f"{table[RESTART]['rejoin'] / table[LIVE]['rejoin']:.1f}x ({table[RESTART]['rejoin'] / table[SPARE]['rejoin']:.1f}x "
           f"with a warm spare)")
+    print_torchft_table(table, median(clean_rates), difference)
     print_result("live recovery: survivors' lost time per failure (s)", table[LIVE]["lost"], table[RESTART]["lost"],
                  f"restart >= {TARGET:.0f}x live", ratio >= TARGET and equal[LIVE],
                  warm_start_ratio=warm_ratio, job_delay_live=table[LIVE]["delay"], job_delay_restart=table[RESTART]["delay"],
                  rejoin_live=table[LIVE]["rejoin"], rejoin_live_spare=table[SPARE]["rejoin"],
                  rejoin_restart=table[RESTART]["rejoin"])
+    if TORCHFT in table:
+        tf = table[TORCHFT]
+        print_result("torchft: survivors' lost time per failure (s)", table[LIVE]["lost"], tf["lost"],
+                     "trainguard live < torchft", table[LIVE]["lost"] < tf["lost"],
+                     samples_s_degraded_live=table[LIVE]["samples_s"], samples_s_degraded_torchft=tf["samples_s"],
+                     rejoin_live=table[LIVE]["rejoin"], rejoin_torchft=tf["rejoin"], torchft_layout="4 groups x 1")
+        print_result("final parameters' max relative difference from the fault-free run, torchft vs trainguard live",
+                     difference[LIVE], tf["difference"], "trainguard live 0 (bitwise)",
+                     difference[LIVE] == 0.0 and equal[LIVE])
+
+
+def print_torchft_table(table: dict[str, dict[str, float]], clean_rate: float, difference: dict[str, float]) -> None:
+    """One row per mode: ours (2 groups x 2) and torchft (4 groups x 1, its DDP), the same workload and kill."""
+    print(f"\nside by side with torchft: the same model, data, AdamW, {KILL_AT}-step kill; samples/s while "
+          f"degraded: committed from the kill to the replacement's first step; difference: max over parameter "
+          f"tensors of |a - b| / |b| against the same system's fault-free run")
+    print(f"{'mode':<22}{'layout':<15}{'survivors lost s':>18}{'samples/s degraded':>20}{'max rel difference':>20}")
+    print(f"{'fault-free (ours)':<22}{'2 groups x 2':<15}{'-':>18}{clean_rate:>20.1f}{'reference':>20}")
+    if TORCHFT in table:
+        print(f"{'fault-free (torchft)':<22}{'4 groups x 1':<15}{'-':>18}{table[TORCHFT]['clean_samples_s']:>20.1f}"
+              f"{'reference':>20}")
+    for mode, name in ((LIVE, "trainguard live"), (RESTART, "trainguard restart")):
+        t = table[mode]
+        print(f"{name:<22}{'2 groups x 2':<15}{t['lost']:>18.3f}{t['samples_s']:>20.1f}{difference[mode]:>20.3g}")
+    if TORCHFT in table:
+        t = table[TORCHFT]
+        print(f"{'torchft':<22}{'4 groups x 1':<15}{t['lost']:>18.3f}{t['samples_s']:>20.1f}{t['difference']:>20.3g}")
+    else:
+        print(f"{'torchft':<22}{INSTALL_HINT}")
 
 
 if __name__ == "__main__":

@@ -176,11 +176,10 @@ def set_grads(model: torch.nn.Module, flat: torch.Tensor) -> None:
         offset += p.numel()
 
 
-def global_norm(model: torch.nn.Module) -> float:
+def global_norm(grads: list[torch.Tensor]) -> float:
     """The step's global gradient norm as ``Guard.step`` measures it: summed in float64 from the
     per-parameter norms. After the order-fixed sum every rank holds the whole gradient of the step, so
     the norm needs no collective and is every rank's alike."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
     return math.sqrt(local_sq_sum(grads, 1, grads[0].device).item())
 
 
@@ -331,12 +330,12 @@ class LiveWorker:
         loss = float(total[-1])
         number = step + 1  # the step as the closure mode numbers it: the guards' and the faults' step
         self.faults.after_backward(number, self.model)
-        norm = global_norm(self.model)
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        norm = global_norm(grads)
         skipped = self.guards.judge(number, norm, loss)  # every rank's alike: the same sum, the same state
         if not skipped:
             if self.rules.grad_clip > 0:  # before the shards drop the gradients they do not own
-                clip_grads_([p.grad for p in self.model.parameters() if p.grad is not None], self.rules.grad_clip,
-                            norm)
+                clip_grads_(grads, self.rules.grad_clip, norm)
             self.update.drop_unowned_grads()
             if self.scheduler is not None:
                 set_lr(self.optimizer, self.scheduler, step - self.guards.skipped)

@@ -24,7 +24,8 @@ is skipped, and it is a strike when one rank alone computed the micro-batches ho
 values at module points. ``rerun: false``: unverified, skipped, no strike.
 
 **Strikes and exclusion.** Strikes are kept per rank of the run (the book is every rank's alike, so
-its key is the rank, not a host and device only that rank knows). A restart cannot exclude a device
+its key is the rank, not a host and device only that rank knows; a strike's time is the quorum's first
+member's clock, carried in the rerun's all-reduce). A restart cannot exclude a device
 here: a rank that reaches ``strikes`` writes its own ``faulty_ranks.json`` entry (its host and
 device) and exits 17 at the step boundary; the launcher takes that as a death, its replica group
 leaves the quorum, and a spare (or a fresh process) takes the rank; when it joins, every member drops

@@ -9,7 +9,8 @@ Each step: compute this member's micro-batches (``ordered_sum``), one all-reduce
 the step's loss, the "a newer epoch exists" flag and each rank's stop reasons (the lifecycle's: kill
 switch, signal, time limit), keep the state of before the update (the one step a survivor may have to
 undo, below), judge the summed gradient with the closure mode's guards (``step_guards``: data skip, a
-non-finite norm, the skip streak; the drill's gradient faults first), apply the update unless it is
+non-finite norm, the skip streak; the drill's gradient faults first; SDC detection with its rerun,
+``live/sdc.py``, on values every member holds alike after the sum), apply the update unless it is
 skipped, and stop at this boundary with a durable save if any rank saw a reason, or at
 ``train.exit_at_step``. A failed collective means the epoch is over: the rank reports
 the last step it committed and waits for the lighthouse's next epoch. A member that finished the

@@ -156,10 +156,14 @@ class LiveSdc:
         for rank in ranks:
             self.strikes.forget(STRIKE_HOST, strike_device(rank))
 
+    def by_point(self, extras: torch.Tensor) -> torch.Tensor:
+        """The extras ``[micro_batches, width]`` as ``[micro_batches, planes, module points]``."""
+        return extras.view(extras.shape[0], self.planes, len(self.points.names))
+
     def values(self, extras: torch.Tensor) -> tuple[list[float], list[float] | None, list[float] | None]:
         """Each point's statistic, peak share (peak criterion on) and row odds (row criterion on), in
         ``names`` order, from the step's extras ``[micro_batches, width]`` and the gradients set."""
-        module = extras.view(extras.shape[0], self.planes, -1).amax(dim=0)  # NaN propagates
+        module = self.by_point(extras).amax(dim=0)  # NaN propagates
         if self.rows:
             module = torch.cat([module, torch.full_like(module[:1], NOT_CHECKED)])
         parts = [module]
@@ -173,7 +177,7 @@ class LiveSdc:
 
     def holders(self, extras: torch.Tensor, point: str, value: float) -> list[int]:
         """The micro-batches whose value at module ``point`` is the step's ``value`` (its maximum)."""
-        column = extras.view(extras.shape[0], self.planes, -1)[:, 0, self.points.names.index(point)] / self.unscale
+        column = self.by_point(extras)[:, 0, self.points.names.index(point)] / self.unscale
         return [m for m, own in enumerate(column.tolist()) if own == value or (own != own and value != value)]
 
     def judge(self, step: int, members: list[int], extras: torch.Tensor, total: torch.Tensor,

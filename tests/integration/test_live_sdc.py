@@ -14,7 +14,12 @@ once):
   the fault-free run's, and the replacement's strikes were dropped when it joined;
 - the closure mode (``helpers/user_loop_closure.py``: the same script, data and draws in one process),
   with the same fault on its only rank, catches it at the same step, at the same points, with the same
-  verdict (and exits 17: a restart excludes its device there).
+  verdict (and exits 17: a restart excludes its device there);
+- replica fingerprints (``guards.fingerprint.interval: 2``): a bit of rank 2's first weight flipped at rest
+  before step 4 (the drill's ``stateflip``) is found by the check before step 4, attributed to rank 2 (its
+  state changed since its own update; its replica, rank 0, did not), repaired from rank 0 before anything
+  is computed with it, and the run ends with every rank's whole final state bitwise the fault-free run's
+  (without the check the run ends elsewhere, and SDC detection strikes rank 2 out: checked once).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from helpers.warm_command import warm_server
 from trainguard.checkpoint.safe_load import safe_torch_load
 from trainguard.events.log import read_events
 from trainguard.guards.sdc import faulty_ranks_path
-from trainguard.live.compare import bitwise_differences, replica_differences
+from trainguard.live.compare import bitwise_differences, replica_differences, run_differences
 from trainguard.live.files import events_path, final_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,6 +44,7 @@ EXAMPLE = ROOT / "examples" / "user_loop_live.py"
 CLOSURE_TWIN = ROOT / "tests" / "helpers" / "user_loop_closure.py"
 STEPS, WORLD, FAULT_AT = 10, 4, 4
 MISCOMPUTE = "scale:rank={rank},step=4,site=2,where=grad_input,factor=1e9"  # module "2": the LayerNorm
+STATE_FLIP = "stateflip:rank=2,step=4,site=0.weight,state=weight"  # an exponent bit of rank 2's first weight
 TIMEOUT_S = 240
 
 
@@ -131,3 +137,15 @@ def test_the_closure_mode_catches_the_same_fault_at_the_same_step_with_the_same_
     assert caught(twin) == caught(run_dir)
     assert [(e["step"], e["verdict"]) for e in _events(twin, "sdc_rerun")] == \
         [(e["step"], e["verdict"]) for e in _events(run_dir, "sdc_rerun")]
+
+
+def test_a_flip_at_rest_is_found_by_the_replica_fingerprints_and_repaired_from_a_replica(root, clean):
+    run_dir = root / "flipped"
+    done = _live(run_dir, _config(root), "guards.fingerprint.interval=2", f"faults={STATE_FLIP}")
+    [mismatch] = _events(run_dir, "fingerprint_mismatch")
+    assert (mismatch["step"], mismatch["group"], mismatch["faulty"], mismatch["how"], mismatch["repaired"]) == \
+        (FAULT_AT, [0, 2], [2], ["at_rest"], ["state"])
+    assert "fingerprint mismatch: step 4, replica group [0, 2], tensor state: rank(s) [2] corrupt (at_rest), " \
+           "repaired from rank 0" in done.stdout
+    assert "ranks replaced: none" in done.stdout and not _events(run_dir, "sdc_detected")
+    assert run_differences(clean, run_dir, WORLD) == {}

@@ -16,7 +16,8 @@ closure mode's all-reduce is in everyone's sum too).
 The module faults ``bitflip`` and ``scale`` (``scale:rank=R,step=N,site=MODULE,where=grad_input,factor=F``)
 are rank R's own, as in the closure mode: a wrong value at a module in the first micro-batch rank R
 computes of step N, once in the run (``site_faults``; a transient miscompute, which SDC detection's rerun
-finds, ``live/sdc.py``).
+finds, ``live/sdc.py``); so is ``stateflip`` (a bit of a parameter or an Adam moment flipped at rest,
+before step N: replica fingerprints find it, ``live/fingerprint.py``).
 
 The launcher injects the kill, not the rank: every other kind (a closure-mode fault the live ranks do
 not run) and the keys that narrow a kill (``persistent``, ``node``) are refused, with one line naming
@@ -33,7 +34,8 @@ from trainguard.faults.spec import FaultSpec
 
 LIVE_FAULT_KIND = "kill"
 GRADIENT_FAULT_KINDS = ("spike", "nan")  # applied by every rank to a step's summed gradient
-SITE_FAULT_KINDS = ("bitflip", "scale")  # a module's value on one rank (its first micro-batch of the step)
+# one rank's own: a module's value (its first micro-batch of the step), a state tensor at rest before the step
+SITE_FAULT_KINDS = ("bitflip", "scale", "stateflip")
 SPARE_FAULT_KIND = "miscompute"  # the doctor's fault: acts in the spares' self-tests (``spare_check``)
 
 
@@ -70,7 +72,7 @@ def live_drill(faults: str | None, world: int, steps: int, spares: int | None = 
             raise ConfigError(f"{source}: fault {spec.text!r}: a live run drills '{LIVE_FAULT_KIND}:rank=R,step=S' "
                               f"(the live launcher SIGKILLs the rank), '{SPARE_FAULT_KIND}' (in the spares' "
                               f"self-test), {' and '.join(GRADIENT_FAULT_KINDS)} (on a step's summed gradient) and "
-                              f"{' and '.join(SITE_FAULT_KINDS)} (at a module, on one rank); "
+                              f"{', '.join(SITE_FAULT_KINDS)} (a module's value or a state tensor, on one rank); "
                               f"{spec.kind!r} is a closure-mode fault")
         if spec.persistent or spec.params:
             raise ConfigError(f"{source}: fault {spec.text!r}: a live run's kill takes rank and step only (no "
@@ -97,5 +99,6 @@ def gradient_faults(faults: str | None) -> tuple[FaultSpec, ...]:
 
 
 def site_faults(faults: str | None) -> tuple[FaultSpec, ...]:
-    """The ``bitflip`` and ``scale`` entries of the faults in force (``faults``: the config key's text)."""
+    """The ``bitflip``, ``scale`` and ``stateflip`` entries of the faults in force (``faults``: the config key's
+    text)."""
     return tuple(spec for spec in active_faults(faults)[1] if spec.kind in SITE_FAULT_KINDS)

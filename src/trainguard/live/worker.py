@@ -48,6 +48,7 @@ from trainguard.events.rank_logging import LOGGER_NAME
 from trainguard.faults import FaultInjector
 from trainguard.faults.spec import FaultSpec
 from trainguard.fs.fsio import atomic_write_bytes
+from trainguard.guards.fingerprint import FingerprintConfig
 from trainguard.guards.sdc import SdcConfig
 from trainguard.guards.skip import SkipConfig
 from trainguard.guards.skip_streak import DEFAULT_MAX_CONSECUTIVE_SKIPS
@@ -62,6 +63,7 @@ from trainguard.live.probe import PeerProbe
 from trainguard.live.rng import micro_batch_rng
 from trainguard.live.shards import ShardedUpdate
 from trainguard.live.stall import ReduceMarks
+from trainguard.live.fingerprint import LiveFingerprints
 from trainguard.live.sdc import CLEAN, LiveSdc
 from trainguard.live.step_guards import LiveGuards
 from trainguard.live.transfer import load_state, send_shards, state_of
@@ -148,6 +150,8 @@ class LiveRules:
     # the drill's bitflip/scale entries (``live.drill.site_faults``): a module's value on one rank, once
     site_faults: tuple[FaultSpec, ...] = ()
     sdc: SdcConfig = field(default_factory=SdcConfig)  # guards.sdc, its environment applied (live/sdc.py)
+    fingerprint: FingerprintConfig = field(  # guards.fingerprint (live/fingerprint.py); the drill's workload: off
+        default_factory=lambda: FingerprintConfig(interval=0))
     exit_at_step: int | None = None  # train.exit_at_step: save and exit 0 once this many steps are committed
     lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)  # the kill switch, the time limit
 
@@ -225,6 +229,9 @@ class LiveWorker:
                             self.reports) if rules.sdc.enabled else None)
         self.guards = LiveGuards(StepSkips(rules.skip, rules.max_consecutive_skips, self.log, self.events.emit,
                                            reports=self.reports), self.sdc)
+        self.fingerprints = (LiveFingerprints(rules.fingerprint, model, optimizer, self.guards, rank, args.group_size,
+                                              self.log, self.events, self.reports)
+                             if rules.fingerprint.enabled else None)
         self.quorum: Quorum | None = None
         self.group: dist.ProcessGroup | None = None
         self.retired: list[dist.ProcessGroup] = []  # the groups of failed epochs (see collective.py)
@@ -330,6 +337,9 @@ class LiveWorker:
         quorum, step = self.quorum, self.step_index
         started = time.perf_counter()
         mine = my_micro_batches(self.micro_batches, len(quorum.members), quorum.index(self.rank))
+        self.site_faults.at_rest(step + 1, self.model, self.optimizer)  # the drill's stateflip, between steps
+        if self.fingerprints is not None and self.fingerprints.due(step + 1):
+            self.fingerprints.check(self.group, quorum, step + 1, self.wait)  # repairs a replica before it computes
         rows, extras = self.compute(step, mine)
         if self.sample_range:
             # before the sum, not after: a rank killed once its rows are in the sum, before it could say
@@ -379,6 +389,8 @@ class LiveWorker:
         self.events.emit("live_step", step=step, epoch=quorum.epoch, members=len(quorum.members),
                          micro_batches=mine, loss=loss, global_norm=norm, skipped=skipped)
         self.step_index = step + 1
+        if self.fingerprints is not None:
+            self.fingerprints.remember(self.step_index + 1)
         self.store.set(progress_key(self.rank), str(self.step_index))
         if self.lifecycle is not None:
             self.lifecycle.note_step(time.perf_counter() - started)

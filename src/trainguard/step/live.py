@@ -42,6 +42,7 @@ CLOSURE_MODE_SECTIONS = ("checkpoint", "guards", "lifecycle")
 # limit's (``LiveWorker.stop_here``)
 LIVE_SECTION_KEYS = ("checkpoint.save_interval", "checkpoint.keep_last", "checkpoint.keep_every",
                      "checkpoint.resume", "guards.skip.*", "guards.max_consecutive_skips", "guards.sdc.*",
+                     "guards.fingerprint.*",
                      "lifecycle.kill_switch_path", "lifecycle.exit_duration_in_mins", "lifecycle.exit_margin_seconds")
 # keys outside those sections that the closure mode honours and live mode does not: why, for the refusal
 CLOSURE_MODE_KEYS = {
@@ -144,7 +145,8 @@ def live_rank(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
     rules = LiveRules(grad_clip=config.optim.grad_clip, skip=config.guards.skip,
                       max_consecutive_skips=config.guards.max_consecutive_skips,
                       gradient_faults=gradient_faults(config.faults), site_faults=site_faults(config.faults),
-                      sdc=sdc_config_from_env(config.guards.sdc), exit_at_step=config.train.exit_at_step,
+                      sdc=sdc_config_from_env(config.guards.sdc), fingerprint=config.guards.fingerprint,
+                      exit_at_step=config.train.exit_at_step,
                       lifecycle=config.lifecycle)
     return LiveRank(model, optimizer, args, scheduler, seed=config.train.seed, checkpoint=config.checkpoint,
                     rules=rules)

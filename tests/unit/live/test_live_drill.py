@@ -40,8 +40,8 @@ def test_a_nodes_ranks_are_killed_together_and_the_environment_wins(monkeypatch)
 @pytest.mark.parametrize("faults, message", [
     ("hang:rank=1,step=3", "fault 'hang:rank=1,step=3': a live run drills 'kill:rank=R,step=S' (the live "
                            "launcher SIGKILLs the rank), 'miscompute' (in the spares' self-test), spike and nan "
-                           "(on a step's summed gradient) and bitflip and scale (at a module, on one rank); 'hang' is "
-                           "a closure-mode fault"),
+                           "(on a step's summed gradient) and bitflip, scale, stateflip (a module's value or a state "
+                           "tensor, on one rank); 'hang' is a closure-mode fault"),
     ("scale:rank=4,step=3,site=0,where=grad_input,factor=2", "rank 4 is outside the world size 4"),
     ("bitflip:rank=1,step=21,site=0,where=output", "step must be between 1 and train.steps = 20"),
     ("scale:rank=1,step=3,site=0,where=output,factor=2,node=node0", "a live run's scale names its rank; leave "

@@ -6,7 +6,8 @@ In live mode the launcher's flags place the rank (``LiveArgs``), the library doe
 group's micro-batches), and the model, the optimizer and the guards' counters are the whole state of
 the run. Live mode runs the durable tier (``live/durable.py``: its interval, retention and resume
 keys), data skip and the skip streak (``live/step_guards.py``: ``guards.skip.*``,
-``guards.max_consecutive_skips``), SDC detection with its rerun (``live/sdc.py``: ``guards.sdc.*``), the kill switch, the time limit and ``train.exit_at_step``
+``guards.max_consecutive_skips``), SDC detection with its rerun (``live/sdc.py``: ``guards.sdc.*``), replica
+fingerprints (``live/fingerprint.py``: ``guards.fingerprint.*``), the kill switch, the time limit and ``train.exit_at_step``
 (``LiveWorker.stop_here``). What ``Guard`` does besides (the other guards, the local and memory tiers
 and the mirror, heartbeat files, the closure mode's other fault drills, extra state, a scheduler other
 than a ``LambdaLR``) is not done in live mode, so asking for it there is refused, never ignored. The
@@ -38,8 +39,8 @@ from trainguard.live.worker import LiveArgs, LiveRules
 # the run configuration's sections that only the closure mode (``Guard.step``) runs, but for the keys below
 CLOSURE_MODE_SECTIONS = ("checkpoint", "guards", "lifecycle")
 # the keys of those sections that live mode runs too (patterns): the durable tier's (``live.durable``), the
-# skip decisions' (``live.step_guards``), SDC detection's (``live.sdc``), the kill switch's and the time
-# limit's (``LiveWorker.stop_here``)
+# skip decisions' (``live.step_guards``), SDC detection's (``live.sdc``), the replica fingerprints'
+# (``live.fingerprint``), the kill switch's and the time limit's (``LiveWorker.stop_here``)
 LIVE_SECTION_KEYS = ("checkpoint.save_interval", "checkpoint.keep_last", "checkpoint.keep_every",
                      "checkpoint.resume", "guards.skip.*", "guards.max_consecutive_skips", "guards.sdc.*",
                      "guards.fingerprint.*",

@@ -365,8 +365,12 @@ class LiveWorker:
         self.faults.after_backward(number, self.model)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         norm = global_norm(grads)
-        sdc = CLEAN if self.sdc is None else self.sdc.judge(number, quorum.members, extras, total,
-                                                            lambda flags: self.rerun(step, mine, flags))
+        try:
+            sdc = CLEAN if self.sdc is None else self.sdc.judge(number, quorum.members, extras, total,
+                                                                lambda flags: self.rerun(step, mine, flags))
+        except RuntimeError:  # the rerun's sum failed: the detectors judged a step this rank will redo
+            load_state(self.model, self.optimizer, self.guards, self.previous[1])
+            raise
         if sdc.rerun is not None:  # a transient fault: the step goes on with the rerun's sum, set by rerun()
             loss = float(sdc.rerun[0][-1])
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]

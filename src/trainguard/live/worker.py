@@ -147,7 +147,7 @@ class LiveRules:
     skip: SkipConfig = field(default_factory=SkipConfig)  # guards.skip: the data-skip rule
     max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS  # guards.max_consecutive_skips
     gradient_faults: tuple[FaultSpec, ...] = ()  # the drill's spike/nan entries (``live.drill.gradient_faults``)
-    # the drill's bitflip/scale entries (``live.drill.site_faults``): a module's value on one rank, once
+    # the drill's bitflip/scale/stateflip entries (``live.drill.site_faults``): one rank's own, once
     site_faults: tuple[FaultSpec, ...] = ()
     sdc: SdcConfig = field(default_factory=SdcConfig)  # guards.sdc, its environment applied (live/sdc.py)
     fingerprint: FingerprintConfig = field(  # guards.fingerprint (live/fingerprint.py); the drill's workload: off

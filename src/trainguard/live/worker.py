@@ -313,6 +313,8 @@ class LiveWorker:
             mine = my_micro_batches(self.micro_batches, len(quorum.members), quorum.index(self.rank))
         else:
             mine = exchange.my_micro_batches()
+            # the stall watch's marks span the step's collectives, from the first (this one) to the norm's
+            self.reduce_marks.entering(quorum.epoch, step, self.beat)
             self.params.unshard(self.group, quorum.members, self.rank, self.wait)
         computed = {}  # micro-batch -> its gradient, then its share of the loss (a -0.0 made +0.0: ordered_sum)
         try:
@@ -335,8 +337,8 @@ class LiveWorker:
         if has(self.store, STOP):  # the launcher's signal
             reason = max(reason, SIGNAL)
         flags = [int(newer), *(int(reason == r) for r in STOP_REASONS)]
-        self.reduce_marks.entering(quorum.epoch, step, self.beat)
         if self.params is None:
+            self.reduce_marks.entering(quorum.epoch, step, self.beat)
             first = next(iter(computed.values()))
             rows = torch.zeros(self.micro_batches, first.numel(), dtype=first.dtype)
             for micro_batch, row in computed.items():
@@ -349,7 +351,6 @@ class LiveWorker:
             gradient, loss, (newer_seen, *stops_seen) = reduce_sharded(
                 self.group, exchange, slots, self.params.shard_flat, self.params.shard_length(self.shard), flags,
                 self.wait)
-        self.reduce_marks.left(quorum.epoch, step)
         if step == self.fail_after_reduce:
             self.fail_after_reduce = None
             self.await_peers_committed(step)
@@ -363,6 +364,7 @@ class LiveWorker:
         self.faults.after_backward(number, self.model)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         norm = global_norm(grads) if self.params is None else self.sharded_norm(grads)
+        self.reduce_marks.left(quorum.epoch, step)
         skipped = self.guards.judge(number, norm, loss)  # every rank's alike: the same sum, the same state
         if not skipped:
             if self.rules.grad_clip > 0:

@@ -10,13 +10,14 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers.runs import trainguard
 from trainguard.checkpoint.safe_load import safe_torch_load
 from trainguard.cli import build_parser
 from trainguard.cli.train_live import live_run
 from trainguard.events.log import read_events
-from trainguard.live.compare import replica_differences, run_differences
+from trainguard.live.compare import replica_differences, run_differences, whole_final_state
 from trainguard.live.files import events_path, final_path
 from trainguard.live.launcher import launch
 from trainguard.live.samples import sample_problems
@@ -84,3 +85,20 @@ def test_no_sample_lost_or_repeated(runs):
     for name in ("clean", "failed"):
         events = list(read_events(events_path(root / name)))
         assert sample_problems(events, STEPS, MICRO_BATCHES * MICRO_BATCH_SIZE) == [], name
+
+
+def test_each_rank_holds_half_of_its_groups_parameters(runs):
+    """``dp_shard`` 2: from the local shard sizes of every rank's final state (the replacement's too),
+    each rank holds exactly half of the llama's parameters, its ``torch.chunk`` rows of each, and the
+    optimizer state of those rows only."""
+    root, _, _ = runs
+    for run in ("clean", "failed"):
+        whole = whole_final_state(root / run, GROUP)["model"]
+        total = sum(tensor.numel() for tensor in whole.values())
+        for rank in range(WORLD):
+            state = safe_torch_load(final_path(root / run, rank))
+            assert sum(tensor.numel() for tensor in state["model"].values()) * GROUP == total, (run, rank)
+            for name, local in state["model"].items():
+                assert torch.equal(local, whole[name].chunk(GROUP)[rank % GROUP]), (run, rank, name)
+            moments = [entry["exp_avg"].numel() for entry in state["optimizer"]["state"].values()]
+            assert sum(moments) * GROUP == total, (run, rank)

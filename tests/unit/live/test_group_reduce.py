@@ -61,30 +61,32 @@ def test_lost_groups_are_dealt_to_the_live_ones_in_group_order():
     assert exchange.my_groups() == [2, 3] and exchange.my_micro_batches() == [5, 7]
 
 
-def _shard(flat: torch.Tensor, shard: int) -> torch.Tensor:
+def _halves(flat: torch.Tensor, shard: int) -> torch.Tensor:
     return flat.view(2, -1)[shard]  # 2 shards of a flat gradient of even length: its halves
 
 
-@pytest.mark.parametrize("members", [[0, 1, 2, 3], [0, 1], [2, 3]])
-def test_the_exchange_gives_each_shard_the_whole_trees_sum_bitwise_with_or_without_a_lost_group(members):
-    """2 groups × 2 over a real gloo group: each member computes the slots it is responsible for (a
-    survivor, the lost group's too), and after the two exchanges each holds its shard of the tree over
+@pytest.mark.parametrize("groups,members", [(2, [0, 1, 2, 3]), (2, [0, 1]), (2, [2, 3]),
+                                            (4, list(range(8))), (4, [0, 1, 2, 3]), (4, [2, 3, 6, 7]),
+                                            (4, [4, 5])])
+def test_the_exchange_gives_each_shard_the_whole_trees_sum_bitwise_with_or_without_lost_groups(groups, members):
+    """``groups`` × 2 over a real gloo group: each member computes the slots it is responsible for (a
+    survivor, the lost groups' too), and after the two exchanges each holds its shard of the tree over
     every micro-batch and the tree's loss, bit for bit, and the flags' counts over the members."""
-    layout = SlotLayout(2, 2, 8)
-    leaves = _leaves(8, length=6, seed=5)  # each: a gradient of 5 then a loss (a shard of 5 does not halve:
-    gradients = [torch.cat([leaf[:5], torch.zeros(1)]) for leaf in leaves]  # pad to 6, 3 per shard)
+    layout = SlotLayout(groups, 2, 4 * groups)
+    leaves = _leaves(layout.micro_batches, length=6, seed=5)  # each: a gradient of 5 then a loss; the
+    gradients = [torch.cat([leaf[:5], torch.zeros(1)]) for leaf in leaves]  # gradient padded to 6: 3 per shard
     losses = [leaf[5] for leaf in leaves]
     whole = tree_sum(gradients)
-    loss = float(tree_sum([l.reshape(1) for l in losses]))
+    loss = float(tree_sum([one.reshape(1) for one in losses]))
 
     def rank(group, rank: int):
         exchange = Exchange(members, rank, layout)
         slots = {j: tree_sum([torch.cat([gradients[m], losses[m].reshape(1)])
                               for m in layout.slot_micro_batches(j, exchange.shard)])
                  for j in exchange.my_groups()}
-        return reduce_sharded(group, exchange, slots, _shard, 3, [1, rank], lambda work: work.wait())
+        return reduce_sharded(group, exchange, slots, _halves, 3, [1, rank], lambda work: work.wait())
 
     results = run_ranks(members, rank)
     for member, (gradient, summed_loss, flags) in results.items():
-        assert torch.equal(gradient, _shard(whole, member % 2)), member
+        assert torch.equal(gradient, _halves(whole, member % 2)), member
         assert summed_loss == loss and flags == [len(members), sum(members)], member

@@ -8,7 +8,9 @@ that is elementwise, as SGD's and Adam's are, needs nothing else). Between steps
 them together from one exchange of the group's shards, ``reshard`` puts the local rows back. Plain
 tensors and our own exchange, not ``fully_shard``: an epoch's gloo group is made and dropped with
 its quorum (``collective``), and every wait on it must watch the epoch's abort key, which FSDP2's
-collectives inside forward and backward do not.
+collectives inside forward and backward do not. A forward outside a step (the loop's body evaluating
+the model) gathers the parameters before it and frees them after (``LiveWorker``'s hooks on the
+model), as FSDP2's root forward does: every rank of the group must call it, at the same point.
 
 So the ``state_dict`` of the model and of the optimizer is the shard's (what a joining rank receives
 from a live replica of its shard, ``transfer.send_shards``, and what a final state file holds);
@@ -35,6 +37,9 @@ def chunk_rows(rows: int, shards: int, shard: int) -> tuple[int, int]:
 def shard_numel(shape: torch.Size, shards: int, shard: int) -> int:
     first, end = chunk_rows(shape[0], shards, shard)
     return (end - first) * shape[1:].numel()
+
+
+GATHER_TAG = 7  # the tag of a group's gathers on the epoch's group (the reduction uses collectives only)
 
 
 class ShardedParams:
@@ -84,20 +89,25 @@ class ShardedParams:
             offset += param.numel()
 
     def gather_whole(self, group: dist.ProcessGroup, members: list[int], rank: int, locals_: list[torch.Tensor],
-                     wait: Callable[[dist.Work], None]) -> list[torch.Tensor]:
+                     wait_all: Callable[[list[dist.Work]], None]) -> list[torch.Tensor]:
         """The whole tensors of ``locals_`` (each laid out as the parameter of the same index: this rank's
-        rows), from one ``all_to_all`` inside this rank's replica group: each rank sends its rows to its
-        group's ranks (itself included); a copy, no arithmetic."""
+        rows), from this rank's replica group alone: its rows sent to, and the others' received from, each
+        other rank of the group (gloo's send and recv on the epoch's group, so that only the group's ranks
+        take part: a forward of the loop's body is the group's collective, not the quorum's); a copy, no
+        arithmetic. ``wait_all``: waits for the sends and receives (gloo's say they are complete only once
+        waited for: ``collective.wait_all``)."""
         first = rank - self.shard
-        peers = range(first, first + self.group_size)
         mine = torch.cat([local.detach().reshape(-1) for local in locals_])
-        receive_sizes = [sum(shard_numel(self.shapes[i], self.group_size, peer - first) for i in self.indices(locals_))
-                         if peer in peers else 0 for peer in members]
-        send_sizes = [mine.numel() if peer in peers else 0 for peer in members]
-        receive = torch.empty(sum(receive_sizes), dtype=mine.dtype)
-        wait(group.alltoall_base(receive, mine.repeat(self.group_size), receive_sizes, send_sizes,
-                                 dist.AllToAllOptions()))
-        shards = dict(zip(members, receive.split(receive_sizes)))
+        shards = {rank: mine}
+        works = []
+        for peer in range(first, first + self.group_size):
+            if peer == rank:
+                continue
+            shards[peer] = torch.empty(sum(shard_numel(self.shapes[i], self.group_size, peer - first)
+                                           for i in self.indices(locals_)), dtype=mine.dtype)
+            works.append(group.send([mine], members.index(peer), GATHER_TAG))
+            works.append(group.recv([shards[peer]], members.index(peer), GATHER_TAG))
+        wait_all(works)
         offsets = [0] * self.group_size
         wholes = []
         for index in self.indices(locals_):
@@ -114,11 +124,15 @@ class ShardedParams:
             raise ValueError(f"{len(locals_)} tensors for {len(self.params)} parameters")
         return range(len(locals_))
 
+    @property
+    def is_whole(self) -> bool:
+        return bool(self.local)
+
     def unshard(self, group: dist.ProcessGroup, members: list[int], rank: int,
-                wait: Callable[[dist.Work], None]) -> None:
+                wait_all: Callable[[list[dist.Work]], None]) -> None:
         """Makes every parameter whole for a step's forwards and backwards (``gather_whole``). On a failure
         the parameters stay the local rows."""
-        wholes = self.gather_whole(group, members, rank, [param.data for param in self.params], wait)
+        wholes = self.gather_whole(group, members, rank, [param.data for param in self.params], wait_all)
         self.local = [param.data for param in self.params]
         for param, whole in zip(self.params, wholes):
             param.data = whole
@@ -131,7 +145,7 @@ class ShardedParams:
 
     @contextlib.contextmanager
     def whole(self, group: dist.ProcessGroup, members: list[int], rank: int, optimizer: torch.optim.Optimizer,
-              wait: Callable[[dist.Work], None]) -> Iterator[None]:
+              wait_all: Callable[[list[dist.Work]], None]) -> Iterator[None]:
         """The parameters and the optimizer state whole inside the block (a durable save or resume:
         ``live.durable``, through ``torch.distributed.checkpoint``'s state dicts, which key a tensor by
         its parameter's name). On leaving, each keeps this rank's rows of whatever it holds then: the same
@@ -141,9 +155,9 @@ class ShardedParams:
         present = [name for name in names if all(name in optimizer.state.get(param, {}) for param in self.params)]
         if present != names:
             raise ValueError(f"optimizer state {sorted(set(names) - set(present))} is missing for some parameters")
-        wholes = [self.gather_whole(group, members, rank, [optimizer.state[param][name] for param in self.params], wait)
+        wholes = [self.gather_whole(group, members, rank, [optimizer.state[param][name] for param in self.params], wait_all)
                   for name in names]
-        self.unshard(group, members, rank, wait)
+        self.unshard(group, members, rank, wait_all)
         for name, tensors in zip(names, wholes):
             for param, tensor in zip(self.params, tensors):
                 optimizer.state[param][name] = tensor

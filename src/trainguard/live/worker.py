@@ -214,9 +214,12 @@ class LiveWorker:
         # (group_reduce); whole replicas sum one row per micro-batch (ordered_sum): the same fixed tree
         self.layout = SlotLayout(args.world // args.group_size, args.group_size, args.micro_batches)
         self.params = None
+        self.forward_gathered = False  # the parameters were gathered for a forward outside a step
         if args.group_size > 1:
             self.layout.check()
             self.params = ShardedParams(model, args.group_size, rank)
+            model.register_forward_pre_hook(self.gather_for_forward)  # the loop body's forward, between steps
+            model.register_forward_hook(self.free_after_forward)
         self.log = logging.getLogger(LOGGER_NAME)
         self.guards = LiveGuards(StepSkips(rules.skip, rules.max_consecutive_skips, self.log, self.events.emit,
                                            reports=self.reports))
@@ -295,6 +298,9 @@ class LiveWorker:
     def wait(self, work: dist.Work) -> None:
         collective.wait(work, self.store, self.quorum.epoch, self.beat)
 
+    def wait_all(self, works: list[dist.Work]) -> None:
+        collective.wait_all(works, self.store, self.quorum.epoch, self.beat)
+
     def beat(self) -> None:
         now = time.monotonic()
         if now - self.last_beat >= BEAT_S:
@@ -315,7 +321,7 @@ class LiveWorker:
             mine = exchange.my_micro_batches()
             # the stall watch's marks span the step's collectives, from the first (this one) to the norm's
             self.reduce_marks.entering(quorum.epoch, step, self.beat)
-            self.params.unshard(self.group, quorum.members, self.rank, self.wait)
+            self.params.unshard(self.group, quorum.members, self.rank, self.wait_all)
         computed = {}  # micro-batch -> its gradient, then its share of the loss (a -0.0 made +0.0: ordered_sum)
         try:
             for micro_batch in mine:
@@ -400,7 +406,19 @@ class LiveWorker:
         """The model and optimizer whole (for the durable tier): a sharded group's exchange, or nothing."""
         if self.params is None:
             return contextlib.nullcontext()
-        return self.params.whole(self.group, self.quorum.members, self.rank, self.optimizer, self.wait)
+        return self.params.whole(self.group, self.quorum.members, self.rank, self.optimizer, self.wait_all)
+
+    def gather_for_forward(self, module: torch.nn.Module, args: object) -> None:
+        """Between steps the parameters are rows: a forward there (the loop's body) gathers them first,
+        from this rank's group (its ranks all make that forward); a step's own forwards find them whole."""
+        if not self.params.is_whole:
+            self.params.unshard(self.group, self.quorum.members, self.rank, self.wait_all)
+            self.forward_gathered = True
+
+    def free_after_forward(self, module: torch.nn.Module, args: object, output: object) -> None:
+        if self.forward_gathered:
+            self.forward_gathered = False
+            self.params.reshard()
 
     def sharded_norm(self, grads: list[torch.Tensor]) -> float:
         """The step's global norm from sharded gradients: each rank's squared sum (float64), gathered over

@@ -30,6 +30,11 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
 
 
+def _wait_all(works) -> None:
+    for work in works:
+        work.wait()
+
+
 def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
 
@@ -59,14 +64,14 @@ def test_unshard_reshard_and_a_sharded_update_equal_the_unsharded_ones_bitwise()
         model = models[rank]
         params = ShardedParams(model, 2, rank)
         opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.01)
-        params.unshard(group, [0, 1], rank, lambda work: work.wait())
+        params.unshard(group, [0, 1], rank, _wait_all)
         unsharded = copy.deepcopy(model.state_dict())
         params.reshard()
         flat = torch.cat([grad.reshape(-1) for grad in grads])
         params.set_grads(params.shard_flat(flat, rank))
         opt.step()
         sharded = copy.deepcopy(_state(model, opt))
-        with params.whole(group, [0, 1], rank, opt, lambda work: work.wait()):
+        with params.whole(group, [0, 1], rank, opt, _wait_all):
             saved = copy.deepcopy(_state(model, opt))  # what a durable save sees: the whole state
         return {"unsharded": unsharded, "sharded": sharded, "saved": saved, "after": _state(model, opt)}
 

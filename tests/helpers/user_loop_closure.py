@@ -1,7 +1,7 @@
 """examples/user_loop_live.py's training in the closure mode (``Guard.step(closure)``), one process: the
 same model, data, dropout draws and configuration file with ``fault_tolerance.live`` off, each step's
-global batch (``train.micro_batches`` micro-batches) accumulated in micro-batch order as the live mode
-sums it. For comparing the two modes' guard verdicts on the same gradients.
+global batch (``train.micro_batches`` micro-batches) summed by the live mode's fixed tree over micro-batch
+indices (``live.group_reduce.tree_sum``). For comparing the two modes' guard verdicts on the same gradients.
 
     python tests/helpers/user_loop_closure.py --config FILE --run-dir DIR [--set KEY=VALUE ...]
 """
@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import trainguard
+from trainguard.live.group_reduce import tree_sum
 from trainguard.live.rng import micro_batch_rng
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "user_loop_live.py"
@@ -37,14 +38,18 @@ def main(argv: list[str]) -> int:
     step = guard.resume()
     while not guard.should_stop(step, guard.config.train.steps):
         def closure(data_step: int = step) -> torch.Tensor:  # the live mode's step index: counted from 0
-            loss = torch.zeros(())
+            shares, grads = [], []
             for micro_batch in range(micro_batches):
+                model.zero_grad(set_to_none=True)
                 inputs, labels = example["batch"](data_step, micro_batch, micro_batches)
                 with micro_batch_rng(seed, data_step, micro_batch):
                     share = F.cross_entropy(model(inputs), labels) / micro_batches
                     share.backward()
-                loss += share.detach()
-            return loss
+                shares.append(share.detach().reshape(1) + 0.0)  # a -0.0 made +0.0, as live mode does
+                grads.append([param.grad + 0.0 for param in model.parameters()])
+            for index, param in enumerate(model.parameters()):  # live mode's fixed tree over micro-batches
+                param.grad = tree_sum([grad[index] for grad in grads])
+            return tree_sum(shares)[0]
 
         step = guard.step(closure).step
     return guard.close()

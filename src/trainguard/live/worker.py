@@ -5,9 +5,11 @@ The model, the optimizer and the loss of one micro-batch are the user's (``train
 the engine of ``trainguard.Guard``'s live mode, hands them in; the drill's ``workload`` is one such
 user); the rank's place in the run comes from the launcher's arguments (``LiveArgs``).
 
-Each step: compute this member's micro-batches (``ordered_sum``), one all-reduce that also carries
-the step's loss, the "a newer epoch exists" flag and each rank's stop reasons (the lifecycle's: kill
-switch, signal, time limit), keep the state of before the update (the one step a survivor may have to
+Each step: compute this member's micro-batches (with sharded replica groups, on parameters gathered
+from the group's rows), one sum (``ordered_sum``'s all-reduce for whole replicas, ``group_reduce``'s two
+exchanges for sharded groups) that also carries the step's loss, the "a newer epoch exists" flag, each
+rank's stop reasons (the lifecycle's: kill switch, signal, time limit) and each micro-batch's SDC
+detection values, keep the state of before the update (the one step a survivor may have to
 undo, below), judge the summed gradient with the closure mode's guards (``step_guards``: data skip, a
 non-finite norm, the skip streak; the drill's gradient faults first; SDC detection with its rerun,
 ``live/sdc.py``, on values every member holds alike after the sum), apply the update unless it is

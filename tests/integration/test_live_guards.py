@@ -9,8 +9,8 @@ threshold:
   replay (``guards.skip.replay_steps``), and so does the same run with rank 3 SIGKILLed between the two
   (its group rejoins with the guards' state); the same script in the closure mode
   (``helpers/user_loop_closure.py``, the same gradients summed by the same tree) measures every step's
-  loss bitwise as live mode does, its norm within 1e-6 (live mode's groups shard the parameters and sum
-  the norm from each shard's rows), and skips the same steps;
+  loss bitwise as live mode does, its norm within 1e-6 (live mode sums the norm's squares by rows, the
+  same for any layout; the closure mode by parameter), and skips the same steps;
 - a spike at every step from 3 with ``count_threshold: 2``: every rank aborts at step 4 with the
   reference's line, exit 3, and no rank is replaced;
 - ``train.exit_at_step: 6``: the quorum saves step 6 and ends with exit 0; the same command without it
@@ -140,7 +140,7 @@ def test_the_closure_mode_skips_the_same_steps_on_the_same_gradients(root, spike
                           env=worker_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     _ok(done)
     # every step's loss bitwise the live run's (the micro-batches summed by the same tree), its norm
-    # within 1e-6 (live: squared sums of each shard's rows; closure: of whole parameters), every verdict alike
+    # within 1e-6 (live: float64 squares summed by rows; closure: by parameter), every verdict alike
     def verdicts(events: list[dict], first: int) -> list[tuple]:
         return [(e["step"] + first, e["loss"], e["skipped"]) for e in events]
 

@@ -9,8 +9,9 @@ threshold:
   replay (``guards.skip.replay_steps``), and so does the same run with rank 3 SIGKILLed between the two
   (its group rejoins with the guards' state); the same script in the closure mode
   (``helpers/user_loop_closure.py``, the same gradients summed by the same tree) measures every step's
-  loss bitwise as live mode does, its norm within 1e-6 (live mode's groups shard the parameters and sum
-  the norm from each shard's rows), and skips the same steps;
+  loss and norm within 1e-5 of live mode's (live mode sums the norm's squares by rows, the same for any
+  layout, the closure mode by parameter: the clip's factor, and so the trajectory, differ in the last
+  bits), and skips the same steps;
 - a spike at every step from 3 with ``count_threshold: 2``: every rank aborts at step 4 with the
   reference's line, exit 3, and no rank is replaced;
 - ``train.exit_at_step: 6``: the quorum saves step 6 and ends with exit 0; the same command without it
@@ -139,19 +140,20 @@ def test_the_closure_mode_skips_the_same_steps_on_the_same_gradients(root, spike
                            str(closure_dir), "--set", FAULTS.replace("; ", ";")],
                           env=worker_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     _ok(done)
-    # every step's loss bitwise the live run's (the micro-batches summed by the same tree), its norm
-    # within 1e-6 (live: squared sums of each shard's rows; closure: of whole parameters), every verdict alike
+    # every step's verdict the live run's, its loss and norm within 1e-5 (the first step's loss bitwise:
+    # the micro-batches summed by the same tree; then the clip's factor differs in the last bits, live
+    # mode's norm summed by rows, the closure mode's by parameter)
     def verdicts(events: list[dict], first: int) -> list[tuple]:
-        return [(e["step"] + first, e["loss"], e["skipped"]) for e in events]
-
-    def norms(events: list[dict]) -> list[float]:
-        return [e["global_norm"] for e in events]
+        return [(e["step"] + first, e["skipped"]) for e in events]
 
     closure_steps = _events(closure_dir, "step")
     live_steps = [e for e in _events(run_dir, "live_step") if e["rank"] == 0]
     assert verdicts(closure_steps, 0) == verdicts(live_steps, 1) and len(live_steps) == STEPS
-    for closure_norm, live_norm in zip(norms(closure_steps), norms(live_steps)):
-        assert (math.isnan(closure_norm) and math.isnan(live_norm)) or live_norm == pytest.approx(closure_norm, rel=1e-6)
+    assert closure_steps[0]["loss"] == live_steps[0]["loss"]
+    for closure, live in zip(closure_steps, live_steps):
+        for key in ("loss", "global_norm"):  # a NaN is written as its text
+            expected, found = float(closure[key]), float(live[key])
+            assert (math.isnan(expected) and math.isnan(found)) or found == pytest.approx(expected, rel=1e-5), key
     assert [e["step"] for e in _events(closure_dir, "data_skip")] == SKIPPED
 
 

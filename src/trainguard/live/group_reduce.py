@@ -136,6 +136,15 @@ class Exchange:
         return [m for group in self.my_groups() for m in self.layout.slot_micro_batches(group, self.shard)]
 
 
+def elements_received(layout: SlotLayout, shard_length: int, live_groups: Sequence[int], group: int) -> int:
+    """The gradient elements (each shard with its loss) a rank of live group ``group`` receives from the
+    others in one step's two exchanges, for a shard of ``shard_length`` elements (the flags left out)."""
+    taken = layout.responsibilities(live_groups)
+    stage_1 = (layout.group_size - 1) * len(taken[group]) * (shard_length + 1)
+    stage_2 = sum(len(taken[other]) for other in taken if other != group) * (shard_length + 1)
+    return stage_1 + stage_2
+
+
 def reduce_sharded(group: dist.ProcessGroup, exchange: Exchange, slots: dict[int, torch.Tensor],
                    shard_of: Callable[[torch.Tensor, int], torch.Tensor], shard_length: int, flags: Sequence[int],
                    wait: Callable[[dist.Work], None], extras: torch.Tensor | None = None) -> StepSum:

@@ -20,6 +20,7 @@ from a live replica of its shard, ``transfer.send_shards``, and what a final sta
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 
 import torch
@@ -40,6 +41,20 @@ def shard_numel(shape: torch.Size, shards: int, shard: int) -> int:
 
 
 GATHER_TAG = 7  # the tag of a group's gathers on the epoch's group (the reduction uses collectives only)
+
+
+def row_squares(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's squared L2 norm per dim-0 row, in float64: a row is the unit every shard holds
+    whole, so these do not depend on the layout."""
+    squares = [tensor.detach().double().square() for tensor in tensors]
+    return [square.flatten(1).sum(dim=1) if square.dim() > 1 else square for square in squares]
+
+
+def norm_by_rows(squares: list[torch.Tensor]) -> float:
+    """The global norm from every parameter's row squares (``row_squares`` of whole tensors, in parameter
+    order): one float64 sum of one vector, the same whatever the layout that computed it (whole replicas
+    or sharded groups), so clipping and the guards see the same norm bit for bit."""
+    return math.sqrt(float(torch.cat(squares).sum()))
 
 
 class ShardedParams:
@@ -89,13 +104,15 @@ class ShardedParams:
             offset += param.numel()
 
     def gather_whole(self, group: dist.ProcessGroup, members: list[int], rank: int, locals_: list[torch.Tensor],
-                     wait_all: Callable[[list[dist.Work]], None]) -> list[torch.Tensor]:
+                     wait_all: Callable[[list[dist.Work]], None],
+                     shapes: list[torch.Size] | None = None) -> list[torch.Tensor]:
         """The whole tensors of ``locals_`` (each laid out as the parameter of the same index: this rank's
-        rows), from this rank's replica group alone: its rows sent to, and the others' received from, each
+        rows of a tensor of ``shapes[i]``, the parameter's shape by default), from this rank's replica group alone: its rows sent to, and the others' received from, each
         other rank of the group (gloo's send and recv on the epoch's group, so that only the group's ranks
         take part: a forward of the loop's body is the group's collective, not the quorum's); a copy, no
         arithmetic. ``wait_all``: waits for the sends and receives (gloo's say they are complete only once
         waited for: ``collective.wait_all``)."""
+        shapes = self.shapes if shapes is None else shapes
         first = rank - self.shard
         mine = torch.cat([local.detach().reshape(-1) for local in locals_])
         shards = {rank: mine}
@@ -103,7 +120,7 @@ class ShardedParams:
         for peer in range(first, first + self.group_size):
             if peer == rank:
                 continue
-            shards[peer] = torch.empty(sum(shard_numel(self.shapes[i], self.group_size, peer - first)
+            shards[peer] = torch.empty(sum(shard_numel(shapes[i], self.group_size, peer - first)
                                            for i in self.indices(locals_)), dtype=mine.dtype)
             works.append(group.send([mine], members.index(peer), GATHER_TAG))
             works.append(group.recv([shards[peer]], members.index(peer), GATHER_TAG))
@@ -113,11 +130,18 @@ class ShardedParams:
         for index in self.indices(locals_):
             pieces = []
             for shard in range(self.group_size):
-                count = shard_numel(self.shapes[index], self.group_size, shard)
+                count = shard_numel(shapes[index], self.group_size, shard)
                 pieces.append(shards[first + shard][offsets[shard]:offsets[shard] + count])
                 offsets[shard] += count
-            wholes.append(torch.cat(pieces).view(self.shapes[index]))
+            wholes.append(torch.cat(pieces).view(shapes[index]))
         return wholes
+
+    def whole_norm(self, group: dist.ProcessGroup, members: list[int], rank: int, grads: list[torch.Tensor],
+                   wait_all: Callable[[list[dist.Work]], None]) -> float:
+        """``norm_by_rows`` of the whole gradient from this rank's rows of it (``grads``, one per
+        parameter): each rank's row squares gathered inside the group, bitwise a whole replica's."""
+        rows = [torch.Size([shape[0]]) for shape in self.shapes]
+        return norm_by_rows(self.gather_whole(group, members, rank, row_squares(grads), wait_all, rows))
 
     def indices(self, locals_: list[torch.Tensor]) -> range:
         if len(locals_) != len(self.params):

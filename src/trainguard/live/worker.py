@@ -5,10 +5,11 @@ The model, the optimizer and the loss of one micro-batch are the user's (``train
 the engine of ``trainguard.Guard``'s live mode, hands them in; the drill's ``workload`` is one such
 user); the rank's place in the run comes from the launcher's arguments (``LiveArgs``).
 
-Each step: compute this member's micro-batches (with sharded replica groups, on parameters gathered
-from the group's rows), one sum (``ordered_sum``'s all-reduce for whole replicas, ``group_reduce``'s two
-exchanges for sharded groups) that also carries the step's loss, the "a newer epoch exists" flag, each
-rank's stop reasons (the lifecycle's: kill switch, signal, time limit) and each micro-batch's SDC
+Each step: compute this member's micro-batches, their fixed-order sum over the quorum (replica groups
+of several ranks: parameters gathered from the group's row shards first, ``sharded_params``, and the
+group reduce-scatter plus cross-group sum of ``group_reduce``; whole replicas: one all-reduce of a row
+per micro-batch, ``ordered_sum``), which also carries the step's loss, the "a newer epoch exists" flag,
+each rank's stop reasons (the lifecycle's: kill switch, signal, time limit) and each micro-batch's SDC
 detection values, keep the state of before the update (the one step a survivor may have to
 undo, below), judge the summed gradient with the closure mode's guards (``step_guards``: data skip, a
 non-finite norm, the skip streak; the drill's gradient faults first; SDC detection with its rerun,
@@ -30,7 +31,6 @@ import copy
 import dataclasses
 import json
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -66,14 +66,14 @@ from trainguard.live.quorum import (NO_STATE, STOP, STOPPED, Quorum, beat_key, d
 from trainguard.live.probe import PeerProbe
 from trainguard.live.rng import micro_batch_rng
 from trainguard.live.shards import shard_of
-from trainguard.live.sharded_params import ShardedParams
+from trainguard.live.sharded_params import ShardedParams, norm_by_rows, row_squares
 from trainguard.live.stall import ReduceMarks
 from trainguard.live.fingerprint import LiveFingerprints
 from trainguard.live.sdc import CLEAN, LiveSdc
 from trainguard.live.step_guards import LiveGuards
 from trainguard.live.transfer import load_state, send_shards, state_of
 from trainguard.live.files import checkpoint_path, events_path, final_path
-from trainguard.norms.global_norm import clip_grads_, local_sq_sum
+from trainguard.norms.global_norm import clip_grads_
 from trainguard.runtime.lifecycle import (DEADLINE, EXIT_CODES, KILL_SWITCH, NONE, REASON_NAMES, SIGNAL, Lifecycle,
                                           LifecycleConfig)
 from trainguard.runtime.outcome import RunOutcome, stop_outcome
@@ -189,13 +189,6 @@ def set_whole_grads(model: torch.nn.Module, flat: torch.Tensor) -> None:
     for p in model.parameters():
         p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
         offset += p.numel()
-
-
-def global_norm(grads: list[torch.Tensor]) -> float:
-    """The step's global gradient norm as ``Guard.step`` measures it: summed in float64 from the
-    per-parameter norms. After the order-fixed sum every rank holds the whole gradient of the step, so
-    the norm needs no collective and is every rank's alike."""
-    return math.sqrt(local_sq_sum(grads, 1, grads[0].device).item())
 
 
 def set_lr(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, updates: int) -> None:
@@ -479,8 +472,11 @@ class LiveWorker:
         return self.layout.computed_by(exchange.live_groups())
 
     def norm(self, grads: list[torch.Tensor]) -> float:
-        """The step's global norm, every member's alike: of the whole gradient, or from the shards'."""
-        return global_norm(grads) if self.params is None else self.sharded_norm(grads)
+        """The step's global norm by rows (``sharded_params.norm_by_rows``), every member's alike and bitwise
+        the same for any layout: of the whole gradient, or from the rows' squares gathered in the group."""
+        if self.params is None:
+            return norm_by_rows(row_squares(grads))
+        return self.params.whole_norm(self.group, self.quorum.members, self.rank, grads, self.wait_all)
 
     def whole_state(self) -> contextlib.AbstractContextManager[None]:
         """The model and optimizer whole (for the durable tier): a sharded group's exchange, or nothing."""
@@ -499,13 +495,6 @@ class LiveWorker:
         if self.forward_gathered:
             self.forward_gathered = False
             self.params.reshard()
-
-    def sharded_norm(self, grads: list[torch.Tensor]) -> float:
-        """The step's global norm from sharded gradients: each rank's squared sum (float64), gathered over
-        the epoch, added in shard order from this rank's group (every group's shards are equal), so every
-        member finds the same."""
-        mine = local_sq_sum(grads, 1, grads[0].device).reshape(1)
-        return math.sqrt(sum(float(shard) for shard in self.over_shards(mine)))
 
     def over_shards(self, mine: torch.Tensor) -> torch.Tensor:
         """``mine`` of every shard of this rank's replica group, ``[group_size, *mine.shape]`` in shard order:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers.gloo_threads import run_ranks
-from trainguard.live.group_reduce import Exchange, SlotLayout, reduce_sharded, tree_sum
+from trainguard.live.group_reduce import Exchange, SlotLayout, elements_received, reduce_sharded, tree_sum
 
 
 def _leaves(count: int, length: int = 7, seed: int = 0) -> list[torch.Tensor]:
@@ -101,3 +101,11 @@ def test_the_exchange_gives_each_shard_the_whole_trees_sum_bitwise_with_or_witho
         assert summed.loss == loss and summed.flags == [len(members), sum(members)], member
         assert summed.extras.numpy().tobytes() == expected_extras.numpy().tobytes(), member
         assert sorted(computed) == [m for m, owner in enumerate(owners) if owner == member], member
+
+
+def test_the_elements_received_per_step_follow_the_layout():
+    """Stage 1: a shard of each slot the group computes, from each other rank of the group; stage 2: a
+    shard of each group partial, from the same shard of each other live group (each shard with its loss)."""
+    assert elements_received(SlotLayout(2, 2, 8), 3, [0, 1], 0) == 1 * 1 * 4 + 1 * 4
+    assert elements_received(SlotLayout(2, 2, 8), 3, [0], 0) == 1 * 2 * 4  # the lost group's slots too
+    assert elements_received(SlotLayout(4, 2, 8), 3, [0, 1], 1) == 1 * 2 * 4 + 2 * 4  # groups 3 and 2 dealt

@@ -12,7 +12,7 @@ import torch
 
 from helpers.gloo_threads import run_ranks
 from trainguard.live.compare import bitwise_differences
-from trainguard.live.sharded_params import ShardedParams, chunk_rows
+from trainguard.live.sharded_params import ShardedParams, chunk_rows, norm_by_rows, row_squares
 from trainguard.live.shards import whole_state
 
 
@@ -89,3 +89,23 @@ def test_a_scalar_parameter_is_refused_naming_it():
     model.scale = torch.nn.Parameter(torch.tensor(1.0))
     with pytest.raises(ValueError, match="'scale' is a scalar"):
         ShardedParams(model, 2, 0)
+
+
+def test_the_norm_from_the_groups_rows_is_a_whole_replicas_bitwise_an_empty_shard_included():
+    """The global norm by rows (float64 squares of each dim-0 row, one sum in parameter order): from two
+    ranks' rows over a real gloo group, bit for bit the norm of the whole gradient, though shard 1 holds
+    nothing of the 1-row output layer."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 1))
+    generator = torch.Generator().manual_seed(2)
+    grads = [torch.randn(p.shape, generator=generator) * 10.0 ** torch.randint(-3, 4, p.shape, generator=generator)
+             for p in model.parameters()]
+    expected = norm_by_rows(row_squares(grads))
+    models = {rank: copy.deepcopy(model) for rank in range(2)}
+
+    def rank(group, rank: int) -> float:
+        params = ShardedParams(models[rank], 2, rank)
+        local = [params.rows(grad, params.shard) for grad in grads]
+        return params.whole_norm(group, [0, 1], rank, local, _wait_all)
+
+    assert run_ranks([0, 1], rank) == {0: expected, 1: expected}

@@ -9,13 +9,19 @@ layout, the steps, the global batch, the ``fault_tolerance`` keys and the drill 
 own (the same file) for ``Guard``, which applies the ``--set`` items on top (``TRAINGUARD_SET`` in the
 ranks' environment).
 
-What does not apply is refused before anything starts, one line: the supervisor's options, no
-``--nproc``, a configuration with live recovery off, and what ``cli.train_live.live_layout`` refuses.
+Under ``--launcher hosts`` (``--hosts``, ``--node-command``, as the supervisor takes them) the ranks run on
+those nodes (``on_hosts``, ``live.placement``) and the store listens on this machine's address on their
+network.
+
+What does not apply is refused before anything starts, one line: the supervisor's other options,
+``--launcher slurm``, no ``--nproc``, a configuration with live recovery off, and what
+``cli.train_live.live_layout`` refuses.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -23,10 +29,14 @@ from trainguard.cli.arguments import make_run_dir
 from trainguard.cli.train_live import live_layout, run_live
 from trainguard.config import load_config
 from trainguard.errors import ConfigError
+from trainguard.live.launcher import LiveRun
+from trainguard.live.placement import place
+from trainguard.runtime.hosts import HostNodes, address_toward, parse_hosts
 from trainguard.step.live import LAUNCHER_OVERRIDES_ENV
 from trainguard.trainer.arguments import resume_item
 
 LIVE_FLAGS = "--nproc, --config, --set and --resume"
+HOST_OPTIONS = ("launcher", "hosts", "node_command")  # the supervisor's options a live run takes: where its ranks run
 
 
 def run_command_live(args: argparse.Namespace, command: list[str], run_dir: Path) -> int:
@@ -45,5 +55,29 @@ def run_command_live(args: argparse.Namespace, command: list[str], run_dir: Path
         raise ConfigError("--kill-switch: a supervisor option; with fault_tolerance.live: true the live launcher "
                           "starts and replaces the ranks instead")
     ranks_set = ((LAUNCHER_OVERRIDES_ENV, json.dumps(args.overrides)),)  # the ranks' Guard applies them too
-    run = live_layout(args, config, source, executable=command[0], entry=tuple(command[1:]), rank_env=ranks_set)
-    return run_live(run, make_run_dir(run_dir))
+    run = live_layout(args, config, source, allowed=HOST_OPTIONS, executable=command[0], entry=tuple(command[1:]),
+                      rank_env=ranks_set)
+    return run_live(on_hosts(args, run), make_run_dir(run_dir))
+
+
+def on_hosts(args: argparse.Namespace, run: LiveRun) -> LiveRun:
+    """``run`` placed on the nodes of ``--hosts`` under ``--launcher hosts`` (``live.placement.place``: replica
+    group g on host g, the hosts after the groups' as spare nodes), each process started by ``--node-command``,
+    the store bound to this machine's address on the nodes' network; ``run`` itself under ``--launcher local``."""
+    if args.launcher == "slurm":
+        raise ConfigError("--launcher slurm: not available for a live run (fault_tolerance.live: true) yet; use "
+                          "--launcher local or --launcher hosts")
+    if args.launcher != "hosts":
+        if args.hosts or args.node_command:
+            raise ConfigError(f"--hosts and --node-command need --launcher hosts (not {args.launcher})")
+        return run
+    if not args.hosts or not args.node_command:
+        raise ConfigError("--launcher hosts needs --hosts NAME=ADDRESS,... and --node-command TEMPLATE")
+    hosts = HostNodes(parse_hosts(args.hosts), args.node_command)  # checks the template: one line at fault
+    try:
+        placement = place(hosts.names, run.groups, run.spares)
+    except ValueError as error:
+        raise ConfigError(f"--hosts {args.hosts!r}: {error} (parallel.dp_replicate = {run.groups})") from None
+    return dataclasses.replace(run, nodes=placement.nodes, spare_nodes=placement.spare_nodes,
+                               node_addresses=tuple(hosts.addresses.items()), node_command=args.node_command,
+                               store_host=address_toward(hosts.addresses[hosts.names[0]]))

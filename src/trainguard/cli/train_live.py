@@ -27,20 +27,22 @@ from trainguard.step.live import refuse_closure_mode_keys
 from trainguard.topology import resolve_layout
 from trainguard.trainer.arguments import config_arguments
 
-def refuse_supervisor_options(args: argparse.Namespace) -> None:
-    """One line naming the first supervisor option given: the live launcher starts and replaces the ranks."""
+def refuse_supervisor_options(args: argparse.Namespace, allowed: tuple[str, ...] = ()) -> None:
+    """One line naming the first supervisor option given but ``allowed``'s: the live launcher starts and
+    replaces the ranks."""
     for name, default in args.supervisor_defaults.items():
-        if getattr(args, name) != default:
+        if name not in allowed and getattr(args, name) != default:
             raise ConfigError(f"--{name.replace('_', '-')}: a supervisor option; with fault_tolerance.live: true the "
                               "live launcher starts and replaces the ranks instead")
 
 
-def live_layout(args: argparse.Namespace, config: RunConfig, source: str, **program: object) -> LiveRun:
+def live_layout(args: argparse.Namespace, config: RunConfig, source: str, allowed: tuple[str, ...] = (),
+                **program: object) -> LiveRun:
     """The live run of ``--nproc`` ranks the configuration describes, each running ``program`` (LiveRun's
     ``entry``, ``executable``), its drill the faults in force; or a ``ConfigError`` naming what the live
-    path does not do."""
+    path does not do (a supervisor option but ``allowed``'s)."""
     refuse_closure_mode_keys(config, source)
-    refuse_supervisor_options(args)
+    refuse_supervisor_options(args, allowed)
     layout = resolve_layout(config.parallel, args.nproc)
     config.parallel.dp_shard = layout.dp_shard  # the ranks of a replica group, derived from --nproc as usual
     return LiveRun.from_config(config, source, micro_batch_s=0.0, checkpoint_every=0, timeout_s=math.inf, **program)
@@ -59,8 +61,10 @@ def run_live(run: LiveRun, run_dir: Path) -> int:
     16 after a SIGTERM or the time limit, the quorum saved a step; 0 after the kill switch or
     ``train.exit_at_step``, saved too; 3 after a data-skip abort), or 1 with one line when a rank failed
     without being replaced."""
+    where = (f" on hosts {', '.join(run.nodes[:run.groups])}, spare nodes {', '.join(run.spare_nodes) or 'none'}, "
+             f"store at {run.store_host}" if run.nodes else "")
     print(f"trainguard: run directory {run_dir} (live recovery: {run.groups} replica groups of "
-          f"{run.group_size} ranks, {run.spares} spares)", flush=True)
+          f"{run.group_size} ranks, {run.spares} spares{where})", flush=True)
     resume = resume_point(run, run_dir)  # exit 4 (one line) when checkpoints exist and none qualifies
     if resume is not None:
         print(f"trainguard: live run resumes from {resume} (checkpoint.resume: {run.resume})", flush=True)

@@ -21,7 +21,8 @@ from pathlib import Path
 from trainguard.checkpoint.discovery import newest_committed
 from trainguard.config.schema import RunConfig
 from trainguard.errors import EXIT_DATA_SKIP_ABORT, ConfigError
-from trainguard.live.launcher import LiveRun, launch, resume_point
+from trainguard.live.launcher import LiveRun, resume_point
+from trainguard.live.supervise import supervise
 from trainguard.runtime.lifecycle import REASON_NAMES, SIGNAL
 from trainguard.step.live import refuse_closure_mode_keys
 from trainguard.topology import resolve_layout
@@ -70,7 +71,7 @@ def run_live(run: LiveRun, run_dir: Path) -> int:
         print(f"trainguard: live run resumes from {resume} (checkpoint.resume: {run.resume})", flush=True)
     run = dataclasses.replace(run, resume=str(resume) if resume is not None else "disable")  # chosen once
     try:
-        result = launch(run_dir, run)
+        result = supervise(run_dir, run)  # the launcher in a child process, started again if it dies
     except RuntimeError as error:
         print(f"trainguard: error: {error}", file=sys.stderr, flush=True)
         return 1

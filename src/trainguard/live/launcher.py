@@ -312,7 +312,7 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
     # that is not is ignored (live/signed_store.py); the store listens on the ranks' address alone
     store = SignedStore(serve_store(run.store_host, timedelta(seconds=60)), create_secret(run_dir))
     events = EventLog(events_path(run_dir), rank=-1)
-    events.emit("live_store", step=None, host=run.store_host, port=store.port)
+    events.emit("live_store", step=None, host=run.store_host, port=store.port, pid=os.getpid())
     if resume is not None:
         events.emit("live_resume", step=read_manifest(resume).step, path=str(resume))
     began = time.monotonic()

@@ -55,7 +55,7 @@ def run_argv(run_dir: Path, *options: str) -> list[str]:
     (("--nproc", "4", "--config", str(CONFIG), "--launcher", "hosts", "--hosts", "n1=127.0.0.1,n2=127.0.0.1",
       "--node-command", "env", "--node-timeout", "5"), "--node-timeout: a supervisor option"),
     (("--nproc", "4", "--config", str(CONFIG), "--launcher", "slurm"),
-     "--launcher slurm: not available for a live run (fault_tolerance.live: true) yet"),
+     "--launcher slurm: SLURM_JOB_NODELIST is not set (not inside a Slurm allocation)"),
 ])
 def test_what_does_not_apply_to_a_live_run_is_one_line_and_exit_2(tmp_path, capsys, options, line):
     assert main(run_argv(tmp_path / "run", *options)) == 2

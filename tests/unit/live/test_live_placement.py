@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from trainguard.cli.run import add_parser
-from trainguard.cli.run_live import on_hosts
+from trainguard.cli.run_live import on_nodes
 from trainguard.live.launcher import LiveRun, _spawn
 from trainguard.live.placement import Placement, place, replacement_node
 from trainguard.run_secret import ENV_SECRET
@@ -66,7 +66,7 @@ def test_launcher_hosts_places_the_groups_and_binds_the_store_on_the_nodes_netwo
     add_parser(parser.add_subparsers())
     args = parser.parse_args(["run", "--launcher", "hosts", "--hosts", "n1=127.0.0.1,n2=127.0.0.1,n3=127.0.0.1",
                               "--node-command", f"{sys.executable} -c pass {{node}}", "--", "python3", "x.py"])
-    run = on_hosts(args, LiveRun(groups=2, group_size=2, spares=1))
+    run = on_nodes(args, LiveRun(groups=2, group_size=2, spares=1))
     assert (run.nodes, run.spare_nodes) == (("n1", "n2", "n3"), ("n3",))
     assert run.node_addresses == (("n1", "127.0.0.1"), ("n2", "127.0.0.1"), ("n3", "127.0.0.1"))
     assert run.store_host == "127.0.0.1"  # the source address of the route to the first node

@@ -145,7 +145,7 @@ def test_final_state_is_bitwise_the_fault_free_one_and_no_sample_is_lost_or_repe
 
 # ------------------------------------------------------------ trainguard run --launcher hosts (issue 35)
 USER_STEPS = 40
-USER_SETS = [f"train.steps={USER_STEPS}", "fault_tolerance.hang_s=4"]
+USER_SETS = [f"train.steps={USER_STEPS}", "fault_tolerance.hang_s=4", "checkpoint.save_interval=10"]
 
 
 def _user_loop(run_dir: Path, *options: str) -> list[str]:
@@ -154,12 +154,34 @@ def _user_loop(run_dir: Path, *options: str) -> list[str]:
             *sets, "--", sys.executable, str(EXAMPLE)]
 
 
+def _on_hosts(netns, run_dir: Path, during) -> tuple[int, str]:
+    """The user loop through ``trainguard run --launcher hosts`` in the head namespace on n1 n2 (+ the spare
+    node n3), ``during()`` in a thread beside it; its exit code and output."""
+    helper = threading.Thread(target=during, daemon=True)
+    helper.start()
+    hosts = ",".join(f"{node}={netns.address(node)}" for node in NODES)
+    command = netns.on_head([sys.executable, "-m", "trainguard", *_user_loop(
+        run_dir, "--launcher", "hosts", "--hosts", hosts, "--node-command", netns.node_command())])
+    # output to a file: a stale rank of the cut node may hold a pipe open after the launcher ends
+    output_path = run_dir.parent / f"{run_dir.name}.out"
+    with open(output_path, "w") as output:
+        proc = subprocess.Popen(command, env=worker_env(GLOO_SOCKET_IFNAME="tg0"), stdout=output,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError(output_path.read_text()[-4000:]) from None
+    helper.join(timeout=5)
+    return code, output_path.read_text()
+
+
 @pytest.fixture(scope="module")
 def hosts_run(netns, tmp_path_factory):
-    """The user loop through ``trainguard run --launcher hosts`` on n1 n2 (+ spare node n3), n2's link cut
-    once rank 2 committed step CUT_AT and restored once the group left; and the same run fault-free, local."""
+    """n2's link cut once rank 2 committed step CUT_AT and restored once the group left; and the same run
+    fault-free, local."""
     root = tmp_path_factory.mktemp("live_hosts")
-    run_dir, seen = root / "cut", {}
+    run_dir, seen = root / "cut", {"head": netns.address(HEAD)}
 
     def cut_then_restore() -> None:
         _wait(run_dir, lambda e: e["kind"] == "live_step" and e["rank"] == 2 and e["step"] >= CUT_AT, timeout=180)
@@ -168,25 +190,10 @@ def hosts_run(netns, tmp_path_factory):
         _wait(run_dir, lambda e: e["kind"] == "live_quorum" and e["left"])
         netns.restore_link(CUT)
 
-    helper = threading.Thread(target=cut_then_restore, daemon=True)
-    helper.start()
-    hosts = ",".join(f"{node}={netns.address(node)}" for node in NODES)
-    command = netns.on_head([sys.executable, "-m", "trainguard", *_user_loop(
-        run_dir, "--launcher", "hosts", "--hosts", hosts, "--node-command", netns.node_command())])
-    # output to a file: a stale rank of the cut node may hold a pipe open after the launcher ends
-    with open(root / "output.txt", "w") as output:
-        proc = subprocess.Popen(command, env=worker_env(GLOO_SOCKET_IFNAME="tg0"), stdout=output,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code = proc.wait(timeout=300)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise AssertionError((root / "output.txt").read_text()[-4000:]) from None
-    helper.join(timeout=5)
+    code, output = _on_hosts(netns, run_dir, cut_then_restore)
     clean = trainguard(*_user_loop(root / "clean"), timeout=240)
     assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-3000:]
-    seen["head"] = netns.address(HEAD)
-    return run_dir, root / "clean", code, (root / "output.txt").read_text(), seen
+    return run_dir, root / "clean", code, output, seen
 
 
 def test_launcher_hosts_starts_each_group_on_its_node_and_replaces_a_cut_node_on_the_spare_node(hosts_run):
@@ -218,3 +225,29 @@ def test_launcher_hosts_ends_bitwise_equal_to_the_fault_free_run(hosts_run):
     assert run_differences(clean, run_dir, 4) == {}
     assert replica_differences(run_dir, 4, 2) == {}
     assert sample_problems(_events(run_dir), USER_STEPS, 8 * 8) == []
+
+
+def test_launcher_hosts_outlives_its_launchers_death_with_a_restart_from_the_newest_checkpoint(netns, hosts_run):
+    """No single point of failure across hosts: the launcher (store, lighthouse) SIGKILLed once step 12 is
+    committed; the ranks on n1 and n2 find the store gone and exit 18 (their node commands, reparented to
+    the command, with them), and the command restarts the run on the hosts from global_step_10, bitwise."""
+    _, clean, _, _, _ = hosts_run
+    run_dir = clean.parent / "launcher_lost"
+
+    def kill_the_launcher() -> None:
+        _wait(run_dir, lambda e: e["kind"] == "live_step" and e["step"] >= 12, timeout=180)
+        (store,) = _wait(run_dir, lambda e: e["kind"] == "live_store")
+        os.kill(store["pid"], signal.SIGKILL)
+
+    code, output = _on_hosts(netns, run_dir, kill_the_launcher)
+    assert code == 0, output[-4000:]
+    newest = run_dir / "checkpoints" / "global_step_10"
+    assert f"restarting the run from {newest}" in output, output[-4000:]
+    (lost,) = [e for e in _events(run_dir) if e["kind"] == "live_launcher_lost"]
+    assert list(lost["rank_exit_codes"].values()).count(18) == 4, lost  # each rank's node command: the rank's code
+    stores = [e for e in _events(run_dir) if e["kind"] == "live_store"]
+    assert len(stores) == 2 and stores[0]["pid"] != stores[1]["pid"] and stores[1]["host"] == netns.address(HEAD)
+    restarted = sorted((e["rank"], e["host"]) for e in _events(run_dir) if e["kind"] == "live_start"
+                       and e["time"] > lost["time"])
+    assert restarted == [(0, "n1"), (1, "n1"), (2, "n2"), (3, "n2")], restarted
+    assert run_differences(clean, run_dir, 4) == {}

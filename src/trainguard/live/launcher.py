@@ -306,7 +306,8 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
     if run.kill_switch is not None and Path(run.kill_switch).exists():  # as the closure mode's start: nothing loaded
         return _not_started(run_dir, run.kill_switch, read_manifest(resume).step if resume is not None else 0)
     # the time limit counts from the job's start for every rank, a replacement's too (as the supervisor's)
-    run = dataclasses.replace(run, rank_env=(*run.rank_env, (ENV_JOB_START, str(job_start_time()))))
+    if ENV_JOB_START not in dict(run.rank_env):  # a launcher started again keeps the job's first start
+        run = dataclasses.replace(run, rank_env=(*run.rank_env, (ENV_JOB_START, str(job_start_time()))))
     start_live_rank_server()  # before the store's threads
     # every value the run writes to its store is sealed with this launch's secret, and a value read back
     # that is not is ignored (live/signed_store.py); the store listens on the ranks' address alone

@@ -5,7 +5,7 @@ lives on and runs the lighthouse. Its death used to end the run. Here the comman
 (``trainguard run``/``train``) only supervises: it forks the launcher (``launch``) and waits. When the
 launcher dies without a result (killed, crashed), every rank finds the store gone at its next contact
 (at most a heartbeat, 50 ms, away), says so in one line and exits ``STORE_LOST_EXIT``; this process,
-the ranks' subreaper, reaps them (or SIGKILLs those still there after ``REAP_S``), then forks a new
+the ranks' subreaper while it supervises, reaps them (or SIGKILLs those still there after ``REAP_S``), then forks a new
 launcher that resumes from the newest verified durable checkpoint (``checkpoint.resume: auto``), with
 a new store, port and run secret (a stale rank cannot reach the new run). So the death costs the
 steps since that checkpoint and a restart of every rank, never the run; at most ``RESTARTS`` times.
@@ -51,18 +51,28 @@ def supervise(run_dir: Path, run: LiveRun) -> LiveResult:
         print("trainguard: warning: the live launcher runs unsupervised (this process has threads): its death "
               "ends the run", file=sys.stderr, flush=True)
         return launch(run_dir, run)
-    os.environ.setdefault(ENV_JOB_START, str(job_start_time()))  # the time limit counts from the first start
+    # the time limit counts from the first start, a restarted launcher's ranks' too
+    run = dataclasses.replace(run, rank_env=(*run.rank_env, (ENV_JOB_START, str(job_start_time()))))
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)  # the ranks of a dead launcher become this process's children
-    for restart in range(RESTARTS + 1):
+    try:
+        return _supervised(run_dir, run)
+    finally:  # a caller that goes on (a test, a library user) adopts no orphan of anything else
+        _prctl(_PR_SET_CHILD_SUBREAPER, 0)
+
+
+def _supervised(run_dir: Path, run: LiveRun) -> LiveResult:
+    restarts = 0
+    while True:
         outcome, code, lost_at = _launch_in_child(run_dir, run)
         if outcome is not None:
             kind, value = outcome
             if kind == "raise":
                 raise value
             return value
-        if restart == RESTARTS:
+        if restarts == RESTARTS:
             raise RuntimeError(f"the live launcher died {RESTARTS + 1} times (exit {code}); the newest durable "
                                f"checkpoint stays the resume point (--resume auto)")
+        restarts += 1
         ranks = _reap_orphans()
         run = dataclasses.replace(run, resume="auto")  # the newest checkpoint this run committed
         resume = resume_point(run, run_dir)
@@ -72,7 +82,6 @@ def supervise(run_dir: Path, run: LiveRun) -> LiveResult:
         events.close()
         print(f"trainguard: the live launcher (store, lighthouse) died (exit {code}); its processes ended "
               f"(exit codes {sorted(set(ranks.values()))}); restarting the run from {resume or 'step 0'}", flush=True)
-    raise AssertionError("unreachable")
 
 
 def _launch_in_child(run_dir: Path, run: LiveRun) -> tuple[tuple[str, object] | None, int, float]:

@@ -21,26 +21,17 @@ What does not apply is refused before anything starts, one line: the supervisor'
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from pathlib import Path
 
 from trainguard.cli.arguments import make_run_dir
-from trainguard.cli.train_live import live_layout, run_live
+from trainguard.cli.train_live import HOST_OPTIONS, live_layout, on_nodes, run_live
 from trainguard.config import load_config
 from trainguard.errors import ConfigError
-from trainguard.live.launcher import LiveRun
-from trainguard.live.placement import place
-from trainguard.runtime.hosts import HostNodes, address_toward, parse_hosts
-from trainguard.runtime.nodes import SlurmNodes
 from trainguard.step.live import LAUNCHER_OVERRIDES_ENV
 from trainguard.trainer.arguments import resume_item
 
 LIVE_FLAGS = "--nproc, --config, --set and --resume"
-HOST_OPTIONS = ("launcher", "hosts", "node_command")  # the supervisor's options a live run takes: where its ranks run
-# a rank on a node of the Slurm allocation: a job step of one task there, sharing the node's CPUs with the
-# others (``--overlap``); its end is the launcher's to judge (``--kill-on-bad-exit=0``)
-SLURM_STEP = "srun --nodes=1 --ntasks=1 --overlap --kill-on-bad-exit=0 --nodelist={node} --job-name=trainguard-live-{node}"
 
 
 def run_command_live(args: argparse.Namespace, command: list[str], run_dir: Path) -> int:
@@ -62,29 +53,3 @@ def run_command_live(args: argparse.Namespace, command: list[str], run_dir: Path
     run = live_layout(args, config, source, allowed=HOST_OPTIONS, executable=command[0], entry=tuple(command[1:]),
                       rank_env=ranks_set)
     return run_live(on_nodes(args, run), make_run_dir(run_dir))
-
-
-def on_nodes(args: argparse.Namespace, run: LiveRun) -> LiveRun:
-    """``run`` placed on other nodes (``live.placement.place``: replica group g on node g, the nodes after the
-    groups' as spare nodes), the store bound to this machine's address on their network: under ``--launcher
-    hosts`` the nodes of ``--hosts``, each process started by ``--node-command``; under ``--launcher slurm``
-    the allocation's nodes, each process one job step (``SLURM_STEP``); ``run`` itself under ``--launcher local``."""
-    if args.launcher != "hosts" and (args.hosts or args.node_command):
-        raise ConfigError(f"--hosts and --node-command need --launcher hosts (not {args.launcher})")
-    if args.launcher == "local":
-        return run
-    if args.launcher == "slurm":
-        slurm = SlurmNodes.from_environment()  # one line outside an allocation
-        addresses, template, given = {name: slurm.address(name) for name in slurm.names}, SLURM_STEP, "the allocation"
-    else:
-        if not args.hosts or not args.node_command:
-            raise ConfigError("--launcher hosts needs --hosts NAME=ADDRESS,... and --node-command TEMPLATE")
-        addresses = HostNodes(parse_hosts(args.hosts), args.node_command).addresses  # checks the template too
-        template, given = args.node_command, f"--hosts {args.hosts!r}"
-    try:
-        placement = place(list(addresses), run.groups, run.spares)
-    except ValueError as error:
-        raise ConfigError(f"{given}: {error} (parallel.dp_replicate = {run.groups})") from None
-    return dataclasses.replace(run, nodes=placement.nodes, spare_nodes=placement.spare_nodes,
-                               node_addresses=tuple(addresses.items()), node_command=template,
-                               store_host=address_toward(next(iter(addresses.values()))))

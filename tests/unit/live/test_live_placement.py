@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from trainguard.cli.run import add_parser
-from trainguard.cli.run_live import on_nodes
+from trainguard.cli.train_live import on_nodes
 from trainguard.live.launcher import LiveRun, _spawn
 from trainguard.live.placement import Placement, place, replacement_node
 from trainguard.run_secret import ENV_SECRET

@@ -18,6 +18,7 @@ ever), the launcher runs in it, unsupervised, as before, with a warning line.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import os
@@ -90,11 +91,12 @@ def _launch_in_child(run_dir: Path, run: LiveRun) -> tuple[tuple[str, object] | 
     read_end, write_end = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
+    supervisor = os.getpid()
     pid = os.fork()
     if pid == 0:
         os.close(read_end)
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() == 1:  # the supervisor died before the line above took effect
+        if os.getppid() != supervisor:  # the supervisor died before the line above took effect
             os._exit(1)
         try:
             outcome = ("return", launch(run_dir, run))
@@ -112,7 +114,11 @@ def _launch_in_child(run_dir: Path, run: LiveRun) -> tuple[tuple[str, object] | 
         sys.stderr.flush()
         os._exit(0)
     os.close(write_end)
-    previous = {sig: signal.signal(sig, lambda signum, frame: os.kill(pid, signum)) for sig in STOP_SIGNALS}
+    def pass_on(signum: int, frame) -> None:
+        with contextlib.suppress(ProcessLookupError):  # it has just ended
+            os.kill(pid, signum)
+
+    previous = {sig: signal.signal(sig, pass_on) for sig in STOP_SIGNALS}
     try:
         with os.fdopen(read_end, "rb") as pipe:
             data = pipe.read()  # until the launcher wrote its outcome and exited, or died

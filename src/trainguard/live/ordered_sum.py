@@ -10,6 +10,10 @@ the sum is bitwise the one of a fault-free run. The cost is ``micro_batches`` gr
 step instead of one (fine for this drill's model; at scale a fixed reduction tree over the
 micro-batches would replace the gather, see docs/live_recovery.md).
 
+Beside the rows travel, exactly as they do, ``extras``: a few values per micro-batch (the SDC detection
+points' statistics of that micro-batch, ``live/sdc.py``), zeros where a rank did not compute it, so every
+rank gets every micro-batch's values bitwise as the rank that computed it measured them.
+
 Trailing elements carry flags, each summed over the ranks: the number of ranks that saw a newer epoch
 in the store, and the number that saw a stop asked for (the launcher's SIGTERM), so every rank learns
 from the same collective that the quorum changes, or that the run stops, at the next step boundary.
@@ -28,13 +32,19 @@ def my_micro_batches(micro_batches: int, members: int, index: int) -> list[int]:
 
 
 def reduce_rows(group: dist.ProcessGroup, rows: torch.Tensor, flags: Sequence[int],
-                wait: Callable[[dist.Work], None]) -> tuple[torch.Tensor, list[int]]:
-    """The summed gradient (rows added in index order) and each flag's count over the world;
+                wait: Callable[[dist.Work], None],
+                extras: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
+    """The summed gradient (rows added in index order), each flag's count over the world and the
+    ``[micro_batches, K]`` extras, each micro-batch's as its rank gave them (None without);
     ``wait`` waits for the all-reduce (``collective.wait`` bound to the epoch)."""
-    flat = torch.cat([(rows + 0.0).flatten(), torch.tensor([float(flag) for flag in flags], dtype=rows.dtype)])
+    parts = [(rows + 0.0).flatten()]
+    if extras is not None:
+        parts.append((extras.to(rows.dtype) + 0.0).flatten())
+    flat = torch.cat([*parts, torch.tensor([float(flag) for flag in flags], dtype=rows.dtype)])
     wait(group.allreduce([flat]))
-    summed = flat[:-len(flags)].view_as(rows)
+    summed = flat[:rows.numel()].view_as(rows)
     total = summed[0].clone()
     for row in summed[1:]:
         total += row
-    return total, [int(count) for count in flat[-len(flags):].tolist()]
+    carried = None if extras is None else flat[rows.numel():rows.numel() + extras.numel()].view(extras.shape).clone()
+    return total, [int(count) for count in flat[-len(flags):].tolist()], carried

@@ -28,6 +28,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.events import EventLog
 from trainguard.events.rank_logging import setup_logging
+from trainguard.guards.sdc import FaultyDeviceError
 from trainguard.guards.skip import DataSkipAbort
 from trainguard.live.files import events_path
 from trainguard.live.quorum import spare_failed_key, spare_key, spare_ready_key, wait_for
@@ -101,6 +102,10 @@ class LiveRank:
                   f"exiting {STORE_LOST_EXIT}: the run restarts from its newest durable checkpoint", file=sys.stderr,
                   flush=True)
             self.exit_code = STORE_LOST_EXIT
+            return
+        except FaultyDeviceError as faulty:  # this rank alone: the others go on, its group leaves (live/sdc.py)
+            print(f"trainguard: error: [rank {rank}] {faulty}", file=sys.stderr, flush=True)
+            self.exit_code = faulty.exit_code
             return
         except DataSkipAbort as abort:  # every member judged the same sum: all abort at this step
             if worker.reports() or not abort.every_rank_raises:

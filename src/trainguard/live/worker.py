@@ -9,7 +9,8 @@ Each step: compute this member's micro-batches (``ordered_sum``), one all-reduce
 the step's loss, the "a newer epoch exists" flag and each rank's stop reasons (the lifecycle's: kill
 switch, signal, time limit), keep the state of before the update (the one step a survivor may have to
 undo, below), judge the summed gradient with the closure mode's guards (``step_guards``: data skip, a
-non-finite norm, the skip streak; the drill's gradient faults first), apply the update unless it is
+non-finite norm, the skip streak; the drill's gradient faults first; SDC detection with its rerun,
+``live/sdc.py``, on values every member holds alike after the sum), apply the update unless it is
 skipped, and stop at this boundary with a durable save if any rank saw a reason, or at
 ``train.exit_at_step``. A failed collective means the epoch is over: the rank reports
 the last step it committed and waits for the lighthouse's next epoch. A member that finished the
@@ -47,6 +48,8 @@ from trainguard.events.rank_logging import LOGGER_NAME
 from trainguard.faults import FaultInjector
 from trainguard.faults.spec import FaultSpec
 from trainguard.fs.fsio import atomic_write_bytes
+from trainguard.guards.fingerprint import FingerprintConfig
+from trainguard.guards.sdc import SdcConfig
 from trainguard.guards.skip import SkipConfig
 from trainguard.guards.skip_streak import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from trainguard.guards.step_skips import StepSkips
@@ -60,6 +63,8 @@ from trainguard.live.probe import PeerProbe
 from trainguard.live.rng import micro_batch_rng
 from trainguard.live.shards import ShardedUpdate
 from trainguard.live.stall import ReduceMarks
+from trainguard.live.fingerprint import LiveFingerprints
+from trainguard.live.sdc import CLEAN, LiveSdc
 from trainguard.live.step_guards import LiveGuards
 from trainguard.live.transfer import load_state, send_shards, state_of
 from trainguard.live.files import checkpoint_path, events_path, final_path
@@ -142,6 +147,11 @@ class LiveRules:
     skip: SkipConfig = field(default_factory=SkipConfig)  # guards.skip: the data-skip rule
     max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS  # guards.max_consecutive_skips
     gradient_faults: tuple[FaultSpec, ...] = ()  # the drill's spike/nan entries (``live.drill.gradient_faults``)
+    # the drill's bitflip/scale/stateflip entries (``live.drill.site_faults``): one rank's own, once
+    site_faults: tuple[FaultSpec, ...] = ()
+    sdc: SdcConfig = field(default_factory=SdcConfig)  # guards.sdc, its environment applied (live/sdc.py)
+    fingerprint: FingerprintConfig = field(  # guards.fingerprint (live/fingerprint.py); the drill's workload: off
+        default_factory=lambda: FingerprintConfig(interval=0))
     exit_at_step: int | None = None  # train.exit_at_step: save and exit 0 once this many steps are committed
     lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)  # the kill switch, the time limit
 
@@ -208,11 +218,20 @@ class LiveWorker:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.update = ShardedUpdate(model, args.group_size, rank)
         self.log = logging.getLogger(LOGGER_NAME)
-        self.guards = LiveGuards(StepSkips(rules.skip, rules.max_consecutive_skips, self.log, self.events.emit,
-                                           reports=self.reports))
         # the drill's gradient faults, at their step each time it is computed (a redone step is hit again)
         self.faults = FaultInjector(list(rules.gradient_faults), args.run_dir, rank, args.world, self.events.emit,
                                     once_per_run=False)
+        # its module faults, once in the run (a transient miscompute: the rerun of that step is clean);
+        # installed before the detection points, so that a point sees a fault at its module
+        self.site_faults = FaultInjector(list(rules.site_faults), args.run_dir, rank, args.world, self.events.emit)
+        self.site_faults.install(model)
+        self.sdc = (LiveSdc(rules.sdc, model, args.micro_batches, rank, args.run_dir, self.log, self.events,
+                            self.reports) if rules.sdc.enabled else None)
+        self.guards = LiveGuards(StepSkips(rules.skip, rules.max_consecutive_skips, self.log, self.events.emit,
+                                           reports=self.reports), self.sdc)
+        self.fingerprints = (LiveFingerprints(rules.fingerprint, model, optimizer, self.guards, rank, args.group_size,
+                                              self.log, self.events, self.reports)
+                             if rules.fingerprint.enabled else None)
         self.quorum: Quorum | None = None
         self.group: dist.ProcessGroup | None = None
         self.retired: list[dist.ProcessGroup] = []  # the groups of failed epochs (see collective.py)
@@ -294,11 +313,14 @@ class LiveWorker:
         """This rank writes the run's events of a decision (the closure mode's rank 0): the quorum's first."""
         return self.quorum is not None and self.quorum.index(self.rank) == 0
 
-    def step(self) -> None:
-        quorum, step = self.quorum, self.step_index
-        started = time.perf_counter()
-        mine = my_micro_batches(self.micro_batches, len(quorum.members), quorum.index(self.rank))
+    def compute(self, step: int, mine: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's micro-batches of ``step``: their rows and, with SDC detection on, their extras (each
+        micro-batch's detection points' values, ``live/sdc.py``)."""
         rows = None
+        extras = None if self.sdc is None else torch.zeros(self.micro_batches, self.sdc.width)
+        if self.sdc is not None:
+            self.sdc.begin_step()
+        self.site_faults.at_step_start(step + 1)  # the closure mode's step number
         for micro_batch in mine:
             self.beat()
             share, grad = micro_batch_grad(self.model, self.loss_of, step, micro_batch, self.micro_batches, self.seed)
@@ -306,7 +328,19 @@ class LiveWorker:
                 rows = torch.zeros(self.micro_batches, grad.numel() + 1, dtype=grad.dtype)
             rows[micro_batch, :-1] = grad
             rows[micro_batch, -1] = share
+            if extras is not None:
+                extras[micro_batch] = self.sdc.micro_batch_values()
             time.sleep(self.micro_batch_s)  # the compute time a real micro-batch would take
+        return rows, extras
+
+    def step(self) -> None:
+        quorum, step = self.quorum, self.step_index
+        started = time.perf_counter()
+        mine = my_micro_batches(self.micro_batches, len(quorum.members), quorum.index(self.rank))
+        self.site_faults.at_rest(step + 1, self.model, self.optimizer)  # the drill's stateflip, between steps
+        if self.fingerprints is not None and self.fingerprints.due(step + 1):
+            self.fingerprints.check(self.group, quorum, step + 1, self.wait)  # repairs a replica before it computes
+        rows, extras = self.compute(step, mine)
         if self.sample_range:
             # before the sum, not after: a rank killed once its rows are in the sum, before it could say
             # so, leaves the step committed by the others with its samples in it
@@ -317,9 +351,8 @@ class LiveWorker:
         if has(self.store, STOP):  # the launcher's signal
             reason = max(reason, SIGNAL)
         self.reduce_marks.entering(quorum.epoch, step, self.beat)
-        total, (newer_seen, *stops_seen) = reduce_rows(self.group, rows,
-                                                       [int(newer), *(int(reason == r) for r in STOP_REASONS)],
-                                                       self.wait)
+        total, (newer_seen, *stops_seen), extras = reduce_rows(
+            self.group, rows, [int(newer), *(int(reason == r) for r in STOP_REASONS)], self.wait, extras)
         self.reduce_marks.left(quorum.epoch, step)
         if step == self.fail_after_reduce:
             self.fail_after_reduce = None
@@ -332,7 +365,18 @@ class LiveWorker:
         self.faults.after_backward(number, self.model)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         norm = global_norm(grads)
-        skipped = self.guards.judge(number, norm, loss)  # every rank's alike: the same sum, the same state
+        try:
+            sdc = CLEAN if self.sdc is None else self.sdc.judge(number, quorum.members, extras, total,
+                                                                lambda flags: self.rerun(step, mine, flags))
+        except RuntimeError:  # the rerun's sum failed: the detectors judged a step this rank will redo
+            load_state(self.model, self.optimizer, self.guards, self.previous[1])
+            raise
+        if sdc.rerun is not None:  # a transient fault: the step goes on with the rerun's sum, set by rerun()
+            loss = float(sdc.rerun[0][-1])
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            norm = global_norm(grads)
+        # every rank's alike: the same sum, the same state
+        skipped = self.guards.judge(number, norm, loss, sdc_skipped=sdc.skip)
         if not skipped:
             if self.rules.grad_clip > 0:  # before the shards drop the gradients they do not own
                 clip_grads_(grads, self.rules.grad_clip, norm)
@@ -349,6 +393,8 @@ class LiveWorker:
         self.events.emit("live_step", step=step, epoch=quorum.epoch, members=len(quorum.members),
                          micro_batches=mine, loss=loss, global_norm=norm, skipped=skipped)
         self.step_index = step + 1
+        if self.fingerprints is not None:
+            self.fingerprints.remember(self.step_index + 1)
         self.store.set(progress_key(self.rank), str(self.step_index))
         if self.lifecycle is not None:
             self.lifecycle.note_step(time.perf_counter() - started)
@@ -367,8 +413,19 @@ class LiveWorker:
             path = checkpoint_path(self.run_dir, self.step_index, self.update.shard)
             path.parent.mkdir(exist_ok=True)
             atomic_write_bytes(path, serialised(state_of(self.model, self.optimizer, self.guards)))
+        if self.sdc is not None:
+            self.sdc.leave_if_struck_out(sdc.faulty)  # saved first: its group leaves, the others go on
         if newer_seen and self.stop is None:
             self.switch(quorum.epoch + 1)
+
+    def rerun(self, step: int, mine: list[int], flags: list[int]) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+        """SDC detection's rerun of ``step`` (``live/sdc.py``): the same micro-batches, the same sum, with
+        ``flags`` summed beside; its gradients set, with the drill's gradient faults as at the first pass."""
+        rows, extras = self.compute(step, mine)
+        total, counts, extras = reduce_rows(self.group, rows, flags, self.wait, extras)
+        set_grads(self.model, total[:-1])
+        self.faults.after_backward(step + 1, self.model)
+        return total, counts, extras
 
     def stop_here(self, reason: int) -> None:
         """The quorum's stop at this boundary (every member calls it at the same one): a lifecycle
@@ -475,6 +532,7 @@ class LiveWorker:
         self.enter(quorum, self.step_index)
         sent = send_shards(self.group, quorum, self.rank, self.update.group_size, self.model, self.optimizer,
                            self.guards, self.wait)
+        self.guards.welcome(quorum.joining)
         self.events.emit("live_switch", step=self.step_index, epoch=epoch, state_bytes=sent,
                          paused_s=time.time() - began)
 
@@ -499,6 +557,7 @@ class LiveWorker:
                 self.leave_epoch(error, NO_STATE)
                 continue
             break
+        self.guards.welcome(quorum.joining)
         self.previous = None
         self.events.emit("live_joined", step=start, epoch=quorum.epoch, state_bytes=received,
                          waited_s=time.time() - asked)

@@ -118,7 +118,7 @@ def test_live_mode_refuses_the_arguments_it_cannot_honour(tmp_path, arguments, n
 @pytest.mark.parametrize("item, key", [
     ("checkpoint.local_interval=5", "checkpoint.local_interval"),
     ("checkpoint.async_save=false", "checkpoint.async_save"),
-    ("guards.sdc.enabled_level=2", "guards.sdc.enabled_level"),
+    ("guards.local_norm=true", "guards.local_norm"),
     ("lifecycle.heartbeats=false", "lifecycle.heartbeats"),
 ])
 def test_live_mode_refuses_a_key_of_the_closure_mode_naming_it(tmp_path, item, key):

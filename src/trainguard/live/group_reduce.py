@@ -157,10 +157,11 @@ def reduce_sharded(group: dist.ProcessGroup, exchange: Exchange, slots: dict[int
     layout, size = exchange.layout, exchange.layout.group_size
     responsibilities = layout.responsibilities(exchange.live_groups())
     mine = responsibilities[exchange.group]
-    # the flags, then the extras (a -0.0 made +0.0, as ordered_sum does): float32 values, exact in float64
+    # the flags, then the extras: float32 values, exact in float64 (a -0.0 arrives +0.0, added to the zeros
+    # each stage's sum starts from)
     beside = [torch.tensor([float(flag) for flag in flags], dtype=torch.float64)]
     if extras is not None:
-        beside.append((extras.to(torch.float32) + 0.0).flatten().to(torch.float64))
+        beside.append(extras.to(torch.float32).flatten().to(torch.float64))
     flag_row = torch.cat(beside)
     # stage 1: shard s of each of my slots (and its loss), then my flags, to my group's rank of shard s
     outgoing = {exchange.group * size + s: _join([_with_loss(slots[j], s, shard_of) for j in mine], flag_row)

@@ -143,3 +143,20 @@ def test_sharded_parameter_gradients_are_one_point_per_shard_from_every_shards_v
     values, shares, _ = sdc.values(compute(net, sdc, None).extras)
     first = sdc.names.index("grad:0.weight (shard 0)")
     assert values[first] > 0 and values[first + 6] == 2 * values[first] and shares[first + 6] == 2 * shares[first]
+
+
+def test_a_sum_that_differs_on_another_shard_alone_makes_the_rerun_transient_on_every_rank(tmp_path):
+    """A sharded rank holds its shard of the sum: when the rerun's sum differs on another shard only
+    (a fault outside every module point), this rank learns it through ``over_shards`` (a stand-in whose
+    shard 1 always differs) and judges as that shard's rank does: transient, no rank struck, where its
+    own shard alone would have said reproducible and struck rank 0."""
+    net = model()
+    config = SdcConfig(enabled_level=2, strikes=2)
+    config.validate()
+    sdc = LiveSdc(config, net, MICRO_BATCHES, rank=0, run_dir=tmp_path, log=logging.getLogger("test"),
+                  events=EventLog(tmp_path / "events.jsonl", rank=0), reports=lambda: True, shards=2,
+                  over_shards=lambda mine: torch.stack([mine, torch.ones_like(mine)]))
+    outcome = judge(net, sdc, 2, first=2, again=2)  # micro-batch 2 (member 0's), the same on the rerun
+    assert (outcome.verdict, outcome.skip) == (RerunVerdict.REPRODUCIBLE, True)  # the rerun is abnormal too
+    assert [e["attribution"] for e in events(tmp_path, "sdc_attribution")] == ["transient"]
+    assert sdc.strikes.count("live", "rank 0") == 0

@@ -10,6 +10,8 @@ after one warm-up save, the methods interleaved round by round:
 
 1. ``plain``      ``Trainer._save_checkpoint``: what ``save_strategy="steps"`` runs (model safetensors,
                   optimizer, scheduler, RNG, trainer_state.json; no fsync), with ``save_total_limit=2``.
+   ``plain+fsync`` the same, then each of its files and directories fsynced: what the plain save would
+                  cost if it survived a power loss as ours does (a reference row, not the target's).
 2. ``tg sync``    ``checkpoint.async_save: false``: ``guard.checkpoints.save_durable(step)`` until it
                   returns, the checkpoint committed (DCP files hashed as written and fsynced, manifest,
                   rename, ``huggingface/`` config), with ``checkpoint.keep_last=2``.
@@ -71,6 +73,9 @@ def trainers(args, root: Path):
     plain_args = example.training_arguments(str(root / "plain"), 2)
     plain_args.save_total_limit = 2  # as checkpoint.keep_last=2: both delete their oldest inside the save
     made = {"plain": Trainer(model=qwen2(args), args=plain_args, train_dataset=data)}
+    fsync_args = example.training_arguments(str(root / "plain_fsync"), 2)
+    fsync_args.save_total_limit = 2
+    made["plain+fsync"] = Trainer(model=qwen2(args), args=fsync_args, train_dataset=data)
     for name, async_save in (("tg sync", "false"), ("tg async", "true")):
         run_dir = root / name.replace(" ", "_")
         made[name] = GuardedTrainer(run_dir, model=qwen2(args), args=example.training_arguments(str(run_dir), 2),
@@ -89,6 +94,25 @@ def plain_save(trainer, step: int) -> dict[str, float]:
     trainer._save_checkpoint(trainer.model, trial=None)
     seconds = time.perf_counter() - started
     return {"save": seconds}
+
+
+def plain_durable_save(trainer, step: int) -> dict[str, float]:
+    """``plain_save``, then its checkpoint's files, directories and parent fsynced."""
+    from trainguard.fs.fsio import fsync_dir, fsync_file, fsync_tree
+
+    trainer.state.global_step = step
+    started = time.perf_counter()
+    trainer._save_checkpoint(trainer.model, trial=None)
+    saved = Path(trainer.args.output_dir) / f"checkpoint-{step}"
+    for path in saved.rglob("*"):
+        if path.is_file():
+            fsync_file(path)
+    fsync_tree(saved)
+    fsync_dir(saved.parent)
+    return {"save": time.perf_counter() - started}
+
+
+SAVES = {"plain": plain_save, "plain+fsync": plain_durable_save}
 
 
 def guarded_save(trainer, step: int) -> dict[str, float]:
@@ -122,10 +146,10 @@ def main() -> None:
         parameters = sum(p.numel() for p in made["plain"].model.parameters())
         times: dict[str, list[dict[str, float]]] = {name: [] for name in made}
         for round_ in range(args.repeats + 1):
-            names = list(made)[round_ % 3:] + list(made)[: round_ % 3]
+            names = list(made)[round_ % len(made):] + list(made)[: round_ % len(made)]
             for name in names:
                 step = 1000 + round_
-                measured = plain_save(made[name], step) if name == "plain" else guarded_save(made[name], step)
+                measured = SAVES.get(name, guarded_save)(made[name], step)
                 if round_:  # the first is the warm-up
                     times[name].append(measured)
         if args.profile:
@@ -141,12 +165,12 @@ def main() -> None:
         print(f"\nhf_trainer_save: Qwen2 hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: "
               f"{parameters / 1e6:.1f} M parameters ({parameters * 4 / 2**20:.0f} MiB fp32, AdamW state 2x that); "
               f"medians of {args.repeats} saves, ms")
-        print(f"{'method':<10} {'blocks the loop':>16} {'+ staging':>10} {'committed':>10} {'vs plain':>9}")
+        print(f"{'method':<11} {'blocks the loop':>16} {'+ staging':>10} {'committed':>10} {'vs plain':>9}")
         for name, rows in times.items():
             save = median([t["save"] for t in rows])
             staging = median([t.get("staging", 0.0) for t in rows])
             commit = median([t.get("commit", t["save"]) for t in rows])
-            print(f"{name:<10} {save * 1e3:>16.1f} {staging * 1e3:>10.1f} {commit * 1e3:>10.1f} "
+            print(f"{name:<11} {save * 1e3:>16.1f} {staging * 1e3:>10.1f} {commit * 1e3:>10.1f} "
                   f"{(save + staging) / plain:>8.2f}x")
         sync = median([t["save"] for t in times["tg sync"]])
         print_result("hf_trainer sync save vs plain Trainer save", sync, plain, f"<= {TARGET_SYNC_RATIO}x",

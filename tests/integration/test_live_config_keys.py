@@ -128,7 +128,8 @@ def test_the_set_items_reach_the_ranks_environment_and_leave_the_launchers_alone
     (tmp_path / "run.yaml").write_text(CONFIG)
     items = ["train.seed=7", "optim.grad_clip=0.25"]
     args = argparse.Namespace(config=str(tmp_path / "run.yaml"), overrides=items, resume=None, nproc=2,
-                              kill_switch=None, supervisor_defaults={})
+                              kill_switch=None, supervisor_defaults={}, launcher="local", hosts=None,
+                              node_command=None)
     seen = tmp_path / "seen"
     command = ["sh", "-c", f'printf %s "${LAUNCHER_OVERRIDES_ENV}" > "$0.$$"', str(seen)]
     assert run_command_live(args, command, tmp_path / "run") == 0

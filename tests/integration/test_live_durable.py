@@ -13,8 +13,11 @@ its configuration ``examples/user_loop_live.yaml`` with ``checkpoint: {save_inte
 - SIGTERM to the launcher, or to the whole job (as a preemption): the quorum saves at its next step
   boundary and every process exits 16 (the launcher too, as restart mode's save-and-exit); the same
   command again ends bitwise equal too;
-- the reference trainer (``trainguard train`` in live mode, ``--save-interval 3``) SIGKILLed whole after
-  step 4 and run again ends bitwise equal to its fault-free run.
+- the reference trainer (``trainguard train`` in live mode) SIGKILLed whole and run again with
+  ``--resume auto``: ``test_live_trainer_guards.py`` (with data skip and SDC detection on);
+- the live launcher alone (the store and the lighthouse: a child of the command, ``live.supervise``)
+  SIGKILLed after step 11: every rank exits 18, and the same command, without being run again, restarts
+  the run from ``global_step_10`` and ends bitwise equal to the fault-free run (issue 35).
 """
 
 from __future__ import annotations
@@ -40,11 +43,6 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "user_loop_live.py"
 STEPS, WORLD, INTERVAL = 16, 4, 5
 TIMEOUT_S = 240
-TRAINER_STEPS = 8  # the reference trainer's run: llama-micro, 2 replica groups x 2, a save every 3 steps
-TRAINER = ["--nproc", str(WORLD), "--steps", str(TRAINER_STEPS), "--save-interval", "3",
-           *[arg for item in ("fault_tolerance.live=true", "parallel.dp_replicate=2", "model.preset=llama-micro",
-                              "data.seq_len=32", "train.micro_batches=4", "data.micro_batch_size=2")
-             for arg in ("--set", item)]]
 
 
 def _config(root: Path, keep_last: int = 3) -> Path:
@@ -190,27 +188,6 @@ def test_a_checkpoint_of_two_replica_groups_resumes_in_three_of_one_rank_bitwise
     assert read_manifest(run_dir / "checkpoints" / "global_step_16").mesh_shape == [3, 1]
 
 
-def test_the_reference_trainer_sigkilled_whole_resumes_bitwise(root):
-    """``trainguard train`` in live mode (llama-micro, AdamW with warmup and cosine, 2 replica groups x 2)
-    with ``--save-interval 3``: the whole job SIGKILLed after step 4, then the same command, ends bitwise
-    equal to the command run once without a failure."""
-    clean = finish_session(warm_server().start(["train", "--run-dir", str(root / "trainer_clean"), *TRAINER],
-                                               worker_env()), TIMEOUT_S, "the fault-free trainer run")
-    assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-3000:]
-    run_dir = root / "trainer_killed"
-    proc = warm_server().start(["train", "--run-dir", str(run_dir), *TRAINER], worker_env())
-    _wait_until(proc, lambda: _committed_step_reached(run_dir, 4), "step 4")
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(30)
-    newest = _committed_steps(run_dir)[-1]
-    assert 3 <= newest < TRAINER_STEPS
-    again = finish_session(warm_server().start(["train", "--run-dir", str(run_dir), *TRAINER], worker_env()),
-                           TIMEOUT_S, "the resumed trainer run")
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert f"live run resumes from {run_dir / 'checkpoints' / f'global_step_{newest}'}" in again.stdout
-    assert run_differences(root / "trainer_clean", run_dir, WORLD) == {}
-
-
 def test_saves_while_a_group_is_out_are_the_quorums_and_the_run_ends_bitwise(root, clean):
     """Rank 3 SIGKILLed as it starts step 4 (the live drill; a cold replacement, seconds to start): the
     saves while its group is out are made by the quorum then, each manifest naming the epoch's members,
@@ -248,4 +225,32 @@ def test_a_rank_killed_during_a_save_costs_the_survivors_no_timeout_and_the_run_
     # benchmark's business, benchmarks/live_recovery.py)
     assert not [e for e in failed if "timed out" in e["error"].lower() or "timeout" in e["error"].lower()], failed
     assert {10, 15, 16} <= set(_committed_steps(run_dir))
+    assert run_differences(clean, run_dir, WORLD) == {}
+
+
+def test_the_launchers_death_costs_a_restart_from_the_newest_checkpoint_and_the_run_ends_bitwise(root, clean):
+    """SIGKILL to the process that serves the store and runs the lighthouse (the launcher, forked by the
+    command, which supervises it): the ranks find the store gone and exit 18, the command reaps them and
+    starts the launcher again from the newest durable checkpoint, with a new store."""
+    run_dir, config = root / "launcher_lost", _config(root)
+    proc = _start(run_dir, config)
+    _wait_until(proc, lambda: _committed_step_reached(run_dir, 11), "step 11")
+    (store,) = _events(run_dir, "live_store")
+    assert store["pid"] != proc.pid  # the launcher is not the command's own process
+    os.kill(store["pid"], signal.SIGKILL)
+    done = finish_session(proc, TIMEOUT_S, "the live run whose launcher died")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    newest = run_dir / "checkpoints" / "global_step_10"
+    assert "trainguard: the live launcher (store, lighthouse) died (exit -9); its processes ended" in done.stdout
+    assert f"restarting the run from {newest}" in done.stdout, done.stdout[-3000:]
+    (lost,) = _events(run_dir, "live_launcher_lost")
+    first_ranks = [e["pid"] for e in _events(run_dir, "live_start") if e["time"] < lost["time"]]
+    assert len(first_ranks) == WORLD
+    assert all(lost["rank_exit_codes"][str(pid)] == 18 for pid in first_ranks), lost  # STORE_LOST_EXIT
+    assert lost["resume"] == str(newest)
+    stores = _events(run_dir, "live_store")
+    assert len(stores) == 2 and stores[1]["pid"] not in (stores[0]["pid"], proc.pid)
+    assert [e["step"] for e in _events(run_dir, "run_started")][-1] == 10
+    assert not any(final_path(run_dir, rank).exists() and final_path(run_dir, rank).stat().st_mtime < lost["time"]
+                   for rank in range(WORLD))
     assert run_differences(clean, run_dir, WORLD) == {}

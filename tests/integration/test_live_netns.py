@@ -4,12 +4,18 @@ store and the lighthouse on the head node. Mid-run the link of group 1's node is
 set tg0 down`` inside it): its ranks can reach neither their peers nor the store. The survivors find
 them silent, carry on alone without restarting, the spares on n3 take their ranks and receive the state
 from a live peer on n1; then the cut node's link comes back and its stale ranks, fenced by epoch, stop
-instead of rejoining. The end state is bitwise the fault-free run's, every sample used once."""
+instead of rejoining. The end state is bitwise the fault-free run's, every sample used once.
+
+The same as a user starts it (issue 35): ``trainguard run --launcher hosts --hosts ... --node-command ...
+--nproc 4 --config examples/user_loop_live.yaml -- python examples/user_loop_live.py`` in the head
+namespace, no warm spare: the cut node's ranks are replaced cold on the spare node n3."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -18,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers.netns_cluster import HEAD
-from helpers.runs import worker_env
+from helpers.netns_cluster import HEAD, NODES
+from helpers.runs import trainguard, worker_env
 from trainguard.events.log import read_events
 from trainguard.live.compare import replica_differences, run_differences, whole_final_state
 from trainguard.live.files import events_path
@@ -29,6 +35,8 @@ from trainguard.live.worker import FENCED_EXIT
 from trainguard.live.workload import Workload
 
 HELPER = Path(__file__).parent.parent / "helpers" / "live_on_nodes.py"
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "user_loop_live.py"
 CUT_AT = 8  # group 1's node loses its link once its rank 2 has committed this step
 CUT = "n2"
 # long enough after the rejoin (about 10 s) for the stale ranks to come back before the end: their store
@@ -133,3 +141,113 @@ def test_final_state_is_bitwise_the_fault_free_one_and_no_sample_is_lost_or_repe
     assert run_differences(root / "clean", root / "cut", RUN.world) == {}
     assert replica_differences(root / "cut", RUN.world, RUN.group_size) == {}
     assert sample_problems(_events(root / "cut"), RUN.steps, Workload().samples_per_step) == []
+
+
+# ------------------------------------------------------------ trainguard run --launcher hosts (issue 35)
+USER_STEPS = 40
+USER_SETS = [f"train.steps={USER_STEPS}", "fault_tolerance.hang_s=4", "checkpoint.save_interval=10"]
+
+
+def _user_loop(run_dir: Path, *options: str) -> list[str]:
+    sets = [arg for item in USER_SETS for arg in ("--set", item)]
+    return ["run", *options, "--nproc", "4", "--config", str(EXAMPLE.with_suffix(".yaml")), "--run-dir", str(run_dir),
+            *sets, "--", sys.executable, str(EXAMPLE)]
+
+
+def _on_hosts(netns, run_dir: Path, during) -> tuple[int, str]:
+    """The user loop through ``trainguard run --launcher hosts`` in the head namespace on n1 n2 (+ the spare
+    node n3), ``during()`` in a thread beside it; its exit code and output."""
+    helper = threading.Thread(target=during, daemon=True)
+    helper.start()
+    hosts = ",".join(f"{node}={netns.address(node)}" for node in NODES)
+    command = netns.on_head([sys.executable, "-m", "trainguard", *_user_loop(
+        run_dir, "--launcher", "hosts", "--hosts", hosts, "--node-command", netns.node_command())])
+    # output to a file: a stale rank of the cut node may hold a pipe open after the launcher ends
+    output_path = run_dir.parent / f"{run_dir.name}.out"
+    with open(output_path, "w") as output:
+        proc = subprocess.Popen(command, env=worker_env(GLOO_SOCKET_IFNAME="tg0"), stdout=output,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError(output_path.read_text()[-4000:]) from None
+    helper.join(timeout=5)
+    return code, output_path.read_text()
+
+
+@pytest.fixture(scope="module")
+def hosts_run(netns, tmp_path_factory):
+    """n2's link cut once rank 2 committed step CUT_AT and restored once the group left; and the same run
+    fault-free, local."""
+    root = tmp_path_factory.mktemp("live_hosts")
+    run_dir, seen = root / "cut", {"head": netns.address(HEAD)}
+
+    def cut_then_restore() -> None:
+        _wait(run_dir, lambda e: e["kind"] == "live_step" and e["rank"] == 2 and e["step"] >= CUT_AT, timeout=180)
+        netns.cut_link(CUT)
+        seen["cut_at"] = time.time()
+        _wait(run_dir, lambda e: e["kind"] == "live_quorum" and e["left"])
+        netns.restore_link(CUT)
+
+    code, output = _on_hosts(netns, run_dir, cut_then_restore)
+    clean = trainguard(*_user_loop(root / "clean"), timeout=240)
+    assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-3000:]
+    return run_dir, root / "clean", code, output, seen
+
+
+def test_launcher_hosts_starts_each_group_on_its_node_and_replaces_a_cut_node_on_the_spare_node(hosts_run):
+    run_dir, _, code, output, seen = hosts_run
+    assert code == 0, output[-4000:]
+    assert ("live recovery: 2 replica groups of 2 ranks, 0 spares on hosts n1, n2, spare nodes n3, store at "
+            f"{seen['head']})") in output, output[-4000:]
+    assert f"live run finished: {USER_STEPS} steps in " in output and "ranks replaced: [2, 3]" in output, output[-4000:]
+    events = _events(run_dir)
+    (store,) = [e for e in events if e["kind"] == "live_store"]
+    assert store["host"] == seen["head"]  # bound to the head's address on the nodes' network
+    # every rank ran on its host (UTS namespace: the node's name): the groups on n1 and n2, the cut
+    # node's replacements on the spare node n3, cold (no warm spare), started after the cut
+    starts = sorted((e["rank"], e["host"], e["rejoin"]) for e in events if e["kind"] == "live_start")
+    assert starts == [(0, "n1", False), (1, "n1", False), (2, "n2", False), (2, "n3", True), (3, "n2", False),
+                      (3, "n3", True)], starts
+    replaced = [e for e in events if e["kind"] == "live_replacement"]
+    assert sorted((e["target"], e["node"]) for e in replaced) == [(2, "n3"), (3, "n3")]
+    assert all(e["time"] > seen["cut_at"] for e in replaced)
+    quorums = [e for e in events if e["kind"] == "live_quorum"]
+    assert [q["members"] for q in quorums] == [[0, 1, 2, 3], [0, 1], [0, 1, 2, 3]]
+    assert quorums[1]["left"] == [2, 3] and quorums[2]["joining"] == [2, 3] and quorums[1]["step"] >= CUT_AT
+    degraded = [e for e in events if e["kind"] == "live_step" and e["members"] == 2]
+    assert degraded and {e["rank"] for e in degraded} == {0, 1}
+
+
+def test_launcher_hosts_ends_bitwise_equal_to_the_fault_free_run(hosts_run):
+    run_dir, clean, _, _, _ = hosts_run
+    assert run_differences(clean, run_dir, 4) == {}
+    assert replica_differences(run_dir, 4, 2) == {}
+    assert sample_problems(_events(run_dir), USER_STEPS, 8 * 8) == []
+
+
+def test_launcher_hosts_outlives_its_launchers_death_with_a_restart_from_the_newest_checkpoint(netns, hosts_run):
+    """No single point of failure across hosts: the launcher (store, lighthouse) SIGKILLed once step 12 is
+    committed; the ranks on n1 and n2 find the store gone and exit 18 (their node commands, reparented to
+    the command, with them), and the command restarts the run on the hosts from global_step_10, bitwise."""
+    _, clean, _, _, _ = hosts_run
+    run_dir = clean.parent / "launcher_lost"
+
+    def kill_the_launcher() -> None:
+        _wait(run_dir, lambda e: e["kind"] == "live_step" and e["step"] >= 12, timeout=180)
+        (store,) = _wait(run_dir, lambda e: e["kind"] == "live_store")
+        os.kill(store["pid"], signal.SIGKILL)
+
+    code, output = _on_hosts(netns, run_dir, kill_the_launcher)
+    assert code == 0, output[-4000:]
+    newest = run_dir / "checkpoints" / "global_step_10"
+    assert f"restarting the run from {newest}" in output, output[-4000:]
+    (lost,) = [e for e in _events(run_dir) if e["kind"] == "live_launcher_lost"]
+    assert list(lost["rank_exit_codes"].values()).count(18) == 4, lost  # each rank's node command: the rank's code
+    stores = [e for e in _events(run_dir) if e["kind"] == "live_store"]
+    assert len(stores) == 2 and stores[0]["pid"] != stores[1]["pid"] and stores[1]["host"] == netns.address(HEAD)
+    restarted = sorted((e["rank"], e["host"]) for e in _events(run_dir) if e["kind"] == "live_start"
+                       and e["time"] > lost["time"])
+    assert restarted == [(0, "n1"), (1, "n1"), (2, "n2"), (3, "n2")], restarted
+    assert run_differences(clean, run_dir, 4) == {}

@@ -5,12 +5,14 @@ A checkpoint is written into a directory that is not one yet (``global_step_N.tm
 commit then, in this order:
 
 1. ``seal``: fsyncs each listed file its writer did not fsync (files hashed by reading them, such as
-   DCP's ``.metadata`` or the static files), every directory entry of the tree, and writes the
-   manifest ``trainguard.json`` last: from here on the directory describes itself;
+   DCP's ``.metadata`` or the static files) and the manifest ``trainguard.json``, then every directory
+   entry of the tree: from here on the directory describes itself;
 2. ``publish``: renames it to its final name (deleting a directory of that name first only when told
-   to, crash-safely) and fsyncs the parent, so the rename survives a power loss;
+   to, crash-safely);
 3. records its health in ``health_ckpts.json`` when the manifest carries a verdict;
-4. replaces ``latest_checkpointed_iteration.txt``.
+4. replaces ``latest_checkpointed_iteration.txt``;
+5. fsyncs the parent once, so that the rename, the health record and the tracker survive a power loss
+   (one directory fsync instead of three: each costs a journal commit, 8-10 ms on this machine's disk).
 
 A crash before step 2 leaves a ``.tmp-`` directory, which is never a checkpoint; after it, the
 checkpoint is complete and discovery finds it whatever ``latest`` says.
@@ -25,7 +27,7 @@ from pathlib import Path
 
 from trainguard.checkpoint.discovery import read_latest, write_latest
 from trainguard.checkpoint.manifest import Manifest, write_manifest
-from trainguard.fs.fsio import commit_directory, fsync_file, fsync_tree
+from trainguard.fs.fsio import commit_directory, fsync_dir, fsync_file, fsync_tree
 from trainguard.fs.layout import HEALTH_FILE, step_dir_name
 from trainguard.guards.health import marked_unhealthy, record_health
 
@@ -46,7 +48,9 @@ class Committed:
 
 
 def seal(directory: Path, manifest: Manifest, *, fsynced: Collection[str] = ()) -> None:
-    """Makes ``directory``'s files and entries durable, then writes its manifest (last).
+    """Makes ``directory``'s files, its manifest and its entries durable (one fsync of each directory
+    after the manifest is in place: the directory is not published yet, so the manifest need not be
+    durable before the others, only all of them before the publishing rename).
 
     ``fsynced``: relative paths of files their writers already fsynced (hashed as written); every other
     file the manifest lists is fsynced here: having been read to hash it says nothing about its being
@@ -56,8 +60,8 @@ def seal(directory: Path, manifest: Manifest, *, fsynced: Collection[str] = ()) 
     for entry in manifest.files:
         if entry.path not in fsynced:
             fsync_file(directory / entry.path)
+    write_manifest(directory, manifest, sync_dir=False)
     fsync_tree(directory)
-    write_manifest(directory, manifest)
 
 
 def commit_checkpoint(
@@ -75,9 +79,13 @@ def commit_checkpoint(
     root = staged.parent
     final = root / step_dir_name(manifest.step)
     seal(staged, manifest, fsynced=fsynced)
-    replaced = commit_directory(staged, final, replace=replace)
+    # the rename, the health record and the tracker share one fsync of ``root``: a crash before it may
+    # keep any of them, and each alone is safe (the manifest is the checkpoint's own health record, and
+    # a tracker naming no committed checkpoint is repaired at resume: ``discovery.latest_fault``)
+    replaced = commit_directory(staged, final, replace=replace, sync_parent=False)
     if manifest.health is not None:
-        record_health(root / HEALTH_FILE, final.name, marked_unhealthy(manifest.health))
+        record_health(root / HEALTH_FILE, final.name, marked_unhealthy(manifest.health), sync_dir=False)
     if latest is Latest.SET or (read_latest(root) or 0) <= manifest.step:
-        write_latest(root, manifest.step)
+        write_latest(root, manifest.step, sync_dir=False)
+    fsync_dir(root)
     return Committed(final, manifest, replaced)

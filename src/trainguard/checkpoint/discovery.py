@@ -142,13 +142,15 @@ def latest_fault(root: PathLike, committed_steps: set[int]) -> str | None:
     return None
 
 
-def write_latest(root: PathLike, step: int) -> None:
+def write_latest(root: PathLike, step: int, *, sync_dir: bool = True) -> None:
     """Records ``step`` as the newest committed checkpoint; call only after it is committed. A directory
-    in the tracker's place is removed first (a link or file is simply replaced)."""
+    in the tracker's place is removed first (a link or file is simply replaced). ``sync_dir=False``: the
+    caller fsyncs ``root``, which may then make the tracker durable before the checkpoint's own rename
+    (``latest_fault`` finds such a tracker and resuming repairs it)."""
     path = Path(root) / LATEST_FILE
     if path.is_dir() and not path.is_symlink():
         remove_directory_crash_safe(path)
-    atomic_write_text(path, f"{step}\n")
+    atomic_write_text(path, f"{step}\n", sync_dir=sync_dir)
 
 
 def repair_latest(root: PathLike, step: int, warn: Callable[[str], None]) -> None:

@@ -232,8 +232,8 @@ def build_manifest(
     )
 
 
-def write_manifest(ckpt_dir: PathLike, manifest: Manifest) -> None:
-    atomic_write_json(Path(ckpt_dir) / MANIFEST_NAME, manifest.to_dict())
+def write_manifest(ckpt_dir: PathLike, manifest: Manifest, *, sync_dir: bool = True) -> None:
+    atomic_write_json(Path(ckpt_dir) / MANIFEST_NAME, manifest.to_dict(), sync_dir=sync_dir)
 
 
 def read_manifest(ckpt_dir: PathLike) -> Manifest:

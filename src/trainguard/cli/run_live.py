@@ -9,8 +9,13 @@ layout, the steps, the global batch, the ``fault_tolerance`` keys and the drill 
 own (the same file) for ``Guard``, which applies the ``--set`` items on top (``TRAINGUARD_SET`` in the
 ranks' environment).
 
-What does not apply is refused before anything starts, one line: the supervisor's options, no
-``--nproc``, a configuration with live recovery off, and what ``cli.train_live.live_layout`` refuses.
+Under ``--launcher hosts`` (``--hosts``, ``--node-command``, as the supervisor takes them) or ``--launcher
+slurm`` (the allocation's nodes, each rank a job step) the ranks run on those nodes (``on_nodes``,
+``live.placement``) and the store listens on this machine's address on their network.
+
+What does not apply is refused before anything starts, one line: the supervisor's other options, no
+``--nproc``, a configuration with live recovery off, and what
+``cli.train_live.live_layout`` refuses.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import json
 from pathlib import Path
 
 from trainguard.cli.arguments import make_run_dir
-from trainguard.cli.train_live import live_layout, run_live
+from trainguard.cli.train_live import HOST_OPTIONS, live_layout, on_nodes, run_live
 from trainguard.config import load_config
 from trainguard.errors import ConfigError
 from trainguard.step.live import LAUNCHER_OVERRIDES_ENV
@@ -45,5 +50,6 @@ def run_command_live(args: argparse.Namespace, command: list[str], run_dir: Path
         raise ConfigError("--kill-switch: a supervisor option; with fault_tolerance.live: true the live launcher "
                           "starts and replaces the ranks instead")
     ranks_set = ((LAUNCHER_OVERRIDES_ENV, json.dumps(args.overrides)),)  # the ranks' Guard applies them too
-    run = live_layout(args, config, source, executable=command[0], entry=tuple(command[1:]), rank_env=ranks_set)
-    return run_live(run, make_run_dir(run_dir))
+    run = live_layout(args, config, source, allowed=HOST_OPTIONS, executable=command[0], entry=tuple(command[1:]),
+                      rank_env=ranks_set)
+    return run_live(on_nodes(args, run), make_run_dir(run_dir))

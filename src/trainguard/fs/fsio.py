@@ -38,8 +38,9 @@ def fsync_dir(path: PathLike) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: PathLike, data: bytes) -> None:
-    """Replaces ``path`` with ``data`` so that readers see the old or the new content, never a mix."""
+def atomic_write_bytes(path: PathLike, data: bytes, *, sync_dir: bool = True) -> None:
+    """Replaces ``path`` with ``data`` so that readers see the old or the new content, never a mix.
+    ``sync_dir=False``: the caller fsyncs ``path``'s directory itself (one fsync for several entries)."""
     path = Path(path)
     temp = path.with_name(f"{path.name}{TEMP_MARKER}{new_token()}")
     try:
@@ -51,15 +52,16 @@ def atomic_write_bytes(path: PathLike, data: bytes) -> None:
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    if sync_dir:
+        fsync_dir(path.parent)
 
 
-def atomic_write_text(path: PathLike, text: str, encoding: str = "utf-8") -> None:
-    atomic_write_bytes(path, text.encode(encoding))
+def atomic_write_text(path: PathLike, text: str, encoding: str = "utf-8", *, sync_dir: bool = True) -> None:
+    atomic_write_bytes(path, text.encode(encoding), sync_dir=sync_dir)
 
 
-def atomic_write_json(path: PathLike, obj: Any, indent: int | None = 2) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=indent) + "\n")
+def atomic_write_json(path: PathLike, obj: Any, indent: int | None = 2, *, sync_dir: bool = True) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=indent) + "\n", sync_dir=sync_dir)
 
 
 def fsync_tree(root: PathLike) -> None:
@@ -72,13 +74,15 @@ def fsync_tree(root: PathLike) -> None:
     fsync_dir(root)
 
 
-def commit_directory(temp_dir: PathLike, final_dir: PathLike, *, replace: bool = False) -> bool:
+def commit_directory(temp_dir: PathLike, final_dir: PathLike, *, replace: bool = False,
+                     sync_parent: bool = True) -> bool:
     """Publishes a fully written (and already fsynced) directory under its final name; returns whether
     an existing ``final_dir`` was replaced.
 
     Without ``replace`` an existing ``final_dir`` is refused: on Linux, rename silently replaces an
     empty directory, and a committed checkpoint must never be overwritten by accident. With it, the old
     directory is first deleted crash-safely (a crash leaves a ``.trash-*`` leftover, never a mix).
+    ``sync_parent=False``: the caller fsyncs ``final_dir``'s parent itself, after more entries of its own.
     """
     temp_dir, final_dir = Path(temp_dir), Path(final_dir)
     replaced = False
@@ -88,7 +92,8 @@ def commit_directory(temp_dir: PathLike, final_dir: PathLike, *, replace: bool =
         remove_directory_crash_safe(final_dir)
         replaced = True
     os.rename(temp_dir, final_dir)
-    fsync_dir(final_dir.parent)
+    if sync_parent:
+        fsync_dir(final_dir.parent)
     if temp_dir.parent.resolve() != final_dir.parent.resolve():
         fsync_dir(temp_dir.parent)
     return replaced

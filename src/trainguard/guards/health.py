@@ -119,8 +119,9 @@ def read_health_records(path: str | os.PathLike) -> list[dict]:
     return [{"is_health": r["is_health"], "ckpt_name": r["ckpt_name"]} for r in _validate(path, records)]
 
 
-def record_health(path: str | os.PathLike, ckpt_name: str, unhealthy: bool) -> None:
-    """Adds (or replaces, in place) the record of ``ckpt_name`` and rewrites the file atomically."""
+def record_health(path: str | os.PathLike, ckpt_name: str, unhealthy: bool, *, sync_dir: bool = True) -> None:
+    """Adds (or replaces, in place) the record of ``ckpt_name`` and rewrites the file atomically
+    (``sync_dir=False``: the caller fsyncs its directory)."""
     path = Path(path)
     verdict = Health.UNHEALTHY if unhealthy else Health.HEALTHY
     record = {"is_health": int(verdict), "ckpt_name": ckpt_name}
@@ -134,7 +135,7 @@ def record_health(path: str | os.PathLike, ckpt_name: str, unhealthy: bool) -> N
             placed = True
     if not placed:
         records.append(record)
-    atomic_write_json(path, records, indent=4)
+    atomic_write_json(path, records, indent=4, sync_dir=sync_dir)
 
 
 def unhealthy_names(path: str | os.PathLike, warn: Callable[[str], None] | None = None) -> set[str]:

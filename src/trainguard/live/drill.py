@@ -13,6 +13,12 @@ steps, as the closure mode numbers it), before the guards judge it, every time t
 (``node=``) is refused, and a ``nan``'s ``rank=`` changes nothing (a NaN in one rank's share of the
 closure mode's all-reduce is in everyone's sum too).
 
+The module faults ``bitflip`` and ``scale`` (``scale:rank=R,step=N,site=MODULE,where=grad_input,factor=F``)
+are rank R's own, as in the closure mode: a wrong value at a module in the first micro-batch rank R
+computes of step N, once in the run (``site_faults``; a transient miscompute, which SDC detection's rerun
+finds, ``live/sdc.py``); so is ``stateflip`` (a bit of a parameter or an Adam moment flipped at rest,
+before step N: replica fingerprints find it, ``live/fingerprint.py``).
+
 The launcher injects the kill, not the rank: every other kind (a closure-mode fault the live ranks do
 not run) and the keys that narrow a kill (``persistent``, ``node``) are refused, with one line naming
 the entry, by the launcher and by each rank, never ignored.
@@ -28,6 +34,8 @@ from trainguard.faults.spec import FaultSpec
 
 LIVE_FAULT_KIND = "kill"
 GRADIENT_FAULT_KINDS = ("spike", "nan")  # applied by every rank to a step's summed gradient
+# one rank's own: a module's value (its first micro-batch of the step), a state tensor at rest before the step
+SITE_FAULT_KINDS = ("bitflip", "scale", "stateflip")
 SPARE_FAULT_KIND = "miscompute"  # the doctor's fault: acts in the spares' self-tests (``spare_check``)
 
 
@@ -37,7 +45,12 @@ def live_drill(faults: str | None, world: int, steps: int, spares: int | None = 
     spare; checked against ``spares`` when the caller knows them); a ``ConfigError`` naming the source
     and the entry otherwise."""
     source, specs = active_faults(faults)
-    kills = [spec for spec in specs if spec.kind not in (SPARE_FAULT_KIND, *GRADIENT_FAULT_KINDS)]
+    kills = [spec for spec in specs if spec.kind not in (SPARE_FAULT_KIND, *GRADIENT_FAULT_KINDS, *SITE_FAULT_KINDS)]
+    for spec in site_faults(faults):
+        if "node" in spec.params:
+            raise ConfigError(f"{source}: fault {spec.text!r}: a live run's {spec.kind} names its rank; leave out node=")
+        if not 0 < spec.step <= steps:
+            raise ConfigError(f"{source}: fault {spec.text!r}: step must be between 1 and train.steps = {steps}")
     for spec in gradient_faults(faults):
         if "node" in spec.params:
             raise ConfigError(f"{source}: fault {spec.text!r}: a live run's {spec.kind} hits the step's summed "
@@ -51,14 +64,15 @@ def live_drill(faults: str | None, world: int, steps: int, spares: int | None = 
                               f"spares' self-test and rank= names a spare; this run has {spares} spares "
                               "(fault_tolerance.spares)")
     try:
-        check_fault_ranks(kills, world)
+        check_fault_ranks([*kills, *site_faults(faults)], world)
     except ConfigError as error:
         raise ConfigError(f"{source}: {error}") from None
     for spec in kills:
         if spec.kind != LIVE_FAULT_KIND:
             raise ConfigError(f"{source}: fault {spec.text!r}: a live run drills '{LIVE_FAULT_KIND}:rank=R,step=S' "
                               f"(the live launcher SIGKILLs the rank), '{SPARE_FAULT_KIND}' (in the spares' "
-                              f"self-test) and {' and '.join(GRADIENT_FAULT_KINDS)} (on a step's summed gradient); "
+                              f"self-test), {' and '.join(GRADIENT_FAULT_KINDS)} (on a step's summed gradient) and "
+                              f"{', '.join(SITE_FAULT_KINDS)} (a module's value or a state tensor, on one rank); "
                               f"{spec.kind!r} is a closure-mode fault")
         if spec.persistent or spec.params:
             raise ConfigError(f"{source}: fault {spec.text!r}: a live run's kill takes rank and step only (no "
@@ -82,3 +96,9 @@ def gradient_faults(faults: str | None) -> tuple[FaultSpec, ...]:
     for every rank (a ``nan``'s ``rank=`` dropped: every rank holds the sum it hits)."""
     return tuple(dataclasses.replace(spec, rank=None) for spec in active_faults(faults)[1]
                  if spec.kind in GRADIENT_FAULT_KINDS)
+
+
+def site_faults(faults: str | None) -> tuple[FaultSpec, ...]:
+    """The ``bitflip``, ``scale`` and ``stateflip`` entries of the faults in force (``faults``: the config key's
+    text)."""
+    return tuple(spec for spec in active_faults(faults)[1] if spec.kind in SITE_FAULT_KINDS)

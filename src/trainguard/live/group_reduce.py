@@ -74,8 +74,8 @@ class SlotLayout:
         return list(range(first, first + per_slot))
 
     def responsibilities(self, live_groups: Sequence[int]) -> dict[int, list[int]]:
-        """Live group -> the groups whose slots its ranks compute (its own first... then, ascending, the
-        lost groups dealt round-robin over the live groups in group order)."""
+        """Live group -> the groups whose slots its ranks compute (its own, and the lost groups dealt
+        round-robin over the live groups in group order), ascending."""
         live = sorted(live_groups)
         if not live:
             raise ValueError("no live replica group")
@@ -107,6 +107,15 @@ class Exchange:
     def my_groups(self) -> list[int]:
         """The groups whose slot at this rank's position it computes."""
         return self.layout.responsibilities(self.live_groups())[self.group]
+
+    def holder(self, micro_batch: int) -> int:
+        """The member that computes ``micro_batch`` in this epoch: the rank at its slot's position in the
+        live group responsible for its slot's group."""
+        layout = self.layout
+        slot = micro_batch // (layout.micro_batches // (layout.groups * layout.group_size))
+        group, position = divmod(slot, layout.group_size)
+        live = next(h for h, groups in layout.responsibilities(self.live_groups()).items() if group in groups)
+        return live * layout.group_size + position
 
     def my_micro_batches(self) -> list[int]:
         return [m for group in self.my_groups() for m in self.layout.slot_micro_batches(group, self.shard)]

@@ -44,10 +44,12 @@ from trainguard.live.drill import live_drill
 from trainguard.live.files import events_path, newest_checkpoint
 from trainguard.live.group_reduce import SlotLayout
 from trainguard.live.lighthouse import Lighthouse
+from trainguard.live.placement import replacement_node
 from trainguard.live.quorum import (MAX_STEP, STOP, STOPPED, progress_key, spare_failed_key, spare_key,
                                     spare_ready_key)
 from trainguard.live.signed_store import SignedStore, serve_store
 from trainguard.run_secret import ENV_SECRET, create_secret
+from trainguard.runtime.hosts import on_node
 from trainguard.runtime.lifecycle import (ENV_JOB_START, KILL_SWITCH, REASON_NAMES, STOP_SIGNALS, StopSignals,
                                           job_start_time)
 from trainguard.runtime.outcome import RunOutcome
@@ -95,11 +97,16 @@ class LiveRun:
     spare_faults: str = ""  # drill: ``miscompute`` entries for the spares' self-tests (``live.drill``)
     recovery: str = LIVE  # or RESTART: today's recovery, every rank started again
     timeout_s: float = 240.0
-    # separate nodes: the node of each replica group, then of each spare; a rank's command is started
-    # behind ``node_command`` with {node} filled in (``ip netns exec NS-{node}``), and reaches the store at
-    # ``store_host``. The launcher cannot signal a node's processes (a cut link): a hung rank is fenced
-    # by epoch alone. Empty: every rank is a local process, which the launcher also SIGKILLs when hung.
+    # separate nodes: the node of each replica group, then of each spare (``live.placement.place``); a
+    # rank's command is started behind ``node_command`` with {node} and {address} filled in (``ip netns exec
+    # NS-{node}``, ``ssh {address}``), its launcher-given environment on the command line (``env K=V``), and
+    # reaches the store at ``store_host``. The launcher cannot signal a node's processes (a cut link): a hung
+    # rank is fenced by epoch alone, and its node is lost: replacements start on ``spare_nodes`` (nodes
+    # holding no group at the start) or another live node (``live.placement.replacement_node``). Empty:
+    # every rank is a local process, which the launcher also SIGKILLs when hung.
     nodes: tuple[str, ...] = ()
+    spare_nodes: tuple[str, ...] = ()
+    node_addresses: tuple[tuple[str, str], ...] = ()  # (node, address) for {address}; a node's name otherwise
     node_command: str = ""
     store_host: str = "127.0.0.1"
     # what each rank runs, the launcher's flags appended: ``executable`` (this interpreter, or the first
@@ -120,6 +127,8 @@ class LiveRun:
         if self.nodes and len(self.nodes) != self.groups + self.spares:
             raise ValueError(f"LiveRun.nodes={self.nodes!r}: expected one node per replica group and per spare "
                              f"({self.groups + self.spares})")
+        if self.spare_nodes and not self.nodes:
+            raise ValueError(f"LiveRun.spare_nodes={self.spare_nodes!r}: spare nodes need the groups' LiveRun.nodes")
         if self.fault not in ("kill", "stop"):
             raise ValueError(f"LiveRun.fault={self.fault!r}: expected 'kill' or 'stop'")
         if self.recovery not in (LIVE, RESTART):
@@ -196,12 +205,11 @@ def resume_point(run: LiveRun, run_dir: Path) -> Path | None:
     return choose_resume_checkpoint(run.resume, run_dir / "checkpoints", warn=logging.getLogger("trainguard").warning)
 
 
-def _spawn(run: LiveRun, rank: int, store: SignedStore, run_dir: Path, rejoin: bool,
+def _spawn(run: LiveRun, rank: int, store: SignedStore, run_dir: Path, rejoin: bool, node: str | None,
            spare: int | None = None, resume: Path | None = None) -> subprocess.Popen | ForkedProcess:
+    """Starts a rank (or spare ``spare``) here, or on ``node`` through ``run.node_command``."""
     role = ["--rank", str(rank)] if spare is None else ["--spare", str(spare)]
-    node = run.nodes[run.groups + spare if spare is not None else rank // run.group_size] if run.nodes else None
-    prefix = shlex.split(run.node_command.format(node=node)) if node is not None else []
-    command = [*prefix, run.executable, *run.entry, "--store", f"{run.store_host}:{store.port}",
+    command = [run.executable, *run.entry, "--store", f"{run.store_host}:{store.port}",
                *role, "--world", str(run.world), "--group-size", str(run.group_size), "--steps", str(run.steps),
                "--run-dir", str(run_dir),
                "--micro-batches", str(run.micro_batches), "--micro-batch-s", str(run.micro_batch_s),
@@ -215,9 +223,15 @@ def _spawn(run: LiveRun, rank: int, store: SignedStore, run_dir: Path, rejoin: b
         command += ["--fail-after-reduce", str(run.transient[1])]
     if run.stall_collective is not None and run.stall_collective[0] == rank and not rejoin:
         command += ["--stall-collective", str(run.stall_collective[1])] + (["--stall-cut"] if run.stall_cut else [])
-    # the run secret in the environment, never on the command line (which any local user reads)
-    env = dict(os.environ, OMP_NUM_THREADS="1", **{ENV_SECRET: store.secret.hex()}, **dict(run.rank_env))
-    if node is None and _rank_server is not None and is_this_interpreter(run.executable):
+    launcher_env = {"OMP_NUM_THREADS": "1", **dict(run.rank_env)}
+    # the run secret in the environment, never on the command line (which any local user reads): a node
+    # command that does not pass the environment on (ssh) leaves the rank to read it from the run
+    # directory's owner-only file (``run_secret.load_secret``)
+    env = dict(os.environ, **launcher_env, **{ENV_SECRET: store.secret.hex()})
+    if node is not None:
+        address = dict(run.node_addresses).get(node, node)
+        return subprocess.Popen(on_node(shlex.split(run.node_command), node, address, command, launcher_env), env=env)
+    if _rank_server is not None and is_this_interpreter(run.executable):
         # this interpreter's command, started here: forked without imports (``start_live_rank_server``)
         request = json.dumps({"argv": command[1:], "env": env, "cwd": os.getcwd()}).encode()
         forked = _rank_server.fork(request, [0, 1, 2])
@@ -299,18 +313,24 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
     if run.kill_switch is not None and Path(run.kill_switch).exists():  # as the closure mode's start: nothing loaded
         return _not_started(run_dir, run.kill_switch, read_manifest(resume).step if resume is not None else 0)
     # the time limit counts from the job's start for every rank, a replacement's too (as the supervisor's)
-    run = dataclasses.replace(run, rank_env=(*run.rank_env, (ENV_JOB_START, str(job_start_time()))))
+    if ENV_JOB_START not in dict(run.rank_env):  # a launcher started again keeps the job's first start
+        run = dataclasses.replace(run, rank_env=(*run.rank_env, (ENV_JOB_START, str(job_start_time()))))
     start_live_rank_server()  # before the store's threads
     # every value the run writes to its store is sealed with this launch's secret, and a value read back
     # that is not is ignored (live/signed_store.py); the store listens on the ranks' address alone
     store = SignedStore(serve_store(run.store_host, timedelta(seconds=60)), create_secret(run_dir))
     events = EventLog(events_path(run_dir), rank=-1)
-    events.emit("live_store", step=None, host=run.store_host, port=store.port)
+    events.emit("live_store", step=None, host=run.store_host, port=store.port, pid=os.getpid())
     if resume is not None:
         events.emit("live_resume", step=read_manifest(resume).step, path=str(resume))
     began = time.monotonic()
-    procs = {rank: _spawn(run, rank, store, run_dir, rejoin=False, resume=resume) for rank in range(run.world)}
-    spares = [(i, _spawn(run, -1, store, run_dir, rejoin=True, spare=i)) for i in range(run.spares)]
+    # where each rank and spare runs (None: here), and the nodes lost (their ranks found hung)
+    rank_node = {rank: run.nodes[rank // run.group_size] if run.nodes else None for rank in range(run.world)}
+    spare_node = {i: run.nodes[run.groups + i] if run.nodes else None for i in range(run.spares)}
+    lost: set[str] = set()
+    procs = {rank: _spawn(run, rank, store, run_dir, rejoin=False, node=rank_node[rank], resume=resume)
+             for rank in range(run.world)}
+    spares = [(i, _spawn(run, -1, store, run_dir, rejoin=True, node=spare_node[i], spare=i)) for i in range(run.spares)]
     if run.kill_ranks and spares:
         # the drill's kill is meant for warm spares (one still starting or self-testing is a cold one): the
         # ranks wait for epoch 0 until every spare is ready or found unhealthy, so that a short run cannot
@@ -328,14 +348,21 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
         result.replaced_at[rank] = time.time()
         result.replacements[rank] = result.replacements.get(rank, 0) + 1
         lighthouse.died(rank)
-        while spares and store.check([spare_failed_key(spares[0][0])]):  # failed its self-test: never used
-            index, _ = spares.pop(0)
-            events.emit("live_spare_excluded", spare=index, reason=store.get(spare_failed_key(index)).decode())
+        while spares and (store.check([spare_failed_key(spares[0][0])]) or spare_node[spares[0][0]] in lost):
+            index, _ = spares.pop(0)  # failed its self-test, or on a lost node: never used
+            reason = "its node is lost" if spare_node[index] in lost else store.get(spare_failed_key(index)).decode()
+            events.emit("live_spare_excluded", spare=index, reason=reason)
         if spares:
             index, procs[rank] = spares.pop(0)
+            rank_node[rank] = spare_node[index]
             store.set(spare_key(index), str(rank))
         else:
-            procs[rank] = _spawn(run, rank, store, run_dir, rejoin=True)
+            home = run.nodes[rank // run.group_size] if run.nodes else None
+            if home is not None:
+                rank_node[rank] = replacement_node(home, lost, run.spare_nodes,
+                                                   {r: n for r, n in rank_node.items() if r != rank})
+            procs[rank] = _spawn(run, rank, store, run_dir, rejoin=True, node=rank_node[rank])
+            events.emit("live_replacement", step=None, target=rank, pid=procs[rank].pid, node=rank_node[rank])
 
     try:
         while any(p.returncode is None for p in procs.values()):
@@ -383,10 +410,13 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
                         other.wait()
                 lighthouse.restart(newest_checkpoint(run_dir, run.steps, run.group_size))
                 result.replaced_at.update({r: time.time() for r in run.kill_ranks})
-                procs = {r: _spawn(run, r, store, run_dir, rejoin=False) for r in range(run.world)}
+                procs = {r: _spawn(run, r, store, run_dir, rejoin=False, node=rank_node[r]) for r in range(run.world)}
                 break
             if run.recovery == LIVE:
-                for rank in lighthouse.hung():
+                hung = lighthouse.hung()
+                if run.nodes:  # silent on a node: the node is lost (a cut link, a dead host), replaced elsewhere
+                    lost.update(rank_node[rank] for rank in hung)
+                for rank in hung:
                     if run.nodes:  # out of reach: fenced by epoch (``died``), it stops if it comes back
                         fenced.append(procs[rank])
                         replace(rank)

@@ -11,6 +11,10 @@ run, and the one of the sharded reduction's (``group_reduce``) for the same micr
 ``micro_batches`` gradient-sized rows per step instead of one: this is the reduction of whole replicas
 (``dp_shard`` 1, any number of groups); replica groups of several ranks use ``group_reduce``.
 
+Beside the rows travel, exactly as they do, ``extras``: a few values per micro-batch (the SDC detection
+points' statistics of that micro-batch, ``live/sdc.py``), zeros where a rank did not compute it, so every
+rank gets every micro-batch's values bitwise as the rank that computed it measured them.
+
 Trailing elements carry flags, each summed over the ranks: the number of ranks that saw a newer epoch
 in the store, and the number that saw a stop asked for (the launcher's SIGTERM), so every rank learns
 from the same collective that the quorum changes, or that the run stops, at the next step boundary.
@@ -30,11 +34,25 @@ def my_micro_batches(micro_batches: int, members: int, index: int) -> list[int]:
     return list(range(index, micro_batches, members))
 
 
-def reduce_rows(group: dist.ProcessGroup, rows: torch.Tensor, flags: Sequence[int],
-                wait: Callable[[dist.Work], None]) -> tuple[torch.Tensor, list[int]]:
-    """The summed gradient (rows added by the fixed tree) and each flag's count over the world;
-    ``wait`` waits for the all-reduce (``collective.wait`` bound to the epoch)."""
-    flat = torch.cat([(rows + 0.0).flatten(), torch.tensor([float(flag) for flag in flags], dtype=rows.dtype)])
+def carry_rows(group: dist.ProcessGroup, rows: torch.Tensor, wait: Callable[[dist.Work], None]) -> torch.Tensor:
+    """Every rank's rows (each row computed by one rank, zeros elsewhere) on every rank, bitwise as their
+    rank gave them: one all-reduce adding one value to zeros in each element."""
+    flat = (rows + 0.0).flatten()
     wait(group.allreduce([flat]))
-    total = tree_sum(list(flat[:-len(flags)].view_as(rows)))
-    return total, [int(count) for count in flat[-len(flags):].tolist()]
+    return flat.view(rows.shape)
+
+
+def reduce_rows(group: dist.ProcessGroup, rows: torch.Tensor, flags: Sequence[int],
+                wait: Callable[[dist.Work], None],
+                extras: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
+    """The summed gradient (rows added by the fixed tree), each flag's count over the world and the
+    ``[micro_batches, K]`` extras, each micro-batch's as its rank gave them (None without);
+    ``wait`` waits for the all-reduce (``collective.wait`` bound to the epoch)."""
+    parts = [(rows + 0.0).flatten()]
+    if extras is not None:
+        parts.append((extras.to(rows.dtype) + 0.0).flatten())
+    flat = torch.cat([*parts, torch.tensor([float(flag) for flag in flags], dtype=rows.dtype)])
+    wait(group.allreduce([flat]))
+    total = tree_sum(list(flat[:rows.numel()].view_as(rows)))
+    carried = None if extras is None else flat[rows.numel():rows.numel() + extras.numel()].view(extras.shape).clone()
+    return total, [int(count) for count in flat[-len(flags):].tolist()], carried

@@ -28,6 +28,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.events import EventLog
 from trainguard.events.rank_logging import setup_logging
+from trainguard.guards.sdc import FaultyDeviceError
 from trainguard.guards.skip import DataSkipAbort
 from trainguard.live.files import events_path
 from trainguard.live.quorum import spare_failed_key, spare_key, spare_ready_key, wait_for
@@ -39,6 +40,9 @@ from trainguard.runtime.lifecycle import Lifecycle
 from trainguard.run_secret import load_secret
 
 SPARE_UNHEALTHY_EXIT = 5  # a spare that failed its self-test ends with this code, unused
+# the run's store (its launcher) is gone: this rank ends, and the supervising command starts the run again
+# from its newest durable checkpoint (``live.supervise``)
+STORE_LOST_EXIT = 18
 SPARE_WAIT_S = 24 * 3600.0  # a spare waits as long as a run lasts; the launcher ends it if unused
 
 
@@ -92,6 +96,16 @@ class LiveRank:
         except Fenced as fenced:
             print(f"live recovery: {fenced}; exiting", file=sys.stderr)
             self.exit_code = FENCED_EXIT
+            return
+        except dist.DistNetworkError as lost:  # the store's server, the launcher, is gone: nothing to step with
+            print(f"live recovery: rank {rank} lost the run's store at {args.store} ({str(lost).splitlines()[0]}); "
+                  f"exiting {STORE_LOST_EXIT}: the run restarts from its newest durable checkpoint", file=sys.stderr,
+                  flush=True)
+            self.exit_code = STORE_LOST_EXIT
+            return
+        except FaultyDeviceError as faulty:  # this rank alone: the others go on, its group leaves (live/sdc.py)
+            print(f"trainguard: error: [rank {rank}] {faulty}", file=sys.stderr, flush=True)
+            self.exit_code = faulty.exit_code
             return
         except DataSkipAbort as abort:  # every member judged the same sum: all abort at this step
             if worker.reports() or not abort.every_rank_raises:

@@ -47,6 +47,15 @@ def send_shards(group: dist.ProcessGroup, quorum: Quorum, rank: int, group_size:
     return moved
 
 
+def repair_from(group: dist.ProcessGroup, quorum: Quorum, rank: int, source: int, faulty: tuple[int, ...],
+                model: torch.nn.Module, optimizer: torch.optim.Optimizer, guards: LiveGuards,
+                wait: Callable[[dist.Work], None]) -> int:
+    """A replica's state found corrupt (``live/fingerprint.py``): one broadcast of the agreeing replica
+    ``source``'s state, which the ``faulty`` ranks load; every member takes part. Returns the bytes."""
+    return _broadcast_state(group, quorum.index(source), rank == source, rank in faulty, model, optimizer, guards,
+                            wait)
+
+
 def _broadcast_state(group: dist.ProcessGroup, source_index: int, is_source: bool, load: bool,
                      model: torch.nn.Module, optimizer: torch.optim.Optimizer, guards: LiveGuards,
                      wait: Callable[[dist.Work], None]) -> int:

@@ -11,7 +11,8 @@ group reduce-scatter plus cross-group sum of ``group_reduce``; whole replicas: o
 per micro-batch, ``ordered_sum``), which also carries the step's loss, the "a newer epoch exists" flag
 and each rank's stop reasons (the lifecycle's: kill switch, signal, time limit), keep the state of before the update (the one step a survivor may have to
 undo, below), judge the summed gradient with the closure mode's guards (``step_guards``: data skip, a
-non-finite norm, the skip streak; the drill's gradient faults first), apply the update unless it is
+non-finite norm, the skip streak; the drill's gradient faults first; SDC detection with its rerun,
+``live/sdc.py``, on values every member holds alike after the sum), apply the update unless it is
 skipped, and stop at this boundary with a durable save if any rank saw a reason, or at
 ``train.exit_at_step``. A failed collective means the epoch is over: the rank reports
 the last step it committed and waits for the lighthouse's next epoch. A member that finished the
@@ -49,13 +50,15 @@ from trainguard.events.rank_logging import LOGGER_NAME
 from trainguard.faults import FaultInjector
 from trainguard.faults.spec import FaultSpec
 from trainguard.fs.fsio import atomic_write_bytes
+from trainguard.guards.fingerprint import FingerprintConfig
+from trainguard.guards.sdc import SdcConfig
 from trainguard.guards.skip import SkipConfig
 from trainguard.guards.skip_streak import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from trainguard.guards.step_skips import StepSkips
 from trainguard.live import collective
 from trainguard.live.durable import LiveCheckpoints
 from trainguard.live.group_reduce import Exchange, SlotLayout, reduce_sharded, tree_sum
-from trainguard.live.ordered_sum import my_micro_batches, reduce_rows
+from trainguard.live.ordered_sum import carry_rows, my_micro_batches, reduce_rows
 from trainguard.live.quorum import (NO_STATE, STOP, STOPPED, Quorum, beat_key, done_key, entered_key, epoch_key,
                                     fence_key, has, latest_epoch, progress_key, read_quorum, ready_key, report_key,
                                     start_key, wait_for)
@@ -64,6 +67,8 @@ from trainguard.live.rng import micro_batch_rng
 from trainguard.live.shards import shard_of
 from trainguard.live.sharded_params import ShardedParams, norm_by_rows, row_squares
 from trainguard.live.stall import ReduceMarks
+from trainguard.live.fingerprint import LiveFingerprints
+from trainguard.live.sdc import CLEAN, LiveSdc
 from trainguard.live.step_guards import LiveGuards
 from trainguard.live.transfer import load_state, send_shards, state_of
 from trainguard.live.files import checkpoint_path, events_path, final_path
@@ -146,6 +151,11 @@ class LiveRules:
     skip: SkipConfig = field(default_factory=SkipConfig)  # guards.skip: the data-skip rule
     max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS  # guards.max_consecutive_skips
     gradient_faults: tuple[FaultSpec, ...] = ()  # the drill's spike/nan entries (``live.drill.gradient_faults``)
+    # the drill's bitflip/scale/stateflip entries (``live.drill.site_faults``): one rank's own, once
+    site_faults: tuple[FaultSpec, ...] = ()
+    sdc: SdcConfig = field(default_factory=SdcConfig)  # guards.sdc, its environment applied (live/sdc.py)
+    fingerprint: FingerprintConfig = field(  # guards.fingerprint (live/fingerprint.py); the drill's workload: off
+        default_factory=lambda: FingerprintConfig(interval=0))
     exit_at_step: int | None = None  # train.exit_at_step: save and exit 0 once this many steps are committed
     lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)  # the kill switch, the time limit
 
@@ -209,17 +219,27 @@ class LiveWorker:
         self.layout = SlotLayout(args.world // args.group_size, args.group_size, args.micro_batches)
         self.params = None
         self.forward_gathered = False  # the parameters were gathered for a forward outside a step
+        self.rerun_norm = 0.0  # the global norm of SDC detection's last rerun of a step
         if args.group_size > 1:
             self.layout.check()
             self.params = ShardedParams(model, args.group_size, rank)
             model.register_forward_pre_hook(self.gather_for_forward)  # the loop body's forward, between steps
             model.register_forward_hook(self.free_after_forward)
         self.log = logging.getLogger(LOGGER_NAME)
-        self.guards = LiveGuards(StepSkips(rules.skip, rules.max_consecutive_skips, self.log, self.events.emit,
-                                           reports=self.reports))
         # the drill's gradient faults, at their step each time it is computed (a redone step is hit again)
         self.faults = FaultInjector(list(rules.gradient_faults), args.run_dir, rank, args.world, self.events.emit,
                                     once_per_run=False)
+        # its module faults, once in the run (a transient miscompute: the rerun of that step is clean);
+        # installed before the detection points, so that a point sees a fault at its module
+        self.site_faults = FaultInjector(list(rules.site_faults), args.run_dir, rank, args.world, self.events.emit)
+        self.site_faults.install(model)
+        self.sdc = (LiveSdc(rules.sdc, model, args.micro_batches, rank, args.run_dir, self.log, self.events,
+                            self.reports) if rules.sdc.enabled else None)
+        self.guards = LiveGuards(StepSkips(rules.skip, rules.max_consecutive_skips, self.log, self.events.emit,
+                                           reports=self.reports), self.sdc)
+        self.fingerprints = (LiveFingerprints(rules.fingerprint, model, optimizer, self.guards, rank, args.group_size,
+                                              self.log, self.events, self.reports)
+                             if rules.fingerprint.enabled else None)
         self.quorum: Quorum | None = None
         self.group: dist.ProcessGroup | None = None
         self.retired: list[dist.ProcessGroup] = []  # the groups of failed epochs (see collective.py)
@@ -305,6 +325,74 @@ class LiveWorker:
         """This rank writes the run's events of a decision (the closure mode's rank 0): the quorum's first."""
         return self.quorum is not None and self.quorum.index(self.rank) == 0
 
+    def compute(self, step: int, mine: list[int]) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
+        """This rank's micro-batches of ``step`` (a sharded group's parameters gathered for them): each one's
+        gradient followed by its share of the loss (a -0.0 made +0.0: ``ordered_sum``) and, with SDC
+        detection on, their extras (each micro-batch's detection points' values, ``live/sdc.py``)."""
+        extras = None if self.sdc is None else torch.zeros(self.micro_batches, self.sdc.width)
+        if self.sdc is not None:
+            self.sdc.begin_step()
+        self.site_faults.at_step_start(step + 1)  # the closure mode's step number
+        if self.params is not None:
+            self.params.unshard(self.group, self.quorum.members, self.rank, self.wait_all)
+        computed = {}
+        try:
+            for micro_batch in mine:
+                self.beat()
+                share, grad = micro_batch_grad(self.model, self.loss_of, step, micro_batch, self.micro_batches,
+                                               self.seed)
+                computed[micro_batch] = torch.cat([grad, share.reshape(1)]) + 0.0
+                if extras is not None:
+                    extras[micro_batch] = self.sdc.micro_batch_values()
+                time.sleep(self.micro_batch_s)  # the compute time a real micro-batch would take
+        finally:
+            if self.params is not None:
+                self.params.reshard()
+        return computed, extras
+
+    def reduce(self, exchange: Exchange, computed: dict[int, torch.Tensor], extras: torch.Tensor | None,
+               flags: list[int]) -> tuple[torch.Tensor, float, list[int], torch.Tensor | None]:
+        """The step's fixed-order sum: this rank's gradient (its rows of it in a sharded group), the loss,
+        each flag's count and every micro-batch's extras as its rank gave them."""
+        if self.params is None:
+            first = next(iter(computed.values()))
+            rows = torch.zeros(self.micro_batches, first.numel(), dtype=first.dtype)
+            for micro_batch, row in computed.items():
+                rows[micro_batch] = row
+            total, counts, extras = reduce_rows(self.group, rows, flags, self.wait, extras)
+            return total[:-1], float(total[-1]), counts, extras
+        slots = {group: tree_sum([computed[m] for m in self.layout.slot_micro_batches(group, self.shard)])
+                 for group in exchange.my_groups()}
+        gradient, loss, counts = reduce_sharded(self.group, exchange, slots, self.params.shard_flat,
+                                                self.params.shard_length(self.shard), flags, self.wait)
+        if extras is not None:
+            extras = carry_rows(self.group, extras, self.wait)
+        return gradient, loss, counts, extras
+
+    def set_gradient(self, gradient: torch.Tensor) -> list[torch.Tensor]:
+        """Sets the step's gradient (whole, or this rank's rows) and returns the parameters' gradients."""
+        if self.params is None:
+            set_whole_grads(self.model, gradient)
+        else:
+            self.params.set_grads(gradient)
+        return [p.grad for p in self.model.parameters() if p.grad is not None]
+
+    def judged(self, gradient: torch.Tensor, loss: float, grads: list[torch.Tensor]) -> tuple[float, torch.Tensor]:
+        """The step's global norm (by rows) and its sum as SDC detection compares a rerun with it, every
+        rank's alike: the whole gradient and the loss, or in a sharded group the whole gradient's row
+        squares (gathered inside the group; a rank's own rows would differ between ranks) and the loss."""
+        if self.params is None:
+            return norm_by_rows(row_squares(grads)), torch.cat([gradient, torch.tensor([loss], dtype=gradient.dtype)])
+        squares = self.params.whole_row_squares(self.group, self.quorum.members, self.rank, grads, self.wait_all)
+        return norm_by_rows(squares), torch.cat([*squares, torch.tensor([loss], dtype=torch.float64)])
+
+    def holder_of(self, exchange: Exchange) -> Callable[[int], int]:
+        """The rank that computed each micro-batch of this epoch's steps (SDC detection names it)."""
+        if self.params is None:
+            members = exchange.members
+            return lambda micro_batch: members[micro_batch % len(members)]
+        return exchange.holder
+
     def step(self) -> None:
         quorum, step = self.quorum, self.step_index
         started = time.perf_counter()
@@ -313,20 +401,13 @@ class LiveWorker:
             mine = my_micro_batches(self.micro_batches, len(quorum.members), quorum.index(self.rank))
         else:
             mine = exchange.my_micro_batches()
-            # the stall watch's marks span the step's collectives, from the first (this one) to the norm's
+        self.site_faults.at_rest(step + 1, self.model, self.optimizer)  # the drill's stateflip, between steps
+        if self.fingerprints is not None and self.fingerprints.due(step + 1):
+            self.fingerprints.check(self.group, quorum, step + 1, self.wait)  # repairs a replica before it computes
+        if self.params is not None:
+            # the stall watch's marks span a sharded step's collectives, from the gather to the norm's
             self.reduce_marks.entering(quorum.epoch, step, self.beat)
-            self.params.unshard(self.group, quorum.members, self.rank, self.wait_all)
-        computed = {}  # micro-batch -> its gradient, then its share of the loss (a -0.0 made +0.0: ordered_sum)
-        try:
-            for micro_batch in mine:
-                self.beat()
-                share, grad = micro_batch_grad(self.model, self.loss_of, step, micro_batch, self.micro_batches,
-                                               self.seed)
-                computed[micro_batch] = torch.cat([grad, share.reshape(1)]) + 0.0
-                time.sleep(self.micro_batch_s)  # the compute time a real micro-batch would take
-        finally:
-            if self.params is not None:
-                self.params.reshard()
+        computed, extras = self.compute(step, mine)
         if self.sample_range:
             # before the sum, not after: a rank killed once its rows are in the sum, before it could say
             # so, leaves the step committed by the others with its samples in it
@@ -336,39 +417,32 @@ class LiveWorker:
         reason = self.lifecycle.local_reason() if self.lifecycle is not None else NONE
         if has(self.store, STOP):  # the launcher's signal
             reason = max(reason, SIGNAL)
-        flags = [int(newer), *(int(reason == r) for r in STOP_REASONS)]
         if self.params is None:
             self.reduce_marks.entering(quorum.epoch, step, self.beat)
-            first = next(iter(computed.values()))
-            rows = torch.zeros(self.micro_batches, first.numel(), dtype=first.dtype)
-            for micro_batch, row in computed.items():
-                rows[micro_batch] = row
-            total, (newer_seen, *stops_seen) = reduce_rows(self.group, rows, flags, self.wait)
-            gradient, loss = total[:-1], float(total[-1])
-        else:
-            slots = {group: tree_sum([computed[m] for m in self.layout.slot_micro_batches(group, self.shard)])
-                     for group in exchange.my_groups()}
-            gradient, loss, (newer_seen, *stops_seen) = reduce_sharded(
-                self.group, exchange, slots, self.params.shard_flat, self.params.shard_length(self.shard), flags,
-                self.wait)
+        gradient, loss, (newer_seen, *stops_seen), extras = self.reduce(
+            exchange, computed, extras, [int(newer), *(int(reason == r) for r in STOP_REASONS)])
         if step == self.fail_after_reduce:
             self.fail_after_reduce = None
             self.await_peers_committed(step)
             raise RuntimeError(f"injected: rank {self.rank}'s collective of step {step} failed after the others' succeeded")
         self.previous = (step, copy.deepcopy(state_of(self.model, self.optimizer, self.guards)))
-        if self.params is None:
-            set_whole_grads(self.model, gradient)
-        else:
-            self.params.set_grads(gradient)
+        grads = self.set_gradient(gradient)
         number = step + 1  # the step as the closure mode numbers it: the guards' and the faults' step
         self.faults.after_backward(number, self.model)
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if self.params is None:
-            norm = norm_by_rows(row_squares(grads))
-        else:
-            norm = self.params.whole_norm(self.group, quorum.members, self.rank, grads, self.wait_all)
+        norm, summed = self.judged(gradient, loss, grads)
         self.reduce_marks.left(quorum.epoch, step)
-        skipped = self.guards.judge(number, norm, loss)  # every rank's alike: the same sum, the same state
+        try:
+            sdc = CLEAN if self.sdc is None else self.sdc.judge(number, self.holder_of(exchange), extras, summed,
+                                                                lambda flags: self.rerun(exchange, step, mine, flags))
+        except RuntimeError:  # the rerun's sum failed: the detectors judged a step this rank will redo
+            load_state(self.model, self.optimizer, self.guards, self.previous[1])
+            raise
+        if sdc.rerun is not None:  # a transient fault: the step goes on with the rerun's sum, set by rerun()
+            loss = float(sdc.rerun[0][-1])
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            norm = norm_by_rows(row_squares(grads)) if self.params is None else self.rerun_norm
+        # every rank's alike: the same sum, the same state
+        skipped = self.guards.judge(number, norm, loss, sdc_skipped=sdc.skip)
         if not skipped:
             if self.rules.grad_clip > 0:
                 clip_grads_(grads, self.rules.grad_clip, norm)
@@ -378,6 +452,8 @@ class LiveWorker:
         self.events.emit("live_step", step=step, epoch=quorum.epoch, members=len(quorum.members),
                          micro_batches=mine, loss=loss, global_norm=norm, skipped=skipped)
         self.step_index = step + 1
+        if self.fingerprints is not None:
+            self.fingerprints.remember(self.step_index + 1)
         self.store.set(progress_key(self.rank), str(self.step_index))
         if self.lifecycle is not None:
             self.lifecycle.note_step(time.perf_counter() - started)
@@ -396,6 +472,8 @@ class LiveWorker:
             path = checkpoint_path(self.run_dir, self.step_index, self.shard)
             path.parent.mkdir(exist_ok=True)
             atomic_write_bytes(path, serialised(state_of(self.model, self.optimizer, self.guards)))
+        if self.sdc is not None:
+            self.sdc.leave_if_struck_out(sdc.faulty)  # saved first: its group leaves, the others go on
         if newer_seen and self.stop is None:
             self.switch(quorum.epoch + 1)
 
@@ -416,6 +494,16 @@ class LiveWorker:
         if self.forward_gathered:
             self.forward_gathered = False
             self.params.reshard()
+    def rerun(self, exchange: Exchange, step: int, mine: list[int],
+              flags: list[int]) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+        """SDC detection's rerun of ``step`` (``live/sdc.py``): the same micro-batches, the same sum, with
+        ``flags`` summed beside; its gradients set, with the drill's gradient faults as at the first pass."""
+        computed, extras = self.compute(step, mine)
+        gradient, loss, counts, extras = self.reduce(exchange, computed, extras, flags)
+        grads = self.set_gradient(gradient)
+        self.faults.after_backward(step + 1, self.model)
+        self.rerun_norm, summed = self.judged(gradient, loss, grads)
+        return summed, counts, extras
 
     def stop_here(self, reason: int) -> None:
         """The quorum's stop at this boundary (every member calls it at the same one): a lifecycle
@@ -522,6 +610,7 @@ class LiveWorker:
         self.enter(quorum, self.step_index)
         sent = send_shards(self.group, quorum, self.rank, self.group_size, self.model, self.optimizer,
                            self.guards, self.wait)
+        self.guards.welcome(quorum.joining)
         self.events.emit("live_switch", step=self.step_index, epoch=epoch, state_bytes=sent,
                          paused_s=time.time() - began)
 
@@ -546,6 +635,7 @@ class LiveWorker:
                 self.leave_epoch(error, NO_STATE)
                 continue
             break
+        self.guards.welcome(quorum.joining)
         self.previous = None
         self.events.emit("live_joined", step=start, epoch=quorum.epoch, state_bytes=received,
                          waited_s=time.time() - asked)

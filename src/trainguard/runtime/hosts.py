@@ -15,6 +15,7 @@ from __future__ import annotations
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -35,6 +36,25 @@ def parse_hosts(text: str) -> dict[str, str]:
             raise ConfigError(f"--hosts {text!r}: expected NAME=ADDRESS,... with distinct names, got {item!r}")
         hosts[name] = address
     return hosts
+
+
+def on_node(template: list[str], node: str, address: str, command: list[str], env: dict[str, str]) -> list[str]:
+    """``command`` run on ``node`` through the node command's words (``template``, {node} and {address}
+    filled in), its environment on the command line (``env K=V ...``) so that it crosses whatever the
+    node command crosses (``ssh`` does not pass the caller's environment on)."""
+    prefix = [part.format(node=node, address=address) for part in template]
+    return [*prefix, "env", *(f"{key}={value}" for key, value in env.items()), *command]
+
+
+def address_toward(address: str) -> str:
+    """This machine's address on the network that reaches ``address`` (the source address the kernel's
+    route to it picks): where a listener the nodes must reach binds. A UDP socket's connect sends nothing."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((address, 9))
+        except OSError as error:
+            raise ConfigError(f"--hosts: no route to node address {address!r} from this machine ({error})") from None
+        return probe.getsockname()[0]
 
 
 class HostNodes:
@@ -71,8 +91,7 @@ class HostNodes:
         return f"{self.addresses[slot0]}:{self.base_port + self._starts % 500}"
 
     def command(self, node: str, command: list[str], env: dict[str, str]) -> list[str]:
-        prefix = [part.format(node=node, address=self.addresses[node]) for part in self.template]
-        return [*prefix, "env", *(f"{key}={value}" for key, value in env.items()), *command]
+        return on_node(self.template, node, self.addresses[node], command, env)
 
     def start(self, node: str, command: list[str], env: dict[str, str]) -> subprocess.Popen:
         control = Path(env[ENV_AGENT_REPORT]).with_suffix(".control")

@@ -38,6 +38,7 @@ from trainguard.runtime.heartbeat import ENV_INCARNATION, Heartbeat, read_heartb
 from trainguard.runtime.hosts import HostNodes
 from trainguard.runtime.lifecycle import ENV_JOB_START
 from trainguard.runtime.nodes import ENV_AGENT_REPORT, LocalNodes, NodePool, agent_env
+from trainguard.runtime.quiet_torchrun import quiet
 from trainguard.runtime.slurm import cancel_pending_tasks
 from trainguard.runtime.policy import (
     MEANINGFUL_EXIT_CODES,
@@ -321,7 +322,7 @@ class Supervisor:
                 ENV_AGENT_REPORT: str(report_dir / f"{node}.json"),
             })
             command = o.restart_command if (recovery is not None and o.restart_command) else o.command
-            self._agents[node] = self.nodes.start(node, command, env)
+            self._agents[node] = self.nodes.start(node, quiet(command), env)
         self.emit("incarnation_started", incarnation=number, nodes=list(self.pool.slots), spares=self.pool.spares,
                   pids={node: proc.pid for node, proc in self._agents.items()})
         exits: dict[str, tuple[int, float]] = {}

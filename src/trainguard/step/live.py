@@ -6,7 +6,8 @@ In live mode the launcher's flags place the rank (``LiveArgs``), the library doe
 group's micro-batches), and the model, the optimizer and the guards' counters are the whole state of
 the run. Live mode runs the durable tier (``live/durable.py``: its interval, retention and resume
 keys), data skip and the skip streak (``live/step_guards.py``: ``guards.skip.*``,
-``guards.max_consecutive_skips``), the kill switch, the time limit and ``train.exit_at_step``
+``guards.max_consecutive_skips``), SDC detection with its rerun (``live/sdc.py``: ``guards.sdc.*``), replica
+fingerprints (``live/fingerprint.py``: ``guards.fingerprint.*``), the kill switch, the time limit and ``train.exit_at_step``
 (``LiveWorker.stop_here``). What ``Guard`` does besides (the other guards, the local and memory tiers
 and the mirror, heartbeat files, the closure mode's other fault drills, extra state, a scheduler other
 than a ``LambdaLR``) is not done in live mode, so asking for it there is refused, never ignored. The
@@ -30,16 +31,19 @@ from torch.optim.lr_scheduler import LambdaLR
 from trainguard.config.load import with_overrides
 from trainguard.config.schema import RunConfig
 from trainguard.errors import ConfigError
-from trainguard.live.drill import gradient_faults, live_drill
+from trainguard.guards.sdc import sdc_config_from_env
+from trainguard.live.drill import gradient_faults, live_drill, site_faults
 from trainguard.live.rank import LiveRank
 from trainguard.live.worker import LiveArgs, LiveRules
 
 # the run configuration's sections that only the closure mode (``Guard.step``) runs, but for the keys below
 CLOSURE_MODE_SECTIONS = ("checkpoint", "guards", "lifecycle")
 # the keys of those sections that live mode runs too (patterns): the durable tier's (``live.durable``), the
-# skip decisions' (``live.step_guards``), the kill switch's and the time limit's (``LiveWorker.stop_here``)
+# skip decisions' (``live.step_guards``), SDC detection's (``live.sdc``), the replica fingerprints'
+# (``live.fingerprint``), the kill switch's and the time limit's (``LiveWorker.stop_here``)
 LIVE_SECTION_KEYS = ("checkpoint.save_interval", "checkpoint.keep_last", "checkpoint.keep_every",
-                     "checkpoint.resume", "guards.skip.*", "guards.max_consecutive_skips",
+                     "checkpoint.resume", "guards.skip.*", "guards.max_consecutive_skips", "guards.sdc.*",
+                     "guards.fingerprint.*",
                      "lifecycle.kill_switch_path", "lifecycle.exit_duration_in_mins", "lifecycle.exit_margin_seconds")
 # keys outside those sections that the closure mode honours and live mode does not: why, for the refusal
 CLOSURE_MODE_KEYS = {
@@ -141,7 +145,9 @@ def live_rank(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
     live_drill(config.faults, args.world, args.steps)  # the kill is the launcher's; anything else refused here
     rules = LiveRules(grad_clip=config.optim.grad_clip, skip=config.guards.skip,
                       max_consecutive_skips=config.guards.max_consecutive_skips,
-                      gradient_faults=gradient_faults(config.faults), exit_at_step=config.train.exit_at_step,
+                      gradient_faults=gradient_faults(config.faults), site_faults=site_faults(config.faults),
+                      sdc=sdc_config_from_env(config.guards.sdc), fingerprint=config.guards.fingerprint,
+                      exit_at_step=config.train.exit_at_step,
                       lifecycle=config.lifecycle)
     return LiveRank(model, optimizer, args, scheduler, seed=config.train.seed, checkpoint=config.checkpoint,
                     rules=rules)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-from enum import IntEnum
 from typing import Any
 
 import torch
@@ -26,6 +25,7 @@ from trainguard.guards.sdc import (
     DetectionPoints,
     GradientPoints,
     RerunAttribution,
+    RerunVerdict,
     SdcConfig,
     SdcDetector,
     StrikeBook,
@@ -34,25 +34,6 @@ from trainguard.guards.sdc import (
 )
 from trainguard.guards.sdc.detectors import NOT_CHECKED, Detection, SdcLevel
 from trainguard.guards.sdc.points import GRADIENT_PREFIX, output_head
-
-
-class RerunVerdict(IntEnum):
-    """What a rank concludes about its own detection after the rerun; the strongest over ranks decides."""
-
-    NONE = 0  # nothing detected at level 1 on this rank
-    TRANSIENT = 1  # the rerun differs: use the rerun's gradients
-    REPRODUCIBLE = 2  # the rerun detects the same (or there was no rerun): skip the step
-    FAULTY = 3  # this device reached its strike limit: save, write faulty_ranks.json, exit 17
-
-    @property
-    def label(self) -> str:
-        """The spelling in ``sdc_rerun`` events."""
-        return self.name.lower()
-
-    def label_after(self, reran: bool) -> str:
-        """The spelling in ``sdc_rerun`` events: without a rerun (``guards.sdc.rerun: false``) a skipped
-        detection is ``unverified``, as its ``sdc_attribution`` says, never ``reproducible``."""
-        return "unverified" if self is RerunVerdict.REPRODUCIBLE and not reran else self.label
 
 
 class SdcGuard:

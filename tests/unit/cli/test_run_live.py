@@ -35,10 +35,27 @@ def run_argv(run_dir: Path, *options: str) -> list[str]:
     (("--resume", "auto"), "--set: --nproc, --config, --set and --resume start a live run"),
     (("--nproc", "4", "--config", str(CONFIG), "--set", "parallel.dp_replicate=1"),
      f"{CONFIG}: config key 'parallel.dp_replicate' must be ≥ 2 for a live run"),
-    (("--nproc", "4", "--config", str(CONFIG), "--set", "guards.sdc.enabled_level=2"),
-     f"{CONFIG}: config key 'guards.sdc.enabled_level' is not used with fault_tolerance.live: true"),
+    (("--nproc", "4", "--config", str(CONFIG), "--set", "guards.local_norm=true"),
+     f"{CONFIG}: config key 'guards.local_norm' is not used with fault_tolerance.live: true"),
     (("--nproc", "4", "--config", str(CONFIG), "--set", "faults=hang:rank=1,step=3"),
      "config key 'faults': fault 'hang:rank=1,step=3': a live run drills 'kill:rank=R,step=S' (the live launcher"),
+    # --launcher hosts: where the ranks run, taken; what it needs, checked before anything starts
+    (("--nproc", "4", "--config", str(CONFIG), "--launcher", "hosts", "--hosts", "n1=127.0.0.1"),
+     "--launcher hosts needs --hosts NAME=ADDRESS,... and --node-command TEMPLATE"),
+    (("--nproc", "4", "--config", str(CONFIG), "--launcher", "hosts", "--hosts", "n1=127.0.0.1",
+      "--node-command", "env"),
+     "--hosts 'n1=127.0.0.1': 1 host(s) for 2 replica groups: one host per replica group, then the spare nodes "
+     "(parallel.dp_replicate = 2)"),
+    (("--nproc", "4", "--config", str(CONFIG), "--launcher", "hosts", "--hosts", "n1=127.0.0.1,n1=127.0.0.2",
+      "--node-command", "env"), "--hosts 'n1=127.0.0.1,n1=127.0.0.2': expected NAME=ADDRESS,... with distinct names"),
+    (("--nproc", "4", "--config", str(CONFIG), "--launcher", "hosts", "--hosts", "n1=127.0.0.1,n2=127.0.0.1",
+      "--node-command", "no-such-command-here {node}"), "--node-command 'no-such-command-here {node}': command not found"),
+    (("--nproc", "4", "--config", str(CONFIG), "--hosts", "n1=127.0.0.1,n2=127.0.0.1"),
+     "--hosts and --node-command need --launcher hosts (not local)"),
+    (("--nproc", "4", "--config", str(CONFIG), "--launcher", "hosts", "--hosts", "n1=127.0.0.1,n2=127.0.0.1",
+      "--node-command", "env", "--node-timeout", "5"), "--node-timeout: a supervisor option"),
+    (("--nproc", "4", "--config", str(CONFIG), "--launcher", "slurm"),
+     "--launcher slurm: SLURM_JOB_NODELIST is not set (not inside a Slurm allocation)"),
 ])
 def test_what_does_not_apply_to_a_live_run_is_one_line_and_exit_2(tmp_path, capsys, options, line):
     assert main(run_argv(tmp_path / "run", *options)) == 2

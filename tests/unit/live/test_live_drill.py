@@ -13,7 +13,7 @@ import trainguard
 from trainguard.config import load_config
 from trainguard.errors import ConfigError
 from trainguard.faults.injector import ENV_VAR
-from trainguard.live.drill import gradient_faults, live_drill
+from trainguard.live.drill import gradient_faults, live_drill, site_faults
 from trainguard.live.launcher import LiveRun
 
 LIVE_LAYOUT = ["fault_tolerance.live=true", "parallel.dp_replicate=2", "parallel.dp_shard=2", "train.micro_batches=8",
@@ -39,8 +39,13 @@ def test_a_nodes_ranks_are_killed_together_and_the_environment_wins(monkeypatch)
 
 @pytest.mark.parametrize("faults, message", [
     ("hang:rank=1,step=3", "fault 'hang:rank=1,step=3': a live run drills 'kill:rank=R,step=S' (the live "
-                           "launcher SIGKILLs the rank), 'miscompute' (in the spares' self-test) and spike and nan "
-                           "(on a step's summed gradient); 'hang' is a closure-mode fault"),
+                           "launcher SIGKILLs the rank), 'miscompute' (in the spares' self-test), spike and nan "
+                           "(on a step's summed gradient) and bitflip, scale, stateflip (a module's value or a state "
+                           "tensor, on one rank); 'hang' is a closure-mode fault"),
+    ("scale:rank=4,step=3,site=0,where=grad_input,factor=2", "rank 4 is outside the world size 4"),
+    ("bitflip:rank=1,step=21,site=0,where=output", "step must be between 1 and train.steps = 20"),
+    ("scale:rank=1,step=3,site=0,where=output,factor=2,node=node0", "a live run's scale names its rank; leave "
+                                                                    "out node="),
     ("spike:step=3,node=node0", "a live run's spike hits the step's summed gradient on every rank alike; leave "
                                 "out node="),
     ("spike:step=21", "step must be between 1 and train.steps = 20"),
@@ -95,3 +100,12 @@ def test_gradient_faults_are_the_ranks_not_the_launchers():
     # every rank's, a nan's default rank=0 too: a NaN on one rank's sum alone would split the verdicts
     assert [(spec.kind, spec.step, spec.rank) for spec in gradient_faults(faults)] == [("spike", 3, None),
                                                                                        ("nan", 5, None)]
+
+
+def test_module_faults_are_one_ranks_own_and_reach_no_launcher_field():
+    """``bitflip`` and ``scale`` pass the drill's check and reach no launcher field: the rank they name applies
+    them at its module, once (``LiveWorker.compute``; tests/integration/test_live_sdc.py)."""
+    faults = "scale:rank=1,step=4,site=2,where=grad_input,factor=1e9; bitflip:rank=2,step=5,site=0,where=output"
+    assert live_drill(faults, world=4, steps=20) == {}
+    assert [(spec.kind, spec.rank, spec.step) for spec in site_faults(faults)] == [("scale", 1, 4), ("bitflip", 2, 5)]
+    assert site_faults("spike:step=3; kill:rank=1,step=4") == ()

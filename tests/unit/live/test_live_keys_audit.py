@@ -4,7 +4,7 @@ configuration is either honoured in live mode or refused there with one line nam
 Every key is walked (a key added to the schema fails ``test_every_key_is_classified`` until it is put on
 one side). Honoured keys are shown to reach the live engine: the launcher's (``LiveRun.from_config``),
 the rank's (``Guard``'s ``LiveRank``: its seed, durable tier and rules: clipping, data skip, the skip
-streak, ``train.exit_at_step``, the kill switch and the time limit), or the reference trainer's (``trainer/live.py`` builds its model and
+streak, SDC detection, ``train.exit_at_step``, the kill switch and the time limit), or the reference trainer's (``trainer/live.py`` builds its model and
 optimizer from the whole ``model`` and ``optim`` sections with the closure mode's builders, and reads
 each ``data`` key); a changed value must change what they build. Refused keys, each set alone to a value
 other than its default, must stop ``trainguard train``'s live path (``cli.train_live.live_run``, which
@@ -50,7 +50,15 @@ RANK = {"train.seed": 43, "optim.grad_clip": 0.5,
         "guards.skip.warmup": 10, "guards.skip.regime_steps": 4, "guards.skip.loss": True,
         "guards.skip.replay_steps": [2], "guards.max_consecutive_skips": 7, "train.exit_at_step": 2,
         "lifecycle.kill_switch_path": "/nonexistent/switch", "lifecycle.exit_duration_in_mins": 60.0,
-        "lifecycle.exit_margin_seconds": 30.0}
+        "lifecycle.exit_margin_seconds": 30.0,
+        # SDC detection with its rerun (``live.sdc``; tests/integration/test_live_sdc.py)
+        "guards.sdc.enabled_level": 2, "guards.sdc.rule": "v3", "guards.sdc.upper": [100000, 1000],
+        "guards.sdc.sigma": [50000, 1000], "guards.sdc.rerun": False, "guards.sdc.strikes": 2,
+        "guards.sdc.strike_window_hours": 4.0, "guards.sdc.points": ["0"], "guards.sdc.ratio": 2.0,
+        "guards.sdc.peak": 0.25, "guards.sdc.row_jump": 50.0, "guards.sdc.blocks": False,
+        "guards.sdc.gradients": False, "guards.sdc.lm_head": False, "guards.sdc.loss_scale": 2.0,
+        # replica fingerprints (``live.fingerprint``; tests/integration/test_live_sdc.py)
+        "guards.fingerprint.interval": 7, "guards.fingerprint.at_rest": "every_step"}
 TRAINER_MODEL = {
     "model.preset": "llama-micro", "model.hidden_size": 96, "model.num_layers": 3, "model.num_heads": 4,
     "model.num_kv_heads": 1, "model.intermediate_size": 100, "model.tie_word_embeddings": False,

@@ -118,7 +118,7 @@ def test_live_mode_refuses_the_arguments_it_cannot_honour(tmp_path, arguments, n
 @pytest.mark.parametrize("item, key", [
     ("checkpoint.local_interval=5", "checkpoint.local_interval"),
     ("checkpoint.async_save=false", "checkpoint.async_save"),
-    ("guards.sdc.enabled_level=2", "guards.sdc.enabled_level"),
+    ("guards.local_norm=true", "guards.local_norm"),
     ("lifecycle.heartbeats=false", "lifecycle.heartbeats"),
 ])
 def test_live_mode_refuses_a_key_of_the_closure_mode_naming_it(tmp_path, item, key):
@@ -190,6 +190,10 @@ def test_live_guard_is_guard_in_live_mode_in_the_launchers_run_directory(tmp_pat
                                       "live mode does not restore from"),
     (["--max-restarts", "1"], "--max-restarts: a supervisor option; with fault_tolerance.live: true the live launcher"),
     (["--set", "parallel.dp_replicate="], "--set: config key 'parallel.dp_replicate' must be ≥ 2 for a live run"),
+    # --launcher hosts and slurm are taken (where the ranks run), and checked before anything starts
+    (["--launcher", "hosts", "--hosts", "n1=127.0.0.1", "--node-command", "env"],
+     "--hosts 'n1=127.0.0.1': 1 host(s) for 2 replica groups: one host per replica group"),
+    (["--launcher", "slurm"], "--launcher slurm: SLURM_JOB_NODELIST is not set (not inside a Slurm allocation)"),
 ])
 def test_the_reference_trainer_in_live_mode_refuses_what_it_does_not_do_in_one_line(tmp_path, capsys, flags, message):
     code = main(["train", "--nproc", "4", "--run-dir", str(tmp_path / "run"), "--set", "fault_tolerance.live=true",

@@ -22,7 +22,7 @@ _EXPORTS = {
     "points": ("DetectionPoints", "GradientPoints", "active_points", "block_modules", "gradient_statistic",
                "is_norm_module", "isolated_peak_share", "peak_share", "row_odds",
                "watch_function", "watch_tensor"),
-    "rerun": ("Attribution", "FaultyDeviceError", "RerunAttribution", "StrikeBook", "faulty_ranks_path",
+    "rerun": ("Attribution", "FaultyDeviceError", "RerunAttribution", "RerunVerdict", "StrikeBook", "faulty_ranks_path",
               "read_faulty_ranks", "write_faulty_ranks"),
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -47,6 +47,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,25 @@ def _plain(value: Any) -> Any:
 
 def _device_label(device: Any) -> int | str:
     return device if isinstance(device, int) and not isinstance(device, bool) else str(device)
+
+
+class RerunVerdict(IntEnum):
+    """What a rank concludes about its own detection after the rerun; the strongest over ranks decides."""
+
+    NONE = 0  # nothing detected at level 1 on this rank
+    TRANSIENT = 1  # the rerun differs: use the rerun's gradients
+    REPRODUCIBLE = 2  # the rerun detects the same (or there was no rerun): skip the step
+    FAULTY = 3  # this device reached its strike limit: save, write faulty_ranks.json, exit 17
+
+    @property
+    def label(self) -> str:
+        """The spelling in ``sdc_rerun`` events."""
+        return self.name.lower()
+
+    def label_after(self, reran: bool) -> str:
+        """The spelling in ``sdc_rerun`` events: without a rerun (``guards.sdc.rerun: false``) a skipped
+        detection is ``unverified``, as its ``sdc_attribution`` says, never ``reproducible``."""
+        return "unverified" if self is RerunVerdict.REPRODUCIBLE and not reran else self.label
 
 
 @dataclass(frozen=True)
@@ -167,6 +187,13 @@ class StrikeBook:
 
     def is_faulty(self, host: str, device: Any) -> bool:
         return self._key(host, device) in self._faulty
+
+    def forget(self, host: str, device: Any) -> None:
+        """Drops the device's strikes and its faulty mark: it was replaced (live mode: a struck-out rank's
+        process leaves and another, on another device, takes its place under the same key)."""
+        key = self._key(host, device)
+        self._book.pop(key, None)
+        self._faulty.discard(key)
 
     def faulty_entries(self) -> list[dict[str, Any]]:
         """The faulty devices as ``faulty_ranks.json`` entries."""

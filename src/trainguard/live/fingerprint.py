@@ -1,0 +1,92 @@
+"""Replica fingerprints on a live step (``guards.fingerprint``, docs/sdc.md): corrupted parameters or
+optimizer state found by comparing replicas, and repaired from one, without a restart.
+
+The replicas of a shard (``shards``: the ranks at the same place of each replica group) hold bitwise
+the same parameters and optimizer state after every step. Before a step that is due (every
+``interval`` steps, every step with ``at_rest: every_step``) each member hashes its whole state
+(``guards.fingerprint.fingerprints`` of its parameters and optimizer state, folded into one digest) and
+says whether that state changed since its own hash right after the last update (memory that changed at
+rest); one all-reduce of one slot per member gives every member every digest, so every member judges
+alike (``compare_replicas``, the closure mode's rule: the majority, or the replica that changed at rest
+against one that did not). An attributed replica is repaired by one broadcast of an agreeing replica's
+state (``transfer.repair_from``), before the step computes anything with it; a disagreement nothing
+attributes (two replicas, neither changed at rest: the corruption entered an update) is logged and
+reported, not repaired (docs/live_recovery.md, "Not done yet").
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from trainguard.events import EventLog
+from trainguard.guards.fingerprint import FingerprintConfig, FingerprintVerdict, compare_replicas, fingerprints
+from trainguard.guards.state_health import local_state
+from trainguard.live.quorum import Quorum
+from trainguard.live.shards import shard_of
+from trainguard.live.step_guards import LiveGuards
+from trainguard.live.transfer import repair_from
+
+STATE = "state"  # the one "tensor" a live check compares: a member's whole state, folded into one digest
+
+
+def digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    """``[2]`` int64: the hashes of every parameter and optimizer-state tensor, the second weighted by
+    the tensor's place (int64 sums wrap alike everywhere)."""
+    hashes = fingerprints(local_state(model, optimizer))
+    places = torch.arange(1, hashes.shape[0] + 1, dtype=torch.int64)
+    return torch.stack([hashes[:, 0].sum(), (hashes[:, 1] * places).sum()])
+
+
+class LiveFingerprints:
+    def __init__(self, config: FingerprintConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 guards: LiveGuards, rank: int, group_size: int, log: logging.Logger, events: EventLog,
+                 reports: Callable[[], bool]):
+        config.validate()
+        self.interval, self.every_step = config.interval, config.at_rest == "every_step"
+        self.model, self.optimizer, self.guards = model, optimizer, guards
+        self.rank, self.group_size = rank, group_size
+        self.log, self.events, self.reports = log, events, reports
+        self.after_update: tuple[int, torch.Tensor] | None = None  # (the step it is for, this rank's digest)
+
+    def due(self, step: int) -> bool:
+        """A check before ``step`` (the closure mode's number)."""
+        return self.interval > 0 and (self.every_step or step % self.interval == 0)
+
+    def remember(self, step: int) -> None:
+        """Right after an update (or a skipped step): the digest the check before ``step`` compares with,
+        if one is due; a state loaded meanwhile (an undo, a join) is checked against no such digest."""
+        self.after_update = (step, digest(self.model, self.optimizer)) if self.due(step) else None
+
+    def check(self, group: dist.ProcessGroup, quorum: Quorum, step: int,
+              wait: Callable[[dist.Work], None]) -> FingerprintVerdict:
+        """Compares every shard's replicas before ``step``, repairs what is attributed; every member alike."""
+        mine = digest(self.model, self.optimizer)
+        moved = self.after_update is not None and self.after_update[0] == step and \
+            not torch.equal(self.after_update[1], mine)
+        slots = torch.zeros(len(quorum.members), 3, dtype=torch.int64)
+        slots[quorum.index(self.rank)] = torch.cat([mine, torch.tensor([int(moved)])])
+        wait(group.allreduce([slots]))  # one member's slot added to zeros: exact
+        rows = dict(zip(quorum.members, slots.tolist()))
+        mismatches = []
+        for shard in range(self.group_size):
+            replicas = [member for member in quorum.members if shard_of(member, self.group_size) == shard]
+            verdict = compare_replicas([STATE], {r: [(rows[r][0], rows[r][1])] for r in replicas},
+                                       {r: [bool(rows[r][2])] for r in replicas})
+            mismatches.extend((replicas, mismatch) for mismatch in verdict.mismatches)
+        for replicas, mismatch in mismatches:
+            if mismatch.source is not None:
+                repair_from(group, quorum, self.rank, mismatch.source, mismatch.faulty, self.model, self.optimizer,
+                            self.guards, wait)
+            self.log.error("fingerprint mismatch: step %d, replica group %s, tensor %s: %s%s", step, replicas, STATE,
+                           f"rank(s) {list(mismatch.faulty)} corrupt ({mismatch.how})" if mismatch.faulty
+                           else "unattributed (the replicas disagree, none changed at rest)",
+                           f", repaired from rank {mismatch.source}" if mismatch.source is not None else "")
+            if self.reports():
+                self.events.emit("fingerprint_mismatch", step=step, group=replicas, tensors=[STATE],
+                                 faulty=list(mismatch.faulty), how=[mismatch.how],
+                                 repaired=[STATE] if mismatch.source is not None else [])
+        return FingerprintVerdict(tuple(mismatch for _, mismatch in mismatches))

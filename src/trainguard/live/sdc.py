@@ -1,0 +1,289 @@
+"""Silent-data-corruption detection with its rerun on a live step (``guards.sdc.*``, docs/sdc.md).
+
+The verdict is agreed by construction, as the skip decisions are (``step_guards``): every rank judges
+values that every member holds alike after the step's sum, with the same detector state.
+
+- **Module points** (norm layers, blocks, the output head, ``guards.sdc.points``): each micro-batch's
+  statistics (and peak shares) ride beside its gradient in the sum's extras (``ordered_sum``), so every
+  rank receives every micro-batch's values bitwise as the rank that computed it measured them, and
+  takes each point's maximum over the step's micro-batches: the closure mode's value for a rank that
+  computed the whole global batch, whatever the membership.
+- **Parameter-gradient points** are read on the summed gradient, which every rank holds whole.
+
+So the detectors' state is every rank's alike; it travels with the guards' counters (a joiner's
+transfer, the undo of a step, the durable checkpoint's extra state).
+
+**The rerun.** After a level-1 detection (``enabled_level >= 2``) every member recomputes its
+micro-batches of the step (same inputs, same seeded draws) and the quorum sums again. Each
+micro-batch's extras and the summed gradient are compared bitwise with the first pass's: a micro-batch
+that differs is a transient fault of the rank that computed it (a strike against that rank; the
+rerun's sum is used if its values are clean, else the step is skipped); a difference in the sum alone
+(a fault outside every module point, seen at a reduced parameter gradient) is transient with no rank
+to blame, as the closure mode's reduced points strike no one; no difference: reproducible, the step
+is skipped, and it is a strike when one rank alone computed the micro-batches holding the abnormal
+values at module points. ``rerun: false``: unverified, skipped, no strike.
+
+**Strikes and exclusion.** Strikes are kept per rank of the run (the book is every rank's alike, so
+its key is the rank, not a host and device only that rank knows; a strike's time is the quorum's first
+member's clock, carried in the rerun's all-reduce). A restart cannot exclude a device
+here: a rank that reaches ``strikes`` writes its own ``faulty_ranks.json`` entry (its host and
+device) and exits 17 at the step boundary; the launcher takes that as a death, its replica group
+leaves the quorum, and a spare (or a fresh process) takes the rank; when it joins, every member drops
+the rank's strikes, which were its predecessor's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainguard.errors import ConfigError
+from trainguard.events import EventLog
+from trainguard.guards.sdc import (STATISTIC, DetectionPoints, FaultyDeviceError, GradientPoints, RerunVerdict,
+                                   SdcConfig, SdcDetector, StrikeBook, faulty_ranks_path, format_detection,
+                                   format_values, write_faulty_ranks)
+from trainguard.guards.sdc.detectors import NOT_CHECKED, Detection, SdcLevel
+from trainguard.guards.sdc.points import GRADIENT_PREFIX
+
+STRIKE_HOST = "live"  # the strike book's host for every rank: ranks are its keys (see the module's docstring)
+
+CLOCK_BASE = 4096  # the reporter's clock rides in the rerun's flags as two integers below 2**24: exact in float32
+
+# the rerun of a step: recomputes this rank's micro-batches, sums them with the quorum's, with ``flags``
+# summed beside, sets the gradients from the sum and returns (the summed rows, the flags' sums, the
+# extras) as ``ordered_sum.reduce_rows`` does
+Rerun = Callable[[list[int]], tuple[torch.Tensor, list[int], torch.Tensor]]
+
+
+def clock_flags(reports: bool) -> list[int]:
+    """This rank's part of the strikes' agreed time: the quorum's first member's clock, whole seconds."""
+    now = int(time.time()) if reports else 0
+    return [now // CLOCK_BASE, now % CLOCK_BASE]
+
+
+def strike_device(rank: int) -> str:
+    return f"rank {rank}"
+
+
+@dataclasses.dataclass(frozen=True)
+class SdcStep:
+    """One step's SDC outcome, every rank's alike."""
+    verdict: RerunVerdict  # NONE: nothing at level 1 (or level 1 only logged: enabled_level 1)
+    skip: bool  # the update is dropped (reproducible, unverified, or a rerun abnormal too)
+    rerun: tuple[torch.Tensor, torch.Tensor] | None  # the rerun's (sum, extras) when the step uses it
+    faulty: tuple[int, ...]  # ranks that reached their strike limit at this step
+
+
+CLEAN = SdcStep(RerunVerdict.NONE, skip=False, rerun=None, faulty=())
+
+
+def _bits(tensor: torch.Tensor) -> bytes:
+    return tensor.contiguous().numpy().tobytes()
+
+
+class LiveSdc:
+    def __init__(self, config: SdcConfig, model: torch.nn.Module, micro_batches: int, rank: int, run_dir: Path,
+                 log: logging.Logger, events: EventLog, reports: Callable[[], bool]):
+        self.config, self.rank, self.run_dir = config, rank, run_dir
+        self.micro_batches = micro_batches
+        self.log, self.events, self.reports = log, events, reports
+        statistic = STATISTIC[config.rule]
+        self.shares, self.rows = config.peak > 0, config.gradients and config.row_jump > 0
+        self.points = DetectionPoints(statistic, shares=self.shares)
+        self.points.install(model, config.points, blocks=config.blocks, lm_head=config.lm_head)
+        self.gradients = (GradientPoints(model, statistic, shares=self.shares, rows=self.rows)
+                          if config.gradients else None)
+        if not self.names:
+            raise ConfigError(f"guards.sdc: the model ({type(model).__name__}) has no detection point; add "
+                              "guards.sdc.points or set guards.sdc.enabled_level: 0")
+        self.unscale = config.loss_scale ** (1 if statistic == "l2" else 2)
+        self.detector = SdcDetector.from_config(config, self.names)
+        self.detector.restart_changed(self.names, self.layouts)
+        self.strikes = StrikeBook(config.strikes, config.strike_window_hours)
+        self.host = socket.gethostname()
+        self.device_label = f"cpu:{os.environ.get('LOCAL_RANK', rank)}"
+        self.log.info("sdc detection points in live mode: %d (module points %d, parameter gradients %d): %s",
+                      len(self.names), len(self.points.names), len(self.names) - len(self.points.names),
+                      ", ".join(self.names))
+        if rank == 0:  # as the closure mode's rank 0 (a replacement of rank 0 says it again)
+            self.events.emit("sdc_points", step=0, count=len(self.names), names=self.names)
+
+    @property
+    def names(self) -> list[str]:
+        """Every point: module points (their values from the extras), then parameter gradients."""
+        return self.points.names + (self.gradients.names if self.gradients is not None else [])
+
+    @property
+    def layouts(self) -> list[str]:
+        """What each point measures: the step's whole global batch (module points), the whole summed
+        gradient (parameter gradients); neither depends on the membership."""
+        whole = f"live, the maximum over {self.micro_batches} micro-batches"
+        return [whole] * len(self.points.names) + [f"live, {name}" for name in self.names[len(self.points.names):]]
+
+    @property
+    def planes(self) -> int:
+        return 2 if self.shares else 1
+
+    @property
+    def width(self) -> int:
+        """The extras of one micro-batch: each module point's statistic (and peak share)."""
+        return self.planes * len(self.points.names)
+
+    def begin_step(self) -> None:
+        self.points.reset()
+
+    def micro_batch_values(self) -> torch.Tensor:
+        """The module points' values of the micro-batch just computed, ``[width]``; resets them."""
+        return self.points.collect(with_shares=self.shares).reshape(-1)
+
+    def state(self) -> dict[str, Any]:
+        return {"sdc_detector": self.detector.state_dict(), "sdc_strikes": self.strikes.state_dict()}
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.detector.load_state_dict(state["sdc_detector"])
+        self.strikes.load_state_dict(state["sdc_strikes"])
+
+    def forget(self, ranks: list[int]) -> None:
+        """The ranks that join: their strikes were their predecessors' (struck out, or dead)."""
+        for rank in ranks:
+            self.strikes.forget(STRIKE_HOST, strike_device(rank))
+
+    def by_point(self, extras: torch.Tensor) -> torch.Tensor:
+        """The extras ``[micro_batches, width]`` as ``[micro_batches, planes, module points]``."""
+        return extras.view(extras.shape[0], self.planes, len(self.points.names))
+
+    def values(self, extras: torch.Tensor) -> tuple[list[float], list[float] | None, list[float] | None]:
+        """Each point's statistic, peak share (peak criterion on) and row odds (row criterion on), in
+        ``names`` order, from the step's extras ``[micro_batches, width]`` and the gradients set."""
+        module = self.by_point(extras).amax(dim=0)  # NaN propagates
+        if self.rows:
+            module = torch.cat([module, torch.full_like(module[:1], NOT_CHECKED)])
+        parts = [module]
+        if self.gradients is not None:
+            part = self.gradients.collect(with_shares=self.shares, with_rows=self.rows)
+            self.gradients.forget()
+            parts.append(part if self.shares or self.rows else part.unsqueeze(0))
+        table = torch.cat(parts, dim=-1).tolist()
+        values = table[0] if self.unscale == 1.0 else [v / self.unscale if v >= 0 else v for v in table[0]]
+        return values, table[1] if self.shares else None, table[-1] if self.rows else None
+
+    def holders(self, extras: torch.Tensor, point: str, value: float) -> list[int]:
+        """The micro-batches whose value at module ``point`` is the step's ``value`` (its maximum)."""
+        column = self.by_point(extras)[:, 0, self.points.names.index(point)] / self.unscale
+        return [m for m, own in enumerate(column.tolist()) if own == value or (own != own and value != value)]
+
+    def judge(self, step: int, holder_of: Callable[[int], int], extras: torch.Tensor, total: torch.Tensor,
+              rerun: Rerun) -> SdcStep:
+        """Judges step ``step`` (the closure mode's number) from its extras and the gradients set, and
+        reruns it after a level-1 detection (``enabled_level >= 2``). ``holder_of``: the rank that computed
+        a micro-batch; ``total``: the step's sum as every rank holds it alike, compared with the rerun's."""
+        values, shares, rows = self.values(extras)
+        if self.config.log_values:
+            self.log.info(format_values(step, self.rank, self.host, self.device_label, self.names, values))
+        detections = self.detector.detect(values, step, names=self.names, shares=shares, rows=rows)
+        for detection in detections:
+            self.report_detection(step, holder_of, extras, detection)
+        level_one = [d for d in detections if d.level == SdcLevel.ABNORMAL]
+        if not level_one or not self.config.recover:
+            return CLEAN
+        if not self.config.rerun:
+            self.attribute(step, "unverified", level_one, blamed=[], struck=False, rerun_abnormal=[])
+            return self.conclude(step, RerunVerdict.REPRODUCIBLE, reran=False, blamed=[], faulty=())
+        again_total, clock, again_extras = rerun(clock_flags(self.reports()))
+        now = float(clock[0] * CLOCK_BASE + clock[1])  # every rank's alike: strikes agree, times included
+        differing = [m for m in range(extras.shape[0]) if _bits(extras[m]) != _bits(again_extras[m])]
+        if differing or _bits(total) != _bits(again_total):
+            blamed = sorted({holder_of(m) for m in differing})
+            # the first values never entered the detected points' state; the clean rerun's do, as they
+            # would have in a run without the fault
+            again, again_shares, again_rows = self.values(again_extras)
+            index = {name: i for i, name in enumerate(self.names)}
+            still = [d.point for d in level_one
+                     if self.detector.point(d.point).check(
+                         again[index[d.point]], None if again_shares is None else again_shares[index[d.point]],
+                         None if again_rows is None else again_rows[index[d.point]]).level == SdcLevel.ABNORMAL]
+            faulty = self.attribute(step, "transient", level_one, blamed, struck=True, rerun_abnormal=still,
+                                    now=now)
+            verdict = RerunVerdict.FAULTY if faulty else (RerunVerdict.REPRODUCIBLE if still
+                                                          else RerunVerdict.TRANSIENT)
+            outcome = self.conclude(step, verdict, reran=True, blamed=blamed, faulty=faulty)
+            return dataclasses.replace(outcome, skip=bool(still), rerun=None if still else (again_total, again_extras))
+        # reproducible: a strike only when one rank alone computed what is abnormal at module points
+        local = [d for d in level_one if not d.point.startswith(GRADIENT_PREFIX)]
+        holders = sorted({holder_of(m) for d in local for m in self.holders(extras, d.point, d.value)})
+        alone = len(holders) == 1
+        faulty = self.attribute(step, "reproducible", level_one, holders if alone else [], struck=alone,
+                                rerun_abnormal=[d.point for d in level_one], now=now)
+        return self.conclude(step, RerunVerdict.FAULTY if faulty else RerunVerdict.REPRODUCIBLE, reran=True,
+                             blamed=holders if alone else [], faulty=faulty)
+
+    def report_detection(self, step: int, holder_of: Callable[[int], int], extras: torch.Tensor,
+                         detection: Detection) -> None:
+        """The closure mode's line on every rank (this rank's judgement), its event once, naming the ranks
+        that computed the abnormal value (none for a parameter gradient: the sum carries every rank's)."""
+        self.log.log(detection.log_level, format_detection(detection, step, self.rank, self.host, self.device_label))
+        if not self.reports():
+            return
+        computed_by = ([] if detection.point.startswith(GRADIENT_PREFIX) else
+                       sorted({holder_of(m) for m in self.holders(extras, detection.point, detection.value)}))
+        self.events.emit("sdc_detected", step=step, point=detection.point, level=detection.level,
+                         value=detection.value, thresholds=detection.thresholds, rule=detection.rule,
+                         device=self.device_label, computed_by=computed_by)
+
+    def attribute(self, step: int, kind: str, level_one: list[Detection], blamed: list[int], struck: bool,
+                  rerun_abnormal: list[str], now: float | None = None) -> tuple[int, ...]:
+        """Records a strike against each ``blamed`` rank when ``struck`` (every rank alike: the book is
+        agreed), logs the attribution and emits its event (by the blamed rank itself, or the quorum's
+        first when no rank is blamed); returns the ranks now faulty."""
+        points = [d.point for d in level_one]
+        what = {"transient": "rerun differs: transient fault, the rerun's gradients are used",
+                "reproducible": "rerun identical: the data, the math or a persistent fault, the step is skipped",
+                "unverified": "no rerun: the step is skipped"}[kind]
+        if kind == "transient" and rerun_abnormal:
+            what = "rerun differs: transient fault, but the rerun is abnormal too: the step is skipped"
+        faulty = []
+        for rank in blamed or [None]:
+            strikes, is_faulty = 0, False
+            if rank is not None and struck:
+                is_faulty = self.strikes.record(rank, STRIKE_HOST, strike_device(rank), step,
+                                                {"kind": kind, "points": points}, now)
+                strikes = self.strikes.count(STRIKE_HOST, strike_device(rank), now)
+            tally = (f"strike {strikes} of {self.strikes.strikes} within {self.strikes.window_hours:g} h"
+                     if rank is not None and struck else "no strike")
+            self.log.error(f"sdc attribution: step {step}, rank {rank if rank is not None else 'none'}, points "
+                           f"{', '.join(points)}: {what}; {tally}" + ("; the rank is faulty" if is_faulty else ""))
+            if rank == self.rank or (rank is None and self.reports()):
+                self.events.emit("sdc_attribution", step=step, attribution=kind, points=points, strikes=strikes,
+                                 faulty=is_faulty, device=self.device_label, rerun_abnormal=rerun_abnormal)
+            if is_faulty:
+                faulty.append(rank)
+        return tuple(faulty)
+
+    def conclude(self, step: int, verdict: RerunVerdict, reran: bool, blamed: list[int],
+                 faulty: tuple[int, ...]) -> SdcStep:
+        if self.reports():
+            labels = {str(rank): (RerunVerdict.FAULTY if rank in faulty else verdict).label_after(reran)
+                      for rank in blamed}
+            self.events.emit("sdc_rerun", step=step, verdict=verdict.label_after(reran), reran=reran, ranks=blamed,
+                             verdicts=labels)
+        return SdcStep(verdict, skip=verdict != RerunVerdict.TRANSIENT, rerun=None, faulty=faulty)
+
+    def leave_if_struck_out(self, faulty: tuple[int, ...]) -> None:
+        """At the step boundary: this rank reached its strike limit. Writes its own ``faulty_ranks.json``
+        entry (its host and device) and ends the process (exit 17); the others go on without its group."""
+        if self.rank not in faulty:
+            return
+        entries = [dict(entry, host=self.host, local_device=self.device_label)
+                   for entry in self.strikes.faulty_entries() if entry["local_device"] == strike_device(self.rank)]
+        write_faulty_ranks(faulty_ranks_path(self.run_dir), entries)
+        raise FaultyDeviceError(f"faulty hardware: rank {self.rank} reached {self.config.strikes} strikes (SDC "
+                                f"strikes); see {faulty_ranks_path(self.run_dir)}; its replica group leaves the "
+                                "quorum and the rank is replaced")

@@ -1,0 +1,131 @@
+"""``live.sdc.LiveSdc`` on one process: a step's micro-batches computed as the live worker computes them
+(each one's module-point values into its row of the extras, the gradients summed in micro-batch order),
+judged, and rerun through a stand-in for the quorum's second sum. The multi-process run is
+tests/integration/test_live_sdc.py; here each verdict of the rerun table (docs/sdc.md, "In live mode")."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from trainguard.events import EventLog
+from trainguard.events.log import read_events
+from trainguard.guards.sdc import FaultyDeviceError, RerunVerdict, SdcConfig, faulty_ranks_path
+from trainguard.live.sdc import LiveSdc, clock_flags
+
+MICRO_BATCHES, MEMBERS = 4, [0, 1]  # member i computes micro-batches i, i + 2
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+
+
+def live_sdc(net: torch.nn.Module, tmp_path, **keys) -> LiveSdc:
+    config = SdcConfig(enabled_level=2, strikes=2, **keys)
+    config.validate()
+    events = EventLog(tmp_path / "events.jsonl", rank=0)
+    return LiveSdc(config, net, MICRO_BATCHES, rank=0, run_dir=tmp_path, log=logging.getLogger("test"),
+                   events=events, reports=lambda: True)
+
+
+def compute(net: torch.nn.Module, sdc: LiveSdc, blown_up: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step: (the summed gradient, the extras); micro-batch ``blown_up``'s loss scaled by 1e9 (the
+    gradient into the LayerNorm with it), as a miscompute on the rank that computes it would."""
+    extras = torch.zeros(MICRO_BATCHES, sdc.width)
+    total = None
+    sdc.begin_step()
+    for micro_batch in range(MICRO_BATCHES):
+        net.zero_grad(set_to_none=True)
+        inputs = torch.arange(4.0).repeat(3, 1) * (micro_batch + 1) / 10
+        loss = net(inputs).square().mean() / MICRO_BATCHES
+        (loss * (1e9 if micro_batch == blown_up else 1.0)).backward()
+        extras[micro_batch] = sdc.micro_batch_values()
+        grad = torch.cat([p.grad.flatten() for p in net.parameters()])
+        total = grad if total is None else total + grad
+    set_grads(net, total)
+    return total, extras
+
+
+def set_grads(net: torch.nn.Module, flat: torch.Tensor) -> None:
+    offset = 0
+    for p in net.parameters():
+        p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+        offset += p.numel()
+
+
+def judge(net: torch.nn.Module, sdc: LiveSdc, step: int, first: int | None, again: int | None):
+    """Step ``step`` with micro-batch ``first`` blown up, rerun with ``again`` blown up (None: clean)."""
+    total, extras = compute(net, sdc, first)
+
+    def rerun(flags: list[int]) -> tuple[torch.Tensor, list[int], torch.Tensor]:  # the quorum's second sum
+        again_total, again_extras = compute(net, sdc, again)
+        return again_total, flags, again_extras
+
+    return sdc.judge(step, lambda m: MEMBERS[m % len(MEMBERS)], extras, total, rerun)
+
+
+def events(tmp_path, kind: str) -> list[dict]:
+    return [e for e in read_events(tmp_path / "events.jsonl") if e["kind"] == kind]
+
+
+def test_a_clean_step_is_clean_and_its_values_are_every_micro_batches_maximum(tmp_path):
+    net = model()
+    sdc = live_sdc(net, tmp_path)
+    assert judge(net, sdc, 1, None, None).verdict == RerunVerdict.NONE
+    _, extras = compute(net, sdc, None)
+    values, shares, _ = sdc.values(extras)
+    assert values[0] == float(extras[:, 0].max()) and shares[0] == float(extras[:, 1].max())  # "1": the LayerNorm
+    assert sdc.names[0] == "1" and len(sdc.names) == 1 + 6  # and the 6 parameter gradients
+
+
+def test_a_transient_fault_strikes_the_rank_that_computed_it_and_the_clean_rerun_is_used(tmp_path):
+    net = model()
+    sdc = live_sdc(net, tmp_path)
+    outcome = judge(net, sdc, 3, first=3, again=None)  # micro-batch 3: member 1's
+    assert (outcome.verdict, outcome.skip, outcome.faulty) == (RerunVerdict.TRANSIENT, False, ())
+    clean_total, _ = compute(net, sdc, None)
+    assert torch.equal(outcome.rerun[0], clean_total)
+    assert sdc.strikes.count("live", "rank 1") == 1 and sdc.strikes.count("live", "rank 0") == 0
+    [detected] = [e for e in events(tmp_path, "sdc_detected") if e["point"] == "1"]
+    assert (detected["step"], detected["computed_by"]) == (3, [1])
+    [rerun] = events(tmp_path, "sdc_rerun")
+    assert (rerun["verdict"], rerun["ranks"]) == ("transient", [1])
+
+
+def test_a_reproducible_value_one_rank_alone_computed_is_skipped_and_struck_until_faulty(tmp_path):
+    net = model()
+    sdc = live_sdc(net, tmp_path)
+    first = judge(net, sdc, 2, first=2, again=2)  # micro-batch 2: member 0's, the same on the rerun
+    assert (first.verdict, first.skip, first.faulty) == (RerunVerdict.REPRODUCIBLE, True, ())
+    second = judge(net, sdc, 5, first=0, again=0)  # strikes: 2
+    assert (second.verdict, second.skip, second.faulty) == (RerunVerdict.FAULTY, True, (0,))
+    with pytest.raises(FaultyDeviceError, match="rank 0 reached 2 strikes") as error:
+        sdc.leave_if_struck_out(second.faulty)
+    assert error.value.exit_code == 17
+    [entry] = json.loads(faulty_ranks_path(tmp_path).read_text())
+    assert (entry["rank"], entry["local_device"], [s["step"] for s in entry["strikes"]]) == (0, "cpu:0", [2, 5])
+    state = sdc.state()
+    sdc.forget([0])  # its replacement joined: the strikes were its predecessor's
+    assert sdc.strikes.count("live", "rank 0") == 0 and not sdc.strikes.is_faulty("live", "rank 0")
+    sdc.load(state)  # the state as a joiner receives it, and a checkpoint holds it
+    assert sdc.strikes.is_faulty("live", "rank 0")
+
+
+def test_no_rerun_skips_unverified_with_no_strike(tmp_path):
+    net = model()
+    sdc = live_sdc(net, tmp_path, rerun=False)
+    total, extras = compute(net, sdc, 1)
+    outcome = sdc.judge(4, lambda m: MEMBERS[m % len(MEMBERS)], extras, total, rerun=lambda flags: pytest.fail("reran"))
+    assert (outcome.verdict, outcome.skip) == (RerunVerdict.REPRODUCIBLE, True)
+    assert [e["verdict"] for e in events(tmp_path, "sdc_rerun")] == ["unverified"]
+    assert sdc.strikes.count("live", "rank 1") == 0
+
+
+def test_the_strikes_time_is_the_reporters_clock_carried_in_two_exact_integers():
+    hi, lo = clock_flags(reports=True)
+    assert 0 <= lo < 4096 and float(torch.tensor(float(hi))) == hi  # exact in float32
+    assert clock_flags(reports=False) == [0, 0]

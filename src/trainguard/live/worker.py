@@ -333,7 +333,7 @@ class LiveWorker:
         if self.sdc is not None:
             self.sdc.begin_step()
         self.site_faults.at_step_start(step + 1)  # the closure mode's step number
-        if self.params is not None:
+        if self.params is not None and not self.params.is_whole:  # whole: gathered after a body's recovery
             self.params.unshard(self.group, self.quorum.members, self.rank, self.wait_all)
         computed = {}
         try:
@@ -485,15 +485,27 @@ class LiveWorker:
 
     def gather_for_forward(self, module: torch.nn.Module, args: object) -> None:
         """Between steps the parameters are rows: a forward there (the loop's body) gathers them first,
-        from this rank's group (its ranks all make that forward); a step's own forwards find them whole."""
-        if not self.params.is_whole:
-            self.params.unshard(self.group, self.quorum.members, self.rank, self.wait_all)
-            self.forward_gathered = True
+        from this rank's group (its ranks all make that forward); a step's own forwards find them whole.
+        A failure of that gather ends the epoch as in a step (``recover``: this rank may rejoin with a
+        peer's state); the parameters gathered after it then stay whole for the next step, whose own
+        gather the group's other ranks may already have made with this one."""
+        if self.params.is_whole:
+            return
+        recovered = False
+        while True:
+            try:
+                self.params.unshard(self.group, self.quorum.members, self.rank, self.wait_all)
+                break
+            except RuntimeError as error:
+                self.recover(error)
+                recovered = True
+        self.forward_gathered = not recovered
 
     def free_after_forward(self, module: torch.nn.Module, args: object, output: object) -> None:
         if self.forward_gathered:
             self.forward_gathered = False
             self.params.reshard()
+
     def rerun(self, exchange: Exchange, step: int, mine: list[int],
               flags: list[int]) -> tuple[torch.Tensor, list[int], torch.Tensor]:
         """SDC detection's rerun of ``step`` (``live/sdc.py``): the same micro-batches, the same sum, with

@@ -16,6 +16,7 @@ from helpers.runs import trainguard, worker_env
 from trainguard.demo.live import FAILING
 from trainguard.events.log import read_events
 from trainguard.checkpoint.safe_load import safe_torch_load
+from trainguard.checkpoint.staging import serialised
 from trainguard.live.compare import bitwise_differences, replica_differences, run_differences, whole_final_state
 from trainguard.live.files import events_path, final_path
 from trainguard.live.launcher import launch
@@ -109,6 +110,11 @@ def test_each_rank_holds_half_of_its_groups_parameters_and_their_optimizer_state
         assert sum(held) == sum(t.numel() for t in whole.values())
         even = sum(t.numel() for t in whole.values() if t.shape[0] % GROUP == 0)
         assert min(held) >= even // GROUP and even > 0.9 * sum(held), (run, held)
+    # the joiners received their shard only: shard 0's (305 parameters) more than shard 1's (272), where
+    # the whole state would be the same for both, and each less than the group's whole state
+    joined = {e["rank"]: e["state_bytes"] for e in _events(root / "failed") if e["kind"] == "live_joined"}
+    whole_bytes = len(serialised({**whole_final_state(root / "failed", GROUP), "guards": {}}))
+    assert joined[2] > joined[3] and max(joined.values()) < whole_bytes, (joined, whole_bytes)
 
 
 def test_no_sample_lost_or_repeated(drill):

@@ -87,8 +87,8 @@ class SlotLayout:
         return list(range(first, first + per_slot))
 
     def responsibilities(self, live_groups: Sequence[int]) -> dict[int, list[int]]:
-        """Live group -> the groups whose slots its ranks compute (its own first... then, ascending, the
-        lost groups dealt round-robin over the live groups in group order)."""
+        """Live group -> the groups whose slots its ranks compute (its own, and the lost groups dealt
+        round-robin over the live groups in group order), ascending."""
         live = sorted(live_groups)
         if not live:
             raise ValueError("no live replica group")

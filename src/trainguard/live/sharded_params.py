@@ -136,12 +136,12 @@ class ShardedParams:
             wholes.append(torch.cat(pieces).view(shapes[index]))
         return wholes
 
-    def whole_norm(self, group: dist.ProcessGroup, members: list[int], rank: int, grads: list[torch.Tensor],
-                   wait_all: Callable[[list[dist.Work]], None]) -> float:
-        """``norm_by_rows`` of the whole gradient from this rank's rows of it (``grads``, one per
+    def whole_row_squares(self, group: dist.ProcessGroup, members: list[int], rank: int, grads: list[torch.Tensor],
+                          wait_all: Callable[[list[dist.Work]], None]) -> list[torch.Tensor]:
+        """``row_squares`` of the whole gradient from this rank's rows of it (``grads``, one per
         parameter): each rank's row squares gathered inside the group, bitwise a whole replica's."""
         rows = [torch.Size([shape[0]]) for shape in self.shapes]
-        return norm_by_rows(self.gather_whole(group, members, rank, row_squares(grads), wait_all, rows))
+        return self.gather_whole(group, members, rank, row_squares(grads), wait_all, rows)
 
     def indices(self, locals_: list[torch.Tensor]) -> range:
         if len(locals_) != len(self.params):

@@ -335,7 +335,7 @@ class LiveWorker:
         if self.sdc is not None:
             self.sdc.begin_step()
         self.site_faults.at_step_start(step + 1)  # the closure mode's step number
-        if self.params is not None:
+        if self.params is not None and not self.params.is_whole:  # whole: gathered after a body's recovery
             self.params.unshard(self.group, self.quorum.members, self.rank, self.wait_all)
         try:
             for micro_batch in mine:
@@ -476,7 +476,8 @@ class LiveWorker:
         the same for any layout: of the whole gradient, or from the rows' squares gathered in the group."""
         if self.params is None:
             return norm_by_rows(row_squares(grads))
-        return self.params.whole_norm(self.group, self.quorum.members, self.rank, grads, self.wait_all)
+        return norm_by_rows(self.params.whole_row_squares(self.group, self.quorum.members, self.rank, grads,
+                                                          self.wait_all))
 
     def whole_state(self) -> contextlib.AbstractContextManager[None]:
         """The model and optimizer whole (for the durable tier): a sharded group's exchange, or nothing."""
@@ -486,10 +487,21 @@ class LiveWorker:
 
     def gather_for_forward(self, module: torch.nn.Module, args: object) -> None:
         """Between steps the parameters are rows: a forward there (the loop's body) gathers them first,
-        from this rank's group (its ranks all make that forward); a step's own forwards find them whole."""
-        if not self.params.is_whole:
-            self.params.unshard(self.group, self.quorum.members, self.rank, self.wait_all)
-            self.forward_gathered = True
+        from this rank's group (its ranks all make that forward); a step's own forwards find them whole.
+        A failure of that gather ends the epoch as in a step (``recover``: this rank may rejoin with a
+        peer's state); the parameters gathered after it then stay whole for the next step, whose own
+        gather the group's other ranks may already have made with this one."""
+        if self.params.is_whole:
+            return
+        recovered = False
+        while True:
+            try:
+                self.params.unshard(self.group, self.quorum.members, self.rank, self.wait_all)
+                break
+            except RuntimeError as error:
+                self.recover(error)
+                recovered = True
+        self.forward_gathered = not recovered
 
     def free_after_forward(self, module: torch.nn.Module, args: object, output: object) -> None:
         if self.forward_gathered:

@@ -106,6 +106,6 @@ def test_the_norm_from_the_groups_rows_is_a_whole_replicas_bitwise_an_empty_shar
     def rank(group, rank: int) -> float:
         params = ShardedParams(models[rank], 2, rank)
         local = [params.rows(grad, params.shard) for grad in grads]
-        return params.whole_norm(group, [0, 1], rank, local, _wait_all)
+        return norm_by_rows(params.whole_row_squares(group, [0, 1], rank, local, _wait_all))
 
     assert run_ranks([0, 1], rank) == {0: expected, 1: expected}

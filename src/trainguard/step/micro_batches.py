@@ -70,14 +70,13 @@ def micro_batch_closure(loss_of: MicroBatchLoss, model: torch.nn.Module, step: i
         raise raised_by_every_rank(ConfigError(
             f"config key 'train.micro_batches' is {micro_batches}, not a multiple of the {place.size} data-parallel "
             "ranks: guard.step(loss_of) gives every rank as many micro-batches of the global batch"))
-    scale = place.size / micro_batches
     mine = my_micro_batches(micro_batches, place.size, place.index)
 
     def closure() -> torch.Tensor:
         total = None  # on the loss's device: no host sync per micro-batch
         for micro_batch in mine:
             with micro_batch_rng(seed, step, micro_batch):
-                loss = loss_of(model, step, micro_batch) * scale
+                loss = loss_of(model, step, micro_batch) * place.size / micro_batches  # with D = 1, as live mode divides
                 loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
         return total

@@ -18,6 +18,7 @@ import torch
 import trainguard
 from trainguard.config import load_config
 from trainguard.errors import ConfigError
+from trainguard.events.log import read_events
 from trainguard.events.rank_logging import LOGGER_NAME
 from trainguard.live.rng import micro_batch_rng
 from trainguard.step.micro_batches import DataParallelPlace, micro_batch_closure, takes_no_arguments
@@ -35,6 +36,11 @@ def loss_of(model: torch.nn.Module, step: int, micro_batch: int) -> torch.Tensor
     generator = torch.Generator().manual_seed(100 * step + micro_batch)
     inputs, labels = torch.randn(2, 3, generator=generator), torch.randn(2, 1, generator=generator)
     return torch.nn.functional.mse_loss(model(inputs), labels)
+
+
+def sample_range(step: int, micro_batch: int) -> tuple[int, int]:
+    first = (step * MICRO_BATCHES + micro_batch) * 2
+    return first, first + 2
 
 
 @pytest.fixture
@@ -60,9 +66,11 @@ def test_the_guard_trains_the_mean_of_the_global_batch_with_live_modes_seeding_b
     guard = trainguard.Guard(tmp_path, model, optimizer, config=config)
     step, losses = guard.resume(), []
     while not guard.should_stop(step, STEPS):
-        outcome = guard.step(loss_of)
+        outcome = guard.step(loss_of, sample_range)
         step, losses = outcome.step, losses + [outcome.loss]
     assert guard.close() == 0 and step == STEPS
+    ranges = [e["sample_ranges"] for e in read_events(tmp_path / "events.jsonl") if e["kind"] == "step"]
+    assert ranges == [[list(sample_range(step, m)) for m in range(MICRO_BATCHES)] for step in range(STEPS)]
 
     for step in range(STEPS):  # the contract, by hand: data position = step, draws from (seed, step, micro-batch)
         expected_optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,78 @@
+r"""A small model, optimizer and data on ``trainguard.Guard``'s one loop, for the live-mode tests that need a
+fast rank (test_live_durable.py, test_live_guards.py, cli/test_run_live.py); live_loop.yaml turns live
+recovery on (4 gloo ranks: 2 replica groups x 2). The user's example of the same loop is
+examples/user_loop.py (test_live_user_loop.py runs it live).
+
+Each rank builds the model and optimizer (seeded: every rank starts alike), hands them to
+``trainguard.Guard`` and loops with the loss of one micro-batch by index. The model has dropout: each
+micro-batch's mask is drawn from (``train.seed``, step, micro-batch), so whichever rank computes it
+draws the same one. Rank 0 prints every 10th step's loss.
+
+    python -m trainguard run --nproc 4 --config tests/helpers/live_loop.yaml --run-dir runs/live \
+        --set 'faults=kill:rank=3,step=5' -- python tests/helpers/live_loop.py
+
+A rank is this script with the launcher's flags (``--store ... --rank R --run-dir DIR ...``: they decide
+its place, the steps and the global batch) and its own (``--config``, ``--lr``).
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import trainguard
+
+CLASSES, FEATURES, MICRO_BATCH = 4, 12, 8
+CONFIG = Path(__file__).with_suffix(".yaml")
+
+
+def sample_range(step: int, micro_batch: int, micro_batches: int) -> tuple[int, int]:
+    first = (step * micro_batches + micro_batch) * MICRO_BATCH
+    return first, first + MICRO_BATCH
+
+
+def batch(step: int, micro_batch: int, micro_batches: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The samples of one micro-batch, a pure function of its index: the data position is the step."""
+    first, _ = sample_range(step, micro_batch, micro_batches)
+    generator = torch.Generator().manual_seed(first)
+    inputs = torch.randn(MICRO_BATCH, FEATURES, generator=generator)
+    return inputs, (inputs[:, :CLASSES].argmax(dim=1) + (inputs[:, -1] > 1).long()) % CLASSES
+
+
+def build_model() -> torch.nn.Module:
+    """Seeded: every rank starts alike."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 24), torch.nn.GELU(), torch.nn.LayerNorm(24),
+                               torch.nn.Dropout(0.1), torch.nn.Linear(24, CLASSES))
+
+
+def rank_main(argv: list[str]) -> None:
+    model = build_model()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", type=Path, default=CONFIG)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--run-dir", type=Path, required=True)  # the launcher's flag: the run's directory
+    own, _ = parser.parse_known_args(argv)  # the rest are the launcher's flags, the guard's
+    optimizer = torch.optim.AdamW(model.parameters(), lr=own.lr, weight_decay=0.1)
+    guard = trainguard.Guard(own.run_dir, model, optimizer, config=own.config)  # live: the config says so
+
+    def loss_of(model: torch.nn.Module, step: int, micro_batch: int) -> torch.Tensor:
+        inputs, labels = batch(step, micro_batch, guard.micro_batches)
+        return F.cross_entropy(model(inputs), labels)
+
+    def samples_of(step: int, micro_batch: int) -> tuple[int, int]:  # for the events' sample check
+        return sample_range(step, micro_batch, guard.micro_batches)
+
+    step = guard.resume()
+    while not guard.should_stop(step, guard.total_steps):
+        outcome = guard.step(loss_of, samples_of)
+        step = outcome.step
+        if guard.rank == 0 and step % 10 == 0:
+            print(f"step {step} loss {outcome.loss:.4f}", flush=True)
+    guard.close()  # ends this process with the quorum's code
+
+
+if __name__ == "__main__":
+    rank_main(sys.argv[1:])

@@ -195,11 +195,11 @@ class LiveRank:
         return report.healthy
 
     def close(self) -> NoReturn:
-        """Trains what is left to the end of the run (at the last step: the redo of a step a peer did not
+        """At the last step or the agreed stop, trains what is left (the redo of a step a peer did not
         finish, a replacement's join at the last boundary, the final state file), then ends this process:
         0, ``EXIT_RESUMABLE_STOP`` after a stop (a signal to the launcher or a rank), 3 after a data-skip
         abort, or ``FENCED_EXIT`` for a stale process of a rank that was replaced."""
-        if self.remaining is not None:
+        if self.remaining is not None and self.stopping:
             while self.advance() is not None:
                 pass
         # Everything is written (events unbuffered, the final state fsynced). A normal exit would destroy

@@ -203,3 +203,12 @@ def test_the_reference_trainer_in_live_mode_refuses_what_it_does_not_do_in_one_l
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("trainguard: error: ") and message in err and err.count("\n") == 1, err
     assert not (tmp_path / "run").exists()  # refused before anything was made
+
+
+def test_the_data_parallel_mesh_is_none_for_a_rank_of_the_live_launcher():
+    """The same script in both modes: under the live launcher (its --store flag) the model stays whole
+    (no default process group is made); under torchrun (test_user_loop_faults.py) it is FSDP2's mesh."""
+    import torch.distributed as dist
+
+    assert trainguard.data_parallel_mesh(["--config", "run.yaml", "--store", "127.0.0.1:1", "--rank", "0"]) is None
+    assert not dist.is_initialized()

@@ -3,7 +3,8 @@
 trained with live recovery by configuration alone: ``trainguard run --nproc 4 --config Y -- python
 examples/user_loop.py`` where Y is examples/user_loop.yaml with ``fault_tolerance.live: true`` and the
 live layout (2 replica groups x 2) added, and without the keys live mode does not run yet (``NOT_LIVE_YET``:
-the local tier, checkpoint health, SDC; live mode refuses them rather than ignoring them). Run once
+the local tier and checkpoint health; live mode refuses them rather than ignoring them): its data skip,
+SDC level 2 with 2 strikes, clipping and durable tier are on. Run once
 without a fault and once with the drill's SIGKILL of rank 3 at step 5 and two warm spares, the first
 made to fail its self-test. The survivors keep their processes, the replaced group rejoins with a live
 peer's state, every rank ends with the fault-free run's parameters and optimizer state bit for bit, and
@@ -29,7 +30,7 @@ from trainguard.live.files import events_path
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE, CONFIG = ROOT / "examples" / "user_loop.py", ROOT / "examples" / "user_loop.yaml"
 STEPS, WORLD, GROUP, KILLED, KILL_AT = 12, 4, 2, 3, 5
-NOT_LIVE_YET = {"checkpoint": ("local_interval",), "guards": ("health", "sdc")}  # issue 35 item 2
+NOT_LIVE_YET = {"checkpoint": ("local_interval",), "guards": ("health",)}  # issue 35 item 2
 LIVE = {"fault_tolerance": {"live": True}, "parallel": {"dp_replicate": 2, "dp_shard": GROUP}}
 
 

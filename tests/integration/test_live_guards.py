@@ -1,5 +1,5 @@
 """The closure mode's guards and stops in live mode, on the documented user path (``trainguard run
---nproc 4 --config FILE -- python examples/user_loop_live.py --config FILE``: 4 gloo ranks, 2 replica
+--nproc 4 --config FILE -- python tests/helpers/live_loop.py --config FILE``: 4 gloo ranks, 2 replica
 groups x 2, dropout, AdamW, durable checkpoints every 5 steps), ``guards.skip`` on with an absolute
 threshold:
 
@@ -40,7 +40,7 @@ from trainguard.live.compare import bitwise_differences, replica_differences, ru
 from trainguard.live.files import events_path, final_path
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "user_loop_live.py"
+EXAMPLE = ROOT / "tests" / "helpers" / "live_loop.py"
 CLOSURE_TWIN = ROOT / "tests" / "helpers" / "user_loop_closure.py"
 STEPS, WORLD, SPIKE_AT, NAN_AT, THRESHOLD = 10, 4, 4, 7, 50.0
 FAULTS = f"faults=spike:step={SPIKE_AT},factor=10000; nan:step={NAN_AT}"

@@ -2,15 +2,16 @@
 
 The public API for your own training loop:
 
-- ``Guard``: the step protocol (resume, should_stop, step(closure), close) with every guard, checkpoint
+- ``Guard``: the step protocol (resume, should_stop, step(loss_of), close) with every guard, checkpoint
   tier, fault drill and lifecycle feature behind it, configured by a ``Config`` (or its YAML file);
   ``StepOutcome`` is what ``Guard.step`` returns. See ``docs/library.md``. With
-  ``fault_tolerance.live: true`` it trains with live recovery instead (``guard.steps(loss_of)``: a rank
-  dies, the others keep stepping, its replacement rejoins; same result). See ``docs/live_recovery.md``.
+  ``fault_tolerance.live: true`` the same loop trains with live recovery instead (a rank dies, the
+  others keep stepping, its replacement rejoins; same result). See ``docs/live_recovery.md``.
+- ``data_parallel_mesh``: the mesh to shard the model over, the same call under ``torchrun`` and in
+  live mode (None there: each rank holds the whole model).
 - ``CheckpointManager``: durable async checkpoints with atomic commit, verification and exact resume.
 - ``clip_grad_norm_``: the true global gradient norm under FSDP2/HSDP/TP/PP, and clipping by it.
 - ``DataSkipGuard``: the global-norm spike rule (skip, count, abort) on its own.
-- ``LiveGuard``: ``Guard`` in live mode under its earlier name.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ if TYPE_CHECKING:  # for type checkers; at run time __getattr__ below imports th
     from trainguard.checkpoint.manager import CheckpointManager  # noqa: F401
     from trainguard.guards.skip import DataSkipGuard  # noqa: F401
     from trainguard.norms import clip_grad_norm_  # noqa: F401
-    from trainguard.step.guard import Config, Guard, LiveGuard, StepOutcome  # noqa: F401
+    from trainguard.step.guard import Config, Guard, StepOutcome  # noqa: F401
+    from trainguard.step.mesh import data_parallel_mesh  # noqa: F401
 
 __version__ = "0.1.0"
 
@@ -33,7 +35,8 @@ _EXPORTS = {
     "checkpoint.manager": ("CheckpointManager",),
     "guards.skip": ("DataSkipGuard",),
     "norms": ("clip_grad_norm_",),
-    "step.guard": ("Config", "Guard", "LiveGuard", "StepOutcome"),
+    "step.guard": ("Config", "Guard", "StepOutcome"),
+    "step.mesh": ("data_parallel_mesh",),
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 __all__ = sorted(name for names in _EXPORTS.values() for name in names) + ["__version__"]

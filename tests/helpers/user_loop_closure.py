@@ -1,7 +1,8 @@
-"""examples/user_loop_live.py's training in the closure mode (``Guard.step(closure)``), one process: the
-same model, data, dropout draws and configuration file with ``fault_tolerance.live`` off, each step's
-global batch (``train.micro_batches`` micro-batches) summed by the live mode's fixed tree over micro-batch
-indices (``live.group_reduce.tree_sum``). For comparing the two modes' guard verdicts on the same gradients.
+"""tests/helpers/live_loop.py's training in the closure mode, one process: the same model, data, loss and
+configuration file with ``fault_tolerance.live`` off, through the same loop (``guard.step(loss_of)``),
+which accumulates each step's global batch (``train.micro_batches`` micro-batches) in micro-batch order
+with the same per-micro-batch seeding, as live mode sums it. For comparing the two modes' guard verdicts
+on the same gradients.
 
     python tests/helpers/user_loop_closure.py --config FILE --run-dir DIR [--set KEY=VALUE ...]
 """
@@ -17,10 +18,8 @@ import torch
 import torch.nn.functional as F
 
 import trainguard
-from trainguard.live.group_reduce import tree_sum
-from trainguard.live.rng import micro_batch_rng
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "user_loop_live.py"
+LIVE_LOOP = Path(__file__).resolve().parent / "live_loop.py"
 
 
 def main(argv: list[str]) -> int:
@@ -29,29 +28,19 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args(argv)
-    example = runpy.run_path(str(EXAMPLE))
-    model = example["build_model"]()
+    loop = runpy.run_path(str(LIVE_LOOP))
+    model = loop["build_model"]()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     guard = trainguard.Guard(args.run_dir, model, optimizer, config=args.config,
                              overrides=["fault_tolerance.live=false", *args.overrides])
-    micro_batches, seed = guard.config.train.micro_batches, guard.config.train.seed
+
+    def loss_of(model: torch.nn.Module, step: int, micro_batch: int) -> torch.Tensor:
+        inputs, labels = loop["batch"](step, micro_batch, guard.micro_batches)
+        return F.cross_entropy(model(inputs), labels)
+
     step = guard.resume()
     while not guard.should_stop(step, guard.config.train.steps):
-        def closure(data_step: int = step) -> torch.Tensor:  # the live mode's step index: counted from 0
-            shares, grads = [], []
-            for micro_batch in range(micro_batches):
-                model.zero_grad(set_to_none=True)
-                inputs, labels = example["batch"](data_step, micro_batch, micro_batches)
-                with micro_batch_rng(seed, data_step, micro_batch):
-                    share = F.cross_entropy(model(inputs), labels) / micro_batches
-                    share.backward()
-                shares.append(share.detach().reshape(1) + 0.0)  # a -0.0 made +0.0, as live mode does
-                grads.append([param.grad + 0.0 for param in model.parameters()])
-            for index, param in enumerate(model.parameters()):  # live mode's fixed tree over micro-batches
-                param.grad = tree_sum([grad[index] for grad in grads])
-            return tree_sum(shares)[0]
-
-        step = guard.step(closure).step
+        step = guard.step(loss_of).step
     return guard.close()
 
 

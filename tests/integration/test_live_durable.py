@@ -1,6 +1,6 @@
 """The durable tier in live mode, on the documented user path: ``trainguard run --nproc 4 --config FILE --
-python examples/user_loop_live.py --config FILE`` (4 gloo ranks, 2 replica groups x 2, dropout, AdamW),
-its configuration ``examples/user_loop_live.yaml`` with ``checkpoint: {save_interval: 5, keep_last: 3}`` added.
+python tests/helpers/live_loop.py --config FILE`` (4 gloo ranks, 2 replica groups x 2, dropout, AdamW),
+its configuration ``tests/helpers/live_loop.yaml`` with ``checkpoint: {save_interval: 5, keep_last: 3}`` added.
 
 - a fault-free run commits ``global_step_5/10/15/16`` (the 3 newest kept) through ``CheckpointManager``'s DCP tier, each
   with a manifest naming the live quorum, and DCP's files from every rank of it;
@@ -40,7 +40,7 @@ from trainguard.live.compare import bitwise_differences, run_differences, whole_
 from trainguard.live.files import events_path, final_path
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "user_loop_live.py"
+EXAMPLE = ROOT / "tests" / "helpers" / "live_loop.py"
 STEPS, WORLD, INTERVAL = 16, 4, 5
 TIMEOUT_S = 240
 

@@ -7,7 +7,7 @@ from a live peer on n1; then the cut node's link comes back and its stale ranks,
 instead of rejoining. The end state is bitwise the fault-free run's, every sample used once.
 
 The same as a user starts it (issue 35): ``trainguard run --launcher hosts --hosts ... --node-command ...
---nproc 4 --config examples/user_loop_live.yaml -- python examples/user_loop_live.py`` in the head
+--nproc 4 --config tests/helpers/live_loop.yaml -- python tests/helpers/live_loop.py`` in the head
 namespace, no warm spare: the cut node's ranks are replaced cold on the spare node n3."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from trainguard.live.workload import Workload
 
 HELPER = Path(__file__).parent.parent / "helpers" / "live_on_nodes.py"
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "user_loop_live.py"
+EXAMPLE = ROOT / "tests" / "helpers" / "live_loop.py"
 CUT_AT = 8  # group 1's node loses its link once its rank 2 has committed this step
 CUT = "n2"
 # long enough after the rejoin (about 10 s) for the stale ranks to come back before the end: their store

@@ -1,5 +1,5 @@
 """SDC detection with its rerun in live mode (``live/sdc.py``), on the documented user path
-(``trainguard run --nproc 4 --config FILE -- python examples/user_loop_live.py``: 4 gloo ranks, 2 replica
+(``trainguard run --nproc 4 --config FILE -- python tests/helpers/live_loop.py``: 4 gloo ranks, 2 replica
 groups x 2, dropout, AdamW, durable checkpoints every 5 steps), ``guards.sdc.enabled_level: 2`` with
 ``strikes: 1``, once fault-free and once with the drill's miscompute on rank 1 at step 4 (the closure
 mode's ``scale`` fault: the gradient into the LayerNorm of rank 1's first micro-batch of step 4, x1e9,
@@ -40,7 +40,7 @@ from trainguard.live.compare import bitwise_differences, replica_differences, ru
 from trainguard.live.files import events_path, final_path
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "user_loop_live.py"
+EXAMPLE = ROOT / "tests" / "helpers" / "live_loop.py"
 CLOSURE_TWIN = ROOT / "tests" / "helpers" / "user_loop_closure.py"
 STEPS, WORLD, FAULT_AT = 10, 4, 4
 MISCOMPUTE = "scale:rank={rank},step=4,site=2,where=grad_input,factor=1e9"  # module "2": the LayerNorm

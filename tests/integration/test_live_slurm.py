@@ -1,6 +1,6 @@
 """A live run of a user's script under a real Slurm (issue 35): the ``slurm`` fixture's cluster (eight
 slurmd logical nodes on this host), a batch job of 3 nodes whose script is ``trainguard run --launcher
-slurm --nproc 4 --config examples/user_loop_live.yaml -- python examples/user_loop_live.py``. Each rank
+slurm --nproc 4 --config tests/helpers/live_loop.yaml -- python tests/helpers/live_loop.py``. Each rank
 is a job step of one task on its node (replica group 0 on the allocation's first node, group 1 on the
 second, the third a spare node); the drill SIGKILLs rank 3 (its step's ``srun``), the others keep
 stepping, the replacement, a new step on group 1's node, rejoins, and the end state is bitwise that of
@@ -20,7 +20,7 @@ from trainguard.live.files import events_path
 from trainguard.live.samples import sample_problems
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "user_loop_live.py"
+EXAMPLE = ROOT / "tests" / "helpers" / "live_loop.py"
 STEPS, KILLED, KILL_AT = 30, 3, 10
 SETS = [f"train.steps={STEPS}"]
 

@@ -1,13 +1,18 @@
-"""``trainguard.Guard`` in live mode (``fault_tolerance.live: true``) in a user's script
-(examples/user_loop_live.py), started the way a user starts it: ``trainguard run --nproc 4 --config
-examples/user_loop_live.yaml -- python examples/user_loop_live.py`` (4 gloo ranks, 2 replica groups x
-2), once without a fault and once with the drill ``--set faults=kill:rank=3,step=5`` and a warm spare
-(``--set fault_tolerance.spares=1``). The survivors keep their processes, the replaced group rejoins
-with a live peer's state, and every rank ends with the fault-free run's parameters and optimizer state,
-bit for bit."""
+"""examples/user_loop.py, the loop that tests/integration/test_user_loop_faults.py runs under ``torchrun``
+(``guard.resume()``, ``guard.should_stop(step, total)``, ``guard.step(loss_of)``, ``guard.close()``),
+trained with live recovery by configuration alone: ``trainguard run --nproc 4 --config Y -- python
+examples/user_loop.py`` where Y is examples/user_loop.yaml with ``fault_tolerance.live: true`` and the
+live layout (2 replica groups x 2) added, and without the keys live mode does not run yet (``NOT_LIVE_YET``:
+the local tier and checkpoint health; live mode refuses them rather than ignoring them): its data skip,
+SDC level 2 with 2 strikes, clipping and durable tier are on. Run once
+without a fault and once with the drill's SIGKILL of rank 3 at step 5 and two warm spares, the first
+made to fail its self-test. The survivors keep their processes, the replaced group rejoins with a live
+peer's state, every rank ends with the fault-free run's parameters and optimizer state bit for bit, and
+so does the final durable checkpoint, which holds the loop's ``hf_config`` as under torchrun."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -15,34 +20,46 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+import yaml
 
-from helpers.runs import trainguard
+from helpers.runs import assert_same_tensors, trainguard
 from trainguard.events.log import read_events
 from trainguard.live.compare import replica_differences, run_differences, whole_final_state
 from trainguard.live.files import events_path
-from trainguard.live.samples import sample_problems
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "user_loop_live.py"
-CONFIG = EXAMPLE.with_suffix(".yaml")
-STEPS, WORLD, GROUP, KILLED, KILL_AT, SAMPLES_PER_STEP = 60, 4, 2, 3, 5, 8 * 8
+EXAMPLE, CONFIG = ROOT / "examples" / "user_loop.py", ROOT / "examples" / "user_loop.yaml"
+STEPS, WORLD, GROUP, KILLED, KILL_AT = 12, 4, 2, 3, 5
+NOT_LIVE_YET = {"checkpoint": ("local_interval",), "guards": ("health",)}  # issue 35 item 2
+LIVE = {"fault_tolerance": {"live": True}, "parallel": {"dp_replicate": 2, "dp_shard": GROUP}}
 
 
-def _run(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+def live_config(path: Path) -> Path:
+    """examples/user_loop.yaml with live recovery on (``LIVE``), less ``NOT_LIVE_YET``."""
+    config = yaml.safe_load(CONFIG.read_text(encoding="utf-8"))
+    for section, keys in NOT_LIVE_YET.items():
+        for key in keys:
+            del config[section][key]
+    path.write_text(yaml.safe_dump({**config, **LIVE}), encoding="utf-8")
+    return path
+
+
+def _run(config: Path, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     sets = [arg for item in (f"train.steps={STEPS}", *overrides) for arg in ("--set", item)]
-    return trainguard("run", "--nproc", str(WORLD), "--config", str(CONFIG), "--run-dir", str(run_dir), *sets, "--",
-                      sys.executable, str(EXAMPLE), timeout=240)
+    return trainguard("run", "--nproc", str(WORLD), "--config", str(config), "--run-dir", str(run_dir), *sets, "--",
+                      sys.executable, str(EXAMPLE), "--steps", str(STEPS), "--config", str(config), timeout=300)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("live_user_loop")
+    config = live_config(root / "user_loop_live.yaml")
     outputs = {}
     # two warm spares, the first made to fail its self-test (the doctor's miscompute fault): the second
     # replaces the killed rank
     for name, overrides in (("clean", ()), ("failed", (f"faults=kill:rank={KILLED},step={KILL_AT}; miscompute:rep=0,rank=0",
                                                          "fault_tolerance.spares=2"))):
-        done = _run(root / name, *overrides)
+        done = _run(config, root / name, *overrides)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         outputs[name] = done.stdout
     return root, outputs
@@ -50,6 +67,14 @@ def runs(tmp_path_factory):
 
 def _events(run_dir: Path) -> list[dict]:
     return list(read_events(events_path(run_dir)))
+
+
+def test_the_live_configuration_is_the_loops_own_plus_the_live_keys(tmp_path):
+    live = yaml.safe_load(live_config(tmp_path / "live.yaml").read_text(encoding="utf-8"))
+    own = yaml.safe_load(CONFIG.read_text(encoding="utf-8"))
+    assert set(live) == set(own) | set(LIVE) and all(live[key] == value for key, value in LIVE.items())
+    assert live["guards"]["skip"] == own["guards"]["skip"] and live["optim"] == own["optim"]
+    assert live["train"] == own["train"] and live["checkpoint"]["save_interval"] == own["checkpoint"]["save_interval"]
 
 
 def test_survivors_keep_their_pids_and_the_killed_rank_is_replaced(runs):
@@ -86,33 +111,38 @@ def test_the_broken_group_leaves_and_rejoins_with_a_peers_state(runs):
     assert all(KILL_AT < e["step"] <= STEPS for e in joined.values())
     degraded = [e for e in events if e["kind"] == "live_step" and e["members"] == 2]
     assert degraded and {e["rank"] for e in degraded} == {0, 1}  # the survivors did the group's share
-    assert all(len(e["micro_batches"]) == 4 for e in degraded)
+    assert all(len(e["micro_batches"]) == 2 for e in degraded)  # 4 micro-batches (user_loop.yaml) over 2
 
 
-def test_final_parameters_and_optimizer_state_equal_the_fault_free_run_bitwise(runs):
+def test_final_state_and_durable_checkpoint_equal_the_fault_free_run_bitwise(runs):
     runs, _ = runs
     whole = whole_final_state(runs / "clean", GROUP)
     assert {state["step"].item() for state in whole["optimizer"]["state"].values()} == {STEPS}
     assert run_differences(runs / "clean", runs / "failed", WORLD) == {}
     for name in ("clean", "failed"):
         assert replica_differences(runs / name, WORLD, GROUP) == {}, name
+    final = Path("checkpoints") / f"global_step_{STEPS}"
+    assert assert_same_tensors(runs / "clean" / final, runs / "failed" / final) > 0
 
 
-def test_no_sample_lost_or_repeated(runs):
+def test_the_durable_checkpoints_hold_the_loops_hugging_face_config(runs):
+    """``Guard(hf_config=...)`` in live mode: huggingface/ in every durable checkpoint, as under torchrun
+    (where test_user_loop_faults.py merges it), so ``trainguard ckpt merge`` needs nothing else."""
     runs, _ = runs
-    for name in ("clean", "failed"):
-        assert sample_problems(_events(runs / name), STEPS, SAMPLES_PER_STEP) == [], name
+    for checkpoint in sorted((runs / "failed" / "checkpoints").glob("global_step_*")):
+        config = json.loads((checkpoint / "huggingface" / "config.json").read_text(encoding="utf-8"))
+        assert config["model_type"] == "gpt2" and config["architectures"] == ["GPT2LMHeadModel"], checkpoint
 
 
-def test_the_loop_body_sees_every_step_on_every_rank(runs):
-    """The example prints every 10th step from inside ``for step in guard.steps(...)``: each of the 4
-    ranks (the replacement from its join on) reports them, the same losses in both runs."""
+def test_the_loop_sees_each_committed_step_once_with_the_fault_free_losses(runs):
+    """Rank 0 prints every step's outcome from ``guard.step``: steps 1..STEPS once each in both runs (the
+    recovery, the undo and the redo of the step the killed rank left happen inside one call), with the
+    same losses and norms."""
     _, outputs = runs
     # found anywhere in the output: 4 unbuffered processes on one pipe may interleave a line's end
-    reports = {name: sorted(re.findall(r"step (\d+) loss (\d+\.\d+)", out)) for name, out in outputs.items()}
-    assert sorted({int(step) for step, _ in reports["clean"]}) == list(range(0, STEPS, 10))
-    assert len(reports["clean"]) == WORLD * len(range(0, STEPS, 10))
-    assert set(reports["failed"]) == set(reports["clean"])
+    reports = {name: re.findall(r"step (\d+) loss (\d+\.\d+) norm (\d+\.\d+)", out) for name, out in outputs.items()}
+    assert [int(step) for step, _, _ in reports["clean"]] == list(range(1, STEPS + 1))
+    assert reports["failed"] == reports["clean"]
 
 
 def test_the_command_reports_the_run_and_the_replaced_rank(runs):

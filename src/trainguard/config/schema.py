@@ -77,7 +77,7 @@ class FaultToleranceConfig:
     failure and its replacement rejoins, instead of every rank restarting. The other keys are read by
     whoever starts the ranks (``LiveRun.from_config``)."""
 
-    live: bool = False  # Guard's live mode: ``guard.steps(loss_of)`` under the live launcher
+    live: bool = False  # Guard's live mode: the same loop, ranks started by the live launcher
     spares: int = 0  # warm spare processes started with the ranks, each replacing a dead rank at once
     hang_s: float = 10.0  # a rank whose heartbeat has not moved this long is declared dead
     collective_timeout_s: float = 30.0  # gloo's timeout of one collective of a rank

@@ -263,8 +263,9 @@ def refuse_unsupported(args: Any, config: RunConfig) -> None:
                           f"TrainingArguments.max_grad_norm={args.max_grad_norm} disagree; set max_grad_norm only")
     if config.fault_tolerance.live:
         raise ValueError("GuardedTrainer: fault_tolerance.live is not supported (live recovery needs the loss of "
-                          "each micro-batch and carries no LR scheduler); use trainguard.Guard in live mode in "
-                          "your own loop (docs/live_recovery.md)")
+                          "each micro-batch by index, and the Trainer draws its batches from its own dataloader); "
+                          "train with trainguard.Guard's loop, guard.step(loss_of), in your own script "
+                          "(docs/library.md)")
     if config.guards.check_for_global_norm:
         raise ValueError("GuardedTrainer: rollback mode (guards.check_for_global_norm) needs a data source "
                           "that can skip ranges; use data skip (guards.skip) instead")

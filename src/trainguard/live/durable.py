@@ -60,7 +60,7 @@ class LiveCheckpoints:
     def __init__(self, store: dist.TCPStore, run_dir: Path, config: CheckpointConfig, rank: int,
                  model: torch.nn.Module, optimizer: torch.optim.Optimizer, group_size: int,
                  whole: Callable[[], AbstractContextManager[None]], guards: LiveGuards, events: EventLog,
-                 timeout: timedelta, beat: Callable[[], None]):
+                 timeout: timedelta, beat: Callable[[], None], static_files: Callable[[Path], None] | None = None):
         # synchronous: the save must be over before the quorum can change (an async save's background
         # collectives would outlive the epoch whose group they use)
         self.config = dataclasses.replace(config, async_save=False)
@@ -70,6 +70,7 @@ class LiveCheckpoints:
         self.group_size, self.whole = group_size, whole
         self.guards = guards  # rides in each checkpoint's extra state, as the closure mode's guards do
         self.timeout, self.beat = timeout, beat
+        self.static_files = static_files  # huggingface/ in each checkpoint, as the closure mode writes it
         self.connection: dist.TCPStore | None = None  # the checkpoint groups' store client (see below)
         self.epoch: int | None = None  # the epoch of the default group and the manager
         self.manager: CheckpointManager | None = None
@@ -88,7 +89,7 @@ class LiveCheckpoints:
                                 rank=quorum.index(self.rank), world_size=len(quorum.members), timeout=self.timeout)
         groups = len(quorum.members) // self.group_size
         self.manager = CheckpointManager(self.run_dir, self.model, self.optimizer, {LIVE_GUARDS: self.guards},
-                                         config=self.config, events=self.events,
+                                         config=self.config, events=self.events, static_files=self.static_files,
                                          mesh_shape=[groups, self.group_size], mesh_dim_names=REPLICA_DIMS)
         self.epoch = quorum.epoch
         return self.manager

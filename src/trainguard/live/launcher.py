@@ -111,7 +111,7 @@ class LiveRun:
     store_host: str = "127.0.0.1"
     # what each rank runs, the launcher's flags appended: ``executable`` (this interpreter, or the first
     # word of a user's command under ``trainguard run``), then ``entry``: the drill's workload, or a user's
-    # script that trains through ``Guard`` in live mode (with its own flags, e.g. ("examples/user_loop_live.py",))
+    # script that trains through ``Guard`` in live mode (with its own flags, e.g. ("examples/user_loop.py",))
     entry: tuple[str, ...] = ("-m", "trainguard.live.workload")
     executable: str = sys.executable
     # where the job resumes (``checkpoint.resume``): "auto" (the newest verified durable checkpoint of the

@@ -1,12 +1,13 @@
 """``LiveRank``: one rank of a live-recovery run, training a user's model, optimizer and micro-batch loss.
 
-``trainguard.Guard`` in live mode (``fault_tolerance.live: true``) is the public face of it: a script
-that builds its model and optimizer and hands them, with the loss of one micro-batch by index, to
-``Guard(...).steps(loss_of)`` (then ``close()``) is a rank of a live-recovery run. Started by
-``trainguard.live.launcher.launch`` (``LiveRun.entry`` names the script), it does the per-micro-batch
-backward, the order-fixed sum over the current quorum, the optimizer step, the membership changes and
-the rejoin of ``worker.LiveWorker`` (docs/live_recovery.md). What makes the result independent of the
-failures is the user's part of the contract: the loss of micro-batch ``m`` of step ``t`` is a pure
+``trainguard.Guard`` in live mode (``fault_tolerance.live: true``) is the public face of it: the loop of
+both modes (``guard.resume()``, ``guard.should_stop(step, total)``, ``guard.step(loss_of)`` with the loss
+of one micro-batch by index, ``guard.close()``) maps onto ``start``, ``stopping``, ``step`` and ``close``
+here. Started by ``trainguard.live.launcher.launch`` (``LiveRun.entry`` names the script), it does the
+per-micro-batch backward, the order-fixed sum over the current quorum, the optimizer step, the
+membership changes and the rejoin of ``worker.LiveWorker`` (docs/live_recovery.md), driving the worker's
+generator (``LiveWorker.train``) one committed step per ``step`` call. What makes the result independent
+of the failures is the user's part of the contract: the loss of micro-batch ``m`` of step ``t`` is a pure
 function of ``(t, m)``, the parameters and its random draws (the data position is the step); the
 library makes the draws (dropout's) a function of ``(seed, t, m)`` too (``live/rng.py``). The drill's
 ``workload`` uses this class directly (it sits on this floor, below ``Guard``).
@@ -17,8 +18,9 @@ from __future__ import annotations
 import copy
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import NoReturn
 
 import torch
@@ -34,8 +36,8 @@ from trainguard.live.files import events_path
 from trainguard.live.quorum import spare_failed_key, spare_key, spare_ready_key, wait_for
 from trainguard.live.signed_store import SignedStore
 from trainguard.live.spare_check import check_spare
-from trainguard.live.worker import (DEFAULT_RULES, FENCED_EXIT, WAIT_S, Fenced, LiveArgs, LiveRules, LiveWorker,
-                                    MicroBatchLoss, SampleRange, micro_batch_grad)
+from trainguard.live.worker import (DEFAULT_RULES, FENCED_EXIT, WAIT_S, CommittedStep, Fenced, LiveArgs, LiveRules,
+                                    LiveWorker, MicroBatchLoss, SampleRange, micro_batch_grad)
 from trainguard.runtime.lifecycle import Lifecycle
 from trainguard.run_secret import load_secret
 
@@ -53,18 +55,27 @@ class LiveRank:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: LiveArgs,
                  scheduler: LambdaLR | None = None, *, seed: int, checkpoint: CheckpointConfig | None = None,
-                 rules: LiveRules = DEFAULT_RULES):
+                 rules: LiveRules = DEFAULT_RULES, static_files: Callable[[Path], None] | None = None):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.checkpoint = checkpoint  # the durable tier's section (None: no durable tier, the drill's workload)
+        self.static_files = static_files  # writes huggingface/ into each durable checkpoint (hf_config)
         self.seed = seed  # the run's seed, the same on every rank: each micro-batch's draws derive from it
         self.rules = rules
         self.args = args
         self.total_steps, self.micro_batches = self.args.steps, self.args.micro_batches
         self.exit_code = 0
+        self.worker: LiveWorker | None = None  # made by ``start``
+        self.remaining: Iterator[int] | None = None  # the worker's steps still to train (``LiveWorker.train``)
+        self.committed_steps = 0  # the steps committed when ``start`` or ``step`` last returned
+        self.ended = False  # this process trains no more (``exit_code`` says why)
 
-    def steps(self, loss_of: MicroBatchLoss, sample_range: SampleRange | None = None) -> Iterator[int]:
-        """Trains the launcher's ``steps``, yielding each step's index as it is committed (a redone step
-        again); the contract is documented where users meet it, ``Guard.steps``."""
+    def start(self, warm_loss: MicroBatchLoss | None = None) -> int:
+        """Takes this rank's place in the run and returns the committed steps it starts at: 0 for a fresh
+        job, the launcher's checkpoint's step for a resumed one (``--resume``), the step at which it
+        joined for a replacement or a warm spare (which first waits, warmed, to be told which rank it
+        replaces). ``warm_loss``: a micro-batch loss the spare warms up with (one backward of micro-batch
+        0 of step 0 on a copy of the model); without it the spare warms the autograd engine and the
+        optimizer only, and the model's own first forward and backward happen in its first step."""
         args = self.args
         host, port = args.store.rsplit(":", 1)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -75,13 +86,9 @@ class LiveRank:
         rank, rejoin = args.rank, args.rejoin
         if args.spare is not None:
             if args.doctor and not self.spare_is_healthy(store):
-                return
-            # warm: torch loads parts of itself at the first optimizer and the first backward (seconds on a
-            # loaded machine), so a spare goes through both once, on a copy, before it says it is ready;
-            # copied together, so the copied optimizer steps the copied parameters
-            model, optimizer = copy.deepcopy((self.model, self.optimizer))
-            micro_batch_grad(model, loss_of, 0, 0, args.micro_batches, self.seed)
-            optimizer.step()
+                self.ended = True
+                return 0
+            self.warm_up(warm_loss)
             store.set(spare_ready_key(args.spare), "1")
             rank, rejoin = int(wait_for(store, spare_key(args.spare), SPARE_WAIT_S, beat=lambda: None)), True
         setup_logging(rank, args.run_dir / "logs")  # the guards' and the stops' lines, as in the closure mode
@@ -89,31 +96,87 @@ class LiveRank:
         # launcher's does, and so do the kill switch and the time limit; a second signal, 2 s or more
         # later, ends this process at once (exit 16)
         lifecycle = Lifecycle(self.rules.lifecycle)
-        worker = LiveWorker(store, args, rank, self.model, self.optimizer, loss_of, sample_range, self.scheduler,
-                            seed=self.seed, checkpoint=self.checkpoint, lifecycle=lifecycle, rules=self.rules)
+        self.worker = LiveWorker(store, args, rank, self.model, self.optimizer, None, None, self.scheduler,
+                                 seed=self.seed, checkpoint=self.checkpoint, lifecycle=lifecycle, rules=self.rules,
+                                 static_files=self.static_files)
         try:
-            yield from worker.train(rejoin)
+            self.worker.begin(rejoin)
         except Fenced as fenced:
-            print(f"live recovery: {fenced}; exiting", file=sys.stderr)
-            self.exit_code = FENCED_EXIT
-            return
-        except dist.DistNetworkError as lost:  # the store's server, the launcher, is gone: nothing to step with
-            print(f"live recovery: rank {rank} lost the run's store at {args.store} ({str(lost).splitlines()[0]}); "
-                  f"exiting {STORE_LOST_EXIT}: the run restarts from its newest durable checkpoint", file=sys.stderr,
-                  flush=True)
-            self.exit_code = STORE_LOST_EXIT
-            return
+            self.fenced(fenced)
+            return 0
+        except dist.DistNetworkError as lost:
+            self.store_lost(lost)
+            return 0
+        self.committed_steps = self.worker.step_index
+        self.remaining = self.worker.train()
+        return self.committed_steps
+
+    def warm_up(self, loss_of: MicroBatchLoss | None) -> None:
+        """A spare's: torch loads parts of itself at the first optimizer step and the first backward
+        (seconds on a loaded machine), so the spare goes through both once, on a copy (copied together, so
+        the copied optimizer steps the copied parameters), before it says it is ready."""
+        model, optimizer = copy.deepcopy((self.model, self.optimizer))
+        if loss_of is not None:
+            micro_batch_grad(model, loss_of, 0, 0, self.args.micro_batches, self.seed)
+        else:
+            sum(p.square().sum() for p in model.parameters()).backward()
+        optimizer.step()
+
+    @property
+    def stopping(self) -> bool:
+        """No more steps: the last one is committed, the quorum agreed to stop (and saved), or this process
+        is ending (an abort, fenced, a spare that failed its self-test)."""
+        return self.ended or self.worker.stop is not None or self.worker.step_index >= self.total_steps
+
+    def step(self, loss_of: MicroBatchLoss, sample_range: SampleRange | None = None) -> CommittedStep | None:
+        """Trains until the step after the last one returned is committed, with the recoveries, undos
+        and redos it takes (a redone step is not returned again), and returns it; None when the run ended
+        inside the call instead (a data-skip abort, a faulty device, this process fenced: ``exit_code`` says
+        which)."""
+        if self.stopping:
+            raise RuntimeError("LiveRank.step after the run's last step or its agreed stop")
+        self.worker.loss_of, self.worker.sample_range = loss_of, sample_range
+        while (index := self.advance()) is not None:
+            if index >= self.committed_steps:
+                self.committed_steps = index + 1
+                return self.worker.committed
+        return None
+
+    def advance(self) -> int | None:
+        """The index of the next step the worker commits (a redone one too), or None when it trains no more."""
+        if self.ended:
+            return None
+        try:
+            return next(self.remaining)
+        except StopIteration:
+            if self.worker.stop is not None:  # the quorum stopped at a boundary, saved: the job resumes from it
+                self.exit_code = self.worker.stop.exit_code
+        except Fenced as fenced:
+            self.fenced(fenced)
+        except dist.DistNetworkError as lost:
+            self.store_lost(lost)
         except FaultyDeviceError as faulty:  # this rank alone: the others go on, its group leaves (live/sdc.py)
-            print(f"trainguard: error: [rank {rank}] {faulty}", file=sys.stderr, flush=True)
+            print(f"trainguard: error: [rank {self.worker.rank}] {faulty}", file=sys.stderr, flush=True)
             self.exit_code = faulty.exit_code
-            return
         except DataSkipAbort as abort:  # every member judged the same sum: all abort at this step
-            if worker.reports() or not abort.every_rank_raises:
-                print(f"trainguard: error: [rank {rank}] {abort}", file=sys.stderr, flush=True)
+            if self.worker.reports() or not abort.every_rank_raises:
+                print(f"trainguard: error: [rank {self.worker.rank}] {abort}", file=sys.stderr, flush=True)
             self.exit_code = abort.exit_code
-            return
-        if worker.stop is not None:  # the quorum stopped at a boundary, saved: the job resumes from it
-            self.exit_code = worker.stop.exit_code
+        self.ended = True
+        return None
+
+    def fenced(self, fenced: Fenced) -> None:
+        print(f"live recovery: {fenced}; exiting", file=sys.stderr)
+        self.exit_code = FENCED_EXIT
+        self.ended = True
+
+    def store_lost(self, lost: dist.DistNetworkError) -> None:
+        """The store's server, the launcher, is gone: nothing to step with."""
+        print(f"live recovery: rank {self.worker.rank} lost the run's store at {self.args.store} "
+              f"({str(lost).splitlines()[0]}); exiting {STORE_LOST_EXIT}: the run restarts from its newest durable "
+              "checkpoint", file=sys.stderr, flush=True)
+        self.exit_code = STORE_LOST_EXIT
+        self.ended = True
 
     def spare_is_healthy(self, store: SignedStore) -> bool:
         """The spare's self-test; a failure is an event, a store key the launcher reads, and this
@@ -132,8 +195,13 @@ class LiveRank:
         return report.healthy
 
     def close(self) -> NoReturn:
-        """Ends this process: 0, ``EXIT_RESUMABLE_STOP`` after a stop (a signal to the launcher or a rank), or
-        ``FENCED_EXIT`` for a stale process of a rank that was replaced."""
+        """At the last step or the agreed stop, trains what is left (the redo of a step a peer did not
+        finish, a replacement's join at the last boundary, the final state file), then ends this process:
+        0, ``EXIT_RESUMABLE_STOP`` after a stop (a signal to the launcher or a rank), 3 after a data-skip
+        abort, or ``FENCED_EXIT`` for a stale process of a rank that was replaced."""
+        if self.remaining is not None and self.stopping:
+            while self.advance() is not None:
+                pass
         # Everything is written (events unbuffered, the final state fsynced). A normal exit would destroy
         # the retired groups, whose threads wait for their abandoned operation's timeout (collective.py).
         sys.stdout.flush()

@@ -164,6 +164,16 @@ DEFAULT_RULES = LiveRules()  # the drill's workload's: no clipping, no data skip
 
 
 @dataclass(frozen=True)
+class CommittedStep:
+    """What ``LiveWorker.step`` committed: the step's index (from 0), its loss (the mean over the global
+    batch), its global norm before clipping, and whether the guards skipped its update."""
+    index: int
+    loss: float
+    global_norm: float
+    skipped: bool
+
+
+@dataclass(frozen=True)
 class LiveStop:
     """The quorum's agreed stop at a step boundary, saved first: why, and the process's exit code."""
     step: int  # the committed steps
@@ -201,13 +211,15 @@ def set_lr(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, updates: int) 
 
 class LiveWorker:
     def __init__(self, store: dist.Store, args: LiveArgs, rank: int, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer, loss_of: MicroBatchLoss, sample_range: SampleRange | None,
+                 optimizer: torch.optim.Optimizer, loss_of: MicroBatchLoss | None, sample_range: SampleRange | None,
                  scheduler: LambdaLR | None = None, *, seed: int, checkpoint: CheckpointConfig | None = None,
-                 lifecycle: Lifecycle | None = None, rules: LiveRules = DEFAULT_RULES):
+                 lifecycle: Lifecycle | None = None, rules: LiveRules = DEFAULT_RULES,
+                 static_files: Callable[[Path], None] | None = None):
         self.seed = seed  # the run's: each micro-batch's random draws derive from it (rng.py)
         self.rules = rules
         self.store, self.rank, self.world, self.steps = store, rank, args.world, args.steps
         self.run_dir, self.micro_batches = args.run_dir, args.micro_batches
+        # the step's loss and sample ranges: ``LiveRank.step`` hands in the ones of each call before it steps
         self.loss_of, self.sample_range = loss_of, sample_range
         self.micro_batch_s, self.checkpoint_every = args.micro_batch_s, args.checkpoint_every
         self.collective_timeout = timedelta(seconds=args.collective_timeout_s)
@@ -255,14 +267,14 @@ class LiveWorker:
         # the durable tier (``checkpoint``: the ``checkpoint`` section; None: the drill's workload, none)
         self.checkpoints = None if checkpoint is None else LiveCheckpoints(
             store, args.run_dir, checkpoint, rank, model, optimizer, self.group_size, self.whole_state, self.guards,
-            self.events,
-            self.collective_timeout, self.beat)
+            self.events, self.collective_timeout, self.beat, static_files)
         self.lifecycle = lifecycle  # this rank's stop reasons (its signals, the kill switch, the time limit)
         self.stop: LiveStop | None = None  # the quorum agreed to stop, and saved: no more steps
+        self.committed: CommittedStep | None = None  # the step this rank committed last
 
-    def train(self, rejoin: bool) -> Iterator[int]:
-        """Trains to the last step, yielding the index of each step as it commits it (a step undone
-        after a peer's failure is yielded again when it is redone); at the end writes the final state."""
+    def begin(self, rejoin: bool) -> None:
+        """Takes this rank's place: joins (a replacement, a rank left out), or enters the job's first epoch,
+        resumed from the launcher's checkpoint if it chose one; ``step_index`` is then the step it starts at."""
         self.events.emit("live_start", pid=os.getpid(), rejoin=rejoin)
         if rejoin:
             self.join()
@@ -280,6 +292,10 @@ class LiveWorker:
                 self.store.set(progress_key(self.rank), str(self.step_index))
             if self.rules.exit_at_step is not None and self.step_index >= self.rules.exit_at_step:
                 self.stop_here(NONE)  # resumed at (or past) the planned stop: saved, nothing trained
+
+    def train(self) -> Iterator[int]:
+        """After ``begin``: trains to the last step, yielding the index of each step as it commits it (a step
+        undone after a peer's failure is yielded again when it is redone); at the end writes the final state."""
         while self.stop is None:
             step = self.step_index
             try:
@@ -451,6 +467,7 @@ class LiveWorker:
             self.optimizer.step()  # a sharded rank steps its own rows: they stay sharded
         self.events.emit("live_step", step=step, epoch=quorum.epoch, members=len(quorum.members),
                          micro_batches=mine, loss=loss, global_norm=norm, skipped=skipped)
+        self.committed = CommittedStep(step, loss, norm, skipped)
         self.step_index = step + 1
         if self.fingerprints is not None:
             self.fingerprints.remember(self.step_index + 1)

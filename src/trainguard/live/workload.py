@@ -6,7 +6,7 @@ and the data position of a run is its step: micro-batch ``m`` of step ``t`` hold
 
 ``python -m trainguard.live.workload --store HOST:PORT --rank R ...`` is the drill's rank (the
 launcher's default entry): one user of ``LiveRank``, the engine of ``Guard``'s live mode that
-``examples/user_loop_live.py`` uses.
+``examples/user_loop.py`` runs under ``fault_tolerance.live: true``.
 """
 
 from __future__ import annotations
@@ -58,11 +58,12 @@ class Workload:
 def main(argv: list[str] | None = None) -> None:
     workload = Workload()
     model, optimizer = workload.build()
-    guard = LiveRank(model, optimizer, LiveArgs.parse(argv), seed=workload.seed)
-    workload = dataclasses.replace(workload, micro_batches=guard.micro_batches)  # the run's global batch
-    for _ in guard.steps(workload.micro_batch_loss, workload.sample_range):
-        pass
-    guard.close()
+    rank = LiveRank(model, optimizer, LiveArgs.parse(argv), seed=workload.seed)
+    workload = dataclasses.replace(workload, micro_batches=rank.micro_batches)  # the run's global batch
+    rank.start(workload.micro_batch_loss)
+    while not rank.stopping:
+        rank.step(workload.micro_batch_loss, workload.sample_range)
+    rank.close()
 
 
 if __name__ == "__main__":

@@ -4,26 +4,22 @@
 
     guard = trainguard.Guard(run_dir, model, optimizer, scheduler=scheduler, stateful={"data": loader},
                              config="trainguard.yaml")
+    def loss_of(model, step, micro_batch):   # micro-batch `micro_batch` of step `step` (from 0)
+        return loss_fn(model(batch(step, micro_batch)))
+
     step = guard.resume()
     while not guard.should_stop(step, total_steps):
-        def closure():
-            loss = loss_fn(model(next_batch()))
-            loss.backward()
-            return loss
-        step = guard.step(closure).step
+        step = guard.step(loss_of).step
     raise SystemExit(guard.close())
 
-With ``fault_tolerance.live: true`` the same ``Guard`` is one rank of a live-recovery run instead
-(``step/live.py``, docs/live_recovery.md): a rank's death stops no other rank, and its replacement
-rejoins with a live peer's state::
+The same loop runs in both modes. With ``fault_tolerance.live: true`` the ``Guard`` is one rank of a
+live-recovery run (``step/live.py``, docs/live_recovery.md): a rank's death stops no other rank, and its
+replacement rejoins with a live peer's state; ``step`` then drives the live rank one committed step per
+call. A zero-argument closure (forward and backward of this rank's batch) is the earlier contract,
+kept in the closure mode for one release.
 
-    guard = trainguard.Guard(run_dir, model, optimizer, config=config)   # the launcher's --run-dir
-    for step in guard.steps(loss_of):   # loss_of(model, step, micro_batch): the library does each step
-        ...                             # observe only
-    guard.close()                       # ends the process
-
-``step(closure)`` zeroes the gradients, runs the closure (forward and backward; it may run twice, see
-``docs/library.md``), measures the global norm, the loss, the embedding's local norm before clipping
+``step(loss_of)`` zeroes the gradients, runs the backward of this rank's micro-batches
+(``step/micro_batches.py``; a closure instead: runs it, it may run twice, see ``docs/library.md``), measures the global norm, the loss, the embedding's local norm before clipping
 and the SDC verdicts with one all-reduce of constant size, reruns the closure on an SDC detection,
 decides skip / rollback / abort, clips, steps the optimizer and the scheduler, saves by policy with
 the checkpoint's health, and emits the events and heartbeats. An abort (too many spikes: exit 3, a
@@ -40,6 +36,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +49,7 @@ from trainguard.backup.attach import attach_mirror
 from trainguard.checkpoint.discovery import newest_committed_step
 from trainguard.checkpoint.manager import CheckpointManager, Stateful
 from trainguard.config.load import config_to_dict, load_config
-from trainguard.config.schema import FaultToleranceConfig, RunConfig
+from trainguard.config.schema import RunConfig
 from trainguard.errors import (
     EXIT_CRASH,
     EXIT_OK,
@@ -60,6 +57,7 @@ from trainguard.errors import (
     ConfigError,
     ConfigErrorExit,
     TrainguardError,
+    raised_by_every_rank,
 )
 from trainguard.events import EventLog
 from trainguard.events.rank_logging import LOGGER_NAME, setup_logging
@@ -70,12 +68,13 @@ from trainguard.guards.skip import DataSkipAbort
 from trainguard.guards.step_skips import StepSkips
 from trainguard.guards.state_guard import StateGuard
 from trainguard.live.rank import LiveRank
-from trainguard.live.worker import LiveArgs, MicroBatchLoss, SampleRange
+from trainguard.live.worker import MicroBatchLoss, SampleRange
 from trainguard.norms import clip_grads_, local_grad_norms
 from trainguard.runtime.heartbeat import HeartbeatWriter, node_name
 from trainguard.runtime.lifecycle import EXIT_CODES, NONE, REASON_NAMES, Lifecycle
 from trainguard.step.embedding import EmbeddingNorm
 from trainguard.step.live import closure_only, live_only, live_rank, with_launcher_overrides
+from trainguard.step.micro_batches import DataParallelPlace, micro_batch_closure, step_samples, takes_no_arguments
 from trainguard.runtime.outcome import RunOutcome, end_outcome, stop_outcome
 from trainguard.step.local_tier import build_local_tier, build_memory_tier, fire_wipe_faults, resolve_ranks_per_node
 from trainguard.step.report import StepReport
@@ -180,8 +179,9 @@ class Guard:
 
     Live mode (``fault_tolerance.live: true``): ``run_dir`` is the launcher's ``--run-dir``, ``live_argv``
     (default ``sys.argv[1:]``) holds the launcher's flags among the script's own, ``scheduler`` may be a
-    ``LambdaLR`` (each step's LR set from the step alone), and the loop is ``guard.steps(loss_of)``; the
-    other arguments, ``resume``, ``should_stop`` and ``step`` are refused.
+    ``LambdaLR`` (each step's LR set from the step alone), ``mesh`` must be None (each rank holds the whole
+    model), and ``step`` takes a micro-batch loss only; ``stateful``, ``pipeline_stages``, ``embedding``
+    and ``tokens_per_step`` are refused.
     """
 
     @_config_errors_end_the_process
@@ -209,10 +209,13 @@ class Guard:
             self.run_dir, self.model, self.optimizer = Path(run_dir), model, optimizer
             given = {"stateful": stateful is not None, "mesh": mesh is not None,
                      "pipeline_stages": pipeline_stages != 1, "embedding": not isinstance(embedding, str),
-                     "hf_config": hf_config is not None, "tokenizer": tokenizer is not None,
                      "tokens_per_step": tokens_per_step is not None}
             self._live = live_rank(self.run_dir, model, optimizer, scheduler, cfg, live_argv,
-                                   unsupported=[name for name, set_ in given.items() if set_])
+                                   unsupported=[name for name, set_ in given.items() if set_],
+                                   static_files=huggingface_files(hf_config, tokenizer) if hf_config is not None
+                                   else None)
+            self._live_started = False
+            self.rank = self._live.args.rank  # a warm spare's: the rank it replaces, once ``resume()`` returned
             return
         if live_argv is not None:
             raise live_only("__init__(live_argv=...)")
@@ -252,6 +255,7 @@ class Guard:
         mesh_shape = list(mesh.shape) if mesh is not None else [self.world_size]
         mesh_dim_names = list(mesh.mesh_dim_names) if mesh is not None else ["dp_shard"]
         static_files = huggingface_files(hf_config, tokenizer) if hf_config is not None else None
+        self.mesh = mesh  # the data-parallel place of ``step(loss_of)``'s micro-batches
         local = None
         if cfg.checkpoint.local_interval:
             local = build_local_tier(self.run_dir, cfg.checkpoint, mesh_shape=mesh_shape,
@@ -321,8 +325,8 @@ class Guard:
         """Restores the newest verified healthy checkpoint (model, optimizer, scheduler, stateful
         objects, guard state, every RNG) and returns its step, 0 for a fresh start. A stop asked for
         before it (the kill switch exists) loads nothing: ``should_stop`` then answers True."""
-        if self._live is not None:
-            raise closure_only("resume()")
+        if self._live is not None:  # fresh, resumed by the launcher's choice, or joined: the step it starts at
+            return self._started_live().committed_steps
         self._pending_stop = self.lifecycle.decide()
         if self._pending_stop:
             return 0
@@ -343,7 +347,7 @@ class Guard:
         """True when the loop must end: ``total_steps`` (or ``train.exit_at_step``) reached, the kill
         switch, SIGTERM/SIGUSR1, or the time limit near. A stop saves the current step first."""
         if self._live is not None:
-            raise closure_only("should_stop(step, total_steps)")
+            return self._live_should_stop(step, total_steps)
         if self._exit_code is not None:
             return True
         if step != self.global_step:
@@ -395,16 +399,32 @@ class Guard:
         self._exit_code = code
 
     # ------------------------------------------------------------------------------------ step
-    def step(self, closure: Callable[[], Any]) -> StepOutcome:
-        """One optimizer step (see the module docstring); ``closure`` runs forward and backward and
-        returns the loss (None on pipeline stages without the loss)."""
+    def step(self, loss_of: MicroBatchLoss | Callable[[], Any], sample_range: SampleRange | None = None) -> StepOutcome:
+        """One optimizer step (see the module docstring). ``loss_of(model, step, micro_batch)`` returns the
+        (unscaled) loss of micro-batch ``micro_batch`` of step ``step``, counted from 0 (the data position);
+        the step's loss is the mean over the global batch (``train.micro_batches`` micro-batches). Or, in
+        the closure mode only, the earlier contract for one release: a closure with no arguments that runs
+        forward and backward and returns the loss (None on pipeline stages without the loss).
+        ``sample_range(step, micro_batch) -> (first, end)`` (optional) names each micro-batch's samples in
+        the events. In live mode the call trains until the next step is committed, through any recovery."""
         if self._live is not None:
-            raise closure_only("step(closure)")
+            return self._live_step(loss_of, sample_range)
         if self._exit_code is not None:
             raise RuntimeError("Guard.step after the run stopped (should_stop returned True)")
         try:
-            return self._step(closure)
-        except (DataSkipAbort, FaultyDeviceError) as error:
+            if takes_no_arguments(loss_of):
+                return self._step(loss_of)
+            if self.ranks_per_stage != self.world_size:
+                raise raised_by_every_rank(ConfigError(
+                    "guard.step(loss_of) with pipeline_stages > 1: the pipeline schedule runs the micro-batches; "
+                    "pass a closure that runs it"))
+            micro_batches = self.config.train.micro_batches
+            closure = micro_batch_closure(loss_of, self.model, self.global_step, micro_batches,
+                                          DataParallelPlace.of(self.mesh, self.rank, self.world_size),
+                                          self.config.train.seed)
+            samples = step_samples(sample_range, self.global_step, micro_batches) if sample_range else None
+            return self._step(closure, samples)
+        except (DataSkipAbort, FaultyDeviceError, ConfigError) as error:
             self._abort(error)
         except BaseException:
             self.lifecycle.beat("exit", self.global_step, EXIT_CRASH)
@@ -412,33 +432,78 @@ class Guard:
 
     # ------------------------------------------------------------------------------- live mode
     def steps(self, loss_of: MicroBatchLoss, sample_range: SampleRange | None = None) -> Iterator[int]:
-        """Live mode's loop: trains the launcher's ``total_steps`` with the run's quorums, yielding the
-        index of each step as it is committed (a step undone after a peer's failure comes again when
-        it is redone); iterate to the end, then ``close()``. ``loss_of(model, step, micro_batch)``
-        returns that micro-batch's loss (a pure function of its indices and the parameters; its random
-        draws, dropout's, are seeded from ``train.seed``, the step and the micro-batch); the step's
-        loss is their mean. ``sample_range(step, micro_batch) -> (first, end)`` (optional) names each
-        micro-batch's samples in the ``live_samples`` events. The loop's body must leave the model, the
-        optimizer and the data alone: they are the run's state."""
-        return self._live_rank("steps(loss_of)").steps(loss_of, sample_range)
+        """Deprecated, kept for one release: live mode's earlier loop, ``for step in guard.steps(loss_of)``,
+        now the one loop of both modes spelled as a generator::
+
+            step = guard.resume()
+            while not guard.should_stop(step, guard.total_steps):
+                step = guard.step(loss_of, sample_range).step
+                yield step - 1   # the index of the step just committed
+
+        A step redone after a peer's failure is no longer yielded again. Loop with ``guard.step`` instead."""
+        live = self._live_rank("steps(loss_of)")  # refused at the call, not at the first iteration
+        warnings.warn("Guard.steps(loss_of) is deprecated: loop with guard.resume(), guard.should_stop(step, total) "
+                      "and guard.step(loss_of) (docs/library.md)", DeprecationWarning, stacklevel=2)
+
+        def committed_steps() -> Iterator[int]:
+            step = self._started_live(loss_of).committed_steps
+            while not self.should_stop(step, live.total_steps):
+                step = self.step(loss_of, sample_range).step
+                yield step - 1
+
+        return committed_steps()
 
     @property
     def total_steps(self) -> int:
-        """Live mode: the steps of the run (the launcher's)."""
+        """Live mode: the steps of the run (the launcher's ``train.steps``)."""
         return self._live_rank("total_steps").total_steps
 
     @property
     def micro_batches(self) -> int:
-        """Live mode: the micro-batches of every step (the global batch, the launcher's), whatever the
-        number of live ranks."""
-        return self._live_rank("micro_batches").micro_batches
+        """The micro-batches of every step's global batch (``train.micro_batches``; in live mode the
+        launcher's), whatever the number of ranks."""
+        return self._live.micro_batches if self._live is not None else self.config.train.micro_batches
 
     def _live_rank(self, call: str) -> LiveRank:
         if self._live is None:
             raise live_only(call)
         return self._live
 
-    def _step(self, closure: Callable[[], Any]) -> StepOutcome:
+    def _started_live(self, warm_loss: MicroBatchLoss | None = None) -> LiveRank:
+        """The live rank, in its place in the run (``LiveRank.start`` at the first call: a replacement joins
+        here; a warm spare warms up with ``warm_loss`` when the first call has one)."""
+        if not self._live_started:
+            self._live_started = True
+            self._live.start(warm_loss)
+            if self._live.worker is not None:
+                self.rank = self._live.worker.rank
+        return self._live
+
+    def _live_should_stop(self, step: int, total_steps: int) -> bool:
+        live = self._started_live()
+        if live.ended:
+            return True
+        if total_steps != live.total_steps:
+            raise ConfigError(f"should_stop(step, total_steps={total_steps}): the live launcher runs {live.total_steps} "
+                              "steps (config key 'train.steps'); pass the same number (guard.total_steps)")
+        if step != live.committed_steps:
+            raise ValueError(f"should_stop(step={step}): the guard is at step {live.committed_steps} "
+                             "(pass the step that resume() or the last step()'s outcome returned)")
+        return live.stopping
+
+    def _live_step(self, loss_of: MicroBatchLoss | Callable[[], Any], sample_range: SampleRange | None) -> StepOutcome:
+        if takes_no_arguments(loss_of):
+            raise closure_only("step(closure)")
+        live = self._started_live(loss_of)
+        if live.stopping:
+            raise RuntimeError("Guard.step after the run stopped (should_stop returned True)")
+        committed = live.step(loss_of, sample_range)
+        if committed is None:  # the run ended inside the step (a data-skip abort, 3; a faulty device, 17; fenced)
+            live.close()
+        return StepOutcome(committed.index + 1, committed.loss, committed.global_norm, applied=not committed.skipped,
+                           skipped=committed.skipped, rolled_back=False)
+
+    def _step(self, closure: Callable[[], Any], batch_samples: list[tuple[int, int]] | None = None) -> StepOutcome:
         cfg = self.config
         started = time.perf_counter()
         step = self.global_step + 1
@@ -491,7 +556,7 @@ class Guard:
         self.global_step = step
         self._last_loss = reduced.loss
         samples = (self.data.ranges_between(first_sample, self.data.consumed_samples)
-                   if self.data is not None else None)
+                   if self.data is not None else batch_samples)
         seconds = time.perf_counter() - started
         self.lifecycle.note_step(seconds)
         if self.rank == 0:
@@ -662,8 +727,9 @@ class Guard:
     # ----------------------------------------------------------------------------------- close
     def close(self) -> int:
         """Waits until the last checkpoint is committed on every rank; returns the exit code: 0, or 16
-        after a signal or time-limit stop (0 after the kill switch: ``outcome`` tells them apart). Live mode: ends the process (0, or
-        ``FENCED_EXIT`` for a stale process of a rank that was replaced) and does not return."""
+        after a signal or time-limit stop (0 after the kill switch: ``outcome`` tells them apart). Live mode:
+        trains what is left at the last step (a redo, a replacement's join, the final state), then ends the
+        process with the quorum's code (``LiveRank.close``) and does not return."""
         if self._live is not None:
             self._live.close()
         if self._exit_code is not None:
@@ -693,12 +759,3 @@ class Guard:
             dist.destroy_process_group()
         raise SystemExit(code)
 
-
-class LiveGuard(Guard):
-    """``Guard`` in live mode, spelled as before the mode existed (scripts written for it keep working):
-    ``LiveGuard(model, optimizer, argv)`` is ``Guard(<the launcher's --run-dir>, model, optimizer,
-    config=Config(fault_tolerance=FaultToleranceConfig(live=True)), live_argv=argv)``."""
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, argv: list[str] | None = None):
-        super().__init__(LiveArgs.parse(argv).run_dir, model, optimizer,
-                         config=RunConfig(fault_tolerance=FaultToleranceConfig(live=True)), live_argv=argv)

@@ -1,16 +1,18 @@
 """``Guard``'s live mode (``fault_tolerance.live: true``, docs/live_recovery.md): the rank it hands the
 loop to (``trainguard.live.rank.LiveRank``) and the errors that keep the two modes apart.
 
-In live mode the launcher's flags place the rank (``LiveArgs``), the library does each step inside
-``guard.steps(loss_of)`` (one backward per micro-batch, so that the survivors can compute a failed
-group's micro-batches), and the model, the optimizer and the guards' counters are the whole state of
+In live mode the launcher's flags place the rank (``LiveArgs``); the loop is the closure mode's
+(``resume``, ``should_stop``, ``step(loss_of)``, ``close``), and each ``guard.step(loss_of)`` drives the
+live rank to its next committed step (one backward per micro-batch, so that the survivors can compute a
+failed group's micro-batches); the model, the optimizer and the guards' counters are the whole state of
 the run. Live mode runs the durable tier (``live/durable.py``: its interval, retention and resume
 keys), data skip and the skip streak (``live/step_guards.py``: ``guards.skip.*``,
 ``guards.max_consecutive_skips``), SDC detection with its rerun (``live/sdc.py``: ``guards.sdc.*``), replica
 fingerprints (``live/fingerprint.py``: ``guards.fingerprint.*``), the kill switch, the time limit and ``train.exit_at_step``
-(``LiveWorker.stop_here``). What ``Guard`` does besides (the other guards, the local and memory tiers
-and the mirror, heartbeat files, the closure mode's other fault drills, extra state, a scheduler other
-than a ``LambdaLR``) is not done in live mode, so asking for it there is refused, never ignored. The
+(``LiveWorker.stop_here``), and writes ``hf_config`` (and the tokenizer) into every durable checkpoint.
+What ``Guard`` does besides (the other guards, the local and memory tiers and the mirror, heartbeat
+files, the closure mode's other fault drills, extra state, a mesh, a scheduler other than a
+``LambdaLR``) is not done in live mode, so asking for it there is refused, never ignored. The
 faults in force may only be the live drill (``trainguard.live.drill``: the launcher's kill, the
 ranks' gradient faults), which the rank checks.
 """
@@ -21,7 +23,7 @@ import dataclasses
 import fnmatch
 import json
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -66,9 +68,9 @@ def live_only(call: str) -> ConfigError:
 def closure_only(call: str) -> ConfigError:
     """A call of the closure mode on a ``Guard`` in live mode."""
     return ConfigError(f"Guard.{call} is refused with fault_tolerance.live: true: live recovery needs the loss of "
-                       "each micro-batch, so that the survivors can compute a failed group's micro-batches, and "
-                       "resumes, steps and stops by itself; loop over guard.steps(loss_of) instead "
-                       "(docs/live_recovery.md)")
+                       "each micro-batch, so that the survivors can compute a failed group's micro-batches; pass "
+                       "guard.step(loss_of) the loss of one micro-batch, loss_of(model, step, micro_batch), which "
+                       "runs in both modes (docs/library.md)")
 
 
 def changed_keys(value: Any, default: Any, key: str) -> list[str]:
@@ -118,23 +120,30 @@ def with_launcher_overrides(config: RunConfig, environ: Mapping[str, str]) -> Ru
     return with_overrides(config, items)
 
 
+def started_by_live_launcher(argv: list[str]) -> bool:
+    """Whether the live launcher started this process: its ``--store`` flag is among the arguments."""
+    return any(arg == "--store" or arg.startswith("--store=") for arg in argv)
+
+
 def live_rank(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-              config: RunConfig, argv: list[str] | None, unsupported: list[str]) -> LiveRank:
+              config: RunConfig, argv: list[str] | None, unsupported: list[str],
+              static_files: Callable[[Path], None] | None = None) -> LiveRank:
     """This process's rank of the live run, after refusing what live mode would not do: ``unsupported``
     (the ``Guard`` arguments given that it cannot honour), a scheduler other than a ``LambdaLR``, a key
     of the closure mode's sections set, a process the live launcher did not start, a run directory that
     is not the launcher's, or faults in force other than the launcher's drill. ``argv``: the command line with the
-    launcher's flags (default ``sys.argv[1:]``)."""
+    launcher's flags (default ``sys.argv[1:]``). ``static_files``: writes ``huggingface/`` into each durable
+    checkpoint."""
     if unsupported:
         raise ConfigError(f"Guard({', '.join(f'{name}=...' for name in unsupported)}): not supported with "
                           "fault_tolerance.live: true (live recovery transfers and compares the model and the "
-                          "optimizer only)")
+                          "optimizer only, and each rank holds the whole model)")
     if scheduler is not None and not isinstance(scheduler, LambdaLR):
         raise ConfigError(f"Guard(scheduler={type(scheduler).__name__}): live mode takes a "
                           "torch.optim.lr_scheduler.LambdaLR only (the LR of each step set from the step alone)")
     refuse_closure_mode_keys(config)
     argv = sys.argv[1:] if argv is None else argv
-    if not any(arg == "--store" or arg.startswith("--store=") for arg in argv):  # torchrun's, or no launcher
+    if not started_by_live_launcher(argv):  # torchrun's, or no launcher
         raise ConfigError("fault_tolerance.live: true, but this process was not started by the live launcher (no "
                           "--store among its arguments); start the ranks with trainguard run --nproc N --config FILE -- COMMAND "
                           "(docs/live_recovery.md)")
@@ -150,4 +159,4 @@ def live_rank(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
                       exit_at_step=config.train.exit_at_step,
                       lifecycle=config.lifecycle)
     return LiveRank(model, optimizer, args, scheduler, seed=config.train.seed, checkpoint=config.checkpoint,
-                    rules=rules)
+                    rules=rules, static_files=static_files)

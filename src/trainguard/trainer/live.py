@@ -3,7 +3,8 @@
 ``trainguard train`` with ``fault_tolerance.live: true`` starts this module as every rank through the
 live launcher (``cli/train.py``). Each rank builds the whole model (the same seed on every rank: no
 FSDP/TP/PP shards, data-parallel only) and AdamW with its warmup and cosine schedule, and trains
-through ``Guard`` in live mode. The data position is the step: micro-batch ``m`` of step ``t`` holds the
+through ``Guard`` in live mode, in the loop of both modes (``resume``, ``should_stop``, ``step(loss_of)``).
+The data position is the step: micro-batch ``m`` of step ``t`` holds the
 samples at global positions ``[(t*M + m)*B, (t*M + m + 1)*B)`` of the trainer's seeded order (``M =
 train.micro_batches``, ``B = data.micro_batch_size``), so any rank can compute any micro-batch.
 """
@@ -47,8 +48,9 @@ def main(argv: list[str] | None = None) -> None:
         inputs, labels = make_batch(dataset, order.peek_global_indices(sample_range(step, micro_batch)[0], size))
         return token_cross_entropy(model(input_ids=inputs).logits, labels)
 
-    for _ in guard.steps(loss_of, sample_range):
-        pass
+    step = guard.resume()
+    while not guard.should_stop(step, guard.total_steps):
+        step = guard.step(loss_of, sample_range).step
     guard.close()
 
 

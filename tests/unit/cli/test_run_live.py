@@ -15,11 +15,11 @@ from trainguard.cli import main
 from trainguard.live.launcher import LiveRun, resume_point
 
 ROOT = Path(__file__).resolve().parents[3]
-CONFIG = ROOT / "examples" / "user_loop_live.yaml"
+CONFIG = ROOT / "tests" / "helpers" / "live_loop.yaml"
 
 
 def run_argv(run_dir: Path, *options: str) -> list[str]:
-    return ["run", "--run-dir", str(run_dir), *options, "--", sys.executable, str(ROOT / "examples" / "user_loop_live.py")]
+    return ["run", "--run-dir", str(run_dir), *options, "--", sys.executable, str(ROOT / "tests" / "helpers" / "live_loop.py")]
 
 
 @pytest.mark.parametrize("options, line", [

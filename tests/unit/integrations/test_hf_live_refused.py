@@ -1,5 +1,5 @@
-"""``GuardedTrainer`` refuses ``fault_tolerance.live`` with one error saying why (the Trainer steps a
-closure with an LR scheduler; live recovery needs each micro-batch's loss and carries no scheduler)."""
+"""``GuardedTrainer`` refuses ``fault_tolerance.live`` with one error saying why (the Trainer draws its
+batches from its own dataloader; live recovery needs each micro-batch's loss by index)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
-"""``Guard``'s live mode (``fault_tolerance.live``): one ``Guard``, two loops, each refusing the other's
-calls with one clear error; live mode refusing what it would not do rather than ignoring it;
-``LiveGuard`` as ``Guard`` in live mode; a ``LambdaLR`` setting each step's LR from the step alone;
+"""``Guard``'s live mode (``fault_tolerance.live``): one ``Guard``, one loop, live mode refusing the earlier
+zero-argument closure with one clear error and what else it would not do rather than ignoring it, and
+taking ``hf_config``; the closure mode refusing the live-only calls; a ``LambdaLR`` setting each step's LR
+from the step alone;
 ``trainguard train`` in live mode refusing, before making anything, what the live path does not do.
 
 A rank in live mode is built here from the launcher's flags without a launcher: nothing connects to
-the store before ``steps`` is iterated. The full live runs are tests/integration/test_live_*.py."""
+the store before the first ``resume``, ``should_stop`` or ``step(loss_of)``. The full live runs are tests/integration/test_live_*.py."""
 
 from __future__ import annotations
 
@@ -83,19 +84,19 @@ def test_a_bad_value_is_one_error_naming_the_key(item, message):
     assert "\n" not in str(error.value)
 
 
-def test_live_mode_takes_the_runs_shape_from_the_launcher_and_refuses_the_closure_loop(live_guard, tmp_path):
+def test_live_mode_takes_the_runs_shape_from_the_launcher_and_refuses_a_zero_argument_closure(live_guard, tmp_path):
     assert (live_guard.total_steps, live_guard.micro_batches) == (12, 8)
-    for call in (lambda: live_guard.step(lambda: None), live_guard.resume, lambda: live_guard.should_stop(0, 12)):
-        with pytest.raises(ConfigError, match=r"refused with fault_tolerance.live: true: live recovery needs the "
-                                              r"loss of each micro-batch.*guard.steps\(loss_of\)"):
-            call()
+    with pytest.raises(ConfigError, match=r"Guard.step\(closure\) is refused with fault_tolerance.live: true: live "
+                                          r"recovery needs the loss of each micro-batch.*guard.step\(loss_of\)"):
+        live_guard.step(lambda: None)
     assert not (tmp_path / "events.jsonl").exists()  # nothing of the closure mode was built
 
 
-def test_closure_mode_refuses_the_live_loop_at_the_call_not_at_the_first_iteration(closure_guard):
-    for call in (lambda: closure_guard.steps(loss_of), lambda: closure_guard.micro_batches):
+def test_closure_mode_refuses_the_live_only_calls_at_the_call_not_at_the_first_iteration(closure_guard):
+    for call in (lambda: closure_guard.steps(loss_of), lambda: closure_guard.total_steps):
         with pytest.raises(ConfigError, match=r"needs live recovery: set config key 'fault_tolerance.live' to true"):
             call()
+    assert closure_guard.micro_batches == 1  # train.micro_batches: the global batch, in both modes
     assert closure_guard.resume() == 0  # the closure mode itself works
 
 
@@ -174,13 +175,14 @@ def test_live_mode_refuses_a_run_directory_that_is_not_the_launchers(tmp_path):
                          live_argv=launcher_flags(tmp_path / "launcher"))
 
 
-def test_live_guard_is_guard_in_live_mode_in_the_launchers_run_directory(tmp_path):
+def test_live_mode_takes_hf_config_for_its_durable_checkpoints_and_the_alias_is_gone(tmp_path):
+    from transformers import GPT2Config
+
     model, optimizer = model_and_optimizer()
-    guard = trainguard.LiveGuard(model, optimizer, ["--lr", "3e-3", *launcher_flags(tmp_path)])
-    assert isinstance(guard, trainguard.Guard) and guard.config.fault_tolerance.live
-    assert guard.run_dir == tmp_path and guard.micro_batches == 8
-    with pytest.raises(ConfigError, match=r"Guard.step\(closure\) is refused"):
-        guard.step(lambda: None)
+    guard = trainguard.Guard(tmp_path, model, optimizer, config=LIVE, live_argv=launcher_flags(tmp_path),
+                             hf_config=GPT2Config(n_layer=1), mesh=None)
+    assert guard._live.static_files is not None  # handed to the durable tier (test_live_user_loop merges it)
+    assert not hasattr(trainguard, "LiveGuard")
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -201,3 +203,12 @@ def test_the_reference_trainer_in_live_mode_refuses_what_it_does_not_do_in_one_l
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("trainguard: error: ") and message in err and err.count("\n") == 1, err
     assert not (tmp_path / "run").exists()  # refused before anything was made
+
+
+def test_the_data_parallel_mesh_is_none_for_a_rank_of_the_live_launcher():
+    """The same script in both modes: under the live launcher (its --store flag) the model stays whole
+    (no default process group is made); under torchrun (test_user_loop_faults.py) it is FSDP2's mesh."""
+    import torch.distributed as dist
+
+    assert trainguard.data_parallel_mesh(["--config", "run.yaml", "--store", "127.0.0.1:1", "--rank", "0"]) is None
+    assert not dist.is_initialized()

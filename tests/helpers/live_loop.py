@@ -1,17 +1,15 @@
-r"""A user's own model, optimizer and data trained with live recovery (``trainguard.Guard`` in live mode).
+r"""A small model, optimizer and data on ``trainguard.Guard``'s one loop, for the live-mode tests that need a
+fast rank (test_live_durable.py, test_live_guards.py, cli/test_run_live.py); live_loop.yaml turns live
+recovery on (4 gloo ranks: 2 replica groups x 2). The user's example of the same loop is
+examples/user_loop.py (test_live_user_loop.py runs it live).
 
-Each rank builds the model and optimizer (seeded: every rank starts alike) and hands them to
-``trainguard.Guard`` with a config that says ``fault_tolerance.live: true`` (``user_loop_live.yaml``),
-then loops over ``guard.steps(loss_of)`` with the loss of one micro-batch by index; the library does the
-rest: per-micro-batch backward, the order-fixed gradient sum over the ranks alive, the optimizer step,
-the quorum changes and the rejoin of a replaced rank. The model has dropout: each micro-batch's mask is
-drawn from (``train.seed``, step, micro-batch), so whichever rank computes it draws the same one. ``trainguard run`` starts this script as the ranks
-of the live run the config describes (4 gloo ranks: 2 replica groups x 2); here its drill SIGKILLs
-rank 3 once it has committed 5 steps (``faults``: ``kill:rank=3,step=5``) and a warm spare
-(``fault_tolerance.spares=1``) takes its place:
+Each rank builds the model and optimizer (seeded: every rank starts alike), hands them to
+``trainguard.Guard`` and loops with the loss of one micro-batch by index. The model has dropout: each
+micro-batch's mask is drawn from (``train.seed``, step, micro-batch), so whichever rank computes it
+draws the same one. Rank 0 prints every 10th step's loss.
 
-    PYTHONPATH=src python -m trainguard run --nproc 4 --config examples/user_loop_live.yaml --run-dir runs/live \
-        --set fault_tolerance.spares=1 --set 'faults=kill:rank=3,step=5' -- python examples/user_loop_live.py
+    python -m trainguard run --nproc 4 --config tests/helpers/live_loop.yaml --run-dir runs/live \
+        --set 'faults=kill:rank=3,step=5' -- python tests/helpers/live_loop.py
 
 A rank is this script with the launcher's flags (``--store ... --rank R --run-dir DIR ...``: they decide
 its place, the steps and the global batch) and its own (``--config``, ``--lr``).
@@ -67,14 +65,13 @@ def rank_main(argv: list[str]) -> None:
     def samples_of(step: int, micro_batch: int) -> tuple[int, int]:  # for the events' sample check
         return sample_range(step, micro_batch, guard.micro_batches)
 
-    for step in guard.steps(loss_of, samples_of):  # each step as it commits (a redone step comes again)
-        if step % 10 == 0:
-            model.eval()  # the printed loss without dropout: the body only observes
-            with torch.no_grad():
-                inputs, labels = batch(step, 0, guard.micro_batches)
-                print(f"step {step} loss {F.cross_entropy(model(inputs), labels):.4f}", flush=True)
-            model.train()
-    guard.close()  # ends this process (exit 0)
+    step = guard.resume()
+    while not guard.should_stop(step, guard.total_steps):
+        outcome = guard.step(loss_of, samples_of)
+        step = outcome.step
+        if guard.rank == 0 and step % 10 == 0:
+            print(f"step {step} loss {outcome.loss:.4f}", flush=True)
+    guard.close()  # ends this process with the quorum's code
 
 
 if __name__ == "__main__":

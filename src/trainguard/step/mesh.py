@@ -1,0 +1,35 @@
+"""``trainguard.data_parallel_mesh()``: the mesh a script shards its model over, the same call in both modes.
+
+A script that runs under ``torchrun`` (restart mode) and under the live launcher (``fault_tolerance.live:
+true``) with no code change cannot call ``init_process_group`` itself: a live rank has no default group
+(each epoch's quorum makes its own, ``live/collective.py``). So it asks here, before it builds its model:
+
+- started by ``torchrun`` (or any launcher that sets its environment): the default process group (nccl
+  on CUDA, gloo on CPU), made if it is not yet, and one ``dp_shard`` dimension over the world, for
+  ``fully_shard(module, mesh=mesh)`` and ``Guard(..., mesh=mesh)``;
+- started by the live launcher (its ``--store`` flag among the arguments, as ``Guard`` checks it): None,
+  every rank holds the whole model. This is the one seam for FSDP2 inside each replica group (not done
+  yet): the replica group's mesh is to be returned here.
+
+A script with its own layout (HSDP, TP, PP) builds its mesh itself, as before.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from trainguard.step.live import started_by_live_launcher
+
+
+def data_parallel_mesh(argv: list[str] | None = None) -> DeviceMesh | None:
+    """The data-parallel mesh of this process (see the module docstring); ``argv`` default ``sys.argv[1:]``."""
+    if started_by_live_launcher(sys.argv[1:] if argv is None else argv):
+        return None
+    cuda = torch.cuda.is_available()
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return init_device_mesh("cuda" if cuda else "cpu", (dist.get_world_size(),), mesh_dim_names=("dp_shard",))

@@ -140,16 +140,14 @@ def test_the_closure_mode_skips_the_same_steps_on_the_same_gradients(root, spike
                            str(closure_dir), "--set", FAULTS.replace("; ", ";")],
                           env=worker_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     _ok(done)
-    # every step's verdict the live run's, its loss and norm within 1e-5 (the first step's loss bitwise:
-    # the micro-batches summed by the same tree; then the clip's factor differs in the last bits, live
-    # mode's norm summed by rows, the closure mode's by parameter)
+    # every step's verdict the live run's, its loss and norm within 1e-5 (live mode sums the micro-batches
+    # by a fixed tree and the norm by rows, the closure mode in micro-batch order and by parameter)
     def verdicts(events: list[dict], first: int) -> list[tuple]:
         return [(e["step"] + first, e["skipped"]) for e in events]
 
     closure_steps = _events(closure_dir, "step")
     live_steps = [e for e in _events(run_dir, "live_step") if e["rank"] == 0]
     assert verdicts(closure_steps, 0) == verdicts(live_steps, 1) and len(live_steps) == STEPS
-    assert closure_steps[0]["loss"] == live_steps[0]["loss"]
     for closure, live in zip(closure_steps, live_steps):
         for key in ("loss", "global_norm"):  # a NaN is written as its text
             expected, found = float(closure[key]), float(live[key])

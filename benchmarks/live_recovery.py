@@ -25,6 +25,11 @@ same workload, fault-free and with the same kill (``torchft_run.py``, 4 replica 
 second table puts one row per mode side by side: survivors' lost time, samples/s committed from the
 kill to the replacement's first step, and the final parameters' largest relative difference from the
 same system's fault-free run (ours: 0, bitwise equal; torchft: as measured).
+A last table gives, computed from the layout (not measured), the gradient elements a rank receives per
+step in the step's reduction: one row per micro-batch all-reduced (the whole replicas' ``ordered_sum``:
+a ring all-reduce receives ``2 (W-1) / W`` of its ``micro_batches × P`` payload) against the sharded
+groups' two exchanges (``group_reduce.elements_received``), fault-free and with one group lost, for the
+drill's model and for a 1e9-parameter model on 8 groups × 8 ranks.
 Usage: ``python benchmarks/live_recovery.py [--quick] [--cycles 2]``.
 """
 
@@ -45,6 +50,7 @@ from torchft_run import (INSTALL_HINT, TorchftRun, clean_step_s, final_parameter
 from trainguard.events.log import read_events  # noqa: E402
 from trainguard.live.compare import run_differences, whole_final_state  # noqa: E402
 from trainguard.live.files import events_path  # noqa: E402
+from trainguard.live.group_reduce import SlotLayout, elements_received  # noqa: E402
 from trainguard.live.launcher import LIVE, RESTART, LiveRun, launch  # noqa: E402
 from trainguard.live.workload import Workload  # noqa: E402
 
@@ -183,6 +189,7 @@ def main() -> None:
           f"{table[RESTART]['rejoin'] / table[LIVE]['rejoin']:.1f}x ({table[RESTART]['rejoin'] / table[SPARE]['rejoin']:.1f}x "
           f"with a warm spare)")
     print_torchft_table(table, median(clean_rates), difference)
+    print_reduction_payload(sum(p.numel() for p in Workload().build()[0].parameters()), base)
     print_result("live recovery: survivors' lost time per failure (s)", table[LIVE]["lost"], table[RESTART]["lost"],
                  f"restart >= {TARGET:.0f}x live", ratio >= TARGET and equal[LIVE],
                  warm_start_ratio=warm_ratio, job_delay_live=table[LIVE]["delay"], job_delay_restart=table[RESTART]["delay"],
@@ -197,6 +204,21 @@ def main() -> None:
         print_result("final parameters' max relative difference from the fault-free run, torchft vs trainguard live",
                      difference[LIVE], tf["difference"], "trainguard live 0 (bitwise)",
                      difference[LIVE] == 0.0 and equal[LIVE])
+
+
+def print_reduction_payload(drill_parameters: int, drill: LiveRun) -> None:
+    """Elements received per rank and step by the reduction, rows vs sharded (computed, see above)."""
+    print("\nreduction: gradient elements a rank receives per step (computed from the layout, not measured)")
+    print(f"{'model, layout':<34}{'rows (ring all-reduce)':>24}{'sharded, all groups':>21}{'sharded, 1 lost':>17}")
+    cases = [(f"drill ({drill_parameters} params), {drill.groups} x {drill.group_size}, {drill.micro_batches} mb",
+              drill_parameters, SlotLayout(drill.groups, drill.group_size, drill.micro_batches)),
+             ("1e9 params, 8 x 8, 64 mb", 10 ** 9, SlotLayout(8, 8, 64))]
+    for name, parameters, layout in cases:
+        world, shard = layout.groups * layout.group_size, -(-parameters // layout.group_size)
+        rows = 2 * (world - 1) * layout.micro_batches * (parameters + 1) // world
+        every = list(range(layout.groups))
+        print(f"{name:<34}{rows:>24,}{elements_received(layout, shard, every, 0):>21,}"
+              f"{elements_received(layout, shard, every[:-1], 0):>17,}")
 
 
 def print_torchft_table(table: dict[str, dict[str, float]], clean_rate: float, difference: dict[str, float]) -> None:

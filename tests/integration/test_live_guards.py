@@ -8,8 +8,10 @@ threshold:
   rank's parameters and optimizer state bitwise those of a fault-free run that skips steps 4 and 7 by
   replay (``guards.skip.replay_steps``), and so does the same run with rank 3 SIGKILLed between the two
   (its group rejoins with the guards' state); the same script in the closure mode
-  (``helpers/user_loop_closure.py``, the same gradients) measures every step's norm and loss bitwise as
-  live mode does and skips the same steps;
+  (``helpers/user_loop_closure.py``, the same gradients summed by the same tree) measures every step's
+  loss and norm within 1e-5 of live mode's (live mode sums the norm's squares by rows, the same for any
+  layout, the closure mode by parameter: the clip's factor, and so the trajectory, differ in the last
+  bits), and skips the same steps;
 - a spike at every step from 3 with ``count_threshold: 2``: every rank aborts at step 4 with the
   reference's line, exit 3, and no rank is replaced;
 - ``train.exit_at_step: 6``: the quorum saves step 6 and ends with exit 0; the same command without it
@@ -21,6 +23,7 @@ threshold:
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import time
@@ -137,14 +140,18 @@ def test_the_closure_mode_skips_the_same_steps_on_the_same_gradients(root, spike
                            str(closure_dir), "--set", FAULTS.replace("; ", ";")],
                           env=worker_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     _ok(done)
-    # every step's norm and loss bitwise the live run's (the micro-batches accumulated in the same order,
-    # the norm summed alike), so every verdict is the same
-    def verdicts(events: list[dict], first: int) -> list[tuple]:  # a NaN norm compared as its text
-        return [(e["step"] + first, repr(e["global_norm"]), e["loss"], e["skipped"]) for e in events]
+    # every step's verdict the live run's, its loss and norm within 1e-5 (live mode sums the micro-batches
+    # by a fixed tree and the norm by rows, the closure mode in micro-batch order and by parameter)
+    def verdicts(events: list[dict], first: int) -> list[tuple]:
+        return [(e["step"] + first, e["skipped"]) for e in events]
 
-    closure = verdicts(_events(closure_dir, "step"), 0)
-    live = verdicts([e for e in _events(run_dir, "live_step") if e["rank"] == 0], 1)
-    assert closure == live and len(live) == STEPS
+    closure_steps = _events(closure_dir, "step")
+    live_steps = [e for e in _events(run_dir, "live_step") if e["rank"] == 0]
+    assert verdicts(closure_steps, 0) == verdicts(live_steps, 1) and len(live_steps) == STEPS
+    for closure, live in zip(closure_steps, live_steps):
+        for key in ("loss", "global_norm"):  # a NaN is written as its text
+            expected, found = float(closure[key]), float(live[key])
+            assert (math.isnan(expected) and math.isnan(found)) or found == pytest.approx(expected, rel=1e-5), key
     assert [e["step"] for e in _events(closure_dir, "data_skip")] == SKIPPED
 
 

@@ -9,15 +9,16 @@ import logging
 from collections import defaultdict
 
 import pytest
+import torch
 
 from helpers.live_attack import LiveAttack
 from helpers.runs import trainguard, worker_env
 from trainguard.demo.live import FAILING
 from trainguard.events.log import read_events
 from trainguard.checkpoint.safe_load import safe_torch_load
+from trainguard.checkpoint.staging import serialised
 from trainguard.live.compare import bitwise_differences, replica_differences, run_differences, whole_final_state
 from trainguard.live.files import events_path, final_path
-from trainguard.live.shards import shard_owners
 from trainguard.live.launcher import launch
 from trainguard.live.samples import sample_problems
 from trainguard.live.workload import Workload
@@ -74,6 +75,8 @@ def test_quorum_shrinks_to_the_intact_group_then_the_broken_group_rejoins(drill)
     degraded = [e for e in events if e["kind"] == "live_step" and e["members"] == 2]
     assert degraded and {e["rank"] for e in degraded} == {0, 1}
     assert all(len(e["micro_batches"]) == Workload().micro_batches // 2 for e in degraded)
+    # as the lost group's ranks of the same positions would have: shard k computes slot k of both groups
+    assert {e["rank"]: e["micro_batches"] for e in degraded} == {0: [0, 1, 4, 5], 1: [2, 3, 6, 7]}
 
 
 def test_final_parameters_and_optimizer_state_are_bitwise_the_fault_free_ones(drill):
@@ -85,17 +88,33 @@ def test_final_parameters_and_optimizer_state_are_bitwise_the_fault_free_ones(dr
     assert {state["step"].item() for state in whole["optimizer"]["state"].values()} == {STEPS}
 
 
-def test_each_rank_of_a_group_holds_the_optimizer_state_of_its_shard_only(drill):
-    """2 shards per replica group: each rank's optimizer state covers exactly the parameters the rule
-    gives its shard, the shards split every parameter between them, and the replacement's is its shard's."""
+def test_each_rank_holds_half_of_its_groups_parameters_and_their_optimizer_state(drill):
+    """2 ranks per replica group, parameters sharded by rows (FSDP2's ``torch.chunk`` of dim 0): from the
+    local shard sizes of every rank's final state, in both runs (the replacement's included), each rank
+    holds its rows of every parameter and their optimizer state, the group's shards put together are the
+    whole parameters, and every parameter of an even row count is split exactly in half (the output
+    layer's single row sits on shard 0, as FSDP2 places it; shard 1 holds FSDP2's padding there)."""
     root, _ = drill
     for run in ("clean", "failed"):
+        whole = whole_final_state(root / run, GROUP)["model"]
         states = [safe_torch_load(final_path(root / run, rank)) for rank in range(WORLD)]
-        sizes = [tensor.numel() for tensor in states[0]["model"].values()]
-        owners = shard_owners(sizes, GROUP)
         for rank, state in enumerate(states):
-            assert sorted(state["optimizer"]["state"]) == [i for i, o in enumerate(owners) if o == rank % GROUP], (run, rank)
-        assert set(owners) == set(range(GROUP))  # every shard owns some: the check above is not vacuous
+            for (name, local), moments in zip(state["model"].items(), state["optimizer"]["state"].values()):
+                rows = whole[name].chunk(GROUP)
+                expected = rows[rank % GROUP] if rank % GROUP < len(rows) else whole[name][:0]
+                assert local.shape == expected.shape and torch.equal(local, expected), (run, rank, name)
+                assert moments["exp_avg"].shape == local.shape, (run, rank, name)
+                if whole[name].shape[0] % GROUP == 0:
+                    assert local.numel() * GROUP == whole[name].numel(), (run, rank, name)
+        held = [sum(t.numel() for t in state["model"].values()) for state in states[:GROUP]]
+        assert sum(held) == sum(t.numel() for t in whole.values())
+        even = sum(t.numel() for t in whole.values() if t.shape[0] % GROUP == 0)
+        assert min(held) >= even // GROUP and even > 0.9 * sum(held), (run, held)
+    # the joiners received their shard only: shard 0's (305 parameters) more than shard 1's (272), where
+    # the whole state would be the same for both, and each less than the group's whole state
+    joined = {e["rank"]: e["state_bytes"] for e in _events(root / "failed") if e["kind"] == "live_joined"}
+    whole_bytes = len(serialised({**whole_final_state(root / "failed", GROUP), "guards": {}}))
+    assert joined[2] > joined[3] and max(joined.values()) < whole_bytes, (joined, whole_bytes)
 
 
 def test_no_sample_lost_or_repeated(drill):

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers.runs import trainguard
+from helpers.sharded_state import assert_each_rank_holds_its_share
 from trainguard.checkpoint.safe_load import safe_torch_load
 from trainguard.cli import build_parser
 from trainguard.cli.train_live import live_run
@@ -84,3 +85,12 @@ def test_no_sample_lost_or_repeated(runs):
     for name in ("clean", "failed"):
         events = list(read_events(events_path(root / name)))
         assert sample_problems(events, STEPS, MICRO_BATCHES * MICRO_BATCH_SIZE) == [], name
+
+
+def test_each_rank_holds_half_of_its_groups_parameters(runs):
+    """``dp_shard`` 2: from the local shard sizes of every rank's final state (the replacement's too),
+    each rank holds exactly half of the llama's parameters, its ``torch.chunk`` rows of each, and the
+    optimizer state of those rows only."""
+    root, _, _ = runs
+    for run in ("clean", "failed"):
+        assert_each_rank_holds_its_share(root / run, WORLD, GROUP)

@@ -11,8 +11,11 @@ steps of 4 micro-batches):
 - the whole job SIGKILLed (launcher and ranks) after ``global_step_5`` was committed, then the same command
   with ``--resume auto``: it resumes from ``global_step_5`` and ends bitwise equal too.
 
+- each rank holds half of its replica group's parameters (``dp_shard`` 2: ``live/sharded_params.py``),
+  asserted from the local shard sizes of every rank's final state in each run (the replacement's too).
+
 The runs are module fixtures (``clean``, ``killed_rank``, ``killed_job``) so that a further assertion on
-the same runs (e.g. the parameter shards each rank holds) costs no run of its own.
+the same runs costs no run of its own.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from helpers.runs import finish_session, worker_env
+from helpers.sharded_state import assert_each_rank_holds_its_share
 from helpers.warm_command import warm_server
 from trainguard.checkpoint.discovery import list_checkpoints
 from trainguard.checkpoint.durable import read_full_state_dict
@@ -34,9 +38,10 @@ from trainguard.live.compare import bitwise_differences, run_differences
 from trainguard.live.files import events_path
 
 STEPS, WORLD, INTERVAL, KILL_AT, JOB_KILLED_AFTER = 12, 4, 5, 6, 7
+GROUP = 2  # parallel.dp_shard: the ranks of a replica group, which shard its parameters
 TIMEOUT_S = 300
 TRAIN = ["--nproc", str(WORLD), "--steps", str(STEPS), "--save-interval", str(INTERVAL),
-         *[arg for item in ("fault_tolerance.live=true", "parallel.dp_replicate=2", "parallel.dp_shard=2",
+         *[arg for item in ("fault_tolerance.live=true", "parallel.dp_replicate=2", f"parallel.dp_shard={GROUP}",
                             "guards.skip.enabled=true", "guards.sdc.enabled_level=2", "model.preset=llama-micro",
                             "data.seq_len=32", "train.micro_batches=4", "data.micro_batch_size=2")
            for arg in ("--set", item)]]
@@ -126,3 +131,8 @@ def test_the_whole_job_sigkilled_then_resume_auto_ends_bitwise_equal(clean, kill
     assert f"live run resumes from {run_dir / 'checkpoints' / f'global_step_{newest}'}" in again.stdout
     assert bitwise_differences(_final_checkpoint(run_dir), _final_checkpoint(clean[0])) == []
     assert run_differences(clean[0], run_dir, WORLD) == {}
+
+
+def test_each_rank_holds_half_of_its_groups_parameters(clean, killed_rank, killed_job):
+    for run_dir in (clean[0], killed_rank[0], killed_job[0]):
+        assert_each_rank_holds_its_share(run_dir, WORLD, GROUP)

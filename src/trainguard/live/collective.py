@@ -90,3 +90,13 @@ def wait(work: dist.Work, store: dist.Store, epoch: int, beat: Callable[[], None
             raise EpochAborted(f"epoch {epoch} ended while this rank waited in a collective")
         time.sleep(POLL_S)
     work.wait()  # raises the collective's own error, if it failed
+
+
+def wait_all(works: list[dist.Work], store: dist.Store, epoch: int, beat: Callable[[], None]) -> None:
+    """``wait`` for works that say they are complete only once waited for (gloo's sends and receives):
+    waited for in a thread, ``watched``."""
+    def wait_each() -> None:
+        for work in works:
+            work.wait()
+
+    watched(wait_each, store, epoch, beat, "waited in a send or receive")

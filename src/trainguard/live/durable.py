@@ -2,12 +2,14 @@
 with a manifest), saved by every rank of the current quorum at a step boundary they all reached, and the
 resume of a whole job from the newest verified one (``checkpoint.resume``, ``auto`` by default).
 
-Every rank of a live run holds the whole model, bitwise the same on every rank, and its shard's
-optimizer state, bitwise the same in every replica group (``shards``). Saved through DCP by the whole
-quorum, the replicated entries are written once (DCP deduplicates them across ranks), so a checkpoint
-holds one copy of the parameters and the union of the optimizer shards, keyed by parameter name: any
-later quorum, of any number of replica groups, loads it, and each rank keeps the optimizer state of
-the parameters its shard owns (``ShardedUpdate.drop_unowned_state``).
+A rank of a replica group of several ranks holds its rows of every parameter and their optimizer
+state (``sharded_params``), bitwise the same in every replica group. For a save or a resume the group
+makes them whole first (``ShardedParams.whole``: one exchange inside the group, on the epoch's group,
+before the save's thread starts), so every rank saves the same whole tensors and DCP writes each once
+(it deduplicates replicated entries across ranks): a checkpoint holds the whole parameters and
+optimizer state, keyed by parameter name, and any later quorum, of any number of replica groups and
+ranks per group, loads it; each rank then keeps its own rows. While a save runs each rank holds the
+whole state, not its shard: a save by DCP of the shards themselves (DTensors) is not built.
 
 DCP's collectives need a registered process group, which the epoch's step group
 (``collective.make_group``) is not; so an epoch that saves or resumes makes this process's default
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from pathlib import Path
 from typing import TypeVar
@@ -38,7 +41,6 @@ from trainguard.checkpoint.save_policy import decide_save
 from trainguard.events import EventLog
 from trainguard.live.collective import EpochAborted, watched
 from trainguard.live.quorum import Quorum
-from trainguard.live.shards import ShardedUpdate
 from trainguard.live.step_guards import LiveGuards
 
 T = TypeVar("T")
@@ -56,14 +58,16 @@ class LiveCheckpoints:
     step, and before a stop)."""
 
     def __init__(self, store: dist.TCPStore, run_dir: Path, config: CheckpointConfig, rank: int,
-                 model: torch.nn.Module, optimizer: torch.optim.Optimizer, update: ShardedUpdate, guards: LiveGuards,
-                 events: EventLog, timeout: timedelta, beat: Callable[[], None],
-                 static_files: Callable[[Path], None] | None = None):
+                 model: torch.nn.Module, optimizer: torch.optim.Optimizer, group_size: int,
+                 whole: Callable[[], AbstractContextManager[None]], guards: LiveGuards, events: EventLog,
+                 timeout: timedelta, beat: Callable[[], None], static_files: Callable[[Path], None] | None = None):
         # synchronous: the save must be over before the quorum can change (an async save's background
         # collectives would outlive the epoch whose group they use)
         self.config = dataclasses.replace(config, async_save=False)
         self.store, self.run_dir, self.rank = store, Path(run_dir), rank
-        self.model, self.optimizer, self.update, self.events = model, optimizer, update, events
+        self.model, self.optimizer, self.events = model, optimizer, events
+        # whole: the model and optimizer whole inside it (a sharded group's exchange, on the epoch's group)
+        self.group_size, self.whole = group_size, whole
         self.guards = guards  # rides in each checkpoint's extra state, as the closure mode's guards do
         self.timeout, self.beat = timeout, beat
         self.static_files = static_files  # huggingface/ in each checkpoint, as the closure mode writes it
@@ -83,10 +87,10 @@ class LiveCheckpoints:
             self.connection = dist.TCPStore(self.store.host, self.store.port, is_master=False, timeout=self.timeout)
         dist.init_process_group("gloo", store=dist.PrefixStore(f"ckpt/{quorum.epoch}", self.connection),
                                 rank=quorum.index(self.rank), world_size=len(quorum.members), timeout=self.timeout)
-        groups = len(quorum.members) // self.update.group_size
+        groups = len(quorum.members) // self.group_size
         self.manager = CheckpointManager(self.run_dir, self.model, self.optimizer, {LIVE_GUARDS: self.guards},
                                          config=self.config, events=self.events, static_files=self.static_files,
-                                         mesh_shape=[groups, self.update.group_size], mesh_dim_names=REPLICA_DIMS)
+                                         mesh_shape=[groups, self.group_size], mesh_dim_names=REPLICA_DIMS)
         self.epoch = quorum.epoch
         return self.manager
 
@@ -94,8 +98,8 @@ class LiveCheckpoints:
         """Every member of a job's first epoch: loads ``checkpoint`` (the launcher chose it, by
         ``checkpoint.resume``, before starting the ranks), verified again, and returns its step."""
         self.config = dataclasses.replace(self.config, resume=str(checkpoint))
-        step = self._watched(quorum, lambda: self._manager(quorum).resume(), f"resumed from {checkpoint}")
-        self.update.drop_unowned_state(self.optimizer)
+        with self.whole():
+            step = self._watched(quorum, lambda: self._manager(quorum).resume(), f"resumed from {checkpoint}")
         self.last_saved = step
         return step
 
@@ -109,15 +113,16 @@ class LiveCheckpoints:
             return False
         manager = self._watched(quorum, lambda: self._manager(quorum),
                                 f"made its checkpoint group to save step {step}")
-        live = {"epoch": quorum.epoch, "members": quorum.members, "group_size": self.update.group_size,
-                "replica_groups": len(quorum.members) // self.update.group_size}
+        live = {"epoch": quorum.epoch, "members": quorum.members, "group_size": self.group_size,
+                "replica_groups": len(quorum.members) // self.group_size}
 
         def save_and_commit() -> None:
             manager.save(step, {"step": step, "live": live}, last_step=last_step, stopping=stopping)
             manager.close()  # committed on every member before any steps on
 
         try:
-            self._watched(quorum, save_and_commit, f"saved step {step}")
+            with self.whole():
+                self._watched(quorum, save_and_commit, f"saved step {step}")
         except EpochAborted:
             raise
         except (Exception, CheckpointException) as error:  # DCP's is a BaseException

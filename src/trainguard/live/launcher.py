@@ -42,6 +42,7 @@ from trainguard.events import EventLog
 from trainguard.forking import ForkedProcess, ForkServer, start_server, thread_count
 from trainguard.live.drill import live_drill
 from trainguard.live.files import events_path, newest_checkpoint
+from trainguard.live.group_reduce import SlotLayout
 from trainguard.live.lighthouse import Lighthouse
 from trainguard.live.placement import replacement_node
 from trainguard.live.quorum import (MAX_STEP, STOP, STOPPED, progress_key, spare_failed_key, spare_key,
@@ -153,11 +154,17 @@ class LiveRun:
         for name in ("tp", "pp"):
             if getattr(parallel, name) not in (None, 1):
                 raise ConfigError(f"{source}: config key 'parallel.{name}' must be 1 for a live run (it trains "
-                                  f"whole replicas, data-parallel only), got {getattr(parallel, name)}")
+                                  f"replica groups, data-parallel only), got {getattr(parallel, name)}")
         groups, group_size = parallel.dp_replicate, parallel.dp_shard or 1
         if config.train.micro_batches < groups * group_size:  # every rank computes at least one of them
             raise ConfigError(f"{source}: config key 'train.micro_batches' must be ≥ the ranks of the live run "
                               f"(parallel.dp_replicate × dp_shard = {groups * group_size}), got {config.train.micro_batches}")
+        if group_size > 1:  # the parameters are sharded in each group and reduced by the fixed tree
+            try:
+                SlotLayout(groups, group_size, config.train.micro_batches).check()
+            except ValueError as error:
+                raise ConfigError(f"{source}: config keys 'parallel.dp_replicate', 'parallel.dp_shard', "
+                                  f"'train.micro_batches': {error}") from None
         faults = live_drill(config.faults, groups * group_size, config.train.steps, tolerance.spares)
         return cls(groups=groups, group_size=group_size, steps=config.train.steps,
                    micro_batches=config.train.micro_batches, spares=tolerance.spares, hang_s=tolerance.hang_s,

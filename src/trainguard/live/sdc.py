@@ -8,14 +8,19 @@ values that every member holds alike after the step's sum, with the same detecto
   rank receives every micro-batch's values bitwise as the rank that computed it measured them, and
   takes each point's maximum over the step's micro-batches: the closure mode's value for a rank that
   computed the whole global batch, whatever the membership.
-- **Parameter-gradient points** are read on the summed gradient, which every rank holds whole.
+- **Parameter-gradient points** are read on the summed gradient as this rank holds it: whole with
+  whole replicas; with parameters sharded inside replica groups (``dp_shard`` > 1,
+  ``sharded_params``), its shard's rows, measured as the closure mode's FSDP2 ranks measure theirs,
+  and one all-gather gives every member the values of every shard of its group (``over_shards``;
+  every group's shards are bitwise equal), each shard a point of its own (``grad:NAME (shard S)``).
 
 So the detectors' state is every rank's alike; it travels with the guards' counters (a joiner's
 transfer, the undo of a step, the durable checkpoint's extra state).
 
 **The rerun.** After a level-1 detection (``enabled_level >= 2``) every member recomputes its
 micro-batches of the step (same inputs, same seeded draws) and the quorum sums again. Each
-micro-batch's extras and the summed gradient are compared bitwise with the first pass's: a micro-batch
+micro-batch's extras and the summed gradient are compared bitwise with the first pass's (a sharded
+rank compares its shard's, and whether any shard differs rides in one all-gather): a micro-batch
 that differs is a transient fault of the rank that computed it (a strike against that rank; the
 rerun's sum is used if its values are clean, else the step is skipped); a difference in the sum alone
 (a fault outside every module point, seen at a reduced parameter gradient) is transient with no rank
@@ -52,15 +57,23 @@ from trainguard.guards.sdc import (STATISTIC, DetectionPoints, FaultyDeviceError
                                    format_values, write_faulty_ranks)
 from trainguard.guards.sdc.detectors import NOT_CHECKED, Detection, SdcLevel
 from trainguard.guards.sdc.points import GRADIENT_PREFIX
+from trainguard.live.group_reduce import StepSum
 
 STRIKE_HOST = "live"  # the strike book's host for every rank: ranks are its keys (see the module's docstring)
 
 CLOCK_BASE = 4096  # the reporter's clock rides in the rerun's flags as two integers below 2**24: exact in float32
 
 # the rerun of a step: recomputes this rank's micro-batches, sums them with the quorum's, with ``flags``
-# summed beside, sets the gradients from the sum and returns (the summed rows, the flags' sums, the
-# extras) as ``ordered_sum.reduce_rows`` does
-Rerun = Callable[[list[int]], tuple[torch.Tensor, list[int], torch.Tensor]]
+# summed beside, sets the gradients from the sum and returns the sum as this rank holds it
+Rerun = Callable[[list[int]], StepSum]
+# a value of this rank's shape -> that value of every shard of its replica group, ``[shards, *shape]`` in
+# shard order, every member alike (a collective); with whole replicas the value alone
+OverShards = Callable[[torch.Tensor], torch.Tensor]
+
+
+def one_shard(value: torch.Tensor) -> torch.Tensor:
+    """``OverShards`` of whole replicas."""
+    return value.unsqueeze(0)
 
 
 def clock_flags(reports: bool) -> list[int]:
@@ -78,7 +91,7 @@ class SdcStep:
     """One step's SDC outcome, every rank's alike."""
     verdict: RerunVerdict  # NONE: nothing at level 1 (or level 1 only logged: enabled_level 1)
     skip: bool  # the update is dropped (reproducible, unverified, or a rerun abnormal too)
-    rerun: tuple[torch.Tensor, torch.Tensor] | None  # the rerun's (sum, extras) when the step uses it
+    rerun: StepSum | None  # the rerun's sum when the step uses it
     faulty: tuple[int, ...]  # ranks that reached their strike limit at this step
 
 
@@ -89,11 +102,18 @@ def _bits(tensor: torch.Tensor) -> bytes:
     return tensor.contiguous().numpy().tobytes()
 
 
+def _sum_bits(summed: StepSum) -> bytes:
+    return _bits(summed.gradient) + _bits(torch.tensor([summed.loss], dtype=torch.float64))
+
+
 class LiveSdc:
     def __init__(self, config: SdcConfig, model: torch.nn.Module, micro_batches: int, rank: int, run_dir: Path,
-                 log: logging.Logger, events: EventLog, reports: Callable[[], bool]):
+                 log: logging.Logger, events: EventLog, reports: Callable[[], bool], shards: int = 1,
+                 over_shards: OverShards = one_shard):
         self.config, self.rank, self.run_dir = config, rank, run_dir
         self.micro_batches = micro_batches
+        # the shards of a replica group (``sharded_params``): each rank holds its shard's gradient rows
+        self.shards, self.over_shards = shards, over_shards
         self.log, self.events, self.reports = log, events, reports
         statistic = STATISTIC[config.rule]
         self.shares, self.rows = config.peak > 0, config.gradients and config.row_jump > 0
@@ -118,15 +138,21 @@ class LiveSdc:
 
     @property
     def names(self) -> list[str]:
-        """Every point: module points (their values from the extras), then parameter gradients."""
-        return self.points.names + (self.gradients.names if self.gradients is not None else [])
+        """Every point: module points (their values from the extras), then parameter gradients (each
+        shard's, shard by shard, when the parameters are sharded)."""
+        gradients = self.gradients.names if self.gradients is not None else []
+        if self.shards > 1:
+            gradients = [f"{name} (shard {shard})" for shard in range(self.shards) for name in gradients]
+        return self.points.names + gradients
 
     @property
     def layouts(self) -> list[str]:
-        """What each point measures: the step's whole global batch (module points), the whole summed
-        gradient (parameter gradients); neither depends on the membership."""
+        """What each point measures: the step's whole global batch (module points), the summed gradient
+        (parameter gradients: whole, or a shard of a group of ``shards``); none depends on the membership."""
         whole = f"live, the maximum over {self.micro_batches} micro-batches"
-        return [whole] * len(self.points.names) + [f"live, {name}" for name in self.names[len(self.points.names):]]
+        sharded = f" of {self.shards} shards" if self.shards > 1 else ""
+        return [whole] * len(self.points.names) + [f"live{sharded}, {name}"
+                                                   for name in self.names[len(self.points.names):]]
 
     @property
     def planes(self) -> int:
@@ -170,7 +196,9 @@ class LiveSdc:
         if self.gradients is not None:
             part = self.gradients.collect(with_shares=self.shares, with_rows=self.rows)
             self.gradients.forget()
-            parts.append(part if self.shares or self.rows else part.unsqueeze(0))
+            part = part if self.shares or self.rows else part.unsqueeze(0)  # [planes, parameters]
+            # every shard's, shard by shard: [planes, shards x parameters], in ``names`` order
+            parts.append(self.over_shards(part).transpose(0, 1).reshape(part.shape[0], -1))
         table = torch.cat(parts, dim=-1).tolist()
         values = table[0] if self.unscale == 1.0 else [v / self.unscale if v >= 0 else v for v in table[0]]
         return values, table[1] if self.shares else None, table[-1] if self.rows else None
@@ -180,60 +208,63 @@ class LiveSdc:
         column = self.by_point(extras)[:, 0, self.points.names.index(point)] / self.unscale
         return [m for m, own in enumerate(column.tolist()) if own == value or (own != own and value != value)]
 
-    def judge(self, step: int, members: list[int], extras: torch.Tensor, total: torch.Tensor,
-              rerun: Rerun) -> SdcStep:
-        """Judges step ``step`` (the closure mode's number) from its extras and the gradients set, and
-        reruns it after a level-1 detection (``enabled_level >= 2``)."""
+    def judge(self, step: int, computed_by: list[int], first: StepSum, rerun: Rerun) -> SdcStep:
+        """Judges step ``step`` (the closure mode's number) from its sum's extras and the gradients set,
+        and reruns it after a level-1 detection (``enabled_level >= 2``). ``computed_by``: the rank that
+        computed each micro-batch."""
+        extras = first.extras
         values, shares, rows = self.values(extras)
         if self.config.log_values:
             self.log.info(format_values(step, self.rank, self.host, self.device_label, self.names, values))
         detections = self.detector.detect(values, step, names=self.names, shares=shares, rows=rows)
         for detection in detections:
-            self.report_detection(step, members, extras, detection)
+            self.report_detection(step, computed_by, extras, detection)
         level_one = [d for d in detections if d.level == SdcLevel.ABNORMAL]
         if not level_one or not self.config.recover:
             return CLEAN
         if not self.config.rerun:
             self.attribute(step, "unverified", level_one, blamed=[], struck=False, rerun_abnormal=[])
             return self.conclude(step, RerunVerdict.REPRODUCIBLE, reran=False, blamed=[], faulty=())
-        again_total, clock, again_extras = rerun(clock_flags(self.reports()))
+        again = rerun(clock_flags(self.reports()))
+        clock, again_extras = again.flags, again.extras
         now = float(clock[0] * CLOCK_BASE + clock[1])  # every rank's alike: strikes agree, times included
         differing = [m for m in range(extras.shape[0]) if _bits(extras[m]) != _bits(again_extras[m])]
-        n = len(members)
-        if differing or _bits(total) != _bits(again_total):
-            blamed = sorted({members[m % n] for m in differing})
+        # this rank's sum (whole, or its shard): whether any shard's differs, every member alike
+        sum_differs = bool(self.over_shards(torch.tensor([float(_sum_bits(first) != _sum_bits(again))])).any())
+        if differing or sum_differs:
+            blamed = sorted({computed_by[m] for m in differing})
             # the first values never entered the detected points' state; the clean rerun's do, as they
             # would have in a run without the fault
-            again, again_shares, again_rows = self.values(again_extras)
+            again_values, again_shares, again_rows = self.values(again_extras)
             index = {name: i for i, name in enumerate(self.names)}
             still = [d.point for d in level_one
                      if self.detector.point(d.point).check(
-                         again[index[d.point]], None if again_shares is None else again_shares[index[d.point]],
+                         again_values[index[d.point]], None if again_shares is None else again_shares[index[d.point]],
                          None if again_rows is None else again_rows[index[d.point]]).level == SdcLevel.ABNORMAL]
             faulty = self.attribute(step, "transient", level_one, blamed, struck=True, rerun_abnormal=still,
                                     now=now)
             verdict = RerunVerdict.FAULTY if faulty else (RerunVerdict.REPRODUCIBLE if still
                                                           else RerunVerdict.TRANSIENT)
             outcome = self.conclude(step, verdict, reran=True, blamed=blamed, faulty=faulty)
-            return dataclasses.replace(outcome, skip=bool(still), rerun=None if still else (again_total, again_extras))
+            return dataclasses.replace(outcome, skip=bool(still), rerun=None if still else again)
         # reproducible: a strike only when one rank alone computed what is abnormal at module points
         local = [d for d in level_one if not d.point.startswith(GRADIENT_PREFIX)]
-        holders = sorted({members[m % n] for d in local for m in self.holders(extras, d.point, d.value)})
+        holders = sorted({computed_by[m] for d in local for m in self.holders(extras, d.point, d.value)})
         alone = len(holders) == 1
         faulty = self.attribute(step, "reproducible", level_one, holders if alone else [], struck=alone,
                                 rerun_abnormal=[d.point for d in level_one], now=now)
         return self.conclude(step, RerunVerdict.FAULTY if faulty else RerunVerdict.REPRODUCIBLE, reran=True,
                              blamed=holders if alone else [], faulty=faulty)
 
-    def report_detection(self, step: int, members: list[int], extras: torch.Tensor, detection: Detection) -> None:
+    def report_detection(self, step: int, computed_by: list[int], extras: torch.Tensor,
+                         detection: Detection) -> None:
         """The closure mode's line on every rank (this rank's judgement), its event once, naming the ranks
         that computed the abnormal value (none for a parameter gradient: the sum carries every rank's)."""
         self.log.log(detection.log_level, format_detection(detection, step, self.rank, self.host, self.device_label))
         if not self.reports():
             return
         computed_by = ([] if detection.point.startswith(GRADIENT_PREFIX) else
-                       sorted({members[m % len(members)] for m in self.holders(extras, detection.point,
-                                                                               detection.value)}))
+                       sorted({computed_by[m] for m in self.holders(extras, detection.point, detection.value)}))
         self.events.emit("sdc_detected", step=step, point=detection.point, level=detection.level,
                          value=detection.value, thresholds=detection.thresholds, rule=detection.rule,
                          device=self.device_label, computed_by=computed_by)

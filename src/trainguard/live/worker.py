@@ -5,9 +5,12 @@ The model, the optimizer and the loss of one micro-batch are the user's (``train
 the engine of ``trainguard.Guard``'s live mode, hands them in; the drill's ``workload`` is one such
 user); the rank's place in the run comes from the launcher's arguments (``LiveArgs``).
 
-Each step: compute this member's micro-batches (``ordered_sum``), one all-reduce that also carries
-the step's loss, the "a newer epoch exists" flag and each rank's stop reasons (the lifecycle's: kill
-switch, signal, time limit), keep the state of before the update (the one step a survivor may have to
+Each step: compute this member's micro-batches, their fixed-order sum over the quorum (replica groups
+of several ranks: parameters gathered from the group's row shards first, ``sharded_params``, and the
+group reduce-scatter plus cross-group sum of ``group_reduce``; whole replicas: one all-reduce of a row
+per micro-batch, ``ordered_sum``), which also carries the step's loss, the "a newer epoch exists" flag,
+each rank's stop reasons (the lifecycle's: kill switch, signal, time limit) and each micro-batch's SDC
+detection values, keep the state of before the update (the one step a survivor may have to
 undo, below), judge the summed gradient with the closure mode's guards (``step_guards``: data skip, a
 non-finite norm, the skip streak; the drill's gradient faults first; SDC detection with its rerun,
 ``live/sdc.py``, on values every member holds alike after the sum), apply the update unless it is
@@ -23,11 +26,11 @@ when the survivors reach the next step boundary.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import json
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -55,20 +58,22 @@ from trainguard.guards.skip_streak import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from trainguard.guards.step_skips import StepSkips
 from trainguard.live import collective
 from trainguard.live.durable import LiveCheckpoints
-from trainguard.live.ordered_sum import my_micro_batches, reduce_rows
+from trainguard.live.group_reduce import Exchange, SlotLayout, StepSum, reduce_sharded, tree_sum
+from trainguard.live.ordered_sum import computed_by, my_micro_batches, reduce_rows
 from trainguard.live.quorum import (NO_STATE, STOP, STOPPED, Quorum, beat_key, done_key, entered_key, epoch_key,
                                     fence_key, has, latest_epoch, progress_key, read_quorum, ready_key, report_key,
                                     start_key, wait_for)
 from trainguard.live.probe import PeerProbe
 from trainguard.live.rng import micro_batch_rng
-from trainguard.live.shards import ShardedUpdate
+from trainguard.live.shards import shard_of
+from trainguard.live.sharded_params import ShardedParams, norm_by_rows, row_squares
 from trainguard.live.stall import ReduceMarks
 from trainguard.live.fingerprint import LiveFingerprints
 from trainguard.live.sdc import CLEAN, LiveSdc
 from trainguard.live.step_guards import LiveGuards
 from trainguard.live.transfer import load_state, send_shards, state_of
 from trainguard.live.files import checkpoint_path, events_path, final_path
-from trainguard.norms.global_norm import clip_grads_, local_sq_sum
+from trainguard.norms.global_norm import clip_grads_
 from trainguard.runtime.lifecycle import (DEADLINE, EXIT_CODES, KILL_SWITCH, NONE, REASON_NAMES, SIGNAL, Lifecycle,
                                           LifecycleConfig)
 from trainguard.runtime.outcome import RunOutcome, stop_outcome
@@ -97,7 +102,7 @@ class LiveArgs:
     rank: int | None
     spare: int | None  # a warm spare: waits (torch imported) to be told which rank to replace
     world: int
-    group_size: int  # ranks per replica group: each one a shard of the optimizer state (``shards``)
+    group_size: int  # ranks per replica group: each one a shard of the parameters (``sharded_params``)
     steps: int
     run_dir: Path
     micro_batches: int  # per step (the global batch), whatever the number of live ranks
@@ -189,18 +194,11 @@ def micro_batch_grad(model: torch.nn.Module, loss_of: MicroBatchLoss, step: int,
     return share.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
-def set_grads(model: torch.nn.Module, flat: torch.Tensor) -> None:
+def set_whole_grads(model: torch.nn.Module, flat: torch.Tensor) -> None:
     offset = 0
     for p in model.parameters():
         p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
         offset += p.numel()
-
-
-def global_norm(grads: list[torch.Tensor]) -> float:
-    """The step's global gradient norm as ``Guard.step`` measures it: summed in float64 from the
-    per-parameter norms. After the order-fixed sum every rank holds the whole gradient of the step, so
-    the norm needs no collective and is every rank's alike."""
-    return math.sqrt(local_sq_sum(grads, 1, grads[0].device).item())
 
 
 def set_lr(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, updates: int) -> None:
@@ -228,7 +226,17 @@ class LiveWorker:
         self.collective_timeout = timedelta(seconds=args.collective_timeout_s)
         self.events = EventLog(events_path(args.run_dir), rank=rank)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.update = ShardedUpdate(model, args.group_size, rank)
+        self.group_size, self.shard = args.group_size, shard_of(rank, args.group_size)
+        # replica groups of several ranks shard the parameters (sharded_params) and reduce by group
+        # (group_reduce); whole replicas sum one row per micro-batch (ordered_sum): the same fixed tree
+        self.layout = SlotLayout(args.world // args.group_size, args.group_size, args.micro_batches)
+        self.params = None
+        self.forward_gathered = False  # the parameters were gathered for a forward outside a step
+        if args.group_size > 1:
+            self.layout.check()
+            self.params = ShardedParams(model, args.group_size, rank)
+            model.register_forward_pre_hook(self.gather_for_forward)  # the loop body's forward, between steps
+            model.register_forward_hook(self.free_after_forward)
         self.log = logging.getLogger(LOGGER_NAME)
         # the drill's gradient faults, at their step each time it is computed (a redone step is hit again)
         self.faults = FaultInjector(list(rules.gradient_faults), args.run_dir, rank, args.world, self.events.emit,
@@ -238,7 +246,8 @@ class LiveWorker:
         self.site_faults = FaultInjector(list(rules.site_faults), args.run_dir, rank, args.world, self.events.emit)
         self.site_faults.install(model)
         self.sdc = (LiveSdc(rules.sdc, model, args.micro_batches, rank, args.run_dir, self.log, self.events,
-                            self.reports) if rules.sdc.enabled else None)
+                            self.reports, shards=args.group_size, over_shards=self.over_shards)
+                    if rules.sdc.enabled else None)
         self.guards = LiveGuards(StepSkips(rules.skip, rules.max_consecutive_skips, self.log, self.events.emit,
                                            reports=self.reports), self.sdc)
         self.fingerprints = (LiveFingerprints(rules.fingerprint, model, optimizer, self.guards, rank, args.group_size,
@@ -258,8 +267,8 @@ class LiveWorker:
         self.resume_from = args.resume
         # the durable tier (``checkpoint``: the ``checkpoint`` section; None: the drill's workload, none)
         self.checkpoints = None if checkpoint is None else LiveCheckpoints(
-            store, args.run_dir, checkpoint, rank, model, optimizer, self.update, self.guards, self.events,
-            self.collective_timeout, self.beat, static_files)
+            store, args.run_dir, checkpoint, rank, model, optimizer, self.group_size, self.whole_state, self.guards,
+            self.events, self.collective_timeout, self.beat, static_files)
         self.lifecycle = lifecycle  # this rank's stop reasons (its signals, the kill switch, the time limit)
         self.stop: LiveStop | None = None  # the quorum agreed to stop, and saved: no more steps
         self.committed: CommittedStep | None = None  # the step this rank committed last
@@ -273,7 +282,7 @@ class LiveWorker:
         else:
             quorum = read_quorum(self.store, latest_epoch(self.store))
             if quorum.resume_from is not None:
-                state = safe_torch_load(checkpoint_path(self.run_dir, quorum.resume_from, self.update.shard))
+                state = safe_torch_load(checkpoint_path(self.run_dir, quorum.resume_from, self.shard))
                 load_state(self.model, self.optimizer, self.guards, state)
             self.enter(quorum, quorum.start_step)
             if self.resume_from is not None and quorum.epoch == 0:  # a job's start, resumed
@@ -320,6 +329,9 @@ class LiveWorker:
     def wait(self, work: dist.Work) -> None:
         collective.wait(work, self.store, self.quorum.epoch, self.beat)
 
+    def wait_all(self, works: list[dist.Work]) -> None:
+        collective.wait_all(works, self.store, self.quorum.epoch, self.beat)
+
     def beat(self) -> None:
         now = time.monotonic()
         if now - self.last_beat >= BEAT_S:
@@ -330,34 +342,66 @@ class LiveWorker:
         """This rank writes the run's events of a decision (the closure mode's rank 0): the quorum's first."""
         return self.quorum is not None and self.quorum.index(self.rank) == 0
 
-    def compute(self, step: int, mine: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """This rank's micro-batches of ``step``: their rows and, with SDC detection on, their extras (each
-        micro-batch's detection points' values, ``live/sdc.py``)."""
-        rows = None
+    def compute(self, step: int, mine: list[int]) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
+        """This rank's micro-batches of ``step`` (with sharded parameters, gathered whole around them): each
+        one's gradient then its share of the loss (a -0.0 made +0.0: ``ordered_sum``) and, with SDC
+        detection on, their extras (each micro-batch's detection points' values, ``live/sdc.py``)."""
+        computed = {}
         extras = None if self.sdc is None else torch.zeros(self.micro_batches, self.sdc.width)
         if self.sdc is not None:
             self.sdc.begin_step()
         self.site_faults.at_step_start(step + 1)  # the closure mode's step number
-        for micro_batch in mine:
-            self.beat()
-            share, grad = micro_batch_grad(self.model, self.loss_of, step, micro_batch, self.micro_batches, self.seed)
-            if rows is None:  # one row per micro-batch: its gradient, then its share of the loss
-                rows = torch.zeros(self.micro_batches, grad.numel() + 1, dtype=grad.dtype)
-            rows[micro_batch, :-1] = grad
-            rows[micro_batch, -1] = share
-            if extras is not None:
-                extras[micro_batch] = self.sdc.micro_batch_values()
-            time.sleep(self.micro_batch_s)  # the compute time a real micro-batch would take
-        return rows, extras
+        if self.params is not None and not self.params.is_whole:  # whole: gathered after a body's recovery
+            self.params.unshard(self.group, self.quorum.members, self.rank, self.wait_all)
+        try:
+            for micro_batch in mine:
+                self.beat()
+                share, grad = micro_batch_grad(self.model, self.loss_of, step, micro_batch, self.micro_batches,
+                                               self.seed)
+                computed[micro_batch] = torch.cat([grad, share.reshape(1)]) + 0.0
+                if extras is not None:
+                    extras[micro_batch] = self.sdc.micro_batch_values()
+                time.sleep(self.micro_batch_s)  # the compute time a real micro-batch would take
+        finally:
+            if self.params is not None:
+                self.params.reshard()
+        return computed, extras
+
+    def reduce(self, exchange: Exchange, computed: dict[int, torch.Tensor], flags: list[int],
+               extras: torch.Tensor | None) -> StepSum:
+        """The step's sum of every member's ``computed`` (``ordered_sum`` for whole replicas, ``group_reduce``
+        for sharded groups), ``flags`` and ``extras`` summed beside; sets this rank's gradients from it."""
+        if self.params is None:
+            first = next(iter(computed.values()))
+            rows = torch.zeros(self.micro_batches, first.numel(), dtype=first.dtype)
+            for micro_batch, row in computed.items():
+                rows[micro_batch] = row
+            total, counts, extras = reduce_rows(self.group, rows, flags, self.wait, extras)
+            summed = StepSum(total[:-1], float(total[-1]), counts, extras)
+            set_whole_grads(self.model, summed.gradient)
+            return summed
+        slots = {group: tree_sum([computed[m] for m in self.layout.slot_micro_batches(group, self.shard)])
+                 for group in exchange.my_groups()}
+        summed = reduce_sharded(self.group, exchange, slots, self.params.shard_flat,
+                                self.params.shard_length(self.shard), flags, self.wait, extras)
+        self.params.set_grads(summed.gradient)
+        return summed
 
     def step(self) -> None:
         quorum, step = self.quorum, self.step_index
         started = time.perf_counter()
-        mine = my_micro_batches(self.micro_batches, len(quorum.members), quorum.index(self.rank))
+        exchange = Exchange(quorum.members, self.rank, self.layout)
+        if self.params is None:
+            mine = my_micro_batches(self.micro_batches, len(quorum.members), quorum.index(self.rank))
+        else:
+            mine = exchange.my_micro_batches()
         self.site_faults.at_rest(step + 1, self.model, self.optimizer)  # the drill's stateflip, between steps
         if self.fingerprints is not None and self.fingerprints.due(step + 1):
             self.fingerprints.check(self.group, quorum, step + 1, self.wait)  # repairs a replica before it computes
-        rows, extras = self.compute(step, mine)
+        if self.params is not None:
+            # the stall watch's marks span the step's collectives, from the first (the unshard) to the norm's
+            self.reduce_marks.entering(quorum.epoch, step, self.beat)
+        computed, extras = self.compute(step, mine)
         if self.sample_range:
             # before the sum, not after: a rank killed once its rows are in the sum, before it could say
             # so, leaves the step committed by the others with its samples in it
@@ -367,46 +411,40 @@ class LiveWorker:
         reason = self.lifecycle.local_reason() if self.lifecycle is not None else NONE
         if has(self.store, STOP):  # the launcher's signal
             reason = max(reason, SIGNAL)
-        self.reduce_marks.entering(quorum.epoch, step, self.beat)
-        total, (newer_seen, *stops_seen), extras = reduce_rows(
-            self.group, rows, [int(newer), *(int(reason == r) for r in STOP_REASONS)], self.wait, extras)
-        self.reduce_marks.left(quorum.epoch, step)
+        flags = [int(newer), *(int(reason == r) for r in STOP_REASONS)]
+        if self.params is None:
+            self.reduce_marks.entering(quorum.epoch, step, self.beat)
+        summed = self.reduce(exchange, computed, flags, extras)
+        newer_seen, *stops_seen = summed.flags
+        loss = summed.loss
         if step == self.fail_after_reduce:
             self.fail_after_reduce = None
             self.await_peers_committed(step)
             raise RuntimeError(f"injected: rank {self.rank}'s collective of step {step} failed after the others' succeeded")
         self.previous = (step, copy.deepcopy(state_of(self.model, self.optimizer, self.guards)))
-        set_grads(self.model, total[:-1])
-        loss = float(total[-1])
         number = step + 1  # the step as the closure mode numbers it: the guards' and the faults' step
         self.faults.after_backward(number, self.model)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        norm = global_norm(grads)
+        norm = self.norm(grads)
         try:
-            sdc = CLEAN if self.sdc is None else self.sdc.judge(number, quorum.members, extras, total,
-                                                                lambda flags: self.rerun(step, mine, flags))
+            sdc = CLEAN if self.sdc is None else self.sdc.judge(number, self.computed_by(exchange), summed,
+                                                                lambda flags: self.rerun(step, exchange, mine, flags))
         except RuntimeError:  # the rerun's sum failed: the detectors judged a step this rank will redo
             load_state(self.model, self.optimizer, self.guards, self.previous[1])
             raise
         if sdc.rerun is not None:  # a transient fault: the step goes on with the rerun's sum, set by rerun()
-            loss = float(sdc.rerun[0][-1])
+            loss = sdc.rerun.loss
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            norm = global_norm(grads)
+            norm = self.norm(grads)
+        self.reduce_marks.left(quorum.epoch, step)
         # every rank's alike: the same sum, the same state
         skipped = self.guards.judge(number, norm, loss, sdc_skipped=sdc.skip)
         if not skipped:
-            if self.rules.grad_clip > 0:  # before the shards drop the gradients they do not own
+            if self.rules.grad_clip > 0:
                 clip_grads_(grads, self.rules.grad_clip, norm)
-            self.update.drop_unowned_grads()
             if self.scheduler is not None:
                 set_lr(self.optimizer, self.scheduler, step - self.guards.skipped)
-            self.optimizer.step()
-            if self.update.sharded:
-                try:
-                    self.update.gather(self.group, quorum.members, self.wait)
-                except RuntimeError:
-                    load_state(self.model, self.optimizer, self.guards, self.previous[1])  # not committed here
-                    raise
+            self.optimizer.step()  # a sharded rank steps its own rows: they stay sharded
         self.events.emit("live_step", step=step, epoch=quorum.epoch, members=len(quorum.members),
                          micro_batches=mine, loss=loss, global_norm=norm, skipped=skipped)
         self.committed = CommittedStep(step, loss, norm, skipped)
@@ -427,8 +465,8 @@ class LiveWorker:
             if saved and self.lifecycle is not None:  # the time limit keeps room for one step and one save
                 self.lifecycle.note_save(time.perf_counter() - began)
         if (self.checkpoint_every and self.step_index % self.checkpoint_every == 0
-                and quorum.index(self.rank) < self.update.group_size):  # the lowest live group's shards
-            path = checkpoint_path(self.run_dir, self.step_index, self.update.shard)
+                and quorum.index(self.rank) < self.group_size):  # the lowest live group's shards
+            path = checkpoint_path(self.run_dir, self.step_index, self.shard)
             path.parent.mkdir(exist_ok=True)
             atomic_write_bytes(path, serialised(state_of(self.model, self.optimizer, self.guards)))
         if self.sdc is not None:
@@ -436,14 +474,67 @@ class LiveWorker:
         if newer_seen and self.stop is None:
             self.switch(quorum.epoch + 1)
 
-    def rerun(self, step: int, mine: list[int], flags: list[int]) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    def rerun(self, step: int, exchange: Exchange, mine: list[int], flags: list[int]) -> StepSum:
         """SDC detection's rerun of ``step`` (``live/sdc.py``): the same micro-batches, the same sum, with
         ``flags`` summed beside; its gradients set, with the drill's gradient faults as at the first pass."""
-        rows, extras = self.compute(step, mine)
-        total, counts, extras = reduce_rows(self.group, rows, flags, self.wait, extras)
-        set_grads(self.model, total[:-1])
+        computed, extras = self.compute(step, mine)
+        summed = self.reduce(exchange, computed, flags, extras)
         self.faults.after_backward(step + 1, self.model)
-        return total, counts, extras
+        return summed
+
+    def computed_by(self, exchange: Exchange) -> list[int]:
+        """The rank that computes each micro-batch of a step of this epoch."""
+        if self.params is None:
+            return computed_by(self.micro_batches, exchange.members)
+        return self.layout.computed_by(exchange.live_groups())
+
+    def norm(self, grads: list[torch.Tensor]) -> float:
+        """The step's global norm by rows (``sharded_params.norm_by_rows``), every member's alike and bitwise
+        the same for any layout: of the whole gradient, or from the rows' squares gathered in the group."""
+        if self.params is None:
+            return norm_by_rows(row_squares(grads))
+        return norm_by_rows(self.params.whole_row_squares(self.group, self.quorum.members, self.rank, grads,
+                                                          self.wait_all))
+
+    def whole_state(self) -> contextlib.AbstractContextManager[None]:
+        """The model and optimizer whole (for the durable tier): a sharded group's exchange, or nothing."""
+        if self.params is None:
+            return contextlib.nullcontext()
+        return self.params.whole(self.group, self.quorum.members, self.rank, self.optimizer, self.wait_all)
+
+    def gather_for_forward(self, module: torch.nn.Module, args: object) -> None:
+        """Between steps the parameters are rows: a forward there (the loop's body) gathers them first,
+        from this rank's group (its ranks all make that forward); a step's own forwards find them whole.
+        A failure of that gather ends the epoch as in a step (``recover``: this rank may rejoin with a
+        peer's state); the parameters gathered after it then stay whole for the next step, whose own
+        gather the group's other ranks may already have made with this one."""
+        if self.params.is_whole:
+            return
+        recovered = False
+        while True:
+            try:
+                self.params.unshard(self.group, self.quorum.members, self.rank, self.wait_all)
+                break
+            except RuntimeError as error:
+                self.recover(error)
+                recovered = True
+        self.forward_gathered = not recovered
+
+    def free_after_forward(self, module: torch.nn.Module, args: object, output: object) -> None:
+        if self.forward_gathered:
+            self.forward_gathered = False
+            self.params.reshard()
+
+    def over_shards(self, mine: torch.Tensor) -> torch.Tensor:
+        """``mine`` of every shard of this rank's replica group, ``[group_size, *mine.shape]`` in shard order:
+        one all-gather over the epoch (every group's shards are equal, so every member finds the same)."""
+        if self.params is None:
+            return mine.unsqueeze(0)
+        mine = mine.contiguous()
+        every = [torch.empty_like(mine) for _ in self.quorum.members]
+        self.wait(self.group.allgather([every], [mine]))
+        first = self.rank - self.shard
+        return torch.stack([every[self.quorum.index(first + s)] for s in range(self.group_size)])
 
     def stop_here(self, reason: int) -> None:
         """The quorum's stop at this boundary (every member calls it at the same one): a lifecycle
@@ -548,7 +639,7 @@ class LiveWorker:
             self.store.set(start_key(epoch), str(self.step_index))
         began = time.time()
         self.enter(quorum, self.step_index)
-        sent = send_shards(self.group, quorum, self.rank, self.update.group_size, self.model, self.optimizer,
+        sent = send_shards(self.group, quorum, self.rank, self.group_size, self.model, self.optimizer,
                            self.guards, self.wait)
         self.guards.welcome(quorum.joining)
         self.events.emit("live_switch", step=self.step_index, epoch=epoch, state_bytes=sent,
@@ -569,7 +660,7 @@ class LiveWorker:
             start = int(wait_for(self.store, start_key(quorum.epoch), WAIT_S, self.beat))
             try:
                 self.enter(quorum, start)
-                received = send_shards(self.group, quorum, self.rank, self.update.group_size, self.model,
+                received = send_shards(self.group, quorum, self.rank, self.group_size, self.model,
                                        self.optimizer, self.guards, self.wait)
             except RuntimeError as error:
                 self.leave_epoch(error, NO_STATE)

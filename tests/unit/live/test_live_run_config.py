@@ -30,6 +30,9 @@ def test_the_config_gives_the_layout_the_batch_and_the_fault_tolerance_keys():
     ("parallel.tp=2", "config key 'parallel.tp' must be 1 for a live run"),
     ("train.micro_batches=3", "config key 'train.micro_batches' must be ≥ the ranks of the live run "
                               "(parallel.dp_replicate × dp_shard = 4), got 3"),
+    ("train.micro_batches=6", "config keys 'parallel.dp_replicate', 'parallel.dp_shard', 'train.micro_batches': "
+                               "sharded replica groups need dp_replicate × dp_shard (2 × 2 = 4) a power of two that "
+                               "divides train.micro_batches (6)"),
 ])
 def test_a_layout_live_recovery_cannot_run_is_one_error_naming_the_key(change, message):
     config = load_config(None, [*LIVE_LAYOUT, change])

@@ -4,6 +4,7 @@ no checkpoint group (a gloo process group on the quorum, its store client, its t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from datetime import timedelta
 
@@ -17,7 +18,6 @@ from trainguard.guards.skip import SkipConfig
 from trainguard.guards.step_skips import StepSkips
 from trainguard.live.durable import LiveCheckpoints
 from trainguard.live.quorum import Quorum
-from trainguard.live.shards import ShardedUpdate
 from trainguard.live.step_guards import LiveGuards
 
 
@@ -28,7 +28,7 @@ def checkpoints(tmp_path):
     events = EventLog(None)
     guards = LiveGuards(StepSkips(SkipConfig(), 0, logging.getLogger("test"), events.emit, reports=lambda: False))
     yield LiveCheckpoints(store, tmp_path, CheckpointConfig(save_interval=5), 0, model,
-                          torch.optim.SGD(model.parameters(), lr=0.1), ShardedUpdate(model, 1, 0), guards, events,
+                          torch.optim.SGD(model.parameters(), lr=0.1), 1, contextlib.nullcontext, guards, events,
                           timedelta(seconds=10), beat=lambda: None)
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -14,9 +14,12 @@ import torch
 from trainguard.events import EventLog
 from trainguard.events.log import read_events
 from trainguard.guards.sdc import FaultyDeviceError, RerunVerdict, SdcConfig, faulty_ranks_path
+from trainguard.live.group_reduce import StepSum
+from trainguard.live.ordered_sum import computed_by
 from trainguard.live.sdc import LiveSdc, clock_flags
 
 MICRO_BATCHES, MEMBERS = 4, [0, 1]  # member i computes micro-batches i, i + 2
+COMPUTED_BY = computed_by(MICRO_BATCHES, MEMBERS)
 
 
 def model() -> torch.nn.Module:
@@ -32,8 +35,8 @@ def live_sdc(net: torch.nn.Module, tmp_path, **keys) -> LiveSdc:
                    events=events, reports=lambda: True)
 
 
-def compute(net: torch.nn.Module, sdc: LiveSdc, blown_up: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One step: (the summed gradient, the extras); micro-batch ``blown_up``'s loss scaled by 1e9 (the
+def compute(net: torch.nn.Module, sdc: LiveSdc, blown_up: int | None, flags: list[int] | None = None) -> StepSum:
+    """One step: its sum (the summed gradient, a stand-in loss, ``flags``, the extras); micro-batch ``blown_up``'s loss scaled by 1e9 (the
     gradient into the LayerNorm with it), as a miscompute on the rank that computes it would."""
     extras = torch.zeros(MICRO_BATCHES, sdc.width)
     total = None
@@ -47,7 +50,7 @@ def compute(net: torch.nn.Module, sdc: LiveSdc, blown_up: int | None) -> tuple[t
         grad = torch.cat([p.grad.flatten() for p in net.parameters()])
         total = grad if total is None else total + grad
     set_grads(net, total)
-    return total, extras
+    return StepSum(total, 1.0, flags or [], extras)
 
 
 def set_grads(net: torch.nn.Module, flat: torch.Tensor) -> None:
@@ -59,13 +62,8 @@ def set_grads(net: torch.nn.Module, flat: torch.Tensor) -> None:
 
 def judge(net: torch.nn.Module, sdc: LiveSdc, step: int, first: int | None, again: int | None):
     """Step ``step`` with micro-batch ``first`` blown up, rerun with ``again`` blown up (None: clean)."""
-    total, extras = compute(net, sdc, first)
-
-    def rerun(flags: list[int]) -> tuple[torch.Tensor, list[int], torch.Tensor]:  # the quorum's second sum
-        again_total, again_extras = compute(net, sdc, again)
-        return again_total, flags, again_extras
-
-    return sdc.judge(step, MEMBERS, extras, total, rerun)
+    summed = compute(net, sdc, first)
+    return sdc.judge(step, COMPUTED_BY, summed, lambda flags: compute(net, sdc, again, flags))  # the rerun
 
 
 def events(tmp_path, kind: str) -> list[dict]:
@@ -76,7 +74,7 @@ def test_a_clean_step_is_clean_and_its_values_are_every_micro_batches_maximum(tm
     net = model()
     sdc = live_sdc(net, tmp_path)
     assert judge(net, sdc, 1, None, None).verdict == RerunVerdict.NONE
-    _, extras = compute(net, sdc, None)
+    extras = compute(net, sdc, None).extras
     values, shares, _ = sdc.values(extras)
     assert values[0] == float(extras[:, 0].max()) and shares[0] == float(extras[:, 1].max())  # "1": the LayerNorm
     assert sdc.names[0] == "1" and len(sdc.names) == 1 + 6  # and the 6 parameter gradients
@@ -87,8 +85,7 @@ def test_a_transient_fault_strikes_the_rank_that_computed_it_and_the_clean_rerun
     sdc = live_sdc(net, tmp_path)
     outcome = judge(net, sdc, 3, first=3, again=None)  # micro-batch 3: member 1's
     assert (outcome.verdict, outcome.skip, outcome.faulty) == (RerunVerdict.TRANSIENT, False, ())
-    clean_total, _ = compute(net, sdc, None)
-    assert torch.equal(outcome.rerun[0], clean_total)
+    assert torch.equal(outcome.rerun.gradient, compute(net, sdc, None).gradient)
     assert sdc.strikes.count("live", "rank 1") == 1 and sdc.strikes.count("live", "rank 0") == 0
     [detected] = [e for e in events(tmp_path, "sdc_detected") if e["point"] == "1"]
     assert (detected["step"], detected["computed_by"]) == (3, [1])
@@ -118,8 +115,7 @@ def test_a_reproducible_value_one_rank_alone_computed_is_skipped_and_struck_unti
 def test_no_rerun_skips_unverified_with_no_strike(tmp_path):
     net = model()
     sdc = live_sdc(net, tmp_path, rerun=False)
-    total, extras = compute(net, sdc, 1)
-    outcome = sdc.judge(4, MEMBERS, extras, total, rerun=lambda flags: pytest.fail("reran"))
+    outcome = sdc.judge(4, COMPUTED_BY, compute(net, sdc, 1), rerun=lambda flags: pytest.fail("reran"))
     assert (outcome.verdict, outcome.skip) == (RerunVerdict.REPRODUCIBLE, True)
     assert [e["verdict"] for e in events(tmp_path, "sdc_rerun")] == ["unverified"]
     assert sdc.strikes.count("live", "rank 1") == 0
@@ -129,3 +125,38 @@ def test_the_strikes_time_is_the_reporters_clock_carried_in_two_exact_integers()
     hi, lo = clock_flags(reports=True)
     assert 0 <= lo < 4096 and float(torch.tensor(float(hi))) == hi  # exact in float32
     assert clock_flags(reports=False) == [0, 0]
+
+
+def test_sharded_parameter_gradients_are_one_point_per_shard_from_every_shards_values(tmp_path):
+    """``dp_shard`` 2: each rank holds its shard's gradient rows, and ``over_shards`` (an all-gather in
+    the worker; here a stand-in whose shard 1 holds twice shard 0's values) gives every member each
+    shard's values, each shard's a point of its own, in ``names`` order."""
+    net = model()
+    config = SdcConfig(enabled_level=2)
+    config.validate()
+    sdc = LiveSdc(config, net, MICRO_BATCHES, rank=0, run_dir=tmp_path, log=logging.getLogger("test"),
+                  events=EventLog(tmp_path / "events.jsonl", rank=0), reports=lambda: True, shards=2,
+                  over_shards=lambda mine: torch.stack([mine, mine * 2]))
+    gradients = [name for name in sdc.names if name.startswith("grad:")]
+    assert gradients[:2] == ["grad:0.weight (shard 0)", "grad:0.bias (shard 0)"] and len(gradients) == 2 * 6
+    assert gradients[6] == "grad:0.weight (shard 1)" and len(sdc.layouts) == len(sdc.names)
+    values, shares, _ = sdc.values(compute(net, sdc, None).extras)
+    first = sdc.names.index("grad:0.weight (shard 0)")
+    assert values[first] > 0 and values[first + 6] == 2 * values[first] and shares[first + 6] == 2 * shares[first]
+
+
+def test_a_sum_that_differs_on_another_shard_alone_makes_the_rerun_transient_on_every_rank(tmp_path):
+    """A sharded rank holds its shard of the sum: when the rerun's sum differs on another shard only
+    (a fault outside every module point), this rank learns it through ``over_shards`` (a stand-in whose
+    shard 1 always differs) and judges as that shard's rank does: transient, no rank struck, where its
+    own shard alone would have said reproducible and struck rank 0."""
+    net = model()
+    config = SdcConfig(enabled_level=2, strikes=2)
+    config.validate()
+    sdc = LiveSdc(config, net, MICRO_BATCHES, rank=0, run_dir=tmp_path, log=logging.getLogger("test"),
+                  events=EventLog(tmp_path / "events.jsonl", rank=0), reports=lambda: True, shards=2,
+                  over_shards=lambda mine: torch.stack([mine, torch.ones_like(mine)]))
+    outcome = judge(net, sdc, 2, first=2, again=2)  # micro-batch 2 (member 0's), the same on the rerun
+    assert (outcome.verdict, outcome.skip) == (RerunVerdict.REPRODUCIBLE, True)  # the rerun is abnormal too
+    assert [e["attribution"] for e in events(tmp_path, "sdc_attribution")] == ["transient"]
+    assert sdc.strikes.count("live", "rank 0") == 0

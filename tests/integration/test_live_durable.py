@@ -205,7 +205,12 @@ def test_saves_while_a_group_is_out_are_the_quorums_and_the_run_ends_bitwise(roo
         live = manifest.trainer_state["live"]
         assert live["members"] == quorums[live["epoch"]] and manifest.world_size == len(live["members"])
         assert manifest.mesh_shape == [len(live["members"]) // 2, 2]
-    assert [m.step for m in manifests] == [5, 10, 15, 16]
+    steps = [m.step for m in manifests]
+    # step 5's save is lost only when its epoch ended during it (seen 3 times in ~18 loaded runs with sharded
+    # groups, whose save first gathers the whole state): the documented outcome, the next save due commits
+    failed_saves = [e for e in _events(run_dir, "live_collective_failed") if "save" in e["error"]]
+    assert steps == [5, 10, 15, 16] or (steps == [10, 15, 16] and failed_saves), (
+        steps, _events(run_dir, "live_collective_failed"), quorums)
     assert run_differences(clean, run_dir, WORLD) == {}
 
 

@@ -1,13 +1,14 @@
 """The closure mode's guards and stops in live mode, on the documented user path (``trainguard run
 --nproc 4 --config FILE -- python tests/helpers/live_loop.py --config FILE``: 4 gloo ranks, 2 replica
-groups x 2, dropout, AdamW, durable checkpoints every 5 steps), ``guards.skip`` on with an absolute
-threshold:
+groups x 2, dropout, AdamW with a ``OneCycleLR``, the loop's own ``StepsSeen`` as ``stateful``, durable
+checkpoints every 5 steps), ``guards.skip`` on with an absolute threshold:
 
 - a gradient spike (the drill's ``spike:step=4``) and a NaN (``nan:step=7``, rank 0's by default: every
   rank's in the sum) are skipped by every rank at steps 4 and 7, the run goes on, and ends with every
   rank's parameters and optimizer state bitwise those of a fault-free run that skips steps 4 and 7 by
   replay (``guards.skip.replay_steps``), and so does the same run with rank 3 SIGKILLed between the two
-  (its group rejoins with the guards' state); the same script in the closure mode
+  (its group rejoins with the guards', the scheduler's and the loop's object's state: every rank's
+  final state, those included, the fault-free run's); the same script in the closure mode
   (``helpers/user_loop_closure.py``, the same gradients summed by the same tree) measures every step's
   loss and norm within 1e-5 of live mode's (live mode sums the norm's squares by rows, the same for any
   layout, the closure mode by parameter: the clip's factor, and so the trajectory, differ in the last
@@ -15,7 +16,8 @@ threshold:
 - a spike at every step from 3 with ``count_threshold: 2``: every rank aborts at step 4 with the
   reference's line, exit 3, and no rank is replaced;
 - ``train.exit_at_step: 6``: the quorum saves step 6 and ends with exit 0; the same command without it
-  resumes there and ends bitwise equal to the run that never stopped (guards' state included);
+  resumes there and ends bitwise equal to the run that never stopped (guards', scheduler's and loop
+  object's state included: they ride in the durable checkpoint);
 - the kill switch created mid-run: the quorum stops at its next step boundary, saved, exit 0, with the
   closure mode's line; present at the start, no rank starts;
 - the time limit (``lifecycle.exit_duration_in_mins``) near: saved, exit 16.
@@ -46,6 +48,8 @@ STEPS, WORLD, SPIKE_AT, NAN_AT, THRESHOLD = 10, 4, 4, 7, 50.0
 FAULTS = f"faults=spike:step={SPIKE_AT},factor=10000; nan:step={NAN_AT}"
 SKIPPED = [SPIKE_AT, NAN_AT]
 TIMEOUT_S = 240
+# every run steps a OneCycleLR and keeps the loop's StepsSeen as stateful (live/state.py)
+SCRIPT_FLAGS = ["--one-cycle", "--seen"]
 
 
 def _config(root: Path) -> Path:
@@ -59,7 +63,8 @@ def _config(root: Path) -> Path:
 def _start(run_dir: Path, config: Path, *sets: str):
     args = [arg for item in sets for arg in ("--set", item)]
     return warm_server().start(["run", "--nproc", str(WORLD), "--config", str(config), "--run-dir", str(run_dir),
-                                *args, "--", sys.executable, str(EXAMPLE), "--config", str(config)], worker_env())
+                                *args, "--", sys.executable, str(EXAMPLE), "--config", str(config), *SCRIPT_FLAGS],
+                               worker_env())
 
 
 def _live(run_dir: Path, config: Path, *sets: str) -> subprocess.CompletedProcess:
@@ -131,13 +136,17 @@ def test_a_rank_killed_between_the_skips_rejoins_with_the_guards_state_and_the_r
     assert "ranks replaced: [3]" in done.stdout
     assert [e["step"] for e in _events(root / "killed", "data_skip")] == SKIPPED
     assert run_differences(run_dir, root / "killed", WORLD) == {}
+    for rank in range(WORLD):  # the replacement of rank 3 too: its loop asked for the steps after its join only
+        final = safe_torch_load(final_path(root / "killed", rank))
+        assert final["scheduler"]["last_epoch"] == STEPS - len(SKIPPED), rank  # it stands still on a skipped step
+        assert final["stateful"]["seen"] == {"steps": STEPS, "last": STEPS - 1}, rank
 
 
 def test_the_closure_mode_skips_the_same_steps_on_the_same_gradients(root, spiked):
     run_dir, _ = spiked
     closure_dir = root / "closure"
     done = subprocess.run([sys.executable, str(CLOSURE_TWIN), "--config", str(_config(root)), "--run-dir",
-                           str(closure_dir), "--set", FAULTS.replace("; ", ";")],
+                           str(closure_dir), "--set", FAULTS.replace("; ", ";"), *SCRIPT_FLAGS],
                           env=worker_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     _ok(done)
     # every step's verdict the live run's, its loss and norm within 1e-5 (live mode sums the micro-batches

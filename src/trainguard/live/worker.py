@@ -27,22 +27,22 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import dataclasses
 import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.optim.lr_scheduler import LambdaLR
 
 from trainguard.checkpoint.config import CheckpointConfig
+from trainguard.checkpoint.manager import Stateful
 from trainguard.checkpoint.safe_load import safe_torch_load
 from trainguard.checkpoint.staging import serialised
 from trainguard.errors import EXIT_OK
@@ -70,8 +70,9 @@ from trainguard.live.sharded_params import ShardedParams, norm_by_rows, row_squa
 from trainguard.live.stall import ReduceMarks
 from trainguard.live.fingerprint import LiveFingerprints
 from trainguard.live.sdc import CLEAN, LiveSdc
+from trainguard.live.state import LiveState
 from trainguard.live.step_guards import LiveGuards
-from trainguard.live.transfer import load_state, send_shards, state_of
+from trainguard.live.transfer import send_shards
 from trainguard.live.files import checkpoint_path, events_path, final_path
 from trainguard.norms.global_norm import clip_grads_
 from trainguard.runtime.lifecycle import (DEADLINE, EXIT_CODES, KILL_SWITCH, NONE, REASON_NAMES, SIGNAL, Lifecycle,
@@ -201,21 +202,12 @@ def set_whole_grads(model: torch.nn.Module, flat: torch.Tensor) -> None:
         offset += p.numel()
 
 
-def set_lr(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, updates: int) -> None:
-    """The LR after ``updates`` applied updates, as the scheduler would have set it: a function of that
-    count alone (the steps less the skipped ones, every rank's alike), so a replacement, a rank that undid
-    a step and a fault-free run all use the same (nothing of the scheduler travels; its ``last_epoch`` is
-    left alone)."""
-    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
-        group["lr"] = base * factor(updates)
-
-
 class LiveWorker:
     def __init__(self, store: dist.Store, args: LiveArgs, rank: int, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, loss_of: MicroBatchLoss | None, sample_range: SampleRange | None,
-                 scheduler: LambdaLR | None = None, *, seed: int, checkpoint: CheckpointConfig | None = None,
+                 scheduler: Any = None, *, seed: int, checkpoint: CheckpointConfig | None = None,
                  lifecycle: Lifecycle | None = None, rules: LiveRules = DEFAULT_RULES,
-                 static_files: Callable[[Path], None] | None = None):
+                 static_files: Callable[[Path], None] | None = None, stateful: Mapping[str, Stateful] | None = None):
         self.seed = seed  # the run's: each micro-batch's random draws derive from it (rng.py)
         self.rules = rules
         self.store, self.rank, self.world, self.steps = store, rank, args.world, args.steps
@@ -225,7 +217,7 @@ class LiveWorker:
         self.micro_batch_s, self.checkpoint_every = args.micro_batch_s, args.checkpoint_every
         self.collective_timeout = timedelta(seconds=args.collective_timeout_s)
         self.events = EventLog(events_path(args.run_dir), rank=rank)
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.model, self.optimizer = model, optimizer
         self.group_size, self.shard = args.group_size, shard_of(rank, args.group_size)
         # replica groups of several ranks shard the parameters (sharded_params) and reduce by group
         # (group_reduce); whole replicas sum one row per micro-batch (ordered_sum): the same fixed tree
@@ -250,14 +242,16 @@ class LiveWorker:
                     if rules.sdc.enabled else None)
         self.guards = LiveGuards(StepSkips(rules.skip, rules.max_consecutive_skips, self.log, self.events.emit,
                                            reports=self.reports), self.sdc)
-        self.fingerprints = (LiveFingerprints(rules.fingerprint, model, optimizer, self.guards, rank, args.group_size,
+        # what an undo restores, a joiner receives and a checkpoint holds (the scheduler, the loop's objects)
+        self.state = LiveState(model, optimizer, self.guards, scheduler, stateful)
+        self.fingerprints = (LiveFingerprints(rules.fingerprint, model, optimizer, self.state, rank, args.group_size,
                                               self.log, self.events, self.reports)
                              if rules.fingerprint.enabled else None)
         self.quorum: Quorum | None = None
         self.group: dist.ProcessGroup | None = None
         self.retired: list[dist.ProcessGroup] = []  # the groups of failed epochs (see collective.py)
         self.step_index = 0
-        self.previous: tuple[int, dict] | None = None  # (step, state before that step's update)
+        self.previous: tuple[int, dict] | None = None  # (step, ``LiveState.undo_point`` before that step's update)
         self.last_beat = -BEAT_S
         # the drill's transient fault: this rank's all-reduce of that step counts as failed once
         self.fail_after_reduce = args.fail_after_reduce
@@ -267,11 +261,15 @@ class LiveWorker:
         self.resume_from = args.resume
         # the durable tier (``checkpoint``: the ``checkpoint`` section; None: the drill's workload, none)
         self.checkpoints = None if checkpoint is None else LiveCheckpoints(
-            store, args.run_dir, checkpoint, rank, model, optimizer, self.group_size, self.whole_state, self.guards,
+            store, args.run_dir, checkpoint, rank, model, optimizer, self.group_size, self.whole_state, self.state,
             self.events, self.collective_timeout, self.beat, static_files)
         self.lifecycle = lifecycle  # this rank's stop reasons (its signals, the kill switch, the time limit)
         self.stop: LiveStop | None = None  # the quorum agreed to stop, and saved: no more steps
-        self.committed: CommittedStep | None = None  # the step this rank committed last
+
+    @property
+    def committed(self) -> CommittedStep | None:
+        """The step this rank committed last (after a join: the lowest live rank's)."""
+        return None if self.state.committed is None else CommittedStep(**self.state.committed)
 
     def begin(self, rejoin: bool) -> None:
         """Takes this rank's place: joins (a replacement, a rank left out), or enters the job's first epoch,
@@ -282,8 +280,7 @@ class LiveWorker:
         else:
             quorum = read_quorum(self.store, latest_epoch(self.store))
             if quorum.resume_from is not None:
-                state = safe_torch_load(checkpoint_path(self.run_dir, quorum.resume_from, self.shard))
-                load_state(self.model, self.optimizer, self.guards, state)
+                self.state.load(safe_torch_load(checkpoint_path(self.run_dir, quorum.resume_from, self.shard)))
             self.enter(quorum, quorum.start_step)
             if self.resume_from is not None and quorum.epoch == 0:  # a job's start, resumed
                 if self.checkpoints is None:
@@ -296,7 +293,8 @@ class LiveWorker:
 
     def train(self) -> Iterator[int]:
         """After ``begin``: trains to the last step, yielding the index of each step as it commits it (a step
-        undone after a peer's failure is yielded again when it is redone); at the end writes the final state."""
+        undone after a peer's failure is yielded again when it is redone; a rank that rejoins yields the
+        last step before the boundary it rejoined at); at the end writes the final state."""
         while self.stop is None:
             step = self.step_index
             try:
@@ -308,6 +306,10 @@ class LiveWorker:
                 self.step()
             except RuntimeError as error:  # gloo's errors (a peer died, a timeout) and EpochAborted
                 self.recover(error)
+                if self.step_index > step:
+                    # past this step: it committed before its save or join failed, or this rank rejoined at a
+                    # later boundary; the loop still sees it (the last one: the lowest live rank's report)
+                    yield self.step_index - 1
                 continue
             yield step
         if self.stop is not None:
@@ -315,7 +317,7 @@ class LiveWorker:
                              exit_code=self.stop.exit_code)
             return
         atomic_write_bytes(final_path(self.run_dir, self.rank),
-                           serialised(state_of(self.model, self.optimizer, self.guards)))
+                           serialised(self.state.state_dict()))
         self.events.emit("live_done", step=self.step_index, epoch=self.quorum.epoch)
         self.store.set(done_key(self.rank), "1")
 
@@ -421,7 +423,7 @@ class LiveWorker:
             self.fail_after_reduce = None
             self.await_peers_committed(step)
             raise RuntimeError(f"injected: rank {self.rank}'s collective of step {step} failed after the others' succeeded")
-        self.previous = (step, copy.deepcopy(state_of(self.model, self.optimizer, self.guards)))
+        self.previous = (step, self.state.undo_point())
         number = step + 1  # the step as the closure mode numbers it: the guards' and the faults' step
         self.faults.after_backward(number, self.model)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
@@ -430,7 +432,7 @@ class LiveWorker:
             sdc = CLEAN if self.sdc is None else self.sdc.judge(number, self.computed_by(exchange), summed,
                                                                 lambda flags: self.rerun(step, exchange, mine, flags))
         except RuntimeError:  # the rerun's sum failed: the detectors judged a step this rank will redo
-            load_state(self.model, self.optimizer, self.guards, self.previous[1])
+            self.state.undo(self.previous[1])
             raise
         if sdc.rerun is not None:  # a transient fault: the step goes on with the rerun's sum, set by rerun()
             loss = sdc.rerun.loss
@@ -442,12 +444,11 @@ class LiveWorker:
         if not skipped:
             if self.rules.grad_clip > 0:
                 clip_grads_(grads, self.rules.grad_clip, norm)
-            if self.scheduler is not None:
-                set_lr(self.optimizer, self.scheduler, step - self.guards.skipped)
             self.optimizer.step()  # a sharded rank steps its own rows: they stay sharded
+            self.state.after_update()  # the scheduler, as the closure mode's: applied updates only
         self.events.emit("live_step", step=step, epoch=quorum.epoch, members=len(quorum.members),
                          micro_batches=mine, loss=loss, global_norm=norm, skipped=skipped)
-        self.committed = CommittedStep(step, loss, norm, skipped)
+        self.state.committed = dataclasses.asdict(CommittedStep(step, loss, norm, skipped))
         self.step_index = step + 1
         if self.fingerprints is not None:
             self.fingerprints.remember(self.step_index + 1)
@@ -468,7 +469,7 @@ class LiveWorker:
                 and quorum.index(self.rank) < self.group_size):  # the lowest live group's shards
             path = checkpoint_path(self.run_dir, self.step_index, self.shard)
             path.parent.mkdir(exist_ok=True)
-            atomic_write_bytes(path, serialised(state_of(self.model, self.optimizer, self.guards)))
+            atomic_write_bytes(path, serialised(self.state.state_dict()))
         if self.sdc is not None:
             self.sdc.leave_if_struck_out(sdc.faulty)  # saved first: its group leaves, the others go on
         if newer_seen and self.stop is None:
@@ -612,7 +613,7 @@ class LiveWorker:
                 if step != quorum.start_step:
                     raise RuntimeError(f"live recovery: epoch {quorum.epoch} starts at step {quorum.start_step}, "
                                        f"rank {self.rank} can undo only step {step}")
-                load_state(self.model, self.optimizer, self.guards, state)
+                self.state.undo(state)
                 self.events.emit("live_undo", step=step, epoch=epoch)
             try:
                 self.enter(quorum, quorum.start_step)
@@ -639,8 +640,7 @@ class LiveWorker:
             self.store.set(start_key(epoch), str(self.step_index))
         began = time.time()
         self.enter(quorum, self.step_index)
-        sent = send_shards(self.group, quorum, self.rank, self.group_size, self.model, self.optimizer,
-                           self.guards, self.wait)
+        sent = send_shards(self.group, quorum, self.rank, self.group_size, self.state, self.wait)
         self.guards.welcome(quorum.joining)
         self.events.emit("live_switch", step=self.step_index, epoch=epoch, state_bytes=sent,
                          paused_s=time.time() - began)
@@ -660,8 +660,7 @@ class LiveWorker:
             start = int(wait_for(self.store, start_key(quorum.epoch), WAIT_S, self.beat))
             try:
                 self.enter(quorum, start)
-                received = send_shards(self.group, quorum, self.rank, self.group_size, self.model,
-                                       self.optimizer, self.guards, self.wait)
+                received = send_shards(self.group, quorum, self.rank, self.group_size, self.state, self.wait)
             except RuntimeError as error:
                 self.leave_epoch(error, NO_STATE)
                 continue

@@ -84,8 +84,9 @@ def rank_main(argv: list[str]) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=own.lr, weight_decay=0.1)
     scheduler = one_cycle(optimizer, own.steps) if own.one_cycle else None
     seen = StepsSeen() if own.seen else None
+    # the first layer stands in for an input embedding: its gradient norm is what guards.health judges
     guard = trainguard.Guard(own.run_dir, model, optimizer, scheduler, stateful={"seen": seen} if seen else None,
-                             config=own.config)  # live: the config says so
+                             config=own.config, embedding=model[0].weight)  # live: the config says so
 
     def loss_of(model: torch.nn.Module, step: int, micro_batch: int) -> torch.Tensor:
         inputs, labels = batch(step, micro_batch, guard.micro_batches)

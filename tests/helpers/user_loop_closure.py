@@ -38,7 +38,7 @@ def main(argv: list[str]) -> int:
     scheduler = loop["one_cycle"](optimizer, config.train.steps) if args.one_cycle else None
     seen = loop["StepsSeen"]() if args.seen else None
     guard = trainguard.Guard(args.run_dir, model, optimizer, scheduler, stateful={"seen": seen} if seen else None,
-                             config=config)
+                             config=config, embedding=model[0].weight)
 
     def loss_of(model: torch.nn.Module, step: int, micro_batch: int) -> torch.Tensor:
         inputs, labels = loop["batch"](step, micro_batch, guard.micro_batches)

@@ -104,9 +104,10 @@ class LiveCheckpoints:
         self.last_saved = step
         return step
 
-    def save(self, quorum: Quorum, step: int, *, last_step: bool, stopping: bool) -> bool:
+    def save(self, quorum: Quorum, step: int, health: dict | None = None, *, last_step: bool, stopping: bool) -> bool:
         """Saves ``step`` (the number of committed steps) if the policy says so; every member of the
-        quorum calls it at the same boundary. True when it saved."""
+        quorum calls it at the same boundary, with the same ``health`` (``guards.health``: the record of the
+        manifest and ``health_ckpts.json``, None when not monitored). True when it saved."""
         # the policy first: the checkpoint group and its manager are made for a save that is due only
         if not decide_save(step, save_interval=self.config.save_interval, local_interval=0, last_step=last_step,
                            stopping=stopping, unhealthy=False, durable_saved=self.last_saved,
@@ -118,7 +119,7 @@ class LiveCheckpoints:
                 "replica_groups": len(quorum.members) // self.group_size}
 
         def save_and_commit() -> None:
-            manager.save(step, {"step": step, "live": live}, last_step=last_step, stopping=stopping)
+            manager.save(step, {"step": step, "live": live}, health, last_step=last_step, stopping=stopping)
             manager.close()  # committed on every member before any steps on
 
         try:

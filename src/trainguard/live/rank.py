@@ -58,9 +58,10 @@ class LiveRank:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: LiveArgs,
                  scheduler: Any = None, *, seed: int, checkpoint: CheckpointConfig | None = None,
                  rules: LiveRules = DEFAULT_RULES, static_files: Callable[[Path], None] | None = None,
-                 stateful: Mapping[str, Stateful] | None = None):
+                 stateful: Mapping[str, Stateful] | None = None, embedding: torch.nn.Parameter | None = None):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.stateful = stateful
+        self.embedding = embedding  # the parameter whose gradient norm decides checkpoint health
         self.checkpoint = checkpoint  # the durable tier's section (None: no durable tier, the drill's workload)
         self.static_files = static_files  # writes huggingface/ into each durable checkpoint (hf_config)
         self.seed = seed  # the run's seed, the same on every rank: each micro-batch's draws derive from it
@@ -102,7 +103,7 @@ class LiveRank:
         lifecycle = Lifecycle(self.rules.lifecycle)
         self.worker = LiveWorker(store, args, rank, self.model, self.optimizer, None, None, self.scheduler,
                                  seed=self.seed, checkpoint=self.checkpoint, lifecycle=lifecycle, rules=self.rules,
-                                 static_files=self.static_files, stateful=self.stateful)
+                                 static_files=self.static_files, stateful=self.stateful, embedding=self.embedding)
         try:
             self.worker.begin(rejoin)
         except Fenced as fenced:

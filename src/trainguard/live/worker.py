@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -52,6 +53,7 @@ from trainguard.faults import FaultInjector
 from trainguard.faults.spec import FaultSpec
 from trainguard.fs.fsio import atomic_write_bytes
 from trainguard.guards.fingerprint import FingerprintConfig
+from trainguard.guards.health import HealthConfig, save_health
 from trainguard.guards.sdc import SdcConfig
 from trainguard.guards.skip import SkipConfig
 from trainguard.guards.skip_streak import DEFAULT_MAX_CONSECUTIVE_SKIPS
@@ -159,6 +161,8 @@ class LiveRules:
     fingerprint: FingerprintConfig = field(  # guards.fingerprint (live/fingerprint.py); the drill's workload: off
         default_factory=lambda: FingerprintConfig(interval=0))
     exit_at_step: int | None = None  # train.exit_at_step: save and exit 0 once this many steps are committed
+    health: HealthConfig = field(default_factory=HealthConfig)  # guards.health: each durable save's verdict
+    monitor: bool = False  # guards.monitor: the embedding's gradient norm in every live_step event
     lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)  # the kill switch, the time limit
 
 
@@ -168,11 +172,13 @@ DEFAULT_RULES = LiveRules()  # the drill's workload's: no clipping, no data skip
 @dataclass(frozen=True)
 class CommittedStep:
     """What ``LiveWorker.step`` committed: the step's index (from 0), its loss (the mean over the global
-    batch), its global norm before clipping, and whether the guards skipped its update."""
+    batch), its global norm before clipping, whether the guards skipped its update, and the embedding's
+    gradient norm (``guards.health``, ``guards.monitor``; None when neither is on)."""
     index: int
     loss: float
     global_norm: float
     skipped: bool
+    embedding_norm: float | None = None
 
 
 @dataclass(frozen=True)
@@ -207,7 +213,8 @@ class LiveWorker:
                  optimizer: torch.optim.Optimizer, loss_of: MicroBatchLoss | None, sample_range: SampleRange | None,
                  scheduler: Any = None, *, seed: int, checkpoint: CheckpointConfig | None = None,
                  lifecycle: Lifecycle | None = None, rules: LiveRules = DEFAULT_RULES,
-                 static_files: Callable[[Path], None] | None = None, stateful: Mapping[str, Stateful] | None = None):
+                 static_files: Callable[[Path], None] | None = None, stateful: Mapping[str, Stateful] | None = None,
+                 embedding: torch.nn.Parameter | None = None):
         self.seed = seed  # the run's: each micro-batch's random draws derive from it (rng.py)
         self.rules = rules
         self.store, self.rank, self.world, self.steps = store, rank, args.world, args.steps
@@ -218,6 +225,10 @@ class LiveWorker:
         self.collective_timeout = timedelta(seconds=args.collective_timeout_s)
         self.events = EventLog(events_path(args.run_dir), rank=rank)
         self.model, self.optimizer = model, optimizer
+        # the place among the parameters of the one whose gradient norm decides checkpoint health (and the
+        # monitor's figure): taken from the step's summed gradient, so every member finds the same
+        self.embedding_index = (next(i for i, p in enumerate(model.parameters()) if p is embedding)
+                                if embedding is not None and (rules.health.enabled or rules.monitor) else None)
         self.group_size, self.shard = args.group_size, shard_of(rank, args.group_size)
         # replica groups of several ranks shard the parameters (sharded_params) and reduce by group
         # (group_reduce); whole replicas sum one row per micro-batch (ordered_sum): the same fixed tree
@@ -427,7 +438,7 @@ class LiveWorker:
         number = step + 1  # the step as the closure mode numbers it: the guards' and the faults' step
         self.faults.after_backward(number, self.model)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        norm = self.norm(grads)
+        norm, embedding_norm = self.norms(grads)
         try:
             sdc = CLEAN if self.sdc is None else self.sdc.judge(number, self.computed_by(exchange), summed,
                                                                 lambda flags: self.rerun(step, exchange, mine, flags))
@@ -437,7 +448,7 @@ class LiveWorker:
         if sdc.rerun is not None:  # a transient fault: the step goes on with the rerun's sum, set by rerun()
             loss = sdc.rerun.loss
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            norm = self.norm(grads)
+            norm, embedding_norm = self.norms(grads)
         self.reduce_marks.left(quorum.epoch, step)
         # every rank's alike: the same sum, the same state
         skipped = self.guards.judge(number, norm, loss, sdc_skipped=sdc.skip)
@@ -446,9 +457,10 @@ class LiveWorker:
                 clip_grads_(grads, self.rules.grad_clip, norm)
             self.optimizer.step()  # a sharded rank steps its own rows: they stay sharded
             self.state.after_update()  # the scheduler, as the closure mode's: applied updates only
+        monitored = {} if embedding_norm is None else {"embedding_local_norm": embedding_norm}
         self.events.emit("live_step", step=step, epoch=quorum.epoch, members=len(quorum.members),
-                         micro_batches=mine, loss=loss, global_norm=norm, skipped=skipped)
-        self.state.committed = dataclasses.asdict(CommittedStep(step, loss, norm, skipped))
+                         micro_batches=mine, loss=loss, global_norm=norm, skipped=skipped, **monitored)
+        self.state.committed = dataclasses.asdict(CommittedStep(step, loss, norm, skipped, embedding_norm))
         self.step_index = step + 1
         if self.fingerprints is not None:
             self.fingerprints.remember(self.step_index + 1)
@@ -461,7 +473,7 @@ class LiveWorker:
             self.stop_here(reason)
         elif self.checkpoints is not None:
             began = time.perf_counter()
-            saved = self.checkpoints.save(quorum, self.step_index, last_step=self.step_index == self.steps,
+            saved = self.checkpoints.save(quorum, self.step_index, self.health(), last_step=self.step_index == self.steps,
                                           stopping=False)
             if saved and self.lifecycle is not None:  # the time limit keeps room for one step and one save
                 self.lifecycle.note_save(time.perf_counter() - began)
@@ -489,13 +501,23 @@ class LiveWorker:
             return computed_by(self.micro_batches, exchange.members)
         return self.layout.computed_by(exchange.live_groups())
 
-    def norm(self, grads: list[torch.Tensor]) -> float:
+    def norms(self, grads: list[torch.Tensor]) -> tuple[float, float | None]:
         """The step's global norm by rows (``sharded_params.norm_by_rows``), every member's alike and bitwise
-        the same for any layout: of the whole gradient, or from the rows' squares gathered in the group."""
+        the same for any layout: of the whole gradient, or from the rows' squares gathered in the group; and
+        the embedding's from its rows' squares (None when it is not monitored), with no collective of its own."""
         if self.params is None:
-            return norm_by_rows(row_squares(grads))
-        return norm_by_rows(self.params.whole_row_squares(self.group, self.quorum.members, self.rank, grads,
-                                                          self.wait_all))
+            squares = row_squares(grads)
+        else:
+            squares = self.params.whole_row_squares(self.group, self.quorum.members, self.rank, grads, self.wait_all)
+        embedding = None if self.embedding_index is None else math.sqrt(float(squares[self.embedding_index].sum()))
+        return norm_by_rows(squares), embedding
+
+    def health(self) -> dict | None:
+        """The health a durable save of the committed steps records (``guards.health``): the verdict on the
+        embedding norm of the last committed step; None when not monitored or no step was trained since the
+        job started or resumed."""
+        committed = self.committed
+        return save_health(self.rules.health, committed.embedding_norm if committed is not None else None)
 
     def whole_state(self) -> contextlib.AbstractContextManager[None]:
         """The model and optimizer whole (for the durable tier): a sharded group's exchange, or nothing."""
@@ -544,7 +566,7 @@ class LiveWorker:
         step = self.step_index
         if self.checkpoints is not None:
             began = time.perf_counter()
-            self.checkpoints.save(self.quorum, step, last_step=False, stopping=True)
+            self.checkpoints.save(self.quorum, step, self.health(), last_step=False, stopping=True)
             if self.lifecycle is not None:
                 self.lifecycle.note_save(time.perf_counter() - began)
         last_checkpoint = self.checkpoints.last_saved if self.checkpoints is not None else None

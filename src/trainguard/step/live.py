@@ -8,7 +8,8 @@ failed group's micro-batches); the model, the optimizer, the guards' counters, t
 and the loop's ``stateful`` objects are the whole state of the run (``live/state.py``). Live mode runs the durable tier (``live/durable.py``: its interval, retention and resume
 keys), data skip and the skip streak (``live/step_guards.py``: ``guards.skip.*``,
 ``guards.max_consecutive_skips``), SDC detection with its rerun (``live/sdc.py``: ``guards.sdc.*``), replica
-fingerprints (``live/fingerprint.py``: ``guards.fingerprint.*``), the kill switch, the time limit and ``train.exit_at_step``
+fingerprints (``live/fingerprint.py``: ``guards.fingerprint.*``), checkpoint health and the embedding
+monitor (``LiveWorker.health``: ``guards.health.*``, ``guards.monitor``), the kill switch, the time limit and ``train.exit_at_step``
 (``LiveWorker.stop_here``), and writes ``hf_config`` (and the tokenizer) into every durable checkpoint.
 What ``Guard`` does besides (the other guards, the local and memory tiers and the mirror, heartbeat
 files, the closure mode's other fault drills, a mesh) is not done in live mode, so asking for it there is refused, never ignored. The
@@ -42,10 +43,11 @@ from trainguard.live.worker import LiveArgs, LiveRules
 CLOSURE_MODE_SECTIONS = ("checkpoint", "guards", "lifecycle")
 # the keys of those sections that live mode runs too (patterns): the durable tier's (``live.durable``), the
 # skip decisions' (``live.step_guards``), SDC detection's (``live.sdc``), the replica fingerprints'
-# (``live.fingerprint``), the kill switch's and the time limit's (``LiveWorker.stop_here``)
+# (``live.fingerprint``), checkpoint health's and the embedding monitor's (``LiveWorker.health``), the kill
+# switch's and the time limit's (``LiveWorker.stop_here``)
 LIVE_SECTION_KEYS = ("checkpoint.save_interval", "checkpoint.keep_last", "checkpoint.keep_every",
                      "checkpoint.resume", "guards.skip.*", "guards.max_consecutive_skips", "guards.sdc.*",
-                     "guards.fingerprint.*",
+                     "guards.fingerprint.*", "guards.health.*", "guards.monitor",
                      "lifecycle.kill_switch_path", "lifecycle.exit_duration_in_mins", "lifecycle.exit_margin_seconds")
 # keys outside those sections that the closure mode honours and live mode does not: why, for the refusal
 CLOSURE_MODE_KEYS = {
@@ -128,18 +130,24 @@ def started_by_live_launcher(argv: list[str]) -> bool:
 def live_rank(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
               config: RunConfig, argv: list[str] | None, unsupported: list[str],
               static_files: Callable[[Path], None] | None = None,
-              stateful: Mapping[str, Stateful] | None = None) -> LiveRank:
+              stateful: Mapping[str, Stateful] | None = None,
+              embedding: torch.nn.Parameter | None = None) -> LiveRank:
     """This process's rank of the live run, after refusing what live mode would not do: ``unsupported``
     (the ``Guard`` arguments given that it cannot honour), a key of the closure mode's sections set, a process the live launcher did not start, a run directory that
     is not the launcher's, or faults in force other than the launcher's drill. ``argv``: the command line with the
     launcher's flags (default ``sys.argv[1:]``). ``static_files``: writes ``huggingface/`` into each durable
     checkpoint. ``scheduler`` (any, stepped with each applied update) and ``stateful`` (the loop's objects)
-    travel and are saved as ``live/state.py`` says."""
+    travel and are saved as ``live/state.py`` says. ``embedding``: the parameter whose gradient norm
+    ``guards.health`` and ``guards.monitor`` read (refused missing when either is on)."""
     if unsupported:
         raise ConfigError(f"Guard({', '.join(f'{name}=...' for name in unsupported)}): not supported with "
                           "fault_tolerance.live: true (live mode shards a replica group's parameters itself and does "
                           "not do the others: docs/live_recovery.md, \"Not done yet\")")
     refuse_closure_mode_keys(config)
+    if embedding is None and (config.guards.health.enabled or config.guards.monitor):
+        key = "guards.health.enabled" if config.guards.health.enabled else "guards.monitor"
+        raise ConfigError(f"config key {key!r}: the model has no input embedding whose gradient norm it would read; "
+                          "pass Guard(embedding=PARAMETER), or turn it off")
     argv = sys.argv[1:] if argv is None else argv
     if not started_by_live_launcher(argv):  # torchrun's, or no launcher
         raise ConfigError("fault_tolerance.live: true, but this process was not started by the live launcher (no "
@@ -154,7 +162,7 @@ def live_rank(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
                       max_consecutive_skips=config.guards.max_consecutive_skips,
                       gradient_faults=gradient_faults(config.faults), site_faults=site_faults(config.faults),
                       sdc=sdc_config_from_env(config.guards.sdc), fingerprint=config.guards.fingerprint,
-                      exit_at_step=config.train.exit_at_step,
-                      lifecycle=config.lifecycle)
+                      exit_at_step=config.train.exit_at_step, health=config.guards.health,
+                      monitor=config.guards.monitor, lifecycle=config.lifecycle)
     return LiveRank(model, optimizer, args, scheduler, seed=config.train.seed, checkpoint=config.checkpoint,
-                    rules=rules, static_files=static_files, stateful=loop_objects(stateful))
+                    rules=rules, static_files=static_files, stateful=loop_objects(stateful), embedding=embedding)

@@ -220,3 +220,14 @@ def test_the_data_parallel_mesh_is_none_for_a_rank_of_the_live_launcher():
 
     assert trainguard.data_parallel_mesh(["--config", "run.yaml", "--store", "127.0.0.1:1", "--rank", "0"]) is None
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("item, key", [("guards.health.enabled=true", "guards.health.enabled"),
+                                       ("guards.monitor=true", "guards.monitor")])
+def test_live_health_or_monitor_on_a_model_without_an_embedding_is_one_error_naming_the_key(tmp_path, item, key):
+    model, optimizer = model_and_optimizer()  # a Linear: no input embedding to find
+    config = load_config(None, ["fault_tolerance.live=true", item])
+    with pytest.raises(ConfigError, match=rf"^config key '{key}': the model has no input embedding"):
+        trainguard.Guard(tmp_path, model, optimizer, config=config, live_argv=launcher_flags(tmp_path))
+    assert trainguard.Guard(tmp_path, model, optimizer, config=config, embedding=model.weight,
+                            live_argv=launcher_flags(tmp_path)).micro_batches == 8

@@ -15,6 +15,9 @@ its configuration ``tests/helpers/live_loop.yaml`` with ``checkpoint: {save_inte
   command again ends bitwise equal too;
 - the reference trainer (``trainguard train`` in live mode) SIGKILLed whole and run again with
   ``--resume auto``: ``test_live_trainer_guards.py`` (with data skip and SDC detection on);
+- saves are async (``checkpoint.async_save``, the default): the loop goes on while a save commits, and a
+  save in flight when a rank dies is abandoned or committed whole, never half: every committed checkpoint
+  verifies;
 - the live launcher alone (the store and the lighthouse: a child of the command, ``live.supervise``)
   SIGKILLed after step 11: every rank exits 18, and the same command, without being run again, restarts
   the run from ``global_step_10`` and ends bitwise equal to the fault-free run (issue 35).
@@ -34,7 +37,7 @@ import pytest
 from helpers.runs import finish_session, worker_env
 from helpers.warm_command import warm_server
 from trainguard.checkpoint.discovery import list_checkpoints
-from trainguard.checkpoint.manifest import read_manifest
+from trainguard.checkpoint.manifest import read_manifest, verify_checkpoint
 from trainguard.events.log import read_events
 from trainguard.live.compare import bitwise_differences, run_differences, whole_final_state
 from trainguard.live.files import events_path, final_path
@@ -82,6 +85,18 @@ def _committed_step_reached(run_dir: Path, step: int) -> bool:
     return events_path(run_dir).exists() and any(e["step"] >= step for e in _events(run_dir, "live_step"))
 
 
+def _past_committed_save(run_dir: Path, step: int, saved: int) -> bool:
+    """Step ``step`` committed and the async save of step ``saved`` committed too (it commits in the
+    background while the next steps run)."""
+    return _committed_step_reached(run_dir, step) and saved in _committed_steps(run_dir)
+
+
+def _every_committed_checkpoint_verifies(run_dir: Path) -> None:
+    for info in list_checkpoints(run_dir / "checkpoints"):
+        if info.committed:
+            assert verify_checkpoint(info.path) == [], info.path
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     return tmp_path_factory.mktemp("live_durable")
@@ -108,6 +123,21 @@ def test_a_live_run_commits_durable_checkpoints_of_the_whole_quorum(clean):
     names = {path.name for path in (clean / "checkpoints" / "global_step_10").iterdir()}
     assert {f"__{rank}_0.distcp" for rank in range(WORLD)} <= names
     assert {f"extra_state_world_size_4_rank_{rank}.pt" for rank in range(WORLD)} <= names
+    _every_committed_checkpoint_verifies(clean)
+
+
+def test_live_saves_are_async_the_loop_steps_on_while_a_save_commits(clean):
+    """``checkpoint.async_save`` (the default) in live mode: each save blocks the loop for its staging only;
+    the step after it is committed before the save is (seen every time: the first save's commit waits for
+    the writer processes, forked at the ranks' start); the last save is committed before the ranks end."""
+    saved = _events(clean, "checkpoint_saved")
+    assert [e["step"] for e in saved] == [5, 10, 15, 16] and all(e["async_save"] for e in saved)
+    committed = {e["step"]: e["time"] for e in _events(clean, "checkpoint_committed")}
+    assert sorted(committed) == [5, 10, 15, 16]
+    stepped = {e["step"]: e["time"] for e in _events(clean, "live_step") if e["rank"] == 0}
+    print({step: round(committed[step] - stepped[step], 3) for step in committed if step in stepped})
+    assert any(stepped[step] < committed[step] for step in (5, 10, 15)), (stepped, committed)
+    assert not _events(clean, "live_save_abandoned")
 
 
 def _alive(pid: int) -> bool:
@@ -133,8 +163,8 @@ def test_the_whole_job_sigkilled_resumes_from_the_newest_checkpoint_bitwise(root
     lighthouse die with it: every rank then fails on its next contact with the store, and ends)."""
     run_dir, config = root / f"killed_{whom}", _config(root)
     proc = _start(run_dir, config)
-    # past the save of step 10 (committed before step 11 starts: the save is synchronous)
-    _wait_until(proc, lambda: _committed_step_reached(run_dir, 11), "step 11")
+    # past step 11 and the commit of step 10's save (async: it commits while the next steps run)
+    _wait_until(proc, lambda: _past_committed_save(run_dir, 11, 10), "step 11 and the save of step 10")
     if whom == "job":
         os.killpg(proc.pid, signal.SIGKILL)
     else:
@@ -148,6 +178,7 @@ def test_the_whole_job_sigkilled_resumes_from_the_newest_checkpoint_bitwise(root
     assert not any(final_path(run_dir, rank).exists() for rank in range(WORLD))
     newest = _committed_steps(run_dir)[-1]
     assert newest >= 10
+    _every_committed_checkpoint_verifies(run_dir)
     _resumes_bitwise(run_dir, config, clean, newest)
 
 
@@ -211,25 +242,32 @@ def test_saves_while_a_group_is_out_are_the_quorums_and_the_run_ends_bitwise(roo
     failed_saves = [e for e in _events(run_dir, "live_collective_failed") if "save" in e["error"]]
     assert steps == [5, 10, 15, 16] or (steps == [10, 15, 16] and failed_saves), (
         steps, _events(run_dir, "live_collective_failed"), quorums)
+    _every_committed_checkpoint_verifies(run_dir)
     assert run_differences(clean, run_dir, WORLD) == {}
 
 
 def test_a_rank_killed_during_a_save_costs_the_survivors_no_timeout_and_the_run_ends_bitwise(root, clean):
     """Rank 3 SIGKILLed once it has committed step 5, the step of a save: the launcher polls its progress
-    every 5 ms, so the kill lands in the save (seen each time). The survivors that were waiting in the
-    save's collectives on a member that gave up leave it at the epoch's abort key (``collective.watched``:
-    an ``EpochAborted``), not at gloo's timeout: seen at 121 s, and the run lost, before. The next saves commit, the run ends
-    bitwise equal to the fault-free one."""
+    every 5 ms, so the kill lands in the save, in its staging (the group's exchange) or while it commits in
+    the background. The survivors that were waiting in the save's collectives on a member that gave up
+    leave it at the epoch's abort key (``collective.watched``: an ``EpochAborted``), not at gloo's timeout:
+    seen at 121 s, and the run lost, before; a save still committing when its epoch ended is abandoned by
+    every survivor at the next save (``live_save_abandoned``), its directory a ``.tmp-`` one, or whole and
+    committed if every member had handed its files over. The next saves commit, every committed checkpoint
+    verifies, the run ends bitwise equal to the fault-free one."""
     run_dir = root / "killed_in_save"
     done = finish_session(_start(run_dir, _config(root, keep_last=10), "--set", "faults=kill:rank=3,step=5"),
                           TIMEOUT_S, "the live run killed in a save")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     failed = _events(run_dir, "live_collective_failed")
-    assert any("save" in e["error"] for e in failed), failed  # the kill did land in the save of step 5
+    abandoned = _events(run_dir, "live_save_abandoned")
+    # the kill did land in the save of step 5: in its staging, or in its background commit
+    assert any("save" in e["error"] for e in failed) or {e["step"] for e in abandoned} == {5}, (failed, abandoned)
     # the survivors left the save at the epoch's abort key, not at gloo's timeout (the time it took is the
     # benchmark's business, benchmarks/live_recovery.py)
     assert not [e for e in failed if "timed out" in e["error"].lower() or "timeout" in e["error"].lower()], failed
     assert {10, 15, 16} <= set(_committed_steps(run_dir))
+    _every_committed_checkpoint_verifies(run_dir)
     assert run_differences(clean, run_dir, WORLD) == {}
 
 
@@ -239,23 +277,26 @@ def test_the_launchers_death_costs_a_restart_from_the_newest_checkpoint_and_the_
     starts the launcher again from the newest durable checkpoint, with a new store."""
     run_dir, config = root / "launcher_lost", _config(root)
     proc = _start(run_dir, config)
-    _wait_until(proc, lambda: _committed_step_reached(run_dir, 11), "step 11")
+    _wait_until(proc, lambda: _past_committed_save(run_dir, 11, 10), "step 11 and the save of step 10")
     (store,) = _events(run_dir, "live_store")
     assert store["pid"] != proc.pid  # the launcher is not the command's own process
     os.kill(store["pid"], signal.SIGKILL)
     done = finish_session(proc, TIMEOUT_S, "the live run whose launcher died")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    newest = run_dir / "checkpoints" / "global_step_10"
+    (lost,) = _events(run_dir, "live_launcher_lost")
+    # global_step_10, or 15 when its async save committed before the kill landed (the loop runs ahead of it)
+    resumed = 15 if any(e["step"] == 15 and e["time"] < lost["time"]
+                        for e in _events(run_dir, "checkpoint_committed")) else 10
+    newest = run_dir / "checkpoints" / f"global_step_{resumed}"
     assert "trainguard: the live launcher (store, lighthouse) died (exit -9); its processes ended" in done.stdout
     assert f"restarting the run from {newest}" in done.stdout, done.stdout[-3000:]
-    (lost,) = _events(run_dir, "live_launcher_lost")
     first_ranks = [e["pid"] for e in _events(run_dir, "live_start") if e["time"] < lost["time"]]
     assert len(first_ranks) == WORLD
     assert all(lost["rank_exit_codes"][str(pid)] == 18 for pid in first_ranks), lost  # STORE_LOST_EXIT
     assert lost["resume"] == str(newest)
     stores = _events(run_dir, "live_store")
     assert len(stores) == 2 and stores[1]["pid"] not in (stores[0]["pid"], proc.pid)
-    assert [e["step"] for e in _events(run_dir, "run_started")][-1] == 10
+    assert [e["step"] for e in _events(run_dir, "run_started")][-1] == resumed
     assert not any(final_path(run_dir, rank).exists() and final_path(run_dir, rank).stat().st_mtime < lost["time"]
                    for rank in range(WORLD))
     assert run_differences(clean, run_dir, WORLD) == {}

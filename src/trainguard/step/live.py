@@ -44,7 +44,7 @@ CLOSURE_MODE_SECTIONS = ("checkpoint", "guards", "lifecycle")
 # skip decisions' (``live.step_guards``), SDC detection's (``live.sdc``), the replica fingerprints'
 # (``live.fingerprint``), the kill switch's and the time limit's (``LiveWorker.stop_here``)
 LIVE_SECTION_KEYS = ("checkpoint.save_interval", "checkpoint.keep_last", "checkpoint.keep_every",
-                     "checkpoint.resume", "guards.skip.*", "guards.max_consecutive_skips", "guards.sdc.*",
+                     "checkpoint.resume", "checkpoint.async_save", "checkpoint.writer", "guards.skip.*", "guards.max_consecutive_skips", "guards.sdc.*",
                      "guards.fingerprint.*",
                      "lifecycle.kill_switch_path", "lifecycle.exit_duration_in_mins", "lifecycle.exit_margin_seconds")
 # keys outside those sections that the closure mode honours and live mode does not: why, for the refusal

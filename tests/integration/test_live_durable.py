@@ -18,6 +18,8 @@ its configuration ``tests/helpers/live_loop.yaml`` with ``checkpoint: {save_inte
 - saves are async (``checkpoint.async_save``, the default): the loop goes on while a save commits, and a
   save in flight when a rank dies is abandoned or committed whole, never half: every committed checkpoint
   verifies;
+- the local tier (``checkpoint.local_interval``) beside it: saved by each rank of the quorum while a group is
+  out, and a whole job SIGKILLed after a step saved to the local tier only resumes from that step, bitwise;
 - the live launcher alone (the store and the lighthouse: a child of the command, ``live.supervise``)
   SIGKILLed after step 11: every rank exits 18, and the same command, without being run again, restarts
   the run from ``global_step_10`` and ends bitwise equal to the fault-free run (issue 35).
@@ -48,11 +50,18 @@ STEPS, WORLD, INTERVAL = 16, 4, 5
 TIMEOUT_S = 240
 
 
-def _config(root: Path, keep_last: int = 3) -> Path:
-    config = root / f"live_keep{keep_last}.yaml"
+def _config(root: Path, keep_last: int = 3, local_interval: int = 0) -> Path:
+    """The loop's YAML with the durable tier (and the local tier every ``local_interval`` steps)."""
+    config = root / f"live_keep{keep_last}_local{local_interval}.yaml"
+    local = f", local_interval: {local_interval}" if local_interval else ""
     config.write_text((EXAMPLE.with_suffix(".yaml")).read_text().replace("steps: 60", f"steps: {STEPS}")
-                      + f"checkpoint: {{save_interval: {INTERVAL}, keep_last: {keep_last}}}\n")
+                      + f"checkpoint: {{save_interval: {INTERVAL}, keep_last: {keep_last}{local}}}\n")
     return config
+
+
+def _local_saves(run_dir: Path, step: int) -> list[int]:
+    """The ranks that saved ``step`` to their local tier."""
+    return sorted(e["rank"] for e in _events(run_dir, "local_saved") if e["step"] == step and e["tier"] == "local")
 
 
 def _start(run_dir: Path, config: Path, *launcher: str, nproc: int = WORLD):
@@ -160,11 +169,16 @@ def _resumes_bitwise(run_dir: Path, config: Path, clean: Path, step: int) -> Non
 @pytest.mark.parametrize("whom", ["job", "launcher"])
 def test_the_whole_job_sigkilled_resumes_from_the_newest_checkpoint_bitwise(root, clean, whom):
     """SIGKILL to the whole job (launcher and ranks at once), or to the launcher alone (the store and the
-    lighthouse die with it: every rank then fails on its next contact with the store, and ends)."""
-    run_dir, config = root / f"killed_{whom}", _config(root)
+    lighthouse die with it: every rank then fails on its next contact with the store, and ends). The job's
+    run has the local tier too, saved at step 11 only (``local_interval: 11``), between the durable saves
+    of steps 10 and 15: killed after it, the job resumes from the local tier's step 11."""
+    local = whom == "job"
+    run_dir, config = root / f"killed_{whom}", _config(root, local_interval=11 if local else 0)
     proc = _start(run_dir, config)
-    # past step 11 and the commit of step 10's save (async: it commits while the next steps run)
-    _wait_until(proc, lambda: _past_committed_save(run_dir, 11, 10), "step 11 and the save of step 10")
+    # past step 11 and the commit of step 10's save (async: it commits while the next steps run), and
+    # every rank's local save of step 11
+    _wait_until(proc, lambda: _past_committed_save(run_dir, 11, 10) and (
+        not local or _local_saves(run_dir, 11) == list(range(WORLD))), "step 11 and the saves of steps 10 and 11")
     if whom == "job":
         os.killpg(proc.pid, signal.SIGKILL)
     else:
@@ -179,7 +193,16 @@ def test_the_whole_job_sigkilled_resumes_from_the_newest_checkpoint_bitwise(root
     newest = _committed_steps(run_dir)[-1]
     assert newest >= 10
     _every_committed_checkpoint_verifies(run_dir)
-    _resumes_bitwise(run_dir, config, clean, newest)
+    if not local or newest > 11:  # the kill landed after the durable save of step 15 committed: it is newer
+        _resumes_bitwise(run_dir, config, clean, newest)
+        return
+    again = finish_session(_start(run_dir, config), TIMEOUT_S, "the resumed live run")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"live run resumes from {run_dir / 'checkpoints' / 'global_step_10'}" in again.stdout  # the launcher's
+    (started,) = [e for e in _events(run_dir, "run_started") if e.get("tier") == "local"]
+    assert started["step"] == 11 and started["resumed_from"] == str(run_dir / "local" / "node0" / "global_step_11")
+    assert [e["step"] for e in _events(run_dir, "run_started")] == [11]  # no durable resume: the local step won
+    assert run_differences(clean, run_dir, WORLD) == {}
 
 
 @pytest.mark.parametrize("whom", ["launcher", "job"])
@@ -225,7 +248,7 @@ def test_saves_while_a_group_is_out_are_the_quorums_and_the_run_ends_bitwise(roo
     and the run ends bitwise equal to the fault-free one (seen: step 5 saved by ranks [0, 1], mesh [1, 2];
     whether the group is back by then is the replacement's start time's, so not asserted)."""
     run_dir = root / "shrunk"
-    config = _config(root, keep_last=10)
+    config = _config(root, keep_last=10, local_interval=2)
     done = finish_session(_start(run_dir, config, "--set", "faults=kill:rank=3,step=4"), TIMEOUT_S,
                           "the live run with a kill")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -243,6 +266,8 @@ def test_saves_while_a_group_is_out_are_the_quorums_and_the_run_ends_bitwise(roo
     assert steps == [5, 10, 15, 16] or (steps == [10, 15, 16] and failed_saves), (
         steps, _events(run_dir, "live_collective_failed"), quorums)
     _every_committed_checkpoint_verifies(run_dir)
+    # the local tier (every 2 steps) saved by the quorum of each step: every rank at the last one
+    assert _local_saves(run_dir, 16) == list(range(WORLD))
     assert run_differences(clean, run_dir, WORLD) == {}
 
 

@@ -38,6 +38,7 @@ the next save boundary saves again.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from datetime import timedelta
@@ -50,13 +51,18 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.manager import CheckpointManager
-from trainguard.checkpoint.save_policy import decide_save
+from trainguard.checkpoint.manifest import read_manifest
+from trainguard.checkpoint.memory_tier import DEFAULT_MEMORY_DIR, run_key
+from trainguard.checkpoint.save_policy import SaveDecision, decide_save
 from trainguard.events import EventLog
 from trainguard.live.collective import EpochAborted, abort_key, watched
+from trainguard.live.local_tier import LiveLocalTier, ResumePoint, choose_live_resume
 from trainguard.live.quorum import Quorum
 from trainguard.live.step_guards import LiveGuards
+from trainguard.live.transfer import load_state, state_of
 
 T = TypeVar("T")
+log = logging.getLogger("trainguard")
 REPLICA_DIMS = ["dp_replicate", "dp_shard"]  # the manifest's mesh: replica groups of the quorum x their ranks
 LIVE_GUARDS = "live_guards"  # the guards' state's name in a checkpoint's extra state (``step_guards``)
 
@@ -66,15 +72,24 @@ class SaveFailed(RuntimeError):
 
 
 class LiveCheckpoints:
-    """One rank's durable tier in a live run: ``resume`` at the start of a job, ``save`` after each
-    committed step (the policy of ``CheckpointManager.save``: every ``save_interval`` steps, the last
-    step, and before a stop)."""
+    """One rank's checkpoint tiers in a live run: ``resume`` at the start of a job, ``save`` after each
+    committed step (the policy of ``CheckpointManager.save``: the durable tier every ``save_interval``
+    steps, the last step, and before a stop; the local and memory tiers, ``live.local_tier``, every
+    ``local_interval`` and ``memory_interval`` steps)."""
 
     def __init__(self, store: dist.TCPStore, run_dir: Path, config: CheckpointConfig, rank: int,
                  model: torch.nn.Module, optimizer: torch.optim.Optimizer, group_size: int,
                  whole: Callable[[], AbstractContextManager[None]], guards: LiveGuards, events: EventLog,
-                 timeout: timedelta, beat: Callable[[], None], static_files: Callable[[Path], None] | None = None):
+                 timeout: timedelta, beat: Callable[[], None], static_files: Callable[[Path], None] | None = None,
+                 *, world: int, ranks_per_node: int):
         self.config = config
+        per_rank = dict(rank=rank, world=world, group_size=group_size, ranks_per_node=ranks_per_node, events=events)
+        self.memory = LiveLocalTier(
+            run_dir, tier="memory", template=(config.memory_dir or DEFAULT_MEMORY_DIR).replace("{run}", run_key(run_dir)),
+            interval=config.memory_interval, keep_last=config.memory_keep_last, **per_rank) \
+            if config.memory_interval else None
+        self.local = LiveLocalTier(run_dir, tier="local", template=config.local_dir, interval=config.local_interval,
+                                   keep_last=config.local_keep_last, **per_rank) if config.local_interval else None
         self.store, self.run_dir, self.rank = store, Path(run_dir), rank
         self.model, self.optimizer, self.events = model, optimizer, events
         # whole: the model and optimizer whole inside it (a sharded group's exchange, on the epoch's group)
@@ -108,28 +123,72 @@ class LiveCheckpoints:
         self.epoch = quorum.epoch
         return self.manager
 
-    def resume(self, quorum: Quorum, checkpoint: Path) -> int:
-        """Every member of a job's first epoch: loads ``checkpoint`` (the launcher chose it, by
-        ``checkpoint.resume``, before starting the ranks), verified again, and returns its step."""
-        self.config = dataclasses.replace(self.config, resume=str(checkpoint))
-        with self.whole():
-            step = self._watched(quorum, lambda: self._manager(quorum).resume(), f"resumed from {checkpoint}")
-        self.last_saved = self.last_committed = step
-        return step
+    def _rank_tiers(self) -> dict[str, LiveLocalTier]:
+        """The per-rank tiers by name, in order of preference at an equal step (the memory tier saves most often)."""
+        return {tier.tier: tier for tier in (self.memory, self.local) if tier is not None}
+
+    def resume(self, quorum: Quorum, checkpoint: Path | None) -> int | None:
+        """Every member of a job's first epoch: resumes from ``checkpoint`` (the durable one the launcher
+        chose by ``checkpoint.resume`` before starting the ranks, verified again; None: none), or, with
+        ``checkpoint.resume: auto``, from the newest step every rank holds in its local or memory tier
+        when that is newer (``choose_live_resume``, on the members' verified steps gathered on the
+        checkpoint group). Returns the step, None for a fresh start. The per-rank tiers' newer steps are
+        dropped: a timeline the job does not continue."""
+        point = ResumePoint("durable", read_manifest(checkpoint).step if checkpoint is not None else None)
+        tiers = self._rank_tiers()
+        if tiers and self.config.resume == "auto":
+            point = choose_live_resume(point.step, self._watched(quorum, lambda: self._held(quorum, tiers),
+                                                                 "gathered its peers' local steps"))
+        if point.tier != "durable":
+            load_state(self.model, self.optimizer, self.guards, tiers[point.tier].load(point.step))
+            path = tiers[point.tier].dir / f"global_step_{point.step}"
+            log.info("live run resumes from the %s tier's step %d (%s), newer than the durable checkpoint's (%s)",
+                     point.tier, point.step, path, checkpoint)
+            if quorum.index(self.rank) == 0:
+                self.events.emit("run_started", step=point.step, resumed_from=str(path), tier=point.tier)
+        elif checkpoint is not None:
+            self.config = dataclasses.replace(self.config, resume=str(checkpoint))
+            with self.whole():
+                self._watched(quorum, lambda: self._manager(quorum).resume(), f"resumed from {checkpoint}")
+            self.last_saved = self.last_committed = point.step
+        for tier in tiers.values():
+            tier.discard_newer(point.step or 0)
+        return point.step
+
+    def _held(self, quorum: Quorum, tiers: dict[str, LiveLocalTier]) -> dict[str, list[list[int]]]:
+        """Each member's verified steps of each per-rank tier, gathered on the checkpoint group."""
+        self._manager(quorum)
+        parts: list[dict[str, list[int]] | None] = [None] * len(quorum.members)
+        dist.all_gather_object(parts, {name: tier.held() for name, tier in tiers.items()})
+        return {name: [part[name] for part in parts] for name in tiers}
 
     def save(self, quorum: Quorum, step: int, *, last_step: bool, stopping: bool) -> bool:
-        """Saves ``step`` (the number of committed steps) if the policy says so; every member of the
-        quorum calls it at the same boundary. True when it saved. An async save returns once staged;
-        the job's last save and a stop's return once committed, as does one of them already saved and
-        still in flight."""
+        """Saves ``step`` (the number of committed steps) to the tiers the policy names; every member of
+        the quorum calls it at the same boundary. True when the durable tier saved. An async durable
+        save returns once staged; the job's last save and a stop's return once committed, as does one
+        of them already saved and still in flight. The per-rank tiers write this rank's state now."""
+        decision = self._due(step, last_step=last_step, stopping=stopping)
+        if decision.durable:
+            self._save_durable(quorum, step, last_step=last_step, stopping=stopping)
+        elif last_step or stopping:  # the process may exit after it: nothing may stay in flight
+            self._settle(quorum, step)
+        if decision.local or decision.memory:
+            state = state_of(self.model, self.optimizer, self.guards)  # this rank's rows, between steps
+            for tier, due in ((self.memory, decision.memory), (self.local, decision.local)):
+                if due:
+                    tier.save(step, state)
+        return decision.durable
+
+    def _due(self, step: int, *, last_step: bool, stopping: bool) -> SaveDecision:
+        return decide_save(step, save_interval=self.config.save_interval,
+                           local_interval=self.local.interval if self.local is not None else 0,
+                           last_step=last_step, stopping=stopping, unhealthy=False, durable_saved=self.last_saved,
+                           local_saved=self.local.last_saved if self.local is not None else None,
+                           memory_interval=self.memory.interval if self.memory is not None else 0,
+                           memory_saved=self.memory.last_saved if self.memory is not None else None)
+
+    def _save_durable(self, quorum: Quorum, step: int, *, last_step: bool, stopping: bool) -> None:
         final = last_step or stopping  # the process may exit after it: nothing may stay in flight
-        # the policy first: the checkpoint group and its manager are made for a save that is due only
-        if not decide_save(step, save_interval=self.config.save_interval, local_interval=0, last_step=last_step,
-                           stopping=stopping, unhealthy=False, durable_saved=self.last_saved,
-                           local_saved=None).durable:
-            if final:
-                self._settle(quorum, step)
-            return False
         self._settle(quorum, step)  # at most one save in flight
         manager = self._as_save_failure(step, lambda: self._watched(
             quorum, lambda: self._manager(quorum), f"made its checkpoint group to save step {step}"))
@@ -153,7 +212,6 @@ class LiveCheckpoints:
             self.last_committed = step
         else:
             self.in_flight = step
-        return True
 
     def _settle(self, quorum: Quorum, step: int) -> None:
         """The async save in flight, before another save of ``step`` or the process's end: waited for until

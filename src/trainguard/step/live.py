@@ -44,13 +44,13 @@ CLOSURE_MODE_SECTIONS = ("checkpoint", "guards", "lifecycle")
 # skip decisions' (``live.step_guards``), SDC detection's (``live.sdc``), the replica fingerprints'
 # (``live.fingerprint``), the kill switch's and the time limit's (``LiveWorker.stop_here``)
 LIVE_SECTION_KEYS = ("checkpoint.save_interval", "checkpoint.keep_last", "checkpoint.keep_every",
-                     "checkpoint.resume", "checkpoint.async_save", "checkpoint.writer", "guards.skip.*", "guards.max_consecutive_skips", "guards.sdc.*",
+                     "checkpoint.resume", "checkpoint.async_save", "checkpoint.writer",
+                     "checkpoint.local_*", "checkpoint.memory_*", "guards.skip.*", "guards.max_consecutive_skips", "guards.sdc.*",
                      "guards.fingerprint.*",
                      "lifecycle.kill_switch_path", "lifecycle.exit_duration_in_mins", "lifecycle.exit_margin_seconds")
 # keys outside those sections that the closure mode honours and live mode does not: why, for the refusal
 CLOSURE_MODE_KEYS = {
     "train.log_interval": "live mode writes no step log lines, only its events",
-    "parallel.ranks_per_node": "live mode has no local tier and no node faults",
 }
 LAUNCHER_OVERRIDES_ENV = "TRAINGUARD_SET"
 """The live launcher's ``--set`` items (a JSON list), handed to its ranks: ``Guard`` applies them on top of
@@ -157,6 +157,6 @@ def live_rank(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
                       gradient_faults=gradient_faults(config.faults), site_faults=site_faults(config.faults),
                       sdc=sdc_config_from_env(config.guards.sdc), fingerprint=config.guards.fingerprint,
                       exit_at_step=config.train.exit_at_step,
-                      lifecycle=config.lifecycle)
+                      lifecycle=config.lifecycle, ranks_per_node=config.parallel.ranks_per_node)
     return LiveRank(model, optimizer, args, scheduler, seed=config.train.seed, checkpoint=config.checkpoint,
                     rules=rules, static_files=static_files)

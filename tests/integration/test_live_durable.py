@@ -20,6 +20,8 @@ its configuration ``tests/helpers/live_loop.yaml`` with ``checkpoint: {save_inte
   verifies;
 - the local tier (``checkpoint.local_interval``) beside it: saved by each rank of the quorum while a group is
   out, and a whole job SIGKILLed after a step saved to the local tier only resumes from that step, bitwise;
+- the mirror (``checkpoint.mirror.url``, the suite's S3 server on loopback) of that run holds every
+  committed checkpoint, the same files;
 - the live launcher alone (the store and the lighthouse: a child of the command, ``live.supervise``)
   SIGKILLed after step 11: every rank exits 18, and the same command, without being run again, restarts
   the run from ``global_step_10`` and ends bitwise equal to the fault-free run (issue 35).
@@ -37,7 +39,10 @@ from pathlib import Path
 import pytest
 
 from helpers.runs import finish_session, worker_env
+from helpers.s3_server import start_s3_server
 from helpers.warm_command import warm_server
+from trainguard.backup.mirror import list_mirrored
+from trainguard.backup.url import open_mirror
 from trainguard.checkpoint.discovery import list_checkpoints
 from trainguard.checkpoint.manifest import read_manifest, verify_checkpoint
 from trainguard.events.log import read_events
@@ -50,10 +55,11 @@ STEPS, WORLD, INTERVAL = 16, 4, 5
 TIMEOUT_S = 240
 
 
-def _config(root: Path, keep_last: int = 3, local_interval: int = 0) -> Path:
-    """The loop's YAML with the durable tier (and the local tier every ``local_interval`` steps)."""
-    config = root / f"live_keep{keep_last}_local{local_interval}.yaml"
+def _config(root: Path, keep_last: int = 3, local_interval: int = 0, mirror: str | None = None) -> Path:
+    """The loop's YAML with the durable tier (and the local tier every ``local_interval`` steps, the mirror)."""
+    config = root / f"live_keep{keep_last}_local{local_interval}{'_mirror' if mirror else ''}.yaml"
     local = f", local_interval: {local_interval}" if local_interval else ""
+    local += f", mirror: {{url: '{mirror}'}}" if mirror else ""
     config.write_text((EXAMPLE.with_suffix(".yaml")).read_text().replace("steps: 60", f"steps: {STEPS}")
                       + f"checkpoint: {{save_interval: {INTERVAL}, keep_last: {keep_last}{local}}}\n")
     return config
@@ -64,10 +70,11 @@ def _local_saves(run_dir: Path, step: int) -> list[int]:
     return sorted(e["rank"] for e in _events(run_dir, "local_saved") if e["step"] == step and e["tier"] == "local")
 
 
-def _start(run_dir: Path, config: Path, *launcher: str, nproc: int = WORLD):
+def _start(run_dir: Path, config: Path, *launcher: str, nproc: int = WORLD, env: dict[str, str] | None = None):
     """The user's command, in a session of its own (its pid is the launcher's, its process group the job's)."""
     return warm_server().start(["run", "--nproc", str(nproc), "--config", str(config), "--run-dir", str(run_dir),
-                                *launcher, "--", sys.executable, str(EXAMPLE), "--config", str(config)], worker_env())
+                                *launcher, "--", sys.executable, str(EXAMPLE), "--config", str(config)],
+                               worker_env(**(env or {})))
 
 
 def _committed_steps(run_dir: Path) -> list[int]:
@@ -109,6 +116,14 @@ def _every_committed_checkpoint_verifies(run_dir: Path) -> None:
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     return tmp_path_factory.mktemp("live_durable")
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """The suite's S3-compatible server on loopback (moto), for the mirror."""
+    server = start_s3_server()
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -242,14 +257,15 @@ def test_a_checkpoint_of_two_replica_groups_resumes_in_three_of_one_rank_bitwise
     assert read_manifest(run_dir / "checkpoints" / "global_step_16").mesh_shape == [3, 1]
 
 
-def test_saves_while_a_group_is_out_are_the_quorums_and_the_run_ends_bitwise(root, clean):
+def test_saves_while_a_group_is_out_are_the_quorums_and_the_run_ends_bitwise(root, clean, s3, monkeypatch):
     """Rank 3 SIGKILLed as it starts step 4 (the live drill; a cold replacement, seconds to start): the
     saves while its group is out are made by the quorum then, each manifest naming the epoch's members,
     and the run ends bitwise equal to the fault-free one (seen: step 5 saved by ranks [0, 1], mesh [1, 2];
     whether the group is back by then is the replacement's start time's, so not asserted)."""
     run_dir = root / "shrunk"
-    config = _config(root, keep_last=10, local_interval=2)
-    done = finish_session(_start(run_dir, config, "--set", "faults=kill:rank=3,step=4"), TIMEOUT_S,
+    mirror = f"s3://{s3.bucket}/shrunk"
+    config = _config(root, keep_last=10, local_interval=2, mirror=mirror)
+    done = finish_session(_start(run_dir, config, "--set", "faults=kill:rank=3,step=4", env=s3.env()), TIMEOUT_S,
                           "the live run with a kill")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "ranks replaced: [3]" in done.stdout
@@ -268,6 +284,14 @@ def test_saves_while_a_group_is_out_are_the_quorums_and_the_run_ends_bitwise(roo
     _every_committed_checkpoint_verifies(run_dir)
     # the local tier (every 2 steps) saved by the quorum of each step: every rank at the last one
     assert _local_saves(run_dir, 16) == list(range(WORLD))
+    # the mirror (checkpoint.mirror.url, the S3 server): every committed checkpoint uploaded, the same files,
+    # drained before the ranks ended
+    for name, value in s3.env().items():
+        monkeypatch.setenv(name, value)
+    mirrored = list_mirrored(open_mirror(mirror))
+    assert sorted(mirrored) == steps, (sorted(mirrored), _events(run_dir, "mirror_failed"))
+    assert all(mirrored[m.step].files == m.files for m in manifests)
+    assert sorted(e["step"] for e in _events(run_dir, "checkpoint_mirrored")) == steps
     assert run_differences(clean, run_dir, WORLD) == {}
 
 

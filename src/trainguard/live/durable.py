@@ -49,6 +49,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from trainguard.backup.attach import attach_mirror
+from trainguard.backup.background import BackgroundMirror
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.manager import CheckpointManager
 from trainguard.checkpoint.manifest import read_manifest
@@ -100,6 +102,7 @@ class LiveCheckpoints:
         self.connection: dist.TCPStore | None = None  # the checkpoint groups' store client (see below)
         self.epoch: int | None = None  # the epoch of the default group and the manager
         self.manager: CheckpointManager | None = None
+        self.mirror: BackgroundMirror | None = None  # this process's, started when it first commits as the first member
         # the step this rank last saved (its save in flight included) or resumed from: the policy's, kept
         # across epochs (each epoch's manager is new)
         self.last_saved: int | None = None
@@ -120,6 +123,10 @@ class LiveCheckpoints:
         self.manager = CheckpointManager(self.run_dir, self.model, self.optimizer, {LIVE_GUARDS: self.guards},
                                          config=self.config, events=self.events, static_files=self.static_files,
                                          mesh_shape=[groups, self.group_size], mesh_dim_names=REPLICA_DIMS)
+        # the mirror (checkpoint.mirror.url): the quorum's first member uploads what it commits, with one
+        # mirror across its epochs; a member that is first no more lets its queue finish in the background
+        attach_mirror(self.manager, self.mirror)
+        self.mirror = self.manager.mirror or self.mirror
         self.epoch = quorum.epoch
         return self.manager
 

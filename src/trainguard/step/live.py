@@ -5,13 +5,13 @@ In live mode the launcher's flags place the rank (``LiveArgs``); the loop is the
 (``resume``, ``should_stop``, ``step(loss_of)``, ``close``), and each ``guard.step(loss_of)`` drives the
 live rank to its next committed step (one backward per micro-batch, so that the survivors can compute a
 failed group's micro-batches); the model, the optimizer and the guards' counters are the whole state of
-the run. Live mode runs the durable tier (``live/durable.py``: its interval, retention and resume
-keys), data skip and the skip streak (``live/step_guards.py``: ``guards.skip.*``,
+the run. Live mode runs the durable tier (``live/durable.py``: its interval, retention, resume, async and
+writer keys), the local and memory tiers (``live/local_tier.py``), the mirror of durable checkpoints
+(``checkpoint.mirror.*``; a mirror URL to resume from is refused), data skip and the skip streak (``live/step_guards.py``: ``guards.skip.*``,
 ``guards.max_consecutive_skips``), SDC detection with its rerun (``live/sdc.py``: ``guards.sdc.*``), replica
 fingerprints (``live/fingerprint.py``: ``guards.fingerprint.*``), the kill switch, the time limit and ``train.exit_at_step``
 (``LiveWorker.stop_here``), and writes ``hf_config`` (and the tokenizer) into every durable checkpoint.
-What ``Guard`` does besides (the other guards, the local and memory tiers and the mirror, heartbeat
-files, the closure mode's other fault drills, extra state, a mesh, a scheduler other than a
+What ``Guard`` does besides (the other guards, heartbeat files, the closure mode's other fault drills, extra state, a mesh, a scheduler other than a
 ``LambdaLR``) is not done in live mode, so asking for it there is refused, never ignored. The
 faults in force may only be the live drill (``trainguard.live.drill``: the launcher's kill, the
 ranks' gradient faults), which the rank checks.
@@ -45,7 +45,7 @@ CLOSURE_MODE_SECTIONS = ("checkpoint", "guards", "lifecycle")
 # (``live.fingerprint``), the kill switch's and the time limit's (``LiveWorker.stop_here``)
 LIVE_SECTION_KEYS = ("checkpoint.save_interval", "checkpoint.keep_last", "checkpoint.keep_every",
                      "checkpoint.resume", "checkpoint.async_save", "checkpoint.writer",
-                     "checkpoint.local_*", "checkpoint.memory_*", "guards.skip.*", "guards.max_consecutive_skips", "guards.sdc.*",
+                     "checkpoint.local_*", "checkpoint.memory_*", "checkpoint.mirror.*", "guards.skip.*", "guards.max_consecutive_skips", "guards.sdc.*",
                      "guards.fingerprint.*",
                      "lifecycle.kill_switch_path", "lifecycle.exit_duration_in_mins", "lifecycle.exit_margin_seconds")
 # keys outside those sections that the closure mode honours and live mode does not: why, for the refusal
@@ -84,7 +84,7 @@ def changed_keys(value: Any, default: Any, key: str) -> list[str]:
 
 def refuse_closure_mode_keys(config: RunConfig, source: str = "<config>") -> None:
     """One error naming the first key of the closure mode's sections, but those live mode runs, that is not
-    at its default, or a mirror URL to resume from (live mode has no mirror)."""
+    at its default, or a mirror URL to resume from (live mode mirrors, but does not restore)."""
     defaults = RunConfig()
     changed = [key for section in CLOSURE_MODE_SECTIONS
                for key in changed_keys(getattr(config, section), getattr(defaults, section), section)
@@ -95,7 +95,7 @@ def refuse_closure_mode_keys(config: RunConfig, source: str = "<config>") -> Non
                           f"{', '.join(LIVE_SECTION_KEYS)} only); leave it at its default")
     if "://" in config.checkpoint.resume:
         raise ConfigError(f"{source}: config key 'checkpoint.resume' is a mirror URL ({config.checkpoint.resume}), "
-                          "which live mode does not restore from (it has no mirror); restore it with trainguard "
+                          "which live mode does not restore from (its launcher resumes from the run directory); restore it with trainguard "
                           "ckpt, then resume from the run directory")
     for key, why in CLOSURE_MODE_KEYS.items():
         section, name = key.split(".")

@@ -47,6 +47,10 @@ RANK = {"train.seed": 43, "optim.grad_clip": 0.5,
         "checkpoint.local_interval": 2, "checkpoint.local_dir": "/tmp/local", "checkpoint.local_keep_last": 3,
         "checkpoint.memory_interval": 1, "checkpoint.memory_dir": "/tmp/memory", "checkpoint.memory_keep_last": 3,
         "parallel.ranks_per_node": 1,
+        # the mirror of durable checkpoints (``backup.attach``; tests/integration/test_live_durable.py)
+        "checkpoint.mirror.url": "s3://bucket/run", "checkpoint.mirror.every": 2, "checkpoint.mirror.keep_every": 4,
+        "checkpoint.mirror.bandwidth_mbps": 10.0, "checkpoint.mirror.endpoint_url": "http://127.0.0.1:1",
+        "checkpoint.mirror.workers": 2,
         # the skip decisions and the stops (``live.step_guards``, ``LiveWorker.stop_here``;
         # tests/integration/test_live_guards.py)
         "guards.skip.enabled": True, "guards.skip.threshold": 5.0, "guards.skip.count_threshold": 3,

@@ -56,18 +56,21 @@ TIMEOUT_S = 240
 
 
 def _config(root: Path, keep_last: int = 3, local_interval: int = 0, mirror: str | None = None) -> Path:
-    """The loop's YAML with the durable tier (and the local tier every ``local_interval`` steps, the mirror)."""
+    """The loop's YAML with the durable tier (and the local tier every ``local_interval`` steps, with the
+    memory tier every other one, in the run directory; the mirror)."""
     config = root / f"live_keep{keep_last}_local{local_interval}{'_mirror' if mirror else ''}.yaml"
     local = f", local_interval: {local_interval}" if local_interval else ""
     local += f", mirror: {{url: '{mirror}'}}" if mirror else ""
+    if mirror:  # the memory tier too, kept under the run directory (not in /dev/shm) by its template
+        local += f", memory_interval: {2 * local_interval}, memory_dir: 'memory/node{{node}}'"
     config.write_text((EXAMPLE.with_suffix(".yaml")).read_text().replace("steps: 60", f"steps: {STEPS}")
                       + f"checkpoint: {{save_interval: {INTERVAL}, keep_last: {keep_last}{local}}}\n")
     return config
 
 
-def _local_saves(run_dir: Path, step: int) -> list[int]:
-    """The ranks that saved ``step`` to their local tier."""
-    return sorted(e["rank"] for e in _events(run_dir, "local_saved") if e["step"] == step and e["tier"] == "local")
+def _local_saves(run_dir: Path, step: int, tier: str = "local") -> list[int]:
+    """The ranks that saved ``step`` to their local (or memory) tier."""
+    return sorted(e["rank"] for e in _events(run_dir, "local_saved") if e["step"] == step and e["tier"] == tier)
 
 
 def _start(run_dir: Path, config: Path, *launcher: str, nproc: int = WORLD, env: dict[str, str] | None = None):
@@ -284,6 +287,8 @@ def test_saves_while_a_group_is_out_are_the_quorums_and_the_run_ends_bitwise(roo
     _every_committed_checkpoint_verifies(run_dir)
     # the local tier (every 2 steps) saved by the quorum of each step: every rank at the last one
     assert _local_saves(run_dir, 16) == list(range(WORLD))
+    assert _local_saves(run_dir, 16, "memory") == list(range(WORLD))  # every 4 steps
+    assert (run_dir / "memory" / "node0" / "global_step_16").is_dir()
     # the mirror (checkpoint.mirror.url, the S3 server): every committed checkpoint uploaded, the same files,
     # drained before the ranks ended
     for name, value in s3.env().items():

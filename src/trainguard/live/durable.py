@@ -1,6 +1,7 @@
-"""The durable tier in live mode: ``CheckpointManager``'s DCP checkpoints (``global_step_N/``, committed
-with a manifest), saved by every rank of the current quorum at a step boundary they all reached, and the
-resume of a whole job from the newest verified one (``checkpoint.resume``, ``auto`` by default).
+"""The checkpoint tiers in live mode: ``CheckpointManager``'s DCP checkpoints (``global_step_N/``, committed
+with a manifest, mirrored by ``backup.attach``), saved by every rank of the current quorum at a step
+boundary they all reached, each rank's local and memory tiers (``live.local_tier``), and the resume of
+a whole job from the newest verified one (``checkpoint.resume``, ``auto`` by default).
 
 A rank of a replica group of several ranks holds its rows of every parameter and their optimizer
 state (``sharded_params``), bitwise the same in every replica group. For a save or a resume the group
@@ -141,9 +142,12 @@ class LiveCheckpoints:
         when that is newer (``choose_live_resume``, on the members' verified steps gathered on the
         checkpoint group). Returns the step, None for a fresh start. The per-rank tiers' newer steps are
         dropped: a timeline the job does not continue."""
+        mode = self.config.resume
+        if checkpoint is not None:  # the managers load the launcher's choice, whatever the mode
+            self.config = dataclasses.replace(self.config, resume=str(checkpoint))
         point = ResumePoint("durable", read_manifest(checkpoint).step if checkpoint is not None else None)
         tiers = self._rank_tiers()
-        if tiers and self.config.resume == "auto":
+        if tiers and mode == "auto":
             point = choose_live_resume(point.step, self._watched(quorum, lambda: self._held(quorum, tiers),
                                                                  "gathered its peers' local steps"))
         if point.tier != "durable":
@@ -154,7 +158,6 @@ class LiveCheckpoints:
             if quorum.index(self.rank) == 0:
                 self.events.emit("run_started", step=point.step, resumed_from=str(path), tier=point.tier)
         elif checkpoint is not None:
-            self.config = dataclasses.replace(self.config, resume=str(checkpoint))
             with self.whole():
                 self._watched(quorum, lambda: self._manager(quorum).resume(), f"resumed from {checkpoint}")
             self.last_saved = self.last_committed = point.step

@@ -284,6 +284,9 @@ def test_saves_while_a_group_is_out_are_the_quorums_and_the_run_ends_bitwise(roo
     failed_saves = [e for e in _events(run_dir, "live_collective_failed") if "save" in e["error"]]
     assert steps == [5, 10, 15, 16] or (steps == [10, 15, 16] and failed_saves), (
         steps, _events(run_dir, "live_collective_failed"), quorums)
+    # the saves made after the kill's epoch ended, in flight when the group rejoined (an epoch ended by
+    # no failure), are waited for, never abandoned
+    assert not _events(run_dir, "live_save_abandoned")
     _every_committed_checkpoint_verifies(run_dir)
     # the local tier (every 2 steps) saved by the quorum of each step: every rank at the last one
     assert _local_saves(run_dir, 16) == list(range(WORLD))

@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 
 from trainguard.checkpoint.manifest import read_manifest
-from trainguard.checkpoint.writer_process import start_writer_fork_server
 from trainguard.checkpoint.resume import choose_resume_checkpoint
+from trainguard.checkpoint.writer_process import start_writer_fork_server
 from trainguard.config.schema import RunConfig
 from trainguard.errors import EXIT_DATA_SKIP_ABORT, EXIT_OK, EXIT_RESUMABLE_STOP, ConfigError
 from trainguard.events import EventLog

@@ -15,6 +15,13 @@ its configuration ``tests/helpers/live_loop.yaml`` with ``checkpoint: {save_inte
   command again ends bitwise equal too;
 - the reference trainer (``trainguard train`` in live mode) SIGKILLed whole and run again with
   ``--resume auto``: ``test_live_trainer_guards.py`` (with data skip and SDC detection on);
+- saves are async (``checkpoint.async_save``, the default): the loop goes on while a save commits, and a
+  save in flight when a rank dies is abandoned or committed whole, never half: every committed checkpoint
+  verifies;
+- the local tier (``checkpoint.local_interval``) beside it: saved by each rank of the quorum while a group is
+  out, and a whole job SIGKILLed after a step saved to the local tier only resumes from that step, bitwise;
+- the mirror (``checkpoint.mirror.url``, the suite's S3 server on loopback) of that run holds every
+  committed checkpoint, the same files;
 - the live launcher alone (the store and the lighthouse: a child of the command, ``live.supervise``)
   SIGKILLed after step 11: every rank exits 18, and the same command, without being run again, restarts
   the run from ``global_step_10`` and ends bitwise equal to the fault-free run (issue 35).
@@ -32,9 +39,12 @@ from pathlib import Path
 import pytest
 
 from helpers.runs import finish_session, worker_env
+from helpers.s3_server import start_s3_server
 from helpers.warm_command import warm_server
+from trainguard.backup.mirror import list_mirrored
+from trainguard.backup.url import open_mirror
 from trainguard.checkpoint.discovery import list_checkpoints
-from trainguard.checkpoint.manifest import read_manifest
+from trainguard.checkpoint.manifest import read_manifest, verify_checkpoint
 from trainguard.events.log import read_events
 from trainguard.live.compare import bitwise_differences, run_differences, whole_final_state
 from trainguard.live.files import events_path, final_path
@@ -45,17 +55,29 @@ STEPS, WORLD, INTERVAL = 16, 4, 5
 TIMEOUT_S = 240
 
 
-def _config(root: Path, keep_last: int = 3) -> Path:
-    config = root / f"live_keep{keep_last}.yaml"
+def _config(root: Path, keep_last: int = 3, local_interval: int = 0, mirror: str | None = None) -> Path:
+    """The loop's YAML with the durable tier (and the local tier every ``local_interval`` steps, with the
+    memory tier every other one, in the run directory; the mirror)."""
+    config = root / f"live_keep{keep_last}_local{local_interval}{'_mirror' if mirror else ''}.yaml"
+    local = f", local_interval: {local_interval}" if local_interval else ""
+    local += f", mirror: {{url: '{mirror}'}}" if mirror else ""
+    if mirror:  # the memory tier too, kept under the run directory (not in /dev/shm) by its template
+        local += f", memory_interval: {2 * local_interval}, memory_dir: 'memory/node{{node}}'"
     config.write_text((EXAMPLE.with_suffix(".yaml")).read_text().replace("steps: 60", f"steps: {STEPS}")
-                      + f"checkpoint: {{save_interval: {INTERVAL}, keep_last: {keep_last}}}\n")
+                      + f"checkpoint: {{save_interval: {INTERVAL}, keep_last: {keep_last}{local}}}\n")
     return config
 
 
-def _start(run_dir: Path, config: Path, *launcher: str, nproc: int = WORLD):
+def _local_saves(run_dir: Path, step: int, tier: str = "local") -> list[int]:
+    """The ranks that saved ``step`` to their local (or memory) tier."""
+    return sorted(e["rank"] for e in _events(run_dir, "local_saved") if e["step"] == step and e["tier"] == tier)
+
+
+def _start(run_dir: Path, config: Path, *launcher: str, nproc: int = WORLD, env: dict[str, str] | None = None):
     """The user's command, in a session of its own (its pid is the launcher's, its process group the job's)."""
     return warm_server().start(["run", "--nproc", str(nproc), "--config", str(config), "--run-dir", str(run_dir),
-                                *launcher, "--", sys.executable, str(EXAMPLE), "--config", str(config)], worker_env())
+                                *launcher, "--", sys.executable, str(EXAMPLE), "--config", str(config)],
+                               worker_env(**(env or {})))
 
 
 def _committed_steps(run_dir: Path) -> list[int]:
@@ -82,9 +104,29 @@ def _committed_step_reached(run_dir: Path, step: int) -> bool:
     return events_path(run_dir).exists() and any(e["step"] >= step for e in _events(run_dir, "live_step"))
 
 
+def _past_committed_save(run_dir: Path, step: int, saved: int) -> bool:
+    """Step ``step`` committed and the async save of step ``saved`` committed too (it commits in the
+    background while the next steps run)."""
+    return _committed_step_reached(run_dir, step) and saved in _committed_steps(run_dir)
+
+
+def _every_committed_checkpoint_verifies(run_dir: Path) -> None:
+    for info in list_checkpoints(run_dir / "checkpoints"):
+        if info.committed:
+            assert verify_checkpoint(info.path) == [], info.path
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     return tmp_path_factory.mktemp("live_durable")
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """The suite's S3-compatible server on loopback (moto), for the mirror."""
+    server = start_s3_server()
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +150,21 @@ def test_a_live_run_commits_durable_checkpoints_of_the_whole_quorum(clean):
     names = {path.name for path in (clean / "checkpoints" / "global_step_10").iterdir()}
     assert {f"__{rank}_0.distcp" for rank in range(WORLD)} <= names
     assert {f"extra_state_world_size_4_rank_{rank}.pt" for rank in range(WORLD)} <= names
+    _every_committed_checkpoint_verifies(clean)
+
+
+def test_live_saves_are_async_the_loop_steps_on_while_a_save_commits(clean):
+    """``checkpoint.async_save`` (the default) in live mode: each save blocks the loop for its staging only;
+    the step after it is committed before the save is (seen every time: the first save's commit waits for
+    the writer processes, forked at the ranks' start); the last save is committed before the ranks end."""
+    saved = _events(clean, "checkpoint_saved")
+    assert [e["step"] for e in saved] == [5, 10, 15, 16] and all(e["async_save"] for e in saved)
+    committed = {e["step"]: e["time"] for e in _events(clean, "checkpoint_committed")}
+    assert sorted(committed) == [5, 10, 15, 16]
+    stepped = {e["step"]: e["time"] for e in _events(clean, "live_step") if e["rank"] == 0}
+    print({step: round(committed[step] - stepped[step], 3) for step in committed if step in stepped})
+    assert any(stepped[step] < committed[step] for step in (5, 10, 15)), (stepped, committed)
+    assert not _events(clean, "live_save_abandoned")
 
 
 def _alive(pid: int) -> bool:
@@ -130,11 +187,16 @@ def _resumes_bitwise(run_dir: Path, config: Path, clean: Path, step: int) -> Non
 @pytest.mark.parametrize("whom", ["job", "launcher"])
 def test_the_whole_job_sigkilled_resumes_from_the_newest_checkpoint_bitwise(root, clean, whom):
     """SIGKILL to the whole job (launcher and ranks at once), or to the launcher alone (the store and the
-    lighthouse die with it: every rank then fails on its next contact with the store, and ends)."""
-    run_dir, config = root / f"killed_{whom}", _config(root)
+    lighthouse die with it: every rank then fails on its next contact with the store, and ends). The job's
+    run has the local tier too, saved at step 11 only (``local_interval: 11``), between the durable saves
+    of steps 10 and 15: killed after it, the job resumes from the local tier's step 11."""
+    local = whom == "job"
+    run_dir, config = root / f"killed_{whom}", _config(root, local_interval=11 if local else 0)
     proc = _start(run_dir, config)
-    # past the save of step 10 (committed before step 11 starts: the save is synchronous)
-    _wait_until(proc, lambda: _committed_step_reached(run_dir, 11), "step 11")
+    # past step 11 and the commit of step 10's save (async: it commits while the next steps run), and
+    # every rank's local save of step 11
+    _wait_until(proc, lambda: _past_committed_save(run_dir, 11, 10) and (
+        not local or _local_saves(run_dir, 11) == list(range(WORLD))), "step 11 and the saves of steps 10 and 11")
     if whom == "job":
         os.killpg(proc.pid, signal.SIGKILL)
     else:
@@ -148,7 +210,17 @@ def test_the_whole_job_sigkilled_resumes_from_the_newest_checkpoint_bitwise(root
     assert not any(final_path(run_dir, rank).exists() for rank in range(WORLD))
     newest = _committed_steps(run_dir)[-1]
     assert newest >= 10
-    _resumes_bitwise(run_dir, config, clean, newest)
+    _every_committed_checkpoint_verifies(run_dir)
+    if not local or newest > 11:  # the kill landed after the durable save of step 15 committed: it is newer
+        _resumes_bitwise(run_dir, config, clean, newest)
+        return
+    again = finish_session(_start(run_dir, config), TIMEOUT_S, "the resumed live run")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"live run resumes from {run_dir / 'checkpoints' / 'global_step_10'}" in again.stdout  # the launcher's
+    (started,) = [e for e in _events(run_dir, "run_started") if e.get("tier") == "local"]
+    assert started["step"] == 11 and started["resumed_from"] == str(run_dir / "local" / "node0" / "global_step_11")
+    assert [e["step"] for e in _events(run_dir, "run_started")] == [11]  # no durable resume: the local step won
+    assert run_differences(clean, run_dir, WORLD) == {}
 
 
 @pytest.mark.parametrize("whom", ["launcher", "job"])
@@ -188,14 +260,15 @@ def test_a_checkpoint_of_two_replica_groups_resumes_in_three_of_one_rank_bitwise
     assert read_manifest(run_dir / "checkpoints" / "global_step_16").mesh_shape == [3, 1]
 
 
-def test_saves_while_a_group_is_out_are_the_quorums_and_the_run_ends_bitwise(root, clean):
+def test_saves_while_a_group_is_out_are_the_quorums_and_the_run_ends_bitwise(root, clean, s3, monkeypatch):
     """Rank 3 SIGKILLed as it starts step 4 (the live drill; a cold replacement, seconds to start): the
     saves while its group is out are made by the quorum then, each manifest naming the epoch's members,
     and the run ends bitwise equal to the fault-free one (seen: step 5 saved by ranks [0, 1], mesh [1, 2];
     whether the group is back by then is the replacement's start time's, so not asserted)."""
     run_dir = root / "shrunk"
-    config = _config(root, keep_last=10)
-    done = finish_session(_start(run_dir, config, "--set", "faults=kill:rank=3,step=4"), TIMEOUT_S,
+    mirror = f"s3://{s3.bucket}/shrunk"
+    config = _config(root, keep_last=10, local_interval=2, mirror=mirror)
+    done = finish_session(_start(run_dir, config, "--set", "faults=kill:rank=3,step=4", env=s3.env()), TIMEOUT_S,
                           "the live run with a kill")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "ranks replaced: [3]" in done.stdout
@@ -211,25 +284,47 @@ def test_saves_while_a_group_is_out_are_the_quorums_and_the_run_ends_bitwise(roo
     failed_saves = [e for e in _events(run_dir, "live_collective_failed") if "save" in e["error"]]
     assert steps == [5, 10, 15, 16] or (steps == [10, 15, 16] and failed_saves), (
         steps, _events(run_dir, "live_collective_failed"), quorums)
+    # the saves made after the kill's epoch ended, in flight when the group rejoined (an epoch ended by
+    # no failure), are waited for, never abandoned
+    assert not _events(run_dir, "live_save_abandoned")
+    _every_committed_checkpoint_verifies(run_dir)
+    # the local tier (every 2 steps) saved by the quorum of each step: every rank at the last one
+    assert _local_saves(run_dir, 16) == list(range(WORLD))
+    assert _local_saves(run_dir, 16, "memory") == list(range(WORLD))  # every 4 steps
+    assert (run_dir / "memory" / "node0" / "global_step_16").is_dir()
+    # the mirror (checkpoint.mirror.url, the S3 server): every committed checkpoint uploaded, the same files,
+    # drained before the ranks ended
+    for name, value in s3.env().items():
+        monkeypatch.setenv(name, value)
+    mirrored = list_mirrored(open_mirror(mirror))
+    assert sorted(mirrored) == steps, (sorted(mirrored), _events(run_dir, "mirror_failed"))
+    assert all(mirrored[m.step].files == m.files for m in manifests)
+    assert sorted(e["step"] for e in _events(run_dir, "checkpoint_mirrored")) == steps
     assert run_differences(clean, run_dir, WORLD) == {}
 
 
 def test_a_rank_killed_during_a_save_costs_the_survivors_no_timeout_and_the_run_ends_bitwise(root, clean):
     """Rank 3 SIGKILLed once it has committed step 5, the step of a save: the launcher polls its progress
-    every 5 ms, so the kill lands in the save (seen each time). The survivors that were waiting in the
-    save's collectives on a member that gave up leave it at the epoch's abort key (``collective.watched``:
-    an ``EpochAborted``), not at gloo's timeout: seen at 121 s, and the run lost, before. The next saves commit, the run ends
-    bitwise equal to the fault-free one."""
+    every 5 ms, so the kill lands in the save, in its staging (the group's exchange) or while it commits in
+    the background. The survivors that were waiting in the save's collectives on a member that gave up
+    leave it at the epoch's abort key (``collective.watched``: an ``EpochAborted``), not at gloo's timeout:
+    seen at 121 s, and the run lost, before; a save still committing when its epoch ended is abandoned by
+    every survivor at the next save (``live_save_abandoned``), its directory a ``.tmp-`` one, or whole and
+    committed if every member had handed its files over. The next saves commit, every committed checkpoint
+    verifies, the run ends bitwise equal to the fault-free one."""
     run_dir = root / "killed_in_save"
     done = finish_session(_start(run_dir, _config(root, keep_last=10), "--set", "faults=kill:rank=3,step=5"),
                           TIMEOUT_S, "the live run killed in a save")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     failed = _events(run_dir, "live_collective_failed")
-    assert any("save" in e["error"] for e in failed), failed  # the kill did land in the save of step 5
+    abandoned = _events(run_dir, "live_save_abandoned")
+    # the kill did land in the save of step 5: in its staging, or in its background commit
+    assert any("save" in e["error"] for e in failed) or {e["step"] for e in abandoned} == {5}, (failed, abandoned)
     # the survivors left the save at the epoch's abort key, not at gloo's timeout (the time it took is the
     # benchmark's business, benchmarks/live_recovery.py)
     assert not [e for e in failed if "timed out" in e["error"].lower() or "timeout" in e["error"].lower()], failed
     assert {10, 15, 16} <= set(_committed_steps(run_dir))
+    _every_committed_checkpoint_verifies(run_dir)
     assert run_differences(clean, run_dir, WORLD) == {}
 
 
@@ -239,23 +334,26 @@ def test_the_launchers_death_costs_a_restart_from_the_newest_checkpoint_and_the_
     starts the launcher again from the newest durable checkpoint, with a new store."""
     run_dir, config = root / "launcher_lost", _config(root)
     proc = _start(run_dir, config)
-    _wait_until(proc, lambda: _committed_step_reached(run_dir, 11), "step 11")
+    _wait_until(proc, lambda: _past_committed_save(run_dir, 11, 10), "step 11 and the save of step 10")
     (store,) = _events(run_dir, "live_store")
     assert store["pid"] != proc.pid  # the launcher is not the command's own process
     os.kill(store["pid"], signal.SIGKILL)
     done = finish_session(proc, TIMEOUT_S, "the live run whose launcher died")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    newest = run_dir / "checkpoints" / "global_step_10"
+    (lost,) = _events(run_dir, "live_launcher_lost")
+    # global_step_10, or 15 when its async save committed before the kill landed (the loop runs ahead of it)
+    resumed = 15 if any(e["step"] == 15 and e["time"] < lost["time"]
+                        for e in _events(run_dir, "checkpoint_committed")) else 10
+    newest = run_dir / "checkpoints" / f"global_step_{resumed}"
     assert "trainguard: the live launcher (store, lighthouse) died (exit -9); its processes ended" in done.stdout
     assert f"restarting the run from {newest}" in done.stdout, done.stdout[-3000:]
-    (lost,) = _events(run_dir, "live_launcher_lost")
     first_ranks = [e["pid"] for e in _events(run_dir, "live_start") if e["time"] < lost["time"]]
     assert len(first_ranks) == WORLD
     assert all(lost["rank_exit_codes"][str(pid)] == 18 for pid in first_ranks), lost  # STORE_LOST_EXIT
     assert lost["resume"] == str(newest)
     stores = _events(run_dir, "live_store")
     assert len(stores) == 2 and stores[1]["pid"] not in (stores[0]["pid"], proc.pid)
-    assert [e["step"] for e in _events(run_dir, "run_started")][-1] == 10
+    assert [e["step"] for e in _events(run_dir, "run_started")][-1] == resumed
     assert not any(final_path(run_dir, rank).exists() and final_path(run_dir, rank).stat().st_mtime < lost["time"]
                    for rank in range(WORLD))
     assert run_differences(clean, run_dir, WORLD) == {}

@@ -236,6 +236,8 @@ def test_launcher_hosts_outlives_its_launchers_death_with_a_restart_from_the_new
 
     def kill_the_launcher() -> None:
         _wait(run_dir, lambda e: e["kind"] == "live_step" and e["step"] >= 12, timeout=180)
+        # step 10's async save commits in the background while the next steps run
+        _wait(run_dir, lambda e: e["kind"] == "checkpoint_committed" and e["step"] == 10, timeout=180)
         (store,) = _wait(run_dir, lambda e: e["kind"] == "live_store")
         os.kill(store["pid"], signal.SIGKILL)
 

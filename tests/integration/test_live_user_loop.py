@@ -2,9 +2,8 @@
 (``guard.resume()``, ``guard.should_stop(step, total)``, ``guard.step(loss_of)``, ``guard.close()``),
 trained with live recovery by configuration alone: ``trainguard run --nproc 4 --config Y -- python
 examples/user_loop.py`` where Y is examples/user_loop.yaml with ``fault_tolerance.live: true`` and the
-live layout (2 replica groups x 2) added, and without the keys live mode does not run yet (``NOT_LIVE_YET``:
-the local tier; live mode refuses it rather than ignoring it): its data skip, checkpoint health, SDC level 2
-with 2 strikes, clipping and durable tier are on. Run once
+live layout (2 replica groups x 2) added, with every key of it on: data skip, checkpoint health, SDC level 2 with 2 strikes, clipping, the
+durable tier and the local tier (every 2 steps: each rank's own copy). Run once
 without a fault and once with the drill's SIGKILL of rank 3 at step 5 and two warm spares, the first
 made to fail its self-test. The survivors keep their processes, the replaced group rejoins with a live
 peer's state, every rank ends with the fault-free run's parameters and optimizer state bit for bit, and
@@ -30,16 +29,12 @@ from trainguard.live.files import events_path
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE, CONFIG = ROOT / "examples" / "user_loop.py", ROOT / "examples" / "user_loop.yaml"
 STEPS, WORLD, GROUP, KILLED, KILL_AT = 12, 4, 2, 3, 5
-NOT_LIVE_YET = {"checkpoint": ("local_interval",)}  # issue 35 item 2
 LIVE = {"fault_tolerance": {"live": True}, "parallel": {"dp_replicate": 2, "dp_shard": GROUP}}
 
 
 def live_config(path: Path) -> Path:
-    """examples/user_loop.yaml with live recovery on (``LIVE``), less ``NOT_LIVE_YET``."""
+    """examples/user_loop.yaml with live recovery on (``LIVE``)."""
     config = yaml.safe_load(CONFIG.read_text(encoding="utf-8"))
-    for section, keys in NOT_LIVE_YET.items():
-        for key in keys:
-            del config[section][key]
     path.write_text(yaml.safe_dump({**config, **LIVE}), encoding="utf-8")
     return path
 
@@ -166,3 +161,17 @@ def test_the_command_reports_the_run_and_the_replaced_rank(runs):
     for name, replaced in (("clean", "none"), ("failed", f"[{KILLED}]")):
         assert "(live recovery: 2 replica groups of 2 ranks" in outputs[name]
         assert f"live run finished: {STEPS} steps" in outputs[name] and f"ranks replaced: {replaced}" in outputs[name]
+
+
+def test_the_local_tier_of_the_loops_yaml_is_saved_by_every_rank(runs):
+    """``checkpoint.local_interval: 2`` of user_loop.yaml, now run live: every rank of the fault-free run
+    saves its own copy every 2 steps; in the failed run the replaced group's ranks save again once back."""
+    runs, _ = runs
+    for name in ("clean", "failed"):
+        saved = defaultdict(set)
+        for event in _events(runs / name):
+            if event["kind"] == "local_saved":
+                saved[event["rank"]].add(event["step"])
+        assert all(saved[rank] >= {STEPS} for rank in range(WORLD)), (name, dict(saved))
+    clean = {e["step"] for e in _events(runs / "clean") if e["kind"] == "local_saved" and e["rank"] == 0}
+    assert clean == set(range(2, STEPS + 1, 2))

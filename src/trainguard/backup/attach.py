@@ -11,11 +11,12 @@ from trainguard.backup.url import is_url
 from trainguard.checkpoint.manager import CheckpointManager
 
 
-def attach_mirror(manager: CheckpointManager) -> None:
+def attach_mirror(manager: CheckpointManager, mirror: BackgroundMirror | None = None) -> None:
     """Acts on the manager's ``config.mirror``: its ``resume`` may name a mirror URL (restored into the
     run's checkpoints first); with ``mirror.url``, rank 0 also mirrors every committed checkpoint there
     in the background (queued before the manager's other commit hooks run) and retention keeps what
-    still waits for upload."""
+    still waits for upload. ``mirror``: the one to join instead of starting one (a live run's managers,
+    one per quorum, share this process's)."""
     config = manager.config.mirror
     endpoint_url = config.endpoint_url if config is not None else None
 
@@ -24,5 +25,5 @@ def attach_mirror(manager: CheckpointManager) -> None:
 
     manager.resume_source = resume_source
     if manager.rank == 0 and config is not None and config.url:
-        manager.mirror = BackgroundMirror(config, manager.root, manager.events)
+        manager.mirror = mirror or BackgroundMirror(config, manager.root, manager.events)
         manager.commit_hooks.insert(0, manager.mirror.submit)

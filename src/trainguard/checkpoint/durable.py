@@ -241,6 +241,10 @@ class DurableCheckpointer:
         ``optimizer.step()`` calls it by itself (a step pre-hook), and ``wait()`` does."""
         return self._gate.wait()
 
+    def in_flight(self) -> bool:
+        """Whether a save's background part (writing, gathering, committing) is still running."""
+        return self._inflight is not None and not self._inflight.is_set()
+
     def wait(self) -> None:
         """Blocks until the in-flight save is committed; re-raises its failure."""
         self.wait_for_staging()

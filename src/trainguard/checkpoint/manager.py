@@ -319,12 +319,14 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Waits until the last save is committed on every rank, then drains the mirror's queue."""
-        self._wait_for_saves()
+        self.wait_for_saves()
         if self.mirror is not None:
             self.mirror.close()
             self.mirror = None
 
-    def _wait_for_saves(self) -> None:
+    def wait_for_saves(self) -> None:
+        """Waits until the saves in flight are committed on every rank (a barrier); re-raises a save's
+        failure. Unlike ``close`` the mirror goes on."""
         self.durable.wait()
         for tier in self._rank_tiers():
             tier.wait()
@@ -339,7 +341,7 @@ class CheckpointManager:
         abandoned: they are deleted (newest first) and ``latest_checkpointed_iteration.txt`` points at
         the restored one again, so a later restart resumes on the new timeline, not the old one.
         """
-        self._wait_for_saves()
+        self.wait_for_saves()
         error = path = None
         if self.rank == 0:
             try:

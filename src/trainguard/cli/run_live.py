@@ -38,7 +38,8 @@ def run_command_live(args: argparse.Namespace, command: list[str], run_dir: Path
     """Runs COMMAND as the ranks of the live run the configuration describes; 0, or 1 with one line when a
     rank failed without being replaced."""
     source = str(args.config) if args.config else "--set"
-    config = load_config(args.config, [*args.overrides, *([resume_item(args.resume)] if args.resume else [])])
+    overrides = [*args.overrides, *([resume_item(args.resume)] if args.resume else [])]
+    config = load_config(args.config, overrides)
     if not config.fault_tolerance.live:
         raise ConfigError(f"{source}: {LIVE_FLAGS} start a live run, and config key 'fault_tolerance.live' is not "
                           "true; without live recovery trainguard run supervises COMMAND, which reads its own "
@@ -49,7 +50,8 @@ def run_command_live(args: argparse.Namespace, command: list[str], run_dir: Path
     if args.kill_switch:
         raise ConfigError("--kill-switch: a supervisor option; with fault_tolerance.live: true the live launcher "
                           "starts and replaces the ranks instead")
-    ranks_set = ((LAUNCHER_OVERRIDES_ENV, json.dumps(args.overrides)),)  # the ranks' Guard applies them too
+    # the ranks' Guard applies them too (--resume's mode: whether a rank may resume from its local tiers)
+    ranks_set = ((LAUNCHER_OVERRIDES_ENV, json.dumps(overrides)),)
     run = live_layout(args, config, source, allowed=HOST_OPTIONS, executable=command[0], entry=tuple(command[1:]),
                       rank_env=ranks_set)
     return run_live(on_nodes(args, run), make_run_dir(run_dir))

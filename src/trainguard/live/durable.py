@@ -1,6 +1,7 @@
-"""The durable tier in live mode: ``CheckpointManager``'s DCP checkpoints (``global_step_N/``, committed
-with a manifest), saved by every rank of the current quorum at a step boundary they all reached, and the
-resume of a whole job from the newest verified one (``checkpoint.resume``, ``auto`` by default).
+"""The checkpoint tiers in live mode: ``CheckpointManager``'s DCP checkpoints (``global_step_N/``, committed
+with a manifest, mirrored by ``backup.attach``), saved by every rank of the current quorum at a step
+boundary they all reached, each rank's local and memory tiers (``live.local_tier``), and the resume of
+a whole job from the newest verified one (``checkpoint.resume``, ``auto`` by default).
 
 A rank of a replica group of several ranks holds its rows of every parameter and their optimizer
 state (``sharded_params``), bitwise the same in every replica group. For a save or a resume the group
@@ -14,17 +15,31 @@ whole state, not its shard: a save by DCP of the shards themselves (DTensors) is
 DCP's collectives need a registered process group, which the epoch's step group
 (``collective.make_group``) is not; so an epoch that saves or resumes makes this process's default
 group from its quorum (store prefix ``ckpt/<epoch>``, on a store connection of its own), and a
-``CheckpointManager`` bound to it, both kept until the quorum changes. The save is synchronous: it
-is over before the next step starts. It runs ``collective.watched``: the rank beats meanwhile (a long
-save is not a hang) and watches the epoch's abort key, because DCP's collectives do not: a member
-waiting in one on a peer that died, or that gave up, would wait for gloo's timeout. A save that fails
-or is aborted ends the epoch like any failed collective (the group is dropped, the save's thread
-abandoned); the step stays committed and the next save boundary saves again.
+``CheckpointManager`` bound to it, both kept until the quorum changes.
+
+With ``checkpoint.async_save`` (the default) the loop blocks for the staging only (the group's exchange
+and the copy of the whole state into the staging buffers, before the rank holds its rows again); the
+files, DCP's gather and rank 0's commit run in the manager's background thread on the checkpoint's
+group while the next steps run. That save is waited for (committed on every member: a barrier) before
+the next one, and before the job's last save and a stop's save returns, so a process never exits with
+its save in flight. A save still in flight when its quorum ends is settled when the next checkpoint
+group is made: if that epoch ended by a failure (its abort key is set: a member died or gave up) the
+save is abandoned on every member alike (a member that died before handing its files' checksums to
+rank 0 leaves it a ``.tmp-`` directory, never a checkpoint; one that had handed them leaves it complete
+and committed, as the commit protocol makes it), else (a group joined) it is waited for. The policy
+then counts the abandoned step as not saved. The stop's and the last step's saves are synchronous.
+
+Every wait runs ``collective.watched``: the rank beats meanwhile (a long save is not a hang) and watches
+the epoch's abort key, because DCP's collectives do not: a member waiting in one on a peer that died,
+or that gave up, would wait for gloo's timeout. A save that fails or is aborted ends the epoch like any
+failed collective (the group is dropped, the save's thread abandoned); the step stays committed and
+the next save boundary saves again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from datetime import timedelta
@@ -35,15 +50,21 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from trainguard.backup.attach import attach_mirror
+from trainguard.backup.background import BackgroundMirror
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.manager import CheckpointManager
-from trainguard.checkpoint.save_policy import decide_save
+from trainguard.checkpoint.manifest import read_manifest
+from trainguard.checkpoint.memory_tier import DEFAULT_MEMORY_DIR, run_key
+from trainguard.checkpoint.save_policy import SaveDecision, decide_save
 from trainguard.events import EventLog
-from trainguard.live.collective import EpochAborted, watched
+from trainguard.live.collective import EpochAborted, abort_key, watched
+from trainguard.live.local_tier import LiveLocalTier, ResumePoint, choose_live_resume
 from trainguard.live.quorum import Quorum
 from trainguard.live.state import LiveState
 
 T = TypeVar("T")
+log = logging.getLogger("trainguard")
 REPLICA_DIMS = ["dp_replicate", "dp_shard"]  # the manifest's mesh: replica groups of the quorum x their ranks
 
 
@@ -52,17 +73,24 @@ class SaveFailed(RuntimeError):
 
 
 class LiveCheckpoints:
-    """One rank's durable tier in a live run: ``resume`` at the start of a job, ``save`` after each
-    committed step (the policy of ``CheckpointManager.save``: every ``save_interval`` steps, the last
-    step, and before a stop)."""
+    """One rank's checkpoint tiers in a live run: ``resume`` at the start of a job, ``save`` after each
+    committed step (the policy of ``CheckpointManager.save``: the durable tier every ``save_interval``
+    steps, the last step, and before a stop; the local and memory tiers, ``live.local_tier``, every
+    ``local_interval`` and ``memory_interval`` steps)."""
 
     def __init__(self, store: dist.TCPStore, run_dir: Path, config: CheckpointConfig, rank: int,
                  model: torch.nn.Module, optimizer: torch.optim.Optimizer, group_size: int,
                  whole: Callable[[], AbstractContextManager[None]], state: LiveState, events: EventLog,
-                 timeout: timedelta, beat: Callable[[], None], static_files: Callable[[Path], None] | None = None):
-        # synchronous: the save must be over before the quorum can change (an async save's background
-        # collectives would outlive the epoch whose group they use)
-        self.config = dataclasses.replace(config, async_save=False)
+                 timeout: timedelta, beat: Callable[[], None], static_files: Callable[[Path], None] | None = None,
+                 *, world: int, ranks_per_node: int):
+        self.config = config
+        per_rank = dict(rank=rank, world=world, group_size=group_size, ranks_per_node=ranks_per_node, events=events)
+        self.memory = LiveLocalTier(
+            run_dir, tier="memory", template=(config.memory_dir or DEFAULT_MEMORY_DIR).replace("{run}", run_key(run_dir)),
+            interval=config.memory_interval, keep_last=config.memory_keep_last, **per_rank) \
+            if config.memory_interval else None
+        self.local = LiveLocalTier(run_dir, tier="local", template=config.local_dir, interval=config.local_interval,
+                                   keep_last=config.local_keep_last, **per_rank) if config.local_interval else None
         self.store, self.run_dir, self.rank = store, Path(run_dir), rank
         self.model, self.optimizer, self.events = model, optimizer, events
         # whole: the model and optimizer whole inside it (a sharded group's exchange, on the epoch's group)
@@ -75,13 +103,17 @@ class LiveCheckpoints:
         self.connection: dist.TCPStore | None = None  # the checkpoint groups' store client (see below)
         self.epoch: int | None = None  # the epoch of the default group and the manager
         self.manager: CheckpointManager | None = None
-        # the step this rank last saved or resumed from: kept across epochs (each epoch's manager is new)
+        self.mirror: BackgroundMirror | None = None  # this process's, started when it first commits as the first member
+        # the step this rank last saved (its save in flight included) or resumed from: the policy's, kept
+        # across epochs (each epoch's manager is new)
         self.last_saved: int | None = None
+        self.last_committed: int | None = None  # of those, the newest known committed on every member
+        self.in_flight: int | None = None  # the step whose async save is not waited for yet
 
     def _manager(self, quorum: Quorum) -> CheckpointManager:
         if self.epoch == quorum.epoch:
             return self.manager
-        forget_default_group()  # an older epoch's (idle: no save is in flight between steps), or none
+        forget_default_group()  # an older epoch's (idle, or abandoned by its save), or none
         if self.connection is None:
             # the group's setup blocks on the store until every member connected: on the rank's own
             # client it would hold up the beats of ``watched`` behind it (one client serialises its calls)
@@ -92,50 +124,145 @@ class LiveCheckpoints:
         self.manager = CheckpointManager(self.run_dir, self.model, self.optimizer, self.state.checkpointed(),
                                          config=self.config, events=self.events, static_files=self.static_files,
                                          mesh_shape=[groups, self.group_size], mesh_dim_names=REPLICA_DIMS)
+        # the mirror (checkpoint.mirror.url): the quorum's first member uploads what it commits, with one
+        # mirror across its epochs; a member that is first no more lets its queue finish in the background
+        attach_mirror(self.manager, self.mirror)
+        self.mirror = self.manager.mirror or self.mirror
         self.epoch = quorum.epoch
         return self.manager
 
-    def resume(self, quorum: Quorum, checkpoint: Path) -> int:
-        """Every member of a job's first epoch: loads ``checkpoint`` (the launcher chose it, by
-        ``checkpoint.resume``, before starting the ranks), verified again, and returns its step."""
-        self.config = dataclasses.replace(self.config, resume=str(checkpoint))
-        with self.whole():
-            step = self._watched(quorum, lambda: self._manager(quorum).resume(), f"resumed from {checkpoint}")
-        self.last_saved = step
-        return step
+    def _rank_tiers(self) -> dict[str, LiveLocalTier]:
+        """The per-rank tiers by name, in order of preference at an equal step (the memory tier saves most often)."""
+        return {tier.tier: tier for tier in (self.memory, self.local) if tier is not None}
+
+    def resume(self, quorum: Quorum, checkpoint: Path | None) -> int | None:
+        """Every member of a job's first epoch: resumes from ``checkpoint`` (the durable one the launcher
+        chose by ``checkpoint.resume`` before starting the ranks, verified again; None: none), or, with
+        ``checkpoint.resume: auto``, from the newest step every rank holds in its local or memory tier
+        when that is newer (``choose_live_resume``, on the members' verified steps gathered on the
+        checkpoint group). Returns the step, None for a fresh start. The per-rank tiers' newer steps are
+        dropped: a timeline the job does not continue."""
+        mode = self.config.resume
+        if checkpoint is not None:  # the managers load the launcher's choice, whatever the mode
+            self.config = dataclasses.replace(self.config, resume=str(checkpoint))
+        point = ResumePoint("durable", read_manifest(checkpoint).step if checkpoint is not None else None)
+        tiers = self._rank_tiers()
+        if tiers and mode == "auto":
+            point = choose_live_resume(point.step, self._watched(quorum, lambda: self._held(quorum, tiers),
+                                                                 "gathered its peers' local steps"))
+        if point.tier != "durable":
+            self.state.load(tiers[point.tier].load(point.step))
+            path = tiers[point.tier].dir / f"global_step_{point.step}"
+            log.info("live run resumes from the %s tier's step %d (%s), newer than the durable checkpoint's (%s)",
+                     point.tier, point.step, path, checkpoint)
+            if quorum.index(self.rank) == 0:
+                self.events.emit("run_started", step=point.step, resumed_from=str(path), tier=point.tier)
+        elif checkpoint is not None:
+            with self.whole():
+                self._watched(quorum, lambda: self._manager(quorum).resume(), f"resumed from {checkpoint}")
+            self.last_saved = self.last_committed = point.step
+        for tier in tiers.values():
+            tier.discard_newer(point.step or 0)
+        return point.step
+
+    def _held(self, quorum: Quorum, tiers: dict[str, LiveLocalTier]) -> dict[str, list[list[int]]]:
+        """Each member's verified steps of each per-rank tier, gathered on the checkpoint group."""
+        self._manager(quorum)
+        parts: list[dict[str, list[int]] | None] = [None] * len(quorum.members)
+        dist.all_gather_object(parts, {name: tier.held() for name, tier in tiers.items()})
+        return {name: [part[name] for part in parts] for name in tiers}
 
     def save(self, quorum: Quorum, step: int, health: dict | None = None, *, last_step: bool, stopping: bool) -> bool:
-        """Saves ``step`` (the number of committed steps) if the policy says so; every member of the
-        quorum calls it at the same boundary, with the same ``health`` (``guards.health``: the record of the
-        manifest and ``health_ckpts.json``, None when not monitored). True when it saved."""
-        # the policy first: the checkpoint group and its manager are made for a save that is due only
-        if not decide_save(step, save_interval=self.config.save_interval, local_interval=0, last_step=last_step,
-                           stopping=stopping, unhealthy=False, durable_saved=self.last_saved,
-                           local_saved=None).durable:
-            return False
-        manager = self._watched(quorum, lambda: self._manager(quorum),
-                                f"made its checkpoint group to save step {step}")
+        """Saves ``step`` (the number of committed steps) to the tiers the policy names; every member of
+        the quorum calls it at the same boundary, with the same ``health`` (``guards.health``: the record of
+        the manifest and ``health_ckpts.json``, None when not monitored). True when the durable tier saved. An async durable
+        save returns once staged; the job's last save and a stop's return once committed, as does one
+        of them already saved and still in flight. The per-rank tiers write this rank's state now."""
+        decision = self._due(step, last_step=last_step, stopping=stopping)
+        if decision.durable:
+            self._save_durable(quorum, step, health, last_step=last_step, stopping=stopping)
+        elif last_step or stopping:  # the process may exit after it: nothing may stay in flight
+            self._settle(quorum, step)
+        if decision.local or decision.memory:
+            state = self.state.state_dict()  # this rank's rows, between steps
+            for tier, due in ((self.memory, decision.memory), (self.local, decision.local)):
+                if due:
+                    tier.save(step, state)
+        return decision.durable
+
+    def _due(self, step: int, *, last_step: bool, stopping: bool) -> SaveDecision:
+        return decide_save(step, save_interval=self.config.save_interval,
+                           local_interval=self.local.interval if self.local is not None else 0,
+                           last_step=last_step, stopping=stopping, unhealthy=False, durable_saved=self.last_saved,
+                           local_saved=self.local.last_saved if self.local is not None else None,
+                           memory_interval=self.memory.interval if self.memory is not None else 0,
+                           memory_saved=self.memory.last_saved if self.memory is not None else None)
+
+    def _save_durable(self, quorum: Quorum, step: int, health: dict | None, *, last_step: bool,
+                      stopping: bool) -> None:
+        final = last_step or stopping  # the process may exit after it: nothing may stay in flight
+        self._settle(quorum, step)  # at most one save in flight
+        manager = self._as_save_failure(step, lambda: self._watched(
+            quorum, lambda: self._manager(quorum), f"made its checkpoint group to save step {step}"))
         live = {"epoch": quorum.epoch, "members": quorum.members, "group_size": self.group_size,
                 "replica_groups": len(quorum.members) // self.group_size}
+        committed_now = final or not self.config.async_save
 
-        def save_and_commit() -> None:
+        def save() -> None:
             manager.save(step, {"step": step, "live": live}, health, last_step=last_step, stopping=stopping)
-            manager.close()  # committed on every member before any steps on
+            if final:
+                manager.close()  # committed on every member, the mirror drained, before the process may exit
+            elif committed_now:
+                manager.wait_for_saves()  # committed on every member before any steps on
+            else:
+                manager.wait_for_staging()  # the whole state copied before this rank holds its rows again
 
+        with self.whole():
+            self._as_save_failure(step, lambda: self._watched(quorum, save, f"saved step {step}"))
+        self.last_saved = step
+        if committed_now:
+            self.last_committed = step
+        else:
+            self.in_flight = step
+
+    def _settle(self, quorum: Quorum, step: int) -> None:
+        """The async save in flight, before another save of ``step`` or the process's end: waited for until
+        committed on every member (a barrier), its failure raised as this save's; or, when its epoch has
+        ended by a failure (its abort key is set: a member died or gave up, maybe before handing its
+        files over, and its gather would wait for gloo's timeout), abandoned, on every member alike (each
+        reads the same keys). An abandoned or failed save's step counts as not saved."""
+        if self.in_flight is None:
+            return
+        pending, self.in_flight = self.in_flight, None
+        # any epoch ended by a failure since the save's: one of its members may be the one that died
+        if any(self.store.check([abort_key(epoch)]) for epoch in range(self.epoch, quorum.epoch)):
+            self.events.emit("live_save_abandoned", step=pending, epoch=self.epoch)
+            self.last_saved = self.last_committed
+            return
+        manager = self.manager  # the epoch's that saved it (a group joined since: every member settles it here)
         try:
-            with self.whole():
-                self._watched(quorum, save_and_commit, f"saved step {step}")
+            self._as_save_failure(step, lambda: self._watched(quorum, manager.wait_for_saves,
+                                                              f"waited for the commit of step {pending}"))
+        except BaseException:
+            self.last_saved = self.last_committed
+            raise
+        self.last_committed = pending
+
+    @staticmethod
+    def _as_save_failure(step: int, work: Callable[[], T]) -> T:
+        """``work()``, its failure raised as the ``SaveFailed`` of ``step`` (``EpochAborted`` as it is)."""
+        try:
+            return work()
         except EpochAborted:
             raise
         except (Exception, CheckpointException) as error:  # DCP's is a BaseException
             raise SaveFailed(f"the durable save of step {step} failed: {str(error).splitlines()[0][:200]}") \
                 from error
-        self.last_saved = step
-        return True
 
     def _watched(self, quorum: Quorum, work: Callable[[], T], doing: str) -> T:
         """``collective.watched``; after a failure the epoch's default group and manager are dropped (a
-        thread abandoned in them ends at gloo's timeout), and the next save makes new ones."""
+        thread abandoned in them ends at gloo's timeout; so does a save in flight there, which counts as
+        not saved), and the next save makes new ones."""
         try:
             return watched(work, self.store, quorum.epoch, self.beat, doing)
         except BaseException:
@@ -143,6 +270,8 @@ class LiveCheckpoints:
             # a thread abandoned in a store wait holds its client until gloo's timeout (one client serialises
             # its calls): the next group is made on a new one (seen: 30 s before the next save otherwise)
             self.epoch = self.manager = self.connection = None
+            if self.in_flight is not None:
+                self.in_flight, self.last_saved = None, self.last_committed
             raise
 
 

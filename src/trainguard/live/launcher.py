@@ -36,6 +36,7 @@ import torch
 
 from trainguard.checkpoint.manifest import read_manifest
 from trainguard.checkpoint.resume import choose_resume_checkpoint
+from trainguard.checkpoint.writer_process import start_writer_fork_server
 from trainguard.config.schema import RunConfig
 from trainguard.errors import EXIT_DATA_SKIP_ABORT, EXIT_OK, EXIT_RESUMABLE_STOP, ConfigError
 from trainguard.events import EventLog
@@ -290,6 +291,9 @@ def _forked_rank(message: bytes, fds: list[int]) -> None:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     for handler in logging.root.handlers[:]:  # a new interpreter's logging: none of the launcher's handlers
         logging.root.removeHandler(handler)
+    # its checkpoint writer processes (async durable saves, the memory tier) forked from this one-thread
+    # copy, without a new interpreter's imports, as a torchrun rank's (``runtime.fork_server.run_rank``)
+    start_writer_fork_server()
     argv = request["argv"]
     if argv[0] == "-m":
         sys.argv = argv[1:]

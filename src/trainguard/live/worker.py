@@ -164,6 +164,7 @@ class LiveRules:
     health: HealthConfig = field(default_factory=HealthConfig)  # guards.health: each durable save's verdict
     monitor: bool = False  # guards.monitor: the embedding's gradient norm in every live_step event
     lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)  # the kill switch, the time limit
+    ranks_per_node: int | None = None  # parallel.ranks_per_node: the {node} of the local tiers' directories (None: one)
 
 
 DEFAULT_RULES = LiveRules()  # the drill's workload's: no clipping, no data skip, the skip streak's default
@@ -273,7 +274,8 @@ class LiveWorker:
         # the durable tier (``checkpoint``: the ``checkpoint`` section; None: the drill's workload, none)
         self.checkpoints = None if checkpoint is None else LiveCheckpoints(
             store, args.run_dir, checkpoint, rank, model, optimizer, self.group_size, self.whole_state, self.state,
-            self.events, self.collective_timeout, self.beat, static_files)
+            self.events, self.collective_timeout, self.beat, static_files, world=args.world,
+            ranks_per_node=rules.ranks_per_node or args.world)
         self.lifecycle = lifecycle  # this rank's stop reasons (its signals, the kill switch, the time limit)
         self.stop: LiveStop | None = None  # the quorum agreed to stop, and saved: no more steps
 
@@ -293,12 +295,14 @@ class LiveWorker:
             if quorum.resume_from is not None:
                 self.state.load(safe_torch_load(checkpoint_path(self.run_dir, quorum.resume_from, self.shard)))
             self.enter(quorum, quorum.start_step)
-            if self.resume_from is not None and quorum.epoch == 0:  # a job's start, resumed
-                if self.checkpoints is None:
-                    raise RuntimeError(f"live recovery: --resume {self.resume_from} needs the durable tier "
-                                       "(the checkpoint section), which this rank was not given")
-                self.step_index = self.checkpoints.resume(quorum, self.resume_from)
-                self.store.set(progress_key(self.rank), str(self.step_index))
+            if self.resume_from is not None and self.checkpoints is None:
+                raise RuntimeError(f"live recovery: --resume {self.resume_from} needs the durable tier "
+                                   "(the checkpoint section), which this rank was not given")
+            if self.checkpoints is not None and quorum.epoch == 0:  # a job's start: its newest checkpoint, if any
+                resumed = self.checkpoints.resume(quorum, self.resume_from)
+                if resumed is not None:
+                    self.step_index = resumed
+                    self.store.set(progress_key(self.rank), str(self.step_index))
             if self.rules.exit_at_step is not None and self.step_index >= self.rules.exit_at_step:
                 self.stop_here(NONE)  # resumed at (or past) the planned stop: saved, nothing trained
 

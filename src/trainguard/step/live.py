@@ -5,14 +5,16 @@ In live mode the launcher's flags place the rank (``LiveArgs``); the loop is the
 (``resume``, ``should_stop``, ``step(loss_of)``, ``close``), and each ``guard.step(loss_of)`` drives the
 live rank to its next committed step (one backward per micro-batch, so that the survivors can compute a
 failed group's micro-batches); the model, the optimizer, the guards' counters, the LR scheduler (any)
-and the loop's ``stateful`` objects are the whole state of the run (``live/state.py``). Live mode runs the durable tier (``live/durable.py``: its interval, retention and resume
-keys), data skip and the skip streak (``live/step_guards.py``: ``guards.skip.*``,
+and the loop's ``stateful`` objects are the whole state of the run (``live/state.py``). Live mode runs the
+durable tier (``live/durable.py``: its interval, retention, resume, async and writer keys), the local and
+memory tiers (``live/local_tier.py``), the mirror of durable checkpoints (``checkpoint.mirror.*``; a mirror
+URL to resume from is refused), data skip and the skip streak (``live/step_guards.py``: ``guards.skip.*``,
 ``guards.max_consecutive_skips``), SDC detection with its rerun (``live/sdc.py``: ``guards.sdc.*``), replica
 fingerprints (``live/fingerprint.py``: ``guards.fingerprint.*``), checkpoint health and the embedding
 monitor (``LiveWorker.health``: ``guards.health.*``, ``guards.monitor``), the kill switch, the time limit and ``train.exit_at_step``
 (``LiveWorker.stop_here``), and writes ``hf_config`` (and the tokenizer) into every durable checkpoint.
-What ``Guard`` does besides (the other guards, the local and memory tiers and the mirror, heartbeat
-files, the closure mode's other fault drills, a mesh) is not done in live mode, so asking for it there is refused, never ignored. The
+What ``Guard`` does besides (the other guards, heartbeat files, the closure mode's other fault drills, a
+mesh) is not done in live mode, so asking for it there is refused, never ignored. The
 faults in force may only be the live drill (``trainguard.live.drill``: the launcher's kill, the
 ranks' gradient faults), which the rank checks.
 """
@@ -46,13 +48,14 @@ CLOSURE_MODE_SECTIONS = ("checkpoint", "guards", "lifecycle")
 # (``live.fingerprint``), checkpoint health's and the embedding monitor's (``LiveWorker.health``), the kill
 # switch's and the time limit's (``LiveWorker.stop_here``)
 LIVE_SECTION_KEYS = ("checkpoint.save_interval", "checkpoint.keep_last", "checkpoint.keep_every",
-                     "checkpoint.resume", "guards.skip.*", "guards.max_consecutive_skips", "guards.sdc.*",
-                     "guards.fingerprint.*", "guards.health.*", "guards.monitor",
+                     "checkpoint.resume", "checkpoint.async_save", "checkpoint.writer",
+                     "checkpoint.local_*", "checkpoint.memory_*", "checkpoint.mirror.*", "guards.skip.*",
+                     "guards.max_consecutive_skips", "guards.sdc.*", "guards.fingerprint.*", "guards.health.*",
+                     "guards.monitor",
                      "lifecycle.kill_switch_path", "lifecycle.exit_duration_in_mins", "lifecycle.exit_margin_seconds")
 # keys outside those sections that the closure mode honours and live mode does not: why, for the refusal
 CLOSURE_MODE_KEYS = {
     "train.log_interval": "live mode writes no step log lines, only its events",
-    "parallel.ranks_per_node": "live mode has no local tier and no node faults",
 }
 LAUNCHER_OVERRIDES_ENV = "TRAINGUARD_SET"
 """The live launcher's ``--set`` items (a JSON list), handed to its ranks: ``Guard`` applies them on top of
@@ -86,7 +89,7 @@ def changed_keys(value: Any, default: Any, key: str) -> list[str]:
 
 def refuse_closure_mode_keys(config: RunConfig, source: str = "<config>") -> None:
     """One error naming the first key of the closure mode's sections, but those live mode runs, that is not
-    at its default, or a mirror URL to resume from (live mode has no mirror)."""
+    at its default, or a mirror URL to resume from (live mode mirrors, but does not restore)."""
     defaults = RunConfig()
     changed = [key for section in CLOSURE_MODE_SECTIONS
                for key in changed_keys(getattr(config, section), getattr(defaults, section), section)
@@ -97,7 +100,7 @@ def refuse_closure_mode_keys(config: RunConfig, source: str = "<config>") -> Non
                           f"{', '.join(LIVE_SECTION_KEYS)} only); leave it at its default")
     if "://" in config.checkpoint.resume:
         raise ConfigError(f"{source}: config key 'checkpoint.resume' is a mirror URL ({config.checkpoint.resume}), "
-                          "which live mode does not restore from (it has no mirror); restore it with trainguard "
+                          "which live mode does not restore from (its launcher resumes from the run directory); restore it with trainguard "
                           "ckpt, then resume from the run directory")
     for key, why in CLOSURE_MODE_KEYS.items():
         section, name = key.split(".")
@@ -163,6 +166,7 @@ def live_rank(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
                       gradient_faults=gradient_faults(config.faults), site_faults=site_faults(config.faults),
                       sdc=sdc_config_from_env(config.guards.sdc), fingerprint=config.guards.fingerprint,
                       exit_at_step=config.train.exit_at_step, health=config.guards.health,
-                      monitor=config.guards.monitor, lifecycle=config.lifecycle)
+                      monitor=config.guards.monitor, lifecycle=config.lifecycle,
+                      ranks_per_node=config.parallel.ranks_per_node)
     return LiveRank(model, optimizer, args, scheduler, seed=config.train.seed, checkpoint=config.checkpoint,
                     rules=rules, static_files=static_files, stateful=loop_objects(stateful), embedding=embedding)

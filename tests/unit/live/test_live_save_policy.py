@@ -31,7 +31,7 @@ def checkpoints(tmp_path):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     yield LiveCheckpoints(store, tmp_path, CheckpointConfig(save_interval=5), 0, model, optimizer, 1,
                           contextlib.nullcontext, LiveState(model, optimizer, guards), events,
-                          timedelta(seconds=10), beat=lambda: None)
+                          timedelta(seconds=10), beat=lambda: None, world=1, ranks_per_node=1)
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -116,8 +116,6 @@ def test_live_mode_refuses_the_arguments_it_cannot_honour(tmp_path, arguments, n
 
 
 @pytest.mark.parametrize("item, key", [
-    ("checkpoint.local_interval=5", "checkpoint.local_interval"),
-    ("checkpoint.async_save=false", "checkpoint.async_save"),
     ("guards.local_norm=true", "guards.local_norm"),
     ("lifecycle.heartbeats=false", "lifecycle.heartbeats"),
 ])
@@ -131,7 +129,12 @@ def test_live_mode_refuses_a_key_of_the_closure_mode_naming_it(tmp_path, item, k
 def test_live_mode_takes_the_durable_tiers_keys(tmp_path):  # tests/integration/test_live_durable.py runs them
     model, optimizer = model_and_optimizer()
     config = load_config(None, ["fault_tolerance.live=true", "checkpoint.save_interval=5", "checkpoint.keep_last=2",
-                                "checkpoint.keep_every=10", "checkpoint.resume=disable"])
+                                "checkpoint.keep_every=10", "checkpoint.resume=disable", "checkpoint.async_save=false",
+                                "checkpoint.writer=thread", f"checkpoint.local_dir={tmp_path}/local",
+                                "checkpoint.local_interval=2", "checkpoint.local_keep_last=3",
+                                f"checkpoint.memory_dir={tmp_path}/memory", "checkpoint.memory_interval=1",
+                                "checkpoint.memory_keep_last=1", "parallel.ranks_per_node=1",
+                                "checkpoint.mirror.url=file:///nonexistent/mirror", "checkpoint.mirror.every=2"])
     guard = trainguard.Guard(tmp_path, model, optimizer, config=config, live_argv=launcher_flags(tmp_path))
     assert guard.micro_batches == 8  # taken, not refused: the multi-process tests show them at work
 
@@ -194,8 +197,8 @@ def test_live_mode_takes_hf_config_for_its_durable_checkpoints_and_the_alias_is_
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--set", "checkpoint.memory_interval=5"], "--set: config key 'checkpoint.memory_interval' is not used with "
-                                                "fault_tolerance.live"),
+    (["--set", "lifecycle.heartbeats=false"], "--set: config key 'lifecycle.heartbeats' is not used with "
+                                              "fault_tolerance.live"),
     (["--resume", "s3://bucket/run"], "--set: config key 'checkpoint.resume' is a mirror URL (s3://bucket/run), which "
                                       "live mode does not restore from"),
     (["--max-restarts", "1"], "--max-restarts: a supervisor option; with fault_tolerance.live: true the live launcher"),

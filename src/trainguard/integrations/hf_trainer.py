@@ -27,9 +27,15 @@ step as after ``resume_from_checkpoint``: it skips the batches already trained o
 Limits, each refused at construction: ``gradient_accumulation_steps=1`` (the guard runs the closure
 once per step, twice on an SDC rerun); ``max_steps`` set; not fp16 with loss scaling (the guard
 measures the gradients as they are; bf16 or fp32); not ``load_best_model_at_end`` (it needs the
-Trainer's own checkpoints); not rollback mode (``guards.check_for_global_norm``) nor live mode. The
+Trainer's own checkpoints); not rollback mode (``guards.check_for_global_norm``). The
 Trainer's own checkpoints are turned off (``save_strategy`` becomes "no", with one logged line):
 checkpoints are trainguard's, with ``huggingface/`` from ``model.config``.
+
+Live mode (``fault_tolerance.live: true``, the ranks started by ``trainguard run --nproc N --config F --
+python SCRIPT``): each rank is one process of accelerate's own (no DDP: the live engine sums the
+gradients), ``training_step`` is one ``guard.step(loss_of)`` whose micro-batches the adapter draws from
+the Trainer's data by position (``hf_micro_batches``), the Trainer's loop iterates one empty batch per
+step, rank 0 of the live run logs, and ``train()`` ends the process with the live run's exit code.
 """
 
 from __future__ import annotations

@@ -5,7 +5,19 @@
 
 A tiny Qwen2 from a config (no download) on a synthetic causal-LM dataset, DDP through accelerate
 (gloo on CPU). Run it again after a kill and it continues from trainguard's newest verified checkpoint,
-bitwise as if it had never stopped. Guards and checkpoint policy come from ``--set`` (trainguard's keys).
+bitwise as if it had never stopped. Guards and checkpoint policy come from ``--config`` and ``--set``
+(trainguard's keys).
+
+The same file trains with live recovery (a rank dies, the others keep stepping, its replacement rejoins;
+the same result) when its configuration says ``fault_tolerance.live: true``, started by the live
+launcher instead of torchrun (each step: ``train.micro_batches`` micro-batches of 2 samples)::
+
+    trainguard run --nproc 2 --config live.yaml --run-dir runs/hf-live -- python examples/hf_trainer.py \
+        --steps 20 --config live.yaml
+
+with ``live.yaml``: ``{fault_tolerance: {live: true}, parallel: {dp_replicate: 2}, train: {steps: 20,
+micro_batches: 4}}``. The launcher appends its own flags (``--store``, ``--rank``, ``--run-dir``, ...),
+which the parser below leaves to trainguard.
 ``--plain`` runs the same fine-tune on a plain ``transformers.Trainer`` (no trainguard) to compare with;
 ``--log-file`` appends every log the Trainer emits (what W&B or a callback receives) as JSON lines.
 """
@@ -68,21 +80,22 @@ class LogFile(TrainerCallback):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run-dir", required=True)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--run-dir", required=True)  # under the live launcher: its --run-dir
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--config", help="a trainguard YAML file")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--plain", action="store_true", help="a plain transformers.Trainer, to compare with")
     parser.add_argument("--log-file", type=Path, help="append the Trainer's logs here as JSON lines")
-    args = parser.parse_args()
+    args, _ = parser.parse_known_args()  # the others: a live launcher's flags, which trainguard reads
 
     common = {"model": tiny_qwen2(), "args": training_arguments(args.run_dir, args.steps),
               "train_dataset": ArithmeticSequences(), "callbacks": [LogFile(args.log_file)] if args.log_file else None}
     if args.plain:
         trainer = Trainer(**common)
     else:
-        trainer = GuardedTrainer(args.run_dir, guard_config=load_config(None, args.overrides), **common)
-    trainer.train()
+        trainer = GuardedTrainer(args.run_dir, guard_config=load_config(args.config, args.overrides), **common)
+    trainer.train()  # in live mode it ends the process with the live run's exit code
     # the Trainer leaves the process group to the script: a gloo group still alive at interpreter exit can
     # abort the process (SIGABRT, "terminate called without an active exception") after a clean run
     if dist.is_initialized():

@@ -27,9 +27,15 @@ step as after ``resume_from_checkpoint``: it skips the batches already trained o
 Limits, each refused at construction: ``gradient_accumulation_steps=1`` (the guard runs the closure
 once per step, twice on an SDC rerun); ``max_steps`` set; not fp16 with loss scaling (the guard
 measures the gradients as they are; bf16 or fp32); not ``load_best_model_at_end`` (it needs the
-Trainer's own checkpoints); not rollback mode (``guards.check_for_global_norm``) nor live mode. The
+Trainer's own checkpoints); not rollback mode (``guards.check_for_global_norm``). The
 Trainer's own checkpoints are turned off (``save_strategy`` becomes "no", with one logged line):
 checkpoints are trainguard's, with ``huggingface/`` from ``model.config``.
+
+Live mode (``fault_tolerance.live: true``, the ranks started by ``trainguard run --nproc N --config F --
+python SCRIPT``): each rank is one process of accelerate's own (no DDP: the live engine sums the
+gradients), ``training_step`` is one ``guard.step(loss_of)`` whose micro-batches the adapter draws from
+the Trainer's data by position (``hf_micro_batches``), the Trainer's loop iterates one empty batch per
+step, rank 0 of the live run logs, and ``train()`` ends the process with the live run's exit code.
 """
 
 from __future__ import annotations
@@ -37,10 +43,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils import DistributedType
 from transformers import Trainer, TrainerCallback, TrainerState
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import SaveStrategy
@@ -48,7 +56,9 @@ from transformers.trainer_utils import SaveStrategy
 from trainguard.checkpoint.rng_state import capture_rng_state, restore_rng_state
 from trainguard.config.load import load_config
 from trainguard.config.schema import OptimConfig, RunConfig
+from trainguard.integrations.hf_micro_batches import TrainerMicroBatches, epoch_after
 from trainguard.step.guard import Guard, StepOutcome
+from trainguard.step.live import with_launcher_overrides
 
 log = logging.getLogger(__name__)
 
@@ -96,12 +106,6 @@ class CheckpointedTrainerState:
         self.loaded = TrainerState(**json.loads(state["json"]))
 
 
-def epoch_after(step: int, steps_in_epoch: int) -> float:
-    """``TrainerState.epoch`` after optimizer step ``step`` (one batch per step), as the Trainer computes it."""
-    epoch, index = divmod(step - 1, steps_in_epoch)
-    return epoch + (index + 1) / steps_in_epoch
-
-
 class _StopWhenGuardSays(TrainerCallback):
     """After each step (the Trainer has counted it), asks the guard whether the run ends here: the
     schedule's end, the kill switch, SIGTERM/SIGUSR1 or the time limit (saved before it answers)."""
@@ -110,6 +114,9 @@ class _StopWhenGuardSays(TrainerCallback):
         self.trainer = trainer
 
     def on_step_end(self, args, state, control, **kwargs):
+        micro_batches = self.trainer.micro_batches
+        if micro_batches is not None:  # live: the step's M*b positions, not the loop's one empty batch
+            state.epoch = micro_batches.epoch(state.global_step)
         if self.trainer.guard.should_stop(state.global_step, state.max_steps):
             control.should_training_stop = True
         return control
@@ -126,7 +133,14 @@ class GuardedTrainer(Trainer):
                  **kwargs: Any):
         super().__init__(*args, **kwargs)
         config = guard_config if isinstance(guard_config, RunConfig) else load_config(guard_config)
+        # and the live launcher's --set items, which Guard applies too: the adapter runs the ranks' mode
+        config = with_launcher_overrides(config, os.environ)
         refuse_unsupported(self.args, config)
+        self.micro_batches: TrainerMicroBatches | None = None
+        """Live mode: the micro-batches of each step, by position, from the Trainer's data."""
+        if config.fault_tolerance.live:
+            refuse_unsupported_live(self)
+            self.micro_batches = TrainerMicroBatches(self, config.train.micro_batches)
         config.optim.grad_clip = self.args.max_grad_norm or 0.0  # the guard clips, by the true global norm
         if self.args.save_strategy != SaveStrategy.NO:
             log.warning("GuardedTrainer: save_strategy=%r set to 'no': checkpoints are trainguard's "
@@ -160,7 +174,10 @@ class GuardedTrainer(Trainer):
     # right after it sets up its state; both happen here so that the guard restores the checkpoint
     # before the Trainer decides from which epoch and batch it continues.
     def get_train_dataloader(self):
-        self._train_loader = super().get_train_dataloader()
+        if self.micro_batches is not None:
+            self._train_loader = self.micro_batches.step_loader()
+        else:
+            self._train_loader = super().get_train_dataloader()
         return self._train_loader
 
     def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint,
@@ -168,6 +185,9 @@ class GuardedTrainer(Trainer):
         super()._init_training_state(max_steps, num_update_steps_per_epoch, num_train_epochs, None, trial)
         self._prepared = super()._prepare_for_training(max_steps, self._train_loader, None)
         step = self._start_guard()
+        if self.micro_batches is not None:  # the live run's rank is known now: its rank 0 logs
+            self.state.is_local_process_zero = self.is_local_process_zero()
+            self.state.is_world_process_zero = self.is_world_process_zero()
         if not step:
             return 0, 0
         loaded = self._checkpointed_state.loaded
@@ -175,7 +195,8 @@ class GuardedTrainer(Trainer):
             self.state = loaded
             self._load_callback_state()
         self.state.global_step = step
-        self.state.epoch = epoch_after(step, num_update_steps_per_epoch)
+        self.state.epoch = (self.micro_batches.epoch(step) if self.micro_batches is not None
+                            else epoch_after(step, num_update_steps_per_epoch))
         self.state.init_training_references(self, max_steps, num_train_epochs, trial)
         return divmod(step, num_update_steps_per_epoch)
 
@@ -186,14 +207,18 @@ class GuardedTrainer(Trainer):
     def _start_guard(self) -> int:
         """Builds the guard on the prepared model, optimizer and scheduler, resumes, and returns the step."""
         model = self.model  # unwrapped: FSDP2 shards it in place, DDP wraps it in model_wrapped
+        live = self.micro_batches is not None
+        # live mode transfers and checkpoints the model and the optimizer only: no TrainerState rides along
+        stateful = None if live else {"trainer_state": self._checkpointed_state}
         self.guard = Guard(self.run_dir, model, _unwrapped(self.optimizer, "optimizer"),
-                           scheduler=_unwrapped(self.lr_scheduler, "scheduler"),
-                           stateful={"trainer_state": self._checkpointed_state}, config=self.guard_config,
-                           hf_config=getattr(model, "config", None), tokenizer=self.processing_class)
-        step = self.guard.resume()
+                           scheduler=_unwrapped(self.lr_scheduler, "scheduler"), stateful=stateful,
+                           config=self.guard_config, hf_config=getattr(model, "config", None),
+                           tokenizer=self.processing_class)
+        step = self.guard.resume()  # live: 0, the launcher's checkpoint's step, or the step a replacement joined at
         self._resumed_rng = capture_rng_state()
-        if step:
-            self._resumed_from = self.guard.checkpoints.resumed_from or str(self.run_dir / "checkpoints")
+        if step:  # the Trainer's loop skips the steps before it (live: empty batches)
+            resumed = None if live else self.guard.checkpoints.resumed_from
+            self._resumed_from = resumed or str(self.run_dir / "checkpoints")
         self._stopped_at_start = self.guard.should_stop(step, self.args.max_steps)
         self.optimizer = SteppedByGuard(self.optimizer)
         self.lr_scheduler = SteppedByGuard(self.lr_scheduler)
@@ -213,6 +238,8 @@ class GuardedTrainer(Trainer):
     # The step.
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
                       ) -> torch.Tensor:
+        if self.micro_batches is not None:
+            return self._live_training_step(model)
         self._step_lr = super()._get_learning_rate()  # the rate this step uses: the guard steps the schedule
         losses: list[torch.Tensor] = []
 
@@ -229,6 +256,15 @@ class GuardedTrainer(Trainer):
         self._skipped_since_log += self._outcome.skipped
         return losses[-1]  # this rank's loss, which the Trainer averages over ranks as it always does
 
+    def _live_training_step(self, model: torch.nn.Module) -> torch.Tensor:
+        """One committed step of the live run, through any recovery; its loss is the mean over the global
+        batch, which every rank logs alike (the Trainer does not average it again: one process each)."""
+        model.train()
+        self._outcome = self.guard.step(self.micro_batches.loss_of, self.micro_batches.sample_range)
+        self._step_lr = self.optimizer.param_groups[0]["lr"]  # the live engine set the step's LR before it stepped
+        self._skipped_since_log += self._outcome.skipped
+        return torch.tensor(self._outcome.loss, device=self.args.device)
+
     def _clip_grad_norm(self, model: torch.nn.Module) -> None:
         return None  # the guard clipped, by the true global norm
 
@@ -237,6 +273,28 @@ class GuardedTrainer(Trainer):
 
     def _get_learning_rate(self) -> float:
         return self._step_lr if self._step_lr is not None else super()._get_learning_rate()
+
+    def get_total_train_batch_size(self, args: Any) -> int:
+        if self.micro_batches is not None:  # live: the global batch, M micro-batches of b, whatever the ranks
+            return self.micro_batches.micro_batches * self.micro_batches.size
+        return super().get_total_train_batch_size(args)
+
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        if self.micro_batches is not None:
+            return 0  # live: the loop's batches are empty; the live engine draws the samples (not counted)
+        return super().floating_point_ops(inputs)
+
+    # Live mode: every rank is one process of accelerate's own (not distributed); rank 0 of the live run
+    # (a replacement of it too) logs, shows the progress and is the state's "world process zero".
+    def is_world_process_zero(self) -> bool:
+        if getattr(self, "micro_batches", None) is not None and getattr(self, "guard", None) is not None:
+            return self.guard.rank == 0
+        return super().is_world_process_zero()
+
+    def is_local_process_zero(self) -> bool:
+        if getattr(self, "micro_batches", None) is not None and getattr(self, "guard", None) is not None:
+            return self.guard.rank == 0
+        return super().is_local_process_zero()
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and self._skipped_since_log:
@@ -261,11 +319,29 @@ def refuse_unsupported(args: Any, config: RunConfig) -> None:
     if config.optim.grad_clip not in (OptimConfig().grad_clip, args.max_grad_norm):
         raise ValueError(f"GuardedTrainer: optim.grad_clip={config.optim.grad_clip} in the guard config and "
                           f"TrainingArguments.max_grad_norm={args.max_grad_norm} disagree; set max_grad_norm only")
-    if config.fault_tolerance.live:
-        raise ValueError("GuardedTrainer: fault_tolerance.live is not supported (live recovery needs the loss of "
-                          "each micro-batch by index, and the Trainer draws its batches from its own dataloader); "
-                          "train with trainguard.Guard's loop, guard.step(loss_of), in your own script "
-                          "(docs/library.md)")
     if config.guards.check_for_global_norm:
         raise ValueError("GuardedTrainer: rollback mode (guards.check_for_global_norm) needs a data source "
                           "that can skip ranges; use data skip (guards.skip) instead")
+
+
+def refuse_unsupported_live(trainer: Trainer) -> None:
+    """Live mode's own refusals, one ``ValueError`` line each: what the position-indexed micro-batches
+    (``hf_micro_batches``) and the live engine's reduction cannot take."""
+    args = trainer.args
+    if trainer.accelerator.distributed_type != DistributedType.NO:
+        raise ValueError(f"GuardedTrainer: fault_tolerance.live with the Trainer distributed by accelerate "
+                          f"({trainer.accelerator.distributed_type.value}): the live engine sums the ranks' "
+                          "gradients itself; start the ranks with trainguard run --nproc N --config FILE -- "
+                          "python SCRIPT, not torchrun")
+    dataset = trainer.train_dataset
+    if dataset is None or isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
+        raise ValueError("GuardedTrainer: fault_tolerance.live needs a train_dataset with a length, indexed by "
+                          "position (any rank computes any micro-batch of a step), not an iterable one")
+    if args.train_sampling_strategy != "random":
+        raise ValueError(f"GuardedTrainer: train_sampling_strategy={args.train_sampling_strategy!r} with "
+                          "fault_tolerance.live: live mode draws each micro-batch by position from the seeded "
+                          "random order (the default, 'random')")
+    if args.include_num_input_tokens_seen != "no":
+        raise ValueError(f"GuardedTrainer: include_num_input_tokens_seen={args.include_num_input_tokens_seen!r} "
+                          "with fault_tolerance.live: the live engine draws the samples, the Trainer's loop "
+                          "does not see them to count their tokens")

@@ -1,0 +1,112 @@
+"""examples/hf_trainer.py (``GuardedTrainer``, the Hugging Face ``Trainer`` adapter, on a tiny Qwen2 from a
+config) trained with live recovery by configuration alone: ``trainguard run --nproc 2 --config Y -- python
+examples/hf_trainer.py --config Y`` where Y says ``fault_tolerance.live: true``, 2 replica groups of 1
+rank, 8 steps of 4 micro-batches of 2 samples, a durable checkpoint every 4 steps. Run once without a
+fault and once with rank 1 SIGKILLed by the drill after step 3 and one warm spare: the survivor keeps its
+process, the spare takes rank 1's place with a live peer's state, the final state of every rank and the
+final durable checkpoint are bitwise the fault-free run's, and rank 0's Trainer logs each step once, the
+same in both runs, with the live step's loss and global norm, the plain ``Trainer``'s schedule and epoch."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from helpers.runs import assert_same_tensors, trainguard
+
+pytest.importorskip("accelerate", reason="the Trainer adapter needs accelerate (pip install 'trainguard[hf]')")
+
+from transformers import get_cosine_schedule_with_warmup  # noqa: E402
+
+from trainguard.events.log import read_events  # noqa: E402
+from trainguard.live.compare import run_differences  # noqa: E402
+from trainguard.live.files import events_path  # noqa: E402
+from trainguard.live.samples import sample_problems  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "hf_trainer.py"
+STEPS, WORLD, KILLED, KILL_AT = 8, 2, 1, 3
+MICRO_BATCHES, BATCH, DATASET = 4, 2, 256  # the example's per_device_train_batch_size and data set size
+LIVE = {"fault_tolerance": {"live": True}, "parallel": {"dp_replicate": WORLD},
+        "train": {"steps": STEPS, "micro_batches": MICRO_BATCHES}, "checkpoint": {"save_interval": 4}}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("live_hf_trainer")
+    config = root / "live.yaml"
+    config.write_text(yaml.safe_dump(LIVE), encoding="utf-8")
+    for name, overrides in (("clean", ()), ("failed", ("fault_tolerance.spares=1",
+                                                      f"faults=kill:rank={KILLED},step={KILL_AT}"))):
+        run_dir = root / name
+        sets = [arg for item in overrides for arg in ("--set", item)]
+        done = trainguard("run", "--nproc", str(WORLD), "--config", str(config), "--run-dir", str(run_dir), *sets,
+                          "--", sys.executable, str(EXAMPLE), "--steps", str(STEPS), "--config", str(config),
+                          "--log-file", str(run_dir / "logs.jsonl"), timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert f"live run finished: {STEPS} steps" in done.stdout
+    return root
+
+
+def _events(run_dir: Path) -> list[dict]:
+    return list(read_events(events_path(run_dir)))
+
+
+def _logged_steps(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "logs.jsonl").read_text(encoding="utf-8").splitlines()
+    return [entry for entry in map(json.loads, lines) if "loss" in entry]
+
+
+def test_the_survivor_keeps_its_pid_and_the_spare_rejoins_in_rank_1s_place(runs):
+    events = _events(runs / "failed")
+    pids = defaultdict(list)
+    for event in events:
+        if event["kind"] == "live_start":
+            pids[event["rank"]].append((event["pid"], event["rejoin"]))
+    assert len(pids[0]) == 1 and [rejoin for _, rejoin in pids[KILLED]] == [False, True], dict(pids)
+    kill = next(e for e in events if e["kind"] == "live_kill")
+    assert (kill["pid"], kill["target"], kill["step"]) == (pids[KILLED][0][0], KILLED, KILL_AT)
+    assert [q["members"] for q in events if q["kind"] == "live_quorum"] == [[0, 1], [0], [0, 1]]
+    (joined,) = [e for e in events if e["kind"] == "live_joined"]
+    assert joined["rank"] == KILLED and joined["state_bytes"] > 0 and KILL_AT < joined["step"] <= STEPS
+    alone = [e for e in events if e["kind"] == "live_step" and e["members"] == 1]
+    assert alone and all(e["rank"] == 0 and len(e["micro_batches"]) == MICRO_BATCHES for e in alone)
+
+
+def test_final_state_and_durable_checkpoint_equal_the_fault_free_run_bitwise(runs):
+    assert run_differences(runs / "clean", runs / "failed", WORLD) == {}
+    final = Path("checkpoints") / f"global_step_{STEPS}"
+    assert assert_same_tensors(runs / "clean" / final, runs / "failed" / final) > 0
+    config = json.loads((runs / "failed" / final / "huggingface" / "config.json").read_text(encoding="utf-8"))
+    assert config["model_type"] == "qwen2"  # the Trainer's model.config, for trainguard ckpt merge
+
+
+def test_every_step_takes_the_trainers_samples_once(runs):
+    for name in ("clean", "failed"):
+        assert sample_problems(_events(runs / name), STEPS, MICRO_BATCHES * BATCH) == [], name
+
+
+def test_rank_0_logs_each_step_once_as_the_plain_trainer_would(runs):
+    """``loss``: the step's mean over its global batch (the live step's, as the Trainer's float32 sum holds
+    it); ``grad_norm``: the live step's global norm before clipping; ``learning_rate``: the plain Trainer's
+    cosine schedule for that step; ``epoch``: samples consumed over the data set's size."""
+    clean, failed = _logged_steps(runs / "clean"), _logged_steps(runs / "failed")
+    assert [entry["step"] for entry in clean] == list(range(1, STEPS + 1))
+    assert failed == clean
+    committed = {e["step"]: e for e in _events(runs / "clean") if e["kind"] == "live_step" and e["rank"] == 0}
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=3e-3)  # the example's rate and schedule
+    schedule = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=2, num_training_steps=STEPS)
+    for entry in clean:
+        step = committed[entry["step"] - 1]
+        assert entry["loss"] == torch.tensor(step["loss"], dtype=torch.float32).item()
+        assert entry["grad_norm"] == step["global_norm"]
+        assert entry["learning_rate"] == schedule.get_last_lr()[0]
+        assert entry["epoch"] == entry["step"] * MICRO_BATCHES * BATCH / DATASET
+        optimizer.step()
+        schedule.step()

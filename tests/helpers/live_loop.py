@@ -16,6 +16,8 @@ its place, the steps and the global batch) and its own (``--config``, ``--lr``).
 """
 
 import argparse
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -26,6 +28,9 @@ import trainguard
 
 CLASSES, FEATURES, MICRO_BATCH = 4, 12, 8
 CONFIG = Path(__file__).with_suffix(".yaml")
+# the tests' errors in the user's loss: a JSON list of {"step": S, "rank": R, "times": N} (rank and times
+# optional: every rank, every time), each raising RuntimeError in loss_of at step S on that rank, N times
+RAISE_ENV = "LIVE_LOOP_RAISE"
 
 
 def sample_range(step: int, micro_batch: int, micro_batches: int) -> tuple[int, int]:
@@ -58,7 +63,14 @@ def rank_main(argv: list[str]) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=own.lr, weight_decay=0.1)
     guard = trainguard.Guard(own.run_dir, model, optimizer, config=own.config)  # live: the config says so
 
+    errors = json.loads(os.environ.get(RAISE_ENV, "[]"))
+
     def loss_of(model: torch.nn.Module, step: int, micro_batch: int) -> torch.Tensor:
+        for error in errors:
+            left = error.get("times", -1)  # below 0: every time
+            if error["step"] == step and error.get("rank", guard.rank) == guard.rank and left != 0:
+                error["times"] = left - 1
+                raise RuntimeError(f"injected error in the loss of step {step} on rank {guard.rank}")
         inputs, labels = batch(step, micro_batch, guard.micro_batches)
         return F.cross_entropy(model(inputs), labels)
 

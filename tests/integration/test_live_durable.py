@@ -17,12 +17,18 @@ its configuration ``tests/helpers/live_loop.yaml`` with ``checkpoint: {save_inte
   ``--resume auto``: ``test_live_trainer_guards.py`` (with data skip and SDC detection on);
 - the live launcher alone (the store and the lighthouse: a child of the command, ``live.supervise``)
   SIGKILLed after step 11: every rank exits 18, and the same command, without being run again, restarts
-  the run from ``global_step_10`` and ends bitwise equal to the fault-free run (issue 35).
+  the run from ``global_step_10`` and ends bitwise equal to the fault-free run (issue 35);
+- the user's loss raising (``live/step_failures.py``): once on one rank at step 3, the quorum tries the
+  step again and goes on; at step 11 on every rank every time, the run ends after 3 attempts with one
+  line and exit 19, no rank replaced, and the same command without the error resumes from
+  ``global_step_10`` and ends bitwise equal to the fault-free run.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -32,6 +38,7 @@ from pathlib import Path
 import pytest
 
 from helpers.runs import finish_session, worker_env
+from helpers.live_loop import RAISE_ENV
 from helpers.warm_command import warm_server
 from trainguard.checkpoint.discovery import list_checkpoints
 from trainguard.checkpoint.manifest import read_manifest
@@ -52,10 +59,11 @@ def _config(root: Path, keep_last: int = 3) -> Path:
     return config
 
 
-def _start(run_dir: Path, config: Path, *launcher: str, nproc: int = WORLD):
+def _start(run_dir: Path, config: Path, *launcher: str, nproc: int = WORLD, **env: str):
     """The user's command, in a session of its own (its pid is the launcher's, its process group the job's)."""
     return warm_server().start(["run", "--nproc", str(nproc), "--config", str(config), "--run-dir", str(run_dir),
-                                *launcher, "--", sys.executable, str(EXAMPLE), "--config", str(config)], worker_env())
+                                *launcher, "--", sys.executable, str(EXAMPLE), "--config", str(config)],
+                               worker_env(**env))
 
 
 def _committed_steps(run_dir: Path) -> list[int]:
@@ -259,3 +267,28 @@ def test_the_launchers_death_costs_a_restart_from_the_newest_checkpoint_and_the_
     assert not any(final_path(run_dir, rank).exists() and final_path(run_dir, rank).stat().st_mtime < lost["time"]
                    for rank in range(WORLD))
     assert run_differences(clean, run_dir, WORLD) == {}
+
+
+def test_a_step_that_raises_is_tried_again_and_ends_the_run_with_exit_19_after_3_failures_in_a_row(root, clean):
+    """Without the retry limit the error of step 11 was taken for a failed collective (or a dead rank):
+    the quorum recovered into a new epoch and failed again, for ever (epoch 553 seen)."""
+    run_dir, config = root / "step_failed", _config(root)
+    errors = json.dumps([{"step": 3, "rank": 2, "times": 1}, {"step": 11}])
+    done = finish_session(_start(run_dir, config, **{RAISE_ENV: errors}), TIMEOUT_S, "the live run whose loss raises")
+    assert done.returncode == 19, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if "failed 3 times in a row" in line]
+    assert len(lines) == 1 and re.fullmatch(  # one line, from the quorum's first rank: any rank's error
+        r"trainguard: error: \[rank 0\] step 11 failed 3 times in a row \(fault_tolerance.max_step_failures\), "
+        r"rank (\d): RuntimeError: injected error in the loss of step 11 on rank \1; the run ends with nothing saved "
+        r"at this step", lines[0]), done.stderr[-3000:]
+    newest = run_dir / "checkpoints" / "global_step_10"
+    assert ("trainguard: live run ended: a step failed fault_tolerance.max_step_failures times in a row: exit 19; the "
+            f"newest checkpoint is {newest}") in done.stdout, done.stdout[-3000:]
+    assert [(e["step"], e["attempt"], e["verdict"]) for e in _events(run_dir, "live_step_failed")] == [
+        (3, 1, "retry"), (11, 1, "retry"), (11, 2, "retry"), (11, 3, "end")]
+    assert _events(run_dir, "live_step_failed")[0]["error"] == (
+        "rank 2: RuntimeError: injected error in the loss of step 3 on rank 2")
+    assert not _events(run_dir, "live_exit") and len(_events(run_dir, "live_start")) == WORLD
+    assert [e["epoch"] for e in _events(run_dir, "live_quorum")] == [0]  # no recovery epoch
+    assert _committed_steps(run_dir) == [5, 10]
+    _resumes_bitwise(run_dir, config, clean, 10)  # the retried step 3 too: bitwise the fault-free one

@@ -9,8 +9,8 @@ signals it) asks the quorum to stop: it saves at its next step boundary and ever
 ``EXIT_RESUMABLE_STOP``; ``launch`` returns then (``stopped``). A second signal, 2 s or more after the
 first, ends every rank at once (restart mode's ``StopSignals``: nothing more is saved). The quorum's
 other agreed ends are read the same way: every member exits 0 (the end, the kill switch,
-``train.exit_at_step``), 3 (a data-skip abort) or 16 (a stop to resume from), and the launcher ends with
-them (``LiveResult.exit_code``) instead of replacing them.
+``train.exit_at_step``), 3 (a data-skip abort), 16 (a stop to resume from) or 19 (a step that failed
+``fault_tolerance.max_step_failures`` times in a row), and the launcher ends with them (``LiveResult.exit_code``) instead of replacing them.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch
 from trainguard.checkpoint.manifest import read_manifest
 from trainguard.checkpoint.resume import choose_resume_checkpoint
 from trainguard.config.schema import RunConfig
-from trainguard.errors import EXIT_DATA_SKIP_ABORT, EXIT_OK, EXIT_RESUMABLE_STOP, ConfigError
+from trainguard.errors import EXIT_DATA_SKIP_ABORT, EXIT_OK, EXIT_RESUMABLE_STOP, EXIT_STEP_FAILED, ConfigError
 from trainguard.events import EventLog
 from trainguard.forking import ForkedProcess, ForkServer, start_server, thread_count
 from trainguard.live.drill import live_drill
@@ -57,8 +57,8 @@ from trainguard.runtime.outcome import RunOutcome
 LIVE, RESTART = "live", "restart"
 # the exit codes the quorum agrees on in a step's all-reduce, so that every member ends with one of them:
 # the run's end (or a stop that needs no resume: the kill switch, train.exit_at_step), a data-skip abort,
-# a stop to resume from (a signal, the time limit)
-AGREED_EXITS = (EXIT_OK, EXIT_DATA_SKIP_ABORT, EXIT_RESUMABLE_STOP)
+# a stop to resume from (a signal, the time limit), a step that failed too often in a row (step_failures.py)
+AGREED_EXITS = (EXIT_OK, EXIT_DATA_SKIP_ABORT, EXIT_RESUMABLE_STOP, EXIT_STEP_FAILED)
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from trainguard.live.files import events_path
 from trainguard.live.quorum import spare_failed_key, spare_key, spare_ready_key, wait_for
 from trainguard.live.signed_store import SignedStore
 from trainguard.live.spare_check import check_spare
+from trainguard.live.step_failures import StepFailed
 from trainguard.live.worker import (DEFAULT_RULES, FENCED_EXIT, WAIT_S, CommittedStep, Fenced, LiveArgs, LiveRules,
                                     LiveWorker, MicroBatchLoss, SampleRange, micro_batch_grad)
 from trainguard.runtime.lifecycle import Lifecycle
@@ -158,7 +159,7 @@ class LiveRank:
         except FaultyDeviceError as faulty:  # this rank alone: the others go on, its group leaves (live/sdc.py)
             print(f"trainguard: error: [rank {self.worker.rank}] {faulty}", file=sys.stderr, flush=True)
             self.exit_code = faulty.exit_code
-        except DataSkipAbort as abort:  # every member judged the same sum: all abort at this step
+        except (DataSkipAbort, StepFailed) as abort:  # every member judged the same sum: all end at this step
             if self.worker.reports() or not abort.every_rank_raises:
                 print(f"trainguard: error: [rank {self.worker.rank}] {abort}", file=sys.stderr, flush=True)
             self.exit_code = abort.exit_code

@@ -157,6 +157,6 @@ def live_rank(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
                       gradient_faults=gradient_faults(config.faults), site_faults=site_faults(config.faults),
                       sdc=sdc_config_from_env(config.guards.sdc), fingerprint=config.guards.fingerprint,
                       exit_at_step=config.train.exit_at_step,
-                      lifecycle=config.lifecycle)
+                      lifecycle=config.lifecycle, max_step_failures=config.fault_tolerance.max_step_failures)
     return LiveRank(model, optimizer, args, scheduler, seed=config.train.seed, checkpoint=config.checkpoint,
                     rules=rules, static_files=static_files)

@@ -58,7 +58,9 @@ RANK = {"train.seed": 43, "optim.grad_clip": 0.5,
         "guards.sdc.peak": 0.25, "guards.sdc.row_jump": 50.0, "guards.sdc.blocks": False,
         "guards.sdc.gradients": False, "guards.sdc.lm_head": False, "guards.sdc.loss_scale": 2.0,
         # replica fingerprints (``live.fingerprint``; tests/integration/test_live_sdc.py)
-        "guards.fingerprint.interval": 7, "guards.fingerprint.at_rest": "every_step"}
+        "guards.fingerprint.interval": 7, "guards.fingerprint.at_rest": "every_step",
+        # the retry limit of a step whose computation raised (``live.step_failures``; test_live_durable.py)
+        "fault_tolerance.max_step_failures": 5}
 TRAINER_MODEL = {
     "model.preset": "llama-micro", "model.hidden_size": 96, "model.num_layers": 3, "model.num_heads": 4,
     "model.num_kv_heads": 1, "model.intermediate_size": 100, "model.tie_word_embeddings": False,

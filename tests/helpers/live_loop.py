@@ -12,7 +12,7 @@ draws the same one. Rank 0 prints every 10th step's loss.
         --set 'faults=kill:rank=3,step=5' -- python tests/helpers/live_loop.py
 
 A rank is this script with the launcher's flags (``--store ... --rank R --run-dir DIR ...``: they decide
-its place, the steps and the global batch) and its own (``--config``, ``--lr``).
+its place, the steps and the global batch) and its own (``--config``, ``--lr``, ``--total``).
 """
 
 import argparse
@@ -59,6 +59,7 @@ def rank_main(argv: list[str]) -> None:
     parser.add_argument("--config", type=Path, default=CONFIG)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--run-dir", type=Path, required=True)  # the launcher's flag: the run's directory
+    parser.add_argument("--total", type=int)  # the total passed to should_stop (default: guard.total_steps)
     own, _ = parser.parse_known_args(argv)  # the rest are the launcher's flags, the guard's
     optimizer = torch.optim.AdamW(model.parameters(), lr=own.lr, weight_decay=0.1)
     guard = trainguard.Guard(own.run_dir, model, optimizer, config=own.config)  # live: the config says so
@@ -78,7 +79,7 @@ def rank_main(argv: list[str]) -> None:
         return sample_range(step, micro_batch, guard.micro_batches)
 
     step = guard.resume()
-    while not guard.should_stop(step, guard.total_steps):
+    while not guard.should_stop(step, guard.total_steps if own.total is None else own.total):
         outcome = guard.step(loss_of, samples_of)
         step = outcome.step
         if guard.rank == 0 and step % 10 == 0:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from trainguard.checkpoint.discovery import newest_committed
 from trainguard.config.schema import RunConfig
-from trainguard.errors import EXIT_DATA_SKIP_ABORT, EXIT_STEP_FAILED, ConfigError
+from trainguard.errors import EXIT_DATA_SKIP_ABORT, EXIT_STEP_FAILED, EXIT_USAGE, ConfigError
 from trainguard.live.launcher import LiveRun, resume_point
 from trainguard.live.placement import place
 from trainguard.live.supervise import supervise
@@ -92,6 +92,8 @@ def run_live(run: LiveRun, run_dir: Path) -> int:
         print(f"trainguard: live run aborted by the data-skip guard: exit {EXIT_DATA_SKIP_ABORT}; the newest "
               f"checkpoint is {saved}", flush=True)
         return EXIT_DATA_SKIP_ABORT
+    if result.exit_code == EXIT_USAGE:  # every rank made the same configuration error; the first printed it
+        return EXIT_USAGE
     if result.exit_code == EXIT_STEP_FAILED:  # the ranks printed the step's error
         print(f"trainguard: live run ended: a step failed fault_tolerance.max_step_failures times in a row: exit "
               f"{EXIT_STEP_FAILED}; the newest checkpoint is {saved}", flush=True)

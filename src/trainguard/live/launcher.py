@@ -37,7 +37,8 @@ import torch
 from trainguard.checkpoint.manifest import read_manifest
 from trainguard.checkpoint.resume import choose_resume_checkpoint
 from trainguard.config.schema import RunConfig
-from trainguard.errors import EXIT_DATA_SKIP_ABORT, EXIT_OK, EXIT_RESUMABLE_STOP, EXIT_STEP_FAILED, ConfigError
+from trainguard.errors import (EXIT_DATA_SKIP_ABORT, EXIT_OK, EXIT_RESUMABLE_STOP, EXIT_STEP_FAILED, EXIT_USAGE,
+                               ConfigError)
 from trainguard.events import EventLog
 from trainguard.forking import ForkedProcess, ForkServer, start_server, thread_count
 from trainguard.live.drill import live_drill
@@ -57,8 +58,9 @@ from trainguard.runtime.outcome import RunOutcome
 LIVE, RESTART = "live", "restart"
 # the exit codes the quorum agrees on in a step's all-reduce, so that every member ends with one of them:
 # the run's end (or a stop that needs no resume: the kill switch, train.exit_at_step), a data-skip abort,
-# a stop to resume from (a signal, the time limit), a step that failed too often in a row (step_failures.py)
-AGREED_EXITS = (EXIT_OK, EXIT_DATA_SKIP_ABORT, EXIT_RESUMABLE_STOP, EXIT_STEP_FAILED)
+# a stop to resume from (a signal, the time limit), a step that failed too often in a row (step_failures.py);
+# and a configuration error every rank makes alike in the loop (``LiveRank.end_with_config_error``)
+AGREED_EXITS = (EXIT_OK, EXIT_DATA_SKIP_ABORT, EXIT_RESUMABLE_STOP, EXIT_STEP_FAILED, EXIT_USAGE)
 
 
 @dataclass(frozen=True)

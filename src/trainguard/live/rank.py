@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
 from trainguard.checkpoint.config import CheckpointConfig
+from trainguard.errors import ConfigError
 from trainguard.events import EventLog
 from trainguard.events.rank_logging import setup_logging
 from trainguard.guards.sdc import FaultyDeviceError
@@ -194,6 +195,17 @@ class LiveRank:
             print(f"live recovery: spare {args.spare} failed its self-test: {report.reason}", file=sys.stderr)
             self.exit_code = SPARE_UNHEALTHY_EXIT
         return report.healthy
+
+    def end_with_config_error(self, error: ConfigError) -> NoReturn:
+        """A configuration mistake every rank makes alike (the loop's ``total_steps`` against the launcher's
+        ``train.steps``): the quorum's first rank prints it in one line, and every rank ends with exit 2,
+        which the launcher reads as the run's end (it replaces no rank: a replacement would make it again)."""
+        if self.worker is None or self.worker.reports():
+            print(f"trainguard: error: [rank {self.args.rank if self.worker is None else self.worker.rank}] {error}",
+                  file=sys.stderr, flush=True)
+        self.exit_code = error.exit_code
+        self.ended = True
+        self.close()
 
     def close(self) -> NoReturn:
         """At the last step or the agreed stop, trains what is left (the redo of a step a peer did not

@@ -148,20 +148,20 @@ USER_STEPS = 40
 USER_SETS = [f"train.steps={USER_STEPS}", "fault_tolerance.hang_s=4", "checkpoint.save_interval=10"]
 
 
-def _user_loop(run_dir: Path, *options: str) -> list[str]:
-    sets = [arg for item in USER_SETS for arg in ("--set", item)]
+def _user_loop(run_dir: Path, *options: str, sets: tuple[str, ...] = ()) -> list[str]:
+    sets = [arg for item in (*USER_SETS, *sets) for arg in ("--set", item)]
     return ["run", *options, "--nproc", "4", "--config", str(EXAMPLE.with_suffix(".yaml")), "--run-dir", str(run_dir),
             *sets, "--", sys.executable, str(EXAMPLE)]
 
 
-def _on_hosts(netns, run_dir: Path, during) -> tuple[int, str]:
+def _on_hosts(netns, run_dir: Path, during, sets: tuple[str, ...] = ()) -> tuple[int, str]:
     """The user loop through ``trainguard run --launcher hosts`` in the head namespace on n1 n2 (+ the spare
     node n3), ``during()`` in a thread beside it; its exit code and output."""
     helper = threading.Thread(target=during, daemon=True)
     helper.start()
     hosts = ",".join(f"{node}={netns.address(node)}" for node in NODES)
     command = netns.on_head([sys.executable, "-m", "trainguard", *_user_loop(
-        run_dir, "--launcher", "hosts", "--hosts", hosts, "--node-command", netns.node_command())])
+        run_dir, "--launcher", "hosts", "--hosts", hosts, "--node-command", netns.node_command(), sets=sets)])
     # output to a file: a stale rank of the cut node may hold a pipe open after the launcher ends
     output_path = run_dir.parent / f"{run_dir.name}.out"
     with open(output_path, "w") as output:
@@ -229,8 +229,12 @@ def test_launcher_hosts_ends_bitwise_equal_to_the_fault_free_run(hosts_run):
 
 def test_launcher_hosts_outlives_its_launchers_death_with_a_restart_from_the_newest_checkpoint(netns, hosts_run):
     """No single point of failure across hosts: the launcher (store, lighthouse) SIGKILLed once step 12 is
-    committed; the ranks on n1 and n2 find the store gone and exit 18 (their node commands, reparented to
-    the command, with them), and the command restarts the run on the hosts from global_step_10, bitwise."""
+    committed; the ranks on n1 and n2 find their lifeline (stdin) or the store gone and exit 18 (their node
+    commands, reparented to the command, with them), and the command restarts the run on the hosts from
+    global_step_10, bitwise. Before that, the drill kills rank 1 on n1 at step 4: the launcher's SIGKILL
+    reaches only its node command (``unshare --fork``: the rank is its child, in a pid namespace of its
+    own), and the rank itself ends through its lifeline, at once, replaced on n1 (before: it ran on, out of
+    the quorum, until the launcher's death ended it with the others: 5 processes exited 18, checked)."""
     _, clean, _, _, _ = hosts_run
     run_dir = clean.parent / "launcher_lost"
 
@@ -239,8 +243,13 @@ def test_launcher_hosts_outlives_its_launchers_death_with_a_restart_from_the_new
         (store,) = _wait(run_dir, lambda e: e["kind"] == "live_store")
         os.kill(store["pid"], signal.SIGKILL)
 
-    code, output = _on_hosts(netns, run_dir, kill_the_launcher)
+    code, output = _on_hosts(netns, run_dir, kill_the_launcher, sets=("faults=kill:rank=1,step=4",))
     assert code == 0, output[-4000:]
+    (kill,) = [e for e in _events(run_dir) if e["kind"] == "live_kill"]
+    assert kill["target"] == 1 and kill["step"] == 4
+    replaced = [(e["target"], e["node"]) for e in _events(run_dir) if e["kind"] == "live_replacement"]
+    assert replaced == [(1, "n1")], replaced
+    assert not [e for e in _events(run_dir) if e["kind"] == "live_fenced"]  # the killed rank never came back
     newest = run_dir / "checkpoints" / "global_step_10"
     assert f"restarting the run from {newest}" in output, output[-4000:]
     (lost,) = [e for e in _events(run_dir) if e["kind"] == "live_launcher_lost"]

@@ -33,6 +33,7 @@ from trainguard.events import EventLog
 from trainguard.events.rank_logging import setup_logging
 from trainguard.guards.sdc import FaultyDeviceError
 from trainguard.guards.skip import DataSkipAbort
+from trainguard.live import lifeline
 from trainguard.live.files import events_path
 from trainguard.live.quorum import spare_failed_key, spare_key, spare_ready_key, wait_for
 from trainguard.live.signed_store import SignedStore
@@ -79,6 +80,8 @@ class LiveRank:
         0 of step 0 on a copy of the model); without it the spare warms the autograd engine and the
         optimizer only, and the model's own first forward and backward happen in its first step."""
         args = self.args
+        if args.lifeline:  # on another node: the launcher's kill comes through stdin
+            lifeline.hold(STORE_LOST_EXIT)
         host, port = args.store.rsplit(":", 1)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         # what this rank writes to the store is sealed with the run secret its launcher handed down (in the

@@ -118,6 +118,7 @@ class LiveArgs:
     stall_collective: int | None  # drill: stay out of this step's all-reduce, alive, until the epoch ends
     stall_cut: bool  # drill: ... marked as in it, with this rank's probe socket closed (live/stall.py)
     resume: Path | None  # the durable checkpoint the job resumes from (the launcher chose it), or None
+    lifeline: bool = False  # started on another node: the launcher ends this process through stdin (lifeline.py)
 
     @classmethod
     def parse(cls, argv: list[str] | None = None) -> LiveArgs:
@@ -142,6 +143,7 @@ class LiveArgs:
         parser.add_argument("--stall-collective", type=int)
         parser.add_argument("--stall-cut", action="store_true")
         parser.add_argument("--resume", type=Path)
+        parser.add_argument("--lifeline", action="store_true")
         known, _ = parser.parse_known_args(argv)
         return cls(**vars(known))
 

@@ -12,7 +12,9 @@ draws the same one. Rank 0 prints every 10th step's loss.
         --set 'faults=kill:rank=3,step=5' -- python tests/helpers/live_loop.py
 
 A rank is this script with the launcher's flags (``--store ... --rank R --run-dir DIR ...``: they decide
-its place, the steps and the global batch) and its own (``--config``, ``--lr``, ``--total``).
+its place, the steps and the global batch) and its own (``--config``, ``--lr``, ``--one-cycle``: a
+``OneCycleLR``, ``--seen``: a ``StepsSeen`` stateful object,
+``--total``: the total passed to ``should_stop``).
 """
 
 import argparse
@@ -53,16 +55,45 @@ def build_model() -> torch.nn.Module:
                                torch.nn.Dropout(0.1), torch.nn.Linear(24, CLASSES))
 
 
+class StepsSeen:
+    """The loop's own state (``Guard(stateful=...)``), updated before each step: how many steps the loop
+    asked for, and the last one."""
+
+    def __init__(self):
+        self.steps, self.last = 0, -1
+
+    def before(self, step: int) -> None:
+        self.steps, self.last = self.steps + 1, step
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps, "last": self.last}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps, self.last = state["steps"], state["last"]
+
+
+def one_cycle(optimizer: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.OneCycleLR:
+    """A schedule whose LR is not a function of the step alone (its momentum cycles too)."""
+    return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=steps)
+
+
 def rank_main(argv: list[str]) -> None:
     model = build_model()
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", type=Path, default=CONFIG)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--run-dir", type=Path, required=True)  # the launcher's flag: the run's directory
+    parser.add_argument("--steps", type=int)  # the launcher's flag: the run's steps
+    parser.add_argument("--one-cycle", action="store_true", help="step a OneCycleLR over the run's steps")
+    parser.add_argument("--seen", action="store_true", help="keep a StepsSeen as stateful")
     parser.add_argument("--total", type=int)  # the total passed to should_stop (default: guard.total_steps)
     own, _ = parser.parse_known_args(argv)  # the rest are the launcher's flags, the guard's
     optimizer = torch.optim.AdamW(model.parameters(), lr=own.lr, weight_decay=0.1)
-    guard = trainguard.Guard(own.run_dir, model, optimizer, config=own.config)  # live: the config says so
+    scheduler = one_cycle(optimizer, own.steps) if own.one_cycle else None
+    seen = StepsSeen() if own.seen else None
+    # the first layer stands in for an input embedding: its gradient norm is what guards.health judges
+    guard = trainguard.Guard(own.run_dir, model, optimizer, scheduler, stateful={"seen": seen} if seen else None,
+                             config=own.config, embedding=model[0].weight)  # live: the config says so
 
     errors = json.loads(os.environ.get(RAISE_ENV, "[]"))
 
@@ -80,6 +111,8 @@ def rank_main(argv: list[str]) -> None:
 
     step = guard.resume()
     while not guard.should_stop(step, guard.total_steps if own.total is None else own.total):
+        if seen is not None:
+            seen.before(step)
         outcome = guard.step(loss_of, samples_of)
         step = outcome.step
         if guard.rank == 0 and step % 10 == 0:

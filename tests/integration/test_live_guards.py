@@ -1,13 +1,14 @@
 """The closure mode's guards and stops in live mode, on the documented user path (``trainguard run
 --nproc 4 --config FILE -- python tests/helpers/live_loop.py --config FILE``: 4 gloo ranks, 2 replica
-groups x 2, dropout, AdamW, durable checkpoints every 5 steps), ``guards.skip`` on with an absolute
-threshold:
+groups x 2, dropout, AdamW with a ``OneCycleLR``, the loop's own ``StepsSeen`` as ``stateful``, durable
+checkpoints every 5 steps), ``guards.skip`` on with an absolute threshold:
 
 - a gradient spike (the drill's ``spike:step=4``) and a NaN (``nan:step=7``, rank 0's by default: every
   rank's in the sum) are skipped by every rank at steps 4 and 7, the run goes on, and ends with every
   rank's parameters and optimizer state bitwise those of a fault-free run that skips steps 4 and 7 by
   replay (``guards.skip.replay_steps``), and so does the same run with rank 3 SIGKILLed between the two
-  (its group rejoins with the guards' state); the same script in the closure mode
+  (its group rejoins with the guards', the scheduler's and the loop's object's state: every rank's
+  final state, those included, the fault-free run's); the same script in the closure mode
   (``helpers/user_loop_closure.py``, the same gradients summed by the same tree) measures every step's
   loss and norm within 1e-5 of live mode's (live mode sums the norm's squares by rows, the same for any
   layout, the closure mode by parameter: the clip's factor, and so the trajectory, differ in the last
@@ -15,7 +16,8 @@ threshold:
 - a spike at every step from 3 with ``count_threshold: 2``: every rank aborts at step 4 with the
   reference's line, exit 3, and no rank is replaced;
 - ``train.exit_at_step: 6``: the quorum saves step 6 and ends with exit 0; the same command without it
-  resumes there and ends bitwise equal to the run that never stopped (guards' state included);
+  resumes there and ends bitwise equal to the run that never stopped (guards', scheduler's and loop
+  object's state included: they ride in the durable checkpoint);
 - the kill switch created mid-run: the quorum stops at its next step boundary, saved, exit 0, with the
   closure mode's line; present at the start, no rank starts;
 - the time limit (``lifecycle.exit_duration_in_mins``) near: saved, exit 16.
@@ -23,6 +25,7 @@ threshold:
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -43,23 +46,30 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "tests" / "helpers" / "live_loop.py"
 CLOSURE_TWIN = ROOT / "tests" / "helpers" / "user_loop_closure.py"
 STEPS, WORLD, SPIKE_AT, NAN_AT, THRESHOLD = 10, 4, 4, 7, 50.0
+# guards.health on the first layer's gradient norm (live_loop.py's stand-in embedding): above it at step 5
+# (0.626 in these runs), below at steps 6 and 10 (0.553, 0.557)
+EMBEDDING_THRESHOLD = 0.6
 FAULTS = f"faults=spike:step={SPIKE_AT},factor=10000; nan:step={NAN_AT}"
 SKIPPED = [SPIKE_AT, NAN_AT]
 TIMEOUT_S = 240
+# every run steps a OneCycleLR and keeps the loop's StepsSeen as stateful (live/state.py)
+SCRIPT_FLAGS = ["--one-cycle", "--seen"]
 
 
 def _config(root: Path) -> Path:
     config = root / "live_guards.yaml"
     config.write_text(EXAMPLE.with_suffix(".yaml").read_text().replace("steps: 60", f"steps: {STEPS}")
                       + "checkpoint: {save_interval: 5}\n"
-                      + f"guards: {{skip: {{enabled: true, threshold: {THRESHOLD}}}}}\n")
+                      + f"guards: {{skip: {{enabled: true, threshold: {THRESHOLD}}}, "
+                      + f"health: {{enabled: true, embedding_threshold: {EMBEDDING_THRESHOLD}}}}}\n")
     return config
 
 
 def _start(run_dir: Path, config: Path, *sets: str):
     args = [arg for item in sets for arg in ("--set", item)]
     return warm_server().start(["run", "--nproc", str(WORLD), "--config", str(config), "--run-dir", str(run_dir),
-                                *args, "--", sys.executable, str(EXAMPLE), "--config", str(config)], worker_env())
+                                *args, "--", sys.executable, str(EXAMPLE), "--config", str(config), *SCRIPT_FLAGS],
+                               worker_env())
 
 
 def _live(run_dir: Path, config: Path, *sets: str) -> subprocess.CompletedProcess:
@@ -122,22 +132,53 @@ def test_the_spiked_run_ends_bitwise_as_a_run_that_skips_the_same_step_by_replay
         assert bitwise_differences(_trained_state(run_dir, rank), _trained_state(replayed, rank)) == [], rank
 
 
-def test_a_rank_killed_between_the_skips_rejoins_with_the_guards_state_and_the_run_ends_bitwise(root, spiked):
+@pytest.fixture(scope="module")
+def killed(root):
+    return root / "killed", _ok(_live(root / "killed", _config(root), f"{FAULTS}; kill:rank=3,step=5"))
+
+
+def test_a_rank_killed_between_the_skips_rejoins_with_the_guards_state_and_the_run_ends_bitwise(root, spiked, killed):
     """Rank 3 SIGKILLed after step 5 (the spike of step 4 skipped, the NaN of step 7 to come): its group
-    rejoins with a live peer's guards' state (skipped steps, the streak, the data-skip window) besides the
-    model and optimizer, and every rank ends with the spiked run's whole final state, guards' state included."""
+    rejoins with a live peer's guards' state (skipped steps, the streak, the data-skip window), the
+    scheduler's and the loop's counter's besides the model and optimizer, and every rank ends with the
+    spiked run's whole final state, those included."""
     run_dir, _ = spiked
-    done = _ok(_live(root / "killed", _config(root), f"{FAULTS}; kill:rank=3,step=5"))
+    _, done = killed
     assert "ranks replaced: [3]" in done.stdout
     assert [e["step"] for e in _events(root / "killed", "data_skip")] == SKIPPED
     assert run_differences(run_dir, root / "killed", WORLD) == {}
+    for rank in range(WORLD):  # the replacement of rank 3 too: its loop asked for the steps after its join only
+        final = safe_torch_load(final_path(root / "killed", rank))
+        assert final["scheduler"]["last_epoch"] == STEPS - len(SKIPPED), rank  # it stands still on a skipped step
+        assert final["stateful"]["seen"] == {"steps": STEPS, "last": STEPS - 1}, rank
+
+
+def _health_records(run_dir: Path) -> dict[int, int]:
+    """Step -> ``is_health`` of each record in ``health_ckpts.json``, checked against the manifest's."""
+    records = json.loads((run_dir / "checkpoints" / "health_ckpts.json").read_text())
+    health = {int(r["ckpt_name"].removeprefix("global_step_")): r["is_health"] for r in records}
+    for info in list_checkpoints(run_dir / "checkpoints"):
+        assert info.manifest.health["is_health"] == health[info.step], info.step
+    return health
+
+
+def test_every_durable_save_records_its_health_from_the_summed_gradients_embedding_norm(spiked, killed):
+    """``guards.health`` in live mode: each save's verdict is the norm of the stand-in embedding's rows of
+    the saved step's summed gradient (every rank's alike: no collective of its own), the same figure every
+    ``live_step`` event carries (as the closure mode's ``step`` events do with ``guards.monitor``)."""
+    for run_dir, saved in ((spiked[0], [5, 10]), (killed[0], [10])):  # the killed run's save of 5 was cut
+        steps = {e["step"] + 1: e["embedding_local_norm"] for e in _events(run_dir, "live_step") if e["rank"] == 0}
+        assert _committed_steps(run_dir) == saved and sorted(_health_records(run_dir)) == saved, run_dir.name
+        assert _health_records(run_dir) == {step: int(steps[step] > EMBEDDING_THRESHOLD) for step in saved}
+        assert all("embedding_local_norm" in e for e in _events(run_dir, "live_step"))
+    assert _health_records(spiked[0]) == {5: 1, 10: 0}  # step 5's above the threshold
 
 
 def test_the_closure_mode_skips_the_same_steps_on_the_same_gradients(root, spiked):
     run_dir, _ = spiked
     closure_dir = root / "closure"
     done = subprocess.run([sys.executable, str(CLOSURE_TWIN), "--config", str(_config(root)), "--run-dir",
-                           str(closure_dir), "--set", FAULTS.replace("; ", ";")],
+                           str(closure_dir), "--set", FAULTS.replace("; ", ";"), *SCRIPT_FLAGS],
                           env=worker_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     _ok(done)
     # every step's verdict the live run's, its loss and norm within 1e-5 (live mode sums the micro-batches
@@ -149,7 +190,7 @@ def test_the_closure_mode_skips_the_same_steps_on_the_same_gradients(root, spike
     live_steps = [e for e in _events(run_dir, "live_step") if e["rank"] == 0]
     assert verdicts(closure_steps, 0) == verdicts(live_steps, 1) and len(live_steps) == STEPS
     for closure, live in zip(closure_steps, live_steps):
-        for key in ("loss", "global_norm"):  # a NaN is written as its text
+        for key in ("loss", "global_norm", "embedding_local_norm"):  # a NaN is written as its text
             expected, found = float(closure[key]), float(live[key])
             assert (math.isnan(expected) and math.isnan(found)) or found == pytest.approx(expected, rel=1e-5), key
     assert [e["step"] for e in _events(closure_dir, "data_skip")] == SKIPPED
@@ -184,7 +225,10 @@ def test_exit_at_step_saves_and_ends_with_exit_0_and_the_run_resumes_bitwise(roo
 
 def test_the_kill_switch_stops_the_quorum_at_a_saved_boundary_and_at_start_starts_nothing(root):
     run_dir, switch = root / "switched", root / "switch"
-    proc = _start(run_dir, _config(root), f"lifecycle.kill_switch_path={switch}")
+    # health off: the early step it saves is above EMBEDDING_THRESHOLD, and the second start's resume point
+    # (chosen before the kill switch is looked at) would be no healthy checkpoint: exit 4
+    no_health = "guards.health.enabled=false"
+    proc = _start(run_dir, _config(root), f"lifecycle.kill_switch_path={switch}", no_health)
     deadline = time.monotonic() + TIMEOUT_S
     while not (events_path(run_dir).exists() and _events(run_dir, "live_step")):
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before its first step"
@@ -198,7 +242,7 @@ def test_the_kill_switch_stops_the_quorum_at_a_saved_boundary_and_at_start_start
     assert f"stopping at step {step}: kill switch {switch} exists; exit 0 (checkpoint: step {step})" in done.stdout
     assert {e["step"] for e in _events(run_dir, "live_stopped")} == {step}
     assert sorted(e["rank"] for e in _events(run_dir, "live_stopped")) == list(range(WORLD))
-    again = _ok(_live(run_dir, _config(root), f"lifecycle.kill_switch_path={switch}"))
+    again = _ok(_live(run_dir, _config(root), f"lifecycle.kill_switch_path={switch}", no_health))
     assert f"kill switch {switch} exists at start: nothing loaded or trained" in again.stdout
     assert len(_events(run_dir, "live_start")) == WORLD  # no rank of the second run started
 

@@ -60,9 +60,12 @@ def test_the_command_trains_every_step_on_every_rank(runs):
 def test_the_lr_follows_the_trainers_schedule(runs):
     root, _, _ = runs
     config = config_from_args(build_parser(train_argv(root)).parse_args(train_argv(root)))
-    groups = safe_torch_load(final_path(root / "clean", 0))["optimizer"]["param_groups"]
-    expected = config.optim.lr * lr_factor(STEPS - 1, config.optim.warmup_steps, STEPS, config.optim.min_lr_ratio)
-    assert {group["lr"] for group in groups} == {expected} and expected != config.optim.lr
+    final = safe_torch_load(final_path(root / "clean", 0))
+    # the scheduler steps after each update, as the closure mode's: the optimizer is left with the LR of the
+    # step after the last, the schedule's after STEPS updates
+    expected = config.optim.lr * lr_factor(STEPS, config.optim.warmup_steps, STEPS, config.optim.min_lr_ratio)
+    assert {group["lr"] for group in final["optimizer"]["param_groups"]} == {expected} and expected != config.optim.lr
+    assert final["scheduler"]["last_epoch"] == STEPS
 
 
 def test_survivors_keep_their_processes_and_end_bitwise_equal_to_the_fault_free_run(runs):

@@ -3,8 +3,8 @@
 trained with live recovery by configuration alone: ``trainguard run --nproc 4 --config Y -- python
 examples/user_loop.py`` where Y is examples/user_loop.yaml with ``fault_tolerance.live: true`` and the
 live layout (2 replica groups x 2) added, and without the keys live mode does not run yet (``NOT_LIVE_YET``:
-the local tier and checkpoint health; live mode refuses them rather than ignoring them): its data skip,
-SDC level 2 with 2 strikes, clipping and durable tier are on. Run once
+the local tier; live mode refuses it rather than ignoring it): its data skip, checkpoint health, SDC level 2
+with 2 strikes, clipping and durable tier are on. Run once
 without a fault and once with the drill's SIGKILL of rank 3 at step 5 and two warm spares, the first
 made to fail its self-test. The survivors keep their processes, the replaced group rejoins with a live
 peer's state, every rank ends with the fault-free run's parameters and optimizer state bit for bit, and
@@ -30,7 +30,7 @@ from trainguard.live.files import events_path
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE, CONFIG = ROOT / "examples" / "user_loop.py", ROOT / "examples" / "user_loop.yaml"
 STEPS, WORLD, GROUP, KILLED, KILL_AT = 12, 4, 2, 3, 5
-NOT_LIVE_YET = {"checkpoint": ("local_interval",), "guards": ("health",)}  # issue 35 item 2
+NOT_LIVE_YET = {"checkpoint": ("local_interval",)}  # issue 35 item 2
 LIVE = {"fault_tolerance": {"live": True}, "parallel": {"dp_replicate": 2, "dp_shard": GROUP}}
 
 
@@ -123,6 +123,22 @@ def test_final_state_and_durable_checkpoint_equal_the_fault_free_run_bitwise(run
         assert replica_differences(runs / name, WORLD, GROUP) == {}, name
     final = Path("checkpoints") / f"global_step_{STEPS}"
     assert assert_same_tensors(runs / "clean" / final, runs / "failed" / final) > 0
+
+
+def test_every_durable_save_records_its_health_alike_in_both_runs(runs):
+    """``guards.health`` (the example's threshold on the GPT-2 input embedding): a record in
+    ``health_ckpts.json`` for each committed checkpoint, the same verdicts and norms in both runs."""
+    runs, _ = runs
+    records = {}
+    for name in ("clean", "failed"):
+        root = runs / name / "checkpoints"
+        committed = sorted(root.glob("global_step_*"))
+        named = {r["ckpt_name"]: r["is_health"] for r in json.loads((root / "health_ckpts.json").read_text())}
+        assert committed and sorted(named) == sorted(path.name for path in committed), name
+        records[name] = {path.name: json.loads((path / "trainguard.json").read_text())["health"]
+                         for path in committed}
+    final = f"global_step_{STEPS}"
+    assert records["failed"][final] == records["clean"][final]
 
 
 def test_the_durable_checkpoints_hold_the_loops_hugging_face_config(runs):

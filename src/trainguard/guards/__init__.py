@@ -19,6 +19,7 @@ from trainguard.guards.health import (
     latest_healthy_step,
     read_health_records,
     record_health,
+    save_health,
     unhealthy_names,
 )
 from trainguard.guards.rollback import RollbackAbort, RollbackConfig, RollbackGuard, RollbackPlan, Spike
@@ -52,5 +53,6 @@ __all__ = [
     "latest_healthy_step",
     "read_health_records",
     "record_health",
+    "save_health",
     "unhealthy_names",
 ]

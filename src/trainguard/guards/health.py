@@ -73,6 +73,15 @@ def health_record(verdict: Health, max_embedding_local_norm: float, threshold: f
     return {"is_health": int(verdict), "embedding_local_norm": max_embedding_local_norm, "threshold": threshold}
 
 
+def save_health(config: HealthConfig, max_embedding_local_norm: float | None) -> dict[str, Any] | None:
+    """The ``health`` a save records: the verdict on the norm of the step saved, with what it was judged
+    on; None when health is not monitored or no step was measured since the start or a resume."""
+    if not config.enabled or max_embedding_local_norm is None:
+        return None
+    verdict = judge_health(max_embedding_local_norm, config.embedding_threshold)
+    return health_record(verdict, max_embedding_local_norm, config.embedding_threshold)
+
+
 def health_of(record: Mapping[str, Any] | None) -> Health | None:
     """The verdict of a manifest's ``health`` or a ``health_ckpts.json`` record; None when there is none
     (health not monitored)."""

@@ -41,11 +41,10 @@ from trainguard.checkpoint.save_policy import decide_save
 from trainguard.events import EventLog
 from trainguard.live.collective import EpochAborted, watched
 from trainguard.live.quorum import Quorum
-from trainguard.live.step_guards import LiveGuards
+from trainguard.live.state import LiveState
 
 T = TypeVar("T")
 REPLICA_DIMS = ["dp_replicate", "dp_shard"]  # the manifest's mesh: replica groups of the quorum x their ranks
-LIVE_GUARDS = "live_guards"  # the guards' state's name in a checkpoint's extra state (``step_guards``)
 
 
 class SaveFailed(RuntimeError):
@@ -59,7 +58,7 @@ class LiveCheckpoints:
 
     def __init__(self, store: dist.TCPStore, run_dir: Path, config: CheckpointConfig, rank: int,
                  model: torch.nn.Module, optimizer: torch.optim.Optimizer, group_size: int,
-                 whole: Callable[[], AbstractContextManager[None]], guards: LiveGuards, events: EventLog,
+                 whole: Callable[[], AbstractContextManager[None]], state: LiveState, events: EventLog,
                  timeout: timedelta, beat: Callable[[], None], static_files: Callable[[Path], None] | None = None):
         # synchronous: the save must be over before the quorum can change (an async save's background
         # collectives would outlive the epoch whose group they use)
@@ -68,7 +67,9 @@ class LiveCheckpoints:
         self.model, self.optimizer, self.events = model, optimizer, events
         # whole: the model and optimizer whole inside it (a sharded group's exchange, on the epoch's group)
         self.group_size, self.whole = group_size, whole
-        self.guards = guards  # rides in each checkpoint's extra state, as the closure mode's guards do
+        # the guards' state, the scheduler and the loop's objects ride in each checkpoint's extra state, under the
+        # closure mode's names for the last two
+        self.state = state
         self.timeout, self.beat = timeout, beat
         self.static_files = static_files  # huggingface/ in each checkpoint, as the closure mode writes it
         self.connection: dist.TCPStore | None = None  # the checkpoint groups' store client (see below)
@@ -88,7 +89,7 @@ class LiveCheckpoints:
         dist.init_process_group("gloo", store=dist.PrefixStore(f"ckpt/{quorum.epoch}", self.connection),
                                 rank=quorum.index(self.rank), world_size=len(quorum.members), timeout=self.timeout)
         groups = len(quorum.members) // self.group_size
-        self.manager = CheckpointManager(self.run_dir, self.model, self.optimizer, {LIVE_GUARDS: self.guards},
+        self.manager = CheckpointManager(self.run_dir, self.model, self.optimizer, self.state.checkpointed(),
                                          config=self.config, events=self.events, static_files=self.static_files,
                                          mesh_shape=[groups, self.group_size], mesh_dim_names=REPLICA_DIMS)
         self.epoch = quorum.epoch
@@ -103,9 +104,10 @@ class LiveCheckpoints:
         self.last_saved = step
         return step
 
-    def save(self, quorum: Quorum, step: int, *, last_step: bool, stopping: bool) -> bool:
+    def save(self, quorum: Quorum, step: int, health: dict | None = None, *, last_step: bool, stopping: bool) -> bool:
         """Saves ``step`` (the number of committed steps) if the policy says so; every member of the
-        quorum calls it at the same boundary. True when it saved."""
+        quorum calls it at the same boundary, with the same ``health`` (``guards.health``: the record of the
+        manifest and ``health_ckpts.json``, None when not monitored). True when it saved."""
         # the policy first: the checkpoint group and its manager are made for a save that is due only
         if not decide_save(step, save_interval=self.config.save_interval, local_interval=0, last_step=last_step,
                            stopping=stopping, unhealthy=False, durable_saved=self.last_saved,
@@ -117,7 +119,7 @@ class LiveCheckpoints:
                 "replica_groups": len(quorum.members) // self.group_size}
 
         def save_and_commit() -> None:
-            manager.save(step, {"step": step, "live": live}, last_step=last_step, stopping=stopping)
+            manager.save(step, {"step": step, "live": live}, health, last_step=last_step, stopping=stopping)
             manager.close()  # committed on every member before any steps on
 
         try:

@@ -27,7 +27,7 @@ from trainguard.guards.fingerprint import FingerprintConfig, FingerprintVerdict,
 from trainguard.guards.state_health import local_state
 from trainguard.live.quorum import Quorum
 from trainguard.live.shards import shard_of
-from trainguard.live.step_guards import LiveGuards
+from trainguard.live.state import LiveState
 from trainguard.live.transfer import repair_from
 
 STATE = "state"  # the one "tensor" a live check compares: a member's whole state, folded into one digest
@@ -43,11 +43,11 @@ def digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.Te
 
 class LiveFingerprints:
     def __init__(self, config: FingerprintConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 guards: LiveGuards, rank: int, group_size: int, log: logging.Logger, events: EventLog,
+                 state: LiveState, rank: int, group_size: int, log: logging.Logger, events: EventLog,
                  reports: Callable[[], bool]):
         config.validate()
         self.interval, self.every_step = config.interval, config.at_rest == "every_step"
-        self.model, self.optimizer, self.guards = model, optimizer, guards
+        self.model, self.optimizer, self.state = model, optimizer, state
         self.rank, self.group_size = rank, group_size
         self.log, self.events, self.reports = log, events, reports
         self.after_update: tuple[int, torch.Tensor] | None = None  # (the step it is for, this rank's digest)
@@ -79,8 +79,7 @@ class LiveFingerprints:
             mismatches.extend((replicas, mismatch) for mismatch in verdict.mismatches)
         for replicas, mismatch in mismatches:
             if mismatch.source is not None:
-                repair_from(group, quorum, self.rank, mismatch.source, mismatch.faulty, self.model, self.optimizer,
-                            self.guards, wait)
+                repair_from(group, quorum, self.rank, mismatch.source, mismatch.faulty, self.state, wait)
             self.log.error("fingerprint mismatch: step %d, replica group %s, tensor %s: %s%s", step, replicas, STATE,
                            f"rank(s) {list(mismatch.faulty)} corrupt ({mismatch.how})" if mismatch.faulty
                            else "unattributed (the replicas disagree, none changed at rest)",

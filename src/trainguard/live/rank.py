@@ -18,16 +18,16 @@ from __future__ import annotations
 import copy
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
-from torch.optim.lr_scheduler import LambdaLR
 
 from trainguard.checkpoint.config import CheckpointConfig
+from trainguard.checkpoint.manager import Stateful
 from trainguard.errors import ConfigError
 from trainguard.events import EventLog
 from trainguard.events.rank_logging import setup_logging
@@ -54,12 +54,17 @@ SPARE_WAIT_S = 24 * 3600.0  # a spare waits as long as a run lasts; the launcher
 class LiveRank:
     """One rank's side of a live run, placed by the launcher's flags (``LiveArgs.parse``).
     ``total_steps`` and ``micro_batches`` (the global batch of every step, whatever the number of live
-    ranks) are the launcher's; ``rules`` the configuration's (clipping, guards, gradient faults, stops)."""
+    ranks) are the launcher's; ``rules`` the configuration's (clipping, guards, gradient faults, stops);
+    ``scheduler`` any LR scheduler stepped without arguments, ``stateful`` the loop's objects
+    (``live/state.py``: what travels, what is undone)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: LiveArgs,
-                 scheduler: LambdaLR | None = None, *, seed: int, checkpoint: CheckpointConfig | None = None,
-                 rules: LiveRules = DEFAULT_RULES, static_files: Callable[[Path], None] | None = None):
+                 scheduler: Any = None, *, seed: int, checkpoint: CheckpointConfig | None = None,
+                 rules: LiveRules = DEFAULT_RULES, static_files: Callable[[Path], None] | None = None,
+                 stateful: Mapping[str, Stateful] | None = None, embedding: torch.nn.Parameter | None = None):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.stateful = stateful
+        self.embedding = embedding  # the parameter whose gradient norm decides checkpoint health
         self.checkpoint = checkpoint  # the durable tier's section (None: no durable tier, the drill's workload)
         self.static_files = static_files  # writes huggingface/ into each durable checkpoint (hf_config)
         self.seed = seed  # the run's seed, the same on every rank: each micro-batch's draws derive from it
@@ -103,7 +108,7 @@ class LiveRank:
         lifecycle = Lifecycle(self.rules.lifecycle)
         self.worker = LiveWorker(store, args, rank, self.model, self.optimizer, None, None, self.scheduler,
                                  seed=self.seed, checkpoint=self.checkpoint, lifecycle=lifecycle, rules=self.rules,
-                                 static_files=self.static_files)
+                                 static_files=self.static_files, stateful=self.stateful, embedding=self.embedding)
         try:
             self.worker.begin(rejoin)
         except Fenced as fenced:

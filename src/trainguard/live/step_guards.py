@@ -18,8 +18,8 @@ from trainguard.live.sdc import LiveSdc
 
 
 class LiveGuards:
-    """``judge`` a step; ``skipped``: the steps skipped so far, so that the LR schedule stands still on a
-    skipped step as the closure mode's (whose scheduler steps with the optimizer only)."""
+    """``judge`` a step; ``skipped``: the steps skipped so far, whatever the cause (the scheduler stands
+    still on them: it steps with an applied update only, ``LiveState.after_update``)."""
 
     def __init__(self, skips: StepSkips, sdc: LiveSdc | None = None):
         self.skips = skips

@@ -27,22 +27,23 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import dataclasses
 import json
 import logging
+import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.optim.lr_scheduler import LambdaLR
 
 from trainguard.checkpoint.config import CheckpointConfig
+from trainguard.checkpoint.manager import Stateful
 from trainguard.checkpoint.safe_load import safe_torch_load
 from trainguard.checkpoint.staging import serialised
 from trainguard.errors import EXIT_OK, raised_by_every_rank
@@ -52,6 +53,7 @@ from trainguard.faults import FaultInjector
 from trainguard.faults.spec import FaultSpec
 from trainguard.fs.fsio import atomic_write_bytes
 from trainguard.guards.fingerprint import FingerprintConfig
+from trainguard.guards.health import HealthConfig, save_health
 from trainguard.guards.sdc import SdcConfig
 from trainguard.guards.skip import SkipConfig
 from trainguard.guards.skip_streak import DEFAULT_MAX_CONSECUTIVE_SKIPS
@@ -70,10 +72,11 @@ from trainguard.live.sharded_params import ShardedParams, norm_by_rows, row_squa
 from trainguard.live.stall import ReduceMarks
 from trainguard.live.fingerprint import LiveFingerprints
 from trainguard.live.sdc import CLEAN, LiveSdc
+from trainguard.live.state import LiveState
 from trainguard.live.step_failures import (STEP_FAILURE, StepFailed, StepFailures, StepFailureVerdict,
                                            failure_text)
 from trainguard.live.step_guards import LiveGuards
-from trainguard.live.transfer import load_state, send_shards, state_of
+from trainguard.live.transfer import send_shards
 from trainguard.live.files import checkpoint_path, events_path, final_path
 from trainguard.norms.global_norm import clip_grads_
 from trainguard.runtime.lifecycle import (DEADLINE, EXIT_CODES, KILL_SWITCH, NONE, REASON_NAMES, SIGNAL, Lifecycle,
@@ -162,6 +165,8 @@ class LiveRules:
     fingerprint: FingerprintConfig = field(  # guards.fingerprint (live/fingerprint.py); the drill's workload: off
         default_factory=lambda: FingerprintConfig(interval=0))
     exit_at_step: int | None = None  # train.exit_at_step: save and exit 0 once this many steps are committed
+    health: HealthConfig = field(default_factory=HealthConfig)  # guards.health: each durable save's verdict
+    monitor: bool = False  # guards.monitor: the embedding's gradient norm in every live_step event
     lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)  # the kill switch, the time limit
     # fault_tolerance.max_step_failures: a step whose computation raised is tried this many times in a
     # row before the run ends (live/step_failures.py)
@@ -174,11 +179,13 @@ DEFAULT_RULES = LiveRules()  # the drill's workload's: no clipping, no data skip
 @dataclass(frozen=True)
 class CommittedStep:
     """What ``LiveWorker.step`` committed: the step's index (from 0), its loss (the mean over the global
-    batch), its global norm before clipping, and whether the guards skipped its update."""
+    batch), its global norm before clipping, whether the guards skipped its update, and the embedding's
+    gradient norm (``guards.health``, ``guards.monitor``; None when neither is on)."""
     index: int
     loss: float
     global_norm: float
     skipped: bool
+    embedding_norm: float | None = None
 
 
 @dataclass(frozen=True)
@@ -208,21 +215,13 @@ def set_whole_grads(model: torch.nn.Module, flat: torch.Tensor) -> None:
         offset += p.numel()
 
 
-def set_lr(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, updates: int) -> None:
-    """The LR after ``updates`` applied updates, as the scheduler would have set it: a function of that
-    count alone (the steps less the skipped ones, every rank's alike), so a replacement, a rank that undid
-    a step and a fault-free run all use the same (nothing of the scheduler travels; its ``last_epoch`` is
-    left alone)."""
-    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
-        group["lr"] = base * factor(updates)
-
-
 class LiveWorker:
     def __init__(self, store: dist.Store, args: LiveArgs, rank: int, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, loss_of: MicroBatchLoss | None, sample_range: SampleRange | None,
-                 scheduler: LambdaLR | None = None, *, seed: int, checkpoint: CheckpointConfig | None = None,
+                 scheduler: Any = None, *, seed: int, checkpoint: CheckpointConfig | None = None,
                  lifecycle: Lifecycle | None = None, rules: LiveRules = DEFAULT_RULES,
-                 static_files: Callable[[Path], None] | None = None):
+                 static_files: Callable[[Path], None] | None = None, stateful: Mapping[str, Stateful] | None = None,
+                 embedding: torch.nn.Parameter | None = None):
         self.seed = seed  # the run's: each micro-batch's random draws derive from it (rng.py)
         self.rules = rules
         self.store, self.rank, self.world, self.steps = store, rank, args.world, args.steps
@@ -232,7 +231,11 @@ class LiveWorker:
         self.micro_batch_s, self.checkpoint_every = args.micro_batch_s, args.checkpoint_every
         self.collective_timeout = timedelta(seconds=args.collective_timeout_s)
         self.events = EventLog(events_path(args.run_dir), rank=rank)
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.model, self.optimizer = model, optimizer
+        # the place among the parameters of the one whose gradient norm decides checkpoint health (and the
+        # monitor's figure): taken from the step's summed gradient, so every member finds the same
+        self.embedding_index = (next(i for i, p in enumerate(model.parameters()) if p is embedding)
+                                if embedding is not None and (rules.health.enabled or rules.monitor) else None)
         self.group_size, self.shard = args.group_size, shard_of(rank, args.group_size)
         # replica groups of several ranks shard the parameters (sharded_params) and reduce by group
         # (group_reduce); whole replicas sum one row per micro-batch (ordered_sum): the same fixed tree
@@ -257,14 +260,16 @@ class LiveWorker:
                     if rules.sdc.enabled else None)
         self.guards = LiveGuards(StepSkips(rules.skip, rules.max_consecutive_skips, self.log, self.events.emit,
                                            reports=self.reports), self.sdc)
-        self.fingerprints = (LiveFingerprints(rules.fingerprint, model, optimizer, self.guards, rank, args.group_size,
+        # what an undo restores, a joiner receives and a checkpoint holds (the scheduler, the loop's objects)
+        self.state = LiveState(model, optimizer, self.guards, scheduler, stateful)
+        self.fingerprints = (LiveFingerprints(rules.fingerprint, model, optimizer, self.state, rank, args.group_size,
                                               self.log, self.events, self.reports)
                              if rules.fingerprint.enabled else None)
         self.quorum: Quorum | None = None
         self.group: dist.ProcessGroup | None = None
         self.retired: list[dist.ProcessGroup] = []  # the groups of failed epochs (see collective.py)
         self.step_index = 0
-        self.previous: tuple[int, dict] | None = None  # (step, state before that step's update)
+        self.previous: tuple[int, dict] | None = None  # (step, ``LiveState.undo_point`` before that step's update)
         self.last_beat = -BEAT_S
         # the drill's transient fault: this rank's all-reduce of that step counts as failed once
         self.fail_after_reduce = args.fail_after_reduce
@@ -274,12 +279,16 @@ class LiveWorker:
         self.resume_from = args.resume
         # the durable tier (``checkpoint``: the ``checkpoint`` section; None: the drill's workload, none)
         self.checkpoints = None if checkpoint is None else LiveCheckpoints(
-            store, args.run_dir, checkpoint, rank, model, optimizer, self.group_size, self.whole_state, self.guards,
+            store, args.run_dir, checkpoint, rank, model, optimizer, self.group_size, self.whole_state, self.state,
             self.events, self.collective_timeout, self.beat, static_files)
         self.lifecycle = lifecycle  # this rank's stop reasons (its signals, the kill switch, the time limit)
         self.stop: LiveStop | None = None  # the quorum agreed to stop, and saved: no more steps
-        self.committed: CommittedStep | None = None  # the step this rank committed last
         self.step_failures = StepFailures(rules.max_step_failures)  # the current step's failed attempts in a row
+
+    @property
+    def committed(self) -> CommittedStep | None:
+        """The step this rank committed last (after a join: the lowest live rank's)."""
+        return None if self.state.committed is None else CommittedStep(**self.state.committed)
 
     def begin(self, rejoin: bool) -> None:
         """Takes this rank's place: joins (a replacement, a rank left out), or enters the job's first epoch,
@@ -290,8 +299,7 @@ class LiveWorker:
         else:
             quorum = read_quorum(self.store, latest_epoch(self.store))
             if quorum.resume_from is not None:
-                state = safe_torch_load(checkpoint_path(self.run_dir, quorum.resume_from, self.shard))
-                load_state(self.model, self.optimizer, self.guards, state)
+                self.state.load(safe_torch_load(checkpoint_path(self.run_dir, quorum.resume_from, self.shard)))
             self.enter(quorum, quorum.start_step)
             if self.resume_from is not None and quorum.epoch == 0:  # a job's start, resumed
                 if self.checkpoints is None:
@@ -304,7 +312,8 @@ class LiveWorker:
 
     def train(self) -> Iterator[int]:
         """After ``begin``: trains to the last step, yielding the index of each step as it commits it (a step
-        undone after a peer's failure is yielded again when it is redone); at the end writes the final state."""
+        undone after a peer's failure is yielded again when it is redone; a rank that rejoins yields the
+        last step before the boundary it rejoined at); at the end writes the final state."""
         while self.stop is None:
             step = self.step_index
             try:
@@ -317,6 +326,10 @@ class LiveWorker:
                     continue  # the step's computation raised somewhere: tried again (step_failures.py)
             except RuntimeError as error:  # gloo's errors (a peer died, a timeout) and EpochAborted
                 self.recover(error)
+                if self.step_index > step:
+                    # past this step: it committed before its save or join failed, or this rank rejoined at a
+                    # later boundary; the loop still sees it (the last one: the lowest live rank's report)
+                    yield self.step_index - 1
                 continue
             yield step
         if self.stop is not None:
@@ -324,7 +337,7 @@ class LiveWorker:
                              exit_code=self.stop.exit_code)
             return
         atomic_write_bytes(final_path(self.run_dir, self.rank),
-                           serialised(state_of(self.model, self.optimizer, self.guards)))
+                           serialised(self.state.state_dict()))
         self.events.emit("live_done", step=self.step_index, epoch=self.quorum.epoch)
         self.store.set(done_key(self.rank), "1")
 
@@ -450,33 +463,33 @@ class LiveWorker:
             self.fail_after_reduce = None
             self.await_peers_committed(step)
             raise RuntimeError(f"injected: rank {self.rank}'s collective of step {step} failed after the others' succeeded")
-        self.previous = (step, copy.deepcopy(state_of(self.model, self.optimizer, self.guards)))
+        self.previous = (step, self.state.undo_point())
         number = step + 1  # the step as the closure mode numbers it: the guards' and the faults' step
         self.faults.after_backward(number, self.model)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        norm = self.norm(grads)
+        norm, embedding_norm = self.norms(grads)
         try:
             sdc = CLEAN if self.sdc is None else self.sdc.judge(number, self.computed_by(exchange), summed,
                                                                 lambda flags: self.rerun(step, exchange, mine, flags))
         except RuntimeError:  # the rerun's sum failed: the detectors judged a step this rank will redo
-            load_state(self.model, self.optimizer, self.guards, self.previous[1])
+            self.state.undo(self.previous[1])
             raise
         if sdc.rerun is not None:  # a transient fault: the step goes on with the rerun's sum, set by rerun()
             loss = sdc.rerun.loss
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            norm = self.norm(grads)
+            norm, embedding_norm = self.norms(grads)
         self.reduce_marks.left(quorum.epoch, step)
         # every rank's alike: the same sum, the same state
         skipped = self.guards.judge(number, norm, loss, sdc_skipped=sdc.skip)
         if not skipped:
             if self.rules.grad_clip > 0:
                 clip_grads_(grads, self.rules.grad_clip, norm)
-            if self.scheduler is not None:
-                set_lr(self.optimizer, self.scheduler, step - self.guards.skipped)
             self.optimizer.step()  # a sharded rank steps its own rows: they stay sharded
+            self.state.after_update()  # the scheduler, as the closure mode's: applied updates only
+        monitored = {} if embedding_norm is None else {"embedding_local_norm": embedding_norm}
         self.events.emit("live_step", step=step, epoch=quorum.epoch, members=len(quorum.members),
-                         micro_batches=mine, loss=loss, global_norm=norm, skipped=skipped)
-        self.committed = CommittedStep(step, loss, norm, skipped)
+                         micro_batches=mine, loss=loss, global_norm=norm, skipped=skipped, **monitored)
+        self.state.committed = dataclasses.asdict(CommittedStep(step, loss, norm, skipped, embedding_norm))
         self.step_failures.committed()
         self.step_index = step + 1
         if self.fingerprints is not None:
@@ -490,7 +503,7 @@ class LiveWorker:
             self.stop_here(reason)
         elif self.checkpoints is not None:
             began = time.perf_counter()
-            saved = self.checkpoints.save(quorum, self.step_index, last_step=self.step_index == self.steps,
+            saved = self.checkpoints.save(quorum, self.step_index, self.health(), last_step=self.step_index == self.steps,
                                           stopping=False)
             if saved and self.lifecycle is not None:  # the time limit keeps room for one step and one save
                 self.lifecycle.note_save(time.perf_counter() - began)
@@ -498,7 +511,7 @@ class LiveWorker:
                 and quorum.index(self.rank) < self.group_size):  # the lowest live group's shards
             path = checkpoint_path(self.run_dir, self.step_index, self.shard)
             path.parent.mkdir(exist_ok=True)
-            atomic_write_bytes(path, serialised(state_of(self.model, self.optimizer, self.guards)))
+            atomic_write_bytes(path, serialised(self.state.state_dict()))
         if self.sdc is not None:
             self.sdc.leave_if_struck_out(sdc.faulty)  # saved first: its group leaves, the others go on
         if newer_seen and self.stop is None:
@@ -540,13 +553,23 @@ class LiveWorker:
             return computed_by(self.micro_batches, exchange.members)
         return self.layout.computed_by(exchange.live_groups())
 
-    def norm(self, grads: list[torch.Tensor]) -> float:
+    def norms(self, grads: list[torch.Tensor]) -> tuple[float, float | None]:
         """The step's global norm by rows (``sharded_params.norm_by_rows``), every member's alike and bitwise
-        the same for any layout: of the whole gradient, or from the rows' squares gathered in the group."""
+        the same for any layout: of the whole gradient, or from the rows' squares gathered in the group; and
+        the embedding's from its rows' squares (None when it is not monitored), with no collective of its own."""
         if self.params is None:
-            return norm_by_rows(row_squares(grads))
-        return norm_by_rows(self.params.whole_row_squares(self.group, self.quorum.members, self.rank, grads,
-                                                          self.wait_all))
+            squares = row_squares(grads)
+        else:
+            squares = self.params.whole_row_squares(self.group, self.quorum.members, self.rank, grads, self.wait_all)
+        embedding = None if self.embedding_index is None else math.sqrt(float(squares[self.embedding_index].sum()))
+        return norm_by_rows(squares), embedding
+
+    def health(self) -> dict | None:
+        """The health a durable save of the committed steps records (``guards.health``): the verdict on the
+        embedding norm of the last committed step; None when not monitored or no step was trained since the
+        job started or resumed."""
+        committed = self.committed
+        return save_health(self.rules.health, committed.embedding_norm if committed is not None else None)
 
     def whole_state(self) -> contextlib.AbstractContextManager[None]:
         """The model and optimizer whole (for the durable tier): a sharded group's exchange, or nothing."""
@@ -595,7 +618,7 @@ class LiveWorker:
         step = self.step_index
         if self.checkpoints is not None:
             began = time.perf_counter()
-            self.checkpoints.save(self.quorum, step, last_step=False, stopping=True)
+            self.checkpoints.save(self.quorum, step, self.health(), last_step=False, stopping=True)
             if self.lifecycle is not None:
                 self.lifecycle.note_save(time.perf_counter() - began)
         last_checkpoint = self.checkpoints.last_saved if self.checkpoints is not None else None
@@ -664,7 +687,7 @@ class LiveWorker:
                 if step != quorum.start_step:
                     raise RuntimeError(f"live recovery: epoch {quorum.epoch} starts at step {quorum.start_step}, "
                                        f"rank {self.rank} can undo only step {step}")
-                load_state(self.model, self.optimizer, self.guards, state)
+                self.state.undo(state)
                 self.events.emit("live_undo", step=step, epoch=epoch)
             try:
                 self.enter(quorum, quorum.start_step)
@@ -691,8 +714,7 @@ class LiveWorker:
             self.store.set(start_key(epoch), str(self.step_index))
         began = time.time()
         self.enter(quorum, self.step_index)
-        sent = send_shards(self.group, quorum, self.rank, self.group_size, self.model, self.optimizer,
-                           self.guards, self.wait)
+        sent = send_shards(self.group, quorum, self.rank, self.group_size, self.state, self.wait)
         self.guards.welcome(quorum.joining)
         self.events.emit("live_switch", step=self.step_index, epoch=epoch, state_bytes=sent,
                          paused_s=time.time() - began)
@@ -712,8 +734,7 @@ class LiveWorker:
             start = int(wait_for(self.store, start_key(quorum.epoch), WAIT_S, self.beat))
             try:
                 self.enter(quorum, start)
-                received = send_shards(self.group, quorum, self.rank, self.group_size, self.model,
-                                       self.optimizer, self.guards, self.wait)
+                received = send_shards(self.group, quorum, self.rank, self.group_size, self.state, self.wait)
             except RuntimeError as error:
                 self.leave_epoch(error, NO_STATE)
                 continue

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from trainguard.guards.health import HealthConfig, health_record, judge_health
+from trainguard.guards.health import HealthConfig, save_health
 
 
 class EmbeddingNorm:
@@ -47,8 +47,7 @@ class EmbeddingNorm:
         """The health record of a save of the last step (collective); None when not monitored."""
         if not config.enabled or self._local is None:
             return None
-        norm = max_over_ranks(self._local)
-        return health_record(judge_health(norm, config.embedding_threshold), norm, config.embedding_threshold)
+        return save_health(config, max_over_ranks(self._local))
 
 
 def max_over_ranks(value: torch.Tensor) -> float:

@@ -4,15 +4,15 @@ loop to (``trainguard.live.rank.LiveRank``) and the errors that keep the two mod
 In live mode the launcher's flags place the rank (``LiveArgs``); the loop is the closure mode's
 (``resume``, ``should_stop``, ``step(loss_of)``, ``close``), and each ``guard.step(loss_of)`` drives the
 live rank to its next committed step (one backward per micro-batch, so that the survivors can compute a
-failed group's micro-batches); the model, the optimizer and the guards' counters are the whole state of
-the run. Live mode runs the durable tier (``live/durable.py``: its interval, retention and resume
+failed group's micro-batches); the model, the optimizer, the guards' counters, the LR scheduler (any)
+and the loop's ``stateful`` objects are the whole state of the run (``live/state.py``). Live mode runs the durable tier (``live/durable.py``: its interval, retention and resume
 keys), data skip and the skip streak (``live/step_guards.py``: ``guards.skip.*``,
 ``guards.max_consecutive_skips``), SDC detection with its rerun (``live/sdc.py``: ``guards.sdc.*``), replica
-fingerprints (``live/fingerprint.py``: ``guards.fingerprint.*``), the kill switch, the time limit and ``train.exit_at_step``
+fingerprints (``live/fingerprint.py``: ``guards.fingerprint.*``), checkpoint health and the embedding
+monitor (``LiveWorker.health``: ``guards.health.*``, ``guards.monitor``), the kill switch, the time limit and ``train.exit_at_step``
 (``LiveWorker.stop_here``), and writes ``hf_config`` (and the tokenizer) into every durable checkpoint.
 What ``Guard`` does besides (the other guards, the local and memory tiers and the mirror, heartbeat
-files, the closure mode's other fault drills, extra state, a mesh, a scheduler other than a
-``LambdaLR``) is not done in live mode, so asking for it there is refused, never ignored. The
+files, the closure mode's other fault drills, a mesh) is not done in live mode, so asking for it there is refused, never ignored. The
 faults in force may only be the live drill (``trainguard.live.drill``: the launcher's kill, the
 ranks' gradient faults), which the rank checks.
 """
@@ -28,24 +28,26 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.optim.lr_scheduler import LambdaLR
 
+from trainguard.checkpoint.manager import Stateful
 from trainguard.config.load import with_overrides
 from trainguard.config.schema import RunConfig
 from trainguard.errors import ConfigError
 from trainguard.guards.sdc import sdc_config_from_env
 from trainguard.live.drill import gradient_faults, live_drill, site_faults
 from trainguard.live.rank import LiveRank
+from trainguard.live.state import loop_objects
 from trainguard.live.worker import LiveArgs, LiveRules
 
 # the run configuration's sections that only the closure mode (``Guard.step``) runs, but for the keys below
 CLOSURE_MODE_SECTIONS = ("checkpoint", "guards", "lifecycle")
 # the keys of those sections that live mode runs too (patterns): the durable tier's (``live.durable``), the
 # skip decisions' (``live.step_guards``), SDC detection's (``live.sdc``), the replica fingerprints'
-# (``live.fingerprint``), the kill switch's and the time limit's (``LiveWorker.stop_here``)
+# (``live.fingerprint``), checkpoint health's and the embedding monitor's (``LiveWorker.health``), the kill
+# switch's and the time limit's (``LiveWorker.stop_here``)
 LIVE_SECTION_KEYS = ("checkpoint.save_interval", "checkpoint.keep_last", "checkpoint.keep_every",
                      "checkpoint.resume", "guards.skip.*", "guards.max_consecutive_skips", "guards.sdc.*",
-                     "guards.fingerprint.*",
+                     "guards.fingerprint.*", "guards.health.*", "guards.monitor",
                      "lifecycle.kill_switch_path", "lifecycle.exit_duration_in_mins", "lifecycle.exit_margin_seconds")
 # keys outside those sections that the closure mode honours and live mode does not: why, for the refusal
 CLOSURE_MODE_KEYS = {
@@ -127,21 +129,25 @@ def started_by_live_launcher(argv: list[str]) -> bool:
 
 def live_rank(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
               config: RunConfig, argv: list[str] | None, unsupported: list[str],
-              static_files: Callable[[Path], None] | None = None) -> LiveRank:
+              static_files: Callable[[Path], None] | None = None,
+              stateful: Mapping[str, Stateful] | None = None,
+              embedding: torch.nn.Parameter | None = None) -> LiveRank:
     """This process's rank of the live run, after refusing what live mode would not do: ``unsupported``
-    (the ``Guard`` arguments given that it cannot honour), a scheduler other than a ``LambdaLR``, a key
-    of the closure mode's sections set, a process the live launcher did not start, a run directory that
+    (the ``Guard`` arguments given that it cannot honour), a key of the closure mode's sections set, a process the live launcher did not start, a run directory that
     is not the launcher's, or faults in force other than the launcher's drill. ``argv``: the command line with the
     launcher's flags (default ``sys.argv[1:]``). ``static_files``: writes ``huggingface/`` into each durable
-    checkpoint."""
+    checkpoint. ``scheduler`` (any, stepped with each applied update) and ``stateful`` (the loop's objects)
+    travel and are saved as ``live/state.py`` says. ``embedding``: the parameter whose gradient norm
+    ``guards.health`` and ``guards.monitor`` read (refused missing when either is on)."""
     if unsupported:
         raise ConfigError(f"Guard({', '.join(f'{name}=...' for name in unsupported)}): not supported with "
-                          "fault_tolerance.live: true (live recovery transfers and compares the model and the "
-                          "optimizer only, and each rank holds the whole model)")
-    if scheduler is not None and not isinstance(scheduler, LambdaLR):
-        raise ConfigError(f"Guard(scheduler={type(scheduler).__name__}): live mode takes a "
-                          "torch.optim.lr_scheduler.LambdaLR only (the LR of each step set from the step alone)")
+                          "fault_tolerance.live: true (live mode shards a replica group's parameters itself and does "
+                          "not do the others: docs/live_recovery.md, \"Not done yet\")")
     refuse_closure_mode_keys(config)
+    if embedding is None and (config.guards.health.enabled or config.guards.monitor):
+        key = "guards.health.enabled" if config.guards.health.enabled else "guards.monitor"
+        raise ConfigError(f"config key {key!r}: the model has no input embedding whose gradient norm it would read; "
+                          "pass Guard(embedding=PARAMETER), or turn it off")
     argv = sys.argv[1:] if argv is None else argv
     if not started_by_live_launcher(argv):  # torchrun's, or no launcher
         raise ConfigError("fault_tolerance.live: true, but this process was not started by the live launcher (no "
@@ -156,7 +162,8 @@ def live_rank(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
                       max_consecutive_skips=config.guards.max_consecutive_skips,
                       gradient_faults=gradient_faults(config.faults), site_faults=site_faults(config.faults),
                       sdc=sdc_config_from_env(config.guards.sdc), fingerprint=config.guards.fingerprint,
-                      exit_at_step=config.train.exit_at_step,
-                      lifecycle=config.lifecycle, max_step_failures=config.fault_tolerance.max_step_failures)
+                      exit_at_step=config.train.exit_at_step, health=config.guards.health,
+                      monitor=config.guards.monitor, lifecycle=config.lifecycle,
+                      max_step_failures=config.fault_tolerance.max_step_failures)
     return LiveRank(model, optimizer, args, scheduler, seed=config.train.seed, checkpoint=config.checkpoint,
-                    rules=rules, static_files=static_files)
+                    rules=rules, static_files=static_files, stateful=loop_objects(stateful), embedding=embedding)

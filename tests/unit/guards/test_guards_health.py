@@ -18,6 +18,7 @@ from trainguard.guards import (
     latest_healthy_step,
     read_health_records,
     record_health,
+    save_health,
     unhealthy_names,
 )
 
@@ -173,3 +174,22 @@ def test_no_healthy_checkpoint_message_says_what_to_do():
     assert "no healthy checkpoint" in NO_HEALTHY_CHECKPOINT_MESSAGE
     assert "embedding_local_norm_threshold" in NO_HEALTHY_CHECKPOINT_MESSAGE
     assert "Train" in NO_HEALTHY_CHECKPOINT_MESSAGE
+
+
+@pytest.mark.parametrize("config, norm, record", [
+    (HealthConfig(enabled=False), 3.0, None),  # not monitored
+    (HealthConfig(enabled=True, embedding_threshold=5.0), None, None),  # nothing measured since a resume
+    (HealthConfig(enabled=True, embedding_threshold=5.0), 5.0,
+     {"is_health": 0, "embedding_local_norm": 5.0, "threshold": 5.0}),
+    (HealthConfig(enabled=True, embedding_threshold=5.0), 5.5,
+     {"is_health": 1, "embedding_local_norm": 5.5, "threshold": 5.0}),
+])
+def test_a_saves_health_is_the_verdict_on_the_saved_steps_norm(config, norm, record):
+    """``save_health``: what both step engines record with a save (the closure mode's max over ranks, live
+    mode's norm of the summed gradient)."""
+    assert save_health(config, norm) == record
+
+
+def test_a_nan_norm_makes_an_unhealthy_save():
+    record = save_health(HealthConfig(enabled=True, embedding_threshold=5.0), math.nan)
+    assert record["is_health"] == 1 and math.isnan(record["embedding_local_norm"])

@@ -4,7 +4,8 @@ configuration is either honoured in live mode or refused there with one line nam
 Every key is walked (a key added to the schema fails ``test_every_key_is_classified`` until it is put on
 one side). Honoured keys are shown to reach the live engine: the launcher's (``LiveRun.from_config``),
 the rank's (``Guard``'s ``LiveRank``: its seed, durable tier and rules: clipping, data skip, the skip
-streak, SDC detection, ``train.exit_at_step``, the kill switch and the time limit), or the reference trainer's (``trainer/live.py`` builds its model and
+streak, SDC detection, checkpoint health, the embedding monitor, ``train.exit_at_step``, the kill switch
+and the time limit), or the reference trainer's (``trainer/live.py`` builds its model and
 optimizer from the whole ``model`` and ``optim`` sections with the closure mode's builders, and reads
 each ``data`` key); a changed value must change what they build. Refused keys, each set alone to a value
 other than its default, must stop ``trainguard train``'s live path (``cli.train_live.live_run``, which
@@ -59,6 +60,8 @@ RANK = {"train.seed": 43, "optim.grad_clip": 0.5,
         "guards.sdc.gradients": False, "guards.sdc.lm_head": False, "guards.sdc.loss_scale": 2.0,
         # replica fingerprints (``live.fingerprint``; tests/integration/test_live_sdc.py)
         "guards.fingerprint.interval": 7, "guards.fingerprint.at_rest": "every_step",
+        # checkpoint health and the embedding monitor (``LiveWorker.health``; tests/integration/test_live_guards.py)
+        "guards.health.enabled": True, "guards.health.embedding_threshold": 5.0, "guards.monitor": True,
         # the retry limit of a step whose computation raised (``live.step_failures``; test_live_durable.py)
         "fault_tolerance.max_step_failures": 5}
 TRAINER_MODEL = {
@@ -163,7 +166,8 @@ def test_a_rank_key_reaches_the_live_rank(key, tmp_path):
     model = torch.nn.Linear(2, 1)
 
     def seen(config: RunConfig) -> tuple:
-        rank = live_rank(tmp_path, model, torch.optim.SGD(model.parameters(), lr=0.1), None, config, argv, [])
+        rank = live_rank(tmp_path, model, torch.optim.SGD(model.parameters(), lr=0.1), None, config, argv, [],
+                         embedding=model.weight)
         return rank.seed, rank.rules, rank.checkpoint
 
     config = live_config()

@@ -18,6 +18,7 @@ from trainguard.guards.skip import SkipConfig
 from trainguard.guards.step_skips import StepSkips
 from trainguard.live.durable import LiveCheckpoints
 from trainguard.live.quorum import Quorum
+from trainguard.live.state import LiveState
 from trainguard.live.step_guards import LiveGuards
 
 
@@ -27,8 +28,9 @@ def checkpoints(tmp_path):
     model = torch.nn.Linear(2, 1)
     events = EventLog(None)
     guards = LiveGuards(StepSkips(SkipConfig(), 0, logging.getLogger("test"), events.emit, reports=lambda: False))
-    yield LiveCheckpoints(store, tmp_path, CheckpointConfig(save_interval=5), 0, model,
-                          torch.optim.SGD(model.parameters(), lr=0.1), 1, contextlib.nullcontext, guards, events,
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    yield LiveCheckpoints(store, tmp_path, CheckpointConfig(save_interval=5), 0, model, optimizer, 1,
+                          contextlib.nullcontext, LiveState(model, optimizer, guards), events,
                           timedelta(seconds=10), beat=lambda: None)
     if dist.is_initialized():
         dist.destroy_process_group()

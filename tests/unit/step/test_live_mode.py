@@ -21,7 +21,6 @@ from trainguard.cli import main
 from trainguard.config import FaultToleranceConfig, RunConfig, load_config
 from trainguard.errors import ConfigError
 from trainguard.events.rank_logging import LOGGER_NAME
-from trainguard.live.worker import set_lr
 
 LIVE = RunConfig(fault_tolerance=FaultToleranceConfig(live=True))
 
@@ -107,7 +106,7 @@ def test_launcher_flags_without_live_mode_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("arguments, named", [
-    ({"stateful": {"data": object()}, "tokens_per_step": 64}, "stateful=..., tokens_per_step=..."),
+    ({"mesh": object(), "tokens_per_step": 64}, "mesh=..., tokens_per_step=..."),
     ({"pipeline_stages": 2}, "pipeline_stages=..."),
 ])
 def test_live_mode_refuses_the_arguments_it_cannot_honour(tmp_path, arguments, named):
@@ -137,28 +136,37 @@ def test_live_mode_takes_the_durable_tiers_keys(tmp_path):  # tests/integration/
     assert guard.micro_batches == 8  # taken, not refused: the multi-process tests show them at work
 
 
-def test_live_mode_takes_a_lambda_lr_and_refuses_other_schedulers(tmp_path):
-    model, optimizer = model_and_optimizer()
-    step_lr = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
-    with pytest.raises(ConfigError, match=r"Guard\(scheduler=StepLR\): live mode takes a "
-                                          r"torch.optim.lr_scheduler.LambdaLR only"):
-        trainguard.Guard(tmp_path, model, optimizer, step_lr, config=LIVE, live_argv=launcher_flags(tmp_path))
-    lambda_lr = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (step + 3))
-    assert trainguard.Guard(tmp_path, model, optimizer, lambda_lr, config=LIVE,
-                            live_argv=launcher_flags(tmp_path)).micro_batches == 8
+class Counter:
+    """A loop's own stateful object."""
+
+    def __init__(self):
+        self.seen = 0
+
+    def state_dict(self) -> dict:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seen = state["seen"]
 
 
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
-def test_each_steps_lr_is_the_schedulers_after_as_many_steps_bitwise():
+@pytest.mark.parametrize("make", [
+    lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2),
+    lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.5, total_steps=12),
+    lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1 / (step + 3))])
+def test_live_mode_takes_any_scheduler_and_stateful_objects(tmp_path, make):
+    """tests/unit/live/test_live_state.py: what they become; tests/integration/test_live_guards.py: at work."""
     model, optimizer = model_and_optimizer()
-    scheduled = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    reference = torch.optim.lr_scheduler.LambdaLR(scheduled, lambda step: 0.7 ** step / 3)
-    live = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.7 ** step / 3)
-    for step in (5, 0, 9, 3):  # any order: a replacement or a redone step sets it from the step alone
-        reference.last_epoch = step - 1
-        reference.step()
-        set_lr(optimizer, live, step)
-        assert optimizer.param_groups[0]["lr"] == scheduled.param_groups[0]["lr"] == 0.1 * 0.7 ** step / 3
+    guard = trainguard.Guard(tmp_path, model, optimizer, make(optimizer), stateful={"data": Counter()}, config=LIVE,
+                             live_argv=launcher_flags(tmp_path))
+    assert guard.micro_batches == 8
+
+
+@pytest.mark.parametrize("name", ["scheduler", "live_guards"])
+def test_live_mode_refuses_a_stateful_name_of_its_own_in_one_line(tmp_path, name):
+    model, optimizer = model_and_optimizer()
+    with pytest.raises(ConfigError, match=rf"^Guard\(stateful=...\): the names \['{name}'\] are the live engine's own"):
+        trainguard.Guard(tmp_path, model, optimizer, stateful={name: Counter()}, config=LIVE,
+                         live_argv=launcher_flags(tmp_path))
 
 
 def test_live_mode_outside_the_live_launcher_is_one_error_saying_so(tmp_path):
@@ -212,3 +220,14 @@ def test_the_data_parallel_mesh_is_none_for_a_rank_of_the_live_launcher():
 
     assert trainguard.data_parallel_mesh(["--config", "run.yaml", "--store", "127.0.0.1:1", "--rank", "0"]) is None
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("item, key", [("guards.health.enabled=true", "guards.health.enabled"),
+                                       ("guards.monitor=true", "guards.monitor")])
+def test_live_health_or_monitor_on_a_model_without_an_embedding_is_one_error_naming_the_key(tmp_path, item, key):
+    model, optimizer = model_and_optimizer()  # a Linear: no input embedding to find
+    config = load_config(None, ["fault_tolerance.live=true", item])
+    with pytest.raises(ConfigError, match=rf"^config key '{key}': the model has no input embedding"):
+        trainguard.Guard(tmp_path, model, optimizer, config=config, live_argv=launcher_flags(tmp_path))
+    assert trainguard.Guard(tmp_path, model, optimizer, config=config, embedding=model.weight,
+                            live_argv=launcher_flags(tmp_path)).micro_batches == 8

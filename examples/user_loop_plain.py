@@ -16,7 +16,11 @@ def main() -> None:
     device = setup_device()
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
+    if args.replicate > 1:  # HSDP: replicas of a model sharded inside each group
+        mesh = init_device_mesh(device.type, (args.replicate, world // args.replicate),
+                                mesh_dim_names=("dp_replicate", "dp_shard"))
+    else:
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
     model, _ = build_model(device, mesh)  # the model, its config
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine(args.steps))

@@ -24,6 +24,9 @@ def parse_args(description: str) -> argparse.Namespace:
     parser.add_argument("--micro-batches", type=int, default=4,
                         help="micro-batches of a step's global batch (user_loop_plain.py; user_loop.py: "
                              "the config's train.micro_batches)")
+    parser.add_argument("--replicate", type=int, default=1,
+                        help="HSDP's replica groups, each sharding the model over world / REPLICATE ranks "
+                             "(user_loop_plain.py; 1: FSDP over the world)")
     parser.add_argument("--config", help="a trainguard YAML file (user_loop.py only)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. guards.skip.threshold=50 (user_loop.py only)")

@@ -9,6 +9,8 @@ EXIT_DATA_SKIP_ABORT = 3
 EXIT_NO_CHECKPOINT = 4
 EXIT_RESUMABLE_STOP = 16
 EXIT_FAULTY_HARDWARE = 17
+# a live step that raised the same way fault_tolerance.max_step_failures times in a row (live/step_failures.py)
+EXIT_STEP_FAILED = 19
 
 
 class TrainguardError(Exception):

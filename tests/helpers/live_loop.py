@@ -13,10 +13,13 @@ draws the same one. Rank 0 prints every 10th step's loss.
 
 A rank is this script with the launcher's flags (``--store ... --rank R --run-dir DIR ...``: they decide
 its place, the steps and the global batch) and its own (``--config``, ``--lr``, ``--one-cycle``: a
-``OneCycleLR``, ``--seen``: a ``StepsSeen`` stateful object).
+``OneCycleLR``, ``--seen``: a ``StepsSeen`` stateful object,
+``--total``: the total passed to ``should_stop``).
 """
 
 import argparse
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -27,6 +30,9 @@ import trainguard
 
 CLASSES, FEATURES, MICRO_BATCH = 4, 12, 8
 CONFIG = Path(__file__).with_suffix(".yaml")
+# the tests' errors in the user's loss: a JSON list of {"step": S, "rank": R, "times": N} (rank and times
+# optional: every rank, every time), each raising RuntimeError in loss_of at step S on that rank, N times
+RAISE_ENV = "LIVE_LOOP_RAISE"
 
 
 def sample_range(step: int, micro_batch: int, micro_batches: int) -> tuple[int, int]:
@@ -80,6 +86,7 @@ def rank_main(argv: list[str]) -> None:
     parser.add_argument("--steps", type=int)  # the launcher's flag: the run's steps
     parser.add_argument("--one-cycle", action="store_true", help="step a OneCycleLR over the run's steps")
     parser.add_argument("--seen", action="store_true", help="keep a StepsSeen as stateful")
+    parser.add_argument("--total", type=int)  # the total passed to should_stop (default: guard.total_steps)
     own, _ = parser.parse_known_args(argv)  # the rest are the launcher's flags, the guard's
     optimizer = torch.optim.AdamW(model.parameters(), lr=own.lr, weight_decay=0.1)
     scheduler = one_cycle(optimizer, own.steps) if own.one_cycle else None
@@ -88,7 +95,14 @@ def rank_main(argv: list[str]) -> None:
     guard = trainguard.Guard(own.run_dir, model, optimizer, scheduler, stateful={"seen": seen} if seen else None,
                              config=own.config, embedding=model[0].weight)  # live: the config says so
 
+    errors = json.loads(os.environ.get(RAISE_ENV, "[]"))
+
     def loss_of(model: torch.nn.Module, step: int, micro_batch: int) -> torch.Tensor:
+        for error in errors:
+            left = error.get("times", -1)  # below 0: every time
+            if error["step"] == step and error.get("rank", guard.rank) == guard.rank and left != 0:
+                error["times"] = left - 1
+                raise RuntimeError(f"injected error in the loss of step {step} on rank {guard.rank}")
         inputs, labels = batch(step, micro_batch, guard.micro_batches)
         return F.cross_entropy(model(inputs), labels)
 
@@ -96,7 +110,7 @@ def rank_main(argv: list[str]) -> None:
         return sample_range(step, micro_batch, guard.micro_batches)
 
     step = guard.resume()
-    while not guard.should_stop(step, guard.total_steps):
+    while not guard.should_stop(step, guard.total_steps if own.total is None else own.total):
         if seen is not None:
             seen.before(step)
         outcome = guard.step(loss_of, samples_of)

@@ -24,12 +24,18 @@ its configuration ``tests/helpers/live_loop.yaml`` with ``checkpoint: {save_inte
   committed checkpoint, the same files;
 - the live launcher alone (the store and the lighthouse: a child of the command, ``live.supervise``)
   SIGKILLed after step 11: every rank exits 18, and the same command, without being run again, restarts
-  the run from ``global_step_10`` and ends bitwise equal to the fault-free run (issue 35).
+  the run from ``global_step_10`` and ends bitwise equal to the fault-free run (issue 35);
+- the user's loss raising (``live/step_failures.py``): once on one rank at step 3, the quorum tries the
+  step again and goes on; at step 11 on every rank every time, the run ends after 3 attempts with one
+  line and exit 19, no rank replaced, and the same command without the error resumes from
+  ``global_step_10`` and ends bitwise equal to the fault-free run.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -39,6 +45,7 @@ from pathlib import Path
 import pytest
 
 from helpers.runs import finish_session, worker_env
+from helpers.live_loop import RAISE_ENV
 from helpers.s3_server import start_s3_server
 from helpers.warm_command import warm_server
 from trainguard.backup.mirror import list_mirrored
@@ -73,11 +80,11 @@ def _local_saves(run_dir: Path, step: int, tier: str = "local") -> list[int]:
     return sorted(e["rank"] for e in _events(run_dir, "local_saved") if e["step"] == step and e["tier"] == tier)
 
 
-def _start(run_dir: Path, config: Path, *launcher: str, nproc: int = WORLD, env: dict[str, str] | None = None):
+def _start(run_dir: Path, config: Path, *launcher: str, nproc: int = WORLD, **env: str):
     """The user's command, in a session of its own (its pid is the launcher's, its process group the job's)."""
     return warm_server().start(["run", "--nproc", str(nproc), "--config", str(config), "--run-dir", str(run_dir),
                                 *launcher, "--", sys.executable, str(EXAMPLE), "--config", str(config)],
-                               worker_env(**(env or {})))
+                               worker_env(**env))
 
 
 def _committed_steps(run_dir: Path) -> list[int]:
@@ -268,7 +275,7 @@ def test_saves_while_a_group_is_out_are_the_quorums_and_the_run_ends_bitwise(roo
     run_dir = root / "shrunk"
     mirror = f"s3://{s3.bucket}/shrunk"
     config = _config(root, keep_last=10, local_interval=2, mirror=mirror)
-    done = finish_session(_start(run_dir, config, "--set", "faults=kill:rank=3,step=4", env=s3.env()), TIMEOUT_S,
+    done = finish_session(_start(run_dir, config, "--set", "faults=kill:rank=3,step=4", **s3.env()), TIMEOUT_S,
                           "the live run with a kill")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "ranks replaced: [3]" in done.stdout
@@ -357,3 +364,28 @@ def test_the_launchers_death_costs_a_restart_from_the_newest_checkpoint_and_the_
     assert not any(final_path(run_dir, rank).exists() and final_path(run_dir, rank).stat().st_mtime < lost["time"]
                    for rank in range(WORLD))
     assert run_differences(clean, run_dir, WORLD) == {}
+
+
+def test_a_step_that_raises_is_tried_again_and_ends_the_run_with_exit_19_after_3_failures_in_a_row(root, clean):
+    """Without the retry limit the error of step 11 was taken for a failed collective (or a dead rank):
+    the quorum recovered into a new epoch and failed again, for ever (epoch 553 seen)."""
+    run_dir, config = root / "step_failed", _config(root)
+    errors = json.dumps([{"step": 3, "rank": 2, "times": 1}, {"step": 11}])
+    done = finish_session(_start(run_dir, config, **{RAISE_ENV: errors}), TIMEOUT_S, "the live run whose loss raises")
+    assert done.returncode == 19, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if "failed 3 times in a row" in line]
+    assert len(lines) == 1 and re.fullmatch(  # one line, from the quorum's first rank: any rank's error
+        r"trainguard: error: \[rank 0\] step 11 failed 3 times in a row \(fault_tolerance.max_step_failures\), "
+        r"rank (\d): RuntimeError: injected error in the loss of step 11 on rank \1; the run ends with nothing saved "
+        r"at this step", lines[0]), done.stderr[-3000:]
+    newest = run_dir / "checkpoints" / "global_step_10"
+    assert ("trainguard: live run ended: a step failed fault_tolerance.max_step_failures times in a row: exit 19; the "
+            f"newest checkpoint is {newest}") in done.stdout, done.stdout[-3000:]
+    assert [(e["step"], e["attempt"], e["verdict"]) for e in _events(run_dir, "live_step_failed")] == [
+        (3, 1, "retry"), (11, 1, "retry"), (11, 2, "retry"), (11, 3, "end")]
+    assert _events(run_dir, "live_step_failed")[0]["error"] == (
+        "rank 2: RuntimeError: injected error in the loss of step 3 on rank 2")
+    assert not _events(run_dir, "live_exit") and len(_events(run_dir, "live_start")) == WORLD
+    assert [e["epoch"] for e in _events(run_dir, "live_quorum")] == [0]  # no recovery epoch
+    assert _committed_steps(run_dir) == [5, 10]
+    _resumes_bitwise(run_dir, config, clean, 10)  # the retried step 3 too: bitwise the fault-free one

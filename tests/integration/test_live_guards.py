@@ -255,3 +255,18 @@ def test_the_time_limit_saves_and_exits_16(root):
     assert stop["reason"] == "exit_duration" and stop["exit_code"] == 16
     assert _committed_steps(run_dir) == [stop["step"]]
     assert "run again with --resume auto to continue" in done.stdout
+
+
+def test_a_total_other_than_train_steps_is_one_line_from_rank_0_and_exit_2(root):
+    """The loop's ``should_stop(step, total)`` with a total of 12 where the launcher runs 10: before, a
+    ``ConfigError`` traceback from every rank, each one replaced as a death, until the replacements ran out."""
+    run_dir, config = root / "wrong_total", _config(root)
+    done = finish_session(warm_server().start(
+        ["run", "--nproc", str(WORLD), "--config", str(config), "--run-dir", str(run_dir), "--", sys.executable,
+         str(EXAMPLE), "--config", str(config), "--total", "12"], worker_env()), TIMEOUT_S, "the live run")
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
+    assert errors == [f"trainguard: error: [rank 0] should_stop(step, total_steps=12): the live launcher runs {STEPS} "
+                      "steps (config key 'train.steps'); pass the same number (guard.total_steps)"], done.stderr[-3000:]
+    assert len(_events(run_dir, "live_start")) == WORLD  # no rank replaced
+    assert not _events(run_dir, "live_exit") and not _events(run_dir, "live_step")

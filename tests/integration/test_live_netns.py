@@ -7,7 +7,8 @@ from a live peer on n1; then the cut node's link comes back and its stale ranks,
 instead of rejoining. The end state is bitwise the fault-free run's, every sample used once.
 
 The same as a user starts it (issue 35): ``trainguard run --launcher hosts --hosts ... --node-command ...
---nproc 4 --config tests/helpers/live_loop.yaml -- python tests/helpers/live_loop.py`` in the head
+--nproc 4 --config user_loop_live.yaml -- python examples/user_loop.py --config user_loop_live.yaml`` (the
+example's own YAML plus the live keys, as test_live_user_loop.py makes it) in the head
 namespace, no warm spare: the cut node's ranks are replaced cold on the spare node n3."""
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ from trainguard.live.launcher import LiveRun, launch
 from trainguard.live.samples import sample_problems
 from trainguard.live.worker import FENCED_EXIT
 from trainguard.live.workload import Workload
+from test_live_user_loop import live_config
 
 HELPER = Path(__file__).parent.parent / "helpers" / "live_on_nodes.py"
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "tests" / "helpers" / "live_loop.py"
+USER_LOOP = ROOT / "examples" / "user_loop.py"  # the user's example, with its YAML made live (test_live_user_loop)
 CUT_AT = 8  # group 1's node loses its link once its rank 2 has committed this step
 CUT = "n2"
 # long enough after the rejoin (about 10 s) for the stale ranks to come back before the end: their store
@@ -148,20 +150,23 @@ USER_STEPS = 40
 USER_SETS = [f"train.steps={USER_STEPS}", "fault_tolerance.hang_s=4", "checkpoint.save_interval=10"]
 
 
-def _user_loop(run_dir: Path, *options: str) -> list[str]:
-    sets = [arg for item in USER_SETS for arg in ("--set", item)]
-    return ["run", *options, "--nproc", "4", "--config", str(EXAMPLE.with_suffix(".yaml")), "--run-dir", str(run_dir),
-            *sets, "--", sys.executable, str(EXAMPLE)]
+def _user_loop(run_dir: Path, *options: str, sets: tuple[str, ...] = ()) -> list[str]:
+    """examples/user_loop.py through ``trainguard run``, its configuration ``user_loop_live.yaml`` beside
+    ``run_dir`` (``hosts_run`` writes it)."""
+    config = run_dir.parent / "user_loop_live.yaml"
+    sets = [arg for item in (*USER_SETS, *sets) for arg in ("--set", item)]
+    return ["run", *options, "--nproc", "4", "--config", str(config), "--run-dir", str(run_dir),
+            *sets, "--", sys.executable, str(USER_LOOP), "--config", str(config)]
 
 
-def _on_hosts(netns, run_dir: Path, during) -> tuple[int, str]:
+def _on_hosts(netns, run_dir: Path, during, sets: tuple[str, ...] = ()) -> tuple[int, str]:
     """The user loop through ``trainguard run --launcher hosts`` in the head namespace on n1 n2 (+ the spare
     node n3), ``during()`` in a thread beside it; its exit code and output."""
     helper = threading.Thread(target=during, daemon=True)
     helper.start()
     hosts = ",".join(f"{node}={netns.address(node)}" for node in NODES)
     command = netns.on_head([sys.executable, "-m", "trainguard", *_user_loop(
-        run_dir, "--launcher", "hosts", "--hosts", hosts, "--node-command", netns.node_command())])
+        run_dir, "--launcher", "hosts", "--hosts", hosts, "--node-command", netns.node_command(), sets=sets)])
     # output to a file: a stale rank of the cut node may hold a pipe open after the launcher ends
     output_path = run_dir.parent / f"{run_dir.name}.out"
     with open(output_path, "w") as output:
@@ -181,6 +186,7 @@ def hosts_run(netns, tmp_path_factory):
     """n2's link cut once rank 2 committed step CUT_AT and restored once the group left; and the same run
     fault-free, local."""
     root = tmp_path_factory.mktemp("live_hosts")
+    live_config(root / "user_loop_live.yaml")
     run_dir, seen = root / "cut", {"head": netns.address(HEAD)}
 
     def cut_then_restore() -> None:
@@ -224,13 +230,16 @@ def test_launcher_hosts_ends_bitwise_equal_to_the_fault_free_run(hosts_run):
     run_dir, clean, _, _, _ = hosts_run
     assert run_differences(clean, run_dir, 4) == {}
     assert replica_differences(run_dir, 4, 2) == {}
-    assert sample_problems(_events(run_dir), USER_STEPS, 8 * 8) == []
 
 
 def test_launcher_hosts_outlives_its_launchers_death_with_a_restart_from_the_newest_checkpoint(netns, hosts_run):
     """No single point of failure across hosts: the launcher (store, lighthouse) SIGKILLed once step 12 is
-    committed; the ranks on n1 and n2 find the store gone and exit 18 (their node commands, reparented to
-    the command, with them), and the command restarts the run on the hosts from global_step_10, bitwise."""
+    committed; the ranks on n1 and n2 find their lifeline (stdin) or the store gone and exit 18 (their node
+    commands, reparented to the command, with them), and the command restarts the run on the hosts from
+    global_step_10, bitwise. Before that, the drill kills rank 1 on n1 at step 4: the launcher's SIGKILL
+    reaches only its node command (``unshare --fork``: the rank is its child, in a pid namespace of its
+    own), and the rank itself ends through its lifeline, at once, replaced on n1 (before: it ran on, out of
+    the quorum, until the launcher's death ended it with the others: 5 processes exited 18, checked)."""
     _, clean, _, _, _ = hosts_run
     run_dir = clean.parent / "launcher_lost"
 
@@ -241,8 +250,13 @@ def test_launcher_hosts_outlives_its_launchers_death_with_a_restart_from_the_new
         (store,) = _wait(run_dir, lambda e: e["kind"] == "live_store")
         os.kill(store["pid"], signal.SIGKILL)
 
-    code, output = _on_hosts(netns, run_dir, kill_the_launcher)
+    code, output = _on_hosts(netns, run_dir, kill_the_launcher, sets=("faults=kill:rank=1,step=4",))
     assert code == 0, output[-4000:]
+    (kill,) = [e for e in _events(run_dir) if e["kind"] == "live_kill"]
+    assert kill["target"] == 1 and kill["step"] == 4
+    replaced = [(e["target"], e["node"]) for e in _events(run_dir) if e["kind"] == "live_replacement"]
+    assert replaced == [(1, "n1")], replaced
+    assert not [e for e in _events(run_dir) if e["kind"] == "live_fenced"]  # the killed rank never came back
     newest = run_dir / "checkpoints" / "global_step_10"
     assert f"restarting the run from {newest}" in output, output[-4000:]
     (lost,) = [e for e in _events(run_dir) if e["kind"] == "live_launcher_lost"]

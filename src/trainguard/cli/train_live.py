@@ -21,7 +21,7 @@ from pathlib import Path
 
 from trainguard.checkpoint.discovery import newest_committed
 from trainguard.config.schema import RunConfig
-from trainguard.errors import EXIT_DATA_SKIP_ABORT, ConfigError
+from trainguard.errors import EXIT_DATA_SKIP_ABORT, EXIT_STEP_FAILED, EXIT_USAGE, ConfigError
 from trainguard.live.launcher import LiveRun, resume_point
 from trainguard.live.placement import place
 from trainguard.live.supervise import supervise
@@ -71,8 +71,8 @@ def live_run(args: argparse.Namespace, config: RunConfig, source: str) -> LiveRu
 def run_live(run: LiveRun, run_dir: Path) -> int:
     """Trains to the end; 0, or the quorum's agreed code after a stop or an abort (``LiveResult.exit_code``:
     16 after a SIGTERM or the time limit, the quorum saved a step; 0 after the kill switch or
-    ``train.exit_at_step``, saved too; 3 after a data-skip abort), or 1 with one line when a rank failed
-    without being replaced."""
+    ``train.exit_at_step``, saved too; 3 after a data-skip abort; 19 after a step that failed
+    ``fault_tolerance.max_step_failures`` times in a row), or 1 with one line when a rank failed without being replaced."""
     where = (f" on hosts {', '.join(run.nodes[:run.groups])}, spare nodes {', '.join(run.spare_nodes) or 'none'}, "
              f"store at {run.store_host}" if run.nodes else "")
     print(f"trainguard: run directory {run_dir} (live recovery: {run.groups} replica groups of "
@@ -92,6 +92,12 @@ def run_live(run: LiveRun, run_dir: Path) -> int:
         print(f"trainguard: live run aborted by the data-skip guard: exit {EXIT_DATA_SKIP_ABORT}; the newest "
               f"checkpoint is {saved}", flush=True)
         return EXIT_DATA_SKIP_ABORT
+    if result.exit_code == EXIT_USAGE:  # every rank made the same configuration error; the first printed it
+        return EXIT_USAGE
+    if result.exit_code == EXIT_STEP_FAILED:  # the ranks printed the step's error
+        print(f"trainguard: live run ended: a step failed fault_tolerance.max_step_failures times in a row: exit "
+              f"{EXIT_STEP_FAILED}; the newest checkpoint is {saved}", flush=True)
+        return EXIT_STEP_FAILED
     if result.stop is not None:
         again = "; run again with --resume auto to continue" if result.stopped else ""
         if result.stop["reason"] == REASON_NAMES[SIGNAL]:

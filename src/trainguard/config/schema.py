@@ -86,6 +86,9 @@ class FaultToleranceConfig:
     # far) is stalled (a partial cut: the peers unreachable, the store not; live/stall.py)
     stall_s: float = 5.0
     stall_steps: float = 10.0
+    # a live step whose computation (the loss, its backward) raised on some rank is tried again; failing
+    # this many times in a row, it ends the run with exit 19 (live/step_failures.py)
+    max_step_failures: int = 3
 
 
 @dataclass

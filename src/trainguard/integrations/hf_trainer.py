@@ -208,7 +208,7 @@ class GuardedTrainer(Trainer):
         """Builds the guard on the prepared model, optimizer and scheduler, resumes, and returns the step."""
         model = self.model  # unwrapped: FSDP2 shards it in place, DDP wraps it in model_wrapped
         live = self.micro_batches is not None
-        # live mode transfers and checkpoints the model and the optimizer only: no TrainerState rides along
+        # live mode transfers and checkpoints the model, the optimizer and the scheduler: no TrainerState rides along
         stateful = None if live else {"trainer_state": self._checkpointed_state}
         self.guard = Guard(self.run_dir, model, _unwrapped(self.optimizer, "optimizer"),
                            scheduler=_unwrapped(self.lr_scheduler, "scheduler"), stateful=stateful,
@@ -260,8 +260,10 @@ class GuardedTrainer(Trainer):
         """One committed step of the live run, through any recovery; its loss is the mean over the global
         batch, which every rank logs alike (the Trainer does not average it again: one process each)."""
         model.train()
+        # the rate this step uses: the live engine steps the scheduler after each applied update, as the closure
+        # mode does, so after the call the optimizer holds the next step's
+        self._step_lr = self.optimizer.param_groups[0]["lr"]
         self._outcome = self.guard.step(self.micro_batches.loss_of, self.micro_batches.sample_range)
-        self._step_lr = self.optimizer.param_groups[0]["lr"]  # the live engine set the step's LR before it stepped
         self._skipped_since_log += self._outcome.skipped
         return torch.tensor(self._outcome.loss, device=self.args.device)
 

@@ -9,8 +9,8 @@ signals it) asks the quorum to stop: it saves at its next step boundary and ever
 ``EXIT_RESUMABLE_STOP``; ``launch`` returns then (``stopped``). A second signal, 2 s or more after the
 first, ends every rank at once (restart mode's ``StopSignals``: nothing more is saved). The quorum's
 other agreed ends are read the same way: every member exits 0 (the end, the kill switch,
-``train.exit_at_step``), 3 (a data-skip abort) or 16 (a stop to resume from), and the launcher ends with
-them (``LiveResult.exit_code``) instead of replacing them.
+``train.exit_at_step``), 3 (a data-skip abort), 16 (a stop to resume from) or 19 (a step that failed
+``fault_tolerance.max_step_failures`` times in a row), and the launcher ends with them (``LiveResult.exit_code``) instead of replacing them.
 """
 
 from __future__ import annotations
@@ -38,9 +38,11 @@ from trainguard.checkpoint.manifest import read_manifest
 from trainguard.checkpoint.resume import choose_resume_checkpoint
 from trainguard.checkpoint.writer_process import start_writer_fork_server
 from trainguard.config.schema import RunConfig
-from trainguard.errors import EXIT_DATA_SKIP_ABORT, EXIT_OK, EXIT_RESUMABLE_STOP, ConfigError
+from trainguard.errors import (EXIT_DATA_SKIP_ABORT, EXIT_OK, EXIT_RESUMABLE_STOP, EXIT_STEP_FAILED, EXIT_USAGE,
+                               ConfigError)
 from trainguard.events import EventLog
 from trainguard.forking import ForkedProcess, ForkServer, start_server, thread_count
+from trainguard.live import lifeline
 from trainguard.live.drill import live_drill
 from trainguard.live.files import events_path, newest_checkpoint
 from trainguard.live.group_reduce import SlotLayout
@@ -58,8 +60,9 @@ from trainguard.runtime.outcome import RunOutcome
 LIVE, RESTART = "live", "restart"
 # the exit codes the quorum agrees on in a step's all-reduce, so that every member ends with one of them:
 # the run's end (or a stop that needs no resume: the kill switch, train.exit_at_step), a data-skip abort,
-# a stop to resume from (a signal, the time limit)
-AGREED_EXITS = (EXIT_OK, EXIT_DATA_SKIP_ABORT, EXIT_RESUMABLE_STOP)
+# a stop to resume from (a signal, the time limit), a step that failed too often in a row (step_failures.py);
+# and a configuration error every rank makes alike in the loop (``LiveRank.end_with_config_error``)
+AGREED_EXITS = (EXIT_OK, EXIT_DATA_SKIP_ABORT, EXIT_RESUMABLE_STOP, EXIT_STEP_FAILED, EXIT_USAGE)
 
 
 @dataclass(frozen=True)
@@ -101,8 +104,9 @@ class LiveRun:
     # separate nodes: the node of each replica group, then of each spare (``live.placement.place``); a
     # rank's command is started behind ``node_command`` with {node} and {address} filled in (``ip netns exec
     # NS-{node}``, ``ssh {address}``), its launcher-given environment on the command line (``env K=V``), and
-    # reaches the store at ``store_host``. The launcher cannot signal a node's processes (a cut link): a hung
-    # rank is fenced by epoch alone, and its node is lost: replacements start on ``spare_nodes`` (nodes
+    # reaches the store at ``store_host``. The launcher's signals do not reach a node's processes: it kills
+    # one through its stdin (``live.lifeline``), but a hung one (maybe behind a cut link, where nothing
+    # reaches it) is fenced by epoch alone, and its node is lost: replacements start on ``spare_nodes`` (nodes
     # holding no group at the start) or another live node (``live.placement.replacement_node``). Empty:
     # every rank is a local process, which the launcher also SIGKILLs when hung.
     nodes: tuple[str, ...] = ()
@@ -216,6 +220,8 @@ def _spawn(run: LiveRun, rank: int, store: SignedStore, run_dir: Path, rejoin: b
                "--micro-batches", str(run.micro_batches), "--micro-batch-s", str(run.micro_batch_s),
                "--checkpoint-every", str(run.checkpoint_every),
                "--collective-timeout-s", str(run.collective_timeout_s)] + (["--rejoin"] if rejoin else [])
+    if node is not None:  # out of the launcher's signals: it ends the rank through its stdin (lifeline.py)
+        command.append("--lifeline")
     if resume is not None:
         command += ["--resume", str(resume)]
     if spare is not None and run.doctor_spares:
@@ -231,7 +237,8 @@ def _spawn(run: LiveRun, rank: int, store: SignedStore, run_dir: Path, rejoin: b
     env = dict(os.environ, **launcher_env, **{ENV_SECRET: store.secret.hex()})
     if node is not None:
         address = dict(run.node_addresses).get(node, node)
-        return subprocess.Popen(on_node(shlex.split(run.node_command), node, address, command, launcher_env), env=env)
+        return subprocess.Popen(on_node(shlex.split(run.node_command), node, address, command, launcher_env), env=env,
+                                stdin=subprocess.PIPE)
     if _rank_server is not None and is_this_interpreter(run.executable):
         # this interpreter's command, started here: forked without imports (``start_live_rank_server``)
         request = json.dumps({"argv": command[1:], "env": env, "cwd": os.getcwd()}).encode()
@@ -316,6 +323,8 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
     resume = resume_point(run, run_dir)
     if run.kill_switch is not None and Path(run.kill_switch).exists():  # as the closure mode's start: nothing loaded
         return _not_started(run_dir, run.kill_switch, read_manifest(resume).step if resume is not None else 0)
+    if run.kill_ranks and resume is not None and read_manifest(resume).step >= run.kill_at_step:
+        run = dataclasses.replace(run, kill_ranks=())  # the drill's step is behind the job's start: it happened
     # the time limit counts from the job's start for every rank, a replacement's too (as the supervisor's)
     if ENV_JOB_START not in dict(run.rank_env):  # a launcher started again keeps the job's first start
         run = dataclasses.replace(run, rank_env=(*run.rank_env, (ENV_JOB_START, str(job_start_time()))))
@@ -346,7 +355,7 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
     on_main_thread = threading.current_thread() is threading.main_thread()  # signal handlers can be set there only
     previous_handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} if on_main_thread else {}
     # a second signal: every rank ends at once (``procs`` as it is then: the cell, not today's dict)
-    signals = StopSignals(on_second=lambda: [proc.kill() for proc in procs.values()]) if on_main_thread else None
+    signals = StopSignals(on_second=lambda: [lifeline.kill(proc) for proc in procs.values()]) if on_main_thread else None
 
     def replace(rank: int) -> None:
         result.replaced_at[rank] = time.time()
@@ -380,13 +389,16 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
                 break  # ended together; ranks still out of the quorum (joining) end below
             if run.kill_ranks and result.killed_at is None and _progress(store, run.kill_ranks[0]) >= run.kill_at_step:
                 for rank in run.kill_ranks:
-                    os.kill(procs[rank].pid, signal.SIGKILL if run.fault == "kill" else signal.SIGSTOP)
+                    if run.fault == "kill":
+                        lifeline.kill(procs[rank])
+                    else:
+                        os.kill(procs[rank].pid, signal.SIGSTOP)
                     events.emit("live_kill", step=run.kill_at_step, target=rank, pid=procs[rank].pid,
                                 signal=run.fault)
                 result.killed_at = time.time()
             joiner = run.kill_ranks[0] if run.kill_joiner and run.kill_ranks else None
             if joiner in lighthouse.quorum.joining and result.joiner_killed_at is None:
-                os.kill(procs[joiner].pid, signal.SIGKILL)
+                lifeline.kill(procs[joiner])
                 events.emit("live_kill", step=None, target=joiner, pid=procs[joiner].pid, signal="kill",
                             during_join=lighthouse.quorum.epoch)
                 result.joiner_killed_at = time.time()
@@ -410,7 +422,7 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
                 # today's recovery: every rank killed and started again, once for all the killed ranks
                 for other in procs.values():
                     if other.poll() is None:
-                        other.kill()
+                        lifeline.kill(other)
                         other.wait()
                 lighthouse.restart(newest_checkpoint(run_dir, run.steps, run.group_size))
                 result.replaced_at.update({r: time.time() for r in run.kill_ranks})
@@ -430,7 +442,7 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
                 if (run.kill_during_shrink is not None and lighthouse.quorum.epoch == 1
                         and result.shrink_killed_at is None):  # at once: before the epoch's group is built
                     target = procs[run.kill_during_shrink]
-                    os.kill(target.pid, signal.SIGKILL)
+                    lifeline.kill(target)
                     events.emit("live_kill", step=None, target=run.kill_during_shrink, pid=target.pid, signal="kill",
                                 during_shrink=lighthouse.quorum.epoch)
                     result.shrink_killed_at = time.time()
@@ -443,7 +455,7 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
         result.fenced_exit_codes = {proc.pid: proc.poll() for proc in fenced}
         for proc in [*procs.values(), *(proc for _, proc in spares), *fenced]:  # unused spares end here
             if proc.poll() is None:
-                proc.kill()
+                lifeline.kill(proc)
                 proc.wait()
         events.close()
     result.wall_s = time.monotonic() - began

@@ -28,14 +28,17 @@ import torch.distributed as dist
 
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.manager import Stateful
+from trainguard.errors import ConfigError
 from trainguard.events import EventLog
 from trainguard.events.rank_logging import setup_logging
 from trainguard.guards.sdc import FaultyDeviceError
 from trainguard.guards.skip import DataSkipAbort
+from trainguard.live import lifeline
 from trainguard.live.files import events_path
 from trainguard.live.quorum import spare_failed_key, spare_key, spare_ready_key, wait_for
 from trainguard.live.signed_store import SignedStore
 from trainguard.live.spare_check import check_spare
+from trainguard.live.step_failures import StepFailed
 from trainguard.live.worker import (DEFAULT_RULES, FENCED_EXIT, WAIT_S, CommittedStep, Fenced, LiveArgs, LiveRules,
                                     LiveWorker, MicroBatchLoss, SampleRange, micro_batch_grad)
 from trainguard.runtime.lifecycle import Lifecycle
@@ -82,6 +85,8 @@ class LiveRank:
         0 of step 0 on a copy of the model); without it the spare warms the autograd engine and the
         optimizer only, and the model's own first forward and backward happen in its first step."""
         args = self.args
+        if args.lifeline:  # on another node: the launcher's kill comes through stdin
+            lifeline.hold(STORE_LOST_EXIT)
         host, port = args.store.rsplit(":", 1)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         # what this rank writes to the store is sealed with the run secret its launcher handed down (in the
@@ -163,7 +168,7 @@ class LiveRank:
         except FaultyDeviceError as faulty:  # this rank alone: the others go on, its group leaves (live/sdc.py)
             print(f"trainguard: error: [rank {self.worker.rank}] {faulty}", file=sys.stderr, flush=True)
             self.exit_code = faulty.exit_code
-        except DataSkipAbort as abort:  # every member judged the same sum: all abort at this step
+        except (DataSkipAbort, StepFailed) as abort:  # every member judged the same sum: all end at this step
             if self.worker.reports() or not abort.every_rank_raises:
                 print(f"trainguard: error: [rank {self.worker.rank}] {abort}", file=sys.stderr, flush=True)
             self.exit_code = abort.exit_code
@@ -198,6 +203,17 @@ class LiveRank:
             print(f"live recovery: spare {args.spare} failed its self-test: {report.reason}", file=sys.stderr)
             self.exit_code = SPARE_UNHEALTHY_EXIT
         return report.healthy
+
+    def end_with_config_error(self, error: ConfigError) -> NoReturn:
+        """A configuration mistake every rank makes alike (the loop's ``total_steps`` against the launcher's
+        ``train.steps``): the quorum's first rank prints it in one line, and every rank ends with exit 2,
+        which the launcher reads as the run's end (it replaces no rank: a replacement would make it again)."""
+        if self.worker is None or self.worker.reports():
+            print(f"trainguard: error: [rank {self.args.rank if self.worker is None else self.worker.rank}] {error}",
+                  file=sys.stderr, flush=True)
+        self.exit_code = error.exit_code
+        self.ended = True
+        self.close()
 
     def close(self) -> NoReturn:
         """At the last step or the agreed stop, trains what is left (the redo of a step a peer did not

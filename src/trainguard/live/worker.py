@@ -46,7 +46,7 @@ from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.manager import Stateful
 from trainguard.checkpoint.safe_load import safe_torch_load
 from trainguard.checkpoint.staging import serialised
-from trainguard.errors import EXIT_OK
+from trainguard.errors import EXIT_OK, raised_by_every_rank
 from trainguard.events import EventLog
 from trainguard.events.rank_logging import LOGGER_NAME
 from trainguard.faults import FaultInjector
@@ -73,6 +73,8 @@ from trainguard.live.stall import ReduceMarks
 from trainguard.live.fingerprint import LiveFingerprints
 from trainguard.live.sdc import CLEAN, LiveSdc
 from trainguard.live.state import LiveState
+from trainguard.live.step_failures import (STEP_FAILURE, StepFailed, StepFailures, StepFailureVerdict,
+                                           failure_text)
 from trainguard.live.step_guards import LiveGuards
 from trainguard.live.transfer import send_shards
 from trainguard.live.files import checkpoint_path, events_path, final_path
@@ -119,6 +121,7 @@ class LiveArgs:
     stall_collective: int | None  # drill: stay out of this step's all-reduce, alive, until the epoch ends
     stall_cut: bool  # drill: ... marked as in it, with this rank's probe socket closed (live/stall.py)
     resume: Path | None  # the durable checkpoint the job resumes from (the launcher chose it), or None
+    lifeline: bool = False  # started on another node: the launcher ends this process through stdin (lifeline.py)
 
     @classmethod
     def parse(cls, argv: list[str] | None = None) -> LiveArgs:
@@ -143,6 +146,7 @@ class LiveArgs:
         parser.add_argument("--stall-collective", type=int)
         parser.add_argument("--stall-cut", action="store_true")
         parser.add_argument("--resume", type=Path)
+        parser.add_argument("--lifeline", action="store_true")
         known, _ = parser.parse_known_args(argv)
         return cls(**vars(known))
 
@@ -165,6 +169,9 @@ class LiveRules:
     monitor: bool = False  # guards.monitor: the embedding's gradient norm in every live_step event
     lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)  # the kill switch, the time limit
     ranks_per_node: int | None = None  # parallel.ranks_per_node: the {node} of the local tiers' directories (None: one)
+    # fault_tolerance.max_step_failures: a step whose computation raised is tried this many times in a
+    # row before the run ends (live/step_failures.py)
+    max_step_failures: int = 3
 
 
 DEFAULT_RULES = LiveRules()  # the drill's workload's: no clipping, no data skip, the skip streak's default
@@ -278,6 +285,7 @@ class LiveWorker:
             ranks_per_node=rules.ranks_per_node or args.world)
         self.lifecycle = lifecycle  # this rank's stop reasons (its signals, the kill switch, the time limit)
         self.stop: LiveStop | None = None  # the quorum agreed to stop, and saved: no more steps
+        self.step_failures = StepFailures(rules.max_step_failures)  # the current step's failed attempts in a row
 
     @property
     def committed(self) -> CommittedStep | None:
@@ -318,7 +326,8 @@ class LiveWorker:
                         break
                     self.switch(self.wait_for_join_epoch())  # the replacement joins at the last boundary
                     continue
-                self.step()
+                if not self.step():
+                    continue  # the step's computation raised somewhere: tried again (step_failures.py)
             except RuntimeError as error:  # gloo's errors (a peer died, a timeout) and EpochAborted
                 self.recover(error)
                 if self.step_index > step:
@@ -359,11 +368,14 @@ class LiveWorker:
         """This rank writes the run's events of a decision (the closure mode's rank 0): the quorum's first."""
         return self.quorum is not None and self.quorum.index(self.rank) == 0
 
-    def compute(self, step: int, mine: list[int]) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
+    def compute(self, step: int, mine: list[int], catch: bool = False
+                ) -> tuple[dict[int, torch.Tensor], torch.Tensor | None, str | None]:
         """This rank's micro-batches of ``step`` (with sharded parameters, gathered whole around them): each
         one's gradient then its share of the loss (a -0.0 made +0.0: ``ordered_sum``) and, with SDC
-        detection on, their extras (each micro-batch's detection points' values, ``live/sdc.py``)."""
-        computed = {}
+        detection on, their extras (each micro-batch's detection points' values, ``live/sdc.py``). With
+        ``catch``, an error of the loss or its backward is returned as its line instead, every micro-batch
+        from the one that raised on a row of zeros (``live/step_failures.py``)."""
+        computed, failure = {}, None
         extras = None if self.sdc is None else torch.zeros(self.micro_batches, self.sdc.width)
         if self.sdc is not None:
             self.sdc.begin_step()
@@ -373,8 +385,18 @@ class LiveWorker:
         try:
             for micro_batch in mine:
                 self.beat()
-                share, grad = micro_batch_grad(self.model, self.loss_of, step, micro_batch, self.micro_batches,
-                                               self.seed)
+                if failure is not None:
+                    computed[micro_batch] = torch.zeros_like(next(iter(computed.values())))
+                    continue
+                try:
+                    share, grad = micro_batch_grad(self.model, self.loss_of, step, micro_batch, self.micro_batches,
+                                                   self.seed)
+                except Exception as error:  # the user's code: no collective runs in it
+                    if not catch:
+                        raise
+                    failure = failure_text(error)
+                    computed[micro_batch] = torch.zeros(sum(p.numel() for p in self.model.parameters()) + 1)
+                    continue
                 computed[micro_batch] = torch.cat([grad, share.reshape(1)]) + 0.0
                 if extras is not None:
                     extras[micro_batch] = self.sdc.micro_batch_values()
@@ -382,7 +404,7 @@ class LiveWorker:
         finally:
             if self.params is not None:
                 self.params.reshard()
-        return computed, extras
+        return computed, extras, failure
 
     def reduce(self, exchange: Exchange, computed: dict[int, torch.Tensor], flags: list[int],
                extras: torch.Tensor | None) -> StepSum:
@@ -404,7 +426,8 @@ class LiveWorker:
         self.params.set_grads(summed.gradient)
         return summed
 
-    def step(self) -> None:
+    def step(self) -> bool:
+        """Trains the next step: whether it committed (not when a rank's computation of it raised)."""
         quorum, step = self.quorum, self.step_index
         started = time.perf_counter()
         exchange = Exchange(quorum.members, self.rank, self.layout)
@@ -418,7 +441,9 @@ class LiveWorker:
         if self.params is not None:
             # the stall watch's marks span the step's collectives, from the first (the unshard) to the norm's
             self.reduce_marks.entering(quorum.epoch, step, self.beat)
-        computed, extras = self.compute(step, mine)
+        computed, extras, failure = self.compute(step, mine, catch=True)
+        if failure is not None:  # before the sum: the reporter reads it once the sum says a rank failed
+            self.store.set(STEP_FAILURE, f"rank {self.rank}: {failure}")
         if self.sample_range:
             # before the sum, not after: a rank killed once its rows are in the sum, before it could say
             # so, leaves the step committed by the others with its samples in it
@@ -428,11 +453,15 @@ class LiveWorker:
         reason = self.lifecycle.local_reason() if self.lifecycle is not None else NONE
         if has(self.store, STOP):  # the launcher's signal
             reason = max(reason, SIGNAL)
-        flags = [int(newer), *(int(reason == r) for r in STOP_REASONS)]
+        flags = [int(newer), *(int(reason == r) for r in STOP_REASONS), int(failure is not None)]
         if self.params is None:
             self.reduce_marks.entering(quorum.epoch, step, self.beat)
         summed = self.reduce(exchange, computed, flags, extras)
-        newer_seen, *stops_seen = summed.flags
+        newer_seen, *stops_seen, failed = summed.flags
+        if failed:
+            self.reduce_marks.left(quorum.epoch, step)
+            self.step_failed(step, failed)
+            return False
         loss = summed.loss
         if step == self.fail_after_reduce:
             self.fail_after_reduce = None
@@ -465,6 +494,7 @@ class LiveWorker:
         self.events.emit("live_step", step=step, epoch=quorum.epoch, members=len(quorum.members),
                          micro_batches=mine, loss=loss, global_norm=norm, skipped=skipped, **monitored)
         self.state.committed = dataclasses.asdict(CommittedStep(step, loss, norm, skipped, embedding_norm))
+        self.step_failures.committed()
         self.step_index = step + 1
         if self.fingerprints is not None:
             self.fingerprints.remember(self.step_index + 1)
@@ -490,11 +520,33 @@ class LiveWorker:
             self.sdc.leave_if_struck_out(sdc.faulty)  # saved first: its group leaves, the others go on
         if newer_seen and self.stop is None:
             self.switch(quorum.epoch + 1)
+        return True
+
+    def step_failed(self, step: int, ranks: int) -> None:
+        """Every member, at the same step: ``ranks`` ranks' computation of ``step`` raised. Tried again, or
+        after ``max_step_failures`` attempts in a row ``StepFailed`` on every member, the reporter's line
+        naming the step and an error (``live/step_failures.py``)."""
+        verdict = self.step_failures.failed(step)
+        attempts = self.step_failures.count
+        error = self.store.get(STEP_FAILURE).decode() if has(self.store, STEP_FAILURE) else "unknown error"
+        if self.reports():
+            self.events.emit("live_step_failed", step=step, epoch=self.quorum.epoch, ranks=ranks, attempt=attempts,
+                             error=error, verdict=verdict.value)
+        if verdict is StepFailureVerdict.RETRY:
+            self.log.warning("step %d failed on %d rank(s) (%s): attempt %d of %d, trying it again", step, ranks,
+                             error, attempts, self.step_failures.limit)
+            return
+        failed = StepFailed(f"step {step} failed {attempts} times in a row (fault_tolerance.max_step_failures), "
+                            f"{error}; the run ends with nothing saved at this step")
+        if self.reports():  # the launcher's record of how the run ended (``LiveResult.stop``)
+            stop = LiveStop(step, "step_failed", str(failed), failed.exit_code)
+            self.store.set(STOPPED, json.dumps(dataclasses.asdict(stop)))
+        raise raised_by_every_rank(failed)
 
     def rerun(self, step: int, exchange: Exchange, mine: list[int], flags: list[int]) -> StepSum:
         """SDC detection's rerun of ``step`` (``live/sdc.py``): the same micro-batches, the same sum, with
         ``flags`` summed beside; its gradients set, with the drill's gradient faults as at the first pass."""
-        computed, extras = self.compute(step, mine)
+        computed, extras, _ = self.compute(step, mine)
         summed = self.reduce(exchange, computed, flags, extras)
         self.faults.after_backward(step + 1, self.model)
         return summed

@@ -38,12 +38,22 @@ def parse_hosts(text: str) -> dict[str, str]:
     return hosts
 
 
+SHELL_NODE_COMMANDS = ("ssh",)
+"""Node commands that join their arguments with spaces into one line for a shell on the node: what runs
+there is given to them as one word, quoted for that shell (``shlex.join``), so that a word with a space
+or a quote (a ``--set`` item in ``TRAINGUARD_SET``) arrives whole."""
+
+
 def on_node(template: list[str], node: str, address: str, command: list[str], env: dict[str, str]) -> list[str]:
     """``command`` run on ``node`` through the node command's words (``template``, {node} and {address}
     filled in), its environment on the command line (``env K=V ...``) so that it crosses whatever the
-    node command crosses (``ssh`` does not pass the caller's environment on)."""
+    node command crosses (``ssh`` does not pass the caller's environment on); quoted for the node's
+    shell when the node command is one of ``SHELL_NODE_COMMANDS``."""
     prefix = [part.format(node=node, address=address) for part in template]
-    return [*prefix, "env", *(f"{key}={value}" for key, value in env.items()), *command]
+    remote = ["env", *(f"{key}={value}" for key, value in env.items()), *command]
+    if prefix and Path(prefix[0]).name in SHELL_NODE_COMMANDS:
+        return [*prefix, shlex.join(remote)]
+    return [*prefix, *remote]
 
 
 def address_toward(address: str) -> str:

@@ -18,12 +18,13 @@ from trainguard.errors import (
     EXIT_NO_CHECKPOINT,
     EXIT_OK,
     EXIT_RESUMABLE_STOP,
+    EXIT_STEP_FAILED,
     EXIT_USAGE,
 )
 
 # codes a rank gives on purpose, strongest explanation first
 MEANINGFUL_EXIT_CODES = (EXIT_USAGE, EXIT_DATA_SKIP_ABORT, EXIT_NO_CHECKPOINT, EXIT_RESUMABLE_STOP,
-                         EXIT_FAULTY_HARDWARE)
+                         EXIT_FAULTY_HARDWARE, EXIT_STEP_FAILED)
 # why a rank's own exit code ends the run, and why a restart would not help
 NO_RESTART_REASONS = {
     EXIT_USAGE: ("a configuration or usage error",
@@ -34,6 +35,8 @@ NO_RESTART_REASONS = {
     EXIT_NO_CHECKPOINT: ("no usable checkpoint to resume from", "a restart would find none either"),
     EXIT_RESUMABLE_STOP: ("a stop asked for (SIGTERM/SIGUSR1 or the time limit), the last step saved",
                           "it is resumable: run the same command again to continue"),
+    EXIT_STEP_FAILED: ("a live step raised the same way fault_tolerance.max_step_failures times in a row",
+                       "a restart would compute the same step again; fix the step (its line names the error)"),
 }
 NEVER_RESTART = (EXIT_OK, *NO_RESTART_REASONS)  # each with its line, so a code never stops a run unexplained
 

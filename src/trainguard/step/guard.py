@@ -484,9 +484,10 @@ class Guard:
         live = self._started_live()
         if live.ended:
             return True
-        if total_steps != live.total_steps:
-            raise ConfigError(f"should_stop(step, total_steps={total_steps}): the live launcher runs {live.total_steps} "
-                              "steps (config key 'train.steps'); pass the same number (guard.total_steps)")
+        if total_steps != live.total_steps:  # one line, exit 2, as the closure mode's config errors
+            live.end_with_config_error(ConfigError(
+                f"should_stop(step, total_steps={total_steps}): the live launcher runs {live.total_steps} steps "
+                "(config key 'train.steps'); pass the same number (guard.total_steps)"))
         if step != live.committed_steps:
             raise ValueError(f"should_stop(step={step}): the guard is at step {live.committed_steps} "
                              "(pass the step that resume() or the last step()'s outcome returned)")

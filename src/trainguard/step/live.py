@@ -167,6 +167,7 @@ def live_rank(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
                       sdc=sdc_config_from_env(config.guards.sdc), fingerprint=config.guards.fingerprint,
                       exit_at_step=config.train.exit_at_step, health=config.guards.health,
                       monitor=config.guards.monitor, lifecycle=config.lifecycle,
-                      ranks_per_node=config.parallel.ranks_per_node)
+                      ranks_per_node=config.parallel.ranks_per_node,
+                      max_step_failures=config.fault_tolerance.max_step_failures)
     return LiveRank(model, optimizer, args, scheduler, seed=config.train.seed, checkpoint=config.checkpoint,
                     rules=rules, static_files=static_files, stateful=loop_objects(stateful), embedding=embedding)

@@ -69,7 +69,9 @@ RANK = {"train.seed": 43, "optim.grad_clip": 0.5,
         # replica fingerprints (``live.fingerprint``; tests/integration/test_live_sdc.py)
         "guards.fingerprint.interval": 7, "guards.fingerprint.at_rest": "every_step",
         # checkpoint health and the embedding monitor (``LiveWorker.health``; tests/integration/test_live_guards.py)
-        "guards.health.enabled": True, "guards.health.embedding_threshold": 5.0, "guards.monitor": True}
+        "guards.health.enabled": True, "guards.health.embedding_threshold": 5.0, "guards.monitor": True,
+        # the retry limit of a step whose computation raised (``live.step_failures``; test_live_durable.py)
+        "fault_tolerance.max_step_failures": 5}
 TRAINER_MODEL = {
     "model.preset": "llama-micro", "model.hidden_size": 96, "model.num_layers": 3, "model.num_heads": 4,
     "model.num_kv_heads": 1, "model.intermediate_size": 100, "model.tie_word_embeddings": False,

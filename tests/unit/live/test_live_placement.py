@@ -6,6 +6,8 @@ tests/integration/test_live_netns.py."""
 from __future__ import annotations
 
 import argparse
+import shlex
+import subprocess
 import sys
 
 import pytest
@@ -45,19 +47,21 @@ def test_a_rank_on_a_node_starts_behind_the_node_command_with_its_environment_on
     started = {}
 
     class Popen:
-        def __init__(self, command, env):
-            started.update(command=command, env=env)
+        def __init__(self, command, env, stdin):
+            started.update(command=command, env=env, stdin=stdin)
 
     monkeypatch.setattr("trainguard.live.launcher.subprocess.Popen", Popen)
     run = LiveRun(nodes=("n1", "n2"), node_command="ssh -T {address} # {node}",
                   node_addresses=(("n1", "10.0.0.1"), ("n2", "10.0.0.2")), store_host="10.0.0.254",
                   rank_env=(("TRAINGUARD_SET", "[]"),), executable="python3", entry=("train.py",))
     _spawn(run, 3, _Store(), tmp_path, rejoin=True, node="n2")
-    command = started["command"]
-    assert command[:6] == ["ssh", "-T", "10.0.0.2", "#", "n2", "env"]
-    assert command[6:9] == ["OMP_NUM_THREADS=1", "TRAINGUARD_SET=[]", "python3"]
-    assert command[9:13] == ["train.py", "--store", "10.0.0.254:29999", "--rank"]
-    assert not any(ENV_SECRET in word or _Store.secret.hex() in word for word in command)
+    assert started["command"][:5] == ["ssh", "-T", "10.0.0.2", "#", "n2"]
+    assert len(started["command"]) == 6  # ssh: what runs on the node is one word, quoted for its shell
+    command = shlex.split(started["command"][5])
+    assert command[:4] == ["env", "OMP_NUM_THREADS=1", "TRAINGUARD_SET=[]", "python3"]
+    assert command[4:8] == ["train.py", "--store", "10.0.0.254:29999", "--rank"]
+    assert "--lifeline" in command and started["stdin"] == subprocess.PIPE  # the launcher's kill (live/lifeline.py)
+    assert not any(ENV_SECRET in word or _Store.secret.hex() in word for word in started["command"])
     assert started["env"][ENV_SECRET] == _Store.secret.hex()  # where the node command passes it on
 
 

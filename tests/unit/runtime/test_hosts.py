@@ -18,10 +18,29 @@ from trainguard.errors import ConfigError
 from trainguard.run_secret import create_secret, prove_request
 from trainguard.runtime.agent_control import ENV_AGENT_CONTROL, AgentControl, ask
 from trainguard.runtime.heartbeat import HeartbeatWriter
-from trainguard.runtime.hosts import HostNodes, parse_hosts
+from trainguard.runtime.hosts import HostNodes, on_node, parse_hosts
 from trainguard.runtime.policy import Ended, Outcome, RestartPolicy
 
 SECRET = bytes(range(32))
+
+
+def test_under_ssh_the_remote_command_is_one_word_quoted_for_the_nodes_shell(tmp_path):
+    """``ssh HOST WORDS...`` joins the words with spaces for the remote shell, which splits them again: a
+    stand-in ``ssh`` does exactly that (``sh -c "$*"``), so a ``--set`` item with a space or a quote in
+    ``TRAINGUARD_SET`` must arrive whole (before: ``x=a`` and ``b`` arrived apart)."""
+    ssh = tmp_path / "ssh"
+    ssh.write_text('#!/bin/sh\nshift\nexec sh -c "$*"\n')
+    ssh.chmod(0o755)
+    sets = json.dumps(["train.seed=3", "x=a b", "y='q'"])
+    show = [sys.executable, "-c", "import json, os, sys; print(json.dumps([os.environ['TRAINGUARD_SET'], sys.argv[1:]]))"]
+    command = on_node([str(ssh), "{address}"], "n1", "10.0.0.1", [*show, "--set", "x=a b", "--run-dir", "/r d"],
+                      {"TRAINGUARD_SET": sets, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(command, capture_output=True, text=True)
+    assert done.returncode == 0 and json.loads(done.stdout) == [sets, ["--set", "x=a b", "--run-dir", "/r d"]], done
+    assert command[:2] == [str(ssh), "10.0.0.1"] and len(command) == 3
+    # a node command that passes its arguments on as they are (ip netns exec, srun, sh -c 'exec "$@"') is not quoted
+    assert on_node(["ip", "netns", "exec", "ns-{node}"], "n1", "a", ["p", "x y"], {"A": "a b"}) == [
+        "ip", "netns", "exec", "ns-n1", "env", "A=a b", "p", "x y"]
 
 
 def test_hosts_parse_in_order_and_bad_lists_are_one_clear_error():

@@ -1,0 +1,104 @@
+"""Live mode's steady-state cost against plain HSDP of the same model, with no failure (issue 35, item 6).
+
+Side by side in one invocation, 4 gloo ranks on this machine as 2 replica groups x 2, the example's model
+(``examples/user_model.py``: a 2-layer GPT-2), the same global batch (``--micro-batches``), steps and
+clipping (1.0), in ABBA order over ``--cycles``:
+
+- plain HSDP: ``examples/user_loop_plain.py --replicate 2`` under ``torchrun``: ``fully_shard`` over a
+  (dp_replicate=2, dp_shard=2) mesh, AdamW, no trainguard;
+- live: ``examples/user_loop.py`` under ``trainguard run --nproc 4`` with ``fault_tolerance.live: true``,
+  the layout 2 x 2 and nothing else on (no durable save, ``guards.fingerprint.interval: 0``; data skip and
+  SDC detection are off by default): the quorum, the order-fixed sum and the row-sharded parameters.
+
+Each run's rank 0 prints one line per step; a step's time is the gap between two such lines as they
+arrive here (the same measure for both), and a run's steady rate is one over the median gap after the
+first ``WARMUP`` steps (the start, imports and the first compilations left out). Target: live within 5 %
+of plain's steps/s. Usage: ``python benchmarks/live_steady.py [--quick] [--cycles 2]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import abba_quad, median, print_result  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+WORLD, REPLICATE = 4, 2
+WARMUP = 3
+TARGET = 0.95  # live's steps/s over plain's
+STEP_LINE = re.compile(rb"^step (\d+) loss ")
+
+
+def step_gaps(command: list[str], env: dict[str, str]) -> list[float]:
+    """Runs ``command`` and returns the gaps between rank 0's consecutive step lines, in arrival order."""
+    arrivals = []
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=ROOT) as proc:
+        for line in proc.stdout:
+            if STEP_LINE.match(line):
+                arrivals.append(time.perf_counter())
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(command[:6])} ... exited {proc.returncode}")
+    return [b - a for a, b in zip(arrivals, arrivals[1:])]
+
+
+def plain(run_dir: Path, steps: int, micro_batches: int, env: dict[str, str]) -> list[float]:
+    return step_gaps([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
+                      str(EXAMPLES / "user_loop_plain.py"), "--run-dir", str(run_dir), "--steps", str(steps),
+                      "--micro-batches", str(micro_batches), "--replicate", str(REPLICATE)], env)
+
+
+def live(run_dir: Path, steps: int, micro_batches: int, env: dict[str, str]) -> list[float]:
+    config = run_dir.parent / f"{run_dir.name}.yaml"
+    config.write_text(f"parallel: {{dp_replicate: {REPLICATE}, dp_shard: {WORLD // REPLICATE}}}\n"
+                      f"train: {{steps: {steps}, micro_batches: {micro_batches}}}\n"
+                      "checkpoint: {save_interval: 0}\nguards: {fingerprint: {interval: 0}}\n"
+                      "fault_tolerance: {live: true}\n")
+    return step_gaps([sys.executable, "-m", "trainguard", "run", "--nproc", str(WORLD), "--config", str(config),
+                      "--run-dir", str(run_dir), "--", sys.executable, str(EXAMPLES / "user_loop.py"), "--config",
+                      str(config)], env)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one pair of runs of 16 steps")
+    parser.add_argument("--cycles", type=int, default=2, help="ABBA cycles (4 runs each)")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--micro-batches", type=int, default=8)
+    args = parser.parse_args()
+    steps = 16 if args.quick else args.steps
+    order = ["plain", "live"] if args.quick else [m for c in range(args.cycles) for m in abba_quad(c, "plain", "live")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        [str(EXAMPLES), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+    runs = {"plain": plain, "live": live}
+    rates: dict[str, list[float]] = {"plain": [], "live": []}
+    with tempfile.TemporaryDirectory(prefix="live_steady_") as tmp:
+        for index, mode in enumerate(order):
+            gaps = runs[mode](Path(tmp) / f"{mode}{index}", steps, args.micro_batches, env)[WARMUP:]
+            rates[mode].append(1.0 / median(gaps))
+            print(f"  run {index + 1}/{len(order)} {mode}: {rates[mode][-1]:.2f} steps/s "
+                  f"(median of {len(gaps)} step gaps)", flush=True)
+    plain_rate, live_rate = median(rates["plain"]), median(rates["live"])
+    ratio = live_rate / plain_rate
+    print(f"\nsteady state, {WORLD} gloo ranks ({REPLICATE} replica groups x {WORLD // REPLICATE}), {steps} steps of "
+          f"{args.micro_batches} micro-batches, no failure; medians over {len(rates['plain'])} run(s) each\n")
+    print(f"| {'run':<10} | {'steps/s':>8} | {'step time':>10} |")
+    print(f"|{'-' * 12}|{'-' * 10}|{'-' * 12}|")
+    for name, rate in (("plain HSDP", plain_rate), ("live", live_rate)):
+        print(f"| {name:<10} | {rate:>8.2f} | {1000 / rate:>8.1f} ms |")
+    print(f"\nlive / plain steps/s: {ratio:.3f} (target ≥ {TARGET}: {'met' if ratio >= TARGET else 'NOT met'})")
+    print_result("live_steady_steps_per_s", live_rate, plain_rate, f">= {TARGET}x plain HSDP", ratio >= TARGET,
+                 steps=steps, micro_batches=args.micro_batches, runs=len(order))
+
+
+if __name__ == "__main__":
+    main()

@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 
 import functools
-import logging
 import math
 import os
 import sys
@@ -45,9 +44,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainguard.backup.attach import attach_mirror
 from trainguard.checkpoint.discovery import newest_committed_step
-from trainguard.checkpoint.manager import CheckpointManager, Stateful
+from trainguard.checkpoint.manager import Stateful
 from trainguard.config.load import config_to_dict, load_config
 from trainguard.config.schema import RunConfig
 from trainguard.errors import (
@@ -59,41 +57,30 @@ from trainguard.errors import (
     TrainguardError,
     raised_by_every_rank,
 )
-from trainguard.events import EventLog
-from trainguard.events.rank_logging import LOGGER_NAME, setup_logging
-from trainguard.faults import FaultInjector
-from trainguard.guards.rollback import RollbackGuard
-from trainguard.guards.sdc import FaultyDeviceError, faulty_ranks_path, sdc_config_from_env, write_faulty_ranks
+from trainguard.guards.sdc import FaultyDeviceError, faulty_ranks_path, write_faulty_ranks
 from trainguard.guards.skip import DataSkipAbort
-from trainguard.guards.step_skips import StepSkips
-from trainguard.guards.state_guard import StateGuard
 from trainguard.live.rank import LiveRank
 from trainguard.live.worker import MicroBatchLoss, SampleRange
 from trainguard.norms import clip_grads_, local_grad_norms
-from trainguard.runtime.heartbeat import HeartbeatWriter, node_name
-from trainguard.runtime.lifecycle import EXIT_CODES, NONE, REASON_NAMES, Lifecycle
-from trainguard.step.embedding import EmbeddingNorm
+from trainguard.runtime.heartbeat import HeartbeatWriter
+from trainguard.runtime.lifecycle import EXIT_CODES, NONE, REASON_NAMES
 from trainguard.step.live import closure_only, live_only, live_rank, with_launcher_overrides
 from trainguard.step.micro_batches import DataParallelPlace, micro_batch_closure, step_samples, takes_no_arguments
 from trainguard.runtime.outcome import RunOutcome, end_outcome, stop_outcome
-from trainguard.step.local_tier import build_local_tier, build_memory_tier, fire_wipe_faults, resolve_ranks_per_node
+from trainguard.step.local_tier import fire_wipe_faults
+from trainguard.step.builder import FIND_EMBEDDING, build_guard_parts, input_embedding
 from trainguard.step.report import StepReport
-from trainguard.step.rollback import SkippableData, roll_back, skippable_data
-from trainguard.step.sdc import RerunVerdict, SdcGuard
+from trainguard.step.rollback import roll_back
+from trainguard.step.sdc import RerunVerdict
 from trainguard.step.slots import Reduced, Slot, local_slots, reduce_step
 from trainguard.step.snapshot import StepSnapshot
 from trainguard.step.static_files import huggingface_files
-from trainguard.topology.rank_failure import raise_if_any_rank_failed
-from trainguard.topology.replica_groups import device_mesh_replica_groups
 
 Config = RunConfig  # the keys of `trainguard train`; a loop of its own uses the sections it needs
 
 # the slot each rank raises for its verdict after a rerun
 VERDICT_SLOTS = {RerunVerdict.TRANSIENT: Slot.SDC_TRANSIENT, RerunVerdict.REPRODUCIBLE: Slot.SDC_REPRODUCIBLE,
                  RerunVerdict.FAULTY: Slot.SDC_FAULTY}
-
-FIND_EMBEDDING = "find"  # Guard(embedding=...) default: the model's input embedding, if it has one
-
 
 @dataclass(frozen=True)
 class StepOutcome:
@@ -134,34 +121,6 @@ def _config_errors_end_the_process(init: Callable[..., None]) -> Callable[..., N
             raise ConfigErrorExit(str(error)) from None
 
     return build
-
-
-def _input_embedding(model: torch.nn.Module) -> torch.nn.Parameter | None:
-    get = getattr(model, "get_input_embeddings", None)
-    if callable(get):
-        try:
-            module = get()
-        except (AttributeError, NotImplementedError):
-            module = None
-        if module is not None:
-            return module.weight
-    module = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
-    return module.weight if module is not None else None
-
-
-def _replica_groups(mesh_shape: list[int], mesh_dim_names: list[str], world_size: int) -> list[tuple[int, ...]]:
-    """The ranks holding the same parameter and optimizer shards (they differ in ``dp_replicate``
-    alone); every rank alone when the mesh's dims are not the DeviceMesh names trainguard knows."""
-    try:
-        groups = device_mesh_replica_groups(mesh_shape, mesh_dim_names)
-    except ValueError:
-        return [(rank,) for rank in range(world_size)]
-    return sorted({tuple(groups.full_replicas(rank)) for rank in range(world_size)})
-
-
-def _device_of(model: torch.nn.Module) -> torch.device:
-    parameter = next(model.parameters(), None)
-    return parameter.device if parameter is not None else torch.device("cpu")
 
 
 class Guard:
@@ -214,7 +173,7 @@ class Guard:
                                    unsupported=[name for name, set_ in given.items() if set_],
                                    static_files=huggingface_files(hf_config, tokenizer) if hf_config is not None
                                    else None, stateful=stateful,
-                                   embedding=_input_embedding(model) if isinstance(embedding, str) else embedding)
+                                   embedding=input_embedding(model) if isinstance(embedding, str) else embedding)
             self._live_started = False
             self.rank = self._live.args.rank  # a warm spare's: the rank it replaces, once ``resume()`` returned
             return
@@ -222,88 +181,15 @@ class Guard:
             raise live_only("__init__(live_argv=...)")
         self.run_dir = Path(run_dir)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
-        if pipeline_stages < 1 or self.world_size % pipeline_stages:
-            raise ValueError(f"pipeline_stages={pipeline_stages} does not divide the world size {self.world_size}")
-        # ranks sharing one pipeline stage (all ranks without pp): the norm's and the loss's weights
-        self.ranks_per_stage = self.world_size // pipeline_stages
         self.tokens_per_step = tokens_per_step
-        self.host = node_name()  # the supervisor's node name for simulated nodes, else the host name
-        self.log = logging.getLogger(LOGGER_NAME)
-        if not self.log.handlers:  # a loop that set up its own logging keeps it
-            setup_logging(self.rank, self.run_dir / "logs")
-        self.events = EventLog(self.run_dir / "events.jsonl", rank=self.rank, host=self.host)
-        self.device = _device_of(model)
-        self.lifecycle = Lifecycle.for_rank(cfg.lifecycle, self.run_dir, self.rank, self.device)
-
-        self.stateful = dict(stateful or {})
-        own = {"scheduler", "skip_guard", "skip_streak", "rollback", "sdc_detector", "sdc_strikes"}
-        reserved = own & set(self.stateful)
-        if reserved:
-            raise ValueError(f"stateful names {sorted(reserved)} are the guard's own; choose other names")
-        rank_tiers = cfg.checkpoint.local_interval or cfg.checkpoint.memory_interval
-        per_node = resolve_ranks_per_node(cfg.parallel.ranks_per_node, self.world_size) if rank_tiers else 1
-        failure = None
-        try:  # a fault naming a module of another pipeline stage fails on some ranks only
-            self.faults = FaultInjector.from_env(self.run_dir, self.rank, self.world_size, self.events.emit,
-                                                 config_text=cfg.faults)
-            self.faults.install(model)
-            self.faults.check_nodes(self.world_size // per_node if cfg.checkpoint.local_interval else None)
-        except ConfigError as exc:
-            failure = exc
-        raise_if_any_rank_failed(failure)
-        mesh_shape = list(mesh.shape) if mesh is not None else [self.world_size]
-        mesh_dim_names = list(mesh.mesh_dim_names) if mesh is not None else ["dp_shard"]
-        static_files = huggingface_files(hf_config, tokenizer) if hf_config is not None else None
-        self.mesh = mesh  # the data-parallel place of ``step(loss_of)``'s micro-batches
-        local = None
-        if cfg.checkpoint.local_interval:
-            local = build_local_tier(self.run_dir, cfg.checkpoint, mesh_shape=mesh_shape,
-                                     mesh_dim_names=mesh_dim_names, ranks_per_node=per_node, model=model,
-                                     events=self.events, static_files=static_files)
-        memory = None
-        if cfg.checkpoint.memory_interval:
-            memory = build_memory_tier(self.run_dir, cfg.checkpoint, mesh_shape=mesh_shape,
-                                       mesh_dim_names=mesh_dim_names, model=model, events=self.events,
-                                       ranks_per_node=per_node)
-        managed: dict[str, Stateful] = {"scheduler": scheduler} if scheduler is not None else {}
-        managed.update(self.stateful)
-        self.checkpoints = CheckpointManager(
-            self.run_dir, model, optimizer, managed, cfg.checkpoint, mesh_shape=mesh_shape,
-            mesh_dim_names=mesh_dim_names, static_files=static_files, events=self.events,
-            after_commit=self.faults.after_commit, seed=cfg.train.seed, local=local, memory=memory,
-        )
-        attach_mirror(self.checkpoints)
-        sdc_config = sdc_config_from_env(cfg.guards.sdc)
-        self.sdc: SdcGuard | None = None
-        if sdc_config.enabled:  # installed after the faults, so a point sees a fault injected at its module
-            self.sdc = SdcGuard(sdc_config, model, cfg.train.micro_batches, self.device, self.rank, self.host,
-                                self.log, self.events)
-            self.checkpoints.stateful.update(self.sdc.stateful)
-        self.state = StateGuard(cfg.guards.fingerprint, model, optimizer,
-                                _replica_groups(mesh_shape, mesh_dim_names, self.world_size), self.rank, self.log,
-                                self.events.emit, strike=self._strike if self.sdc is not None else None)
-        self.skips = StepSkips(cfg.guards.skip, cfg.guards.max_consecutive_skips, self.log, self.events.emit,
-                               reports=lambda: self.rank == 0, tokens_per_step=tokens_per_step)
-        self.checkpoints.stateful.update(self.skips.stateful)
-        self.rollback: RollbackGuard | None = None
-        self.data: SkippableData | None = None
-        if cfg.guards.check_for_global_norm:
-            self.data = skippable_data(self.stateful)
-            self.rollback = RollbackGuard(cfg.guards.rollback, cfg.guards.skip)
-            self.checkpoints.stateful["rollback"] = self.rollback
-        self.embedding: EmbeddingNorm | None = None
-        if cfg.guards.monitor or cfg.guards.health.enabled:
-            weight = _input_embedding(model) if isinstance(embedding, str) else embedding
-            self.embedding = EmbeddingNorm(weight, self.device)
-
-        if getattr(model, "reducer", None) is not None and not (model.find_unused_parameters or model.static_graph):
-            # a DistributedDataParallel that rebuilds its buckets at its first step (docs/library.md)
-            self.log.warning("DDP rebuilds its gradient buckets at each process's first step: the first step after a "
-                             "resume sums gradients in another order than a run that never stopped (a difference in "
-                             "the last digits); DDP(..., find_unused_parameters=True) keeps the initial buckets and "
-                             "resumes bitwise")
+        parts = build_guard_parts(self.run_dir, model, optimizer, scheduler, stateful, cfg, mesh=mesh,
+                                  pipeline_stages=pipeline_stages, embedding=embedding, hf_config=hf_config,
+                                  tokenizer=tokenizer, tokens_per_step=tokens_per_step)
+        self.rank, self.world_size, self.ranks_per_stage = parts.rank, parts.world_size, parts.ranks_per_stage
+        self.host, self.log, self.events, self.device = parts.host, parts.log, parts.events, parts.device
+        self.lifecycle, self.stateful, self.mesh, self.faults = parts.lifecycle, parts.stateful, parts.mesh, parts.faults
+        self.checkpoints, self.sdc, self.state, self.skips = parts.checkpoints, parts.sdc, parts.state, parts.skips
+        self.rollback, self.data, self.embedding = parts.rollback, parts.data, parts.embedding
         self.global_step = 0
         """The step the run is at: the last one applied, skipped or restored."""
         self._total: int | None = None
@@ -674,10 +560,6 @@ class Guard:
         parts = [torch.zeros_like(mine) for _ in range(self.world_size)]
         dist.all_gather(parts, mine)
         return [int(part) for part in parts]
-
-    def _strike(self, step: int, evidence: dict[str, Any]) -> bool:
-        """A fingerprint mismatch attributed to this rank: a strike against its device."""
-        return self.sdc.strikes.record(self.rank, self.host, self.sdc.device_label, step, evidence)
 
     def _lr(self) -> float:
         if self.scheduler is not None:

@@ -35,6 +35,13 @@ from trainguard.runtime.heartbeat import node_name
 from trainguard.runtime.lifecycle import Lifecycle
 from trainguard.step.embedding import EmbeddingNorm
 from trainguard.step.local_tier import build_local_tier, build_memory_tier, resolve_ranks_per_node
+from trainguard.step.plugin import GuardPlugin
+from trainguard.step.plugins.data_skip import DataSkip
+from trainguard.step.plugins.nonfinite import NonFiniteSkip
+from trainguard.step.plugins.sdc import SdcRerun
+from trainguard.step.plugins.skip_streak import SkipStreakLimit
+from trainguard.step.plugins.spike_rollback import SpikeRollback
+from trainguard.step.plugins.state import StatePlugin
 from trainguard.step.rollback import SkippableData, skippable_data
 from trainguard.step.sdc import SdcGuard
 from trainguard.step.static_files import huggingface_files
@@ -51,6 +58,7 @@ OWN_STATEFUL_NAMES = frozenset({"scheduler", "skip_guard", "skip_streak", "rollb
 class GuardParts:
     """The collaborators of one rank's closure-mode ``Guard``."""
 
+    run_dir: Path
     rank: int
     world_size: int
     ranks_per_stage: int  # ranks sharing one pipeline stage (all ranks without pp): the norm's and loss's weights
@@ -69,6 +77,36 @@ class GuardParts:
     rollback: RollbackGuard | None  # rollback mode (guards.check_for_global_norm)
     data: SkippableData | None  # rollback mode: the stateful object whose samples it skips
     embedding: EmbeddingNorm | None  # guards.monitor or guards.health on
+
+
+@dataclass(frozen=True)
+class StepPlugins:
+    """The guards of the step skeleton, in the order they are asked, by phase."""
+
+    before_backward: list[GuardPlugin]  # the state at rest, before any computation of the step
+    integrity: list[GuardPlugin]  # after the all-reduce: whether the step's computation can be trusted
+    update: list[GuardPlugin]  # then whether its update is applied, skipped or rolled back
+
+
+def build_step_plugins(parts: GuardParts) -> StepPlugins:
+    """The plugins of the guards ``parts`` holds. The order is the precedence (``step/verdict.decide``):
+    the state and SDC checks come first, so that the data skip judges the rerun's scalars; the data skip
+    and rollback mode (never both: the config refuses it) before the non-finite norm, which they judge a
+    spike themselves; the streak last, counting whatever skipped the step."""
+    def state(before_backward: bool) -> StatePlugin:
+        return StatePlugin(parts.state, parts.checkpoints, parts.events, parts.rank, parts.log,
+                           before_backward=before_backward)
+
+    integrity: list[GuardPlugin] = [state(before_backward=False)]
+    if parts.sdc is not None:
+        integrity.append(SdcRerun(parts.sdc, parts.events, parts.rank, parts.world_size, parts.device))
+    update: list[GuardPlugin] = []
+    if parts.skips.data_skip is not None:
+        update.append(DataSkip(parts.skips))
+    if parts.rollback is not None:
+        update.append(SpikeRollback(parts.rollback, parts.data, parts.checkpoints, parts.events, parts.rank))
+    update += [NonFiniteSkip(parts.skips), SkipStreakLimit(parts.skips)]
+    return StepPlugins([state(before_backward=True)], integrity, update)
 
 
 def input_embedding(model: torch.nn.Module) -> torch.nn.Parameter | None:
@@ -191,7 +229,7 @@ def build_guard_parts(
                     "resume sums gradients in another order than a run that never stopped (a difference in "
                     "the last digits); DDP(..., find_unused_parameters=True) keeps the initial buckets and "
                     "resumes bitwise")
-    return GuardParts(rank=rank, world_size=world_size, ranks_per_stage=world_size // pipeline_stages, host=host,
-                      log=log, events=events, device=device, lifecycle=lifecycle, stateful=own_stateful, mesh=mesh,
-                      faults=faults, checkpoints=checkpoints, sdc=sdc, state=state, skips=skips, rollback=rollback,
-                      data=data, embedding=embedding_norm)
+    return GuardParts(run_dir=run_dir, rank=rank, world_size=world_size, ranks_per_stage=world_size // pipeline_stages,
+                      host=host, log=log, events=events, device=device, lifecycle=lifecycle, stateful=own_stateful,
+                      mesh=mesh, faults=faults, checkpoints=checkpoints, sdc=sdc, state=state, skips=skips,
+                      rollback=rollback, data=data, embedding=embedding_norm)

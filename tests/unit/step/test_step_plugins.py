@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from trainguard.config import load_config
 from trainguard.events.log import EventLog
 from trainguard.guards.fingerprint import FingerprintConfig
 from trainguard.guards.rollback import RollbackConfig, RollbackGuard
@@ -17,6 +18,7 @@ from trainguard.guards.sdc import SdcConfig
 from trainguard.guards.skip import DataSkipAbort, SkipConfig
 from trainguard.guards.state_guard import StateGuard
 from trainguard.guards.step_skips import StepSkips
+from trainguard.step.builder import build_guard_parts, build_step_plugins
 from trainguard.step.plugin import Exclusion, StepCheck
 from trainguard.step.plugins.data_skip import DataSkip
 from trainguard.step.plugins.nonfinite import NonFiniteSkip
@@ -27,6 +29,7 @@ from trainguard.step.plugins.state import StatePlugin, state_verdict
 from trainguard.step.sdc import RerunVerdict, SdcGuard
 from trainguard.step.slots import Reduced, Slot
 from trainguard.step.verdict import StepVerdict
+from trainguard.trainer.data import StatefulSampler
 
 APPLY, SKIP, RERUN, ROLLBACK, ABORT = (StepVerdict.APPLY, StepVerdict.SKIP, StepVerdict.RERUN, StepVerdict.ROLLBACK,
                                        StepVerdict.ABORT)
@@ -154,3 +157,22 @@ def test_a_shard_changed_at_rest_with_no_replica_asks_for_a_recompute_or_aborts_
         assert after.verdict(check(8, STATE_AT_REST=1), APPLY) is verdict
         if verdict is ABORT:
             assert after.abort_cause() == Exclusion([0], "fingerprint mismatches")
+
+
+@pytest.mark.parametrize("overrides, integrity, update", [
+    ([], ["StatePlugin"], ["NonFiniteSkip", "SkipStreakLimit"]),
+    (["guards.skip.enabled=true", "guards.sdc.enabled_level=2"], ["StatePlugin", "SdcRerun"],
+     ["DataSkip", "NonFiniteSkip", "SkipStreakLimit"]),
+    (["guards.check_for_global_norm=true"], ["StatePlugin"], ["SpikeRollback", "NonFiniteSkip", "SkipStreakLimit"]),
+])
+def test_the_builder_plugs_the_configured_guards_in_their_order_of_precedence(tmp_path, quiet, overrides, integrity,
+                                                                              update):
+    model = WithNorm()
+    sampler = StatefulSampler(64, dp_rank=0, dp_size=1, micro_batch_size=2, seed=0)
+    parts = build_guard_parts(tmp_path, model, torch.optim.SGD(model.parameters(), lr=0.1), None, {"data": sampler},
+                              load_config(None, ["checkpoint.save_interval=0", *overrides]), mesh=None,
+                              pipeline_stages=1, embedding="find", hf_config=None, tokenizer=None, tokens_per_step=None)
+    plugins = build_step_plugins(parts)
+    names = [[type(p).__name__ for p in phase] for phase in (plugins.before_backward, plugins.integrity, plugins.update)]
+    assert names == [["StatePlugin"], integrity, update]
+    assert plugins.before_backward[0].before_backward and not plugins.integrity[0].before_backward

@@ -7,6 +7,7 @@ _EXPORTS = {
     "rollback": ("SkippableData",),
     "sdc": ("RerunVerdict",),
     "slots": ("Slot",),
+    "verdict": ("StepVerdict",),
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 __all__ = sorted(name for names in _EXPORTS.values() for name in names)

@@ -19,11 +19,18 @@ call. A zero-argument closure (forward and backward of this rank's batch) is the
 kept in the closure mode for one release.
 
 ``step(loss_of)`` zeroes the gradients, runs the backward of this rank's micro-batches
-(``step/micro_batches.py``; a closure instead: runs it, it may run twice, see ``docs/library.md``), measures the global norm, the loss, the embedding's local norm before clipping
-and the SDC verdicts with one all-reduce of constant size, reruns the closure on an SDC detection,
-decides skip / rollback / abort, clips, steps the optimizer and the scheduler, saves by policy with
-the checkpoint's health, and emits the events and heartbeats. An abort (too many spikes: exit 3, a
-faulty device: exit 17) ends the process from inside ``step`` after the last checkpoint commits.
+(``step/micro_batches.py``; a closure instead: runs it, it may run twice, see ``docs/library.md``),
+measures the global norm, the loss, the embedding's local norm before clipping and the SDC verdicts with
+one all-reduce of constant size, reruns the closure on an SDC detection, decides skip / rollback /
+abort, clips, steps the optimizer and the scheduler, saves by policy with the checkpoint's health, and
+emits the events and heartbeats. An abort (too many spikes: exit 3, a faulty device: exit 17) ends the
+process from inside ``step`` after the last checkpoint commits.
+
+In the closure mode ``Guard`` keeps the run's course (resume, stop, close) and delegates the rest: the
+builder (``step/builder.py``) makes every collaborator from the config, the step skeleton
+(``step/skeleton.py``) runs the same sequence at every step, and each guard is a plugin of it
+(``step/plugins/``) answering with a typed ``StepVerdict`` (``step/verdict.py``: apply, skip, rerun,
+rollback, abort).
 """
 
 from __future__ import annotations
@@ -31,24 +38,19 @@ from __future__ import annotations
 import contextlib
 
 import functools
-import logging
-import math
 import os
 import sys
-import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from trainguard.backup.attach import attach_mirror
 from trainguard.checkpoint.discovery import newest_committed_step
-from trainguard.checkpoint.manager import CheckpointManager, Stateful
-from trainguard.config.load import config_to_dict, load_config
+from trainguard.checkpoint.manager import Stateful
+from trainguard.config.load import load_config
 from trainguard.config.schema import RunConfig
 from trainguard.errors import (
     EXIT_CRASH,
@@ -59,50 +61,22 @@ from trainguard.errors import (
     TrainguardError,
     raised_by_every_rank,
 )
-from trainguard.events import EventLog
-from trainguard.events.rank_logging import LOGGER_NAME, setup_logging
-from trainguard.faults import FaultInjector
-from trainguard.guards.rollback import RollbackGuard
-from trainguard.guards.sdc import FaultyDeviceError, faulty_ranks_path, sdc_config_from_env, write_faulty_ranks
+from trainguard.guards.sdc import FaultyDeviceError
 from trainguard.guards.skip import DataSkipAbort
-from trainguard.guards.step_skips import StepSkips
-from trainguard.guards.state_guard import StateGuard
 from trainguard.live.rank import LiveRank
 from trainguard.live.worker import MicroBatchLoss, SampleRange
-from trainguard.norms import clip_grads_, local_grad_norms
-from trainguard.runtime.heartbeat import HeartbeatWriter, node_name
-from trainguard.runtime.lifecycle import EXIT_CODES, NONE, REASON_NAMES, Lifecycle
-from trainguard.step.embedding import EmbeddingNorm
+from trainguard.runtime.heartbeat import HeartbeatWriter
+from trainguard.runtime.lifecycle import EXIT_CODES, NONE, REASON_NAMES
 from trainguard.step.live import closure_only, live_only, live_rank, with_launcher_overrides
 from trainguard.step.micro_batches import DataParallelPlace, micro_batch_closure, step_samples, takes_no_arguments
 from trainguard.runtime.outcome import RunOutcome, end_outcome, stop_outcome
-from trainguard.step.local_tier import build_local_tier, build_memory_tier, fire_wipe_faults, resolve_ranks_per_node
-from trainguard.step.report import StepReport
-from trainguard.step.rollback import SkippableData, roll_back, skippable_data
-from trainguard.step.sdc import RerunVerdict, SdcGuard
-from trainguard.step.slots import Reduced, Slot, local_slots, reduce_step
-from trainguard.step.snapshot import StepSnapshot
+from trainguard.step.builder import FIND_EMBEDDING, build_guard_parts, build_step_plugins, input_embedding
+from trainguard.step.position import RunPosition
+from trainguard.step.saving import StepSaves
+from trainguard.step.skeleton import StepOutcome, StepSkeleton
 from trainguard.step.static_files import huggingface_files
-from trainguard.topology.rank_failure import raise_if_any_rank_failed
-from trainguard.topology.replica_groups import device_mesh_replica_groups
 
 Config = RunConfig  # the keys of `trainguard train`; a loop of its own uses the sections it needs
-
-# the slot each rank raises for its verdict after a rerun
-VERDICT_SLOTS = {RerunVerdict.TRANSIENT: Slot.SDC_TRANSIENT, RerunVerdict.REPRODUCIBLE: Slot.SDC_REPRODUCIBLE,
-                 RerunVerdict.FAULTY: Slot.SDC_FAULTY}
-
-FIND_EMBEDDING = "find"  # Guard(embedding=...) default: the model's input embedding, if it has one
-
-
-@dataclass(frozen=True)
-class StepOutcome:
-    step: int  # the step the run is at now: this one, or after a rollback the restored one
-    loss: float  # the step's loss, averaged over the loss-holding ranks
-    global_norm: float  # the true global gradient norm before clipping
-    applied: bool  # the optimizer and scheduler stepped
-    skipped: bool  # the update was dropped (a spike, or an SDC detection that came back on the rerun)
-    rolled_back: bool  # a spike restored an earlier checkpoint (rollback mode)
 
 
 def _load(config: str | Path | RunConfig | None, overrides: Sequence[str]) -> RunConfig:
@@ -134,34 +108,6 @@ def _config_errors_end_the_process(init: Callable[..., None]) -> Callable[..., N
             raise ConfigErrorExit(str(error)) from None
 
     return build
-
-
-def _input_embedding(model: torch.nn.Module) -> torch.nn.Parameter | None:
-    get = getattr(model, "get_input_embeddings", None)
-    if callable(get):
-        try:
-            module = get()
-        except (AttributeError, NotImplementedError):
-            module = None
-        if module is not None:
-            return module.weight
-    module = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
-    return module.weight if module is not None else None
-
-
-def _replica_groups(mesh_shape: list[int], mesh_dim_names: list[str], world_size: int) -> list[tuple[int, ...]]:
-    """The ranks holding the same parameter and optimizer shards (they differ in ``dp_replicate``
-    alone); every rank alone when the mesh's dims are not the DeviceMesh names trainguard knows."""
-    try:
-        groups = device_mesh_replica_groups(mesh_shape, mesh_dim_names)
-    except ValueError:
-        return [(rank,) for rank in range(world_size)]
-    return sorted({tuple(groups.full_replicas(rank)) for rank in range(world_size)})
-
-
-def _device_of(model: torch.nn.Module) -> torch.device:
-    parameter = next(model.parameters(), None)
-    return parameter.device if parameter is not None else torch.device("cpu")
 
 
 class Guard:
@@ -214,7 +160,7 @@ class Guard:
                                    unsupported=[name for name, set_ in given.items() if set_],
                                    static_files=huggingface_files(hf_config, tokenizer) if hf_config is not None
                                    else None, stateful=stateful,
-                                   embedding=_input_embedding(model) if isinstance(embedding, str) else embedding)
+                                   embedding=input_embedding(model) if isinstance(embedding, str) else embedding)
             self._live_started = False
             self.rank = self._live.args.rank  # a warm spare's: the rank it replaces, once ``resume()`` returned
             return
@@ -222,92 +168,17 @@ class Guard:
             raise live_only("__init__(live_argv=...)")
         self.run_dir = Path(run_dir)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
-        if pipeline_stages < 1 or self.world_size % pipeline_stages:
-            raise ValueError(f"pipeline_stages={pipeline_stages} does not divide the world size {self.world_size}")
-        # ranks sharing one pipeline stage (all ranks without pp): the norm's and the loss's weights
-        self.ranks_per_stage = self.world_size // pipeline_stages
-        self.tokens_per_step = tokens_per_step
-        self.host = node_name()  # the supervisor's node name for simulated nodes, else the host name
-        self.log = logging.getLogger(LOGGER_NAME)
-        if not self.log.handlers:  # a loop that set up its own logging keeps it
-            setup_logging(self.rank, self.run_dir / "logs")
-        self.events = EventLog(self.run_dir / "events.jsonl", rank=self.rank, host=self.host)
-        self.device = _device_of(model)
-        self.lifecycle = Lifecycle.for_rank(cfg.lifecycle, self.run_dir, self.rank, self.device)
-
-        self.stateful = dict(stateful or {})
-        own = {"scheduler", "skip_guard", "skip_streak", "rollback", "sdc_detector", "sdc_strikes"}
-        reserved = own & set(self.stateful)
-        if reserved:
-            raise ValueError(f"stateful names {sorted(reserved)} are the guard's own; choose other names")
-        rank_tiers = cfg.checkpoint.local_interval or cfg.checkpoint.memory_interval
-        per_node = resolve_ranks_per_node(cfg.parallel.ranks_per_node, self.world_size) if rank_tiers else 1
-        failure = None
-        try:  # a fault naming a module of another pipeline stage fails on some ranks only
-            self.faults = FaultInjector.from_env(self.run_dir, self.rank, self.world_size, self.events.emit,
-                                                 config_text=cfg.faults)
-            self.faults.install(model)
-            self.faults.check_nodes(self.world_size // per_node if cfg.checkpoint.local_interval else None)
-        except ConfigError as exc:
-            failure = exc
-        raise_if_any_rank_failed(failure)
-        mesh_shape = list(mesh.shape) if mesh is not None else [self.world_size]
-        mesh_dim_names = list(mesh.mesh_dim_names) if mesh is not None else ["dp_shard"]
-        static_files = huggingface_files(hf_config, tokenizer) if hf_config is not None else None
-        self.mesh = mesh  # the data-parallel place of ``step(loss_of)``'s micro-batches
-        local = None
-        if cfg.checkpoint.local_interval:
-            local = build_local_tier(self.run_dir, cfg.checkpoint, mesh_shape=mesh_shape,
-                                     mesh_dim_names=mesh_dim_names, ranks_per_node=per_node, model=model,
-                                     events=self.events, static_files=static_files)
-        memory = None
-        if cfg.checkpoint.memory_interval:
-            memory = build_memory_tier(self.run_dir, cfg.checkpoint, mesh_shape=mesh_shape,
-                                       mesh_dim_names=mesh_dim_names, model=model, events=self.events,
-                                       ranks_per_node=per_node)
-        managed: dict[str, Stateful] = {"scheduler": scheduler} if scheduler is not None else {}
-        managed.update(self.stateful)
-        self.checkpoints = CheckpointManager(
-            self.run_dir, model, optimizer, managed, cfg.checkpoint, mesh_shape=mesh_shape,
-            mesh_dim_names=mesh_dim_names, static_files=static_files, events=self.events,
-            after_commit=self.faults.after_commit, seed=cfg.train.seed, local=local, memory=memory,
-        )
-        attach_mirror(self.checkpoints)
-        sdc_config = sdc_config_from_env(cfg.guards.sdc)
-        self.sdc: SdcGuard | None = None
-        if sdc_config.enabled:  # installed after the faults, so a point sees a fault injected at its module
-            self.sdc = SdcGuard(sdc_config, model, cfg.train.micro_batches, self.device, self.rank, self.host,
-                                self.log, self.events)
-            self.checkpoints.stateful.update(self.sdc.stateful)
-        self.state = StateGuard(cfg.guards.fingerprint, model, optimizer,
-                                _replica_groups(mesh_shape, mesh_dim_names, self.world_size), self.rank, self.log,
-                                self.events.emit, strike=self._strike if self.sdc is not None else None)
-        self.skips = StepSkips(cfg.guards.skip, cfg.guards.max_consecutive_skips, self.log, self.events.emit,
-                               reports=lambda: self.rank == 0, tokens_per_step=tokens_per_step)
-        self.checkpoints.stateful.update(self.skips.stateful)
-        self.rollback: RollbackGuard | None = None
-        self.data: SkippableData | None = None
-        if cfg.guards.check_for_global_norm:
-            self.data = skippable_data(self.stateful)
-            self.rollback = RollbackGuard(cfg.guards.rollback, cfg.guards.skip)
-            self.checkpoints.stateful["rollback"] = self.rollback
-        self.embedding: EmbeddingNorm | None = None
-        if cfg.guards.monitor or cfg.guards.health.enabled:
-            weight = _input_embedding(model) if isinstance(embedding, str) else embedding
-            self.embedding = EmbeddingNorm(weight, self.device)
-
-        if getattr(model, "reducer", None) is not None and not (model.find_unused_parameters or model.static_graph):
-            # a DistributedDataParallel that rebuilds its buckets at its first step (docs/library.md)
-            self.log.warning("DDP rebuilds its gradient buckets at each process's first step: the first step after a "
-                             "resume sums gradients in another order than a run that never stopped (a difference in "
-                             "the last digits); DDP(..., find_unused_parameters=True) keeps the initial buckets and "
-                             "resumes bitwise")
-        self.global_step = 0
-        """The step the run is at: the last one applied, skipped or restored."""
-        self._total: int | None = None
-        self._last_loss = math.nan
+        self.parts = parts = build_guard_parts(self.run_dir, model, optimizer, scheduler, stateful, cfg, mesh=mesh,
+                                               pipeline_stages=pipeline_stages, embedding=embedding,
+                                               hf_config=hf_config, tokenizer=tokenizer,
+                                               tokens_per_step=tokens_per_step)
+        self.rank = parts.rank
+        # the collaborators a loop or an adapter may use: its own events, a save of its own, the heartbeat
+        self.checkpoints, self.events, self.lifecycle = parts.checkpoints, parts.events, parts.lifecycle
+        self.position = RunPosition(cfg.train.exit_at_step)
+        self.saves = StepSaves(parts, cfg, optimizer, scheduler, self.position)
+        self.skeleton = StepSkeleton(parts, build_step_plugins(parts), cfg, model, optimizer, scheduler, self.position,
+                                     self.saves, tokens_per_step)
         self._pending_stop = NONE
         self._training = False
         self._exit_code: int | None = None
@@ -320,6 +191,15 @@ class Guard:
     def finished(self) -> bool:
         """The run reached ``total_steps``: what a loop checks before exporting the model."""
         return self.outcome is RunOutcome.FINISHED
+
+    @property
+    def global_step(self) -> int:
+        """The step the run is at: the last one applied, skipped or restored."""
+        return self.position.step
+
+    @global_step.setter
+    def global_step(self, step: int) -> None:
+        self.position.step = step
 
     # ---------------------------------------------------------------------------------- resume
     def resume(self) -> int:
@@ -340,7 +220,7 @@ class Guard:
         if self.checkpoints.resumed_from is not None:
             # the first step is checked against the state loaded; a fresh start's weights may still be
             # set by the loop after resume() (model.init_from, a user's own load): nothing to compare yet
-            self.state.after_update(self.global_step)
+            self.parts.state.after_update(self.global_step)
         return self.global_step
 
     # ----------------------------------------------------------------------------- should_stop
@@ -354,16 +234,16 @@ class Guard:
         if step != self.global_step:
             raise ValueError(f"should_stop(step={step}): the guard is at step {self.global_step} "
                              "(pass the step that resume() or the last step()'s outcome returned)")
-        self._total = total_steps
+        self.position.total = total_steps
         if self._pending_stop:
             self._stop(self._pending_stop)
             return True
         if not self._training:
             self._training = True
             self.lifecycle.beat("train", step)
-            if step == self._stop_at == 0:  # exit_at_step=0: the initial weights as a step-0 checkpoint
+            if step == self.position.stop_at == 0:  # exit_at_step=0: the initial weights as a step-0 checkpoint
                 self.checkpoints.save(0, self.trainer_state(), stopping=True)
-        if step >= self._stop_at:
+        if step >= self.position.stop_at:
             return True
         reason = self.lifecycle.decide()
         if reason:
@@ -371,19 +251,13 @@ class Guard:
             return True
         return False
 
-    @property
-    def _stop_at(self) -> int:
-        total = self._total if self._total is not None else math.inf
-        exit_at = self.config.train.exit_at_step
-        return min(total, exit_at) if exit_at is not None else total
-
     def _stop(self, reason: int) -> None:
         """Saves the current step (if it is not saved yet) and ends the run with the lifecycle's code."""
         why = self.lifecycle.describe(reason)
         step = self.global_step
         if step > 0 and self.checkpoints.due(step, stopping=True).durable:
             self.lifecycle.beat("save", step)
-            self.checkpoints.save(step, self.trainer_state(), self._health, stopping=True)
+            self.checkpoints.save(step, self.trainer_state(), self.saves.health, stopping=True)
         self.checkpoints.close()
         code = EXIT_CODES[reason]
         self.outcome = stop_outcome(reason, self._trained)
@@ -392,7 +266,7 @@ class Guard:
             # nothing was loaded: the run is where its newest checkpoint is, not at step 0
             step = last_checkpoint = newest_committed_step(self.checkpoints.root)
             why += " at start: nothing loaded or trained"
-        self.log.warning("stopping at step %s: %s; exit %d (checkpoint: step %s)", step, why, code, last_checkpoint)
+        self.parts.log.warning("stopping at step %s: %s; exit %d (checkpoint: step %s)", step, why, code, last_checkpoint)
         if self.rank == 0:
             self.events.emit("lifecycle_stop", step=step, reason=REASON_NAMES[reason], message=why, exit_code=code,
                              last_checkpoint=last_checkpoint, outcome=self.outcome.value)
@@ -414,17 +288,17 @@ class Guard:
             raise RuntimeError("Guard.step after the run stopped (should_stop returned True)")
         try:
             if takes_no_arguments(loss_of):
-                return self._step(loss_of)
-            if self.ranks_per_stage != self.world_size:
+                return self.skeleton.run(loss_of)
+            if self.parts.ranks_per_stage != self.parts.world_size:
                 raise raised_by_every_rank(ConfigError(
                     "guard.step(loss_of) with pipeline_stages > 1: the pipeline schedule runs the micro-batches; "
                     "pass a closure that runs it"))
             micro_batches = self.config.train.micro_batches
             closure = micro_batch_closure(loss_of, self.model, self.global_step, micro_batches,
-                                          DataParallelPlace.of(self.mesh, self.rank, self.world_size),
+                                          DataParallelPlace.of(self.parts.mesh, self.rank, self.parts.world_size),
                                           self.config.train.seed)
             samples = step_samples(sample_range, self.global_step, micro_batches) if sample_range else None
-            return self._step(closure, samples)
+            return self.skeleton.run(closure, samples)
         except (DataSkipAbort, FaultyDeviceError, ConfigError) as error:
             self._abort(error)
         except BaseException:
@@ -505,226 +379,9 @@ class Guard:
         return StepOutcome(committed.index + 1, committed.loss, committed.global_norm, applied=not committed.skipped,
                            skipped=committed.skipped, rolled_back=False)
 
-    def _step(self, closure: Callable[[], Any], batch_samples: list[tuple[int, int]] | None = None) -> StepOutcome:
-        cfg = self.config
-        started = time.perf_counter()
-        step = self.global_step + 1
-        first_sample = self.data.consumed_samples if self.data is not None else None
-        self.faults.at_step_start(step)
-        self.faults.at_rest(step, self.model, self.optimizer)
-        if self.state.before_step(step) is not None and self._recomputed_after_mismatch(step):
-            return self._recompute_outcome()
-        snapshot = StepSnapshot.take(self.stateful) if self.sdc is not None else None
-        loss = self._forward_backward(closure, step)
-        changed = self.state.changed_at_rest()
-        detected = self.sdc.check(step) if self.sdc is not None else False
-        reduced = self._reduce(loss, {Slot.SDC_STOP: detected, Slot.SDC_LOCAL: detected and self.sdc.detected_locally,
-                                      Slot.STATE_AT_REST: changed})
-        if reduced.count(Slot.STATE_AT_REST):
-            # the state, not this step's computation, is at fault: the recompute replaces the step (with
-            # nothing to recompute from, it goes on, and every later save is marked unhealthy)
-            self.state.after_change_at_rest(step)
-            if self._recomputed_after_mismatch(step):
-                return self._recompute_outcome()
-        skipped = False
-        if reduced.count(Slot.SDC_STOP) and self.sdc.config.recover:
-            reduced, skipped = self._rerun(step, closure, snapshot, loss, alone=reduced.count(Slot.SDC_LOCAL) == 1)
-        if cfg.guards.local_norm:
-            self.events.emit("local_norm", step=step, norms=local_grad_norms(self.model.named_parameters()))
-        lr = self._lr()
-        if not skipped:
-            skipped = self.skips.spike(step, reduced.global_norm, reduced.loss)
-        if self.rollback is not None and not skipped:
-            spike = self.rollback.check(step, reduced.global_norm, reduced.loss)
-            if spike is not None:
-                drawn = self.data.ranges_between(first_sample, self.data.consumed_samples)
-                self.global_step = roll_back(spike, self.rollback, self.data, self.checkpoints, self.events,
-                                             self.rank, samples_per_step=sum(b - a for a, b in drawn))
-                self.state.after_update(self.global_step)  # the next step is checked against the state loaded
-                if self.embedding is not None:
-                    self.embedding.forget()
-                return StepOutcome(self.global_step, reduced.loss, reduced.global_norm, applied=False,
-                                   skipped=False, rolled_back=True)
-        if not skipped and not math.isfinite(reduced.global_norm):
-            skipped = self.skips.nonfinite(step, reduced.global_norm)
-        self.skips.count(step, skipped)
-        if not skipped:
-            clip_grads_(self._grads(), cfg.optim.grad_clip, reduced.global_norm)
-            self.checkpoints.wait_for_staging()  # a save's copy ran during this forward and backward
-            self.optimizer.step()
-            if self.scheduler is not None:
-                self.scheduler.step()
-            self.state.after_update(step)
-        self.global_step = step
-        self._last_loss = reduced.loss
-        samples = (self.data.ranges_between(first_sample, self.data.consumed_samples)
-                   if self.data is not None else batch_samples)
-        seconds = time.perf_counter() - started
-        self.lifecycle.note_step(seconds)
-        if self.rank == 0:
-            self._report(StepReport(
-                step, self._total, reduced.loss, reduced.global_norm, lr, seconds, skipped, self.tokens_per_step,
-                {"skipped_total": self.skips.data_skip.skipped_total, "nan_total": self.skips.data_skip.nan_total}
-                if self.skips.data_skip is not None else None,
-                self.embedding.local() if self.embedding is not None else None, samples))
-        self._save_by_policy(step)
-        self.lifecycle.beat("step", step)
-        return StepOutcome(step, reduced.loss, reduced.global_norm, applied=not skipped, skipped=skipped,
-                           rolled_back=False)
-
-    def _forward_backward(self, closure: Callable[[], Any], step: int) -> Any:
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.sdc is not None:
-            self.sdc.begin_pass()
-        loss = closure()
-        self.faults.after_backward(step, self.model)
-        if self.embedding is not None:
-            self.embedding.measure()  # before clipping
-        return loss
-
-    def _grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self.model.parameters() if p.grad is not None]
-
-    def _reduce(self, loss: Any, flags: dict[Slot, bool]) -> Reduced:
-        """One all-reduce: the global norm, the mean loss, the count of ranks raising each flag."""
-        share = None
-        if loss is not None:  # the loss-holding ranks of a stage: its dp ranks (different data) × tp ranks
-            share = torch.as_tensor(loss, dtype=torch.float64, device=self.device).detach() / self.ranks_per_stage
-        return reduce_step(self._grads(), local_slots(self.device, share, flags), self.ranks_per_stage,
-                           known=self.sdc.take_gradient_norms() if self.sdc is not None else ())
-
-    def _rerun(self, step: int, closure: Callable[[], Any], snapshot: StepSnapshot, loss: Any,
-               alone: bool) -> tuple[Reduced, bool]:
-        """Reruns the closure after a level-1 SDC detection somewhere (unless ``guards.sdc.rerun`` is off,
-        when the step is skipped unverified); returns (the reduced scalars, skip). ``alone``: one rank only
-        saw a level-1 value at a point it computed alone. A device that has become faulty ends the run on every rank
-        with exit 17."""
-        reran = self.sdc.config.rerun
-        if reran:
-            snapshot.restore(self.stateful)
-            loss = self._forward_backward(closure, step)
-        verdict = self.sdc.attribute(step, reran, alone=alone)
-        reduced = self._reduce(loss, {slot: verdict == kind for kind, slot in VERDICT_SLOTS.items()})
-        strongest = max((kind for kind, slot in VERDICT_SLOTS.items() if reduced.count(slot)),
-                        default=RerunVerdict.NONE)
-        verdicts = self._gather(int(verdict))  # the rare path: which ranks said what
-        if self.rank == 0:
-            said = {rank: RerunVerdict(v) for rank, v in enumerate(verdicts) if v}
-            self.events.emit("sdc_rerun", step=step, verdict=strongest.label_after(reran), reran=reran,
-                             ranks=list(said), verdicts={str(rank): v.label_after(reran) for rank, v in said.items()})
-        if strongest == RerunVerdict.FAULTY:
-            # saved as step N without N's update: like a skipped step, its batch is not replayed
-            self.global_step = step
-            if self.embedding is not None:
-                self.embedding.forget()
-            self._exclude(step, [r for r, v in enumerate(verdicts) if v == RerunVerdict.FAULTY], "SDC strikes")
-        return reduced, strongest == RerunVerdict.REPRODUCIBLE
-
-    def _exclude(self, step: int, faulty: list[int], evidence: str) -> None:
-        """Ranks whose device reached its strike limit: saves ``step`` (unless it is saved), writes
-        ``faulty_ranks.json`` (each faulty rank its entry) and ends the run on every rank with exit 17."""
-        if step > 0 and self.checkpoints.last_saved_step != step:
-            self.checkpoints.save(step, self.trainer_state(), self._health, stopping=True)
-        self.checkpoints.close()
-        if self.rank in faulty:
-            write_faulty_ranks(faulty_ranks_path(self.run_dir), self.sdc.strikes.faulty_entries())
-        if dist.is_initialized():
-            dist.barrier()
-        raise FaultyDeviceError(f"faulty hardware: rank(s) {faulty} reached {self.sdc.config.strikes} strikes "
-                                f"({evidence}); see {faulty_ranks_path(self.run_dir)}")
-
-    def _recomputed_after_mismatch(self, step: int) -> bool:
-        """After a fingerprint check found something: ends the run (exit 17) when a rank's device is
-        struck out; whether the state was rolled back for a recompute (the step is then not taken)."""
-        if self.state.struck_out:
-            self._exclude(self.global_step, self.state.struck_out, "fingerprint mismatches")
-        return self.state.recompute and self._recompute(step)
-
-    def _recompute_outcome(self) -> StepOutcome:
-        return StepOutcome(self.global_step, math.nan, math.nan, applied=False, skipped=False, rolled_back=True)
-
-    def _recompute(self, step: int) -> bool:
-        """A corrupt shard that no replica can repair (2 replicas disagree with neither changed at rest,
-        or a shard changed at rest with no replica): rolls back to the newest healthy checkpoint (its
-        replicas agreed when it was saved) so that the run recomputes the steps since and the check at
-        ``step`` can tell which rank computed wrongly. False when there is none."""
-        restored = self.checkpoints.roll_back(before_step=step)
-        while restored is not None and not self.state.restored_agrees(restored):
-            self.log.error("global_step_%d does not hold the state hashed right after its update (memory changed "
-                           "before its copy was made): not recomputed from", restored)
-            restored = self.checkpoints.roll_back(before_step=restored)
-        self.state.recomputing_from(restored)
-        if restored is None:
-            self.log.error("fingerprint mismatch at step %d: no healthy checkpoint to recompute from; the "
-                           "mismatch stays unattributed and the next save is marked unhealthy", step)
-            return False
-        self.log.warning("fingerprint mismatch at step %d that no replica can repair: recomputing from "
-                         "global_step_%d, the last agreeing state", step, restored)
-        if self.rank == 0:
-            self.events.emit("fingerprint_recompute", step=step, to_step=restored)
-        self.state.after_update(restored)  # the recompute's first step is checked against the state loaded
-        self.global_step = restored
-        if self.embedding is not None:
-            self.embedding.forget()
-        return True
-
-    def _gather(self, value: int) -> list[int]:
-        if not dist.is_initialized():
-            return [value]
-        mine = torch.tensor([value], dtype=torch.int64, device=self.device)
-        parts = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(parts, mine)
-        return [int(part) for part in parts]
-
-    def _strike(self, step: int, evidence: dict[str, Any]) -> bool:
-        """A fingerprint mismatch attributed to this rank: a strike against its device."""
-        return self.sdc.strikes.record(self.rank, self.host, self.sdc.device_label, step, evidence)
-
-    def _lr(self) -> float:
-        if self.scheduler is not None:
-            return self.scheduler.get_last_lr()[0]
-        return self.optimizer.param_groups[0]["lr"]
-
-    def _report(self, report: StepReport) -> None:
-        if report.due(self.config.train.log_interval):
-            for line in report.log_lines():
-                self.log.info(line)
-        self.events.emit("step", **report.event_fields())
-
-    # ------------------------------------------------------------------------------------ save
-    def _health(self) -> dict | None:
-        """The save's health: the embedding norm's verdict, and no NaN/Inf state, replicas agreeing
-        (collective: every rank calls it when a tier saves)."""
-        embedding = self.embedding.health(self.config.guards.health) if self.embedding is not None else None
-        return self.state.before_save(self.global_step, embedding)
-
     def trainer_state(self) -> dict[str, Any]:
         """What a checkpoint's manifest records about the run: step, data position, lr, loss, config."""
-        state: dict[str, Any] = {"step": self.global_step}
-        consumed = next((obj.consumed_samples for obj in self.stateful.values() if hasattr(obj, "consumed_samples")),
-                        None)
-        if consumed is not None:
-            state["consumed_samples"] = consumed
-        state.update(lr=self._lr(), loss=self._last_loss, config=config_to_dict(self.config))
-        return state
-
-    def _save_by_policy(self, step: int) -> None:
-        last = step == self._total
-        planned = step == self._stop_at and not last  # always saved: the run is meant to go on later
-        health = functools.cache(self._health)  # one max over ranks, only if a tier saves
-        if self.checkpoints.due(step, last_step=last, stopping=planned).durable:
-            self.lifecycle.beat("save", step)
-        blocked = self.checkpoints.save(step, self.trainer_state(), health, last_step=last, stopping=planned)
-        if planned:  # the stop's save went to the durable tier; the local tier keeps its schedule
-            self.checkpoints.save(step, self.trainer_state(), health, last_step=last)
-        if blocked is not None:
-            self.lifecycle.note_save(blocked)
-        if self.state.checks_at_rest(step + 1):
-            # the next step starts with the at-rest check, whose mismatch rolls back to this step's
-            # save: its copy is made now, not while the resting memory may already be corrupt
-            self.checkpoints.wait_for_staging()
-        if self.checkpoints.local is not None and self.checkpoints.last_local_step == step:
-            fire_wipe_faults(self.faults, self.checkpoints.local, step)
+        return self.saves.trainer_state()
 
     # ----------------------------------------------------------------------------------- close
     def close(self) -> int:
@@ -738,11 +395,11 @@ class Guard:
             return self._exit_code
         self.checkpoints.close()
         step = self.global_step
-        self.outcome = end_outcome(step, self._total)
+        self.outcome = end_outcome(step, self.position.total)
         if self.rank == 0:
             reason = self.outcome.value
             self.events.emit("run_finished", step=step, reason=reason, last_checkpoint=self.checkpoints.last_saved_step)
-            self.log.info("run %s at step %d", reason, step)
+            self.parts.log.info("run %s at step %d", reason, step)
         self.lifecycle.beat("exit", step, EXIT_OK)
         self._exit_code = EXIT_OK
         return EXIT_OK

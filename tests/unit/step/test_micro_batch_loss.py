@@ -8,8 +8,6 @@ under torchrun) and test_live_user_loop.py (the same loop in live mode)."""
 from __future__ import annotations
 
 import copy
-import logging
-import signal
 from dataclasses import dataclass
 
 import pytest
@@ -19,7 +17,6 @@ import trainguard
 from trainguard.config import load_config
 from trainguard.errors import ConfigError
 from trainguard.events.log import read_events
-from trainguard.events.rank_logging import LOGGER_NAME
 from trainguard.live.rng import micro_batch_rng
 from trainguard.step.micro_batches import DataParallelPlace, micro_batch_closure, takes_no_arguments
 
@@ -41,16 +38,6 @@ def loss_of(model: torch.nn.Module, step: int, micro_batch: int) -> torch.Tensor
 def sample_range(step: int, micro_batch: int) -> tuple[int, int]:
     first = (step * MICRO_BATCHES + micro_batch) * 2
     return first, first + 2
-
-
-@pytest.fixture
-def quiet(monkeypatch):
-    """The guard's logging and signal handlers are the test's, not pytest's."""
-    monkeypatch.setattr(logging.getLogger(LOGGER_NAME), "handlers", [logging.NullHandler()])
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    yield
-    for sig, handler in handlers.items():
-        signal.signal(sig, handler)
 
 
 def test_a_closure_is_told_from_a_micro_batch_loss_by_its_arguments():

@@ -1,0 +1,212 @@
+"""The fixed step of the closure mode: the same sequence at every step, the guards plugged into it.
+
+1. the faults due at the step's start; the state plugin's at-rest check (a fingerprint step);
+2. zero the gradients and run the backward (this rank's micro-batches, or the loop's closure);
+3. one all-reduce of constant size: the global norm, the loss and every plugin's indicators
+   (``step/slots.py``);
+4. ask the plugins for their ``StepVerdict`` (``step/verdict.decide``): first whether the computation
+   can be trusted (state at rest, SDC: a RERUN runs the backward again and reduces again), then whether
+   the update is applied (data skip, rollback mode, a non-finite norm, the skip streak);
+5. act on the decision: ABORT ends the run (a faulty device: saved, ``faulty_ranks.json``, exit 17;
+   too many spikes: exit 3), ROLLBACK returns the restored step, SKIP drops the update, APPLY clips,
+   steps the optimizer and the scheduler;
+6. the step's log line and event, the saves by policy, the heartbeat.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NoReturn, cast
+
+import torch
+import torch.distributed as dist
+
+from trainguard.config.schema import RunConfig
+from trainguard.guards.sdc import FaultyDeviceError, faulty_ranks_path, write_faulty_ranks
+from trainguard.norms import clip_grads_, local_grad_norms
+from trainguard.step.builder import GuardParts, StepPlugins
+from trainguard.step.plugin import Exclusion, GuardPlugin, RerunJudge, StepCheck
+from trainguard.step.position import RunPosition
+from trainguard.step.report import StepReport
+from trainguard.step.saving import StepSaves
+from trainguard.step.slots import Reduced, Slot, local_slots, reduce_step
+from trainguard.step.snapshot import StepSnapshot
+from trainguard.step.verdict import ENDS_THE_STEP, Decision, StepVerdict, decide
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    step: int  # the step the run is at now: this one, or after a rollback the restored one
+    loss: float  # the step's loss, averaged over the loss-holding ranks
+    global_norm: float  # the true global gradient norm before clipping
+    applied: bool  # the optimizer and scheduler stepped
+    skipped: bool  # the update was dropped (a spike, or an SDC detection that came back on the rerun)
+    rolled_back: bool  # a spike restored an earlier checkpoint (rollback mode)
+
+
+class StepRun:
+    """One step in progress: what a RERUN replaces (the loss, the reduced scalars) and what it restores."""
+
+    def __init__(self, step: int, closure: Callable[[], Any], first_sample: int | None):
+        self.step, self.closure, self.first_sample = step, closure, first_sample
+        self.snapshot: StepSnapshot | None = None
+        self.loss: Any = None
+        self.reduced: Reduced | None = None
+
+    @property
+    def check(self) -> StepCheck:
+        return StepCheck(self.step, self.reduced, self.first_sample)
+
+
+class StepSkeleton:
+    def __init__(self, parts: GuardParts, plugins: StepPlugins, config: RunConfig, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, scheduler: Any, position: RunPosition, saves: StepSaves,
+                 tokens_per_step: int | None):
+        self.parts, self.plugins, self.config = parts, plugins, config
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.position, self.saves, self.tokens_per_step = position, saves, tokens_per_step
+
+    def run(self, closure: Callable[[], Any], batch_samples: list[tuple[int, int]] | None = None) -> StepOutcome:
+        parts, position = self.parts, self.position
+        started = time.perf_counter()
+        step = position.step + 1
+        run = StepRun(step, closure, parts.data.consumed_samples if parts.data is not None else None)
+        parts.faults.at_step_start(step)
+        parts.faults.at_rest(step, self.model, self.optimizer)
+        decision = self._decide(self.plugins.before_backward, run)
+        if decision.verdict in ENDS_THE_STEP:
+            return self._end_early(decision)
+        run.snapshot = StepSnapshot.take(parts.stateful) if parts.sdc is not None else None
+        run.loss = self._forward_backward(closure, step)
+        flags: dict[Slot, Any] = {}
+        for plugin in self.plugins.integrity:
+            flags.update(plugin.flags(step))
+        run.reduced = self._reduce(run.loss, flags)
+        decision = self._decide(self.plugins.integrity, run)
+        if decision.verdict in ENDS_THE_STEP:
+            return self._end_early(decision)
+        if self.config.guards.local_norm:
+            parts.events.emit("local_norm", step=step, norms=local_grad_norms(self.model.named_parameters()))
+        lr = self.saves.lr()  # before the scheduler steps: the rate this step's update uses
+        decision = self._decide(self.plugins.update, run, decision)
+        if decision.verdict in ENDS_THE_STEP:
+            return self._end_early(decision)
+        reduced = run.reduced
+        skipped = decision.verdict is StepVerdict.SKIP
+        if not skipped:
+            clip_grads_(self._grads(), self.config.optim.grad_clip, reduced.global_norm)
+            parts.checkpoints.wait_for_staging()  # a save's copy ran during this forward and backward
+            self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
+            parts.state.after_update(step)
+        position.step = step
+        position.last_loss = reduced.loss
+        samples = (parts.data.ranges_between(run.first_sample, parts.data.consumed_samples)
+                   if parts.data is not None else batch_samples)
+        seconds = time.perf_counter() - started
+        parts.lifecycle.note_step(seconds)
+        if parts.rank == 0:
+            data_skip = parts.skips.data_skip
+            self._report(StepReport(
+                step, position.total, reduced.loss, reduced.global_norm, lr, seconds, skipped, self.tokens_per_step,
+                {"skipped_total": data_skip.skipped_total, "nan_total": data_skip.nan_total}
+                if data_skip is not None else None,
+                parts.embedding.local() if parts.embedding is not None else None, samples))
+        self.saves.by_policy(step)
+        parts.lifecycle.beat("step", step)
+        return StepOutcome(step, reduced.loss, reduced.global_norm, applied=not skipped, skipped=skipped,
+                           rolled_back=False)
+
+    # ---------------------------------------------------------------------------------- verdicts
+    def _decide(self, plugins: list[GuardPlugin], run: StepRun,
+                decided: Decision[GuardPlugin] | None = None) -> Decision[GuardPlugin]:
+        def carry_out(plugin: GuardPlugin, verdict: StepVerdict) -> StepVerdict:
+            if verdict is StepVerdict.RERUN:
+                return self._rerun(cast(RerunJudge, plugin), run)
+            return plugin.roll_back(run.check)
+
+        return decide(plugins, lambda plugin, so_far: plugin.verdict(run.check, so_far), carry_out, decided)
+
+    def _end_early(self, decision: Decision[GuardPlugin]) -> StepOutcome:
+        """A ROLLBACK carried out (the run is back at the restored step) or an ABORT (raises)."""
+        plugin = decision.by
+        if decision.verdict is StepVerdict.ABORT:
+            cause = plugin.abort_cause()
+            if isinstance(cause, Exclusion):
+                self._exclude(cause)
+            raise cause
+        restored = plugin.restored
+        self.position.step = restored.step
+        self.parts.state.after_update(restored.step)  # the next step is checked against the state loaded
+        self._forget_measurements()
+        return StepOutcome(restored.step, restored.loss, restored.global_norm, applied=False, skipped=False,
+                           rolled_back=True)
+
+    def _rerun(self, judge: RerunJudge, run: StepRun) -> StepVerdict:
+        """The backward again on the same inputs (RNGs and data restored), after a level-1 SDC detection
+        somewhere (with ``guards.sdc.rerun`` off, the step is judged unverified without it), and its
+        all-reduce, which carries every rank's verdict on its detection; the verdict that stands."""
+        reran = judge.reruns_closure
+        if reran:
+            run.snapshot.restore(self.parts.stateful)
+            run.loss = self._forward_backward(run.closure, run.step)
+        run.reduced = self._reduce(run.loss, judge.rerun_flags(run.step, reran))
+        return judge.after_rerun(run.step, run.reduced, reran)
+
+    def _exclude(self, exclusion: Exclusion) -> NoReturn:
+        """Ranks whose device reached its strike limit: saves the step the run is at (unless it is saved),
+        writes ``faulty_ranks.json`` (each faulty rank its entry) and ends the run on every rank with exit 17."""
+        parts = self.parts
+        if exclusion.unapplied_step is not None:
+            # saved as step N without N's update: like a skipped step, its batch is not replayed
+            self.position.step = exclusion.unapplied_step
+            self._forget_measurements()
+        step = self.position.step
+        if step > 0 and parts.checkpoints.last_saved_step != step:
+            parts.checkpoints.save(step, self.saves.trainer_state(), self.saves.health, stopping=True)
+        parts.checkpoints.close()
+        run_dir = parts.run_dir
+        if parts.rank in exclusion.ranks:
+            write_faulty_ranks(faulty_ranks_path(run_dir), parts.sdc.strikes.faulty_entries())
+        if dist.is_initialized():
+            dist.barrier()
+        raise FaultyDeviceError(f"faulty hardware: rank(s) {exclusion.ranks} reached {parts.sdc.config.strikes} "
+                                f"strikes ({exclusion.evidence}); see {faulty_ranks_path(run_dir)}")
+
+    def _forget_measurements(self) -> None:
+        """No step measured since (a rollback, a step saved without its update): the embedding norm
+        judges no save."""
+        if self.parts.embedding is not None:
+            self.parts.embedding.forget()
+
+    # ----------------------------------------------------------------------- backward and reduce
+    def _forward_backward(self, closure: Callable[[], Any], step: int) -> Any:
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.parts.sdc is not None:
+            self.parts.sdc.begin_pass()
+        loss = closure()
+        self.parts.faults.after_backward(step, self.model)
+        if self.parts.embedding is not None:
+            self.parts.embedding.measure()  # before clipping
+        return loss
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.model.parameters() if p.grad is not None]
+
+    def _reduce(self, loss: Any, flags: dict[Slot, Any]) -> Reduced:
+        """One all-reduce: the global norm, the mean loss, the count of ranks raising each flag."""
+        parts = self.parts
+        share = None
+        if loss is not None:  # the loss-holding ranks of a stage: its dp ranks (different data) × tp ranks
+            share = torch.as_tensor(loss, dtype=torch.float64, device=parts.device).detach() / parts.ranks_per_stage
+        return reduce_step(self._grads(), local_slots(parts.device, share, flags), parts.ranks_per_stage,
+                           known=parts.sdc.take_gradient_norms() if parts.sdc is not None else ())
+
+    def _report(self, report: StepReport) -> None:
+        if report.due(self.config.train.log_interval):
+            for line in report.log_lines():
+                self.parts.log.info(line)
+        self.parts.events.emit("step", **report.event_fields())

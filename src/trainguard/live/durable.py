@@ -225,6 +225,13 @@ class LiveCheckpoints:
         else:
             self.in_flight = step
 
+    def settle(self, quorum: Quorum) -> None:
+        """The async save in flight, when the run ends at a step boundary without a save of its own (a
+        data-skip abort, a step that failed too often): committed on every member, or abandoned as
+        ``_settle`` says, before the process exits. Every member calls it at the same boundary."""
+        if self.in_flight is not None:
+            self._settle(quorum, self.in_flight)
+
     def _settle(self, quorum: Quorum, step: int) -> None:
         """The async save in flight, before another save of ``step`` or the process's end: waited for until
         committed on every member (a barrier), its failure raised as this save's; or, when its epoch has

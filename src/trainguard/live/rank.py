@@ -34,6 +34,8 @@ from trainguard.events.rank_logging import setup_logging
 from trainguard.guards.sdc import FaultyDeviceError
 from trainguard.guards.skip import DataSkipAbort
 from trainguard.live import lifeline
+from trainguard.live.collective import EpochAborted
+from trainguard.live.durable import SaveFailed
 from trainguard.live.files import events_path
 from trainguard.live.quorum import spare_failed_key, spare_key, spare_ready_key, wait_for
 from trainguard.live.signed_store import SignedStore
@@ -169,6 +171,11 @@ class LiveRank:
             print(f"trainguard: error: [rank {self.worker.rank}] {faulty}", file=sys.stderr, flush=True)
             self.exit_code = faulty.exit_code
         except (DataSkipAbort, StepFailed) as abort:  # every member judged the same sum: all end at this step
+            try:
+                self.worker.settle_saves()  # the save in flight is the newest checkpoint the run leaves
+            except (SaveFailed, EpochAborted, RuntimeError) as failed:
+                print(f"live recovery: [rank {self.worker.rank}] {str(failed).splitlines()[0]}", file=sys.stderr,
+                      flush=True)
             if self.worker.reports() or not abort.every_rank_raises:
                 print(f"trainguard: error: [rank {self.worker.rank}] {abort}", file=sys.stderr, flush=True)
             self.exit_code = abort.exit_code

@@ -615,6 +615,11 @@ class LiveWorker:
         first = self.rank - self.shard
         return torch.stack([every[self.quorum.index(first + s)] for s in range(self.group_size)])
 
+    def settle_saves(self) -> None:
+        """Before an abort ends every member at the same step: the durable save in flight committed."""
+        if self.checkpoints is not None and self.quorum is not None:
+            self.checkpoints.settle(self.quorum)
+
     def stop_here(self, reason: int) -> None:
         """The quorum's stop at this boundary (every member calls it at the same one): a lifecycle
         ``reason``, or ``NONE`` for ``train.exit_at_step``. Saves the committed steps first (the drill's

@@ -141,12 +141,19 @@ class FaultInjector:
                 self._report(spec, step, action="hang", seconds=seconds)
                 self._hang(seconds)
 
-    def at_rest(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    def at_rest(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                wait_for_staging: Callable[[], object] | None = None) -> None:
         """Flips a bit of a parameter or of its Adam moment (this rank's shard), if a stateflip is due:
-        call it between two steps, where the state rests in memory."""
+        call it between two steps, where the state rests in memory. ``wait_for_staging``: the checkpoint
+        manager's, called before the first flip: the lazy copy of the save just made must hold the state
+        of its step, so that a drill recomputes from the same checkpoint whenever that copy runs."""
+        waited = False
         for spec in self._state_faults:
             if not self._due(spec, step):
                 continue
+            if wait_for_staging is not None and not waited:
+                wait_for_staging()
+                waited = True
             site, state = spec.params["site"], spec.params["state"]
             parameter = dict(model.named_parameters())[site]
             if state == "weight":

@@ -74,7 +74,7 @@ class StepSkeleton:
         step = position.step + 1
         run = StepRun(step, closure, parts.data.consumed_samples if parts.data is not None else None)
         parts.faults.at_step_start(step)
-        parts.faults.at_rest(step, self.model, self.optimizer)
+        parts.faults.at_rest(step, self.model, self.optimizer, parts.checkpoints.wait_for_staging)
         decision = self._decide(self.plugins.before_backward, run)
         if decision.verdict in ENDS_THE_STEP:
             return self._end_early(decision)

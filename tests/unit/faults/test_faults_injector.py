@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -18,8 +19,9 @@ import torch.distributed as dist
 from torch import nn
 
 import trainguard
+from trainguard.checkpoint.durable import DurableCheckpointer, read_full_state_dict
 from trainguard.errors import ConfigError
-from trainguard.events import read_events
+from trainguard.events import EventLog, read_events
 from trainguard.faults import FaultInjector, parse_faults
 
 
@@ -315,7 +317,7 @@ def test_hang_sleeps_for_the_given_seconds(tmp_path):
 def test_kill_dies_by_sigkill_after_recording_the_firing(tmp_path):
     script = textwrap.dedent(
         f"""
-        from trainguard.events import EventLog
+        from trainguard.events import EventLog, read_events
         from trainguard.faults import FaultInjector
         log = EventLog({str(tmp_path / "events.jsonl")!r}, rank=1)
         injector = FaultInjector.from_env({str(tmp_path)!r}, rank=1, world_size=2, emit=log.emit)
@@ -457,6 +459,32 @@ def test_stateflip_flips_one_bit_of_a_weight_or_an_adam_moment_at_its_step(tmp_p
     assert (optimizer.state[model[2].bias]["exp_avg"] != moment).sum() == 1
     assert [(e["fault"], e["state"], e["flipped"]) for e in recorder.events] == [
         ("stateflip", "weight", True), ("stateflip", "exp_avg", True)]
+
+
+def test_stateflip_waits_for_the_lazy_copy_of_the_save_before_it_so_the_checkpoint_holds_the_saved_state(tmp_path):
+    # An async save copies the parameters while the next step runs; the copy is held back here (its
+    # background thread blocks in the static files, before the copy) so the flip of the next step
+    # always comes first. The flip must let the copy be made before it: the checkpoint a recompute then
+    # loads holds the state of its step (without the wait it held the flipped weight, as in 1 of ~8 Guard
+    # runs of a stateflip at step 5 with a save at step 4).
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    backward_once(model)
+    optimizer.step()
+    saved = model[0].weight.detach().clone()
+    checkpointer = DurableCheckpointer(
+        tmp_path / "ckpts", rank=0, world_size=1, mesh_shape=[1], mesh_dim_names=["dp_shard"], run_token="t",
+        process_group=None, async_save=True, keep_last=3, keep_every=None,
+        events=EventLog(tmp_path / "events.jsonl", rank=0, host="h"))
+    copy_may_start = threading.Event()
+    checkpointer.save(1, model, optimizer, {"step": 1}, {"step": 1}, lambda directory: copy_may_start.wait(30))
+    injector, recorder = make_injector("stateflip:rank=0,step=2,site=0.weight,state=weight,index=5,bit=29", tmp_path)
+    injector.at_rest(2, model, optimizer, checkpointer.wait_for_staging)
+    copy_may_start.set()
+    checkpointer.wait()
+    assert [e["flipped"] for e in recorder.events] == [True]
+    assert not torch.equal(model[0].weight.detach(), saved)
+    assert torch.equal(read_full_state_dict(tmp_path / "ckpts/global_step_1")["model.0.weight"], saved)
 
 
 def test_stateflip_of_an_unknown_parameter_is_a_clear_error(tmp_path):

@@ -241,6 +241,7 @@ class ReplicaFingerprints:
         self._after_update: torch.Tensor | None = None  # for the next at-rest comparison, which uses it up
         self._remembered: tuple[int, torch.Tensor] | None = None  # (step, hashes) of the last ``remember``
         self._sums: torch.Tensor | None = None  # the word sums of the last ``remember_sums``
+        self._sums_step: int | None = None  # the step whose update ``_sums`` were taken right after
         self.checks = 0
 
     @property
@@ -258,17 +259,24 @@ class ReplicaFingerprints:
         self._remembered = (step, self._after_update)
 
     def agrees_with_update(self, named: NamedTensors, step: int) -> bool:
-        """Whether ``named`` hashes as the state did right after ``step``'s optimizer step (True when
-        this rank hashed no such state)."""
-        if self._remembered is None or self._remembered[0] != step:
+        """Whether ``named`` hashes as the state did right after ``step``'s optimizer step: by its
+        fingerprints (``remember``) or, at rest every step, its word sums (``remember_sums``); True when
+        this rank hashed no such state."""
+        if self._remembered is not None and self._remembered[0] == step:
+            current, remembered = fingerprints(named), self._remembered[1]
+        elif self._sums is not None and self._sums_step == step:
+            current, remembered = word_sums(named), self._sums
+        else:
             return True
-        current, remembered = fingerprints(named), self._remembered[1]
         return current.shape == remembered.shape and torch.equal(current, remembered)
 
-    def remember_sums(self, named: NamedTensors) -> None:
+    def remember_sums(self, named: NamedTensors, step: int | None = None) -> None:
         """The word sums of the state as it is now, right after it changed (an optimizer step, a load, a
-        repair), for ``changed_since_update``: a step that changes nothing (a skipped one) keeps them."""
+        repair), for ``changed_since_update``: a step that changes nothing (a skipped one) keeps them.
+        ``step``: the step whose update (or load) made this state, for ``agrees_with_update``; None
+        after a repair or a change found at rest, which no checkpoint of a step holds."""
         self._sums = word_sums(named)
+        self._sums_step = step
 
     def changed_since_update(self, named: NamedTensors) -> torch.Tensor:
         """``[len(named)]`` bool on the tensors' device, without a host synchronisation: which tensors'

@@ -126,7 +126,7 @@ class StateGuard:
         if self.fingerprints.due(step + 1):
             self.fingerprints.remember(self._state(), step)
         if self.every_step:
-            self.fingerprints.remember_sums(self._state())
+            self.fingerprints.remember_sums(self._state(), step)
 
     def changed_at_rest(self) -> torch.Tensor | bool:
         """``every_step``: whether this rank's shards changed since they were last hashed by

@@ -166,6 +166,26 @@ def test_a_restored_state_agrees_only_when_it_hashes_as_it_did_right_after_that_
     assert off.restored_agrees(1)
 
 
+def test_at_rest_every_step_a_restored_state_is_checked_against_the_sums_of_that_steps_update():
+    """Without a replica the state is hashed (word sums) after every update, not only before a check
+    step: a recompute that rolls back to a save whose lazy copy was made after memory changed must find
+    that out too (it agreed by default before: nothing was kept by step)."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 8)).square().sum().backward()
+    optimizer.step()
+    guard = StateGuard(FingerprintConfig(interval=2), model, optimizer, [(0,)], 0, logging.getLogger("test"),
+                       lambda *args, **kwargs: None)
+    assert guard.every_step
+    guard.after_update(4)  # step 5 is no check step: only the every-step sums are taken
+    assert guard.restored_agrees(4)
+    with torch.no_grad():
+        model.weight.view(-1)[5] = model.weight.view(-1)[5] * -1.0  # one element's sign: corrupt at rest
+    assert not guard.restored_agrees(4)
+    assert guard.restored_agrees(2)  # another step's checkpoint: nothing to compare it with
+
+
 def test_at_rest_every_step_by_default_only_without_a_replica_and_a_bad_value_is_one_config_error():
     assert FingerprintConfig().every_step(1) and not FingerprintConfig().every_step(2)
     assert FingerprintConfig(at_rest="every_step").every_step(2)

@@ -24,9 +24,11 @@ pytest.importorskip("accelerate", reason="the Trainer adapter needs accelerate (
 
 from transformers import get_cosine_schedule_with_warmup  # noqa: E402
 
+from trainguard.checkpoint.safe_load import safe_torch_load  # noqa: E402
 from trainguard.events.log import read_events  # noqa: E402
-from trainguard.live.compare import run_differences  # noqa: E402
-from trainguard.live.files import events_path  # noqa: E402
+from trainguard.fs.layout import extra_state_name  # noqa: E402
+from trainguard.live.compare import bitwise_differences  # noqa: E402
+from trainguard.live.files import events_path, final_path  # noqa: E402
 from trainguard.live.samples import sample_problems  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,6 +37,12 @@ STEPS, WORLD, KILLED, KILL_AT = 8, 2, 1, 3
 MICRO_BATCHES, BATCH, DATASET = 4, 2, 256  # the example's per_device_train_batch_size and data set size
 LIVE = {"fault_tolerance": {"live": True}, "parallel": {"dp_replicate": WORLD},
         "train": {"steps": STEPS, "micro_batches": MICRO_BATCHES}, "checkpoint": {"save_interval": 4}}
+
+
+def _run_args(config: Path, run_dir: Path, log_file: str, *extra: str) -> list[str]:
+    return ["run", "--nproc", str(WORLD), "--config", str(config), "--run-dir", str(run_dir), *extra, "--",
+            sys.executable, str(EXAMPLE), "--steps", str(STEPS), "--config", str(config),
+            "--log-file", str(run_dir / log_file)]
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +54,7 @@ def runs(tmp_path_factory) -> Path:
                                                       f"faults=kill:rank={KILLED},step={KILL_AT}"))):
         run_dir = root / name
         sets = [arg for item in overrides for arg in ("--set", item)]
-        done = trainguard("run", "--nproc", str(WORLD), "--config", str(config), "--run-dir", str(run_dir), *sets,
-                          "--", sys.executable, str(EXAMPLE), "--steps", str(STEPS), "--config", str(config),
-                          "--log-file", str(run_dir / "logs.jsonl"), timeout=300)
+        done = trainguard(*_run_args(config, run_dir, "logs.jsonl", *sets), timeout=300)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         assert f"live run finished: {STEPS} steps" in done.stdout
     return root
@@ -56,6 +62,38 @@ def runs(tmp_path_factory) -> Path:
 
 def _events(run_dir: Path) -> list[dict]:
     return list(read_events(events_path(run_dir)))
+
+
+def _final_state(run_dir: Path, rank: int) -> tuple[dict, dict]:
+    """A rank's final state file: the engine's state, and the Trainer's state it holds (parsed)."""
+    state = safe_torch_load(final_path(run_dir, rank))
+    return state, json.loads(state["stateful"].pop("trainer_state")["json"])
+
+
+def _final_differences(reference: Path, run: Path) -> dict[int, list[str]]:
+    """``live.compare.run_differences`` with the Trainer's state compared as JSON, less its log history
+    (``_final_logs``)."""
+    found = {}
+    for rank in range(WORLD):
+        (state, trainer_state), (other, other_trainer_state) = _final_state(reference, rank), _final_state(run, rank)
+        del trainer_state["log_history"], other_trainer_state["log_history"]
+        found[rank] = (bitwise_differences(state, other)
+                       + bitwise_differences(trainer_state, other_trainer_state, "/trainer_state"))
+    return {rank: where for rank, where in found.items() if where}
+
+
+def _final_logs(run_dir: Path, rank: int) -> list[dict]:
+    """A rank's log history at the end, less the summary ``train()`` logs last (its runtime, and
+    ``train_loss`` over the steps this process trained: a replacement's or a resumed run's are its own)."""
+    log_history = _final_state(run_dir, rank)[1]["log_history"]
+    summary = log_history.pop()
+    assert "train_runtime" in summary and "loss" not in summary, summary
+    return log_history
+
+
+def _checkpointed_trainer_state(checkpoint: Path, rank: int) -> dict:
+    extra_state = safe_torch_load(checkpoint / extra_state_name(WORLD, rank))
+    return json.loads(extra_state["stateful"]["trainer_state"]["json"])
 
 
 def _logged_steps(run_dir: Path) -> list[dict]:
@@ -80,7 +118,7 @@ def test_the_survivor_keeps_its_pid_and_the_spare_rejoins_in_rank_1s_place(runs)
 
 
 def test_final_state_and_durable_checkpoint_equal_the_fault_free_run_bitwise(runs):
-    assert run_differences(runs / "clean", runs / "failed", WORLD) == {}
+    assert _final_differences(runs / "clean", runs / "failed") == {}
     final = Path("checkpoints") / f"global_step_{STEPS}"
     assert assert_same_tensors(runs / "clean" / final, runs / "failed" / final) > 0
     config = json.loads((runs / "failed" / final / "huggingface" / "config.json").read_text(encoding="utf-8"))
@@ -110,3 +148,21 @@ def test_rank_0_logs_each_step_once_as_the_plain_trainer_would(runs):
         assert entry["epoch"] == entry["step"] * MICRO_BATCHES * BATCH / DATASET
         optimizer.step()
         schedule.step()
+
+
+def test_the_trainer_state_rides_in_durable_checkpoints_and_to_the_replacement(runs):
+    """The Trainer counts, logs and calls back after ``training_step`` returns, and every live rank logs the
+    same values, so each rank holds the same log. A checkpoint or a joiner's state is taken inside a step,
+    before the Trainer logs it: ``global_step_8`` holds the log of steps 1 to 7, and the spare, which
+    joined at a step boundary with rank 0's state, lacks the log entry of the step it joined after."""
+    (joined,) = [e for e in _events(runs / "failed") if e["kind"] == "live_joined"]
+    logged = _logged_steps(runs / "clean")
+    without_join_step = [entry for entry in logged if entry["step"] != joined["step"]]
+    for name in ("clean", "failed"):
+        for rank in range(WORLD):
+            replaced = name == "failed" and rank == KILLED
+            expected = without_join_step if replaced else logged
+            assert _final_logs(runs / name, rank) == expected, (name, rank)
+            state = _checkpointed_trainer_state(runs / name / "checkpoints" / f"global_step_{STEPS}", rank)
+            assert (state["global_step"], state["log_history"]) == (STEPS - 1, expected[:-1]), (name, rank)
+            assert state["is_world_process_zero"] == (rank == 0), (name, rank)

@@ -5,12 +5,19 @@ rank, 8 steps of 4 micro-batches of 2 samples, a durable checkpoint every 4 step
 fault and once with rank 1 SIGKILLed by the drill after step 3 and one warm spare: the survivor keeps its
 process, the spare takes rank 1's place with a live peer's state, the final state of every rank and the
 final durable checkpoint are bitwise the fault-free run's, and rank 0's Trainer logs each step once, the
-same in both runs, with the live step's loss and global norm, the plain ``Trainer``'s schedule and epoch."""
+same in both runs, with the live step's loss and global norm, the plain ``Trainer``'s schedule and epoch;
+every rank's ``TrainerState`` rides in the checkpoints and to the spare. A third run is stopped by SIGTERM
+to ``trainguard run`` (exit 16, saved at the stop) and run again with ``--resume auto``: it ends bitwise
+the fault-free run, and rank 0 logs the steps after the resume as the fault-free run did."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -18,12 +25,14 @@ import pytest
 import torch
 import yaml
 
-from helpers.runs import assert_same_tensors, trainguard
+from helpers.runs import assert_same_tensors, finish_session, trainguard, worker_env
+from helpers.warm_command import warm_server
 
 pytest.importorskip("accelerate", reason="the Trainer adapter needs accelerate (pip install 'trainguard[hf]')")
 
 from transformers import get_cosine_schedule_with_warmup  # noqa: E402
 
+from trainguard.checkpoint.discovery import list_checkpoints  # noqa: E402
 from trainguard.checkpoint.safe_load import safe_torch_load  # noqa: E402
 from trainguard.events.log import read_events  # noqa: E402
 from trainguard.fs.layout import extra_state_name  # noqa: E402
@@ -58,6 +67,26 @@ def runs(tmp_path_factory) -> Path:
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         assert f"live run finished: {STEPS} steps" in done.stdout
     return root
+
+
+@pytest.fixture(scope="module")
+def stopped(runs) -> tuple[Path, int, subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    """SIGTERM to ``trainguard run`` once a rank committed its first step (of 8: the stop lands some steps
+    later, at the boundary the quorum agrees on; seen: after step 5), then the same command with ``--resume
+    auto``: the run dir, the step saved at the stop, the stopped and the resumed command."""
+    run_dir, config = runs / "stopped", runs / "live.yaml"
+    proc = warm_server().start(_run_args(config, run_dir, "logs.jsonl"), worker_env())
+    deadline = time.monotonic() + 300
+    while not (events_path(run_dir).exists() and any(e["kind"] == "live_step" for e in _events(run_dir))):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 1"
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGTERM)
+    stop = finish_session(proc, 300, "the stopped live run")
+    assert stop.returncode == 16, stop.stdout[-3000:] + stop.stderr[-3000:]
+    saved = max(info.step for info in list_checkpoints(run_dir / "checkpoints") if info.committed)
+    again = trainguard(*_run_args(config, run_dir, "resumed_logs.jsonl", "--resume", "auto"), timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    return run_dir, saved, stop, again
 
 
 def _events(run_dir: Path) -> list[dict]:
@@ -166,3 +195,21 @@ def test_the_trainer_state_rides_in_durable_checkpoints_and_to_the_replacement(r
             state = _checkpointed_trainer_state(runs / name / "checkpoints" / f"global_step_{STEPS}", rank)
             assert (state["global_step"], state["log_history"]) == (STEPS - 1, expected[:-1]), (name, rank)
             assert state["is_world_process_zero"] == (rank == 0), (name, rank)
+
+
+def test_sigterm_to_the_run_saves_exits_16_and_resume_auto_ends_bitwise_with_the_same_logs(runs, stopped):
+    run_dir, saved, stop, again = stopped
+    assert 1 <= saved < STEPS, saved
+    assert f"live run stopped by SIGTERM/SIGUSR1: saved {run_dir / 'checkpoints' / f'global_step_{saved}'}" in stop.stdout
+    assert f"live run resumes from {run_dir / 'checkpoints' / f'global_step_{saved}'}" in again.stdout
+    assert _final_differences(runs / "clean", run_dir) == {}
+    final = Path("checkpoints") / f"global_step_{STEPS}"
+    assert assert_same_tensors(runs / "clean" / final, run_dir / final) > 0
+    clean = _logged_steps(runs / "clean")
+    resumed = [json.loads(line) for line in (run_dir / "resumed_logs.jsonl").read_text(encoding="utf-8").splitlines()]
+    resumed = [entry for entry in resumed if "loss" in entry]
+    assert _logged_steps(run_dir) == clean[:saved]  # before the stop: steps 1 .. saved
+    assert resumed == clean[saved:]  # loss, grad_norm, learning_rate, epoch of steps saved+1 .. STEPS
+    # the Trainer's state came back with the checkpoint, saved inside step `saved` before the Trainer logged
+    # it: its log history goes on from there, that step's entry lacking (as in the closure mode)
+    assert _final_logs(run_dir, 0) == [entry for entry in clean if entry["step"] != saved]

@@ -6,7 +6,8 @@ fault and once with rank 1 SIGKILLed by the drill after step 3 and one warm spar
 process, the spare takes rank 1's place with a live peer's state, the final state of every rank and the
 final durable checkpoint are bitwise the fault-free run's, and rank 0's Trainer logs each step once, the
 same in both runs, with the live step's loss and global norm, the plain ``Trainer``'s schedule and epoch;
-every rank's ``TrainerState`` rides in the checkpoints and to the spare. A third run is stopped by SIGTERM
+every rank's ``TrainerState`` rides in the checkpoints and to the spare. Once more with rank 0, the
+logging rank, killed instead: its replacement logs on. A third run is stopped by SIGTERM
 to ``trainguard run`` (exit 16, saved at the stop) and run again with ``--resume auto``: it ends bitwise
 the fault-free run, and rank 0 logs the steps after the resume as the fault-free run did."""
 
@@ -59,8 +60,9 @@ def runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("live_hf_trainer")
     config = root / "live.yaml"
     config.write_text(yaml.safe_dump(LIVE), encoding="utf-8")
-    for name, overrides in (("clean", ()), ("failed", ("fault_tolerance.spares=1",
-                                                      f"faults=kill:rank={KILLED},step={KILL_AT}"))):
+    spare = "fault_tolerance.spares=1"
+    for name, overrides in (("clean", ()), ("failed", (spare, f"faults=kill:rank={KILLED},step={KILL_AT}")),
+                            ("rank_0_killed", (spare, f"faults=kill:rank=0,step={KILL_AT}"))):
         run_dir = root / name
         sets = [arg for item in overrides for arg in ("--set", item)]
         done = trainguard(*_run_args(config, run_dir, "logs.jsonl", *sets), timeout=300)
@@ -213,3 +215,19 @@ def test_sigterm_to_the_run_saves_exits_16_and_resume_auto_ends_bitwise_with_the
     # the Trainer's state came back with the checkpoint, saved inside step `saved` before the Trainer logged
     # it: its log history goes on from there, that step's entry lacking (as in the closure mode)
     assert _final_logs(run_dir, 0) == [entry for entry in clean if entry["step"] != saved]
+
+
+def test_a_replacement_of_rank_0_logs_on_from_the_step_after_it_joined(runs):
+    """Rank 0, the logging rank, SIGKILLed after step 3: the spare takes its place with rank 1's state (the
+    lowest live rank's), is then the Trainer's world process zero and logs every step after the one it
+    joined after, as the fault-free run logged it; the steps rank 1 trained alone are not logged."""
+    run_dir = runs / "rank_0_killed"
+    (joined,) = [e for e in _events(run_dir) if e["kind"] == "live_joined"]
+    assert joined["rank"] == 0 and KILL_AT < joined["step"] < STEPS
+    assert _final_differences(runs / "clean", run_dir) == {}
+    clean = _logged_steps(runs / "clean")
+    logged = _logged_steps(run_dir)
+    assert logged[:KILL_AT] == clean[:KILL_AT]  # the first rank 0's (a step it trained may be unlogged: killed)
+    assert logged[-(STEPS - joined["step"]):] == clean[joined["step"]:]  # the replacement's, steps after the join
+    assert [entry["step"] for entry in logged] == sorted({entry["step"] for entry in logged})  # each step once
+    assert _final_logs(run_dir, 0) == [entry for entry in clean if entry["step"] != joined["step"]]

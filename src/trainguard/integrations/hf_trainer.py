@@ -35,7 +35,8 @@ Live mode (``fault_tolerance.live: true``, the ranks started by ``trainguard run
 python SCRIPT``): each rank is one process of accelerate's own (no DDP: the live engine sums the
 gradients), ``training_step`` is one ``guard.step(loss_of)`` whose micro-batches the adapter draws from
 the Trainer's data by position (``hf_micro_batches``), the Trainer's loop iterates one empty batch per
-step, rank 0 of the live run logs, and ``train()`` ends the process with the live run's exit code.
+step, rank 0 of the live run logs, and ``train()`` ends the process with the live run's exit code. The
+``TrainerState`` rides in the live run's checkpoints and in a replacement's state as in the closure mode.
 """
 
 from __future__ import annotations

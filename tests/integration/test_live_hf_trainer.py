@@ -227,7 +227,11 @@ def test_a_replacement_of_rank_0_logs_on_from_the_step_after_it_joined(runs):
     assert _final_differences(runs / "clean", run_dir) == {}
     clean = _logged_steps(runs / "clean")
     logged = _logged_steps(run_dir)
-    assert logged[:KILL_AT] == clean[:KILL_AT]  # the first rank 0's (a step it trained may be unlogged: killed)
-    assert logged[-(STEPS - joined["step"]):] == clean[joined["step"]:]  # the replacement's, steps after the join
-    assert [entry["step"] for entry in logged] == sorted({entry["step"] for entry in logged})  # each step once
+    clean_by_step = {entry["step"]: entry for entry in clean}
+    assert all(entry == clean_by_step[entry["step"]] for entry in logged)
+    steps = [entry["step"] for entry in logged]
+    assert steps == sorted(set(steps))  # each step once
+    # the first rank 0's steps (the kill can land before it logged step 3), then the replacement's
+    assert set(range(1, KILL_AT)) | set(range(joined["step"] + 1, STEPS + 1)) <= set(steps)
+    assert joined["step"] not in steps
     assert _final_logs(run_dir, 0) == [entry for entry in clean if entry["step"] != joined["step"]]

@@ -5,12 +5,20 @@ rank, 8 steps of 4 micro-batches of 2 samples, a durable checkpoint every 4 step
 fault and once with rank 1 SIGKILLed by the drill after step 3 and one warm spare: the survivor keeps its
 process, the spare takes rank 1's place with a live peer's state, the final state of every rank and the
 final durable checkpoint are bitwise the fault-free run's, and rank 0's Trainer logs each step once, the
-same in both runs, with the live step's loss and global norm, the plain ``Trainer``'s schedule and epoch."""
+same in both runs, with the live step's loss and global norm, the plain ``Trainer``'s schedule and epoch;
+every rank's ``TrainerState`` rides in the checkpoints and to the spare. Once more with rank 0, the
+logging rank, killed instead: its replacement logs on. A third run is stopped by SIGTERM
+to ``trainguard run`` (exit 16, saved at the stop) and run again with ``--resume auto``: it ends bitwise
+the fault-free run, and rank 0 logs the steps after the resume as the fault-free run did."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -18,15 +26,19 @@ import pytest
 import torch
 import yaml
 
-from helpers.runs import assert_same_tensors, trainguard
+from helpers.runs import assert_same_tensors, finish_session, trainguard, worker_env
+from helpers.warm_command import warm_server
 
 pytest.importorskip("accelerate", reason="the Trainer adapter needs accelerate (pip install 'trainguard[hf]')")
 
 from transformers import get_cosine_schedule_with_warmup  # noqa: E402
 
+from trainguard.checkpoint.discovery import list_checkpoints  # noqa: E402
+from trainguard.checkpoint.safe_load import safe_torch_load  # noqa: E402
 from trainguard.events.log import read_events  # noqa: E402
-from trainguard.live.compare import run_differences  # noqa: E402
-from trainguard.live.files import events_path  # noqa: E402
+from trainguard.fs.layout import extra_state_name  # noqa: E402
+from trainguard.live.compare import bitwise_differences  # noqa: E402
+from trainguard.live.files import events_path, final_path  # noqa: E402
 from trainguard.live.samples import sample_problems  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,25 +49,82 @@ LIVE = {"fault_tolerance": {"live": True}, "parallel": {"dp_replicate": WORLD},
         "train": {"steps": STEPS, "micro_batches": MICRO_BATCHES}, "checkpoint": {"save_interval": 4}}
 
 
+def _run_args(config: Path, run_dir: Path, log_file: str, *extra: str) -> list[str]:
+    return ["run", "--nproc", str(WORLD), "--config", str(config), "--run-dir", str(run_dir), *extra, "--",
+            sys.executable, str(EXAMPLE), "--steps", str(STEPS), "--config", str(config),
+            "--log-file", str(run_dir / log_file)]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("live_hf_trainer")
     config = root / "live.yaml"
     config.write_text(yaml.safe_dump(LIVE), encoding="utf-8")
-    for name, overrides in (("clean", ()), ("failed", ("fault_tolerance.spares=1",
-                                                      f"faults=kill:rank={KILLED},step={KILL_AT}"))):
+    spare = "fault_tolerance.spares=1"
+    for name, overrides in (("clean", ()), ("failed", (spare, f"faults=kill:rank={KILLED},step={KILL_AT}")),
+                            ("rank_0_killed", (spare, f"faults=kill:rank=0,step={KILL_AT}"))):
         run_dir = root / name
         sets = [arg for item in overrides for arg in ("--set", item)]
-        done = trainguard("run", "--nproc", str(WORLD), "--config", str(config), "--run-dir", str(run_dir), *sets,
-                          "--", sys.executable, str(EXAMPLE), "--steps", str(STEPS), "--config", str(config),
-                          "--log-file", str(run_dir / "logs.jsonl"), timeout=300)
+        done = trainguard(*_run_args(config, run_dir, "logs.jsonl", *sets), timeout=300)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         assert f"live run finished: {STEPS} steps" in done.stdout
     return root
 
 
+@pytest.fixture(scope="module")
+def stopped(runs) -> tuple[Path, int, subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    """SIGTERM to ``trainguard run`` once a rank committed its first step (of 8: the stop lands some steps
+    later, at the boundary the quorum agrees on; seen: after step 5), then the same command with ``--resume
+    auto``: the run dir, the step saved at the stop, the stopped and the resumed command."""
+    run_dir, config = runs / "stopped", runs / "live.yaml"
+    proc = warm_server().start(_run_args(config, run_dir, "logs.jsonl"), worker_env())
+    deadline = time.monotonic() + 300
+    while not (events_path(run_dir).exists() and any(e["kind"] == "live_step" for e in _events(run_dir))):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 1"
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGTERM)
+    stop = finish_session(proc, 300, "the stopped live run")
+    assert stop.returncode == 16, stop.stdout[-3000:] + stop.stderr[-3000:]
+    saved = max(info.step for info in list_checkpoints(run_dir / "checkpoints") if info.committed)
+    again = trainguard(*_run_args(config, run_dir, "resumed_logs.jsonl", "--resume", "auto"), timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    return run_dir, saved, stop, again
+
+
 def _events(run_dir: Path) -> list[dict]:
     return list(read_events(events_path(run_dir)))
+
+
+def _final_state(run_dir: Path, rank: int) -> tuple[dict, dict]:
+    """A rank's final state file: the engine's state, and the Trainer's state it holds (parsed)."""
+    state = safe_torch_load(final_path(run_dir, rank))
+    return state, json.loads(state["stateful"].pop("trainer_state")["json"])
+
+
+def _final_differences(reference: Path, run: Path) -> dict[int, list[str]]:
+    """``live.compare.run_differences`` with the Trainer's state compared as JSON, less its log history
+    (``_final_logs``)."""
+    found = {}
+    for rank in range(WORLD):
+        (state, trainer_state), (other, other_trainer_state) = _final_state(reference, rank), _final_state(run, rank)
+        del trainer_state["log_history"], other_trainer_state["log_history"]
+        found[rank] = (bitwise_differences(state, other)
+                       + bitwise_differences(trainer_state, other_trainer_state, "/trainer_state"))
+    return {rank: where for rank, where in found.items() if where}
+
+
+def _final_logs(run_dir: Path, rank: int) -> list[dict]:
+    """A rank's log history at the end, less the summary ``train()`` logs last (its runtime, and
+    ``train_loss`` over the steps this process trained: a replacement's or a resumed run's are its own)."""
+    log_history = _final_state(run_dir, rank)[1]["log_history"]
+    summary = log_history.pop()
+    assert "train_runtime" in summary and "loss" not in summary, summary
+    return log_history
+
+
+def _checkpointed_trainer_state(checkpoint: Path, rank: int) -> dict:
+    extra_state = safe_torch_load(checkpoint / extra_state_name(WORLD, rank))
+    return json.loads(extra_state["stateful"]["trainer_state"]["json"])
 
 
 def _logged_steps(run_dir: Path) -> list[dict]:
@@ -80,7 +149,7 @@ def test_the_survivor_keeps_its_pid_and_the_spare_rejoins_in_rank_1s_place(runs)
 
 
 def test_final_state_and_durable_checkpoint_equal_the_fault_free_run_bitwise(runs):
-    assert run_differences(runs / "clean", runs / "failed", WORLD) == {}
+    assert _final_differences(runs / "clean", runs / "failed") == {}
     final = Path("checkpoints") / f"global_step_{STEPS}"
     assert assert_same_tensors(runs / "clean" / final, runs / "failed" / final) > 0
     config = json.loads((runs / "failed" / final / "huggingface" / "config.json").read_text(encoding="utf-8"))
@@ -110,3 +179,59 @@ def test_rank_0_logs_each_step_once_as_the_plain_trainer_would(runs):
         assert entry["epoch"] == entry["step"] * MICRO_BATCHES * BATCH / DATASET
         optimizer.step()
         schedule.step()
+
+
+def test_the_trainer_state_rides_in_durable_checkpoints_and_to_the_replacement(runs):
+    """The Trainer counts, logs and calls back after ``training_step`` returns, and every live rank logs the
+    same values, so each rank holds the same log. A checkpoint or a joiner's state is taken inside a step,
+    before the Trainer logs it: ``global_step_8`` holds the log of steps 1 to 7, and the spare, which
+    joined at a step boundary with rank 0's state, lacks the log entry of the step it joined after."""
+    (joined,) = [e for e in _events(runs / "failed") if e["kind"] == "live_joined"]
+    logged = _logged_steps(runs / "clean")
+    without_join_step = [entry for entry in logged if entry["step"] != joined["step"]]
+    for name in ("clean", "failed"):
+        for rank in range(WORLD):
+            replaced = name == "failed" and rank == KILLED
+            expected = without_join_step if replaced else logged
+            assert _final_logs(runs / name, rank) == expected, (name, rank)
+            state = _checkpointed_trainer_state(runs / name / "checkpoints" / f"global_step_{STEPS}", rank)
+            assert (state["global_step"], state["log_history"]) == (STEPS - 1, expected[:-1]), (name, rank)
+            assert state["is_world_process_zero"] == (rank == 0), (name, rank)
+
+
+def test_sigterm_to_the_run_saves_exits_16_and_resume_auto_ends_bitwise_with_the_same_logs(runs, stopped):
+    run_dir, saved, stop, again = stopped
+    assert 1 <= saved < STEPS, saved
+    assert f"live run stopped by SIGTERM/SIGUSR1: saved {run_dir / 'checkpoints' / f'global_step_{saved}'}" in stop.stdout
+    assert f"live run resumes from {run_dir / 'checkpoints' / f'global_step_{saved}'}" in again.stdout
+    assert _final_differences(runs / "clean", run_dir) == {}
+    final = Path("checkpoints") / f"global_step_{STEPS}"
+    assert assert_same_tensors(runs / "clean" / final, run_dir / final) > 0
+    clean = _logged_steps(runs / "clean")
+    resumed = [json.loads(line) for line in (run_dir / "resumed_logs.jsonl").read_text(encoding="utf-8").splitlines()]
+    resumed = [entry for entry in resumed if "loss" in entry]
+    assert _logged_steps(run_dir) == clean[:saved]  # before the stop: steps 1 .. saved
+    assert resumed == clean[saved:]  # loss, grad_norm, learning_rate, epoch of steps saved+1 .. STEPS
+    # the Trainer's state came back with the checkpoint, saved inside step `saved` before the Trainer logged
+    # it: its log history goes on from there, that step's entry lacking (as in the closure mode)
+    assert _final_logs(run_dir, 0) == [entry for entry in clean if entry["step"] != saved]
+
+
+def test_a_replacement_of_rank_0_logs_on_from_the_step_after_it_joined(runs):
+    """Rank 0, the logging rank, SIGKILLed after step 3: the spare takes its place with rank 1's state (the
+    lowest live rank's), is then the Trainer's world process zero and logs every step after the one it
+    joined after, as the fault-free run logged it; the steps rank 1 trained alone are not logged."""
+    run_dir = runs / "rank_0_killed"
+    (joined,) = [e for e in _events(run_dir) if e["kind"] == "live_joined"]
+    assert joined["rank"] == 0 and KILL_AT < joined["step"] < STEPS
+    assert _final_differences(runs / "clean", run_dir) == {}
+    clean = _logged_steps(runs / "clean")
+    logged = _logged_steps(run_dir)
+    clean_by_step = {entry["step"]: entry for entry in clean}
+    assert all(entry == clean_by_step[entry["step"]] for entry in logged)
+    steps = [entry["step"] for entry in logged]
+    assert steps == sorted(set(steps))  # each step once
+    # the first rank 0's steps (the kill can land before it logged step 3), then the replacement's
+    assert set(range(1, KILL_AT)) | set(range(joined["step"] + 1, STEPS + 1)) <= set(steps)
+    assert joined["step"] not in steps
+    assert _final_logs(run_dir, 0) == [entry for entry in clean if entry["step"] != joined["step"]]

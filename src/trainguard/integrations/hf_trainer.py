@@ -35,7 +35,8 @@ Live mode (``fault_tolerance.live: true``, the ranks started by ``trainguard run
 python SCRIPT``): each rank is one process of accelerate's own (no DDP: the live engine sums the
 gradients), ``training_step`` is one ``guard.step(loss_of)`` whose micro-batches the adapter draws from
 the Trainer's data by position (``hf_micro_batches``), the Trainer's loop iterates one empty batch per
-step, rank 0 of the live run logs, and ``train()`` ends the process with the live run's exit code.
+step, rank 0 of the live run logs, and ``train()`` ends the process with the live run's exit code. The
+``TrainerState`` rides in the live run's checkpoints and in a replacement's state as in the closure mode.
 """
 
 from __future__ import annotations
@@ -208,10 +209,13 @@ class GuardedTrainer(Trainer):
         """Builds the guard on the prepared model, optimizer and scheduler, resumes, and returns the step."""
         model = self.model  # unwrapped: FSDP2 shards it in place, DDP wraps it in model_wrapped
         live = self.micro_batches is not None
-        # live mode transfers and checkpoints the model, the optimizer and the scheduler: no TrainerState rides along
-        stateful = None if live else {"trainer_state": self._checkpointed_state}
+        # live mode too: the TrainerState rides in durable checkpoints and in the state a replacement receives
+        # (the lowest live rank's). The Trainer counts, logs and runs its callbacks after training_step returns,
+        # so the state is settled before the next guard.step; every live rank logs the same global loss, norm
+        # and rate, so every rank holds the same log history (is_*_process_zero are set again after a load).
         self.guard = Guard(self.run_dir, model, _unwrapped(self.optimizer, "optimizer"),
-                           scheduler=_unwrapped(self.lr_scheduler, "scheduler"), stateful=stateful,
+                           scheduler=_unwrapped(self.lr_scheduler, "scheduler"),
+                           stateful={"trainer_state": self._checkpointed_state},
                            config=self.guard_config, hf_config=getattr(model, "config", None),
                            tokenizer=self.processing_class)
         step = self.guard.resume()  # live: 0, the launcher's checkpoint's step, or the step a replacement joined at

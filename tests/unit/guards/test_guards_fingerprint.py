@@ -143,25 +143,35 @@ def test_poisoned_health_marks_the_save_unhealthy_and_merges_with_the_embedding_
     assert merged["is_health"] == 1 and merged["embedding_local_norm"] == 0.1
 
 
-def test_a_restored_state_agrees_only_when_it_hashes_as_it_did_right_after_that_steps_update():
-    """The recompute after a change at rest rolls back to the save made right after the last update; a
-    lazy save copies the state after that update, so memory corrupted before the copy is in the
-    checkpoint: such a restore must not be recomputed from."""
+def _updated_once() -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A seeded model after one AdamW update (its optimizer state filled)."""
     torch.manual_seed(0)
     model = nn.Linear(8, 8)
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.randn(4, 8)).square().sum().backward()
     optimizer.step()
-    guard = StateGuard(FingerprintConfig(interval=2), model, optimizer, [(0,)], 0, logging.getLogger("test"),
-                       lambda *args, **kwargs: None)
+    return model, optimizer
+
+
+def _state_guard(interval: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> StateGuard:
+    """One rank without a replica, fingerprints every ``interval`` steps (0: off)."""
+    return StateGuard(FingerprintConfig(interval=interval), model, optimizer, [(0,)], 0, logging.getLogger("test"),
+                      lambda *args, **kwargs: None)
+
+
+def test_a_restored_state_agrees_only_when_it_hashes_as_it_did_right_after_that_steps_update():
+    """The recompute after a change at rest rolls back to the save made right after the last update; a
+    lazy save copies the state after that update, so memory corrupted before the copy is in the
+    checkpoint: such a restore must not be recomputed from."""
+    model, optimizer = _updated_once()
+    guard = _state_guard(2, model, optimizer)
     guard.after_update(1)  # step 2 is a check step: the state after step 1's update is hashed
     assert guard.restored_agrees(1) and guard.restored_agrees(0)  # unchanged; nothing hashed for step 0
     with torch.no_grad():
         model.weight.view(-1)[5] = model.weight.view(-1)[5] * -1.0  # one element's sign: corrupt at rest
     assert not guard.restored_agrees(1)
     assert guard.restored_agrees(0)  # another step's checkpoint: nothing to compare it with
-    off = StateGuard(FingerprintConfig(interval=0), model, optimizer, [(0,)], 0, logging.getLogger("test"),
-                     lambda *args, **kwargs: None)
+    off = _state_guard(0, model, optimizer)
     off.after_update(1)
     assert off.restored_agrees(1)
 
@@ -170,13 +180,8 @@ def test_at_rest_every_step_a_restored_state_is_checked_against_the_sums_of_that
     """Without a replica the state is hashed (word sums) after every update, not only before a check
     step: a recompute that rolls back to a save whose lazy copy was made after memory changed must find
     that out too (it agreed by default before: nothing was kept by step)."""
-    torch.manual_seed(0)
-    model = nn.Linear(8, 8)
-    optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.randn(4, 8)).square().sum().backward()
-    optimizer.step()
-    guard = StateGuard(FingerprintConfig(interval=2), model, optimizer, [(0,)], 0, logging.getLogger("test"),
-                       lambda *args, **kwargs: None)
+    model, optimizer = _updated_once()
+    guard = _state_guard(2, model, optimizer)
     assert guard.every_step
     guard.after_update(4)  # step 5 is no check step: only the every-step sums are taken
     assert guard.restored_agrees(4)

@@ -18,19 +18,9 @@ from trainguard.guards.skip import SkipConfig
 from trainguard.guards.step_skips import StepSkips
 from trainguard.live.state import GUARDS, SCHEDULER, LiveState
 from trainguard.live.step_guards import LiveGuards
+from helpers.counter import Counter
 
 STEPS = 12
-
-
-class Counter:
-    def __init__(self):
-        self.seen = 0
-
-    def state_dict(self) -> dict:
-        return {"seen": self.seen}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.seen = state["seen"]
 
 
 def one_cycle(optimizer):

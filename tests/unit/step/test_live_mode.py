@@ -21,6 +21,7 @@ from trainguard.cli import main
 from trainguard.config import FaultToleranceConfig, RunConfig, load_config
 from trainguard.errors import ConfigError
 from trainguard.events.rank_logging import LOGGER_NAME
+from helpers.counter import Counter
 
 LIVE = RunConfig(fault_tolerance=FaultToleranceConfig(live=True))
 
@@ -137,19 +138,6 @@ def test_live_mode_takes_the_durable_tiers_keys(tmp_path):  # tests/integration/
                                 "checkpoint.mirror.url=file:///nonexistent/mirror", "checkpoint.mirror.every=2"])
     guard = trainguard.Guard(tmp_path, model, optimizer, config=config, live_argv=launcher_flags(tmp_path))
     assert guard.micro_batches == 8  # taken, not refused: the multi-process tests show them at work
-
-
-class Counter:
-    """A loop's own stateful object."""
-
-    def __init__(self):
-        self.seen = 0
-
-    def state_dict(self) -> dict:
-        return {"seen": self.seen}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.seen = state["seen"]
 
 
 @pytest.mark.parametrize("make", [

@@ -24,11 +24,15 @@ from trainguard.runtime.heartbeat import read_heartbeats
 
 SLOW_STEPS = "hang:rank=0,step=1,seconds=1,persistent=1"  # every step takes at least 1 s
 ARRAY_STEPS = 42
-ARRAY_SLOW_STEPS = "hang:rank=0,step=1,seconds=2,persistent=1"  # ≥ 2 s a step
+# Tasks 1 and 2 of the array run on ARRAY_NODE, where every step takes ≥ 2 s; the test moves task 3 to
+# another node, where nothing slows it: what it trains need not outlast a time limit
+ARRAY_NODE = "n3"
+ARRAY_SLOW_STEPS = f"hang:rank=0,step=1,seconds=2,persistent=1,node={ARRAY_NODE}"
 # The array's --signal=USR1@55: once the test has cut a task's limit to 1 minute, the warning is due
 # (the task has run for more than 5 s) and the controller sends it at its next check, within about
 # 30 s: a task trains at most ~2 + 16 steps (18 measured), two tasks at most ~36, fewer than
-# ARRAY_STEPS, and the third finishes the rest at 2 s a step (50 steps before: 16 s more of it)
+# ARRAY_STEPS, and the third finishes the rest (at 2 s a step on ARRAY_NODE, it took 84 s of the
+# test's 119: ~25 steps measured)
 # (with USR1@30 the warning came 30 to 60 s after a task's start, and the third task trained what two
 # such tasks might have)
 ARRAY_SIGNAL_SECONDS = 55
@@ -91,7 +95,8 @@ def jobs(slurm, tmp_path_factory):
                                 spares=1, options=("--sbatch-option=--nodelist=n1,n2",))
     # three tasks; the test shortens the first two's time limits while they train
     submitted["array"] = sbatch(slurm, where, "array", ARRAY_STEPS, array=3, faults=ARRAY_SLOW_STEPS,
-                                signal_seconds=ARRAY_SIGNAL_SECONDS)
+                                signal_seconds=ARRAY_SIGNAL_SECONDS,
+                                options=(f"--sbatch-option=--nodelist={ARRAY_NODE}",))
     # the array's uninterrupted twin, trained meanwhile (the jobs mostly wait on their time limits)
     reference = where / "array_reference"
     submitted["array_reference"] = reference, subprocess.Popen(
@@ -116,11 +121,18 @@ def jobs(slurm, tmp_path_factory):
 
 
 # ------------------------------------------------------------------------------------ time limit
-def run_out_of_time(slurm, run: Path, job: str, task: int) -> None:
+def move_off_the_array_node(slurm, task: str) -> None:
+    """Lets the pending array task ``task`` run on any node but ARRAY_NODE. Done once task 2 runs: a task
+    updated while the others are pending is split off the array and may start before them."""
+    slurm.run("scontrol", "update", f"JobId={task}", "ReqNodeList=", f"ExcNodeList={ARRAY_NODE}")
+
+
+def run_out_of_time(slurm, run: Path, job: str, task: int, before_the_cut=lambda: None) -> None:
     """Once array task ``task`` has resumed and trained two steps, cuts its time limit to one minute
     (Slurm's granularity): at its next check the controller sends the limit's USR1 warning (due
     ``ARRAY_SIGNAL_SECONDS`` before the limit) or ends it with SIGTERM, then SIGKILL after KillWait, as
-    at any time limit. Done by the test so that the stops do not depend on the machine's load."""
+    at any time limit. Done by the test so that the stops do not depend on the machine's load.
+    ``before_the_cut`` runs while the task trains, before its limit is cut."""
     deadline = time.time() + 900
     while time.time() < deadline:
         started = events(run, "run_started")
@@ -131,6 +143,7 @@ def run_out_of_time(slurm, run: Path, job: str, task: int) -> None:
         time.sleep(1)
     else:
         raise AssertionError(f"task {task} of {job} never trained")
+    before_the_cut()
     slurm.run("scontrol", "update", f"JobId={job}_{task}", "TimeLimit=1")
     # FAILED: the ranks stopped at the limit's USR1 warning and the job exited 16 before the SIGTERM
     slurm.wait_for_state(f"{job}_{task}", ("TIMEOUT", "FAILED"), 300)
@@ -140,7 +153,7 @@ def test_job_array_runs_out_of_time_twice_and_ends_bitwise_equal(slurm, jobs):
     steps = ARRAY_STEPS
     run, job = jobs["array"]
     run_out_of_time(slurm, run, job, 1)
-    run_out_of_time(slurm, run, job, 2)
+    run_out_of_time(slurm, run, job, 2, before_the_cut=lambda: move_off_the_array_node(slurm, f"{job}_3"))
     slurm.wait_for_state(f"{job}_3", ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 1200)
     reference, training = jobs["array_reference"]
     ok(finish_session(training, 900, "the reference run"))
@@ -151,6 +164,8 @@ def test_job_array_runs_out_of_time_twice_and_ends_bitwise_equal(slurm, jobs):
     assert 0 < stops[0]["step"] < stops[1]["step"] < steps
     assert [e["step"] for e in events(run, "run_started")] == [0, stops[0]["step"], stops[1]["step"]]
     assert events(run, "restart") == []
+    nodes = [e["nodes"] for e in events(run, "supervisor_started")]  # slowed where the limits ran out only
+    assert nodes[:2] == [[ARRAY_NODE], [ARRAY_NODE]] and nodes[2] != [ARRAY_NODE], nodes
     assert_same_tensors(run / "checkpoints" / f"global_step_{steps}", reference / "checkpoints" / f"global_step_{steps}")
     states = [slurm.job_state(f"{job}_{task}") for task in (1, 2, 3)]
     assert states[0] in ("TIMEOUT", "FAILED") and states[1] in ("TIMEOUT", "FAILED") and states[2] == "COMPLETED"

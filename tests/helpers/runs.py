@@ -38,11 +38,17 @@ def trainguard(*args: str, env: dict[str, str] | None = None, timeout: float = 3
     return finish_session(proc, timeout, f"trainguard {' '.join(args[:1])}")
 
 
+def start_train(run_dir: Path, nproc: int, steps: int, *extra: str, faults: str | None = None):
+    """``trainguard train`` started and not waited for (``finish_session`` ends it): a fault-free reference
+    trains while a test's faulted run mostly sleeps in its faults and timeouts."""
+    env = worker_env(**({"TRAINGUARD_FAULTS": faults} if faults else {}))
+    return warm_server().start(["train", "--nproc", str(nproc), "--steps", str(steps), "--run-dir", str(run_dir),
+                                *TINY, *extra], env)
+
+
 def train(run_dir: Path, nproc: int, steps: int, *extra: str, faults: str | None = None,
           timeout: float = 300) -> subprocess.CompletedProcess:
-    env = worker_env(**({"TRAINGUARD_FAULTS": faults} if faults else {}))
-    return trainguard("train", "--nproc", str(nproc), "--steps", str(steps), "--run-dir", str(run_dir),
-                      *TINY, *extra, env=env, timeout=timeout)
+    return finish_session(start_train(run_dir, nproc, steps, *extra, faults=faults), timeout, "trainguard train")
 
 
 def events(run_dir: Path, kind: str | None = None) -> list[dict]:

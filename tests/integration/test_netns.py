@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from helpers.agent_attack import REQUESTS
-from helpers.runs import TINY, assert_same_tensors, events, finish_session, ok, train, worker_env
+from helpers.runs import TINY, assert_same_tensors, events, finish_session, ok, start_train, worker_env
 from trainguard.runtime.heartbeat import read_heartbeats
 
 AGENT_ATTACK = Path(__file__).parent.parent / "helpers" / "agent_attack.py"
@@ -87,9 +87,13 @@ def test_a_hang_then_a_cut_link_across_hosts_ends_bitwise_equal(netns, tmp_path)
         supervisor.send_signal(signal.SIGTERM)
 
     attacked: dict = {}
+    reference = tmp_path / "reference"
+    # trained while the faulted run sleeps (a bounded fault-free run: it ends by itself if the test fails first)
+    training = start_train(reference, 2, STEPS, *REPLICATED)
     run = tmp_path / "cut"
     stopped = train_on_hosts(netns, run, STEPS, *REPLICATED, "--hang-timeout", str(HANG_TIMEOUT), faults=FAULTS,
                              during=cut_then_stop)
+    ok(finish_session(training, 300, "the reference run"))
     assert stopped.returncode == 16, stopped.stdout[-6000:]
     # the attack: every request refused (nothing stopped or signalled: the assertions below), one line each
     assert len(attacked["controls"]) == 2 and len(attacked["answers"]) == attacked["requests"], attacked
@@ -100,8 +104,6 @@ def test_a_hang_then_a_cut_link_across_hosts_ends_bitwise_equal(netns, tmp_path)
                for line in refused), refused
     finished = train_on_hosts(netns, run, STEPS, *REPLICATED)
     assert finished.returncode == 0, finished.stdout[-6000:]
-    reference = tmp_path / "reference"
-    ok(train(reference, 2, STEPS, *REPLICATED))
 
     # the hang: both ranks dumped their stacks on request through their own agent (a heartbeat's pid is
     # a pid of the node's own namespace: here both ranks have the same one)

@@ -30,7 +30,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 LOOP, CONFIG, PLAIN = EXAMPLES / "user_loop.py", EXAMPLES / "user_loop.yaml", EXAMPLES / "user_loop_plain.py"
 STEPS = 8
 TIMEOUT_S = 1200  # per supervised run: several torchrun starts of two ranks each on two shared cores
-HANG_TIMEOUT_S = 20  # no progress this long is a hang; steps and saves of this loop take seconds even on loaded cores
+HANG_TIMEOUT_S = 10  # no progress this long is a hang; steps and saves of this loop take seconds even on loaded cores
 SITE = "transformer.h.0.ln_1"  # a GPT-2 LayerNorm: an SDC detection point
 
 

@@ -250,7 +250,10 @@ def test_watch_tells_a_held_job_and_a_failing_squeue_apart(slurm, tmp_path):
         held = watch(slurm, run, "held")
         assert held.returncode == 1 and "***ALERT: held is HELD (JobHeldUser)" in held.stdout, held.stdout
         broken = tmp_path / "broken.conf"
-        broken.write_text(re.sub(r"SlurmctldPort=\d+", "SlurmctldPort=1", slurm.conf.read_text()))
+        # no controller on port 1; squeue retries the connection for MessageTimeout - 1 s (9 s at the
+        # cluster's 10, measured), so this client's copy of the file allows 2 (1 s): the same failure, sooner
+        unreachable = re.sub(r"SlurmctldPort=\d+", "SlurmctldPort=1", slurm.conf.read_text())
+        broken.write_text(re.sub(r"MessageTimeout=\d+", "MessageTimeout=2", unreachable))
         down = watch(slurm, run, "held", SLURM_CONF=str(broken))
         assert down.returncode == 1 and "squeue failed" in down.stdout and "HELD" not in down.stdout, down.stdout
     finally:

@@ -41,6 +41,9 @@ from trainguard.checkpoint.safe_load import safe_torch_load
 from trainguard.events.log import read_events
 from trainguard.live.compare import bitwise_differences, replica_differences, run_differences
 from trainguard.live.files import events_path, final_path
+from trainguard.report.facts import read_run
+from trainguard.report.summary import status_rows
+from trainguard.runtime.heartbeat import read_heartbeats
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "tests" / "helpers" / "live_loop.py"
@@ -153,6 +156,21 @@ def test_a_rank_killed_between_the_skips_rejoins_with_the_guards_state_and_the_r
         assert final["stateful"]["seen"] == {"steps": STEPS, "last": STEPS - 1}, rank
 
 
+def test_every_live_rank_writes_its_heartbeat_file_and_status_shows_the_finished_run(root, killed):
+    """``lifecycle.heartbeats`` (on by default) in live mode: each rank's ``heartbeats/rank_R.json``, the
+    closure mode's file, ends at the last step with exit 0, rank 3's written by its replacement (its
+    SIGKILLed process never wrote an exit); ``trainguard status`` reads the run as finished at that step."""
+    run_dir = root / "killed"
+    beats = read_heartbeats(run_dir)
+    assert sorted(beats) == list(range(WORLD))
+    assert {(beat.phase, beat.step, beat.exit_code) for beat in beats.values()} == {("exit", STEPS, 0)}
+    first_pid = next(event["pid"] for event in _events(run_dir, "live_start") if event["rank"] == 3)
+    assert beats[3].pid != first_pid and beats[3].resumed > 0  # the replacement, which joined mid-run
+    rows = dict(status_rows(read_run(run_dir)))
+    assert rows["state"] == "finished" and rows["step"] == str(STEPS)
+    assert rows["heartbeats"].count(f"step {STEPS} exit") == WORLD
+
+
 def _health_records(run_dir: Path) -> dict[int, int]:
     """Step -> ``is_health`` of each record in ``health_ckpts.json``, checked against the manifest's."""
     records = json.loads((run_dir / "checkpoints" / "health_ckpts.json").read_text())
@@ -233,6 +251,10 @@ def test_the_kill_switch_stops_the_quorum_at_a_saved_boundary_and_at_start_start
     while not (events_path(run_dir).exists() and _events(run_dir, "live_step")):
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before its first step"
         time.sleep(0.02)
+    # running: ``trainguard status`` finds it live from its ranks' heartbeat files (lifecycle.heartbeats)
+    running = read_run(run_dir)
+    assert running.state == "live" and sorted(beat.rank for beat in running.heartbeats) == list(range(WORLD))
+    assert {beat.phase for beat in running.heartbeats} <= {"train", "step"}
     switch.touch()
     done = _ok(finish_session(proc, TIMEOUT_S, "the live run with the kill switch"))
     [stop] = _events(run_dir, "lifecycle_stop")

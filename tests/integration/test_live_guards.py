@@ -156,6 +156,27 @@ def test_a_rank_killed_between_the_skips_rejoins_with_the_guards_state_and_the_r
         assert final["stateful"]["seen"] == {"steps": STEPS, "last": STEPS - 1}, rank
 
 
+@pytest.fixture(scope="module")
+def hung(root):
+    # the stall watch and the heartbeat timeout short: the hung rank costs the run seconds, not 10 s
+    return root / "hung", _ok(_live(root / "hung", _config(root), f"{FAULTS}; hang:rank=1,step=6",
+                                    "fault_tolerance.stall_s=2", "fault_tolerance.hang_s=4"))
+
+
+def test_the_hang_drill_stops_its_rank_which_is_found_killed_and_replaced_and_the_run_ends_bitwise(root, spiked, hung):
+    """``hang:rank=1,step=6``, the closure mode's drill: rank 1 stops (alive, silent) as it starts step 6;
+    where the closure mode's supervisor restarts the job, live mode's lighthouse finds it, the other group
+    goes on, the launcher kills and replaces rank 1 (once in the run: the replacement does not hang
+    again), its group rejoins, and every rank ends with the spiked run's whole state."""
+    run_dir, done = hung
+    assert "ranks replaced: [1]" in done.stdout
+    [fired] = [e for e in _events(run_dir, "fault_injected") if e["fault"] == "hang"]
+    assert (fired["rank"], fired["step"], fired["action"]) == (1, 6, "hang")
+    assert [e["target"] for e in _events(run_dir, "live_hung")] == [1]
+    assert [e["step"] for e in _events(run_dir, "data_skip")] == SKIPPED
+    assert run_differences(spiked[0], run_dir, WORLD) == {}
+
+
 def test_every_live_rank_writes_its_heartbeat_file_and_status_shows_the_finished_run(root, killed):
     """``lifecycle.heartbeats`` (on by default) in live mode: each rank's ``heartbeats/rank_R.json``, the
     closure mode's file, ends at the last step with exit 0, rank 3's written by its replacement (its
@@ -239,6 +260,24 @@ def test_exit_at_step_saves_and_ends_with_exit_0_and_the_run_resumes_bitwise(roo
     resumed = _ok(_live(run_dir, config, replay))
     assert f"live run resumes from {run_dir / 'checkpoints' / 'global_step_6'}" in resumed.stdout
     assert run_differences(replayed, run_dir, WORLD) == {}  # the guards' state too: it rides in the checkpoint
+
+
+def test_a_checkpoint_the_corrupt_drill_damaged_is_passed_over_at_the_resume_which_ends_bitwise(root, replayed):
+    """``corrupt:step=6,file=*.distcp``, the closure mode's drill: the quorum's first member damages the
+    durable checkpoint of step 6 once committed (here the stop's, ``train.exit_at_step: 6``); the next
+    start (``--resume auto``) fails its verification, resumes from step 5 instead and ends bitwise equal
+    to the run that never stopped."""
+    run_dir, config = root / "corrupted", _config(root)
+    # health off: step 5's checkpoint is above EMBEDDING_THRESHOLD, which the resume would pass over too
+    replay, no_health = f"guards.skip.replay_steps={SKIPPED}", "guards.health.enabled=false"
+    _ok(_live(run_dir, config, replay, no_health, "train.exit_at_step=6", "faults=corrupt:step=6,file=*.distcp"))
+    [damaged] = _events(run_dir, "fault_injected")
+    assert (damaged["fault"], damaged["step"]) == ("corrupt", 6) and damaged["files"]
+    resumed = _ok(_live(run_dir, config, replay, no_health))
+    assert f"live run resumes from {run_dir / 'checkpoints' / 'global_step_5'}" in resumed.stdout
+    differences = run_differences(replayed, run_dir, WORLD)  # but the last step's embedding norm: health is off
+    assert all(difference.startswith("/committed/embedding_norm: None != ")
+               for rank_differences in differences.values() for difference in rank_differences), differences
 
 
 def test_the_kill_switch_stops_the_quorum_at_a_saved_boundary_and_at_start_starts_nothing(root):

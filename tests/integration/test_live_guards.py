@@ -39,6 +39,7 @@ from helpers.warm_command import warm_server
 from trainguard.checkpoint.discovery import list_checkpoints
 from trainguard.checkpoint.safe_load import safe_torch_load
 from trainguard.events.log import read_events
+from trainguard.fs.layout import extra_state_name
 from trainguard.live.compare import bitwise_differences, replica_differences, run_differences
 from trainguard.live.files import events_path, final_path
 from trainguard.report.facts import read_run
@@ -190,6 +191,19 @@ def test_every_live_rank_writes_its_heartbeat_file_and_status_shows_the_finished
     rows = dict(status_rows(read_run(run_dir)))
     assert rows["state"] == "finished" and rows["step"] == str(STEPS)
     assert rows["heartbeats"].count(f"step {STEPS} exit") == WORLD
+
+
+def test_every_ranks_copy_of_the_run_state_in_a_checkpoint_is_the_same(root, killed):
+    """A resume at another world size reads rank 0's copy of the run state (the guards', the scheduler's,
+    the loop's objects): every rank's is the same in each durable checkpoint, the replacement's after its
+    join included, so rank 0's is the quorum's."""
+    checkpoints = [info.path for info in list_checkpoints(root / "killed" / "checkpoints") if info.committed]
+    assert checkpoints
+    for checkpoint in checkpoints:
+        copies = [safe_torch_load(checkpoint / extra_state_name(WORLD, rank))["stateful"] for rank in range(WORLD)]
+        assert set(copies[0]) >= {"live_guards", "scheduler", "seen"}, checkpoint
+        for rank, copy in enumerate(copies[1:], start=1):
+            assert bitwise_differences(copies[0], copy) == [], (checkpoint, rank)
 
 
 def _health_records(run_dir: Path) -> dict[int, int]:

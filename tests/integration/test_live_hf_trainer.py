@@ -321,3 +321,17 @@ def test_the_time_limit_stops_the_trainer_at_a_saved_step_with_exit_16(runs):
     [step] = {e["step"] for e in _events(run_dir) if e["kind"] == "lifecycle_stop" and e["reason"] == "exit_duration"}
     assert [info.step for info in list_checkpoints(run_dir / "checkpoints") if info.committed] == [step]
     assert "run again with --resume auto to continue" in done.stdout
+
+
+def test_a_max_steps_other_than_train_steps_is_one_line_naming_both_and_exit_2(runs):
+    """The Trainer's ``TrainingArguments(max_steps=12)`` where the live launcher runs ``train.steps`` = 8:
+    one line from rank 0 naming both, every rank exits 2 and none is replaced."""
+    run_dir = runs / "wrong_max_steps"
+    done = trainguard("run", "--nproc", str(WORLD), "--config", str(_config_of(run_dir)), "--run-dir", str(run_dir),
+                      "--", sys.executable, str(ROOT / "tests" / "helpers" / "hf_trainer_max_steps.py"),
+                      "--max-steps", "12", "--config", str(_config_of(run_dir)), timeout=300)
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
+    assert errors == [f"trainguard: error: [rank 0] GuardedTrainer: TrainingArguments(max_steps=12): the live launcher "
+                      f"runs {STEPS} steps (config key 'train.steps'); pass the same number (guard.total_steps)"], errors
+    assert len([e for e in _events(run_dir) if e["kind"] == "live_start"]) == WORLD  # no rank replaced

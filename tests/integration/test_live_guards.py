@@ -324,8 +324,10 @@ def test_the_kill_switch_stops_the_quorum_at_a_saved_boundary_and_at_start_start
 
 def test_the_time_limit_saves_and_exits_16(root):
     run_dir = root / "time_limit"
-    done = _live(run_dir, _config(root), "lifecycle.exit_duration_in_mins=0.0001")
+    # and lifecycle.heartbeats off: no rank writes a heartbeat file (refused in live mode before)
+    done = _live(run_dir, _config(root), "lifecycle.exit_duration_in_mins=0.0001", "lifecycle.heartbeats=false")
     assert done.returncode == 16, done.stdout[-3000:] + done.stderr[-3000:]
+    assert not (run_dir / "heartbeats").exists()
     [stop] = _events(run_dir, "lifecycle_stop")
     assert stop["reason"] == "exit_duration" and stop["exit_code"] == 16
     assert _committed_steps(run_dir) == [stop["step"]]

@@ -39,8 +39,12 @@ from helpers.warm_command import warm_server
 from trainguard.checkpoint.discovery import list_checkpoints
 from trainguard.checkpoint.safe_load import safe_torch_load
 from trainguard.events.log import read_events
+from trainguard.fs.layout import extra_state_name
 from trainguard.live.compare import bitwise_differences, replica_differences, run_differences
 from trainguard.live.files import events_path, final_path
+from trainguard.report.facts import read_run
+from trainguard.report.summary import status_rows
+from trainguard.runtime.heartbeat import read_heartbeats
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "tests" / "helpers" / "live_loop.py"
@@ -153,6 +157,55 @@ def test_a_rank_killed_between_the_skips_rejoins_with_the_guards_state_and_the_r
         assert final["stateful"]["seen"] == {"steps": STEPS, "last": STEPS - 1}, rank
 
 
+@pytest.fixture(scope="module")
+def hung(root):
+    # the stall watch and the heartbeat timeout short: the hung rank costs the run seconds, not 10 s
+    return root / "hung", _ok(_live(root / "hung", _config(root), f"{FAULTS}; hang:rank=1,step=6",
+                                    "fault_tolerance.stall_s=2", "fault_tolerance.hang_s=4"))
+
+
+def test_the_hang_drill_stops_its_rank_which_is_found_killed_and_replaced_and_the_run_ends_bitwise(root, spiked, hung):
+    """``hang:rank=1,step=6``, the closure mode's drill: rank 1 stops (alive, silent) as it starts step 6;
+    where the closure mode's supervisor restarts the job, live mode's lighthouse finds it, the other group
+    goes on, the launcher kills and replaces rank 1 (once in the run: the replacement does not hang
+    again), its group rejoins, and every rank ends with the spiked run's whole state."""
+    run_dir, done = hung
+    assert "ranks replaced: [1]" in done.stdout
+    [fired] = [e for e in _events(run_dir, "fault_injected") if e["fault"] == "hang"]
+    assert (fired["rank"], fired["step"], fired["action"]) == (1, 6, "hang")
+    assert [e["target"] for e in _events(run_dir, "live_hung")] == [1]
+    assert [e["step"] for e in _events(run_dir, "data_skip")] == SKIPPED
+    assert run_differences(spiked[0], run_dir, WORLD) == {}
+
+
+def test_every_live_rank_writes_its_heartbeat_file_and_status_shows_the_finished_run(root, killed):
+    """``lifecycle.heartbeats`` (on by default) in live mode: each rank's ``heartbeats/rank_R.json``, the
+    closure mode's file, ends at the last step with exit 0, rank 3's written by its replacement (its
+    SIGKILLed process never wrote an exit); ``trainguard status`` reads the run as finished at that step."""
+    run_dir = root / "killed"
+    beats = read_heartbeats(run_dir)
+    assert sorted(beats) == list(range(WORLD))
+    assert {(beat.phase, beat.step, beat.exit_code) for beat in beats.values()} == {("exit", STEPS, 0)}
+    first_pid = next(event["pid"] for event in _events(run_dir, "live_start") if event["rank"] == 3)
+    assert beats[3].pid != first_pid and beats[3].resumed > 0  # the replacement, which joined mid-run
+    rows = dict(status_rows(read_run(run_dir)))
+    assert rows["state"] == "finished" and rows["step"] == str(STEPS)
+    assert rows["heartbeats"].count(f"step {STEPS} exit") == WORLD
+
+
+def test_every_ranks_copy_of_the_run_state_in_a_checkpoint_is_the_same(root, killed):
+    """A resume at another world size reads rank 0's copy of the run state (the guards', the scheduler's,
+    the loop's objects): every rank's is the same in each durable checkpoint, the replacement's after its
+    join included, so rank 0's is the quorum's."""
+    checkpoints = [info.path for info in list_checkpoints(root / "killed" / "checkpoints") if info.committed]
+    assert checkpoints
+    for checkpoint in checkpoints:
+        copies = [safe_torch_load(checkpoint / extra_state_name(WORLD, rank))["stateful"] for rank in range(WORLD)]
+        assert set(copies[0]) >= {"live_guards", "scheduler", "seen"}, checkpoint
+        for rank, copy in enumerate(copies[1:], start=1):
+            assert bitwise_differences(copies[0], copy) == [], (checkpoint, rank)
+
+
 def _health_records(run_dir: Path) -> dict[int, int]:
     """Step -> ``is_health`` of each record in ``health_ckpts.json``, checked against the manifest's."""
     records = json.loads((run_dir / "checkpoints" / "health_ckpts.json").read_text())
@@ -223,6 +276,24 @@ def test_exit_at_step_saves_and_ends_with_exit_0_and_the_run_resumes_bitwise(roo
     assert run_differences(replayed, run_dir, WORLD) == {}  # the guards' state too: it rides in the checkpoint
 
 
+def test_a_checkpoint_the_corrupt_drill_damaged_is_passed_over_at_the_resume_which_ends_bitwise(root, replayed):
+    """``corrupt:step=6,file=*.distcp``, the closure mode's drill: the quorum's first member damages the
+    durable checkpoint of step 6 once committed (here the stop's, ``train.exit_at_step: 6``); the next
+    start (``--resume auto``) fails its verification, resumes from step 5 instead and ends bitwise equal
+    to the run that never stopped."""
+    run_dir, config = root / "corrupted", _config(root)
+    # health off: step 5's checkpoint is above EMBEDDING_THRESHOLD, which the resume would pass over too
+    replay, no_health = f"guards.skip.replay_steps={SKIPPED}", "guards.health.enabled=false"
+    _ok(_live(run_dir, config, replay, no_health, "train.exit_at_step=6", "faults=corrupt:step=6,file=*.distcp"))
+    [damaged] = _events(run_dir, "fault_injected")
+    assert (damaged["fault"], damaged["step"]) == ("corrupt", 6) and damaged["files"]
+    resumed = _ok(_live(run_dir, config, replay, no_health))
+    assert f"live run resumes from {run_dir / 'checkpoints' / 'global_step_5'}" in resumed.stdout
+    differences = run_differences(replayed, run_dir, WORLD)  # but the last step's embedding norm: health is off
+    assert all(difference.startswith("/committed/embedding_norm: None != ")
+               for rank_differences in differences.values() for difference in rank_differences), differences
+
+
 def test_the_kill_switch_stops_the_quorum_at_a_saved_boundary_and_at_start_starts_nothing(root):
     run_dir, switch = root / "switched", root / "switch"
     # health off: the early step it saves is above EMBEDDING_THRESHOLD, and the second start's resume point
@@ -233,6 +304,10 @@ def test_the_kill_switch_stops_the_quorum_at_a_saved_boundary_and_at_start_start
     while not (events_path(run_dir).exists() and _events(run_dir, "live_step")):
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before its first step"
         time.sleep(0.02)
+    # running: ``trainguard status`` finds it live from its ranks' heartbeat files (lifecycle.heartbeats)
+    running = read_run(run_dir)
+    assert running.state == "live" and sorted(beat.rank for beat in running.heartbeats) == list(range(WORLD))
+    assert {beat.phase for beat in running.heartbeats} <= {"train", "step"}
     switch.touch()
     done = _ok(finish_session(proc, TIMEOUT_S, "the live run with the kill switch"))
     [stop] = _events(run_dir, "lifecycle_stop")
@@ -249,8 +324,10 @@ def test_the_kill_switch_stops_the_quorum_at_a_saved_boundary_and_at_start_start
 
 def test_the_time_limit_saves_and_exits_16(root):
     run_dir = root / "time_limit"
-    done = _live(run_dir, _config(root), "lifecycle.exit_duration_in_mins=0.0001")
+    # and lifecycle.heartbeats off: no rank writes a heartbeat file (refused in live mode before)
+    done = _live(run_dir, _config(root), "lifecycle.exit_duration_in_mins=0.0001", "lifecycle.heartbeats=false")
     assert done.returncode == 16, done.stdout[-3000:] + done.stderr[-3000:]
+    assert not (run_dir / "heartbeats").exists()
     [stop] = _events(run_dir, "lifecycle_stop")
     assert stop["reason"] == "exit_duration" and stop["exit_code"] == 16
     assert _committed_steps(run_dir) == [stop["step"]]

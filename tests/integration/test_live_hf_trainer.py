@@ -9,7 +9,9 @@ same in both runs, with the live step's loss and global norm, the plain ``Traine
 every rank's ``TrainerState`` rides in the checkpoints and to the spare. Once more with rank 0, the
 logging rank, killed instead: its replacement logs on. A third run is stopped by SIGTERM
 to ``trainguard run`` (exit 16, saved at the stop) and run again with ``--resume auto``: it ends bitwise
-the fault-free run, and rank 0 logs the steps after the resume as the fault-free run did."""
+the fault-free run, and rank 0 logs the steps after the resume as the fault-free run did. The whole job
+SIGKILLed (launcher and ranks) once step 4's save committed, then ``--resume auto``: bitwise the fault-free
+run too. The kill switch and the time limit (``lifecycle.*``) stop it at a saved step, exit 0 and 16."""
 
 from __future__ import annotations
 
@@ -89,6 +91,50 @@ def stopped(runs) -> tuple[Path, int, subprocess.CompletedProcess, subprocess.Co
     again = trainguard(*_run_args(config, run_dir, "resumed_logs.jsonl", "--resume", "auto"), timeout=300)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     return run_dir, saved, stop, again
+
+
+def _start_and_wait(run_dir: Path, condition, what: str, *sets: str):
+    """``trainguard run`` of the example started (``--set`` items ``sets``), once ``condition()`` holds."""
+    args = [arg for item in sets for arg in ("--set", item)]
+    proc = warm_server().start(_run_args(_config_of(run_dir), run_dir, "logs.jsonl", *args), worker_env())
+    deadline = time.monotonic() + 300
+    while not condition():
+        assert proc.poll() is None and time.monotonic() < deadline, f"the run ended or stalled before {what}"
+        time.sleep(0.02)
+    return proc
+
+
+def _config_of(run_dir: Path) -> Path:
+    return run_dir.parent / "live.yaml"
+
+
+def _first_step_done(run_dir: Path) -> bool:
+    return events_path(run_dir).exists() and any(e["kind"] == "live_step" for e in _events(run_dir))
+
+
+@pytest.fixture(scope="module")
+def sigkilled(runs) -> tuple[Path, int, subprocess.CompletedProcess]:
+    """The whole job (launcher and ranks) SIGKILLed once the durable save of step 4 committed, then the
+    same command with ``--resume auto``: the run dir, the step it resumed from, the resumed command."""
+    run_dir = runs / "sigkilled"
+
+    def committed() -> list[int]:
+        return [info.step for info in list_checkpoints(run_dir / "checkpoints") if info.committed]
+
+    proc = _start_and_wait(run_dir, lambda: (run_dir / "checkpoints").is_dir() and 4 in committed(),
+                           "the save of step 4 committed")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    ranks = [e["pid"] for e in _events(run_dir) if e["kind"] == "live_start"]
+    deadline = time.monotonic() + 60
+    while any(Path(f"/proc/{pid}").exists() for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(final_path(run_dir, rank).exists() for rank in range(WORLD)), "the run ended before the kill"
+    newest = max(committed())
+    again = trainguard(*_run_args(_config_of(run_dir), run_dir, "resumed_logs.jsonl", "--resume", "auto"),
+                       timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    return run_dir, newest, again
 
 
 def _events(run_dir: Path) -> list[dict]:
@@ -235,3 +281,57 @@ def test_a_replacement_of_rank_0_logs_on_from_the_step_after_it_joined(runs):
     assert set(range(1, KILL_AT)) | set(range(joined["step"] + 1, STEPS + 1)) <= set(steps)
     assert joined["step"] not in steps
     assert _final_logs(run_dir, 0) == [entry for entry in clean if entry["step"] != joined["step"]]
+
+
+def test_the_whole_job_sigkilled_resumes_auto_and_ends_bitwise_the_fault_free_run(runs, sigkilled):
+    """As the closure mode's GuardedTrainer under the supervisor: SIGKILL to every process of the job (no
+    save at the kill), then ``--resume auto`` from the newest durable checkpoint: every rank's final state,
+    the Trainer's included, and the final durable checkpoint are bitwise the fault-free run's."""
+    run_dir, newest, again = sigkilled
+    assert 4 <= newest < STEPS
+    assert f"live run resumes from {run_dir / 'checkpoints' / f'global_step_{newest}'}" in again.stdout
+    assert _final_differences(runs / "clean", run_dir) == {}
+    final = Path("checkpoints") / f"global_step_{STEPS}"
+    assert assert_same_tensors(runs / "clean" / final, run_dir / final) > 0
+
+
+def test_the_kill_switch_stops_the_trainer_at_a_saved_step_with_exit_0(runs):
+    """``lifecycle.kill_switch_path`` created once a step committed: the quorum stops at its next boundary,
+    saved, and every rank's ``train()`` ends the process with exit 0 and the closure mode's line."""
+    run_dir, switch = runs / "switched", runs / "switch"
+    proc = _start_and_wait(run_dir, lambda: _first_step_done(run_dir), "its first step",
+                           f"lifecycle.kill_switch_path={switch}")
+    switch.touch()
+    done = finish_session(proc, 300, "the live run with the kill switch")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    stops = [e for e in _events(run_dir) if e["kind"] == "lifecycle_stop"]
+    assert {(e["reason"], e["exit_code"]) for e in stops} == {("kill_switch", 0)}
+    step = stops[0]["step"]
+    assert 1 <= step < STEPS and step in [info.step for info in list_checkpoints(run_dir / "checkpoints")
+                                          if info.committed]
+    assert f"stopping at step {step}: kill switch {switch} exists; exit 0 (checkpoint: step {step})" in done.stdout
+
+
+def test_the_time_limit_stops_the_trainer_at_a_saved_step_with_exit_16(runs):
+    """``lifecycle.exit_duration_in_mins`` too short for one more step: saved at the first boundary, exit 16."""
+    run_dir = runs / "time_limit"
+    args = ["--set", "lifecycle.exit_duration_in_mins=0.0001"]
+    done = trainguard(*_run_args(_config_of(run_dir), run_dir, "logs.jsonl", *args), timeout=300)
+    assert done.returncode == 16, done.stdout[-3000:] + done.stderr[-3000:]
+    [step] = {e["step"] for e in _events(run_dir) if e["kind"] == "lifecycle_stop" and e["reason"] == "exit_duration"}
+    assert [info.step for info in list_checkpoints(run_dir / "checkpoints") if info.committed] == [step]
+    assert "run again with --resume auto to continue" in done.stdout
+
+
+def test_a_max_steps_other_than_train_steps_is_one_line_naming_both_and_exit_2(runs):
+    """The Trainer's ``TrainingArguments(max_steps=12)`` where the live launcher runs ``train.steps`` = 8:
+    one line from rank 0 naming both, every rank exits 2 and none is replaced."""
+    run_dir = runs / "wrong_max_steps"
+    done = trainguard("run", "--nproc", str(WORLD), "--config", str(_config_of(run_dir)), "--run-dir", str(run_dir),
+                      "--", sys.executable, str(ROOT / "tests" / "helpers" / "hf_trainer_max_steps.py"),
+                      "--max-steps", "12", "--config", str(_config_of(run_dir)), timeout=300)
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
+    assert errors == [f"trainguard: error: [rank 0] GuardedTrainer: TrainingArguments(max_steps=12): the live launcher "
+                      f"runs {STEPS} steps (config key 'train.steps'); pass the same number (guard.total_steps)"], errors
+    assert len([e for e in _events(run_dir) if e["kind"] == "live_start"]) == WORLD  # no rank replaced

@@ -202,6 +202,10 @@ class CheckpointManager:
         for name, obj in self.stateful.items():
             if name in extra["stateful"]:
                 obj.load_state_dict(extra["stateful"][name])
+        absent = [name for name in self.stateful if name not in extra["stateful"]]
+        if absent and self.rank == 0:  # once per job: these objects go on from their own state, not the run's
+            log.warning("resuming from %s: it holds no state for %s (saved without them); they start from their "
+                        "initial state", path, ", ".join(repr(name) for name in absent))
         step = int(extra["step"])
         for tier in self._rank_tiers():
             tier.discard_newer(step)

@@ -107,6 +107,10 @@ class CheckpointedTrainerState:
         self.loaded = TrainerState(**json.loads(state["json"]))
 
 
+# the Trainer's total, as live mode's line names it when it is not the launcher's train.steps
+MAX_STEPS_NAMED = "GuardedTrainer: TrainingArguments(max_steps={})"
+
+
 class _StopWhenGuardSays(TrainerCallback):
     """After each step (the Trainer has counted it), asks the guard whether the run ends here: the
     schedule's end, the kill switch, SIGTERM/SIGUSR1 or the time limit (saved before it answers)."""
@@ -118,7 +122,7 @@ class _StopWhenGuardSays(TrainerCallback):
         micro_batches = self.trainer.micro_batches
         if micro_batches is not None:  # live: the step's M*b positions, not the loop's one empty batch
             state.epoch = micro_batches.epoch(state.global_step)
-        if self.trainer.guard.should_stop(state.global_step, state.max_steps):
+        if self.trainer.guard.should_stop(state.global_step, state.max_steps, total_named=MAX_STEPS_NAMED):
             control.should_training_stop = True
         return control
 
@@ -223,7 +227,7 @@ class GuardedTrainer(Trainer):
         if step:  # the Trainer's loop skips the steps before it (live: empty batches)
             resumed = None if live else self.guard.checkpoints.resumed_from
             self._resumed_from = resumed or str(self.run_dir / "checkpoints")
-        self._stopped_at_start = self.guard.should_stop(step, self.args.max_steps)
+        self._stopped_at_start = self.guard.should_stop(step, self.args.max_steps, total_named=MAX_STEPS_NAMED)
         self.optimizer = SteppedByGuard(self.optimizer)
         self.lr_scheduler = SteppedByGuard(self.lr_scheduler)
         return step

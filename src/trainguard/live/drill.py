@@ -17,7 +17,16 @@ The module faults ``bitflip`` and ``scale`` (``scale:rank=R,step=N,site=MODULE,w
 are rank R's own, as in the closure mode: a wrong value at a module in the first micro-batch rank R
 computes of step N, once in the run (``site_faults``; a transient miscompute, which SDC detection's rerun
 finds, ``live/sdc.py``); so is ``stateflip`` (a bit of a parameter or an Adam moment flipped at rest,
-before step N: replica fingerprints find it, ``live/fingerprint.py``).
+before step N: replica fingerprints find it, ``live/fingerprint.py``), and so is ``hang``
+(``hang:rank=R,step=N[,seconds=X]``: rank R stops, alive and silent, as it starts step N, for X seconds or
+for good, once in the run): the closure mode's supervisor finds it by its heartbeat and restarts the job;
+here the lighthouse finds it (the stall watch, then ``fault_tolerance.hang_s``), the survivors go on
+without its group, and the launcher kills and replaces it, as a SIGSTOPped rank.
+
+The checkpoint file faults ``corrupt``, ``truncate`` and ``delete`` (``corrupt:step=N,file=GLOB``) damage the
+durable checkpoint of step N once it is committed, as in the closure mode: the quorum's first member
+applies them (the checkpoint manager's commit hook), and a later resume (``--resume auto``) passes the
+damaged checkpoint over for the newest one that verifies.
 
 The launcher injects the kill, not the rank: every other kind (a closure-mode fault the live ranks do
 not run) and the keys that narrow a kill (``persistent``, ``node``) are refused, with one line naming
@@ -30,12 +39,14 @@ import dataclasses
 
 from trainguard.errors import ConfigError
 from trainguard.faults.injector import active_faults, check_fault_ranks
-from trainguard.faults.spec import FaultSpec
+from trainguard.faults.spec import FILE_KINDS, FaultSpec
 
 LIVE_FAULT_KIND = "kill"
 GRADIENT_FAULT_KINDS = ("spike", "nan")  # applied by every rank to a step's summed gradient
-# one rank's own: a module's value (its first micro-batch of the step), a state tensor at rest before the step
-SITE_FAULT_KINDS = ("bitflip", "scale", "stateflip")
+# one rank's own: a module's value (its first micro-batch of the step), a state tensor at rest before the step,
+# the rank itself stopped as it starts the step
+SITE_FAULT_KINDS = ("bitflip", "scale", "stateflip", "hang")
+CHECKPOINT_FAULT_KINDS = FILE_KINDS  # a committed durable checkpoint's files, by its quorum's first member
 SPARE_FAULT_KIND = "miscompute"  # the doctor's fault: acts in the spares' self-tests (``spare_check``)
 
 
@@ -45,7 +56,8 @@ def live_drill(faults: str | None, world: int, steps: int, spares: int | None = 
     spare; checked against ``spares`` when the caller knows them); a ``ConfigError`` naming the source
     and the entry otherwise."""
     source, specs = active_faults(faults)
-    kills = [spec for spec in specs if spec.kind not in (SPARE_FAULT_KIND, *GRADIENT_FAULT_KINDS, *SITE_FAULT_KINDS)]
+    kills = [spec for spec in specs
+             if spec.kind not in (SPARE_FAULT_KIND, *GRADIENT_FAULT_KINDS, *SITE_FAULT_KINDS, *CHECKPOINT_FAULT_KINDS)]
     for spec in site_faults(faults):
         if "node" in spec.params:
             raise ConfigError(f"{source}: fault {spec.text!r}: a live run's {spec.kind} names its rank; leave out node=")
@@ -71,8 +83,10 @@ def live_drill(faults: str | None, world: int, steps: int, spares: int | None = 
         if spec.kind != LIVE_FAULT_KIND:
             raise ConfigError(f"{source}: fault {spec.text!r}: a live run drills '{LIVE_FAULT_KIND}:rank=R,step=S' "
                               f"(the live launcher SIGKILLs the rank), '{SPARE_FAULT_KIND}' (in the spares' "
-                              f"self-test), {' and '.join(GRADIENT_FAULT_KINDS)} (on a step's summed gradient) and "
-                              f"{', '.join(SITE_FAULT_KINDS)} (a module's value or a state tensor, on one rank); "
+                              f"self-test), {' and '.join(GRADIENT_FAULT_KINDS)} (on a step's summed gradient), "
+                              f"{', '.join(SITE_FAULT_KINDS)} (a module's value, a state tensor or the rank itself, on "
+                              f"one rank) and {', '.join(CHECKPOINT_FAULT_KINDS)} (a committed durable checkpoint's "
+                              "files); "
                               f"{spec.kind!r} is a closure-mode fault")
         if spec.persistent or spec.params:
             raise ConfigError(f"{source}: fault {spec.text!r}: a live run's kill takes rank and step only (no "
@@ -99,6 +113,7 @@ def gradient_faults(faults: str | None) -> tuple[FaultSpec, ...]:
 
 
 def site_faults(faults: str | None) -> tuple[FaultSpec, ...]:
-    """The ``bitflip``, ``scale`` and ``stateflip`` entries of the faults in force (``faults``: the config key's
-    text)."""
-    return tuple(spec for spec in active_faults(faults)[1] if spec.kind in SITE_FAULT_KINDS)
+    """The ``bitflip``, ``scale``, ``stateflip`` and ``hang`` entries of the faults in force (``faults``: the config
+    key's text), and the checkpoint file faults (``corrupt``, ``truncate``, ``delete``): the rank's fault injector's."""
+    kinds = (*SITE_FAULT_KINDS, *CHECKPOINT_FAULT_KINDS)
+    return tuple(spec for spec in active_faults(faults)[1] if spec.kind in kinds)

@@ -82,8 +82,9 @@ class LiveCheckpoints:
                  model: torch.nn.Module, optimizer: torch.optim.Optimizer, group_size: int,
                  whole: Callable[[], AbstractContextManager[None]], state: LiveState, events: EventLog,
                  timeout: timedelta, beat: Callable[[], None], static_files: Callable[[Path], None] | None = None,
-                 *, world: int, ranks_per_node: int):
+                 *, world: int, ranks_per_node: int, after_commit: Callable[[int, Path], None] | None = None):
         self.config = config
+        self.after_commit = after_commit  # the drill's checkpoint file faults (the quorum's first member's commit)
         per_rank = dict(rank=rank, world=world, group_size=group_size, ranks_per_node=ranks_per_node, events=events)
         self.memory = LiveLocalTier(
             run_dir, tier="memory", template=(config.memory_dir or DEFAULT_MEMORY_DIR).replace("{run}", run_key(run_dir)),
@@ -123,7 +124,8 @@ class LiveCheckpoints:
         groups = len(quorum.members) // self.group_size
         self.manager = CheckpointManager(self.run_dir, self.model, self.optimizer, self.state.checkpointed(),
                                          config=self.config, events=self.events, static_files=self.static_files,
-                                         mesh_shape=[groups, self.group_size], mesh_dim_names=REPLICA_DIMS)
+                                         mesh_shape=[groups, self.group_size], mesh_dim_names=REPLICA_DIMS,
+                                         after_commit=self.after_commit)
         # the mirror (checkpoint.mirror.url): the quorum's first member uploads what it commits, with one
         # mirror across its epochs; a member that is first no more lets its queue finish in the background
         attach_mirror(self.manager, self.mirror)

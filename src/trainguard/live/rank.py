@@ -43,6 +43,7 @@ from trainguard.live.spare_check import check_spare
 from trainguard.live.step_failures import StepFailed
 from trainguard.live.worker import (DEFAULT_RULES, FENCED_EXIT, WAIT_S, CommittedStep, Fenced, LiveArgs, LiveRules,
                                     LiveWorker, MicroBatchLoss, SampleRange, micro_batch_grad)
+from trainguard.runtime.heartbeat import HeartbeatWriter
 from trainguard.runtime.lifecycle import Lifecycle
 from trainguard.run_secret import load_secret
 
@@ -75,6 +76,7 @@ class LiveRank:
         self.total_steps, self.micro_batches = self.args.steps, self.args.micro_batches
         self.exit_code = 0
         self.worker: LiveWorker | None = None  # made by ``start``
+        self.lifecycle: Lifecycle | None = None  # made by ``start``: the stops, and the heartbeat file
         self.remaining: Iterator[int] | None = None  # the worker's steps still to train (``LiveWorker.train``)
         self.committed_steps = 0  # the steps committed when ``start`` or ``step`` last returned
         self.ended = False  # this process trains no more (``exit_code`` says why)
@@ -106,11 +108,14 @@ class LiveRank:
         setup_logging(rank, args.run_dir / "logs")  # the guards' and the stops' lines, as in the closure mode
         # SIGTERM/SIGUSR1 to this rank (the whole job's, from Slurm) asks the quorum to stop, as the
         # launcher's does, and so do the kill switch and the time limit; a second signal, 2 s or more
-        # later, ends this process at once (exit 16)
-        lifecycle = Lifecycle(self.rules.lifecycle)
+        # later, ends this process at once (exit 16). ``lifecycle.heartbeats``: the rank's heartbeat file, as in
+        # the closure mode (``trainguard status`` and outside watchers read it; the quorum's own liveness is
+        # the store's counter, live/lighthouse.py)
+        heartbeat = HeartbeatWriter(args.run_dir, rank) if self.rules.lifecycle.heartbeats else None
+        self.lifecycle = Lifecycle(self.rules.lifecycle, heartbeat=heartbeat)
         self.worker = LiveWorker(store, args, rank, self.model, self.optimizer, None, None, self.scheduler,
-                                 seed=self.seed, checkpoint=self.checkpoint, lifecycle=lifecycle, rules=self.rules,
-                                 static_files=self.static_files, stateful=self.stateful, embedding=self.embedding)
+                                 seed=self.seed, checkpoint=self.checkpoint, lifecycle=self.lifecycle,
+                                 rules=self.rules, static_files=self.static_files, stateful=self.stateful, embedding=self.embedding)
         try:
             self.worker.begin(rejoin)
         except Fenced as fenced:
@@ -121,6 +126,7 @@ class LiveRank:
             return 0
         self.committed_steps = self.worker.step_index
         self.remaining = self.worker.train()
+        self.lifecycle.beat("train", self.committed_steps)
         return self.committed_steps
 
     def warm_up(self, loss_of: MicroBatchLoss | None) -> None:
@@ -151,6 +157,7 @@ class LiveRank:
         while (index := self.advance()) is not None:
             if index >= self.committed_steps:
                 self.committed_steps = index + 1
+                self.lifecycle.beat("step", self.committed_steps)
                 return self.worker.committed
         return None
 
@@ -184,6 +191,8 @@ class LiveRank:
 
     def fenced(self, fenced: Fenced) -> None:
         print(f"live recovery: {fenced}; exiting", file=sys.stderr)
+        if self.lifecycle is not None:  # the rank's heartbeat file is its replacement's now
+            self.lifecycle.heartbeat = None
         self.exit_code = FENCED_EXIT
         self.ended = True
 
@@ -230,6 +239,8 @@ class LiveRank:
         if self.remaining is not None and self.stopping:
             while self.advance() is not None:
                 pass
+        if self.lifecycle is not None:
+            self.lifecycle.beat("exit", self.committed_steps, self.exit_code)
         # Everything is written (events unbuffered, the final state fsynced). A normal exit would destroy
         # the retired groups, whose threads wait for their abandoned operation's timeout (collective.py).
         sys.stdout.flush()

@@ -159,7 +159,7 @@ class LiveRules:
     skip: SkipConfig = field(default_factory=SkipConfig)  # guards.skip: the data-skip rule
     max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS  # guards.max_consecutive_skips
     gradient_faults: tuple[FaultSpec, ...] = ()  # the drill's spike/nan entries (``live.drill.gradient_faults``)
-    # the drill's bitflip/scale/stateflip entries (``live.drill.site_faults``): one rank's own, once
+    # the drill's bitflip/scale/stateflip/hang entries (``live.drill.site_faults``): one rank's own, once
     site_faults: tuple[FaultSpec, ...] = ()
     sdc: SdcConfig = field(default_factory=SdcConfig)  # guards.sdc, its environment applied (live/sdc.py)
     fingerprint: FingerprintConfig = field(  # guards.fingerprint (live/fingerprint.py); the drill's workload: off
@@ -282,7 +282,7 @@ class LiveWorker:
         self.checkpoints = None if checkpoint is None else LiveCheckpoints(
             store, args.run_dir, checkpoint, rank, model, optimizer, self.group_size, self.whole_state, self.state,
             self.events, self.collective_timeout, self.beat, static_files, world=args.world,
-            ranks_per_node=rules.ranks_per_node or args.world)
+            ranks_per_node=rules.ranks_per_node or args.world, after_commit=self.site_faults.after_commit)
         self.lifecycle = lifecycle  # this rank's stop reasons (its signals, the kill switch, the time limit)
         self.stop: LiveStop | None = None  # the quorum agreed to stop, and saved: no more steps
         self.step_failures = StepFailures(rules.max_step_failures)  # the current step's failed attempts in a row

@@ -224,11 +224,14 @@ class Guard:
         return self.global_step
 
     # ----------------------------------------------------------------------------- should_stop
-    def should_stop(self, step: int, total_steps: int) -> bool:
+    def should_stop(self, step: int, total_steps: int, *, total_named: str = "should_stop(step, total_steps={})"
+                    ) -> bool:
         """True when the loop must end: ``total_steps`` (or ``train.exit_at_step``) reached, the kill
-        switch, SIGTERM/SIGUSR1, or the time limit near. A stop saves the current step first."""
+        switch, SIGTERM/SIGUSR1, or the time limit near. A stop saves the current step first.
+        ``total_named``: where the caller's total comes from, for live mode's line when it is not the
+        launcher's ``train.steps`` (an adapter names its own argument)."""
         if self._live is not None:
-            return self._live_should_stop(step, total_steps)
+            return self._live_should_stop(step, total_steps, total_named)
         if self._exit_code is not None:
             return True
         if step != self.global_step:
@@ -354,13 +357,13 @@ class Guard:
                 self.rank = self._live.worker.rank
         return self._live
 
-    def _live_should_stop(self, step: int, total_steps: int) -> bool:
+    def _live_should_stop(self, step: int, total_steps: int, total_named: str) -> bool:
         live = self._started_live()
         if live.ended:
             return True
         if total_steps != live.total_steps:  # one line, exit 2, as the closure mode's config errors
             live.end_with_config_error(ConfigError(
-                f"should_stop(step, total_steps={total_steps}): the live launcher runs {live.total_steps} steps "
+                f"{total_named.format(total_steps)}: the live launcher runs {live.total_steps} steps "
                 "(config key 'train.steps'); pass the same number (guard.total_steps)"))
         if step != live.committed_steps:
             raise ValueError(f"should_stop(step={step}): the guard is at step {live.committed_steps} "

@@ -12,8 +12,8 @@ URL to resume from is refused), data skip and the skip streak (``live/step_guard
 ``guards.max_consecutive_skips``), SDC detection with its rerun (``live/sdc.py``: ``guards.sdc.*``), replica
 fingerprints (``live/fingerprint.py``: ``guards.fingerprint.*``), checkpoint health and the embedding
 monitor (``LiveWorker.health``: ``guards.health.*``, ``guards.monitor``), the kill switch, the time limit and ``train.exit_at_step``
-(``LiveWorker.stop_here``), and writes ``hf_config`` (and the tokenizer) into every durable checkpoint.
-What ``Guard`` does besides (the other guards, heartbeat files, the closure mode's other fault drills, a
+(``LiveWorker.stop_here``), the heartbeat files (``lifecycle.heartbeats``), and writes ``hf_config`` (and the
+tokenizer) into every durable checkpoint. What ``Guard`` does besides (the other guards, the closure mode's other fault drills, a
 mesh) is not done in live mode, so asking for it there is refused, never ignored. The
 faults in force may only be the live drill (``trainguard.live.drill``: the launcher's kill, the
 ranks' gradient faults), which the rank checks.
@@ -46,13 +46,14 @@ CLOSURE_MODE_SECTIONS = ("checkpoint", "guards", "lifecycle")
 # the keys of those sections that live mode runs too (patterns): the durable tier's (``live.durable``), the
 # skip decisions' (``live.step_guards``), SDC detection's (``live.sdc``), the replica fingerprints'
 # (``live.fingerprint``), checkpoint health's and the embedding monitor's (``LiveWorker.health``), the kill
-# switch's and the time limit's (``LiveWorker.stop_here``)
+# switch's and the time limit's (``LiveWorker.stop_here``), the heartbeat files' (``LiveRank.start``)
 LIVE_SECTION_KEYS = ("checkpoint.save_interval", "checkpoint.keep_last", "checkpoint.keep_every",
                      "checkpoint.resume", "checkpoint.async_save", "checkpoint.writer",
                      "checkpoint.local_*", "checkpoint.memory_*", "checkpoint.mirror.*", "guards.skip.*",
                      "guards.max_consecutive_skips", "guards.sdc.*", "guards.fingerprint.*", "guards.health.*",
                      "guards.monitor",
-                     "lifecycle.kill_switch_path", "lifecycle.exit_duration_in_mins", "lifecycle.exit_margin_seconds")
+                     "lifecycle.kill_switch_path", "lifecycle.exit_duration_in_mins", "lifecycle.exit_margin_seconds",
+                     "lifecycle.heartbeats")
 # keys outside those sections that the closure mode honours and live mode does not: why, for the refusal
 CLOSURE_MODE_KEYS = {
     "train.log_interval": "live mode writes no step log lines, only its events",

@@ -37,8 +37,8 @@ def run_argv(run_dir: Path, *options: str) -> list[str]:
      f"{CONFIG}: config key 'parallel.dp_replicate' must be ≥ 2 for a live run"),
     (("--nproc", "4", "--config", str(CONFIG), "--set", "guards.local_norm=true"),
      f"{CONFIG}: config key 'guards.local_norm' is not used with fault_tolerance.live: true"),
-    (("--nproc", "4", "--config", str(CONFIG), "--set", "faults=hang:rank=1,step=3"),
-     "config key 'faults': fault 'hang:rank=1,step=3': a live run drills 'kill:rank=R,step=S' (the live launcher"),
+    (("--nproc", "4", "--config", str(CONFIG), "--set", "faults=wipe:node=0,step=3"),
+     "config key 'faults': fault 'wipe:node=0,step=3': a live run drills 'kill:rank=R,step=S' (the live launcher"),
     # --launcher hosts: where the ranks run, taken; what it needs, checked before anything starts
     (("--nproc", "4", "--config", str(CONFIG), "--launcher", "hosts", "--hosts", "n1=127.0.0.1"),
      "--launcher hosts needs --hosts NAME=ADDRESS,... and --node-command TEMPLATE"),

@@ -38,10 +38,14 @@ def test_a_nodes_ranks_are_killed_together_and_the_environment_wins(monkeypatch)
 
 
 @pytest.mark.parametrize("faults, message", [
-    ("hang:rank=1,step=3", "fault 'hang:rank=1,step=3': a live run drills 'kill:rank=R,step=S' (the live "
-                           "launcher SIGKILLs the rank), 'miscompute' (in the spares' self-test), spike and nan "
-                           "(on a step's summed gradient) and bitflip, scale, stateflip (a module's value or a state "
-                           "tensor, on one rank); 'hang' is a closure-mode fault"),
+    ("wipe:node=0,step=3", "fault 'wipe:node=0,step=3': a live run drills 'kill:rank=R,step=S' (the live launcher "
+                           "SIGKILLs the rank), 'miscompute' (in the spares' self-test), spike and nan (on a step's "
+                           "summed gradient), bitflip, scale, stateflip, hang (a module's value, a state tensor or the "
+                           "rank itself, on one rank) and corrupt, truncate, delete (a committed durable checkpoint's "
+                           "files); 'wipe' is a closure-mode fault"),
+    ("corrupt:step=21,file=*.distcp", "step must be between 1 and train.steps = 20"),
+    ("hang:rank=4,step=3", "rank 4 is outside the world size 4"),
+    ("hang:rank=1,step=3,node=node0", "a live run's hang names its rank; leave out node="),
     ("scale:rank=4,step=3,site=0,where=grad_input,factor=2", "rank 4 is outside the world size 4"),
     ("bitflip:rank=1,step=21,site=0,where=output", "step must be between 1 and train.steps = 20"),
     ("scale:rank=1,step=3,site=0,where=output,factor=2,node=node0", "a live run's scale names its rank; leave "
@@ -83,8 +87,8 @@ def test_a_rank_in_live_mode_leaves_the_kill_to_the_launcher_and_refuses_any_oth
             "--micro-batches", "8"]
     config = load_config(None, ["fault_tolerance.live=true", "faults=kill:rank=3,step=5"])
     assert trainguard.Guard(tmp_path, model, optimizer, config=config, live_argv=argv).micro_batches == 8
-    monkeypatch.setenv(ENV_VAR, "hang:rank=1,step=3")
-    with pytest.raises(ConfigError, match=rf"^{ENV_VAR}: fault 'hang:rank=1,step=3': a live run drills 'kill:rank=R"):
+    monkeypatch.setenv(ENV_VAR, "wipe:node=0,step=3")
+    with pytest.raises(ConfigError, match=rf"^{ENV_VAR}: fault 'wipe:node=0,step=3': a live run drills 'kill:rank=R"):
         trainguard.Guard(tmp_path, model, optimizer, config=config, live_argv=argv)
     monkeypatch.setenv(ENV_VAR, "spike:step=3")  # a gradient fault: the rank's own (tests/integration/test_live_guards.py)
     spiked = trainguard.Guard(tmp_path, model, optimizer, config=config, live_argv=argv)
@@ -105,7 +109,10 @@ def test_gradient_faults_are_the_ranks_not_the_launchers():
 def test_module_faults_are_one_ranks_own_and_reach_no_launcher_field():
     """``bitflip`` and ``scale`` pass the drill's check and reach no launcher field: the rank they name applies
     them at its module, once (``LiveWorker.compute``; tests/integration/test_live_sdc.py)."""
-    faults = "scale:rank=1,step=4,site=2,where=grad_input,factor=1e9; bitflip:rank=2,step=5,site=0,where=output"
+    faults = ("scale:rank=1,step=4,site=2,where=grad_input,factor=1e9; bitflip:rank=2,step=5,site=0,where=output; "
+              "hang:rank=3,step=6; corrupt:step=7,file=*.distcp")  # a hang and a checkpoint's damage too: the
+    # rank's injector's (the rank stops itself; the quorum's first member damages the commit; test_live_guards.py)
     assert live_drill(faults, world=4, steps=20) == {}
-    assert [(spec.kind, spec.rank, spec.step) for spec in site_faults(faults)] == [("scale", 1, 4), ("bitflip", 2, 5)]
+    assert [(spec.kind, spec.rank, spec.step) for spec in site_faults(faults)] == [
+        ("scale", 1, 4), ("bitflip", 2, 5), ("hang", 3, 6), ("corrupt", None, 7)]
     assert site_faults("spike:step=3; kill:rank=1,step=4") == ()

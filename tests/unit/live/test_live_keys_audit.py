@@ -60,6 +60,8 @@ RANK = {"train.seed": 43, "optim.grad_clip": 0.5,
         "guards.skip.replay_steps": [2], "guards.max_consecutive_skips": 7, "train.exit_at_step": 2,
         "lifecycle.kill_switch_path": "/nonexistent/switch", "lifecycle.exit_duration_in_mins": 60.0,
         "lifecycle.exit_margin_seconds": 30.0,
+        # the heartbeat files (``LiveRank.start``; tests/integration/test_live_guards.py)
+        "lifecycle.heartbeats": False,
         # SDC detection with its rerun (``live.sdc``; tests/integration/test_live_sdc.py)
         "guards.sdc.enabled_level": 2, "guards.sdc.rule": "v3", "guards.sdc.upper": [100000, 1000],
         "guards.sdc.sigma": [50000, 1000], "guards.sdc.rerun": False, "guards.sdc.strikes": 2,
@@ -138,7 +140,7 @@ def test_every_key_is_classified():
     assert HONOURED <= keys, sorted(HONOURED - keys)
     assert len(keys) == len(HONOURED) + len(REFUSED)
     assert {"optim.grad_clip", "train.seed"} <= HONOURED
-    assert {"train.log_interval", "lifecycle.heartbeats"} <= set(REFUSED)
+    assert {"train.log_interval", "guards.local_norm"} <= set(REFUSED)
 
 
 def _trainer_args() -> argparse.Namespace:

@@ -118,7 +118,6 @@ def test_live_mode_refuses_the_arguments_it_cannot_honour(tmp_path, arguments, n
 
 @pytest.mark.parametrize("item, key", [
     ("guards.local_norm=true", "guards.local_norm"),
-    ("lifecycle.heartbeats=false", "lifecycle.heartbeats"),
 ])
 def test_live_mode_refuses_a_key_of_the_closure_mode_naming_it(tmp_path, item, key):
     model, optimizer = model_and_optimizer()
@@ -185,8 +184,8 @@ def test_live_mode_takes_hf_config_for_its_durable_checkpoints_and_the_alias_is_
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--set", "lifecycle.heartbeats=false"], "--set: config key 'lifecycle.heartbeats' is not used with "
-                                              "fault_tolerance.live"),
+    (["--set", "guards.local_norm=true"], "--set: config key 'guards.local_norm' is not used with "
+                                           "fault_tolerance.live"),
     (["--resume", "s3://bucket/run"], "--set: config key 'checkpoint.resume' is a mirror URL (s3://bucket/run), which "
                                       "live mode does not restore from"),
     (["--max-restarts", "1"], "--max-restarts: a supervisor option; with fault_tolerance.live: true the live launcher"),

@@ -5,7 +5,10 @@
 - ``rollback``: the alternative to skipping (``check_for_global_norm``): the same spike rule decides a
   rollback to an earlier checkpoint with a window of batches skipped, widened when the spike recurs;
 - ``health``: checkpoint health from the embedding local norm, recorded in ``health_ckpts.json``;
-- ``calibrate``: thresholds recommended from a clean run's step events.
+- ``calibrate``: thresholds recommended from a clean run's step events;
+- ``step_verdict``: the typed verdict a step's guard answers (``StepVerdict``) and the precedence that
+  turns them into the step's one decision (``decide``), here below both step engines so the closure mode's
+  skeleton and live mode can share them.
 
 All decisions are pure functions of values the trainer has already all-reduced, so every rank takes
 the same one.

@@ -89,7 +89,7 @@ class StepPlugins:
 
 
 def build_step_plugins(parts: GuardParts) -> StepPlugins:
-    """The plugins of the guards ``parts`` holds. The order is the precedence (``step/verdict.decide``):
+    """The plugins of the guards ``parts`` holds. The order is the precedence (``guards/step_verdict.decide``):
     the state and SDC checks come first, so that the data skip judges the rerun's scalars; the data skip
     and rollback mode (never both: the config refuses it) before the non-finite norm, which they judge a
     spike themselves; the streak last, counting whatever skipped the step."""

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from trainguard.errors import TrainguardError
 from trainguard.step.slots import Reduced, Slot
-from trainguard.step.verdict import StepVerdict
+from trainguard.guards.step_verdict import StepVerdict
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@
 2. zero the gradients and run the backward (this rank's micro-batches, or the loop's closure);
 3. one all-reduce of constant size: the global norm, the loss and every plugin's indicators
    (``step/slots.py``);
-4. ask the plugins for their ``StepVerdict`` (``step/verdict.decide``): first whether the computation
+4. ask the plugins for their ``StepVerdict`` (``guards/step_verdict.decide``): first whether the computation
    can be trusted (state at rest, SDC: a RERUN runs the backward again and reduces again), then whether
    the update is applied (data skip, rollback mode, a non-finite norm, the skip streak);
 5. act on the decision: ABORT ends the run (a faulty device: saved, ``faulty_ranks.json``, exit 17;
@@ -33,7 +33,7 @@ from trainguard.step.report import StepReport
 from trainguard.step.saving import StepSaves
 from trainguard.step.slots import Reduced, Slot, local_slots, reduce_step
 from trainguard.step.snapshot import StepSnapshot
-from trainguard.step.verdict import ENDS_THE_STEP, Decision, StepVerdict, decide
+from trainguard.guards.step_verdict import ENDS_THE_STEP, Decision, StepVerdict, decide
 
 
 @dataclass(frozen=True)

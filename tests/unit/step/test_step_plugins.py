@@ -28,7 +28,7 @@ from trainguard.step.plugins.spike_rollback import SpikeRollback
 from trainguard.step.plugins.state import StatePlugin, state_verdict
 from trainguard.step.sdc import RerunVerdict, SdcGuard
 from trainguard.step.slots import Reduced, Slot
-from trainguard.step.verdict import StepVerdict
+from trainguard.guards.step_verdict import StepVerdict
 from trainguard.trainer.data import StatefulSampler
 
 APPLY, SKIP, RERUN, ROLLBACK, ABORT = (StepVerdict.APPLY, StepVerdict.SKIP, StepVerdict.RERUN, StepVerdict.ROLLBACK,

@@ -1,11 +1,11 @@
-"""The precedence of the step's guard verdicts (``step/verdict.decide``): which plugins are asked, in which
+"""The precedence of the step's guard verdicts (``guards/step_verdict.decide``): which plugins are asked, in which
 order, and which verdict the step acts on, as pure logic on scripted plugins."""
 
 from __future__ import annotations
 
 import pytest
 
-from trainguard.step.verdict import Decision, StepVerdict, decide
+from trainguard.guards.step_verdict import Decision, StepVerdict, decide
 
 APPLY, SKIP, RERUN, ROLLBACK, ABORT = (StepVerdict.APPLY, StepVerdict.SKIP, StepVerdict.RERUN, StepVerdict.ROLLBACK,
                                        StepVerdict.ABORT)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from trainguard.guards.skip import DataSkipAbort
 from trainguard.guards.step_skips import StepSkips
 from trainguard.step.plugin import GuardPlugin, StepCheck
-from trainguard.step.verdict import StepVerdict
+from trainguard.guards.step_verdict import StepVerdict
 
 
 class DataSkip(GuardPlugin):

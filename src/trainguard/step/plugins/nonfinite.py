@@ -7,7 +7,7 @@ import math
 
 from trainguard.guards.step_skips import StepSkips
 from trainguard.step.plugin import GuardPlugin, StepCheck
-from trainguard.step.verdict import StepVerdict
+from trainguard.guards.step_verdict import StepVerdict
 
 
 class NonFiniteSkip(GuardPlugin):

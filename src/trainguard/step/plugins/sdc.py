@@ -20,7 +20,7 @@ from trainguard.events import EventLog
 from trainguard.step.plugin import Exclusion, GuardPlugin, StepCheck
 from trainguard.step.sdc import RerunVerdict, SdcGuard
 from trainguard.step.slots import Reduced, Slot
-from trainguard.step.verdict import StepVerdict
+from trainguard.guards.step_verdict import StepVerdict
 
 # the slot each rank raises for its verdict after a rerun
 VERDICT_SLOTS = {RerunVerdict.TRANSIENT: Slot.SDC_TRANSIENT, RerunVerdict.REPRODUCIBLE: Slot.SDC_REPRODUCIBLE,

@@ -10,7 +10,7 @@ from trainguard.events import EventLog
 from trainguard.guards.rollback import RollbackAbort, RollbackGuard, Spike
 from trainguard.step.plugin import GuardPlugin, Restored, StepCheck
 from trainguard.step.rollback import SkippableData, roll_back
-from trainguard.step.verdict import StepVerdict
+from trainguard.guards.step_verdict import StepVerdict
 
 
 class SpikeRollback(GuardPlugin):

@@ -18,7 +18,7 @@ from trainguard.events import EventLog
 from trainguard.guards.state_guard import StateGuard
 from trainguard.step.plugin import Exclusion, GuardPlugin, Restored, StepCheck
 from trainguard.step.slots import Slot
-from trainguard.step.verdict import StepVerdict
+from trainguard.guards.step_verdict import StepVerdict
 
 
 class StatePlugin(GuardPlugin):

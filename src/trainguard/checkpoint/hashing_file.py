@@ -337,12 +337,12 @@ def save_tensor(tensor: torch.Tensor, stream: HashingFile) -> None:
     writer.write_end_of_file()
 
 
-def write_records(path: Path, records: list[Any]) -> tuple[list[tuple[int, int]], int, str]:
+def write_records(path: Path, records: list[Any], *, direct: bool = True) -> tuple[list[tuple[int, int]], int, str]:
     """Writes a new file of ``records`` one after the other (bytes as they are; a tensor as
     ``save_tensor`` writes it) and fsyncs it; returns each record's ``(offset, length)``, the file's
     size and its checksum. The writer of a DCP shard and of an extra-state file, in the training
-    process or in a writer process (``checkpoint.writer_process``)."""
-    stream = HashingFile(path)
+    process or in a writer process (``checkpoint.writer_process``). ``direct``: as ``HashingFile``'s."""
+    stream = HashingFile(path, direct=direct)
     spans = []
     try:
         for record in records:

@@ -66,7 +66,8 @@ class HashingFile:
         start (and cut to the bytes written at ``close_durably``): a recycled file, whose pages are
         not allocated again (the memory tier's spares, ``checkpoint.local.writer.remove_rank_step``).
         ``direct=False``: through the page cache even on a disk (a writer holding many files open at
-        once, each of which would pin its own aligned buffer)."""
+        once, each of which would pin its own aligned buffers; a synchronous save, whose loop waits for
+        the whole write, which the page cache's writeback and one fsync end sooner)."""
         self.path = Path(path)
         create = 0 if overwrite else os.O_CREAT | os.O_EXCL
         self._fd = os.open(self.path, os.O_WRONLY | create | getattr(os, "O_CLOEXEC", 0), 0o644)

@@ -41,10 +41,12 @@ class ChecksummingFileSystemWriter(FileSystemWriter):
     Planning and the ``.metadata`` file are DCP's own (``finish`` is inherited).
     """
 
-    def __init__(self, path: str | os.PathLike, files: Writer = IN_PROCESS):
-        """``files`` runs the writing (``write_records``): here (the default), or in a writer process."""
+    def __init__(self, path: str | os.PathLike, files: Writer = IN_PROCESS, *, direct: bool = True):
+        """``files`` runs the writing (``write_records``): here (the default), or in a writer process;
+        ``direct``: whether the shard bypasses the page cache (``HashingFile``)."""
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
         self.files = files
+        self.direct = direct
         self.written: dict[str, FileEntry] = {}
 
     def write_data(self, plan, planner):
@@ -60,7 +62,7 @@ class ChecksummingFileSystemWriter(FileSystemWriter):
             else:
                 tensor = data.detach()
                 records.append(tensor.cpu() if tensor.device.type != "cpu" else tensor)
-        spans, size, checksum = self.files.run(write_records, Path(self.path) / name, records)
+        spans, size, checksum = self.files.run(write_records, Path(self.path) / name, records, direct=self.direct)
         results = [WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length))
                    for item, (offset, length) in zip(items, spans)]
         self.written[name] = FileEntry(name, size, checksum)
@@ -114,10 +116,11 @@ class SaveJob:
 
 
 def write_rank_files(
-    state: dict[str, Any], job: SaveJob, process_group: dist.ProcessGroup | None, files: Writer = IN_PROCESS
+    state: dict[str, Any], job: SaveJob, process_group: dist.ProcessGroup | None, files: Writer = IN_PROCESS,
+    *, direct: bool = True,
 ) -> tuple[dict[str, FileEntry], BaseException | None]:
     """Writes this rank's files through ``files`` (here, or in a writer process); returns their
-    manifest entries and a local failure, if any.
+    manifest entries and a local failure, if any. ``direct``: whether they bypass the page cache.
 
     The extra state is written after DCP's save: an fsync while the big shards are being written
     back waits for the file system journal, and so for them. DCP itself raises on every rank alike
@@ -125,12 +128,12 @@ def write_rank_files(
     paused during DCP's save (``collection_pause``): its planning would otherwise set off full
     collections that stall the training thread.
     """
-    writer = ChecksummingFileSystemWriter(job.tmp, files)
+    writer = ChecksummingFileSystemWriter(job.tmp, files, direct=direct)
     with collections_paused():
         dcp.save(state, storage_writer=writer, planner=SerializeOnceSavePlanner(), process_group=process_group)
     entries = dict(writer.written)
     try:
-        _, size, checksum = files.run(write_records, job.extra_path, [job.extra_state])
+        _, size, checksum = files.run(write_records, job.extra_path, [job.extra_state], direct=direct)
     except Exception as exc:
         return entries, exc
     entries[job.extra_path.name] = FileEntry(job.extra_path.name, size, checksum)

@@ -13,7 +13,7 @@ import inspect
 import mmap
 import os
 import pickle
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,9 @@ _WRITEBACK_CHUNK = 16 << 20
 # shard) are gathered into one buffer and written together, one system call per _COALESCE bytes.
 _SMALL_WRITE = 64 << 10
 _COALESCE = 1 << 20
-# Direct writes (O_DIRECT) go through an aligned buffer of this size, in whole blocks of _BLOCK bytes.
+# Direct writes (O_DIRECT) go through two aligned buffers of this size, in whole blocks of _BLOCK bytes:
+# while the disk takes one (a direct write returns only once the bytes are on the device), the other is
+# filled and hashed.
 _DIRECT_BUFFER = 8 << 20
 _BLOCK = 4096
 
@@ -51,8 +53,11 @@ class HashingFile:
     a checkpoint is written once and not read back by the process writing it, and copying it into
     the page cache costs the writing process several times the copy into the buffer (and the
     kernel's writeback and page reclaim cost the machine's cores more), CPU taken from training on
-    a machine whose cores the ranks keep busy (``benchmarks/nostall.py --only profile``). The last,
-    partial block is padded for the write and cut off again before the fsync. Files in node memory
+    a machine whose cores the ranks keep busy (``benchmarks/nostall.py --only profile``). A direct
+    write lasts as long as the device takes to store it, so each full buffer is written by a writer
+    thread while the caller fills the second buffer (``benchmarks/hf_trainer_save.py``: the save's
+    serialisation and its disk writes overlap instead of taking turns). The last, partial block is
+    padded for the write and cut off again before the fsync. Files in node memory
     (tmpfs: their pages are the file) and file systems that refuse ``O_DIRECT`` are written through
     the page cache. The bytes, and so the checksum, are the same either way."""
 
@@ -61,7 +66,8 @@ class HashingFile:
         start (and cut to the bytes written at ``close_durably``): a recycled file, whose pages are
         not allocated again (the memory tier's spares, ``checkpoint.local.writer.remove_rank_step``).
         ``direct=False``: through the page cache even on a disk (a writer holding many files open at
-        once, each of which would pin its own aligned buffer)."""
+        once, each of which would pin its own aligned buffers; a synchronous save, whose loop waits for
+        the whole write, which the page cache's writeback and one fsync end sooner)."""
         self.path = Path(path)
         create = 0 if overwrite else os.O_CREAT | os.O_EXCL
         self._fd = os.open(self.path, os.O_WRONLY | create | getattr(os, "O_CLOEXEC", 0), 0o644)
@@ -71,10 +77,15 @@ class HashingFile:
         self._pending = bytearray()  # small writes not yet handed to the kernel (already hashed)
         self._hasher: ThreadPoolExecutor | None = None
         self._aligned: mmap.mmap | None = self._direct_buffer() if direct else None
-        """The aligned buffer of direct writes (None: through the page cache); ``_filled`` bytes of it
-        are pending, and the file holds ``_on_disk`` bytes."""
+        """The aligned buffer of direct writes being filled (None: through the page cache); ``_filled``
+        bytes of it are pending, and the file holds ``_on_disk`` bytes."""
         self._filled = 0
         self._on_disk = 0  # bytes the direct writes put in the file
+        self._spare: mmap.mmap | None = None  # the second aligned buffer, made at the first full one
+        self._disk_writer: ThreadPoolExecutor | None = None
+        self._writing: Future[None] | None = None
+        """The direct write of a full buffer in flight (the writer thread's), and the buffer it writes."""
+        self._writing_buffer: mmap.mmap | None = None
         self._cut = overwrite  # whether close_durably cuts the file to the bytes written
 
     @property
@@ -134,7 +145,8 @@ class HashingFile:
             view = view[os.write(self._fd, view) :]
 
     def _stage(self, view: memoryview) -> None:
-        """Copies ``view`` into the aligned buffer, writing the buffer out each time it is full."""
+        """Copies ``view`` into the aligned buffer, handing the buffer to the writer thread each time it
+        is full."""
         assert self._aligned is not None
         while view:
             count = min(len(view), _DIRECT_BUFFER - self._filled)
@@ -142,16 +154,56 @@ class HashingFile:
             self._filled += count
             view = view[count:]
             if self._filled == _DIRECT_BUFFER:
-                self._write_aligned(_DIRECT_BUFFER)
+                self._write_full_buffer()
                 if self._aligned is None:  # the file system refused the direct write: the rest as usual
                     self._write_out(view)
                     return
 
+    def _write_full_buffer(self) -> None:
+        """Starts the direct write of the full aligned buffer on the writer thread (once the write before
+        it is done) and goes on filling the other buffer."""
+        self._finish_writing()
+        if self._aligned is None:  # the write before it was refused: this buffer went through the page cache
+            return
+        if self._disk_writer is None:
+            self._disk_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainguard-direct-write")
+            self._spare = mmap.mmap(-1, _DIRECT_BUFFER)
+        full = self._aligned
+        self._writing_buffer = full
+        self._writing = self._disk_writer.submit(self._write_buffer, full)
+        self._aligned, self._spare = self._spare, full
+        self._filled = 0
+
+    def _write_buffer(self, buffer: mmap.mmap) -> None:
+        with memoryview(buffer) as whole:
+            self._write_out(whole)
+
+    def _finish_writing(self) -> None:
+        """Waits for the direct write in flight. A file system that refused it (EINVAL) gets its bytes,
+        the pending ones and the rest of the file through the page cache."""
+        writing, self._writing = self._writing, None
+        if writing is None:
+            return
+        try:
+            writing.result()
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            refused = self._writing_buffer
+            assert refused is not None and self._aligned is not None
+            self._disable_direct()
+            with memoryview(refused) as view:
+                self._write_out(view)
+            self._on_disk += _DIRECT_BUFFER
+            self._leave_direct()
+            return
+        self._on_disk += _DIRECT_BUFFER
+
     def _write_aligned(self, count: int) -> None:
         """Writes the buffer's first ``count`` bytes (whole blocks) directly; keeps the rest pending.
         A file system that takes ``O_DIRECT`` at open but refuses the write gets the bytes through
-        the page cache, and the rest of the file too."""
-        assert self._aligned is not None
+        the page cache, and the rest of the file too. Called with no write in flight."""
+        assert self._aligned is not None and self._writing is None
         with memoryview(self._aligned) as aligned:
             try:
                 self._write_out(aligned[:count])
@@ -169,12 +221,19 @@ class HashingFile:
             return
         self._filled = rest
 
+    def _disable_direct(self) -> None:
+        """Turns ``O_DIRECT`` off and puts the file offset after what the direct writes put there."""
+        fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~_O_DIRECT)
+        os.lseek(self._fd, self._on_disk, os.SEEK_SET)
+
     def _leave_direct(self) -> None:
         """Writes what the aligned buffer holds through the page cache, and everything after it."""
         assert self._aligned is not None
-        fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~_O_DIRECT)
+        self._finish_writing()
+        if self._aligned is None:  # the write in flight was refused: already left
+            return
+        self._disable_direct()
         aligned, self._aligned = self._aligned, None
-        os.lseek(self._fd, self._on_disk, os.SEEK_SET)  # after what the direct writes put there
         with memoryview(aligned) as view:
             self._write_out(view[: self._filled])
         self._filled = 0
@@ -199,6 +258,7 @@ class HashingFile:
     def flush(self) -> None:
         """Hands the kernel what can be written now (direct writes: the whole blocks pending)."""
         self._flush_pending()
+        self._finish_writing()
         if self._aligned is not None and self._filled >= _BLOCK:
             self._write_aligned(self._filled - self._filled % _BLOCK)
 
@@ -211,6 +271,7 @@ class HashingFile:
 
     def close_durably(self) -> tuple[int, str]:
         self._flush_pending()
+        self._finish_writing()
         if self._aligned is not None and self._filled:
             # the last block, padded to a whole one for the direct write; the padding is cut off below
             padded = -(-self._filled // _BLOCK) * _BLOCK
@@ -225,6 +286,16 @@ class HashingFile:
         return self._position, checksum_of(self._digest)
 
     def close(self) -> None:
+        if self._writing is not None:  # a failed save: its write is waited for, its error already raised or moot
+            self._writing.exception()
+            self._writing = None
+        if self._disk_writer is not None:
+            self._disk_writer.shutdown()
+            self._disk_writer = None
+        for buffer in (self._spare, self._writing_buffer):
+            if buffer is not None and not buffer.closed:
+                buffer.close()
+        self._spare = self._writing_buffer = None
         if self._hasher is not None:
             self._hasher.shutdown()
             self._hasher = None
@@ -267,12 +338,12 @@ def save_tensor(tensor: torch.Tensor, stream: HashingFile) -> None:
     writer.write_end_of_file()
 
 
-def write_records(path: Path, records: list[Any]) -> tuple[list[tuple[int, int]], int, str]:
+def write_records(path: Path, records: list[Any], *, direct: bool = True) -> tuple[list[tuple[int, int]], int, str]:
     """Writes a new file of ``records`` one after the other (bytes as they are; a tensor as
     ``save_tensor`` writes it) and fsyncs it; returns each record's ``(offset, length)``, the file's
     size and its checksum. The writer of a DCP shard and of an extra-state file, in the training
-    process or in a writer process (``checkpoint.writer_process``)."""
-    stream = HashingFile(path)
+    process or in a writer process (``checkpoint.writer_process``). ``direct``: as ``HashingFile``'s."""
+    stream = HashingFile(path, direct=direct)
     spans = []
     try:
         for record in records:

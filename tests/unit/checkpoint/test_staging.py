@@ -211,10 +211,47 @@ def test_a_direct_write_the_file_system_refuses_goes_through_the_page_cache_with
         chunks = [rng.randbytes(size) for size in sizes]
         for chunk in chunks:
             stream.write(chunk)
-        assert stream.direct == (sum(sizes) < 8 << 20)  # left direct writes at its first full buffer
+        # flush waits for a full buffer's write in flight (refused on the writer thread) or makes its own
+        stream.flush()
+        assert stream.direct == (sum(sizes) < 4096)  # left direct writes at its first refused write
         size, checksum = stream.close_durably()
         assert path.read_bytes() == b"".join(chunks), trial
         assert (size, checksum) == (os.path.getsize(path), file_checksum(path))
+
+
+def test_a_full_buffer_is_written_directly_while_the_caller_fills_the_next(tmp_path, monkeypatch):
+    """Double buffering: the direct write of a full aligned buffer (which lasts as long as the device
+    takes) runs on the writer thread, and ``write`` returns while it is still in flight; the bytes and
+    checksum are the same."""
+    import fcntl
+    import threading
+
+    write_out = HashingFile._write_out
+    started, release = threading.Event(), threading.Event()
+    writers = []
+
+    def held_direct_write(self, view):
+        if fcntl.fcntl(self._fd, fcntl.F_GETFL) & os.O_DIRECT:
+            writers.append(threading.current_thread())
+            started.set()
+            if threading.current_thread() is not threading.main_thread():  # the caller's own write: not held
+                release.wait(timeout=60)
+        write_out(self, view)
+
+    monkeypatch.setattr(HashingFile, "_write_out", held_direct_write)
+    path = tmp_path / "f"
+    stream = HashingFile(path)
+    assert stream.direct
+    first = os.urandom((8 << 20) + (1 << 20))  # one full buffer, and a part of the next
+    stream.write(first)
+    assert started.wait(timeout=60) and not release.is_set()  # returned with the full buffer's write held
+    assert writers[0] is not threading.main_thread()
+    release.set()
+    rest = os.urandom(5000)
+    stream.write(rest)
+    size, checksum = stream.close_durably()
+    assert path.read_bytes() == first + rest
+    assert (size, checksum) == (os.path.getsize(path), file_checksum(path))
 
 
 # --- two ranks: FSDP2 DTensors, an async save, the live state mutated right after save() returns ---

@@ -19,15 +19,15 @@ from trainguard.guards.skip import DataSkipAbort, SkipConfig
 from trainguard.guards.state_guard import StateGuard
 from trainguard.guards.step_skips import StepSkips
 from trainguard.step.builder import build_guard_parts, build_step_plugins
-from trainguard.step.plugin import Exclusion, StepCheck
-from trainguard.step.plugins.data_skip import DataSkip
-from trainguard.step.plugins.nonfinite import NonFiniteSkip
+from trainguard.guards.step_plugin import Exclusion, StepCheck
+from trainguard.guards.plugins.data_skip import DataSkip
+from trainguard.guards.plugins.nonfinite import NonFiniteSkip
 from trainguard.step.plugins.sdc import STEP_AFTER_RERUN, SdcRerun
-from trainguard.step.plugins.skip_streak import SkipStreakLimit
+from trainguard.guards.plugins.skip_streak import SkipStreakLimit
 from trainguard.step.plugins.spike_rollback import SpikeRollback
 from trainguard.step.plugins.state import StatePlugin, state_verdict
 from trainguard.step.sdc import RerunVerdict, SdcGuard
-from trainguard.step.slots import Reduced, Slot
+from trainguard.guards.step_slots import Reduced, Slot
 from trainguard.guards.step_verdict import StepVerdict
 from trainguard.trainer.data import StatefulSampler
 

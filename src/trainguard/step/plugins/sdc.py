@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 from trainguard.events import EventLog
-from trainguard.step.plugin import Exclusion, GuardPlugin, StepCheck
+from trainguard.guards.step_plugin import Exclusion, GuardPlugin, StepCheck
 from trainguard.step.sdc import RerunVerdict, SdcGuard
-from trainguard.step.slots import Reduced, Slot
+from trainguard.guards.step_slots import Reduced, Slot
 from trainguard.guards.step_verdict import StepVerdict
 
 # the slot each rank raises for its verdict after a rerun

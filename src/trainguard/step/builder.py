@@ -31,8 +31,8 @@ from trainguard.guards.plugins.update import update_plugins
 from trainguard.guards.rollback import RollbackGuard
 from trainguard.guards.sdc import sdc_config_from_env
 from trainguard.guards.state_guard import StateGuard
-from trainguard.guards.step_skips import StepSkips
 from trainguard.guards.step_plugin import GuardPlugin
+from trainguard.guards.step_skips import StepSkips
 from trainguard.runtime.heartbeat import node_name
 from trainguard.runtime.lifecycle import Lifecycle
 from trainguard.step.embedding import EmbeddingNorm

@@ -25,15 +25,15 @@ import torch.distributed as dist
 
 from trainguard.config.schema import RunConfig
 from trainguard.guards.sdc import FaultyDeviceError, faulty_ranks_path, write_faulty_ranks
+from trainguard.guards.step_plugin import Exclusion, GuardPlugin, RerunJudge, StepCheck
+from trainguard.guards.step_slots import Reduced, Slot, local_slots, reduce_step
+from trainguard.guards.step_verdict import ENDS_THE_STEP, Decision, StepVerdict, decide
 from trainguard.norms import clip_grads_, local_grad_norms
 from trainguard.step.builder import GuardParts, StepPlugins
-from trainguard.guards.step_plugin import Exclusion, GuardPlugin, RerunJudge, StepCheck
 from trainguard.step.position import RunPosition
 from trainguard.step.report import StepReport
 from trainguard.step.saving import StepSaves
-from trainguard.guards.step_slots import Reduced, Slot, local_slots, reduce_step
 from trainguard.step.snapshot import StepSnapshot
-from trainguard.guards.step_verdict import ENDS_THE_STEP, Decision, StepVerdict, decide
 
 
 @dataclass(frozen=True)

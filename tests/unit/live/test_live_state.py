@@ -10,6 +10,7 @@ import logging
 
 import pytest
 import torch
+from helpers.counter import Counter
 
 from trainguard.checkpoint.staging import serialised
 from trainguard.errors import ConfigError
@@ -18,7 +19,6 @@ from trainguard.guards.skip import SkipConfig
 from trainguard.guards.step_skips import StepSkips
 from trainguard.live.state import GUARDS, SCHEDULER, LiveState
 from trainguard.live.step_judge import LiveJudge
-from helpers.counter import Counter
 
 STEPS = 12
 

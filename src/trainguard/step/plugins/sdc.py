@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 from trainguard.events import EventLog
 from trainguard.guards.step_plugin import Exclusion, GuardPlugin, StepCheck
-from trainguard.step.sdc import RerunVerdict, SdcGuard
 from trainguard.guards.step_slots import Reduced, Slot
 from trainguard.guards.step_verdict import StepVerdict
+from trainguard.step.sdc import RerunVerdict, SdcGuard
 
 # the slot each rank raises for its verdict after a rerun
 VERDICT_SLOTS = {RerunVerdict.TRANSIENT: Slot.SDC_TRANSIENT, RerunVerdict.REPRODUCIBLE: Slot.SDC_REPRODUCIBLE,

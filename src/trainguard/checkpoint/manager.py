@@ -111,7 +111,8 @@ class CheckpointManager:
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             for stale in clean_stale(self.root):
-                log.warning("removed an unfinished checkpoint left by an earlier run: %s", stale)
+                # an earlier run's, or (live mode, a manager per quorum) a save abandoned when a rank died
+                log.warning("removed an unfinished checkpoint, a save that never committed: %s", stale)
         # One token per incarnation names the temporary directory that all ranks write into.
         run_token = _broadcast(uuid.uuid4().hex[:12] if self.rank == 0 else None)
         self.mirror: CheckpointMirror | None = None

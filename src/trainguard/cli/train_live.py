@@ -89,26 +89,35 @@ def run_live(run: LiveRun, run_dir: Path) -> int:
     newest = newest_committed(run_dir / "checkpoints")
     saved = newest.path if newest is not None else None
     if result.exit_code == EXIT_DATA_SKIP_ABORT:  # the ranks printed the guard's line
-        print(f"trainguard: live run aborted by the data-skip guard: exit {EXIT_DATA_SKIP_ABORT}; the newest "
-              f"checkpoint is {saved}", flush=True)
+        print(f"trainguard: live run aborted by the data-skip guard: exit {EXIT_DATA_SKIP_ABORT}; "
+              f"{newest_checkpoint_words(saved)}", flush=True)
         return EXIT_DATA_SKIP_ABORT
     if result.exit_code == EXIT_USAGE:  # every rank made the same configuration error; the first printed it
         return EXIT_USAGE
     if result.exit_code == EXIT_STEP_FAILED:  # the ranks printed the step's error
         print(f"trainguard: live run ended: a step failed fault_tolerance.max_step_failures times in a row: exit "
-              f"{EXIT_STEP_FAILED}; the newest checkpoint is {saved}", flush=True)
+              f"{EXIT_STEP_FAILED}; {newest_checkpoint_words(saved)}", flush=True)
         return EXIT_STEP_FAILED
     if result.stop is not None:
-        again = "; run again with --resume auto to continue" if result.stopped else ""
-        if result.stop["reason"] == REASON_NAMES[SIGNAL]:
-            print(f"trainguard: live run stopped by SIGTERM/SIGUSR1: saved {saved}{again}", flush=True)
-        else:
-            print(f"trainguard: live run stopped at step {result.stop['step']}: {result.stop['message']}; saved "
-                  f"{saved}{again}", flush=True)
+        print(stop_line(result.stop, saved, result.stopped), flush=True)
         return result.exit_code
     print(f"trainguard: live run finished: {run.steps} steps in {result.wall_s:.1f} s, "
           f"ranks replaced: {sorted(result.replaced_at) or 'none'}", flush=True)
     return 0
+
+
+def newest_checkpoint_words(saved: Path | None) -> str:
+    return f"the newest checkpoint is {saved}" if saved is not None else "no checkpoint was committed"
+
+
+def stop_line(stop: dict, saved: Path | None, resumable: bool) -> str:
+    """The command's line after the quorum's agreed stop (its ``lifecycle_stop`` event); ``saved``: the
+    newest committed checkpoint, None when there is none (a start with the kill switch armed)."""
+    what = f"saved {saved}" if saved is not None else "nothing saved"
+    again = "; run again with --resume auto to continue" if resumable else ""
+    if stop["reason"] == REASON_NAMES[SIGNAL]:
+        return f"trainguard: live run stopped by SIGTERM/SIGUSR1: {what}{again}"
+    return f"trainguard: live run stopped at step {stop['step']}: {stop['message']}; {what}{again}"
 
 
 def on_nodes(args: argparse.Namespace, run: LiveRun) -> LiveRun:

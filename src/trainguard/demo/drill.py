@@ -196,7 +196,7 @@ def _recoveries(events: list[dict]) -> list[dict]:
     return [e for e in events if e["kind"] == "recovered"]
 
 
-def _judge(p: DrillPlan, events: list[dict], final_step: int) -> list[Outcome]:
+def judge_outcomes(p: DrillPlan, events: list[dict], final_step: int) -> list[Outcome]:
     injected: dict[int, dict] = {}
     for event in events:
         if event["kind"] == "fault_injected":
@@ -232,8 +232,10 @@ def _judge(p: DrillPlan, events: list[dict], final_step: int) -> list[Outcome]:
         elif kind == "kill":
             restart = next((r for r in restarts if r["time"] > event["time"]), None)
             ok = restart is not None and recovery is not None
-            outcomes.append(Outcome(fault, step, f"rank {restart.get('failing_rank')} died (exit "
-                                    f"{restart.get('exit_code')})" if restart else "not detected",
+            # the restart's exit_code is the incarnation's (its agents': 1), not the killed rank's;
+            # its detail names the rank and how it ended ("rank 3 on node1 failed (signal SIGKILL)")
+            outcomes.append(Outcome(fault, step, (restart.get("detail") or f"rank {restart.get('failing_rank')} failed")
+                                    if restart else "not detected",
                                     f"restarted, resumed at step {recovery['step']}" if ok else "not recovered",
                                     recover, redone, ok))
         elif kind == "wipe":
@@ -309,7 +311,7 @@ def run_drill(out: Path, quick: bool, console: Console | None = None) -> int:
         report_code = subprocess.run([sys.executable, "-m", "trainguard", "report", str(faulty)], stdout=log,
                                      stderr=subprocess.STDOUT, env=_env(None)).returncode
 
-    outcomes = _judge(p, events, final_step)
+    outcomes = judge_outcomes(p, events, final_step)
     table = Table(title="fault drill")
     for column in ("fault", "step", "how it was detected", "how it was handled", "time to recover", "steps redone"):
         table.add_column(column)

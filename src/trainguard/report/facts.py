@@ -439,7 +439,9 @@ def _one_event(event: dict, attempt: int, facts: RunFacts, verdicts: dict[tuple[
     elif kind in ("run_started", "lifecycle_stop"):  # the run went on, or stopped, after an earlier finish
         facts.finish_reason = None
     if kind in ACTION_KINDS:
-        facts.actions.append(Action(t, kind, step, _int(event.get("rank")), _str(event.get("node")),
+        # the supervisor writes its events as rank -1: a restart's rank and node are the ones that failed
+        rank = event["failing_rank"] if event.get("failing_rank") is not None else event.get("rank")
+        facts.actions.append(Action(t, kind, step, _int(rank), _str(event.get("node") or event.get("failing_node")),
                                     _str(event.get("reason")), _seconds(event)))
 
 

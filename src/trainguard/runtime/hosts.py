@@ -81,6 +81,7 @@ class HostNodes:
         self.base_port = base_port
         self._starts = 0
         self._control: dict[str, Path] = {}  # node -> the file its agent writes its control address to
+        self._signalled: set[tuple[Path, signal.Signals]] = set()  # (agent's control file, signal) delivered
         # the run secret that proves this supervisor to the agents (set by the supervisor, which creates it at launch)
         self.secret: bytes | None = None
         for part in self.template:
@@ -111,10 +112,19 @@ class HostNodes:
 
     def signal_ranks(self, node: str, agent, ranks: dict[int, int], sig: signal.Signals) -> list[int]:
         """Asks the node's agent to signal its own ranks (it reads their pids on its host); the
-        supervisor's ``ranks`` (pids of another host) are not used. Returns the ranks reached."""
+        supervisor's ``ranks`` (pids of another host) are not used. Returns the ranks reached. Once per
+        agent and signal, from the first request that reached a rank: the agent signals
+        every rank of its node that has a heartbeat, and a second delivery would be a second stop (a rank
+        then exits at once); a rank of that node that beats only later is not reached (the request names
+        no ranks)."""
+        if (self._control[node], sig) in self._signalled:
+            return []
         answer = ask(self._control[node], f"signal {sig.name.removeprefix('SIG')}", self._secret())
         ranks = answer.get("ranks") if answer else None
-        return [rank for rank in ranks if type(rank) is int] if isinstance(ranks, list) else []
+        reached = [rank for rank in ranks if type(rank) is int] if isinstance(ranks, list) else []
+        if reached:
+            self._signalled.add((self._control[node], sig))
+        return reached
 
     def answers(self, node: str) -> bool | None:
         """True when the node's agent answered, False when it did not, None before it said where it listens."""

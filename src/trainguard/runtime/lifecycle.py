@@ -115,8 +115,9 @@ class Lifecycle:
     @classmethod
     def for_rank(cls, config: LifecycleConfig, run_dir: Path, rank: int, device) -> "Lifecycle":
         """The trainer's lifecycle: heartbeats, stack dumps on SIGUSR2, stop signals, the all-reduce."""
-        heartbeat = HeartbeatWriter(run_dir, rank) if config.heartbeats else None
-        lifecycle = cls(config, all_reduce_max_fn(device), heartbeat)
+        lifecycle = cls(config, all_reduce_max_fn(device))
+        # the stop handlers first: the supervisor sends a stop to the pid of the first heartbeat at once
+        lifecycle.heartbeat = HeartbeatWriter(run_dir, rank) if config.heartbeats else None
         lifecycle._dump_file = register_stack_dump(run_dir, rank, incarnation())
         return lifecycle
 

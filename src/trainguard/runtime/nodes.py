@@ -200,6 +200,8 @@ class LocalNodes:
         """Signals the ranks (``pid -> rank``, from the node's heartbeats) that run under this node's
         agent (a pid read from a heartbeat is only trusted inside the agent's own process tree);
         returns the ranks signalled."""
+        if not ranks:
+            return []
         below = set(descendants(agent.pid)) - {agent.pid}
         sent = []
         for pid, rank in ranks.items():
@@ -230,6 +232,7 @@ class SlurmNodes:
         self.job_id = job_id or os.environ.get("SLURM_JOB_ID", "")
         self._starts = 0
         self._step_names: dict[str, str] = {}  # node -> the name of the job step its agent runs as
+        self._signalled: set[tuple[str, signal.Signals]] = set()  # (step name, signal) scancel delivered
 
     @classmethod
     def from_environment(cls) -> "SlurmNodes":
@@ -279,12 +282,21 @@ class SlurmNodes:
 
     def signal_ranks(self, node: str, agent, ranks: dict[int, int], sig: signal.Signals) -> list[int]:
         """Has Slurm deliver ``sig`` to every process of the node's job step (the agent ignores it,
-        the ranks act on it); no pid of another host is ever used here."""
+        the ranks act on it); no pid of another host is ever used here. Once per step and signal: that
+        delivery reached the step's ranks that had no heartbeat yet too, and a second one would be a
+        second stop (a rank then exits at once)."""
+        if not ranks:
+            return []
+        if (self._step_names.get(node), sig) in self._signalled:
+            return sorted(ranks.values())
         step = self.step_id(node)
         if step is None:
             return []
         done = subprocess.run(["scancel", f"--signal={sig.name.removeprefix('SIG')}", step], capture_output=True)
-        return sorted(ranks.values()) if done.returncode == 0 else []
+        if done.returncode != 0:
+            return []
+        self._signalled.add((self._step_names.get(node), sig))
+        return sorted(ranks.values())
 
     def answers(self, node: str) -> bool | None:
         """Not asked: a node that stops answering is Slurm's to notice (``SlurmdTimeout``)."""

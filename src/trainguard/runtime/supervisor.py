@@ -159,6 +159,7 @@ class Supervisor:
         self.stop_signal: str | None = None
         self._forward: list[signal.Signals] = []  # signals received, not yet passed on to the ranks
         self._stops_forwarded = 0
+        self._stopped_ranks: set[int] = set()  # the ranks of this incarnation the first stop reached
         self.job_start = time.time()
         self.array_job = os.environ.get(ENV_ARRAY_JOB)
         self._agents: dict[str, Any] = {}
@@ -191,12 +192,12 @@ class Supervisor:
         self._forward.append(signal.Signals(signum))
         self.say(f"received {name}: asking every rank to save and stop" if first else f"received {name} again")
 
-    def _signal_ranks(self, number: int, sig: signal.Signals) -> list[int]:
-        """Sends ``sig`` to this incarnation's ranks, node by node through that node's agent."""
+    def _signal_ranks(self, number: int, sig: signal.Signals, skip: frozenset[int] | set[int] = frozenset()) -> list[int]:
+        """Sends ``sig`` to this incarnation's ranks but ``skip``, node by node through that node's agent."""
         beats = self._beats(number)
         reached = []
         for node, agent in self._agents.items():
-            ranks = {beat.pid: rank for rank, beat in beats.items() if beat.node == node}
+            ranks = {beat.pid: rank for rank, beat in beats.items() if beat.node == node and rank not in skip}
             reached += self.nodes.signal_ranks(node, agent, ranks, sig)
         return sorted(reached)
 
@@ -204,9 +205,14 @@ class Supervisor:
         while self._forward:
             self._forward.pop(0)
             self._stops_forwarded += 1
-            self._signal_ranks(number, signal.SIGUSR1)
             if self._stops_forwarded > 1:  # a second stop: the newest committed checkpoint is the resume point
+                self._signal_ranks(number, signal.SIGUSR1)
                 self._kill_all()
+        if self._stops_forwarded == 1:
+            # a rank still starting has no heartbeat to be found by: it gets the stop once it has one
+            # (its handlers are installed before its first heartbeat), and no rank gets it twice
+            # (a second SIGUSR1 would end it at once, unsaved)
+            self._stopped_ranks.update(self._signal_ranks(number, signal.SIGUSR1, skip=self._stopped_ranks))
 
     def _kill_all(self) -> None:
         for node, agent in self._agents.items():
@@ -316,6 +322,7 @@ class Supervisor:
         report_dir.mkdir(parents=True, exist_ok=True)
         endpoint = self.nodes.endpoint(self.pool.slots[0])
         self._agents = {}
+        self._stopped_ranks = set()
         for slot, node in enumerate(self.pool.slots):
             env = agent_env(node, slot, o.nnodes, endpoint, {
                 ENV_INCARNATION: str(number), ENV_JOB_START: repr(self.job_start),

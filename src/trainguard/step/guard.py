@@ -266,10 +266,12 @@ class Guard:
         self.outcome = stop_outcome(reason, self._trained)
         last_checkpoint = self.checkpoints.last_saved_step
         if self.outcome is RunOutcome.NOT_STARTED:
-            # nothing was loaded: the run is where its newest checkpoint is, not at step 0
-            step = last_checkpoint = newest_committed_step(self.checkpoints.root)
+            # nothing was loaded: the run is where its newest checkpoint is (a fresh run: step 0), not at step 0
+            last_checkpoint = newest_committed_step(self.checkpoints.root)
+            step = last_checkpoint if last_checkpoint is not None else 0
             why += " at start: nothing loaded or trained"
-        self.parts.log.warning("stopping at step %s: %s; exit %d (checkpoint: step %s)", step, why, code, last_checkpoint)
+        saved = f"step {last_checkpoint}" if last_checkpoint is not None else "none"
+        self.parts.log.warning("stopping at step %s: %s; exit %d (checkpoint: %s)", step, why, code, saved)
         if self.rank == 0:
             self.events.emit("lifecycle_stop", step=step, reason=REASON_NAMES[reason], message=why, exit_code=code,
                              last_checkpoint=last_checkpoint, outcome=self.outcome.value)

@@ -32,6 +32,8 @@ yet), more stages than layers, and a model type the stages are not built for (GP
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -112,6 +114,16 @@ def prune_to_stage(model: nn.Module, stage_index: int, num_stages: int) -> list[
     return owned
 
 
+@functools.cache
+def _no_cache_argument() -> dict[str, None]:
+    """``create_causal_mask``'s "no KV cache" argument: transformers renamed ``past_key_values`` to ``cache``
+    within 5.x and warns on the old name on every call (a FutureWarning from every rank at every step)."""
+    from transformers.masking_utils import create_causal_mask
+
+    name = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+    return {name: None}
+
+
 class PipelineStageModule(nn.Module):
     """One stage of a pruned Hugging Face causal LM.
 
@@ -150,8 +162,8 @@ class PipelineStageModule(nn.Module):
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         # None for sdpa (its is_causal path); a materialized causal mask for eager and others.
         mask = create_causal_mask(
-            config=self.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None,
-            position_ids=position_ids,
+            config=self.config, inputs_embeds=hidden, attention_mask=None, position_ids=position_ids,
+            **_no_cache_argument(),
         )
         position_embeddings = inner.rotary_emb(hidden, position_ids=position_ids)
         for layer in inner.layers.values():

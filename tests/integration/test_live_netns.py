@@ -165,20 +165,11 @@ def _on_hosts(netns, run_dir: Path, during, sets: tuple[str, ...] = ()) -> tuple
     helper = threading.Thread(target=during, daemon=True)
     helper.start()
     hosts = ",".join(f"{node}={netns.address(node)}" for node in NODES)
-    command = netns.on_head([sys.executable, "-m", "trainguard", *_user_loop(
-        run_dir, "--launcher", "hosts", "--hosts", hosts, "--node-command", netns.node_command(), sets=sets)])
-    # output to a file: a stale rank of the cut node may hold a pipe open after the launcher ends
-    output_path = run_dir.parent / f"{run_dir.name}.out"
-    with open(output_path, "w") as output:
-        proc = subprocess.Popen(command, env=worker_env(GLOO_SOCKET_IFNAME="tg0"), stdout=output,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code = proc.wait(timeout=300)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise AssertionError(output_path.read_text()[-4000:]) from None
+    command = [sys.executable, "-m", "trainguard", *_user_loop(
+        run_dir, "--launcher", "hosts", "--hosts", hosts, "--node-command", netns.node_command(), sets=sets)]
+    code, output = netns.run_on_head(command, worker_env(GLOO_SOCKET_IFNAME="tg0"), run_dir.parent / f"{run_dir.name}.out")
     helper.join(timeout=5)
-    return code, output_path.read_text()
+    return code, output
 
 
 @pytest.fixture(scope="module")

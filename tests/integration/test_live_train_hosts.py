@@ -8,11 +8,7 @@ a fault: every rank's final state and the last durable checkpoint."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -33,21 +29,13 @@ TRAIN = ["--nproc", "2", "--steps", str(STEPS), "--save-interval", "4",
 @pytest.fixture(scope="module")
 def train_on_hosts(netns, tmp_path_factory):
     root = tmp_path_factory.mktemp("live_train_hosts")
-    command = netns.on_head([sys.executable, "-m", "trainguard", "train", "--launcher", "hosts", "--hosts",
-                             netns.hosts(), "--node-command", netns.node_command(), "--run-dir", str(root / "hosts"),
-                             *TRAIN, "--set", "fault_tolerance.spares=1", "--set", f"faults=kill:rank={KILLED},step=3"])
-    output_path = root / "hosts.out"  # a file: a process on a node may hold a pipe open after the command ends
-    with open(output_path, "w") as output:
-        proc = subprocess.Popen(command, env=worker_env(GLOO_SOCKET_IFNAME="tg0"), stdout=output,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code = proc.wait(timeout=300)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise AssertionError(output_path.read_text()[-4000:]) from None
+    command = [sys.executable, "-m", "trainguard", "train", "--launcher", "hosts", "--hosts", netns.hosts(),
+               "--node-command", netns.node_command(), "--run-dir", str(root / "hosts"), *TRAIN,
+               "--set", "fault_tolerance.spares=1", "--set", f"faults=kill:rank={KILLED},step=3"]
+    code, output = netns.run_on_head(command, worker_env(GLOO_SOCKET_IFNAME="tg0"), root / "hosts.out")
     clean = trainguard("train", "--run-dir", str(root / "clean"), *TRAIN, timeout=300)  # fault-free, this machine
     assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-3000:]
-    return root, code, output_path.read_text(), netns.address(HEAD)
+    return root, code, output, netns.address(HEAD)
 
 
 def test_train_under_launcher_hosts_runs_each_group_on_its_node_and_the_warm_spare_replaces_the_killed_rank(

@@ -217,6 +217,14 @@ def test_launcher_hosts_starts_each_group_on_its_node_and_replaces_a_cut_node_on
     assert degraded and {e["rank"] for e in degraded} == {0, 1}
 
 
+def test_launcher_hosts_reports_the_cut_node_lost_once(hosts_run):
+    """``live_node_lost`` (issue 35): the cut node n2, found hung, once for the node (not once per rank)."""
+    run_dir, _, _, _, seen = hosts_run
+    lost = [e for e in _events(run_dir) if e["kind"] == "live_node_lost"]
+    assert [(e["node"], e["reason"]) for e in lost] == [(CUT, "hung")], lost
+    assert lost[0]["target"] in (2, 3) and lost[0]["time"] > seen["cut_at"]
+
+
 def test_launcher_hosts_ends_bitwise_equal_to_the_fault_free_run(hosts_run):
     run_dir, clean, _, _, _ = hosts_run
     assert run_differences(clean, run_dir, 4) == {}

@@ -61,6 +61,7 @@ def test_a_node_whose_command_fails_is_lost_and_its_rank_starts_on_the_spare_nod
     assert code == 0, output[-4000:]
     assert f"live run resumes from {root / 'lost' / 'checkpoints' / f'global_step_{STOPPED_AT}'}" in output
     assert f"live run finished: {STEPS} steps in " in output and "ranks replaced: [1]" in output, output[-4000:]
+    assert "unsupervised" not in output  # the resume's verification joined its threads just before (supervise.py)
     events = list(read_events(events_path(root / "lost")))
     lost = {e["node"]: e for e in events if e["kind"] == "live_node_lost"}
     assert sorted(lost) == ["n4", "n5"], lost

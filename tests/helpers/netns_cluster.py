@@ -100,6 +100,21 @@ class NetnsCluster:
     def on_head(self, command: list[str]) -> list[str]:
         return ["ip", "netns", "exec", self.ns(HEAD), *command]
 
+    def run_on_head(self, command: list[str], env: dict[str, str], output_path: Path,
+                    timeout: float = 300) -> tuple[int, str]:
+        """``command`` in the head namespace, in a session of its own, its output to ``output_path`` (a
+        file: a process on a node, a stale rank behind a cut link, may hold a pipe open after the command
+        ends); its exit code and output. Past ``timeout`` its session is SIGKILLed and the output raised."""
+        with open(output_path, "w") as output:
+            proc = subprocess.Popen(self.on_head(command), env=env, stdout=output, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                code = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                raise AssertionError(output_path.read_text()[-4000:]) from None
+        return code, output_path.read_text()
+
     def cut_link(self, node: str) -> None:
         """The node's network goes away (its processes keep running, unreachable)."""
         ip("-n", self.ns(node), "link", "set", INTERFACE, "down")

@@ -165,20 +165,11 @@ def _on_hosts(netns, run_dir: Path, during, sets: tuple[str, ...] = ()) -> tuple
     helper = threading.Thread(target=during, daemon=True)
     helper.start()
     hosts = ",".join(f"{node}={netns.address(node)}" for node in NODES)
-    command = netns.on_head([sys.executable, "-m", "trainguard", *_user_loop(
-        run_dir, "--launcher", "hosts", "--hosts", hosts, "--node-command", netns.node_command(), sets=sets)])
-    # output to a file: a stale rank of the cut node may hold a pipe open after the launcher ends
-    output_path = run_dir.parent / f"{run_dir.name}.out"
-    with open(output_path, "w") as output:
-        proc = subprocess.Popen(command, env=worker_env(GLOO_SOCKET_IFNAME="tg0"), stdout=output,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code = proc.wait(timeout=300)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise AssertionError(output_path.read_text()[-4000:]) from None
+    command = [sys.executable, "-m", "trainguard", *_user_loop(
+        run_dir, "--launcher", "hosts", "--hosts", hosts, "--node-command", netns.node_command(), sets=sets)]
+    code, output = netns.run_on_head(command, worker_env(GLOO_SOCKET_IFNAME="tg0"), run_dir.parent / f"{run_dir.name}.out")
     helper.join(timeout=5)
-    return code, output_path.read_text()
+    return code, output
 
 
 @pytest.fixture(scope="module")
@@ -224,6 +215,14 @@ def test_launcher_hosts_starts_each_group_on_its_node_and_replaces_a_cut_node_on
     assert quorums[1]["left"] == [2, 3] and quorums[2]["joining"] == [2, 3] and quorums[1]["step"] >= CUT_AT
     degraded = [e for e in events if e["kind"] == "live_step" and e["members"] == 2]
     assert degraded and {e["rank"] for e in degraded} == {0, 1}
+
+
+def test_launcher_hosts_reports_the_cut_node_lost_once(hosts_run):
+    """``live_node_lost`` (issue 35): the cut node n2, found hung, once for the node (not once per rank)."""
+    run_dir, _, _, _, seen = hosts_run
+    lost = [e for e in _events(run_dir) if e["kind"] == "live_node_lost"]
+    assert [(e["node"], e["reason"]) for e in lost] == [(CUT, "hung")], lost
+    assert lost[0]["target"] in (2, 3) and lost[0]["time"] > seen["cut_at"]
 
 
 def test_launcher_hosts_ends_bitwise_equal_to_the_fault_free_run(hosts_run):

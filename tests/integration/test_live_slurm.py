@@ -31,7 +31,7 @@ def _run_args(run_dir: Path, *extra: str) -> list[str]:
             "--", sys.executable, str(EXAMPLE)]
 
 
-def _slurm_node(pid: int) -> str | None:
+def slurm_node(pid: int) -> str | None:
     """The Slurm node a rank's process runs on, from its environment (slurmstepd sets it), None once gone."""
     try:
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -41,13 +41,13 @@ def _slurm_node(pid: int) -> str | None:
     return found[0] if found else None
 
 
-def test_a_live_run_under_slurm_replaces_a_killed_rank_on_its_node_and_ends_bitwise(slurm, tmp_path):
-    run_dir = tmp_path / "slurm_run"
-    launch = _run_args(run_dir, f"faults=kill:rank={KILLED},step={KILL_AT}")
-    command = " ".join([sys.executable, "-m", "trainguard", launch[0], "--launcher", "slurm", *launch[1:]])
+def live_batch_job(slurm, tmp_path: Path, run_dir: Path, command: list[str]) -> tuple[str, dict[int, str | None]]:
+    """``python -m trainguard COMMAND`` as the script of a batch job of 3 nodes, waited for; the job's output,
+    and the Slurm node of each rank's process (by its ``live_start`` pid, read while it ran). The job must
+    complete."""
     script = tmp_path / "live.sh"
     script.write_text(f"#!/bin/sh\n#SBATCH --nodes=3\n#SBATCH --job-name=live\n#SBATCH --time=10:00\n"
-                      f"#SBATCH --output={tmp_path}/job.out\nexec {command}\n")
+                      f"#SBATCH --output={tmp_path}/job.out\nexec {' '.join([sys.executable, '-m', 'trainguard', *command])}\n")
     submitted = subprocess.run(["sbatch", "--parsable", str(script)], cwd=ROOT, capture_output=True, text=True,
                                env=slurm.env(OMP_NUM_THREADS="1"), timeout=60)
     assert submitted.returncode == 0, submitted.stderr
@@ -58,10 +58,17 @@ def test_a_live_run_under_slurm_replaces_a_killed_rank_on_its_node_and_ends_bitw
         if events_path(run_dir).exists():
             for event in read_events(events_path(run_dir)):
                 if event["kind"] == "live_start" and event["pid"] not in nodes:
-                    nodes[event["pid"]] = _slurm_node(event["pid"])
+                    nodes[event["pid"]] = slurm_node(event["pid"])
         time.sleep(0.05)
     output = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
     assert slurm.job_state(job) == "COMPLETED", output[-4000:] + slurm.log_tail()
+    return output, nodes
+
+
+def test_a_live_run_under_slurm_replaces_a_killed_rank_on_its_node_and_ends_bitwise(slurm, tmp_path):
+    run_dir = tmp_path / "slurm_run"
+    launch = _run_args(run_dir, f"faults=kill:rank={KILLED},step={KILL_AT}")
+    output, nodes = live_batch_job(slurm, tmp_path, run_dir, [launch[0], "--launcher", "slurm", *launch[1:]])
     assert f"live run finished: {STEPS} steps in " in output and f"ranks replaced: [{KILLED}]" in output, output[-4000:]
     allocation = output.split("on hosts ", 1)[1].split(", store at", 1)[0]
     events = list(read_events(events_path(run_dir)))

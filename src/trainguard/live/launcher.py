@@ -47,9 +47,10 @@ from trainguard.live.drill import live_drill
 from trainguard.live.files import events_path, newest_checkpoint
 from trainguard.live.group_reduce import SlotLayout
 from trainguard.live.lighthouse import Lighthouse
+from trainguard.live.node_watch import NodeCommandFailed, NodeWatch
 from trainguard.live.placement import replacement_node
 from trainguard.live.quorum import (MAX_STEP, STOP, STOPPED, progress_key, spare_failed_key, spare_key,
-                                    spare_ready_key)
+                                    spare_ready_key, spare_started_key, started_key)
 from trainguard.live.signed_store import SignedStore, serve_store
 from trainguard.run_secret import ENV_SECRET, create_secret
 from trainguard.runtime.hosts import on_node
@@ -211,8 +212,10 @@ def resume_point(run: LiveRun, run_dir: Path) -> Path | None:
 
 
 def _spawn(run: LiveRun, rank: int, store: SignedStore, run_dir: Path, rejoin: bool, node: str | None,
-           spare: int | None = None, resume: Path | None = None) -> subprocess.Popen | ForkedProcess:
-    """Starts a rank (or spare ``spare``) here, or on ``node`` through ``run.node_command``."""
+           spare: int | None = None, resume: Path | None = None,
+           watch: NodeWatch | None = None) -> subprocess.Popen | ForkedProcess:
+    """Starts a rank (or spare ``spare``) here, or on ``node`` through ``run.node_command`` (watched by
+    ``watch``, which tells the node command's own failure from the rank's death)."""
     role = ["--rank", str(rank)] if spare is None else ["--spare", str(spare)]
     command = [run.executable, *run.entry, "--store", f"{run.store_host}:{store.port}",
                *role, "--world", str(run.world), "--group-size", str(run.group_size), "--steps", str(run.steps),
@@ -237,8 +240,10 @@ def _spawn(run: LiveRun, rank: int, store: SignedStore, run_dir: Path, rejoin: b
     env = dict(os.environ, **launcher_env, **{ENV_SECRET: store.secret.hex()})
     if node is not None:
         address = dict(run.node_addresses).get(node, node)
-        return subprocess.Popen(on_node(shlex.split(run.node_command), node, address, command, launcher_env), env=env,
-                                stdin=subprocess.PIPE)
+        on_the_node = on_node(shlex.split(run.node_command), node, address, command, launcher_env)
+        started = started_key(rank) if spare is None else spare_started_key(spare)
+        return watch.start(node, on_the_node, started, lambda stderr: subprocess.Popen(
+            on_the_node, env=env, stdin=subprocess.PIPE, stderr=stderr))
     if _rank_server is not None and is_this_interpreter(run.executable):
         # this interpreter's command, started here: forked without imports (``start_live_rank_server``)
         request = json.dumps({"argv": command[1:], "env": env, "cwd": os.getcwd()}).encode()
@@ -341,9 +346,12 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
     rank_node = {rank: run.nodes[rank // run.group_size] if run.nodes else None for rank in range(run.world)}
     spare_node = {i: run.nodes[run.groups + i] if run.nodes else None for i in range(run.spares)}
     lost: set[str] = set()
-    procs = {rank: _spawn(run, rank, store, run_dir, rejoin=False, node=rank_node[rank], resume=resume)
+    failed: dict[str, NodeCommandFailed] = {}  # lost nodes whose node command failed: nothing starts there
+    watch = NodeWatch(store, run_dir / "logs" / "node_commands") if run.nodes else None
+    procs = {rank: _spawn(run, rank, store, run_dir, rejoin=False, node=rank_node[rank], resume=resume, watch=watch)
              for rank in range(run.world)}
-    spares = [(i, _spawn(run, -1, store, run_dir, rejoin=True, node=spare_node[i], spare=i)) for i in range(run.spares)]
+    spares = [(i, _spawn(run, -1, store, run_dir, rejoin=True, node=spare_node[i], spare=i, watch=watch))
+              for i in range(run.spares)]
     if run.kill_ranks and spares:
         # the drill's kill is meant for warm spares (one still starting or self-testing is a cold one): the
         # ranks wait for epoch 0 until every spare is ready or found unhealthy, so that a short run cannot
@@ -357,13 +365,32 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
     # a second signal: every rank ends at once (``procs`` as it is then: the cell, not today's dict)
     signals = StopSignals(on_second=lambda: [lifeline.kill(proc) for proc in procs.values()]) if on_main_thread else None
 
+    def lose(node: str, reason: str, **detail: object) -> None:
+        if node not in lost:
+            lost.add(node)
+            events.emit("live_node_lost", step=None, node=node, reason=reason, **detail)
+
+    def node_command_failed(failure: NodeCommandFailed, **target: int) -> None:
+        failed.setdefault(failure.node, failure)
+        lose(failure.node, "node_command_failed", command=failure.command, exit_code=failure.exit_code,
+             error=failure.error, **target)
+
     def replace(rank: int) -> None:
         result.replaced_at[rank] = time.time()
         result.replacements[rank] = result.replacements.get(rank, 0) + 1
         lighthouse.died(rank)
-        while spares and (store.check([spare_failed_key(spares[0][0])]) or spare_node[spares[0][0]] in lost):
-            index, _ = spares.pop(0)  # failed its self-test, or on a lost node: never used
-            reason = "its node is lost" if spare_node[index] in lost else store.get(spare_failed_key(index)).decode()
+        while spares and (store.check([spare_failed_key(spares[0][0])]) or spare_node[spares[0][0]] in lost
+                          or spares[0][1].poll() is not None):
+            index, spare = spares.pop(0)  # failed its self-test, on a lost node, or ended: never used
+            failure = watch.failure(spare) if watch is not None else None
+            if failure is not None:  # seen here before the loop's look at the spares
+                node_command_failed(failure, spare=index)
+            if spare_node[index] in lost:
+                reason = "its node is lost"
+            elif store.check([spare_failed_key(index)]):
+                reason = store.get(spare_failed_key(index)).decode()
+            else:
+                reason = f"it exited with code {spare.poll()}"
             events.emit("live_spare_excluded", spare=index, reason=reason)
         if spares:
             index, procs[rank] = spares.pop(0)
@@ -372,9 +399,13 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
         else:
             home = run.nodes[rank // run.group_size] if run.nodes else None
             if home is not None:
-                rank_node[rank] = replacement_node(home, lost, run.spare_nodes,
-                                                   {r: n for r, n in rank_node.items() if r != rank})
-            procs[rank] = _spawn(run, rank, store, run_dir, rejoin=True, node=rank_node[rank])
+                node = replacement_node(home, lost, run.spare_nodes, {r: n for r, n in rank_node.items() if r != rank},
+                                        frozenset(failed))
+                if node is None:
+                    raise RuntimeError(f"live run: no node left to start rank {rank} on: the node command failed on "
+                                       + ", ".join(f"{n} ({f.describe()})" for n, f in failed.items()))
+                rank_node[rank] = node
+            procs[rank] = _spawn(run, rank, store, run_dir, rejoin=True, node=rank_node[rank], watch=watch)
             events.emit("live_replacement", step=None, target=rank, pid=procs[rank].pid, node=rank_node[rank])
 
     try:
@@ -412,6 +443,9 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
                     continue
                 if run.recovery == LIVE:  # any death, the drill's or not: the others keep stepping
                     events.emit("live_exit", step=None, target=rank, pid=proc.pid, code=code)
+                    failure = watch.failure(proc) if watch is not None else None
+                    if failure is not None:  # it never ran as the rank: the node cannot start one
+                        node_command_failed(failure, target=rank)
                     if sum(result.replacements.values()) >= run.max_replacements:
                         raise RuntimeError(f"live run: rank {rank} exited with {code}, after "
                                            f"{run.max_replacements} replacements (LiveRun.max_replacements)")
@@ -426,12 +460,14 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
                         other.wait()
                 lighthouse.restart(newest_checkpoint(run_dir, run.steps, run.group_size))
                 result.replaced_at.update({r: time.time() for r in run.kill_ranks})
-                procs = {r: _spawn(run, r, store, run_dir, rejoin=False, node=rank_node[r]) for r in range(run.world)}
+                procs = {r: _spawn(run, r, store, run_dir, rejoin=False, node=rank_node[r], watch=watch)
+                         for r in range(run.world)}
                 break
             if run.recovery == LIVE:
                 hung = lighthouse.hung()
-                if run.nodes:  # silent on a node: the node is lost (a cut link, a dead host), replaced elsewhere
-                    lost.update(rank_node[rank] for rank in hung)
+                for rank in hung:
+                    if run.nodes:  # silent on a node: the node is lost (a cut link, a dead host), replaced elsewhere
+                        lose(rank_node[rank], "hung", target=rank)
                 for rank in hung:
                     if run.nodes:  # out of reach: fenced by epoch (``died``), it stops if it comes back
                         fenced.append(procs[rank])
@@ -446,6 +482,10 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
                     events.emit("live_kill", step=None, target=run.kill_during_shrink, pid=target.pid, signal="kill",
                                 during_shrink=lighthouse.quorum.epoch)
                     result.shrink_killed_at = time.time()
+            for index, spare in spares if watch is not None else ():
+                failure = watch.failure(spare)
+                if failure is not None and failure.node not in failed:  # a spare's node that cannot start one
+                    node_command_failed(failure, spare=index)
             time.sleep(0.005)
         if store.check([STOPPED]):
             result.stop = json.loads(store.get(STOPPED))
@@ -457,6 +497,8 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
             if proc.poll() is None:
                 lifeline.kill(proc)
                 proc.wait()
+        if watch is not None:
+            watch.close()
         events.close()
     result.wall_s = time.monotonic() - began
     result.last_pids = {r: p.pid for r, p in procs.items()}

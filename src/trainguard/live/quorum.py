@@ -44,6 +44,17 @@ def progress_key(rank: int) -> str:
     return f"progress/{rank}"
 
 
+def started_key(rank: int) -> str:
+    """A count each process of this rank raises once, as soon as it reaches the store: a process started
+    on a node that ends before its count moved never ran as the rank (its node command failed)."""
+    return f"started/{rank}"
+
+
+def spare_started_key(index: int) -> str:
+    """``started_key``'s count for warm spare ``index``."""
+    return f"spare_started/{index}"
+
+
 def spare_key(index: int) -> str:
     """The rank a warm spare is to replace, set by the launcher when a rank dies."""
     return f"spare/{index}"

@@ -37,7 +37,8 @@ from trainguard.live import lifeline
 from trainguard.live.collective import EpochAborted
 from trainguard.live.durable import SaveFailed
 from trainguard.live.files import events_path
-from trainguard.live.quorum import spare_failed_key, spare_key, spare_ready_key, wait_for
+from trainguard.live.quorum import (spare_failed_key, spare_key, spare_ready_key, spare_started_key, started_key,
+                                    wait_for)
 from trainguard.live.signed_store import SignedStore
 from trainguard.live.spare_check import check_spare
 from trainguard.live.step_failures import StepFailed
@@ -97,6 +98,9 @@ class LiveRank:
         # environment); what it reads back unsealed is foreign and ignored (live/signed_store.py)
         store = SignedStore(dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=WAIT_S)),
                             load_secret(args.run_dir))
+        # here this process runs as the rank (or spare): the launcher no longer takes its end for its node
+        # command's failure (``live_node_lost``)
+        store.add(started_key(args.rank) if args.spare is None else spare_started_key(args.spare), 1)
         rank, rejoin = args.rank, args.rejoin
         if args.spare is not None:
             if args.doctor and not self.spare_is_healthy(store):

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from trainguard.events import EventLog
-from trainguard.forking import thread_count
+from trainguard.forking import single_threaded
 from trainguard.live.files import events_path
 from trainguard.live.launcher import LiveResult, LiveRun, launch, resume_point
 from trainguard.runtime.lifecycle import ENV_JOB_START, STOP_SIGNALS, job_start_time
@@ -48,7 +48,7 @@ def supervise(run_dir: Path, run: LiveRun) -> LiveResult:
     """``launch(run_dir, run)`` in a child process, forked again (resuming from the newest durable
     checkpoint) each time it dies without a result, at most ``RESTARTS`` times; its result, or its
     exception raised here."""
-    if thread_count() != 1:
+    if not single_threaded():  # the resume point's verification has just joined its threads
         print("trainguard: warning: the live launcher runs unsupervised (this process has threads): its death "
               "ends the run", file=sys.stderr, flush=True)
         return launch(run_dir, run)

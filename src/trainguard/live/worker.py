@@ -303,12 +303,17 @@ class LiveWorker:
             quorum = read_quorum(self.store, latest_epoch(self.store))
             if quorum.resume_from is not None:
                 self.state.load(safe_torch_load(checkpoint_path(self.run_dir, quorum.resume_from, self.shard)))
-            self.enter(quorum, quorum.start_step)
+            try:
+                self.enter(quorum, quorum.start_step)
+            except RuntimeError as error:  # a member died before the job's first group was built (a node
+                self.recover(error)  # that could not start its rank): the epoch after it, or a join
             if self.resume_from is not None and self.checkpoints is None:
                 raise RuntimeError(f"live recovery: --resume {self.resume_from} needs the durable tier "
                                    "(the checkpoint section), which this rank was not given")
-            if self.checkpoints is not None and quorum.epoch == 0:  # a job's start: its newest checkpoint, if any
-                resumed = self.checkpoints.resume(quorum, self.resume_from)
+            # a job's start: its newest checkpoint, if any, loaded by the first epoch's members together (a
+            # rank that joined instead has a peer's state)
+            if self.checkpoints is not None and self.rank not in self.quorum.joining:
+                resumed = self.checkpoints.resume(self.quorum, self.resume_from)
                 if resumed is not None:
                     self.step_index = resumed
                     self.store.set(progress_key(self.rank), str(self.step_index))

@@ -15,6 +15,7 @@ import pytest
 from trainguard.cli.run import add_parser
 from trainguard.cli.train_live import on_nodes
 from trainguard.live.launcher import LiveRun, _spawn
+from trainguard.live.node_watch import NodeWatch
 from trainguard.live.placement import Placement, place, replacement_node
 from trainguard.run_secret import ENV_SECRET
 
@@ -37,9 +38,21 @@ def test_a_replacement_starts_home_unless_its_node_is_lost_then_on_a_spare_node_
     assert replacement_node("b", {"a", "b"}, (), {0: "a", 1: "b"}) == "b"  # nowhere else: it waits there
 
 
+def test_a_node_whose_command_failed_takes_no_replacement_and_none_is_placed_when_only_such_nodes_are_left():
+    running = {0: "a", 1: "a", 2: "b", 3: "b"}
+    assert replacement_node("b", {"b"}, ("c",), running, frozenset({"b"})) == "c"
+    assert replacement_node("b", {"b"}, (), running, frozenset({"b"})) == "a"  # the other live node
+    # every node lost: a hung one may come back (the rank waits there), one whose command failed never does
+    assert replacement_node("b", {"a", "b"}, (), running, frozenset({"a"})) == "b"
+    assert replacement_node("b", {"a", "b"}, (), running, frozenset({"b"})) is None
+
+
 class _Store:
     port = 29999
     secret = b"s" * 32
+
+    def add(self, key: str, amount: int) -> int:
+        return 0
 
 
 def test_a_rank_on_a_node_starts_behind_the_node_command_with_its_environment_on_the_command_line(tmp_path,
@@ -47,14 +60,18 @@ def test_a_rank_on_a_node_starts_behind_the_node_command_with_its_environment_on
     started = {}
 
     class Popen:
-        def __init__(self, command, env, stdin):
+        pid = 12345
+
+        def __init__(self, command, env, stdin, stderr):
             started.update(command=command, env=env, stdin=stdin)
 
     monkeypatch.setattr("trainguard.live.launcher.subprocess.Popen", Popen)
     run = LiveRun(nodes=("n1", "n2"), node_command="ssh -T {address} # {node}",
                   node_addresses=(("n1", "10.0.0.1"), ("n2", "10.0.0.2")), store_host="10.0.0.254",
                   rank_env=(("TRAINGUARD_SET", "[]"),), executable="python3", entry=("train.py",))
-    _spawn(run, 3, _Store(), tmp_path, rejoin=True, node="n2")
+    watch = NodeWatch(_Store(), tmp_path / "node_commands")
+    _spawn(run, 3, _Store(), tmp_path, rejoin=True, node="n2", watch=watch)
+    watch.close()
     assert started["command"][:5] == ["ssh", "-T", "10.0.0.2", "#", "n2"]
     assert len(started["command"]) == 6  # ssh: what runs on the node is one word, quoted for its shell
     command = shlex.split(started["command"][5])

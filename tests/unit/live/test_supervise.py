@@ -15,7 +15,7 @@ import textwrap
 from trainguard.live.supervise import RESTARTS
 
 SCRIPT = textwrap.dedent("""
-    import ctypes, json, os, signal, sys
+    import ctypes, json, os, signal, sys, threading, time
     from pathlib import Path
     import trainguard.live.supervise as supervise
     from trainguard.errors import ConfigError
@@ -34,6 +34,9 @@ SCRIPT = textwrap.dedent("""
         return "result"
 
     supervise.launch = launch
+    if mode.endswith("-after-a-thread"):  # a thread still ending when supervise() starts (a pool just joined)
+        threading.Thread(target=time.sleep, args=(0.2,)).start()
+        mode = mode.removesuffix("-after-a-thread")
     try:
         outcome = supervise.supervise(run_dir, LiveRun(resume="disable"))
     except Exception as error:
@@ -69,3 +72,12 @@ def test_the_launchers_result_or_error_comes_back_after_a_restart_or_none(tmp_pa
     assert _supervise(tmp_path / "a", "dies-once")[0] == {"outcome": "result", "subreaper": 0}
     assert _supervise(tmp_path / "b", "returns")[0] == {"outcome": "result", "subreaper": 0}
     assert _supervise(tmp_path / "c", "raises")[0] == {"outcome": "ConfigError: config key 'x': bad", "subreaper": 0}
+
+
+def test_a_thread_still_ending_when_the_launcher_starts_does_not_leave_it_unsupervised(tmp_path):
+    """A job resumed from a checkpoint: its verification has just joined its pool's threads, which the OS
+    ends a moment later (before: the launcher ran unsupervised about once in three starts, and its death
+    ended the job; here its death, deterministic, killed the test's process: exit -9)."""
+    result, starts, output = _supervise(tmp_path, "dies-once-after-a-thread")
+    assert result == {"outcome": "result", "subreaper": 0} and len(starts) == 2, output
+    assert "unsupervised" not in output

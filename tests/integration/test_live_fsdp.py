@@ -1,0 +1,103 @@
+"""FSDP2 inside each replica group of a live run (issue 35, item 3): tests/integration/live_fsdp_loop.py
+shards its model with ``fully_shard`` over ``trainguard.data_parallel_mesh()`` (the replica group's mesh in
+live mode), 2 replica groups x 2 ranks, 8 micro-batches, dropout and AdamW with the default clipping. Run
+fault-free and with rank 3 SIGKILLed after step 3: its group is taken out whole (rank 2 ends with exit 20
+and both are started again together, making a new default group for their mesh), group 0 computes both
+groups' shares for steps 3-7 (each share at the same positions, one FSDP2 reduce-scatter per share, the
+partials added in group order), the new group 1 joins at the last boundary with the survivors' shards.
+Every rank's final parameters and optimizer state are the fault-free run's, bitwise."""
+
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers.runs import trainguard
+from trainguard.events.log import read_events
+from trainguard.live.files import events_path, final_path
+from trainguard.live.rank import GROUP_OUT_EXIT
+from trainguard.live.sharded_params import chunk_rows
+
+SCRIPT = Path(__file__).with_name("live_fsdp_loop.py")
+STEPS, WORLD, KILLED, KILL_AT = 8, 4, 3, 3
+CONFIG = """fault_tolerance: {live: true}
+parallel: {dp_replicate: 2, dp_shard: 2}
+train: {micro_batches: 8, steps: %d}
+checkpoint: {save_interval: 0}
+guards: {fingerprint: {interval: 0}}
+""" % STEPS
+# the whole model's parameter shapes (live_fsdp_loop.py's MLP)
+WHOLE = {"0.weight": (16, 8), "0.bias": (16,), "3.weight": (16, 16), "3.bias": (16,), "5.weight": (3, 16), "5.bias": (3,)}
+
+
+def _run(config: Path, run_dir: Path, *overrides: str):
+    sets = [arg for item in overrides for arg in ("--set", item)]
+    return trainguard("run", "--nproc", str(WORLD), "--config", str(config), "--run-dir", str(run_dir), *sets, "--",
+                      sys.executable, str(SCRIPT), "--steps", str(STEPS), "--config", str(config), timeout=240)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("live_fsdp")
+    config = root / "live_fsdp.yaml"
+    config.write_text(CONFIG, encoding="utf-8")
+    for name, overrides in (("clean", ()), ("killed", (f"faults=kill:rank={KILLED},step={KILL_AT}",))):
+        done = _run(config, root / name, *overrides)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return root
+
+
+def _final(run_dir: Path, rank: int) -> dict:
+    return torch.load(final_path(run_dir, rank), weights_only=True)
+
+
+def _tensors(state: dict) -> dict[str, torch.Tensor]:
+    tensors = {f"model.{name}": value for name, value in state["model"].items()}
+    for index, entry in state["optimizer"]["state"].items():
+        tensors.update({f"optimizer.{index}.{name}": value for name, value in entry.items()})
+    return tensors
+
+
+def test_a_lost_fsdp2_group_ends_bitwise_equal_to_the_fault_free_run(runs):
+    for rank in range(WORLD):
+        clean, killed = _tensors(_final(runs / "clean", rank)), _tensors(_final(runs / "killed", rank))
+        assert clean.keys() == killed.keys() and len(clean) == 24
+        different = [name for name in clean if not torch.equal(clean[name], killed[name])]
+        assert not different, f"rank {rank}: {different}"
+    steps = {(event["step"], event["rank"]): event for event in read_events(events_path(runs / "clean"))
+             if event["kind"] == "live_step"}
+    for event in read_events(events_path(runs / "killed")):
+        if event["kind"] == "live_step":  # each step's loss and global norm: the fault-free run's, bitwise
+            assert (event["loss"], event["global_norm"]) == (steps[event["step"], event["rank"]]["loss"],
+                                                             steps[event["step"], event["rank"]]["global_norm"])
+
+
+def test_the_survivors_computed_the_lost_groups_share_and_kept_their_processes(runs):
+    events = list(read_events(events_path(runs / "killed")))
+    pids = defaultdict(list)
+    for event in events:
+        if event["kind"] == "live_start":
+            pids[event["rank"]].append(event["pid"])
+    assert len(pids[0]) == len(pids[1]) == 1 and len(pids[2]) == len(pids[3]) == 2
+    # the group is taken out whole: rank 2 ends itself, and both of its ranks start again
+    assert [e["rank"] for e in events if e["kind"] == "live_group_out"] == [2]
+    assert {(e["target"], e["code"]) for e in events if e["kind"] == "live_exit"} == {(3, -9), (2, GROUP_OUT_EXIT)}
+    degraded = [e for e in events if e["kind"] == "live_step" and e["members"] == 2]
+    assert degraded and {e["rank"] for e in degraded} == {0, 1}
+    # slots (group, position): rank 0 computes slot (0, 0) = [0, 1] and group 1's slot (1, 0) = [4, 5]
+    assert all(e["micro_batches"] == ([0, 1, 4, 5] if e["rank"] == 0 else [2, 3, 6, 7]) for e in degraded)
+    assert {e["rank"] for e in events if e["kind"] == "live_joined"} == {2, 3}
+
+
+def test_each_rank_holds_its_torch_chunk_rows_of_every_parameter(runs):
+    for rank in range(WORLD):
+        state = _final(runs / "clean", rank)
+        for name, shape in WHOLE.items():
+            first, end = chunk_rows(shape[0], 2, rank % 2)
+            assert tuple(state["model"][name].shape) == (end - first, *shape[1:]), (rank, name)
+    held = sum(_final(runs / "clean", 0)["model"][name].numel() for name in WHOLE)
+    assert held * 2 > sum(torch.Size(shape).numel() for shape in WHOLE.values()) > held  # about half, shard 0 the longer

@@ -203,13 +203,29 @@ def test_the_reference_trainer_in_live_mode_refuses_what_it_does_not_do_in_one_l
     assert not (tmp_path / "run").exists()  # refused before anything was made
 
 
-def test_the_data_parallel_mesh_is_none_for_a_rank_of_the_live_launcher():
-    """The same script in both modes: under the live launcher (its --store flag) the model stays whole
-    (no default process group is made); under torchrun (test_user_loop_faults.py) it is FSDP2's mesh."""
+LAUNCHER_FLAGS = ["--store", "127.0.0.1:1", "--world", "4", "--steps", "2", "--run-dir", "run", "--micro-batches", "8"]
+
+
+def test_the_data_parallel_mesh_is_none_for_a_rank_of_whole_replicas():
+    """The same script in both modes: under the live launcher (its --store flag) with replica groups of one
+    rank the model stays whole (no default process group is made); under torchrun
+    (test_user_loop_faults.py) it is FSDP2's mesh; with groups of several ranks the group's mesh
+    (tests/integration/test_live_fsdp.py)."""
     import torch.distributed as dist
 
-    assert trainguard.data_parallel_mesh(["--config", "run.yaml", "--store", "127.0.0.1:1", "--rank", "0"]) is None
+    assert trainguard.data_parallel_mesh(["--config", "run.yaml", *LAUNCHER_FLAGS, "--rank", "0"]) is None
     assert not dist.is_initialized()
+
+
+def test_a_warm_spare_cannot_shard_with_fully_shard_one_line_exit_2(capsys):
+    """A spare learns its rank only once it replaces one: with --group-size 2 the mesh is refused in one line."""
+    import torch.distributed as dist
+
+    with pytest.raises(SystemExit) as ended:
+        trainguard.data_parallel_mesh([*LAUNCHER_FLAGS, "--spare", "0", "--group-size", "2"])
+    assert ended.value.code == 2 and not dist.is_initialized()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "fault_tolerance.spares" in lines[0]
 
 
 @pytest.mark.parametrize("item, key", [("guards.health.enabled=true", "guards.health.enabled"),

@@ -5,16 +5,21 @@ fault-free and with rank 3 SIGKILLed after step 3: its group is taken out whole 
 and both are started again together, making a new default group for their mesh), group 0 computes both
 groups' shares for steps 3-7 (each share at the same positions, one FSDP2 reduce-scatter per share, the
 partials added in group order), the new group 1 joins at the last boundary with the survivors' shards.
-Every rank's final parameters and optimizer state are the fault-free run's, bitwise."""
+Durable checkpoints every 4 steps (DCP of the DTensor shards). Every rank's final parameters and optimizer
+state, and both durable checkpoints, are the fault-free run's, bitwise; and so is a fault-free run stopped
+at step 5 (``train.exit_at_step``: saved) and started again with ``--resume auto``."""
 
 from __future__ import annotations
 
 import sys
+import warnings
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from helpers.runs import trainguard
 from trainguard.events.log import read_events
@@ -27,7 +32,7 @@ STEPS, WORLD, KILLED, KILL_AT = 8, 4, 3, 3
 CONFIG = """fault_tolerance: {live: true}
 parallel: {dp_replicate: 2, dp_shard: 2}
 train: {micro_batches: 8, steps: %d}
-checkpoint: {save_interval: 0}
+checkpoint: {save_interval: 4}
 guards: {fingerprint: {interval: 0}}
 """ % STEPS
 # the whole model's parameter shapes (live_fsdp_loop.py's MLP)
@@ -45,7 +50,8 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("live_fsdp")
     config = root / "live_fsdp.yaml"
     config.write_text(CONFIG, encoding="utf-8")
-    for name, overrides in (("clean", ()), ("killed", (f"faults=kill:rank={KILLED},step={KILL_AT}",))):
+    for name, overrides in (("clean", ()), ("killed", (f"faults=kill:rank={KILLED},step={KILL_AT}",)),
+                            ("resumed", ("train.exit_at_step=5",)), ("resumed", ())):
         done = _run(config, root / name, *overrides)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return root
@@ -62,12 +68,31 @@ def _tensors(state: dict) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def test_a_lost_fsdp2_group_ends_bitwise_equal_to_the_fault_free_run(runs):
+def _durable(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    """Every tensor of a durable checkpoint, whole (DCP puts the shards together)."""
+    path = run_dir / "checkpoints" / f"global_step_{step}"
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    tensors = {key: torch.empty(item.size) for key, item in metadata.state_dict_metadata.items()
+               if isinstance(item, TensorStorageMetadata)}
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process reads it, as meant
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(tensors, checkpoint_id=path, no_dist=True)
+    return tensors
+
+
+@pytest.mark.parametrize("run", ["killed", "resumed"])
+def test_a_lost_fsdp2_group_or_a_resume_ends_bitwise_equal_to_the_fault_free_run(runs, run):
     for rank in range(WORLD):
-        clean, killed = _tensors(_final(runs / "clean", rank)), _tensors(_final(runs / "killed", rank))
-        assert clean.keys() == killed.keys() and len(clean) == 24
-        different = [name for name in clean if not torch.equal(clean[name], killed[name])]
+        clean, other = _tensors(_final(runs / "clean", rank)), _tensors(_final(runs / run, rank))
+        assert clean.keys() == other.keys() and len(clean) == 24
+        different = [name for name in clean if not torch.equal(clean[name], other[name])]
         assert not different, f"rank {rank}: {different}"
+    clean = _durable(runs / "clean", STEPS)
+    assert len(clean) == 24 and [tuple(clean["model.0.weight"].shape)] == [WHOLE["0.weight"]]
+    assert not [key for key, value in _durable(runs / run, STEPS).items() if not torch.equal(value, clean[key])]
+
+
+def test_each_step_of_the_lost_group_run_has_the_fault_free_loss_and_norm(runs):
     steps = {(event["step"], event["rank"]): event for event in read_events(events_path(runs / "clean"))
              if event["kind"] == "live_step"}
     for event in read_events(events_path(runs / "killed")):

@@ -260,7 +260,6 @@ class LiveWorker:
                                   "(whole replicas): shard it over trainguard.data_parallel_mesh(), which is None then")
             self.layout.check()
             self.fsdp = FsdpShares(model, modules, rank, args.group_size, self.group_channel)
-            checkpoint = None  # saves are refused with FSDP2 (``step.live.refuse_with_fsdp``): a stop saves nothing
         elif args.group_size > 1:
             self.layout.check()
             self.params = ShardedParams(model, args.group_size, rank)

@@ -127,17 +127,16 @@ def with_launcher_overrides(config: RunConfig, environ: Mapping[str, str]) -> Ru
     return with_overrides(config, items)
 
 
-def refuse_with_fsdp(config: RunConfig, args: LiveArgs) -> None:
+def refuse_with_fsdp(config: RunConfig) -> None:
     """One error naming the first setting live mode does not run with an FSDP2 model (``live/fsdp_share.py``:
-    what ran is the sum, the update, membership and joins; docs/live_recovery.md, "Not done yet")."""
+    what ran is the sum, the update, membership, joins, the durable tier and its resume; docs/live_recovery.md,
+    "Not done yet")."""
     checkpoint, guards = config.checkpoint, config.guards
-    refused = [("checkpoint.save_interval", checkpoint.save_interval != 0, "durable checkpoints of FSDP2 state"),
-               ("checkpoint.local_interval", checkpoint.local_interval != 0, "the local tier of FSDP2 state"),
+    refused = [("checkpoint.local_interval", checkpoint.local_interval != 0, "the local tier of FSDP2 state"),
                ("checkpoint.memory_interval", checkpoint.memory_interval != 0, "the memory tier of FSDP2 state"),
-               ("checkpoint.resume", args.resume is not None, "a resume of FSDP2 state"),
                ("guards.sdc.enabled_level", sdc_config_from_env(guards.sdc).enabled, "SDC detection on FSDP2 shares"),
                ("guards.fingerprint.interval", guards.fingerprint.enabled, "replica fingerprints of FSDP2 shards"),
-               ("faults", config.faults and (gradient_faults(config.faults) or site_faults(config.faults)),
+               ("faults", bool(config.faults and (gradient_faults(config.faults) or site_faults(config.faults))),
                 "gradient and module faults on FSDP2 shares")]
     for key, set_, what in refused:
         if set_:
@@ -183,7 +182,7 @@ def live_rank(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
                           f"{str(args.run_dir)!r}; pass that one")
     live_drill(config.faults, args.world, args.steps)  # the kill is the launcher's; anything else refused here
     if fsdp_modules(model):
-        refuse_with_fsdp(config, args)
+        refuse_with_fsdp(config)
     rules = LiveRules(grad_clip=config.optim.grad_clip, skip=config.guards.skip,
                       max_consecutive_skips=config.guards.max_consecutive_skips,
                       gradient_faults=gradient_faults(config.faults), site_faults=site_faults(config.faults),

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
+from trainguard.errors import ConfigError
 from trainguard.live.group_reduce import tree_sum
 from trainguard.live.shards import shard_of
 
@@ -35,7 +35,9 @@ class GroupChannel:
 
 
 class _Exchange:
-    """This rank's place in its replica group, and the channel of the current epoch."""
+    """This rank's place in its replica group, and the channel of the current epoch. FSDP2 calls its comms'
+    ``allocate`` and ``__call__`` only (the interface of its ``AllGather`` and ``ReduceScatter``, whose module
+    is private), so these do not derive from them."""
 
     def __init__(self, rank: int, group_size: int, channel: Callable[[], GroupChannel]):
         self.rank, self.group_size, self.channel = rank, group_size, channel
@@ -59,7 +61,7 @@ class _Exchange:
         channel.wait_group(works)
 
 
-class EpochAllGather(_Exchange, AllGather):
+class EpochAllGather(_Exchange):
     """FSDP2's all-gather: the output holds each position's input, in position order."""
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
@@ -69,7 +71,7 @@ class EpochAllGather(_Exchange, AllGather):
         self.swap(lambda _position: input_tensor, lambda position: chunks[position])
 
 
-class EpochReduceScatter(_Exchange, ReduceScatter):
+class EpochReduceScatter(_Exchange):
     """FSDP2's reduce-scatter (a sum: ``fsdp_share`` asks FSDP2 for sums with no division): chunk ``k`` of
     each rank's input goes to position ``k``, which adds the chunks in position order."""
 
@@ -89,7 +91,13 @@ class EpochReduceScatter(_Exchange, ReduceScatter):
 def route_to_epochs(modules: Sequence[FSDPModule], rank: int, group_size: int,
                     channel: Callable[[], GroupChannel]) -> None:
     """Every FSDP module's all-gather and reduce-scatter on the epoch's group; gradients summed over the
-    group with no division (the step's loss is already divided by the global batch's micro-batches)."""
+    group with no division (the step's loss is already divided by the global batch's micro-batches). A
+    torch whose FSDP2 takes no custom collectives is refused in one line."""
+    hooks = ("set_custom_all_gather", "set_custom_reduce_scatter", "set_force_sum_reduction_for_comms")
+    missing = [hook for hook in hooks if not hasattr(FSDPModule, hook)]
+    if missing:
+        raise ConfigError(f"live recovery with an FSDP2 model needs FSDPModule.{missing[0]} (torch "
+                          f"{torch.__version__} lacks it); train without fully_shard, or with a newer torch")
     all_gather, reduce_scatter = (EpochAllGather(rank, group_size, channel),
                                   EpochReduceScatter(rank, group_size, channel))
     for module in modules:

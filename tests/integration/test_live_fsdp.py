@@ -29,7 +29,7 @@ from trainguard.live.sharded_params import chunk_rows
 
 SCRIPT = Path(__file__).with_name("live_fsdp_loop.py")
 STEPS, WORLD, KILLED, KILL_AT = 8, 4, 3, 3
-CONFIG = """fault_tolerance: {live: true}
+CONFIG = """fault_tolerance: {live: true, fsdp: true}
 parallel: {dp_replicate: 2, dp_shard: 2}
 train: {micro_batches: 8, steps: %d}
 checkpoint: {save_interval: 4}

@@ -22,7 +22,6 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from trainguard.errors import ConfigError
 from trainguard.live.shards import shard_of
 
 MESH_DIM = "dp_shard"  # the mesh's one dimension, as ``data_parallel_mesh`` names it under torchrun
@@ -41,14 +40,12 @@ def default_group_prefix(group: int, incarnation: int) -> str:
 
 def replica_group_mesh(store_address: str, rank: int | None, group_size: int) -> DeviceMesh:
     """The 1-D mesh of this rank's replica group (made once per process; the default process group is made
-    with it). ``rank`` None: a warm spare, which learns its rank only once a rank dies, after its script
-    built the model: refused."""
+    with it). ``rank`` None (a warm spare, which learns its rank only when it replaces one) is a ValueError:
+    ``LiveRun.from_config`` refuses spares with ``fault_tolerance.fsdp``."""
     if _made:
         return _made[0]
     if rank is None:
-        raise ConfigError("fault_tolerance.spares: a warm spare cannot shard its model with fully_shard (it learns "
-                          "its rank, and so its replica group's mesh, only when it replaces one); set "
-                          "fault_tolerance.spares to 0 with parallel.dp_shard > 1 and an FSDP2 model")
+        raise ValueError("a warm spare has no replica group mesh: it learns its rank only when it replaces one")
     host, port = store_address.rsplit(":", 1)
     timeout = timedelta(seconds=RENDEZVOUS_S)
     store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)

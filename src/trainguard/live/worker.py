@@ -129,6 +129,7 @@ class LiveArgs:
     stall_cut: bool  # drill: ... marked as in it, with this rank's probe socket closed (live/stall.py)
     resume: Path | None  # the durable checkpoint the job resumes from (the launcher chose it), or None
     lifeline: bool = False  # started on another node: the launcher ends this process through stdin (lifeline.py)
+    fsdp: bool = False  # fault_tolerance.fsdp: the script shards its model over the replica group's mesh
 
     @classmethod
     def parse(cls, argv: list[str] | None = None) -> LiveArgs:
@@ -154,6 +155,7 @@ class LiveArgs:
         parser.add_argument("--stall-cut", action="store_true")
         parser.add_argument("--resume", type=Path)
         parser.add_argument("--lifeline", action="store_true")
+        parser.add_argument("--fsdp", action="store_true")
         known, _ = parser.parse_known_args(argv)
         return cls(**vars(known))
 

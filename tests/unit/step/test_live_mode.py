@@ -217,15 +217,27 @@ def test_the_data_parallel_mesh_is_none_for_a_rank_of_whole_replicas():
     assert not dist.is_initialized()
 
 
-def test_a_warm_spare_cannot_shard_with_fully_shard_one_line_exit_2(capsys):
-    """A spare learns its rank only once it replaces one: with --group-size 2 the mesh is refused in one line."""
+def test_without_fault_tolerance_fsdp_a_sharded_group_gets_no_mesh():
+    """With replica groups of 2 ranks but no --fsdp (``fault_tolerance.fsdp`` off), the model stays whole and
+    live mode shards it by rows: no mesh, no default process group."""
     import torch.distributed as dist
 
-    with pytest.raises(SystemExit) as ended:
-        trainguard.data_parallel_mesh([*LAUNCHER_FLAGS, "--spare", "0", "--group-size", "2"])
-    assert ended.value.code == 2 and not dist.is_initialized()
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and "fault_tolerance.spares" in lines[0]
+    assert trainguard.data_parallel_mesh([*LAUNCHER_FLAGS, "--rank", "1", "--group-size", "2"]) is None
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("items, key", [(["fault_tolerance.spares=1"], "fault_tolerance.spares"),
+                                        (["parallel.dp_shard=1"], "fault_tolerance.fsdp")])
+def test_fault_tolerance_fsdp_with_spares_or_whole_replicas_is_refused_naming_the_key(items, key):
+    """A warm spare learns its rank only once it replaces one (after its script sharded the model), and
+    FSDP2 needs a group of several ranks: the launcher refuses both before starting anything."""
+    from trainguard.live.launcher import LiveRun
+
+    layout = ["fault_tolerance.live=true", "fault_tolerance.fsdp=true", "parallel.dp_replicate=2",
+              "parallel.dp_shard=2", "train.micro_batches=8"]
+    assert LiveRun.from_config(load_config(None, layout)).fsdp
+    with pytest.raises(ConfigError, match=f"config key '{key}'"):
+        LiveRun.from_config(load_config(None, [*layout, *items]))
 
 
 @pytest.mark.parametrize("item, key", [("guards.health.enabled=true", "guards.health.enabled"),

@@ -3,6 +3,7 @@
 loop would be (live mode comes from the configuration alone)."""
 
 import argparse
+import time
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,7 @@ def main() -> None:
     parser.add_argument("--config", required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--step-sleep", type=float, default=0.0)  # a wider window for a test's kill; no math
     args, _ = parser.parse_known_args()
     mesh = trainguard.data_parallel_mesh()
     torch.manual_seed(0)
@@ -36,6 +38,7 @@ def main() -> None:
     step = guard.resume()
     while not guard.should_stop(step, args.steps):
         step = guard.step(loss_of).step
+        time.sleep(args.step_sleep)
     raise SystemExit(guard.close())
 
 

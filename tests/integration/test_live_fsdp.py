@@ -7,11 +7,16 @@ groups' shares for steps 3-7 (each share at the same positions, one FSDP2 reduce
 partials added in group order), the new group 1 joins at the last boundary with the survivors' shards.
 Durable checkpoints every 4 steps (DCP of the DTensor shards). Every rank's final parameters and optimizer
 state, and both durable checkpoints, are the fault-free run's, bitwise; and so is a fault-free run stopped
-at step 5 (``train.exit_at_step``: saved) and started again with ``--resume auto``."""
+at step 5 (``train.exit_at_step``: saved) and started again with ``--resume auto``; and so is a job SIGKILLed
+whole (launcher and ranks) after step 6, with the local tier on (every step), run again with ``--resume
+auto``: it resumes from the local tier's step, newer than the durable step 4."""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import time
 import warnings
 from collections import defaultdict
 from pathlib import Path
@@ -21,7 +26,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from helpers.runs import trainguard
+from helpers.runs import trainguard, worker_env
+from helpers.warm_command import warm_server
 from trainguard.events.log import read_events
 from trainguard.live.files import events_path, final_path
 from trainguard.live.rank import GROUP_OUT_EXIT
@@ -39,6 +45,33 @@ guards: {fingerprint: {interval: 0}}
 WHOLE = {"0.weight": (16, 8), "0.bias": (16,), "3.weight": (16, 16), "3.bias": (16,), "5.weight": (3, 16), "5.bias": (3,)}
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _sigkilled_job(run_dir: Path, config: Path) -> None:
+    """The job started, SIGKILLed whole once every rank saved step 6 to the local tier (durable: step 4)."""
+    proc = warm_server().start(["run", "--nproc", str(WORLD), "--config", str(config), "--run-dir", str(run_dir), "--",
+                                sys.executable, str(SCRIPT), "--steps", str(STEPS), "--config", str(config),
+                                "--step-sleep", "0.5"], worker_env())
+    deadline = time.monotonic() + 120
+    while not (events_path(run_dir).exists() and len({e["rank"] for e in read_events(events_path(run_dir))
+                                                      if e["kind"] == "local_saved" and e["step"] == 6}) == WORLD):
+        assert proc.poll() is None and time.monotonic() < deadline, "the job ended, or took 120 s, before step 6"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    ranks = [e["pid"] for e in read_events(events_path(run_dir)) if e["kind"] == "live_start"]
+    deadline = time.monotonic() + 60
+    while any(_alive(pid) for pid in ranks):
+        assert time.monotonic() < deadline, "ranks outlived their launcher by 60 s"
+        time.sleep(0.1)
+
+
 def _run(config: Path, run_dir: Path, *overrides: str):
     sets = [arg for item in overrides for arg in ("--set", item)]
     return trainguard("run", "--nproc", str(WORLD), "--config", str(config), "--run-dir", str(run_dir), *sets, "--",
@@ -54,6 +87,11 @@ def runs(tmp_path_factory):
                             ("resumed", ("train.exit_at_step=5",)), ("resumed", ())):
         done = _run(config, root / name, *overrides)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    local = root / "live_fsdp_local.yaml"
+    local.write_text(CONFIG.replace("save_interval: 4", "save_interval: 4, local_interval: 1"), encoding="utf-8")
+    _sigkilled_job(root / "sigkilled", local)
+    done = _run(local, root / "sigkilled")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return root
 
 
@@ -80,7 +118,7 @@ def _durable(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     return tensors
 
 
-@pytest.mark.parametrize("run", ["killed", "resumed"])
+@pytest.mark.parametrize("run", ["killed", "resumed", "sigkilled"])
 def test_a_lost_fsdp2_group_or_a_resume_ends_bitwise_equal_to_the_fault_free_run(runs, run):
     for rank in range(WORLD):
         clean, other = _tensors(_final(runs / "clean", rank)), _tensors(_final(runs / run, rank))
@@ -90,6 +128,11 @@ def test_a_lost_fsdp2_group_or_a_resume_ends_bitwise_equal_to_the_fault_free_run
     clean = _durable(runs / "clean", STEPS)
     assert len(clean) == 24 and [tuple(clean["model.0.weight"].shape)] == [WHOLE["0.weight"]]
     assert not [key for key, value in _durable(runs / run, STEPS).items() if not torch.equal(value, clean[key])]
+
+
+def test_the_sigkilled_job_resumed_from_the_local_tiers_newer_step(runs):
+    started = [e for e in read_events(events_path(runs / "sigkilled")) if e["kind"] == "run_started"]
+    assert started and started[-1]["tier"] == "local" and started[-1]["step"] >= 6
 
 
 def test_each_step_of_the_lost_group_run_has_the_fault_free_loss_and_norm(runs):

@@ -129,11 +129,10 @@ def with_launcher_overrides(config: RunConfig, environ: Mapping[str, str]) -> Ru
 
 def refuse_with_fsdp(config: RunConfig) -> None:
     """One error naming the first setting live mode does not run with an FSDP2 model (``live/fsdp_share.py``:
-    what ran is the sum, the update, membership, joins, the durable tier and its resume; docs/live_recovery.md,
-    "Not done yet")."""
+    what ran is the sum, the update, membership, joins, the durable and local tiers and their resume;
+    docs/live_recovery.md, "Not done yet")."""
     checkpoint, guards = config.checkpoint, config.guards
-    refused = [("checkpoint.local_interval", checkpoint.local_interval != 0, "the local tier of FSDP2 state"),
-               ("checkpoint.memory_interval", checkpoint.memory_interval != 0, "the memory tier of FSDP2 state"),
+    refused = [("checkpoint.memory_interval", checkpoint.memory_interval != 0, "the memory tier of FSDP2 state"),
                ("guards.sdc.enabled_level", sdc_config_from_env(guards.sdc).enabled, "SDC detection on FSDP2 shares"),
                ("guards.fingerprint.interval", guards.fingerprint.enabled, "replica fingerprints of FSDP2 shards"),
                ("faults", bool(config.faults and (gradient_faults(config.faults) or site_faults(config.faults))),

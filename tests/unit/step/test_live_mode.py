@@ -252,7 +252,6 @@ def test_live_health_or_monitor_on_a_model_without_an_embedding_is_one_error_nam
 
 
 @pytest.mark.parametrize("items, key", [
-    (["checkpoint.local_interval=2"], "checkpoint.local_interval"),
     (["checkpoint.memory_interval=2"], "checkpoint.memory_interval"),
     (["guards.sdc.enabled_level=2"], "guards.sdc.enabled_level"),
     (["guards.fingerprint.interval=5"], "guards.fingerprint.interval"),
@@ -260,12 +259,14 @@ def test_live_health_or_monitor_on_a_model_without_an_embedding_is_one_error_nam
 ])
 def test_what_live_mode_does_not_run_with_an_fsdp2_model_is_refused_naming_the_key(items, key):
     """With a model sharded by ``fully_shard`` (Guard checks ``fsdp_modules``), each setting not built for
-    FSDP2 shares is one ConfigError naming its key; the durable tier, data skip, a rank's kill are not refused."""
+    FSDP2 shares is one ConfigError naming its key; the durable and local tiers, data skip, a rank's kill are not
+    refused."""
     from trainguard.config.load import with_overrides
     from trainguard.step.live import refuse_with_fsdp
 
     base = with_overrides(LIVE, ["guards.fingerprint.interval=0"])
-    refuse_with_fsdp(with_overrides(base, ["checkpoint.save_interval=5", "faults=kill:rank=3,step=2",
+    refuse_with_fsdp(with_overrides(base, ["checkpoint.save_interval=5", "checkpoint.local_interval=1",
+                                           "faults=kill:rank=3,step=2",
                                            "guards.skip.enabled=true"]))
     with pytest.raises(ConfigError, match=f"config key '{key}'") as refused:
         refuse_with_fsdp(with_overrides(base, items))

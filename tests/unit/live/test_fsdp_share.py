@@ -3,7 +3,8 @@ gloo groups in 4 forked processes, 2 replica groups x 2: each group's ranks make
 group and shard a tiny MLP (dropout in it) with ``fully_shard`` over its mesh; every FSDP2 collective runs
 on a 4-rank "epoch" group, as in a live run. Group 0 computes its own share and then group 1's at the same
 positions; group 1 computes its own: group 0's partial of group 1 is bitwise group 1's, and one
-reduce-scatter ran per share."""
+reduce-scatter ran per share. And the state a live rank undoes to, and sends a joiner as plain rows, comes
+back bitwise into the DTensor shards."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from trainguard.live.fsdp_comms import EpochReduceScatter, GroupChannel
 from trainguard.live.fsdp_share import FsdpShares, fsdp_modules
 from trainguard.live.group_reduce import SlotLayout
+from trainguard.live.state import LiveState
 
 LAYOUT = SlotLayout(2, 2, 8)
 
@@ -25,6 +27,14 @@ LAYOUT = SlotLayout(2, 2, 8)
 def _loss_of(model: torch.nn.Module, step: int, micro_batch: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(100 * step + micro_batch)
     return F.mse_loss(model(torch.randn(4, 8, generator=g)), torch.randn(4, 3, generator=g))
+
+
+class _NoGuards:
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
 
 
 def _rank(rank: int, port: int, results) -> None:
@@ -63,7 +73,25 @@ def _rank(rank: int, port: int, results) -> None:
             epoch.send([computed[1]], rank - 2, 0).wait()
         else:
             epoch.recv([theirs], rank + 2, 0).wait()
+        # a step undone (LiveState.undo_point/undo: DTensors kept) and a joiner's load of a peer's state
+        # (LiveState.state_dict: plain rows, made DTensors again) give back the shards bitwise
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        shares.set_grads(computed[1][:-1])
+        optimizer.step()
+        state = LiveState(model, optimizer, _NoGuards())
+        before, sent = state.undo_point(), state.state_dict()
+        shares.set_grads(computed[1][:-1])
+        optimizer.step()
+        stepped = [param.to_local().clone() for param in model.parameters()]
+        state.undo(before)
+        undone = [param.to_local().clone() for param in model.parameters()]
+        optimizer.step()  # the same gradients again: bitwise the step that was undone
+        redone = all(torch.equal(param.to_local(), again) for param, again in zip(model.parameters(), stepped))
+        state.load(sent)
+        loaded = all(torch.equal(param.to_local(), kept) for param, kept in zip(model.parameters(), undone))
+        plain = all(type(value) is torch.Tensor for value in sent["model"].values())
         results[rank] = {"mine_of_1": computed[1].tolist(), "group_1_rank": theirs.tolist(),
+                         "undo": redone and loaded and plain,
                          "reduce_scatters": computed[f"reduce_scatters_{1}"],
                          "local_numel": shares.local_numel()}
     except BaseException:
@@ -83,6 +111,7 @@ def test_a_group_computing_another_groups_share_gets_bitwise_that_groups_partial
         results = dict(results)
     for rank in range(4):
         assert isinstance(results.get(rank), dict), results.get(rank)
+    assert all(results[rank]["undo"] for rank in range(4))
     for rank in (0, 1):  # group 0's positions computed group 1's share
         assert results[rank]["mine_of_1"] == results[rank]["group_1_rank"], rank
     # one reduce-scatter per FSDP module (3 here: two layers and the root, which holds no parameter of its

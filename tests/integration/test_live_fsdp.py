@@ -9,7 +9,9 @@ Durable checkpoints every 4 steps (DCP of the DTensor shards). Every rank's fina
 state, and both durable checkpoints, are the fault-free run's, bitwise; and so is a fault-free run stopped
 at step 5 (``train.exit_at_step``: saved) and started again with ``--resume auto``; and so is a job SIGKILLed
 whole (launcher and ranks) after step 6, with the local tier on (every step), run again with ``--resume
-auto``: it resumes from the local tier's step, newer than the durable step 4."""
+auto``: it resumes from the local tier's step, newer than the durable step 4. Replica fingerprints every 2
+steps; in the stopped run rank 1 has a bit of its Adam moment flipped at rest before step 4: found, and
+repaired from rank 3 (its replica) before that step computes."""
 
 from __future__ import annotations
 
@@ -39,8 +41,10 @@ CONFIG = """fault_tolerance: {live: true, fsdp: true}
 parallel: {dp_replicate: 2, dp_shard: 2}
 train: {micro_batches: 8, steps: %d}
 checkpoint: {save_interval: 4}
-guards: {fingerprint: {interval: 0}}
+guards: {fingerprint: {interval: 2}}
 """ % STEPS
+# a bit of rank 1's Adam moment flipped at rest before step 4, where replica fingerprints (every 2 steps) check
+STATEFLIP = "stateflip:rank=1,step=4,site=3.weight,state=exp_avg,bit=30"
 # the whole model's parameter shapes (live_fsdp_loop.py's MLP)
 WHOLE = {"0.weight": (16, 8), "0.bias": (16,), "3.weight": (16, 16), "3.bias": (16,), "5.weight": (3, 16), "5.bias": (3,)}
 
@@ -84,7 +88,7 @@ def runs(tmp_path_factory):
     config = root / "live_fsdp.yaml"
     config.write_text(CONFIG, encoding="utf-8")
     for name, overrides in (("clean", ()), ("killed", (f"faults=kill:rank={KILLED},step={KILL_AT}",)),
-                            ("resumed", ("train.exit_at_step=5",)), ("resumed", ())):
+                            ("resumed", ("train.exit_at_step=5", f"faults={STATEFLIP}")), ("resumed", ())):
         done = _run(config, root / name, *overrides)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     local = root / "live_fsdp_local.yaml"
@@ -128,6 +132,13 @@ def test_a_lost_fsdp2_group_or_a_resume_ends_bitwise_equal_to_the_fault_free_run
     clean = _durable(runs / "clean", STEPS)
     assert len(clean) == 24 and [tuple(clean["model.0.weight"].shape)] == [WHOLE["0.weight"]]
     assert not [key for key, value in _durable(runs / run, STEPS).items() if not torch.equal(value, clean[key])]
+
+
+def test_fingerprints_found_the_flipped_fsdp2_shard_and_repaired_it_from_its_replica(runs):
+    events = list(read_events(events_path(runs / "resumed")))
+    assert [e["flipped"] for e in events if e["kind"] == "fault_injected"] == [True]
+    found = [e for e in events if e["kind"] == "fingerprint_mismatch"]
+    assert [(e["step"], e["group"], e["faulty"], e["repaired"]) for e in found] == [(4, [1, 3], [1], ["state"])]
 
 
 def test_the_sigkilled_job_resumed_from_the_local_tiers_newer_step(runs):

@@ -254,20 +254,22 @@ def test_live_health_or_monitor_on_a_model_without_an_embedding_is_one_error_nam
 @pytest.mark.parametrize("items, key", [
     (["checkpoint.memory_interval=2"], "checkpoint.memory_interval"),
     (["guards.sdc.enabled_level=2"], "guards.sdc.enabled_level"),
-    (["guards.fingerprint.interval=5"], "guards.fingerprint.interval"),
     (["faults=spike:step=3,factor=100"], "faults"),
+    (["faults=bitflip:rank=1,step=3,site=0,where=output"], "faults"),
 ])
 def test_what_live_mode_does_not_run_with_an_fsdp2_model_is_refused_naming_the_key(items, key):
     """With a model sharded by ``fully_shard`` (Guard checks ``fsdp_modules``), each setting not built for
-    FSDP2 shares is one ConfigError naming its key; the durable and local tiers, data skip, a rank's kill are not
-    refused."""
+    FSDP2 shares is one ConfigError naming its key; the durable and local tiers, fingerprints, data skip, a
+    rank's kill and a stateflip are not refused."""
     from trainguard.config.load import with_overrides
     from trainguard.step.live import refuse_with_fsdp
 
-    base = with_overrides(LIVE, ["guards.fingerprint.interval=0"])
+    base = LIVE
     refuse_with_fsdp(with_overrides(base, ["checkpoint.save_interval=5", "checkpoint.local_interval=1",
-                                           "faults=kill:rank=3,step=2",
+                                           "guards.fingerprint.interval=2",
+                                           "faults=kill:rank=3,step=2; stateflip:rank=1,step=4,site=w,state=exp_avg",
                                            "guards.skip.enabled=true"]))
+    configured = with_overrides(base, items)
     with pytest.raises(ConfigError, match=f"config key '{key}'") as refused:
-        refuse_with_fsdp(with_overrides(base, items))
+        refuse_with_fsdp(configured)
     assert len(str(refused.value).splitlines()) == 1

@@ -187,6 +187,10 @@ def live_rank(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
     live_drill(config.faults, args.world, args.steps)  # the kill is the launcher's; anything else refused here
     if fsdp_modules(model):
         refuse_with_fsdp(config)
+    elif config.fault_tolerance.fsdp:
+        raise ConfigError("config key 'fault_tolerance.fsdp' is true but the model has no FSDP2 module: shard it with "
+                          "fully_shard(module, mesh=trainguard.data_parallel_mesh()), or turn the key off (live mode "
+                          "then shards the parameters by rows itself)")
     rules = LiveRules(grad_clip=config.optim.grad_clip, skip=config.guards.skip,
                       max_consecutive_skips=config.guards.max_consecutive_skips,
                       gradient_faults=gradient_faults(config.faults), site_faults=site_faults(config.faults),

@@ -273,3 +273,11 @@ def test_what_live_mode_does_not_run_with_an_fsdp2_model_is_refused_naming_the_k
     with pytest.raises(ConfigError, match=f"config key '{key}'") as refused:
         refuse_with_fsdp(configured)
     assert len(str(refused.value).splitlines()) == 1
+
+
+def test_fault_tolerance_fsdp_with_a_model_not_sharded_by_fully_shard_is_refused_naming_the_key(tmp_path):
+    """The key on and the script's model whole: refused, not trained by rows in silence."""
+    model, optimizer = model_and_optimizer()
+    config = RunConfig(fault_tolerance=FaultToleranceConfig(live=True, fsdp=True))
+    with pytest.raises(ConfigError, match="config key 'fault_tolerance.fsdp'"):
+        trainguard.Guard(tmp_path, model, optimizer, config=config, live_argv=launcher_flags(tmp_path))

@@ -1,6 +1,6 @@
 """The typed verdicts of a step's guards and the precedence that turns them into the step's one decision.
 
-Each guard of the step is a plugin (``step/plugins/``) that, asked at its place in the step skeleton's
+Each guard of the step is a plugin (``guards/plugins/``, ``step/plugins/``) that, asked at its place in the step skeleton's
 fixed order, answers with a ``StepVerdict``. ``decide`` applies the precedence the step has always had:
 
 - the plugins are asked in order, and only while no earlier one has decided (a plugin that
@@ -47,7 +47,9 @@ Plugin = TypeVar("Plugin", bound=Watching)
 @dataclass(frozen=True)
 class Decision(Generic[Plugin]):
     verdict: StepVerdict
-    by: Plugin | None  # the plugin whose verdict it is; None for APPLY
+    # the plugin whose verdict it is; None for APPLY, and for a SKIP decided before any plugin was asked
+    # (live mode's SDC detection, ``live/step_judge.py``)
+    by: Plugin | None
 
 
 def decide(plugins: Sequence[Plugin], ask: Callable[[Plugin, StepVerdict], StepVerdict],

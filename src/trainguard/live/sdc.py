@@ -1,6 +1,6 @@
 """Silent-data-corruption detection with its rerun on a live step (``guards.sdc.*``, docs/sdc.md).
 
-The verdict is agreed by construction, as the skip decisions are (``step_guards``): every rank judges
+The verdict is agreed by construction, as the skip decisions are (``step_judge``): every rank judges
 values that every member holds alike after the step's sum, with the same detector state.
 
 - **Module points** (norm layers, blocks, the output head, ``guards.sdc.points``): each micro-batch's

@@ -2,7 +2,7 @@
 
 - **Its shard**: the model's parameters and the optimizer's state (this rank's rows of them in a sharded
   replica group, ``sharded_params``). A joiner receives it from a live replica of its shard.
-- **The engine's run state**: the guards' counters and windows (``step_guards``) and the LR scheduler,
+- **The engine's run state**: the guards' counters and windows (``step_judge``) and the LR scheduler,
   both stepped by the engine with each update (the scheduler with the optimizer, never on a skipped
   step, as the closure mode's), and the report of the last committed step (``committed``: what
   ``guard.step`` returns). Every member holds them alike; they are undone with the shard when a
@@ -35,7 +35,7 @@ import torch
 from trainguard.checkpoint.manager import Stateful
 from trainguard.errors import ConfigError
 from trainguard.live.dtensor_state import model_state_like, optimizer_state_like, plain
-from trainguard.live.step_guards import LiveGuards
+from trainguard.live.step_judge import LiveJudge
 
 GUARDS, SCHEDULER = "live_guards", "scheduler"  # the engine's objects' names in a checkpoint's extra state
 
@@ -54,9 +54,9 @@ class LiveState:
     """``scheduler``: any ``torch.optim.lr_scheduler`` scheduler stepped without arguments (None: the LR
     stays the optimizer's); ``stateful``: the loop's objects by name."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, guards: LiveGuards,
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, judge: LiveJudge,
                  scheduler: Any = None, stateful: Mapping[str, Stateful] | None = None):
-        self.model, self.optimizer, self.guards, self.scheduler = model, optimizer, guards, scheduler
+        self.model, self.optimizer, self.judge, self.scheduler = model, optimizer, judge, scheduler
         self.stateful = loop_objects(stateful)
         # the last committed step's report (``worker.CommittedStep`` as a dict): None before the first
         self.committed: dict[str, Any] | None = None
@@ -64,7 +64,7 @@ class LiveState:
     def checkpointed(self) -> dict[str, Stateful]:
         """What a durable checkpoint's extra state holds besides the model and the optimizer, by name: the
         closure mode's names for the scheduler and the loop's objects."""
-        engine = {GUARDS: self.guards} | ({SCHEDULER: self.scheduler} if self.scheduler is not None else {})
+        engine = {GUARDS: self.judge} | ({SCHEDULER: self.scheduler} if self.scheduler is not None else {})
         return engine | self.stateful
 
     def after_update(self) -> None:
@@ -81,7 +81,7 @@ class LiveState:
     def engine_state(self) -> dict[str, Any]:
         """The shard and the engine's run state (references to the live tensors)."""
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "guards": self.guards.state_dict(),
+                "guards": self.judge.state_dict(),
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                 "committed": self.committed}
 
@@ -105,7 +105,7 @@ class LiveState:
         self.optimizer.load_state_dict(optimizer_state_like(self.optimizer, state["optimizer"]))
 
     def load_run_state(self, state: dict[str, Any], loop_objects: bool = False) -> None:
-        self.guards.load_state_dict(state["guards"])
+        self.judge.load_state_dict(state["guards"])
         self.committed = state.get("committed")
         if self.scheduler is not None:
             if state.get("scheduler") is None:

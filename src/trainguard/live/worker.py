@@ -11,8 +11,8 @@ group reduce-scatter plus cross-group sum of ``group_reduce``; whole replicas: o
 per micro-batch, ``ordered_sum``), which also carries the step's loss, the "a newer epoch exists" flag,
 each rank's stop reasons (the lifecycle's: kill switch, signal, time limit) and each micro-batch's SDC
 detection values, keep the state of before the update (the one step a survivor may have to
-undo, below), judge the summed gradient with the closure mode's guards (``step_guards``: data skip, a
-non-finite norm, the skip streak; the drill's gradient faults first; SDC detection with its rerun,
+undo, below), judge the summed gradient with the closure mode's update plugins and precedence (``step_judge``: data
+skip, a non-finite norm, the skip streak; the drill's gradient faults first; SDC detection with its rerun,
 ``live/sdc.py``, on values every member holds alike after the sum), apply the update unless it is
 skipped, and stop at this boundary with a durable save if any rank saw a reason, or at
 ``train.exit_at_step``. A failed collective means the epoch is over: the rank reports
@@ -58,6 +58,7 @@ from trainguard.guards.sdc import SdcConfig
 from trainguard.guards.skip import SkipConfig
 from trainguard.guards.skip_streak import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from trainguard.guards.step_skips import StepSkips
+from trainguard.guards.step_verdict import StepVerdict
 from trainguard.live import collective
 from trainguard.live.durable import LiveCheckpoints
 from trainguard.live.fsdp_comms import GroupChannel
@@ -77,7 +78,7 @@ from trainguard.live.sdc import CLEAN, LiveSdc
 from trainguard.live.state import LiveState
 from trainguard.live.step_failures import (STEP_FAILURE, StepFailed, StepFailures, StepFailureVerdict,
                                            failure_text)
-from trainguard.live.step_guards import LiveGuards
+from trainguard.live.step_judge import LiveJudge
 from trainguard.live.transfer import send_shards
 from trainguard.live.files import checkpoint_path, events_path, final_path
 from trainguard.norms.global_norm import clip_grads_
@@ -278,10 +279,10 @@ class LiveWorker:
         self.sdc = (LiveSdc(rules.sdc, model, args.micro_batches, rank, args.run_dir, self.log, self.events,
                             self.reports, shards=args.group_size, over_shards=self.over_shards)
                     if rules.sdc.enabled else None)
-        self.guards = LiveGuards(StepSkips(rules.skip, rules.max_consecutive_skips, self.log, self.events.emit,
-                                           reports=self.reports), self.sdc)
+        self.judge = LiveJudge(StepSkips(rules.skip, rules.max_consecutive_skips, self.log, self.events.emit,
+                                         reports=self.reports), self.sdc)
         # what an undo restores, a joiner receives and a checkpoint holds (the scheduler, the loop's objects)
-        self.state = LiveState(model, optimizer, self.guards, scheduler, stateful)
+        self.state = LiveState(model, optimizer, self.judge, scheduler, stateful)
         self.fingerprints = (LiveFingerprints(rules.fingerprint, model, optimizer, self.state, rank, args.group_size,
                                               self.log, self.events, self.reports)
                              if rules.fingerprint.enabled else None)
@@ -543,7 +544,10 @@ class LiveWorker:
             norm, embedding_norm = self.norms(grads)
         self.reduce_marks.left(quorum.epoch, step)
         # every rank's alike: the same sum, the same state
-        skipped = self.guards.judge(number, norm, loss, sdc_skipped=sdc.skip)
+        decision = self.judge.judge(number, norm, loss, sdc_skipped=sdc.skip)
+        if decision.verdict is StepVerdict.ABORT:  # every member judged the same sum: all end at this step
+            raise decision.by.abort_cause()
+        skipped = decision.verdict is StepVerdict.SKIP
         if not skipped:
             if self.rules.grad_clip > 0:
                 clip_grads_(grads, self.rules.grad_clip, norm)
@@ -788,7 +792,7 @@ class LiveWorker:
         began = time.time()
         self.enter(quorum, self.step_index)
         sent = send_shards(self.group, quorum, self.rank, self.group_size, self.state, self.wait)
-        self.guards.welcome(quorum.joining)
+        self.judge.welcome(quorum.joining)
         self.events.emit("live_switch", step=self.step_index, epoch=epoch, state_bytes=sent,
                          paused_s=time.time() - began)
 
@@ -812,7 +816,7 @@ class LiveWorker:
                 self.leave_if_fsdp(self.leave_epoch(error, NO_STATE))
                 continue
             break
-        self.guards.welcome(quorum.joining)
+        self.judge.welcome(quorum.joining)
         self.previous = None
         self.events.emit("live_joined", step=start, epoch=quorum.epoch, state_bytes=received,
                          waited_s=time.time() - asked)

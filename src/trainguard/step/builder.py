@@ -27,19 +27,17 @@ from trainguard.errors import ConfigError
 from trainguard.events import EventLog
 from trainguard.events.rank_logging import LOGGER_NAME, setup_logging
 from trainguard.faults import FaultInjector
+from trainguard.guards.plugins.update import update_plugins
 from trainguard.guards.rollback import RollbackGuard
 from trainguard.guards.sdc import sdc_config_from_env
 from trainguard.guards.state_guard import StateGuard
+from trainguard.guards.step_plugin import GuardPlugin
 from trainguard.guards.step_skips import StepSkips
 from trainguard.runtime.heartbeat import node_name
 from trainguard.runtime.lifecycle import Lifecycle
 from trainguard.step.embedding import EmbeddingNorm
 from trainguard.step.local_tier import build_local_tier, build_memory_tier, resolve_ranks_per_node
-from trainguard.step.plugin import GuardPlugin
-from trainguard.step.plugins.data_skip import DataSkip
-from trainguard.step.plugins.nonfinite import NonFiniteSkip
 from trainguard.step.plugins.sdc import SdcRerun
-from trainguard.step.plugins.skip_streak import SkipStreakLimit
 from trainguard.step.plugins.spike_rollback import SpikeRollback
 from trainguard.step.plugins.state import StatePlugin
 from trainguard.step.rollback import SkippableData, skippable_data
@@ -90,9 +88,8 @@ class StepPlugins:
 
 def build_step_plugins(parts: GuardParts) -> StepPlugins:
     """The plugins of the guards ``parts`` holds. The order is the precedence (``guards/step_verdict.decide``):
-    the state and SDC checks come first, so that the data skip judges the rerun's scalars; the data skip
-    and rollback mode (never both: the config refuses it) before the non-finite norm, which they judge a
-    spike themselves; the streak last, counting whatever skipped the step."""
+    the state and SDC checks come first, so that the data skip judges the rerun's scalars; then the update's
+    plugins as live mode asks them too (``guards/plugins/update.update_plugins``), rollback mode among them."""
     def state(before_backward: bool) -> StatePlugin:
         return StatePlugin(parts.state, parts.checkpoints, parts.events, parts.rank, parts.log,
                            before_backward=before_backward)
@@ -100,13 +97,9 @@ def build_step_plugins(parts: GuardParts) -> StepPlugins:
     integrity: list[GuardPlugin] = [state(before_backward=False)]
     if parts.sdc is not None:
         integrity.append(SdcRerun(parts.sdc, parts.events, parts.rank, parts.world_size, parts.device))
-    update: list[GuardPlugin] = []
-    if parts.skips.data_skip is not None:
-        update.append(DataSkip(parts.skips))
-    if parts.rollback is not None:
-        update.append(SpikeRollback(parts.rollback, parts.data, parts.checkpoints, parts.events, parts.rank))
-    update += [NonFiniteSkip(parts.skips), SkipStreakLimit(parts.skips)]
-    return StepPlugins([state(before_backward=True)], integrity, update)
+    rollback = (SpikeRollback(parts.rollback, parts.data, parts.checkpoints, parts.events, parts.rank)
+                if parts.rollback is not None else None)
+    return StepPlugins([state(before_backward=True)], integrity, update_plugins(parts.skips, rollback))
 
 
 def input_embedding(model: torch.nn.Module) -> torch.nn.Parameter | None:

@@ -29,7 +29,7 @@ process from inside ``step`` after the last checkpoint commits.
 In the closure mode ``Guard`` keeps the run's course (resume, stop, close) and delegates the rest: the
 builder (``step/builder.py``) makes every collaborator from the config, the step skeleton
 (``step/skeleton.py``) runs the same sequence at every step, and each guard is a plugin of it
-(``step/plugins/``) answering with a typed ``StepVerdict`` (``guards/step_verdict.py``: apply, skip, rerun,
+(``guards/plugins/``, ``step/plugins/``) answering with a typed ``StepVerdict`` (``guards/step_verdict.py``: apply, skip, rerun,
 rollback, abort).
 """
 

@@ -8,8 +8,8 @@ failed group's micro-batches); the model, the optimizer, the guards' counters, t
 and the loop's ``stateful`` objects are the whole state of the run (``live/state.py``). Live mode runs the
 durable tier (``live/durable.py``: its interval, retention, resume, async and writer keys), the local and
 memory tiers (``live/local_tier.py``), the mirror of durable checkpoints (``checkpoint.mirror.*``; a mirror
-URL to resume from is refused), data skip and the skip streak (``live/step_guards.py``: ``guards.skip.*``,
-``guards.max_consecutive_skips``), SDC detection with its rerun (``live/sdc.py``: ``guards.sdc.*``), replica
+URL to resume from is refused), data skip and the skip streak (``live/step_judge.py``: the closure mode's
+plugins and ``decide``; ``guards.skip.*``, ``guards.max_consecutive_skips``), SDC detection with its rerun (``live/sdc.py``: ``guards.sdc.*``), replica
 fingerprints (``live/fingerprint.py``: ``guards.fingerprint.*``), checkpoint health and the embedding
 monitor (``LiveWorker.health``: ``guards.health.*``, ``guards.monitor``), the kill switch, the time limit and ``train.exit_at_step``
 (``LiveWorker.stop_here``), the heartbeat files (``lifecycle.heartbeats``), and writes ``hf_config`` (and the
@@ -45,7 +45,7 @@ from trainguard.live.worker import LiveArgs, LiveRules
 # the run configuration's sections that only the closure mode (``Guard.step``) runs, but for the keys below
 CLOSURE_MODE_SECTIONS = ("checkpoint", "guards", "lifecycle")
 # the keys of those sections that live mode runs too (patterns): the durable tier's (``live.durable``), the
-# skip decisions' (``live.step_guards``), SDC detection's (``live.sdc``), the replica fingerprints'
+# skip decisions' (``live.step_judge``), SDC detection's (``live.sdc``), the replica fingerprints'
 # (``live.fingerprint``), checkpoint health's and the embedding monitor's (``LiveWorker.health``), the kill
 # switch's and the time limit's (``LiveWorker.stop_here``), the heartbeat files' (``LiveRank.start``)
 LIVE_SECTION_KEYS = ("checkpoint.save_interval", "checkpoint.keep_last", "checkpoint.keep_every",

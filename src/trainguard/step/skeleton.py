@@ -3,7 +3,7 @@
 1. the faults due at the step's start; the state plugin's at-rest check (a fingerprint step);
 2. zero the gradients and run the backward (this rank's micro-batches, or the loop's closure);
 3. one all-reduce of constant size: the global norm, the loss and every plugin's indicators
-   (``step/slots.py``);
+   (``guards/step_slots.py``);
 4. ask the plugins for their ``StepVerdict`` (``guards/step_verdict.decide``): first whether the computation
    can be trusted (state at rest, SDC: a RERUN runs the backward again and reduces again), then whether
    the update is applied (data skip, rollback mode, a non-finite norm, the skip streak);
@@ -25,15 +25,15 @@ import torch.distributed as dist
 
 from trainguard.config.schema import RunConfig
 from trainguard.guards.sdc import FaultyDeviceError, faulty_ranks_path, write_faulty_ranks
+from trainguard.guards.step_plugin import Exclusion, GuardPlugin, RerunJudge, StepCheck
+from trainguard.guards.step_slots import Reduced, Slot, local_slots, reduce_step
+from trainguard.guards.step_verdict import ENDS_THE_STEP, Decision, StepVerdict, decide
 from trainguard.norms import clip_grads_, local_grad_norms
 from trainguard.step.builder import GuardParts, StepPlugins
-from trainguard.step.plugin import Exclusion, GuardPlugin, RerunJudge, StepCheck
 from trainguard.step.position import RunPosition
 from trainguard.step.report import StepReport
 from trainguard.step.saving import StepSaves
-from trainguard.step.slots import Reduced, Slot, local_slots, reduce_step
 from trainguard.step.snapshot import StepSnapshot
-from trainguard.guards.step_verdict import ENDS_THE_STEP, Decision, StepVerdict, decide
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from trainguard.guards.fingerprint import (
     word_sums,
 )
 from trainguard.guards.state_guard import StateGuard
-from trainguard.step.slots import Slot, local_slots
 from trainguard.guards.state_health import local_state, merge_health, nonfinite_state, poisoned_health
+from trainguard.guards.step_slots import Slot, local_slots
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -52,7 +52,7 @@ RANK = {"train.seed": 43, "optim.grad_clip": 0.5,
         "checkpoint.mirror.url": "s3://bucket/run", "checkpoint.mirror.every": 2, "checkpoint.mirror.keep_every": 4,
         "checkpoint.mirror.bandwidth_mbps": 10.0, "checkpoint.mirror.endpoint_url": "http://127.0.0.1:1",
         "checkpoint.mirror.workers": 2,
-        # the skip decisions and the stops (``live.step_guards``, ``LiveWorker.stop_here``;
+        # the skip decisions and the stops (``live.step_judge``, ``LiveWorker.stop_here``;
         # tests/integration/test_live_guards.py)
         "guards.skip.enabled": True, "guards.skip.threshold": 5.0, "guards.skip.count_threshold": 3,
         "guards.skip.mode": "adaptive", "guards.skip.window": 64, "guards.skip.z_threshold": 5.0,

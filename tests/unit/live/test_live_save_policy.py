@@ -19,7 +19,7 @@ from trainguard.guards.step_skips import StepSkips
 from trainguard.live.durable import LiveCheckpoints
 from trainguard.live.quorum import Quorum
 from trainguard.live.state import LiveState
-from trainguard.live.step_guards import LiveGuards
+from trainguard.live.step_judge import LiveJudge
 
 
 @pytest.fixture
@@ -27,7 +27,7 @@ def checkpoints(tmp_path):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     model = torch.nn.Linear(2, 1)
     events = EventLog(None)
-    guards = LiveGuards(StepSkips(SkipConfig(), 0, logging.getLogger("test"), events.emit, reports=lambda: False))
+    guards = LiveJudge(StepSkips(SkipConfig(), 0, logging.getLogger("test"), events.emit, reports=lambda: False))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     yield LiveCheckpoints(store, tmp_path, CheckpointConfig(save_interval=5), 0, model, optimizer, 1,
                           contextlib.nullcontext, LiveState(model, optimizer, guards), events,

@@ -10,6 +10,7 @@ import logging
 
 import pytest
 import torch
+from helpers.counter import Counter
 
 from trainguard.checkpoint.staging import serialised
 from trainguard.errors import ConfigError
@@ -17,8 +18,7 @@ from trainguard.events import EventLog
 from trainguard.guards.skip import SkipConfig
 from trainguard.guards.step_skips import StepSkips
 from trainguard.live.state import GUARDS, SCHEDULER, LiveState
-from trainguard.live.step_guards import LiveGuards
-from helpers.counter import Counter
+from trainguard.live.step_judge import LiveJudge
 
 STEPS = 12
 
@@ -37,8 +37,8 @@ def rank_state(make_scheduler, scheduled: bool = True) -> LiveState:
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    guards = LiveGuards(StepSkips(SkipConfig(), 0, logging.getLogger("test"), EventLog(None).emit,
-                                  reports=lambda: False))
+    guards = LiveJudge(StepSkips(SkipConfig(), 0, logging.getLogger("test"), EventLog(None).emit,
+                                 reports=lambda: False))
     return LiveState(model, optimizer, guards, make_scheduler(optimizer) if scheduled else None,
                      {"data": Counter()})
 

@@ -13,22 +13,22 @@ from torch import nn
 from trainguard.config import load_config
 from trainguard.events.log import EventLog
 from trainguard.guards.fingerprint import FingerprintConfig
+from trainguard.guards.plugins.data_skip import DataSkip
+from trainguard.guards.plugins.nonfinite import NonFiniteSkip
+from trainguard.guards.plugins.skip_streak import SkipStreakLimit
 from trainguard.guards.rollback import RollbackConfig, RollbackGuard
 from trainguard.guards.sdc import SdcConfig
 from trainguard.guards.skip import DataSkipAbort, SkipConfig
 from trainguard.guards.state_guard import StateGuard
+from trainguard.guards.step_plugin import Exclusion, StepCheck
 from trainguard.guards.step_skips import StepSkips
+from trainguard.guards.step_slots import Reduced, Slot
+from trainguard.guards.step_verdict import StepVerdict
 from trainguard.step.builder import build_guard_parts, build_step_plugins
-from trainguard.step.plugin import Exclusion, StepCheck
-from trainguard.step.plugins.data_skip import DataSkip
-from trainguard.step.plugins.nonfinite import NonFiniteSkip
 from trainguard.step.plugins.sdc import STEP_AFTER_RERUN, SdcRerun
-from trainguard.step.plugins.skip_streak import SkipStreakLimit
 from trainguard.step.plugins.spike_rollback import SpikeRollback
 from trainguard.step.plugins.state import StatePlugin, state_verdict
 from trainguard.step.sdc import RerunVerdict, SdcGuard
-from trainguard.step.slots import Reduced, Slot
-from trainguard.guards.step_verdict import StepVerdict
 from trainguard.trainer.data import StatefulSampler
 
 APPLY, SKIP, RERUN, ROLLBACK, ABORT = (StepVerdict.APPLY, StepVerdict.SKIP, StepVerdict.RERUN, StepVerdict.ROLLBACK,

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from trainguard.step.slots import SLOTS, Slot, local_slots, reduce_step
+from trainguard.guards.step_slots import SLOTS, Slot, local_slots, reduce_step
 
 
 def test_buffer_size_does_not_depend_on_the_world_or_the_flags():

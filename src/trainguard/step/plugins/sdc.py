@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 
 from trainguard.events import EventLog
-from trainguard.step.plugin import Exclusion, GuardPlugin, StepCheck
-from trainguard.step.sdc import RerunVerdict, SdcGuard
-from trainguard.step.slots import Reduced, Slot
+from trainguard.guards.step_plugin import Exclusion, GuardPlugin, StepCheck
+from trainguard.guards.step_slots import Reduced, Slot
 from trainguard.guards.step_verdict import StepVerdict
+from trainguard.step.sdc import RerunVerdict, SdcGuard
 
 # the slot each rank raises for its verdict after a rerun
 VERDICT_SLOTS = {RerunVerdict.TRANSIENT: Slot.SDC_TRANSIENT, RerunVerdict.REPRODUCIBLE: Slot.SDC_REPRODUCIBLE,

@@ -8,9 +8,9 @@ from __future__ import annotations
 from trainguard.checkpoint.manager import CheckpointManager
 from trainguard.events import EventLog
 from trainguard.guards.rollback import RollbackAbort, RollbackGuard, Spike
-from trainguard.step.plugin import GuardPlugin, Restored, StepCheck
-from trainguard.step.rollback import SkippableData, roll_back
+from trainguard.guards.step_plugin import GuardPlugin, Restored, StepCheck
 from trainguard.guards.step_verdict import StepVerdict
+from trainguard.step.rollback import SkippableData, roll_back
 
 
 class SpikeRollback(GuardPlugin):

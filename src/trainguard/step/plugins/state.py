@@ -16,8 +16,8 @@ from typing import Any
 from trainguard.checkpoint.manager import CheckpointManager
 from trainguard.events import EventLog
 from trainguard.guards.state_guard import StateGuard
-from trainguard.step.plugin import Exclusion, GuardPlugin, Restored, StepCheck
-from trainguard.step.slots import Slot
+from trainguard.guards.step_plugin import Exclusion, GuardPlugin, Restored, StepCheck
+from trainguard.guards.step_slots import Slot
 from trainguard.guards.step_verdict import StepVerdict
 
 

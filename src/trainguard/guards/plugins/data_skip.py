@@ -5,8 +5,8 @@ events, exit 3)."""
 from __future__ import annotations
 
 from trainguard.guards.skip import DataSkipAbort
+from trainguard.guards.step_plugin import GuardPlugin, StepCheck
 from trainguard.guards.step_skips import StepSkips
-from trainguard.step.plugin import GuardPlugin, StepCheck
 from trainguard.guards.step_verdict import StepVerdict
 
 

@@ -1,6 +1,6 @@
 """What a guard plugin of the step skeleton is: its hooks, what it judges, and what it hands back.
 
-A plugin (``step/plugins/``) raises this rank's indicators for the step's one all-reduce (``flags``),
+A plugin (``guards/plugins/``, ``step/plugins/``) raises this rank's indicators for the step's one all-reduce (``flags``),
 answers with a ``StepVerdict`` when the skeleton asks (``verdict``), and carries out what only it knows
 how to: a rollback (``roll_back``), the cause of an abort (``abort_cause``). The skeleton asks a plugin
 for ``roll_back`` or ``abort_cause`` only after that plugin answered ROLLBACK or ABORT; a RERUN is the
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from trainguard.errors import TrainguardError
-from trainguard.step.slots import Reduced, Slot
+from trainguard.guards.step_slots import Reduced, Slot
 from trainguard.guards.step_verdict import StepVerdict
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 
+from trainguard.guards.step_plugin import GuardPlugin, StepCheck
 from trainguard.guards.step_skips import StepSkips
-from trainguard.step.plugin import GuardPlugin, StepCheck
 from trainguard.guards.step_verdict import StepVerdict
 
 

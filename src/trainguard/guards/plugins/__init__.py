@@ -1,0 +1,5 @@
+"""The step's guards that both step engines run, as plugins answering a typed ``StepVerdict``:
+``data_skip`` (SKIP, ABORT), ``nonfinite`` (SKIP), ``skip_streak`` (ABORT), in the order
+``update.update_plugins`` gives them. They judge values every rank holds alike (the closure mode's
+all-reduced scalars, live mode's order-fixed sum), through ``step_skips.StepSkips``. The plugins that
+need the closure mode's collectives or checkpoints (state, SDC rerun, rollback mode) are ``step/plugins/``."""

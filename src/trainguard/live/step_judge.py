@@ -1,0 +1,74 @@
+"""A live step's decision, taken as the closure mode takes it: the same update plugins
+(``guards/plugins/update.update_plugins``: the data-skip rule, a non-finite global norm, the skip streak)
+asked through the same precedence (``guards/step_verdict.decide``), plus SDC detection's state
+(``live/sdc.py``: its detectors and strikes, when ``guards.sdc`` is on). Their state travels with the
+model and the optimizer: kept for an undone step, sent to a joining rank, saved in the durable tier.
+
+The decision is agreed by construction: every rank judges the same summed gradient (the order-fixed sum)
+with the same state, so every rank of every replica group skips, or aborts, at the same step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+from trainguard.errors import CheckpointError
+from trainguard.guards.plugins.update import update_plugins
+from trainguard.guards.step_plugin import GuardPlugin, StepCheck
+from trainguard.guards.step_skips import StepSkips
+from trainguard.guards.step_slots import Reduced, Slot
+from trainguard.guards.step_verdict import Decision, StepVerdict, decide
+from trainguard.live.sdc import LiveSdc
+
+# a live step raises no indicator of the closure mode's all-reduce: SDC detection judged it already (live/sdc.py)
+NO_INDICATORS = {slot: 0 for slot in Slot if slot != Slot.LOSS}
+
+
+def no_rerun_or_rollback(plugin: GuardPlugin, verdict: StepVerdict) -> NoReturn:
+    raise ValueError(f"{type(plugin).__name__} asked for {verdict.name} on a live step, which runs neither")
+
+
+class LiveJudge:
+    """``judge`` a step; ``skipped``: the steps skipped so far, whatever the cause (the scheduler stands
+    still on them: it steps with an applied update only, ``LiveState.after_update``)."""
+
+    def __init__(self, skips: StepSkips, sdc: LiveSdc | None = None):
+        self.skips = skips
+        self.plugins = update_plugins(skips)
+        self.sdc = sdc
+        self.skipped = 0
+
+    def judge(self, step: int, norm: float, loss: float, sdc_skipped: bool = False) -> Decision[GuardPlugin]:
+        """The decision on ``step`` (the closure mode's 1-based number): APPLY, SKIP or ABORT (its
+        ``by.abort_cause()``, a ``DataSkipAbort``, ends the run; its lines and events are written).
+        ``sdc_skipped``: SDC detection dropped the step already, which the skip streak counts as the
+        closure mode's does (the SDC plugin's SKIP, decided before the update's plugins)."""
+        check = StepCheck(step, Reduced(norm, loss, NO_INDICATORS), first_sample=None)
+        decided = Decision(StepVerdict.SKIP, None) if sdc_skipped else None
+        decision = decide(self.plugins, lambda plugin, so_far: plugin.verdict(check, so_far), no_rerun_or_rollback,
+                          decided)
+        self.skipped += decision.verdict is StepVerdict.SKIP
+        return decision
+
+    def welcome(self, joining: list[int]) -> None:
+        """Every member, once ``joining`` ranks received the state: what was kept against those ranks
+        (SDC strikes) was their predecessors'."""
+        if self.sdc is not None:
+            self.sdc.forget(joining)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain ints, floats and lists: loads with ``torch.load(weights_only=True)``."""
+        return {"skipped": self.skipped, **{name: obj.state_dict() for name, obj in self.skips.stateful.items()},
+                **(self.sdc.state() if self.sdc is not None else {})}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        skipped = state.get("skipped") if isinstance(state, dict) else None
+        if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
+            raise CheckpointError(f"live guards' state is malformed: skipped must be a non-negative integer, "
+                                  f"got {skipped!r}")
+        for name, obj in self.skips.stateful.items():
+            if name in state:
+                obj.load_state_dict(state[name])
+        if self.sdc is not None and "sdc_detector" in state:  # a state saved with SDC detection off has none
+            self.sdc.load(state)
+        self.skipped = skipped

@@ -89,6 +89,9 @@ class FaultToleranceConfig:
     # a live step whose computation (the loss, its backward) raised on some rank is tried again; failing
     # this many times in a row, it ends the run with exit 19 (live/step_failures.py)
     max_step_failures: int = 3
+    # FSDP2 inside each replica group: ``trainguard.data_parallel_mesh()`` returns the replica group's mesh,
+    # for ``fully_shard`` (live/replica_mesh.py); off, it returns None and live mode shards by rows itself
+    fsdp: bool = False
 
 
 @dataclass

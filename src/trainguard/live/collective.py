@@ -61,6 +61,15 @@ def watched(work: Callable[[], T], store: dist.Store, epoch: int, beat: Callable
     error raised here; ``EpochAborted`` as soon as the epoch ends (the thread is abandoned: blocked in a
     collective or a connection, it ends on its own at its timeout). ``doing``: for the error, "this rank
     <doing>"."""
+    def ended() -> str | None:
+        return f"epoch {epoch} ended while this rank {doing}" if store.check([abort_key(epoch)]) else None
+
+    return watched_until(work, ended, beat, f"epoch-{epoch}-watched")
+
+
+def watched_until(work: Callable[[], T], ended: Callable[[], str | None], beat: Callable[[], None], name: str) -> T:
+    """``work()`` in a thread named ``name`` while this rank beats; ``EpochAborted`` with ``ended()``'s
+    line as soon as it says something (polled every ``POLL_S``)."""
     outcome: list[tuple[bool, Any]] = []
 
     def run() -> None:
@@ -69,12 +78,13 @@ def watched(work: Callable[[], T], store: dist.Store, epoch: int, beat: Callable
         except BaseException as error:  # raised by the waiting thread (DCP's CheckpointException included)
             outcome.append((False, error))
 
-    thread = threading.Thread(target=run, name=f"epoch-{epoch}-watched", daemon=True)
+    thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
     while thread.is_alive():
         beat()
-        if store.check([abort_key(epoch)]):
-            raise EpochAborted(f"epoch {epoch} ended while this rank {doing}")
+        why = ended()
+        if why is not None:
+            raise EpochAborted(why)
         thread.join(POLL_S)
     done, value = outcome[0]
     if not done:

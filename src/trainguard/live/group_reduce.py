@@ -154,16 +154,43 @@ def reduce_sharded(group: dist.ProcessGroup, exchange: Exchange, slots: dict[int
     ``slots``: for each group of ``exchange.my_groups()``, this rank's slot of it: its whole flat gradient
     followed by its loss (``tree_sum`` of its micro-batches). ``shard_of(flat, s)``: shard ``s`` of a flat
     gradient (``ShardedParams.shard_flat``), ``shard_length`` this rank's shard's length. ``wait``: ``collective.wait`` bound to the epoch."""
-    layout, size = exchange.layout, exchange.layout.group_size
-    responsibilities = layout.responsibilities(exchange.live_groups())
-    mine = responsibilities[exchange.group]
-    # the flags, then the extras: float32 values, exact in float64 (a -0.0 arrives +0.0, added to the zeros
-    # each stage's sum starts from)
+    flag_row = _flag_row(flags, extras)
+    partials, group_flags = _reduce_in_group(group, exchange, slots, shard_of, shard_length, flag_row, wait)
+    return _sum_across_groups(group, exchange, partials, shard_length, group_flags, len(flags), extras, wait)
+
+
+def reduce_partials(group: dist.ProcessGroup, exchange: Exchange, shares: dict[int, torch.Tensor],
+                    flags: Sequence[int], wait: Callable[[dist.Work], None],
+                    extras: torch.Tensor | None = None) -> StepSum:
+    """``reduce_sharded`` for groups whose reduce-scatter is already done (FSDP2's, ``fsdp_share``):
+    ``shares`` holds, for each group of ``exchange.my_groups()``, this rank's shard of that group's partial
+    (flat, float32) followed by this rank's slot loss of it. Stage 1 sums the losses and the flags inside
+    the group; stage 2 adds the partials (each with its group's loss) in group order."""
+    flag_row = _flag_row(flags, extras)
+    losses = {j: share[-1:] for j, share in shares.items()}
+    loss_partials, group_flags = _reduce_in_group(group, exchange, losses, lambda flat, _s: flat, 0, flag_row, wait)
+    with_loss = {j: torch.cat([share[:-1], loss_partials[j]]) for j, share in shares.items()}
+    shard_length = next(iter(shares.values())).numel() - 1
+    return _sum_across_groups(group, exchange, with_loss, shard_length, group_flags, len(flags), extras, wait)
+
+
+def _flag_row(flags: Sequence[int], extras: torch.Tensor | None) -> torch.Tensor:
+    """The flags, then the extras: float32 values, exact in float64 (a -0.0 arrives +0.0, added to the zeros
+    each stage's sum starts from)."""
     beside = [torch.tensor([float(flag) for flag in flags], dtype=torch.float64)]
     if extras is not None:
         beside.append(extras.to(torch.float32).flatten().to(torch.float64))
-    flag_row = torch.cat(beside)
-    # stage 1: shard s of each of my slots (and its loss), then my flags, to my group's rank of shard s
+    return torch.cat(beside)
+
+
+def _reduce_in_group(group: dist.ProcessGroup, exchange: Exchange, slots: dict[int, torch.Tensor],
+                     shard_of: Callable[[torch.Tensor, int], torch.Tensor], shard_length: int,
+                     flag_row: torch.Tensor, wait: Callable[[dist.Work], None]
+                     ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    """Stage 1: shard s of each of my slots (and its loss), then my flags, to my group's rank of shard s;
+    returns my shard of each group partial I am responsible for (its loss last) and my group's flags."""
+    layout, size = exchange.layout, exchange.layout.group_size
+    mine = layout.responsibilities(exchange.live_groups())[exchange.group]
     outgoing = {exchange.group * size + s: _join([_with_loss(slots[j], s, shard_of) for j in mine], flag_row)
                 for s in range(size)}
     expected = {exchange.group * size + k: len(mine) * (shard_length + 1) + flag_row.numel() for k in range(size)}
@@ -171,21 +198,31 @@ def reduce_sharded(group: dist.ProcessGroup, exchange: Exchange, slots: dict[int
     by_position = [_split(received[exchange.group * size + k], len(mine), flag_row.numel()) for k in range(size)]
     partials = {j: tree_sum([by_position[k][0][i] for k in range(size)]) for i, j in enumerate(mine)}
     group_flags = sum((row for _, row in by_position), torch.zeros(flag_row.numel(), dtype=torch.float64))
-    # stage 2: my group partials' shard, then my group's flags, to the same shard of every live group
+    return partials, group_flags
+
+
+def _sum_across_groups(group: dist.ProcessGroup, exchange: Exchange, partials: dict[int, torch.Tensor],
+                       shard_length: int, group_flags: torch.Tensor, flag_count: int, extras: torch.Tensor | None,
+                       wait: Callable[[dist.Work], None]) -> StepSum:
+    """Stage 2: my group partials' shard, then my group's flags, to the same shard of every live group;
+    each rank adds the partials in tree order (group index)."""
+    layout, size = exchange.layout, exchange.layout.group_size
+    responsibilities = layout.responsibilities(exchange.live_groups())
+    mine = responsibilities[exchange.group]
     peers = [h * size + exchange.shard for h in exchange.live_groups()]
     outgoing = {peer: _join([partials[j] for j in mine], group_flags) for peer in peers}
-    expected = {peer: len(responsibilities[peer // size]) * (shard_length + 1) + flag_row.numel() for peer in peers}
+    expected = {peer: len(responsibilities[peer // size]) * (shard_length + 1) + group_flags.numel() for peer in peers}
     received = _all_to_all(group, exchange.members, outgoing, expected, wait)
     every: dict[int, torch.Tensor] = {}
-    total_flags = torch.zeros(flag_row.numel(), dtype=torch.float64)
+    total_flags = torch.zeros(group_flags.numel(), dtype=torch.float64)
     for peer in peers:
         groups = responsibilities[peer // size]
-        values, row = _split(received[peer], len(groups), flag_row.numel())
+        values, row = _split(received[peer], len(groups), group_flags.numel())
         every.update(zip(groups, values))
         total_flags += row
     total = tree_sum([every[j] for j in range(layout.groups)])
-    counts = [int(count) for count in total_flags[:len(flags)].tolist()]
-    carried = None if extras is None else total_flags[len(flags):].to(torch.float32).view(extras.shape)
+    counts = [int(count) for count in total_flags[:flag_count].tolist()]
+    carried = None if extras is None else total_flags[flag_count:].to(torch.float32).view(extras.shape)
     return StepSum(total[:-1], float(total[-1]), counts, carried)
 
 

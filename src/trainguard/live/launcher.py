@@ -128,6 +128,8 @@ class LiveRun:
     rank_env: tuple[tuple[str, str], ...] = ()
     # lifecycle.kill_switch_path: present when the job starts, no rank is started (the ranks watch it after)
     kill_switch: str | None = None
+    # fault_tolerance.fsdp: each rank's ``data_parallel_mesh()`` is its replica group's mesh (``--fsdp``)
+    fsdp: bool = False
 
     def __post_init__(self) -> None:
         if self.nodes and len(self.nodes) != self.groups + self.spares:
@@ -171,12 +173,19 @@ class LiveRun:
             except ValueError as error:
                 raise ConfigError(f"{source}: config keys 'parallel.dp_replicate', 'parallel.dp_shard', "
                                   f"'train.micro_batches': {error}") from None
+        if tolerance.fsdp and group_size == 1:
+            raise ConfigError(f"{source}: config key 'fault_tolerance.fsdp' needs 'parallel.dp_shard' > 1 (FSDP2 shards "
+                              "the parameters inside each replica group), got 1")
+        if tolerance.fsdp and tolerance.spares:
+            raise ConfigError(f"{source}: config key 'fault_tolerance.spares' must be 0 with fault_tolerance.fsdp: a "
+                              "warm spare learns its rank, and so its replica group's mesh, only when it replaces one, "
+                              f"after its script sharded the model; got {tolerance.spares}")
         faults = live_drill(config.faults, groups * group_size, config.train.steps, tolerance.spares)
         return cls(groups=groups, group_size=group_size, steps=config.train.steps,
                    micro_batches=config.train.micro_batches, spares=tolerance.spares, hang_s=tolerance.hang_s,
                    stall_s=tolerance.stall_s, stall_steps=tolerance.stall_steps,
                    collective_timeout_s=tolerance.collective_timeout_s, doctor_spares=tolerance.doctor_spares,
-                   resume=config.checkpoint.resume, kill_switch=config.lifecycle.kill_switch_path,
+                   resume=config.checkpoint.resume, kill_switch=config.lifecycle.kill_switch_path, fsdp=tolerance.fsdp,
                    **{**faults, **drill})
 
 
@@ -225,6 +234,8 @@ def _spawn(run: LiveRun, rank: int, store: SignedStore, run_dir: Path, rejoin: b
                "--collective-timeout-s", str(run.collective_timeout_s)] + (["--rejoin"] if rejoin else [])
     if node is not None:  # out of the launcher's signals: it ends the rank through its stdin (lifeline.py)
         command.append("--lifeline")
+    if run.fsdp:
+        command.append("--fsdp")
     if resume is not None:
         command += ["--resume", str(resume)]
     if spare is not None and run.doctor_spares:

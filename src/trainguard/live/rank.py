@@ -42,8 +42,8 @@ from trainguard.live.quorum import (spare_failed_key, spare_key, spare_ready_key
 from trainguard.live.signed_store import SignedStore
 from trainguard.live.spare_check import check_spare
 from trainguard.live.step_failures import StepFailed
-from trainguard.live.worker import (DEFAULT_RULES, FENCED_EXIT, WAIT_S, CommittedStep, Fenced, LiveArgs, LiveRules,
-                                    LiveWorker, MicroBatchLoss, SampleRange, micro_batch_grad)
+from trainguard.live.worker import (DEFAULT_RULES, FENCED_EXIT, WAIT_S, CommittedStep, Fenced, GroupOut, LiveArgs,
+                                    LiveRules, LiveWorker, MicroBatchLoss, SampleRange, micro_batch_grad)
 from trainguard.runtime.heartbeat import HeartbeatWriter
 from trainguard.runtime.lifecycle import Lifecycle
 from trainguard.run_secret import load_secret
@@ -52,6 +52,9 @@ SPARE_UNHEALTHY_EXIT = 5  # a spare that failed its self-test ends with this cod
 # the run's store (its launcher) is gone: this rank ends, and the supervising command starts the run again
 # from its newest durable checkpoint (``live.supervise``)
 STORE_LOST_EXIT = 18
+# an FSDP2 replica group left the quorum: its processes end with this code and are started again together
+# (``live/replica_mesh.py``)
+GROUP_OUT_EXIT = 20
 SPARE_WAIT_S = 24 * 3600.0  # a spare waits as long as a run lasts; the launcher ends it if unused
 
 
@@ -125,6 +128,9 @@ class LiveRank:
         except Fenced as fenced:
             self.fenced(fenced)
             return 0
+        except GroupOut as out:
+            self.group_out(out)
+            return 0
         except dist.DistNetworkError as lost:
             self.store_lost(lost)
             return 0
@@ -176,6 +182,8 @@ class LiveRank:
                 self.exit_code = self.worker.stop.exit_code
         except Fenced as fenced:
             self.fenced(fenced)
+        except GroupOut as out:
+            self.group_out(out)
         except dist.DistNetworkError as lost:
             self.store_lost(lost)
         except FaultyDeviceError as faulty:  # this rank alone: the others go on, its group leaves (live/sdc.py)
@@ -198,6 +206,11 @@ class LiveRank:
         if self.lifecycle is not None:  # the rank's heartbeat file is its replacement's now
             self.lifecycle.heartbeat = None
         self.exit_code = FENCED_EXIT
+        self.ended = True
+
+    def group_out(self, out: GroupOut) -> None:
+        print(f"live recovery: {out}; exiting {GROUP_OUT_EXIT}", file=sys.stderr, flush=True)
+        self.exit_code = GROUP_OUT_EXIT
         self.ended = True
 
     def store_lost(self, lost: dist.DistNetworkError) -> None:

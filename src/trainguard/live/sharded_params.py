@@ -57,6 +57,40 @@ def norm_by_rows(squares: list[torch.Tensor]) -> float:
     return math.sqrt(float(torch.cat(squares).sum()))
 
 
+def gather_rows(group: dist.ProcessGroup, members: list[int], rank: int, group_size: int,
+                locals_: list[torch.Tensor], shapes: list[torch.Size],
+                wait_all: Callable[[list[dist.Work]], None]) -> list[torch.Tensor]:
+    """The whole tensors of ``locals_`` (this rank's ``torch.chunk`` rows of a tensor of ``shapes[i]`` each),
+    from this rank's replica group alone: its rows sent to, and the others' received from, each other rank
+    of the group (gloo's send and recv on the epoch's group, so that only the group's ranks take part: a
+    forward of the loop's body is the group's collective, not the quorum's); a copy, no arithmetic.
+    ``wait_all``: waits for the sends and receives (gloo's say they are complete only once waited for:
+    ``collective.wait_all``)."""
+    shard = shard_of(rank, group_size)
+    first = rank - shard
+    mine = torch.cat([local.detach().reshape(-1) for local in locals_])
+    shards = {rank: mine}
+    works = []
+    for peer in range(first, first + group_size):
+        if peer == rank:
+            continue
+        shards[peer] = torch.empty(sum(shard_numel(shape, group_size, peer - first) for shape in shapes),
+                                   dtype=mine.dtype)
+        works.append(group.send([mine], members.index(peer), GATHER_TAG))
+        works.append(group.recv([shards[peer]], members.index(peer), GATHER_TAG))
+    wait_all(works)
+    offsets = [0] * group_size
+    wholes = []
+    for shape in shapes:
+        pieces = []
+        for position in range(group_size):
+            count = shard_numel(shape, group_size, position)
+            pieces.append(shards[first + position][offsets[position]:offsets[position] + count])
+            offsets[position] += count
+        wholes.append(torch.cat(pieces).view(shape))
+    return wholes
+
+
 class ShardedParams:
     """This rank's rows of every parameter of ``model`` (taken at construction: the model must be whole
     then, as every rank builds it from the same seed)."""
@@ -106,35 +140,11 @@ class ShardedParams:
     def gather_whole(self, group: dist.ProcessGroup, members: list[int], rank: int, locals_: list[torch.Tensor],
                      wait_all: Callable[[list[dist.Work]], None],
                      shapes: list[torch.Size] | None = None) -> list[torch.Tensor]:
-        """The whole tensors of ``locals_`` (each laid out as the parameter of the same index: this rank's
-        rows of a tensor of ``shapes[i]``, the parameter's shape by default), from this rank's replica group alone: its rows sent to, and the others' received from, each
-        other rank of the group (gloo's send and recv on the epoch's group, so that only the group's ranks
-        take part: a forward of the loop's body is the group's collective, not the quorum's); a copy, no
-        arithmetic. ``wait_all``: waits for the sends and receives (gloo's say they are complete only once
-        waited for: ``collective.wait_all``)."""
-        shapes = self.shapes if shapes is None else shapes
-        first = rank - self.shard
-        mine = torch.cat([local.detach().reshape(-1) for local in locals_])
-        shards = {rank: mine}
-        works = []
-        for peer in range(first, first + self.group_size):
-            if peer == rank:
-                continue
-            shards[peer] = torch.empty(sum(shard_numel(shapes[i], self.group_size, peer - first)
-                                           for i in self.indices(locals_)), dtype=mine.dtype)
-            works.append(group.send([mine], members.index(peer), GATHER_TAG))
-            works.append(group.recv([shards[peer]], members.index(peer), GATHER_TAG))
-        wait_all(works)
-        offsets = [0] * self.group_size
-        wholes = []
-        for index in self.indices(locals_):
-            pieces = []
-            for shard in range(self.group_size):
-                count = shard_numel(shapes[index], self.group_size, shard)
-                pieces.append(shards[first + shard][offsets[shard]:offsets[shard] + count])
-                offsets[shard] += count
-            wholes.append(torch.cat(pieces).view(shapes[index]))
-        return wholes
+        """``gather_rows`` of ``locals_`` (each laid out as the parameter of the same index: this rank's rows
+        of a tensor of ``shapes[i]``, the parameter's shape by default)."""
+        self.indices(locals_)
+        return gather_rows(group, members, rank, self.group_size, locals_, self.shapes if shapes is None else shapes,
+                           wait_all)
 
     def whole_row_squares(self, group: dist.ProcessGroup, members: list[int], rank: int, grads: list[torch.Tensor],
                           wait_all: Callable[[list[dist.Work]], None]) -> list[torch.Tensor]:

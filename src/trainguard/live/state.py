@@ -21,7 +21,7 @@
   undoes a step has already returned that step to its loop, whose objects are past it (the redone step
   is not returned again).
 
-Everything here is plain tensors, numbers, strings and lists: ``torch.load(weights_only=True)`` loads it.
+An FSDP2 rank's DTensors travel as their local rows (``dtensor_state``). Everything here is plain tensors, numbers, strings and lists: ``torch.load(weights_only=True)`` loads it.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import torch
 
 from trainguard.checkpoint.manager import Stateful
 from trainguard.errors import ConfigError
+from trainguard.live.dtensor_state import model_state_like, optimizer_state_like, plain
 from trainguard.live.step_judge import LiveJudge
 
 GUARDS, SCHEDULER = "live_guards", "scheduler"  # the engine's objects' names in a checkpoint's extra state
@@ -73,7 +74,9 @@ class LiveState:
 
     def state_dict(self) -> dict[str, Any]:
         """The whole state: what a joiner receives, a final state file and the drill's checkpoints hold."""
-        return {**self.engine_state(), "stateful": {name: obj.state_dict() for name, obj in self.stateful.items()}}
+        engine = self.engine_state()
+        return {**engine, "model": plain(engine["model"]), "optimizer": plain(engine["optimizer"]),
+                "stateful": {name: obj.state_dict() for name, obj in self.stateful.items()}}
 
     def engine_state(self) -> dict[str, Any]:
         """The shard and the engine's run state (references to the live tensors)."""
@@ -98,8 +101,8 @@ class LiveState:
         self.load_run_state(state if run_state is None else run_state, loop_objects=True)
 
     def load_shard(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.model.load_state_dict(model_state_like(self.model, state["model"]))
+        self.optimizer.load_state_dict(optimizer_state_like(self.optimizer, state["optimizer"]))
 
     def load_run_state(self, state: dict[str, Any], loop_objects: bool = False) -> None:
         self.judge.load_state_dict(state["guards"])

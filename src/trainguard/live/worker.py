@@ -46,7 +46,7 @@ from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.manager import Stateful
 from trainguard.checkpoint.safe_load import safe_torch_load
 from trainguard.checkpoint.staging import serialised
-from trainguard.errors import EXIT_OK, raised_by_every_rank
+from trainguard.errors import EXIT_OK, ConfigError, raised_by_every_rank
 from trainguard.events import EventLog
 from trainguard.events.rank_logging import LOGGER_NAME
 from trainguard.faults import FaultInjector
@@ -61,7 +61,9 @@ from trainguard.guards.step_skips import StepSkips
 from trainguard.guards.step_verdict import StepVerdict
 from trainguard.live import collective
 from trainguard.live.durable import LiveCheckpoints
-from trainguard.live.group_reduce import Exchange, SlotLayout, StepSum, reduce_sharded, tree_sum
+from trainguard.live.fsdp_comms import GroupChannel
+from trainguard.live.fsdp_share import FsdpShares, fsdp_modules, local
+from trainguard.live.group_reduce import Exchange, SlotLayout, StepSum, reduce_partials, reduce_sharded, tree_sum
 from trainguard.live.ordered_sum import computed_by, my_micro_batches, reduce_rows
 from trainguard.live.quorum import (NO_STATE, STOP, STOPPED, Quorum, beat_key, done_key, entered_key, epoch_key,
                                     fence_key, has, latest_epoch, progress_key, read_quorum, ready_key, report_key,
@@ -69,7 +71,7 @@ from trainguard.live.quorum import (NO_STATE, STOP, STOPPED, Quorum, beat_key, d
 from trainguard.live.probe import PeerProbe
 from trainguard.live.rng import micro_batch_rng
 from trainguard.live.shards import shard_of
-from trainguard.live.sharded_params import ShardedParams, norm_by_rows, row_squares
+from trainguard.live.sharded_params import ShardedParams, gather_rows, norm_by_rows, row_squares
 from trainguard.live.stall import ReduceMarks
 from trainguard.live.fingerprint import LiveFingerprints
 from trainguard.live.sdc import CLEAN, LiveSdc
@@ -101,6 +103,11 @@ class Fenced(Exception):
     """This process's rank was declared dead and replaced: it must stop, not rejoin."""
 
 
+class GroupOut(Exception):
+    """This rank's FSDP2 replica group left the quorum: its processes end and are started again together,
+    so that the new ones make a new default group for their mesh (``replica_mesh``)."""
+
+
 @dataclass(frozen=True)
 class LiveArgs:
     """What the launcher tells a rank (``launcher._spawn`` writes these flags)."""
@@ -123,6 +130,7 @@ class LiveArgs:
     stall_cut: bool  # drill: ... marked as in it, with this rank's probe socket closed (live/stall.py)
     resume: Path | None  # the durable checkpoint the job resumes from (the launcher chose it), or None
     lifeline: bool = False  # started on another node: the launcher ends this process through stdin (lifeline.py)
+    fsdp: bool = False  # fault_tolerance.fsdp: the script shards its model over the replica group's mesh
 
     @classmethod
     def parse(cls, argv: list[str] | None = None) -> LiveArgs:
@@ -148,6 +156,7 @@ class LiveArgs:
         parser.add_argument("--stall-cut", action="store_true")
         parser.add_argument("--resume", type=Path)
         parser.add_argument("--lifeline", action="store_true")
+        parser.add_argument("--fsdp", action="store_true")
         known, _ = parser.parse_known_args(argv)
         return cls(**vars(known))
 
@@ -244,7 +253,17 @@ class LiveWorker:
         self.layout = SlotLayout(args.world // args.group_size, args.group_size, args.micro_batches)
         self.params = None
         self.forward_gathered = False  # the parameters were gathered for a forward outside a step
-        if args.group_size > 1:
+        modules = fsdp_modules(model)
+        # a model sharded with fully_shard over the replica group's mesh: each group's share computed by FSDP2
+        # (fsdp_share), its collectives on the epoch's group (fsdp_comms); otherwise our own rows (sharded_params)
+        self.fsdp = None
+        if modules:
+            if args.group_size == 1:
+                raise ConfigError("live recovery: the model is sharded with fully_shard but parallel.dp_shard is 1 "
+                                  "(whole replicas): shard it over trainguard.data_parallel_mesh(), which is None then")
+            self.layout.check()
+            self.fsdp = FsdpShares(model, modules, rank, args.group_size, self.group_channel)
+        elif args.group_size > 1:
             self.layout.check()
             self.params = ShardedParams(model, args.group_size, rank)
             model.register_forward_pre_hook(self.gather_for_forward)  # the loop body's forward, between steps
@@ -364,6 +383,29 @@ class LiveWorker:
     def wait_all(self, works: list[dist.Work]) -> None:
         collective.wait_all(works, self.store, self.quorum.epoch, self.beat)
 
+    def group_channel(self) -> GroupChannel:
+        """Where FSDP2's collectives of this rank's replica group go now (``fsdp_comms``)."""
+        return GroupChannel(self.group, self.quorum.members, self.wait_group)
+
+    def wait_group(self, works: list[dist.Work]) -> None:
+        """Waits for sends and receives inside this rank's replica group: ended by the death of a rank of the
+        group (its fence raised in this epoch), not by the epoch's abort key. A survivor computing its share
+        while another group's rank dies finishes that share's collectives, so its FSDP2 state is never left
+        inside a forward or backward; the failure reaches it in the cross-group sum."""
+        epoch, first = self.quorum.epoch, self.rank - self.shard
+        peers = [peer for peer in range(first, first + self.group_size) if peer != self.rank]
+
+        def ended() -> str | None:
+            dead = [peer for peer in peers
+                    if has(self.store, fence_key(peer)) and int(self.store.get(fence_key(peer))) >= epoch]
+            return f"epoch {epoch}: rank(s) {dead} of this replica group died during an FSDP2 collective" if dead else None
+
+        def wait_each() -> None:
+            for work in works:
+                work.wait()
+
+        collective.watched_until(wait_each, ended, self.beat, f"epoch-{epoch}-fsdp")
+
     def beat(self) -> None:
         now = time.monotonic()
         if now - self.last_beat >= BEAT_S:
@@ -412,10 +454,23 @@ class LiveWorker:
                 self.params.reshard()
         return computed, extras, failure
 
+    def fsdp_shares(self, step: int, exchange: Exchange) -> dict[int, torch.Tensor]:
+        """With FSDP2: this rank's rows of each share it computes (its group's, and the lost groups' dealt
+        to it), by group, each with its loss last (``fsdp_share``)."""
+        self.site_faults.at_step_start(step + 1)
+        return {group: self.fsdp.share(self.loss_of, step, self.layout.slot_micro_batches(group, self.shard),
+                                       self.micro_batches, self.seed, self.beat)
+                for group in exchange.my_groups()}
+
     def reduce(self, exchange: Exchange, computed: dict[int, torch.Tensor], flags: list[int],
                extras: torch.Tensor | None) -> StepSum:
         """The step's sum of every member's ``computed`` (``ordered_sum`` for whole replicas, ``group_reduce``
-        for sharded groups), ``flags`` and ``extras`` summed beside; sets this rank's gradients from it."""
+        for sharded groups: by micro-batch, or FSDP2's shares by group), ``flags`` and ``extras`` summed beside;
+        sets this rank's gradients from it."""
+        if self.fsdp is not None:
+            summed = reduce_partials(self.group, exchange, computed, flags, self.wait, extras)
+            self.fsdp.set_grads(summed.gradient)
+            return summed
         if self.params is None:
             first = next(iter(computed.values()))
             rows = torch.zeros(self.micro_batches, first.numel(), dtype=first.dtype)
@@ -437,17 +492,21 @@ class LiveWorker:
         quorum, step = self.quorum, self.step_index
         started = time.perf_counter()
         exchange = Exchange(quorum.members, self.rank, self.layout)
-        if self.params is None:
+        if self.group_size == 1:
             mine = my_micro_batches(self.micro_batches, len(quorum.members), quorum.index(self.rank))
         else:
             mine = exchange.my_micro_batches()
         self.site_faults.at_rest(step + 1, self.model, self.optimizer)  # the drill's stateflip, between steps
         if self.fingerprints is not None and self.fingerprints.due(step + 1):
             self.fingerprints.check(self.group, quorum, step + 1, self.wait)  # repairs a replica before it computes
-        if self.params is not None:
-            # the stall watch's marks span the step's collectives, from the first (the unshard) to the norm's
+        if self.group_size > 1:
+            # the stall watch's marks span the step's collectives, from the first (the unshard, or FSDP2's first
+            # all-gather) to the norm's
             self.reduce_marks.entering(quorum.epoch, step, self.beat)
-        computed, extras, failure = self.compute(step, mine, catch=True)
+        if self.fsdp is not None:  # a raising loss is this rank's crash: its group's peers wait in FSDP2's collectives
+            computed, extras, failure = self.fsdp_shares(step, exchange), None, None
+        else:
+            computed, extras, failure = self.compute(step, mine, catch=True)
         if failure is not None:  # before the sum: the reporter reads it once the sum says a rank failed
             self.store.set(STEP_FAILURE, f"rank {self.rank}: {failure}")
         if self.sample_range:
@@ -460,7 +519,7 @@ class LiveWorker:
         if has(self.store, STOP):  # the launcher's signal
             reason = max(reason, SIGNAL)
         flags = [int(newer), *(int(reason == r) for r in STOP_REASONS), int(failure is not None)]
-        if self.params is None:
+        if self.group_size == 1:
             self.reduce_marks.entering(quorum.epoch, step, self.beat)
         summed = self.reduce(exchange, computed, flags, extras)
         newer_seen, *stops_seen, failed = summed.flags
@@ -562,7 +621,7 @@ class LiveWorker:
 
     def computed_by(self, exchange: Exchange) -> list[int]:
         """The rank that computes each micro-batch of a step of this epoch."""
-        if self.params is None:
+        if self.group_size == 1:
             return computed_by(self.micro_batches, exchange.members)
         return self.layout.computed_by(exchange.live_groups())
 
@@ -570,7 +629,11 @@ class LiveWorker:
         """The step's global norm by rows (``sharded_params.norm_by_rows``), every member's alike and bitwise
         the same for any layout: of the whole gradient, or from the rows' squares gathered in the group; and
         the embedding's from its rows' squares (None when it is not monitored), with no collective of its own."""
-        if self.params is None:
+        if self.fsdp is not None:
+            rows = [torch.Size([param.shape[0]]) for param in self.fsdp.params]
+            squares = gather_rows(self.group, self.quorum.members, self.rank, self.group_size,
+                                  row_squares([local(grad) for grad in grads]), rows, self.wait_all)
+        elif self.params is None:
             squares = row_squares(grads)
         else:
             squares = self.params.whole_row_squares(self.group, self.quorum.members, self.rank, grads, self.wait_all)
@@ -698,6 +761,7 @@ class LiveWorker:
             epoch, committed = self.quorum.epoch, self.step_index
             quorum = self.leave_epoch(error, committed)
             if self.rank not in quorum.members:
+                self.leave_if_fsdp(quorum)
                 self.join()
                 return
             if quorum.start_step < committed:
@@ -754,13 +818,21 @@ class LiveWorker:
                 self.enter(quorum, start)
                 received = send_shards(self.group, quorum, self.rank, self.group_size, self.state, self.wait)
             except RuntimeError as error:
-                self.leave_epoch(error, NO_STATE)
+                self.leave_if_fsdp(self.leave_epoch(error, NO_STATE))
                 continue
             break
         self.judge.welcome(quorum.joining)
         self.previous = None
         self.events.emit("live_joined", step=start, epoch=quorum.epoch, state_bytes=received,
                          waited_s=time.time() - asked)
+
+    def leave_if_fsdp(self, quorum: Quorum) -> None:
+        """With FSDP2, a rank left out of ``quorum`` ends (``GroupOut``): its group's processes start again
+        together (``replica_mesh``), the replacements join as one group."""
+        if self.fsdp is not None:
+            self.events.emit("live_group_out", step=self.step_index, epoch=quorum.epoch, pid=os.getpid())
+            raise GroupOut(f"rank {self.rank}: its FSDP2 replica group is out of epoch {quorum.epoch}; its processes "
+                           "start again together")
 
     def fence(self) -> int | None:
         """The epoch of this rank's newest death the lighthouse recorded (``fence_key``), if any."""

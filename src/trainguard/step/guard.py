@@ -64,6 +64,7 @@ from trainguard.errors import (
 from trainguard.guards.sdc import FaultyDeviceError
 from trainguard.guards.skip import DataSkipAbort
 from trainguard.live.rank import LiveRank
+from trainguard.live.replica_mesh import is_replica_group_mesh
 from trainguard.live.worker import MicroBatchLoss, SampleRange
 from trainguard.runtime.heartbeat import HeartbeatWriter
 from trainguard.runtime.lifecycle import EXIT_CODES, NONE, REASON_NAMES
@@ -154,7 +155,7 @@ class Guard:
         self._live: LiveRank | None = None
         if cfg.fault_tolerance.live:
             self.run_dir, self.model, self.optimizer = Path(run_dir), model, optimizer
-            given = {"mesh": mesh is not None,
+            given = {"mesh": mesh is not None and not is_replica_group_mesh(mesh),
                      "pipeline_stages": pipeline_stages != 1, "tokens_per_step": tokens_per_step is not None}
             self._live = live_rank(self.run_dir, model, optimizer, scheduler, cfg, live_argv,
                                    unsupported=[name for name, set_ in given.items() if set_],

@@ -7,9 +7,12 @@ true``) with no code change cannot call ``init_process_group`` itself: a live ra
 - started by ``torchrun`` (or any launcher that sets its environment): the default process group (nccl
   on CUDA, gloo on CPU), made if it is not yet, and one ``dp_shard`` dimension over the world, for
   ``fully_shard(module, mesh=mesh)`` and ``Guard(..., mesh=mesh)``;
-- started by the live launcher (its ``--store`` flag among the arguments, as ``Guard`` checks it): None,
-  every rank holds the whole model. This is the one seam for FSDP2 inside each replica group (not done
-  yet): the replica group's mesh is to be returned here.
+- started by the live launcher (its ``--store`` flag among the arguments, as ``Guard`` checks it): with
+  ``fault_tolerance.fsdp: true`` (the launcher's ``--fsdp``; it needs ``parallel.dp_shard`` > 1) the replica
+  group's 1-D ``dp_shard`` mesh (``live/replica_mesh.py``: the group made this process's default group),
+  for ``fully_shard(module, mesh=mesh)`` and ``Guard(..., mesh=mesh)`` as under torchrun; the live engine
+  then computes each group's share with FSDP2 (``live/fsdp_share.py``). Otherwise None: the model stays
+  whole, and with ``dp_shard`` > 1 live mode shards its parameters by rows itself (``live/sharded_params.py``).
 
 A script with its own layout (HSDP, TP, PP) builds its mesh itself, as before.
 """
@@ -22,13 +25,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from trainguard.live.replica_mesh import replica_group_mesh
+from trainguard.live.worker import LiveArgs
 from trainguard.step.live import started_by_live_launcher
 
 
 def data_parallel_mesh(argv: list[str] | None = None) -> DeviceMesh | None:
     """The data-parallel mesh of this process (see the module docstring); ``argv`` default ``sys.argv[1:]``."""
-    if started_by_live_launcher(sys.argv[1:] if argv is None else argv):
-        return None
+    argv = sys.argv[1:] if argv is None else argv
+    if started_by_live_launcher(argv):
+        args = LiveArgs.parse(argv)
+        return replica_group_mesh(args.store, args.rank, args.group_size) if args.fsdp else None
     cuda = torch.cuda.is_available()
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from helpers.gloo_threads import run_ranks
-from trainguard.live.group_reduce import Exchange, SlotLayout, elements_received, reduce_sharded, tree_sum
+from trainguard.live.group_reduce import (Exchange, SlotLayout, elements_received, reduce_partials, reduce_sharded,
+                                         tree_sum)
 
 
 def _leaves(count: int, length: int = 7, seed: int = 0) -> list[torch.Tensor]:
@@ -109,3 +110,24 @@ def test_the_elements_received_per_step_follow_the_layout():
     assert elements_received(SlotLayout(2, 2, 8), 3, [0, 1], 0) == 1 * 1 * 4 + 1 * 4
     assert elements_received(SlotLayout(2, 2, 8), 3, [0], 0) == 1 * 2 * 4  # the lost group's slots too
     assert elements_received(SlotLayout(4, 2, 8), 3, [0, 1], 1) == 1 * 2 * 4 + 2 * 4  # groups 3 and 2 dealt
+
+
+@pytest.mark.parametrize("members", [[0, 1, 2, 3], [0, 1], [2, 3]])
+def test_partials_already_reduce_scattered_are_added_in_group_order_whichever_groups_live(members):
+    """``reduce_partials`` (FSDP2's shares: each rank holds its shard of each group partial it computed and
+    its slot's loss): every member gets its shard of the partials' sum in group order, the loss summed over
+    the slots by the tree, and the flags' counts, bitwise the same with either group lost."""
+    layout = SlotLayout(2, 2, 8)
+    partials = {(j, s): torch.randn(3 + (s == 0), generator=torch.Generator().manual_seed(10 * j + s))
+                for j in range(2) for s in range(2)}  # shard 0 one element longer (uneven rows)
+    slot_loss = {(j, s): torch.tensor([0.1 * (2 * j + s) + 0.01]) for j in range(2) for s in range(2)}
+    expected_loss = float(tree_sum([tree_sum([slot_loss[j, s] for s in range(2)]) for j in range(2)]))
+
+    def rank(group, rank: int):
+        exchange = Exchange(members, rank, layout)
+        shares = {j: torch.cat([partials[j, exchange.shard], slot_loss[j, exchange.shard]]) for j in exchange.my_groups()}
+        return reduce_partials(group, exchange, shares, [1], lambda work: work.wait())
+
+    for member, summed in run_ranks(members, rank).items():
+        assert torch.equal(summed.gradient, partials[0, member % 2] + partials[1, member % 2]), member
+        assert summed.loss == expected_loss and summed.flags == [len(members)], member

@@ -203,13 +203,41 @@ def test_the_reference_trainer_in_live_mode_refuses_what_it_does_not_do_in_one_l
     assert not (tmp_path / "run").exists()  # refused before anything was made
 
 
-def test_the_data_parallel_mesh_is_none_for_a_rank_of_the_live_launcher():
-    """The same script in both modes: under the live launcher (its --store flag) the model stays whole
-    (no default process group is made); under torchrun (test_user_loop_faults.py) it is FSDP2's mesh."""
+LAUNCHER_FLAGS = ["--store", "127.0.0.1:1", "--world", "4", "--steps", "2", "--run-dir", "run", "--micro-batches", "8"]
+
+
+def test_the_data_parallel_mesh_is_none_for_a_rank_of_whole_replicas():
+    """The same script in both modes: under the live launcher (its --store flag) with replica groups of one
+    rank the model stays whole (no default process group is made); under torchrun
+    (test_user_loop_faults.py) it is FSDP2's mesh; with groups of several ranks the group's mesh
+    (tests/integration/test_live_fsdp.py)."""
     import torch.distributed as dist
 
-    assert trainguard.data_parallel_mesh(["--config", "run.yaml", "--store", "127.0.0.1:1", "--rank", "0"]) is None
+    assert trainguard.data_parallel_mesh(["--config", "run.yaml", *LAUNCHER_FLAGS, "--rank", "0"]) is None
     assert not dist.is_initialized()
+
+
+def test_without_fault_tolerance_fsdp_a_sharded_group_gets_no_mesh():
+    """With replica groups of 2 ranks but no --fsdp (``fault_tolerance.fsdp`` off), the model stays whole and
+    live mode shards it by rows: no mesh, no default process group."""
+    import torch.distributed as dist
+
+    assert trainguard.data_parallel_mesh([*LAUNCHER_FLAGS, "--rank", "1", "--group-size", "2"]) is None
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("items, key", [(["fault_tolerance.spares=1"], "fault_tolerance.spares"),
+                                        (["parallel.dp_shard=1"], "fault_tolerance.fsdp")])
+def test_fault_tolerance_fsdp_with_spares_or_whole_replicas_is_refused_naming_the_key(items, key):
+    """A warm spare learns its rank only once it replaces one (after its script sharded the model), and
+    FSDP2 needs a group of several ranks: the launcher refuses both before starting anything."""
+    from trainguard.live.launcher import LiveRun
+
+    layout = ["fault_tolerance.live=true", "fault_tolerance.fsdp=true", "parallel.dp_replicate=2",
+              "parallel.dp_shard=2", "train.micro_batches=8"]
+    assert LiveRun.from_config(load_config(None, layout)).fsdp
+    with pytest.raises(ConfigError, match=f"config key '{key}'"):
+        LiveRun.from_config(load_config(None, [*layout, *items]))
 
 
 @pytest.mark.parametrize("item, key", [("guards.health.enabled=true", "guards.health.enabled"),
@@ -221,3 +249,35 @@ def test_live_health_or_monitor_on_a_model_without_an_embedding_is_one_error_nam
         trainguard.Guard(tmp_path, model, optimizer, config=config, live_argv=launcher_flags(tmp_path))
     assert trainguard.Guard(tmp_path, model, optimizer, config=config, embedding=model.weight,
                             live_argv=launcher_flags(tmp_path)).micro_batches == 8
+
+
+@pytest.mark.parametrize("items, key", [
+    (["checkpoint.memory_interval=2"], "checkpoint.memory_interval"),
+    (["guards.sdc.enabled_level=2"], "guards.sdc.enabled_level"),
+    (["faults=spike:step=3,factor=100"], "faults"),
+    (["faults=bitflip:rank=1,step=3,site=0,where=output"], "faults"),
+])
+def test_what_live_mode_does_not_run_with_an_fsdp2_model_is_refused_naming_the_key(items, key):
+    """With a model sharded by ``fully_shard`` (Guard checks ``fsdp_modules``), each setting not built for
+    FSDP2 shares is one ConfigError naming its key; the durable and local tiers, fingerprints, data skip, a
+    rank's kill and a stateflip are not refused."""
+    from trainguard.config.load import with_overrides
+    from trainguard.step.live import refuse_with_fsdp
+
+    base = LIVE
+    refuse_with_fsdp(with_overrides(base, ["checkpoint.save_interval=5", "checkpoint.local_interval=1",
+                                           "guards.fingerprint.interval=2",
+                                           "faults=kill:rank=3,step=2; stateflip:rank=1,step=4,site=w,state=exp_avg",
+                                           "guards.skip.enabled=true"]))
+    configured = with_overrides(base, items)
+    with pytest.raises(ConfigError, match=f"config key '{key}'") as refused:
+        refuse_with_fsdp(configured)
+    assert len(str(refused.value).splitlines()) == 1
+
+
+def test_fault_tolerance_fsdp_with_a_model_not_sharded_by_fully_shard_is_refused_naming_the_key(tmp_path):
+    """The key on and the script's model whole: refused, not trained by rows in silence."""
+    model, optimizer = model_and_optimizer()
+    config = RunConfig(fault_tolerance=FaultToleranceConfig(live=True, fsdp=True))
+    with pytest.raises(ConfigError, match="config key 'fault_tolerance.fsdp'"):
+        trainguard.Guard(tmp_path, model, optimizer, config=config, live_argv=launcher_flags(tmp_path))

@@ -1,0 +1,50 @@
+"""An FSDP2 rank's model and optimizer state as plain tensors (its ``Shard(0)`` rows) and back.
+
+What a live rank sends a joiner, writes into its final state file and its drill checkpoints is loaded
+with ``torch.load(weights_only=True)``, which admits no DTensor (nor the mesh it would pickle, whose
+process group is another process's). So a DTensor travels as its local rows (``to_local()``: the rows of
+``sharded_params``' layout), and is made a DTensor again on the receiver's own parameter's mesh and
+placements. A model without DTensors passes through unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def plain(value: Any) -> Any:
+    """``value`` (a state dict, nested) with every DTensor replaced by a copy of its local tensor."""
+    if isinstance(value, DTensor):
+        return value.to_local().detach().clone()
+    if isinstance(value, dict):
+        return {key: plain(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [plain(item) for item in value]
+    return value
+
+
+def _like(reference: torch.Tensor, value: Any) -> Any:
+    """``value`` as a DTensor laid out as ``reference`` when ``reference`` is one and ``value`` is its plain rows."""
+    if isinstance(reference, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
+            and value.shape == reference.to_local().shape:
+        return DTensor.from_local(value, reference.device_mesh, reference.placements, shape=reference.shape,
+                                  stride=reference.stride())
+    return value
+
+
+def model_state_like(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """A model state dict (``plain`` or not) with its plain rows made DTensors as ``model``'s own."""
+    own = model.state_dict()
+    return {key: _like(own[key], value) if key in own else value for key, value in state.items()}
+
+
+def optimizer_state_like(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict (``plain`` or not) with each parameter's plain rows made DTensors as the
+    parameter (the state is keyed by the parameter's index over the param groups)."""
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    by_index = {index: {name: _like(params[int(index)], value) for name, value in entry.items()}
+                for index, entry in state["state"].items()}
+    return {**state, "state": by_index}

@@ -1,0 +1,107 @@
+"""FSDP2's all-gather and reduce-scatter of a replica group, sent over the live epoch's group.
+
+``fully_shard`` talks on its mesh's process group (here the replica group's default group,
+``replica_mesh``), and its waits watch nothing: a SIGSTOPped peer costs gloo's whole timeout. So every
+FSDP module's collectives are replaced (``set_custom_all_gather`` / ``set_custom_reduce_scatter``) by
+sends and receives between the group's ranks on the current epoch's gloo group, waited for by the
+worker's ``wait_group`` (it raises once a rank of this replica group is declared dead). The
+reduce-scatter adds the group's ranks' chunks in position order (``tree_sum``): a fixed order, so a
+group computing another group's share at the same positions gets bitwise that group's partial.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+
+from trainguard.errors import ConfigError
+from trainguard.live.group_reduce import tree_sum
+from trainguard.live.shards import shard_of
+
+FSDP_TAG = 11  # the tag of FSDP2's sends and receives on the epoch's group (sharded_params' gathers use 7)
+
+
+@dataclass(frozen=True)
+class GroupChannel:
+    """Where this rank's replica group talks now: the epoch's group, its members (ascending: a member's
+    index is its rank in the group) and the wait for sends and receives."""
+    group: dist.ProcessGroup
+    members: list[int]
+    wait_group: Callable[[list[dist.Work]], None]
+
+
+class _Exchange:
+    """This rank's place in its replica group, and the channel of the current epoch. FSDP2 calls its comms'
+    ``allocate`` and ``__call__`` only (the interface of its ``AllGather`` and ``ReduceScatter``, whose module
+    is private), so these do not derive from them."""
+
+    def __init__(self, rank: int, group_size: int, channel: Callable[[], GroupChannel]):
+        self.rank, self.group_size, self.channel = rank, group_size, channel
+        self.position = shard_of(rank, group_size)
+        self.first = rank - self.position
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def swap(self, outgoing: Callable[[int], torch.Tensor], incoming: Callable[[int], torch.Tensor]) -> None:
+        """Sends ``outgoing(k)`` to the group's rank at position ``k`` and receives ``incoming(k)`` from it,
+        for every other position."""
+        channel = self.channel()
+        works = []
+        for position in range(self.group_size):
+            if position == self.position:
+                continue
+            peer = channel.members.index(self.first + position)
+            works.append(channel.group.send([outgoing(position)], peer, FSDP_TAG))
+            works.append(channel.group.recv([incoming(position)], peer, FSDP_TAG))
+        channel.wait_group(works)
+
+
+class EpochAllGather(_Exchange):
+    """FSDP2's all-gather: the output holds each position's input, in position order."""
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> None:
+        chunks = output_tensor.view(self.group_size, -1)
+        chunks[self.position].copy_(input_tensor.view(-1))
+        self.swap(lambda _position: input_tensor, lambda position: chunks[position])
+
+
+class EpochReduceScatter(_Exchange):
+    """FSDP2's reduce-scatter (a sum: ``fsdp_share`` asks FSDP2 for sums with no division): chunk ``k`` of
+    each rank's input goes to position ``k``, which adds the chunks in position order."""
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: object, async_op: bool = False) -> None:
+        if op != dist.ReduceOp.SUM:
+            raise ValueError(f"the live replica group's reduce-scatter sums; FSDP2 asked for {op}")
+        chunks = input_tensor.view(self.group_size, -1)
+        received = {position: torch.empty_like(chunks[position]) for position in range(self.group_size)
+                    if position != self.position}
+        self.swap(lambda position: chunks[position], lambda position: received[position])
+        parts = [chunks[self.position] if position == self.position else received[position]
+                 for position in range(self.group_size)]
+        output_tensor.view(-1).copy_(tree_sum(parts))
+
+
+def route_to_epochs(modules: Sequence[FSDPModule], rank: int, group_size: int,
+                    channel: Callable[[], GroupChannel]) -> None:
+    """Every FSDP module's all-gather and reduce-scatter on the epoch's group; gradients summed over the
+    group with no division (the step's loss is already divided by the global batch's micro-batches). A
+    torch whose FSDP2 takes no custom collectives is refused in one line."""
+    hooks = ("set_custom_all_gather", "set_custom_reduce_scatter", "set_force_sum_reduction_for_comms")
+    missing = [hook for hook in hooks if not hasattr(FSDPModule, hook)]
+    if missing:
+        raise ConfigError(f"live recovery with an FSDP2 model needs FSDPModule.{missing[0]} (torch "
+                          f"{torch.__version__} lacks it); train without fully_shard, or with a newer torch")
+    all_gather, reduce_scatter = (EpochAllGather(rank, group_size, channel),
+                                  EpochReduceScatter(rank, group_size, channel))
+    for module in modules:
+        module.set_custom_all_gather(all_gather)
+        module.set_custom_reduce_scatter(reduce_scatter)
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)

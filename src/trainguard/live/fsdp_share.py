@@ -1,0 +1,94 @@
+"""A replica group's share of a live step computed with FSDP2 (``fully_shard`` over ``replica_mesh``'s mesh).
+
+The share of group ``j`` is its slots' micro-batches (``group_reduce.SlotLayout``): the rank at position
+``k`` runs slot ``(j, k)``'s micro-batches in sequence, FSDP2 accumulating their gradients unsharded
+(``set_requires_gradient_sync`` off) and reduce-scattering the sum once, at the share's last micro-batch:
+one reduce-scatter per share (``fsdp_comms``: summed in position order). What a rank keeps is its
+``Shard(0)`` rows of the group's partial (``to_local()``: ``torch.chunk``'s rows, as ``sharded_params``'
+layout), flat, with the share's loss after it. A survivor computing a lost group's share does the same at
+the same positions, with the same parameters and random draws (``rng``), so its partial is bitwise the
+lost group's. ``group_reduce.reduce_partials`` then adds the partials in group order.
+
+A rank's micro-batches accumulate in sequence (FSDP2's own accumulation), not by ``tree_sum`` over
+micro-batch indices as the row path does: so an FSDP2 run is bitwise equal to a run of the same layout
+with or without failures, not to a run of another layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Shard
+
+from trainguard.errors import ConfigError
+from trainguard.live.fsdp_comms import GroupChannel, route_to_epochs
+from trainguard.live.group_reduce import tree_sum
+from trainguard.live.rng import micro_batch_rng
+
+# the loss of micro-batch ``m`` of step ``t`` (model, t, m), as ``worker.MicroBatchLoss``
+MicroBatchLoss = Callable[[torch.nn.Module, int, int], torch.Tensor]
+
+
+def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
+    """The model's FSDP2 modules (itself included), outermost first: empty for a model not sharded with
+    ``fully_shard``."""
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class FsdpShares:
+    """Computes a step's shares of ``model`` (sharded with ``fully_shard`` over this rank's replica group
+    mesh of ``group_size`` ranks); its collectives go to ``channel()`` (``fsdp_comms``)."""
+
+    def __init__(self, model: torch.nn.Module, modules: list[FSDPModule], rank: int, group_size: int,
+                 channel: Callable[[], GroupChannel]):
+        self.model, self.modules = model, modules
+        if not isinstance(model, FSDPModule):
+            raise ConfigError("live recovery with an FSDP2 model: call fully_shard on the model itself too (its root "
+                              "module), as FSDP2 expects; only submodules were sharded")
+        self.params = list(model.parameters())
+        for name, param in model.named_parameters():
+            if not isinstance(param, DTensor) or param.device_mesh.size() != group_size \
+                    or tuple(param.placements) != (Shard(0),):
+                raise ConfigError(f"live recovery with an FSDP2 model: parameter {name!r} is not sharded Shard(0) over "
+                                  f"the replica group's mesh of {group_size} ranks (trainguard.data_parallel_mesh()); "
+                                  "shard every parameter with fully_shard(module, mesh=mesh)")
+            if param.dtype != torch.float32:
+                raise ConfigError(f"live recovery's reduction carries float32: parameter {name!r} is {param.dtype}")
+        route_to_epochs(modules, rank, group_size, channel)
+
+    def local_numel(self) -> int:
+        return sum(param.to_local().numel() for param in self.params)
+
+    def share(self, loss_of: MicroBatchLoss, step: int, micro_batches: list[int], total_micro_batches: int,
+              seed: int, beat: Callable[[], None]) -> torch.Tensor:
+        """This rank's rows of the share of ``micro_batches`` (one slot's), its loss (the ``tree_sum`` of each
+        micro-batch's share of the step's loss, a -0.0 made +0.0) last; the gradients are cleared after."""
+        losses = []
+        self.model.zero_grad(set_to_none=True)
+        for index, micro_batch in enumerate(micro_batches):
+            beat()
+            self.model.set_requires_gradient_sync(index == len(micro_batches) - 1)
+            with micro_batch_rng(seed, step, micro_batch):
+                share = loss_of(self.model, step, micro_batch) / total_micro_batches
+                share.backward()
+            losses.append(share.detach().reshape(1))
+        rows = torch.cat([(local(param.grad) if param.grad is not None else torch.zeros_like(param.to_local()))
+                          .reshape(-1) for param in self.params])
+        self.model.zero_grad(set_to_none=True)
+        return torch.cat([rows, tree_sum(losses)]) + 0.0
+
+    def set_grads(self, rows: torch.Tensor) -> None:
+        """Each parameter's gradient: its rows of the step's summed gradient (this rank's flat shard)."""
+        offset = 0
+        for param in self.params:
+            shard = param.to_local()
+            param.grad = DTensor.from_local(rows[offset:offset + shard.numel()].view_as(shard).clone(),
+                                            param.device_mesh, param.placements, shape=param.shape,
+                                            stride=param.stride())
+            offset += shard.numel()

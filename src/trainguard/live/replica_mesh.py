@@ -1,0 +1,61 @@
+"""The replica group's mesh a live rank shards its model over with ``fully_shard`` (FSDP2 inside a replica group).
+
+A ``DeviceMesh`` is made over the default process group (``DeviceMesh.from_group`` refuses the
+``ProcessGroupGloo`` backends each live epoch makes: ``TypeError: ... not iterable``, torch 2.13.0's
+``device_mesh.py``), so each replica group's ranks make the group their default process group, as
+torchft's ``ft_init_device_mesh`` does (each of its replica groups is a job of its own): a gloo group of
+``group_size`` ranks on a ``PrefixStore`` of the run's store, one prefix per incarnation of the group.
+FSDP2 never talks on it: every all-gather and reduce-scatter is routed to the live epoch's group
+(``fsdp_comms``); the default group only gives the mesh its ranks.
+
+An incarnation is one start of every rank of the group: a rank of a sharded group whose group leaves
+the quorum ends its process (``worker.GroupOut``) and is started again with its peer's replacement, so
+that the new processes make a new default group together (as torchft restarts a whole replica group).
+Each start of a rank raises its count in the store (``starts_key``); the ranks of one group started the
+same number of times meet on the same prefix.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from trainguard.live.shards import shard_of
+
+MESH_DIM = "dp_shard"  # the mesh's one dimension, as ``data_parallel_mesh`` names it under torchrun
+RENDEZVOUS_S = 120.0  # a replacement waits this long for its group's other new processes
+
+_made: list[DeviceMesh] = []  # this process's replica group mesh, made once
+
+
+def starts_key(rank: int) -> str:
+    return f"replica_mesh/starts/{rank}"
+
+
+def default_group_prefix(group: int, incarnation: int) -> str:
+    return f"replica_mesh/{group}/{incarnation}"
+
+
+def replica_group_mesh(store_address: str, rank: int | None, group_size: int) -> DeviceMesh:
+    """The 1-D mesh of this rank's replica group (made once per process; the default process group is made
+    with it). ``rank`` None (a warm spare, which learns its rank only when it replaces one) is a ValueError:
+    ``LiveRun.from_config`` refuses spares with ``fault_tolerance.fsdp``."""
+    if _made:
+        return _made[0]
+    if rank is None:
+        raise ValueError("a warm spare has no replica group mesh: it learns its rank only when it replaces one")
+    host, port = store_address.rsplit(":", 1)
+    timeout = timedelta(seconds=RENDEZVOUS_S)
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+    incarnation = store.add(starts_key(rank), 1)
+    dist.init_process_group("gloo", store=dist.PrefixStore(default_group_prefix(rank // group_size, incarnation), store),
+                            rank=shard_of(rank, group_size), world_size=group_size, timeout=timeout)
+    _made.append(init_device_mesh("cpu", (group_size,), mesh_dim_names=(MESH_DIM,)))
+    return _made[0]
+
+
+def is_replica_group_mesh(mesh: object) -> bool:
+    """Whether ``mesh`` is the one ``replica_group_mesh`` made in this process."""
+    return bool(_made) and mesh is _made[0]

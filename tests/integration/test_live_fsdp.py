@@ -1,0 +1,182 @@
+"""FSDP2 inside each replica group of a live run (issue 35, item 3): tests/integration/live_fsdp_loop.py
+shards its model with ``fully_shard`` over ``trainguard.data_parallel_mesh()`` (the replica group's mesh in
+live mode), 2 replica groups x 2 ranks, 8 micro-batches, dropout and AdamW with the default clipping. Run
+fault-free and with rank 3 SIGKILLed after step 3: its group is taken out whole (rank 2 ends with exit 20
+and both are started again together, making a new default group for their mesh), group 0 computes both
+groups' shares for steps 3-7 (each share at the same positions, one FSDP2 reduce-scatter per share, the
+partials added in group order), the new group 1 joins at the last boundary with the survivors' shards.
+Durable checkpoints every 4 steps (DCP of the DTensor shards). Every rank's final parameters and optimizer
+state, and both durable checkpoints, are the fault-free run's, bitwise; and so is a fault-free run stopped
+at step 5 (``train.exit_at_step``: saved) and started again with ``--resume auto``; and so is a job SIGKILLed
+whole (launcher and ranks) after step 6, with the local tier on (every step), run again with ``--resume
+auto``: it resumes from the local tier's step, newer than the durable step 4. Replica fingerprints every 2
+steps; in the stopped run rank 1 has a bit of its Adam moment flipped at rest before step 4: found, and
+repaired from rank 3 (its replica) before that step computes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import warnings
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from helpers.runs import trainguard, worker_env
+from helpers.warm_command import warm_server
+from trainguard.events.log import read_events
+from trainguard.live.files import events_path, final_path
+from trainguard.live.rank import GROUP_OUT_EXIT
+from trainguard.live.sharded_params import chunk_rows
+
+SCRIPT = Path(__file__).with_name("live_fsdp_loop.py")
+STEPS, WORLD, KILLED, KILL_AT = 8, 4, 3, 3
+CONFIG = """fault_tolerance: {live: true, fsdp: true}
+parallel: {dp_replicate: 2, dp_shard: 2}
+train: {micro_batches: 8, steps: %d}
+checkpoint: {save_interval: 4}
+guards: {fingerprint: {interval: 2}}
+""" % STEPS
+# a bit of rank 1's Adam moment flipped at rest before step 4, where replica fingerprints (every 2 steps) check
+STATEFLIP = "stateflip:rank=1,step=4,site=3.weight,state=exp_avg,bit=30"
+# the whole model's parameter shapes (live_fsdp_loop.py's MLP)
+WHOLE = {"0.weight": (16, 8), "0.bias": (16,), "3.weight": (16, 16), "3.bias": (16,), "5.weight": (3, 16), "5.bias": (3,)}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _sigkilled_job(run_dir: Path, config: Path) -> None:
+    """The job started, SIGKILLed whole once every rank saved step 6 to the local tier (durable: step 4)."""
+    proc = warm_server().start(["run", "--nproc", str(WORLD), "--config", str(config), "--run-dir", str(run_dir), "--",
+                                sys.executable, str(SCRIPT), "--steps", str(STEPS), "--config", str(config),
+                                "--step-sleep", "0.5"], worker_env())
+    deadline = time.monotonic() + 120
+    while not (events_path(run_dir).exists() and len({e["rank"] for e in read_events(events_path(run_dir))
+                                                      if e["kind"] == "local_saved" and e["step"] == 6}) == WORLD):
+        assert proc.poll() is None and time.monotonic() < deadline, "the job ended, or took 120 s, before step 6"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    ranks = [e["pid"] for e in read_events(events_path(run_dir)) if e["kind"] == "live_start"]
+    deadline = time.monotonic() + 60
+    while any(_alive(pid) for pid in ranks):
+        assert time.monotonic() < deadline, "ranks outlived their launcher by 60 s"
+        time.sleep(0.1)
+
+
+def _run(config: Path, run_dir: Path, *overrides: str):
+    sets = [arg for item in overrides for arg in ("--set", item)]
+    return trainguard("run", "--nproc", str(WORLD), "--config", str(config), "--run-dir", str(run_dir), *sets, "--",
+                      sys.executable, str(SCRIPT), "--steps", str(STEPS), "--config", str(config), timeout=240)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("live_fsdp")
+    config = root / "live_fsdp.yaml"
+    config.write_text(CONFIG, encoding="utf-8")
+    for name, overrides in (("clean", ()), ("killed", (f"faults=kill:rank={KILLED},step={KILL_AT}",)),
+                            ("resumed", ("train.exit_at_step=5", f"faults={STATEFLIP}")), ("resumed", ())):
+        done = _run(config, root / name, *overrides)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    local = root / "live_fsdp_local.yaml"
+    local.write_text(CONFIG.replace("save_interval: 4", "save_interval: 4, local_interval: 1"), encoding="utf-8")
+    _sigkilled_job(root / "sigkilled", local)
+    done = _run(local, root / "sigkilled")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return root
+
+
+def _final(run_dir: Path, rank: int) -> dict:
+    return torch.load(final_path(run_dir, rank), weights_only=True)
+
+
+def _tensors(state: dict) -> dict[str, torch.Tensor]:
+    tensors = {f"model.{name}": value for name, value in state["model"].items()}
+    for index, entry in state["optimizer"]["state"].items():
+        tensors.update({f"optimizer.{index}.{name}": value for name, value in entry.items()})
+    return tensors
+
+
+def _durable(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    """Every tensor of a durable checkpoint, whole (DCP puts the shards together)."""
+    path = run_dir / "checkpoints" / f"global_step_{step}"
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    tensors = {key: torch.empty(item.size) for key, item in metadata.state_dict_metadata.items()
+               if isinstance(item, TensorStorageMetadata)}
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process reads it, as meant
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(tensors, checkpoint_id=path, no_dist=True)
+    return tensors
+
+
+@pytest.mark.parametrize("run", ["killed", "resumed", "sigkilled"])
+def test_a_lost_fsdp2_group_or_a_resume_ends_bitwise_equal_to_the_fault_free_run(runs, run):
+    for rank in range(WORLD):
+        clean, other = _tensors(_final(runs / "clean", rank)), _tensors(_final(runs / run, rank))
+        assert clean.keys() == other.keys() and len(clean) == 24
+        different = [name for name in clean if not torch.equal(clean[name], other[name])]
+        assert not different, f"rank {rank}: {different}"
+    clean = _durable(runs / "clean", STEPS)
+    assert len(clean) == 24 and [tuple(clean["model.0.weight"].shape)] == [WHOLE["0.weight"]]
+    assert not [key for key, value in _durable(runs / run, STEPS).items() if not torch.equal(value, clean[key])]
+
+
+def test_fingerprints_found_the_flipped_fsdp2_shard_and_repaired_it_from_its_replica(runs):
+    events = list(read_events(events_path(runs / "resumed")))
+    assert [e["flipped"] for e in events if e["kind"] == "fault_injected"] == [True]
+    found = [e for e in events if e["kind"] == "fingerprint_mismatch"]
+    assert [(e["step"], e["group"], e["faulty"], e["repaired"]) for e in found] == [(4, [1, 3], [1], ["state"])]
+
+
+def test_the_sigkilled_job_resumed_from_the_local_tiers_newer_step(runs):
+    started = [e for e in read_events(events_path(runs / "sigkilled")) if e["kind"] == "run_started"]
+    assert started and started[-1]["tier"] == "local" and started[-1]["step"] >= 6
+
+
+def test_each_step_of_the_lost_group_run_has_the_fault_free_loss_and_norm(runs):
+    steps = {(event["step"], event["rank"]): event for event in read_events(events_path(runs / "clean"))
+             if event["kind"] == "live_step"}
+    for event in read_events(events_path(runs / "killed")):
+        if event["kind"] == "live_step":  # each step's loss and global norm: the fault-free run's, bitwise
+            assert (event["loss"], event["global_norm"]) == (steps[event["step"], event["rank"]]["loss"],
+                                                             steps[event["step"], event["rank"]]["global_norm"])
+
+
+def test_the_survivors_computed_the_lost_groups_share_and_kept_their_processes(runs):
+    events = list(read_events(events_path(runs / "killed")))
+    pids = defaultdict(list)
+    for event in events:
+        if event["kind"] == "live_start":
+            pids[event["rank"]].append(event["pid"])
+    assert len(pids[0]) == len(pids[1]) == 1 and len(pids[2]) == len(pids[3]) == 2
+    # the group is taken out whole: rank 2 ends itself, and both of its ranks start again
+    assert [e["rank"] for e in events if e["kind"] == "live_group_out"] == [2]
+    assert {(e["target"], e["code"]) for e in events if e["kind"] == "live_exit"} == {(3, -9), (2, GROUP_OUT_EXIT)}
+    degraded = [e for e in events if e["kind"] == "live_step" and e["members"] == 2]
+    assert degraded and {e["rank"] for e in degraded} == {0, 1}
+    # slots (group, position): rank 0 computes slot (0, 0) = [0, 1] and group 1's slot (1, 0) = [4, 5]
+    assert all(e["micro_batches"] == ([0, 1, 4, 5] if e["rank"] == 0 else [2, 3, 6, 7]) for e in degraded)
+    assert {e["rank"] for e in events if e["kind"] == "live_joined"} == {2, 3}
+
+
+def test_each_rank_holds_its_torch_chunk_rows_of_every_parameter(runs):
+    for rank in range(WORLD):
+        state = _final(runs / "clean", rank)
+        for name, shape in WHOLE.items():
+            first, end = chunk_rows(shape[0], 2, rank % 2)
+            assert tuple(state["model"][name].shape) == (end - first, *shape[1:]), (rank, name)
+    held = sum(_final(runs / "clean", 0)["model"][name].numel() for name in WHOLE)
+    assert held * 2 > sum(torch.Size(shape).numel() for shape in WHOLE.values()) > held  # about half, shard 0 the longer

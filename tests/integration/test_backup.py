@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from helpers.runs import (TINY, assert_same_tensors, events, flat_state, make_checkpoint, ok, outside_file, read_json, train, trainguard,
-                      worker_env)
+from helpers.runs import (TINY, assert_same_tensors, events, finish_session, flat_state, make_checkpoint, ok, outside_file,
+                          read_json, start_train, trainguard, worker_env)
 from helpers.s3_server import free_port, start_s3_server
 from trainguard.backup import mirror as mirror_module
 from trainguard.backup.mirror import delete_mirrored, list_mirrored, mirror_checkpoint
@@ -106,8 +106,9 @@ def test_backup_delete_restore_resume_is_bitwise_exact(s3, cli, committed_run, t
     assert code == 0 and "global_step_8: already in the mirror" in out
 
     shutil.rmtree(lost / "checkpoints")
+    keeping = start_train(kept, 2, 12, "--save-interval", "4")  # trains meanwhile (a bounded run: it ends by itself)
     ok(train_s3(s3, lost, 2, 12, "--save-interval", "4", "--resume", url(s3, "roundtrip")))
-    ok(train(kept, 2, 12, "--save-interval", "4", timeout=600))
+    ok(finish_session(keeping, 600, "the run that kept its checkpoints"))
     started = events(lost, "run_started")[-1]
     assert started["step"] == 8 and started["resumed_from"].endswith("global_step_8")
     assert assert_same_tensors(kept / "checkpoints" / "global_step_12", lost / "checkpoints" / "global_step_12") > 0

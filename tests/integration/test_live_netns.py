@@ -87,7 +87,8 @@ def cut_run(netns, tmp_path_factory):
     helper.join(timeout=5)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((root / "result.json").read_text())
-    launch(root / "clean", dataclasses.replace(RUN, spares=0, nodes=()))  # fault-free, local
+    # fault-free, local, without the simulated compute (a sleep per micro-batch: the same state bit for bit)
+    launch(root / "clean", dataclasses.replace(RUN, spares=0, nodes=(), micro_batch_s=0.0))
     return root, result, seen
 
 

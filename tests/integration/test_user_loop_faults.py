@@ -12,7 +12,7 @@ with faults injected by ``TRAINGUARD_FAULTS``:
 - ``trainguard status`` and ``trainguard report`` on those runs show their steps, skips, detections and
   restarts.
 
-Each run is launched once per module and shared by the assertions on it.
+Each run is launched once per module and shared by the assertions on it; two run at a time.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,10 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 LOOP, CONFIG, PLAIN = EXAMPLES / "user_loop.py", EXAMPLES / "user_loop.yaml", EXAMPLES / "user_loop_plain.py"
 STEPS = 8
 TIMEOUT_S = 1200  # per supervised run: several torchrun starts of two ranks each on two shared cores
-HANG_TIMEOUT_S = 10  # no progress this long is a hang; steps and saves of this loop take seconds even on loaded cores
+# No progress this long is a hang. It must outlast the kill at step 3 too: the supervisor sees the killed
+# rank fail only once torchrun has ended the other rank and exited, seconds after the kill, 11 s once at
+# load 16 (the kill then read as a hang)
+HANG_TIMEOUT_S = 20
 SITE = "transformer.h.0.ln_1"  # a GPT-2 LayerNorm: an SDC detection point
 
 
@@ -57,52 +61,6 @@ def final(run_dir: Path) -> Path:
     return run_dir / "checkpoints" / f"global_step_{STEPS}"
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("user_loop")
-
-
-@pytest.fixture(scope="module")
-def straight(runs) -> Path:
-    run_dir = runs / "straight"
-    proc = supervised(run_dir)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    return run_dir
-
-
-@pytest.fixture(scope="module")
-def killed_and_hung(runs) -> tuple[Path, subprocess.CompletedProcess]:
-    """Rank 1 SIGKILLed at step 3, then rank 0 hanging at step 6 (for ever): two restarts."""
-    run_dir = runs / "killed_and_hung"
-    proc = supervised(run_dir, faults="kill:rank=1,step=3;hang:rank=0,step=6",
-                      supervisor=("--hang-timeout", str(HANG_TIMEOUT_S)))
-    return run_dir, proc
-
-
-@pytest.fixture(scope="module")
-def spike_burst(runs) -> tuple[Path, subprocess.CompletedProcess]:
-    """A spike at every step from 3: the third in a row (count_threshold 3) aborts at step 5."""
-    run_dir = runs / "spike_burst"
-    return run_dir, supervised(run_dir, faults="spike:step=3,persistent=1")
-
-
-@pytest.fixture(scope="module")
-def time_limit(runs) -> tuple[Path, subprocess.CompletedProcess]:
-    """A time limit already reached when the loop starts (0.6 s after the supervisor's start)."""
-    run_dir = runs / "time_limit"
-    return run_dir, supervised(run_dir, "lifecycle.exit_duration_in_mins=0.01")
-
-
-@pytest.fixture(scope="module")
-def faulty_node(runs) -> tuple[Path, subprocess.CompletedProcess]:
-    """A spike at step 2 (skipped), then a persistent bit flip in rank 1's gradients on node0 from step 5:
-    two SDC strikes (strikes: 2), exit 17, node0 excluded, the spare node1 finishes the run."""
-    run_dir = runs / "faulty_node"
-    flip = f"bitflip:rank=1,node=node0,step=5,site={SITE},where=grad_input,bit=exp,persistent=1"
-    proc = supervised(run_dir, faults=f"spike:step=2;{flip}", supervisor=("--nnodes", "1", "--spare-nodes", "1"))
-    return run_dir, proc
-
-
 CONFIG_MISTAKES = {  # name: (--set overrides, TRAINGUARD_FAULTS, what the one error line must hold)
     "set_typo": (("guards.skip.treshold=3",), None,
                  "--set 'guards.skip.treshold=3': unknown config key 'guards.skip.treshold'"),
@@ -111,13 +69,70 @@ CONFIG_MISTAKES = {  # name: (--set overrides, TRAINGUARD_FAULTS, what the one e
     "rollback_without_skippable_data": (("guards.skip.enabled=false", "guards.check_for_global_norm=true"), None,
                                         "needs exactly one stateful data object that can skip sample ranges"),
 }
+FLIP = f"bitflip:rank=1,node=node0,step=5,site={SITE},where=grad_input,bit=exp,persistent=1"
+RUNS = {  # name: (--set overrides, TRAINGUARD_FAULTS, the supervisor's options); the longest first
+    # rank 1 SIGKILLed at step 3, then rank 0 hanging at step 6 (for ever): two restarts
+    "killed_and_hung": ((), "kill:rank=1,step=3;hang:rank=0,step=6", ("--hang-timeout", str(HANG_TIMEOUT_S))),
+    # a spike at step 2 (skipped), then a persistent bit flip in rank 1's gradients on node0 from step 5:
+    # two SDC strikes (strikes: 2), exit 17, node0 excluded, the spare node1 finishes the run
+    "faulty_node": ((), f"spike:step=2;{FLIP}", ("--nnodes", "1", "--spare-nodes", "1")),
+    "straight": ((), None, ()),
+    # a spike at every step from 3: the third in a row (count_threshold 3) aborts at step 5
+    "spike_burst": ((), "spike:step=3,persistent=1", ()),
+    # a time limit already reached when the loop starts (0.6 s after the supervisor's start)
+    "time_limit": (("lifecycle.exit_duration_in_mins=0.01",), None, ()),
+    **{name: (overrides, faults, ()) for name, (overrides, faults, _) in CONFIG_MISTAKES.items()},
+}
+# Runs at a time: most of a run is interpreters starting, torchrun's rendezvous and teardown and the
+# hang timeout's wait, which leave the cores to the others. Two: the hang run (first, the longest) has
+# one other beside it on two shared cores
+CONCURRENT = 2
+
+
+def run_named(root: Path, name: str) -> tuple[Path, subprocess.CompletedProcess]:
+    overrides, faults, options = RUNS[name]
+    return root / name, supervised(root / name, *overrides, faults=faults, supervisor=options)
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> dict[str, Future]:
+    """Every supervised run of the module, submitted at once and run CONCURRENT at a time; each run's
+    fixture waits for its own. Each run is in a directory of its own named after it."""
+    root = tmp_path_factory.mktemp("user_loop")
+    with ThreadPoolExecutor(max_workers=CONCURRENT) as pool:
+        yield {name: pool.submit(run_named, root, name) for name in RUNS}
+
+
+@pytest.fixture(scope="module")
+def straight(launched) -> Path:
+    run_dir, proc = launched["straight"].result()
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def killed_and_hung(launched) -> tuple[Path, subprocess.CompletedProcess]:
+    return launched["killed_and_hung"].result()
+
+
+@pytest.fixture(scope="module")
+def spike_burst(launched) -> tuple[Path, subprocess.CompletedProcess]:
+    return launched["spike_burst"].result()
+
+
+@pytest.fixture(scope="module")
+def time_limit(launched) -> tuple[Path, subprocess.CompletedProcess]:
+    return launched["time_limit"].result()
+
+
+@pytest.fixture(scope="module")
+def faulty_node(launched) -> tuple[Path, subprocess.CompletedProcess]:
+    return launched["faulty_node"].result()
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIG_MISTAKES))
-def config_mistake(runs, request) -> tuple[Path, subprocess.CompletedProcess, str]:
-    overrides, faults, expected = CONFIG_MISTAKES[request.param]
-    run_dir = runs / request.param
-    return run_dir, supervised(run_dir, *overrides, faults=faults), expected
+def config_mistake(launched, request) -> tuple[Path, subprocess.CompletedProcess, str]:
+    return *launched[request.param].result(), CONFIG_MISTAKES[request.param][2]
 
 
 def kinds(run_dir: Path, kind: str) -> list[dict]:

@@ -1,0 +1,55 @@
+"""``trainguard train`` in live mode on a run directory as a newcomer uses it: one small live run (2 replica
+groups of 1 rank, llama-micro, 2 steps, a durable checkpoint at step 2) shared by the module, then what
+happens next in that directory.
+
+- another model's live run in the same directory (mistral-micro: the newest checkpoint does not fit it):
+  one line naming the checkpoint and the mismatch, exit 2, no rank replaced, the checkpoint untouched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from helpers.runs import trainguard
+from trainguard.events.log import read_events
+
+STEPS = 2
+LIVE = ["fault_tolerance.live=true", "parallel.dp_replicate=2", "data.seq_len=32", "train.micro_batches=2",
+        f"checkpoint.save_interval={STEPS}"]
+
+
+def live_train(run_dir: Path, preset: str):
+    return trainguard("train", "--nproc", "2", "--steps", str(STEPS), "--run-dir", str(run_dir),
+                      *[arg for item in [*LIVE, f"model.preset={preset}"] for arg in ("--set", item)], timeout=300)
+
+
+def file_digests(folder: Path) -> dict[str, str]:
+    return {str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("live_run_dir") / "run"
+    result = live_train(run_dir, "llama-micro")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return run_dir
+
+
+def test_another_models_live_run_in_the_directory_ends_with_one_line_and_exit_2(run_dir):
+    checkpoints = run_dir / "checkpoints"
+    before = file_digests(checkpoints)
+    events_before = len(list(read_events(run_dir / "events.jsonl")))
+    result = live_train(run_dir, "mistral-micro")
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "Traceback" not in result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("trainguard: error:")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    assert f"{checkpoints / f'global_step_{STEPS}'}" in errors[0]
+    assert "does not fit this run's model" in errors[0] and "Missing key" in errors[0]
+    kinds = [event["kind"] for event in list(read_events(run_dir / "events.jsonl"))[events_before:]]
+    assert "live_replacement" not in kinds and "live_exit" not in kinds
+    assert file_digests(checkpoints) == before

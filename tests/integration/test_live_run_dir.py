@@ -2,6 +2,8 @@
 groups of 1 rank, llama-micro, 2 steps, a durable checkpoint at step 2) shared by the module, then what
 happens next in that directory.
 
+- ``trainguard status`` on it shows the last committed step's loss and global norm (live runs write
+  ``live_step`` events, no ``step`` events).
 - another model's live run in the same directory (mistral-micro: the newest checkpoint does not fit it):
   one line naming the checkpoint and the mismatch, exit 2, no rank replaced, the checkpoint untouched.
 """
@@ -9,6 +11,7 @@ happens next in that directory.
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 
 import pytest
@@ -37,6 +40,16 @@ def run_dir(tmp_path_factory):
     result = live_train(run_dir, "llama-micro")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return run_dir
+
+
+def test_status_shows_the_last_committed_steps_loss_and_norm(run_dir):
+    last = [e for e in read_events(run_dir / "events.jsonl") if e["kind"] == "live_step" and e["step"] == STEPS - 1]
+    assert last, "the live run wrote no live_step event of its last step"
+    result = trainguard("status", str(run_dir), timeout=60)
+    assert result.returncode == 0, result.stderr
+    rows = dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in result.stdout.splitlines() if line.strip())
+    assert rows["step"] == str(STEPS)
+    assert rows["loss"] == f"{last[-1]['loss']:.4f}" and rows["global norm"] == f"{last[-1]['global_norm']:.4g}"
 
 
 def test_another_models_live_run_in_the_directory_ends_with_one_line_and_exit_2(run_dir):

@@ -1,24 +1,31 @@
-"""``trainguard train`` in live mode on a run directory as a newcomer uses it: one small live run (2 replica
-groups of 1 rank, llama-micro, 2 steps, a durable checkpoint at step 2) shared by the module, then what
-happens next in that directory.
+"""Live runs as a newcomer starts them, following docs/cli.md. ``trainguard train`` in live mode: one small
+live run (2 replica groups of 1 rank, llama-micro, 2 steps, a durable checkpoint at step 2) shared by the
+module, then what happens next in that directory:
 
 - ``trainguard status`` on it shows the last committed step's loss and global norm (live runs write
   ``live_step`` events, no ``step`` events).
 - another model's live run in the same directory (mistral-micro: the newest checkpoint does not fit it):
   one line naming the checkpoint and the mismatch, exit 2, no rank replaced, the checkpoint untouched.
+
+``trainguard run``'s live path (tests/helpers/live_loop.py, 2 replica groups of 2 ranks) with a
+configuration error that every rank's ``Guard`` finds: printed once, by the run's rank 0 (each replica
+group's first rank is rank 0 of its own process group), and each rank's heartbeat records exit 2.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
 from helpers.runs import trainguard
+from trainguard.runtime.heartbeat import read_heartbeats
 from trainguard.events.log import read_events
 
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
 LIVE = ["fault_tolerance.live=true", "parallel.dp_replicate=2", "data.seq_len=32", "train.micro_batches=2",
         f"checkpoint.save_interval={STEPS}"]
@@ -66,3 +73,16 @@ def test_another_models_live_run_in_the_directory_ends_with_one_line_and_exit_2(
     kinds = [event["kind"] for event in list(read_events(run_dir / "events.jsonl"))[events_before:]]
     assert "live_replacement" not in kinds and "live_exit" not in kinds
     assert file_digests(checkpoints) == before
+
+
+def test_a_config_error_every_live_rank_finds_is_printed_once(tmp_path):
+    run_dir = tmp_path / "run"
+    result = trainguard("run", "--nproc", "4", "--config", str(ROOT / "tests/helpers/live_loop.yaml"),
+                        "--run-dir", str(run_dir), "--set", "fault_tolerance.fsdp=true", "--",
+                        sys.executable, str(ROOT / "tests/helpers/live_loop.py"), timeout=300)
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if "error:" in line]
+    assert errors == [errors[0]] and errors[0].startswith("trainguard: error: [rank 0] config key "
+                                                          "'fault_tolerance.fsdp'"), errors
+    beats = read_heartbeats(run_dir)
+    assert sorted(beats) == [0, 1, 2, 3] and {beat.exit_code for beat in beats.values()} == {2}

@@ -2,7 +2,12 @@ import logging
 import os
 import sys
 
-from trainguard.cli import main
+from trainguard.runtime import early_signals
+
+if early_signals.supervises(sys.argv[1:], os.environ):  # before the seconds of imports below and in main()
+    early_signals.hold()
+
+from trainguard.cli import main  # noqa: E402  (after the signals are held)
 
 code = main()
 # Every command has finished its work when main() returns (files closed, threads and children waited

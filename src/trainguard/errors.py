@@ -11,6 +11,7 @@ EXIT_RESUMABLE_STOP = 16
 EXIT_FAULTY_HARDWARE = 17
 # a live step that raised the same way fault_tolerance.max_step_failures times in a row (live/step_failures.py)
 EXIT_STEP_FAILED = 19
+EXIT_CLOSED_STDOUT = 141  # the reader of stdout left: the shell's code for a writer ended by SIGPIPE (128 + 13)
 
 
 class TrainguardError(Exception):

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
-from trainguard.errors import EXIT_USAGE, TrainguardError
+from trainguard.errors import EXIT_CLOSED_STDOUT, EXIT_USAGE, TrainguardError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -37,9 +38,22 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, where a reader that left is answered below, not in the interpreter's exit
+        return code
     except TrainguardError as exc:
         print(f"trainguard: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader left (``trainguard plan --json | head -1``): nothing more to say
+        return closed_stdout()
+
+
+def closed_stdout() -> int:
+    """Points stdout at /dev/null so the interpreter's final flush of what is still buffered does not
+    raise again (Python's own advice for SIGPIPE), and gives the shell's code for a closed pipe."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_CLOSED_STDOUT

@@ -11,7 +11,7 @@ from typing import Any
 
 from trainguard.checkpoint.discovery import CheckpointInfo, latest_fault, list_checkpoints
 from trainguard.cli.arguments import resolve_root
-from trainguard.cli.output import byte_progress, warn
+from trainguard.cli.output import byte_progress, stdout_console, warn
 from trainguard.fs.layout import HEALTH_FILE, LATEST_FILE, step_dir_name
 from trainguard.checkpoint.manifest import BadFile, verify_checkpoint
 from trainguard.checkpoint.role_dirs import checkpoint_dir, frozen_role_dirs
@@ -21,7 +21,6 @@ from trainguard.guards.health import MAX_HEALTH_FILE_BYTES, Health, health_of
 
 EXIT_BAD_CHECKPOINT = 1
 _DIR_HELP = "run directory, its checkpoints/ directory, or one checkpoint (global_step_N, global_step_N/ROLE)"
-_PIPED_WIDTH = 200
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -160,14 +159,10 @@ def _facts(info: CheckpointInfo, bad: list[BadFile] | None, health_records: dict
 def _print_table(root: Path, facts: list[dict[str, Any]]) -> None:
     # rich is imported when the command prints, not when ``trainguard --help`` builds every parser
     from rich import box
-    from rich.console import Console
     from rich.filesize import decimal
     from rich.table import Table
 
-    console = Console()
-    if not console.is_terminal:
-        # Piped output is read by tools and people with wide windows: never squeeze it into 80 columns.
-        console = Console(width=_PIPED_WIDTH)
+    console = stdout_console()
     if not facts:
         console.print(f"no checkpoints in {root}")
         return

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 
+from trainguard.cli.output import stdout_console
 from trainguard.doctor.defaults import DEFAULT_REPS, DEFAULT_STORAGE_MB
 from trainguard.errors import EXIT_CRASH, EXIT_OK
 
-_PIPED_WIDTH = 160
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -42,8 +42,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
-        console = Console()
-        if not console.is_terminal:
-            console = Console(width=_PIPED_WIDTH)
+        console = stdout_console(piped_width=160)
         report.render(console)
     return EXIT_OK if report.healthy else EXIT_CRASH

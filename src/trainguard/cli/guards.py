@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from trainguard.cli.output import stdout_console
 from trainguard.guards.calibrate import (
     DEFAULT_MARGIN,
     JSON_FILE,
@@ -17,7 +18,6 @@ from trainguard.guards.calibrate import (
     yaml_snippet,
 )
 
-_PIPED_WIDTH = 200
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -54,13 +54,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
 def _print(cal: Calibration) -> None:
     # rich is imported when the command prints, not when ``trainguard --help`` builds every parser
     from rich import box
-    from rich.console import Console
     from rich.syntax import Syntax
     from rich.table import Table
 
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=_PIPED_WIDTH)
+    console = stdout_console()
     title = f"{cal.events}" + (f" (steps after {cal.ignore_first})" if cal.ignore_first else "")
     table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     table.add_column("series", no_wrap=True)

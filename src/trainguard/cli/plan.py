@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from trainguard.cli.output import stdout_console
 from trainguard.errors import ConfigError
 
 
@@ -65,7 +66,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(figures, indent=2))
         return 0
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"checkpoint plan: {params / 1e9:.2f}B parameters")
@@ -84,5 +84,5 @@ def run(args: argparse.Namespace) -> int:
     for key, (label, fmt) in labels.items():
         if key in figures:
             table.add_row(label, fmt.format(figures[key]))
-    Console().print(table)
+    stdout_console().print(table)
     return 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from trainguard.cli.output import stdout_console
+
 if TYPE_CHECKING:
     from rich.table import Table
 
@@ -19,14 +21,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # imported when the command runs, not when ``trainguard --help`` builds every parser
-    from rich.console import Console
 
     from trainguard.report.facts import read_run
 
     facts = read_run(args.run_dir)
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=160)
+    console = stdout_console(piped_width=160)
     console.print(status_table(facts))
     for note in facts.notes:
         console.print(f"note: {note}", markup=False, highlight=False)

@@ -21,10 +21,11 @@ from pathlib import Path
 
 from trainguard.checkpoint.discovery import newest_committed
 from trainguard.config.schema import RunConfig
-from trainguard.errors import EXIT_DATA_SKIP_ABORT, EXIT_STEP_FAILED, EXIT_USAGE, ConfigError
+from trainguard.errors import EXIT_DATA_SKIP_ABORT, EXIT_RESUMABLE_STOP, EXIT_STEP_FAILED, EXIT_USAGE, ConfigError
 from trainguard.live.launcher import LiveRun, resume_point
 from trainguard.live.placement import place
 from trainguard.live.supervise import supervise
+from trainguard.runtime import early_signals
 from trainguard.runtime.hosts import HostNodes, address_toward, parse_hosts
 from trainguard.runtime.lifecycle import REASON_NAMES, SIGNAL
 from trainguard.runtime.nodes import SlurmNodes
@@ -82,6 +83,10 @@ def run_live(run: LiveRun, run_dir: Path) -> int:
              f"store at {run.store_host}" if run.nodes else "")
     print(f"trainguard: run directory {run_dir} (live recovery: {run.groups} replica groups of "
           f"{run.group_size} ranks, {run.spares} spares{where})", flush=True)
+    held = early_signals.release()  # SIGTERM/SIGUSR1 while the command was starting: nothing is started
+    if held:
+        print(f"trainguard: received {held[-1].name}: starting no ranks, exit {EXIT_RESUMABLE_STOP}", flush=True)
+        return EXIT_RESUMABLE_STOP
     resume = resume_point(run, run_dir)  # exit 4 (one line) when checkpoints exist and none qualifies
     if resume is not None:
         print(f"trainguard: live run resumes from {resume} (checkpoint.resume: {run.resume})", flush=True)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.manager import Stateful
-from trainguard.errors import ConfigError
+from trainguard.errors import CheckpointError, ConfigError, UnsafeCheckpointError
 from trainguard.events import EventLog
 from trainguard.events.rank_logging import setup_logging
 from trainguard.guards.sdc import FaultyDeviceError
@@ -134,6 +134,15 @@ class LiveRank:
         except dist.DistNetworkError as lost:
             self.store_lost(lost)
             return 0
+        except CheckpointError as error:
+            if isinstance(error, UnsafeCheckpointError):
+                raise
+            # the launcher chose it after verifying its files, and DCP raised its failure on every rank
+            # alike: it holds another model (a run directory another model's run used). A replacement
+            # would fail the same way, so every rank ends with the run's configuration error instead
+            self.end_with_config_error(ConfigError(
+                f"{error}: the checkpoint does not fit this run's model and optimizer (saved by another "
+                "model's run?); use another --run-dir, or --resume disable to start from the seed"))
         self.committed_steps = self.worker.step_index
         self.remaining = self.worker.train()
         self.lifecycle.beat("train", self.committed_steps)

@@ -320,12 +320,15 @@ def _live_progress(events: list[dict], facts: RunFacts) -> None:
     committed (numbered as ``step`` events are, the count of steps done), and finished once every rank of
     its first epoch is done."""
     committed: dict[int, float] = {}
+    stands: dict[int, dict] = {}  # each step's last live_step: a step undone after a peer's failure and redone
     for event in events:
         step, t = _int(event.get("step")), _time(event)
-        if event.get("kind") == "live_step" and step is not None and t is not None and step + 1 not in committed:
-            committed[step + 1] = t
+        if event.get("kind") == "live_step" and step is not None and t is not None:
+            committed.setdefault(step + 1, t)
+            stands[step + 1] = event
     if not facts.steps:
-        facts.steps = [StepPoint(step, t, None, None, False, 0) for step, t in sorted(committed.items())]
+        facts.steps = [StepPoint(step, t, number(stands[step].get("loss")), number(stands[step].get("global_norm")),
+                                 bool(stands[step].get("skipped")), 0) for step, t in sorted(committed.items())]
     first = next((e for e in events if e.get("kind") == "live_quorum"), None)
     world = set(first.get("members") or []) if first is not None else set()
     done = {_int(e.get("rank")) for e in events if e.get("kind") == "live_done"}

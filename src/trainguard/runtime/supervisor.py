@@ -33,6 +33,7 @@ from trainguard.fs.fsio import atomic_write_json
 from trainguard.errors import EXIT_CRASH, EXIT_FAULTY_HARDWARE, EXIT_OK, EXIT_RESUMABLE_STOP
 from trainguard.events import EventLog, read_events
 from trainguard.run_secret import create_secret
+from trainguard.runtime import early_signals
 from trainguard.runtime.hang import DUMP_SIGNAL, HangPolicy, dump_dir, remove_empty_dumps, suspect_ranks
 from trainguard.runtime.heartbeat import ENV_INCARNATION, Heartbeat, read_heartbeats
 from trainguard.runtime.hosts import HostNodes
@@ -223,7 +224,9 @@ class Supervisor:
 
     # ---------------------------------------------------------------------------------------- run
     def run(self) -> int:
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in early_signals.STOP_SIGNALS}
+        for held in early_signals.release():  # received while the command was still starting
+            self._on_signal(held, None)
         try:
             return self._run()
         except KeyboardInterrupt:

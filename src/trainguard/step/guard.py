@@ -68,7 +68,8 @@ from trainguard.live.replica_mesh import is_replica_group_mesh
 from trainguard.live.worker import MicroBatchLoss, SampleRange
 from trainguard.runtime.heartbeat import HeartbeatWriter
 from trainguard.runtime.lifecycle import EXIT_CODES, NONE, REASON_NAMES
-from trainguard.step.live import closure_only, live_only, live_rank, with_launcher_overrides
+from trainguard.step.live import (closure_only, launcher_rank, live_only, live_rank, started_by_live_launcher,
+                                  with_launcher_overrides)
 from trainguard.step.micro_batches import DataParallelPlace, micro_batch_closure, step_samples, takes_no_arguments
 from trainguard.runtime.outcome import RunOutcome, end_outcome, stop_outcome
 from trainguard.step.builder import FIND_EMBEDDING, build_guard_parts, build_step_plugins, input_embedding
@@ -88,6 +89,16 @@ def _load(config: str | Path | RunConfig | None, overrides: Sequence[str]) -> Ru
     return load_config(config, list(overrides))
 
 
+def _run_rank(live_argv: list[str] | None) -> int | None:
+    """This process's rank in the whole run, None for a live run's warm spare. A live rank's process group
+    (if any) is its replica group's, whose first rank is 0 in every group: the launcher's ``--rank`` is the
+    run's rank."""
+    argv = sys.argv[1:] if live_argv is None else live_argv
+    if started_by_live_launcher(argv):
+        return launcher_rank(argv)
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def _config_errors_end_the_process(init: Callable[..., None]) -> Callable[..., None]:
     """A configuration mistake found while building the guard (a key, a fault site, rollback mode
     without skippable data) is the same on every rank and a restart cannot fix it: rank 0 prints it in
@@ -101,9 +112,10 @@ def _config_errors_end_the_process(init: Callable[..., None]) -> Callable[..., N
         except TrainguardError as error:
             if error.exit_code != EXIT_USAGE:
                 raise
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            with contextlib.suppress(OSError):  # an unwritable run directory must not mask the error
-                HeartbeatWriter(run_dir, rank).beat("exit", 0, EXIT_USAGE)
+            rank = _run_rank(kwargs.get("live_argv"))
+            if rank is not None:
+                with contextlib.suppress(OSError):  # an unwritable run directory must not mask the error
+                    HeartbeatWriter(run_dir, rank).beat("exit", 0, EXIT_USAGE)
             if rank == 0:
                 print(f"trainguard: error: [rank 0] {error}", file=sys.stderr, flush=True)
             raise ConfigErrorExit(str(error)) from None

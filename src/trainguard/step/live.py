@@ -21,6 +21,7 @@ ranks' gradient faults), which the rank checks.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import fnmatch
 import json
@@ -152,6 +153,14 @@ def refuse_with_fsdp(config: RunConfig) -> None:
 def started_by_live_launcher(argv: list[str]) -> bool:
     """Whether the live launcher started this process: its ``--store`` flag is among the arguments."""
     return any(arg == "--store" or arg.startswith("--store=") for arg in argv)
+
+
+def launcher_rank(argv: list[str]) -> int | None:
+    """The rank the live launcher gave this process (its ``--rank R``), None for a warm spare (``--spare``),
+    which has no rank until it replaces one."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--rank", type=int)
+    return parser.parse_known_args(argv)[0].rank
 
 
 def live_rank(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,

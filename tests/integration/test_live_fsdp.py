@@ -11,7 +11,8 @@ at step 5 (``train.exit_at_step``: saved) and started again with ``--resume auto
 whole (launcher and ranks) after step 6, with the local tier on (every step), run again with ``--resume
 auto``: it resumes from the local tier's step, newer than the durable step 4. Replica fingerprints every 2
 steps; in the stopped run rank 1 has a bit of its Adam moment flipped at rest before step 4: found, and
-repaired from rank 3 (its replica) before that step computes."""
+repaired from rank 3 (its replica) before that step computes, and rank 1's forward of step 2 raises once
+mid-FSDP2: the quorum tries the step again (``fault_tolerance.max_step_failures``)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ guards: {fingerprint: {interval: 2}}
 """ % STEPS
 # a bit of rank 1's Adam moment flipped at rest before step 4, where replica fingerprints (every 2 steps) check
 STATEFLIP = "stateflip:rank=1,step=4,site=3.weight,state=exp_avg,bit=30"
+# rank 1's forward of micro-batch 3 of step 2 (its second of slot (0, 1)) raises once, between two FSDP modules
+RAISE_AT = "1,2,3"
 # the whole model's parameter shapes (live_fsdp_loop.py's MLP)
 WHOLE = {"0.weight": (16, 8), "0.bias": (16,), "3.weight": (16, 16), "3.bias": (16,), "5.weight": (3, 16), "5.bias": (3,)}
 
@@ -76,10 +79,10 @@ def _sigkilled_job(run_dir: Path, config: Path) -> None:
         time.sleep(0.1)
 
 
-def _run(config: Path, run_dir: Path, *overrides: str):
+def _run(config: Path, run_dir: Path, *overrides: str, script: tuple[str, ...] = ()):
     sets = [arg for item in overrides for arg in ("--set", item)]
     return trainguard("run", "--nproc", str(WORLD), "--config", str(config), "--run-dir", str(run_dir), *sets, "--",
-                      sys.executable, str(SCRIPT), "--steps", str(STEPS), "--config", str(config), timeout=240)
+                      sys.executable, str(SCRIPT), "--steps", str(STEPS), "--config", str(config), *script, timeout=240)
 
 
 @pytest.fixture(scope="module")
@@ -87,9 +90,11 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("live_fsdp")
     config = root / "live_fsdp.yaml"
     config.write_text(CONFIG, encoding="utf-8")
-    for name, overrides in (("clean", ()), ("killed", (f"faults=kill:rank={KILLED},step={KILL_AT}",)),
-                            ("resumed", ("train.exit_at_step=5", f"faults={STATEFLIP}")), ("resumed", ())):
-        done = _run(config, root / name, *overrides)
+    for name, overrides, script in (
+            ("clean", (), ()), ("killed", (f"faults=kill:rank={KILLED},step={KILL_AT}",), ()),
+            ("resumed", ("train.exit_at_step=5", f"faults={STATEFLIP}"), ("--raise-at", RAISE_AT)),
+            ("resumed", (), ())):
+        done = _run(config, root / name, *overrides, script=script)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     local = root / "live_fsdp_local.yaml"
     local.write_text(CONFIG.replace("save_interval: 4", "save_interval: 4, local_interval: 1"), encoding="utf-8")
@@ -139,6 +144,15 @@ def test_fingerprints_found_the_flipped_fsdp2_shard_and_repaired_it_from_its_rep
     assert [e["flipped"] for e in events if e["kind"] == "fault_injected"] == [True]
     found = [e for e in events if e["kind"] == "fingerprint_mismatch"]
     assert [(e["step"], e["group"], e["faulty"], e["repaired"]) for e in found] == [(4, [1, 3], [1], ["state"])]
+
+
+def test_a_forward_that_raised_once_mid_fsdp2_was_tried_again_by_the_quorum(runs):
+    # the end state is the fault-free run's bitwise (test_a_lost_fsdp2_group_..._fault_free_run[resumed])
+    events = list(read_events(events_path(runs / "resumed")))
+    failed = [(e["step"], e["ranks"], e["attempt"], e["verdict"], e["error"]) for e in events
+              if e["kind"] == "live_step_failed"]
+    assert failed == [(2, 1, 1, "retry", "rank 1: RuntimeError: injected: the forward failed once")]
+    assert not [e for e in events if e["kind"] == "live_exit"]  # no rank crashed
 
 
 def test_the_sigkilled_job_resumed_from_the_local_tiers_newer_step(runs):

@@ -12,7 +12,9 @@ whole (launcher and ranks) after step 6, with the local tier on (every step), ru
 auto``: it resumes from the local tier's step, newer than the durable step 4. Replica fingerprints every 2
 steps; in the stopped run rank 1 has a bit of its Adam moment flipped at rest before step 4: found, and
 repaired from rank 3 (its replica) before that step computes, and rank 1's forward of step 2 raises once
-mid-FSDP2: the quorum tries the step again (``fault_tolerance.max_step_failures``)."""
+mid-FSDP2: the quorum tries the step again (``fault_tolerance.max_step_failures``). And the killed run again
+with 2 warm spares (``fault_tolerance.spares=2``: one spare group, which made its own default group and mesh
+as it started): they take over group 1's positions, bitwise the fault-free run."""
 
 from __future__ import annotations
 
@@ -92,6 +94,7 @@ def runs(tmp_path_factory):
     config.write_text(CONFIG, encoding="utf-8")
     for name, overrides, script in (
             ("clean", (), ()), ("killed", (f"faults=kill:rank={KILLED},step={KILL_AT}",), ()),
+            ("spared", (f"faults=kill:rank={KILLED},step={KILL_AT}", "fault_tolerance.spares=2"), ()),
             ("resumed", ("train.exit_at_step=5", f"faults={STATEFLIP}"), ("--raise-at", RAISE_AT)),
             ("resumed", (), ())):
         done = _run(config, root / name, *overrides, script=script)
@@ -127,7 +130,7 @@ def _durable(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     return tensors
 
 
-@pytest.mark.parametrize("run", ["killed", "resumed", "sigkilled"])
+@pytest.mark.parametrize("run", ["killed", "spared", "resumed", "sigkilled"])
 def test_a_lost_fsdp2_group_or_a_resume_ends_bitwise_equal_to_the_fault_free_run(runs, run):
     for rank in range(WORLD):
         clean, other = _tensors(_final(runs / "clean", rank)), _tensors(_final(runs / run, rank))
@@ -183,6 +186,18 @@ def test_the_survivors_computed_the_lost_groups_share_and_kept_their_processes(r
     assert degraded and {e["rank"] for e in degraded} == {0, 1}
     # slots (group, position): rank 0 computes slot (0, 0) = [0, 1] and group 1's slot (1, 0) = [4, 5]
     assert all(e["micro_batches"] == ([0, 1, 4, 5] if e["rank"] == 0 else [2, 3, 6, 7]) for e in degraded)
+    assert {e["rank"] for e in events if e["kind"] == "live_joined"} == {2, 3}
+
+
+def test_a_warm_spare_group_took_over_the_lost_groups_positions(runs):
+    # the end state is the fault-free run's bitwise (test_a_lost_fsdp2_group_..._fault_free_run[spared])
+    events = list(read_events(events_path(runs / "spared")))
+    assert not [e for e in events if e["kind"] == "live_replacement"]  # no rank started cold
+    started = {e["pid"]: e for e in events if e["kind"] == "live_start"}
+    spares = {e["pid"]: e["spare"] for e in events if e["kind"] == "live_spare_checked"}
+    assert sorted(spares.values()) == [0, 1]
+    # spare s is position s % 2 of spare group 0: spare 0 became rank 2, spare 1 rank 3
+    assert sorted((spares[pid], e["rank"]) for pid, e in started.items() if pid in spares) == [(0, 2), (1, 3)]
     assert {e["rank"] for e in events if e["kind"] == "live_joined"} == {2, 3}
 
 

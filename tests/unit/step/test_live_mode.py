@@ -229,13 +229,15 @@ def test_without_fault_tolerance_fsdp_a_sharded_group_gets_no_mesh():
 @pytest.mark.parametrize("items, key", [(["fault_tolerance.spares=1"], "fault_tolerance.spares"),
                                         (["parallel.dp_shard=1"], "fault_tolerance.fsdp")])
 def test_fault_tolerance_fsdp_with_spares_or_whole_replicas_is_refused_naming_the_key(items, key):
-    """A warm spare learns its rank only once it replaces one (after its script sharded the model), and
-    FSDP2 needs a group of several ranks: the launcher refuses both before starting anything."""
+    """Warm spares come in spare groups of dp_shard ranks (each makes its mesh with its spare group as it
+    starts), and FSDP2 needs a group of several ranks: the launcher refuses a spare count that is no multiple
+    of dp_shard, and dp_shard 1, before starting anything."""
     from trainguard.live.launcher import LiveRun
 
     layout = ["fault_tolerance.live=true", "fault_tolerance.fsdp=true", "parallel.dp_replicate=2",
               "parallel.dp_shard=2", "train.micro_batches=8"]
     assert LiveRun.from_config(load_config(None, layout)).fsdp
+    assert LiveRun.from_config(load_config(None, [*layout, "fault_tolerance.spares=2"])).spares == 2
     with pytest.raises(ConfigError, match=f"config key '{key}'"):
         LiveRun.from_config(load_config(None, [*layout, *items]))
 

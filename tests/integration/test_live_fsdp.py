@@ -8,8 +8,8 @@ partials added in group order), the new group 1 joins at the last boundary with 
 Durable checkpoints every 4 steps (DCP of the DTensor shards). Every rank's final parameters and optimizer
 state, and both durable checkpoints, are the fault-free run's, bitwise; and so is a fault-free run stopped
 at step 5 (``train.exit_at_step``: saved) and started again with ``--resume auto``; and so is a job SIGKILLed
-whole (launcher and ranks) after step 6, with the local tier on (every step), run again with ``--resume
-auto``: it resumes from the local tier's step, newer than the durable step 4. Replica fingerprints every 2
+whole (launcher and ranks) after step 6, with the local tier on (every 2 steps) and the memory tier (every
+step), run again with ``--resume auto``: it resumes from the memory tier's step, newer than the durable step 4. Replica fingerprints every 2
 steps; in the stopped run rank 1 has a bit of its Adam moment flipped at rest before step 4: found, and
 repaired from rank 3 (its replica) before that step computes, and rank 1's forward of step 2 raises once
 mid-FSDP2: the quorum tries the step again (``fault_tolerance.max_step_failures``). And the killed run again
@@ -100,7 +100,9 @@ def runs(tmp_path_factory):
         done = _run(config, root / name, *overrides, script=script)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     local = root / "live_fsdp_local.yaml"
-    local.write_text(CONFIG.replace("save_interval: 4", "save_interval: 4, local_interval: 1"), encoding="utf-8")
+    # the local tier every 2 steps, the memory tier every step (its directory under the run's)
+    local.write_text(CONFIG.replace("save_interval: 4", "save_interval: 4, local_interval: 2, memory_interval: 1, "
+                                    "memory_dir: 'memory/node{node}'"), encoding="utf-8")
     _sigkilled_job(root / "sigkilled", local)
     done = _run(local, root / "sigkilled")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -158,9 +160,12 @@ def test_a_forward_that_raised_once_mid_fsdp2_was_tried_again_by_the_quorum(runs
     assert not [e for e in events if e["kind"] == "live_exit"]  # no rank crashed
 
 
-def test_the_sigkilled_job_resumed_from_the_local_tiers_newer_step(runs):
-    started = [e for e in read_events(events_path(runs / "sigkilled")) if e["kind"] == "run_started"]
-    assert started and started[-1]["tier"] == "local" and started[-1]["step"] >= 6
+def test_the_sigkilled_job_resumed_from_the_memory_tiers_newer_step(runs):
+    events = list(read_events(events_path(runs / "sigkilled")))
+    assert {e["tier"] for e in events if e["kind"] == "local_saved"} == {"local", "memory"}
+    started = [e for e in events if e["kind"] == "run_started"]
+    # every rank held step 6 in both tiers when the job was killed: the memory tier first at an equal step
+    assert started and started[-1]["tier"] == "memory" and started[-1]["step"] >= 6
 
 
 def test_each_step_of_the_lost_group_run_has_the_fault_free_loss_and_norm(runs):

@@ -254,21 +254,20 @@ def test_live_health_or_monitor_on_a_model_without_an_embedding_is_one_error_nam
 
 
 @pytest.mark.parametrize("items, key", [
-    (["checkpoint.memory_interval=2"], "checkpoint.memory_interval"),
     (["guards.sdc.enabled_level=2"], "guards.sdc.enabled_level"),
     (["faults=spike:step=3,factor=100"], "faults"),
     (["faults=bitflip:rank=1,step=3,site=0,where=output"], "faults"),
 ])
 def test_what_live_mode_does_not_run_with_an_fsdp2_model_is_refused_naming_the_key(items, key):
     """With a model sharded by ``fully_shard`` (Guard checks ``fsdp_modules``), each setting not built for
-    FSDP2 shares is one ConfigError naming its key; the durable and local tiers, fingerprints, data skip, a
-    rank's kill and a stateflip are not refused."""
+    FSDP2 shares is one ConfigError naming its key; the durable, local and memory tiers, fingerprints, data
+    skip, a rank's kill and a stateflip are not refused."""
     from trainguard.config.load import with_overrides
     from trainguard.step.live import refuse_with_fsdp
 
     base = LIVE
     refuse_with_fsdp(with_overrides(base, ["checkpoint.save_interval=5", "checkpoint.local_interval=1",
-                                           "guards.fingerprint.interval=2",
+                                           "checkpoint.memory_interval=2", "guards.fingerprint.interval=2",
                                            "faults=kill:rank=3,step=2; stateflip:rank=1,step=4,site=w,state=exp_avg",
                                            "guards.skip.enabled=true"]))
     configured = with_overrides(base, items)

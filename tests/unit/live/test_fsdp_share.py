@@ -5,8 +5,9 @@ on a 4-rank "epoch" group, as in a live run. Group 0 computes its own share and 
 positions; group 1 computes its own: group 0's partial of group 1 is bitwise group 1's, and one
 reduce-scatter ran per share. And the state a live rank undoes to, and sends a joiner as plain rows, comes
 back bitwise into the DTensor shards. And a loss that raises mid-forward on one rank (rank 1, in its
-second micro-batch, between two FSDP modules) makes both ranks of its group abandon the share at the same
-exchange, FSDP2's state reset; the share tried again is bitwise group 1's computation of it."""
+second micro-batch, between two FSDP modules), on both ranks at once, or mid-backward on one, makes both
+ranks of its group abandon the share at the same exchange, FSDP2's state reset; the share tried again is
+bitwise group 1's computation of it."""
 
 from __future__ import annotations
 
@@ -32,15 +33,23 @@ def _loss_of(model: torch.nn.Module, step: int, micro_batch: int) -> torch.Tenso
 
 
 class _Raiser(torch.nn.Module):
-    """Raises in its ``armed``-th forward (counting from 1), as a user's model whose forward fails."""
+    """Raises in its ``armed``-th forward (counting from 1), or in that forward's backward with
+    ``in_backward``, as a user's model whose forward or backward fails."""
 
-    armed = 0
+    armed, in_backward = 0, False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.armed -= 1
-        if self.armed == 0:
+        if self.armed == 0 and not self.in_backward:
             raise RuntimeError("injected: the forward failed")
+        if self.armed == 0:
+            x = x * 1.0
+            x.register_hook(self.raise_in_backward)
         return x
+
+    @staticmethod
+    def raise_in_backward(_grad: torch.Tensor) -> None:
+        raise RuntimeError("injected: the backward failed")
 
 
 class _NoGuards:
@@ -104,10 +113,13 @@ def _rank(rank: int, port: int, results) -> None:
         state.load(sent)
         loaded = all(torch.equal(param.to_local(), kept) for param, kept in zip(model.parameters(), undone))
         plain = all(type(value) is torch.Tensor for value in sent["model"].values())
-        # group 0's share of step 5, its rank 1's second forward raising on the first attempt
-        model[3].armed = 2 if rank == 1 else 0
+        # group 0's share of step 5: rank 1's second forward raises; then both ranks' first; then rank 1's
+        # second backward (after the reduce-scatter of the last layer, before the first layer's)
+        attempts = {0: [(0, False), (1, False), (0, False), (0, False)], 1: [(2, False), (1, False), (2, True),
+                                                                            (0, False)]}
         failures = []
-        for _attempt in range(2 if group == 0 else 1):
+        for armed, in_backward in (attempts[position] if group == 0 else [(0, False)]):
+            model[3].armed, model[3].in_backward = armed, in_backward
             try:
                 retried = shares.share(_loss_of, 5, LAYOUT.slot_micro_batches(0, position), 8, 7, lambda: None)
             except ShareAbandoned as abandoned:
@@ -140,9 +152,10 @@ def test_a_group_computing_another_groups_share_gets_bitwise_that_groups_partial
     for rank in range(4):
         assert isinstance(results.get(rank), dict), results.get(rank)
     assert all(results[rank]["undo"] for rank in range(4))
-    # rank 1's forward raised: both ranks of group 0 abandoned the share (rank 0 at the exchange rank 1 said
-    # so in), and the retry is bitwise group 1's computation of it
-    assert [results[rank]["failures"] for rank in range(4)] == [[None], ["RuntimeError: injected: the forward failed"],
+    # rank 1's forward raised, then both ranks', then rank 1's backward: both ranks of group 0 abandoned the share
+    # each time (rank 0 at the exchange rank 1 said so in), and the last try is bitwise group 1's computation
+    forward, backward = "RuntimeError: injected: the forward failed", "RuntimeError: injected: the backward failed"
+    assert [results[rank]["failures"] for rank in range(4)] == [[None, forward, None], [forward, forward, backward],
                                                                  [], []]
     assert all(results[rank]["retried_equal"] for rank in range(4))
     for rank in (0, 1):  # group 0's positions computed group 1's share

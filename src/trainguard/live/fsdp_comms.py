@@ -6,7 +6,9 @@ FSDP module's collectives are replaced (``set_custom_all_gather`` / ``set_custom
 sends and receives between the group's ranks on the current epoch's gloo group, waited for by the
 worker's ``wait_group`` (it raises once a rank of this replica group is declared dead). The
 reduce-scatter adds the group's ranks' chunks in position order (``tree_sum``): a fixed order, so a
-group computing another group's share at the same positions gets bitwise that group's partial.
+group computing another group's share at the same positions gets bitwise that group's partial. Each
+exchange is preceded by the ranks' statuses (``GroupLink``): a rank whose loss raised mid-FSDP2 says so
+there, and the whole group leaves the share at that exchange (``fsdp_share``).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class PeerShareFailed(RuntimeError):
 class GroupLink:
     """This rank's place in its replica group and the channel of the current epoch, shared by FSDP2's
     all-gather and reduce-scatter. Before each exchange every rank sends the group's others its status: a
-    rank whose share failed mid-FSDP2 sends ``FAILED`` in place of its next exchange (``fail_share``), so
+    rank whose share failed mid-FSDP2 sends ``SHARE_FAILED`` in place of its next exchange (``fail_share``), so
     every rank of the group leaves the share at that same exchange, with no send or receive left unmatched
     (a failing rank that said nothing would leave its peers waiting in that exchange until a timeout).
     ``collective_error``: the error of the last exchange that failed (a peer lost), which no retry cures."""

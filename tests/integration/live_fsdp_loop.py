@@ -18,6 +18,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--step-sleep", type=float, default=0.0)  # a wider window for a test's kill; no math
+    parser.add_argument("--rank", type=int)  # the live launcher's
+    # RANK,STEP,MICRO_BATCH: that rank's forward of that micro-batch raises once, between two FSDP modules
+    parser.add_argument("--raise-at")
     args, _ = parser.parse_known_args()
     mesh = trainguard.data_parallel_mesh()
     torch.manual_seed(0)
@@ -27,10 +30,21 @@ def main() -> None:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    raise_at = tuple(int(part) for part in args.raise_at.split(",")) if args.raise_at else None
+    armed, raised = [], []
+
+    def raise_once(_module: torch.nn.Module, _inputs: tuple) -> None:
+        if armed[0] and not raised:
+            raised.append(True)
+            raise RuntimeError("injected: the forward failed once")
+
+    if raise_at is not None and raise_at[0] == args.rank:
+        model[3].register_forward_pre_hook(raise_once)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     guard = trainguard.Guard(args.run_dir, model, optimizer, config=args.config, mesh=mesh)
 
     def loss_of(model: torch.nn.Module, step: int, micro_batch: int) -> torch.Tensor:
+        armed[:] = [raise_at == (args.rank, step, micro_batch)]
         g = torch.Generator().manual_seed(1000 * step + micro_batch)
         inputs, targets = torch.randn(4, 8, generator=g), torch.randn(4, 3, generator=g)
         return F.mse_loss(model(inputs), targets)

@@ -8,10 +8,13 @@ partials added in group order), the new group 1 joins at the last boundary with 
 Durable checkpoints every 4 steps (DCP of the DTensor shards). Every rank's final parameters and optimizer
 state, and both durable checkpoints, are the fault-free run's, bitwise; and so is a fault-free run stopped
 at step 5 (``train.exit_at_step``: saved) and started again with ``--resume auto``; and so is a job SIGKILLed
-whole (launcher and ranks) after step 6, with the local tier on (every step), run again with ``--resume
-auto``: it resumes from the local tier's step, newer than the durable step 4. Replica fingerprints every 2
+whole (launcher and ranks) after step 6, with the local tier on (every 2 steps) and the memory tier (every
+step), run again with ``--resume auto``: it resumes from the memory tier's step, newer than the durable step 4. Replica fingerprints every 2
 steps; in the stopped run rank 1 has a bit of its Adam moment flipped at rest before step 4: found, and
-repaired from rank 3 (its replica) before that step computes."""
+repaired from rank 3 (its replica) before that step computes, and rank 1's forward of step 2 raises once
+mid-FSDP2: the quorum tries the step again (``fault_tolerance.max_step_failures``). And the killed run again
+with 2 warm spares (``fault_tolerance.spares=2``: one spare group, which made its own default group and mesh
+as it started): they take over group 1's positions, bitwise the fault-free run."""
 
 from __future__ import annotations
 
@@ -45,6 +48,8 @@ guards: {fingerprint: {interval: 2}}
 """ % STEPS
 # a bit of rank 1's Adam moment flipped at rest before step 4, where replica fingerprints (every 2 steps) check
 STATEFLIP = "stateflip:rank=1,step=4,site=3.weight,state=exp_avg,bit=30"
+# rank 1's forward of micro-batch 3 of step 2 (its second of slot (0, 1)) raises once, between two FSDP modules
+RAISE_AT = "1,2,3"
 # the whole model's parameter shapes (live_fsdp_loop.py's MLP)
 WHOLE = {"0.weight": (16, 8), "0.bias": (16,), "3.weight": (16, 16), "3.bias": (16,), "5.weight": (3, 16), "5.bias": (3,)}
 
@@ -76,10 +81,10 @@ def _sigkilled_job(run_dir: Path, config: Path) -> None:
         time.sleep(0.1)
 
 
-def _run(config: Path, run_dir: Path, *overrides: str):
+def _run(config: Path, run_dir: Path, *overrides: str, script: tuple[str, ...] = ()):
     sets = [arg for item in overrides for arg in ("--set", item)]
     return trainguard("run", "--nproc", str(WORLD), "--config", str(config), "--run-dir", str(run_dir), *sets, "--",
-                      sys.executable, str(SCRIPT), "--steps", str(STEPS), "--config", str(config), timeout=240)
+                      sys.executable, str(SCRIPT), "--steps", str(STEPS), "--config", str(config), *script, timeout=240)
 
 
 @pytest.fixture(scope="module")
@@ -87,12 +92,17 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("live_fsdp")
     config = root / "live_fsdp.yaml"
     config.write_text(CONFIG, encoding="utf-8")
-    for name, overrides in (("clean", ()), ("killed", (f"faults=kill:rank={KILLED},step={KILL_AT}",)),
-                            ("resumed", ("train.exit_at_step=5", f"faults={STATEFLIP}")), ("resumed", ())):
-        done = _run(config, root / name, *overrides)
+    for name, overrides, script in (
+            ("clean", (), ()), ("killed", (f"faults=kill:rank={KILLED},step={KILL_AT}",), ()),
+            ("spared", (f"faults=kill:rank={KILLED},step={KILL_AT}", "fault_tolerance.spares=2"), ()),
+            ("resumed", ("train.exit_at_step=5", f"faults={STATEFLIP}"), ("--raise-at", RAISE_AT)),
+            ("resumed", (), ())):
+        done = _run(config, root / name, *overrides, script=script)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     local = root / "live_fsdp_local.yaml"
-    local.write_text(CONFIG.replace("save_interval: 4", "save_interval: 4, local_interval: 1"), encoding="utf-8")
+    # the local tier every 2 steps, the memory tier every step (its directory under the run's)
+    local.write_text(CONFIG.replace("save_interval: 4", "save_interval: 4, local_interval: 2, memory_interval: 1, "
+                                    "memory_dir: 'memory/node{node}'"), encoding="utf-8")
     _sigkilled_job(root / "sigkilled", local)
     done = _run(local, root / "sigkilled")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -122,7 +132,7 @@ def _durable(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     return tensors
 
 
-@pytest.mark.parametrize("run", ["killed", "resumed", "sigkilled"])
+@pytest.mark.parametrize("run", ["killed", "spared", "resumed", "sigkilled"])
 def test_a_lost_fsdp2_group_or_a_resume_ends_bitwise_equal_to_the_fault_free_run(runs, run):
     for rank in range(WORLD):
         clean, other = _tensors(_final(runs / "clean", rank)), _tensors(_final(runs / run, rank))
@@ -141,9 +151,21 @@ def test_fingerprints_found_the_flipped_fsdp2_shard_and_repaired_it_from_its_rep
     assert [(e["step"], e["group"], e["faulty"], e["repaired"]) for e in found] == [(4, [1, 3], [1], ["state"])]
 
 
-def test_the_sigkilled_job_resumed_from_the_local_tiers_newer_step(runs):
-    started = [e for e in read_events(events_path(runs / "sigkilled")) if e["kind"] == "run_started"]
-    assert started and started[-1]["tier"] == "local" and started[-1]["step"] >= 6
+def test_a_forward_that_raised_once_mid_fsdp2_was_tried_again_by_the_quorum(runs):
+    # the end state is the fault-free run's bitwise (test_a_lost_fsdp2_group_..._fault_free_run[resumed])
+    events = list(read_events(events_path(runs / "resumed")))
+    failed = [(e["step"], e["ranks"], e["attempt"], e["verdict"], e["error"]) for e in events
+              if e["kind"] == "live_step_failed"]
+    assert failed == [(2, 1, 1, "retry", "rank 1: RuntimeError: injected: the forward failed once")]
+    assert not [e for e in events if e["kind"] == "live_exit"]  # no rank crashed
+
+
+def test_the_sigkilled_job_resumed_from_the_memory_tiers_newer_step(runs):
+    events = list(read_events(events_path(runs / "sigkilled")))
+    assert {e["tier"] for e in events if e["kind"] == "local_saved"} == {"local", "memory"}
+    started = [e for e in events if e["kind"] == "run_started"]
+    # every rank held step 6 in both tiers when the job was killed: the memory tier first at an equal step
+    assert started and started[-1]["tier"] == "memory" and started[-1]["step"] >= 6
 
 
 def test_each_step_of_the_lost_group_run_has_the_fault_free_loss_and_norm(runs):
@@ -169,6 +191,18 @@ def test_the_survivors_computed_the_lost_groups_share_and_kept_their_processes(r
     assert degraded and {e["rank"] for e in degraded} == {0, 1}
     # slots (group, position): rank 0 computes slot (0, 0) = [0, 1] and group 1's slot (1, 0) = [4, 5]
     assert all(e["micro_batches"] == ([0, 1, 4, 5] if e["rank"] == 0 else [2, 3, 6, 7]) for e in degraded)
+    assert {e["rank"] for e in events if e["kind"] == "live_joined"} == {2, 3}
+
+
+def test_a_warm_spare_group_took_over_the_lost_groups_positions(runs):
+    # the end state is the fault-free run's bitwise (test_a_lost_fsdp2_group_..._fault_free_run[spared])
+    events = list(read_events(events_path(runs / "spared")))
+    assert not [e for e in events if e["kind"] == "live_replacement"]  # no rank started cold
+    started = {e["pid"]: e for e in events if e["kind"] == "live_start"}
+    spares = {e["pid"]: e["spare"] for e in events if e["kind"] == "live_spare_checked"}
+    assert sorted(spares.values()) == [0, 1]
+    # spare s is position s % 2 of spare group 0: spare 0 became rank 2, spare 1 rank 3
+    assert sorted((spares[pid], e["rank"]) for pid, e in started.items() if pid in spares) == [(0, 2), (1, 3)]
     assert {e["rank"] for e in events if e["kind"] == "live_joined"} == {2, 3}
 
 

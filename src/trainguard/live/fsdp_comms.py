@@ -6,7 +6,9 @@ FSDP module's collectives are replaced (``set_custom_all_gather`` / ``set_custom
 sends and receives between the group's ranks on the current epoch's gloo group, waited for by the
 worker's ``wait_group`` (it raises once a rank of this replica group is declared dead). The
 reduce-scatter adds the group's ranks' chunks in position order (``tree_sum``): a fixed order, so a
-group computing another group's share at the same positions gets bitwise that group's partial.
+group computing another group's share at the same positions gets bitwise that group's partial. Each
+exchange is preceded by the ranks' statuses (``GroupLink``): a rank whose loss raised mid-FSDP2 says so
+there, and the whole group leaves the share at that exchange (``fsdp_share``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from trainguard.live.group_reduce import tree_sum
 from trainguard.live.shards import shard_of
 
 FSDP_TAG = 11  # the tag of FSDP2's sends and receives on the epoch's group (sharded_params' gathers use 7)
+STATUS_TAG = 12  # the tag of each rank's status before each of FSDP2's exchanges (``GroupLink``)
+SHARE_OK, SHARE_FAILED = 0, 1
 
 
 @dataclass(frozen=True)
@@ -34,31 +38,71 @@ class GroupChannel:
     wait_group: Callable[[list[dist.Work]], None]
 
 
-class _Exchange:
-    """This rank's place in its replica group, and the channel of the current epoch. FSDP2 calls its comms'
-    ``allocate`` and ``__call__`` only (the interface of its ``AllGather`` and ``ReduceScatter``, whose module
-    is private), so these do not derive from them."""
+class PeerShareFailed(RuntimeError):
+    """A rank of this replica group said, in place of an exchange, that its share of the step failed (its
+    loss or backward raised): this rank leaves the share at the same exchange."""
+
+
+class GroupLink:
+    """This rank's place in its replica group and the channel of the current epoch, shared by FSDP2's
+    all-gather and reduce-scatter. Before each exchange every rank sends the group's others its status: a
+    rank whose share failed mid-FSDP2 sends ``SHARE_FAILED`` in place of its next exchange (``fail_share``), so
+    every rank of the group leaves the share at that same exchange, with no send or receive left unmatched
+    (a failing rank that said nothing would leave its peers waiting in that exchange until a timeout).
+    ``collective_error``: the error of the last exchange that failed (a peer lost), which no retry cures."""
 
     def __init__(self, rank: int, group_size: int, channel: Callable[[], GroupChannel]):
         self.rank, self.group_size, self.channel = rank, group_size, channel
         self.position = shard_of(rank, group_size)
         self.first = rank - self.position
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
+        self.collective_error: BaseException | None = None
 
     def swap(self, outgoing: Callable[[int], torch.Tensor], incoming: Callable[[int], torch.Tensor]) -> None:
         """Sends ``outgoing(k)`` to the group's rank at position ``k`` and receives ``incoming(k)`` from it,
-        for every other position."""
-        channel = self.channel()
-        works = []
-        for position in range(self.group_size):
-            if position == self.position:
-                continue
-            peer = channel.members.index(self.first + position)
-            works.append(channel.group.send([outgoing(position)], peer, FSDP_TAG))
-            works.append(channel.group.recv([incoming(position)], peer, FSDP_TAG))
-        channel.wait_group(works)
+        for every other position, once every rank of the group said its share goes on (``PeerShareFailed``
+        otherwise)."""
+        self.statuses(SHARE_OK)
+        self.exchange(outgoing, incoming, FSDP_TAG)
+
+    def fail_share(self) -> None:
+        """Tells the group's other ranks, at the exchange they wait in, that this rank's share failed."""
+        self.statuses(SHARE_FAILED)
+
+    def statuses(self, status: int) -> None:
+        mine = torch.tensor([status])
+        theirs = {position: torch.empty(1, dtype=mine.dtype) for position in range(self.group_size)
+                  if position != self.position}
+        self.exchange(lambda _position: mine, theirs.__getitem__, STATUS_TAG)
+        failed = [self.first + position for position, value in theirs.items() if int(value) == SHARE_FAILED]
+        if failed and status == SHARE_OK:
+            raise PeerShareFailed(f"rank(s) {failed} of this replica group failed their share of the step")
+
+    def exchange(self, outgoing: Callable[[int], torch.Tensor], incoming: Callable[[int], torch.Tensor],
+                 tag: int) -> None:
+        try:
+            channel = self.channel()
+            works = []
+            for position in range(self.group_size):
+                if position == self.position:
+                    continue
+                peer = channel.members.index(self.first + position)
+                works.append(channel.group.send([outgoing(position)], peer, tag))
+                works.append(channel.group.recv([incoming(position)], peer, tag))
+            channel.wait_group(works)
+        except BaseException as error:
+            self.collective_error = error
+            raise
+
+
+class _Exchange:
+    """FSDP2 calls its comms' ``allocate`` and ``__call__`` only (the interface of its ``AllGather`` and
+    ``ReduceScatter``, whose module is private), so these do not derive from them."""
+
+    def __init__(self, link: GroupLink):
+        self.link = link
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
 
 
 class EpochAllGather(_Exchange):
@@ -66,9 +110,10 @@ class EpochAllGather(_Exchange):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> None:
-        chunks = output_tensor.view(self.group_size, -1)
-        chunks[self.position].copy_(input_tensor.view(-1))
-        self.swap(lambda _position: input_tensor, lambda position: chunks[position])
+        link = self.link
+        chunks = output_tensor.view(link.group_size, -1)
+        chunks[link.position].copy_(input_tensor.view(-1))
+        link.swap(lambda _position: input_tensor, lambda position: chunks[position])
 
 
 class EpochReduceScatter(_Exchange):
@@ -79,29 +124,32 @@ class EpochReduceScatter(_Exchange):
                  op: object, async_op: bool = False) -> None:
         if op != dist.ReduceOp.SUM:
             raise ValueError(f"the live replica group's reduce-scatter sums; FSDP2 asked for {op}")
-        chunks = input_tensor.view(self.group_size, -1)
-        received = {position: torch.empty_like(chunks[position]) for position in range(self.group_size)
-                    if position != self.position}
-        self.swap(lambda position: chunks[position], lambda position: received[position])
-        parts = [chunks[self.position] if position == self.position else received[position]
-                 for position in range(self.group_size)]
+        link = self.link
+        chunks = input_tensor.view(link.group_size, -1)
+        received = {position: torch.empty_like(chunks[position]) for position in range(link.group_size)
+                    if position != link.position}
+        link.swap(lambda position: chunks[position], lambda position: received[position])
+        parts = [chunks[link.position] if position == link.position else received[position]
+                 for position in range(link.group_size)]
         output_tensor.view(-1).copy_(tree_sum(parts))
 
 
 def route_to_epochs(modules: Sequence[FSDPModule], rank: int, group_size: int,
-                    channel: Callable[[], GroupChannel]) -> None:
+                    channel: Callable[[], GroupChannel]) -> GroupLink:
     """Every FSDP module's all-gather and reduce-scatter on the epoch's group; gradients summed over the
     group with no division (the step's loss is already divided by the global batch's micro-batches). A
     torch whose FSDP2 takes no custom collectives is refused in one line."""
-    hooks = ("set_custom_all_gather", "set_custom_reduce_scatter", "set_force_sum_reduction_for_comms")
+    hooks = ("set_custom_all_gather", "set_custom_reduce_scatter", "set_force_sum_reduction_for_comms",
+             "reset_iter_state")
     missing = [hook for hook in hooks if not hasattr(FSDPModule, hook)]
     if missing:
         raise ConfigError(f"live recovery with an FSDP2 model needs FSDPModule.{missing[0]} (torch "
                           f"{torch.__version__} lacks it); train without fully_shard, or with a newer torch")
-    all_gather, reduce_scatter = (EpochAllGather(rank, group_size, channel),
-                                  EpochReduceScatter(rank, group_size, channel))
+    link = GroupLink(rank, group_size, channel)
+    all_gather, reduce_scatter = EpochAllGather(link), EpochReduceScatter(link)
     for module in modules:
         module.set_custom_all_gather(all_gather)
         module.set_custom_reduce_scatter(reduce_scatter)
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
+    return link

@@ -12,6 +12,12 @@ lost group's. ``group_reduce.reduce_partials`` then adds the partials in group o
 A rank's micro-batches accumulate in sequence (FSDP2's own accumulation), not by ``tree_sum`` over
 micro-batch indices as the row path does: so an FSDP2 run is bitwise equal to a run of the same layout
 with or without failures, not to a run of another layout.
+
+A share whose ``loss_of`` or backward raises on a rank (``fault_tolerance.max_step_failures``) leaves
+FSDP2 mid-forward or mid-backward on every rank of the group: the failing rank tells the others at the
+exchange they wait in (``fsdp_comms.GroupLink.fail_share``), every rank of the group resets FSDP2's
+iteration state (``FSDPModule.reset_iter_state``: parameters resharded, the partial gradients dropped) and
+raises ``ShareAbandoned``; the worker flags the step failed and the quorum computes it again.
 """
 
 from __future__ import annotations
@@ -23,9 +29,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from trainguard.errors import ConfigError
-from trainguard.live.fsdp_comms import GroupChannel, route_to_epochs
+from trainguard.live.fsdp_comms import GroupChannel, PeerShareFailed, route_to_epochs
 from trainguard.live.group_reduce import tree_sum
 from trainguard.live.rng import micro_batch_rng
+from trainguard.live.step_failures import failure_text
 
 # the loss of micro-batch ``m`` of step ``t`` (model, t, m), as ``worker.MicroBatchLoss``
 MicroBatchLoss = Callable[[torch.nn.Module, int, int], torch.Tensor]
@@ -39,6 +46,15 @@ def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class ShareAbandoned(Exception):
+    """This rank's share of a step did not finish: its own ``loss_of`` or backward raised (``failure``: one
+    line naming the error), or a peer's of its replica group did (``failure`` None). FSDP2's state is reset."""
+
+    def __init__(self, failure: str | None):
+        super().__init__(failure or "a peer of this replica group failed its share")
+        self.failure = failure
 
 
 class FsdpShares:
@@ -60,7 +76,7 @@ class FsdpShares:
                                   "shard every parameter with fully_shard(module, mesh=mesh)")
             if param.dtype != torch.float32:
                 raise ConfigError(f"live recovery's reduction carries float32: parameter {name!r} is {param.dtype}")
-        route_to_epochs(modules, rank, group_size, channel)
+        self.link = route_to_epochs(modules, rank, group_size, channel)
 
     def local_numel(self) -> int:
         return sum(param.to_local().numel() for param in self.params)
@@ -68,20 +84,47 @@ class FsdpShares:
     def share(self, loss_of: MicroBatchLoss, step: int, micro_batches: list[int], total_micro_batches: int,
               seed: int, beat: Callable[[], None]) -> torch.Tensor:
         """This rank's rows of the share of ``micro_batches`` (one slot's), its loss (the ``tree_sum`` of each
-        micro-batch's share of the step's loss, a -0.0 made +0.0) last; the gradients are cleared after."""
+        micro-batch's share of the step's loss, a -0.0 made +0.0) last; the gradients are cleared after.
+        ``ShareAbandoned`` when this rank's or a group peer's computation raised; a lost peer's error
+        (a failed exchange) propagates: the epoch's recovery, not a retry, answers it."""
         losses = []
         self.model.zero_grad(set_to_none=True)
-        for index, micro_batch in enumerate(micro_batches):
-            beat()
-            self.model.set_requires_gradient_sync(index == len(micro_batches) - 1)
-            with micro_batch_rng(seed, step, micro_batch):
-                share = loss_of(self.model, step, micro_batch) / total_micro_batches
-                share.backward()
-            losses.append(share.detach().reshape(1))
+        self.link.collective_error = None
+        try:
+            for index, micro_batch in enumerate(micro_batches):
+                beat()
+                self.model.set_requires_gradient_sync(index == len(micro_batches) - 1)
+                with micro_batch_rng(seed, step, micro_batch):
+                    share = loss_of(self.model, step, micro_batch) / total_micro_batches
+                    share.backward()
+                losses.append(share.detach().reshape(1))
+        except PeerShareFailed as error:
+            self.reset()
+            raise ShareAbandoned(None) from error
+        except Exception as error:  # the user's loss_of or its backward, unless an exchange failed
+            if self.link.collective_error is not None:
+                raise
+            self.link.fail_share()
+            self.reset()
+            raise ShareAbandoned(failure_text(error)) from error
         rows = torch.cat([(local(param.grad) if param.grad is not None else torch.zeros_like(param.to_local()))
                           .reshape(-1) for param in self.params])
         self.model.zero_grad(set_to_none=True)
         return torch.cat([rows, tree_sum(losses)]) + 0.0
+
+    def reset(self) -> None:
+        """FSDP2 back to its state between steps after a share left mid-forward or mid-backward."""
+        self.model.reset_iter_state()
+        # reset_iter_state reshards but keeps the unsharded gradients FSDP2 accumulates with the gradient
+        # sync off (the share's earlier micro-batches): a retry would add them in again. They are held by
+        # FSDP2's own parameter objects only, so they are dropped there.
+        for module in self.modules:
+            for param_group in module._get_fsdp_state()._fsdp_param_groups:
+                for fsdp_param in param_group.fsdp_params:
+                    if hasattr(fsdp_param, "_unsharded_param"):
+                        fsdp_param._unsharded_param.grad = None
+                    fsdp_param.unsharded_accumulated_grad = None
+        self.model.zero_grad(set_to_none=True)
 
     def set_grads(self, rows: torch.Tensor) -> None:
         """Each parameter's gradient: its rows of the step's summed gradient (this rank's flat shard)."""

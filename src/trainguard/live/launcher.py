@@ -52,6 +52,7 @@ from trainguard.live.placement import replacement_node
 from trainguard.live.quorum import (MAX_STEP, STOP, STOPPED, progress_key, spare_failed_key, spare_key,
                                     spare_ready_key, spare_started_key, started_key)
 from trainguard.live.signed_store import SignedStore, serve_store
+from trainguard.live.spare_choice import spare_for
 from trainguard.run_secret import ENV_SECRET, create_secret
 from trainguard.runtime.hosts import on_node
 from trainguard.runtime.lifecycle import (ENV_JOB_START, KILL_SWITCH, REASON_NAMES, STOP_SIGNALS, StopSignals,
@@ -176,10 +177,10 @@ class LiveRun:
         if tolerance.fsdp and group_size == 1:
             raise ConfigError(f"{source}: config key 'fault_tolerance.fsdp' needs 'parallel.dp_shard' > 1 (FSDP2 shards "
                               "the parameters inside each replica group), got 1")
-        if tolerance.fsdp and tolerance.spares:
-            raise ConfigError(f"{source}: config key 'fault_tolerance.spares' must be 0 with fault_tolerance.fsdp: a "
-                              "warm spare learns its rank, and so its replica group's mesh, only when it replaces one, "
-                              f"after its script sharded the model; got {tolerance.spares}")
+        if tolerance.fsdp and tolerance.spares % group_size:
+            raise ConfigError(f"{source}: config key 'fault_tolerance.spares' must be a multiple of parallel.dp_shard "
+                              f"({group_size}) with fault_tolerance.fsdp: the spares make replica groups' meshes as "
+                              f"they start, and a lost group is replaced whole; got {tolerance.spares}")
         faults = live_drill(config.faults, groups * group_size, config.train.steps, tolerance.spares)
         return cls(groups=groups, group_size=group_size, steps=config.train.steps,
                    micro_batches=config.train.micro_batches, spares=tolerance.spares, hang_s=tolerance.hang_s,
@@ -357,6 +358,7 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
     rank_node = {rank: run.nodes[rank // run.group_size] if run.nodes else None for rank in range(run.world)}
     spare_node = {i: run.nodes[run.groups + i] if run.nodes else None for i in range(run.spares)}
     lost: set[str] = set()
+    spares_used: dict[int, int] = {}  # each spare that replaced a rank: that rank
     failed: dict[str, NodeCommandFailed] = {}  # lost nodes whose node command failed: nothing starts there
     watch = NodeWatch(store, run_dir / "logs" / "node_commands") if run.nodes else None
     procs = {rank: _spawn(run, rank, store, run_dir, rejoin=False, node=rank_node[rank], resume=resume, watch=watch)
@@ -403,8 +405,10 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
             else:
                 reason = f"it exited with code {spare.poll()}"
             events.emit("live_spare_excluded", spare=index, reason=reason)
-        if spares:
-            index, procs[rank] = spares.pop(0)
+        chosen = spare_for(rank, [index for index, _ in spares], spares_used, run.group_size, run.fsdp)
+        if chosen is not None:
+            index, procs[rank] = spares.pop([index for index, _ in spares].index(chosen))
+            spares_used[index] = rank
             rank_node[rank] = spare_node[index]
             store.set(spare_key(index), str(rank))
         else:

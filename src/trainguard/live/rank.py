@@ -16,6 +16,7 @@ library makes the draws (dropout's) a function of ``(seed, t, m)`` too (``live/r
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
@@ -37,6 +38,7 @@ from trainguard.live import lifeline
 from trainguard.live.collective import EpochAborted
 from trainguard.live.durable import SaveFailed
 from trainguard.live.files import events_path
+from trainguard.live.fsdp_share import fsdp_modules
 from trainguard.live.quorum import (spare_failed_key, spare_key, spare_ready_key, spare_started_key, started_key,
                                     wait_for)
 from trainguard.live.signed_store import SignedStore
@@ -151,7 +153,17 @@ class LiveRank:
     def warm_up(self, loss_of: MicroBatchLoss | None) -> None:
         """A spare's: torch loads parts of itself at the first optimizer step and the first backward
         (seconds on a loaded machine), so the spare goes through both once, on a copy (copied together, so
-        the copied optimizer steps the copied parameters), before it says it is ready."""
+        the copied optimizer steps the copied parameters), before it says it is ready. An FSDP2 model
+        (``fault_tolerance.fsdp``) cannot be copied (FSDP2 refuses ``deepcopy``): the optimizer's class and
+        the autograd engine warm up on a one-parameter stand-in instead, ``loss_of`` unused."""
+        if fsdp_modules(self.model):
+            stand_in = torch.nn.Parameter(torch.zeros(1))
+            accepted = inspect.signature(type(self.optimizer)).parameters
+            optimizer = type(self.optimizer)([stand_in], **{key: value for key, value in self.optimizer.defaults.items()
+                                                            if key in accepted})
+            stand_in.square().sum().backward()
+            optimizer.step()
+            return
         model, optimizer = copy.deepcopy((self.model, self.optimizer))
         if loss_of is not None:
             micro_batch_grad(model, loss_of, 0, 0, self.args.micro_batches, self.seed)

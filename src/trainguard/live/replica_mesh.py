@@ -13,6 +13,12 @@ the quorum ends its process (``worker.GroupOut``) and is started again with its 
 that the new processes make a new default group together (as torchft restarts a whole replica group).
 Each start of a rank raises its count in the store (``starts_key``); the ranks of one group started the
 same number of times meet on the same prefix.
+
+Warm spares come in spare groups of ``group_size``: spare ``s`` is position ``s % group_size`` of spare
+group ``s // group_size``, whose ranks make their default group together as they start (a spare learns
+its rank only when it replaces one, after its script sharded the model over this mesh). The launcher
+hands a lost replica group's positions to one spare group, position for position
+(``spare_choice.spare_for``), so that group's default group is the new one of the replica group it joins.
 """
 
 from __future__ import annotations
@@ -38,20 +44,27 @@ def default_group_prefix(group: int, incarnation: int) -> str:
     return f"replica_mesh/{group}/{incarnation}"
 
 
-def replica_group_mesh(store_address: str, rank: int | None, group_size: int) -> DeviceMesh:
-    """The 1-D mesh of this rank's replica group (made once per process; the default process group is made
-    with it). ``rank`` None (a warm spare, which learns its rank only when it replaces one) is a ValueError:
-    ``LiveRun.from_config`` refuses spares with ``fault_tolerance.fsdp``."""
+def spare_group_prefix(spare: int, group_size: int) -> str:
+    return f"replica_mesh/spares/{spare // group_size}"
+
+
+def replica_group_mesh(store_address: str, rank: int | None, group_size: int, spare: int | None = None) -> DeviceMesh:
+    """The 1-D mesh of this rank's replica group, or of warm spare ``spare``'s spare group (``rank`` None);
+    made once per process, the default process group with it."""
     if _made:
         return _made[0]
-    if rank is None:
-        raise ValueError("a warm spare has no replica group mesh: it learns its rank only when it replaces one")
     host, port = store_address.rsplit(":", 1)
     timeout = timedelta(seconds=RENDEZVOUS_S)
     store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
-    incarnation = store.add(starts_key(rank), 1)
-    dist.init_process_group("gloo", store=dist.PrefixStore(default_group_prefix(rank // group_size, incarnation), store),
-                            rank=shard_of(rank, group_size), world_size=group_size, timeout=timeout)
+    if rank is None:
+        if spare is None:
+            raise ValueError("replica_group_mesh: neither a rank nor a spare")
+        prefix, position = spare_group_prefix(spare, group_size), spare % group_size
+    else:
+        prefix = default_group_prefix(rank // group_size, store.add(starts_key(rank), 1))
+        position = shard_of(rank, group_size)
+    dist.init_process_group("gloo", store=dist.PrefixStore(prefix, store), rank=position, world_size=group_size,
+                            timeout=timeout)
     _made.append(init_device_mesh("cpu", (group_size,), mesh_dim_names=(MESH_DIM,)))
     return _made[0]
 

@@ -62,7 +62,7 @@ from trainguard.guards.step_verdict import StepVerdict
 from trainguard.live import collective
 from trainguard.live.durable import LiveCheckpoints
 from trainguard.live.fsdp_comms import GroupChannel
-from trainguard.live.fsdp_share import FsdpShares, fsdp_modules, local
+from trainguard.live.fsdp_share import FsdpShares, ShareAbandoned, fsdp_modules, local
 from trainguard.live.group_reduce import Exchange, SlotLayout, StepSum, reduce_partials, reduce_sharded, tree_sum
 from trainguard.live.ordered_sum import computed_by, my_micro_batches, reduce_rows
 from trainguard.live.quorum import (NO_STATE, STOP, STOPPED, Quorum, beat_key, done_key, entered_key, epoch_key,
@@ -454,13 +454,26 @@ class LiveWorker:
                 self.params.reshard()
         return computed, extras, failure
 
-    def fsdp_shares(self, step: int, exchange: Exchange) -> dict[int, torch.Tensor]:
+    def fsdp_shares(self, step: int, exchange: Exchange) -> tuple[dict[int, torch.Tensor], str | None]:
         """With FSDP2: this rank's rows of each share it computes (its group's, and the lost groups' dealt
-        to it), by group, each with its loss last (``fsdp_share``)."""
+        to it), by group, each with its loss last (``fsdp_share``), and the line of this rank's error when
+        its computation raised. Once a share is abandoned (this rank's or a group peer's computation
+        raised: every rank of the group abandons the same one) the rest are zeros: the step is not
+        committed, and the quorum computes it again."""
         self.site_faults.at_step_start(step + 1)
-        return {group: self.fsdp.share(self.loss_of, step, self.layout.slot_micro_batches(group, self.shard),
-                                       self.micro_batches, self.seed, self.beat)
-                for group in exchange.my_groups()}
+        computed: dict[int, torch.Tensor] = {}
+        failure, abandoned = None, False
+        for group in exchange.my_groups():
+            if not abandoned:
+                try:
+                    computed[group] = self.fsdp.share(self.loss_of, step,
+                                                      self.layout.slot_micro_batches(group, self.shard),
+                                                      self.micro_batches, self.seed, self.beat)
+                    continue
+                except ShareAbandoned as share:
+                    failure, abandoned = share.failure, True
+            computed[group] = torch.zeros(self.fsdp.local_numel() + 1)
+        return computed, failure
 
     def reduce(self, exchange: Exchange, computed: dict[int, torch.Tensor], flags: list[int],
                extras: torch.Tensor | None) -> StepSum:
@@ -503,8 +516,8 @@ class LiveWorker:
             # the stall watch's marks span the step's collectives, from the first (the unshard, or FSDP2's first
             # all-gather) to the norm's
             self.reduce_marks.entering(quorum.epoch, step, self.beat)
-        if self.fsdp is not None:  # a raising loss is this rank's crash: its group's peers wait in FSDP2's collectives
-            computed, extras, failure = self.fsdp_shares(step, exchange), None, None
+        if self.fsdp is not None:
+            (computed, failure), extras = self.fsdp_shares(step, exchange), None
         else:
             computed, extras, failure = self.compute(step, mine, catch=True)
         if failure is not None:  # before the sum: the reporter reads it once the sum says a rank failed

@@ -136,10 +136,9 @@ FSDP_SITE_FAULTS = ("stateflip",)
 def refuse_with_fsdp(config: RunConfig) -> None:
     """One error naming the first setting live mode does not run with an FSDP2 model (``live/fsdp_share.py``:
     what ran is the sum, the update, membership, joins, the durable and local tiers and their resume, replica
-    fingerprints and their repair; docs/live_recovery.md, "Not done yet")."""
-    checkpoint, guards = config.checkpoint, config.guards
-    refused = [("checkpoint.memory_interval", checkpoint.memory_interval != 0, "the memory tier of FSDP2 state"),
-               ("guards.sdc.enabled_level", sdc_config_from_env(guards.sdc).enabled, "SDC detection on FSDP2 shares"),
+    fingerprints and their repair, a raising loss's retry, the memory tier; docs/live_recovery.md, "Not done yet")."""
+    refused = [("guards.sdc.enabled_level", sdc_config_from_env(config.guards.sdc).enabled,
+                "SDC detection on FSDP2 shares"),
                ("faults", bool(config.faults and (gradient_faults(config.faults) or any(
                    spec.kind not in FSDP_SITE_FAULTS for spec in site_faults(config.faults)))),
                 "gradient and module faults on FSDP2 shares (of the drill's faults, only kill and stateflip ran)")]

@@ -35,7 +35,7 @@ def data_parallel_mesh(argv: list[str] | None = None) -> DeviceMesh | None:
     argv = sys.argv[1:] if argv is None else argv
     if started_by_live_launcher(argv):
         args = LiveArgs.parse(argv)
-        return replica_group_mesh(args.store, args.rank, args.group_size) if args.fsdp else None
+        return replica_group_mesh(args.store, args.rank, args.group_size, args.spare) if args.fsdp else None
     cuda = torch.cuda.is_available()
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")

@@ -4,7 +4,10 @@ group and shard a tiny MLP (dropout in it) with ``fully_shard`` over its mesh; e
 on a 4-rank "epoch" group, as in a live run. Group 0 computes its own share and then group 1's at the same
 positions; group 1 computes its own: group 0's partial of group 1 is bitwise group 1's, and one
 reduce-scatter ran per share. And the state a live rank undoes to, and sends a joiner as plain rows, comes
-back bitwise into the DTensor shards."""
+back bitwise into the DTensor shards. And a loss that raises mid-forward on one rank (rank 1, in its
+second micro-batch, between two FSDP modules), on both ranks at once, or mid-backward on one, makes both
+ranks of its group abandon the share at the same exchange, FSDP2's state reset; the share tried again is
+bitwise group 1's computation of it."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from trainguard.live.fsdp_comms import EpochReduceScatter, GroupChannel
-from trainguard.live.fsdp_share import FsdpShares, fsdp_modules
+from trainguard.live.fsdp_share import FsdpShares, ShareAbandoned, fsdp_modules
 from trainguard.live.group_reduce import SlotLayout
 from trainguard.live.state import LiveState
 
@@ -27,6 +30,26 @@ LAYOUT = SlotLayout(2, 2, 8)
 def _loss_of(model: torch.nn.Module, step: int, micro_batch: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(100 * step + micro_batch)
     return F.mse_loss(model(torch.randn(4, 8, generator=g)), torch.randn(4, 3, generator=g))
+
+
+class _Raiser(torch.nn.Module):
+    """Raises in its ``armed``-th forward (counting from 1), or in that forward's backward with
+    ``in_backward``, as a user's model whose forward or backward fails."""
+
+    armed, in_backward = 0, False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.armed -= 1
+        if self.armed == 0 and not self.in_backward:
+            raise RuntimeError("injected: the forward failed")
+        if self.armed == 0:
+            x = x * 1.0
+            x.register_hook(self.raise_in_backward)
+        return x
+
+    @staticmethod
+    def raise_in_backward(_grad: torch.Tensor) -> None:
+        raise RuntimeError("injected: the backward failed")
 
 
 class _NoGuards:
@@ -47,10 +70,10 @@ def _rank(rank: int, port: int, results) -> None:
         dist.init_process_group("gloo", store=dist.PrefixStore(f"mesh/{group}", store), rank=position, world_size=2)
         epoch = dist.ProcessGroupGloo(dist.PrefixStore("epoch", store), rank, 4, timedelta(seconds=30))
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Dropout(0.2),
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Dropout(0.2), _Raiser(),
                                     torch.nn.Linear(16, 3))
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
-        for layer in (model[0], model[3], model):
+        for layer in (model[0], model[4], model):
             fully_shard(layer, mesh=mesh)
         calls = []
         original = EpochReduceScatter.__call__
@@ -90,10 +113,27 @@ def _rank(rank: int, port: int, results) -> None:
         state.load(sent)
         loaded = all(torch.equal(param.to_local(), kept) for param, kept in zip(model.parameters(), undone))
         plain = all(type(value) is torch.Tensor for value in sent["model"].values())
+        # group 0's share of step 5: rank 1's second forward raises; then both ranks' first; then rank 1's
+        # second backward (after the reduce-scatter of the last layer, before the first layer's)
+        attempts = {0: [(0, False), (1, False), (0, False), (0, False)], 1: [(2, False), (1, False), (2, True),
+                                                                            (0, False)]}
+        failures = []
+        for armed, in_backward in (attempts[position] if group == 0 else [(0, False)]):
+            model[3].armed, model[3].in_backward = armed, in_backward
+            try:
+                retried = shares.share(_loss_of, 5, LAYOUT.slot_micro_batches(0, position), 8, 7, lambda: None)
+            except ShareAbandoned as abandoned:
+                failures.append(abandoned.failure)
+        theirs_retried = torch.empty_like(retried)
+        if group == 1:
+            epoch.send([retried], rank - 2, 1).wait()
+        else:
+            epoch.recv([theirs_retried], rank + 2, 1).wait()
         results[rank] = {"mine_of_1": computed[1].tolist(), "group_1_rank": theirs.tolist(),
                          "undo": redone and loaded and plain,
                          "reduce_scatters": computed[f"reduce_scatters_{1}"],
-                         "local_numel": shares.local_numel()}
+                         "local_numel": shares.local_numel(), "failures": failures,
+                         "retried_equal": group == 1 or torch.equal(retried, theirs_retried)}
     except BaseException:
         results[rank] = traceback.format_exc()
 
@@ -112,6 +152,12 @@ def test_a_group_computing_another_groups_share_gets_bitwise_that_groups_partial
     for rank in range(4):
         assert isinstance(results.get(rank), dict), results.get(rank)
     assert all(results[rank]["undo"] for rank in range(4))
+    # rank 1's forward raised, then both ranks', then rank 1's backward: both ranks of group 0 abandoned the share
+    # each time (rank 0 at the exchange rank 1 said so in), and the last try is bitwise group 1's computation
+    forward, backward = "RuntimeError: injected: the forward failed", "RuntimeError: injected: the backward failed"
+    assert [results[rank]["failures"] for rank in range(4)] == [[None, forward, None], [forward, forward, backward],
+                                                                 [], []]
+    assert all(results[rank]["retried_equal"] for rank in range(4))
     for rank in (0, 1):  # group 0's positions computed group 1's share
         assert results[rank]["mine_of_1"] == results[rank]["group_1_rank"], rank
     # one reduce-scatter per FSDP module (3 here: two layers and the root, which holds no parameter of its

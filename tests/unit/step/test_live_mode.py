@@ -229,13 +229,15 @@ def test_without_fault_tolerance_fsdp_a_sharded_group_gets_no_mesh():
 @pytest.mark.parametrize("items, key", [(["fault_tolerance.spares=1"], "fault_tolerance.spares"),
                                         (["parallel.dp_shard=1"], "fault_tolerance.fsdp")])
 def test_fault_tolerance_fsdp_with_spares_or_whole_replicas_is_refused_naming_the_key(items, key):
-    """A warm spare learns its rank only once it replaces one (after its script sharded the model), and
-    FSDP2 needs a group of several ranks: the launcher refuses both before starting anything."""
+    """Warm spares come in spare groups of dp_shard ranks (each makes its mesh with its spare group as it
+    starts), and FSDP2 needs a group of several ranks: the launcher refuses a spare count that is no multiple
+    of dp_shard, and dp_shard 1, before starting anything."""
     from trainguard.live.launcher import LiveRun
 
     layout = ["fault_tolerance.live=true", "fault_tolerance.fsdp=true", "parallel.dp_replicate=2",
               "parallel.dp_shard=2", "train.micro_batches=8"]
     assert LiveRun.from_config(load_config(None, layout)).fsdp
+    assert LiveRun.from_config(load_config(None, [*layout, "fault_tolerance.spares=2"])).spares == 2
     with pytest.raises(ConfigError, match=f"config key '{key}'"):
         LiveRun.from_config(load_config(None, [*layout, *items]))
 
@@ -252,21 +254,20 @@ def test_live_health_or_monitor_on_a_model_without_an_embedding_is_one_error_nam
 
 
 @pytest.mark.parametrize("items, key", [
-    (["checkpoint.memory_interval=2"], "checkpoint.memory_interval"),
     (["guards.sdc.enabled_level=2"], "guards.sdc.enabled_level"),
     (["faults=spike:step=3,factor=100"], "faults"),
     (["faults=bitflip:rank=1,step=3,site=0,where=output"], "faults"),
 ])
 def test_what_live_mode_does_not_run_with_an_fsdp2_model_is_refused_naming_the_key(items, key):
     """With a model sharded by ``fully_shard`` (Guard checks ``fsdp_modules``), each setting not built for
-    FSDP2 shares is one ConfigError naming its key; the durable and local tiers, fingerprints, data skip, a
-    rank's kill and a stateflip are not refused."""
+    FSDP2 shares is one ConfigError naming its key; the durable, local and memory tiers, fingerprints, data
+    skip, a rank's kill and a stateflip are not refused."""
     from trainguard.config.load import with_overrides
     from trainguard.step.live import refuse_with_fsdp
 
     base = LIVE
     refuse_with_fsdp(with_overrides(base, ["checkpoint.save_interval=5", "checkpoint.local_interval=1",
-                                           "guards.fingerprint.interval=2",
+                                           "checkpoint.memory_interval=2", "guards.fingerprint.interval=2",
                                            "faults=kill:rank=3,step=2; stateflip:rank=1,step=4,site=w,state=exp_avg",
                                            "guards.skip.enabled=true"]))
     configured = with_overrides(base, items)

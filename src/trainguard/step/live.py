@@ -51,7 +51,8 @@ CLOSURE_MODE_SECTIONS = ("checkpoint", "guards", "lifecycle")
 LIVE_SECTION_KEYS = ("checkpoint.save_interval", "checkpoint.keep_last", "checkpoint.keep_every",
                      "checkpoint.resume", "checkpoint.async_save", "checkpoint.writer",
                      "checkpoint.local_*", "checkpoint.memory_*", "checkpoint.mirror.*", "guards.skip.*",
-                     "guards.max_consecutive_skips", "guards.sdc.*", "guards.fingerprint.*", "guards.health.*",
+                     "guards.max_consecutive_skips", "guards.check_for_global_norm", "guards.rollback.*",
+                     "guards.sdc.*", "guards.fingerprint.*", "guards.health.*",
                      "guards.monitor",
                      "lifecycle.kill_switch_path", "lifecycle.exit_duration_in_mins", "lifecycle.exit_margin_seconds",
                      "lifecycle.heartbeats")
@@ -198,6 +199,7 @@ def live_rank(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
                       exit_at_step=config.train.exit_at_step, health=config.guards.health,
                       monitor=config.guards.monitor, lifecycle=config.lifecycle,
                       ranks_per_node=config.parallel.ranks_per_node,
-                      max_step_failures=config.fault_tolerance.max_step_failures)
+                      max_step_failures=config.fault_tolerance.max_step_failures,
+                      rollback=config.guards.rollback if config.guards.check_for_global_norm else None)
     return LiveRank(model, optimizer, args, scheduler, seed=config.train.seed, checkpoint=config.checkpoint,
                     rules=rules, static_files=static_files, stateful=loop_objects(stateful), embedding=embedding)

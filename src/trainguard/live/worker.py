@@ -566,7 +566,11 @@ class LiveWorker:
             norm, embedding_norm = self.norms(grads)
         self.reduce_marks.left(quorum.epoch, step)
         # every rank's alike: the same sum, the same state
-        decision = self.judge.judge(number, norm, loss, sdc_skipped=sdc.skip)
+        try:
+            decision = self.judge.judge(number, norm, loss, sdc_skipped=sdc.skip)
+        except RuntimeError:  # a rollback's restore failed with the epoch: this rank redoes the step from before it
+            self.state.undo(self.previous[1])
+            raise
         if decision.verdict is StepVerdict.ABORT:  # every member judged the same sum: all end at this step
             raise decision.by.abort_cause()
         if decision.verdict is StepVerdict.ROLLBACK:  # every member restored the same checkpoint

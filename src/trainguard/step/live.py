@@ -9,7 +9,8 @@ and the loop's ``stateful`` objects are the whole state of the run (``live/state
 durable tier (``live/durable.py``: its interval, retention, resume, async and writer keys), the local and
 memory tiers (``live/local_tier.py``), the mirror of durable checkpoints (``checkpoint.mirror.*``; a mirror
 URL to resume from is refused), data skip and the skip streak (``live/step_judge.py``: the closure mode's
-plugins and ``decide``; ``guards.skip.*``, ``guards.max_consecutive_skips``), SDC detection with its rerun (``live/sdc.py``: ``guards.sdc.*``), replica
+plugins and ``decide``; ``guards.skip.*``, ``guards.max_consecutive_skips``), rollback mode (the same plugins:
+``guards.check_for_global_norm``, ``guards.rollback.*``; its skipped data positions: ``live/data_positions.py``), SDC detection with its rerun (``live/sdc.py``: ``guards.sdc.*``), replica
 fingerprints (``live/fingerprint.py``: ``guards.fingerprint.*``), checkpoint health and the embedding
 monitor (``LiveWorker.health``: ``guards.health.*``, ``guards.monitor``), the kill switch, the time limit and ``train.exit_at_step``
 (``LiveWorker.stop_here``), the heartbeat files (``lifecycle.heartbeats``), and writes ``hf_config`` (and the
@@ -140,6 +141,7 @@ def refuse_with_fsdp(config: RunConfig) -> None:
     checkpoint, guards = config.checkpoint, config.guards
     refused = [("checkpoint.memory_interval", checkpoint.memory_interval != 0, "the memory tier of FSDP2 state"),
                ("guards.sdc.enabled_level", sdc_config_from_env(guards.sdc).enabled, "SDC detection on FSDP2 shares"),
+               ("guards.check_for_global_norm", guards.check_for_global_norm, "rollback mode on FSDP2 shares"),
                ("faults", bool(config.faults and (gradient_faults(config.faults) or any(
                    spec.kind not in FSDP_SITE_FAULTS for spec in site_faults(config.faults)))),
                 "gradient and module faults on FSDP2 shares (of the drill's faults, only kill and stateflip ran)")]

@@ -1,6 +1,7 @@
 """Rollback mode (``guards.check_for_global_norm``) in live mode, on the documented user path
 (``trainguard run --nproc 2 ... -- python tests/helpers/live_loop.py``: 2 replica groups x 1, dropout,
-AdamW, ``optim.grad_clip`` 1.0, durable checkpoints every 3 steps, 30 steps), the loss of data position 6
+AdamW, ``optim.grad_clip`` 1.0, durable checkpoints every 3 steps, replica fingerprints before every
+step, 30 steps), the loss of data position 6
 multiplied by 10^4 every time it is fed (``LIVE_LOOP_SPIKE_AT``):
 
 - step 7 (data position 6) spikes: every rank restores ``global_step_6``, the policy's window (steps 6-8,
@@ -52,7 +53,7 @@ def _config(root: Path) -> Path:
                       "fault_tolerance: {live: true}\n"
                       "checkpoint: {save_interval: 3}\n"
                       "guards: {check_for_global_norm: true, skip: {threshold: 50.0}, "
-                      "rollback: {window_before: 1, window_after: 1}}\n")
+                      "rollback: {window_before: 1, window_after: 1}, fingerprint: {interval: 1}}\n")
     return config
 
 
@@ -104,6 +105,7 @@ def test_a_spike_rolls_every_rank_back_and_the_run_equals_the_contracts_training
     run_dir, _ = rolled
     [event] = _events(run_dir, "rollback")
     assert (event["step"], event["to_step"], event["window"], event["skipped"]) == (SPIKE_AT + 1, 6, [7, 8], [[6, 8]])
+    assert not _events(run_dir, "fingerprint_mismatch")  # the replicas compared before every step agree
     for rank in range(WORLD):
         steps = [e["step"] for e in _events(run_dir, "live_step") if e["rank"] == rank]
         assert steps == list(range(STEPS)), rank  # the spiked step 6 (from 0) is not committed, then trained again

@@ -640,6 +640,8 @@ class LiveWorker:
                                                                 rolled_back=True))
         self.step_failures.committed()
         self.step_index = restored
+        if self.fingerprints is not None:  # the check before the next step compares with the restored state
+            self.fingerprints.remember(self.step_index + 1)
         self.store.set(progress_key(self.rank), str(self.step_index))
 
     def step_failed(self, step: int, ranks: int) -> None:

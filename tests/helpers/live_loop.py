@@ -14,7 +14,8 @@ draws the same one. Rank 0 prints every 10th step's loss.
 A rank is this script with the launcher's flags (``--store ... --rank R --run-dir DIR ...``: they decide
 its place, the steps and the global batch) and its own (``--config``, ``--lr``, ``--one-cycle``: a
 ``OneCycleLR``, ``--seen``: a ``StepsSeen`` stateful object,
-``--total``: the total passed to ``should_stop``).
+``--total``: the total passed to ``should_stop``). ``LIVE_LOOP_SPIKE_AT=P`` multiplies the loss of data position
+``P`` (rollback mode's tests).
 """
 
 import argparse
@@ -33,6 +34,9 @@ CONFIG = Path(__file__).with_suffix(".yaml")
 # the tests' errors in the user's loss: a JSON list of {"step": S, "rank": R, "times": N} (rank and times
 # optional: every rank, every time), each raising RuntimeError in loss_of at step S on that rank, N times
 RAISE_ENV = "LIVE_LOOP_RAISE"
+# a loss spike at a data position (the ``step`` loss_of is handed), every time it is fed: the position, as text
+SPIKE_ENV = "LIVE_LOOP_SPIKE_AT"
+SPIKE_FACTOR = 10000.0
 
 
 def sample_range(step: int, micro_batch: int, micro_batches: int) -> tuple[int, int]:
@@ -96,6 +100,7 @@ def rank_main(argv: list[str]) -> None:
                              config=own.config, embedding=model[0].weight)  # live: the config says so
 
     errors = json.loads(os.environ.get(RAISE_ENV, "[]"))
+    spike_at = int(os.environ[SPIKE_ENV]) if SPIKE_ENV in os.environ else None
 
     def loss_of(model: torch.nn.Module, step: int, micro_batch: int) -> torch.Tensor:
         for error in errors:
@@ -104,7 +109,8 @@ def rank_main(argv: list[str]) -> None:
                 error["times"] = left - 1
                 raise RuntimeError(f"injected error in the loss of step {step} on rank {guard.rank}")
         inputs, labels = batch(step, micro_batch, guard.micro_batches)
-        return F.cross_entropy(model(inputs), labels)
+        loss = F.cross_entropy(model(inputs), labels)
+        return loss * SPIKE_FACTOR if step == spike_at else loss
 
     def samples_of(step: int, micro_batch: int) -> tuple[int, int]:  # for the events' sample check
         return sample_range(step, micro_batch, guard.micro_batches)
@@ -115,6 +121,8 @@ def rank_main(argv: list[str]) -> None:
             seen.before(step)
         outcome = guard.step(loss_of, samples_of)
         step = outcome.step
+        if guard.rank == 0 and outcome.rolled_back:
+            print(f"rolled back to step {step}", flush=True)
         if guard.rank == 0 and step % 10 == 0:
             print(f"step {step} loss {outcome.loss:.4f}", flush=True)
     guard.close()  # ends this process with the quorum's code

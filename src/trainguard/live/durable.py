@@ -167,6 +167,20 @@ class LiveCheckpoints:
             tier.discard_newer(point.step or 0)
         return point.step
 
+    def roll_back(self, quorum: Quorum, before_step: int) -> int | None:
+        """Rollback mode, every member at the same step: the save in flight settled, the newest healthy durable
+        checkpoint before ``before_step`` loaded by the quorum (``CheckpointManager.roll_back``: the newer ones
+        deleted), and the per-rank tiers' newer steps dropped. Its step, None when there is none."""
+        self._settle(quorum, before_step)
+        with self.whole():
+            restored = self._watched(quorum, lambda: self._manager(quorum).roll_back(before_step),
+                                     f"rolled back before step {before_step}")
+        if restored is not None:
+            self.last_saved = self.last_committed = restored
+            for tier in self._rank_tiers().values():
+                tier.discard_newer(restored)
+        return restored
+
     def _held(self, quorum: Quorum, tiers: dict[str, LiveLocalTier]) -> dict[str, list[list[int]]]:
         """Each member's verified steps of each per-rank tier, gathered on the checkpoint group."""
         self._manager(quorum)

@@ -186,7 +186,9 @@ class LiveRank:
             raise RuntimeError("LiveRank.step after the run's last step or its agreed stop")
         self.worker.loss_of, self.worker.sample_range = loss_of, sample_range
         while (index := self.advance()) is not None:
-            if index >= self.committed_steps:
+            committed = self.worker.committed
+            # a rollback is told with the restored step the loop goes on from (the spike's step was not committed)
+            if index >= self.committed_steps or committed.rolled_back:
                 self.committed_steps = index + 1
                 self.lifecycle.beat("step", self.committed_steps)
                 return self.worker.committed

@@ -1,5 +1,6 @@
 """A live step's decision, taken as the closure mode takes it: the same update plugins
-(``guards/plugins/update.update_plugins``: the data-skip rule, a non-finite global norm, the skip streak)
+(``guards/plugins/update.update_plugins``: the data-skip rule or rollback mode's spike test and rollback,
+``checkpoint/spike_rollback.SpikeRollback``, a non-finite global norm, the skip streak)
 asked through the same precedence (``guards/step_verdict.decide``), plus SDC detection's state
 (``live/sdc.py``: its detectors and strikes, when ``guards.sdc`` is on). Their state travels with the
 model and the optimizer: kept for an undone step, sent to a joining rank, saved in the durable tier.
@@ -13,40 +14,48 @@ from __future__ import annotations
 from typing import Any, NoReturn
 
 from trainguard.errors import CheckpointError
+from trainguard.checkpoint.spike_rollback import SpikeRollback
 from trainguard.guards.plugins.update import update_plugins
 from trainguard.guards.step_plugin import GuardPlugin, StepCheck
 from trainguard.guards.step_skips import StepSkips
 from trainguard.guards.step_slots import Reduced, Slot
 from trainguard.guards.step_verdict import Decision, StepVerdict, decide
+from trainguard.live.data_positions import DataPositions
 from trainguard.live.sdc import LiveSdc
 
 # a live step raises no indicator of the closure mode's all-reduce: SDC detection judged it already (live/sdc.py)
 NO_INDICATORS = {slot: 0 for slot in Slot if slot != Slot.LOSS}
 
 
-def no_rerun_or_rollback(plugin: GuardPlugin, verdict: StepVerdict) -> NoReturn:
-    raise ValueError(f"{type(plugin).__name__} asked for {verdict.name} on a live step, which runs neither")
+def no_rerun(plugin: GuardPlugin) -> NoReturn:
+    raise ValueError(f"{type(plugin).__name__} asked for a rerun on a live step, which SDC detection reruns itself")
 
 
 class LiveJudge:
     """``judge`` a step; ``skipped``: the steps skipped so far, whatever the cause (the scheduler stands
-    still on them: it steps with an applied update only, ``LiveState.after_update``)."""
+    still on them: it steps with an applied update only, ``LiveState.after_update``). ``rollback``: rollback
+    mode's plugin, which skips ``positions``' windows (its guard's and their state ride in this one's)."""
 
-    def __init__(self, skips: StepSkips, sdc: LiveSdc | None = None):
+    def __init__(self, skips: StepSkips, sdc: LiveSdc | None = None, rollback: SpikeRollback | None = None,
+                 positions: DataPositions | None = None):
         self.skips = skips
-        self.plugins = update_plugins(skips)
+        self.plugins = update_plugins(skips, rollback)
         self.sdc = sdc
+        self.rollback, self.positions = rollback, positions
         self.skipped = 0
 
     def judge(self, step: int, norm: float, loss: float, sdc_skipped: bool = False) -> Decision[GuardPlugin]:
-        """The decision on ``step`` (the closure mode's 1-based number): APPLY, SKIP or ABORT (its
-        ``by.abort_cause()``, a ``DataSkipAbort``, ends the run; its lines and events are written).
+        """The decision on ``step`` (the closure mode's 1-based number): APPLY, SKIP, ROLLBACK (carried out:
+        ``by.restored``) or ABORT (its ``by.abort_cause()``, a ``DataSkipAbort``, ends the run; its lines and
+        events are written).
         ``sdc_skipped``: SDC detection dropped the step already, which the skip streak counts as the
         closure mode's does (the SDC plugin's SKIP, decided before the update's plugins)."""
         check = StepCheck(step, Reduced(norm, loss, NO_INDICATORS), first_sample=None)
         decided = Decision(StepVerdict.SKIP, None) if sdc_skipped else None
-        decision = decide(self.plugins, lambda plugin, so_far: plugin.verdict(check, so_far), no_rerun_or_rollback,
-                          decided)
+        def carry_out(plugin: GuardPlugin, verdict: StepVerdict) -> StepVerdict:
+            return plugin.roll_back(check) if verdict is StepVerdict.ROLLBACK else no_rerun(plugin)
+
+        decision = decide(self.plugins, lambda plugin, so_far: plugin.verdict(check, so_far), carry_out, decided)
         self.skipped += decision.verdict is StepVerdict.SKIP
         return decision
 
@@ -58,15 +67,21 @@ class LiveJudge:
 
     def state_dict(self) -> dict[str, Any]:
         """Plain ints, floats and lists: loads with ``torch.load(weights_only=True)``."""
-        return {"skipped": self.skipped, **{name: obj.state_dict() for name, obj in self.skips.stateful.items()},
+        return {"skipped": self.skipped, **{name: obj.state_dict() for name, obj in self.stateful().items()},
                 **(self.sdc.state() if self.sdc is not None else {})}
+
+    def stateful(self) -> dict[str, Any]:
+        """The guards' objects whose state rides in this one's, by name."""
+        rollback = {} if self.rollback is None else {"rollback": self.rollback.rollback,
+                                                     "data_positions": self.positions}
+        return {**self.skips.stateful, **rollback}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         skipped = state.get("skipped") if isinstance(state, dict) else None
         if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
             raise CheckpointError(f"live guards' state is malformed: skipped must be a non-negative integer, "
                                   f"got {skipped!r}")
-        for name, obj in self.skips.stateful.items():
+        for name, obj in self.stateful().items():
             if name in state:
                 obj.load_state_dict(state[name])
         if self.sdc is not None and "sdc_detector" in state:  # a state saved with SDC detection off has none

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.manager import Stateful
 from trainguard.checkpoint.safe_load import safe_torch_load
+from trainguard.checkpoint.spike_rollback import SpikeRollback
 from trainguard.checkpoint.staging import serialised
 from trainguard.errors import EXIT_OK, ConfigError, raised_by_every_rank
 from trainguard.events import EventLog
@@ -54,12 +55,14 @@ from trainguard.faults.spec import FaultSpec
 from trainguard.fs.fsio import atomic_write_bytes
 from trainguard.guards.fingerprint import FingerprintConfig
 from trainguard.guards.health import HealthConfig, save_health
+from trainguard.guards.rollback import RollbackConfig, RollbackGuard
 from trainguard.guards.sdc import SdcConfig
 from trainguard.guards.skip import SkipConfig
 from trainguard.guards.skip_streak import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from trainguard.guards.step_skips import StepSkips
 from trainguard.guards.step_verdict import StepVerdict
 from trainguard.live import collective
+from trainguard.live.data_positions import DataPositions
 from trainguard.live.durable import LiveCheckpoints
 from trainguard.live.fsdp_comms import GroupChannel
 from trainguard.live.fsdp_share import FsdpShares, ShareAbandoned, fsdp_modules, local
@@ -182,6 +185,8 @@ class LiveRules:
     # fault_tolerance.max_step_failures: a step whose computation raised is tried this many times in a
     # row before the run ends (live/step_failures.py)
     max_step_failures: int = 3
+    # guards.rollback when guards.check_for_global_norm is on (rollback mode: ``live/data_positions.py``), else None
+    rollback: RollbackConfig | None = None
 
 
 DEFAULT_RULES = LiveRules()  # the drill's workload's: no clipping, no data skip, the skip streak's default
@@ -191,12 +196,14 @@ DEFAULT_RULES = LiveRules()  # the drill's workload's: no clipping, no data skip
 class CommittedStep:
     """What ``LiveWorker.step`` committed: the step's index (from 0), its loss (the mean over the global
     batch), its global norm before clipping, whether the guards skipped its update, and the embedding's
-    gradient norm (``guards.health``, ``guards.monitor``; None when neither is on)."""
+    gradient norm (``guards.health``, ``guards.monitor``; None when neither is on). After a rollback
+    (``rolled_back``) the index is the restored step's last, its loss and norm the spike's."""
     index: int
     loss: float
     global_norm: float
     skipped: bool
     embedding_norm: float | None = None
+    rolled_back: bool = False
 
 
 @dataclass(frozen=True)
@@ -279,8 +286,14 @@ class LiveWorker:
         self.sdc = (LiveSdc(rules.sdc, model, args.micro_batches, rank, args.run_dir, self.log, self.events,
                             self.reports, shards=args.group_size, over_shards=self.over_shards)
                     if rules.sdc.enabled else None)
+        # rollback mode: the data positions it skips, and the spike test's plugin, which restores through this
+        # worker's ``roll_back`` (the quorum's durable tier)
+        self.positions = DataPositions() if rules.rollback is not None else None
+        rollback = None if rules.rollback is None else SpikeRollback(
+            RollbackGuard(rules.rollback, rules.skip), self.positions, self, self.events, samples_of=lambda check: 1,
+            reports=self.reports)
         self.judge = LiveJudge(StepSkips(rules.skip, rules.max_consecutive_skips, self.log, self.events.emit,
-                                         reports=self.reports), self.sdc)
+                                         reports=self.reports), self.sdc, rollback, self.positions)
         # what an undo restores, a joiner receives and a checkpoint holds (the scheduler, the loop's objects)
         self.state = LiveState(model, optimizer, self.judge, scheduler, stateful)
         self.fingerprints = (LiveFingerprints(rules.fingerprint, model, optimizer, self.state, rank, args.group_size,
@@ -353,6 +366,9 @@ class LiveWorker:
                     continue
                 if not self.step():
                     continue  # the step's computation raised somewhere: tried again (step_failures.py)
+                if self.step_index <= step:  # rolled back: the loop goes on from the restored step
+                    yield self.step_index - 1
+                    continue
             except RuntimeError as error:  # gloo's errors (a peer died, a timeout) and EpochAborted
                 self.recover(error)
                 if self.step_index > step:
@@ -437,8 +453,8 @@ class LiveWorker:
                     computed[micro_batch] = torch.zeros_like(next(iter(computed.values())))
                     continue
                 try:
-                    share, grad = micro_batch_grad(self.model, self.loss_of, step, micro_batch, self.micro_batches,
-                                                   self.seed)
+                    share, grad = micro_batch_grad(self.model, self.loss_of, self.data_position(step), micro_batch,
+                                                   self.micro_batches, self.seed)
                 except Exception as error:  # the user's code: no collective runs in it
                     if not catch:
                         raise
@@ -466,7 +482,7 @@ class LiveWorker:
         for group in exchange.my_groups():
             if not abandoned:
                 try:
-                    computed[group] = self.fsdp.share(self.loss_of, step,
+                    computed[group] = self.fsdp.share(self.loss_of, self.data_position(step),
                                                       self.layout.slot_micro_batches(group, self.shard),
                                                       self.micro_batches, self.seed, self.beat)
                     continue
@@ -526,7 +542,7 @@ class LiveWorker:
             # before the sum, not after: a rank killed once its rows are in the sum, before it could say
             # so, leaves the step committed by the others with its samples in it
             self.events.emit("live_samples", step=step, epoch=quorum.epoch, members=len(quorum.members),
-                             micro_batches=mine, samples=[self.sample_range(step, m) for m in mine])
+                             micro_batches=mine, samples=[self.sample_range(self.data_position(step), m) for m in mine])
         newer = latest_epoch(self.store) > quorum.epoch
         reason = self.lifecycle.local_reason() if self.lifecycle is not None else NONE
         if has(self.store, STOP):  # the launcher's signal
@@ -562,9 +578,18 @@ class LiveWorker:
             norm, embedding_norm = self.norms(grads)
         self.reduce_marks.left(quorum.epoch, step)
         # every rank's alike: the same sum, the same state
-        decision = self.judge.judge(number, norm, loss, sdc_skipped=sdc.skip)
+        try:
+            decision = self.judge.judge(number, norm, loss, sdc_skipped=sdc.skip)
+        except RuntimeError:  # a rollback's restore failed with the epoch: this rank redoes the step from before it
+            self.state.undo(self.previous[1])
+            raise
         if decision.verdict is StepVerdict.ABORT:  # every member judged the same sum: all end at this step
             raise decision.by.abort_cause()
+        if decision.verdict is StepVerdict.ROLLBACK:  # every member restored the same checkpoint
+            self.rolled_back(decision.by.restored.step, loss, norm)
+            if newer_seen:
+                self.switch(quorum.epoch + 1)
+            return True
         skipped = decision.verdict is StepVerdict.SKIP
         if not skipped:
             if self.rules.grad_clip > 0:
@@ -602,6 +627,34 @@ class LiveWorker:
         if newer_seen and self.stop is None:
             self.switch(quorum.epoch + 1)
         return True
+
+    def data_position(self, step: int) -> int:
+        """The ``step`` handed to ``loss_of`` (and seeding its random draws) for ``step``: past rollback mode's
+        skipped windows (``live/data_positions.py``), the step itself without them."""
+        return step if self.positions is None else self.positions.position(step)
+
+    def roll_back(self, before_step: int) -> int | None:
+        """Rollback mode's restore (``checkpoint.rollback.RestoresBefore``), on every member at the same step:
+        the newest healthy durable checkpoint before ``before_step`` (1-based), loaded by the quorum; its step,
+        None when there is none (or no durable tier)."""
+        if self.checkpoints is None:
+            return None
+        restored = self.checkpoints.roll_back(self.quorum, before_step)
+        if restored is not None:
+            self.positions.move_to(restored)
+        return restored
+
+    def rolled_back(self, restored: int, loss: float, norm: float) -> None:
+        """After a rollback to ``restored`` committed steps: the run goes on from there, no undo left (the
+        restored state is every member's), the loop told through ``committed``."""
+        self.previous = None
+        self.state.committed = dataclasses.asdict(CommittedStep(restored - 1, loss, norm, skipped=False,
+                                                                rolled_back=True))
+        self.step_failures.committed()
+        self.step_index = restored
+        if self.fingerprints is not None:  # the check before the next step compares with the restored state
+            self.fingerprints.remember(self.step_index + 1)
+        self.store.set(progress_key(self.rank), str(self.step_index))
 
     def step_failed(self, step: int, ranks: int) -> None:
         """Every member, at the same step: ``ranks`` ranks' computation of ``step`` raised. Tried again, or

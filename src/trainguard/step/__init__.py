@@ -4,7 +4,7 @@ from trainguard._lazy import lazy_exports
 
 _EXPORTS = {
     "guard": ("Config", "Guard", "StepOutcome"),
-    "rollback": ("SkippableData",),
+    "builder": ("SkippableData",),  # checkpoint/rollback.py's, the one rollback of both step engines
     "sdc": ("RerunVerdict",),
     "slots": ("Slot",),
     "verdict": ("StepVerdict",),

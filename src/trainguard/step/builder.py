@@ -38,9 +38,9 @@ from trainguard.runtime.lifecycle import Lifecycle
 from trainguard.step.embedding import EmbeddingNorm
 from trainguard.step.local_tier import build_local_tier, build_memory_tier, resolve_ranks_per_node
 from trainguard.step.plugins.sdc import SdcRerun
-from trainguard.step.plugins.spike_rollback import SpikeRollback
+from trainguard.checkpoint.spike_rollback import SpikeRollback
 from trainguard.step.plugins.state import StatePlugin
-from trainguard.step.rollback import SkippableData, skippable_data
+from trainguard.checkpoint.rollback import SkippableData, skippable_data
 from trainguard.step.sdc import SdcGuard
 from trainguard.step.static_files import huggingface_files
 from trainguard.topology.rank_failure import raise_if_any_rank_failed
@@ -97,8 +97,13 @@ def build_step_plugins(parts: GuardParts) -> StepPlugins:
     integrity: list[GuardPlugin] = [state(before_backward=False)]
     if parts.sdc is not None:
         integrity.append(SdcRerun(parts.sdc, parts.events, parts.rank, parts.world_size, parts.device))
-    rollback = (SpikeRollback(parts.rollback, parts.data, parts.checkpoints, parts.events, parts.rank)
-                if parts.rollback is not None else None)
+    rollback = None
+    if parts.rollback is not None:
+        data = parts.data
+        rollback = SpikeRollback(
+            parts.rollback, data, parts.checkpoints, parts.events,
+            samples_of=lambda check: sum(b - a for a, b in data.ranges_between(check.first_sample, data.consumed_samples)),
+            reports=lambda: parts.rank == 0)
     return StepPlugins([state(before_backward=True)], integrity, update_plugins(parts.skips, rollback))
 
 

@@ -394,8 +394,9 @@ class Guard:
         committed = live.step(loss_of, sample_range)
         if committed is None:  # the run ended inside the step (a data-skip abort, 3; a faulty device, 17; fenced)
             live.close()
-        return StepOutcome(committed.index + 1, committed.loss, committed.global_norm, applied=not committed.skipped,
-                           skipped=committed.skipped, rolled_back=False)
+        return StepOutcome(committed.index + 1, committed.loss, committed.global_norm,
+                           applied=not (committed.skipped or committed.rolled_back), skipped=committed.skipped,
+                           rolled_back=committed.rolled_back)
 
     def trainer_state(self) -> dict[str, Any]:
         """What a checkpoint's manifest records about the run: step, data position, lr, loss, config."""

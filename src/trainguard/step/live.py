@@ -9,7 +9,8 @@ and the loop's ``stateful`` objects are the whole state of the run (``live/state
 durable tier (``live/durable.py``: its interval, retention, resume, async and writer keys), the local and
 memory tiers (``live/local_tier.py``), the mirror of durable checkpoints (``checkpoint.mirror.*``; a mirror
 URL to resume from is refused), data skip and the skip streak (``live/step_judge.py``: the closure mode's
-plugins and ``decide``; ``guards.skip.*``, ``guards.max_consecutive_skips``), SDC detection with its rerun (``live/sdc.py``: ``guards.sdc.*``), replica
+plugins and ``decide``; ``guards.skip.*``, ``guards.max_consecutive_skips``), rollback mode (the same plugins:
+``guards.check_for_global_norm``, ``guards.rollback.*``; its skipped data positions: ``live/data_positions.py``), SDC detection with its rerun (``live/sdc.py``: ``guards.sdc.*``), replica
 fingerprints (``live/fingerprint.py``: ``guards.fingerprint.*``), checkpoint health and the embedding
 monitor (``LiveWorker.health``: ``guards.health.*``, ``guards.monitor``), the kill switch, the time limit and ``train.exit_at_step``
 (``LiveWorker.stop_here``), the heartbeat files (``lifecycle.heartbeats``), and writes ``hf_config`` (and the
@@ -52,7 +53,8 @@ CLOSURE_MODE_SECTIONS = ("checkpoint", "guards", "lifecycle")
 LIVE_SECTION_KEYS = ("checkpoint.save_interval", "checkpoint.keep_last", "checkpoint.keep_every",
                      "checkpoint.resume", "checkpoint.async_save", "checkpoint.writer",
                      "checkpoint.local_*", "checkpoint.memory_*", "checkpoint.mirror.*", "guards.skip.*",
-                     "guards.max_consecutive_skips", "guards.sdc.*", "guards.fingerprint.*", "guards.health.*",
+                     "guards.max_consecutive_skips", "guards.check_for_global_norm", "guards.rollback.*",
+                     "guards.sdc.*", "guards.fingerprint.*", "guards.health.*",
                      "guards.monitor",
                      "lifecycle.kill_switch_path", "lifecycle.exit_duration_in_mins", "lifecycle.exit_margin_seconds",
                      "lifecycle.heartbeats")
@@ -137,8 +139,9 @@ def refuse_with_fsdp(config: RunConfig) -> None:
     """One error naming the first setting live mode does not run with an FSDP2 model (``live/fsdp_share.py``:
     what ran is the sum, the update, membership, joins, the durable and local tiers and their resume, replica
     fingerprints and their repair, a raising loss's retry, the memory tier; docs/live_recovery.md, "Not done yet")."""
-    refused = [("guards.sdc.enabled_level", sdc_config_from_env(config.guards.sdc).enabled,
-                "SDC detection on FSDP2 shares"),
+    guards = config.guards
+    refused = [("guards.sdc.enabled_level", sdc_config_from_env(guards.sdc).enabled, "SDC detection on FSDP2 shares"),
+               ("guards.check_for_global_norm", guards.check_for_global_norm, "rollback mode on FSDP2 shares"),
                ("faults", bool(config.faults and (gradient_faults(config.faults) or any(
                    spec.kind not in FSDP_SITE_FAULTS for spec in site_faults(config.faults)))),
                 "gradient and module faults on FSDP2 shares (of the drill's faults, only kill and stateflip ran)")]
@@ -206,6 +209,7 @@ def live_rank(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
                       exit_at_step=config.train.exit_at_step, health=config.guards.health,
                       monitor=config.guards.monitor, lifecycle=config.lifecycle,
                       ranks_per_node=config.parallel.ranks_per_node,
-                      max_step_failures=config.fault_tolerance.max_step_failures)
+                      max_step_failures=config.fault_tolerance.max_step_failures,
+                      rollback=config.guards.rollback if config.guards.check_for_global_norm else None)
     return LiveRank(model, optimizer, args, scheduler, seed=config.train.seed, checkpoint=config.checkpoint,
                     rules=rules, static_files=static_files, stateful=loop_objects(stateful), embedding=embedding)

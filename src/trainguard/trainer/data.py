@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainguard.checkpoint.rollback import SkippedPositions
 from trainguard.trainer.tokenizer import ByteTokenizer
 
 CORPUS_RESOURCE = ("trainer", "corpus", "corpus.txt.gz")
@@ -76,7 +77,7 @@ def make_batch(dataset: TokenDataset, indices: Sequence[int]) -> tuple[torch.Ten
     return samples[:, :-1].contiguous(), samples[:, 1:].contiguous()
 
 
-class StatefulSampler:
+class StatefulSampler(SkippedPositions):
     """Deterministic, rank-sharded, resumable order of sample indices.
 
     Global order: epoch e is `torch.randperm(dataset_len, generator=Generator().manual_seed(seed + e))`,
@@ -106,8 +107,7 @@ class StatefulSampler:
         self.dp_size = dp_size
         self.micro_batch_size = micro_batch_size
         self.seed = int(seed)
-        self.consumed_samples = 0
-        self.skipped: list[tuple[int, int]] = []  # sorted, disjoint, non-adjacent [start, end) positions
+        super().__init__()
         # Only the current epoch's permutation is kept (plus the previous one while a global batch
         # straddles the boundary): randperm of a large dataset is the only costly step.
         self._perms: dict[int, torch.Tensor] = {}
@@ -138,23 +138,6 @@ class StatefulSampler:
             pos += take
         return out
 
-    def _take(self, cursor: int, count: int) -> tuple[list[tuple[int, int]], int]:
-        """The ranges of the next ``count`` non-skipped positions from ``cursor``, and the cursor after them."""
-        ranges: list[tuple[int, int]] = []
-        for start, end in self.skipped:
-            if count == 0 or cursor < start and cursor + count <= start:
-                break
-            if end <= cursor:
-                continue
-            if cursor < start:
-                ranges.append((cursor, start))
-                count -= start - cursor
-            cursor = end
-        if count:
-            ranges.append((cursor, cursor + count))
-            cursor += count
-        return ranges, cursor
-
     def next_batch_indices(self) -> list[int]:
         """This rank's micro-batch of sample indices; advances the global position by one global batch."""
         ranges, self.consumed_samples = self._take(self.consumed_samples, self.global_batch_size)
@@ -169,47 +152,6 @@ class StatefulSampler:
                 run_start = position
             previous = position
         return indices
-
-    def span_ahead(self, after: int, count: int) -> tuple[int, int]:
-        """The global positions ``[start, end)`` spanning the ``count`` samples that will be yielded after
-        the next ``after`` ones (skipped ranges inside the span are already excluded from it)."""
-        if after < 0 or count < 1:
-            raise ValueError(f"need after >= 0 and count >= 1, got after={after} count={count}")
-        _, cursor = self._take(self.consumed_samples, after)
-        ranges, _ = self._take(cursor, count)
-        return ranges[0][0], ranges[-1][1]
-
-    def skip(self, start: int, end: int) -> None:
-        """Never yields global positions ``[start, end)``: merged into the skipped ranges."""
-        if not 0 <= start < end:
-            raise ValueError(f"need 0 <= start < end, got [{start}, {end})")
-        merged: list[tuple[int, int]] = []
-        for a, b in sorted([*self.skipped, (start, end)]):
-            if merged and a <= merged[-1][1]:
-                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
-            else:
-                merged.append((a, b))
-        self.skipped = merged
-
-    def ranges_between(self, start: int, end: int) -> list[tuple[int, int]]:
-        """The positions in ``[start, end)`` that are not skipped, as ranges (what a cursor moving from
-        ``start`` to ``end`` has yielded)."""
-        ranges: list[tuple[int, int]] = []
-        for a, b in self.skipped:
-            if b <= start:
-                continue
-            if a >= end:
-                break
-            if start < a:
-                ranges.append((start, a))
-            start = max(start, b)
-        if start < end:
-            ranges.append((start, end))
-        return ranges
-
-    @property
-    def skipped_samples(self) -> int:
-        return sum(end - start for start, end in self.skipped)
 
     @property
     def epoch(self) -> int:

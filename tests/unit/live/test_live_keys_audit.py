@@ -73,7 +73,10 @@ RANK = {"train.seed": 43, "optim.grad_clip": 0.5,
         # checkpoint health and the embedding monitor (``LiveWorker.health``; tests/integration/test_live_guards.py)
         "guards.health.enabled": True, "guards.health.embedding_threshold": 5.0, "guards.monitor": True,
         # the retry limit of a step whose computation raised (``live.step_failures``; test_live_durable.py)
-        "fault_tolerance.max_step_failures": 5}
+        "fault_tolerance.max_step_failures": 5,
+        # rollback mode (``live.data_positions``, ``checkpoint.spike_rollback``; tests/integration/test_live_rollback.py)
+        "guards.check_for_global_norm": True, "guards.rollback.window_before": 7, "guards.rollback.window_after": 7,
+        "guards.rollback.widen_factor": 3.0, "guards.rollback.max_rollbacks": 5, "guards.rollback.loss": True}
 TRAINER_MODEL = {
     "model.preset": "llama-micro", "model.hidden_size": 96, "model.num_layers": 3, "model.num_heads": 4,
     "model.num_kv_heads": 1, "model.intermediate_size": 100, "model.tie_word_embeddings": False,
@@ -181,6 +184,8 @@ def test_a_rank_key_reaches_the_live_rank(key, tmp_path):
         return rank.seed, rank.rules, rank.checkpoint
 
     config = live_config()
+    # rollback mode's keys are read with it on
+    config.guards.check_for_global_norm = key.startswith("guards.rollback.")
     assert seen(with_key(config, key, RANK[key])) != seen(config)
 
 

@@ -255,6 +255,7 @@ def test_live_health_or_monitor_on_a_model_without_an_embedding_is_one_error_nam
 
 @pytest.mark.parametrize("items, key", [
     (["guards.sdc.enabled_level=2"], "guards.sdc.enabled_level"),
+    (["guards.check_for_global_norm=true"], "guards.check_for_global_norm"),
     (["faults=spike:step=3,factor=100"], "faults"),
     (["faults=bitflip:rank=1,step=3,site=0,where=output"], "faults"),
 ])

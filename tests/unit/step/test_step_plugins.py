@@ -26,7 +26,7 @@ from trainguard.guards.step_slots import Reduced, Slot
 from trainguard.guards.step_verdict import StepVerdict
 from trainguard.step.builder import build_guard_parts, build_step_plugins
 from trainguard.step.plugins.sdc import STEP_AFTER_RERUN, SdcRerun
-from trainguard.step.plugins.spike_rollback import SpikeRollback
+from trainguard.checkpoint.spike_rollback import SpikeRollback
 from trainguard.step.plugins.state import StatePlugin, state_verdict
 from trainguard.step.sdc import RerunVerdict, SdcGuard
 from trainguard.trainer.data import StatefulSampler
@@ -82,7 +82,8 @@ def test_the_streak_counts_skipped_steps_whatever_skipped_them_and_aborts_at_its
 
 def test_rollback_mode_asks_for_a_rollback_on_a_spike_and_learns_from_normal_steps():
     guard = RollbackGuard(RollbackConfig(), SkipConfig(threshold=3.0))
-    plugin = SpikeRollback(guard, data=None, checkpoints=None, events=EventLog(None), rank=0)
+    plugin = SpikeRollback(guard, data=None, checkpoints=None, events=EventLog(None), samples_of=lambda check: 1,
+                           reports=lambda: True)
     assert plugin.verdict(check(1, norm=1.0), APPLY) is APPLY and plugin.spike is None
     assert plugin.verdict(check(2, norm=4.0), APPLY) is ROLLBACK
     assert (plugin.spike.step, plugin.spike.metric, plugin.spike.value) == (2, "global_norm", 4.0)

@@ -6,7 +6,7 @@ import pytest
 
 from trainguard.errors import ConfigError
 from trainguard.step.report import StepReport
-from trainguard.step.rollback import SkippableData, skippable_data
+from trainguard.checkpoint.rollback import SkippableData, skippable_data
 from trainguard.step.sdc import RerunVerdict
 from trainguard.trainer.data import StatefulSampler
 

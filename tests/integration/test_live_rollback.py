@@ -1,0 +1,146 @@
+"""Rollback mode (``guards.check_for_global_norm``) in live mode, on the documented user path
+(``trainguard run --nproc 2 ... -- python tests/helpers/live_loop.py``: 2 replica groups x 1, dropout,
+AdamW, ``optim.grad_clip`` 1.0, durable checkpoints every 3 steps, replica fingerprints before every
+step, 30 steps), the loss of data position 6
+multiplied by 10^4 every time it is fed (``LIVE_LOOP_SPIKE_AT``):
+
+- step 7 (data position 6) spikes: every rank restores ``global_step_6``, the policy's window (steps 6-8,
+  moved past the checkpoint: 7-8) skips data positions [6, 8), the optimizer steps go on from step 6 while
+  the data positions jump to 8: the end state is, within 1e-5, that of the same training done in one
+  process from the contract (``loss_of(model, position, micro_batch)``, dropout seeded from the position)
+  on positions 0-5 and 8-31; the loop is told ``rolled_back`` with the restored step;
+- the same run with rank 1 SIGKILLed after the rollback (step 8) ends bitwise equal: the skipped window
+  travels in the join;
+- the drill's ``spike:step=7`` (a gradient spike at the optimizer step, so it recurs after the rollback)
+  with ``guards.rollback.max_rollbacks: 1``: the recurrence aborts every rank with exit 3 and the
+  closure mode's line.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers.runs import finish_session, worker_env
+from helpers.warm_command import warm_server
+from trainguard.checkpoint.discovery import list_checkpoints
+from trainguard.checkpoint.safe_load import safe_torch_load
+from trainguard.config.schema import RunConfig
+from trainguard.events.log import read_events
+from trainguard.live.compare import run_differences
+from trainguard.live.files import events_path, final_path
+from trainguard.live.rng import micro_batch_rng
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "helpers"))
+import live_loop  # noqa: E402  (the rank's own model, data and spike)
+
+EXAMPLE = ROOT / "tests" / "helpers" / "live_loop.py"
+STEPS, WORLD, MICRO_BATCHES, SPIKE_AT = 30, 2, 8, 6
+POSITIONS = [*range(6), *range(8, STEPS + 2)]  # the window [6, 8) skipped
+TIMEOUT_S = 240
+
+
+def _config(root: Path) -> Path:
+    config = root / "live_rollback.yaml"
+    config.write_text("parallel: {dp_replicate: 2, dp_shard: 1}\n"
+                      f"train: {{steps: {STEPS}, micro_batches: {MICRO_BATCHES}}}\n"
+                      "fault_tolerance: {live: true}\n"
+                      "checkpoint: {save_interval: 3}\n"
+                      "guards: {check_for_global_norm: true, skip: {threshold: 50.0}, "
+                      "rollback: {window_before: 1, window_after: 1}, fingerprint: {interval: 1}}\n")
+    return config
+
+
+def _live(run_dir: Path, config: Path, *sets: str, spike: bool = True) -> subprocess.CompletedProcess:
+    args = [arg for item in sets for arg in ("--set", item)]
+    env = worker_env(**({live_loop.SPIKE_ENV: str(SPIKE_AT)} if spike else {}))
+    started = warm_server().start(["run", "--nproc", str(WORLD), "--config", str(config), "--run-dir", str(run_dir),
+                                   *args, "--", sys.executable, str(EXAMPLE), "--config", str(config)], env)
+    return finish_session(started, TIMEOUT_S, f"the live run {run_dir.name}")
+
+
+def _ok(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def _events(run_dir: Path, kind: str) -> list[dict]:
+    return [event for event in read_events(events_path(run_dir)) if event["kind"] == kind]
+
+
+def one_process_reference(positions: list[int]) -> dict[str, torch.Tensor]:
+    """The contract's training in one process: each step the mean loss of its position's micro-batches
+    (dropout seeded from ``(train.seed, position, micro_batch)``), clipped to 1.0, AdamW."""
+    model = live_loop.build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    seed = RunConfig().train.seed
+    for position in positions:
+        optimizer.zero_grad(set_to_none=True)
+        for micro_batch in range(MICRO_BATCHES):
+            with micro_batch_rng(seed, position, micro_batch):
+                inputs, labels = live_loop.batch(position, micro_batch, MICRO_BATCHES)
+                (F.cross_entropy(model(inputs), labels) / MICRO_BATCHES).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    return model.state_dict()
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("live_rollback")
+
+
+@pytest.fixture(scope="module")
+def rolled(root):
+    return root / "rolled", _ok(_live(root / "rolled", _config(root)))
+
+
+def test_a_spike_rolls_every_rank_back_and_the_run_equals_the_contracts_training_without_the_window(rolled):
+    run_dir, _ = rolled
+    [event] = _events(run_dir, "rollback")
+    assert (event["step"], event["to_step"], event["window"], event["skipped"]) == (SPIKE_AT + 1, 6, [7, 8], [[6, 8]])
+    assert not _events(run_dir, "fingerprint_mismatch")  # the replicas compared before every step agree
+    for rank in range(WORLD):
+        steps = [e["step"] for e in _events(run_dir, "live_step") if e["rank"] == rank]
+        assert steps == list(range(STEPS)), rank  # the spiked step 6 (from 0) is not committed, then trained again
+        samples = [e["samples"] for e in _events(run_dir, "live_samples") if e["rank"] == rank]
+        assert samples[-1][0][0] // (MICRO_BATCHES * live_loop.MICRO_BATCH) == POSITIONS[-1]
+    assert [info.step for info in list_checkpoints(run_dir / "checkpoints") if info.committed][-3:] == [STEPS - 6, STEPS - 3, STEPS]
+    reference = one_process_reference(POSITIONS)
+    for rank in range(WORLD):
+        model = safe_torch_load(final_path(run_dir, rank))["model"]
+        assert model.keys() == reference.keys()
+        for name, tensor in reference.items():
+            assert torch.allclose(model[name], tensor, rtol=0, atol=1e-5), (rank, name)
+
+
+def test_the_loop_is_told_rolled_back_with_the_restored_step(rolled):
+    _, done = rolled
+    assert "rolled back to step 6" in done.stdout
+
+
+def test_a_rank_killed_after_the_rollback_rejoins_with_the_window_and_the_run_ends_bitwise(root, rolled):
+    run_dir = root / "killed"
+    done = _ok(_live(run_dir, _config(root), "faults=kill:rank=1,step=8"))
+    assert "ranks replaced: [1]" in done.stdout
+    [joined] = _events(run_dir, "live_joined")
+    assert joined["step"] < STEPS - 5  # the replacement trains past the window with the positions it received
+    assert len(_events(run_dir, "rollback")) == 1
+    assert run_differences(rolled[0], run_dir, WORLD) == {}
+
+
+def test_a_rollback_that_recurs_too_often_aborts_every_rank_with_exit_3(root):
+    run_dir = root / "recurring"
+    done = _live(run_dir, _config(root), "faults=spike:step=7,factor=10000", "guards.rollback.max_rollbacks=1",
+                 spike=False)
+    assert done.returncode == 3, done.stdout[-3000:] + done.stderr[-3000:]
+    [abort] = _events(run_dir, "rollback_abort")
+    assert "recurred after 1 rollbacks without progress (guards.rollback.max_rollbacks=1)" in abort["message"]
+    assert f"trainguard: error: [rank 0] {abort['message']}" in done.stderr
+    assert len(_events(run_dir, "rollback")) == 1

@@ -2,13 +2,16 @@
 
 Side by side in one invocation, 4 gloo ranks on this machine as 2 replica groups x 2, the example's model
 (``examples/user_model.py``: a 2-layer GPT-2), the same global batch (``--micro-batches``), steps and
-clipping (1.0), in ABBA order over ``--cycles``:
+clipping (1.0), in ABC CBA order over ``--cycles``:
 
 - plain HSDP: ``examples/user_loop_plain.py --replicate 2`` under ``torchrun``: ``fully_shard`` over a
   (dp_replicate=2, dp_shard=2) mesh, AdamW, no trainguard;
 - live: ``examples/user_loop.py`` under ``trainguard run --nproc 4`` with ``fault_tolerance.live: true``,
   the layout 2 x 2 and nothing else on (no durable save, ``guards.fingerprint.interval: 0``; data skip and
-  SDC detection are off by default): the quorum, the order-fixed sum and the row-sharded parameters.
+  SDC detection are off by default): the quorum, the order-fixed sum and the row-sharded parameters;
+- live FSDP2: the same with ``fault_tolerance.fsdp: true``: the example shards its model with ``fully_shard``
+  over its replica group's mesh (``trainguard.data_parallel_mesh()``), one reduce-scatter per group share on
+  the epoch's group and the group partials added in group order.
 
 Each run's rank 0 prints one line per step; a step's time is the gap between two such lines as they
 arrive here (the same measure for both), and a run's steady rate is one over the median gap after the
@@ -25,11 +28,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import abba_quad, median, print_result  # noqa: E402
+from common import median, print_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -57,12 +61,12 @@ def plain(run_dir: Path, steps: int, micro_batches: int, env: dict[str, str]) ->
                       "--micro-batches", str(micro_batches), "--replicate", str(REPLICATE)], env)
 
 
-def live(run_dir: Path, steps: int, micro_batches: int, env: dict[str, str]) -> list[float]:
+def live(run_dir: Path, steps: int, micro_batches: int, env: dict[str, str], fsdp: bool = False) -> list[float]:
     config = run_dir.parent / f"{run_dir.name}.yaml"
     config.write_text(f"parallel: {{dp_replicate: {REPLICATE}, dp_shard: {WORLD // REPLICATE}}}\n"
                       f"train: {{steps: {steps}, micro_batches: {micro_batches}}}\n"
                       "checkpoint: {save_interval: 0}\nguards: {fingerprint: {interval: 0}}\n"
-                      "fault_tolerance: {live: true}\n")
+                      f"fault_tolerance: {{live: true, fsdp: {str(fsdp).lower()}}}\n")
     return step_gaps([sys.executable, "-m", "trainguard", "run", "--nproc", str(WORLD), "--config", str(config),
                       "--run-dir", str(run_dir), "--", sys.executable, str(EXAMPLES / "user_loop.py"), "--config",
                       str(config)], env)
@@ -70,34 +74,37 @@ def live(run_dir: Path, steps: int, micro_batches: int, env: dict[str, str]) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="one pair of runs of 16 steps")
-    parser.add_argument("--cycles", type=int, default=2, help="ABBA cycles (4 runs each)")
+    parser.add_argument("--quick", action="store_true", help="one run of each of 16 steps")
+    parser.add_argument("--cycles", type=int, default=2, help="ABC CBA cycles (6 runs each)")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--micro-batches", type=int, default=8)
     args = parser.parse_args()
     steps = 16 if args.quick else args.steps
-    order = ["plain", "live"] if args.quick else [m for c in range(args.cycles) for m in abba_quad(c, "plain", "live")]
+    modes = ["plain", "live", "live FSDP2"]
+    order = modes if args.quick else [m for _ in range(args.cycles) for m in modes + modes[::-1]]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         [str(EXAMPLES), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
-    runs = {"plain": plain, "live": live}
-    rates: dict[str, list[float]] = {"plain": [], "live": []}
+    runs = {"plain": plain, "live": live, "live FSDP2": partial(live, fsdp=True)}
+    rates: dict[str, list[float]] = {mode: [] for mode in modes}
     with tempfile.TemporaryDirectory(prefix="live_steady_") as tmp:
         for index, mode in enumerate(order):
-            gaps = runs[mode](Path(tmp) / f"{mode}{index}", steps, args.micro_batches, env)[WARMUP:]
+            gaps = runs[mode](Path(tmp) / f"{mode.replace(' ', '_')}{index}", steps, args.micro_batches, env)[WARMUP:]
             rates[mode].append(1.0 / median(gaps))
             print(f"  run {index + 1}/{len(order)} {mode}: {rates[mode][-1]:.2f} steps/s "
                   f"(median of {len(gaps)} step gaps)", flush=True)
-    plain_rate, live_rate = median(rates["plain"]), median(rates["live"])
+    plain_rate, live_rate, fsdp_rate = (median(rates[mode]) for mode in modes)
     ratio = live_rate / plain_rate
     print(f"\nsteady state, {WORLD} gloo ranks ({REPLICATE} replica groups x {WORLD // REPLICATE}), {steps} steps of "
           f"{args.micro_batches} micro-batches, no failure; medians over {len(rates['plain'])} run(s) each\n")
-    print(f"| {'run':<10} | {'steps/s':>8} | {'step time':>10} |")
-    print(f"|{'-' * 12}|{'-' * 10}|{'-' * 12}|")
-    for name, rate in (("plain HSDP", plain_rate), ("live", live_rate)):
-        print(f"| {name:<10} | {rate:>8.2f} | {1000 / rate:>8.1f} ms |")
+    print(f"| {'run':<10} | {'steps/s':>8} | {'step time':>10} | {'/ plain':>7} |")
+    print(f"|{'-' * 12}|{'-' * 10}|{'-' * 12}|{'-' * 9}|")
+    for name, rate in (("plain HSDP", plain_rate), ("live", live_rate), ("live FSDP2", fsdp_rate)):
+        print(f"| {name:<10} | {rate:>8.2f} | {1000 / rate:>8.1f} ms | {rate / plain_rate:>7.3f} |")
     print(f"\nlive / plain steps/s: {ratio:.3f} (target ≥ {TARGET}: {'met' if ratio >= TARGET else 'NOT met'})")
     print_result("live_steady_steps_per_s", live_rate, plain_rate, f">= {TARGET}x plain HSDP", ratio >= TARGET,
                  steps=steps, micro_batches=args.micro_batches, runs=len(order))
+    print_result("live_fsdp2_steady_steps_per_s", fsdp_rate, plain_rate, f">= {TARGET}x plain HSDP",
+                 fsdp_rate / plain_rate >= TARGET, steps=steps, micro_batches=args.micro_batches, runs=len(order))
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.processes import alive
 from helpers.runs import finish_session, worker_env
 from helpers.live_loop import RAISE_ENV
 from helpers.s3_server import start_s3_server
@@ -174,14 +175,6 @@ def test_live_saves_are_async_the_loop_steps_on_while_a_save_commits(clean):
     assert not _events(clean, "live_save_abandoned")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def _resumes_bitwise(run_dir: Path, config: Path, clean: Path, step: int) -> None:
     """The same command again resumes from ``global_step_<step>`` and ends bitwise equal to ``clean``."""
     again = finish_session(_start(run_dir, config), TIMEOUT_S, "the resumed live run")
@@ -210,9 +203,9 @@ def test_the_whole_job_sigkilled_resumes_from_the_newest_checkpoint_bitwise(root
         os.kill(proc.pid, signal.SIGKILL)
     ranks = [e["pid"] for e in _events(run_dir, "live_start")]
     deadline = time.monotonic() + 60
-    while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
+    while any(alive(pid) for pid in ranks) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [pid for pid in ranks if _alive(pid)], "ranks outlived their launcher by 60 s"
+    assert not [pid for pid in ranks if alive(pid)], "ranks outlived their launcher by 60 s"
     proc.wait(30)
     assert not any(final_path(run_dir, rank).exists() for rank in range(WORLD))
     newest = _committed_steps(run_dir)[-1]

@@ -31,6 +31,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from helpers.processes import alive
 from helpers.runs import trainguard, worker_env
 from helpers.warm_command import warm_server
 from trainguard.events.log import read_events
@@ -54,14 +55,6 @@ RAISE_AT = "1,2,3"
 WHOLE = {"0.weight": (16, 8), "0.bias": (16,), "3.weight": (16, 16), "3.bias": (16,), "5.weight": (3, 16), "5.bias": (3,)}
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def _sigkilled_job(run_dir: Path, config: Path) -> None:
     """The job started, SIGKILLed whole once every rank saved step 6 to the local tier (durable: step 4)."""
     proc = warm_server().start(["run", "--nproc", str(WORLD), "--config", str(config), "--run-dir", str(run_dir), "--",
@@ -76,7 +69,7 @@ def _sigkilled_job(run_dir: Path, config: Path) -> None:
     proc.communicate()
     ranks = [e["pid"] for e in read_events(events_path(run_dir)) if e["kind"] == "live_start"]
     deadline = time.monotonic() + 60
-    while any(_alive(pid) for pid in ranks):
+    while any(alive(pid) for pid in ranks):
         assert time.monotonic() < deadline, "ranks outlived their launcher by 60 s"
         time.sleep(0.1)
 

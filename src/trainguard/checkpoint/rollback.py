@@ -55,7 +55,7 @@ class SkippedPositions:
         self.consumed_samples = 0
         self.skipped: list[tuple[int, int]] = []  # sorted, disjoint, non-adjacent [start, end) positions
 
-    def _take(self, cursor: int, count: int) -> tuple[list[tuple[int, int]], int]:
+    def take(self, cursor: int, count: int) -> tuple[list[tuple[int, int]], int]:
         """The ranges of the next ``count`` non-skipped positions from ``cursor``, and the cursor after them."""
         ranges: list[tuple[int, int]] = []
         for start, end in self.skipped:
@@ -77,8 +77,8 @@ class SkippedPositions:
         the next ``after`` ones (skipped ranges inside the span are already excluded from it)."""
         if after < 0 or count < 1:
             raise ValueError(f"need after >= 0 and count >= 1, got after={after} count={count}")
-        _, cursor = self._take(self.consumed_samples, after)
-        ranges, _ = self._take(cursor, count)
+        _, cursor = self.take(self.consumed_samples, after)
+        ranges, _ = self.take(cursor, count)
         return ranges[0][0], ranges[-1][1]
 
     def skip(self, start: int, end: int) -> None:

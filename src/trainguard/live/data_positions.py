@@ -23,11 +23,11 @@ class DataPositions(SkippedPositions):
 
     def position(self, step: int) -> int:
         """The data position of ``step`` (from 0): the ``step``-th position that is not skipped."""
-        ranges, _ = self._take(0, step + 1)
+        ranges, _ = self.take(0, step + 1)
         return ranges[-1][1] - 1
 
     def move_to(self, step: int) -> None:
-        _, self.consumed_samples = self._take(0, step)
+        _, self.consumed_samples = self.take(0, step)
 
     def state_dict(self) -> dict[str, Any]:
         return {"skipped": [[int(a), int(b)] for a, b in self.skipped]}

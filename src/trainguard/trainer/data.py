@@ -140,7 +140,7 @@ class StatefulSampler(SkippedPositions):
 
     def next_batch_indices(self) -> list[int]:
         """This rank's micro-batch of sample indices; advances the global position by one global batch."""
-        ranges, self.consumed_samples = self._take(self.consumed_samples, self.global_batch_size)
+        ranges, self.consumed_samples = self.take(self.consumed_samples, self.global_batch_size)
         positions = [p for start, end in ranges for p in range(start, end)]
         mine = positions[self.dp_rank * self.micro_batch_size : (self.dp_rank + 1) * self.micro_batch_size]
         # mine is contiguous except where it straddles a skipped range

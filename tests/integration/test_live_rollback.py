@@ -11,6 +11,11 @@ multiplied by 10^4 every time it is fed (``LIVE_LOOP_SPIKE_AT``):
   on positions 0-5 and 8-31; the loop is told ``rolled_back`` with the restored step;
 - the same run with rank 1 SIGKILLed after the rollback (step 8) ends bitwise equal: the skipped window
   travels in the join;
+- the same run on 2 replica groups x 2 (rows of every parameter sharded in each group), rank 1 SIGKILLed in
+  the middle of the rollback's restore (``LIVE_LOOP_DIE_IN_RESTORE``: its part of ``global_step_6`` read, its
+  peers waiting in DCP's closing collective with theirs loaded): the survivors undo the spiked step, redo it
+  and roll back again without the dead rank's group, the replacement rejoins, and the whole state ends
+  bitwise equal to the first run's (a layout changes no bit);
 - the drill's ``spike:step=7`` (a gradient spike at the optimizer step, so it recurs after the rollback)
   with ``guards.rollback.max_rollbacks: 1``: the recurrence aborts every rank with exit 3 and the
   closure mode's line.
@@ -32,7 +37,7 @@ from trainguard.checkpoint.discovery import list_checkpoints
 from trainguard.checkpoint.safe_load import safe_torch_load
 from trainguard.config.schema import RunConfig
 from trainguard.events.log import read_events
-from trainguard.live.compare import run_differences
+from trainguard.live.compare import bitwise_differences, replica_differences, run_differences, whole_final_state
 from trainguard.live.files import events_path, final_path
 from trainguard.live.rng import micro_batch_rng
 
@@ -46,9 +51,9 @@ POSITIONS = [*range(6), *range(8, STEPS + 2)]  # the window [6, 8) skipped
 TIMEOUT_S = 240
 
 
-def _config(root: Path) -> Path:
-    config = root / "live_rollback.yaml"
-    config.write_text("parallel: {dp_replicate: 2, dp_shard: 1}\n"
+def _config(root: Path, group_size: int = 1) -> Path:
+    config = root / f"live_rollback_{group_size}.yaml"
+    config.write_text(f"parallel: {{dp_replicate: 2, dp_shard: {group_size}}}\n"
                       f"train: {{steps: {STEPS}, micro_batches: {MICRO_BATCHES}}}\n"
                       "fault_tolerance: {live: true}\n"
                       "checkpoint: {save_interval: 3}\n"
@@ -57,10 +62,11 @@ def _config(root: Path) -> Path:
     return config
 
 
-def _live(run_dir: Path, config: Path, *sets: str, spike: bool = True) -> subprocess.CompletedProcess:
+def _live(run_dir: Path, config: Path, *sets: str, spike: bool = True, world: int = WORLD,
+          **env: str) -> subprocess.CompletedProcess:
     args = [arg for item in sets for arg in ("--set", item)]
-    env = worker_env(**({live_loop.SPIKE_ENV: str(SPIKE_AT)} if spike else {}))
-    started = warm_server().start(["run", "--nproc", str(WORLD), "--config", str(config), "--run-dir", str(run_dir),
+    env = worker_env(**({live_loop.SPIKE_ENV: str(SPIKE_AT)} if spike else {}), **env)
+    started = warm_server().start(["run", "--nproc", str(world), "--config", str(config), "--run-dir", str(run_dir),
                                    *args, "--", sys.executable, str(EXAMPLE), "--config", str(config)], env)
     return finish_session(started, TIMEOUT_S, f"the live run {run_dir.name}")
 
@@ -135,6 +141,18 @@ def test_a_rank_killed_after_the_rollback_rejoins_with_the_window_and_the_run_en
     assert run_differences(rolled[0], run_dir, WORLD) == {}
 
 
+def test_a_rank_killed_inside_the_restore_of_a_sharded_rollback_ends_bitwise(root, rolled):
+    run_dir, group_size = root / "killed_in_restore", 2
+    done = _ok(_live(run_dir, _config(root, group_size), world=WORLD * group_size,
+                     **{live_loop.DIE_IN_RESTORE_ENV: "1"}))
+    assert (run_dir / "died_in_restore_rank_1").exists()  # it did die inside the restore
+    assert "ranks replaced: [1]" in done.stdout
+    [event] = _events(run_dir, "rollback")  # the undone restore left no rollback of its own
+    assert (event["step"], event["to_step"], event["skipped"]) == (SPIKE_AT + 1, 6, [[6, 8]])
+    assert replica_differences(run_dir, WORLD * group_size, group_size) == {}
+    assert bitwise_differences(whole_final_state(run_dir, group_size), whole_final_state(rolled[0], 1)) == []
+
+
 def test_a_rollback_that_recurs_too_often_aborts_every_rank_with_exit_3(root):
     run_dir = root / "recurring"
     done = _live(run_dir, _config(root), "faults=spike:step=7,factor=10000", "guards.rollback.max_rollbacks=1",
@@ -143,4 +161,7 @@ def test_a_rollback_that_recurs_too_often_aborts_every_rank_with_exit_3(root):
     [abort] = _events(run_dir, "rollback_abort")
     assert "recurred after 1 rollbacks without progress (guards.rollback.max_rollbacks=1)" in abort["message"]
     assert f"trainguard: error: [rank 0] {abort['message']}" in done.stderr
+    # the launcher's contract line, the rollback's reason added after it
+    assert (f"trainguard: live run aborted by the data-skip guard: exit 3 ({abort['message']}); "
+            f"the newest checkpoint is {run_dir / 'checkpoints' / 'global_step_6'}") in done.stdout
     assert len(_events(run_dir, "rollback")) == 1

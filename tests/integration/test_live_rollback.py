@@ -18,11 +18,16 @@ multiplied by 10^4 every time it is fed (``LIVE_LOOP_SPIKE_AT``):
   bitwise equal to the first run's (a layout changes no bit);
 - the drill's ``spike:step=7`` (a gradient spike at the optimizer step, so it recurs after the rollback)
   with ``guards.rollback.max_rollbacks: 1``: the recurrence aborts every rank with exit 3 and the
-  closure mode's line.
+  closure mode's line, and the launcher's line names the rollback after its contract words;
+- ``trainguard train`` (the reference trainer, llama-micro) live with rollback mode on 2 replica groups x 1:
+  the drill's ``scale`` at step 7 (rank 0's first micro-batch, once in the run) spikes the global norm, every
+  rank restores ``global_step_6`` and skips data positions [6, 8), the run ends after its 10 steps, and
+  ``trainguard report``'s page lists the rollback.
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +36,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers.runs import finish_session, worker_env
+from helpers.runs import TINY, finish_session, trainguard, worker_env
 from helpers.warm_command import warm_server
 from trainguard.checkpoint.discovery import list_checkpoints
 from trainguard.checkpoint.safe_load import safe_torch_load
@@ -165,3 +170,29 @@ def test_a_rollback_that_recurs_too_often_aborts_every_rank_with_exit_3(root):
     assert (f"trainguard: live run aborted by the data-skip guard: exit 3 ({abort['message']}); "
             f"the newest checkpoint is {run_dir / 'checkpoints' / 'global_step_6'}") in done.stdout
     assert len(_events(run_dir, "rollback")) == 1
+
+
+TRAINER_STEPS = 10
+TRAINER = ["--nproc", str(WORLD), "--steps", str(TRAINER_STEPS), "--save-interval", "3", *TINY,
+           *[arg for item in ("fault_tolerance.live=true", "parallel.dp_replicate=2", "train.micro_batches=2",
+                              "guards.check_for_global_norm=true", "guards.skip.threshold=10.0",
+                              "guards.rollback.window_before=1", "guards.rollback.window_after=1",
+                              "faults=scale:rank=0,step=7,site=model.layers.0,where=grad_input,factor=1000")
+             for arg in ("--set", item)]]
+
+
+def test_trainguard_train_live_rolls_back_on_a_spike_skips_the_window_and_the_report_shows_it(root):
+    run_dir = root / "trainer"
+    _ok(finish_session(warm_server().start(["train", "--run-dir", str(run_dir), *TRAINER], worker_env()),
+                       TIMEOUT_S, "the live trainer run with rollback"))
+    [event] = _events(run_dir, "rollback")
+    assert (event["step"], event["to_step"], event["window"], event["skipped"]) == (7, 6, [7, 8], [[6, 8]])
+    for rank in range(WORLD):
+        assert [e["step"] for e in _events(run_dir, "live_step") if e["rank"] == rank] == list(range(TRAINER_STEPS))
+    # the steps after the restore draw the data positions past the window: step 6 (from 0) trains position 8
+    first_sample = {e["step"]: e["samples"][0][0] for e in _events(run_dir, "live_samples") if e["rank"] == 0}
+    assert first_sample[6] == 8 * 2 * 2 and first_sample[TRAINER_STEPS - 1] == (TRAINER_STEPS + 1) * 2 * 2
+    assert [info.step for info in list_checkpoints(run_dir / "checkpoints") if info.committed][-2:] == [9, 10]
+    _ok(trainguard("report", str(run_dir)))
+    page = (run_dir / "report.html").read_text()
+    assert re.search(r"<td>rollback</td>\s*<td>7</td>", page), page[-3000:]

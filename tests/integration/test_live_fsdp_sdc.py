@@ -2,7 +2,8 @@
 tests/integration/live_fsdp_loop.py's MLP sharded with ``fully_shard`` over the replica group's mesh, 2
 replica groups x 2 ranks, 8 micro-batches, dropout, AdamW; ``guards.sdc.enabled_level: 2`` with
 ``strikes: 2`` and one module point, ``guards.sdc.points: ["4"]`` (the Tanh after the second Linear,
-checked on the gradient flowing into it), besides one point per parameter shard (``grad:NAME (shard S)``).
+checked on the gradient flowing into it), besides one point per parameter shard (``grad:NAME (shard S)``);
+durable checkpoints every 4 steps.
 
 Four runs share one module fixture: SDC off, SDC on (no fault), rank 1's point scaled x1e9 once at step 3
 and once at step 5 (the drill's transient ``scale``: caught at level 1, the rerun clean, a strike each
@@ -22,6 +23,7 @@ import pytest
 from helpers.runs import trainguard
 from trainguard.checkpoint.safe_load import safe_torch_load
 from trainguard.events.log import read_events
+from trainguard.fs.layout import extra_state_name
 from trainguard.guards.sdc import faulty_ranks_path
 from trainguard.live.compare import bitwise_differences, run_differences
 from trainguard.live.files import events_path, final_path
@@ -33,6 +35,7 @@ CONFIG = """fault_tolerance: {live: true, fsdp: true}
 parallel: {dp_replicate: 2, dp_shard: 2}
 train: {micro_batches: 8, steps: %d}
 guards: {sdc: {enabled_level: 2, strikes: 2, points: ["4"]}}
+checkpoint: {save_interval: 4}
 """ % STEPS
 # the drill's module fault (docs/faults.md): the gradient into module "4" of the first micro-batch RANK computes at STEP
 SCALE = "scale:rank={rank},step={step},site=4,where=grad_input,factor=1e9"
@@ -95,6 +98,22 @@ def test_a_transient_fault_is_found_at_level_1_and_the_clean_rerun_is_used_with_
     assert not [e for e in _events(run_dir, "live_step") if e["skipped"]]
     assert run_differences(runs / "clean", run_dir, WORLD) == \
         {rank: [f"/guards/sdc_detector/detections_total: {len(detected)} != 0"] for rank in range(WORLD)}
+
+
+def test_the_detectors_state_and_strikes_travel_in_the_durable_checkpoints(runs):
+    def guards(run: str, step: int, rank: int) -> dict:
+        checkpoint = runs / run / "checkpoints" / f"global_step_{step}"
+        return safe_torch_load(checkpoint / extra_state_name(WORLD, rank))["stateful"]["live_guards"]
+
+    for rank in range(WORLD):
+        # step 4: rank 1's first strike (step 3) in every rank's copy; step 8: dropped when its replacement
+        # joined, and the detectors' state the fault-free run's but for the detections counted
+        [struck] = guards("struck", 4, rank)["sdc_strikes"]["devices"]
+        assert (struck["rank"], [s["step"] for s in struck["strikes"]]) == (1, [TRANSIENT_AT[0]]), rank
+        last, clean = guards("struck", STEPS, rank), guards("clean", STEPS, rank)
+        assert last["sdc_strikes"] == clean["sdc_strikes"], rank
+        assert bitwise_differences(last["sdc_detector"], clean["sdc_detector"]) == \
+            ["/detections_total: 18 != 0"], rank
 
 
 def test_a_rank_reaching_its_strikes_exits_17_with_its_entry_and_its_group_is_replaced(runs):

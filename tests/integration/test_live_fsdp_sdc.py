@@ -25,7 +25,7 @@ from trainguard.checkpoint.safe_load import safe_torch_load
 from trainguard.events.log import read_events
 from trainguard.fs.layout import extra_state_name
 from trainguard.guards.sdc import faulty_ranks_path
-from trainguard.live.compare import bitwise_differences, run_differences
+from trainguard.live.compare import bitwise_differences
 from trainguard.live.files import events_path, final_path
 from trainguard.live.rank import GROUP_OUT_EXIT
 
@@ -39,7 +39,9 @@ checkpoint: {save_interval: 4}
 """ % STEPS
 # the drill's module fault (docs/faults.md): the gradient into module "4" of the first micro-batch RANK computes at STEP
 SCALE = "scale:rank={rank},step={step},site=4,where=grad_input,factor=1e9"
-TRANSIENT_AT = (3, 5)  # rank 1, once each: two strikes
+# (rank, step), once each: rank 1 twice, struck out at the second
+TRANSIENT = ((1, 3), (1, 5))
+STRUCK_OUT_AT = 5
 REPRODUCIBLE_AT = STEPS  # rank 2, persistent from the last step
 
 
@@ -48,7 +50,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("live_fsdp_sdc")
     config = root / "live_fsdp_sdc.yaml"
     config.write_text(CONFIG, encoding="utf-8")
-    struck = "; ".join(SCALE.format(rank=1, step=step) for step in TRANSIENT_AT)
+    struck = "; ".join(SCALE.format(rank=rank, step=step) for rank, step in TRANSIENT)
     for name, overrides in (("off", ("guards.sdc.enabled_level=0",)), ("clean", ()),
                             ("struck", (f"faults={struck}",)),
                             ("reproducible", (f"faults={SCALE.format(rank=2, step=REPRODUCIBLE_AT)},persistent=1",))):
@@ -81,23 +83,22 @@ def test_sdc_on_without_a_fault_detects_nothing_and_ends_bitwise_as_the_run_with
 def test_a_transient_fault_is_found_at_level_1_and_the_clean_rerun_is_used_with_a_strike(runs):
     run_dir = runs / "struck"
     detected = _events(run_dir, "sdc_detected")
-    assert {e["step"] for e in detected} == set(TRANSIENT_AT)
-    # the module point: its value computed by rank 1 alone; the parameter-gradient points of every shard too
+    assert {e["step"] for e in detected} == {step for _, step in TRANSIENT}
+    # the module point: its value computed by the faulted rank alone; the parameter-gradient points of every
+    # shard too
     assert [(e["step"], e["computed_by"], e["level"]) for e in detected if e["point"] == "4"] == \
-        [(step, [1], 1) for step in TRANSIENT_AT]
+        [(step, [rank], 1) for rank, step in TRANSIENT]
     assert {e["point"] for e in detected} >= {"grad:3.weight (shard 0)", "grad:3.weight (shard 1)"}
     reruns = [(e["step"], e["verdict"], e["ranks"]) for e in _events(run_dir, "sdc_rerun")]
-    assert reruns == [(TRANSIENT_AT[0], "transient", [1]), (TRANSIENT_AT[1], "faulty", [1])]
+    assert reruns == [(3, "transient", [1]), (5, "faulty", [1])]
     attributions = [(e["step"], e["rank"], e["attribution"], e["strikes"], e["faulty"], e["rerun_abnormal"])
                     for e in _events(run_dir, "sdc_attribution")]
-    assert attributions == [(TRANSIENT_AT[0], 1, "transient", 1, False, []),
-                            (TRANSIENT_AT[1], 1, "transient", 2, True, [])]
-    # the rerun's sum used: no step skipped, and the whole final state (the detectors' and strikes' too: the
-    # replacement's strikes dropped when it joined) is the fault-free run's, every rank, bitwise, but for the
-    # detections counted (9 points at level 1, twice)
+    assert attributions == [(3, 1, "transient", 1, False, []), (5, 1, "transient", 2, True, [])]
+    # the rerun's sum used: no step skipped, and every rank's parameters and optimizer state are the
+    # fault-free run's, bitwise
     assert not [e for e in _events(run_dir, "live_step") if e["skipped"]]
-    assert run_differences(runs / "clean", run_dir, WORLD) == \
-        {rank: [f"/guards/sdc_detector/detections_total: {len(detected)} != 0"] for rank in range(WORLD)}
+    for rank in range(WORLD):
+        assert bitwise_differences(_trained(run_dir, rank), _trained(runs / "clean", rank)) == [], rank
 
 
 def test_the_detectors_state_and_strikes_travel_in_the_durable_checkpoints(runs):
@@ -105,15 +106,22 @@ def test_the_detectors_state_and_strikes_travel_in_the_durable_checkpoints(runs)
         checkpoint = runs / run / "checkpoints" / f"global_step_{step}"
         return safe_torch_load(checkpoint / extra_state_name(WORLD, rank))["stateful"]["live_guards"]
 
+    def strikes(book: dict) -> list[tuple[int, list[int]]]:
+        return [(entry["rank"], [strike["step"] for strike in entry["strikes"]]) for entry in book["devices"]]
+
+    detections = len(_events(runs / "struck", "sdc_detected"))
     for rank in range(WORLD):
-        # step 4: rank 1's first strike (step 3) in every rank's copy; step 8: dropped when its replacement
-        # joined, and the detectors' state the fault-free run's but for the detections counted
-        [struck] = guards("struck", 4, rank)["sdc_strikes"]["devices"]
-        assert (struck["rank"], [s["step"] for s in struck["strikes"]]) == (1, [TRANSIENT_AT[0]]), rank
+        # step 4: rank 1's first strike in every rank's copy; step 8: dropped when its replacement joined, and
+        # the detectors' state the fault-free run's but for the detections counted
+        assert strikes(guards("struck", 4, rank)["sdc_strikes"]) == [(1, [3])], rank
         last, clean = guards("struck", STEPS, rank), guards("clean", STEPS, rank)
-        assert last["sdc_strikes"] == clean["sdc_strikes"], rank
+        assert strikes(last["sdc_strikes"]) == strikes(clean["sdc_strikes"]) == [], rank
         assert bitwise_differences(last["sdc_detector"], clean["sdc_detector"]) == \
-            ["/detections_total: 18 != 0"], rank
+            [f"/detections_total: {detections} != 0"], rank
+    # and in the final state, every rank's alike
+    final = [safe_torch_load(final_path(runs / "struck", rank))["guards"] for rank in range(WORLD)]
+    assert all(bitwise_differences(final[0], other) == [] for other in final[1:])
+    assert bitwise_differences(final[0], guards("struck", STEPS, 0)) == []
 
 
 def test_a_rank_reaching_its_strikes_exits_17_with_its_entry_and_its_group_is_replaced(runs):
@@ -121,11 +129,12 @@ def test_a_rank_reaching_its_strikes_exits_17_with_its_entry_and_its_group_is_re
     # rank 1 leaves at step 5's boundary; its group's other rank ends too (its FSDP2 mesh goes with it)
     assert sorted((e["target"], e["code"]) for e in _events(run_dir, "live_exit")) == [(0, GROUP_OUT_EXIT), (1, 17)]
     [entry] = json.loads(faulty_ranks_path(run_dir).read_text())
-    assert (entry["rank"], entry["local_device"], [s["step"] for s in entry["strikes"]]) == (1, "cpu:1",
-                                                                                           list(TRANSIENT_AT))
+    assert (entry["rank"], entry["local_device"], [s["step"] for s in entry["strikes"]]) == (1, "cpu:1", [3, 5])
     assert {e["rank"] for e in _events(run_dir, "live_joined")} == {0, 1}
     degraded = {e["step"] for e in _events(run_dir, "live_step") if e["members"] == 2}
-    assert degraded and min(degraded) == TRANSIENT_AT[1]  # group 1 computed both groups' shares after it
+    # live_step 5 is step 6: group 1 computed both groups' shares, judged with group 0's values from rank 2
+    # and 3 (the end state is still the fault-free run's)
+    assert degraded and min(degraded) == STRUCK_OUT_AT
 
 
 def test_a_reproducible_fault_skips_the_step_with_a_strike_against_its_rank(runs):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -440,9 +441,7 @@ class LiveWorker:
         ``catch``, an error of the loss or its backward is returned as its line instead, every micro-batch
         from the one that raised on a row of zeros (``live/step_failures.py``)."""
         computed, failure = {}, None
-        extras = None if self.sdc is None else torch.zeros(self.micro_batches, self.sdc.width)
-        if self.sdc is not None:
-            self.sdc.begin_step()
+        extras = self.begin_extras()
         self.site_faults.at_step_start(step + 1)  # the closure mode's step number
         if self.params is not None and not self.params.is_whole:  # whole: gathered after a body's recovery
             self.params.unshard(self.group, self.quorum.members, self.rank, self.wait_all)
@@ -463,12 +462,24 @@ class LiveWorker:
                     continue
                 computed[micro_batch] = torch.cat([grad, share.reshape(1)]) + 0.0
                 if extras is not None:
-                    extras[micro_batch] = self.sdc.micro_batch_values()
+                    self.measure(extras, micro_batch)
                 time.sleep(self.micro_batch_s)  # the compute time a real micro-batch would take
         finally:
             if self.params is not None:
                 self.params.reshard()
         return computed, extras, failure
+
+    def begin_extras(self) -> torch.Tensor | None:
+        """With SDC detection on, the step's extras: ``[micro_batches, width]`` zeros, a row filled by
+        ``measure`` for each micro-batch this rank computes, the detection points reset; None without."""
+        if self.sdc is None:
+            return None
+        self.sdc.begin_step()
+        return torch.zeros(self.micro_batches, self.sdc.width)
+
+    def measure(self, extras: torch.Tensor, micro_batch: int) -> None:
+        """The detection points' values of the micro-batch just computed, into its row of ``extras``."""
+        extras[micro_batch] = self.sdc.micro_batch_values()
 
     def fsdp_shares(self, step: int, exchange: Exchange
                     ) -> tuple[dict[int, torch.Tensor], torch.Tensor | None, str | None]:
@@ -479,13 +490,8 @@ class LiveWorker:
         computation raised: every rank of the group abandons the same one) the rest are zeros: the step
         is not committed, and the quorum computes it again."""
         self.site_faults.at_step_start(step + 1)
-        extras = None if self.sdc is None else torch.zeros(self.micro_batches, self.sdc.width)
-        measured = None
-        if self.sdc is not None:
-            self.sdc.begin_step()
-
-            def measured(micro_batch: int) -> None:
-                extras[micro_batch] = self.sdc.micro_batch_values()
+        extras = self.begin_extras()
+        measured = None if extras is None else functools.partial(self.measure, extras)
         computed: dict[int, torch.Tensor] = {}
         failure, abandoned = None, False
         for group in exchange.my_groups():

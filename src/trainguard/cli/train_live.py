@@ -99,8 +99,8 @@ def run_live(run: LiveRun, run_dir: Path) -> int:
     newest = newest_committed(run_dir / "checkpoints")
     saved = newest.path if newest is not None else None
     if result.exit_code == EXIT_DATA_SKIP_ABORT:  # the ranks printed the guard's line
-        print(f"trainguard: live run aborted by the data-skip guard: exit {EXIT_DATA_SKIP_ABORT}; "
-              f"{newest_checkpoint_words(saved)}", flush=True)
+        print(f"trainguard: live run aborted by the data-skip guard: exit {EXIT_DATA_SKIP_ABORT}"
+              f"{abort_reason_words(result.stop)}; {newest_checkpoint_words(saved)}", flush=True)
         return EXIT_DATA_SKIP_ABORT
     if result.exit_code == EXIT_USAGE:  # every rank made the same configuration error; the first printed it
         return EXIT_USAGE
@@ -114,6 +114,14 @@ def run_live(run: LiveRun, run_dir: Path) -> int:
     print(f"trainguard: live run finished: {run.steps} steps in {result.wall_s:.1f} s, "
           f"ranks replaced: {sorted(result.replaced_at) or 'none'}", flush=True)
     return 0
+
+
+def abort_reason_words(stop: dict | None) -> str:
+    """After the abort line's contract words: a rollback abort's reason (the rollback guard's message, which
+    starts "rollback: "), as rollback mode aborts with the data-skip guard's exit code."""
+    if stop is None or stop["reason"] != "rollback":
+        return ""
+    return f" ({stop['message']})"
 
 
 def newest_checkpoint_words(saved: Path | None) -> str:

@@ -56,9 +56,9 @@ from trainguard.faults.spec import FaultSpec
 from trainguard.fs.fsio import atomic_write_bytes
 from trainguard.guards.fingerprint import FingerprintConfig
 from trainguard.guards.health import HealthConfig, save_health
-from trainguard.guards.rollback import RollbackConfig, RollbackGuard
+from trainguard.guards.rollback import RollbackAbort, RollbackConfig, RollbackGuard
 from trainguard.guards.sdc import SdcConfig
-from trainguard.guards.skip import SkipConfig
+from trainguard.guards.skip import DataSkipAbort, SkipConfig
 from trainguard.guards.skip_streak import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from trainguard.guards.step_skips import StepSkips
 from trainguard.guards.step_verdict import StepVerdict
@@ -599,7 +599,7 @@ class LiveWorker:
             self.state.undo(self.previous[1])
             raise
         if decision.verdict is StepVerdict.ABORT:  # every member judged the same sum: all end at this step
-            raise decision.by.abort_cause()
+            self.aborted(step, decision.by.abort_cause())
         if decision.verdict is StepVerdict.ROLLBACK:  # every member restored the same checkpoint
             self.rolled_back(decision.by.restored.step, loss, norm)
             if newer_seen:
@@ -670,6 +670,15 @@ class LiveWorker:
         if self.fingerprints is not None:  # the check before the next step compares with the restored state
             self.fingerprints.remember(self.step_index + 1)
         self.store.set(progress_key(self.rank), str(self.step_index))
+
+    def aborted(self, step: int, cause: DataSkipAbort) -> None:
+        """Every member, at the same step: the guards' abort (exit 3), raised; the quorum's first member records
+        it for the launcher's line first (``LiveResult.stop``: a rollback abort's reason, ``cli.train_live``)."""
+        if self.reports():
+            reason = "rollback" if isinstance(cause, RollbackAbort) else "data_skip"
+            stop = LiveStop(step, reason, str(cause), cause.exit_code)
+            self.store.set(STOPPED, json.dumps(dataclasses.asdict(stop)))
+        raise cause
 
     def step_failed(self, step: int, ranks: int) -> None:
         """Every member, at the same step: ``ranks`` ranks' computation of ``step`` raised. Tried again, or

@@ -131,20 +131,21 @@ def with_launcher_overrides(config: RunConfig, environ: Mapping[str, str]) -> Ru
 
 
 # the drill's site faults that ran on an FSDP2 model: a state tensor's bit flipped at rest (replica fingerprints
-# found and repaired it, tests/integration/test_live_fsdp.py)
-FSDP_SITE_FAULTS = ("stateflip",)
+# found and repaired it, tests/integration/test_live_fsdp.py); a module's value scaled (SDC detection and its
+# rerun found it, tests/integration/test_live_fsdp_sdc.py)
+FSDP_SITE_FAULTS = ("stateflip", "scale")
 
 
 def refuse_with_fsdp(config: RunConfig) -> None:
     """One error naming the first setting live mode does not run with an FSDP2 model (``live/fsdp_share.py``:
     what ran is the sum, the update, membership, joins, the durable and local tiers and their resume, replica
-    fingerprints and their repair, a raising loss's retry, the memory tier; docs/live_recovery.md, "Not done yet")."""
+    fingerprints and their repair, a raising loss's retry, the memory tier, SDC detection with its rerun;
+    docs/live_recovery.md, "Not done yet")."""
     guards = config.guards
-    refused = [("guards.sdc.enabled_level", sdc_config_from_env(guards.sdc).enabled, "SDC detection on FSDP2 shares"),
-               ("guards.check_for_global_norm", guards.check_for_global_norm, "rollback mode on FSDP2 shares"),
+    refused = [("guards.check_for_global_norm", guards.check_for_global_norm, "rollback mode on FSDP2 shares"),
                ("faults", bool(config.faults and (gradient_faults(config.faults) or any(
                    spec.kind not in FSDP_SITE_FAULTS for spec in site_faults(config.faults)))),
-                "gradient and module faults on FSDP2 shares (of the drill's faults, only kill and stateflip ran)")]
+                "gradient and module faults on FSDP2 shares (of the drill's faults, only kill, stateflip and scale ran)")]
     for key, set_, what in refused:
         if set_:
             raise ConfigError(f"config key {key!r}: {what} in live mode is not built (the model is sharded with "

@@ -1,7 +1,7 @@
 """The reference trainer in live mode with FSDP2 inside each replica group (issue 35, items 1 and 3):
 ``trainguard train --nproc 4`` with ``fault_tolerance.live=true``, ``fault_tolerance.fsdp=true``, 2 replica
 groups x 2 (llama-micro, tied embeddings, AdamW with warmup and cosine, 8 steps of 4 micro-batches, durable
-checkpoints every 4 steps, data skip on). Each rank shards the model with ``fully_shard`` over
+checkpoints every 4 steps, data skip and SDC detection at level 2 on). Each rank shards the model with ``fully_shard`` over
 ``trainguard.data_parallel_mesh()``, per decoder block and the root (``trainer/live.py``).
 
 - rank 3 SIGKILLed after step 3 (the live drill's ``faults=kill:rank=3,step=3``): its group is taken out
@@ -34,8 +34,8 @@ from trainguard.live.rank import GROUP_OUT_EXIT
 STEPS, WORLD, GROUP, KILLED, KILL_AT, INTERVAL, STOP_AT = 8, 4, 2, 3, 3, 4, 5
 TIMEOUT_S = 300
 OVERRIDES = ("fault_tolerance.live=true", "fault_tolerance.fsdp=true", "parallel.dp_replicate=2",
-             f"parallel.dp_shard={GROUP}", "guards.skip.enabled=true", "model.preset=llama-micro", "data.seq_len=32",
-             "train.micro_batches=4", "data.micro_batch_size=2")
+             f"parallel.dp_shard={GROUP}", "guards.skip.enabled=true", "guards.sdc.enabled_level=2",
+             "model.preset=llama-micro", "data.seq_len=32", "train.micro_batches=4", "data.micro_batch_size=2")
 
 
 def _train(run_dir: Path, *extra: str):
@@ -62,11 +62,14 @@ def _final_checkpoint(run_dir: Path) -> dict:
     return read_full_state_dict(run_dir / "checkpoints" / f"global_step_{STEPS}")
 
 
-def test_the_fault_free_run_judged_every_step_by_data_skip_and_skipped_none(runs):
+def test_the_fault_free_run_is_judged_by_data_skip_and_sdc_and_nothing_is_abnormal(runs):
     root, outputs = runs
     assert f"live run finished: {STEPS} steps" in outputs["clean"] and "ranks replaced: none" in outputs["clean"]
     assert f"opt_global_step: {STEPS - 1}, skip_data_grad_norm_threshold:" in outputs["clean"]
-    assert not _events(root / "clean", "data_skip")
+    points = _events(root / "clean", "sdc_points")
+    assert points and all("model.norm" in event["names"] for event in points)
+    for run in ("clean", "killed", "resumed"):
+        assert not _events(root / run, "data_skip") and not _events(root / run, "sdc_detected"), run
 
 
 def test_a_sigkilled_rank_takes_its_fsdp2_group_out_and_the_run_ends_bitwise_the_fault_free_one(runs):

@@ -61,15 +61,11 @@ def live_layout(args: argparse.Namespace, config: RunConfig, source: str, allowe
 
 
 def live_run(args: argparse.Namespace, config: RunConfig, source: str) -> LiveRun:
-    """The reference trainer's live run (``live_layout``); ``model.init_from`` and ``fault_tolerance.fsdp``
-    refused."""
+    """The reference trainer's live run (``live_layout``); ``model.init_from`` refused. With
+    ``fault_tolerance.fsdp`` its ranks shard the model with FSDP2 inside each replica group (``trainer/live.py``)."""
     if config.model.init_from is not None:
         raise ConfigError(f"{source}: config key 'model.init_from' is not supported with fault_tolerance.live: true "
                           "(every rank builds its model from the seed)")
-    if config.fault_tolerance.fsdp:
-        raise ConfigError(f"{source}: config key 'fault_tolerance.fsdp' is not supported by the reference trainer's "
-                          "live path (it shards a replica group's parameters by rows); FSDP2 inside replica groups "
-                          "runs in your own script: trainguard run --nproc N --config FILE -- python SCRIPT")
     return on_nodes(args, live_layout(args, config, source, allowed=HOST_OPTIONS,
                                       entry=("-m", "trainguard.trainer.live", *config_arguments(args))))
 

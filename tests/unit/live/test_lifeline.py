@@ -27,7 +27,8 @@ def test_a_kill_ends_the_rank_behind_a_node_command_that_does_not_pass_signals_o
     SIGKILL leaves the rank running; the lifeline's byte ends it (with the byte left out, the rank ran on)."""
     script = tmp_path / "rank.py"
     script.write_text(f"import os; open({str(tmp_path / 'pid')!r}, 'w').write(str(os.getpid()))\n{RANK}\n")
-    proc = subprocess.Popen(["sh", "-c", f"{sys.executable} {script}; true"], stdin=subprocess.PIPE,
+    # the shell sleeps on after its rank: a rank ended by the byte must not let the shell exit 0 before its SIGKILL
+    proc = subprocess.Popen(["sh", "-c", f"{sys.executable} {script}; sleep 60"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE)
     assert proc.stdout.readline() == b"ready\n"
     rank = int((tmp_path / "pid").read_text())

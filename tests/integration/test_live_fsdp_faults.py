@@ -9,8 +9,10 @@ clipping, 10 steps, durable checkpoints every 3 steps. Five runs, started togeth
   ``global_step_10``) to the same configuration run on data that never had positions 6 and 7
   (``--skip-window 6,8``). Dropout is off in this pair because the worker seeds a micro-batch's random
   draws from its data position, which a script feeding other positions cannot move;
-- data skip on, the drill's ``spike:step=4`` and ``nan:step=7`` (dropout on): both steps skipped by every
-  rank, and every rank's final state bitwise that of a fault-free run skipping steps 4 and 7 by replay
+- data skip on (dropout on), the drill's gradient faults (``spike:step=4``, ``nan:step=7``) and module faults in
+  one rank's share (``bitflip`` of the gradient into module 3 on rank 0 at step 2, ``scale`` of the gradient
+  into module 5 on rank 1 at step 5): the four steps skipped by every rank, and every rank's final parameters
+  and optimizer state bitwise those of a fault-free run skipping steps 2, 4, 5 and 7 by replay
   (``guards.skip.replay_steps``);
 - the same run with ``hang:rank=1,step=6`` besides: rank 1 stops as it starts step 6, inside its group's
   share; the stall watch takes group 0 out, group 1 goes on alone, the lighthouse finds rank 1 hung and the
@@ -37,7 +39,7 @@ from trainguard.live.files import events_path, final_path
 from trainguard.live.rank import GROUP_OUT_EXIT
 
 SCRIPT = Path(__file__).with_name("live_fsdp_loop.py")
-STEPS, WORLD, SPIKE_POSITION, SPIKE_AT, NAN_AT, THRESHOLD = 10, 4, 6, 4, 7, 50.0
+STEPS, WORLD, SPIKE_POSITION, THRESHOLD = 10, 4, 6, 50.0
 TIMEOUT_S = 300
 BASE = """fault_tolerance: {live: true, fsdp: true}
 parallel: {dp_replicate: 2, dp_shard: 2}
@@ -47,7 +49,11 @@ checkpoint: {save_interval: 3}
 ROLLBACK = BASE + ("guards: {check_for_global_norm: true, skip: {threshold: %r}, "
                    "rollback: {window_before: 1, window_after: 1}}\n" % THRESHOLD)
 SKIP = BASE + "guards: {skip: {enabled: true, threshold: %r}}\n" % THRESHOLD
-GRADIENT_FAULTS = f"faults=spike:step={SPIKE_AT},factor=10000; nan:step={NAN_AT}"
+# a bit of the gradient into module 3 flipped in rank 0's share of step 2 (0.0082 became 5.9e36), every gradient
+# spiked at step 4, the gradient into module 5 scaled in rank 1's share of step 5, a NaN planted at step 7
+GRADIENT_FAULTS = ("faults=bitflip:rank=0,step=2,site=3,where=grad_input; spike:step=4,factor=10000; "
+                   "scale:rank=1,step=5,site=5,where=grad_input,factor=1000000; nan:step=7")
+SKIPPED = [(2, False), (4, False), (5, False), (7, True)]  # (step, a NaN norm)
 HANG = "hang:rank=1,step=6"
 # the rollback window [6, 8): the policy's steps 6-8 around the spiked step 7, moved past global_step_6
 WINDOW = (SPIKE_POSITION, SPIKE_POSITION + 2)
@@ -59,7 +65,7 @@ RUNS = {
     "rolled": (ROLLBACK, (PATIENT,), ("--dropout", "0", "--spike-at", str(SPIKE_POSITION))),
     "unfed": (ROLLBACK, (PATIENT,), ("--dropout", "0", "--skip-window", ",".join(map(str, WINDOW)))),
     "faulted": (SKIP, (GRADIENT_FAULTS, PATIENT), ()),
-    "replayed": (SKIP, (f"guards.skip.replay_steps={[SPIKE_AT, NAN_AT]}", PATIENT), ()),
+    "replayed": (SKIP, (f"guards.skip.replay_steps={[step for step, _ in SKIPPED]}", PATIENT), ()),
     # run alone after the others; the stall watch and the heartbeat timeout short: the hung rank costs seconds
     # gloo's timeout longer than the test's: a rank left waiting for it would fail the test
     "hung": (SKIP, (f"{GRADIENT_FAULTS}; {HANG}", "fault_tolerance.stall_s=2", "fault_tolerance.hang_s=6",
@@ -124,15 +130,15 @@ def test_a_spike_on_fsdp2_rolls_every_rank_back_and_ends_bitwise_as_the_run_neve
 
 
 @pytest.mark.parametrize("run", ["faulted", "hung"])
-def test_gradient_faults_on_fsdp2_are_skipped_and_the_run_ends_bitwise_as_the_replayed_skips(runs, run):
+def test_gradient_and_module_faults_on_fsdp2_are_skipped_and_the_run_ends_bitwise_as_the_replayed_skips(runs, run):
     root, _ = runs
     run_dir = root / run
     skips = _events(run_dir, "data_skip")  # one report each, by the quorum's first member
-    assert [(e["step"], e["nan"]) for e in skips] == [(SPIKE_AT, False), (NAN_AT, True)]
+    assert [(e["step"], e["nan"]) for e in skips] == SKIPPED
     # live_step counts from 0: index 3 is the closure mode's step 4; in the hung run group 0 is out at step 7
     for rank in range(WORLD) if run == "faulted" else (2, 3):
         steps = [e for e in _events(run_dir, "live_step") if e["rank"] == rank]
-        assert sorted({e["step"] + 1 for e in steps if e["skipped"]}) == [SPIKE_AT, NAN_AT], rank
+        assert sorted({e["step"] + 1 for e in steps if e["skipped"]}) == [step for step, _ in SKIPPED], rank
     assert _trained_differences(root / "replayed", run_dir) == {}
 
 

@@ -1,7 +1,8 @@
 """Rollback mode and the drill's gradient faults and hang in live mode with FSDP2 inside each replica group
 (issue 35, item 3): tests/integration/live_fsdp_loop.py (the tiny MLP sharded with ``fully_shard`` over
 ``trainguard.data_parallel_mesh()``), 2 replica groups x 2 ranks, 8 micro-batches, AdamW with the default
-clipping, 10 steps, durable checkpoints every 3 steps. Five runs, started together by one module fixture:
+clipping, 10 steps, durable checkpoints every 3 steps. Seven runs, five started together by one module fixture,
+then the hang's and a resume, one at a time:
 
 - rollback mode (``guards.check_for_global_norm``; dropout off): the loss of data position 6 multiplied by
   10^4 every time it is fed; step 7 spikes, every rank restores ``global_step_6`` (DCP of the DTensor shards),
@@ -16,8 +17,11 @@ clipping, 10 steps, durable checkpoints every 3 steps. Five runs, started togeth
   (``guards.skip.replay_steps``);
 - the same run with ``hang:rank=1,step=6`` besides: rank 1 stops as it starts step 6, inside its group's
   share; the stall watch takes group 0 out, group 1 goes on alone, the lighthouse finds rank 1 hung and the
-  launcher kills it; rank 0's FSDP2 wait ends at rank 1's fence (not at gloo's timeout), it exits 20
-  (``live_group_out``), both ranks start again and join, and every rank ends with the spiked run's state.
+  launcher kills it; rank 0's FSDP2 wait ends once rank 1 is killed (not at gloo's timeout), it exits 20
+  (``live_group_out``), both ranks start again and join, and every rank ends with the spiked run's state;
+- the replayed run stopped at step 9 (``train.exit_at_step``), the drill's ``corrupt:step=9`` damaging its
+  DCP shards' files once committed, then run again with ``--resume auto``: ``global_step_9`` is passed over
+  (checksum mismatch), the run resumes from ``global_step_6`` and ends bitwise equal to the replayed run.
 """
 
 from __future__ import annotations
@@ -54,18 +58,23 @@ SKIP = BASE + "guards: {skip: {enabled: true, threshold: %r}}\n" % THRESHOLD
 GRADIENT_FAULTS = ("faults=bitflip:rank=0,step=2,site=3,where=grad_input; spike:step=4,factor=10000; "
                    "scale:rank=1,step=5,site=5,where=grad_input,factor=1000000; nan:step=7")
 SKIPPED = [(2, False), (4, False), (5, False), (7, True)]  # (step, a NaN norm)
+REPLAY = f"guards.skip.replay_steps={[step for step, _ in SKIPPED]}"
 HANG = "hang:rank=1,step=6"
 # the rollback window [6, 8): the policy's steps 6-8 around the spiked step 7, moved past global_step_6
 WINDOW = (SPIKE_POSITION, SPIKE_POSITION + 2)
 # 16 ranks starting together on a small machine can be silent for longer than the default 10 s: the heartbeat
 # timeout of the runs that drill no hang is long (it changes no result)
 PATIENT = "fault_tolerance.hang_s=60"
+RESUMED = ("stopped", "resumed")  # one run directory: a stop, and the resume that follows it
 # name: (configuration, --set items, the script's flags)
 RUNS = {
     "rolled": (ROLLBACK, (PATIENT,), ("--dropout", "0", "--spike-at", str(SPIKE_POSITION))),
     "unfed": (ROLLBACK, (PATIENT,), ("--dropout", "0", "--skip-window", ",".join(map(str, WINDOW)))),
     "faulted": (SKIP, (GRADIENT_FAULTS, PATIENT), ()),
-    "replayed": (SKIP, (f"guards.skip.replay_steps={[step for step, _ in SKIPPED]}", PATIENT), ()),
+    "replayed": (SKIP, (REPLAY, PATIENT), ()),
+    # the replayed run stopped at step 9 (saved), its checkpoint damaged by the drill, then resumed: from step 6
+    "stopped": (SKIP, (REPLAY, PATIENT, "train.exit_at_step=9", "faults=corrupt:step=9,file=*.distcp"), ()),
+    "resumed": (SKIP, (REPLAY, PATIENT), ()),
     # run alone after the others; the stall watch and the heartbeat timeout short: the hung rank costs seconds
     # gloo's timeout longer than the test's: a rank left waiting for it would fail the test
     "hung": (SKIP, (f"{GRADIENT_FAULTS}; {HANG}", "fault_tolerance.stall_s=2", "fault_tolerance.hang_s=6",
@@ -78,7 +87,8 @@ def _start(root: Path, name: str) -> subprocess.Popen:
     config = root / f"{name}.yaml"
     config.write_text(text, encoding="utf-8")
     args = [arg for item in sets for arg in ("--set", item)]
-    return warm_server().start(["run", "--nproc", str(WORLD), "--config", str(config), "--run-dir", str(root / name),
+    run_dir = root / (RESUMED[0] if name in RESUMED else name)
+    return warm_server().start(["run", "--nproc", str(WORLD), "--config", str(config), "--run-dir", str(run_dir),
                                 *args, "--", sys.executable, str(SCRIPT), "--steps", str(STEPS), "--config",
                                 str(config), *flags], worker_env())
 
@@ -86,10 +96,11 @@ def _start(root: Path, name: str) -> subprocess.Popen:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
     root = tmp_path_factory.mktemp("live_fsdp_faults")
-    together = [name for name in RUNS if name != "hung"]
+    together = [name for name in RUNS if name not in ("hung", "resumed")]
     started = {name: _start(root, name) for name in together}
     done = {name: finish_session(proc, TIMEOUT_S, f"the live FSDP2 run {name}") for name, proc in started.items()}
-    done["hung"] = finish_session(_start(root, "hung"), TIMEOUT_S, "the live FSDP2 run hung")
+    for name in ("hung", "resumed"):  # one at a time: a short heartbeat timeout, and the stopped run's sequel
+        done[name] = finish_session(_start(root, name), TIMEOUT_S, f"the live FSDP2 run {name}")
     for name, finished in done.items():
         assert finished.returncode == 0, name + ": " + finished.stdout[-3000:] + finished.stderr[-3000:]
     return root, done
@@ -163,3 +174,14 @@ def test_a_hung_fsdp2_rank_takes_its_group_out_which_rejoins_and_the_run_ends_bi
     assert degraded and {e["rank"] for e in degraded} == {2, 3}  # group 1 computed both groups' shares
     assert {e["rank"] for e in _events(run_dir, "live_joined")} == {0, 1}
     assert run_differences(root / "faulted", run_dir, WORLD) == {}
+
+
+def test_a_damaged_fsdp2_checkpoint_is_passed_over_at_the_resume_which_ends_bitwise(runs):
+    root, done = runs
+    run_dir = root / RESUMED[0]
+    [damaged] = [e for e in _events(run_dir, "fault_injected") if e["fault"] == "corrupt"]
+    assert damaged["step"] == 9 and damaged["files"]
+    assert f"skipping checkpoint {run_dir / 'checkpoints' / 'global_step_9'}: " in done["resumed"].stderr + \
+        done["resumed"].stdout
+    assert [e["step"] for e in _events(run_dir, "run_started") if e.get("resumed_from")] == [6]
+    assert run_differences(root / "replayed", run_dir, WORLD) == {}

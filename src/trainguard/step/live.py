@@ -130,24 +130,13 @@ def with_launcher_overrides(config: RunConfig, environ: Mapping[str, str]) -> Ru
     return with_overrides(config, items)
 
 
-# the drill's site faults that ran on an FSDP2 model: a state tensor's bit flipped at rest (replica fingerprints
-# found and repaired it, tests/integration/test_live_fsdp.py); a rank stopped as it starts a step (its group out
-# and back), a module's value or input gradient changed in one rank's share (data skip skipped the step; the
-# same run with SDC detection is fsdp-sdc's), tests/integration/test_live_fsdp_faults.py
-FSDP_SITE_FAULTS = ("stateflip", "hang", "bitflip", "scale")
-
-
 def refuse_with_fsdp(config: RunConfig) -> None:
     """One error naming the first setting live mode does not run with an FSDP2 model (``live/fsdp_share.py``:
     what ran is the sum, the update, membership, joins, the durable and local tiers and their resume, replica
-    fingerprints and their repair, a raising loss's retry, the memory tier, rollback mode, the drill's gradient
-    and module faults and its hang; docs/live_recovery.md, "Not done yet")."""
+    fingerprints and their repair, a raising loss's retry, the memory tier, rollback mode and every fault of
+    the live drill; docs/live_recovery.md, "Not done yet")."""
     guards = config.guards
-    refused = [("guards.sdc.enabled_level", sdc_config_from_env(guards.sdc).enabled, "SDC detection on FSDP2 shares"),
-               ("faults", bool(config.faults and any(spec.kind not in FSDP_SITE_FAULTS
-                                                     for spec in site_faults(config.faults))),
-                "the checkpoint file faults (corrupt, truncate, delete) on FSDP2 shares' DCP checkpoints (not tried; "
-                "every other fault of the drill ran)")]
+    refused = [("guards.sdc.enabled_level", sdc_config_from_env(guards.sdc).enabled, "SDC detection on FSDP2 shares")]
     for key, set_, what in refused:
         if set_:
             raise ConfigError(f"config key {key!r}: {what} in live mode is not built (the model is sharded with "

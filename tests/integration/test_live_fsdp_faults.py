@@ -1,7 +1,7 @@
 """Rollback mode and the drill's gradient faults and hang in live mode with FSDP2 inside each replica group
 (issue 35, item 3): tests/integration/live_fsdp_loop.py (the tiny MLP sharded with ``fully_shard`` over
 ``trainguard.data_parallel_mesh()``), 2 replica groups x 2 ranks, 8 micro-batches, AdamW with the default
-clipping, 10 steps, durable checkpoints every 3 steps. Seven runs, five started together by one module fixture,
+clipping, 10 steps, durable checkpoints every 3 steps. Eight runs, six started together by one module fixture,
 then the hang's and a resume, one at a time:
 
 - rollback mode (``guards.check_for_global_norm``; dropout off): the loss of data position 6 multiplied by
@@ -9,7 +9,9 @@ then the hang's and a resume, one at a time:
   the window skips data positions [6, 8), and the run ends bitwise equal (every rank's final state, and
   ``global_step_10``) to the same configuration run on data that never had positions 6 and 7
   (``--skip-window 6,8``). Dropout is off in this pair because the worker seeds a micro-batch's random
-  draws from its data position, which a script feeding other positions cannot move;
+  draws from its data position, which a script feeding other positions cannot move; the same run with rank 3
+  SIGKILLed after the rollback (as it starts step 8): group 1 out, back with a live peer's state, the skipped
+  window included, and the whole final state is the unkilled run's bitwise;
 - data skip on (dropout on), the drill's gradient faults (``spike:step=4``, ``nan:step=7``) and module faults in
   one rank's share (``bitflip`` of the gradient into module 3 on rank 0 at step 2, ``scale`` of the gradient
   into module 5 on rank 1 at step 5): the four steps skipped by every rank, and every rank's final parameters
@@ -70,6 +72,9 @@ RESUMED = ("stopped", "resumed")  # one run directory: a stop, and the resume th
 RUNS = {
     "rolled": (ROLLBACK, (PATIENT,), ("--dropout", "0", "--spike-at", str(SPIKE_POSITION))),
     "unfed": (ROLLBACK, (PATIENT,), ("--dropout", "0", "--skip-window", ",".join(map(str, WINDOW)))),
+    # rank 3 SIGKILLed as it starts step 8, after the rollback: its group rejoins with the skipped window
+    "rolled_killed": (ROLLBACK, (PATIENT, "faults=kill:rank=3,step=8"),
+                      ("--dropout", "0", "--spike-at", str(SPIKE_POSITION))),
     "faulted": (SKIP, (GRADIENT_FAULTS, PATIENT), ()),
     "replayed": (SKIP, (REPLAY, PATIENT), ()),
     # the replayed run stopped at step 9 (saved), its checkpoint damaged by the drill, then resumed: from step 6
@@ -138,6 +143,15 @@ def test_a_spike_on_fsdp2_rolls_every_rank_back_and_ends_bitwise_as_the_run_neve
     assert _committed_steps(run_dir) == _committed_steps(root / "unfed") == [6, 9, 10]  # checkpoint.keep_last 3
     assert not _events(root / "unfed", "rollback")
     assert _trained_differences(root / "unfed", run_dir) == {}
+
+
+def test_an_fsdp2_group_lost_after_the_rollback_rejoins_with_the_skipped_window_and_ends_bitwise(runs):
+    root, _ = runs
+    run_dir = root / "rolled_killed"
+    assert len(_events(run_dir, "rollback")) == 1
+    assert [e["rank"] for e in _events(run_dir, "live_group_out")] == [2]
+    assert {e["rank"] for e in _events(run_dir, "live_joined")} == {2, 3}
+    assert run_differences(root / "rolled", run_dir, WORLD) == {}  # the guards' state (the window) included
 
 
 @pytest.mark.parametrize("run", ["faulted", "hung"])

@@ -1,13 +1,13 @@
-"""Rollback mode and the drill's gradient faults and hang in live mode with FSDP2 inside each replica group
-(issue 35, item 3): tests/integration/live_fsdp_loop.py (the tiny MLP sharded with ``fully_shard`` over
+"""Rollback mode and the drill's faults (gradient, module, hang, checkpoint file) in live mode with FSDP2
+inside each replica group (issue 35, item 3): tests/integration/live_fsdp_loop.py (the tiny MLP sharded with ``fully_shard`` over
 ``trainguard.data_parallel_mesh()``), 2 replica groups x 2 ranks, 8 micro-batches, AdamW with the default
 clipping, 10 steps, durable checkpoints every 3 steps. Eight runs, six started together by one module fixture,
 then the hang's and a resume, one at a time:
 
 - rollback mode (``guards.check_for_global_norm``; dropout off): the loss of data position 6 multiplied by
   10^4 every time it is fed; step 7 spikes, every rank restores ``global_step_6`` (DCP of the DTensor shards),
-  the window skips data positions [6, 8), and the run ends bitwise equal (every rank's final state, and
-  ``global_step_10``) to the same configuration run on data that never had positions 6 and 7
+  the window skips data positions [6, 8), and the run ends bitwise equal (every rank's final parameters and
+  optimizer state) to the same configuration run on data that never had positions 6 and 7
   (``--skip-window 6,8``). Dropout is off in this pair because the worker seeds a micro-batch's random
   draws from its data position, which a script feeding other positions cannot move; the same run with rank 3
   SIGKILLed after the rollback (as it starts step 8): group 1 out, back with a live peer's state, the skipped

@@ -15,12 +15,15 @@ A rank is this script with the launcher's flags (``--store ... --rank R --run-di
 its place, the steps and the global batch) and its own (``--config``, ``--lr``, ``--one-cycle``: a
 ``OneCycleLR``, ``--seen``: a ``StepsSeen`` stateful object,
 ``--total``: the total passed to ``should_stop``). ``LIVE_LOOP_SPIKE_AT=P`` multiplies the loss of data position
-``P`` (rollback mode's tests).
+``P`` (rollback mode's tests). ``LIVE_LOOP_DIE_IN_RESTORE=R``: rank R SIGKILLs itself once in the run, in the
+middle of its first durable checkpoint load (a rollback's restore), after reading its part of the files and
+before DCP's closing collective, while its peers wait in it with their own parts loaded (test_live_rollback.py).
 """
 
 import argparse
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -37,6 +40,24 @@ RAISE_ENV = "LIVE_LOOP_RAISE"
 # a loss spike at a data position (the ``step`` loss_of is handed), every time it is fed: the position, as text
 SPIKE_ENV = "LIVE_LOOP_SPIKE_AT"
 SPIKE_FACTOR = 10000.0
+DIE_IN_RESTORE_ENV = "LIVE_LOOP_DIE_IN_RESTORE"
+
+
+def die_in_first_restore(run_dir: Path, rank: int) -> None:
+    """This process SIGKILLs itself after reading its part of the first durable checkpoint it loads, unless a
+    process of the run already did (the marker file: the replacement rank must live)."""
+    from trainguard.checkpoint.durable import SafeFileSystemReader
+
+    marker, read_data = run_dir / f"died_in_restore_rank_{rank}", SafeFileSystemReader.read_data
+
+    def read_then_die(self, plan, planner):
+        done = read_data(self, plan, planner)
+        if not marker.exists():
+            marker.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return done
+
+    SafeFileSystemReader.read_data = read_then_die
 
 
 def sample_range(step: int, micro_batch: int, micro_batches: int) -> tuple[int, int]:
@@ -101,6 +122,8 @@ def rank_main(argv: list[str]) -> None:
 
     errors = json.loads(os.environ.get(RAISE_ENV, "[]"))
     spike_at = int(os.environ[SPIKE_ENV]) if SPIKE_ENV in os.environ else None
+    if os.environ.get(DIE_IN_RESTORE_ENV) == str(guard.rank):
+        die_in_first_restore(own.run_dir, guard.rank)
 
     def loss_of(model: torch.nn.Module, step: int, micro_batch: int) -> torch.Tensor:
         for error in errors:

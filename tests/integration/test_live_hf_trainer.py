@@ -178,6 +178,17 @@ def _logged_steps(run_dir: Path) -> list[dict]:
     return [entry for entry in map(json.loads, lines) if "loss" in entry]
 
 
+def _joiners_logs(logged: list[dict], joined_step: int) -> list[dict]:
+    """What a rank that joined at ``joined_step`` logs of ``logged`` (the fault-free run's): not that step,
+    whose entry its state was taken before, and its first entry after it naming it (``joined_after_step``)."""
+    entries = [dict(entry) for entry in logged if entry["step"] != joined_step]
+    for entry in entries:
+        if entry["step"] > joined_step:
+            entry["joined_after_step"] = joined_step
+            break
+    return entries
+
+
 def test_the_survivor_keeps_its_pid_and_the_spare_rejoins_in_rank_1s_place(runs):
     events = _events(runs / "failed")
     pids = defaultdict(list)
@@ -231,14 +242,15 @@ def test_the_trainer_state_rides_in_durable_checkpoints_and_to_the_replacement(r
     """The Trainer counts, logs and calls back after ``training_step`` returns, and every live rank logs the
     same values, so each rank holds the same log. A checkpoint or a joiner's state is taken inside a step,
     before the Trainer logs it: ``global_step_8`` holds the log of steps 1 to 7, and the spare, which
-    joined at a step boundary with rank 0's state, lacks the log entry of the step it joined after."""
+    joined at a step boundary with rank 0's state, lacks the log entry of the step it joined after, and its
+    first entry after the join names that step."""
     (joined,) = [e for e in _events(runs / "failed") if e["kind"] == "live_joined"]
     logged = _logged_steps(runs / "clean")
-    without_join_step = [entry for entry in logged if entry["step"] != joined["step"]]
+    joiners = _joiners_logs(logged, joined["step"])
     for name in ("clean", "failed"):
         for rank in range(WORLD):
             replaced = name == "failed" and rank == KILLED
-            expected = without_join_step if replaced else logged
+            expected = joiners if replaced else logged
             assert _final_logs(runs / name, rank) == expected, (name, rank)
             state = _checkpointed_trainer_state(runs / name / "checkpoints" / f"global_step_{STEPS}", rank)
             assert (state["global_step"], state["log_history"]) == (STEPS - 1, expected[:-1]), (name, rank)
@@ -266,13 +278,17 @@ def test_sigterm_to_the_run_saves_exits_16_and_resume_auto_ends_bitwise_with_the
 def test_a_replacement_of_rank_0_logs_on_from_the_step_after_it_joined(runs):
     """Rank 0, the logging rank, SIGKILLed after step 3: the spare takes its place with rank 1's state (the
     lowest live rank's), is then the Trainer's world process zero and logs every step after the one it
-    joined after, as the fault-free run logged it; the steps rank 1 trained alone are not logged."""
+    joined after, as the fault-free run logged it; the steps rank 1 trained alone are not logged, and its
+    first log line names the step it joined after (``joined_after_step``)."""
     run_dir = runs / "rank_0_killed"
     (joined,) = [e for e in _events(run_dir) if e["kind"] == "live_joined"]
     assert joined["rank"] == 0 and KILL_AT < joined["step"] < STEPS
     assert _final_differences(runs / "clean", run_dir) == {}
     clean = _logged_steps(runs / "clean")
     logged = _logged_steps(run_dir)
+    first_after_join = next(entry for entry in logged if entry["step"] > joined["step"])
+    assert first_after_join.pop("joined_after_step") == joined["step"]
+    assert not [entry for entry in logged if "joined_after_step" in entry]  # that line only
     clean_by_step = {entry["step"]: entry for entry in clean}
     assert all(entry == clean_by_step[entry["step"]] for entry in logged)
     steps = [entry["step"] for entry in logged]
@@ -280,7 +296,7 @@ def test_a_replacement_of_rank_0_logs_on_from_the_step_after_it_joined(runs):
     # the first rank 0's steps (the kill can land before it logged step 3), then the replacement's
     assert set(range(1, KILL_AT)) | set(range(joined["step"] + 1, STEPS + 1)) <= set(steps)
     assert joined["step"] not in steps
-    assert _final_logs(run_dir, 0) == [entry for entry in clean if entry["step"] != joined["step"]]
+    assert _final_logs(run_dir, 0) == _joiners_logs(clean, joined["step"])
 
 
 def test_the_whole_job_sigkilled_resumes_auto_and_ends_bitwise_the_fault_free_run(runs, sigkilled):

@@ -11,13 +11,23 @@ multiplied by 10^4 every time it is fed (``LIVE_LOOP_SPIKE_AT``):
   on positions 0-5 and 8-31; the loop is told ``rolled_back`` with the restored step;
 - the same run with rank 1 SIGKILLed after the rollback (step 8) ends bitwise equal: the skipped window
   travels in the join;
+- the same run on 2 replica groups x 2 (rows of every parameter sharded in each group), rank 1 SIGKILLed in
+  the middle of the rollback's restore (``LIVE_LOOP_DIE_IN_RESTORE``: its part of ``global_step_6`` read, its
+  peers waiting in DCP's closing collective with theirs loaded): the survivors undo the spiked step, redo it
+  and roll back again without the dead rank's group, the replacement rejoins, and the whole state ends
+  bitwise equal to the first run's (a layout changes no bit);
 - the drill's ``spike:step=7`` (a gradient spike at the optimizer step, so it recurs after the rollback)
   with ``guards.rollback.max_rollbacks: 1``: the recurrence aborts every rank with exit 3 and the
-  closure mode's line.
+  closure mode's line, and the launcher's line names the rollback after its contract words;
+- ``trainguard train`` (the reference trainer, llama-micro) live with rollback mode on 2 replica groups x 1:
+  the drill's ``scale`` at step 7 (rank 0's first micro-batch, once in the run) spikes the global norm, every
+  rank restores ``global_step_6`` and skips data positions [6, 8), the run ends after its 10 steps, and
+  ``trainguard report``'s page lists the rollback.
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,13 +36,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers.runs import finish_session, worker_env
+from helpers.runs import TINY, finish_session, trainguard, worker_env
 from helpers.warm_command import warm_server
 from trainguard.checkpoint.discovery import list_checkpoints
 from trainguard.checkpoint.safe_load import safe_torch_load
 from trainguard.config.schema import RunConfig
 from trainguard.events.log import read_events
-from trainguard.live.compare import run_differences
+from trainguard.live.compare import bitwise_differences, replica_differences, run_differences, whole_final_state
 from trainguard.live.files import events_path, final_path
 from trainguard.live.rng import micro_batch_rng
 
@@ -46,9 +56,9 @@ POSITIONS = [*range(6), *range(8, STEPS + 2)]  # the window [6, 8) skipped
 TIMEOUT_S = 240
 
 
-def _config(root: Path) -> Path:
-    config = root / "live_rollback.yaml"
-    config.write_text("parallel: {dp_replicate: 2, dp_shard: 1}\n"
+def _config(root: Path, group_size: int = 1) -> Path:
+    config = root / f"live_rollback_{group_size}.yaml"
+    config.write_text(f"parallel: {{dp_replicate: 2, dp_shard: {group_size}}}\n"
                       f"train: {{steps: {STEPS}, micro_batches: {MICRO_BATCHES}}}\n"
                       "fault_tolerance: {live: true}\n"
                       "checkpoint: {save_interval: 3}\n"
@@ -57,10 +67,11 @@ def _config(root: Path) -> Path:
     return config
 
 
-def _live(run_dir: Path, config: Path, *sets: str, spike: bool = True) -> subprocess.CompletedProcess:
+def _live(run_dir: Path, config: Path, *sets: str, spike: bool = True, world: int = WORLD,
+          **env: str) -> subprocess.CompletedProcess:
     args = [arg for item in sets for arg in ("--set", item)]
-    env = worker_env(**({live_loop.SPIKE_ENV: str(SPIKE_AT)} if spike else {}))
-    started = warm_server().start(["run", "--nproc", str(WORLD), "--config", str(config), "--run-dir", str(run_dir),
+    env = worker_env(**({live_loop.SPIKE_ENV: str(SPIKE_AT)} if spike else {}), **env)
+    started = warm_server().start(["run", "--nproc", str(world), "--config", str(config), "--run-dir", str(run_dir),
                                    *args, "--", sys.executable, str(EXAMPLE), "--config", str(config)], env)
     return finish_session(started, TIMEOUT_S, f"the live run {run_dir.name}")
 
@@ -135,6 +146,18 @@ def test_a_rank_killed_after_the_rollback_rejoins_with_the_window_and_the_run_en
     assert run_differences(rolled[0], run_dir, WORLD) == {}
 
 
+def test_a_rank_killed_inside_the_restore_of_a_sharded_rollback_ends_bitwise(root, rolled):
+    run_dir, group_size = root / "killed_in_restore", 2
+    done = _ok(_live(run_dir, _config(root, group_size), world=WORLD * group_size,
+                     **{live_loop.DIE_IN_RESTORE_ENV: "1"}))
+    assert (run_dir / "died_in_restore_rank_1").exists()  # it did die inside the restore
+    assert "ranks replaced: [1]" in done.stdout
+    [event] = _events(run_dir, "rollback")  # the undone restore left no rollback of its own
+    assert (event["step"], event["to_step"], event["skipped"]) == (SPIKE_AT + 1, 6, [[6, 8]])
+    assert replica_differences(run_dir, WORLD * group_size, group_size) == {}
+    assert bitwise_differences(whole_final_state(run_dir, group_size), whole_final_state(rolled[0], 1)) == []
+
+
 def test_a_rollback_that_recurs_too_often_aborts_every_rank_with_exit_3(root):
     run_dir = root / "recurring"
     done = _live(run_dir, _config(root), "faults=spike:step=7,factor=10000", "guards.rollback.max_rollbacks=1",
@@ -143,4 +166,33 @@ def test_a_rollback_that_recurs_too_often_aborts_every_rank_with_exit_3(root):
     [abort] = _events(run_dir, "rollback_abort")
     assert "recurred after 1 rollbacks without progress (guards.rollback.max_rollbacks=1)" in abort["message"]
     assert f"trainguard: error: [rank 0] {abort['message']}" in done.stderr
+    # the launcher's contract line, the rollback's reason added after it
+    assert (f"trainguard: live run aborted by the data-skip guard: exit 3 ({abort['message']}); "
+            f"the newest checkpoint is {run_dir / 'checkpoints' / 'global_step_6'}") in done.stdout
     assert len(_events(run_dir, "rollback")) == 1
+
+
+TRAINER_STEPS = 10
+TRAINER = ["--nproc", str(WORLD), "--steps", str(TRAINER_STEPS), "--save-interval", "3", *TINY,
+           *[arg for item in ("fault_tolerance.live=true", "parallel.dp_replicate=2", "train.micro_batches=2",
+                              "guards.check_for_global_norm=true", "guards.skip.threshold=10.0",
+                              "guards.rollback.window_before=1", "guards.rollback.window_after=1",
+                              "faults=scale:rank=0,step=7,site=model.layers.0,where=grad_input,factor=1000")
+             for arg in ("--set", item)]]
+
+
+def test_trainguard_train_live_rolls_back_on_a_spike_skips_the_window_and_the_report_shows_it(root):
+    run_dir = root / "trainer"
+    _ok(finish_session(warm_server().start(["train", "--run-dir", str(run_dir), *TRAINER], worker_env()),
+                       TIMEOUT_S, "the live trainer run with rollback"))
+    [event] = _events(run_dir, "rollback")
+    assert (event["step"], event["to_step"], event["window"], event["skipped"]) == (7, 6, [7, 8], [[6, 8]])
+    for rank in range(WORLD):
+        assert [e["step"] for e in _events(run_dir, "live_step") if e["rank"] == rank] == list(range(TRAINER_STEPS))
+    # the steps after the restore draw the data positions past the window: step 6 (from 0) trains position 8
+    first_sample = {e["step"]: e["samples"][0][0] for e in _events(run_dir, "live_samples") if e["rank"] == 0}
+    assert first_sample[6] == 8 * 2 * 2 and first_sample[TRAINER_STEPS - 1] == (TRAINER_STEPS + 1) * 2 * 2
+    assert [info.step for info in list_checkpoints(run_dir / "checkpoints") if info.committed][-2:] == [9, 10]
+    _ok(trainguard("report", str(run_dir)))
+    page = (run_dir / "report.html").read_text()
+    assert re.search(r"<td>rollback</td>\s*<td>7</td>", page), page[-3000:]

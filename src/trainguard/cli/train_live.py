@@ -61,15 +61,11 @@ def live_layout(args: argparse.Namespace, config: RunConfig, source: str, allowe
 
 
 def live_run(args: argparse.Namespace, config: RunConfig, source: str) -> LiveRun:
-    """The reference trainer's live run (``live_layout``); ``model.init_from`` and ``fault_tolerance.fsdp``
-    refused."""
+    """The reference trainer's live run (``live_layout``); ``model.init_from`` refused. With
+    ``fault_tolerance.fsdp`` its ranks shard the model with FSDP2 inside each replica group (``trainer/live.py``)."""
     if config.model.init_from is not None:
         raise ConfigError(f"{source}: config key 'model.init_from' is not supported with fault_tolerance.live: true "
                           "(every rank builds its model from the seed)")
-    if config.fault_tolerance.fsdp:
-        raise ConfigError(f"{source}: config key 'fault_tolerance.fsdp' is not supported by the reference trainer's "
-                          "live path (it shards a replica group's parameters by rows); FSDP2 inside replica groups "
-                          "runs in your own script: trainguard run --nproc N --config FILE -- python SCRIPT")
     return on_nodes(args, live_layout(args, config, source, allowed=HOST_OPTIONS,
                                       entry=("-m", "trainguard.trainer.live", *config_arguments(args))))
 
@@ -99,8 +95,8 @@ def run_live(run: LiveRun, run_dir: Path) -> int:
     newest = newest_committed(run_dir / "checkpoints")
     saved = newest.path if newest is not None else None
     if result.exit_code == EXIT_DATA_SKIP_ABORT:  # the ranks printed the guard's line
-        print(f"trainguard: live run aborted by the data-skip guard: exit {EXIT_DATA_SKIP_ABORT}; "
-              f"{newest_checkpoint_words(saved)}", flush=True)
+        print(f"trainguard: live run aborted by the data-skip guard: exit {EXIT_DATA_SKIP_ABORT}"
+              f"{abort_reason_words(result.stop)}; {newest_checkpoint_words(saved)}", flush=True)
         return EXIT_DATA_SKIP_ABORT
     if result.exit_code == EXIT_USAGE:  # every rank made the same configuration error; the first printed it
         return EXIT_USAGE
@@ -114,6 +110,14 @@ def run_live(run: LiveRun, run_dir: Path) -> int:
     print(f"trainguard: live run finished: {run.steps} steps in {result.wall_s:.1f} s, "
           f"ranks replaced: {sorted(result.replaced_at) or 'none'}", flush=True)
     return 0
+
+
+def abort_reason_words(stop: dict | None) -> str:
+    """After the abort line's contract words: a rollback abort's reason (the rollback guard's message, which
+    starts "rollback: "), as rollback mode aborts with the data-skip guard's exit code."""
+    if stop is None or stop["reason"] != "rollback":
+        return ""
+    return f" ({stop['message']})"
 
 
 def newest_checkpoint_words(saved: Path | None) -> str:

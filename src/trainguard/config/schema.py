@@ -90,7 +90,8 @@ class FaultToleranceConfig:
     # this many times in a row, it ends the run with exit 19 (live/step_failures.py)
     max_step_failures: int = 3
     # FSDP2 inside each replica group: ``trainguard.data_parallel_mesh()`` returns the replica group's mesh,
-    # for ``fully_shard`` (live/replica_mesh.py); off, it returns None and live mode shards by rows itself
+    # for ``fully_shard`` (live/replica_mesh.py; the reference trainer's live ranks shard with it); off, it
+    # returns None and live mode shards by rows itself
     fsdp: bool = False
 
 

@@ -165,6 +165,7 @@ class GuardedTrainer(Trainer):
         self._outcome: StepOutcome | None = None
         self._step_lr: float | None = None
         self._skipped_since_log = 0
+        self._joined_after: int | None = None  # live: the step this process joined at, for its first log
         self.add_callback(_StopWhenGuardSays(self))
 
     def train(self, *args: Any, **kwargs: Any):
@@ -223,6 +224,7 @@ class GuardedTrainer(Trainer):
                            config=self.guard_config, hf_config=getattr(model, "config", None),
                            tokenizer=self.processing_class)
         step = self.guard.resume()  # live: 0, the launcher's checkpoint's step, or the step a replacement joined at
+        self._joined_after = self.guard.joined_at
         self._resumed_rng = capture_rng_state()
         if step:  # the Trainer's loop skips the steps before it (live: empty batches)
             resumed = None if live else self.guard.checkpoints.resumed_from
@@ -310,6 +312,11 @@ class GuardedTrainer(Trainer):
         if "loss" in logs and self._skipped_since_log:
             logs["skipped"] = self._skipped_since_log
             self._skipped_since_log = 0
+        if "loss" in logs and self._joined_after is not None:
+            # a live replacement received its TrainerState inside that step, before the Trainer logged it:
+            # its log goes on from the next step, and its first entry names the step it lacks
+            logs["joined_after_step"] = self._joined_after
+            self._joined_after = None
         super().log(logs, start_time)
 
 

@@ -16,14 +16,26 @@ from torch.distributed.tensor import DTensor
 
 
 def plain(value: Any) -> Any:
-    """``value`` (a state dict, nested) with every DTensor replaced by a copy of its local tensor."""
-    if isinstance(value, DTensor):
-        return value.to_local().detach().clone()
-    if isinstance(value, dict):
-        return {key: plain(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [plain(item) for item in value]
-    return value
+    """``value`` (a state dict, nested) with every DTensor replaced by a copy of its local tensor. DTensors
+    over the same local rows (tied weights: one parameter under two keys of ``state_dict()``, each key its
+    own detached DTensor) share one copy, so a file or a transfer holds the rows once, as the rows path
+    (no DTensors) does."""
+    copies: dict[tuple, torch.Tensor] = {}
+
+    def copy(item: Any) -> Any:
+        if isinstance(item, DTensor):
+            rows = item.to_local()
+            same = (rows.untyped_storage().data_ptr(), rows.storage_offset(), rows.shape, rows.stride(), rows.dtype)
+            if same not in copies:
+                copies[same] = rows.detach().clone()
+            return copies[same]
+        if isinstance(item, dict):
+            return {key: copy(entry) for key, entry in item.items()}
+        if isinstance(item, list):
+            return [copy(entry) for entry in item]
+        return item
+
+    return copy(value)
 
 
 def _like(reference: torch.Tensor, value: Any) -> Any:

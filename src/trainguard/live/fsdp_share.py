@@ -82,9 +82,11 @@ class FsdpShares:
         return sum(param.to_local().numel() for param in self.params)
 
     def share(self, loss_of: MicroBatchLoss, step: int, micro_batches: list[int], total_micro_batches: int,
-              seed: int, beat: Callable[[], None]) -> torch.Tensor:
+              seed: int, beat: Callable[[], None], measured: Callable[[int], None] | None = None) -> torch.Tensor:
         """This rank's rows of the share of ``micro_batches`` (one slot's), its loss (the ``tree_sum`` of each
         micro-batch's share of the step's loss, a -0.0 made +0.0) last; the gradients are cleared after.
+        ``measured(m)`` runs after micro-batch ``m``'s backward: FSDP2 accumulates the share's gradients,
+        so what a micro-batch's own forward and backward measured (SDC's module points) is read there.
         ``ShareAbandoned`` when this rank's or a group peer's computation raised; a lost peer's error
         (a failed exchange) propagates: the epoch's recovery, not a retry, answers it."""
         losses = []
@@ -98,6 +100,8 @@ class FsdpShares:
                     share = loss_of(self.model, step, micro_batch) / total_micro_batches
                     share.backward()
                 losses.append(share.detach().reshape(1))
+                if measured is not None:
+                    measured(micro_batch)
         except PeerShareFailed as error:
             self.reset()
             raise ShareAbandoned(None) from error

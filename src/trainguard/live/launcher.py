@@ -49,8 +49,8 @@ from trainguard.live.group_reduce import SlotLayout
 from trainguard.live.lighthouse import Lighthouse
 from trainguard.live.node_watch import NodeCommandFailed, NodeWatch
 from trainguard.live.placement import replacement_node
-from trainguard.live.quorum import (MAX_STEP, STOP, STOPPED, progress_key, spare_failed_key, spare_key,
-                                    spare_ready_key, spare_started_key, started_key)
+from trainguard.live.quorum import (MAX_STEP, STOP, STOPPED, beat_key, done_key, progress_key, spare_failed_key,
+                                    spare_key, spare_ready_key, spare_started_key, started_key)
 from trainguard.live.signed_store import SignedStore, serve_store
 from trainguard.live.spare_choice import spare_for
 from trainguard.run_secret import ENV_SECRET, create_secret
@@ -255,7 +255,8 @@ def _spawn(run: LiveRun, rank: int, store: SignedStore, run_dir: Path, rejoin: b
         on_the_node = on_node(shlex.split(run.node_command), node, address, command, launcher_env)
         started = started_key(rank) if spare is None else spare_started_key(spare)
         return watch.start(node, on_the_node, started, lambda stderr: subprocess.Popen(
-            on_the_node, env=env, stdin=subprocess.PIPE, stderr=stderr))
+            on_the_node, env=env, stdin=subprocess.PIPE, stderr=stderr),
+            beat_key=beat_key(rank) if spare is None else None)
     if _rank_server is not None and is_this_interpreter(run.executable):
         # this interpreter's command, started here: forked without imports (``start_live_rank_server``)
         request = json.dumps({"argv": command[1:], "env": env, "cwd": os.getcwd()}).encode()
@@ -373,6 +374,10 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
     lighthouse = Lighthouse(store, run.world, run.group_size, events, run.hang_s, run.stall_s, run.stall_steps)
     result = LiveResult(0.0, {r: p.pid for r, p in procs.items()}, {}, resumed_from=resume)
     fenced: list[subprocess.Popen | ForkedProcess] = []  # hung processes behind a cut link, left to stop
+    # ranks whose node command dropped while they ran on (``NodeWatch.dropped``): members still, out of the
+    # launcher's reach, watched by their heartbeats alone (hung: their node is lost, as behind a cut link)
+    detached: set[int] = set()
+    judged: set[int] = set()  # ranks whose node command exited 255, until their heartbeat tells (``dropped``)
     on_main_thread = threading.current_thread() is threading.main_thread()  # signal handlers can be set there only
     previous_handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} if on_main_thread else {}
     # a second signal: every rank ends at once (``procs`` as it is then: the cell, not today's dict)
@@ -389,6 +394,7 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
              error=failure.error, **target)
 
     def replace(rank: int) -> None:
+        detached.discard(rank)
         result.replaced_at[rank] = time.time()
         result.replacements[rank] = result.replacements.get(rank, 0) + 1
         lighthouse.died(rank)
@@ -423,8 +429,12 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
             procs[rank] = _spawn(run, rank, store, run_dir, rejoin=True, node=rank_node[rank], watch=watch)
             events.emit("live_replacement", step=None, target=rank, pid=procs[rank].pid, node=rank_node[rank])
 
+    def detached_running() -> bool:
+        """A detached rank has not written its final state, and the quorum has not ended otherwise."""
+        return result.exit_code in (None, EXIT_OK) and any(not store.check([done_key(rank)]) for rank in detached)
+
     try:
-        while any(p.returncode is None for p in procs.values()):
+        while any(p.returncode is None for p in procs.values()) or judged or detached_running():
             if time.monotonic() - began > run.timeout_s:
                 raise RuntimeError(f"live run did not finish within {run.timeout_s:.0f} s")
             if signals is not None and signals.received is not None and not store.check([STOP]):
@@ -449,6 +459,8 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
                             during_join=lighthouse.quorum.epoch)
                 result.joiner_killed_at = time.time()
             for rank, proc in list(procs.items()):
+                if rank in detached:
+                    continue
                 code = proc.poll()
                 if code in AGREED_EXITS and rank in lighthouse.quorum.members:
                     # the quorum agreed on it in one all-reduce: every member ends so. Read from this same
@@ -457,8 +469,18 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
                 if code is None or code == 0 or code == result.exit_code:
                     continue
                 if run.recovery == LIVE:  # any death, the drill's or not: the others keep stepping
-                    events.emit("live_exit", step=None, target=rank, pid=proc.pid, code=code)
                     failure = watch.failure(proc) if watch is not None else None
+                    dropped = watch.dropped(proc) if watch is not None and failure is None else False
+                    if dropped is None:  # an ssh's 255: the rank's heartbeat tells, within DROP_GRACE_S
+                        judged.add(rank)
+                        continue
+                    judged.discard(rank)
+                    if dropped:  # the node command was lost, not the rank: it stays a member
+                        detached.add(rank)
+                        events.emit("live_node_command_lost", step=None, target=rank, node=rank_node[rank],
+                                    pid=proc.pid, code=code, error=watch.output.last_line(proc.pid))
+                        continue
+                    events.emit("live_exit", step=None, target=rank, pid=proc.pid, code=code)
                     if failure is not None:  # it never ran as the rank: the node cannot start one
                         node_command_failed(failure, target=rank)
                     if sum(result.replacements.values()) >= run.max_replacements:

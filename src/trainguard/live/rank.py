@@ -85,6 +85,9 @@ class LiveRank:
         self.lifecycle: Lifecycle | None = None  # made by ``start``: the stops, and the heartbeat file
         self.remaining: Iterator[int] | None = None  # the worker's steps still to train (``LiveWorker.train``)
         self.committed_steps = 0  # the steps committed when ``start`` or ``step`` last returned
+        # the committed steps at which this process took a rank's place with a live peer's state (a replacement,
+        # a warm spare), set by ``start``; None for a fresh or resumed start
+        self.joined_at: int | None = None
         self.ended = False  # this process trains no more (``exit_code`` says why)
 
     def start(self, warm_loss: MicroBatchLoss | None = None) -> int:
@@ -146,6 +149,7 @@ class LiveRank:
                 f"{error}: the checkpoint does not fit this run's model and optimizer (saved by another "
                 "model's run?); use another --run-dir, or --resume disable to start from the seed"))
         self.committed_steps = self.worker.step_index
+        self.joined_at = self.committed_steps if rejoin else None
         self.remaining = self.worker.train()
         self.lifecycle.beat("train", self.committed_steps)
         return self.committed_steps

@@ -7,10 +7,13 @@ values that every member holds alike after the step's sum, with the same detecto
   statistics (and peak shares) ride beside its gradient in the sum's extras (``ordered_sum``), so every
   rank receives every micro-batch's values bitwise as the rank that computed it measured them, and
   takes each point's maximum over the step's micro-batches: the closure mode's value for a rank that
-  computed the whole global batch, whatever the membership.
+  computed the whole global batch, whatever the membership. With an FSDP2 model (``fsdp_share``), which
+  accumulates a rank's micro-batches itself, each micro-batch's values are read after its own backward
+  inside the share and ride after the flags of ``group_reduce.reduce_partials`` the same way.
 - **Parameter-gradient points** are read on the summed gradient as this rank holds it: whole with
-  whole replicas; with parameters sharded inside replica groups (``dp_shard`` > 1,
-  ``sharded_params``), its shard's rows, measured as the closure mode's FSDP2 ranks measure theirs,
+  whole replicas; with parameters sharded inside replica groups (``dp_shard`` > 1: ``sharded_params``'
+  rows, or FSDP2's ``Shard(0)`` DTensor, whose local tensor is the same rows), its shard's rows, measured
+  as the closure mode's FSDP2 ranks measure theirs,
   and one all-gather gives every member the values of every shard of its group (``over_shards``;
   every group's shards are bitwise equal), each shard a point of its own (``grad:NAME (shard S)``).
 
@@ -18,7 +21,8 @@ So the detectors' state is every rank's alike; it travels with the guards' count
 transfer, the undo of a step, the durable checkpoint's extra state).
 
 **The rerun.** After a level-1 detection (``enabled_level >= 2``) every member recomputes its
-micro-batches of the step (same inputs, same seeded draws) and the quorum sums again. Each
+micro-batches of the step (same inputs, same seeded draws; with FSDP2, its shares) and the quorum sums
+again. Each
 micro-batch's extras and the summed gradient are compared bitwise with the first pass's (a sharded
 rank compares its shard's, and whether any shard differs rides in one all-gather): a micro-batch
 that differs is a transient fault of the rank that computed it (a strike against that rank; the

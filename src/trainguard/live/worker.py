@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -55,9 +56,9 @@ from trainguard.faults.spec import FaultSpec
 from trainguard.fs.fsio import atomic_write_bytes
 from trainguard.guards.fingerprint import FingerprintConfig
 from trainguard.guards.health import HealthConfig, save_health
-from trainguard.guards.rollback import RollbackConfig, RollbackGuard
+from trainguard.guards.rollback import RollbackAbort, RollbackConfig, RollbackGuard
 from trainguard.guards.sdc import SdcConfig
-from trainguard.guards.skip import SkipConfig
+from trainguard.guards.skip import DataSkipAbort, SkipConfig
 from trainguard.guards.skip_streak import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from trainguard.guards.step_skips import StepSkips
 from trainguard.guards.step_verdict import StepVerdict
@@ -440,9 +441,7 @@ class LiveWorker:
         ``catch``, an error of the loss or its backward is returned as its line instead, every micro-batch
         from the one that raised on a row of zeros (``live/step_failures.py``)."""
         computed, failure = {}, None
-        extras = None if self.sdc is None else torch.zeros(self.micro_batches, self.sdc.width)
-        if self.sdc is not None:
-            self.sdc.begin_step()
+        extras = self.begin_extras()
         self.site_faults.at_step_start(step + 1)  # the closure mode's step number
         if self.params is not None and not self.params.is_whole:  # whole: gathered after a body's recovery
             self.params.unshard(self.group, self.quorum.members, self.rank, self.wait_all)
@@ -463,20 +462,36 @@ class LiveWorker:
                     continue
                 computed[micro_batch] = torch.cat([grad, share.reshape(1)]) + 0.0
                 if extras is not None:
-                    extras[micro_batch] = self.sdc.micro_batch_values()
+                    self.measure(extras, micro_batch)
                 time.sleep(self.micro_batch_s)  # the compute time a real micro-batch would take
         finally:
             if self.params is not None:
                 self.params.reshard()
         return computed, extras, failure
 
-    def fsdp_shares(self, step: int, exchange: Exchange) -> tuple[dict[int, torch.Tensor], str | None]:
+    def begin_extras(self) -> torch.Tensor | None:
+        """With SDC detection on, the step's extras: ``[micro_batches, width]`` zeros, a row filled by
+        ``measure`` for each micro-batch this rank computes, the detection points reset; None without."""
+        if self.sdc is None:
+            return None
+        self.sdc.begin_step()
+        return torch.zeros(self.micro_batches, self.sdc.width)
+
+    def measure(self, extras: torch.Tensor, micro_batch: int) -> None:
+        """The detection points' values of the micro-batch just computed, into its row of ``extras``."""
+        extras[micro_batch] = self.sdc.micro_batch_values()
+
+    def fsdp_shares(self, step: int, exchange: Exchange
+                    ) -> tuple[dict[int, torch.Tensor], torch.Tensor | None, str | None]:
         """With FSDP2: this rank's rows of each share it computes (its group's, and the lost groups' dealt
-        to it), by group, each with its loss last (``fsdp_share``), and the line of this rank's error when
-        its computation raised. Once a share is abandoned (this rank's or a group peer's computation
-        raised: every rank of the group abandons the same one) the rest are zeros: the step is not
-        committed, and the quorum computes it again."""
+        to it), by group, each with its loss last (``fsdp_share``), their extras as ``compute``'s (each
+        micro-batch's detection points' values, read after its own backward) and the line of this rank's
+        error when its computation raised. Once a share is abandoned (this rank's or a group peer's
+        computation raised: every rank of the group abandons the same one) the rest are zeros: the step
+        is not committed, and the quorum computes it again."""
         self.site_faults.at_step_start(step + 1)
+        extras = self.begin_extras()
+        measured = None if extras is None else functools.partial(self.measure, extras)
         computed: dict[int, torch.Tensor] = {}
         failure, abandoned = None, False
         for group in exchange.my_groups():
@@ -484,12 +499,12 @@ class LiveWorker:
                 try:
                     computed[group] = self.fsdp.share(self.loss_of, self.data_position(step),
                                                       self.layout.slot_micro_batches(group, self.shard),
-                                                      self.micro_batches, self.seed, self.beat)
+                                                      self.micro_batches, self.seed, self.beat, measured)
                     continue
                 except ShareAbandoned as share:
                     failure, abandoned = share.failure, True
             computed[group] = torch.zeros(self.fsdp.local_numel() + 1)
-        return computed, failure
+        return computed, extras, failure
 
     def reduce(self, exchange: Exchange, computed: dict[int, torch.Tensor], flags: list[int],
                extras: torch.Tensor | None) -> StepSum:
@@ -533,7 +548,7 @@ class LiveWorker:
             # all-gather) to the norm's
             self.reduce_marks.entering(quorum.epoch, step, self.beat)
         if self.fsdp is not None:
-            (computed, failure), extras = self.fsdp_shares(step, exchange), None
+            computed, extras, failure = self.fsdp_shares(step, exchange)
         else:
             computed, extras, failure = self.compute(step, mine, catch=True)
         if failure is not None:  # before the sum: the reporter reads it once the sum says a rank failed
@@ -584,7 +599,7 @@ class LiveWorker:
             self.state.undo(self.previous[1])
             raise
         if decision.verdict is StepVerdict.ABORT:  # every member judged the same sum: all end at this step
-            raise decision.by.abort_cause()
+            self.aborted(step, decision.by.abort_cause())
         if decision.verdict is StepVerdict.ROLLBACK:  # every member restored the same checkpoint
             self.rolled_back(decision.by.restored.step, loss, norm)
             if newer_seen:
@@ -656,6 +671,15 @@ class LiveWorker:
             self.fingerprints.remember(self.step_index + 1)
         self.store.set(progress_key(self.rank), str(self.step_index))
 
+    def aborted(self, step: int, cause: DataSkipAbort) -> None:
+        """Every member, at the same step: the guards' abort (exit 3), raised; the quorum's first member records
+        it for the launcher's line first (``LiveResult.stop``: a rollback abort's reason, ``cli.train_live``)."""
+        if self.reports():
+            reason = "rollback" if isinstance(cause, RollbackAbort) else "data_skip"
+            stop = LiveStop(step, reason, str(cause), cause.exit_code)
+            self.store.set(STOPPED, json.dumps(dataclasses.asdict(stop)))
+        raise cause
+
     def step_failed(self, step: int, ranks: int) -> None:
         """Every member, at the same step: ``ranks`` ranks' computation of ``step`` raised. Tried again, or
         after ``max_step_failures`` attempts in a row ``StepFailed`` on every member, the reporter's line
@@ -679,8 +703,15 @@ class LiveWorker:
 
     def rerun(self, step: int, exchange: Exchange, mine: list[int], flags: list[int]) -> StepSum:
         """SDC detection's rerun of ``step`` (``live/sdc.py``): the same micro-batches, the same sum, with
-        ``flags`` summed beside; its gradients set, with the drill's gradient faults as at the first pass."""
-        computed, extras, _ = self.compute(step, mine)
+        ``flags`` summed beside; its gradients set, with the drill's gradient faults as at the first pass.
+        With FSDP2 the rank's shares are computed again as at the first pass (which left FSDP2 between
+        steps); a share that raises then ends this rank, as a raise in the rows path's rerun does."""
+        if self.fsdp is not None:
+            computed, extras, failure = self.fsdp_shares(step, exchange)
+            if failure is not None:
+                raise ShareAbandoned(f"rank {self.rank}: SDC detection's rerun of step {step}: {failure}")
+        else:
+            computed, extras, _ = self.compute(step, mine)
         summed = self.reduce(exchange, computed, flags, extras)
         self.faults.after_backward(step + 1, self.model)
         return summed
@@ -745,7 +776,7 @@ class LiveWorker:
     def over_shards(self, mine: torch.Tensor) -> torch.Tensor:
         """``mine`` of every shard of this rank's replica group, ``[group_size, *mine.shape]`` in shard order:
         one all-gather over the epoch (every group's shards are equal, so every member finds the same)."""
-        if self.params is None:
+        if self.group_size == 1:
             return mine.unsqueeze(0)
         mine = mine.contiguous()
         every = [torch.empty_like(mine) for _ in self.quorum.members]

@@ -347,6 +347,13 @@ class Guard:
         return committed_steps()
 
     @property
+    def joined_at(self) -> int | None:
+        """Live mode, once ``resume()`` returned: the step at which this process took a rank's place with a
+        live peer's state (a replacement, a warm spare; that state was taken inside the step, before a loop
+        logged it); None for a fresh or resumed start, and in the closure mode."""
+        return self._live.joined_at if self._live is not None else None
+
+    @property
     def total_steps(self) -> int:
         """Live mode: the steps of the run (the launcher's ``train.steps``)."""
         return self._live_rank("total_steps").total_steps

@@ -61,8 +61,17 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh, layout: Layout) -> tor
     if layout.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
     dp_mesh = data_parallel_mesh(mesh, layout)
+    shard_blocks(model, dp_mesh)
+    ensure_gradient_average(model, dp_mesh)
+    return model
+
+
+def shard_blocks(model: torch.nn.Module, dp_mesh: DeviceMesh) -> torch.nn.Module:
+    """FSDP2 over ``dp_mesh``: each decoder block its own unit, then the root, which holds the embeddings,
+    the final norm and the output layer (tied to the input embedding or not: one parameter either way,
+    so sharded once). Restart mode's layout and live mode's (``trainer/live.py``, over the replica group's
+    mesh) are this one."""
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
-    ensure_gradient_average(model, dp_mesh)
     return model

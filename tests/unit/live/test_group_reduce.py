@@ -116,8 +116,12 @@ def test_the_elements_received_per_step_follow_the_layout():
 def test_partials_already_reduce_scattered_are_added_in_group_order_whichever_groups_live(members):
     """``reduce_partials`` (FSDP2's shares: each rank holds its shard of each group partial it computed and
     its slot's loss): every member gets its shard of the partials' sum in group order, the loss summed over
-    the slots by the tree, and the flags' counts, bitwise the same with either group lost."""
+    the slots by the tree, and the flags' counts, bitwise the same with either group lost; and every
+    micro-batch's extras (SDC detection values, a NaN and a -0.0 among them) as the rank that computed it
+    (a survivor, for a lost group's) gave them."""
     layout = SlotLayout(2, 2, 8)
+    extras = torch.randn(8, 3, generator=torch.Generator().manual_seed(3))
+    extras[0, 0], extras[-1, 1] = float("nan"), -0.0
     partials = {(j, s): torch.randn(3 + (s == 0), generator=torch.Generator().manual_seed(10 * j + s))
                 for j in range(2) for s in range(2)}  # shard 0 one element longer (uneven rows)
     slot_loss = {(j, s): torch.tensor([0.1 * (2 * j + s) + 0.01]) for j in range(2) for s in range(2)}
@@ -126,8 +130,11 @@ def test_partials_already_reduce_scattered_are_added_in_group_order_whichever_gr
     def rank(group, rank: int):
         exchange = Exchange(members, rank, layout)
         shares = {j: torch.cat([partials[j, exchange.shard], slot_loss[j, exchange.shard]]) for j in exchange.my_groups()}
-        return reduce_partials(group, exchange, shares, [1], lambda work: work.wait())
+        mine = torch.zeros_like(extras)
+        mine[exchange.my_micro_batches()] = extras[exchange.my_micro_batches()]
+        return reduce_partials(group, exchange, shares, [1], lambda work: work.wait(), mine)
 
     for member, summed in run_ranks(members, rank).items():
         assert torch.equal(summed.gradient, partials[0, member % 2] + partials[1, member % 2]), member
         assert summed.loss == expected_loss and summed.flags == [len(members)], member
+        assert summed.extras.numpy().tobytes() == (extras + 0.0).numpy().tobytes(), member  # -0.0 arrives +0.0

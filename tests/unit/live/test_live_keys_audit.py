@@ -39,6 +39,8 @@ LAUNCHER = {
     "fault_tolerance.live": False, "fault_tolerance.spares": 1, "fault_tolerance.hang_s": 11.0,
     "fault_tolerance.collective_timeout_s": 31.0, "fault_tolerance.doctor_spares": False,
     "fault_tolerance.stall_s": 6.0, "fault_tolerance.stall_steps": 11.0, "faults": "kill:rank=1,step=2",
+    # the ranks' --fsdp: the reference trainer's then shard with FSDP2 (tests/integration/test_live_trainer_fsdp.py)
+    "fault_tolerance.fsdp": True,
 }
 RANK = {"train.seed": 43, "optim.grad_clip": 0.5,
         # the durable tier's, which live mode runs (``live.durable``; tests/integration/test_live_durable.py)

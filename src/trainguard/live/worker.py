@@ -84,6 +84,7 @@ from trainguard.live.step_failures import (STEP_FAILURE, StepFailed, StepFailure
                                            failure_text)
 from trainguard.live.step_judge import LiveJudge
 from trainguard.live.transfer import send_shards
+from trainguard.live.wait_thread import WaitThread
 from trainguard.live.files import checkpoint_path, events_path, final_path
 from trainguard.norms.global_norm import clip_grads_
 from trainguard.runtime.lifecycle import (DEADLINE, EXIT_CODES, KILL_SWITCH, NONE, REASON_NAMES, SIGNAL, Lifecycle,
@@ -270,6 +271,7 @@ class LiveWorker:
                 raise ConfigError("live recovery: the model is sharded with fully_shard but parallel.dp_shard is 1 "
                                   "(whole replicas): shard it over trainguard.data_parallel_mesh(), which is None then")
             self.layout.check()
+            self.group_waits = WaitThread("fsdp-group-wait")  # wait_group's, kept across FSDP2's exchanges
             self.fsdp = FsdpShares(model, modules, rank, args.group_size, self.group_channel)
         elif args.group_size > 1:
             self.layout.check()
@@ -417,11 +419,7 @@ class LiveWorker:
                     if has(self.store, fence_key(peer)) and int(self.store.get(fence_key(peer))) >= epoch]
             return f"epoch {epoch}: rank(s) {dead} of this replica group died during an FSDP2 collective" if dead else None
 
-        def wait_each() -> None:
-            for work in works:
-                work.wait()
-
-        collective.watched_until(wait_each, ended, self.beat, f"epoch-{epoch}-fsdp")
+        self.group_waits.wait(works, ended, self.beat)
 
     def beat(self) -> None:
         now = time.monotonic()

@@ -5,7 +5,8 @@
 - ``import``: at import, a line on standard error, before the store is reached (a broken environment);
 - ``sigkill``: SIGKILLed at import, before the store is reached (the OOM killer, a node's cgroup);
 - ``begin:RANKS``: the ranks listed (``0,1``) right after reaching the store, before epoch 0's process
-  group is built;
+  group is built; ``begin-once:RANKS``: the same, the first process of each of those ranks only (a marker
+  file in the run directory), so that its replacement trains;
 - ``resumed``: every rank after ``guard.resume()`` (the store reached, epoch 0's group built), before its
   first step.
 
@@ -40,8 +41,14 @@ import live_loop  # noqa: E402  (after the failures that come before any import)
 import trainguard  # noqa: E402
 from trainguard.live.worker import LiveWorker  # noqa: E402
 
-if WHERE.startswith("begin:") and rank_of(sys.argv) in {int(r) for r in WHERE.split(":", 1)[1].split(",")}:
+if WHERE.split(":")[0] in ("begin", "begin-once") and rank_of(sys.argv) in {int(r) for r in WHERE.split(":")[1].split(",")}:
+    begin = LiveWorker.begin
+    marker = Path(sys.argv[sys.argv.index("--run-dir") + 1]) / f"early_exit_rank_{rank_of(sys.argv)}"
+
     def fail_at_begin(self, rejoin: bool) -> None:
+        if WHERE.startswith("begin-once") and marker.exists():
+            return begin(self, rejoin)
+        marker.touch()
         fail(f"RuntimeError: injected failure of rank {self.rank} before epoch 0's group")
 
     LiveWorker.begin = fail_at_begin

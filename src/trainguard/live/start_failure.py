@@ -13,6 +13,7 @@ failure, judged by the lost-node path (``no node left``), not counted here.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -28,7 +29,16 @@ class EarlyExit:
 
     def describe(self) -> str:
         where = f" on node {self.node}" if self.node is not None else ""
-        return f"rank {self.rank} exited {self.code}{where}" + (f" ({self.error})" if self.error else "")
+        how = f"exited {self.code}" if self.code >= 0 else f"was killed by {_signal_name(-self.code)}"
+        return f"rank {self.rank} {how}{where}" + (f": {self.error}" if self.error else "")
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
 
 
 def cannot_start(world: int, early: Mapping[int, EarlyExit]) -> bool:

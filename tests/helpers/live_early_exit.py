@@ -4,6 +4,8 @@
 
 - ``import``: at import, a line on standard error, before the store is reached (a broken environment);
 - ``sigkill``: SIGKILLed at import, before the store is reached (the OOM killer, a node's cgroup);
+- ``stop-once:RANK``: that rank's first process stops itself (SIGSTOP) at import, before the store is reached
+  (a hang at start: imports on a stuck file system); its replacement trains;
 - ``begin:RANKS``: the ranks listed (``0,1``) right after reaching the store, before epoch 0's process
   group is built; ``begin-once:RANKS``: the same, the first process of each of those ranks only (a marker
   file in the run directory), so that its replacement trains;
@@ -35,6 +37,11 @@ if WHERE == "import":
     fail(f"ModuleNotFoundError: No module named 'missing_dependency' (rank {rank_of(sys.argv)})")
 if WHERE == "sigkill":
     os.kill(os.getpid(), signal.SIGKILL)
+if WHERE.startswith("stop-once:") and rank_of(sys.argv) == int(WHERE.split(":")[1]):
+    stopped = Path(sys.argv[sys.argv.index("--run-dir") + 1]) / f"early_stop_rank_{rank_of(sys.argv)}"
+    if not stopped.exists():
+        stopped.touch()
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import live_loop  # noqa: E402  (after the failures that come before any import)

@@ -13,11 +13,15 @@ quorum recorded its stop. Before the fix:
   [0, 1] died``, naming neither the codes, nor the nodes, nor the errors;
 - every rank exiting 0 before its first step was reported as ``live run finished: 4 steps``, exit 0;
 - one rank exiting 0 before epoch 0's group was built was never replaced: its peer waited for it, then for
-  ever for a replacement to rejoin (the run sat until its timeout, SIGTERM unanswered).
+  ever for a replacement to rejoin (the run sat until its timeout, SIGTERM unanswered);
+- one rank stopped at import, before it ever beat, was never judged hung (only a rank that had beaten was):
+  its peer waited for its report for ever. Now it is hung after ``LiveRun.startup_s`` (600 s, restart mode's
+  ``--startup-timeout``; 10 s here), killed and replaced.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -26,6 +30,7 @@ import pytest
 from helpers.runs import trainguard, worker_env
 from trainguard.events.log import read_events
 from trainguard.live.files import events_path
+from trainguard.live.launcher import LiveRun, launch
 
 ROOT = Path(__file__).resolve().parents[2]
 RANK = ROOT / "tests" / "helpers" / "live_early_exit.py"
@@ -92,3 +97,14 @@ def test_a_rank_exiting_0_before_epoch_0_is_replaced_and_the_run_finishes(config
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"live run finished: {STEPS} steps in " in done.stdout and "ranks replaced: [1]" in done.stdout
     assert _replacements(run_dir) == [1]
+
+
+def test_a_rank_stopped_before_it_ever_beats_is_hung_after_the_startup_bound_and_replaced(config, tmp_path, monkeypatch):
+    monkeypatch.setenv("LIVE_EARLY_EXIT", "stop-once:1")
+    run = LiveRun(groups=2, group_size=1, steps=STEPS, micro_batches=2, micro_batch_s=0.0, checkpoint_every=0,
+                  startup_s=10.0, timeout_s=120.0, entry=(str(RANK), "--config", str(config)))
+    result = launch(tmp_path / "stopped", run)
+    assert sorted(result.replaced_at) == [1] and result.exit_codes == {0: 0, 1: 0}, dataclasses.asdict(result)
+    events = list(read_events(events_path(tmp_path / "stopped")))
+    assert [e["target"] for e in events if e["kind"] == "live_hung"] == [1]
+    assert [(e["target"], e["code"]) for e in events if e["kind"] == "live_exit"] == [(1, -9)]

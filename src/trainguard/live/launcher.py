@@ -46,7 +46,7 @@ from trainguard.live import lifeline
 from trainguard.live.drill import live_drill
 from trainguard.live.files import events_path, newest_checkpoint
 from trainguard.live.group_reduce import SlotLayout
-from trainguard.live.lighthouse import Lighthouse
+from trainguard.live.lighthouse import STARTUP_S, Lighthouse
 from trainguard.live.node_watch import NodeCommandFailed, NodeWatch
 from trainguard.live.placement import replacement_node
 from trainguard.live.quorum import (MAX_STEP, STOP, STOPPED, beat_key, done_key, progress_key, spare_failed_key,
@@ -87,6 +87,7 @@ class LiveRun:
     kill_at_step: int = 0  # first of them has committed this many steps
     fault: str = "kill"  # "kill": SIGKILL; "stop": SIGSTOP (a hang, or a cut link: alive, silent)
     hang_s: float = 10.0  # a member silent this long is hung (the lighthouse's heartbeat timeout)
+    startup_s: float = STARTUP_S  # ... and one that has never beaten, this long after its start
     # an all-reduce entered and not left for max(stall_s, stall_steps × the median step time) is stalled
     # (a partial cut: peers unreachable, store reachable; live/stall.py)
     stall_s: float = 5.0
@@ -378,7 +379,8 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
         # ranks wait for epoch 0 until every spare is ready or found unhealthy, so that a short run cannot
         # finish before its drill
         _await_spares(store, spares, began + run.timeout_s)
-    lighthouse = Lighthouse(store, run.world, run.group_size, events, run.hang_s, run.stall_s, run.stall_steps)
+    lighthouse = Lighthouse(store, run.world, run.group_size, events, run.hang_s, run.stall_s, run.stall_steps,
+                            startup_s=run.startup_s)
     result = LiveResult(0.0, {r: p.pid for r, p in procs.items()}, {}, resumed_from=resume)
     fenced: list[subprocess.Popen | ForkedProcess] = []  # hung processes behind a cut link, left to stop
     # ranks whose node command dropped while they ran on (``NodeWatch.dropped``): members still, out of the

@@ -61,9 +61,8 @@ from trainguard.checkpoint.state_dict import STATE_DICT_OPTIONS, training_state
 from trainguard.checkpoint.writer_process import allocator_for, make_writer, writer_died
 from trainguard.errors import CheckpointError, UnsafeCheckpointError, raised_by_every_rank
 from trainguard.events import EventLog
-from trainguard.fs.fsio import retire_directory
+from trainguard.fs.fsio import delete_retired, retire_directory
 from trainguard.fs.layout import HEALTH_FILE, extra_state_name, parse_step_dir, step_dir_name, temp_dir_name
-from trainguard.fs.tree import remove_tree
 from trainguard.guards.health import marked_unhealthy, unhealthy_names
 
 
@@ -219,10 +218,11 @@ class DurableCheckpointer:
             blocked = Blocked(time.perf_counter() - called, started - called)
             self._saved(step, blocked)
             if retired:
-                # The checkpoints retention retired are gone for every reader (renamed durably); deleting
-                # their files (for big files, longer than the commit: benchmarks/hf_trainer_save.py) is
-                # left to the background thread, which the next save waits for before it writes.
-                self._inflight = self._background.run(self._remove_guarded, retired)
+                # The checkpoints retention retired are gone for every reader (renamed); making that
+                # durable and deleting their files (for big files, longer than the commit:
+                # benchmarks/hf_trainer_save.py) is left to the background thread, which the next save
+                # waits for before it writes. A crash before it keeps them whole, as if not yet retired.
+                self._inflight = self._background.run(self._delete_guarded, retired)
         return blocked
 
     def _saved(self, step: int, blocked: Blocked) -> None:
@@ -265,15 +265,13 @@ class DurableCheckpointer:
         try:
             job = prepare()
             snapshot.copied()
-            for trash in self._finish_or_say_full(state, job):
-                remove_tree(trash)
+            delete_retired(self._finish_or_say_full(state, job))
         except BaseException as exc:  # surfaced by the next wait()
             self._error = exc
 
-    def _remove_guarded(self, retired: list[Path]) -> None:
+    def _delete_guarded(self, retired: list[Path]) -> None:
         try:
-            for trash in retired:
-                remove_tree(trash)
+            delete_retired(retired)
         except BaseException as exc:  # surfaced by the next wait()
             self._error = exc
 
@@ -295,7 +293,7 @@ class DurableCheckpointer:
 
     def _finish(self, state: dict[str, Any], job: SaveJob) -> list[Path]:
         """Writes this rank's files and (rank 0) commits the checkpoint; returns the directories retention
-        retired (rank 0), whose files are still to be deleted."""
+        retired (rank 0), to be deleted (``fsio.delete_retired``)."""
         # A sync save's loop waits for the whole write: through the page cache (writeback started as
         # each 16 MiB is complete, one fsync at the end) it ends sooner than direct writes, which wait
         # for the device buffer by buffer (benchmarks/hf_trainer_save.py). An async save's loop waits
@@ -325,7 +323,7 @@ class DurableCheckpointer:
 
     def _after_commit(self, committed: Committed, seconds: float) -> list[Path]:
         """What follows a commit on rank 0: its events, retention, then the commit hooks; returns the
-        directories retention retired."""
+        directories retention retired (renamed, to be deleted: ``fsio.delete_retired``)."""
         step = committed.manifest.step
         if committed.replaced:
             self.events.emit("checkpoint_deleted", step=step, reason="replaced by a redone step", tier="durable")

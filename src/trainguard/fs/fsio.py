@@ -10,7 +10,7 @@ import ctypes
 import json
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -138,19 +138,27 @@ def commit_directory(temp_dir: PathLike, final_dir: PathLike, *, replace: bool =
 def remove_directory_crash_safe(path: PathLike) -> None:
     """Deletes a directory so that a crash midway leaves a ``.trash-*`` leftover, never a half-deleted
     directory under its original (possibly committed-looking) name."""
-    remove_tree(retire_directory(path))
+    delete_retired([retire_directory(path)])
 
 
 def retire_directory(path: PathLike) -> Path:
     """The first half of ``remove_directory_crash_safe``: renames the directory to a ``.trash-*`` name
-    beside it, durably, and returns that name. From then on the directory is gone for every reader;
-    deleting its files (``fs.tree.remove_tree``) may wait, and a crash before it leaves a leftover
-    that ``clean_stale`` removes."""
+    beside it and returns that name; from then on it is gone for every reader of this file system.
+    The rename is not yet durable: ``delete_retired`` makes it so before deleting anything, and a crash
+    before that brings the directory back whole under its name."""
     path = Path(path)
     trash = path.with_name(trash_name(path.name))
     os.rename(path, trash)
-    fsync_dir(path.parent)
     return trash
+
+
+def delete_retired(retired: Sequence[Path]) -> None:
+    """The second half: makes the renames of ``retire_directory`` durable (one fsync of each parent),
+    then deletes the retired trees; a crash midway leaves ``.trash-*`` leftovers (``clean_stale``)."""
+    for parent in dict.fromkeys(trash.parent for trash in retired):
+        fsync_dir(parent)
+    for trash in retired:
+        remove_tree(trash)
 
 
 def clean_stale(root: PathLike) -> list[Path]:

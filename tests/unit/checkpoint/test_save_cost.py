@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainguard.checkpoint import durable
 from trainguard.checkpoint.commit import seal
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.manager import CheckpointManager
@@ -115,25 +114,48 @@ def test_a_failed_fsync_fails_the_seal(tmp_path, monkeypatch):
 
 
 def test_a_sync_save_returns_before_the_retired_checkpoint_is_deleted(tmp_path, monkeypatch):
+    """Retention renames the oldest checkpoint out of the namespace inside the save; the fsync that
+    makes the rename durable and the deletion of its files come after the save returned, in that order
+    (a crash before the fsync brings the old checkpoint back whole, never half-deleted)."""
     model, optimizer = trained()
     manager = CheckpointManager(tmp_path, model, optimizer, config=CheckpointConfig(save_interval=0, writer="thread"),
                                 async_save=False, keep_last=1)
     manager.save_durable(1)
+    root = tmp_path / "checkpoints"
+    root_identity = (os.stat(root).st_dev, os.stat(root).st_ino)
+    happened: list[tuple] = []
+    real_fsync, real_rename, real_remove_tree = os.fsync, os.rename, fsio.remove_tree
     deleting = threading.Event()
-    real_remove_tree = fsio.remove_tree
+
+    def recorded_fsync(fd):
+        info = os.fstat(fd)
+        real_fsync(fd)
+        happened.append(("fsync", (info.st_dev, info.st_ino), threading.get_ident()))
+
+    def recorded_rename(source, destination, *args, **kwargs):
+        real_rename(source, destination, *args, **kwargs)
+        happened.append(("rename", Path(destination).name, threading.get_ident()))
 
     def held_remove_tree(path):
         deleting.wait(timeout=3)  # held until the test has looked (bounded: a save deleting inline resumes)
+        happened.append(("remove_tree", Path(path).name, threading.get_ident()))
         real_remove_tree(path)
 
+    monkeypatch.setattr(os, "fsync", recorded_fsync)
+    monkeypatch.setattr(os, "rename", recorded_rename)
     monkeypatch.setattr(fsio, "remove_tree", held_remove_tree)
-    monkeypatch.setattr(durable, "remove_tree", held_remove_tree, raising=False)
     manager.save_durable(2)
-    root = tmp_path / "checkpoints"
+    returned = len(happened)
     names = sorted(path.name for path in root.iterdir())
     deleting.set()
+    manager.close()  # waits for the deletion
+    monkeypatch.undo()
     assert "global_step_1" not in names and "global_step_2" in names
     assert [name for name in names if name.startswith(".trash-global_step_1-")], names
     assert verify_checkpoint(root / "global_step_2") == []
-    manager.close()  # waits for the deletion
     assert not [path.name for path in root.iterdir() if path.name.startswith(".trash")]
+    (retired,) = [i for i, event in enumerate(happened) if event[0] == "rename" and event[1].startswith(".trash-")]
+    assert retired < returned
+    assert not [event for event in happened[retired:returned] if event[0] == "fsync"]  # nothing waited for after it
+    (removed,) = [i for i, event in enumerate(happened) if event[0] == "remove_tree"]
+    assert ("fsync", root_identity) in [event[:2] for event in happened[retired:removed]]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -35,6 +36,8 @@ TP_DIM = "tp"  # with tensor parallel, the mesh's second dimension (``parallel.t
 RENDEZVOUS_S = 120.0  # a replacement waits this long for its group's other new processes
 
 _made: list[DeviceMesh] = []  # this process's replica group mesh, made once
+# with tensor parallel, the mesh's own groups by name, registered again after each swap of the default group
+_kept: dict[str, dist.ProcessGroup] = {}
 
 
 def starts_key(rank: int) -> str:
@@ -75,7 +78,12 @@ def replica_group_mesh(store_address: str, rank: int | None, group_size: int, sp
     if tp == 1:
         _made.append(init_device_mesh("cpu", (group_size,), mesh_dim_names=(MESH_DIM,)))
     else:
-        _made.append(init_device_mesh("cpu", (group_size // tp, tp), mesh_dim_names=(MESH_DIM, TP_DIM)))
+        # each dimension a group of its own (never the default group, which the durable tier replaces by
+        # its checkpoint group under the same name, "0": tp's all-reduces would then sum over the quorum)
+        mesh = init_device_mesh("cpu", (group_size // tp, tp), mesh_dim_names=(MESH_DIM, TP_DIM),
+                                backend_override={MESH_DIM: "gloo", TP_DIM: "gloo"})
+        _kept.update((group.group_name, group) for group in mesh.get_all_groups())
+        _made.append(mesh)
     return _made[0]
 
 
@@ -85,3 +93,14 @@ def is_replica_group_mesh(mesh: object) -> bool:
         return False
     made = _made[0]
     return mesh is made or (made.ndim == 2 and isinstance(mesh, DeviceMesh) and mesh == made[MESH_DIM])
+
+
+def keep_mesh_groups() -> None:
+    """Registers the tensor-parallel mesh's groups again after ``dist.destroy_process_group()``, which the
+    durable tier calls to replace this process's default group by its checkpoint group: it unregisters every
+    group by name, where tensor parallel's collectives look theirs up, and shuts each down, which leaves a
+    gloo group working (checked: test_live_tp.py's runs save every 4 steps and stay bitwise). No name is
+    taken again meanwhile: destroying resets torch's count of default groups only, and the mesh's names
+    are larger than the default group's."""
+    for name, group in _kept.items():
+        torch._C._distributed_c10d._register_process_group(name, group)

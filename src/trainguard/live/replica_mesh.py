@@ -78,12 +78,7 @@ def replica_group_mesh(store_address: str, rank: int | None, group_size: int, sp
     if tp == 1:
         _made.append(init_device_mesh("cpu", (group_size,), mesh_dim_names=(MESH_DIM,)))
     else:
-        # each dimension a group of its own (never the default group, which the durable tier replaces by
-        # its checkpoint group under the same name, "0": tp's all-reduces would then sum over the quorum)
-        mesh = init_device_mesh("cpu", (group_size // tp, tp), mesh_dim_names=(MESH_DIM, TP_DIM),
-                                backend_override={MESH_DIM: "gloo", TP_DIM: "gloo"})
-        _kept.update((group.group_name, group) for group in mesh.get_all_groups())
-        _made.append(mesh)
+        _made.append(_tensor_parallel_mesh(position, group_size // tp, tp))
     return _made[0]
 
 
@@ -95,12 +90,25 @@ def is_replica_group_mesh(mesh: object) -> bool:
     return mesh is made or (made.ndim == 2 and isinstance(mesh, DeviceMesh) and mesh == made[MESH_DIM])
 
 
+def _tensor_parallel_mesh(position: int, shards: int, tp: int) -> DeviceMesh:
+    """The ``(shards, tp)`` mesh over the default group, each dimension a group of its own named by its ranks
+    (``use_local_synchronization``: a hashed name). Not ``init_device_mesh``'s groups: a dimension spanning
+    the default group is that group, whose name ("0") the durable tier's checkpoint group takes when it
+    replaces it (tp's all-reduces would sum over the quorum, silently), and the others are named by a
+    count that restarts then, so the checkpoint's own groups would take their names too."""
+    layout = torch.arange(shards * tp).view(shards, tp)
+    shard, tp_rank = divmod(position, tp)
+    groups = [dist.new_group(layout[:, tp_rank].tolist(), use_local_synchronization=True),
+              dist.new_group(layout[shard].tolist(), use_local_synchronization=True)]
+    _kept.update((group.group_name, group) for group in groups)
+    return DeviceMesh.from_group(groups, "cpu", layout, mesh_dim_names=(MESH_DIM, TP_DIM))
+
+
 def keep_mesh_groups() -> None:
     """Registers the tensor-parallel mesh's groups again after ``dist.destroy_process_group()``, which the
     durable tier calls to replace this process's default group by its checkpoint group: it unregisters every
     group by name, where tensor parallel's collectives look theirs up, and shuts each down, which leaves a
-    gloo group working (checked: test_live_tp.py's runs save every 4 steps and stay bitwise). No name is
-    taken again meanwhile: destroying resets torch's count of default groups only, and the mesh's names
-    are larger than the default group's."""
+    gloo group working (checked: test_live_tp.py's runs save every 2 steps and stay bitwise). Their names
+    are hashes of their ranks (``_tensor_parallel_mesh``), which no counted name takes again."""
     for name, group in _kept.items():
         torch._C._distributed_c10d._register_process_group(name, group)

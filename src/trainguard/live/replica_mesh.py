@@ -78,7 +78,7 @@ def replica_group_mesh(store_address: str, rank: int | None, group_size: int, sp
     if tp == 1:
         _made.append(init_device_mesh("cpu", (group_size,), mesh_dim_names=(MESH_DIM,)))
     else:
-        _made.append(_tensor_parallel_mesh(position, group_size // tp, tp))
+        _made.append(_tensor_parallel_mesh(position, group_size // tp, tp, timedelta(seconds=tp_timeout_s)))
     return _made[0]
 
 
@@ -90,7 +90,7 @@ def is_replica_group_mesh(mesh: object) -> bool:
     return mesh is made or (made.ndim == 2 and isinstance(mesh, DeviceMesh) and mesh == made[MESH_DIM])
 
 
-def _tensor_parallel_mesh(position: int, shards: int, tp: int) -> DeviceMesh:
+def _tensor_parallel_mesh(position: int, shards: int, tp: int, timeout: timedelta) -> DeviceMesh:
     """The ``(shards, tp)`` mesh over the default group, each dimension a group of its own named by its ranks
     (``use_local_synchronization``: a hashed name). Not ``init_device_mesh``'s groups: a dimension spanning
     the default group is that group, whose name ("0") the durable tier's checkpoint group takes when it
@@ -98,8 +98,8 @@ def _tensor_parallel_mesh(position: int, shards: int, tp: int) -> DeviceMesh:
     count that restarts then, so the checkpoint's own groups would take their names too."""
     layout = torch.arange(shards * tp).view(shards, tp)
     shard, tp_rank = divmod(position, tp)
-    groups = [dist.new_group(layout[:, tp_rank].tolist(), use_local_synchronization=True),
-              dist.new_group(layout[shard].tolist(), use_local_synchronization=True)]
+    groups = [dist.new_group(layout[:, tp_rank].tolist(), timeout=timeout, use_local_synchronization=True),
+              dist.new_group(layout[shard].tolist(), timeout=timeout, use_local_synchronization=True)]
     _kept.update((group.group_name, group) for group in groups)
     return DeviceMesh.from_group(groups, "cpu", layout, mesh_dim_names=(MESH_DIM, TP_DIM))
 

@@ -292,6 +292,9 @@ class LiveWorker:
         # installed before the detection points, so that a point sees a fault at its module
         self.site_faults = FaultInjector(list(rules.site_faults), args.run_dir, rank, args.world, self.events.emit)
         self.site_faults.install(model)
+        if rules.sdc.enabled and args.tp > 1:  # its points would see one tp rank's part of a split activation
+            raise ConfigError(f"config key guards.sdc.enabled_level: SDC detection with parallel.tp={args.tp} in a live "
+                              "run is not built; set it to 0, or parallel.tp to 1")
         self.sdc = (LiveSdc(rules.sdc, model, args.micro_batches, rank, args.run_dir, self.log, self.events,
                             self.reports, shards=args.group_size, over_shards=self.over_shards)
                     if rules.sdc.enabled else None)

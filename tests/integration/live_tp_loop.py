@@ -33,7 +33,7 @@ def main() -> None:
             fully_shard(layer, mesh=mesh["dp_shard"])
     fully_shard(model, mesh=mesh["dp_shard"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    guard = trainguard.Guard(args.run_dir, model, optimizer, config=args.config, mesh=mesh["dp_shard"])
+    guard = trainguard.Guard(args.run_dir, model, optimizer, config=args.config, mesh=mesh)
 
     def loss_of(model: torch.nn.Module, step: int, micro_batch: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(1000 * step + micro_batch)

@@ -17,8 +17,8 @@ true``) with no code change cannot call ``init_process_group`` itself: a live ra
 With tensor parallel inside each replica group (``parallel.tp`` > 1), ``trainguard.device_mesh(tp)`` is the
 2-D ``(dp_shard, tp)`` mesh, the same call in both modes: under torchrun over the world, in live mode the
 replica group's (``parallel.dp_shard × tp`` ranks, tp fastest; ``dp_shard`` may be 1). The script applies
-``parallelize_module(..., mesh["tp"], ...)`` then ``fully_shard(..., mesh=mesh["dp_shard"])``, as under
-torchrun; ``data_parallel_mesh()`` is then that ``dp_shard`` dimension.
+``parallelize_module(..., mesh["tp"], ...)`` then ``fully_shard(..., mesh=mesh["dp_shard"])`` and passes
+``Guard(..., mesh=mesh)``, as under torchrun; ``data_parallel_mesh()`` is then that ``dp_shard`` dimension.
 
 A script with another layout (HSDP, PP) builds its mesh itself, as before.
 """

@@ -7,7 +7,9 @@ Fault-free; with rank 3 SIGKILLed after step 3 (its tp peer, rank 2, is taken ou
 again and rejoin, while group 0's two tp ranks compute all 4 micro-batches); stopped at step 3
 (``train.exit_at_step``) and started again with ``--resume auto``; and saving only at the end. Every rank's
 final parameters and optimizer state, and the final durable checkpoint, are the fault-free run's, bitwise.
-The runs start together (one module fixture)."""
+And the reference trainer (``trainguard train``, llama-micro, restart mode's TP plan) in the same layout,
+fault-free and with rank 3 SIGKILLed after step 3: bitwise too. The runs start together, in two waves (one
+module fixture)."""
 
 from __future__ import annotations
 
@@ -40,6 +42,17 @@ RUNS = {"clean": (), "killed": (f"faults=kill:rank={KILLED},step={KILL_AT}",),
         "resumed": (f"train.exit_at_step={STOP_AT}",), "saved_at_end": (f"checkpoint.save_interval={STEPS}",)}
 
 
+TRAINER = ("fault_tolerance.live=true", "fault_tolerance.fsdp=true", "parallel.dp_replicate=2", "parallel.dp_shard=1",
+           "parallel.tp=2", "model.preset=llama-micro", "data.seq_len=32", "train.micro_batches=4",
+           "data.micro_batch_size=2")
+
+
+def _start_trainer(run_dir: Path, *overrides: str):
+    sets = [arg for item in (*TRAINER, *overrides) for arg in ("--set", item)]
+    return warm_server().start(["train", "--nproc", str(WORLD), "--run-dir", str(run_dir), "--steps", str(STEPS),
+                                "--save-interval", "2", *sets], worker_env())
+
+
 def _start(config: Path, run_dir: Path, *overrides: str):
     sets = [arg for item in overrides for arg in ("--set", item)]
     return warm_server().start(["run", "--nproc", str(WORLD), "--config", str(config), "--run-dir", str(run_dir), *sets,
@@ -47,17 +60,20 @@ def _start(config: Path, run_dir: Path, *overrides: str):
                                worker_env())
 
 
+def _finish(started: dict) -> None:
+    for name, proc in started.items():
+        done = finish_session(proc, 300, f"live tp run {name}")
+        assert done.returncode == 0, name + ": " + done.stdout[-3000:] + done.stderr[-3000:]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("live_tp")
     config = root / "live_tp.yaml"
     config.write_text(CONFIG, encoding="utf-8")
-    started = {name: _start(config, root / name, *overrides) for name, overrides in RUNS.items()}
-    for name, proc in started.items():
-        done = finish_session(proc, 300, f"live tp run {name}")
-        assert done.returncode == 0, name + ": " + done.stdout[-3000:] + done.stderr[-3000:]
-    done = finish_session(_start(config, root / "resumed"), 300, "live tp run resumed, again")
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    _finish({name: _start(config, root / name, *overrides) for name, overrides in RUNS.items()})
+    _finish({"resumed, again": _start(config, root / "resumed"), "trainer": _start_trainer(root / "trainer"),
+             "trainer killed": _start_trainer(root / "trainer_killed", f"faults=kill:rank={KILLED},step={KILL_AT}")})
     return root
 
 
@@ -118,3 +134,13 @@ def test_each_tp_rank_holds_its_half_of_the_split_layers(runs):
         assert torch.equal(finals[rank]["model.0.weight"], whole["model.0.weight"][8 * half:8 * half + 8])
         assert torch.equal(finals[rank]["model.2.weight"], whole["model.2.weight"][:, 8 * half:8 * half + 8])
         assert torch.equal(finals[rank]["model.2.bias"], whole["model.2.bias"])
+
+
+def test_the_reference_trainer_with_tp_ends_bitwise_equal_after_a_lost_group(runs):
+    for rank in range(WORLD):
+        clean, killed = _final(runs / "trainer", rank), _final(runs / "trainer_killed", rank)
+        assert clean.keys() == killed.keys() and len(clean) > 40
+        assert not [name for name in clean if not torch.equal(clean[name], killed[name])], rank
+    # each tp rank holds half of the attention's heads: q_proj's rows of 64
+    assert tuple(_final(runs / "trainer", 1)["model.model.layers.0.self_attn.q_proj.weight"].shape) == (32, 64)
+    assert {e["rank"] for e in read_events(events_path(runs / "trainer_killed")) if e["kind"] == "live_joined"} == {2, 3}

@@ -167,7 +167,7 @@ class LiveRun:
         tp, shards = parallel.tp or 1, parallel.dp_shard or 1
         if tp > 1 and not tolerance.fsdp:
             raise ConfigError(f"{source}: config key 'parallel.tp' ({tp}) needs 'fault_tolerance.fsdp: true' in a live "
-                              "run: the script applies parallelize_module over trainguard.device_mesh()['tp'] and "
+                              "run: the script applies parallelize_module over trainguard.device_mesh(tp)['tp'] and "
                               "fully_shard over its 'dp_shard' dimension")
         groups, group_size = parallel.dp_replicate, shards * tp
         slots = groups * shards  # a group's tp peers read the same micro-batches: one slot per dp_shard position

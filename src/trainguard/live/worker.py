@@ -277,7 +277,7 @@ class LiveWorker:
             self.fsdp = FsdpShares(model, modules, rank, args.group_size, self.group_channel, args.tp)
         elif args.tp > 1:
             raise ConfigError(f"live recovery with parallel.tp={args.tp}: the model has no FSDP2 module; apply "
-                              "parallelize_module over trainguard.device_mesh()['tp'], then fully_shard over its "
+                              "parallelize_module over trainguard.device_mesh(tp)['tp'], then fully_shard over its "
                               "'dp_shard' dimension")
         elif args.group_size > 1:
             self.layout.check()

@@ -868,7 +868,21 @@ class LiveWorker:
         self.store.set(report_key(epoch, self.rank), str(committed))
         self.events.emit("live_collective_failed", step=None if committed == NO_STATE else committed, epoch=epoch,
                          error=f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
-        return Quorum.from_json(wait_for(self.store, epoch_key(epoch + 1), WAIT_S, self.beat))
+        beat = self.beat if self.tp == 1 else functools.partial(self.beat_unless_group_lost, epoch)
+        return Quorum.from_json(wait_for(self.store, epoch_key(epoch + 1), WAIT_S, beat))
+
+    def beat_unless_group_lost(self, epoch: int) -> None:
+        """With tensor parallel, a rank waiting for the next epoch ends (``GroupOut``) as soon as a rank of its
+        replica group is declared dead in ``epoch``: the group is left out whole anyway, and a tp peer of
+        this rank may wait in a tp collective this rank left (those are not watched), until its process
+        ends and closes the connection; otherwise the lighthouse waits for that peer until ``hang_s``."""
+        self.beat()
+        first = self.rank - self.shard
+        for peer in range(first, first + self.group_size):
+            if peer != self.rank and has(self.store, fence_key(peer)) and int(self.store.get(fence_key(peer))) >= epoch:
+                self.events.emit("live_group_out", step=self.step_index, epoch=epoch, pid=os.getpid())
+                raise GroupOut(f"rank {self.rank}: rank {peer} of its tensor-parallel replica group died in epoch "
+                               f"{epoch}; its processes start again together")
 
     def recover(self, error: RuntimeError) -> None:
         """Leaves the failed epoch and enters the next one, or joins again if left out; a failure while the

@@ -21,10 +21,16 @@ def main() -> None:
     parser.add_argument("--rank", type=int)  # the live launcher's
     # RANK,STEP,MICRO_BATCH: that rank's forward of that micro-batch raises once, between two FSDP modules
     parser.add_argument("--raise-at")
+    parser.add_argument("--dropout", type=float, default=0.1)
+    # the loss of this data position multiplied by 10^4 every time it is fed (rollback mode's spike)
+    parser.add_argument("--spike-at", type=int)
+    # FIRST,END: data positions [FIRST, END) never fed (a step from FIRST on feeds its position + END - FIRST):
+    # the reference of a run whose rollback skipped that window
+    parser.add_argument("--skip-window")
     args, _ = parser.parse_known_args()
     mesh = trainguard.data_parallel_mesh()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Dropout(0.1), torch.nn.Linear(16, 16),
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Dropout(args.dropout), torch.nn.Linear(16, 16),
                                 torch.nn.Tanh(), torch.nn.Linear(16, 3))
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
@@ -43,15 +49,22 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     guard = trainguard.Guard(args.run_dir, model, optimizer, config=args.config, mesh=mesh)
 
+    window = tuple(int(part) for part in args.skip_window.split(",")) if args.skip_window else None
+
     def loss_of(model: torch.nn.Module, step: int, micro_batch: int) -> torch.Tensor:
         armed[:] = [raise_at == (args.rank, step, micro_batch)]
-        g = torch.Generator().manual_seed(1000 * step + micro_batch)
+        position = step + window[1] - window[0] if window is not None and step >= window[0] else step
+        g = torch.Generator().manual_seed(1000 * position + micro_batch)
         inputs, targets = torch.randn(4, 8, generator=g), torch.randn(4, 3, generator=g)
-        return F.mse_loss(model(inputs), targets)
+        loss = F.mse_loss(model(inputs), targets)
+        return loss * 1e4 if position == args.spike_at else loss
 
     step = guard.resume()
     while not guard.should_stop(step, args.steps):
-        step = guard.step(loss_of).step
+        outcome = guard.step(loss_of)
+        step = outcome.step
+        if outcome.rolled_back:
+            print(f"rank {args.rank}: rolled back to step {step}", flush=True)
         time.sleep(args.step_sleep)
     raise SystemExit(guard.close())
 

@@ -21,7 +21,8 @@ before step N: replica fingerprints find it, ``live/fingerprint.py``), and so is
 (``hang:rank=R,step=N[,seconds=X]``: rank R stops, alive and silent, as it starts step N, for X seconds or
 for good, once in the run): the closure mode's supervisor finds it by its heartbeat and restarts the job;
 here the lighthouse finds it (the stall watch, then ``fault_tolerance.hang_s``), the survivors go on
-without its group, and the launcher kills and replaces it, as a SIGSTOPped rank.
+without its group, and the launcher kills and replaces it, as a SIGSTOPped rank (with FSDP2, its group's
+other ranks, waiting in FSDP2's collectives until then, end with exit 20 and start again with it).
 
 The checkpoint file faults ``corrupt``, ``truncate`` and ``delete`` (``corrupt:step=N,file=GLOB``) damage the
 durable checkpoint of step N once it is committed, as in the closure mode: the quorum's first member

@@ -9,6 +9,8 @@ on the receiver's own parameter's mesh and placements. A model without DTensors 
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,14 +19,14 @@ from torch.distributed.tensor import DTensor
 from trainguard.live.replica_mesh import TP_DIM
 
 
-def plain(value: Any) -> Any:
-    """``value`` (a state dict, nested) with every DTensor replaced by a copy of its local tensor. DTensors
-    over the same local rows (tied weights: one parameter under two keys of ``state_dict()``, each key its
-    own detached DTensor) share one copy, so a file or a transfer holds the rows once, as the rows path
-    (no DTensors) does."""
+def _with_local_rows(value: Any, other: Callable[[Any], Any]) -> Any:
+    """``value`` (a state dict, nested) with every DTensor replaced by a copy of its local tensor and every
+    other leaf by ``other(leaf)``. DTensors over the same local rows (tied weights: one parameter under two
+    keys of ``state_dict()``, each key its own detached DTensor) share one copy, so a file or a transfer
+    holds the rows once, as the rows path (no DTensors) does."""
     copies: dict[tuple, torch.Tensor] = {}
 
-    def copy(item: Any) -> Any:
+    def rebuilt(item: Any) -> Any:
         if isinstance(item, DTensor):
             rows = item.to_local()
             same = (rows.untyped_storage().data_ptr(), rows.storage_offset(), rows.shape, rows.stride(), rows.dtype)
@@ -32,12 +34,28 @@ def plain(value: Any) -> Any:
                 copies[same] = rows.detach().clone()
             return copies[same]
         if isinstance(item, dict):
-            return {key: copy(entry) for key, entry in item.items()}
+            return {key: rebuilt(entry) for key, entry in item.items()}
         if isinstance(item, list):
-            return [copy(entry) for entry in item]
-        return item
+            return [rebuilt(entry) for entry in item]
+        return other(item)
 
-    return copy(value)
+    return rebuilt(value)
+
+
+def plain(value: Any) -> Any:
+    """``value`` with every DTensor replaced by a copy of its local tensor (``_with_local_rows``), the rest as is."""
+    return _with_local_rows(value, lambda item: item)
+
+
+def _copied(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+
+
+def plain_copy(value: Any) -> Any:
+    """A deep copy of ``value`` with every DTensor's local tensor copied in its place: ``plain``, the rest
+    copied too. A ``deepcopy`` of FSDP2's DTensors themselves costs 5x as much CPU (the example's model
+    state, 5.7 against 1.3 ms, measured in one process on a loaded machine)."""
+    return _with_local_rows(value, _copied)
 
 
 def _like(reference: torch.Tensor, value: Any) -> Any:

@@ -26,7 +26,6 @@ An FSDP2 rank's DTensors travel as their local rows (``dtensor_state``). Everyth
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,7 +33,7 @@ import torch
 
 from trainguard.checkpoint.manager import Stateful
 from trainguard.errors import ConfigError
-from trainguard.live.dtensor_state import model_state_like, optimizer_state_like, plain
+from trainguard.live.dtensor_state import model_state_like, optimizer_state_like, plain, plain_copy
 from trainguard.live.step_judge import LiveJudge
 
 GUARDS, SCHEDULER = "live_guards", "scheduler"  # the engine's objects' names in a checkpoint's extra state
@@ -86,8 +85,9 @@ class LiveState:
                 "committed": self.committed}
 
     def undo_point(self) -> dict[str, Any]:
-        """A copy of ``engine_state``, taken before a step's update: what ``undo`` restores."""
-        return copy.deepcopy(self.engine_state())
+        """A copy of ``engine_state``, taken before a step's update: what ``undo`` restores (DTensors as their
+        local rows, as ``load_shard`` takes them)."""
+        return plain_copy(self.engine_state())
 
     def undo(self, point: dict[str, Any]) -> None:
         """Back to ``undo_point``'s state; the loop's objects stay as they are (the module's docstring)."""

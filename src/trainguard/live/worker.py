@@ -85,6 +85,7 @@ from trainguard.live.step_failures import (STEP_FAILURE, StepFailed, StepFailure
                                            failure_text)
 from trainguard.live.step_judge import LiveJudge
 from trainguard.live.transfer import send_shards
+from trainguard.live.wait_thread import WaitThread
 from trainguard.live.files import checkpoint_path, events_path, final_path
 from trainguard.norms.global_norm import clip_grads_
 from trainguard.runtime.lifecycle import (DEADLINE, EXIT_CODES, KILL_SWITCH, NONE, REASON_NAMES, SIGNAL, Lifecycle,
@@ -274,6 +275,7 @@ class LiveWorker:
                 raise ConfigError("live recovery: the model is sharded with fully_shard but parallel.dp_shard is 1 "
                                   "(whole replicas): shard it over trainguard.data_parallel_mesh(), which is None then")
             self.layout.check()
+            self.group_waits = WaitThread("fsdp-group-wait")  # wait_group's, kept across FSDP2's exchanges
             self.fsdp = FsdpShares(model, modules, rank, args.group_size, self.group_channel, args.tp)
         elif args.tp > 1:
             raise ConfigError(f"live recovery with parallel.tp={args.tp}: the model has no FSDP2 module; apply "
@@ -428,11 +430,7 @@ class LiveWorker:
                     if has(self.store, fence_key(peer)) and int(self.store.get(fence_key(peer))) >= epoch]
             return f"epoch {epoch}: rank(s) {dead} of this replica group died during an FSDP2 collective" if dead else None
 
-        def wait_each() -> None:
-            for work in works:
-                work.wait()
-
-        collective.watched_until(wait_each, ended, self.beat, f"epoch-{epoch}-fsdp")
+        self.group_waits.wait(works, ended, self.beat)
 
     def beat(self) -> None:
         now = time.monotonic()

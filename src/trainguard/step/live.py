@@ -130,29 +130,6 @@ def with_launcher_overrides(config: RunConfig, environ: Mapping[str, str]) -> Ru
     return with_overrides(config, items)
 
 
-# the drill's site faults that ran on an FSDP2 model: a state tensor's bit flipped at rest (replica fingerprints
-# found and repaired it, tests/integration/test_live_fsdp.py); a module's value scaled (SDC detection and its
-# rerun found it, tests/integration/test_live_fsdp_sdc.py)
-FSDP_SITE_FAULTS = ("stateflip", "scale")
-
-
-def refuse_with_fsdp(config: RunConfig) -> None:
-    """One error naming the first setting live mode does not run with an FSDP2 model (``live/fsdp_share.py``:
-    what ran is the sum, the update, membership, joins, the durable and local tiers and their resume, replica
-    fingerprints and their repair, a raising loss's retry, the memory tier, SDC detection with its rerun;
-    docs/live_recovery.md, "Not done yet")."""
-    guards = config.guards
-    refused = [("guards.check_for_global_norm", guards.check_for_global_norm, "rollback mode on FSDP2 shares"),
-               ("faults", bool(config.faults and (gradient_faults(config.faults) or any(
-                   spec.kind not in FSDP_SITE_FAULTS for spec in site_faults(config.faults)))),
-                "gradient and module faults on FSDP2 shares (of the drill's faults, only kill, stateflip and scale ran)")]
-    for key, set_, what in refused:
-        if set_:
-            raise ConfigError(f"config key {key!r}: {what} in live mode is not built (the model is sharded with "
-                              "fully_shard over trainguard.data_parallel_mesh()); turn it off, or train without "
-                              "fully_shard (live mode then shards the parameters by rows itself)")
-
-
 def started_by_live_launcher(argv: list[str]) -> bool:
     """Whether the live launcher started this process: its ``--store`` flag is among the arguments."""
     return any(arg == "--store" or arg.startswith("--store=") for arg in argv)
@@ -197,9 +174,7 @@ def live_rank(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
         raise ConfigError(f"Guard(run_dir={str(run_dir)!r}): the live launcher started this rank with --run-dir "
                           f"{str(args.run_dir)!r}; pass that one")
     live_drill(config.faults, args.world, args.steps)  # the kill is the launcher's; anything else refused here
-    if fsdp_modules(model):
-        refuse_with_fsdp(config)
-    elif config.fault_tolerance.fsdp:
+    if config.fault_tolerance.fsdp and not fsdp_modules(model):
         raise ConfigError("config key 'fault_tolerance.fsdp' is true but the model has no FSDP2 module: shard it with "
                           "fully_shard(module, mesh=trainguard.data_parallel_mesh()), or turn the key off (live mode "
                           "then shards the parameters by rows itself)")

@@ -96,8 +96,8 @@ def _rank(rank: int, port: int, results) -> None:
             epoch.send([computed[1]], rank - 2, 0).wait()
         else:
             epoch.recv([theirs], rank + 2, 0).wait()
-        # a step undone (LiveState.undo_point/undo: DTensors kept) and a joiner's load of a peer's state
-        # (LiveState.state_dict: plain rows, made DTensors again) give back the shards bitwise
+        # a step undone (LiveState.undo_point/undo) and a joiner's load of a peer's state (LiveState.state_dict),
+        # both plain rows (a deepcopy of DTensors costs 5x the CPU) made DTensors again, give back the shards bitwise
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
         shares.set_grads(computed[1][:-1])
         optimizer.step()
@@ -112,7 +112,7 @@ def _rank(rank: int, port: int, results) -> None:
         redone = all(torch.equal(param.to_local(), again) for param, again in zip(model.parameters(), stepped))
         state.load(sent)
         loaded = all(torch.equal(param.to_local(), kept) for param, kept in zip(model.parameters(), undone))
-        plain = all(type(value) is torch.Tensor for value in sent["model"].values())
+        plain = all(type(value) is torch.Tensor for value in [*sent["model"].values(), *before["model"].values()])
         # group 0's share of step 5: rank 1's second forward raises; then both ranks' first; then rank 1's
         # second backward (after the reduce-scatter of the last layer, before the first layer's)
         attempts = {0: [(0, False), (1, False), (0, False), (0, False)], 1: [(2, False), (1, False), (2, True),

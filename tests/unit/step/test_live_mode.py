@@ -253,30 +253,6 @@ def test_live_health_or_monitor_on_a_model_without_an_embedding_is_one_error_nam
                             live_argv=launcher_flags(tmp_path)).micro_batches == 8
 
 
-@pytest.mark.parametrize("items, key", [
-    (["guards.check_for_global_norm=true"], "guards.check_for_global_norm"),
-    (["faults=spike:step=3,factor=100"], "faults"),
-    (["faults=bitflip:rank=1,step=3,site=0,where=output"], "faults"),
-])
-def test_what_live_mode_does_not_run_with_an_fsdp2_model_is_refused_naming_the_key(items, key):
-    """With a model sharded by ``fully_shard`` (Guard checks ``fsdp_modules``), each setting not built for
-    FSDP2 shares is one ConfigError naming its key; the durable, local and memory tiers, fingerprints, data
-    skip, SDC detection, a rank's kill, a stateflip and a module's value scaled are not refused."""
-    from trainguard.config.load import with_overrides
-    from trainguard.step.live import refuse_with_fsdp
-
-    base = LIVE
-    refuse_with_fsdp(with_overrides(base, ["checkpoint.save_interval=5", "checkpoint.local_interval=1",
-                                           "checkpoint.memory_interval=2", "guards.fingerprint.interval=2",
-                                           "faults=kill:rank=3,step=2; stateflip:rank=1,step=4,site=w,state=exp_avg; "
-                                           "scale:rank=1,step=3,site=0,where=grad_input,factor=1e9",
-                                           "guards.skip.enabled=true", "guards.sdc.enabled_level=2"]))
-    configured = with_overrides(base, items)
-    with pytest.raises(ConfigError, match=f"config key '{key}'") as refused:
-        refuse_with_fsdp(configured)
-    assert len(str(refused.value).splitlines()) == 1
-
-
 def test_fault_tolerance_fsdp_with_a_model_not_sharded_by_fully_shard_is_refused_naming_the_key(tmp_path):
     """The key on and the script's model whole: refused, not trained by rows in silence."""
     model, optimizer = model_and_optimizer()

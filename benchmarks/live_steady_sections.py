@@ -1,0 +1,154 @@
+"""Where a step's time goes: plain HSDP against live FSDP2, the arms of ``live_steady.py``, one run of each.
+
+Each rank runs its script under this file's ``--wrap`` mode, which times named functions (wall and the
+calling thread's CPU, ``time.thread_time``) and the rank process's CPU over all its threads, from the
+``WARMUP``-th step on, and writes them at the rank's exit. The table gives per step, averaged over the
+4 ranks: the process CPU, then each section's wall and main-thread CPU. On 4 ranks sharing 2 cores the
+CPU a rank spends per step bounds the steps/s more than any wall figure; wall figures include the waits
+for the slowest rank. Usage: ``python benchmarks/live_steady_sections.py [--steps 40]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import json
+import os
+import runpy
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+WARMUP = 5
+FSDP2 = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
+COMMON = ["torch.autograd:backward", "torch.optim.adamw:AdamW.step", f"{FSDP2}:foreach_all_gather",
+          f"{FSDP2}:foreach_reduce"]
+SECTIONS = {
+    "plain HSDP": (COMMON + ["torch.nn.utils:clip_grad_norm_"], "torch.distributed.tensor._api:DTensor.full_tensor"),
+    "live FSDP2": (COMMON + [f"trainguard.live.worker:LiveWorker.{name}" for name in
+                             ("fsdp_shares", "reduce", "norms", "wait_group")]
+                   + ["trainguard.live.state:LiveState.undo_point", "trainguard.live.fsdp_comms:GroupLink.statuses"],
+                   "trainguard.live.worker:LiveWorker.step"),
+}
+
+
+def wrap(out_dir: str, timed: list[str], step_mark: str, argv: list[str]) -> None:
+    """Runs the script ``argv[0]`` as ``__main__`` with ``timed`` and ``step_mark`` (module:qualname) timed."""
+    totals: dict[str, list[float]] = {}
+    marks = {"steps": 0, "wall": 0.0, "cpu": 0.0}
+
+    def patch(spec: str, is_mark: bool) -> None:
+        module, qualname = spec.split(":")
+        owner = importlib.import_module(module)
+        *path, name = qualname.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def timed_call(*args, **kwargs):
+            if is_mark:
+                marks["steps"] += 1
+                if marks["steps"] == WARMUP + 1:
+                    totals.clear()
+                    marks["wall"], marks["cpu"] = time.perf_counter(), time.process_time()
+            wall, cpu = time.perf_counter(), time.thread_time()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                entry = totals.setdefault(qualname.split(".")[-1] if path and path[0] == "LiveWorker" else qualname,
+                                          [0.0, 0.0, 0])
+                entry[0] += time.perf_counter() - wall
+                entry[1] += time.thread_time() - cpu
+                entry[2] += 1
+
+        setattr(owner, name, timed_call)
+
+    for spec in timed:
+        patch(spec, False)
+    patch(step_mark, True)
+
+    def dump() -> None:
+        steps = marks["steps"] - WARMUP
+        Path(out_dir, f"{os.getpid()}.json").write_text(json.dumps({
+            "steps": steps, "wall": time.perf_counter() - marks["wall"], "cpu": time.process_time() - marks["cpu"],
+            "sections": totals}))
+
+    real_exit = os._exit
+
+    def exit_after_dump(code: int) -> None:  # a live rank ends with os._exit (rank.py)
+        dump()
+        real_exit(code)
+
+    os._exit = exit_after_dump
+    sys.argv = argv
+    sys.path.insert(0, str(Path(argv[0]).resolve().parent))
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit:
+        pass
+    dump()
+
+
+def run_arm(arm: str, steps: int, micro_batches: int, tmp: Path) -> list[dict]:
+    out = tmp / arm.replace(" ", "_")
+    out.mkdir()
+    timed, mark = SECTIONS[arm]
+    wrapper = [__file__, "--wrap", str(out), ",".join(timed), mark, "--"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(EXAMPLES), str(ROOT / "src")]))
+    if arm == "plain HSDP":
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", *wrapper,
+                   str(EXAMPLES / "user_loop_plain.py"), "--run-dir", str(out / "run"), "--steps", str(steps),
+                   "--micro-batches", str(micro_batches), "--replicate", "2"]
+    else:
+        config = out / "config.yaml"
+        config.write_text(f"parallel: {{dp_replicate: 2, dp_shard: 2}}\ntrain: {{steps: {steps}, micro_batches: "
+                          f"{micro_batches}}}\ncheckpoint: {{save_interval: 0}}\nguards: {{fingerprint: {{interval: 0}}}}\n"
+                          "fault_tolerance: {live: true, fsdp: true}\n")
+        command = [sys.executable, "-m", "trainguard", "run", "--nproc", "4", "--config", str(config), "--run-dir",
+                   str(out / "run"), "--", sys.executable, *wrapper, str(EXAMPLES / "user_loop.py"), "--config",
+                   str(config)]
+    subprocess.run(command, env=env, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return [json.loads(path.read_text()) for path in sorted(out.glob("*.json"))]
+
+
+def table(arm: str, ranks: list[dict]) -> None:
+    def per_step(value: float, rank: dict) -> float:
+        return 1000 * value / max(rank["steps"], 1)
+
+    def mean(values: list[float]) -> float:
+        return sum(values) / len(values)
+
+    print(f"\n{arm}: {len(ranks)} ranks, {ranks[0]['steps']} steps timed; per step, mean over the ranks\n")
+    print(f"| {'section':<28} | {'wall ms':>8} | {'main-thread CPU ms':>18} | {'calls':>5} |")
+    print(f"|{'-' * 30}|{'-' * 10}|{'-' * 20}|{'-' * 7}|")
+    print(f"| {'step (wall; process CPU)':<28} | {mean([per_step(r['wall'], r) for r in ranks]):>8.1f} | "
+          f"{mean([per_step(r['cpu'], r) for r in ranks]):>18.1f} | {'':>5} |")
+    for name in sorted({name for rank in ranks for name in rank["sections"]}):
+        values = [rank["sections"].get(name, [0.0, 0.0, 0]) for rank in ranks]
+        print(f"| {name.split(':')[-1]:<28} | {mean([per_step(v[0], r) for v, r in zip(values, ranks)]):>8.1f} | "
+              f"{mean([per_step(v[1], r) for v, r in zip(values, ranks)]):>18.1f} | "
+              f"{mean([v[2] / max(r['steps'], 1) for v, r in zip(values, ranks)]):>5.1f} |")
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--wrap":
+        out_dir, timed, mark, _dashes, *argv = sys.argv[2:]
+        wrap(out_dir, timed.split(","), mark, argv)
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--micro-batches", type=int, default=8)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="live_sections_") as tmp:
+        for arm in SECTIONS:
+            table(arm, run_arm(arm, args.steps, args.micro_batches, Path(tmp)))
+
+
+if __name__ == "__main__":
+    main()

@@ -49,13 +49,19 @@ class GroupLink:
     rank whose share failed mid-FSDP2 sends ``SHARE_FAILED`` in place of its next exchange (``fail_share``), so
     every rank of the group leaves the share at that same exchange, with no send or receive left unmatched
     (a failing rank that said nothing would leave its peers waiting in that exchange until a timeout).
-    ``collective_error``: the error of the last exchange that failed (a peer lost), which no retry cures."""
+    ``collective_error``: the error of the last exchange that failed (a peer lost), which no retry cures.
+    With tensor parallel (``tp`` > 1) FSDP2's group is the replica group's ranks at this rank's ``tp``
+    coordinate (its mesh's ``dp_shard`` dimension): ``group_size`` and ``position`` are counted in it."""
 
-    def __init__(self, rank: int, group_size: int, channel: Callable[[], GroupChannel]):
-        self.rank, self.group_size, self.channel = rank, group_size, channel
-        self.position = shard_of(rank, group_size)
-        self.first = rank - self.position
+    def __init__(self, rank: int, group_size: int, channel: Callable[[], GroupChannel], tp: int = 1):
+        self.rank, self.group_size, self.channel, self.tp = rank, group_size // tp, channel, tp
+        in_group = shard_of(rank, group_size)
+        self.position = in_group // tp
+        self.first = rank - in_group + in_group % tp  # the rank at position 0 of FSDP2's group
         self.collective_error: BaseException | None = None
+
+    def rank_at(self, position: int) -> int:
+        return self.first + position * self.tp
 
     def swap(self, outgoing: Callable[[int], torch.Tensor], incoming: Callable[[int], torch.Tensor]) -> None:
         """Sends ``outgoing(k)`` to the group's rank at position ``k`` and receives ``incoming(k)`` from it,
@@ -73,7 +79,7 @@ class GroupLink:
         theirs = {position: torch.empty(1, dtype=mine.dtype) for position in range(self.group_size)
                   if position != self.position}
         self.exchange(lambda _position: mine, theirs.__getitem__, STATUS_TAG)
-        failed = [self.first + position for position, value in theirs.items() if int(value) == SHARE_FAILED]
+        failed = [self.rank_at(position) for position, value in theirs.items() if int(value) == SHARE_FAILED]
         if failed and status == SHARE_OK:
             raise PeerShareFailed(f"rank(s) {failed} of this replica group failed their share of the step")
 
@@ -85,7 +91,7 @@ class GroupLink:
             for position in range(self.group_size):
                 if position == self.position:
                     continue
-                peer = channel.members.index(self.first + position)
+                peer = channel.members.index(self.rank_at(position))
                 works.append(channel.group.send([outgoing(position)], peer, tag))
                 works.append(channel.group.recv([incoming(position)], peer, tag))
             channel.wait_group(works)
@@ -135,7 +141,7 @@ class EpochReduceScatter(_Exchange):
 
 
 def route_to_epochs(modules: Sequence[FSDPModule], rank: int, group_size: int,
-                    channel: Callable[[], GroupChannel]) -> GroupLink:
+                    channel: Callable[[], GroupChannel], tp: int = 1) -> GroupLink:
     """Every FSDP module's all-gather and reduce-scatter on the epoch's group; gradients summed over the
     group with no division (the step's loss is already divided by the global batch's micro-batches). A
     torch whose FSDP2 takes no custom collectives is refused in one line."""
@@ -145,7 +151,7 @@ def route_to_epochs(modules: Sequence[FSDPModule], rank: int, group_size: int,
     if missing:
         raise ConfigError(f"live recovery with an FSDP2 model needs FSDPModule.{missing[0]} (torch "
                           f"{torch.__version__} lacks it); train without fully_shard, or with a newer torch")
-    link = GroupLink(rank, group_size, channel)
+    link = GroupLink(rank, group_size, channel, tp)
     all_gather, reduce_scatter = EpochAllGather(link), EpochReduceScatter(link)
     for module in modules:
         module.set_custom_all_gather(all_gather)

@@ -77,7 +77,8 @@ UNEXPLAINED_EXIT_GRACE_S = 5.0
 @dataclass(frozen=True)
 class LiveRun:
     groups: int = 2  # replica groups (HSDP's replicate dimension)
-    group_size: int = 2  # ranks per group (its shard dimension)
+    group_size: int = 2  # ranks per group (its shard dimension × its tensor-parallel one)
+    tp: int = 1  # tensor parallel inside each group: its ranks are (dp_shard, tp) row-major, tp fastest
     steps: int = 30
     micro_batches: int = 8
     micro_batch_s: float = 0.01  # simulated compute per micro-batch, so survivors pay for extra ones
@@ -168,29 +169,35 @@ class LiveRun:
         if parallel.dp_replicate is None or parallel.dp_replicate < 2:
             raise ConfigError(f"{source}: config key 'parallel.dp_replicate' must be ≥ 2 for a live run (the "
                               f"replica groups that outlive each other's failures), got {parallel.dp_replicate}")
-        for name in ("tp", "pp"):
-            if getattr(parallel, name) not in (None, 1):
-                raise ConfigError(f"{source}: config key 'parallel.{name}' must be 1 for a live run (it trains "
-                                  f"replica groups, data-parallel only), got {getattr(parallel, name)}")
-        groups, group_size = parallel.dp_replicate, parallel.dp_shard or 1
-        if config.train.micro_batches < groups * group_size:  # every rank computes at least one of them
+        if parallel.pp not in (None, 1):
+            raise ConfigError(f"{source}: config key 'parallel.pp' must be 1 for a live run (it trains replica "
+                              f"groups, data-parallel and tensor-parallel only), got {parallel.pp}")
+        tp, shards = parallel.tp or 1, parallel.dp_shard or 1
+        if tp > 1 and not tolerance.fsdp:
+            raise ConfigError(f"{source}: config key 'parallel.tp' ({tp}) needs 'fault_tolerance.fsdp: true' in a live "
+                              "run: the script applies parallelize_module over trainguard.device_mesh(tp)['tp'] and "
+                              "fully_shard over its 'dp_shard' dimension")
+        groups, group_size = parallel.dp_replicate, shards * tp
+        slots = groups * shards  # a group's tp peers read the same micro-batches: one slot per dp_shard position
+        if config.train.micro_batches < slots:  # every slot computes at least one of them
             raise ConfigError(f"{source}: config key 'train.micro_batches' must be ≥ the ranks of the live run "
-                              f"(parallel.dp_replicate × dp_shard = {groups * group_size}), got {config.train.micro_batches}")
+                              f"(parallel.dp_replicate × dp_shard = {slots}), got {config.train.micro_batches}")
         if group_size > 1:  # the parameters are sharded in each group and reduced by the fixed tree
             try:
-                SlotLayout(groups, group_size, config.train.micro_batches).check()
+                SlotLayout(groups, shards, config.train.micro_batches).check()
             except ValueError as error:
                 raise ConfigError(f"{source}: config keys 'parallel.dp_replicate', 'parallel.dp_shard', "
                                   f"'train.micro_batches': {error}") from None
         if tolerance.fsdp and group_size == 1:
-            raise ConfigError(f"{source}: config key 'fault_tolerance.fsdp' needs 'parallel.dp_shard' > 1 (FSDP2 shards "
-                              "the parameters inside each replica group), got 1")
+            raise ConfigError(f"{source}: config key 'fault_tolerance.fsdp' needs 'parallel.dp_shard' > 1 or "
+                              "'parallel.tp' > 1 (FSDP2 shards the parameters inside each replica group), got 1")
         if tolerance.fsdp and tolerance.spares % group_size:
-            raise ConfigError(f"{source}: config key 'fault_tolerance.spares' must be a multiple of parallel.dp_shard "
-                              f"({group_size}) with fault_tolerance.fsdp: the spares make replica groups' meshes as "
-                              f"they start, and a lost group is replaced whole; got {tolerance.spares}")
+            raise ConfigError(f"{source}: config key 'fault_tolerance.spares' must be a multiple of the ranks of a "
+                              f"replica group (parallel.dp_shard × tp = {group_size}) with fault_tolerance.fsdp: the "
+                              f"spares make replica groups' meshes as they start, and a lost group is replaced whole; "
+                              f"got {tolerance.spares}")
         faults = live_drill(config.faults, groups * group_size, config.train.steps, tolerance.spares)
-        return cls(groups=groups, group_size=group_size, steps=config.train.steps,
+        return cls(groups=groups, group_size=group_size, tp=tp, steps=config.train.steps,
                    micro_batches=config.train.micro_batches, spares=tolerance.spares, hang_s=tolerance.hang_s,
                    stall_s=tolerance.stall_s, stall_steps=tolerance.stall_steps,
                    collective_timeout_s=tolerance.collective_timeout_s, doctor_spares=tolerance.doctor_spares,
@@ -244,7 +251,7 @@ def _spawn(run: LiveRun, rank: int, store: SignedStore, run_dir: Path, rejoin: b
     if node is not None:  # out of the launcher's signals: it ends the rank through its stdin (lifeline.py)
         command.append("--lifeline")
     if run.fsdp:
-        command.append("--fsdp")
+        command += ["--fsdp", "--tp", str(run.tp)]
     if resume is not None:
         command += ["--resume", str(resume)]
     if spare is not None and run.doctor_spares:

@@ -4,8 +4,8 @@ rank finds what a new interpreter would (``__main__``, argv, ``sys.path[0]``, th
 environment and working directory, its stdout, torch's thread count), and its
 parent is the server, not the launcher. A launcher that has threads already starts them cold.
 
-Ranks here are stand-ins that say what they found and exit 0 (the launcher's loop ends when every rank
-has); the live tests (tests/integration/test_live_*.py) run real ones through the same path."""
+Ranks here are stand-ins that say what they found, mark their end in the launcher's store as a finished
+rank does, and exit 0 (the launcher's loop ends when every rank has); the live tests (tests/integration/test_live_*.py) run real ones through the same path."""
 
 from __future__ import annotations
 
@@ -32,6 +32,17 @@ found = {"name": __name__, "argv0": sys.argv[0], "path0": sys.path[0], "cwd": os
          "parent_threads": len(os.listdir(f"/proc/{os.getppid()}/task"))}
 with open(os.path.join(run_dir, f"rank{rank}.json"), "w") as file:
     json.dump(found, file)
+# ends as a rank that finished: its end marked in the launcher's store (an exit 0 without it is a death)
+from datetime import timedelta
+from pathlib import Path
+import torch.distributed as dist
+from trainguard.live.quorum import done_key
+from trainguard.live.signed_store import SignedStore
+from trainguard.run_secret import load_secret
+host, port = sys.argv[sys.argv.index("--store") + 1].rsplit(":", 1)
+store = SignedStore(dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30)),
+                    load_secret(Path(run_dir)))
+store.set(done_key(int(rank)), "1")
 """
 
 LAUNCHER = r"""

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 import warnings
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -32,21 +32,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from helpers.processes import alive
-from helpers.runs import trainguard, worker_env
-from helpers.warm_command import warm_server
+from helpers.live_fsdp import CLEAN, STEPS, TIMEOUT_S, WORLD, start_live_fsdp
+from helpers.runs import finish_session
 from trainguard.events.log import read_events
 from trainguard.live.files import events_path, final_path
 from trainguard.live.rank import GROUP_OUT_EXIT
 from trainguard.live.sharded_params import chunk_rows
 
-SCRIPT = Path(__file__).with_name("live_fsdp_loop.py")
-STEPS, WORLD, KILLED, KILL_AT = 8, 4, 3, 3
-CONFIG = """fault_tolerance: {live: true, fsdp: true}
-parallel: {dp_replicate: 2, dp_shard: 2}
-train: {micro_batches: 8, steps: %d}
-checkpoint: {save_interval: 4}
-guards: {fingerprint: {interval: 2}}
-""" % STEPS
+KILLED, KILL_AT = 3, 3
 # a bit of rank 1's Adam moment flipped at rest before step 4, where replica fingerprints (every 2 steps) check
 STATEFLIP = "stateflip:rank=1,step=4,site=3.weight,state=exp_avg,bit=30"
 # rank 1's forward of micro-batch 3 of step 2 (its second of slot (0, 1)) raises once, between two FSDP modules
@@ -57,9 +50,7 @@ WHOLE = {"0.weight": (16, 8), "0.bias": (16,), "3.weight": (16, 16), "3.bias": (
 
 def _sigkilled_job(run_dir: Path, config: Path) -> None:
     """The job started, SIGKILLed whole once every rank saved step 6 to the local tier (durable: step 4)."""
-    proc = warm_server().start(["run", "--nproc", str(WORLD), "--config", str(config), "--run-dir", str(run_dir), "--",
-                                sys.executable, str(SCRIPT), "--steps", str(STEPS), "--config", str(config),
-                                "--step-sleep", "0.5"], worker_env())
+    proc = start_live_fsdp(config, run_dir, script=("--step-sleep", "0.5"))
     deadline = time.monotonic() + 120
     while not (events_path(run_dir).exists() and len({e["rank"] for e in read_events(events_path(run_dir))
                                                       if e["kind"] == "local_saved" and e["step"] == 6}) == WORLD):
@@ -74,32 +65,42 @@ def _sigkilled_job(run_dir: Path, config: Path) -> None:
         time.sleep(0.1)
 
 
-def _run(config: Path, run_dir: Path, *overrides: str, script: tuple[str, ...] = ()):
-    sets = [arg for item in overrides for arg in ("--set", item)]
-    return trainguard("run", "--nproc", str(WORLD), "--config", str(config), "--run-dir", str(run_dir), *sets, "--",
-                      sys.executable, str(SCRIPT), "--steps", str(STEPS), "--config", str(config), *script, timeout=240)
+def _run(config: Path, run_dir: Path, *overrides: str, script: tuple[str, ...] = ()) -> None:
+    done = finish_session(start_live_fsdp(config, run_dir, *overrides, script=script), TIMEOUT_S, str(run_dir))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def _stopped_and_resumed(config: Path, run_dir: Path) -> None:
+    _run(config, run_dir, "train.exit_at_step=5", f"faults={STATEFLIP}", script=("--raise-at", RAISE_AT))
+    _run(config, run_dir)
+
+
+def _sigkilled_and_resumed(config: Path, run_dir: Path) -> None:
+    _sigkilled_job(run_dir, config)
+    _run(config, run_dir)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, live_fsdp_clean) -> dict[str, Path]:
+    """Each run (or stop and resume) in a thread of its own, all at once beside the session's fault-free run:
+    most of a run is waits (start-up, a kill seen, the sigkilled job's sleeps), which they share."""
     root = tmp_path_factory.mktemp("live_fsdp")
     config = root / "live_fsdp.yaml"
-    config.write_text(CONFIG, encoding="utf-8")
-    for name, overrides, script in (
-            ("clean", (), ()), ("killed", (f"faults=kill:rank={KILLED},step={KILL_AT}",), ()),
-            ("spared", (f"faults=kill:rank={KILLED},step={KILL_AT}", "fault_tolerance.spares=2"), ()),
-            ("resumed", ("train.exit_at_step=5", f"faults={STATEFLIP}"), ("--raise-at", RAISE_AT)),
-            ("resumed", (), ())):
-        done = _run(config, root / name, *overrides, script=script)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    config.write_text(CLEAN, encoding="utf-8")
     local = root / "live_fsdp_local.yaml"
     # the local tier every 2 steps, the memory tier every step (its directory under the run's)
-    local.write_text(CONFIG.replace("save_interval: 4", "save_interval: 4, local_interval: 2, memory_interval: 1, "
-                                    "memory_dir: 'memory/node{node}'"), encoding="utf-8")
-    _sigkilled_job(root / "sigkilled", local)
-    done = _run(local, root / "sigkilled")
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return root
+    local.write_text(CLEAN.replace("save_interval: 4", "save_interval: 4, local_interval: 2, memory_interval: 1, "
+                                   "memory_dir: 'memory/node{node}'"), encoding="utf-8")
+    killed = f"faults=kill:rank={KILLED},step={KILL_AT}"
+    chains = {"killed": lambda: _run(config, root / "killed", killed),
+              "spared": lambda: _run(config, root / "spared", killed, "fault_tolerance.spares=2"),
+              "resumed": lambda: _stopped_and_resumed(config, root / "resumed"),
+              "sigkilled": lambda: _sigkilled_and_resumed(local, root / "sigkilled")}
+    with ThreadPoolExecutor(max_workers=len(chains)) as pool:
+        futures = [pool.submit(chain) for chain in chains.values()]
+    for future in futures:
+        future.result()
+    return {"clean": live_fsdp_clean.finished(), **{name: root / name for name in chains}}
 
 
 def _final(run_dir: Path, rank: int) -> dict:
@@ -128,17 +129,17 @@ def _durable(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("run", ["killed", "spared", "resumed", "sigkilled"])
 def test_a_lost_fsdp2_group_or_a_resume_ends_bitwise_equal_to_the_fault_free_run(runs, run):
     for rank in range(WORLD):
-        clean, other = _tensors(_final(runs / "clean", rank)), _tensors(_final(runs / run, rank))
+        clean, other = _tensors(_final(runs["clean"], rank)), _tensors(_final(runs[run], rank))
         assert clean.keys() == other.keys() and len(clean) == 24
         different = [name for name in clean if not torch.equal(clean[name], other[name])]
         assert not different, f"rank {rank}: {different}"
-    clean = _durable(runs / "clean", STEPS)
+    clean = _durable(runs["clean"], STEPS)
     assert len(clean) == 24 and [tuple(clean["model.0.weight"].shape)] == [WHOLE["0.weight"]]
-    assert not [key for key, value in _durable(runs / run, STEPS).items() if not torch.equal(value, clean[key])]
+    assert not [key for key, value in _durable(runs[run], STEPS).items() if not torch.equal(value, clean[key])]
 
 
 def test_fingerprints_found_the_flipped_fsdp2_shard_and_repaired_it_from_its_replica(runs):
-    events = list(read_events(events_path(runs / "resumed")))
+    events = list(read_events(events_path(runs["resumed"])))
     assert [e["flipped"] for e in events if e["kind"] == "fault_injected"] == [True]
     found = [e for e in events if e["kind"] == "fingerprint_mismatch"]
     assert [(e["step"], e["group"], e["faulty"], e["repaired"]) for e in found] == [(4, [1, 3], [1], ["state"])]
@@ -146,7 +147,7 @@ def test_fingerprints_found_the_flipped_fsdp2_shard_and_repaired_it_from_its_rep
 
 def test_a_forward_that_raised_once_mid_fsdp2_was_tried_again_by_the_quorum(runs):
     # the end state is the fault-free run's bitwise (test_a_lost_fsdp2_group_..._fault_free_run[resumed])
-    events = list(read_events(events_path(runs / "resumed")))
+    events = list(read_events(events_path(runs["resumed"])))
     failed = [(e["step"], e["ranks"], e["attempt"], e["verdict"], e["error"]) for e in events
               if e["kind"] == "live_step_failed"]
     assert failed == [(2, 1, 1, "retry", "rank 1: RuntimeError: injected: the forward failed once")]
@@ -154,7 +155,7 @@ def test_a_forward_that_raised_once_mid_fsdp2_was_tried_again_by_the_quorum(runs
 
 
 def test_the_sigkilled_job_resumed_from_the_memory_tiers_newer_step(runs):
-    events = list(read_events(events_path(runs / "sigkilled")))
+    events = list(read_events(events_path(runs["sigkilled"])))
     assert {e["tier"] for e in events if e["kind"] == "local_saved"} == {"local", "memory"}
     started = [e for e in events if e["kind"] == "run_started"]
     # every rank held step 6 in both tiers when the job was killed: the memory tier first at an equal step
@@ -162,16 +163,16 @@ def test_the_sigkilled_job_resumed_from_the_memory_tiers_newer_step(runs):
 
 
 def test_each_step_of_the_lost_group_run_has_the_fault_free_loss_and_norm(runs):
-    steps = {(event["step"], event["rank"]): event for event in read_events(events_path(runs / "clean"))
+    steps = {(event["step"], event["rank"]): event for event in read_events(events_path(runs["clean"]))
              if event["kind"] == "live_step"}
-    for event in read_events(events_path(runs / "killed")):
+    for event in read_events(events_path(runs["killed"])):
         if event["kind"] == "live_step":  # each step's loss and global norm: the fault-free run's, bitwise
             assert (event["loss"], event["global_norm"]) == (steps[event["step"], event["rank"]]["loss"],
                                                              steps[event["step"], event["rank"]]["global_norm"])
 
 
 def test_the_survivors_computed_the_lost_groups_share_and_kept_their_processes(runs):
-    events = list(read_events(events_path(runs / "killed")))
+    events = list(read_events(events_path(runs["killed"])))
     pids = defaultdict(list)
     for event in events:
         if event["kind"] == "live_start":
@@ -189,7 +190,7 @@ def test_the_survivors_computed_the_lost_groups_share_and_kept_their_processes(r
 
 def test_a_warm_spare_group_took_over_the_lost_groups_positions(runs):
     # the end state is the fault-free run's bitwise (test_a_lost_fsdp2_group_..._fault_free_run[spared])
-    events = list(read_events(events_path(runs / "spared")))
+    events = list(read_events(events_path(runs["spared"])))
     assert not [e for e in events if e["kind"] == "live_replacement"]  # no rank started cold
     started = {e["pid"]: e for e in events if e["kind"] == "live_start"}
     spares = {e["pid"]: e["spare"] for e in events if e["kind"] == "live_spare_checked"}
@@ -201,9 +202,9 @@ def test_a_warm_spare_group_took_over_the_lost_groups_positions(runs):
 
 def test_each_rank_holds_its_torch_chunk_rows_of_every_parameter(runs):
     for rank in range(WORLD):
-        state = _final(runs / "clean", rank)
+        state = _final(runs["clean"], rank)
         for name, shape in WHOLE.items():
             first, end = chunk_rows(shape[0], 2, rank % 2)
             assert tuple(state["model"][name].shape) == (end - first, *shape[1:]), (rank, name)
-    held = sum(_final(runs / "clean", 0)["model"][name].numel() for name in WHOLE)
+    held = sum(_final(runs["clean"], 0)["model"][name].numel() for name in WHOLE)
     assert held * 2 > sum(torch.Size(shape).numel() for shape in WHOLE.values()) > held  # about half, shard 0 the longer

@@ -3,9 +3,11 @@ tests/integration/live_fsdp_loop.py's MLP sharded with ``fully_shard`` over the 
 replica groups x 2 ranks, 8 micro-batches, dropout, AdamW; ``guards.sdc.enabled_level: 2`` with
 ``strikes: 2`` and one module point, ``guards.sdc.points: ["4"]`` (the Tanh after the second Linear,
 checked on the gradient flowing into it), besides one point per parameter shard (``grad:NAME (shard S)``);
-durable checkpoints every 4 steps.
+durable checkpoints every 4 steps, replica fingerprints every 2 (``helpers/live_fsdp.py``'s ``CLEAN``).
 
-Four runs share one module fixture: SDC off, SDC on (no fault), rank 1's point scaled x1e9 once at step 3
+Four runs: SDC off (the session's fault-free run, ``live_fsdp_clean``, which test_live_fsdp.py compares
+with too; it differs from the next by ``guards.sdc`` alone), and three started together: SDC on (no fault),
+rank 1's point scaled x1e9 once at step 3
 and once at step 5 (the drill's transient ``scale``: caught at level 1, the rerun clean, a strike each
 time; the second reaches ``strikes``, so rank 1 writes its ``faulty_ranks.json`` entry and exits 17, its
 group leaves the quorum and is started again, and rejoins), and rank 2's point scaled at every step from
@@ -15,12 +17,11 @@ the last one (``persistent=1``: the rerun reproduces it, the step is skipped).
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-from helpers.runs import trainguard
+from helpers.live_fsdp import CLEAN, STEPS, WORLD, StartedRun, start_live_fsdp
 from trainguard.checkpoint.safe_load import safe_torch_load
 from trainguard.events.log import read_events
 from trainguard.fs.layout import extra_state_name
@@ -29,14 +30,8 @@ from trainguard.live.compare import bitwise_differences
 from trainguard.live.files import events_path, final_path
 from trainguard.live.rank import GROUP_OUT_EXIT
 
-SCRIPT = Path(__file__).with_name("live_fsdp_loop.py")
-STEPS, WORLD = 8, 4
-CONFIG = """fault_tolerance: {live: true, fsdp: true}
-parallel: {dp_replicate: 2, dp_shard: 2}
-train: {micro_batches: 8, steps: %d}
-guards: {sdc: {enabled_level: 2, strikes: 2, points: ["4"]}}
-checkpoint: {save_interval: 4}
-""" % STEPS
+SDC = CLEAN.replace("guards: {fingerprint: {interval: 2}}",
+                    'guards: {fingerprint: {interval: 2}, sdc: {enabled_level: 2, strikes: 2, points: ["4"]}}')
 # the drill's module fault (docs/faults.md): the gradient into module "4" of the first micro-batch RANK computes at STEP
 SCALE = "scale:rank={rank},step={step},site=4,where=grad_input,factor=1e9"
 # (rank, step), once each: rank 1 twice, struck out at the second
@@ -46,20 +41,16 @@ REPRODUCIBLE_AT = STEPS  # rank 2, persistent from the last step
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, live_fsdp_clean) -> dict[str, Path]:
+    """The three runs with SDC on, started together beside the session's fault-free run (SDC off)."""
     root = tmp_path_factory.mktemp("live_fsdp_sdc")
     config = root / "live_fsdp_sdc.yaml"
-    config.write_text(CONFIG, encoding="utf-8")
+    config.write_text(SDC, encoding="utf-8")
     struck = "; ".join(SCALE.format(rank=rank, step=step) for rank, step in TRANSIENT)
-    for name, overrides in (("off", ("guards.sdc.enabled_level=0",)), ("clean", ()),
-                            ("struck", (f"faults={struck}",)),
-                            ("reproducible", (f"faults={SCALE.format(rank=2, step=REPRODUCIBLE_AT)},persistent=1",))):
-        sets = [arg for item in overrides for arg in ("--set", item)]
-        done = trainguard("run", "--nproc", str(WORLD), "--config", str(config), "--run-dir", str(root / name), *sets,
-                          "--", sys.executable, str(SCRIPT), "--steps", str(STEPS), "--config", str(config),
-                          timeout=240)
-        assert done.returncode == 0, name + "\n" + done.stdout[-3000:] + done.stderr[-3000:]
-    return root
+    started = [StartedRun(root / name, start_live_fsdp(config, root / name, *overrides), f"the live FSDP2 run {name}")
+               for name, overrides in (("clean", ()), ("struck", (f"faults={struck}",)), (
+                   "reproducible", (f"faults={SCALE.format(rank=2, step=REPRODUCIBLE_AT)},persistent=1",)))]
+    return {"off": live_fsdp_clean.finished(), **{run.run_dir.name: run.finished() for run in started}}
 
 
 def _events(run_dir: Path, kind: str) -> list[dict]:
@@ -72,16 +63,16 @@ def _trained(run_dir: Path, rank: int) -> dict:
 
 
 def test_sdc_on_without_a_fault_detects_nothing_and_ends_bitwise_as_the_run_with_sdc_off(runs):
-    [points] = _events(runs / "clean", "sdc_points")
+    [points] = _events(runs["clean"], "sdc_points")
     assert points["names"][0] == "4" and "grad:3.weight (shard 1)" in points["names"]
-    assert not [e for e in read_events(events_path(runs / "clean")) if e["kind"].startswith("sdc_")
+    assert not [e for e in read_events(events_path(runs["clean"])) if e["kind"].startswith("sdc_")
                 and e["kind"] != "sdc_points"]
     for rank in range(WORLD):
-        assert bitwise_differences(_trained(runs / "clean", rank), _trained(runs / "off", rank)) == [], rank
+        assert bitwise_differences(_trained(runs["clean"], rank), _trained(runs["off"], rank)) == [], rank
 
 
 def test_a_transient_fault_is_found_at_level_1_and_the_clean_rerun_is_used_with_a_strike(runs):
-    run_dir = runs / "struck"
+    run_dir = runs["struck"]
     detected = _events(run_dir, "sdc_detected")
     assert {e["step"] for e in detected} == {step for _, step in TRANSIENT}
     # the module point: its value computed by the faulted rank alone; the parameter-gradient points of every
@@ -98,19 +89,19 @@ def test_a_transient_fault_is_found_at_level_1_and_the_clean_rerun_is_used_with_
     # fault-free run's, bitwise
     assert not [e for e in _events(run_dir, "live_step") if e["skipped"]]
     for rank in range(WORLD):
-        assert bitwise_differences(_trained(run_dir, rank), _trained(runs / "clean", rank)) == [], rank
+        assert bitwise_differences(_trained(run_dir, rank), _trained(runs["clean"], rank)) == [], rank
 
 
 def test_the_detectors_state_and_strikes_travel_in_the_durable_checkpoints(runs):
     def guards(run: str, step: int, rank: int) -> dict:
-        checkpoint = runs / run / "checkpoints" / f"global_step_{step}"
+        checkpoint = runs[run] / "checkpoints" / f"global_step_{step}"
         return safe_torch_load(checkpoint / extra_state_name(WORLD, rank))["stateful"]["live_guards"]
 
     def strikes(book: dict) -> list[tuple[int, list[int]]]:
         return [(entry["rank"], [strike["step"] for strike in entry["strikes"]]) for entry in book["devices"]]
 
-    detections = len(_events(runs / "struck", "sdc_detected"))
-    last_step = runs / "struck" / "checkpoints" / f"global_step_{STEPS}"
+    detections = len(_events(runs["struck"], "sdc_detected"))
+    last_step = runs["struck"] / "checkpoints" / f"global_step_{STEPS}"
     # step 8 is saved by the quorum's members then: group 0 (restarted after rank 1's exit) is one of them
     # only if it rejoined before that boundary, which is a matter of timing
     members = [rank for rank in range(WORLD) if (last_step / extra_state_name(WORLD, rank)).exists()]
@@ -128,7 +119,7 @@ def test_the_detectors_state_and_strikes_travel_in_the_durable_checkpoints(runs)
         assert bitwise_differences(last["sdc_detector"], clean["sdc_detector"]) == \
             [f"/detections_total: {detections} != 0"], rank
     # in the final state, after the join: every rank's alike, rank 1's strikes dropped
-    final = [safe_torch_load(final_path(runs / "struck", rank))["guards"] for rank in range(WORLD)]
+    final = [safe_torch_load(final_path(runs["struck"], rank))["guards"] for rank in range(WORLD)]
     assert all(bitwise_differences(final[0], other) == [] for other in final[1:])
     assert strikes(final[0]["sdc_strikes"]) == []
     if rejoined:
@@ -136,7 +127,7 @@ def test_the_detectors_state_and_strikes_travel_in_the_durable_checkpoints(runs)
 
 
 def test_a_rank_reaching_its_strikes_exits_17_with_its_entry_and_its_group_is_replaced(runs):
-    run_dir = runs / "struck"
+    run_dir = runs["struck"]
     # rank 1 leaves at step 5's boundary; its group's other rank ends too (its FSDP2 mesh goes with it)
     assert sorted((e["target"], e["code"]) for e in _events(run_dir, "live_exit")) == [(0, GROUP_OUT_EXIT), (1, 17)]
     [entry] = json.loads(faulty_ranks_path(run_dir).read_text())
@@ -149,7 +140,7 @@ def test_a_rank_reaching_its_strikes_exits_17_with_its_entry_and_its_group_is_re
 
 
 def test_a_reproducible_fault_skips_the_step_with_a_strike_against_its_rank(runs):
-    run_dir = runs / "reproducible"
+    run_dir = runs["reproducible"]
     [rerun] = _events(run_dir, "sdc_rerun")
     assert (rerun["step"], rerun["verdict"], rerun["ranks"]) == (REPRODUCIBLE_AT, "reproducible", [2])
     [attribution] = _events(run_dir, "sdc_attribution")

@@ -30,6 +30,7 @@ import math
 import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,8 @@ SCRIPT_FLAGS = ["--one-cycle", "--seen"]
 
 def _config(root: Path) -> Path:
     config = root / "live_guards.yaml"
+    if config.exists():  # written once: a rewrite could be read half-written by a run still going (launched)
+        return config
     config.write_text(EXAMPLE.with_suffix(".yaml").read_text().replace("steps: 60", f"steps: {STEPS}")
                       + "checkpoint: {save_interval: 5}\n"
                       + f"guards: {{skip: {{enabled: true, threshold: {THRESHOLD}}}, "
@@ -104,13 +107,28 @@ def root(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def spiked(root):
-    return root / "spiked", _ok(_live(root / "spiked", _config(root), FAULTS))
+def launched(root) -> dict[str, Future]:
+    """The spiked, replayed, killed and aborted runs, started at once in threads of their own (most of a run is
+    waits they share), each test waiting for its own. Their heartbeat timeout is long: 16 ranks starting together
+    on a small machine can be silent for longer than the default 10 s (none of them drills a hang)."""
+    config = _config(root)  # written here, before any thread reads it
+    patient = "fault_tolerance.hang_s=60"
+    runs = {"spiked": (FAULTS,), "replayed": (f"guards.skip.replay_steps={SKIPPED}",),
+            "killed": (f"{FAULTS}; kill:rank=3,step=5",),
+            "aborted": ("faults=spike:step=3,factor=10000,persistent=1", "guards.skip.count_threshold=2")}
+    warm_server()  # the session's server made here, not by several threads at once
+    with ThreadPoolExecutor(max_workers=len(runs)) as pool:
+        yield {name: pool.submit(_live, root / name, config, *sets, patient) for name, sets in runs.items()}
 
 
 @pytest.fixture(scope="module")
-def replayed(root):
-    _ok(_live(root / "replayed", _config(root), f"guards.skip.replay_steps={SKIPPED}"))
+def spiked(root, launched):
+    return root / "spiked", _ok(launched["spiked"].result())
+
+
+@pytest.fixture(scope="module")
+def replayed(root, launched):
+    _ok(launched["replayed"].result())
     return root / "replayed"
 
 
@@ -137,8 +155,8 @@ def test_the_spiked_run_ends_bitwise_as_a_run_that_skips_the_same_step_by_replay
 
 
 @pytest.fixture(scope="module")
-def killed(root):
-    return root / "killed", _ok(_live(root / "killed", _config(root), f"{FAULTS}; kill:rank=3,step=5"))
+def killed(root, launched):
+    return root / "killed", _ok(launched["killed"].result())
 
 
 def test_a_rank_killed_between_the_skips_rejoins_with_the_guards_state_and_the_run_ends_bitwise(root, spiked, killed):
@@ -158,8 +176,10 @@ def test_a_rank_killed_between_the_skips_rejoins_with_the_guards_state_and_the_r
 
 
 @pytest.fixture(scope="module")
-def hung(root):
-    # the stall watch and the heartbeat timeout short: the hung rank costs the run seconds, not 10 s
+def hung(root, launched):
+    # the stall watch and the heartbeat timeout short: the hung rank costs the run seconds, not 10 s; so it runs
+    # once the runs started together ended, as their load could silence a rank for longer
+    wait(launched.values())
     return root / "hung", _ok(_live(root / "hung", _config(root), f"{FAULTS}; hang:rank=1,step=6",
                                     "fault_tolerance.stall_s=2", "fault_tolerance.hang_s=4"))
 
@@ -249,10 +269,9 @@ def test_the_closure_mode_skips_the_same_steps_on_the_same_gradients(root, spike
     assert [e["step"] for e in _events(closure_dir, "data_skip")] == SKIPPED
 
 
-def test_consecutive_spikes_abort_every_rank_with_exit_3_and_no_rank_is_replaced(root):
+def test_consecutive_spikes_abort_every_rank_with_exit_3_and_no_rank_is_replaced(root, launched):
     run_dir = root / "aborted"
-    done = _live(run_dir, _config(root), "faults=spike:step=3,factor=10000,persistent=1",
-                 "guards.skip.count_threshold=2")
+    done = launched["aborted"].result()
     assert done.returncode == 3, done.stdout[-3000:] + done.stderr[-3000:]
     line = (f"ValueError: Current global norm [{_events(run_dir, 'data_skip_abort')[0]['global_norm']:.6f}] of step 4 "
             f"has been 2 consecutive times greater than threshold {THRESHOLD!r}, stop training...")

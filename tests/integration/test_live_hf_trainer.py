@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -47,7 +48,9 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "hf_trainer.py"
 STEPS, WORLD, KILLED, KILL_AT = 8, 2, 1, 3
 MICRO_BATCHES, BATCH, DATASET = 4, 2, 256  # the example's per_device_train_batch_size and data set size
-LIVE = {"fault_tolerance": {"live": True}, "parallel": {"dp_replicate": WORLD},
+# the heartbeat timeout long: the module's first five jobs start together, and their ranks and spares on a small
+# machine can be silent for longer than the default 10 s (no run drills a hang; a killed rank is seen by its exit)
+LIVE = {"fault_tolerance": {"live": True, "hang_s": 60}, "parallel": {"dp_replicate": WORLD},
         "train": {"steps": STEPS, "micro_batches": MICRO_BATCHES}, "checkpoint": {"save_interval": 4}}
 
 
@@ -58,27 +61,42 @@ def _run_args(config: Path, run_dir: Path, log_file: str, *extra: str) -> list[s
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
+def root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("live_hf_trainer")
+    (root / "live.yaml").write_text(yaml.safe_dump(LIVE), encoding="utf-8")
+    return root
+
+
+@pytest.fixture(scope="module")
+def resumed_jobs(root) -> dict[str, Future]:
+    """The stopped job and the SIGKILLed one, each with its resume, in threads of their own: started with the
+    module's first runs (``runs`` asks for them first), waited for by the tests that read them."""
+    warm_server()  # the session's server made here, not by two threads at once
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {"stopped": pool.submit(_stopped_and_resumed, root), "sigkilled": pool.submit(_sigkilled_and_resumed, root)}
+
+
+@pytest.fixture(scope="module")
+def runs(root, resumed_jobs) -> Path:
     config = root / "live.yaml"
-    config.write_text(yaml.safe_dump(LIVE), encoding="utf-8")
     spare = "fault_tolerance.spares=1"
+    started = {}
     for name, overrides in (("clean", ()), ("failed", (spare, f"faults=kill:rank={KILLED},step={KILL_AT}")),
                             ("rank_0_killed", (spare, f"faults=kill:rank=0,step={KILL_AT}"))):
-        run_dir = root / name
         sets = [arg for item in overrides for arg in ("--set", item)]
-        done = trainguard(*_run_args(config, run_dir, "logs.jsonl", *sets), timeout=300)
+        started[name] = warm_server().start(_run_args(config, root / name, "logs.jsonl", *sets), worker_env())
+    for name, proc in started.items():  # started together: most of a run is waits they share
+        done = finish_session(proc, 300, f"the live run {name}")
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         assert f"live run finished: {STEPS} steps" in done.stdout
     return root
 
 
-@pytest.fixture(scope="module")
-def stopped(runs) -> tuple[Path, int, subprocess.CompletedProcess, subprocess.CompletedProcess]:
+def _stopped_and_resumed(root: Path) -> tuple[Path, int, subprocess.CompletedProcess, subprocess.CompletedProcess]:
     """SIGTERM to ``trainguard run`` once a rank committed its first step (of 8: the stop lands some steps
     later, at the boundary the quorum agrees on; seen: after step 5), then the same command with ``--resume
     auto``: the run dir, the step saved at the stop, the stopped and the resumed command."""
-    run_dir, config = runs / "stopped", runs / "live.yaml"
+    run_dir, config = root / "stopped", root / "live.yaml"
     proc = warm_server().start(_run_args(config, run_dir, "logs.jsonl"), worker_env())
     deadline = time.monotonic() + 300
     while not (events_path(run_dir).exists() and any(e["kind"] == "live_step" for e in _events(run_dir))):
@@ -91,6 +109,11 @@ def stopped(runs) -> tuple[Path, int, subprocess.CompletedProcess, subprocess.Co
     again = trainguard(*_run_args(config, run_dir, "resumed_logs.jsonl", "--resume", "auto"), timeout=300)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     return run_dir, saved, stop, again
+
+
+@pytest.fixture(scope="module")
+def stopped(resumed_jobs) -> tuple[Path, int, subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    return resumed_jobs["stopped"].result()
 
 
 def _start_and_wait(run_dir: Path, condition, what: str, *sets: str):
@@ -112,11 +135,10 @@ def _first_step_done(run_dir: Path) -> bool:
     return events_path(run_dir).exists() and any(e["kind"] == "live_step" for e in _events(run_dir))
 
 
-@pytest.fixture(scope="module")
-def sigkilled(runs) -> tuple[Path, int, subprocess.CompletedProcess]:
+def _sigkilled_and_resumed(root: Path) -> tuple[Path, int, subprocess.CompletedProcess]:
     """The whole job (launcher and ranks) SIGKILLed once the durable save of step 4 committed, then the
     same command with ``--resume auto``: the run dir, the step it resumed from, the resumed command."""
-    run_dir = runs / "sigkilled"
+    run_dir = root / "sigkilled"
 
     def committed() -> list[int]:
         return [info.step for info in list_checkpoints(run_dir / "checkpoints") if info.committed]
@@ -135,6 +157,11 @@ def sigkilled(runs) -> tuple[Path, int, subprocess.CompletedProcess]:
                        timeout=300)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     return run_dir, newest, again
+
+
+@pytest.fixture(scope="module")
+def sigkilled(resumed_jobs) -> tuple[Path, int, subprocess.CompletedProcess]:
+    return resumed_jobs["sigkilled"].result()
 
 
 def _events(run_dir: Path) -> list[dict]:

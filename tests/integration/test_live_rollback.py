@@ -23,6 +23,8 @@ multiplied by 10^4 every time it is fed (``LIVE_LOOP_SPIKE_AT``):
   the drill's ``scale`` at step 7 (rank 0's first micro-batch, once in the run) spikes the global norm, every
   rank restores ``global_step_6`` and skips data positions [6, 8), the run ends after its 10 steps, and
   ``trainguard report``'s page lists the rollback.
+
+The five runs start together in one module fixture (``launched``); each test waits for its own.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -60,7 +63,7 @@ def _config(root: Path, group_size: int = 1) -> Path:
     config = root / f"live_rollback_{group_size}.yaml"
     config.write_text(f"parallel: {{dp_replicate: 2, dp_shard: {group_size}}}\n"
                       f"train: {{steps: {STEPS}, micro_batches: {MICRO_BATCHES}}}\n"
-                      "fault_tolerance: {live: true}\n"
+                      "fault_tolerance: {live: true, hang_s: 60}\n"
                       "checkpoint: {save_interval: 3}\n"
                       "guards: {check_for_global_norm: true, skip: {threshold: 50.0}, "
                       "rollback: {window_before: 1, window_after: 1}, fingerprint: {interval: 1}}\n")
@@ -108,8 +111,28 @@ def root(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def rolled(root):
-    return root / "rolled", _ok(_live(root / "rolled", _config(root)))
+def launched(root) -> dict[str, Future]:
+    """Every run of the module, started at once in threads of their own (most of a run is waits they share),
+    each test waiting for its own. The heartbeat timeout is long (``_config``, ``TRAINER``): 11 ranks starting
+    together on a small machine can be silent for longer than the default 10 s; no run drills a hang."""
+    config, sharded = _config(root), _config(root, 2)  # written here, before any thread reads them
+    runs = {"rolled": lambda: _live(root / "rolled", config),
+            "killed": lambda: _live(root / "killed", config, "faults=kill:rank=1,step=8"),
+            "killed_in_restore": lambda: _live(root / "killed_in_restore", sharded, world=WORLD * 2,
+                                               **{live_loop.DIE_IN_RESTORE_ENV: "1"}),
+            "recurring": lambda: _live(root / "recurring", config, "faults=spike:step=7,factor=10000",
+                                       "guards.rollback.max_rollbacks=1", spike=False),
+            "trainer": lambda: finish_session(warm_server().start(["train", "--run-dir", str(root / "trainer"),
+                                                                   *TRAINER], worker_env()),
+                                              TIMEOUT_S, "the live trainer run with rollback")}
+    warm_server()  # the session's server made here, not by several threads at once
+    with ThreadPoolExecutor(max_workers=len(runs)) as pool:
+        yield {name: pool.submit(run) for name, run in runs.items()}
+
+
+@pytest.fixture(scope="module")
+def rolled(root, launched):
+    return root / "rolled", _ok(launched["rolled"].result())
 
 
 def test_a_spike_rolls_every_rank_back_and_the_run_equals_the_contracts_training_without_the_window(rolled):
@@ -136,9 +159,9 @@ def test_the_loop_is_told_rolled_back_with_the_restored_step(rolled):
     assert "rolled back to step 6" in done.stdout
 
 
-def test_a_rank_killed_after_the_rollback_rejoins_with_the_window_and_the_run_ends_bitwise(root, rolled):
+def test_a_rank_killed_after_the_rollback_rejoins_with_the_window_and_the_run_ends_bitwise(root, launched, rolled):
     run_dir = root / "killed"
-    done = _ok(_live(run_dir, _config(root), "faults=kill:rank=1,step=8"))
+    done = _ok(launched["killed"].result())
     assert "ranks replaced: [1]" in done.stdout
     [joined] = _events(run_dir, "live_joined")
     assert joined["step"] < STEPS - 5  # the replacement trains past the window with the positions it received
@@ -146,10 +169,9 @@ def test_a_rank_killed_after_the_rollback_rejoins_with_the_window_and_the_run_en
     assert run_differences(rolled[0], run_dir, WORLD) == {}
 
 
-def test_a_rank_killed_inside_the_restore_of_a_sharded_rollback_ends_bitwise(root, rolled):
+def test_a_rank_killed_inside_the_restore_of_a_sharded_rollback_ends_bitwise(root, launched, rolled):
     run_dir, group_size = root / "killed_in_restore", 2
-    done = _ok(_live(run_dir, _config(root, group_size), world=WORLD * group_size,
-                     **{live_loop.DIE_IN_RESTORE_ENV: "1"}))
+    done = _ok(launched["killed_in_restore"].result())
     assert (run_dir / "died_in_restore_rank_1").exists()  # it did die inside the restore
     assert "ranks replaced: [1]" in done.stdout
     [event] = _events(run_dir, "rollback")  # the undone restore left no rollback of its own
@@ -158,10 +180,9 @@ def test_a_rank_killed_inside_the_restore_of_a_sharded_rollback_ends_bitwise(roo
     assert bitwise_differences(whole_final_state(run_dir, group_size), whole_final_state(rolled[0], 1)) == []
 
 
-def test_a_rollback_that_recurs_too_often_aborts_every_rank_with_exit_3(root):
+def test_a_rollback_that_recurs_too_often_aborts_every_rank_with_exit_3(root, launched):
     run_dir = root / "recurring"
-    done = _live(run_dir, _config(root), "faults=spike:step=7,factor=10000", "guards.rollback.max_rollbacks=1",
-                 spike=False)
+    done = launched["recurring"].result()
     assert done.returncode == 3, done.stdout[-3000:] + done.stderr[-3000:]
     [abort] = _events(run_dir, "rollback_abort")
     assert "recurred after 1 rollbacks without progress (guards.rollback.max_rollbacks=1)" in abort["message"]
@@ -174,17 +195,16 @@ def test_a_rollback_that_recurs_too_often_aborts_every_rank_with_exit_3(root):
 
 TRAINER_STEPS = 10
 TRAINER = ["--nproc", str(WORLD), "--steps", str(TRAINER_STEPS), "--save-interval", "3", *TINY,
-           *[arg for item in ("fault_tolerance.live=true", "parallel.dp_replicate=2", "train.micro_batches=2",
+           *[arg for item in ("fault_tolerance.live=true", "fault_tolerance.hang_s=60", "parallel.dp_replicate=2", "train.micro_batches=2",
                               "guards.check_for_global_norm=true", "guards.skip.threshold=10.0",
                               "guards.rollback.window_before=1", "guards.rollback.window_after=1",
                               "faults=scale:rank=0,step=7,site=model.layers.0,where=grad_input,factor=1000")
              for arg in ("--set", item)]]
 
 
-def test_trainguard_train_live_rolls_back_on_a_spike_skips_the_window_and_the_report_shows_it(root):
+def test_trainguard_train_live_rolls_back_on_a_spike_skips_the_window_and_the_report_shows_it(root, launched):
     run_dir = root / "trainer"
-    _ok(finish_session(warm_server().start(["train", "--run-dir", str(run_dir), *TRAINER], worker_env()),
-                       TIMEOUT_S, "the live trainer run with rollback"))
+    _ok(launched["trainer"].result())
     [event] = _events(run_dir, "rollback")
     assert (event["step"], event["to_step"], event["window"], event["skipped"]) == (7, 6, [7, 8], [[6, 8]])
     for rank in range(WORLD):

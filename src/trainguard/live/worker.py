@@ -652,6 +652,8 @@ class LiveWorker:
             path.parent.mkdir(exist_ok=True)
             atomic_write_bytes(path, serialised(self.state.state_dict()))
         if self.sdc is not None:
+            if sdc.faulty:  # a planned exit, agreed by every member: the durable save in flight commits first
+                self.settle_saves()
             self.sdc.leave_if_struck_out(sdc.faulty)  # saved first: its group leaves, the others go on
         if newer_seen and self.stop is None:
             self.switch(quorum.epoch + 1)

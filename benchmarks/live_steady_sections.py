@@ -5,7 +5,9 @@ calling thread's CPU, ``time.thread_time``) and the rank process's CPU over all 
 ``WARMUP``-th step on, and writes them at the rank's exit. The table gives per step, averaged over the
 4 ranks: the process CPU, then each section's wall and main-thread CPU. On 4 ranks sharing 2 cores the
 CPU a rank spends per step bounds the steps/s more than any wall figure; wall figures include the waits
-for the slowest rank. Usage: ``python benchmarks/live_steady_sections.py [--steps 40]``.
+for the slowest rank. ``--base-src DIR`` adds the live FSDP2 arm run on another tree's ``src`` (for
+example ``git archive main src | tar -x -C DIR``), a before/after in one run.
+Usage: ``python benchmarks/live_steady_sections.py [--steps 40] [--base-src DIR]``.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ SECTIONS = {
     "plain HSDP": (COMMON + ["torch.nn.utils:clip_grad_norm_"], "torch.distributed.tensor._api:DTensor.full_tensor"),
     "live FSDP2": (COMMON + [f"trainguard.live.worker:LiveWorker.{name}" for name in
                              ("fsdp_shares", "reduce", "norms", "wait_group")]
-                   + ["trainguard.live.state:LiveState.undo_point", "trainguard.live.fsdp_comms:GroupLink.statuses"],
+                   + ["trainguard.live.state:LiveState.undo_point", "trainguard.live.fsdp_comms:GroupLink.swap"],
                    "trainguard.live.worker:LiveWorker.step"),
 }
 
@@ -95,12 +97,12 @@ def wrap(out_dir: str, timed: list[str], step_mark: str, argv: list[str]) -> Non
     dump()
 
 
-def run_arm(arm: str, steps: int, micro_batches: int, tmp: Path) -> list[dict]:
-    out = tmp / arm.replace(" ", "_")
+def run_arm(arm: str, steps: int, micro_batches: int, tmp: Path, src: Path = ROOT / "src") -> list[dict]:
+    out = tmp / f"{arm.replace(' ', '_')}_{len(list(tmp.iterdir()))}"
     out.mkdir()
     timed, mark = SECTIONS[arm]
     wrapper = [__file__, "--wrap", str(out), ",".join(timed), mark, "--"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(EXAMPLES), str(ROOT / "src")]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(EXAMPLES), str(src)]))
     if arm == "plain HSDP":
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", *wrapper,
                    str(EXAMPLES / "user_loop_plain.py"), "--run-dir", str(out / "run"), "--steps", str(steps),
@@ -144,10 +146,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--base-src", type=Path, help="also run the live FSDP2 arm on this trainguard source tree")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="live_sections_") as tmp:
         for arm in SECTIONS:
             table(arm, run_arm(arm, args.steps, args.micro_batches, Path(tmp)))
+        if args.base_src is not None:
+            table(f"live FSDP2 on {args.base_src}",
+                  run_arm("live FSDP2", args.steps, args.micro_batches, Path(tmp), args.base_src.resolve()))
 
 
 if __name__ == "__main__":

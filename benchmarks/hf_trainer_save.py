@@ -14,13 +14,17 @@ after one warm-up save, the methods interleaved round by round:
                   cost if it survived a power loss as ours does (a reference row, not the target's).
 2. ``tg sync``    ``checkpoint.async_save: false``: ``guard.checkpoints.save_durable(step)`` until it
                   returns, the checkpoint committed (DCP files hashed as written and fsynced, manifest,
-                  rename, ``huggingface/`` config), with ``checkpoint.keep_last=2``.
+                  rename, ``huggingface/`` config), with ``checkpoint.keep_last=2``; ``then deleting``:
+                  the retired checkpoint's files deleted in the background after it returned (the
+                  plain save deletes its oldest inside its time).
 3. ``tg async``   the default: the time ``save_durable`` blocks the loop, and the time ``wait_for_staging``
                   blocks it before the next optimizer step when nothing overlaps the copy (in training
                   the next forward and backward hide it); ``commit`` is until the save is committed.
 
 ``--profile``: cProfile of the ``tg sync`` saves, the 25 costliest functions by cumulative time
-(``HF_SAVE_PROFILE_SORT=tottime`` sorts by their own time). ``--quick``: 3 repeats.
+(``HF_SAVE_PROFILE_SORT=tottime`` sorts by their own time). ``--sections``: wall time of each phase of
+the ``tg sync`` saves (perf_counter around the functions in ``SECTIONS``, medians per save; nested
+phases are indented, and ``os.fsync`` counts every fsync of the save). ``--quick``: 3 repeats.
 It is a benchmark: the targets (tg sync at most 1.5x plain, and at most 1.5x plain+fsync, the same
 durability; tg async's save + staging at most 0.5x plain) are reported as met or missed, never asserted.
 """
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import importlib.util
 import os
 import pstats
@@ -117,15 +122,74 @@ SAVES = {"plain": plain_save, "plain+fsync": plain_durable_save}
 
 
 def guarded_save(trainer, step: int) -> dict[str, float]:
+    """A sync save is committed when ``save_durable`` returns; the files of the checkpoint its retention
+    retired are then deleted in the background (the next save waits for what is left, counted in its
+    own time). That deletion is waited for here after the timing, so that it does not run during the
+    other methods' saves, and reported apart (``deleting``)."""
     checkpoints = trainer.guard.checkpoints
     started = time.perf_counter()
     checkpoints.save_durable(step, trainer.guard.trainer_state())
     returned = time.perf_counter()
     checkpoints.wait_for_staging()
     staged = time.perf_counter()
-    checkpoints.durable.wait()
+    async_save = checkpoints.durable.async_save
+    if async_save:
+        checkpoints.durable.wait()
     committed = time.perf_counter()
-    return {"save": returned - started, "staging": staged - returned, "commit": committed - started}
+    checkpoints.durable.wait()
+    return {"save": returned - started, "staging": staged - returned, "commit": committed - started,
+            "deleting": 0.0 if async_save else time.perf_counter() - committed}
+
+
+SECTIONS = [  # (module, owner in it or "", attribute, label): where a sync save's time goes
+    ("os", "", "fsync", "os.fsync (every fsync)"),
+    ("trainguard.checkpoint.durable", "DurableCheckpointer", "_prepare", "directory, extra state, static files"),
+    ("trainguard.checkpoint.durable", "", "write_rank_files", "rank files (DCP save + extra state)"),
+    ("torch.distributed.checkpoint.default_planner", "DefaultSavePlanner", "create_local_plan", "  DCP local plan"),
+    ("torch.distributed.checkpoint.default_planner", "DefaultSavePlanner", "create_global_plan", "  DCP global plan"),
+    ("trainguard.checkpoint.dcp_writer", "ChecksummingFileSystemWriter", "write_data", "  shard written"),
+    ("trainguard.checkpoint.hashing_file", "HashingFile", "close_durably", "    files' last write + fsync"),
+    ("torch.distributed.checkpoint.filesystem", "FileSystemWriter", "finish", "  DCP .metadata"),
+    ("trainguard.checkpoint.durable", "", "build_manifest", "manifest built"),
+    ("trainguard.checkpoint.durable", "", "commit_checkpoint", "commit"),
+    ("trainguard.checkpoint.commit", "", "seal", "  seal (manifest, fsyncs)"),
+    ("trainguard.checkpoint.durable", "DurableCheckpointer", "_apply_retention", "retention in the save"),
+    ("trainguard.checkpoint.durable", "", "delete_retired", "retired checkpoint deleted (background)"),
+]
+
+
+def timed_sections(totals: dict[str, float]) -> None:
+    """Wraps every function of ``SECTIONS`` so that its wall time adds up in ``totals`` by label."""
+    for module_name, owner_name, attribute, label in SECTIONS:
+        owner = importlib.import_module(module_name)
+        if owner_name:
+            owner = getattr(owner, owner_name)
+        original = getattr(owner, attribute)
+
+        @functools.wraps(original)
+        def timed(*args, _original=original, _label=label, **kwargs):
+            started = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                totals[_label] = totals.get(_label, 0.0) + time.perf_counter() - started
+
+        setattr(owner, attribute, timed)
+
+
+def print_sections(trainer, repeats: int) -> None:
+    totals: dict[str, float] = {}
+    timed_sections(totals)
+    per_save: dict[str, list[float]] = {label: [] for *_, label in SECTIONS}
+    whole = []
+    for step in range(3000, 3000 + repeats):
+        totals.clear()
+        whole.append(guarded_save(trainer, step)["commit"])
+        for label in per_save:
+            per_save[label].append(totals.get(label, 0.0))
+    print(f"\ntg sync save, where the time goes: medians of {repeats} saves, ms (whole save {median(whole) * 1e3:.1f})")
+    for label, values in per_save.items():
+        print(f"{label:<45} {median(values) * 1e3:>8.1f}")
 
 
 def main() -> None:
@@ -136,6 +200,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--dir", default=tempfile.gettempdir())
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--sections", action="store_true", help="wall time of each phase of the tg sync saves")
     parser.add_argument("--quick", action="store_true", help="3 repeats (benchmarks/run_all --quick)")
     args = parser.parse_args()
     if args.quick:
@@ -160,19 +225,23 @@ def main() -> None:
                 guarded_save(made["tg sync"], step)
             profiler.disable()
             pstats.Stats(profiler).sort_stats(os.environ.get("HF_SAVE_PROFILE_SORT", "cumulative")).print_stats(25)
+        if args.sections:
+            print_sections(made["tg sync"], args.repeats)
         for name in ("tg sync", "tg async"):
             made[name].guard.close()
         plain = median([t["save"] for t in times["plain"]])
         print(f"\nhf_trainer_save: Qwen2 hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: "
               f"{parameters / 1e6:.1f} M parameters ({parameters * 4 / 2**20:.0f} MiB fp32, AdamW state 2x that); "
               f"medians of {args.repeats} saves, ms")
-        print(f"{'method':<11} {'blocks the loop':>16} {'+ staging':>10} {'committed':>10} {'vs plain':>9}")
+        print(f"{'method':<11} {'blocks the loop':>16} {'+ staging':>10} {'committed':>10} {'vs plain':>9} "
+              f"{'then deleting':>14}")
         for name, rows in times.items():
             save = median([t["save"] for t in rows])
             staging = median([t.get("staging", 0.0) for t in rows])
             commit = median([t.get("commit", t["save"]) for t in rows])
+            deleting = median([t.get("deleting", 0.0) for t in rows])
             print(f"{name:<11} {save * 1e3:>16.1f} {staging * 1e3:>10.1f} {commit * 1e3:>10.1f} "
-                  f"{(save + staging) / plain:>8.2f}x")
+                  f"{(save + staging) / plain:>8.2f}x {deleting * 1e3:>14.1f}")
         sync = median([t["save"] for t in times["tg sync"]])
         print_result("hf_trainer sync save vs plain Trainer save", sync, plain, f"<= {TARGET_SYNC_RATIO}x",
                      sync <= TARGET_SYNC_RATIO * plain)

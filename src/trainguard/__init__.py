@@ -8,7 +8,8 @@ The public API for your own training loop:
   ``fault_tolerance.live: true`` the same loop trains with live recovery instead (a rank dies, the
   others keep stepping, its replacement rejoins; same result). See ``docs/live_recovery.md``.
 - ``data_parallel_mesh``: the mesh to shard the model over, the same call under ``torchrun`` and in
-  live mode (None there: each rank holds the whole model).
+  live mode (None there: each rank holds the whole model). ``device_mesh(tp)``: the 2-D ``(dp_shard, tp)``
+  mesh for tensor parallel inside each replica group, the same call in both modes.
 - ``CheckpointManager``: durable async checkpoints with atomic commit, verification and exact resume.
 - ``clip_grad_norm_``: the true global gradient norm under FSDP2/HSDP/TP/PP, and clipping by it.
 - ``DataSkipGuard``: the global-norm spike rule (skip, count, abort) on its own.
@@ -25,7 +26,7 @@ if TYPE_CHECKING:  # for type checkers; at run time __getattr__ below imports th
     from trainguard.guards.skip import DataSkipGuard  # noqa: F401
     from trainguard.norms import clip_grad_norm_  # noqa: F401
     from trainguard.step.guard import Config, Guard, StepOutcome  # noqa: F401
-    from trainguard.step.mesh import data_parallel_mesh  # noqa: F401
+    from trainguard.step.mesh import data_parallel_mesh, device_mesh  # noqa: F401
 
 __version__ = "0.1.0"
 
@@ -36,7 +37,7 @@ _EXPORTS = {
     "guards.skip": ("DataSkipGuard",),
     "norms": ("clip_grad_norm_",),
     "step.guard": ("Config", "Guard", "StepOutcome"),
-    "step.mesh": ("data_parallel_mesh",),
+    "step.mesh": ("data_parallel_mesh", "device_mesh"),
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 __all__ = sorted(name for names in _EXPORTS.values() for name in names) + ["__version__"]

@@ -4,9 +4,11 @@ the Hugging Face converter, a restore from the mirror).
 A checkpoint is written into a directory that is not one yet (``global_step_N.tmp-<token>/``). The
 commit then, in this order:
 
-1. ``seal``: fsyncs each listed file its writer did not fsync (files hashed by reading them, such as
-   DCP's ``.metadata`` or the static files) and the manifest ``trainguard.json``, then every directory
-   entry of the tree: from here on the directory describes itself;
+1. ``seal``: writes the manifest ``trainguard.json``, then fsyncs it, each listed file its writer did
+   not fsync (files hashed by reading them, such as DCP's ``.metadata`` or the static files) and every
+   directory of the tree, all at once (``fsio.fsync_all``: issued together, they share the file
+   system's journal commits instead of waiting for one each): from here on the directory describes
+   itself;
 2. ``publish``: renames it to its final name (deleting a directory of that name first only when told
    to, crash-safely);
 3. records its health in ``health_ckpts.json`` when the manifest carries a verdict;
@@ -27,8 +29,8 @@ from pathlib import Path
 
 from trainguard.checkpoint.discovery import read_latest, write_latest
 from trainguard.checkpoint.manifest import Manifest, write_manifest
-from trainguard.fs.fsio import commit_directory, fsync_dir, fsync_file, fsync_tree
-from trainguard.fs.layout import HEALTH_FILE, step_dir_name
+from trainguard.fs.fsio import commit_directory, fsync_all, fsync_dir, tree_directories
+from trainguard.fs.layout import HEALTH_FILE, MANIFEST_NAME, step_dir_name
 from trainguard.guards.health import marked_unhealthy, record_health
 
 
@@ -48,20 +50,18 @@ class Committed:
 
 
 def seal(directory: Path, manifest: Manifest, *, fsynced: Collection[str] = ()) -> None:
-    """Makes ``directory``'s files, its manifest and its entries durable (one fsync of each directory
-    after the manifest is in place: the directory is not published yet, so the manifest need not be
-    durable before the others, only all of them before the publishing rename).
+    """Makes ``directory``'s files, its manifest and its entries durable: one fsync of each, all issued
+    together once the manifest is in place (the directory is not published yet, so no file need be
+    durable before another, only all of them before the publishing rename).
 
     ``fsynced``: relative paths of files their writers already fsynced (hashed as written); every other
     file the manifest lists is fsynced here: having been read to hash it says nothing about its being
     on disk.
     """
     directory = Path(directory)
-    for entry in manifest.files:
-        if entry.path not in fsynced:
-            fsync_file(directory / entry.path)
-    write_manifest(directory, manifest, sync_dir=False)
-    fsync_tree(directory)
+    write_manifest(directory, manifest, sync_dir=False, sync_file=False)
+    unsynced = [directory / entry.path for entry in manifest.files if entry.path not in fsynced]
+    fsync_all([*unsynced, directory / MANIFEST_NAME, *tree_directories(directory)])
 
 
 def commit_checkpoint(

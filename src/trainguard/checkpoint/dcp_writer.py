@@ -44,7 +44,10 @@ class ChecksummingFileSystemWriter(FileSystemWriter):
     def __init__(self, path: str | os.PathLike, files: Writer = IN_PROCESS, *, direct: bool = True):
         """``files`` runs the writing (``write_records``): here (the default), or in a writer process;
         ``direct``: whether the shard bypasses the page cache (``HashingFile``)."""
-        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
+        # ``sync_files=False``: this writer fsyncs the shards itself (``write_records``), and DCP's own
+        # fsync of ``.metadata`` (torch 2.13 ``FileSystemWriter.finish``) runs before its buffered bytes
+        # are flushed, so it only cost a journal commit: the commit's seal fsyncs ``.metadata``.
+        super().__init__(path, single_file_per_rank=True, sync_files=False, thread_count=1)
         self.files = files
         self.direct = direct
         self.written: dict[str, FileEntry] = {}

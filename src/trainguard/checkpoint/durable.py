@@ -61,7 +61,7 @@ from trainguard.checkpoint.state_dict import STATE_DICT_OPTIONS, training_state
 from trainguard.checkpoint.writer_process import allocator_for, make_writer, writer_died
 from trainguard.errors import CheckpointError, UnsafeCheckpointError, raised_by_every_rank
 from trainguard.events import EventLog
-from trainguard.fs.fsio import remove_directory_crash_safe
+from trainguard.fs.fsio import delete_retired, retire_directory
 from trainguard.fs.layout import HEALTH_FILE, extra_state_name, parse_step_dir, step_dir_name, temp_dir_name
 from trainguard.guards.health import marked_unhealthy, unhealthy_names
 
@@ -214,9 +214,15 @@ class DurableCheckpointer:
             self._inflight = self._background.run(self._finish_guarded, snapshot, plan.staged, prepare)
         else:
             job = self._prepare(step, tmp, extra_state, trainer_state, started, health, write_static_files)
-            self._finish_or_say_full(training_state(model, optimizer), job)
+            retired = self._finish_or_say_full(training_state(model, optimizer), job)
             blocked = Blocked(time.perf_counter() - called, started - called)
             self._saved(step, blocked)
+            if retired:
+                # The checkpoints retention retired are gone for every reader (renamed); making that
+                # durable and deleting their files (for big files, longer than the commit:
+                # benchmarks/hf_trainer_save.py) is left to the background thread, which the next save
+                # waits for before it writes. A crash before it keeps them whole, as if not yet retired.
+                self._inflight = self._background.run(self._delete_guarded, retired)
         return blocked
 
     def _saved(self, step: int, blocked: Blocked) -> None:
@@ -259,13 +265,20 @@ class DurableCheckpointer:
         try:
             job = prepare()
             snapshot.copied()
-            self._finish_or_say_full(state, job)
+            delete_retired(self._finish_or_say_full(state, job))
         except BaseException as exc:  # surfaced by the next wait()
             self._error = exc
 
-    def _finish_or_say_full(self, state: dict[str, Any], job: SaveJob) -> None:
+    def _delete_guarded(self, retired: list[Path]) -> None:
         try:
-            self._finish(state, job)
+            delete_retired(retired)
+        except BaseException as exc:  # surfaced by the next wait()
+            self._error = exc
+
+    def _finish_or_say_full(self, state: dict[str, Any], job: SaveJob) -> list[Path]:
+        """``_finish``, its disk-full failure said in one line."""
+        try:
+            return self._finish(state, job)
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             died = writer_died(exc)
             if died is not None:
@@ -278,7 +291,9 @@ class DurableCheckpointer:
                 tensor_bytes(state) * self.world_size
             raise disk_full_error(self.root, job.step, needed) from None
 
-    def _finish(self, state: dict[str, Any], job: SaveJob) -> None:
+    def _finish(self, state: dict[str, Any], job: SaveJob) -> list[Path]:
+        """Writes this rank's files and (rank 0) commits the checkpoint; returns the directories retention
+        retired (rank 0), to be deleted (``fsio.delete_retired``)."""
         # A sync save's loop waits for the whole write: through the page cache (writeback started as
         # each 16 MiB is complete, one fsync at the end) it ends sooner than direct writes, which wait
         # for the device buffer by buffer (benchmarks/hf_trainer_save.py). An async save's loop waits
@@ -287,7 +302,7 @@ class DurableCheckpointer:
         known = gather_entries(job, entries, failure, rank=self.rank, world_size=self.world_size,
                                process_group=self.process_group)
         if self.rank != 0:
-            return
+            return []
         manifest = build_manifest(
             job.tmp,
             step=job.step,
@@ -301,14 +316,14 @@ class DurableCheckpointer:
         # A committed directory of this step was left by a timeline this run resumed before (passed over
         # as bad, or newer than the resume point): the step is being redone, and the new one is the
         # checkpoint of record.
-        # DCP's ``.metadata`` stays out of ``fsynced``: DCP's own fsync of it runs before its buffered
-        # file is flushed (torch 2.13 ``FileSystemWriter.finish``), so its last bytes are durable only
-        # through the seal's fsync.
+        # DCP's ``.metadata`` stays out of ``fsynced``: DCP does not fsync it (``sync_files=False``), the
+        # seal does.
         committed = commit_checkpoint(job.tmp, manifest, fsynced=known, replace=True)
-        self._after_commit(committed, time.perf_counter() - job.started)
+        return self._after_commit(committed, time.perf_counter() - job.started)
 
-    def _after_commit(self, committed: Committed, seconds: float) -> None:
-        """What follows a commit on rank 0: its events, retention, then the commit hooks."""
+    def _after_commit(self, committed: Committed, seconds: float) -> list[Path]:
+        """What follows a commit on rank 0: its events, retention, then the commit hooks; returns the
+        directories retention retired (renamed, to be deleted: ``fsio.delete_retired``)."""
         step = committed.manifest.step
         if committed.replaced:
             self.events.emit("checkpoint_deleted", step=step, reason="replaced by a redone step", tier="durable")
@@ -320,21 +335,25 @@ class DurableCheckpointer:
             seconds=seconds,
             tier="durable",
         )
-        self._apply_retention(step)
+        retired = self._apply_retention(step)
         for hook in self.commit_hooks:
             hook(step, committed.path)
+        return retired
 
-    def _apply_retention(self, committed: int) -> None:
+    def _apply_retention(self, committed: int) -> list[Path]:
+        """Retires (``fsio.retire_directory``) the checkpoints the policy drops; returns their new names."""
         steps = [s for s in (parse_step_dir(p.name) for p in self.root.iterdir()) if s is not None]
         recorded = unhealthy_names(self.root / HEALTH_FILE)
         unhealthy = [s for s in steps if s <= committed and (step_dir_name(s) in recorded
                                                              or _marked_unhealthy(self.root / step_dir_name(s)))]
         keep = self.protected() if self.protected is not None else set()
+        retired = []
         for step in retention_after_commit(steps, committed, unhealthy, self.keep_last, self.keep_every):
             if step in keep:
                 continue
-            remove_directory_crash_safe(self.root / step_dir_name(step))
+            retired.append(retire_directory(self.root / step_dir_name(step)))
             self.events.emit("checkpoint_deleted", step=step, reason="retention", tier="durable")
+        return retired
 
     def load(
         self, ckpt_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, source_world_size: int

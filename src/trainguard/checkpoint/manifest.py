@@ -232,8 +232,9 @@ def build_manifest(
     )
 
 
-def write_manifest(ckpt_dir: PathLike, manifest: Manifest, *, sync_dir: bool = True) -> None:
-    atomic_write_json(Path(ckpt_dir) / MANIFEST_NAME, manifest.to_dict(), sync_dir=sync_dir)
+def write_manifest(ckpt_dir: PathLike, manifest: Manifest, *, sync_dir: bool = True, sync_file: bool = True) -> None:
+    """``sync_dir``, ``sync_file``: as ``fsio.atomic_write_bytes``'s."""
+    atomic_write_json(Path(ckpt_dir) / MANIFEST_NAME, manifest.to_dict(), sync_dir=sync_dir, sync_file=sync_file)
 
 
 def read_manifest(ckpt_dir: PathLike) -> Manifest:

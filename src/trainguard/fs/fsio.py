@@ -10,7 +10,8 @@ import ctypes
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -38,16 +39,19 @@ def fsync_dir(path: PathLike) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: PathLike, data: bytes, *, sync_dir: bool = True) -> None:
+def atomic_write_bytes(path: PathLike, data: bytes, *, sync_dir: bool = True, sync_file: bool = True) -> None:
     """Replaces ``path`` with ``data`` so that readers see the old or the new content, never a mix.
-    ``sync_dir=False``: the caller fsyncs ``path``'s directory itself (one fsync for several entries)."""
+    ``sync_dir=False``: the caller fsyncs ``path``'s directory itself (one fsync for several entries).
+    ``sync_file=False``: the caller fsyncs ``path`` itself before anything depends on it being durable
+    (a file of a directory not yet published, fsynced together with the others: ``fsync_all``)."""
     path = Path(path)
     temp = path.with_name(f"{path.name}{TEMP_MARKER}{new_token()}")
     try:
         with open(temp, "xb") as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            if sync_file:
+                os.fsync(f.fileno())
         os.replace(temp, path)
     except BaseException:
         temp.unlink(missing_ok=True)
@@ -56,22 +60,54 @@ def atomic_write_bytes(path: PathLike, data: bytes, *, sync_dir: bool = True) ->
         fsync_dir(path.parent)
 
 
-def atomic_write_text(path: PathLike, text: str, encoding: str = "utf-8", *, sync_dir: bool = True) -> None:
-    atomic_write_bytes(path, text.encode(encoding), sync_dir=sync_dir)
+def atomic_write_text(path: PathLike, text: str, encoding: str = "utf-8", *, sync_dir: bool = True,
+                      sync_file: bool = True) -> None:
+    atomic_write_bytes(path, text.encode(encoding), sync_dir=sync_dir, sync_file=sync_file)
 
 
-def atomic_write_json(path: PathLike, obj: Any, indent: int | None = 2, *, sync_dir: bool = True) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=indent) + "\n", sync_dir=sync_dir)
+def atomic_write_json(path: PathLike, obj: Any, indent: int | None = 2, *, sync_dir: bool = True,
+                      sync_file: bool = True) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=indent) + "\n", sync_dir=sync_dir, sync_file=sync_file)
+
+
+def tree_directories(root: PathLike) -> list[Path]:
+    """Every directory under ``root`` (links not followed), deepest first, then ``root`` itself."""
+    root = Path(root)
+    return [path for path in sorted(root.rglob("*"), reverse=True) if path.is_dir() and not path.is_symlink()] + [root]
 
 
 def fsync_tree(root: PathLike) -> None:
     """Makes every directory entry under ``root`` durable, deepest first, then ``root``'s own entries
     (files' contents are their writers' to fsync)."""
-    root = Path(root)
-    for path in sorted(root.rglob("*"), reverse=True):
-        if path.is_dir() and not path.is_symlink():
-            fsync_dir(path)
-    fsync_dir(root)
+    for directory in tree_directories(root):
+        fsync_dir(directory)
+
+
+FSYNC_THREADS = 16
+
+
+def fsync_all(paths: Iterable[PathLike]) -> None:
+    """Fsyncs every file and directory of ``paths`` (directories: their entries), all at once from
+    threads; returns when every one is durable, raises the first failure. For things whose order on
+    disk does not matter, only that all of them are there before what comes next (a checkpoint's files
+    and directories before its publishing rename). Issued together, the file system commits them in
+    one or a few journal transactions; one after the other, each fsync of a new file or directory
+    waits for a journal commit of its own (several ms on a busy disk)."""
+    paths = list(paths)
+    if len(paths) <= 1:
+        for path in paths:
+            _fsync_path(path)
+        return
+    with ThreadPoolExecutor(max_workers=min(FSYNC_THREADS, len(paths)), thread_name_prefix="trainguard-fsync") as pool:
+        for done in [pool.submit(_fsync_path, path) for path in paths]:
+            done.result()
+
+
+def _fsync_path(path: PathLike) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        fsync_dir(path)
+    else:
+        fsync_file(path)
 
 
 def commit_directory(temp_dir: PathLike, final_dir: PathLike, *, replace: bool = False,
@@ -102,11 +138,27 @@ def commit_directory(temp_dir: PathLike, final_dir: PathLike, *, replace: bool =
 def remove_directory_crash_safe(path: PathLike) -> None:
     """Deletes a directory so that a crash midway leaves a ``.trash-*`` leftover, never a half-deleted
     directory under its original (possibly committed-looking) name."""
+    delete_retired([retire_directory(path)])
+
+
+def retire_directory(path: PathLike) -> Path:
+    """The first half of ``remove_directory_crash_safe``: renames the directory to a ``.trash-*`` name
+    beside it and returns that name; from then on it is gone for every reader of this file system.
+    The rename is not yet durable: ``delete_retired`` makes it so before deleting anything, and a crash
+    before that brings the directory back whole under its name."""
     path = Path(path)
     trash = path.with_name(trash_name(path.name))
     os.rename(path, trash)
-    fsync_dir(path.parent)
-    remove_tree(trash)
+    return trash
+
+
+def delete_retired(retired: Sequence[Path]) -> None:
+    """The second half: makes the renames of ``retire_directory`` durable (one fsync of each parent),
+    then deletes the retired trees; a crash midway leaves ``.trash-*`` leftovers (``clean_stale``)."""
+    for parent in dict.fromkeys(trash.parent for trash in retired):
+        fsync_dir(parent)
+    for trash in retired:
+        remove_tree(trash)
 
 
 def clean_stale(root: PathLike) -> list[Path]:

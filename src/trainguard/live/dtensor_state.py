@@ -1,10 +1,10 @@
-"""An FSDP2 rank's model and optimizer state as plain tensors (its ``Shard(0)`` rows) and back.
+"""An FSDP2 rank's model and optimizer state as plain tensors (its local shards) and back, and what it owns of them.
 
 What a live rank sends a joiner, writes into its final state file and its drill checkpoints is loaded
 with ``torch.load(weights_only=True)``, which admits no DTensor (nor the mesh it would pickle, whose
-process group is another process's). So a DTensor travels as its local rows (``to_local()``: the rows of
-``sharded_params``' layout), and is made a DTensor again on the receiver's own parameter's mesh and
-placements. A model without DTensors passes through unchanged.
+process group is another process's). So a DTensor travels as its local tensor (``to_local()``: the rows of
+``sharded_params``' layout on a 1-D mesh, the 2-D piece with tensor parallel), and is made a DTensor again
+on the receiver's own parameter's mesh and placements. A model without DTensors passes through unchanged.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from trainguard.live.replica_mesh import TP_DIM
 
 
 def _with_local_rows(value: Any, other: Callable[[Any], Any]) -> Any:
@@ -78,3 +80,20 @@ def optimizer_state_like(optimizer: torch.optim.Optimizer, state: dict[str, Any]
     by_index = {index: {name: _like(params[int(index)], value) for name, value in entry.items()}
                 for index, entry in state["state"].items()}
     return {**state, "state": by_index}
+
+
+def owned_square_sum(tensor: torch.Tensor, tp_coordinate: int = 0) -> torch.Tensor:
+    """The float64 sum of squares of what this rank owns of ``tensor``: its local piece when it is the first
+    rank of each mesh dimension the tensor is replicated over, else zero; so the owned sums of a mesh's
+    ranks add up to the whole tensor's, each element counted once. Tensor parallel replicates a row-wise
+    layer's bias over its ``tp`` dimension, and a layer it does not split lies on the ``dp_shard``
+    dimension alone, alike on every ``tp`` rank (``tp_coordinate``: this rank's): owned by ``tp`` rank 0.
+    A plain tensor is owned whole."""
+    if not isinstance(tensor, DTensor):
+        return tensor.detach().double().square().sum()
+    mesh = tensor.device_mesh
+    coordinate = mesh.get_coordinate()  # this rank's, from the mesh alone (no collective)
+    if any(placement.is_replicate() and coordinate[dim] != 0 for dim, placement in enumerate(tensor.placements)) \
+            or (TP_DIM not in (mesh.mesh_dim_names or ()) and tp_coordinate != 0):
+        return torch.zeros((), dtype=torch.float64)
+    return tensor.to_local().detach().double().square().sum()

@@ -61,6 +61,7 @@ from trainguard.events import EventLog
 from trainguard.live.collective import EpochAborted, abort_key, watched
 from trainguard.live.local_tier import LiveLocalTier, ResumePoint, choose_live_resume
 from trainguard.live.quorum import Quorum
+from trainguard.live.replica_mesh import keep_mesh_groups
 from trainguard.live.state import LiveState
 
 T = TypeVar("T")
@@ -309,3 +310,4 @@ def forget_default_group() -> None:
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     dist.destroy_process_group()
+    keep_mesh_groups()  # tensor parallel's groups, which destroying unregistered

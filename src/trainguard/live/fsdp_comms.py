@@ -58,13 +58,19 @@ class GroupLink:
     answers their data with as many bytes, so every rank of the group leaves the share at that same
     exchange with no send or receive left unmatched (a failing rank that said nothing would leave its
     peers waiting in that exchange until a timeout).
-    ``collective_error``: the error of the last exchange that failed (a peer lost), which no retry cures."""
+    ``collective_error``: the error of the last exchange that failed (a peer lost), which no retry cures.
+    With tensor parallel (``tp`` > 1) FSDP2's group is the replica group's ranks at this rank's ``tp``
+    coordinate (its mesh's ``dp_shard`` dimension): ``group_size`` and ``position`` are counted in it."""
 
-    def __init__(self, rank: int, group_size: int, channel: Callable[[], GroupChannel]):
-        self.rank, self.group_size, self.channel = rank, group_size, channel
-        self.position = shard_of(rank, group_size)
-        self.first = rank - self.position
+    def __init__(self, rank: int, group_size: int, channel: Callable[[], GroupChannel], tp: int = 1):
+        self.rank, self.group_size, self.channel, self.tp = rank, group_size // tp, channel, tp
+        in_group = shard_of(rank, group_size)
+        self.position = in_group // tp
+        self.first = rank - in_group + in_group % tp  # the rank at position 0 of FSDP2's group
         self.collective_error: BaseException | None = None
+
+    def rank_at(self, position: int) -> int:
+        return self.first + position * self.tp
 
     def swap(self, outgoing: Callable[[int], torch.Tensor], incoming: Callable[[int], torch.Tensor]) -> None:
         """Sends ``outgoing(k)`` to the group's rank at position ``k`` and receives ``incoming(k)`` from it,
@@ -76,7 +82,7 @@ class GroupLink:
             channel.group.send([pairs[position][0]], peer, FSDP_TAG),
             channel.group.recv([pairs[position][1]], peer, FSDP_TAG)],
             lambda position: header(SHARE_OK, *pairs[position]))
-        failed = [self.first + position for position, theirs in headers.items() if int(theirs[0]) == SHARE_FAILED]
+        failed = [self.rank_at(position) for position, theirs in headers.items() if int(theirs[0]) == SHARE_FAILED]
         if failed:
             raise PeerShareFailed(f"rank(s) {failed} of this replica group failed their share of the step")
 
@@ -106,7 +112,7 @@ class GroupLink:
             for position in range(self.group_size):
                 if position == self.position:
                     continue
-                peer = channel.members.index(self.first + position)
+                peer = channel.members.index(self.rank_at(position))
                 if mine is not None:
                     headers[position] = torch.empty(3, dtype=torch.int64)
                     works.append(channel.group.recv([headers[position]], peer, STATUS_TAG))
@@ -160,7 +166,7 @@ class EpochReduceScatter(_Exchange):
 
 
 def route_to_epochs(modules: Sequence[FSDPModule], rank: int, group_size: int,
-                    channel: Callable[[], GroupChannel]) -> GroupLink:
+                    channel: Callable[[], GroupChannel], tp: int = 1) -> GroupLink:
     """Every FSDP module's all-gather and reduce-scatter on the epoch's group; gradients summed over the
     group with no division (the step's loss is already divided by the global batch's micro-batches). A
     torch whose FSDP2 takes no custom collectives is refused in one line."""
@@ -170,7 +176,7 @@ def route_to_epochs(modules: Sequence[FSDPModule], rank: int, group_size: int,
     if missing:
         raise ConfigError(f"live recovery with an FSDP2 model needs FSDPModule.{missing[0]} (torch "
                           f"{torch.__version__} lacks it); train without fully_shard, or with a newer torch")
-    link = GroupLink(rank, group_size, channel)
+    link = GroupLink(rank, group_size, channel, tp)
     all_gather, reduce_scatter = EpochAllGather(link), EpochReduceScatter(link)
     for module in modules:
         module.set_custom_all_gather(all_gather)

@@ -26,7 +26,8 @@ from collections.abc import Callable
 
 import torch
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
 
 from trainguard.errors import ConfigError
 from trainguard.live.fsdp_comms import GroupChannel, PeerShareFailed, route_to_epochs
@@ -44,6 +45,12 @@ def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
     return [module for module in model.modules() if isinstance(module, FSDPModule)]
 
 
+def _sharded_by_rows(placement: Placement) -> bool:
+    """FSDP2's placement on the ``dp_shard`` dimension: ``Shard(0)``, or over a tensor-parallel split of
+    dim 0 (``ColwiseParallel``'s) the strided ``_StridedShard(0)``, which is no ``Shard`` in torch 2.13."""
+    return placement.is_shard(0) or getattr(placement, "dim", None) == 0
+
+
 def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
@@ -59,24 +66,26 @@ class ShareAbandoned(Exception):
 
 class FsdpShares:
     """Computes a step's shares of ``model`` (sharded with ``fully_shard`` over this rank's replica group
-    mesh of ``group_size`` ranks); its collectives go to ``channel()`` (``fsdp_comms``)."""
+    mesh of ``group_size`` ranks, ``(dp_shard, tp)`` with tensor parallel); its collectives go to ``channel()``
+    (``fsdp_comms``), tensor parallel's to the mesh's own ``tp`` group."""
 
     def __init__(self, model: torch.nn.Module, modules: list[FSDPModule], rank: int, group_size: int,
-                 channel: Callable[[], GroupChannel]):
+                 channel: Callable[[], GroupChannel], tp: int = 1):
         self.model, self.modules = model, modules
         if not isinstance(model, FSDPModule):
             raise ConfigError("live recovery with an FSDP2 model: call fully_shard on the model itself too (its root "
                               "module), as FSDP2 expects; only submodules were sharded")
         self.params = list(model.parameters())
         for name, param in model.named_parameters():
-            if not isinstance(param, DTensor) or param.device_mesh.size() != group_size \
-                    or tuple(param.placements) != (Shard(0),):
+            # with tensor parallel, a parameter tp does not split lies on the mesh's dp_shard dimension alone
+            if not isinstance(param, DTensor) or param.device_mesh.size() not in (group_size, group_size // tp) \
+                    or not _sharded_by_rows(param.placements[0]):
                 raise ConfigError(f"live recovery with an FSDP2 model: parameter {name!r} is not sharded Shard(0) over "
                                   f"the replica group's mesh of {group_size} ranks (trainguard.data_parallel_mesh()); "
                                   "shard every parameter with fully_shard(module, mesh=mesh)")
             if param.dtype != torch.float32:
                 raise ConfigError(f"live recovery's reduction carries float32: parameter {name!r} is {param.dtype}")
-        self.link = route_to_epochs(modules, rank, group_size, channel)
+        self.link = route_to_epochs(modules, rank, group_size, channel, tp)
 
     def local_numel(self) -> int:
         return sum(param.to_local().numel() for param in self.params)

@@ -67,10 +67,17 @@ class StepSum:
 
 @dataclass(frozen=True)
 class SlotLayout:
-    """The configured layout: ``groups`` replica groups of ``group_size`` ranks, ``micro_batches`` a step."""
+    """The configured layout: ``groups`` replica groups of ``group_size`` slots (a group's ``dp_shard``
+    positions), ``micro_batches`` a step. With tensor parallel (``tp`` > 1) a group holds ``group_size × tp``
+    ranks, row-major (tp fastest): the ``tp`` ranks of a position compute its slot's micro-batches together."""
     groups: int
     group_size: int
     micro_batches: int
+    tp: int = 1
+
+    @property
+    def ranks_per_group(self) -> int:
+        return self.group_size * self.tp
 
     def check(self) -> None:
         """A ValueError naming what breaks the tree's alignment, if anything does."""
@@ -100,13 +107,13 @@ class SlotLayout:
 
     def computed_by(self, live_groups: Sequence[int]) -> list[int]:
         """The rank that computes each micro-batch (by index) when ``live_groups`` are alive: the rank at
-        the slot's position in the live group responsible for the slot's group."""
+        the slot's position in the live group responsible for the slot's group (its first tp rank)."""
         ranks = [0] * self.micro_batches
         for live, groups in self.responsibilities(live_groups).items():
             for group in groups:
                 for position in range(self.group_size):
                     for micro_batch in self.slot_micro_batches(group, position):
-                        ranks[micro_batch] = live * self.group_size + position
+                        ranks[micro_batch] = live * self.ranks_per_group + position * self.tp
         return ranks
 
 
@@ -119,21 +126,27 @@ class Exchange:
 
     @property
     def group(self) -> int:
-        return self.rank // self.layout.group_size
+        return self.rank // self.layout.ranks_per_group
 
     @property
     def shard(self) -> int:
-        return self.rank % self.layout.group_size
+        """This rank's position in its group (its shard of every parameter, held alike in every group)."""
+        return self.rank % self.layout.ranks_per_group
+
+    @property
+    def slot(self) -> int:
+        """This rank's slot position in its group: its ``dp_shard`` coordinate."""
+        return self.shard // self.layout.tp
 
     def live_groups(self) -> list[int]:
-        return sorted({member // self.layout.group_size for member in self.members})
+        return sorted({member // self.layout.ranks_per_group for member in self.members})
 
     def my_groups(self) -> list[int]:
         """The groups whose slot at this rank's position it computes."""
         return self.layout.responsibilities(self.live_groups())[self.group]
 
     def my_micro_batches(self) -> list[int]:
-        return [m for group in self.my_groups() for m in self.layout.slot_micro_batches(group, self.shard)]
+        return [m for group in self.my_groups() for m in self.layout.slot_micro_batches(group, self.slot)]
 
 
 def elements_received(layout: SlotLayout, shard_length: int, live_groups: Sequence[int], group: int) -> int:
@@ -189,7 +202,7 @@ def _reduce_in_group(group: dist.ProcessGroup, exchange: Exchange, slots: dict[i
                      ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
     """Stage 1: shard s of each of my slots (and its loss), then my flags, to my group's rank of shard s;
     returns my shard of each group partial I am responsible for (its loss last) and my group's flags."""
-    layout, size = exchange.layout, exchange.layout.group_size
+    layout, size = exchange.layout, exchange.layout.ranks_per_group
     mine = layout.responsibilities(exchange.live_groups())[exchange.group]
     outgoing = {exchange.group * size + s: _join([_with_loss(slots[j], s, shard_of) for j in mine], flag_row)
                 for s in range(size)}
@@ -206,7 +219,7 @@ def _sum_across_groups(group: dist.ProcessGroup, exchange: Exchange, partials: d
                        wait: Callable[[dist.Work], None]) -> StepSum:
     """Stage 2: my group partials' shard, then my group's flags, to the same shard of every live group;
     each rank adds the partials in tree order (group index)."""
-    layout, size = exchange.layout, exchange.layout.group_size
+    layout, size = exchange.layout, exchange.layout.ranks_per_group
     responsibilities = layout.responsibilities(exchange.live_groups())
     mine = responsibilities[exchange.group]
     peers = [h * size + exchange.shard for h in exchange.live_groups()]

@@ -46,13 +46,14 @@ from trainguard.live import lifeline
 from trainguard.live.drill import live_drill
 from trainguard.live.files import events_path, newest_checkpoint
 from trainguard.live.group_reduce import SlotLayout
-from trainguard.live.lighthouse import Lighthouse
+from trainguard.live.lighthouse import STARTUP_S, Lighthouse
 from trainguard.live.node_watch import NodeCommandFailed, NodeWatch
 from trainguard.live.placement import replacement_node
 from trainguard.live.quorum import (MAX_STEP, STOP, STOPPED, beat_key, done_key, progress_key, spare_failed_key,
                                     spare_key, spare_ready_key, spare_started_key, started_key)
 from trainguard.live.signed_store import SignedStore, serve_store
 from trainguard.live.spare_choice import spare_for
+from trainguard.live.start_failure import EarlyExit, cannot_start, start_failure_line
 from trainguard.run_secret import ENV_SECRET, create_secret
 from trainguard.runtime.hosts import on_node
 from trainguard.runtime.lifecycle import (ENV_JOB_START, KILL_SWITCH, REASON_NAMES, STOP_SIGNALS, StopSignals,
@@ -65,12 +66,19 @@ LIVE, RESTART = "live", "restart"
 # a stop to resume from (a signal, the time limit), a step that failed too often in a row (step_failures.py);
 # and a configuration error every rank makes alike in the loop (``LiveRank.end_with_config_error``)
 AGREED_EXITS = (EXIT_OK, EXIT_DATA_SKIP_ABORT, EXIT_RESUMABLE_STOP, EXIT_STEP_FAILED, EXIT_USAGE)
+# A member's exit 0 is the quorum's end only once the rank wrote its final state (``quorum.done_key``) or the
+# quorum recorded its stop (``quorum.STOPPED``, written by its first member just after the others may have
+# exited): until then it is judged again at each look, and a death after this long. A process that exits 0
+# before it trained (a script that returns early, a node command that never ran it) is no end of the run: taken
+# for one, the launcher reported a run that never trained as finished, or waited for ever on its peers.
+UNEXPLAINED_EXIT_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
 class LiveRun:
     groups: int = 2  # replica groups (HSDP's replicate dimension)
-    group_size: int = 2  # ranks per group (its shard dimension)
+    group_size: int = 2  # ranks per group (its shard dimension × its tensor-parallel one)
+    tp: int = 1  # tensor parallel inside each group: its ranks are (dp_shard, tp) row-major, tp fastest
     steps: int = 30
     micro_batches: int = 8
     micro_batch_s: float = 0.01  # simulated compute per micro-batch, so survivors pay for extra ones
@@ -80,6 +88,7 @@ class LiveRun:
     kill_at_step: int = 0  # first of them has committed this many steps
     fault: str = "kill"  # "kill": SIGKILL; "stop": SIGSTOP (a hang, or a cut link: alive, silent)
     hang_s: float = 10.0  # a member silent this long is hung (the lighthouse's heartbeat timeout)
+    startup_s: float = STARTUP_S  # ... and one that has never beaten, this long after its start
     # an all-reduce entered and not left for max(stall_s, stall_steps × the median step time) is stalled
     # (a partial cut: peers unreachable, store reachable; live/stall.py)
     stall_s: float = 5.0
@@ -160,29 +169,35 @@ class LiveRun:
         if parallel.dp_replicate is None or parallel.dp_replicate < 2:
             raise ConfigError(f"{source}: config key 'parallel.dp_replicate' must be ≥ 2 for a live run (the "
                               f"replica groups that outlive each other's failures), got {parallel.dp_replicate}")
-        for name in ("tp", "pp"):
-            if getattr(parallel, name) not in (None, 1):
-                raise ConfigError(f"{source}: config key 'parallel.{name}' must be 1 for a live run (it trains "
-                                  f"replica groups, data-parallel only), got {getattr(parallel, name)}")
-        groups, group_size = parallel.dp_replicate, parallel.dp_shard or 1
-        if config.train.micro_batches < groups * group_size:  # every rank computes at least one of them
+        if parallel.pp not in (None, 1):
+            raise ConfigError(f"{source}: config key 'parallel.pp' must be 1 for a live run (it trains replica "
+                              f"groups, data-parallel and tensor-parallel only), got {parallel.pp}")
+        tp, shards = parallel.tp or 1, parallel.dp_shard or 1
+        if tp > 1 and not tolerance.fsdp:
+            raise ConfigError(f"{source}: config key 'parallel.tp' ({tp}) needs 'fault_tolerance.fsdp: true' in a live "
+                              "run: the script applies parallelize_module over trainguard.device_mesh(tp)['tp'] and "
+                              "fully_shard over its 'dp_shard' dimension")
+        groups, group_size = parallel.dp_replicate, shards * tp
+        slots = groups * shards  # a group's tp peers read the same micro-batches: one slot per dp_shard position
+        if config.train.micro_batches < slots:  # every slot computes at least one of them
             raise ConfigError(f"{source}: config key 'train.micro_batches' must be ≥ the ranks of the live run "
-                              f"(parallel.dp_replicate × dp_shard = {groups * group_size}), got {config.train.micro_batches}")
+                              f"(parallel.dp_replicate × dp_shard = {slots}), got {config.train.micro_batches}")
         if group_size > 1:  # the parameters are sharded in each group and reduced by the fixed tree
             try:
-                SlotLayout(groups, group_size, config.train.micro_batches).check()
+                SlotLayout(groups, shards, config.train.micro_batches).check()
             except ValueError as error:
                 raise ConfigError(f"{source}: config keys 'parallel.dp_replicate', 'parallel.dp_shard', "
                                   f"'train.micro_batches': {error}") from None
         if tolerance.fsdp and group_size == 1:
-            raise ConfigError(f"{source}: config key 'fault_tolerance.fsdp' needs 'parallel.dp_shard' > 1 (FSDP2 shards "
-                              "the parameters inside each replica group), got 1")
+            raise ConfigError(f"{source}: config key 'fault_tolerance.fsdp' needs 'parallel.dp_shard' > 1 or "
+                              "'parallel.tp' > 1 (FSDP2 shards the parameters inside each replica group), got 1")
         if tolerance.fsdp and tolerance.spares % group_size:
-            raise ConfigError(f"{source}: config key 'fault_tolerance.spares' must be a multiple of parallel.dp_shard "
-                              f"({group_size}) with fault_tolerance.fsdp: the spares make replica groups' meshes as "
-                              f"they start, and a lost group is replaced whole; got {tolerance.spares}")
+            raise ConfigError(f"{source}: config key 'fault_tolerance.spares' must be a multiple of the ranks of a "
+                              f"replica group (parallel.dp_shard × tp = {group_size}) with fault_tolerance.fsdp: the "
+                              f"spares make replica groups' meshes as they start, and a lost group is replaced whole; "
+                              f"got {tolerance.spares}")
         faults = live_drill(config.faults, groups * group_size, config.train.steps, tolerance.spares)
-        return cls(groups=groups, group_size=group_size, steps=config.train.steps,
+        return cls(groups=groups, group_size=group_size, tp=tp, steps=config.train.steps,
                    micro_batches=config.train.micro_batches, spares=tolerance.spares, hang_s=tolerance.hang_s,
                    stall_s=tolerance.stall_s, stall_steps=tolerance.stall_steps,
                    collective_timeout_s=tolerance.collective_timeout_s, doctor_spares=tolerance.doctor_spares,
@@ -236,7 +251,7 @@ def _spawn(run: LiveRun, rank: int, store: SignedStore, run_dir: Path, rejoin: b
     if node is not None:  # out of the launcher's signals: it ends the rank through its stdin (lifeline.py)
         command.append("--lifeline")
     if run.fsdp:
-        command.append("--fsdp")
+        command += ["--fsdp", "--tp", str(run.tp)]
     if resume is not None:
         command += ["--resume", str(resume)]
     if spare is not None and run.doctor_spares:
@@ -371,13 +386,16 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
         # ranks wait for epoch 0 until every spare is ready or found unhealthy, so that a short run cannot
         # finish before its drill
         _await_spares(store, spares, began + run.timeout_s)
-    lighthouse = Lighthouse(store, run.world, run.group_size, events, run.hang_s, run.stall_s, run.stall_steps)
+    lighthouse = Lighthouse(store, run.world, run.group_size, events, run.hang_s, run.stall_s, run.stall_steps,
+                            startup_s=run.startup_s)
     result = LiveResult(0.0, {r: p.pid for r, p in procs.items()}, {}, resumed_from=resume)
     fenced: list[subprocess.Popen | ForkedProcess] = []  # hung processes behind a cut link, left to stop
     # ranks whose node command dropped while they ran on (``NodeWatch.dropped``): members still, out of the
     # launcher's reach, watched by their heartbeats alone (hung: their node is lost, as behind a cut link)
     detached: set[int] = set()
     judged: set[int] = set()  # ranks whose node command exited 255, until their heartbeat tells (``dropped``)
+    exited_ok: dict[int, float] = {}  # ranks that exited 0, not yet explained (UNEXPLAINED_EXIT_GRACE_S): since when
+    early: dict[int, EarlyExit] = {}  # ranks whose process ended before the run's first step (start_failure.py)
     on_main_thread = threading.current_thread() is threading.main_thread()  # signal handlers can be set there only
     previous_handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} if on_main_thread else {}
     # a second signal: every rank ends at once (``procs`` as it is then: the cell, not today's dict)
@@ -434,7 +452,7 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
         return result.exit_code in (None, EXIT_OK) and any(not store.check([done_key(rank)]) for rank in detached)
 
     try:
-        while any(p.returncode is None for p in procs.values()) or judged or detached_running():
+        while any(p.returncode is None for p in procs.values()) or judged or exited_ok or detached_running():
             if time.monotonic() - began > run.timeout_s:
                 raise RuntimeError(f"live run did not finish within {run.timeout_s:.0f} s")
             if signals is not None and signals.received is not None and not store.check([STOP]):
@@ -462,11 +480,19 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
                 if rank in detached:
                     continue
                 code = proc.poll()
-                if code in AGREED_EXITS and rank in lighthouse.quorum.members:
+                if code == EXIT_OK and not _ended_by_quorum(store, rank):
+                    since = exited_ok.setdefault(rank, time.monotonic())
+                    if time.monotonic() - since <= UNEXPLAINED_EXIT_GRACE_S:
+                        continue
+                exited_ok.pop(rank, None)
+                if code in AGREED_EXITS and rank in lighthouse.quorum.members and (
+                        code != EXIT_OK or _ended_by_quorum(store, rank)):
                     # the quorum agreed on it in one all-reduce: every member ends so. Read from this same
                     # poll, so a member that exits between two polls is never taken for a death.
                     result.exit_code = code
-                if code is None or code == 0 or code == result.exit_code:
+                if code is None or code == result.exit_code:
+                    continue
+                if code == EXIT_OK and _ended_by_quorum(store, rank):  # out of the quorum: a joiner at the end
                     continue
                 if run.recovery == LIVE:  # any death, the drill's or not: the others keep stepping
                     failure = watch.failure(proc) if watch is not None else None
@@ -483,6 +509,13 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
                     events.emit("live_exit", step=None, target=rank, pid=proc.pid, code=code)
                     if failure is not None:  # it never ran as the rank: the node cannot start one
                         node_command_failed(failure, target=rank)
+                    elif not _stepped(store, run.world):
+                        early.setdefault(rank, EarlyExit(rank, code, rank_node[rank],
+                                                         watch.output.last_line(proc.pid) if watch is not None else ""))
+                        if cannot_start(run.world, early):
+                            events.emit("live_start_failed", step=None, exits=[
+                                dataclasses.asdict(ended) for _, ended in sorted(early.items())])
+                            raise RuntimeError(start_failure_line(early))
                     if sum(result.replacements.values()) >= run.max_replacements:
                         raise RuntimeError(f"live run: rank {rank} exited with {code}, after "
                                            f"{run.max_replacements} replacements (LiveRun.max_replacements)")
@@ -564,6 +597,16 @@ def _await_spares(store: SignedStore, spares: list[tuple[int, subprocess.Popen |
         if time.monotonic() > deadline:
             raise RuntimeError("live run: the warm spares were not ready within LiveRun.timeout_s")
         time.sleep(0.01)
+
+
+def _ended_by_quorum(store: SignedStore, rank: int) -> bool:
+    """``rank`` wrote its final state, or the quorum recorded its agreed stop: an exit 0 of it is the run's end."""
+    return store.check([done_key(rank)]) or store.check([STOPPED])
+
+
+def _stepped(store: SignedStore, world: int) -> bool:
+    """Some rank committed a step in this launch (the store is the launch's own)."""
+    return any(store.check([progress_key(rank)]) for rank in range(world))
 
 
 def _progress(store: SignedStore, rank: int) -> int:

@@ -7,7 +7,9 @@ ranks (the replacement and the group's survivors) has asked to join.
 
 - Hang (a stopped process, a cut link): a member whose heartbeat counter (``beat/<rank>``, raised
   while it computes and while it waits) has not moved for ``hang_s`` is reported by :meth:`hung`; it
-  is a death from then on. A death is fenced by epoch (``fence/<rank>``): a process of that rank whose
+  is a death from then on. A member that has never beaten (stuck in its imports, its data or file
+  system before it reached the store, stopped at its start) is hung once ``startup_s`` has passed since
+  the lighthouse first looked at it: its peers would otherwise wait for its report for ever. A death is fenced by epoch (``fence/<rank>``): a process of that rank whose
   epoch is not newer stops at its next contact with the store instead of coming back (a node behind a
   cut link cannot be signalled; where the launcher can, it also SIGKILLs it).
 - Stall (a partial cut: the peers unreachable, the store not): the current step's all-reduce entered
@@ -46,16 +48,21 @@ from trainguard.live.probe import probe_key, reachable_groups, read_reach
 from trainguard.live.signed_store import SignedStore
 from trainguard.live.stall import LOOKED_AWAY_S, StallWatch, excluded_groups
 
+# how long a member may take to beat for the first time (start its interpreter, import torch, build its model,
+# reach the store): restart mode's ``--startup-timeout`` default, the bound before an incarnation's first step
+STARTUP_S = 600.0
+
 
 class Lighthouse:
     def __init__(self, store: SignedStore, world: int, group_size: int, events: EventLog, hang_s: float,
-                 stall_s: float, stall_steps: float, clock: Callable[[], float] = time.monotonic):
+                 stall_s: float, stall_steps: float, clock: Callable[[], float] = time.monotonic,
+                 startup_s: float = STARTUP_S):
         """``clock``: seconds, monotonic (a test's own clock: the hang and stall verdicts depend on time alone)."""
         if world % group_size:
             raise ValueError(f"group_size={group_size} does not divide the world of {world} ranks")
         self.store, self.world, self.group_size, self.events = store, world, group_size, events
         self.dead: set[int] = set()  # members of the current epoch seen dead, until the epoch after them
-        self.hang_s, self.clock = hang_s, clock
+        self.hang_s, self.startup_s, self.clock = hang_s, startup_s, clock
         self.stalls = StallWatch(store, stall_s, stall_steps, clock)
         # (step, excluded groups, or None: to decide from the members' probes) of the epoch ending
         self.stalled: tuple[int, list[int] | None] | None = None
@@ -90,7 +97,7 @@ class Lighthouse:
 
     def hung(self) -> list[int]:
         """Members of the current epoch, and ranks out of it alive (``out_alive``), that have beaten before
-        and not for ``hang_s``."""
+        and not for ``hang_s``, or never, for ``startup_s`` since this lighthouse first looked at them."""
         now, silent = self.clock(), []
         if now - self.last_check > LOOKED_AWAY_S:
             # this process was not scheduled for a while (a loaded machine): it saw nobody's beats in
@@ -101,10 +108,10 @@ class Lighthouse:
             if rank in self.dead or has(self.store, done_key(rank)):
                 continue
             count = int(self.store.add(beat_key(rank), 0))
-            seen, since = self.beats.get(rank, (0, now))
+            seen, since = self.beats.setdefault(rank, (0, now))  # first looked at: its start-up window opens
             if count != seen:
                 self.beats[rank] = (count, now)
-            elif count and now - since > self.hang_s:
+            elif now - since > (self.hang_s if count else self.startup_s):
                 silent.append(rank)
         for rank in silent:
             self.fenced.add(rank)
@@ -155,7 +162,8 @@ class Lighthouse:
 
     def _silent_s(self, rank: int) -> float:
         """How long ``rank``'s heartbeat has not moved, as ``hung`` last saw it (0 before its first beat)."""
-        return self.clock() - self.beats[rank][1] if rank in self.beats else 0.0
+        count, since = self.beats.get(rank, (0, 0.0))
+        return self.clock() - since if count else 0.0
 
     def _excluded_by_stall(self) -> set[int]:
         """The ranks a stall verdict has already sent out of the next epoch: the epoch need not wait for

@@ -66,6 +66,7 @@ from trainguard.live import collective
 from trainguard.live.data_positions import DataPositions
 from trainguard.live.durable import LiveCheckpoints
 from trainguard.live.fsdp_comms import GroupChannel
+from trainguard.live.dtensor_state import owned_square_sum
 from trainguard.live.fsdp_share import FsdpShares, ShareAbandoned, fsdp_modules, local
 from trainguard.live.group_reduce import Exchange, SlotLayout, StepSum, reduce_partials, reduce_sharded, tree_sum
 from trainguard.live.ordered_sum import computed_by, my_micro_batches, reduce_rows
@@ -136,6 +137,7 @@ class LiveArgs:
     resume: Path | None  # the durable checkpoint the job resumes from (the launcher chose it), or None
     lifeline: bool = False  # started on another node: the launcher ends this process through stdin (lifeline.py)
     fsdp: bool = False  # fault_tolerance.fsdp: the script shards its model over the replica group's mesh
+    tp: int = 1  # parallel.tp: ranks of a group at one dp_shard position (tp fastest), reading the same micro-batches
 
     @classmethod
     def parse(cls, argv: list[str] | None = None) -> LiveArgs:
@@ -162,6 +164,7 @@ class LiveArgs:
         parser.add_argument("--resume", type=Path)
         parser.add_argument("--lifeline", action="store_true")
         parser.add_argument("--fsdp", action="store_true")
+        parser.add_argument("--tp", type=int, default=1)
         known, _ = parser.parse_known_args(argv)
         return cls(**vars(known))
 
@@ -259,7 +262,8 @@ class LiveWorker:
         self.group_size, self.shard = args.group_size, shard_of(rank, args.group_size)
         # replica groups of several ranks shard the parameters (sharded_params) and reduce by group
         # (group_reduce); whole replicas sum one row per micro-batch (ordered_sum): the same fixed tree
-        self.layout = SlotLayout(args.world // args.group_size, args.group_size, args.micro_batches)
+        self.layout = SlotLayout(args.world // args.group_size, args.group_size // args.tp, args.micro_batches, args.tp)
+        self.tp = args.tp
         self.params = None
         self.forward_gathered = False  # the parameters were gathered for a forward outside a step
         modules = fsdp_modules(model)
@@ -272,7 +276,11 @@ class LiveWorker:
                                   "(whole replicas): shard it over trainguard.data_parallel_mesh(), which is None then")
             self.layout.check()
             self.group_waits = WaitThread("fsdp-group-wait")  # wait_group's, kept across FSDP2's exchanges
-            self.fsdp = FsdpShares(model, modules, rank, args.group_size, self.group_channel)
+            self.fsdp = FsdpShares(model, modules, rank, args.group_size, self.group_channel, args.tp)
+        elif args.tp > 1:
+            raise ConfigError(f"live recovery with parallel.tp={args.tp}: the model has no FSDP2 module; apply "
+                              "parallelize_module over trainguard.device_mesh(tp)['tp'], then fully_shard over its "
+                              "'dp_shard' dimension")
         elif args.group_size > 1:
             self.layout.check()
             self.params = ShardedParams(model, args.group_size, rank)
@@ -286,6 +294,9 @@ class LiveWorker:
         # installed before the detection points, so that a point sees a fault at its module
         self.site_faults = FaultInjector(list(rules.site_faults), args.run_dir, rank, args.world, self.events.emit)
         self.site_faults.install(model)
+        if rules.sdc.enabled and args.tp > 1:  # its points would see one tp rank's part of a split activation
+            raise ConfigError(f"config key guards.sdc.enabled_level: SDC detection with parallel.tp={args.tp} in a live "
+                              "run is not built; set it to 0, or parallel.tp to 1")
         self.sdc = (LiveSdc(rules.sdc, model, args.micro_batches, rank, args.run_dir, self.log, self.events,
                             self.reports, shards=args.group_size, over_shards=self.over_shards)
                     if rules.sdc.enabled else None)
@@ -496,12 +507,17 @@ class LiveWorker:
             if not abandoned:
                 try:
                     computed[group] = self.fsdp.share(self.loss_of, self.data_position(step),
-                                                      self.layout.slot_micro_batches(group, self.shard),
+                                                      self.layout.slot_micro_batches(group, exchange.slot),
                                                       self.micro_batches, self.seed, self.beat, measured)
                     continue
                 except ShareAbandoned as share:
                     failure, abandoned = share.failure, True
             computed[group] = torch.zeros(self.fsdp.local_numel() + 1)
+        if exchange.shard % self.tp:  # a slot's tp peers computed its loss and values alike: its first tp rank counts
+            for share in computed.values():
+                share[-1] = 0.0
+            if extras is not None:
+                extras.zero_()
         return computed, extras, failure
 
     def reduce(self, exchange: Exchange, computed: dict[int, torch.Tensor], flags: list[int],
@@ -724,7 +740,12 @@ class LiveWorker:
         """The step's global norm by rows (``sharded_params.norm_by_rows``), every member's alike and bitwise
         the same for any layout: of the whole gradient, or from the rows' squares gathered in the group; and
         the embedding's from its rows' squares (None when it is not monitored), with no collective of its own."""
-        if self.fsdp is not None:
+        if self.fsdp is not None and self.tp > 1:
+            # a tensor-parallel shard is no set of rows: each parameter's squares summed on every rank of the
+            # group over what it owns, added in position order (every group's alike)
+            owned = torch.stack([owned_square_sum(grad, self.shard % self.tp) for grad in grads])
+            squares = list(tree_sum(list(self.over_shards(owned))).unsqueeze(1))
+        elif self.fsdp is not None:
             rows = [torch.Size([param.shape[0]]) for param in self.fsdp.params]
             squares = gather_rows(self.group, self.quorum.members, self.rank, self.group_size,
                                   row_squares([local(grad) for grad in grads]), rows, self.wait_all)
@@ -845,7 +866,21 @@ class LiveWorker:
         self.store.set(report_key(epoch, self.rank), str(committed))
         self.events.emit("live_collective_failed", step=None if committed == NO_STATE else committed, epoch=epoch,
                          error=f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
-        return Quorum.from_json(wait_for(self.store, epoch_key(epoch + 1), WAIT_S, self.beat))
+        beat = self.beat if self.tp == 1 else functools.partial(self.beat_unless_group_lost, epoch)
+        return Quorum.from_json(wait_for(self.store, epoch_key(epoch + 1), WAIT_S, beat))
+
+    def beat_unless_group_lost(self, epoch: int) -> None:
+        """With tensor parallel, a rank waiting for the next epoch ends (``GroupOut``) as soon as a rank of its
+        replica group is declared dead in ``epoch``: the group is left out whole anyway, and a tp peer of
+        this rank may wait in a tp collective this rank left (those are not watched), until its process
+        ends and closes the connection; otherwise the lighthouse waits for that peer until ``hang_s``."""
+        self.beat()
+        first = self.rank - self.shard
+        for peer in range(first, first + self.group_size):
+            if peer != self.rank and has(self.store, fence_key(peer)) and int(self.store.get(fence_key(peer))) >= epoch:
+                self.events.emit("live_group_out", step=self.step_index, epoch=epoch, pid=os.getpid())
+                raise GroupOut(f"rank {self.rank}: rank {peer} of its tensor-parallel replica group died in epoch "
+                               f"{epoch}; its processes start again together")
 
     def recover(self, error: RuntimeError) -> None:
         """Leaves the failed epoch and enters the next one, or joins again if left out; a failure while the

@@ -14,7 +14,13 @@ true``) with no code change cannot call ``init_process_group`` itself: a live ra
   then computes each group's share with FSDP2 (``live/fsdp_share.py``). Otherwise None: the model stays
   whole, and with ``dp_shard`` > 1 live mode shards its parameters by rows itself (``live/sharded_params.py``).
 
-A script with its own layout (HSDP, TP, PP) builds its mesh itself, as before.
+With tensor parallel inside each replica group (``parallel.tp`` > 1), ``trainguard.device_mesh(tp)`` is the
+2-D ``(dp_shard, tp)`` mesh, the same call in both modes: under torchrun over the world, in live mode the
+replica group's (``parallel.dp_shard × tp`` ranks, tp fastest; ``dp_shard`` may be 1). The script applies
+``parallelize_module(..., mesh["tp"], ...)`` then ``fully_shard(..., mesh=mesh["dp_shard"])`` and passes
+``Guard(..., mesh=mesh)``, as under torchrun; ``data_parallel_mesh()`` is then that ``dp_shard`` dimension.
+
+A script with another layout (HSDP, PP) builds its mesh itself, as before.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from trainguard.live.replica_mesh import replica_group_mesh
+from trainguard.errors import ConfigError
+from trainguard.live.replica_mesh import MESH_DIM, TP_DIM, replica_group_mesh
 from trainguard.live.worker import LiveArgs
 from trainguard.step.live import started_by_live_launcher
 
@@ -35,8 +42,40 @@ def data_parallel_mesh(argv: list[str] | None = None) -> DeviceMesh | None:
     argv = sys.argv[1:] if argv is None else argv
     if started_by_live_launcher(argv):
         args = LiveArgs.parse(argv)
-        return replica_group_mesh(args.store, args.rank, args.group_size, args.spare) if args.fsdp else None
-    cuda = torch.cuda.is_available()
+        if not args.fsdp:
+            return None
+        mesh = _live_mesh(args)
+        return mesh if args.tp == 1 else mesh[MESH_DIM]
+    return _torchrun_mesh((_default_group_size(),), (MESH_DIM,))
+
+
+def device_mesh(tp: int, argv: list[str] | None = None) -> DeviceMesh:
+    """The 2-D ``(dp_shard, tp)`` mesh of this process (see the module docstring); ``argv`` default
+    ``sys.argv[1:]``. In live mode ``tp`` must be the run's ``parallel.tp`` (a ``ConfigError`` naming both)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if started_by_live_launcher(argv):
+        args = LiveArgs.parse(argv)
+        if not args.fsdp or args.tp != tp:
+            raise ConfigError(f"trainguard.device_mesh(tp={tp}): the live run has parallel.tp={args.tp if args.fsdp else 1}"
+                              f"{'' if args.fsdp else ' and fault_tolerance.fsdp false'}; set parallel.tp={tp} and "
+                              "fault_tolerance.fsdp: true")
+        return _live_mesh(args)
+    world = _default_group_size()
+    if world % tp:
+        raise ConfigError(f"trainguard.device_mesh(tp={tp}): tp does not divide the world of {world} ranks")
+    return _torchrun_mesh((world // tp, tp), (MESH_DIM, TP_DIM))
+
+
+def _live_mesh(args: LiveArgs) -> DeviceMesh:
+    return replica_group_mesh(args.store, args.rank, args.group_size, args.spare, args.tp, args.collective_timeout_s)
+
+
+def _default_group_size() -> int:
+    """The world under torchrun: the default process group made if it is not yet."""
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
-    return init_device_mesh("cuda" if cuda else "cpu", (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_world_size()
+
+
+def _torchrun_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    return init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", shape, mesh_dim_names=names)

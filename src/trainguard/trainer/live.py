@@ -6,7 +6,9 @@ warmup and cosine schedule, and trains through ``Guard`` in live mode, in the lo
 (``resume``, ``should_stop``, ``step(loss_of)``). With ``fault_tolerance.fsdp: true`` the model is then
 sharded with FSDP2 over ``trainguard.data_parallel_mesh()`` (the replica group's mesh), each decoder block
 and the root as restart mode shards it (``parallelize.shard_blocks``); without it the model stays whole
-and live mode shards a replica group's parameters by rows itself. No TP/PP either way.
+and live mode shards a replica group's parameters by rows itself. With ``parallel.tp`` > 1 (and
+``fault_tolerance.fsdp``) the decoder blocks are split first over ``trainguard.device_mesh(tp)["tp"]`` by
+restart mode's plan (``parallelize.apply_tensor_parallel``), then sharded over its ``dp_shard`` dimension. No PP.
 The data position is the step: micro-batch ``m`` of step ``t`` holds the
 samples at global positions ``[(t*M + m)*B, (t*M + m + 1)*B)`` of the trainer's seeded order (``M =
 train.micro_batches``, ``B = data.micro_batch_size``), so any rank can compute any micro-batch.
@@ -23,11 +25,11 @@ import torch
 
 from trainguard.config import load_config
 from trainguard.step.guard import Guard
-from trainguard.step.mesh import data_parallel_mesh
+from trainguard.step.mesh import data_parallel_mesh, device_mesh
 from trainguard.trainer.data import StatefulSampler, TokenDataset, load_corpus_tokens, make_batch
 from trainguard.trainer.model import build_model, build_model_config, token_cross_entropy
 from trainguard.trainer.optim import build_optimizer
-from trainguard.trainer.parallelize import shard_blocks
+from trainguard.trainer.parallelize import apply_tensor_parallel, shard_blocks
 from trainguard.trainer.tokenizer import ByteTokenizer
 
 
@@ -41,10 +43,16 @@ def main(argv: list[str] | None = None) -> None:
     config = load_config(own.config, own.overrides)
     torch.use_deterministic_algorithms(True, warn_only=True)
     model_config = build_model_config(config.model, max_position_embeddings=config.data.seq_len)
-    mesh = data_parallel_mesh(argv)  # the replica group's with fault_tolerance.fsdp, else None
     model = build_model(model_config, seed=config.train.seed)
-    if mesh is not None:
-        shard_blocks(model, mesh)
+    tp = config.parallel.tp or 1
+    if tp > 1:
+        mesh = device_mesh(tp, argv)  # the replica group's (dp_shard, tp) mesh
+        apply_tensor_parallel(model, mesh["tp"])
+        shard_blocks(model, mesh["dp_shard"])
+    else:
+        mesh = data_parallel_mesh(argv)  # the replica group's with fault_tolerance.fsdp, else None
+        if mesh is not None:
+            shard_blocks(model, mesh)
     optimizer, scheduler = build_optimizer(model, config.optim, config.train.steps)
     dataset = TokenDataset(load_corpus_tokens(), config.data.seq_len)
     size = config.data.micro_batch_size

@@ -138,3 +138,18 @@ def test_partials_already_reduce_scattered_are_added_in_group_order_whichever_gr
         assert torch.equal(summed.gradient, partials[0, member % 2] + partials[1, member % 2]), member
         assert summed.loss == expected_loss and summed.flags == [len(members)], member
         assert summed.extras.numpy().tobytes() == (extras + 0.0).numpy().tobytes(), member  # -0.0 arrives +0.0
+
+
+def test_tensor_parallel_peers_share_a_slot_and_the_first_of_them_is_counted_as_its_rank():
+    # 2 groups of dp_shard 2 x tp 2 (8 ranks, tp fastest): ranks 4k..4k+3 are group k, slots (0,1) by dp position
+    layout = SlotLayout(2, 2, 8, tp=2)
+    assert layout.ranks_per_group == 4
+    every = Exchange(list(range(8)), 5, layout)
+    assert (every.group, every.shard, every.slot) == (1, 1, 0)
+    assert Exchange(list(range(8)), 4, layout).my_micro_batches() == every.my_micro_batches() == [4, 5]
+    assert Exchange(list(range(8)), 6, layout).my_micro_batches() == [6, 7]
+    assert layout.computed_by([0, 1]) == [0, 0, 2, 2, 4, 4, 6, 6]
+    # group 1 lost: group 0's ranks at each dp position compute group 1's slot at that position too
+    degraded = Exchange([0, 1, 2, 3], 1, layout)
+    assert degraded.my_micro_batches() == [0, 1, 4, 5] and degraded.live_groups() == [0]
+    assert layout.computed_by([0]) == [0, 0, 2, 2, 0, 0, 2, 2]

@@ -214,3 +214,14 @@ def test_the_newest_epoch_overwritten_from_outside_is_restored_at_the_next_look(
         store.raw.set(LATEST, forged)
         _run(lighthouse, store, clock, LOOK_S, beating=(0, 1))
         assert store.raw.get(LATEST) != forged and latest_epoch(store) == 1
+
+
+def test_a_member_that_never_beats_is_hung_after_the_startup_bound_not_the_heartbeat_timeout(store, clock, tmp_path):
+    """Rank 3 never reaches the store (stuck in its imports, stopped at its start): its peers wait in epoch 0's
+    group for it. It was never judged (only a rank that had beaten was), so they waited for its report for ever;
+    now it is hung once ``startup_s`` has passed since the lighthouse first looked, not at ``hang_s``."""
+    lighthouse = Lighthouse(store, 4, 2, EventLog(tmp_path / "events.jsonl", rank=-1), HANG_S, STALL_S, 10.0, clock,
+                            startup_s=60.0)
+    assert _run(lighthouse, store, clock, 59.0, beating=[0, 1, 2]) == []
+    assert _run(lighthouse, store, clock, 2.0, beating=[0, 1, 2]) == [3]
+    assert lighthouse.fenced == {3}

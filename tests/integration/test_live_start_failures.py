@@ -1,0 +1,110 @@
+"""A live run whose ranks fail before its first step ends at once, never hangs (issue 35, items 4 and 5).
+
+``trainguard run`` of ``tests/helpers/live_loop.py`` (2 replica groups x 1, 4 steps) through
+``helpers/live_early_exit.py``, which makes its ranks fail where ``LIVE_EARLY_EXIT`` says. When every rank
+ends before the run's first step, a replacement would fail the same way: the launcher ends the run, exit 1,
+with one line naming each rank, its exit code (or signal), its node and its last line of standard error
+where it relays it (``live/start_failure.py``), instead of replacing ranks until
+``LiveRun.max_replacements``. A rank's exit 0 is the run's end only once it wrote its final state or the
+quorum recorded its stop. Before the fix:
+
+- every rank dying after the store was reached (on two loopback "hosts" behind an ``sh`` wrapper standing in
+  for ssh) or SIGKILLed at import ended with the lighthouse's ``no replica group is left intact after ranks
+  [0, 1] died``, naming neither the codes, nor the nodes, nor the errors;
+- every rank exiting 0 before its first step was reported as ``live run finished: 4 steps``, exit 0;
+- one rank exiting 0 before epoch 0's group was built was never replaced: its peer waited for it, then for
+  ever for a replacement to rejoin (the run sat until its timeout, SIGTERM unanswered);
+- one rank stopped at import, before it ever beat, was never judged hung (only a rank that had beaten was):
+  its peer waited for its report for ever. Now it is hung after ``LiveRun.startup_s`` (600 s, restart mode's
+  ``--startup-timeout``; 10 s here), killed and replaced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers.runs import trainguard, worker_env
+from trainguard.events.log import read_events
+from trainguard.live.files import events_path
+from trainguard.live.launcher import LiveRun, launch
+
+ROOT = Path(__file__).resolve().parents[2]
+RANK = ROOT / "tests" / "helpers" / "live_early_exit.py"
+STEPS = 4
+CONFIG = f"parallel: {{dp_replicate: 2}}\ntrain: {{steps: {STEPS}, micro_batches: 2}}\nfault_tolerance: {{live: true}}\n"
+# ssh's stand-in on loopback "hosts": runs the command it is given, as ssh does on the node
+SH_NODE = "sh -c 'exec \"$@\"' {node}"
+LINE = "trainguard: error: live run: every rank ended before the first step (a failure at start, not retried): "
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("live_start") / "live.yaml"
+    path.write_text(CONFIG)
+    return path
+
+
+def _run(config: Path, run_dir: Path, where: str, code: int = 1, *options: str):
+    return trainguard("run", *options, "--nproc", "2", "--config", str(config), "--run-dir", str(run_dir), "--",
+                      sys.executable, str(RANK), "--config", str(config),
+                      env=worker_env(LIVE_EARLY_EXIT=where, LIVE_EARLY_EXIT_CODE=str(code)), timeout=150)
+
+
+def _one_error(done) -> str:
+    errors = [line for line in done.stderr.splitlines() if line.startswith("trainguard: error:")]
+    assert len(errors) == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    return errors[0]
+
+
+def _replacements(run_dir: Path) -> list[int]:
+    return [e["target"] for e in read_events(events_path(run_dir)) if e["kind"] == "live_replacement"]
+
+
+def test_every_rank_dead_after_resume_on_hosts_ends_naming_ranks_codes_nodes_and_their_last_error(config, tmp_path):
+    run_dir = tmp_path / "hosts"
+    done = _run(config, run_dir, "resumed", 1, "--launcher", "hosts", "--hosts", "a=127.0.0.1,b=127.0.0.2",
+                "--node-command", SH_NODE)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert _one_error(done) == LINE + "; ".join(
+        f"rank {rank} exited 1 on node {node}: RuntimeError: injected failure of rank {rank} after resume, before "
+        "the first step" for rank, node in ((0, "a"), (1, "b")))
+    events = list(read_events(events_path(run_dir)))
+    [failed] = [e for e in events if e["kind"] == "live_start_failed"]
+    assert [(e["rank"], e["code"], e["node"]) for e in failed["exits"]] == [(0, 1, "a"), (1, 1, "b")]
+    assert not [e for e in events if e["kind"] == "live_step"]
+
+
+def test_every_rank_sigkilled_before_the_store_ends_at_once_naming_the_signal(config, tmp_path):
+    done = _run(config, tmp_path / "killed", "sigkill")
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert _one_error(done) == LINE + "rank 0 was killed by SIGKILL; rank 1 was killed by SIGKILL"
+
+
+def test_every_rank_exiting_0_before_the_first_step_is_a_failure_not_a_finished_run(config, tmp_path):
+    done = _run(config, tmp_path / "zero", "import", 0)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "live run finished" not in done.stdout
+    assert _one_error(done) == LINE + "rank 0 exited 0; rank 1 exited 0"
+
+
+def test_a_rank_exiting_0_before_epoch_0_is_replaced_and_the_run_finishes(config, tmp_path):
+    run_dir = tmp_path / "zero_once"
+    done = _run(config, run_dir, "begin-once:1", 0)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"live run finished: {STEPS} steps in " in done.stdout and "ranks replaced: [1]" in done.stdout
+    assert _replacements(run_dir) == [1]
+
+
+def test_a_rank_stopped_before_it_ever_beats_is_hung_after_the_startup_bound_and_replaced(config, tmp_path, monkeypatch):
+    monkeypatch.setenv("LIVE_EARLY_EXIT", "stop-once:1")
+    run = LiveRun(groups=2, group_size=1, steps=STEPS, micro_batches=2, micro_batch_s=0.0, checkpoint_every=0,
+                  startup_s=10.0, timeout_s=120.0, entry=(str(RANK), "--config", str(config)))
+    result = launch(tmp_path / "stopped", run)
+    assert sorted(result.replaced_at) == [1] and result.exit_codes == {0: 0, 1: 0}, dataclasses.asdict(result)
+    events = list(read_events(events_path(tmp_path / "stopped")))
+    assert [e["target"] for e in events if e["kind"] == "live_hung"] == [1]
+    assert [(e["target"], e["code"]) for e in events if e["kind"] == "live_exit"] == [(1, -9)]

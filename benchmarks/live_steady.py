@@ -16,7 +16,9 @@ clipping (1.0), in ABC CBA order over ``--cycles``:
 Each run's rank 0 prints one line per step; a step's time is the gap between two such lines as they
 arrive here (the same measure for both), and a run's steady rate is one over the median gap after the
 first ``WARMUP`` steps (the start, imports and the first compilations left out). Target: live within 5 %
-of plain's steps/s. Usage: ``python benchmarks/live_steady.py [--quick] [--cycles 2]``.
+of plain's steps/s. ``--base-src DIR`` adds a fourth arm, live FSDP2 run on another tree's ``src`` (for
+example ``git archive main src | tar -x -C DIR``), a before/after in the same cycles.
+Usage: ``python benchmarks/live_steady.py [--quick] [--cycles 2] [--base-src DIR]``.
 """
 
 from __future__ import annotations
@@ -78,13 +80,21 @@ def main() -> None:
     parser.add_argument("--cycles", type=int, default=2, help="ABC CBA cycles (6 runs each)")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--base-src", type=Path, help="also run live FSDP2 on this trainguard source tree")
     args = parser.parse_args()
     steps = 16 if args.quick else args.steps
-    modes = ["plain", "live", "live FSDP2"]
+    modes = ["plain", "live", "live FSDP2"] + (["live FSDP2 base"] if args.base_src else [])
     order = modes if args.quick else [m for _ in range(args.cycles) for m in modes + modes[::-1]]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [str(EXAMPLES), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+
+    def env_of(src: Path) -> dict[str, str]:
+        return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+            [str(EXAMPLES), str(src), os.environ.get("PYTHONPATH", "")]))
+
+    env = env_of(ROOT / "src")
     runs = {"plain": plain, "live": live, "live FSDP2": partial(live, fsdp=True)}
+    if args.base_src:
+        runs["live FSDP2 base"] = lambda run_dir, steps, micro_batches, _env: live(
+            run_dir, steps, micro_batches, env_of(args.base_src.resolve()), fsdp=True)
     rates: dict[str, list[float]] = {mode: [] for mode in modes}
     with tempfile.TemporaryDirectory(prefix="live_steady_") as tmp:
         for index, mode in enumerate(order):
@@ -92,14 +102,16 @@ def main() -> None:
             rates[mode].append(1.0 / median(gaps))
             print(f"  run {index + 1}/{len(order)} {mode}: {rates[mode][-1]:.2f} steps/s "
                   f"(median of {len(gaps)} step gaps)", flush=True)
-    plain_rate, live_rate, fsdp_rate = (median(rates[mode]) for mode in modes)
+    plain_rate, live_rate, fsdp_rate = (median(rates[mode]) for mode in modes[:3])
     ratio = live_rate / plain_rate
     print(f"\nsteady state, {WORLD} gloo ranks ({REPLICATE} replica groups x {WORLD // REPLICATE}), {steps} steps of "
           f"{args.micro_batches} micro-batches, no failure; medians over {len(rates['plain'])} run(s) each\n")
     print(f"| {'run':<10} | {'steps/s':>8} | {'step time':>10} | {'/ plain':>7} |")
     print(f"|{'-' * 12}|{'-' * 10}|{'-' * 12}|{'-' * 9}|")
-    for name, rate in (("plain HSDP", plain_rate), ("live", live_rate), ("live FSDP2", fsdp_rate)):
-        print(f"| {name:<10} | {rate:>8.2f} | {1000 / rate:>8.1f} ms | {rate / plain_rate:>7.3f} |")
+    names = {"plain": "plain HSDP", "live FSDP2 base": f"live FSDP2 on {args.base_src}"}
+    for mode in modes:
+        rate = median(rates[mode])
+        print(f"| {names.get(mode, mode):<10} | {rate:>8.2f} | {1000 / rate:>8.1f} ms | {rate / plain_rate:>7.3f} |")
     print(f"\nlive / plain steps/s: {ratio:.3f} (target ≥ {TARGET}: {'met' if ratio >= TARGET else 'NOT met'})")
     print_result("live_steady_steps_per_s", live_rate, plain_rate, f">= {TARGET}x plain HSDP", ratio >= TARGET,
                  steps=steps, micro_batches=args.micro_batches, runs=len(order))

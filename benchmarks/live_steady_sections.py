@@ -5,7 +5,10 @@ calling thread's CPU, ``time.thread_time``) and the rank process's CPU over all 
 ``WARMUP``-th step on, and writes them at the rank's exit. The table gives per step, averaged over the
 4 ranks: the process CPU, then each section's wall and main-thread CPU. On 4 ranks sharing 2 cores the
 CPU a rank spends per step bounds the steps/s more than any wall figure; wall figures include the waits
-for the slowest rank. Usage: ``python benchmarks/live_steady_sections.py [--steps 40]``.
+for the slowest rank. ``--base-src DIR`` adds the live FSDP2 arm run on another tree's ``src`` (for
+example ``git archive main src | tar -x -C DIR``), a before/after in one run.
+Target (the RESULT line): live FSDP2's process CPU per step within 5 % of plain HSDP's.
+Usage: ``python benchmarks/live_steady_sections.py [--quick] [--steps 40] [--base-src DIR]``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import print_result  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 WARMUP = 5
@@ -32,7 +39,7 @@ SECTIONS = {
     "plain HSDP": (COMMON + ["torch.nn.utils:clip_grad_norm_"], "torch.distributed.tensor._api:DTensor.full_tensor"),
     "live FSDP2": (COMMON + [f"trainguard.live.worker:LiveWorker.{name}" for name in
                              ("fsdp_shares", "reduce", "norms", "wait_group")]
-                   + ["trainguard.live.state:LiveState.undo_point", "trainguard.live.fsdp_comms:GroupLink.statuses"],
+                   + ["trainguard.live.state:LiveState.undo_point", "trainguard.live.fsdp_comms:GroupLink.swap"],
                    "trainguard.live.worker:LiveWorker.step"),
 }
 
@@ -95,12 +102,12 @@ def wrap(out_dir: str, timed: list[str], step_mark: str, argv: list[str]) -> Non
     dump()
 
 
-def run_arm(arm: str, steps: int, micro_batches: int, tmp: Path) -> list[dict]:
-    out = tmp / arm.replace(" ", "_")
+def run_arm(arm: str, steps: int, micro_batches: int, tmp: Path, src: Path = ROOT / "src") -> list[dict]:
+    out = tmp / f"{arm.replace(' ', '_')}_{len(list(tmp.iterdir()))}"
     out.mkdir()
     timed, mark = SECTIONS[arm]
     wrapper = [__file__, "--wrap", str(out), ",".join(timed), mark, "--"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(EXAMPLES), str(ROOT / "src")]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(EXAMPLES), str(src)]))
     if arm == "plain HSDP":
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", *wrapper,
                    str(EXAMPLES / "user_loop_plain.py"), "--run-dir", str(out / "run"), "--steps", str(steps),
@@ -117,13 +124,18 @@ def run_arm(arm: str, steps: int, micro_batches: int, tmp: Path) -> list[dict]:
     return [json.loads(path.read_text()) for path in sorted(out.glob("*.json"))]
 
 
+TARGET = 1.05  # live FSDP2's process CPU per step over plain HSDP's
+
+
+def per_step(value: float, rank: dict) -> float:
+    return 1000 * value / max(rank["steps"], 1)
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
 def table(arm: str, ranks: list[dict]) -> None:
-    def per_step(value: float, rank: dict) -> float:
-        return 1000 * value / max(rank["steps"], 1)
-
-    def mean(values: list[float]) -> float:
-        return sum(values) / len(values)
-
     print(f"\n{arm}: {len(ranks)} ranks, {ranks[0]['steps']} steps timed; per step, mean over the ranks\n")
     print(f"| {'section':<28} | {'wall ms':>8} | {'main-thread CPU ms':>18} | {'calls':>5} |")
     print(f"|{'-' * 30}|{'-' * 10}|{'-' * 20}|{'-' * 7}|")
@@ -142,12 +154,24 @@ def main() -> None:
         wrap(out_dir, timed.split(","), mark, argv)
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="runs of 12 steps")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--base-src", type=Path, help="also run the live FSDP2 arm on this trainguard source tree")
     args = parser.parse_args()
+    steps = 12 if args.quick else args.steps
+    cpu = {}
     with tempfile.TemporaryDirectory(prefix="live_sections_") as tmp:
         for arm in SECTIONS:
-            table(arm, run_arm(arm, args.steps, args.micro_batches, Path(tmp)))
+            ranks = run_arm(arm, steps, args.micro_batches, Path(tmp))
+            table(arm, ranks)
+            cpu[arm] = mean([per_step(rank["cpu"], rank) for rank in ranks])
+        if args.base_src is not None:
+            table(f"live FSDP2 on {args.base_src}",
+                  run_arm("live FSDP2", steps, args.micro_batches, Path(tmp), args.base_src.resolve()))
+    live, plain = cpu["live FSDP2"], cpu["plain HSDP"]
+    print_result("live_fsdp2_process_cpu_ms_per_step", live, plain, f"<= {TARGET}x plain HSDP", live <= TARGET * plain,
+                 steps=steps, micro_batches=args.micro_batches)
 
 
 if __name__ == "__main__":

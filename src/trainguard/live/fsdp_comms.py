@@ -7,8 +7,8 @@ sends and receives between the group's ranks on the current epoch's gloo group, 
 worker's ``wait_group`` (it raises once a rank of this replica group is declared dead). The
 reduce-scatter adds the group's ranks' chunks in position order (``tree_sum``): a fixed order, so a
 group computing another group's share at the same positions gets bitwise that group's partial. Each
-exchange is preceded by the ranks' statuses (``GroupLink``): a rank whose loss raised mid-FSDP2 says so
-there, and the whole group leaves the share at that exchange (``fsdp_share``).
+exchange carries the ranks' statuses beside the data, in the same round (``GroupLink``): a rank whose loss
+raised mid-FSDP2 says so there, and the whole group leaves the share at that exchange (``fsdp_share``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from trainguard.live.group_reduce import tree_sum
 from trainguard.live.shards import shard_of
 
 FSDP_TAG = 11  # the tag of FSDP2's sends and receives on the epoch's group (sharded_params' gathers use 7)
-STATUS_TAG = 12  # the tag of each rank's status before each of FSDP2's exchanges (``GroupLink``)
+STATUS_TAG = 12  # the tag of each rank's header beside each of FSDP2's exchanges (``GroupLink``)
 SHARE_OK, SHARE_FAILED = 0, 1
 
 
@@ -43,12 +43,21 @@ class PeerShareFailed(RuntimeError):
     loss or backward raised): this rank leaves the share at the same exchange."""
 
 
+def header(status: int, sent: torch.Tensor | None = None, expected: torch.Tensor | None = None) -> torch.Tensor:
+    """What a rank sends each peer beside an exchange: its status, the bytes it sends that peer and the
+    bytes it expects from it (none from a failed rank)."""
+    return torch.tensor([status, 0 if sent is None else sent.nbytes, 0 if expected is None else expected.nbytes])
+
+
 class GroupLink:
     """This rank's place in its replica group and the channel of the current epoch, shared by FSDP2's
-    all-gather and reduce-scatter. Before each exchange every rank sends the group's others its status: a
-    rank whose share failed mid-FSDP2 sends ``SHARE_FAILED`` in place of its next exchange (``fail_share``), so
-    every rank of the group leaves the share at that same exchange, with no send or receive left unmatched
-    (a failing rank that said nothing would leave its peers waiting in that exchange until a timeout).
+    all-gather and reduce-scatter. Each exchange sends every peer a header (``header``: the status and the
+    sizes) beside the data, both in flight at once, so an exchange costs one round trip. A rank whose share
+    failed mid-FSDP2 does not know which exchange its peers wait in, nor its size: it sends ``SHARE_FAILED``
+    headers in place of its next exchange (``fail_share``), reads the sizes from its peers' headers and
+    answers their data with as many bytes, so every rank of the group leaves the share at that same
+    exchange with no send or receive left unmatched (a failing rank that said nothing would leave its
+    peers waiting in that exchange until a timeout).
     ``collective_error``: the error of the last exchange that failed (a peer lost), which no retry cures.
     With tensor parallel (``tp`` > 1) FSDP2's group is the replica group's ranks at this rank's ``tp``
     coordinate (its mesh's ``dp_shard`` dimension): ``group_size`` and ``position`` are counted in it."""
@@ -65,26 +74,38 @@ class GroupLink:
 
     def swap(self, outgoing: Callable[[int], torch.Tensor], incoming: Callable[[int], torch.Tensor]) -> None:
         """Sends ``outgoing(k)`` to the group's rank at position ``k`` and receives ``incoming(k)`` from it,
-        for every other position, once every rank of the group said its share goes on (``PeerShareFailed``
-        otherwise)."""
-        self.statuses(SHARE_OK)
-        self.exchange(outgoing, incoming, FSDP_TAG)
-
-    def fail_share(self) -> None:
-        """Tells the group's other ranks, at the exchange they wait in, that this rank's share failed."""
-        self.statuses(SHARE_FAILED)
-
-    def statuses(self, status: int) -> None:
-        mine = torch.tensor([status])
-        theirs = {position: torch.empty(1, dtype=mine.dtype) for position in range(self.group_size)
-                  if position != self.position}
-        self.exchange(lambda _position: mine, theirs.__getitem__, STATUS_TAG)
-        failed = [self.rank_at(position) for position, value in theirs.items() if int(value) == SHARE_FAILED]
-        if failed and status == SHARE_OK:
+        for every other position, with the headers; ``PeerShareFailed`` once done if a peer's header said its
+        share failed (what that peer sent is zeros)."""
+        pairs = {position: (outgoing(position), incoming(position)) for position in range(self.group_size)
+                 if position != self.position}
+        headers = self.round(lambda position, peer, channel: [
+            channel.group.send([pairs[position][0]], peer, FSDP_TAG),
+            channel.group.recv([pairs[position][1]], peer, FSDP_TAG)],
+            lambda position: header(SHARE_OK, *pairs[position]))
+        failed = [self.rank_at(position) for position, theirs in headers.items() if int(theirs[0]) == SHARE_FAILED]
+        if failed:
             raise PeerShareFailed(f"rank(s) {failed} of this replica group failed their share of the step")
 
-    def exchange(self, outgoing: Callable[[int], torch.Tensor], incoming: Callable[[int], torch.Tensor],
-                 tag: int) -> None:
+    def fail_share(self) -> None:
+        """Tells the group's other ranks, at the exchange they wait in, that this rank's share failed, and
+        matches the data of those that entered it (their header says how many bytes)."""
+        headers = self.round(lambda _position, _peer, _channel: [], lambda _position: header(SHARE_FAILED))
+
+        def answer(position: int, peer: int, channel: GroupChannel) -> list[dist.Work]:
+            status, theirs, mine = headers[position].tolist()
+            if status == SHARE_FAILED:  # failed at the same exchange: it sends nothing and waits for nothing
+                return []
+            return [channel.group.recv([torch.empty(theirs, dtype=torch.uint8)], peer, FSDP_TAG),
+                    channel.group.send([torch.zeros(mine, dtype=torch.uint8)], peer, FSDP_TAG)]
+
+        self.round(answer)
+
+    def round(self, data: Callable[[int, int, GroupChannel], list[dist.Work]],
+              mine: Callable[[int], torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
+        """One wait for ``data``'s sends and receives with each other position (given its position, its rank
+        in the epoch's group and the channel) and, with ``mine``, the header sent to each and the one
+        received from each (returned by position)."""
+        headers: dict[int, torch.Tensor] = {}
         try:
             channel = self.channel()
             works = []
@@ -92,12 +113,16 @@ class GroupLink:
                 if position == self.position:
                     continue
                 peer = channel.members.index(self.rank_at(position))
-                works.append(channel.group.send([outgoing(position)], peer, tag))
-                works.append(channel.group.recv([incoming(position)], peer, tag))
+                if mine is not None:
+                    headers[position] = torch.empty(3, dtype=torch.int64)
+                    works.append(channel.group.recv([headers[position]], peer, STATUS_TAG))
+                    works.append(channel.group.send([mine(position)], peer, STATUS_TAG))
+                works.extend(data(position, peer, channel))
             channel.wait_group(works)
         except BaseException as error:
             self.collective_error = error
             raise
+        return headers
 
 
 class _Exchange:

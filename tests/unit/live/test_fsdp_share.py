@@ -2,8 +2,8 @@
 gloo groups in 4 forked processes, 2 replica groups x 2: each group's ranks make the group their default
 group and shard a tiny MLP (dropout in it) with ``fully_shard`` over its mesh; every FSDP2 collective runs
 on a 4-rank "epoch" group, as in a live run. Group 0 computes its own share and then group 1's at the same
-positions; group 1 computes its own: group 0's partial of group 1 is bitwise group 1's, and one
-reduce-scatter ran per share. And the state a live rank undoes to, and sends a joiner as plain rows, comes
+positions; group 1 computes its own: group 0's partial of group 1 is bitwise group 1's, one
+reduce-scatter ran per share, and each exchange waited once (its statuses beside its data). And the state a live rank undoes to, and sends a joiner as plain rows, comes
 back bitwise into the DTensor shards. And a loss that raises mid-forward on one rank (rank 1, in its
 second micro-batch, between two FSDP modules), on both ranks at once, or mid-backward on one, makes both
 ranks of its group abandon the share at the same exchange, FSDP2's state reset; the share tried again is
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from trainguard.live.fsdp_comms import EpochReduceScatter, GroupChannel
+from trainguard.live.fsdp_comms import EpochAllGather, EpochReduceScatter, GroupChannel
 from trainguard.live.fsdp_share import FsdpShares, ShareAbandoned, fsdp_modules
 from trainguard.live.group_reduce import SlotLayout
 from trainguard.live.state import LiveState
@@ -75,15 +75,27 @@ def _rank(rank: int, port: int, results) -> None:
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
         for layer in (model[0], model[4], model):
             fully_shard(layer, mesh=mesh)
-        calls = []
-        original = EpochReduceScatter.__call__
+        calls, exchanges, waits = [], [], []
 
-        def counted(self, *args, **kwargs):
-            calls.append(1)
-            return original(self, *args, **kwargs)
+        def counting(cls, counts):
+            original = cls.__call__
 
-        EpochReduceScatter.__call__ = counted
-        channel = GroupChannel(epoch, [0, 1, 2, 3], lambda works: [work.wait() for work in works])
+            def counted(self, *args, **kwargs):
+                counts.append(1)
+                return original(self, *args, **kwargs)
+
+            cls.__call__ = counted
+
+        counting(EpochReduceScatter, calls)
+        counting(EpochAllGather, exchanges)
+        counting(EpochReduceScatter, exchanges)
+
+        def wait_group(works):
+            waits.append(1)
+            for work in works:
+                work.wait()
+
+        channel = GroupChannel(epoch, [0, 1, 2, 3], wait_group)
         shares = FsdpShares(model, fsdp_modules(model), rank, 2, lambda: channel)
         computed = {}
         for share_of in ([0, 1] if group == 0 else [1]):
@@ -91,6 +103,7 @@ def _rank(rank: int, port: int, results) -> None:
             computed[share_of] = shares.share(_loss_of, 3, LAYOUT.slot_micro_batches(share_of, position), 8, 7,
                                               lambda: None)
             computed[f"reduce_scatters_{share_of}"] = len(calls) - before
+        waits_per_exchange = len(waits) / len(exchanges)
         theirs = torch.empty_like(computed[1])  # group 1's partial at this position, sent to group 0's rank
         if group == 1:
             epoch.send([computed[1]], rank - 2, 0).wait()
@@ -132,6 +145,7 @@ def _rank(rank: int, port: int, results) -> None:
         results[rank] = {"mine_of_1": computed[1].tolist(), "group_1_rank": theirs.tolist(),
                          "undo": redone and loaded and plain,
                          "reduce_scatters": computed[f"reduce_scatters_{1}"],
+                         "waits_per_exchange": waits_per_exchange,
                          "local_numel": shares.local_numel(), "failures": failures,
                          "retried_equal": group == 1 or torch.equal(retried, theirs_retried)}
     except BaseException:
@@ -163,5 +177,7 @@ def test_a_group_computing_another_groups_share_gets_bitwise_that_groups_partial
     # one reduce-scatter per FSDP module (3 here: two layers and the root, which holds no parameter of its
     # own) per share, not one per micro-batch
     assert {results[rank]["reduce_scatters"] for rank in range(4)} == {2}
+    # each exchange's statuses travel beside its data: one round trip, one wait (not a status round first)
+    assert {results[rank]["waits_per_exchange"] for rank in range(4)} == {1.0}
     # the rows of each shard: 16 x 8 + 16 + 3 x 16 + 3 = 195 elements split 8/8 rows, 2/1 rows
     assert [results[rank]["local_numel"] for rank in range(4)] == [8 * 8 + 8 + 2 * 16 + 2, 8 * 8 + 8 + 16 + 1] * 2

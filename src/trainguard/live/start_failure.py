@@ -40,7 +40,6 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-
 def cannot_start(world: int, early: Mapping[int, EarlyExit]) -> bool:
     """Every rank of the run has had a process end before the run's first committed step."""
     return set(early) >= set(range(world))

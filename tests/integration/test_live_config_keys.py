@@ -20,6 +20,7 @@ import textwrap
 import pytest
 import torch
 
+from helpers.finished_rank import MARK_FINISHED
 from helpers.runs import trainguard
 from trainguard.checkpoint.safe_load import safe_torch_load
 from trainguard.cli.run_live import run_command_live
@@ -119,8 +120,8 @@ def test_grad_clip_and_a_set_seed_reach_the_ranks_of_a_live_run(live_run):
 
 
 def test_the_set_items_reach_the_ranks_environment_and_leave_the_launchers_alone(tmp_path, monkeypatch):
-    """``trainguard run``'s live path in this process, each of its 2 ranks a shell that writes down the
-    ``TRAINGUARD_SET`` it was given and exits 0 (a finished rank): the ranks get the ``--set`` items, and
+    """``trainguard run``'s live path in this process, each of its 2 ranks a stand-in that writes down
+    the ``TRAINGUARD_SET`` it was given and ends as a finished rank: the ranks get the ``--set`` items, and
     the launcher's own environment is as it was (it used to keep them: a later ``Guard`` in the same
     process applied them to a configuration of its own)."""
     monkeypatch.delenv(LAUNCHER_OVERRIDES_ENV, raising=False)
@@ -131,7 +132,8 @@ def test_the_set_items_reach_the_ranks_environment_and_leave_the_launchers_alone
                               kill_switch=None, supervisor_defaults={}, launcher="local", hosts=None,
                               node_command=None)
     seen = tmp_path / "seen"
-    command = ["sh", "-c", f'printf %s "${LAUNCHER_OVERRIDES_ENV}" > "$0.$$"', str(seen)]
+    says = f"import os, sys; open(f'{{sys.argv[1]}}.{{os.getpid()}}', 'w').write(os.environ[{LAUNCHER_OVERRIDES_ENV!r}])"
+    command = [sys.executable, "-c", says + "\n" + MARK_FINISHED, str(seen)]
     assert run_command_live(args, command, tmp_path / "run") == 0
     assert LAUNCHER_OVERRIDES_ENV not in os.environ
     written = sorted(tmp_path.glob("seen.*"))

@@ -272,7 +272,7 @@ def _spawn(run: LiveRun, rank: int, store: SignedStore, run_dir: Path, rejoin: b
         return watch.start(node, on_the_node, started, lambda stderr: subprocess.Popen(
             on_the_node, env=env, stdin=subprocess.PIPE, stderr=stderr),
             beat_key=beat_key(rank) if spare is None else None)
-    if _rank_server is not None and is_this_interpreter(run.executable):
+    if _rank_server is not None and is_this_interpreter(run.executable) and runs_a_file_or_module(run.entry):
         # this interpreter's command, started here: forked without imports (``start_live_rank_server``)
         request = json.dumps({"argv": command[1:], "env": env, "cwd": os.getcwd()}).encode()
         forked = _rank_server.fork(request, [0, 1, 2])
@@ -291,6 +291,12 @@ def is_this_interpreter(executable: str) -> bool:
         return False
     found_path, this = Path(found).absolute(), Path(sys.executable).absolute()
     return found_path.parent == this.parent and os.path.samefile(found_path, this)
+
+
+def runs_a_file_or_module(entry: tuple[str, ...]) -> bool:
+    """Whether the interpreter's arguments ``entry`` run a script or ``-m MODULE``, as the fork server runs
+    them; any other option first (``-c CODE``, ``-u``, ``-X``...) starts a new interpreter."""
+    return bool(entry) and (entry[0] == "-m" or not entry[0].startswith("-"))
 
 
 _rank_server: ForkServer | None = None

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from trainguard.live.launcher import is_this_interpreter
+from helpers.finished_rank import MARK_FINISHED
+from trainguard.live.launcher import is_this_interpreter, runs_a_file_or_module
 
 SRC = str(Path(__file__).resolve().parents[3] / "src")
 
@@ -32,18 +33,7 @@ found = {"name": __name__, "argv0": sys.argv[0], "path0": sys.path[0], "cwd": os
          "parent_threads": len(os.listdir(f"/proc/{os.getppid()}/task"))}
 with open(os.path.join(run_dir, f"rank{rank}.json"), "w") as file:
     json.dump(found, file)
-# ends as a rank that finished: its end marked in the launcher's store (an exit 0 without it is a death)
-from datetime import timedelta
-from pathlib import Path
-import torch.distributed as dist
-from trainguard.live.quorum import done_key
-from trainguard.live.signed_store import SignedStore
-from trainguard.run_secret import load_secret
-host, port = sys.argv[sys.argv.index("--store") + 1].rsplit(":", 1)
-store = SignedStore(dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30)),
-                    load_secret(Path(run_dir)))
-store.set(done_key(int(rank)), "1")
-"""
+""" + MARK_FINISHED
 
 LAUNCHER = r"""
 import json, os, sys, threading, time
@@ -95,3 +85,12 @@ def test_this_interpreter_is_its_path_or_its_name_on_path_not_a_link_from_elsewh
     os.symlink(sys.executable, tmp_path / "bin" / "python")
     assert not is_this_interpreter(str(tmp_path / "bin" / "python"))
     assert not is_this_interpreter(str(tmp_path / "no-such-python"))
+
+
+def test_only_a_script_or_a_module_is_forked_any_other_option_starts_a_new_interpreter():
+    """``-- python -c CODE`` was forked as if ``-c`` were a script's path (FileNotFoundError on every rank)."""
+    assert runs_a_file_or_module(("train.py", "--config", "x.yaml"))
+    assert runs_a_file_or_module(("-m", "trainguard.live.workload"))
+    assert not runs_a_file_or_module(("-c", "print(1)"))
+    assert not runs_a_file_or_module(("-u", "train.py"))
+    assert not runs_a_file_or_module(())

@@ -21,18 +21,16 @@ from __future__ import annotations
 import os
 import signal
 import time
-import warnings
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from helpers.processes import alive
 from helpers.live_fsdp import CLEAN, STEPS, TIMEOUT_S, WORLD, start_live_fsdp
+from helpers.live_tensors import durable_tensors, final_tensors
 from helpers.runs import finish_session
 from trainguard.events.log import read_events
 from trainguard.live.files import events_path, final_path
@@ -107,35 +105,16 @@ def _final(run_dir: Path, rank: int) -> dict:
     return torch.load(final_path(run_dir, rank), weights_only=True)
 
 
-def _tensors(state: dict) -> dict[str, torch.Tensor]:
-    tensors = {f"model.{name}": value for name, value in state["model"].items()}
-    for index, entry in state["optimizer"]["state"].items():
-        tensors.update({f"optimizer.{index}.{name}": value for name, value in entry.items()})
-    return tensors
-
-
-def _durable(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    """Every tensor of a durable checkpoint, whole (DCP puts the shards together)."""
-    path = run_dir / "checkpoints" / f"global_step_{step}"
-    metadata = dcp.FileSystemReader(path).read_metadata()
-    tensors = {key: torch.empty(item.size) for key, item in metadata.state_dict_metadata.items()
-               if isinstance(item, TensorStorageMetadata)}
-    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process reads it, as meant
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(tensors, checkpoint_id=path, no_dist=True)
-    return tensors
-
-
 @pytest.mark.parametrize("run", ["killed", "spared", "resumed", "sigkilled"])
 def test_a_lost_fsdp2_group_or_a_resume_ends_bitwise_equal_to_the_fault_free_run(runs, run):
     for rank in range(WORLD):
-        clean, other = _tensors(_final(runs["clean"], rank)), _tensors(_final(runs[run], rank))
+        clean, other = final_tensors(runs["clean"], rank), final_tensors(runs[run], rank)
         assert clean.keys() == other.keys() and len(clean) == 24
         different = [name for name in clean if not torch.equal(clean[name], other[name])]
         assert not different, f"rank {rank}: {different}"
-    clean = _durable(runs["clean"], STEPS)
+    clean = durable_tensors(runs["clean"], STEPS)
     assert len(clean) == 24 and [tuple(clean["model.0.weight"].shape)] == [WHOLE["0.weight"]]
-    assert not [key for key, value in _durable(runs[run], STEPS).items() if not torch.equal(value, clean[key])]
+    assert not [key for key, value in durable_tensors(runs[run], STEPS).items() if not torch.equal(value, clean[key])]
 
 
 def test_fingerprints_found_the_flipped_fsdp2_shard_and_repaired_it_from_its_replica(runs):

@@ -14,19 +14,17 @@ module fixture)."""
 from __future__ import annotations
 
 import sys
-import warnings
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from helpers.live_tensors import durable_tensors, final_tensors
 from helpers.runs import finish_session, worker_env
 from helpers.warm_command import warm_server
 from trainguard.events.log import read_events
-from trainguard.live.files import events_path, final_path
+from trainguard.live.files import events_path
 from trainguard.live.rank import GROUP_OUT_EXIT
 
 SCRIPT = Path(__file__).with_name("live_tp_loop.py")
@@ -77,35 +75,15 @@ def runs(tmp_path_factory):
     return root
 
 
-def _final(run_dir: Path, rank: int) -> dict[str, torch.Tensor]:
-    state = torch.load(final_path(run_dir, rank), weights_only=True)
-    tensors = {f"model.{name}": value for name, value in state["model"].items()}
-    for index, entry in state["optimizer"]["state"].items():
-        tensors.update({f"optimizer.{index}.{name}": value for name, value in entry.items()})
-    return tensors
-
-
-def _durable(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    """Every tensor of a durable checkpoint, whole (DCP puts the shards together)."""
-    path = run_dir / "checkpoints" / f"global_step_{step}"
-    metadata = dcp.FileSystemReader(path).read_metadata()
-    tensors = {key: torch.empty(item.size) for key, item in metadata.state_dict_metadata.items()
-               if isinstance(item, TensorStorageMetadata)}
-    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process reads it, as meant
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(tensors, checkpoint_id=path, no_dist=True)
-    return tensors
-
-
 @pytest.mark.parametrize("run", ["killed", "resumed", "saved_at_end"])
 def test_a_lost_tp_group_a_resume_or_fewer_saves_end_bitwise_equal_to_the_fault_free_run(runs, run):
     for rank in range(WORLD):
-        clean, other = _final(runs / "clean", rank), _final(runs / run, rank)
+        clean, other = final_tensors(runs / "clean", rank), final_tensors(runs / run, rank)
         assert clean.keys() == other.keys() and len(clean) == 24
         assert not [name for name in clean if not torch.equal(clean[name], other[name])], rank
-    clean = _durable(runs / "clean", STEPS)
+    clean = durable_tensors(runs / "clean", STEPS)
     assert {key: tuple(clean[f"model.{key}"].shape) for key in WHOLE} == WHOLE  # whole tensors, each once
-    assert not [key for key, value in _durable(runs / run, STEPS).items() if not torch.equal(value, clean[key])]
+    assert not [key for key, value in durable_tensors(runs / run, STEPS).items() if not torch.equal(value, clean[key])]
 
 
 def test_the_killed_ranks_tp_peer_left_with_it_and_the_survivors_computed_every_micro_batch(runs):
@@ -124,10 +102,10 @@ def test_the_killed_ranks_tp_peer_left_with_it_and_the_survivors_computed_every_
 
 
 def test_each_tp_rank_holds_its_half_of_the_split_layers(runs):
-    finals = [_final(runs / "clean", rank) for rank in range(WORLD)]
+    finals = [final_tensors(runs / "clean", rank) for rank in range(WORLD)]
     assert {key: tuple(finals[0][f"model.{key}"].shape) for key in WHOLE} == {
         "0.weight": (8, 8), "0.bias": (8,), "2.weight": (8, 8), "2.bias": (8,), "5.weight": (3, 8), "5.bias": (3,)}
-    whole = _durable(runs / "clean", STEPS)
+    whole = durable_tensors(runs / "clean", STEPS)
     # rank r is tp rank r % 2: rows of the column-wise layer, columns of the row-wise one
     for rank in range(WORLD):
         half = rank % 2
@@ -138,9 +116,9 @@ def test_each_tp_rank_holds_its_half_of_the_split_layers(runs):
 
 def test_the_reference_trainer_with_tp_ends_bitwise_equal_after_a_lost_group(runs):
     for rank in range(WORLD):
-        clean, killed = _final(runs / "trainer", rank), _final(runs / "trainer_killed", rank)
+        clean, killed = final_tensors(runs / "trainer", rank), final_tensors(runs / "trainer_killed", rank)
         assert clean.keys() == killed.keys() and len(clean) > 40
         assert not [name for name in clean if not torch.equal(clean[name], killed[name])], rank
     # each tp rank holds half of the attention's heads: q_proj's rows of 64
-    assert tuple(_final(runs / "trainer", 1)["model.model.layers.0.self_attn.q_proj.weight"].shape) == (32, 64)
+    assert tuple(final_tensors(runs / "trainer", 1)["model.model.layers.0.self_attn.q_proj.weight"].shape) == (32, 64)
     assert {e["rank"] for e in read_events(events_path(runs / "trainer_killed")) if e["kind"] == "live_joined"} == {2, 3}

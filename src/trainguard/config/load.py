@@ -348,6 +348,7 @@ def validate(config: RunConfig, source: str = "<config>") -> None:
     config.lifecycle.validate(source)
     positive("fault_tolerance.spares", config.fault_tolerance.spares, allow_zero=True)
     positive("fault_tolerance.hang_s", config.fault_tolerance.hang_s)
+    positive("fault_tolerance.startup_s", config.fault_tolerance.startup_s)
     positive("fault_tolerance.collective_timeout_s", config.fault_tolerance.collective_timeout_s)
     positive("fault_tolerance.stall_s", config.fault_tolerance.stall_s)
     positive("fault_tolerance.stall_steps", config.fault_tolerance.stall_steps)

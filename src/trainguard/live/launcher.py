@@ -88,7 +88,7 @@ class LiveRun:
     kill_at_step: int = 0  # first of them has committed this many steps
     fault: str = "kill"  # "kill": SIGKILL; "stop": SIGSTOP (a hang, or a cut link: alive, silent)
     hang_s: float = 10.0  # a member silent this long is hung (the lighthouse's heartbeat timeout)
-    startup_s: float = STARTUP_S  # ... and one that has never beaten, this long after its start
+    startup_s: float = STARTUP_S  # ... and one that has never beaten, since its start (fault_tolerance.startup_s)
     # an all-reduce entered and not left for max(stall_s, stall_steps × the median step time) is stalled
     # (a partial cut: peers unreachable, store reachable; live/stall.py)
     stall_s: float = 5.0
@@ -199,7 +199,7 @@ class LiveRun:
         faults = live_drill(config.faults, groups * group_size, config.train.steps, tolerance.spares)
         return cls(groups=groups, group_size=group_size, tp=tp, steps=config.train.steps,
                    micro_batches=config.train.micro_batches, spares=tolerance.spares, hang_s=tolerance.hang_s,
-                   stall_s=tolerance.stall_s, stall_steps=tolerance.stall_steps,
+                   startup_s=tolerance.startup_s, stall_s=tolerance.stall_s, stall_steps=tolerance.stall_steps,
                    collective_timeout_s=tolerance.collective_timeout_s, doctor_spares=tolerance.doctor_spares,
                    resume=config.checkpoint.resume, kill_switch=config.lifecycle.kill_switch_path, fsdp=tolerance.fsdp,
                    **{**faults, **drill})

@@ -353,6 +353,7 @@ def validate(config: RunConfig, source: str = "<config>") -> None:
     positive("fault_tolerance.stall_s", config.fault_tolerance.stall_s)
     positive("fault_tolerance.stall_steps", config.fault_tolerance.stall_steps)
     positive("fault_tolerance.max_step_failures", config.fault_tolerance.max_step_failures)
+    positive("fault_tolerance.max_start_failures", config.fault_tolerance.max_start_failures)
     sdc_config_from_env(config.guards.sdc)
     pp = config.parallel.pp or 1
     if pp > 1 and config.train.micro_batches < pp:

@@ -92,6 +92,9 @@ class FaultToleranceConfig:
     # a live step whose computation (the loss, its backward) raised on some rank is tried again; failing
     # this many times in a row, it ends the run with exit 19 (live/step_failures.py)
     max_step_failures: int = 3
+    # a rank whose processes ended this many times in a row before they committed a step (a start that
+    # fails alike each time) is moved off its node once, then not started again (live/start_failure.py)
+    max_start_failures: int = 3
     # FSDP2 inside each replica group: ``trainguard.data_parallel_mesh()`` returns the replica group's mesh,
     # for ``fully_shard`` (live/replica_mesh.py; the reference trainer's live ranks shard with it); off, it
     # returns None and live mode shards by rows itself

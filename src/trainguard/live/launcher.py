@@ -49,8 +49,8 @@ from trainguard.live.group_reduce import SlotLayout
 from trainguard.live.lighthouse import STARTUP_S, Lighthouse
 from trainguard.live.node_watch import NodeCommandFailed, NodeWatch
 from trainguard.live.placement import replacement_node
-from trainguard.live.quorum import (MAX_STEP, STOP, STOPPED, beat_key, done_key, progress_key, spare_failed_key,
-                                    spare_key, spare_ready_key, spare_started_key, started_key)
+from trainguard.live.quorum import (GIVEN_UP, MAX_STEP, STOP, STOPPED, beat_key, done_key, progress_key,
+                                    spare_failed_key, spare_key, spare_ready_key, spare_started_key, started_key)
 from trainguard.live.signed_store import SignedStore, serve_store
 from trainguard.live.spare_choice import spare_for
 from trainguard.live.start_failure import EarlyExit, StartFailures, cannot_start, given_up_line, start_failure_line
@@ -476,6 +476,7 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
     def give_up(ended: EarlyExit) -> None:
         lighthouse.died(ended.rank)
         result.given_up.append(ended.rank)
+        store.set(GIVEN_UP, json.dumps(result.given_up))  # the quorum's end waits no more for its group
         events.emit("live_rank_given_up", step=None, target=ended.rank, node=ended.node, code=ended.code,
                     error=ended.error, failures=run.max_start_failures)
         print(given_up_line(ended, run.max_start_failures), file=sys.stderr, flush=True)

@@ -70,9 +70,9 @@ from trainguard.live.dtensor_state import owned_square_sum
 from trainguard.live.fsdp_share import FsdpShares, ShareAbandoned, fsdp_modules, local
 from trainguard.live.group_reduce import Exchange, SlotLayout, StepSum, reduce_partials, reduce_sharded, tree_sum
 from trainguard.live.ordered_sum import computed_by, my_micro_batches, reduce_rows
-from trainguard.live.quorum import (NO_STATE, STOP, STOPPED, Quorum, beat_key, done_key, entered_key, epoch_key,
-                                    fence_key, has, latest_epoch, progress_key, read_quorum, ready_key, report_key,
-                                    start_key, wait_for)
+from trainguard.live.quorum import (NO_STATE, STOP, STOPPED, Quorum, awaited_at_end, beat_key, done_key, entered_key,
+                                    epoch_key, fence_key, has, latest_epoch, progress_key, read_quorum, ready_key,
+                                    report_key, start_key, wait_for)
 from trainguard.live.probe import PeerProbe
 from trainguard.live.rng import micro_batch_rng
 from trainguard.live.shards import shard_of
@@ -374,9 +374,10 @@ class LiveWorker:
             step = self.step_index
             try:
                 if step >= self.steps:
-                    if self.quorum.members == list(range(self.world)):
+                    joining = self.wait_for_join_epoch()  # the replacement joins at the last boundary
+                    if joining is None:
                         break
-                    self.switch(self.wait_for_join_epoch())  # the replacement joins at the last boundary
+                    self.switch(joining)
                     continue
                 if not self.step():
                     continue  # the step's computation raised somewhere: tried again (step_failures.py)
@@ -912,9 +913,12 @@ class LiveWorker:
         self.events.emit("live_resumed", step=quorum.start_step, epoch=quorum.epoch,
                          stalled_s=time.time() - failed_at)
 
-    def wait_for_join_epoch(self) -> int:
+    def wait_for_join_epoch(self) -> int | None:
+        """The next epoch, a join; None once every rank awaited at the end is a member (``awaited_at_end``)."""
         deadline = time.monotonic() + WAIT_S
         while latest_epoch(self.store) <= self.quorum.epoch:
+            if set(self.quorum.members) >= awaited_at_end(self.store, self.world, self.group_size):
+                return None
             self.beat()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"live recovery: rank {self.rank} waited {WAIT_S:.0f} s for a replacement")

@@ -78,6 +78,7 @@ def test_the_key_is_off_by_default_and_read_from_yaml_and_set(tmp_path):
     ("fault_tolerance.stall_s=0", "config key 'fault_tolerance.stall_s' must be > 0"),
     ("fault_tolerance.startup_s=0", "config key 'fault_tolerance.startup_s' must be > 0, got 0.0"),
     ("fault_tolerance.startup_s=soon", "config key 'fault_tolerance.startup_s' must be float, got 'soon'"),
+    ("fault_tolerance.max_start_failures=0", "config key 'fault_tolerance.max_start_failures' must be > 0, got 0"),
     ("fault_tolerance.stall_steps=-1", "config key 'fault_tolerance.stall_steps' must be > 0"),
     ("fault_tolerance.lve=true", "unknown config key 'fault_tolerance.lve'"),
 ])

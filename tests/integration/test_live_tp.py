@@ -22,7 +22,10 @@ With the guards (the same layout and configuration, a guard added):
 - rollback mode (dropout off): the loss of data position 4 multiplied by 10^4; step 5 spikes, every rank
   restores ``global_step_4`` and the window skips positions [4, 6): bitwise the run never fed them;
 - data skip with the drill's ``nan:step=3`` and ``bitflip`` of the gradient into module 1 on rank 1 alone (its
-  tp piece) at step 4: both steps skipped by every rank, bitwise a fault-free run replaying those skips.
+  tp piece) at step 4: both steps skipped by every rank, bitwise a fault-free run replaying those skips;
+- rank 3 SIGSTOPped from outside once rank 0 has committed two steps, SIGCONTed 8 s later (``stall_s: 3``, saved at
+  the end only): the stall watch takes group 1 out, group 0 goes on, ranks 2 and 3 exit 20 after the SIGCONT,
+  start again and rejoin; bitwise the fault-free run.
 
 The runs start together, in two waves (one module fixture)."""
 
@@ -30,6 +33,9 @@ from __future__ import annotations
 
 import sys
 import json
+import os
+import signal
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -67,6 +73,12 @@ ROLLBACK = CONFIG + ("guards: {check_for_global_norm: true, skip: {threshold: %r
 WINDOW = (SPIKE_POSITION, SPIKE_POSITION + 2)  # the policy's steps 4-6 around the spiked step 5, past global_step_4
 SKIP = CONFIG + "guards: {skip: {enabled: true, threshold: %r}}\n" % THRESHOLD
 SKIPPED = [(3, True), (4, False)]  # (step, a NaN norm)
+# rank 3 SIGSTOPped once rank 0 has committed step 1 (from 0), for 8 s (SIGCONT then), against a stall bound of 3 s (the
+# bound is max(stall_s, stall_steps x the median step time): the loaded machine's slow first steps kept out of it)
+STOPPED, STOP_AFTER, STOPPED_S = 3, 1, 8.0
+# saved at the end only: the stall watch spans a step's collectives, not a durable save's (a rank stopped at a
+# save's boundary is found by the heartbeat timeout: docs/live_recovery.md)
+STOPPED_RUN = ("fault_tolerance.stall_s=3", "fault_tolerance.stall_steps=0.1", f"checkpoint.save_interval={STEPS}")
 # name: (configuration, --set items, the loop's flags), in two waves
 GUARDED_RUNS = (
     {"sdc": (SDC, (), ()),
@@ -104,6 +116,20 @@ def _start_guarded(root: Path, wave: dict) -> dict:
     return started
 
 
+def _stop_for_a_while(run_dir: Path, started) -> None:
+    """SIGSTOPs rank ``STOPPED``'s process once rank 0 has committed step ``STOP_AFTER`` (0-based), SIGCONTs it
+    ``STOPPED_S`` later; the run goes on meanwhile."""
+    deadline = time.monotonic() + 300
+    while not (events_path(run_dir).exists() and [e for e in _events(run_dir, "live_step")
+                                                   if e["rank"] == 0 and e["step"] >= STOP_AFTER]):
+        assert started.poll() is None and time.monotonic() < deadline, "the stopped run ended before its SIGSTOP"
+        time.sleep(0.02)
+    [pid] = [e["pid"] for e in _events(run_dir, "live_start") if e["rank"] == STOPPED]
+    os.kill(pid, signal.SIGSTOP)
+    time.sleep(STOPPED_S)
+    os.kill(pid, signal.SIGCONT)
+
+
 def _finish(started: dict) -> None:
     for name, proc in started.items():
         done = finish_session(proc, 300, f"live tp run {name}")
@@ -117,9 +143,14 @@ def runs(tmp_path_factory):
     config.write_text(CONFIG, encoding="utf-8")
     _finish({**{name: _start(config, root / name, *overrides) for name, overrides in RUNS.items()},
              **_start_guarded(root, GUARDED_RUNS[0])})
-    _finish({"resumed, again": _start(config, root / "resumed"), "trainer": _start_trainer(root / "trainer"),
-             "trainer killed": _start_trainer(root / "trainer_killed", f"faults=kill:rank={KILLED},step={KILL_AT}"),
-             **_start_guarded(root, GUARDED_RUNS[1])})
+    second = {"resumed, again": _start(config, root / "resumed"), "trainer": _start_trainer(root / "trainer"),
+              "trainer killed": _start_trainer(root / "trainer_killed", f"faults=kill:rank={KILLED},step={KILL_AT}"),
+              **_start_guarded(root, GUARDED_RUNS[1]),
+              "stopped": _start(config, root / "stopped", *STOPPED_RUN, script=("--step-sleep", "0.1"))}
+    try:
+        _stop_for_a_while(root / "stopped", second["stopped"])
+    finally:
+        _finish(second)
     return root
 
 
@@ -244,3 +275,17 @@ def test_a_nan_and_one_tp_ranks_bitflip_are_skipped_and_end_bitwise_as_the_repla
         skipped = sorted({e["step"] + 1 for e in _events(run_dir, "live_step") if e["rank"] == rank and e["skipped"]})
         assert skipped == [step for step, _ in SKIPPED], rank
     assert _trained_differences(runs / "replayed", run_dir) == {}
+
+
+def test_a_tp_rank_sigstopped_mid_run_takes_its_group_out_at_the_stall_bound_and_it_rejoins_after_sigcont(runs):
+    """The stopped rank's tp peer waits in a tp collective with it, silent (tp's collectives are not watched);
+    the stall watch excludes group 1 and group 0 goes on alone; after SIGCONT both ranks of group 1 find their
+    epoch ended, exit 20 and start again, and rejoin: the end state is the fault-free run's bitwise."""
+    run_dir = runs / "stopped"
+    assert [e["excluded"] for e in _events(run_dir, "live_stall") if STOPPED in e["absent"]] == [[2, 3]]
+    assert {0, 1} <= {e["rank"] for e in _events(run_dir, "live_resumed")}
+    assert {e["rank"] for e in _events(run_dir, "live_step") if e["members"] == 2} == {0, 1}  # group 0 went on
+    assert {(e["target"], e["code"]) for e in _events(run_dir, "live_exit")} >= {(2, GROUP_OUT_EXIT), (3, GROUP_OUT_EXIT)}
+    assert not _events(run_dir, "live_hung")
+    assert {e["rank"] for e in _events(run_dir, "live_joined")} == {2, 3}
+    assert _trained_differences(runs / "clean", run_dir) == {}

@@ -32,8 +32,8 @@ def main() -> None:
     mesh = trainguard.device_mesh(args.tp)
     torch.manual_seed(0)
     # 0 column-wise (its output's columns split over tp), 2 row-wise (its input's): one all-reduce in the forward
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8), torch.nn.Dropout(args.dropout),
-                                torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8),
+                                torch.nn.Dropout(args.dropout), torch.nn.Tanh(), torch.nn.Linear(8, 3))
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
     for layer in model:
         if isinstance(layer, torch.nn.Linear):

@@ -191,3 +191,16 @@ def test_with_tensor_parallel_each_tp_ranks_module_values_are_a_point_and_a_faul
                 if not e["point"].startswith("grad:")}
     assert detected == {("1 (tp 1)", (3,))}
     assert sdc.strikes.count("live", "rank 3") == 1 and sdc.strikes.count("live", "rank 2") == 0
+
+
+def test_a_model_with_parameter_gradient_points_alone_has_empty_extras(tmp_path):
+    """No module point (no norm layer, no ``points``): each micro-batch's extras are empty, with or without tp."""
+    net = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    config = SdcConfig(enabled_level=2, blocks=False, lm_head=False)
+    config.validate()
+    for tp in (1, 2):
+        sdc = LiveSdc(config, net, MICRO_BATCHES, rank=0, run_dir=tmp_path, log=logging.getLogger("test"),
+                      events=EventLog(tmp_path / "events.jsonl", rank=0), reports=lambda: True, tp=tp)
+        assert sdc.width == 0 and sdc.names == ["grad:0.weight", "grad:0.bias"]
+        values, _, _ = sdc.values(compute(net, sdc, None).extras)
+        assert len(values) == 2

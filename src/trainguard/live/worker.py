@@ -295,11 +295,9 @@ class LiveWorker:
         # installed before the detection points, so that a point sees a fault at its module
         self.site_faults = FaultInjector(list(rules.site_faults), args.run_dir, rank, args.world, self.events.emit)
         self.site_faults.install(model)
-        if rules.sdc.enabled and args.tp > 1:  # its points would see one tp rank's part of a split activation
-            raise ConfigError(f"config key guards.sdc.enabled_level: SDC detection with parallel.tp={args.tp} in a live "
-                              "run is not built; set it to 0, or parallel.tp to 1")
         self.sdc = (LiveSdc(rules.sdc, model, args.micro_batches, rank, args.run_dir, self.log, self.events,
-                            self.reports, shards=args.group_size, over_shards=self.over_shards)
+                            self.reports, shards=args.group_size, over_shards=self.over_shards, tp=args.tp,
+                            tp_rank=self.shard % args.tp)
                     if rules.sdc.enabled else None)
         # rollback mode: the data positions it skips, and the spike test's plugin, which restores through this
         # worker's ``roll_back`` (the quorum's durable tier)
@@ -514,11 +512,9 @@ class LiveWorker:
                 except ShareAbandoned as share:
                     failure, abandoned = share.failure, True
             computed[group] = torch.zeros(self.fsdp.local_numel() + 1)
-        if exchange.shard % self.tp:  # a slot's tp peers computed its loss and values alike: its first tp rank counts
+        if exchange.shard % self.tp:  # a slot's tp peers computed its loss alike: its first tp rank counts
             for share in computed.values():
                 share[-1] = 0.0
-            if extras is not None:
-                extras.zero_()
         return computed, extras, failure
 
     def reduce(self, exchange: Exchange, computed: dict[int, torch.Tensor], flags: list[int],

@@ -88,6 +88,7 @@ from trainguard.live.transfer import send_shards
 from trainguard.live.wait_thread import WaitThread
 from trainguard.live.files import checkpoint_path, events_path, final_path
 from trainguard.norms.global_norm import clip_grads_
+from trainguard.runtime.heartbeat import node_name
 from trainguard.runtime.lifecycle import (DEADLINE, EXIT_CODES, KILL_SWITCH, NONE, REASON_NAMES, SIGNAL, Lifecycle,
                                           LifecycleConfig)
 from trainguard.runtime.outcome import RunOutcome, stop_outcome
@@ -294,11 +295,9 @@ class LiveWorker:
         # installed before the detection points, so that a point sees a fault at its module
         self.site_faults = FaultInjector(list(rules.site_faults), args.run_dir, rank, args.world, self.events.emit)
         self.site_faults.install(model)
-        if rules.sdc.enabled and args.tp > 1:  # its points would see one tp rank's part of a split activation
-            raise ConfigError(f"config key guards.sdc.enabled_level: SDC detection with parallel.tp={args.tp} in a live "
-                              "run is not built; set it to 0, or parallel.tp to 1")
         self.sdc = (LiveSdc(rules.sdc, model, args.micro_batches, rank, args.run_dir, self.log, self.events,
-                            self.reports, shards=args.group_size, over_shards=self.over_shards)
+                            self.reports, shards=args.group_size, over_shards=self.over_shards, tp=args.tp,
+                            tp_rank=self.shard % args.tp)
                     if rules.sdc.enabled else None)
         # rollback mode: the data positions it skips, and the spike test's plugin, which restores through this
         # worker's ``roll_back`` (the quorum's durable tier)
@@ -342,7 +341,7 @@ class LiveWorker:
     def begin(self, rejoin: bool) -> None:
         """Takes this rank's place: joins (a replacement, a rank left out), or enters the job's first epoch,
         resumed from the launcher's checkpoint if it chose one; ``step_index`` is then the step it starts at."""
-        self.events.emit("live_start", pid=os.getpid(), rejoin=rejoin)
+        self.events.emit("live_start", pid=os.getpid(), rejoin=rejoin, node=node_name())
         if rejoin:
             self.join()
         else:
@@ -514,11 +513,9 @@ class LiveWorker:
                 except ShareAbandoned as share:
                     failure, abandoned = share.failure, True
             computed[group] = torch.zeros(self.fsdp.local_numel() + 1)
-        if exchange.shard % self.tp:  # a slot's tp peers computed its loss and values alike: its first tp rank counts
+        if exchange.shard % self.tp:  # a slot's tp peers computed its loss alike: its first tp rank counts
             for share in computed.values():
                 share[-1] = 0.0
-            if extras is not None:
-                extras.zero_()
         return computed, extras, failure
 
     def reduce(self, exchange: Exchange, computed: dict[int, torch.Tensor], flags: list[int],

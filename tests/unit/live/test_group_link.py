@@ -78,3 +78,16 @@ def test_failed_ranks_answer_an_exchange_of_a_size_they_do_not_know(links):
     assert [after - was for after, was in zip(waits, before)] == [1] * SIZE  # the statuses ride with the data
     # in the same messages: one send and one receive per peer, not a header's pair beside the data's
     assert [after - was for after, was in zip(works_waited, works_before)] == [2 * (SIZE - 1)] * SIZE
+
+
+def test_an_exchange_above_the_bound_is_refused_before_it_starts(links):
+    """A failed peer's answer is received into a buffer of the bound: an exchange above it would not fit
+    there, so it is refused in one line before anything is posted (the group's next exchange still works)."""
+    links, _waits, works_waited = links
+    before = list(works_waited)
+    with pytest.raises(RuntimeError, match=f"above the bound of {LARGEST_BYTES}"):
+        _all_gather(links[0], LARGEST_BYTES // 4 + 1)
+    assert works_waited == before
+    gathered = _round(links, set(), 5)
+    assert all(torch.equal(outcome, torch.stack([torch.arange(5) + 1000.0 * rank for rank in range(SIZE)]))
+               for outcome in gathered)

@@ -29,6 +29,7 @@ FSDP_TAG = 11  # the tag of FSDP2's exchanges on the epoch's group (sharded_para
 SHARE_OK, SHARE_FAILED = 0, 1
 HEADER_BYTES = 16  # a message's header: its status and the bytes of data after it, two int64
 BYTES_PER_ELEMENT_BOUND = 8  # no dtype FSDP2 gathers or reduces in is wider
+SEND, RECEIVE = "send", "receive"
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ class GroupLink:
         self.position = in_group // tp
         self.first = rank - in_group + in_group % tp  # the rank at position 0 of FSDP2's group
         self.collective_error: BaseException | None = None
+        self.buffers: dict[tuple[int, str, int], torch.Tensor] = {}  # ``buffer``'s, by (position, use, bytes)
 
     def rank_at(self, position: int) -> int:
         return self.first + position * self.tp
@@ -108,8 +110,9 @@ class GroupLink:
                                    f"above the bound of {self.largest_bytes} a failed peer's answer is received in")
             packed = sent.get(id(data))
             if packed is None:
-                packed = sent[id(data)] = message(SHARE_OK, data)
-            messages[position] = (packed, torch.empty(HEADER_BYTES + targets[position].nbytes, dtype=torch.uint8))
+                packed = sent[id(data)] = self.buffer((position, SEND), data.nbytes)
+                packed[HEADER_BYTES:].copy_(data.reshape(-1).view(torch.uint8))
+            messages[position] = (packed, self.buffer((position, RECEIVE), targets[position].nbytes))
         failed = []
         for position, received in self.round(messages).items():
             status, nbytes = received[:HEADER_BYTES].view(torch.int64).tolist()
@@ -123,6 +126,15 @@ class GroupLink:
             targets[position].reshape(-1).view(torch.uint8).copy_(received[HEADER_BYTES:])
         if failed:
             raise PeerShareFailed(f"rank(s) {failed} of this replica group failed their share of the step")
+
+    def buffer(self, use: tuple[int, str], nbytes: int) -> torch.Tensor:
+        """The message buffer kept for ``use`` (a peer's position, sending or receiving) and ``nbytes`` of data,
+        its header ``SHARE_OK`` and the size: FSDP2's exchanges repeat their sizes every step, and a buffer
+        made per exchange with its header written cost as much CPU as the messages it saved."""
+        kept = self.buffers.get((*use, nbytes))
+        if kept is None:
+            kept = self.buffers[(*use, nbytes)] = message(SHARE_OK, torch.empty(nbytes, dtype=torch.uint8))
+        return kept
 
     def fail_share(self) -> None:
         """Tells the group's other ranks, at the exchange they wait in, that this rank's share failed, and
@@ -144,6 +156,7 @@ class GroupLink:
             channel.wait_group(works)
         except BaseException as error:
             self.collective_error = error
+            self.buffers.clear()  # a receive given up may still land in its buffer: none is used again
             raise
         return {position: receive for position, (_send, receive) in messages.items()}
 

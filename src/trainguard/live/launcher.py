@@ -73,6 +73,10 @@ AGREED_EXITS = (EXIT_OK, EXIT_DATA_SKIP_ABORT, EXIT_RESUMABLE_STOP, EXIT_STEP_FA
 # before it trained (a script that returns early, a node command that never ran it) is no end of the run: taken
 # for one, the launcher reported a run that never trained as finished, or waited for ever on its peers.
 UNEXPLAINED_EXIT_GRACE_S = 5.0
+# the loop answers reports and sees exits every 5 ms, but looks for hangs, stalls and groups ready to
+# rejoin (bounds of seconds) at this pace: each look reads every member's keys from the store, and at
+# every pass the launcher and its store thread took about 12 % of a core (benchmarks/live_steady_sections.py)
+WATCH_EVERY_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -383,7 +387,7 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
     events.emit("live_store", step=None, host=run.store_host, port=store.port, pid=os.getpid())
     if resume is not None:
         events.emit("live_resume", step=read_manifest(resume).step, path=str(resume))
-    began = time.monotonic()
+    began = watched_at = time.monotonic()
     # where each rank and spare runs (None: here), and the nodes lost (their ranks found hung)
     rank_node = {rank: run.nodes[rank // run.group_size] if run.nodes else None for rank in range(run.world)}
     spare_node = {i: run.nodes[run.groups + i] if run.nodes else None for i in range(run.spares)}
@@ -576,7 +580,9 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
                          for r in range(run.world)}
                 break
             if run.recovery == LIVE:
-                hung = lighthouse.hung()
+                watch_now = time.monotonic() - watched_at >= WATCH_EVERY_S
+                watched_at = time.monotonic() if watch_now else watched_at
+                hung = lighthouse.hung() if watch_now else []
                 for rank in hung:
                     if run.nodes:  # silent on a node: the node is lost (a cut link, a dead host), replaced elsewhere
                         lose(rank_node[rank], "hung", target=rank)
@@ -586,7 +592,7 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
                         replace(rank)
                     else:
                         procs[rank].kill()  # SIGKILL reaches a stopped process too; seen as a death next
-                lighthouse.poll()
+                lighthouse.poll(watch=watch_now)
                 if (run.kill_during_shrink is not None and lighthouse.quorum.epoch == 1
                         and result.shrink_killed_at is None):  # at once: before the epoch's group is built
                     target = procs[run.kill_during_shrink]

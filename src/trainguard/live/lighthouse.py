@@ -119,7 +119,10 @@ class Lighthouse:
             self.beats.pop(rank)
         return silent
 
-    def poll(self) -> None:
+    def poll(self, watch: bool = True) -> None:
+        """Answers the members' reports (a new quorum once every live member has reported); with ``watch``,
+        also looks for a stalled all-reduce and for broken groups ready to rejoin: things of seconds, which
+        the launcher looks for less often than it answers reports (``launcher.WATCH_EVERY_S``)."""
         quorum = self.quorum
         if self.store.get_int(LATEST, 0, MAX_STEP) != quorum.epoch:
             # overwritten by a client without the secret (garbage, or an older sealed value of ours written
@@ -135,7 +138,7 @@ class Lighthouse:
             if set(quorum.members) - self.dead - self._excluded_by_stall() <= set(reported):
                 self._shrink(failed, reported)
             return
-        if self.stalled is None and self._stall(quorum):
+        if not watch or (self.stalled is None and self._stall(quorum)):
             return
         for group in sorted(self.broken):
             ranks = self.ranks_of(group)

@@ -29,6 +29,9 @@ rank 0 leaves it a ``.tmp-`` directory, never a checkpoint; one that had handed 
 and committed, as the commit protocol makes it), else (a group joined) it is waited for. The policy
 then counts the abandoned step as not saved. The stop's and the last step's saves are synchronous.
 
+The save runs between the stall watch's marks (``live/stall.py``): a member stopped or hung inside it
+takes its group out at the stall bound, as in a step's all-reduce, not at the heartbeat timeout.
+
 Every wait runs ``collective.watched``: the rank beats meanwhile (a long save is not a hang) and watches
 the epoch's abort key, because DCP's collectives do not: a member waiting in one on a peer that died,
 or that gave up, would wait for gloo's timeout. A save that fails or is aborted ends the epoch like any

@@ -328,6 +328,48 @@ def test_a_rank_killed_during_a_save_costs_the_survivors_no_timeout_and_the_run_
     assert run_differences(clean, run_dir, WORLD) == {}
 
 
+def test_a_rank_stopped_inside_a_save_takes_its_group_out_at_the_stall_bound_and_the_run_ends_bitwise(root, clean):
+    """Rank 3 (replica group 1) SIGSTOPped once it has committed step 5, the step of a save (synchronous here,
+    ``async_save: false``: no member leaves it before every member has reached its commit's barrier, so the
+    stop lands inside it): the others wait in the save's collectives on a member that is alive but silent.
+    The stall watch covers the save (``live/stall.py``: each rank marks itself saving/saved), so group 1 is
+    excluded at the stall bound (``stall_s``, 5 s), not at the heartbeat's ``hang_s`` (10 s): no rank is
+    found hung, no pid changes. The survivors' save, aborted with its epoch, is saved again at the next
+    boundary; rank 3 SIGCONTed rejoins with its group. Every committed checkpoint verifies and the run ends
+    bitwise equal to the fault-free one."""
+    run_dir = root / "stopped_in_save"
+    config = _config(root, keep_last=10)
+    sync = root / "live_sync_save.yaml"
+    sync.write_text(config.read_text().replace("keep_last: 10", "keep_last: 10, async_save: false"))
+    proc = _start(run_dir, sync)
+    stopped = 3
+
+    def step_5_committed_by(rank: int) -> bool:  # emitted right before that rank's save of step 5
+        return events_path(run_dir).exists() and any(e["rank"] == rank and e["step"] == INTERVAL - 1
+                                                     for e in _events(run_dir, "live_step"))
+
+    _wait_until(proc, lambda: step_5_committed_by(stopped), "step 5 committed by rank 3")
+    (pid,) = [e["pid"] for e in _events(run_dir, "live_start") if e["rank"] == stopped]
+    os.kill(pid, signal.SIGSTOP)
+    _wait_until(proc, lambda: bool(_events(run_dir, "live_stall")), "the stall verdict")
+    os.kill(pid, signal.SIGCONT)
+    done = finish_session(proc, TIMEOUT_S, "the live run stopped in a save")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (stall,) = _events(run_dir, "live_stall")
+    # the save's stall, at the stall bound: 5 s, where the heartbeat timeout would have waited 10 s
+    assert stall["saving"] and stall["step"] == INTERVAL and stall["excluded"] == [2, 3], stall
+    assert stall["bound_s"] <= stall["waited_s"] < 10.0, stall
+    assert not _events(run_dir, "live_hung")
+    pids: dict[int, set[int]] = {}
+    for event in _events(run_dir, "live_start"):
+        pids.setdefault(event["rank"], set()).add(event["pid"])
+    # nobody replaced: the survivors and the stopped rank (rejoined) kept their processes
+    assert sorted(pids) == list(range(WORLD)) and all(len(each) == 1 for each in pids.values()), pids
+    assert {10, 15, 16} <= set(_committed_steps(run_dir))
+    _every_committed_checkpoint_verifies(run_dir)
+    assert run_differences(clean, run_dir, WORLD) == {}
+
+
 def test_the_launchers_death_costs_a_restart_from_the_newest_checkpoint_and_the_run_ends_bitwise(root, clean):
     """SIGKILL to the process that serves the store and runs the lighthouse (the launcher, forked by the
     command, which supervises it): the ranks find the store gone and exit 18, the command reaps them and

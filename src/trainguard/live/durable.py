@@ -29,6 +29,9 @@ rank 0 leaves it a ``.tmp-`` directory, never a checkpoint; one that had handed 
 and committed, as the commit protocol makes it), else (a group joined) it is waited for. The policy
 then counts the abandoned step as not saved. The stop's and the last step's saves are synchronous.
 
+The save runs between the stall watch's marks (``live/stall.py``): a member stopped or hung inside it
+takes its group out at the stall bound, as in a step's all-reduce, not at the heartbeat timeout.
+
 Every wait runs ``collective.watched``: the rank beats meanwhile (a long save is not a hang) and watches
 the epoch's abort key, because DCP's collectives do not: a member waiting in one on a peer that died,
 or that gave up, would wait for gloo's timeout. A save that fails or is aborted ends the epoch like any
@@ -62,6 +65,7 @@ from trainguard.live.collective import EpochAborted, abort_key, watched
 from trainguard.live.local_tier import LiveLocalTier, ResumePoint, choose_live_resume
 from trainguard.live.quorum import Quorum
 from trainguard.live.replica_mesh import keep_mesh_groups
+from trainguard.live.stall import ReduceMarks
 from trainguard.live.state import LiveState
 
 T = TypeVar("T")
@@ -83,8 +87,12 @@ class LiveCheckpoints:
                  model: torch.nn.Module, optimizer: torch.optim.Optimizer, group_size: int,
                  whole: Callable[[], AbstractContextManager[None]], state: LiveState, events: EventLog,
                  timeout: timedelta, beat: Callable[[], None], static_files: Callable[[Path], None] | None = None,
-                 *, world: int, ranks_per_node: int, after_commit: Callable[[int, Path], None] | None = None):
+                 *, world: int, ranks_per_node: int, after_commit: Callable[[int, Path], None] | None = None,
+                 marks: ReduceMarks | None = None):
         self.config = config
+        # the stall watch's marks (``live/stall.py``): a member stopped or hung inside a durable save takes its
+        # group out at the stall bound, as inside a step's all-reduce, not at the heartbeat's ``hang_s``
+        self.marks = marks
         self.after_commit = after_commit  # the drill's checkpoint file faults (the quorum's first member's commit)
         per_rank = dict(rank=rank, world=world, group_size=group_size, ranks_per_node=ranks_per_node, events=events)
         self.memory = LiveLocalTier(
@@ -197,15 +205,26 @@ class LiveCheckpoints:
         of them already saved and still in flight. The per-rank tiers write this rank's state now."""
         decision = self._due(step, last_step=last_step, stopping=stopping)
         if decision.durable:
-            self._save_durable(quorum, step, health, last_step=last_step, stopping=stopping)
+            self._marked(quorum, step, lambda: self._save_durable(quorum, step, health, last_step=last_step,
+                                                                  stopping=stopping))
         elif last_step or stopping:  # the process may exit after it: nothing may stay in flight
-            self._settle(quorum, step)
+            self._marked(quorum, step, lambda: self._settle(quorum, step))
         if decision.local or decision.memory:
             state = self.state.state_dict()  # this rank's rows, between steps
             for tier, due in ((self.memory, decision.memory), (self.local, decision.local)):
                 if due:
                     tier.save(step, state)
         return decision.durable
+
+    def _marked(self, quorum: Quorum, step: int, save: Callable[[], None]) -> None:
+        """``save()`` between the stall watch's marks of the save of ``step``: every collective of it (the
+        group's exchange, the checkpoint group's rendezvous, DCP's, the wait for the commit) inside them. A
+        save that raises leaves its mark entered: the epoch is ending, and the watch reads the next one's."""
+        if self.marks is not None:
+            self.marks.saving(quorum.epoch, step)
+        save()
+        if self.marks is not None:
+            self.marks.saved(quorum.epoch, step)
 
     def _due(self, step: int, *, last_step: bool, stopping: bool) -> SaveDecision:
         return decide_save(step, save_interval=self.config.save_interval,

@@ -63,7 +63,7 @@ class Lighthouse:
         self.store, self.world, self.group_size, self.events = store, world, group_size, events
         self.dead: set[int] = set()  # members of the current epoch seen dead, until the epoch after them
         self.hang_s, self.startup_s, self.clock = hang_s, startup_s, clock
-        self.stalls = StallWatch(store, stall_s, stall_steps, clock)
+        self.stalls = StallWatch(store, stall_s, stall_steps, clock, silent_s=self._silent_s)
         # (step, excluded groups, or None: to decide from the members' probes) of the epoch ending
         self.stalled: tuple[int, list[int] | None] | None = None
         self.fenced: set[int] = set()  # ranks found hung, killed by the launcher
@@ -181,16 +181,18 @@ class Lighthouse:
         if stall is None:
             return False
         several = len({self.group_of(r) for r in quorum.members}) > 1
-        # a member in the all-reduce beats while it waits there: one silent for half the stall floor is not
-        # running (stopped, hung) and counts as absent, so that its group is excluded without the probes,
-        # whose verdict would wait for its report (it never sends one) until ``hang_s``
-        silent = [r for r in stall.waiting if self._silent_s(r) > self.stalls.stall_s / 2]
+        # a member in the all-reduce (or the save) beats while it waits there: one silent for half the stall
+        # floor (``stall.silent``, the watch's) is not running (stopped, hung) and counts as absent, so that its
+        # group is excluded without the probes, whose verdict would wait for its report (it never sends one)
+        # until ``hang_s``
+        silent = stall.silent
         absent = sorted([*stall.absent, *silent])
         # absent members: their groups; everyone in: the probes decide (None); one group: nobody
         excluded = excluded_groups(quorum.members, absent, self.group_of) if absent else \
             (None if several else [])
         self.events.emit("live_stall", step=stall.step, epoch=quorum.epoch, waiting=stall.waiting,
                          absent=stall.absent, silent=silent, waited_s=stall.waited_s, bound_s=stall.bound_s,
+                         saving=stall.saving,
                          excluded=None if excluded is None else [r for g in excluded for r in self.ranks_of(g)])
         if excluded == []:  # it would be every group: left to gloo's collective timeout
             return False

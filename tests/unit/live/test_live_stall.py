@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from trainguard.live.quorum import Quorum
 from trainguard.live.signed_store import SignedStore
-from trainguard.live.stall import IN, LOOKED_AWAY_S, OUT, StallWatch, excluded_groups, reduce_key
+from trainguard.live.stall import IN, LOOKED_AWAY_S, OUT, SAVED, SAVING, StallWatch, excluded_groups, reduce_key
 
 MEMBERS = [0, 1, 2, 3]
 QUORUM = Quorum(0, MEMBERS, 0, "start")
@@ -167,3 +167,35 @@ def test_a_foreign_or_malformed_mark_is_no_mark_not_a_crash(store):
     store.set(reduce_key(2), "0 5 in extra")
     store.set(reduce_key(3), "-1 5 in")
     assert watch.look(QUORUM, MEMBERS) is None and watch.current is None
+
+
+def test_a_durable_save_with_a_silent_member_is_a_stall_at_the_same_bound_everyone_beating_is_a_slow_save(store):
+    """The save of step 10 comes after step 9's all-reduce: every member in it, none out. While they all beat,
+    no verdict (a large model's save may take long); once rank 3's beats stop (SIGSTOP), the stall names it
+    silent, measured from the save's first entry, at the all-reduce's bound."""
+    silent = {rank: 0.0 for rank in MEMBERS}
+    watch = StallWatch(store, stall_s=0.3, stall_steps=10.0, clock=Clock(), silent_s=lambda rank: silent[rank])
+    _started(store, watch)
+    for rank in MEMBERS:
+        _mark(store, rank, 10, SAVING)
+    assert _looks(watch, 1.0) == []  # a slow save, everyone beating
+    silent[3] = 0.2  # over half the floor
+    (stall,) = _looks(watch, 1.0)
+    assert stall.saving and (stall.step, stall.waiting, stall.absent, stall.silent) == (10, MEMBERS, [], [3])
+    assert stall.waited_s == 1.0 and stall.bound_s == 0.3
+
+
+def test_a_save_is_ordered_between_two_all_reduces_and_a_member_absent_from_it_is_a_stall(store):
+    # stall_steps small: the step time seen (2 s from step 9's all-reduce to step 10's) leaves the floor the bound
+    watch = _started(store, _watch(store, stall_s=0.3, stall_steps=0.1))
+    for rank in (0, 1, 2):
+        _mark(store, rank, 10, SAVING)  # rank 3 still marked out of step 9's all-reduce
+    (stall,) = _looks(watch, 1.0)
+    assert stall.saving and (stall.step, stall.absent, stall.silent) == (10, [3], [])
+    for rank in MEMBERS:  # the save done, the next all-reduce (index 10) is judged on its own clock
+        _mark(store, rank, 10, SAVED)
+    assert _looks(watch, 1.0) == []
+    for rank in (0, 1, 2):
+        _mark(store, rank, 10, IN)
+    (stall,) = _looks(watch, 1.0)
+    assert not stall.saving and (stall.step, stall.absent) == (10, [3]) and stall.waited_s == 20 * LOOK_S

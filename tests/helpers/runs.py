@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -89,10 +90,11 @@ def assert_same_tensors(a_dir: Path, b_dir: Path) -> int:
 def torchrun(script: Path, *args: str, nproc: int = 2, env: dict[str, str] | None = None,
              timeout: float = 300) -> subprocess.CompletedProcess:
     """Runs ``script`` under ``torch.distributed.run --standalone``; stdout and stderr together in
-    ``stdout``. A session of its own, so that a timeout kills the workers too, not only torchrun. The agent
-    is forked from the warm interpreter (``helpers/warm_command.py``), its ranks start cold as ever."""
-    proc = warm_server().start(["--standalone", "--nproc-per-node", str(nproc), str(script), *args],
-                               env or worker_env(), module="torch.distributed.run", stderr_to_stdout=True)
+    ``stdout``. A session of its own, so that a timeout kills the workers too, not only torchrun."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               str(script), *args]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env or worker_env(), start_new_session=True)
     return finish_session(proc, timeout, script.name)
 
 

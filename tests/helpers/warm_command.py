@@ -1,5 +1,4 @@
-"""``python -m trainguard ...`` (or ``python -m torch.distributed.run ...``) forked from a warm interpreter
-instead of started cold.
+"""``python -m trainguard ...`` forked from a warm interpreter instead of started cold.
 
 Most of a tiny test run's CPU time is the new interpreter's imports (torch, torch.distributed,
 transformers: about 3.5 s of a 1-step 2-rank run's 4 s on two cores), paid again by each of the
@@ -10,10 +9,6 @@ once, keeps one thread, and forks one child per command; the child becomes what 
 trainguard`` is (its own session, the caller's environment, working directory, stdout and stderr,
 ``trainguard.__main__``'s ending) and runs the real command. The server sends the child's pid, then
 its exit status, back to the caller, which sees a ``Popen``-like object.
-
-torchrun's agent is a module run the same way (``runpy``, as ``python -m`` does): its ranks are still
-new interpreters (torchrun starts a script with ``subprocess``), but the agent no longer imports torch
-for seconds before it starts them.
 """
 
 from __future__ import annotations
@@ -21,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import runpy
 import select
 import socket
 import subprocess
@@ -40,10 +34,10 @@ PRELOAD = ("trainguard.cli", "trainguard.cli.train", "trainguard.cli.run", "trai
 
 
 # ----------------------------------------------------------------------------------- server side
-def _child(module: str, argv: list[str], env: dict[str, str], cwd: str, fds: list[int]) -> None:
-    """In the forked child: become ``python -m MODULE ARGV`` and never return."""
+def _child(argv: list[str], env: dict[str, str], cwd: str, fds: list[int]) -> None:
+    """In the forked child: become ``python -m trainguard ARGV`` and never return."""
 
-    def command() -> int | None:
+    def command() -> int:
         os.setsid()  # as Popen(start_new_session=True): a timeout kills the whole session
         stdin = os.open(os.devnull, os.O_RDONLY)
         os.dup2(stdin, 0)
@@ -55,9 +49,6 @@ def _child(module: str, argv: list[str], env: dict[str, str], cwd: str, fds: lis
         os.environ.update(env)
         os.chdir(cwd)
         sys.argv = [sys.argv[0], *argv]
-        if module != "trainguard":  # runpy sets argv[0] to the module's file, as ``python -m`` does
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
-            return None
         from trainguard.cli import main
 
         return main(argv)
@@ -97,7 +88,7 @@ def serve(address: str) -> None:
                 conn.close()
                 for other in waiting.values():
                     other.close()
-                _child(request["module"], request["argv"], request["env"], request["cwd"], fds)
+                _child(request["argv"], request["env"], request["cwd"], fds)
             for fd in fds:
                 os.close(fd)
             with contextlib.suppress(OSError):
@@ -118,19 +109,18 @@ def serve(address: str) -> None:
 class WarmProcess:
     """The part of ``subprocess.Popen`` that ``helpers.runs.finish_session`` uses."""
 
-    def __init__(self, args: list[str], conn: socket.socket, stdout: int, stderr: int | None):
-        """``stderr`` None: the command's stderr is ``stdout`` (``Popen(stderr=STDOUT)``)."""
+    def __init__(self, args: list[str], conn: socket.socket, stdout: int, stderr: int):
         self.args = args
         self.returncode: int | None = None
         self._conn = conn
         self._reply = conn.makefile("r")
         self.pid = int(self._reply.readline())
-        self._fds = (stdout,) if stderr is None else (stdout, stderr)
-        self._chunks: dict[int, list[bytes]] = {fd: [] for fd in self._fds}
-        self._readers = [threading.Thread(target=self._drain, args=(fd,), daemon=True) for fd in self._fds]
+        self._chunks: dict[int, list[bytes]] = {stdout: [], stderr: []}
+        self._readers = [threading.Thread(target=self._drain, args=(fd,), daemon=True) for fd in (stdout, stderr)]
         self._readers.append(threading.Thread(target=self._wait, daemon=True))
         for reader in self._readers:
             reader.start()
+        self._fds = (stdout, stderr)
 
     def _drain(self, fd: int) -> None:
         while chunk := os.read(fd, 1 << 16):
@@ -146,10 +136,6 @@ class WarmProcess:
     def poll(self) -> int | None:
         return self.returncode
 
-    def send_signal(self, sig: int) -> None:
-        if self.returncode is None:
-            os.kill(self.pid, sig)
-
     def wait(self, timeout: float | None = None) -> int:
         """Until the command has exited and closed its output (its stdout and stderr are kept)."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -159,10 +145,10 @@ class WarmProcess:
                 raise subprocess.TimeoutExpired(self.args, timeout)
         return self.returncode
 
-    def communicate(self, timeout: float | None = None) -> tuple[str, str | None]:
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
         self.wait(timeout)
-        out, *err = (b"".join(self._chunks[fd]).decode(errors="replace") for fd in self._fds)
-        return out, err[0] if err else None
+        out, err = (b"".join(self._chunks[fd]).decode(errors="replace") for fd in self._fds)
+        return out, err
 
 
 COLD = 3
@@ -190,25 +176,21 @@ class WarmServer:
                 raise RuntimeError(f"the warm command server did not start (exit {self._proc.poll()})")
             time.sleep(0.05)
 
-    def start(self, args: list[str], env: dict[str, str], module: str = "trainguard",
-              stderr_to_stdout: bool = False) -> WarmProcess | subprocess.Popen:
-        """``python -m MODULE ARGS``, stdout and stderr piped (``stderr_to_stdout``: both in stdout)."""
-        command = [sys.executable, "-m", module, *args]
+    def start(self, args: list[str], env: dict[str, str]) -> WarmProcess | subprocess.Popen:
         if self.cold:
-            return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True,
-                                    stderr=subprocess.STDOUT if stderr_to_stdout else subprocess.PIPE)
+            return subprocess.Popen([sys.executable, "-m", "trainguard", *args], env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, start_new_session=True)
         out_r, out_w = os.pipe()
-        err_r, err_w = (None, out_w) if stderr_to_stdout else os.pipe()
+        err_r, err_w = os.pipe()
         conn = socket.socket(socket.AF_UNIX)
         try:
             conn.connect(self.address)
-            request = json.dumps({"module": module, "argv": list(args), "env": env, "cwd": os.getcwd()}).encode()
+            request = json.dumps({"argv": list(args), "env": env, "cwd": os.getcwd()}).encode()
             socket.send_fds(conn, [request], [out_w, err_w])
         finally:
             os.close(out_w)
-            if not stderr_to_stdout:
-                os.close(err_w)
-        return WarmProcess(command, conn, out_r, err_r)
+            os.close(err_w)
+        return WarmProcess([sys.executable, "-m", "trainguard", *args], conn, out_r, err_r)
 
     def stop(self) -> None:
         self._proc.kill()

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from helpers.runs import assert_same_tensors, events, finish_session, worker_env
-from helpers.warm_command import WarmProcess, warm_server
 
 pytest.importorskip("accelerate", reason="the Trainer adapter needs accelerate (pip install 'trainguard[hf]')")
 
@@ -33,28 +32,15 @@ TIMEOUT_S = 600
 RTOL = 1e-6
 
 
-TORCHRUN = "torch.distributed.run"
+def example_command(run_dir: Path, steps: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(EXAMPLE),
+            "--run-dir", str(run_dir), "--steps", str(steps), "--log-file", str(run_dir / "logs.jsonl"), *extra]
 
 
-def example_args(run_dir: Path, steps: int, *extra: str) -> list[str]:
-    """torchrun's arguments: ``python -m torch.distributed.run ARGS`` runs the example on 2 ranks."""
-    return ["--standalone", "--nproc-per-node", "2", str(EXAMPLE), "--run-dir", str(run_dir), "--steps", str(steps),
-            "--log-file", str(run_dir / "logs.jsonl"), *extra]
-
-
-def supervised(args: list[str]) -> list[str]:
-    """``trainguard run``'s arguments for torchrun ``args`` under the supervisor, as docs/library.md runs it."""
-    return ["run", "--max-restarts", "3", "--", sys.executable, "-m", TORCHRUN, *args]
-
-
-def start(module: str, args: list[str], faults: str = "") -> WarmProcess:
-    """``python -m MODULE ARGS`` forked from the warm interpreter (``helpers/warm_command.py``: torchrun's agent
-    or the supervisor without seconds of imports; the ranks start cold), stdout and stderr together."""
-    return warm_server().start(args, worker_env(TRAINGUARD_FAULTS=faults), module=module, stderr_to_stdout=True)
-
-
-def run(module: str, args: list[str], faults: str = "") -> subprocess.CompletedProcess:
-    return finish_session(start(module, args, faults), TIMEOUT_S, "the fine-tune")
+def run(command: list[str], faults: str = "") -> subprocess.CompletedProcess:
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=worker_env(TRAINGUARD_FAULTS=faults), start_new_session=True)
+    return finish_session(proc, TIMEOUT_S, "the fine-tune")
 
 
 def logs(run_dir: Path) -> list[dict]:
@@ -88,7 +74,7 @@ def assert_logged_as_plain(guarded: dict[int, dict], plain: dict[int, dict]) -> 
 def plain(tmp_path_factory) -> list[dict]:
     run_dir = tmp_path_factory.mktemp("hf_trainer") / "plain"
     run_dir.mkdir()
-    proc = run(TORCHRUN, example_args(run_dir, STEPS, "--plain"))
+    proc = run(example_command(run_dir, STEPS, "--plain"))
     assert proc.returncode == 0, proc.stdout[-4000:]
     return logs(run_dir)
 
@@ -97,7 +83,7 @@ def plain(tmp_path_factory) -> list[dict]:
 def straight(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("hf_trainer") / "straight"
     run_dir.mkdir()
-    proc = run(TORCHRUN, example_args(run_dir, STEPS))
+    proc = run(example_command(run_dir, STEPS))
     assert proc.returncode == 0, proc.stdout[-4000:]
     return run_dir
 
@@ -117,11 +103,11 @@ def test_sigkilled_fine_tune_under_the_supervisor_resumes_bitwise(straight, plai
     """As docs/library.md runs it: ``trainguard run --max-restarts 3 -- torchrun ... examples/hf_trainer.py``."""
     run_dir = tmp_path / "killed"
     run_dir.mkdir()
+    command = [sys.executable, "-m", "trainguard", "run", "--max-restarts", "3", "--", *example_command(run_dir, STEPS)]
     # Steps take ~20 ms here and the async save of step 50 ~0.15 s: a bare kill at step 55 can land before
     # that save commits (then the rerun rightly starts from step 0). Rank 1 first stands still 2 s at step
     # 55, so the background save finishes, then dies: the kill this test is about, after a committed save.
-    proc = run("trainguard", supervised(example_args(run_dir, STEPS)),
-               faults="hang:rank=1,step=55,seconds=2;kill:rank=1,step=55")
+    proc = run(command, faults="hang:rank=1,step=55,seconds=2;kill:rank=1,step=55")
     assert proc.returncode == 0, proc.stdout[-4000:]
     (started,) = [e for e in events(run_dir, "run_started") if e.get("resumed_from")]
     assert started["resumed_from"].endswith("global_step_50")
@@ -140,7 +126,8 @@ def test_sigkilled_fine_tune_under_the_supervisor_resumes_bitwise(straight, plai
 def test_sigterm_stops_after_a_saved_step_with_no_phantom_step(tmp_path):
     run_dir = tmp_path / "stopped"
     run_dir.mkdir()
-    proc = start(TORCHRUN, example_args(run_dir, 2000))
+    proc = subprocess.Popen(example_command(run_dir, 2000), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=worker_env(), start_new_session=True)
     deadline = time.monotonic() + TIMEOUT_S
     while not (run_dir / "logs.jsonl").is_file() or len(logs(run_dir)) < 5:
         assert proc.poll() is None and time.monotonic() < deadline, "the fine-tune ended before its 5th step"
@@ -159,8 +146,8 @@ def test_spike_is_skipped_by_the_guard_and_flagged_in_the_log(tmp_path):
     """Data skip is off by default: this test is about that setting."""
     run_dir = tmp_path / "spiked"
     run_dir.mkdir()
-    proc = run(TORCHRUN, example_args(run_dir, 6, "--set", "guards.skip.enabled=true", "--set",
-                                      "guards.skip.threshold=50"), faults="spike:step=3")
+    proc = run(example_command(run_dir, 6, "--set", "guards.skip.enabled=true", "--set", "guards.skip.threshold=50"),
+               faults="spike:step=3")
     assert proc.returncode == 0, proc.stdout[-4000:]
     (skip,) = events(run_dir, "data_skip")
     assert skip["step"] == 3 and skip["global_norm"] > 50
@@ -193,8 +180,10 @@ def test_state_changed_at_rest_restarts_from_the_restored_checkpoint(straight, t
     saying so, and the supervisor's restart recomputes from there, ending bitwise as the straight run."""
     run_dir = tmp_path / "flipped"
     run_dir.mkdir()
-    proc = run("trainguard", supervised(example_args(run_dir, STEPS, "--set", "guards.fingerprint.interval=10")),
-               faults="stateflip:rank=1,step=60,site=model.layers.0.mlp.down_proj.weight,state=weight,index=3,bit=27")
+    command = [sys.executable, "-m", "trainguard", "run", "--max-restarts", "3", "--",
+               *example_command(run_dir, STEPS, "--set", "guards.fingerprint.interval=10")]
+    proc = run(command, faults="stateflip:rank=1,step=60,site=model.layers.0.mlp.down_proj.weight,"
+                               "state=weight,index=3,bit=27")
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert "GuardedTrainer: the guard restored global_step_50 (state that changed at rest" in proc.stdout
     (recompute,) = events(run_dir, "fingerprint_recompute")

@@ -5,10 +5,11 @@ The model, the optimizer and the loss of one micro-batch are the user's (``train
 the engine of ``trainguard.Guard``'s live mode, hands them in; the drill's ``workload`` is one such
 user); the rank's place in the run comes from the launcher's arguments (``LiveArgs``).
 
-Each step: compute this member's micro-batches, their fixed-order sum over the quorum (replica groups
-of several ranks: parameters gathered from the group's row shards first, ``sharded_params``, and the
-group reduce-scatter plus cross-group sum of ``group_reduce``; whole replicas: one all-reduce of a row
-per micro-batch, ``ordered_sum``), which also carries the step's loss, the "a newer epoch exists" flag,
+Each step: compute this member's micro-batches, their fixed-order sum over the quorum (both asked of the
+rank's parameter layout, chosen once, ``live/layout.py``: whole replicas, one all-reduce of a row per
+micro-batch; our own row shards, gathered whole around the step, and the group reduce-scatter plus
+cross-group sum of ``group_reduce``; FSDP2 over the replica group's mesh, one reduce-scatter per group
+share), which also carries the step's loss, the "a newer epoch exists" flag,
 each rank's stop reasons (the lifecycle's: kill switch, signal, time limit) and each micro-batch's SDC
 detection values, keep the state of before the update (the one step a survivor may have to
 undo, below), judge the summed gradient with the closure mode's update plugins and precedence (``step_judge``: data

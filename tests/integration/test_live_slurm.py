@@ -72,11 +72,16 @@ def test_a_live_run_under_slurm_replaces_a_killed_rank_on_its_node_and_ends_bitw
     assert f"live run finished: {STEPS} steps in " in output and f"ranks replaced: [{KILLED}]" in output, output[-4000:]
     allocation = output.split("on hosts ", 1)[1].split(", store at", 1)[0]
     events = list(read_events(events_path(run_dir)))
-    starts = [(e["rank"], nodes.get(e["pid"])) for e in events if e["kind"] == "live_start"]
+    starts = [e for e in events if e["kind"] == "live_start"]
     groups = allocation.split(", spare nodes ")[0].split(", ")
     # each rank a job step on its group's node; the killed rank's replacement on the same node (it lives)
-    assert sorted(starts) == sorted([(0, groups[0]), (1, groups[0]), (2, groups[1]), (3, groups[1]),
-                                     (KILLED, groups[1])]), (starts, allocation)
+    assert sorted((e["rank"], e["node"]) for e in starts) == sorted(
+        [(0, groups[0]), (1, groups[0]), (2, groups[1]), (3, groups[1]), (KILLED, groups[1])]), (starts, allocation)
+    # and Slurm agrees: slurmstepd's SLURMD_NODENAME in each process caught alive (the killed rank's first
+    # process may end between two polls; every other one lives to the run's end)
+    caught = {e["pid"]: nodes.get(e["pid"]) for e in starts}
+    assert all(caught[e["pid"]] in (e["node"], None) for e in starts), (caught, starts)
+    assert sum(node is not None for node in caught.values()) >= len(starts) - 1, (caught, starts)
     quorums = [e["members"] for e in events if e["kind"] == "live_quorum"]
     assert quorums == [[0, 1, 2, 3], [0, 1], [0, 1, 2, 3]], quorums
     clean = trainguard(*_run_args(tmp_path / "clean"), timeout=240)

@@ -55,6 +55,7 @@ from trainguard.live.signed_store import SignedStore, serve_store
 from trainguard.live.spare_choice import spare_for
 from trainguard.live.start_failure import EarlyExit, cannot_start, start_failure_line
 from trainguard.run_secret import ENV_SECRET, create_secret
+from trainguard.runtime.heartbeat import ENV_NODE
 from trainguard.runtime.hosts import on_node
 from trainguard.runtime.lifecycle import (ENV_JOB_START, KILL_SWITCH, REASON_NAMES, STOP_SIGNALS, StopSignals,
                                           job_start_time)
@@ -261,6 +262,8 @@ def _spawn(run: LiveRun, rank: int, store: SignedStore, run_dir: Path, rejoin: b
     if run.stall_collective is not None and run.stall_collective[0] == rank and not rejoin:
         command += ["--stall-collective", str(run.stall_collective[1])] + (["--stall-cut"] if run.stall_cut else [])
     launcher_env = {"OMP_NUM_THREADS": "1", **dict(run.rank_env)}
+    if node is not None:  # the rank names its node as the launcher does (``live_start``, a fault's ``node=``)
+        launcher_env[ENV_NODE] = node
     # the run secret in the environment, never on the command line (which any local user reads): a node
     # command that does not pass the environment on (ssh) leaves the rank to read it from the run
     # directory's owner-only file (``run_secret.load_secret``)

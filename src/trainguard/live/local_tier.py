@@ -65,6 +65,13 @@ def choose_live_resume(durable_step: int | None, held: dict[str, Sequence[Sequen
     return best
 
 
+def run_state(state: dict[str, Any]) -> dict[str, Any]:
+    """What a rank's extra-state file holds besides the step: the guards' counters, the scheduler, the last
+    committed step's report and the loop's objects (``LiveState.load`` refuses a state without the scheduler
+    or an object the rank has: a whole job resumed from this tier must continue them too)."""
+    return {key: state.get(key) for key in ("guards", "scheduler", "committed")} | {"stateful": state.get("stateful", {})}
+
+
 class LiveLocalTier:
     """One rank's local (or memory) tier in a live run."""
 
@@ -85,7 +92,7 @@ class LiveLocalTier:
         owner_only_dir(self.dir, f"the live {self.tier} tier's directory")  # a wiped node's directory comes back
         saved = save_rank_step(self.dir, step, rank=self.rank, world_size=self.world, model_state=state["model"],
                                optim_state=state["optimizer"],
-                               extra_state=serialised({"step": step, "guards": state["guards"]}), replica_extras={},
+                               extra_state=serialised({"step": step, **run_state(state)}), replica_extras={},
                                fsdp_config={LIVE_LAYOUT_KEY: self.layout, TORCH_VERSION_KEY: torch.__version__})
         self.last_saved = step
         self.events.emit("local_saved", step=step, bytes=saved.bytes, seconds=saved.seconds, path=str(self.dir),
@@ -128,7 +135,7 @@ class LiveLocalTier:
             raise CheckpointError(f"{step_dir / names['extra']}: holds step {extra.get('step')}, not {step}")
         self.last_saved = step
         return {"model": safe_torch_load(step_dir / names["model"]),
-                "optimizer": safe_torch_load(step_dir / names["optim"]), "guards": extra["guards"]}
+                "optimizer": safe_torch_load(step_dir / names["optim"]), **run_state(extra)}
 
     def discard_newer(self, step: int) -> None:
         """Drops this rank's steps after ``step``: a timeline the job did not continue."""

@@ -84,6 +84,7 @@ from trainguard.live.step_judge import LiveJudge
 from trainguard.live.transfer import send_shards
 from trainguard.live.files import checkpoint_path, events_path, final_path
 from trainguard.norms.global_norm import clip_grads_
+from trainguard.runtime.heartbeat import node_name
 from trainguard.runtime.lifecycle import (DEADLINE, EXIT_CODES, KILL_SWITCH, NONE, REASON_NAMES, SIGNAL, Lifecycle,
                                           LifecycleConfig)
 from trainguard.runtime.outcome import RunOutcome, stop_outcome
@@ -291,7 +292,7 @@ class LiveWorker:
     def begin(self, rejoin: bool) -> None:
         """Takes this rank's place: joins (a replacement, a rank left out), or enters the job's first epoch,
         resumed from the launcher's checkpoint if it chose one; ``step_index`` is then the step it starts at."""
-        self.events.emit("live_start", pid=os.getpid(), rejoin=rejoin)
+        self.events.emit("live_start", pid=os.getpid(), rejoin=rejoin, node=node_name())
         if rejoin:
             self.join()
         else:

@@ -75,8 +75,9 @@ def test_a_rank_on_a_node_starts_behind_the_node_command_with_its_environment_on
     assert started["command"][:5] == ["ssh", "-T", "10.0.0.2", "#", "n2"]
     assert len(started["command"]) == 6  # ssh: what runs on the node is one word, quoted for its shell
     command = shlex.split(started["command"][5])
-    assert command[:4] == ["env", "OMP_NUM_THREADS=1", "TRAINGUARD_SET=[]", "python3"]
-    assert command[4:8] == ["train.py", "--store", "10.0.0.254:29999", "--rank"]
+    # the node's name as the launcher knows it (TRAINGUARD_NODE): the rank's ``live_start`` and a fault's node=
+    assert command[:5] == ["env", "OMP_NUM_THREADS=1", "TRAINGUARD_SET=[]", "TRAINGUARD_NODE=n2", "python3"]
+    assert command[5:9] == ["train.py", "--store", "10.0.0.254:29999", "--rank"]
     assert "--lifeline" in command and started["stdin"] == subprocess.PIPE  # the launcher's kill (live/lifeline.py)
     assert not any(ENV_SECRET in word or _Store.secret.hex() in word for word in started["command"])
     assert started["env"][ENV_SECRET] == _Store.secret.hex()  # where the node command passes it on

@@ -92,11 +92,9 @@ class FsdpLayout:
                 except ShareAbandoned as share:
                     failure, abandoned = share.failure, True
             computed[group] = torch.zeros(self.fsdp.local_numel() + 1)
-        if exchange.shard % self.tp:  # a slot's tp peers computed its loss and values alike: its first tp rank counts
+        if exchange.shard % self.tp:  # a slot's tp peers computed its loss alike: its first tp rank counts
             for share in computed.values():
                 share[-1] = 0.0
-            if work.extras is not None:
-                work.extras.zero_()
         if failure is not None and not catch:
             raise ShareAbandoned(f"rank {self.rank}: SDC detection's rerun of step {work.step}: {failure}")
         return computed, failure

@@ -33,15 +33,14 @@ def micro_batch_grad(model: torch.nn.Module, loss_of: MicroBatchLoss, step: int,
 class StepWork:
     """One pass over a step's micro-batches as the worker hands it to its layout: the step (for messages),
     the loss, the data position handed to it (``LiveWorker.data_position``), the step's micro-batch count and the run's seed,
-    the heartbeat, and with SDC detection on the step's extras (``[micro_batches, width]``) and ``measure``,
-    which fills a micro-batch's row of them after its backward (``live/sdc.py``)."""
+    the heartbeat, and with SDC detection on ``measure``, which fills a micro-batch's values in the step's
+    extras after its backward (``live/sdc.py``)."""
     step: int
     loss_of: MicroBatchLoss
     position: int
     micro_batches: int
     seed: int
     beat: Callable[[], None]
-    extras: torch.Tensor | None
     measure: Callable[[int], None] | None
     micro_batch_s: float = 0.0  # the drill's simulated compute per micro-batch
 

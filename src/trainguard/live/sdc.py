@@ -10,6 +10,14 @@ values that every member holds alike after the step's sum, with the same detecto
   computed the whole global batch, whatever the membership. With an FSDP2 model (``fsdp_share``), which
   accumulates a rank's micro-batches itself, each micro-batch's values are read after its own backward
   inside the share and ride after the flags of ``group_reduce.reduce_partials`` the same way.
+  With tensor parallel (``tp`` > 1) the ``tp`` ranks of a slot compute the same micro-batches, each on its
+  own part of the activations: a module's gradient is whole on every tp rank where tp replicates it, and
+  a piece where tp splits it (a column-wise layer's output: its columns), and the hooks see a plain local
+  tensor either way, so which one it is cannot be told there. Each tp rank's value is then a point of its
+  own, ``NAME (tp T)``, as the closure mode's TP ranks each judge their own: the same quantity as without
+  tensor parallel where tp replicates the gradient, the statistic of tp rank T's piece where it splits it.
+  Each micro-batch's extras hold one block per tp rank, filled by that rank alone (zeros elsewhere), so
+  each block too is added to zeros only.
 - **Parameter-gradient points** are read on the summed gradient as this rank holds it: whole with
   whole replicas; with parameters sharded inside replica groups (``dp_shard`` > 1: ``sharded_params``'
   rows, or FSDP2's ``Shard(0)`` DTensor, whose local tensor is the same rows), its shard's rows, measured
@@ -25,8 +33,9 @@ micro-batches of the step (same inputs, same seeded draws; with FSDP2, its share
 again. Each
 micro-batch's extras and the summed gradient are compared bitwise with the first pass's (a sharded
 rank compares its shard's, and whether any shard differs rides in one all-gather): a micro-batch
-that differs is a transient fault of the rank that computed it (a strike against that rank; the
-rerun's sum is used if its values are clean, else the step is skipped); a difference in the sum alone
+that differs is a transient fault of the rank that computed it (with tensor parallel, of each tp rank
+whose block differs; a strike against that rank; the rerun's sum is used if its values are clean, else
+the step is skipped); a difference in the sum alone
 (a fault outside every module point, seen at a reduced parameter gradient) is transient with no rank
 to blame, as the closure mode's reduced points strike no one; no difference: reproducible, the step
 is skipped, and it is a strike when one rank alone computed the micro-batches holding the abnormal
@@ -113,11 +122,13 @@ def _sum_bits(summed: StepSum) -> bytes:
 class LiveSdc:
     def __init__(self, config: SdcConfig, model: torch.nn.Module, micro_batches: int, rank: int, run_dir: Path,
                  log: logging.Logger, events: EventLog, reports: Callable[[], bool], shards: int = 1,
-                 over_shards: OverShards = one_shard):
+                 over_shards: OverShards = one_shard, tp: int = 1, tp_rank: int = 0):
         self.config, self.rank, self.run_dir = config, rank, run_dir
         self.micro_batches = micro_batches
         # the shards of a replica group (``sharded_params``): each rank holds its shard's gradient rows
         self.shards, self.over_shards = shards, over_shards
+        # tensor parallel: this rank's coordinate among the ``tp`` ranks that compute a slot's micro-batches
+        self.tp, self.tp_rank = tp, tp_rank
         self.log, self.events, self.reports = log, events, reports
         statistic = STATISTIC[config.rule]
         self.shares, self.rows = config.peak > 0, config.gradients and config.row_jump > 0
@@ -135,10 +146,17 @@ class LiveSdc:
         self.host = socket.gethostname()
         self.device_label = f"cpu:{os.environ.get('LOCAL_RANK', rank)}"
         self.log.info("sdc detection points in live mode: %d (module points %d, parameter gradients %d): %s",
-                      len(self.names), len(self.points.names), len(self.names) - len(self.points.names),
+                      len(self.names), len(self.module_names), len(self.names) - len(self.module_names),
                       ", ".join(self.names))
         if rank == 0:  # as the closure mode's rank 0 (a replacement of rank 0 says it again)
             self.events.emit("sdc_points", step=0, count=len(self.names), names=self.names)
+
+    @property
+    def module_names(self) -> list[str]:
+        """The module points, each tp rank's a point of its own with tensor parallel, tp rank by tp rank."""
+        if self.tp == 1:
+            return self.points.names
+        return [f"{name} (tp {tp_rank})" for tp_rank in range(self.tp) for name in self.points.names]
 
     @property
     def names(self) -> list[str]:
@@ -147,16 +165,19 @@ class LiveSdc:
         gradients = self.gradients.names if self.gradients is not None else []
         if self.shards > 1:
             gradients = [f"{name} (shard {shard})" for shard in range(self.shards) for name in gradients]
-        return self.points.names + gradients
+        return self.module_names + gradients
 
     @property
     def layouts(self) -> list[str]:
-        """What each point measures: the step's whole global batch (module points), the summed gradient
-        (parameter gradients: whole, or a shard of a group of ``shards``); none depends on the membership."""
+        """What each point measures: the step's whole global batch (module points; with tensor parallel, one
+        tp rank's part of it), the summed gradient (parameter gradients: whole, or a shard of a group of
+        ``shards``); none depends on the membership."""
         whole = f"live, the maximum over {self.micro_batches} micro-batches"
+        module = ([whole] * len(self.points.names) if self.tp == 1 else
+                  [f"{whole}, tp rank {tp_rank} of {self.tp}" for tp_rank in range(self.tp)
+                   for _ in self.points.names])
         sharded = f" of {self.shards} shards" if self.shards > 1 else ""
-        return [whole] * len(self.points.names) + [f"live{sharded}, {name}"
-                                                   for name in self.names[len(self.points.names):]]
+        return module + [f"live{sharded}, {name}" for name in self.names[len(module):]]
 
     @property
     def planes(self) -> int:
@@ -164,15 +185,18 @@ class LiveSdc:
 
     @property
     def width(self) -> int:
-        """The extras of one micro-batch: each module point's statistic (and peak share)."""
-        return self.planes * len(self.points.names)
+        """The extras of one micro-batch: each module point's statistic (and peak share), for each tp rank."""
+        return self.planes * len(self.module_names)
 
     def begin_step(self) -> None:
         self.points.reset()
 
     def micro_batch_values(self) -> torch.Tensor:
-        """The module points' values of the micro-batch just computed, ``[width]``; resets them."""
-        return self.points.collect(with_shares=self.shares).reshape(-1)
+        """The module points' values of the micro-batch just computed, ``[width]``: ``[planes, tp, points]``
+        flat, this rank's tp block filled and the others' zeros (their ranks fill them); resets them."""
+        row = torch.zeros(self.planes, self.tp, len(self.points.names))
+        row[:, self.tp_rank] = self.points.collect(with_shares=self.shares).reshape(self.planes, -1)
+        return row.reshape(-1)
 
     def state(self) -> dict[str, Any]:
         return {"sdc_detector": self.detector.state_dict(), "sdc_strikes": self.strikes.state_dict()}
@@ -187,8 +211,18 @@ class LiveSdc:
             self.strikes.forget(STRIKE_HOST, strike_device(rank))
 
     def by_point(self, extras: torch.Tensor) -> torch.Tensor:
-        """The extras ``[micro_batches, width]`` as ``[micro_batches, planes, module points]``."""
-        return extras.view(extras.shape[0], self.planes, len(self.points.names))
+        """The extras ``[micro_batches, width]`` as ``[micro_batches, planes, module points]``, in
+        ``module_names`` order."""
+        return extras.view(extras.shape[0], self.planes, len(self.module_names))
+
+    def by_tp_rank(self, extras: torch.Tensor) -> torch.Tensor:
+        """The extras as ``[micro_batches, tp, planes x points]``: each tp rank's block of each micro-batch."""
+        blocks = extras.view(extras.shape[0], self.planes, self.tp, len(self.points.names)).transpose(1, 2)
+        return blocks.reshape(extras.shape[0], self.tp, -1)
+
+    def tp_rank_of(self, point: str) -> int:
+        """The tp rank whose part module point ``point`` measures (0 without tensor parallel)."""
+        return self.module_names.index(point) // len(self.points.names)
 
     def values(self, extras: torch.Tensor) -> tuple[list[float], list[float] | None, list[float] | None]:
         """Each point's statistic, peak share (peak criterion on) and row odds (row criterion on), in
@@ -209,13 +243,13 @@ class LiveSdc:
 
     def holders(self, extras: torch.Tensor, point: str, value: float) -> list[int]:
         """The micro-batches whose value at module ``point`` is the step's ``value`` (its maximum)."""
-        column = self.by_point(extras)[:, 0, self.points.names.index(point)] / self.unscale
+        column = self.by_point(extras)[:, 0, self.module_names.index(point)] / self.unscale
         return [m for m, own in enumerate(column.tolist()) if own == value or (own != own and value != value)]
 
     def judge(self, step: int, computed_by: list[int], first: StepSum, rerun: Rerun) -> SdcStep:
         """Judges step ``step`` (the closure mode's number) from its sum's extras and the gradients set,
         and reruns it after a level-1 detection (``enabled_level >= 2``). ``computed_by``: the rank that
-        computed each micro-batch."""
+        computed each micro-batch (with tensor parallel, its slot's first tp rank)."""
         extras = first.extras
         values, shares, rows = self.values(extras)
         if self.config.log_values:
@@ -232,11 +266,13 @@ class LiveSdc:
         again = rerun(clock_flags(self.reports()))
         clock, again_extras = again.flags, again.extras
         now = float(clock[0] * CLOCK_BASE + clock[1])  # every rank's alike: strikes agree, times included
-        differing = [m for m in range(extras.shape[0]) if _bits(extras[m]) != _bits(again_extras[m])]
+        first_blocks, again_blocks = self.by_tp_rank(extras), self.by_tp_rank(again_extras)
+        differing = [(m, tp_rank) for m in range(extras.shape[0]) for tp_rank in range(self.tp)
+                     if _bits(first_blocks[m, tp_rank]) != _bits(again_blocks[m, tp_rank])]
         # this rank's sum (whole, or its shard): whether any shard's differs, every member alike
         sum_differs = bool(self.over_shards(torch.tensor([float(_sum_bits(first) != _sum_bits(again))])).any())
         if differing or sum_differs:
-            blamed = sorted({computed_by[m] for m in differing})
+            blamed = sorted({computed_by[m] + tp_rank for m, tp_rank in differing})
             # the first values never entered the detected points' state; the clean rerun's do, as they
             # would have in a run without the fault
             again_values, again_shares, again_rows = self.values(again_extras)
@@ -253,7 +289,8 @@ class LiveSdc:
             return dataclasses.replace(outcome, skip=bool(still), rerun=None if still else again)
         # reproducible: a strike only when one rank alone computed what is abnormal at module points
         local = [d for d in level_one if not d.point.startswith(GRADIENT_PREFIX)]
-        holders = sorted({computed_by[m] for d in local for m in self.holders(extras, d.point, d.value)})
+        holders = sorted({computed_by[m] + self.tp_rank_of(d.point) for d in local
+                          for m in self.holders(extras, d.point, d.value)})
         alone = len(holders) == 1
         faulty = self.attribute(step, "reproducible", level_one, holders if alone else [], struck=alone,
                                 rerun_abnormal=[d.point for d in level_one], now=now)
@@ -268,7 +305,8 @@ class LiveSdc:
         if not self.reports():
             return
         computed_by = ([] if detection.point.startswith(GRADIENT_PREFIX) else
-                       sorted({computed_by[m] for m in self.holders(extras, detection.point, detection.value)}))
+                       sorted({computed_by[m] + self.tp_rank_of(detection.point)
+                               for m in self.holders(extras, detection.point, detection.value)}))
         self.events.emit("sdc_detected", step=step, point=detection.point, level=detection.level,
                          value=detection.value, thresholds=detection.thresholds, rule=detection.rule,
                          device=self.device_label, computed_by=computed_by)

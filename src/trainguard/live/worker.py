@@ -48,7 +48,7 @@ from trainguard.checkpoint.manager import Stateful
 from trainguard.checkpoint.safe_load import safe_torch_load
 from trainguard.checkpoint.spike_rollback import SpikeRollback
 from trainguard.checkpoint.staging import serialised
-from trainguard.errors import EXIT_OK, ConfigError, raised_by_every_rank
+from trainguard.errors import EXIT_OK, raised_by_every_rank
 from trainguard.events import EventLog
 from trainguard.events.rank_logging import LOGGER_NAME
 from trainguard.faults import FaultInjector
@@ -244,11 +244,9 @@ class LiveWorker:
         # installed before the detection points, so that a point sees a fault at its module
         self.site_faults = FaultInjector(list(rules.site_faults), args.run_dir, rank, args.world, self.events.emit)
         self.site_faults.install(model)
-        if rules.sdc.enabled and args.tp > 1:  # its points would see one tp rank's part of a split activation
-            raise ConfigError(f"config key guards.sdc.enabled_level: SDC detection with parallel.tp={args.tp} in a live "
-                              "run is not built; set it to 0, or parallel.tp to 1")
         self.sdc = (LiveSdc(rules.sdc, model, args.micro_batches, rank, args.run_dir, self.log, self.events,
-                            self.reports, shards=args.group_size, over_shards=self.layout.over_shards)
+                            self.reports, shards=args.group_size, over_shards=self.layout.over_shards, tp=args.tp,
+                            tp_rank=self.shard % args.tp)
                     if rules.sdc.enabled else None)
         # rollback mode: the data positions it skips, and the spike test's plugin, which restores through this
         # worker's ``roll_back`` (the quorum's durable tier)
@@ -380,7 +378,7 @@ class LiveWorker:
         ``catch`` the line of an error of the loss or its backward (``live/step_failures.py``)."""
         self.site_faults.at_step_start(step + 1)  # the closure mode's step number
         extras = self.begin_extras()
-        work = StepWork(step, self.loss_of, self.data_position(step), self.micro_batches, self.seed, self.beat, extras,
+        work = StepWork(step, self.loss_of, self.data_position(step), self.micro_batches, self.seed, self.beat,
                         None if extras is None else functools.partial(self.measure, extras), self.micro_batch_s)
         computed, failure = self.layout.compute(work, exchange, mine, catch)
         return computed, extras, failure

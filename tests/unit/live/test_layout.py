@@ -85,8 +85,7 @@ def test_set_whole_grads_lays_the_flat_sum_out_over_the_parameters():
 
 
 def _work(loss_of, measure=None) -> StepWork:
-    return StepWork(step=5, loss_of=loss_of, position=5, micro_batches=4, seed=1, beat=lambda: None, extras=None,
-                    measure=measure)
+    return StepWork(step=5, loss_of=loss_of, position=5, micro_batches=4, seed=1, beat=lambda: None, measure=measure)
 
 
 def test_the_micro_batch_loop_rows_are_the_gradient_then_the_share_of_the_loss():

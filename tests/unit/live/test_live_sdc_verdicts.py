@@ -160,3 +160,47 @@ def test_a_sum_that_differs_on_another_shard_alone_makes_the_rerun_transient_on_
     assert (outcome.verdict, outcome.skip) == (RerunVerdict.REPRODUCIBLE, True)  # the rerun is abnormal too
     assert [e["attribution"] for e in events(tmp_path, "sdc_attribution")] == ["transient"]
     assert sdc.strikes.count("live", "rank 0") == 0
+
+
+def test_with_tensor_parallel_each_tp_ranks_module_values_are_a_point_and_a_fault_strikes_that_tp_rank(tmp_path):
+    """tp 2: a slot's two tp ranks compute the same micro-batches, each filling its own block of a micro-batch's
+    extras (zeros in the other's), which the sum adds: each tp rank's value of a module point is a point of its
+    own (``NAME (tp T)``). Micro-batch 2 blown up on tp rank 1 alone (here a second model stands in for it) is
+    found at ``1 (tp 1)`` only, computed by the slot's first rank + 1, and that rank alone is struck."""
+    nets = [model(), model()]
+    config = SdcConfig(enabled_level=2, strikes=2)
+    config.validate()
+    sdcs = [LiveSdc(config, net, MICRO_BATCHES, rank=tp_rank, run_dir=tmp_path, log=logging.getLogger("test"),
+                    events=EventLog(tmp_path / "events.jsonl", rank=tp_rank), reports=lambda: True, tp=2,
+                    tp_rank=tp_rank) for tp_rank, net in enumerate(nets)]
+    first_tp_rank = [0, 0, 2, 2]  # slot 0 (ranks 0, 1) computes micro-batches 0-1, slot 1 (ranks 2, 3) 2-3
+
+    def both(blown_up: int | None, flags: list[int] | None = None) -> StepSum:
+        tp0, tp1 = compute(nets[0], sdcs[0], None, flags), compute(nets[1], sdcs[1], blown_up, flags)
+        return StepSum(tp0.gradient, tp0.loss, tp0.flags, tp0.extras + tp1.extras)
+
+    sdc = sdcs[0]
+    assert sdc.names[:2] == ["1 (tp 0)", "1 (tp 1)"] and len(sdc.names) == 2 + 6
+    assert sdc.layouts[1].endswith("tp rank 1 of 2") and len(sdc.layouts) == len(sdc.names)
+    clean = both(None).extras
+    values, _, _ = sdc.values(clean)
+    assert values[:2] == [float(clean[:, 0].max()), float(clean[:, 1].max())]  # [planes, tp, points] per row
+    outcome = sdc.judge(3, first_tp_rank, both(2), lambda flags: both(None, flags))
+    assert (outcome.verdict, outcome.skip, outcome.faulty) == (RerunVerdict.TRANSIENT, False, ())
+    detected = {(e["point"], tuple(e["computed_by"])) for e in events(tmp_path, "sdc_detected")
+                if not e["point"].startswith("grad:")}
+    assert detected == {("1 (tp 1)", (3,))}
+    assert sdc.strikes.count("live", "rank 3") == 1 and sdc.strikes.count("live", "rank 2") == 0
+
+
+def test_a_model_with_parameter_gradient_points_alone_has_empty_extras(tmp_path):
+    """No module point (no norm layer, no ``points``): each micro-batch's extras are empty, with or without tp."""
+    net = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    config = SdcConfig(enabled_level=2, blocks=False, lm_head=False)
+    config.validate()
+    for tp in (1, 2):
+        sdc = LiveSdc(config, net, MICRO_BATCHES, rank=0, run_dir=tmp_path, log=logging.getLogger("test"),
+                      events=EventLog(tmp_path / "events.jsonl", rank=0), reports=lambda: True, tp=tp)
+        assert sdc.width == 0 and sdc.names == ["grad:0.weight", "grad:0.bias"]
+        values, _, _ = sdc.values(compute(net, sdc, None).extras)
+        assert len(values) == 2

@@ -8,7 +8,8 @@
   (a hang at start: imports on a stuck file system); its replacement trains;
 - ``begin:RANKS``: the ranks listed (``0,1``) right after reaching the store, before epoch 0's process
   group is built; ``begin-once:RANKS``: the same, the first process of each of those ranks only (a marker
-  file in the run directory), so that its replacement trains;
+  file in the run directory), so that its replacement trains; ``begin-on:NODE``: the same, any rank whose
+  node (``LIVE_NODE``, set by the test's node command) is NODE (a data file missing on that node);
 - ``resumed``: every rank after ``guard.resume()`` (the store reached, epoch 0's group built), before its
   first step.
 
@@ -48,7 +49,13 @@ import live_loop  # noqa: E402  (after the failures that come before any import)
 import trainguard  # noqa: E402
 from trainguard.live.worker import LiveWorker  # noqa: E402
 
-if WHERE.split(":")[0] in ("begin", "begin-once") and rank_of(sys.argv) in {int(r) for r in WHERE.split(":")[1].split(",")}:
+if WHERE.startswith("begin-on:"):
+    failing = WHERE.split(":")[1] == os.environ.get("LIVE_NODE")
+elif WHERE.split(":")[0] in ("begin", "begin-once"):
+    failing = rank_of(sys.argv) in {int(r) for r in WHERE.split(":")[1].split(",")}
+else:
+    failing = False
+if failing:
     begin = LiveWorker.begin
     marker = Path(sys.argv[sys.argv.index("--run-dir") + 1]) / f"early_exit_rank_{rank_of(sys.argv)}"
 
@@ -56,6 +63,8 @@ if WHERE.split(":")[0] in ("begin", "begin-once") and rank_of(sys.argv) in {int(
         if WHERE.startswith("begin-once") and marker.exists():
             return begin(self, rejoin)
         marker.touch()
+        if WHERE.startswith("begin-on:"):
+            fail(f"FileNotFoundError: [Errno 2] No such file or directory: '/data/{os.environ['LIVE_NODE']}/shard-0'")
         fail(f"RuntimeError: injected failure of rank {self.rank} before epoch 0's group")
 
     LiveWorker.begin = fail_at_begin

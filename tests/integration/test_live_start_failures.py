@@ -16,7 +16,12 @@ quorum recorded its stop. Before the fix:
   ever for a replacement to rejoin (the run sat until its timeout, SIGTERM unanswered);
 - one rank stopped at import, before it ever beat, was never judged hung (only a rank that had beaten was):
   its peer waited for its report for ever. Now it is hung after ``LiveRun.startup_s`` (600 s, restart mode's
-  ``--startup-timeout``; 10 s here), killed and replaced.
+  ``--startup-timeout``; 10 s here), killed and replaced;
+- one rank failing the same way at every start while the other trains (a file missing on its node) was
+  replaced on that node until ``max_replacements`` (16), then the run ended, exit 1. Now after
+  ``fault_tolerance.max_start_failures`` (3) failed starts in a row it moves to a spare node (its node lost,
+  reason ``start_failed``) and trains there; with no spare node left it is given up and the run finishes
+  without it (one line, ``live_rank_given_up``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from helpers.runs import trainguard, worker_env
 from trainguard.events.log import read_events
 from trainguard.live.files import events_path
 from trainguard.live.launcher import LiveRun, launch
+from trainguard.live.samples import sample_problems
 
 ROOT = Path(__file__).resolve().parents[2]
 RANK = ROOT / "tests" / "helpers" / "live_early_exit.py"
@@ -38,6 +44,8 @@ STEPS = 4
 CONFIG = f"parallel: {{dp_replicate: 2}}\ntrain: {{steps: {STEPS}, micro_batches: 2}}\nfault_tolerance: {{live: true}}\n"
 # ssh's stand-in on loopback "hosts": runs the command it is given, as ssh does on the node
 SH_NODE = "sh -c 'exec \"$@\"' {node}"
+# ... telling the rank its node's name (LIVE_NODE), for a failure on one node
+SH_NODE_NAMED = "sh -c 'export LIVE_NODE=$0; exec \"$@\"' {node}"
 LINE = "trainguard: error: live run: every rank ended before the first step (a failure at start, not retried): "
 
 
@@ -108,3 +116,37 @@ def test_a_rank_stopped_before_it_ever_beats_is_hung_after_the_startup_bound_and
     events = list(read_events(events_path(tmp_path / "stopped")))
     assert [e["target"] for e in events if e["kind"] == "live_hung"] == [1]
     assert [(e["target"], e["code"]) for e in events if e["kind"] == "live_exit"] == [(1, -9)]
+
+
+def test_a_rank_failing_at_every_start_on_its_node_moves_to_the_spare_node_at_the_limit_and_trains(config, tmp_path):
+    run_dir = tmp_path / "moved"
+    # the limit at 2 (3 by default): one cold start less on the loaded machine
+    done = _run(config, run_dir, "begin-on:b", 1, "--launcher", "hosts", "--hosts",
+                "a=127.0.0.1,b=127.0.0.2,c=127.0.0.3", "--node-command", SH_NODE_NAMED,
+                "--set", "fault_tolerance.max_start_failures=2")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"live run finished: {STEPS} steps in " in done.stdout and "ranks replaced: [1]" in done.stdout
+    events = list(read_events(events_path(run_dir)))
+    # its first start and its replacement failed on b, the next replacement trained on the spare node c
+    assert [(e["target"], e["node"]) for e in events if e["kind"] == "live_replacement"] == [(1, "b"), (1, "c")]
+    assert [(e["node"], e["reason"], e["target"], e["failures"]) for e in events if e["kind"] == "live_node_lost"] == [
+        ("b", "start_failed", 1, 2)]
+    assert [e["code"] for e in events if e["kind"] == "live_exit"] == [1, 1]
+    assert sample_problems(events, STEPS, 2 * 8) == []
+
+
+def test_a_rank_failing_at_every_start_is_given_up_after_3_and_the_run_finishes_without_it(config, tmp_path):
+    run_dir = tmp_path / "given_up"
+    done = _run(config, run_dir, "begin:1", 1)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (f"live run finished: {STEPS} steps in " in done.stdout
+            and "ranks replaced: [1], ranks given up: [1]" in done.stdout), done.stdout[-3000:]
+    [line] = [line for line in done.stderr.splitlines() if "not started again" in line]
+    assert line == ("trainguard: live run: rank 1 failed at start 3 times in a row (fault_tolerance.max_start_failures), "
+                    "last: rank 1 exited 1; not started again: the run goes on without its replica group until its "
+                    "next start")
+    events = list(read_events(events_path(run_dir)))
+    assert _replacements(run_dir) == [1, 1]
+    [given_up] = [e for e in events if e["kind"] == "live_rank_given_up"]
+    assert (given_up["target"], given_up["code"], given_up["failures"]) == (1, 1, 3)
+    assert sample_problems(events, STEPS, 2 * 8) == []

@@ -108,7 +108,8 @@ def run_live(run: LiveRun, run_dir: Path) -> int:
         print(stop_line(result.stop, saved, result.stopped), flush=True)
         return result.exit_code
     print(f"trainguard: live run finished: {run.steps} steps in {result.wall_s:.1f} s, "
-          f"ranks replaced: {sorted(result.replaced_at) or 'none'}", flush=True)
+          f"ranks replaced: {sorted(result.replaced_at) or 'none'}"
+          + (f", ranks given up: {sorted(result.given_up)}" if result.given_up else ""), flush=True)
     return 0
 
 

@@ -348,10 +348,12 @@ def validate(config: RunConfig, source: str = "<config>") -> None:
     config.lifecycle.validate(source)
     positive("fault_tolerance.spares", config.fault_tolerance.spares, allow_zero=True)
     positive("fault_tolerance.hang_s", config.fault_tolerance.hang_s)
+    positive("fault_tolerance.startup_s", config.fault_tolerance.startup_s)
     positive("fault_tolerance.collective_timeout_s", config.fault_tolerance.collective_timeout_s)
     positive("fault_tolerance.stall_s", config.fault_tolerance.stall_s)
     positive("fault_tolerance.stall_steps", config.fault_tolerance.stall_steps)
     positive("fault_tolerance.max_step_failures", config.fault_tolerance.max_step_failures)
+    positive("fault_tolerance.max_start_failures", config.fault_tolerance.max_start_failures)
     sdc_config_from_env(config.guards.sdc)
     pp = config.parallel.pp or 1
     if pp > 1 and config.train.micro_batches < pp:

@@ -80,6 +80,9 @@ class FaultToleranceConfig:
     live: bool = False  # Guard's live mode: the same loop, ranks started by the live launcher
     spares: int = 0  # warm spare processes started with the ranks, each replacing a dead rank at once
     hang_s: float = 10.0  # a rank whose heartbeat has not moved this long is declared dead
+    # ... and one that has never beaten, this long after the launcher first looked for it: a rank's start
+    # (imports, loading a resumed checkpoint) may take minutes on a busy node
+    startup_s: float = 600.0
     collective_timeout_s: float = 30.0  # gloo's timeout of one collective of a rank
     doctor_spares: bool = True  # a warm spare self-tests (trainguard doctor's burn-in and storage checks) first
     # a step's all-reduce entered and not left for max(stall_s, stall_steps × the median step time so
@@ -89,6 +92,9 @@ class FaultToleranceConfig:
     # a live step whose computation (the loss, its backward) raised on some rank is tried again; failing
     # this many times in a row, it ends the run with exit 19 (live/step_failures.py)
     max_step_failures: int = 3
+    # a rank whose processes ended this many times in a row before they committed a step (a start that
+    # fails alike each time) is moved off its node once, then not started again (live/start_failure.py)
+    max_start_failures: int = 3
     # FSDP2 inside each replica group: ``trainguard.data_parallel_mesh()`` returns the replica group's mesh,
     # for ``fully_shard`` (live/replica_mesh.py; the reference trainer's live ranks shard with it); off, it
     # returns None and live mode shards by rows itself

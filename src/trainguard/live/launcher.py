@@ -49,11 +49,11 @@ from trainguard.live.group_reduce import SlotLayout
 from trainguard.live.lighthouse import STARTUP_S, Lighthouse
 from trainguard.live.node_watch import NodeCommandFailed, NodeWatch
 from trainguard.live.placement import replacement_node
-from trainguard.live.quorum import (MAX_STEP, STOP, STOPPED, beat_key, done_key, progress_key, spare_failed_key,
-                                    spare_key, spare_ready_key, spare_started_key, started_key)
+from trainguard.live.quorum import (GIVEN_UP, MAX_STEP, STOP, STOPPED, beat_key, done_key, progress_key,
+                                    spare_failed_key, spare_key, spare_ready_key, spare_started_key, started_key)
 from trainguard.live.signed_store import SignedStore, serve_store
 from trainguard.live.spare_choice import spare_for
-from trainguard.live.start_failure import EarlyExit, cannot_start, start_failure_line
+from trainguard.live.start_failure import EarlyExit, StartFailures, cannot_start, given_up_line, start_failure_line
 from trainguard.run_secret import ENV_SECRET, create_secret
 from trainguard.runtime.heartbeat import ENV_NODE
 from trainguard.runtime.hosts import on_node
@@ -89,7 +89,7 @@ class LiveRun:
     kill_at_step: int = 0  # first of them has committed this many steps
     fault: str = "kill"  # "kill": SIGKILL; "stop": SIGSTOP (a hang, or a cut link: alive, silent)
     hang_s: float = 10.0  # a member silent this long is hung (the lighthouse's heartbeat timeout)
-    startup_s: float = STARTUP_S  # ... and one that has never beaten, this long after its start
+    startup_s: float = STARTUP_S  # ... and one that has never beaten, since its start (fault_tolerance.startup_s)
     # an all-reduce entered and not left for max(stall_s, stall_steps × the median step time) is stalled
     # (a partial cut: peers unreachable, store reachable; live/stall.py)
     stall_s: float = 5.0
@@ -104,6 +104,9 @@ class LiveRun:
     # during the shrink)
     kill_during_shrink: int | None = None
     max_replacements: int = 16  # a run whose ranks died more often than this ends (something is wrong with it)
+    # a rank whose processes ended this many times in a row before they committed a step is moved off its
+    # node once (a spare node left), then given up: the run goes on without it (live/start_failure.py)
+    max_start_failures: int = 3
     # (rank, step): that rank stays out of that step's all-reduce, alive and beating, until the epoch
     # ends (a peer that never takes part: a partial cut, from the others' side)
     stall_collective: tuple[int, int] | None = None
@@ -200,8 +203,9 @@ class LiveRun:
         faults = live_drill(config.faults, groups * group_size, config.train.steps, tolerance.spares)
         return cls(groups=groups, group_size=group_size, tp=tp, steps=config.train.steps,
                    micro_batches=config.train.micro_batches, spares=tolerance.spares, hang_s=tolerance.hang_s,
-                   stall_s=tolerance.stall_s, stall_steps=tolerance.stall_steps,
+                   startup_s=tolerance.startup_s, stall_s=tolerance.stall_s, stall_steps=tolerance.stall_steps,
                    collective_timeout_s=tolerance.collective_timeout_s, doctor_spares=tolerance.doctor_spares,
+                   max_start_failures=tolerance.max_start_failures,
                    resume=config.checkpoint.resume, kill_switch=config.lifecycle.kill_switch_path, fsdp=tolerance.fsdp,
                    **{**faults, **drill})
 
@@ -224,6 +228,7 @@ class LiveResult:
     # no resume, EXIT_DATA_SKIP_ABORT, EXIT_RESUMABLE_STOP after a stop (the quorum saved a step); None: none yet
     exit_code: int | None = None
     stop: dict | None = None  # the quorum's stop at a boundary (``quorum.STOPPED``): step, reason, message
+    given_up: list[int] = field(default_factory=list)  # ranks not started again after failed starts (StartFailures)
 
     @property
     def stopped(self) -> bool:
@@ -405,6 +410,10 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
     judged: set[int] = set()  # ranks whose node command exited 255, until their heartbeat tells (``dropped``)
     exited_ok: dict[int, float] = {}  # ranks that exited 0, not yet explained (UNEXPLAINED_EXIT_GRACE_S): since when
     early: dict[int, EarlyExit] = {}  # ranks whose process ended before the run's first step (start_failure.py)
+    start_failures = StartFailures(run.max_start_failures)
+    # each rank's committed steps (``progress_key``) when its newest process started: one that ends with no more
+    # failed its start (a resumed first process writes the checkpoint's step before its first step)
+    started_at = dict.fromkeys(range(run.world), read_manifest(resume).step if resume is not None else 0)
     on_main_thread = threading.current_thread() is threading.main_thread()  # signal handlers can be set there only
     previous_handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} if on_main_thread else {}
     # a second signal: every rank ends at once (``procs`` as it is then: the cell, not today's dict)
@@ -422,6 +431,7 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
 
     def replace(rank: int) -> None:
         detached.discard(rank)
+        started_at[rank] = _progress(store, rank)
         result.replaced_at[rank] = time.time()
         result.replacements[rank] = result.replacements.get(rank, 0) + 1
         lighthouse.died(rank)
@@ -456,6 +466,24 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
             procs[rank] = _spawn(run, rank, store, run_dir, rejoin=True, node=rank_node[rank], watch=watch)
             events.emit("live_replacement", step=None, target=rank, pid=procs[rank].pid, node=rank_node[rank])
 
+    def moved_off_its_node(rank: int) -> bool:
+        """At the start-failure limit, a rank on a node moves to a spare node not lost, its node lost (what
+        failed may be the node's: a file missing there); False when no such spare node is left."""
+        node = rank_node[rank]
+        if node is None or not any(spare not in lost and spare != node for spare in run.spare_nodes):
+            return False
+        lose(node, "start_failed", target=rank, failures=run.max_start_failures)
+        start_failures.moved(rank)
+        return True
+
+    def give_up(ended: EarlyExit) -> None:
+        lighthouse.died(ended.rank)
+        result.given_up.append(ended.rank)
+        store.set(GIVEN_UP, json.dumps(result.given_up))  # the quorum's end waits no more for its group
+        events.emit("live_rank_given_up", step=None, target=ended.rank, node=ended.node, code=ended.code,
+                    error=ended.error, failures=run.max_start_failures)
+        print(given_up_line(ended, run.max_start_failures), file=sys.stderr, flush=True)
+
     def detached_running() -> bool:
         """A detached rank has not written its final state, and the quorum has not ended otherwise."""
         return result.exit_code in (None, EXIT_OK) and any(not store.check([done_key(rank)]) for rank in detached)
@@ -486,7 +514,7 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
                             during_join=lighthouse.quorum.epoch)
                 result.joiner_killed_at = time.time()
             for rank, proc in list(procs.items()):
-                if rank in detached:
+                if rank in detached or rank in result.given_up:
                     continue
                 code = proc.poll()
                 if code == EXIT_OK and not _ended_by_quorum(store, rank):
@@ -525,6 +553,11 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
                             events.emit("live_start_failed", step=None, exits=[
                                 dataclasses.asdict(ended) for _, ended in sorted(early.items())])
                             raise RuntimeError(start_failure_line(early))
+                    if (failure is None and start_failures.ended(rank, _progress(store, rank) > started_at[rank])
+                            and not moved_off_its_node(rank)):
+                        give_up(EarlyExit(rank, code, rank_node[rank],
+                                          watch.output.last_line(proc.pid) if watch is not None else ""))
+                        continue
                     if sum(result.replacements.values()) >= run.max_replacements:
                         raise RuntimeError(f"live run: rank {rank} exited with {code}, after "
                                            f"{run.max_replacements} replacements (LiveRun.max_replacements)")

@@ -98,6 +98,18 @@ STOPPED = "stopped"
 ``train.exit_at_step``): JSON ``{"step", "reason", "message"}``, for the launcher's last line."""
 
 
+GIVEN_UP = "given_up"
+"""Set by the launcher when it gives a rank up (``live.start_failure``): JSON, the ranks not started again."""
+
+
+def awaited_at_end(store: dist.Store, world: int, group_size: int) -> set[int]:
+    """The ranks the quorum waits for at the run's end, to write the final state together: every rank of each
+    replica group none of whose ranks the launcher gave up (``GIVEN_UP``: they never rejoin)."""
+    given_up = json.loads(store.get(GIVEN_UP)) if has(store, GIVEN_UP) else []
+    out = {rank // group_size for rank in given_up}
+    return {rank for rank in range(world) if rank // group_size not in out}
+
+
 def beat_key(rank: int) -> str:
     """A counter each rank raises while it computes and while it waits (collectives, the lighthouse):
     a rank whose counter stops is hung, stopped or cut off."""

@@ -69,9 +69,9 @@ from trainguard.live.group_reduce import Exchange, SlotLayout, StepSum
 from trainguard.live.layout_build import build_layout
 from trainguard.live.micro_batch import MicroBatchLoss, StepWork
 from trainguard.live.micro_batch import micro_batch_grad as micro_batch_grad  # re-exported: rank.py, tests
-from trainguard.live.quorum import (NO_STATE, STOP, STOPPED, Quorum, beat_key, done_key, entered_key, epoch_key,
-                                    fence_key, has, latest_epoch, progress_key, read_quorum, ready_key, report_key,
-                                    start_key, wait_for)
+from trainguard.live.quorum import (NO_STATE, STOP, STOPPED, Quorum, awaited_at_end, beat_key, done_key, entered_key,
+                                    epoch_key, fence_key, has, latest_epoch, progress_key, read_quorum, ready_key,
+                                    report_key, start_key, wait_for)
 from trainguard.live.probe import PeerProbe
 from trainguard.live.shards import shard_of
 from trainguard.live.sharded_params import norm_by_rows
@@ -322,9 +322,10 @@ class LiveWorker:
             step = self.step_index
             try:
                 if step >= self.steps:
-                    if self.quorum.members == list(range(self.world)):
+                    joining = self.wait_for_join_epoch()  # the replacement joins at the last boundary
+                    if joining is None:
                         break
-                    self.switch(self.wait_for_join_epoch())  # the replacement joins at the last boundary
+                    self.switch(joining)
                     continue
                 if not self.step():
                     continue  # the step's computation raised somewhere: tried again (step_failures.py)
@@ -685,9 +686,12 @@ class LiveWorker:
         self.events.emit("live_resumed", step=quorum.start_step, epoch=quorum.epoch,
                          stalled_s=time.time() - failed_at)
 
-    def wait_for_join_epoch(self) -> int:
+    def wait_for_join_epoch(self) -> int | None:
+        """The next epoch, a join; None once every rank awaited at the end is a member (``awaited_at_end``)."""
         deadline = time.monotonic() + WAIT_S
         while latest_epoch(self.store) <= self.quorum.epoch:
+            if set(self.quorum.members) >= awaited_at_end(self.store, self.world, self.group_size):
+                return None
             self.beat()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"live recovery: rank {self.rank} waited {WAIT_S:.0f} s for a replacement")

@@ -37,7 +37,7 @@ from trainguard.trainer.optim import build_optimizer
 LAUNCHER = {
     "parallel.dp_replicate": 4, "parallel.dp_shard": 1, "train.steps": 31, "train.micro_batches": 16,
     "fault_tolerance.live": False, "fault_tolerance.spares": 1, "fault_tolerance.hang_s": 11.0,
-    "fault_tolerance.collective_timeout_s": 31.0, "fault_tolerance.doctor_spares": False,
+    "fault_tolerance.startup_s": 601.0, "fault_tolerance.max_start_failures": 4, "fault_tolerance.collective_timeout_s": 31.0, "fault_tolerance.doctor_spares": False,
     "fault_tolerance.stall_s": 6.0, "fault_tolerance.stall_steps": 11.0, "faults": "kill:rank=1,step=2",
     # the ranks' --fsdp: the reference trainer's then shard with FSDP2 (tests/integration/test_live_trainer_fsdp.py)
     "fault_tolerance.fsdp": True,

@@ -15,10 +15,13 @@ LIVE_LAYOUT = ["fault_tolerance.live=true", "parallel.dp_replicate=2", "parallel
 def test_the_config_gives_the_layout_the_batch_and_the_fault_tolerance_keys():
     config = load_config(None, [*LIVE_LAYOUT, "train.steps=60", "fault_tolerance.spares=1", "fault_tolerance.hang_s=4",
                                 "fault_tolerance.collective_timeout_s=12", "fault_tolerance.stall_s=3",
-                                "fault_tolerance.stall_steps=6"])
+                                "fault_tolerance.stall_steps=6", "fault_tolerance.startup_s=90",
+                                "fault_tolerance.max_start_failures=5"])
     run = LiveRun.from_config(config, kill_ranks=(3,), entry=("examples/user_loop.py",))
     assert (run.groups, run.group_size, run.world, run.steps, run.micro_batches) == (2, 2, 4, 60, 8)
-    assert (run.spares, run.hang_s, run.collective_timeout_s, run.stall_s, run.stall_steps) == (1, 4.0, 12.0, 3.0, 6.0)
+    assert (run.spares, run.hang_s, run.collective_timeout_s, run.stall_s, run.stall_steps, run.startup_s) == (1, 4.0, 12.0, 3.0, 6.0,
+                                                                                                       90.0)
+    assert run.max_start_failures == 5
     assert run.kill_ranks == (3,) and run.entry == ("examples/user_loop.py",)
 
 

@@ -61,12 +61,13 @@ def closure_guard(tmp_path, monkeypatch):
 
 def test_the_key_is_off_by_default_and_read_from_yaml_and_set(tmp_path):
     assert RunConfig().fault_tolerance == FaultToleranceConfig(live=False, spares=0, hang_s=10.0,
-                                                               collective_timeout_s=30.0, stall_s=5.0, stall_steps=10.0)
+                                                               collective_timeout_s=30.0, stall_s=5.0, stall_steps=10.0,
+                                                               startup_s=600.0)
     path = tmp_path / "run.yaml"
-    path.write_text("fault_tolerance: {live: true, spares: 1, hang_s: 4, stall_s: 2}\n")
+    path.write_text("fault_tolerance: {live: true, spares: 1, hang_s: 4, stall_s: 2, startup_s: 120}\n")
     config = load_config(path, ["fault_tolerance.collective_timeout_s=5", "fault_tolerance.stall_steps=4"])
     assert config.fault_tolerance == FaultToleranceConfig(live=True, spares=1, hang_s=4.0, collective_timeout_s=5.0,
-                                                          stall_s=2.0, stall_steps=4.0)
+                                                          stall_s=2.0, stall_steps=4.0, startup_s=120.0)
 
 
 @pytest.mark.parametrize("item, message", [
@@ -75,6 +76,9 @@ def test_the_key_is_off_by_default_and_read_from_yaml_and_set(tmp_path):
     ("fault_tolerance.hang_s=0", "config key 'fault_tolerance.hang_s' must be > 0, got 0.0"),
     ("fault_tolerance.collective_timeout_s=-3", "config key 'fault_tolerance.collective_timeout_s' must be > 0"),
     ("fault_tolerance.stall_s=0", "config key 'fault_tolerance.stall_s' must be > 0"),
+    ("fault_tolerance.startup_s=0", "config key 'fault_tolerance.startup_s' must be > 0, got 0.0"),
+    ("fault_tolerance.startup_s=soon", "config key 'fault_tolerance.startup_s' must be float, got 'soon'"),
+    ("fault_tolerance.max_start_failures=0", "config key 'fault_tolerance.max_start_failures' must be > 0, got 0"),
     ("fault_tolerance.stall_steps=-1", "config key 'fault_tolerance.stall_steps' must be > 0"),
     ("fault_tolerance.lve=true", "unknown config key 'fault_tolerance.lve'"),
 ])

@@ -58,7 +58,9 @@ def rank_main(rank: int, port: int, base_src: Path | None, numel: int, order: li
     for name, module in ((OURS, fsdp_comms), (BASE, None if base_src is None else base_comms(base_src))):
         if module is not None:
             channel = module.GroupChannel(group, [0, 1], lambda works: waits.wait(works, lambda: None, lambda: None))
-            link = module.GroupLink(rank, 2, lambda channel=channel: channel)
+            # a tree whose GroupLink takes the bound on one exchange's data (a failed peer's answer) is given it
+            bound = [gathered[rank].nbytes] if hasattr(module, "largest_exchange_bytes") else []
+            link = module.GroupLink(rank, 2, lambda channel=channel: channel, *bound)
             exchanges[name] = lambda link=link: link.swap(lambda _position: chunks[rank], chunks.__getitem__)
     timed: dict[str, list[tuple[float, float]]] = {name: [] for name in exchanges}
     for name in order:

@@ -40,8 +40,11 @@ COMMON = ["torch.autograd:backward", "torch.optim.adamw:AdamW.step", f"{FSDP2}:f
           f"{FSDP2}:foreach_reduce"]
 SECTIONS = {
     "plain HSDP": (COMMON + ["torch.nn.utils:clip_grad_norm_"], "torch.distributed.tensor._api:DTensor.full_tensor"),
+    # the FSDP2 layout's share and waits (``live/layout_fsdp.py``); a --base-src tree from before the layouts
+    # has them as LiveWorker.fsdp_shares and LiveWorker.wait_group: each tree times the names it has
     "live FSDP2": (COMMON + [f"trainguard.live.worker:LiveWorker.{name}" for name in
                              ("fsdp_shares", "reduce", "norms", "wait_group")]
+                   + [f"trainguard.live.layout_fsdp:FsdpLayout.{name}" for name in ("compute", "wait_group")]
                    + ["trainguard.live.state:LiveState.undo_point", "trainguard.live.fsdp_comms:GroupLink.swap"],
                    "trainguard.live.worker:LiveWorker.step"),
 }
@@ -54,11 +57,16 @@ def wrap(out_dir: str, timed: list[str], step_mark: str, argv: list[str]) -> Non
 
     def patch(spec: str, is_mark: bool) -> None:
         module, qualname = spec.split(":")
-        owner = importlib.import_module(module)
+        try:
+            owner = importlib.import_module(module)
+        except ModuleNotFoundError:  # a section of another tree (``SECTIONS``)
+            return
         *path, name = qualname.split(".")
         for part in path:
             owner = getattr(owner, part)
-        original = getattr(owner, name)
+        original = getattr(owner, name, None)
+        if original is None:
+            return
 
         @functools.wraps(original)
         def timed_call(*args, **kwargs):
@@ -72,8 +80,8 @@ def wrap(out_dir: str, timed: list[str], step_mark: str, argv: list[str]) -> Non
             try:
                 return original(*args, **kwargs)
             finally:
-                entry = totals.setdefault(qualname.split(".")[-1] if path and path[0] == "LiveWorker" else qualname,
-                                          [0.0, 0.0, 0])
+                short = path and path[0] in ("LiveWorker", "FsdpLayout")
+                entry = totals.setdefault(qualname.split(".")[-1] if short else qualname, [0.0, 0.0, 0])
                 entry[0] += time.perf_counter() - wall
                 entry[1] += time.thread_time() - cpu
                 entry[2] += 1

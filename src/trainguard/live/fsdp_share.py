@@ -32,11 +32,9 @@ from torch.distributed.tensor.placement_types import Placement
 from trainguard.errors import ConfigError
 from trainguard.live.fsdp_comms import GroupChannel, PeerShareFailed, route_to_epochs
 from trainguard.live.group_reduce import tree_sum
+from trainguard.live.micro_batch import MicroBatchLoss
 from trainguard.live.rng import micro_batch_rng
 from trainguard.live.step_failures import failure_text
-
-# the loss of micro-batch ``m`` of step ``t`` (model, t, m), as ``worker.MicroBatchLoss``
-MicroBatchLoss = Callable[[torch.nn.Module, int, int], torch.Tensor]
 
 
 def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:

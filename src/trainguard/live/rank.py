@@ -39,13 +39,15 @@ from trainguard.live.collective import EpochAborted
 from trainguard.live.durable import SaveFailed
 from trainguard.live.files import events_path
 from trainguard.live.fsdp_share import fsdp_modules
+from trainguard.live.layout_fsdp import GroupOut
+from trainguard.live.micro_batch import MicroBatchLoss, micro_batch_grad
 from trainguard.live.quorum import (spare_failed_key, spare_key, spare_ready_key, spare_started_key, started_key,
                                     wait_for)
 from trainguard.live.signed_store import SignedStore
 from trainguard.live.spare_check import check_spare
 from trainguard.live.step_failures import StepFailed
-from trainguard.live.worker import (DEFAULT_RULES, FENCED_EXIT, WAIT_S, CommittedStep, Fenced, GroupOut, LiveArgs,
-                                    LiveRules, LiveWorker, MicroBatchLoss, SampleRange, micro_batch_grad)
+from trainguard.live.worker import (DEFAULT_RULES, FENCED_EXIT, WAIT_S, CommittedStep, Fenced, LiveArgs, LiveRules,
+                                    LiveWorker, SampleRange)
 from trainguard.runtime.heartbeat import HeartbeatWriter
 from trainguard.runtime.lifecycle import Lifecycle
 from trainguard.run_secret import load_secret

@@ -9,7 +9,7 @@ FSDP2 never talks on it: every all-gather and reduce-scatter is routed to the li
 (``fsdp_comms``); the default group only gives the mesh its ranks.
 
 An incarnation is one start of every rank of the group: a rank of a sharded group whose group leaves
-the quorum ends its process (``worker.GroupOut``) and is started again with its peer's replacement, so
+the quorum ends its process (``layout_fsdp.GroupOut``) and is started again with its peer's replacement, so
 that the new processes make a new default group together (as torchft restarts a whole replica group).
 Each start of a rank raises its count in the store (``starts_key``); the ranks of one group started the
 same number of times meet on the same prefix.

@@ -9,7 +9,7 @@ them together from one exchange of the group's shards, ``reshard`` puts the loca
 tensors and our own exchange, not ``fully_shard``: an epoch's gloo group is made and dropped with
 its quorum (``collective``), and every wait on it must watch the epoch's abort key, which FSDP2's
 collectives inside forward and backward do not. A forward outside a step (the loop's body evaluating
-the model) gathers the parameters before it and frees them after (``LiveWorker``'s hooks on the
+the model) gathers the parameters before it and frees them after (``layout_rows.RowsLayout``'s hooks on the
 model), as FSDP2's root forward does: every rank of the group must call it, at the same point.
 
 So the ``state_dict`` of the model and of the optimizer is the shard's (what a joining rank receives

@@ -5,10 +5,11 @@ The model, the optimizer and the loss of one micro-batch are the user's (``train
 the engine of ``trainguard.Guard``'s live mode, hands them in; the drill's ``workload`` is one such
 user); the rank's place in the run comes from the launcher's arguments (``LiveArgs``).
 
-Each step: compute this member's micro-batches, their fixed-order sum over the quorum (replica groups
-of several ranks: parameters gathered from the group's row shards first, ``sharded_params``, and the
-group reduce-scatter plus cross-group sum of ``group_reduce``; whole replicas: one all-reduce of a row
-per micro-batch, ``ordered_sum``), which also carries the step's loss, the "a newer epoch exists" flag,
+Each step: compute this member's micro-batches, their fixed-order sum over the quorum (both asked of the
+rank's parameter layout, chosen once, ``live/layout.py``: whole replicas, one all-reduce of a row per
+micro-batch; our own row shards, gathered whole around the step, and the group reduce-scatter plus
+cross-group sum of ``group_reduce``; FSDP2 over the replica group's mesh, one reduce-scatter per group
+share), which also carries the step's loss, the "a newer epoch exists" flag,
 each rank's stop reasons (the lifecycle's: kill switch, signal, time limit) and each micro-batch's SDC
 detection values, keep the state of before the update (the one step a survivor may have to
 undo, below), judge the summed gradient with the closure mode's update plugins and precedence (``step_judge``: data
@@ -26,7 +27,6 @@ when the survivors reach the next step boundary.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import json
@@ -48,7 +48,7 @@ from trainguard.checkpoint.manager import Stateful
 from trainguard.checkpoint.safe_load import safe_torch_load
 from trainguard.checkpoint.spike_rollback import SpikeRollback
 from trainguard.checkpoint.staging import serialised
-from trainguard.errors import EXIT_OK, ConfigError, raised_by_every_rank
+from trainguard.errors import EXIT_OK, raised_by_every_rank
 from trainguard.events import EventLog
 from trainguard.events.rank_logging import LOGGER_NAME
 from trainguard.faults import FaultInjector
@@ -65,27 +65,23 @@ from trainguard.guards.step_verdict import StepVerdict
 from trainguard.live import collective
 from trainguard.live.data_positions import DataPositions
 from trainguard.live.durable import LiveCheckpoints
-from trainguard.live.fsdp_comms import GroupChannel
-from trainguard.live.dtensor_state import owned_square_sum
-from trainguard.live.fsdp_share import FsdpShares, ShareAbandoned, fsdp_modules, local
-from trainguard.live.group_reduce import Exchange, SlotLayout, StepSum, reduce_partials, reduce_sharded, tree_sum
-from trainguard.live.ordered_sum import computed_by, my_micro_batches, reduce_rows
+from trainguard.live.group_reduce import Exchange, SlotLayout, StepSum
+from trainguard.live.layout_build import build_layout
+from trainguard.live.micro_batch import MicroBatchLoss, StepWork
+from trainguard.live.micro_batch import micro_batch_grad as micro_batch_grad  # re-exported: rank.py, tests
 from trainguard.live.quorum import (NO_STATE, STOP, STOPPED, Quorum, awaited_at_end, beat_key, done_key, entered_key,
                                     epoch_key, fence_key, has, latest_epoch, progress_key, read_quorum, ready_key,
                                     report_key, start_key, wait_for)
 from trainguard.live.probe import PeerProbe
-from trainguard.live.rng import micro_batch_rng
 from trainguard.live.shards import shard_of
-from trainguard.live.sharded_params import ShardedParams, gather_rows, norm_by_rows, row_squares
+from trainguard.live.sharded_params import norm_by_rows
 from trainguard.live.stall import ReduceMarks
 from trainguard.live.fingerprint import LiveFingerprints
 from trainguard.live.sdc import CLEAN, LiveSdc
 from trainguard.live.state import LiveState
-from trainguard.live.step_failures import (STEP_FAILURE, StepFailed, StepFailures, StepFailureVerdict,
-                                           failure_text)
+from trainguard.live.step_failures import STEP_FAILURE, StepFailed, StepFailures, StepFailureVerdict
 from trainguard.live.step_judge import LiveJudge
 from trainguard.live.transfer import send_shards
-from trainguard.live.wait_thread import WaitThread
 from trainguard.live.files import checkpoint_path, events_path, final_path
 from trainguard.norms.global_norm import clip_grads_
 from trainguard.runtime.heartbeat import node_name
@@ -100,19 +96,12 @@ BEAT_S = 0.05  # the most often a rank raises its heartbeat counter
 STOP_REASONS = (DEADLINE, SIGNAL, KILL_SWITCH)  # each one a count in the step's all-reduce; the strongest wins
 
 
-# the loss of micro-batch ``m`` of step ``t`` (model, t, m): a pure function of (t, m) and the parameters
-MicroBatchLoss = Callable[[torch.nn.Module, int, int], torch.Tensor]
 # the sample range ``[first, end)`` of micro-batch ``m`` of step ``t``, for the events' sample check
 SampleRange = Callable[[int, int], tuple[int, int]]
 
 
 class Fenced(Exception):
     """This process's rank was declared dead and replaced: it must stop, not rejoin."""
-
-
-class GroupOut(Exception):
-    """This rank's FSDP2 replica group left the quorum: its processes end and are started again together,
-    so that the new ones make a new default group for their mesh (``replica_mesh``)."""
 
 
 @dataclass(frozen=True)
@@ -221,24 +210,6 @@ class LiveStop:
     exit_code: int
 
 
-def micro_batch_grad(model: torch.nn.Module, loss_of: MicroBatchLoss, step: int, micro_batch: int,
-                     micro_batches: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One micro-batch's share of the step's loss (the mean over micro-batches) and its flat gradient,
-    its random draws (dropout) seeded from ``(seed, step, micro_batch)``: the same on any rank (rng.py)."""
-    model.zero_grad(set_to_none=True)
-    with micro_batch_rng(seed, step, micro_batch):
-        share = loss_of(model, step, micro_batch) / micro_batches
-        share.backward()
-    return share.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
-
-
-def set_whole_grads(model: torch.nn.Module, flat: torch.Tensor) -> None:
-    offset = 0
-    for p in model.parameters():
-        p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
-        offset += p.numel()
-
-
 class LiveWorker:
     def __init__(self, store: dist.Store, args: LiveArgs, rank: int, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, loss_of: MicroBatchLoss | None, sample_range: SampleRange | None,
@@ -261,32 +232,10 @@ class LiveWorker:
         self.embedding_index = (next(i for i, p in enumerate(model.parameters()) if p is embedding)
                                 if embedding is not None and (rules.health.enabled or rules.monitor) else None)
         self.group_size, self.shard = args.group_size, shard_of(rank, args.group_size)
-        # replica groups of several ranks shard the parameters (sharded_params) and reduce by group
-        # (group_reduce); whole replicas sum one row per micro-batch (ordered_sum): the same fixed tree
-        self.layout = SlotLayout(args.world // args.group_size, args.group_size // args.tp, args.micro_batches, args.tp)
-        self.tp = args.tp
-        self.params = None
-        self.forward_gathered = False  # the parameters were gathered for a forward outside a step
-        modules = fsdp_modules(model)
-        # a model sharded with fully_shard over the replica group's mesh: each group's share computed by FSDP2
-        # (fsdp_share), its collectives on the epoch's group (fsdp_comms); otherwise our own rows (sharded_params)
-        self.fsdp = None
-        if modules:
-            if args.group_size == 1:
-                raise ConfigError("live recovery: the model is sharded with fully_shard but parallel.dp_shard is 1 "
-                                  "(whole replicas): shard it over trainguard.data_parallel_mesh(), which is None then")
-            self.layout.check()
-            self.group_waits = WaitThread("fsdp-group-wait")  # wait_group's, kept across FSDP2's exchanges
-            self.fsdp = FsdpShares(model, modules, rank, args.group_size, self.group_channel, args.tp)
-        elif args.tp > 1:
-            raise ConfigError(f"live recovery with parallel.tp={args.tp}: the model has no FSDP2 module; apply "
-                              "parallelize_module over trainguard.device_mesh(tp)['tp'], then fully_shard over its "
-                              "'dp_shard' dimension")
-        elif args.group_size > 1:
-            self.layout.check()
-            self.params = ShardedParams(model, args.group_size, rank)
-            model.register_forward_pre_hook(self.gather_for_forward)  # the loop body's forward, between steps
-            model.register_forward_hook(self.free_after_forward)
+        # the step's fixed tree of micro-batches over the replica groups' slots (group_reduce)
+        self.slots = SlotLayout(args.world // args.group_size, args.group_size // args.tp, args.micro_batches, args.tp)
+        # whole replicas, our own row shards or FSDP2 (tensor parallel inside it): chosen once (live/layout.py)
+        self.layout = build_layout(model, optimizer, self, rank, args.group_size, self.slots)
         self.log = logging.getLogger(LOGGER_NAME)
         # the drill's gradient faults, at their step each time it is computed (a redone step is hit again)
         self.faults = FaultInjector(list(rules.gradient_faults), args.run_dir, rank, args.world, self.events.emit,
@@ -296,7 +245,7 @@ class LiveWorker:
         self.site_faults = FaultInjector(list(rules.site_faults), args.run_dir, rank, args.world, self.events.emit)
         self.site_faults.install(model)
         self.sdc = (LiveSdc(rules.sdc, model, args.micro_batches, rank, args.run_dir, self.log, self.events,
-                            self.reports, shards=args.group_size, over_shards=self.over_shards, tp=args.tp,
+                            self.reports, shards=args.group_size, over_shards=self.layout.over_shards, tp=args.tp,
                             tp_rank=self.shard % args.tp)
                     if rules.sdc.enabled else None)
         # rollback mode: the data positions it skips, and the spike test's plugin, which restores through this
@@ -326,7 +275,7 @@ class LiveWorker:
         self.resume_from = args.resume
         # the durable tier (``checkpoint``: the ``checkpoint`` section; None: the drill's workload, none)
         self.checkpoints = None if checkpoint is None else LiveCheckpoints(
-            store, args.run_dir, checkpoint, rank, model, optimizer, self.group_size, self.whole_state, self.state,
+            store, args.run_dir, checkpoint, rank, model, optimizer, self.group_size, self.layout.whole_state, self.state,
             self.events, self.collective_timeout, self.beat, static_files, world=args.world,
             ranks_per_node=rules.ranks_per_node or args.world, after_commit=self.site_faults.after_commit,
             marks=self.reduce_marks)
@@ -414,25 +363,6 @@ class LiveWorker:
     def wait_all(self, works: list[dist.Work]) -> None:
         collective.wait_all(works, self.store, self.quorum.epoch, self.beat)
 
-    def group_channel(self) -> GroupChannel:
-        """Where FSDP2's collectives of this rank's replica group go now (``fsdp_comms``)."""
-        return GroupChannel(self.group, self.quorum.members, self.wait_group)
-
-    def wait_group(self, works: list[dist.Work]) -> None:
-        """Waits for sends and receives inside this rank's replica group: ended by the death of a rank of the
-        group (its fence raised in this epoch), not by the epoch's abort key. A survivor computing its share
-        while another group's rank dies finishes that share's collectives, so its FSDP2 state is never left
-        inside a forward or backward; the failure reaches it in the cross-group sum."""
-        epoch, first = self.quorum.epoch, self.rank - self.shard
-        peers = [peer for peer in range(first, first + self.group_size) if peer != self.rank]
-
-        def ended() -> str | None:
-            dead = [peer for peer in peers
-                    if has(self.store, fence_key(peer)) and int(self.store.get(fence_key(peer))) >= epoch]
-            return f"epoch {epoch}: rank(s) {dead} of this replica group died during an FSDP2 collective" if dead else None
-
-        self.group_waits.wait(works, ended, self.beat)
-
     def beat(self) -> None:
         now = time.monotonic()
         if now - self.last_beat >= BEAT_S:
@@ -443,40 +373,16 @@ class LiveWorker:
         """This rank writes the run's events of a decision (the closure mode's rank 0): the quorum's first."""
         return self.quorum is not None and self.quorum.index(self.rank) == 0
 
-    def compute(self, step: int, mine: list[int], catch: bool = False
+    def compute(self, step: int, exchange: Exchange, mine: list[int], catch: bool = False
                 ) -> tuple[dict[int, torch.Tensor], torch.Tensor | None, str | None]:
-        """This rank's micro-batches of ``step`` (with sharded parameters, gathered whole around them): each
-        one's gradient then its share of the loss (a -0.0 made +0.0: ``ordered_sum``) and, with SDC
-        detection on, their extras (each micro-batch's detection points' values, ``live/sdc.py``). With
-        ``catch``, an error of the loss or its backward is returned as its line instead, every micro-batch
-        from the one that raised on a row of zeros (``live/step_failures.py``)."""
-        computed, failure = {}, None
-        extras = self.begin_extras()
+        """This rank's parts of ``step``'s sum, computed by its layout (``mine``: its micro-batches), with SDC
+        detection on their extras (each micro-batch's detection points' values, ``live/sdc.py``), and with
+        ``catch`` the line of an error of the loss or its backward (``live/step_failures.py``)."""
         self.site_faults.at_step_start(step + 1)  # the closure mode's step number
-        if self.params is not None and not self.params.is_whole:  # whole: gathered after a body's recovery
-            self.params.unshard(self.group, self.quorum.members, self.rank, self.wait_all)
-        try:
-            for micro_batch in mine:
-                self.beat()
-                if failure is not None:
-                    computed[micro_batch] = torch.zeros_like(next(iter(computed.values())))
-                    continue
-                try:
-                    share, grad = micro_batch_grad(self.model, self.loss_of, self.data_position(step), micro_batch,
-                                                   self.micro_batches, self.seed)
-                except Exception as error:  # the user's code: no collective runs in it
-                    if not catch:
-                        raise
-                    failure = failure_text(error)
-                    computed[micro_batch] = torch.zeros(sum(p.numel() for p in self.model.parameters()) + 1)
-                    continue
-                computed[micro_batch] = torch.cat([grad, share.reshape(1)]) + 0.0
-                if extras is not None:
-                    self.measure(extras, micro_batch)
-                time.sleep(self.micro_batch_s)  # the compute time a real micro-batch would take
-        finally:
-            if self.params is not None:
-                self.params.reshard()
+        extras = self.begin_extras()
+        work = StepWork(step, self.loss_of, self.data_position(step), self.micro_batches, self.seed, self.beat,
+                        None if extras is None else functools.partial(self.measure, extras), self.micro_batch_s)
+        computed, failure = self.layout.compute(work, exchange, mine, catch)
         return computed, extras, failure
 
     def begin_extras(self) -> torch.Tensor | None:
@@ -491,79 +397,27 @@ class LiveWorker:
         """The detection points' values of the micro-batch just computed, into its row of ``extras``."""
         extras[micro_batch] = self.sdc.micro_batch_values()
 
-    def fsdp_shares(self, step: int, exchange: Exchange
-                    ) -> tuple[dict[int, torch.Tensor], torch.Tensor | None, str | None]:
-        """With FSDP2: this rank's rows of each share it computes (its group's, and the lost groups' dealt
-        to it), by group, each with its loss last (``fsdp_share``), their extras as ``compute``'s (each
-        micro-batch's detection points' values, read after its own backward) and the line of this rank's
-        error when its computation raised. Once a share is abandoned (this rank's or a group peer's
-        computation raised: every rank of the group abandons the same one) the rest are zeros: the step
-        is not committed, and the quorum computes it again."""
-        self.site_faults.at_step_start(step + 1)
-        extras = self.begin_extras()
-        measured = None if extras is None else functools.partial(self.measure, extras)
-        computed: dict[int, torch.Tensor] = {}
-        failure, abandoned = None, False
-        for group in exchange.my_groups():
-            if not abandoned:
-                try:
-                    computed[group] = self.fsdp.share(self.loss_of, self.data_position(step),
-                                                      self.layout.slot_micro_batches(group, exchange.slot),
-                                                      self.micro_batches, self.seed, self.beat, measured)
-                    continue
-                except ShareAbandoned as share:
-                    failure, abandoned = share.failure, True
-            computed[group] = torch.zeros(self.fsdp.local_numel() + 1)
-        if exchange.shard % self.tp:  # a slot's tp peers computed its loss alike: its first tp rank counts
-            for share in computed.values():
-                share[-1] = 0.0
-        return computed, extras, failure
-
     def reduce(self, exchange: Exchange, computed: dict[int, torch.Tensor], flags: list[int],
                extras: torch.Tensor | None) -> StepSum:
-        """The step's sum of every member's ``computed`` (``ordered_sum`` for whole replicas, ``group_reduce``
-        for sharded groups: by micro-batch, or FSDP2's shares by group), ``flags`` and ``extras`` summed beside;
-        sets this rank's gradients from it."""
-        if self.fsdp is not None:
-            summed = reduce_partials(self.group, exchange, computed, flags, self.wait, extras)
-            self.fsdp.set_grads(summed.gradient)
-            return summed
-        if self.params is None:
-            first = next(iter(computed.values()))
-            rows = torch.zeros(self.micro_batches, first.numel(), dtype=first.dtype)
-            for micro_batch, row in computed.items():
-                rows[micro_batch] = row
-            total, counts, extras = reduce_rows(self.group, rows, flags, self.wait, extras)
-            summed = StepSum(total[:-1], float(total[-1]), counts, extras)
-            set_whole_grads(self.model, summed.gradient)
-            return summed
-        slots = {group: tree_sum([computed[m] for m in self.layout.slot_micro_batches(group, self.shard)])
-                 for group in exchange.my_groups()}
-        summed = reduce_sharded(self.group, exchange, slots, self.params.shard_flat,
-                                self.params.shard_length(self.shard), flags, self.wait, extras)
-        self.params.set_grads(summed.gradient)
-        return summed
+        """The step's sum of every member's ``computed`` by the layout (``ordered_sum`` for whole replicas,
+        ``group_reduce`` for sharded groups: by micro-batch, or FSDP2's shares by group), ``flags`` and
+        ``extras`` summed beside; sets this rank's gradients from it."""
+        return self.layout.reduce(exchange, computed, flags, extras)
 
     def step(self) -> bool:
         """Trains the next step: whether it committed (not when a rank's computation of it raised)."""
         quorum, step = self.quorum, self.step_index
         started = time.perf_counter()
-        exchange = Exchange(quorum.members, self.rank, self.layout)
-        if self.group_size == 1:
-            mine = my_micro_batches(self.micro_batches, len(quorum.members), quorum.index(self.rank))
-        else:
-            mine = exchange.my_micro_batches()
+        exchange = Exchange(quorum.members, self.rank, self.slots)
+        mine = self.layout.my_micro_batches(exchange)
         self.site_faults.at_rest(step + 1, self.model, self.optimizer)  # the drill's stateflip, between steps
         if self.fingerprints is not None and self.fingerprints.due(step + 1):
             self.fingerprints.check(self.group, quorum, step + 1, self.wait)  # repairs a replica before it computes
-        if self.group_size > 1:
+        if self.layout.marks_span_step:
             # the stall watch's marks span the step's collectives, from the first (the unshard, or FSDP2's first
             # all-gather) to the norm's
             self.reduce_marks.entering(quorum.epoch, step, self.beat)
-        if self.fsdp is not None:
-            computed, extras, failure = self.fsdp_shares(step, exchange)
-        else:
-            computed, extras, failure = self.compute(step, mine, catch=True)
+        computed, extras, failure = self.compute(step, exchange, mine, catch=True)
         if failure is not None:  # before the sum: the reporter reads it once the sum says a rank failed
             self.store.set(STEP_FAILURE, f"rank {self.rank}: {failure}")
         if self.sample_range:
@@ -576,7 +430,7 @@ class LiveWorker:
         if has(self.store, STOP):  # the launcher's signal
             reason = max(reason, SIGNAL)
         flags = [int(newer), *(int(reason == r) for r in STOP_REASONS), int(failure is not None)]
-        if self.group_size == 1:
+        if not self.layout.marks_span_step:
             self.reduce_marks.entering(quorum.epoch, step, self.beat)
         summed = self.reduce(exchange, computed, flags, extras)
         newer_seen, *stops_seen, failed = summed.flags
@@ -595,7 +449,7 @@ class LiveWorker:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         norm, embedding_norm = self.norms(grads)
         try:
-            sdc = CLEAN if self.sdc is None else self.sdc.judge(number, self.computed_by(exchange), summed,
+            sdc = CLEAN if self.sdc is None else self.sdc.judge(number, self.layout.computed_by(exchange), summed,
                                                                 lambda flags: self.rerun(step, exchange, mine, flags))
         except RuntimeError:  # the rerun's sum failed: the detectors judged a step this rank will redo
             self.state.undo(self.previous[1])
@@ -719,41 +573,17 @@ class LiveWorker:
     def rerun(self, step: int, exchange: Exchange, mine: list[int], flags: list[int]) -> StepSum:
         """SDC detection's rerun of ``step`` (``live/sdc.py``): the same micro-batches, the same sum, with
         ``flags`` summed beside; its gradients set, with the drill's gradient faults as at the first pass.
-        With FSDP2 the rank's shares are computed again as at the first pass (which left FSDP2 between
-        steps); a share that raises then ends this rank, as a raise in the rows path's rerun does."""
-        if self.fsdp is not None:
-            computed, extras, failure = self.fsdp_shares(step, exchange)
-            if failure is not None:
-                raise ShareAbandoned(f"rank {self.rank}: SDC detection's rerun of step {step}: {failure}")
-        else:
-            computed, extras, _ = self.compute(step, mine)
+        An error of the computation raises: it ends this rank (with FSDP2, ``ShareAbandoned``)."""
+        computed, extras, _ = self.compute(step, exchange, mine)
         summed = self.reduce(exchange, computed, flags, extras)
         self.faults.after_backward(step + 1, self.model)
         return summed
-
-    def computed_by(self, exchange: Exchange) -> list[int]:
-        """The rank that computes each micro-batch of a step of this epoch."""
-        if self.group_size == 1:
-            return computed_by(self.micro_batches, exchange.members)
-        return self.layout.computed_by(exchange.live_groups())
 
     def norms(self, grads: list[torch.Tensor]) -> tuple[float, float | None]:
         """The step's global norm by rows (``sharded_params.norm_by_rows``), every member's alike and bitwise
         the same for any layout: of the whole gradient, or from the rows' squares gathered in the group; and
         the embedding's from its rows' squares (None when it is not monitored), with no collective of its own."""
-        if self.fsdp is not None and self.tp > 1:
-            # a tensor-parallel shard is no set of rows: each parameter's squares summed on every rank of the
-            # group over what it owns, added in position order (every group's alike)
-            owned = torch.stack([owned_square_sum(grad, self.shard % self.tp) for grad in grads])
-            squares = list(tree_sum(list(self.over_shards(owned))).unsqueeze(1))
-        elif self.fsdp is not None:
-            rows = [torch.Size([param.shape[0]]) for param in self.fsdp.params]
-            squares = gather_rows(self.group, self.quorum.members, self.rank, self.group_size,
-                                  row_squares([local(grad) for grad in grads]), rows, self.wait_all)
-        elif self.params is None:
-            squares = row_squares(grads)
-        else:
-            squares = self.params.whole_row_squares(self.group, self.quorum.members, self.rank, grads, self.wait_all)
+        squares = self.layout.row_squares(grads)
         embedding = None if self.embedding_index is None else math.sqrt(float(squares[self.embedding_index].sum()))
         return norm_by_rows(squares), embedding
 
@@ -763,46 +593,6 @@ class LiveWorker:
         job started or resumed."""
         committed = self.committed
         return save_health(self.rules.health, committed.embedding_norm if committed is not None else None)
-
-    def whole_state(self) -> contextlib.AbstractContextManager[None]:
-        """The model and optimizer whole (for the durable tier): a sharded group's exchange, or nothing."""
-        if self.params is None:
-            return contextlib.nullcontext()
-        return self.params.whole(self.group, self.quorum.members, self.rank, self.optimizer, self.wait_all)
-
-    def gather_for_forward(self, module: torch.nn.Module, args: object) -> None:
-        """Between steps the parameters are rows: a forward there (the loop's body) gathers them first,
-        from this rank's group (its ranks all make that forward); a step's own forwards find them whole.
-        A failure of that gather ends the epoch as in a step (``recover``: this rank may rejoin with a
-        peer's state); the parameters gathered after it then stay whole for the next step, whose own
-        gather the group's other ranks may already have made with this one."""
-        if self.params.is_whole:
-            return
-        recovered = False
-        while True:
-            try:
-                self.params.unshard(self.group, self.quorum.members, self.rank, self.wait_all)
-                break
-            except RuntimeError as error:
-                self.recover(error)
-                recovered = True
-        self.forward_gathered = not recovered
-
-    def free_after_forward(self, module: torch.nn.Module, args: object, output: object) -> None:
-        if self.forward_gathered:
-            self.forward_gathered = False
-            self.params.reshard()
-
-    def over_shards(self, mine: torch.Tensor) -> torch.Tensor:
-        """``mine`` of every shard of this rank's replica group, ``[group_size, *mine.shape]`` in shard order:
-        one all-gather over the epoch (every group's shards are equal, so every member finds the same)."""
-        if self.group_size == 1:
-            return mine.unsqueeze(0)
-        mine = mine.contiguous()
-        every = [torch.empty_like(mine) for _ in self.quorum.members]
-        self.wait(self.group.allgather([every], [mine]))
-        first = self.rank - self.shard
-        return torch.stack([every[self.quorum.index(first + s)] for s in range(self.group_size)])
 
     def settle_saves(self) -> None:
         """Before an abort ends every member at the same step: the durable save in flight committed."""
@@ -867,21 +657,7 @@ class LiveWorker:
         self.store.set(report_key(epoch, self.rank), str(committed))
         self.events.emit("live_collective_failed", step=None if committed == NO_STATE else committed, epoch=epoch,
                          error=f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
-        beat = self.beat if self.tp == 1 else functools.partial(self.beat_unless_group_lost, epoch)
-        return Quorum.from_json(wait_for(self.store, epoch_key(epoch + 1), WAIT_S, beat))
-
-    def beat_unless_group_lost(self, epoch: int) -> None:
-        """With tensor parallel, a rank waiting for the next epoch ends (``GroupOut``) as soon as a rank of its
-        replica group is declared dead in ``epoch``: the group is left out whole anyway, and a tp peer of
-        this rank may wait in a tp collective this rank left (those are not watched), until its process
-        ends and closes the connection; otherwise the lighthouse waits for that peer until ``hang_s``."""
-        self.beat()
-        first = self.rank - self.shard
-        for peer in range(first, first + self.group_size):
-            if peer != self.rank and has(self.store, fence_key(peer)) and int(self.store.get(fence_key(peer))) >= epoch:
-                self.events.emit("live_group_out", step=self.step_index, epoch=epoch, pid=os.getpid())
-                raise GroupOut(f"rank {self.rank}: rank {peer} of its tensor-parallel replica group died in epoch "
-                               f"{epoch}; its processes start again together")
+        return Quorum.from_json(wait_for(self.store, epoch_key(epoch + 1), WAIT_S, self.layout.waiting_beat(epoch)))
 
     def recover(self, error: RuntimeError) -> None:
         """Leaves the failed epoch and enters the next one, or joins again if left out; a failure while the
@@ -892,7 +668,7 @@ class LiveWorker:
             epoch, committed = self.quorum.epoch, self.step_index
             quorum = self.leave_epoch(error, committed)
             if self.rank not in quorum.members:
-                self.leave_if_fsdp(quorum)
+                self.layout.left_out(quorum)
                 self.join()
                 return
             if quorum.start_step < committed:
@@ -952,21 +728,13 @@ class LiveWorker:
                 self.enter(quorum, start)
                 received = send_shards(self.group, quorum, self.rank, self.group_size, self.state, self.wait)
             except RuntimeError as error:
-                self.leave_if_fsdp(self.leave_epoch(error, NO_STATE))
+                self.layout.left_out(self.leave_epoch(error, NO_STATE))
                 continue
             break
         self.judge.welcome(quorum.joining)
         self.previous = None
         self.events.emit("live_joined", step=start, epoch=quorum.epoch, state_bytes=received,
                          waited_s=time.time() - asked)
-
-    def leave_if_fsdp(self, quorum: Quorum) -> None:
-        """With FSDP2, a rank left out of ``quorum`` ends (``GroupOut``): its group's processes start again
-        together (``replica_mesh``), the replacements join as one group."""
-        if self.fsdp is not None:
-            self.events.emit("live_group_out", step=self.step_index, epoch=quorum.epoch, pid=os.getpid())
-            raise GroupOut(f"rank {self.rank}: its FSDP2 replica group is out of epoch {quorum.epoch}; its processes "
-                           "start again together")
 
     def fence(self) -> int | None:
         """The epoch of this rank's newest death the lighthouse recorded (``fence_key``), if any."""

@@ -43,7 +43,7 @@ def trial(variant: str, preset: str) -> dict:
     import torch
 
     from trainguard.config import load_config
-    from trainguard.live.worker import micro_batch_grad
+    from trainguard.live.micro_batch import micro_batch_grad
     from trainguard.trainer.data import StatefulSampler, TokenDataset, load_corpus_tokens, make_batch
     from trainguard.trainer.model import build_model, build_model_config, token_cross_entropy
     from trainguard.trainer.optim import build_optimizer

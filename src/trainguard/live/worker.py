@@ -68,7 +68,6 @@ from trainguard.live.durable import LiveCheckpoints
 from trainguard.live.group_reduce import Exchange, SlotLayout, StepSum
 from trainguard.live.layout_build import build_layout
 from trainguard.live.micro_batch import MicroBatchLoss, StepWork
-from trainguard.live.micro_batch import micro_batch_grad as micro_batch_grad  # re-exported: rank.py, tests
 from trainguard.live.quorum import (NO_STATE, STOP, STOPPED, Quorum, awaited_at_end, beat_key, done_key, entered_key,
                                     epoch_key, fence_key, has, latest_epoch, progress_key, read_quorum, ready_key,
                                     report_key, start_key, wait_for)

@@ -25,7 +25,7 @@ import torch
 from trainguard.errors import ConfigError, raised_by_every_rank
 from trainguard.live.ordered_sum import my_micro_batches
 from trainguard.live.rng import micro_batch_rng
-from trainguard.live.worker import MicroBatchLoss
+from trainguard.live.micro_batch import MicroBatchLoss
 
 DATA_PARALLEL_DIMS = ("dp_replicate", "dp_shard", "dp")  # the mesh dims over which ranks see different data
 

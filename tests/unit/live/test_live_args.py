@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainguard.live.worker import LiveArgs, micro_batch_grad
+from trainguard.live.micro_batch import micro_batch_grad
+from trainguard.live.worker import LiveArgs
 
 LAUNCHER = ["--store", "127.0.0.1:29500", "--rank", "2", "--world", "4", "--steps", "60", "--run-dir", "runs/live",
             "--micro-batches", "8", "--checkpoint-every", "10"]

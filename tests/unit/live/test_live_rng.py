@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from trainguard.live.rng import micro_batch_seed
-from trainguard.live.worker import micro_batch_grad
+from trainguard.live.micro_batch import micro_batch_grad
 
 FEATURES = 32
 

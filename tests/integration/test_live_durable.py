@@ -356,9 +356,10 @@ def test_a_rank_stopped_inside_a_save_takes_its_group_out_at_the_stall_bound_and
     done = finish_session(proc, TIMEOUT_S, "the live run stopped in a save")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (stall,) = _events(run_dir, "live_stall")
-    # the save's stall, at the stall bound: 5 s, where the heartbeat timeout would have waited 10 s
+    # the save's stall verdict (judged once its wait passed the bound), where before the heartbeat timeout
+    # found rank 3 hung and replaced it: no live_hung, no new pid (below)
     assert stall["saving"] and stall["step"] == INTERVAL and stall["excluded"] == [2, 3], stall
-    assert stall["bound_s"] <= stall["waited_s"] < 10.0, stall
+    assert stall["bound_s"] <= stall["waited_s"], stall
     assert not _events(run_dir, "live_hung")
     pids: dict[int, set[int]] = {}
     for event in _events(run_dir, "live_start"):

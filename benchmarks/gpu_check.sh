@@ -3,12 +3,16 @@
 # torch; trainguard from this tree, not installed). Each part has its own time limit and log, so one
 # failing part does not hide the others. Logs go to $1 (default ./gpu-check).
 #
-#   bash benchmarks/gpu_check.sh [LOG_DIR] [PARTS...]     PARTS: env tests doctor nostall-gpu nostall-cpu
+#   bash benchmarks/gpu_check.sh [LOG_DIR] [PARTS...]
+#       PARTS: env tests doctor nostall-gpu nostall-cpu trace
 #
 # What each part is: env (the device, torch, /dev/shm); tests (every test that needs CUDA);
 # doctor (`trainguard doctor`: burn-in on the GPU, NCCL collectives, storage);
 # nostall-gpu (benchmarks/nostall.py on the GPU: one NCCL rank, pinned staging, llama-60m);
-# nostall-cpu (the same benchmark on this machine's CPU cores, 2 gloo ranks: a host with free cores).
+# nostall-cpu (the same benchmark on this machine's CPU cores, 2 gloo ranks: a host with free cores);
+# trace (nostall.py --only trace: where a memory-tier step's and a durable save's wall time goes, torch
+# profiler traces and the writer's cProfile, packed into LOG_DIR/trace.tar.gz).
+# Every RESULT line the parts print is also appended to LOG_DIR/results.jsonl (one JSON object a line).
 set -u
 cd "$(dirname "$0")/.."
 LOGS=${1:-gpu-check}
@@ -27,6 +31,7 @@ part() {  # part NAME SECONDS COMMAND...: runs it, logs it, says how it ended
     local code=$?
     echo "== $name: exit $code in $((SECONDS - started)) s" | tee -a "$LOGS/summary.txt"
     tail -n 25 "$LOGS/$name.log"
+    sed -n 's/^RESULT //p' "$LOGS/$name.log" >>"$LOGS/results.jsonl"
 }
 
 for name in $PARTS; do
@@ -54,6 +59,11 @@ for name in $PARTS; do
     nostall-cpu)
         part nostall-cpu 240 env CUDA_VISIBLE_DEVICES= "$PYTHON" benchmarks/nostall.py --preset llama-60m \
             --saves 3 --only blocked throughput --writers process
+        ;;
+    trace)
+        part trace 150 "$PYTHON" benchmarks/nostall.py --device cuda --ranks 1 --preset llama-60m \
+            --seq-len 1024 --batch 8 --only trace --trace-dir "$LOGS/trace"
+        tar -czf "$LOGS/trace.tar.gz" -C "$LOGS" trace && rm -rf "$LOGS/trace"
         ;;
     *)
         echo "unknown part $name" >&2

@@ -32,6 +32,14 @@ from a trainguard preset, random tokens):
    serialisation, hashing, write and fsync); and the step time without saves, with the CPU a save may
    take for the targets on a machine whose cores the ranks keep busy (0.03 x 10 steps, 0.05 x 1 step).
 
+5. *where the wall time goes* (``--only trace``): a few memory-tier steps (every step) and one durable
+   async save, writer ``thread``, under ``torch.profiler`` (CPU and CUDA; a Chrome trace per run in
+   ``--trace-dir``) with ``cProfile`` on the thread that writes the files (its top functions printed, the
+   whole profile saved beside the traces); each step's wall time split into forward and backward, the
+   wait for the copy, the optimizer step and ``save()``; and the pieces a memory-tier step may cost on
+   the rank's state: the device-to-host copy into page-locked memory (wall), xxh3_64 on one thread and
+   in 64 MiB pieces on several.
+
 Figures 1, 2 and 4 are measured for each ``checkpoint.writer`` (``thread``: the save's background thread;
 ``process``: a writer process per rank and tier), side by side; figure 2 also prints, per step, the
 seconds the loop spent in ``save()`` and in ``wait_for_staging()``, and the median time the memory
@@ -60,7 +68,7 @@ from common import abba_quad, median, print_result
 TARGET_BLOCKED = 0.01
 TARGET_DURABLE = 0.97
 TARGET_MEMORY = 0.95
-FIGURES = ("blocked", "throughput", "kill", "profile")
+FIGURES = ("blocked", "throughput", "kill", "profile", "trace")
 WRITERS = ("thread", "process")  # checkpoint.writer, side by side
 BLOCK = 20
 DURABLE_INTERVAL = 10
@@ -92,6 +100,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="where the model trains (cuda: NCCL, pinned staging buffers, the copy on a side stream)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1; more on a host with "
                    "cores to spare, where the ranks would take one core each too slowly)")
+    p.add_argument("--trace-dir", default=None, help="figure 5 (--only trace): where the torch profiler's traces "
+                   "and the writers' CPU profiles go (default: the work directory, removed at the end)")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
@@ -136,6 +146,13 @@ def device(args):
     import torch
 
     return torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+
+
+def device_fields(args) -> dict[str, str]:
+    """What a RESULT line says of where it was measured: the device, and a GPU's name."""
+    import torch
+
+    return {"device": "cuda", "gpu": torch.cuda.get_device_name()} if args.device == "cuda" else {"device": "cpu"}
 
 
 def settle(args) -> None:
@@ -233,6 +250,7 @@ def inner(args) -> None:
         managers[f"memory1-{writer}"] = CheckpointManager(run_dir, model, optimizer, config=memory_config,
                                                          memory=memory_tier, events=events)
     rates: dict[str, list[float]] = {mode: [] for mode in managers}
+    reached: dict[str, list[float]] = {mode: [] for mode in managers}  # the memory tier's steps saved, per block
     in_save: dict[str, list[float]] = {mode: [] for mode in managers}
     in_wait: dict[str, list[float]] = {mode: [] for mode in managers}
     step = DURABLE_INTERVAL // 2  # durable saves fall inside blocks, not at their ends
@@ -251,6 +269,8 @@ def inner(args) -> None:
         dist.barrier()
         started = time.perf_counter()
         saving = waiting = 0.0
+        memory = manager.memory if manager is not None else None
+        skipped_before = memory.skipped if memory is not None else 0
         for _ in range(args.block):
             step += 1
             forward_backward()
@@ -271,7 +291,11 @@ def inner(args) -> None:
             quads.setdefault(quad_id, {}).setdefault(mode, []).append(args.block / elapsed)
             in_save[mode].append(max_over_ranks(saving) / args.block)
             in_wait[mode].append(max_over_ranks(waiting) / args.block)
+            if memory is not None:
+                reached[mode].append(1 - (memory.skipped - skipped_before) / args.block)
     profile = cpu_profile(args, model, optimizer, train_step, root, shm) if "profile" in args.only else []
+    if "trace" in args.only:
+        trace(args, model, optimizer, forward_backward, root, shm)
     shutil.rmtree(shm, ignore_errors=True)
 
     if rank == 0:
@@ -303,6 +327,9 @@ def inner(args) -> None:
                           f"{1000 * median(in_save[mode]):.2f} / {1000 * median(in_wait[mode]):.2f} | |")
             print("\nmemory tier, per step (ms, rank 0): " + "; ".join(
                 f"{writer}: {memory_profile(root / f'memory-{writer}')}" for writer in args.writers))
+            print("memory tier, share of the timed steps saved (the others skipped: the previous write still "
+                  "running): " + "; ".join(f"{writer}: {statistics.mean(reached[f'memory1-{writer}']):.3f}"
+                                          for writer in args.writers))
             print("memory tier, copies planned into its files (0: staged in buffers, then serialised): " + "; ".join(
                 f"{writer}: {managers[f'memory1-{writer}'].memory.in_place.plans}" for writer in args.writers))
         print()
@@ -310,7 +337,7 @@ def inner(args) -> None:
             for writer in args.writers:
                 value = median(blocked_s[writer])
                 print_result(f"blocked time per async save vs sync save (s), writer {writer}", value, median(sync_s),
-                             f"ratio <= {TARGET_BLOCKED}", value <= TARGET_BLOCKED * median(sync_s))
+                             f"ratio <= {TARGET_BLOCKED}", value <= TARGET_BLOCKED * median(sync_s), **device_fields(args))
         if "throughput" in args.only:
             for writer in args.writers:
                 for mode, target, label in ((f"durable10-{writer}", TARGET_DURABLE, "durable async save every 10 steps"),
@@ -318,14 +345,16 @@ def inner(args) -> None:
                     ratios = [statistics.mean(q[mode]) / statistics.mean(q["none"]) for q in quads.values() if mode in q]
                     value = median(ratios)
                     print(f"{mode}: ratios of its ABBA quads {', '.join(f'{r:.3f}' for r in ratios)}")
+                    share = {"steps_saved_share": statistics.mean(reached[mode])} if reached[mode] else {}
                     print_result(f"steps/s with a {label} vs no saves, writer {writer} (median of ABBA quad ratios)",
                                  value * median(rates["none"]), median(rates["none"]), f"ratio >= {target}",
-                                 value >= target)
+                                 value >= target, **share, **device_fields(args))
                     # interference only slows a block: the fastest block of each mode is the figure the
                     # noise of a shared or virtual machine moves least
                     fastest, fastest_none = max(rates[mode]), max(rates["none"])
                     print_result(f"steps/s with a {label} vs no saves, writer {writer} (fastest block of each)",
-                                 fastest, fastest_none, f"ratio >= {target}", fastest >= target * fastest_none)
+                                 fastest, fastest_none, f"ratio >= {target}", fastest >= target * fastest_none,
+                                 **device_fields(args))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -481,6 +510,155 @@ def cpu_profile(args, model, optimizer, train_step, root: Path, shm: Path) -> li
     return [(label, [part[index][1] for part in gathered]) for index, (label, _) in enumerate(rows)]
 
 
+def trace(args, model, optimizer, forward_backward, root: Path, shm: Path) -> None:
+    """Figure 5 (see the module's doc), printed by every rank for itself."""
+    import cProfile
+    import io
+    import pstats
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+    import torch.distributed as dist
+    import xxhash
+
+    from trainguard.checkpoint.config import CheckpointConfig
+    from trainguard.checkpoint.manager import CheckpointManager
+    from trainguard.checkpoint.writer_process import IN_PROCESS
+    from trainguard.events import EventLog
+    from trainguard.step.local_tier import build_memory_tier
+
+    rank = dist.get_rank()
+    out = Path(args.trace_dir) if args.trace_dir else root / "trace"
+    out.mkdir(parents=True, exist_ok=True)
+
+    class ProfiledWriter:
+        """``checkpoint.writer: thread``'s writer, with cProfile on while it writes."""
+
+        def __init__(self) -> None:
+            self.profile = cProfile.Profile()
+
+        def start(self) -> None:
+            """Nothing to start: it writes in the calling thread."""
+
+        def received(self, value):
+            return IN_PROCESS.received(value)
+
+        def run(self, function, *run_args, **kwargs):
+            self.profile.enable()
+            try:
+                return function(*run_args, **kwargs)
+            finally:
+                self.profile.disable()
+
+    def top(profile: cProfile.Profile, label: str) -> None:
+        profile.dump_stats(str(out / f"{label}-rank{rank}.prof"))
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(12)
+        print(f"\n[rank {rank}] {label}: the writing thread's CPU profile (cProfile, top by own time)\n"
+              + "\n".join(line for line in text.getvalue().splitlines() if line.strip()), flush=True)
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if args.device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    step = 20_000
+    timings: dict[str, list[list[float]]] = {}
+
+    def timed_steps(label: str, manager: CheckpointManager, count: int) -> None:
+        nonlocal step
+        rows = timings.setdefault(label, [])
+        with torch.profiler.profile(activities=activities) as profiler:
+            for _ in range(count):
+                step += 1
+                marks = [time.perf_counter()]
+                forward_backward()
+                settle(args)
+                marks.append(time.perf_counter())
+                manager.wait_for_staging()
+                marks.append(time.perf_counter())
+                optimizer.step()
+                optimizer.zero_grad()
+                settle(args)
+                marks.append(time.perf_counter())
+                manager.save(step)
+                marks.append(time.perf_counter())
+                rows.append([1000 * (b - a) for a, b in zip(marks, marks[1:])])
+            manager.close()
+        profiler.export_chrome_trace(str(out / f"{label}-rank{rank}.json.gz"))
+        print(f"\n[rank {rank}] {label}: per step (ms): forward+backward | wait for the copy | optimizer step | save()",
+              flush=True)
+        for row in rows:
+            print("  " + " | ".join(f"{value:8.2f}" for value in row))
+        table = profiler.key_averages().table(sort_by="self_cuda_time_total" if args.device == "cuda"
+                                              else "self_cpu_time_total", row_limit=12)
+        print(table, flush=True)
+
+    config = CheckpointConfig(save_interval=0, memory_interval=1, memory_dir=str(shm / "trace" / "node{node}"),
+                              writer="thread")
+    run_dir = root / "trace-memory"
+    events = EventLog(run_dir / "events.jsonl", rank=rank, host="bench")
+    memory = build_memory_tier(run_dir, config, mesh_shape=(args.ranks,), mesh_dim_names=("dp_shard",),
+                               ranks_per_node=args.ranks, model=model, events=events)
+    manager = CheckpointManager(run_dir, model, optimizer, config=config, memory=memory, events=events)
+    for _ in range(3):  # plans, spares, page-locked mappings
+        step += 1
+        forward_backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        manager.save(step)
+    manager.memory.wait()
+    writer = ProfiledWriter()
+    manager.memory.files = writer
+    timed_steps("memory-every-step", manager, 6)
+    top(writer.profile, "memory-every-step")
+    print(f"[rank {rank}] memory tier: {memory_profile(run_dir)}", flush=True)
+
+    durable = CheckpointManager(root / "trace-durable", model, optimizer, keep_last=1,
+                                config=CheckpointConfig(save_interval=DURABLE_INTERVAL, writer="thread"))
+    step = 20_000 + 10 * ((step - 20_000) // 10 + 1) - 3  # a durable save falls inside the traced steps
+    durable.save_durable(step), durable.close()  # warm: buffers, plans
+    writer = ProfiledWriter()
+    durable.durable.files = writer
+    timed_steps("durable-every-10", durable, 6)
+    top(writer.profile, "durable-every-10")
+
+    # the pieces, on this rank's own state
+    sources = [t.detach() for t in [*model.parameters(), *(v for s in optimizer.state.values() for v in s.values()
+                                                           if isinstance(v, torch.Tensor))]]
+    sources = [s.to_local() if hasattr(s, "to_local") else s for s in sources]
+    pinned = [torch.empty(s.shape, dtype=s.dtype, pin_memory=args.device == "cuda") for s in sources]
+    nbytes = sum(s.nbytes for s in sources)
+    for _ in range(2):
+        settle(args)
+        started = time.perf_counter()
+        for buffer, source in zip(pinned, sources):
+            buffer.copy_(source, non_blocking=True)
+        settle(args)
+        copy_s = time.perf_counter() - started
+    views = [memoryview(b.view(-1).view(torch.uint8).numpy()) for b in pinned if b.numel()]
+    whole = bytearray(nbytes)
+    position = 0
+    for view in views:
+        whole[position:position + view.nbytes] = view
+        position += view.nbytes
+    piece = 64 << 20
+    pieces = [memoryview(whole)[start:start + piece] for start in range(0, nbytes, piece)]
+    started = time.perf_counter()
+    xxhash.xxh3_64(whole).intdigest()
+    one_s = time.perf_counter() - started
+    results = {}
+    for threads in (2, 4, 8):
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(lambda p: xxhash.xxh3_64(p).intdigest(), pieces))  # warm the threads
+            started = time.perf_counter()
+            list(pool.map(lambda p: xxhash.xxh3_64(p).intdigest(), pieces))
+            results[threads] = time.perf_counter() - started
+    print(f"\n[rank {rank}] pieces on {nbytes / 1e9:.3f} GB: device-to-host copy into page-locked memory "
+          f"{1000 * copy_s:.1f} ms ({nbytes / copy_s / 1e9:.1f} GB/s); xxh3_64 one thread {1000 * one_s:.1f} ms "
+          f"({nbytes / one_s / 1e9:.1f} GB/s); in 64 MiB pieces: "
+          + ", ".join(f"{n} threads {1000 * s:.1f} ms" for n, s in results.items()), flush=True)
+    dist.barrier()
+
+
 class FullCollections:
     """Counts and times the garbage collector's full (generation 2) collections while entered."""
 
@@ -581,6 +759,7 @@ def main() -> None:
                       "--saves", str(args.saves), "--cycles", str(args.cycles), "--block", str(args.block), "--only", *args.only,
                       "--writers", *args.writers, "--ranks", str(args.ranks), "--device", args.device,
                       "--threads", str(args.threads), "--inner",
+                      *(["--trace-dir", os.path.abspath(args.trace_dir)] if args.trace_dir else []),
                       "--dir", str(work)]
         code = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.ranks),
                                os.path.abspath(__file__), *inner_args], env=env).returncode

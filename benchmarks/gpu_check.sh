@@ -4,14 +4,15 @@
 # failing part does not hide the others. Logs go to $1 (default ./gpu-check).
 #
 #   bash benchmarks/gpu_check.sh [LOG_DIR] [PARTS...]
-#       PARTS: env tests doctor nostall-gpu nostall-cpu trace
+#       PARTS: env tests doctor nostall-gpu nostall-cpu trace nostall-ab
 #
 # What each part is: env (the device, torch, /dev/shm); tests (every test that needs CUDA);
 # doctor (`trainguard doctor`: burn-in on the GPU, NCCL collectives, storage);
 # nostall-gpu (benchmarks/nostall.py on the GPU: one NCCL rank, pinned staging, llama-60m);
 # nostall-cpu (the same benchmark on this machine's CPU cores, 2 gloo ranks: a host with free cores);
 # trace (nostall.py --only trace: where a memory-tier step's and a durable save's wall time goes, torch
-# profiler traces and the writer's cProfile, packed into LOG_DIR/trace.tar.gz).
+# profiler traces and the writer's cProfile, packed into LOG_DIR/trace.tar.gz); nostall-ab (the
+# throughput figure for the source tree BASE_SRC, then for this one, one after the other).
 # Every RESULT line the parts print is also appended to LOG_DIR/results.jsonl (one JSON object a line).
 set -u
 cd "$(dirname "$0")/.."
@@ -59,6 +60,14 @@ for name in $PARTS; do
     nostall-cpu)
         part nostall-cpu 240 env CUDA_VISIBLE_DEVICES= "$PYTHON" benchmarks/nostall.py --preset llama-60m \
             --saves 3 --only blocked throughput --writers process
+        ;;
+    nostall-ab)  # the tree before (BASE_SRC, e.g. .ab_old/src) and this one, side by side, the same script
+        for src in "${BASE_SRC:?set BASE_SRC to the source tree before}" "$PWD/src"; do
+            tag=$([ "$src" = "$PWD/src" ] && echo after || echo before)
+            part "nostall-$tag" 200 env PYTHONPATH="$src" "$PYTHON" benchmarks/nostall.py --device cuda --ranks 1 \
+                --preset llama-60m --seq-len 1024 --batch 8 --only throughput --writers process --cycles 2 \
+                --durable-every 10 auto
+        done
         ;;
     trace)
         part trace 150 "$PYTHON" benchmarks/nostall.py --device cuda --ranks 1 --preset llama-60m \

@@ -194,6 +194,12 @@ def durable_intervals(args, model, optimizer, train_step, root: Path) -> list[in
     return chosen
 
 
+def skipped_of(memory) -> int:
+    """The memory tier's saves skipped so far (0 without one; a tree from before the skip counts none:
+    ``--base-src`` runs)."""
+    return getattr(memory, "skipped", 0) if memory is not None else 0
+
+
 def device_fields(args) -> dict[str, str]:
     """What a RESULT line says of where it was measured: the device, and a GPU's name."""
     import torch
@@ -323,7 +329,7 @@ def inner(args) -> None:
         started = time.perf_counter()
         saving = waiting = 0.0
         memory = manager.memory if manager is not None else None
-        skipped_before = memory.skipped if memory is not None else 0
+        skipped_before = skipped_of(memory)
         for _ in range(block):
             step += 1
             forward_backward()
@@ -349,7 +355,7 @@ def inner(args) -> None:
             in_wait[mode].append(max_over_ranks(waiting) / block)
             commit_wait[mode].append(waited_after)
             if memory is not None:
-                reached[mode].append(1 - (memory.skipped - skipped_before) / block)
+                reached[mode].append(1 - (skipped_of(memory) - skipped_before) / block)
     profile = cpu_profile(args, model, optimizer, train_step, root, shm) if "profile" in args.only else []
     if "trace" in args.only:
         trace(args, model, optimizer, forward_backward, root, shm)

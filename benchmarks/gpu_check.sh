@@ -64,13 +64,13 @@ for name in $PARTS; do
     nostall-ab)  # the tree before (BASE_SRC, e.g. .ab_old/src) and this one, side by side, the same script
         for src in "${BASE_SRC:?set BASE_SRC to the source tree before}" "$PWD/src"; do
             tag=$([ "$src" = "$PWD/src" ] && echo after || echo before)
-            part "nostall-$tag" 200 env PYTHONPATH="$src" "$PYTHON" benchmarks/nostall.py --device cuda --ranks 1 \
-                --preset llama-60m --seq-len 1024 --batch 8 --only throughput --writers process --cycles 2 \
+            part "nostall-$tag" 170 env PYTHONPATH="$src" "$PYTHON" benchmarks/nostall.py --device cuda --ranks 1 \
+                --preset llama-60m --seq-len 1024 --batch 8 --only throughput --writers process --cycles "${CYCLES:-1}" \
                 --durable-every 10 auto
         done
         ;;
     trace)
-        part trace 150 "$PYTHON" benchmarks/nostall.py --device cuda --ranks 1 --preset llama-60m \
+        part trace 110 "$PYTHON" benchmarks/nostall.py --device cuda --ranks 1 --preset llama-60m \
             --seq-len 1024 --batch 8 --only trace --trace-dir "$LOGS/trace"
         tar -czf "$LOGS/trace.tar.gz" -C "$LOGS" trace && rm -rf "$LOGS/trace"
         ;;

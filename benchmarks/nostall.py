@@ -93,9 +93,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--cycles", type=int, default=1, help="ABBA cycles for figure 2 (default 1)")
     p.add_argument("--block", type=int, default=BLOCK, help=f"steps per timed block of figure 2 (default {BLOCK}; "
                    "raised to twice the largest --durable-every, so that each block holds two durable saves)")
-    p.add_argument("--durable-every", nargs="+", default=[str(DURABLE_INTERVAL)],
+    p.add_argument("--durable-every", nargs="*", default=[str(DURABLE_INTERVAL)],
                    help=f"figure 2's durable save intervals in steps (default {DURABLE_INTERVAL}); 'auto': the most "
-                   "frequent one this disk sustains, 1.25 x the synchronous save's time in steps")
+                   "frequent one this disk sustains, 1.25 x the synchronous save's time in steps; none: no durable mode")
     p.add_argument("--mtbf-hours", type=float, default=MTBF_HOURS,
                    help=f"the job's mean time between failures for Young/Daly's interval (default {MTBF_HOURS}: "
                    "Llama 3 405B's 419 unexpected interruptions in 54 days on 16,384 GPUs, for a 1,024-GPU job)")
@@ -229,6 +229,7 @@ def inner(args) -> None:
     import torch.distributed as dist
 
     from trainguard.checkpoint.config import CheckpointConfig
+    from trainguard.checkpoint.local.in_place import MAPPED
     from trainguard.checkpoint.manager import CheckpointManager
     from trainguard.events import EventLog
     from trainguard.step.local_tier import build_memory_tier
@@ -309,6 +310,7 @@ def inner(args) -> None:
     in_save: dict[str, list[float]] = {mode: [] for mode in managers}
     in_wait: dict[str, list[float]] = {mode: [] for mode in managers}
     commit_wait: dict[str, list[float]] = {mode: [] for mode in managers}
+    block_notes: list[str] = []  # per timed memory-tier block: what its slow steps may come from
     step = 0
     # each mode against no saves in ABBA quads (none X X none, then X none none X), so that the load of
     # a shared machine, which drifts over minutes, weighs on both sides of each ratio alike
@@ -330,6 +332,10 @@ def inner(args) -> None:
         saving = waiting = 0.0
         memory = manager.memory if manager is not None else None
         skipped_before = skipped_of(memory)
+        locks_before = getattr(MAPPED, "page_locks", 0)
+        save_ms: list[float] = []
+        collections = FullCollections()
+        collections.__enter__()
         for _ in range(block):
             step += 1
             forward_backward()
@@ -341,8 +347,10 @@ def inner(args) -> None:
                 begun = time.perf_counter()
                 manager.save(step)
                 saving += time.perf_counter() - begun
+                save_ms.append(1000 * (time.perf_counter() - begun))
         settle(args)
         elapsed = max_over_ranks(time.perf_counter() - started)
+        collections.__exit__()
         # a run goes on past a block: its saves still writing are awaited after the timer, and reported
         begun = time.perf_counter()
         if manager is not None:
@@ -356,6 +364,10 @@ def inner(args) -> None:
             commit_wait[mode].append(waited_after)
             if memory is not None:
                 reached[mode].append(1 - (skipped_of(memory) - skipped_before) / block)
+                block_notes.append(f"{mode} block {len(reached[mode])}: {block / elapsed:.3f} steps/s; save() max "
+                                   f"{max(save_ms):.1f} ms, {sum(ms > 20 for ms in save_ms)} over 20 ms; full "
+                                   f"collections {collections.count} ({1000 * collections.seconds:.0f} ms); mappings "
+                                   f"page-locked {getattr(MAPPED, 'page_locks', 0) - locks_before}")
     profile = cpu_profile(args, model, optimizer, train_step, root, shm) if "profile" in args.only else []
     if "trace" in args.only:
         trace(args, model, optimizer, forward_backward, root, shm)
@@ -395,6 +407,7 @@ def inner(args) -> None:
             print("memory tier, share of the timed steps saved (the others skipped: the previous write still "
                   "running): " + "; ".join(f"{writer}: {statistics.mean(reached[f'memory1-{writer}']):.3f}"
                                           for writer in args.writers))
+            print("\n".join(f"rank {rank}, {note}" for note in block_notes))
             print("memory tier, copies planned into its files (0: staged in buffers, then serialised): " + "; ".join(
                 f"{writer}: {managers[f'memory1-{writer}'].memory.in_place.plans}" for writer in args.writers))
         print()

@@ -88,6 +88,8 @@ class MappedFiles:
     def __init__(self) -> None:
         self._files: dict[tuple[int, int], _Mapped] = {}
         self._lock = threading.Lock()  # tiers of one process may stage and commit at the same time
+        self.page_locks = 0
+        """Mappings page-locked so far (each a new inode's: benchmarks count them, steady state makes none)."""
 
     def open(self, path: Path, size: int, *, create: bool = False, page_locked: bool = False) -> _Mapped:
         """The mapping of ``path``; with ``create``, the file is made (or cut, or grown) to ``size`` first;
@@ -98,6 +100,7 @@ class MappedFiles:
             if page_locked and not mapped.page_locked:
                 page_lock(mapped.address, mapped.size)
                 mapped.page_locked = True
+                self.page_locks += 1
             return mapped
 
     def _open(self, path: Path, size: int, create: bool) -> _Mapped:

@@ -171,7 +171,7 @@ def test_trainer_with_memory_interval_resumes_from_memory_after_a_kill(tmp_path,
     # event not written yet
     before_kill = [e for e in events(crashed, "local_saved") if e["tier"] == "memory" and e["time"] < started["time"]]
     newest = max(set.intersection(*({e["step"] for e in before_kill if e["rank"] == r} for r in (0, 1))))
-    assert started["tier"] == "memory" and started["step"] in (newest, newest + 1) and 4 <= started["step"] <= 6
+    assert started["tier"] == "memory" and started["step"] in (newest, newest + 1) and started["step"] <= 6
     assert assert_same_tensors(tmp_path / "straight/checkpoints/global_step_10",
                                crashed / "checkpoints/global_step_10") > 20
     assert step_losses(crashed) == step_losses(tmp_path / "straight")

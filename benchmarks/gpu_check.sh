@@ -12,7 +12,8 @@
 # nostall-cpu (the same benchmark on this machine's CPU cores, 2 gloo ranks: a host with free cores);
 # trace (nostall.py --only trace: where a memory-tier step's and a durable save's wall time goes, torch
 # profiler traces and the writer's cProfile, packed into LOG_DIR/trace.tar.gz); nostall-ab (the
-# throughput figure for the source tree BASE_SRC, then for this one, one after the other).
+# throughput figure for the source tree BASE_SRC, then for this one, one after the other; CYCLES and
+# AB_ARGS, nostall.py's --cycles and further arguments, default 1 and "--durable-every 10 auto").
 # Every RESULT line the parts print is also appended to LOG_DIR/results.jsonl (one JSON object a line).
 set -u
 cd "$(dirname "$0")/.."
@@ -66,7 +67,7 @@ for name in $PARTS; do
             tag=$([ "$src" = "$PWD/src" ] && echo after || echo before)
             part "nostall-$tag" 170 env PYTHONPATH="$src" "$PYTHON" benchmarks/nostall.py --device cuda --ranks 1 \
                 --preset llama-60m --seq-len 1024 --batch 8 --only throughput --writers process --cycles "${CYCLES:-1}" \
-                --durable-every 10 auto
+                ${AB_ARGS:---durable-every 10 auto}
         done
         ;;
     trace)

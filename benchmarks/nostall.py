@@ -288,7 +288,8 @@ def inner(args) -> None:
         manager.close()
 
     # 2. throughput, with each writer; the memory tier's cost in the loop broken down
-    intervals = durable_intervals(args, model, optimizer, train_step, root) if "throughput" in args.only else []
+    intervals = durable_intervals(args, model, optimizer, train_step, root) \
+        if "throughput" in args.only and args.durable_every else []
     block = max([args.block, *(2 * n for n in intervals)])
     managers: dict[str, CheckpointManager | None] = {"none": None}
     for writer in args.writers:

@@ -4,7 +4,7 @@
 # failing part does not hide the others. Logs go to $1 (default ./gpu-check).
 #
 #   bash benchmarks/gpu_check.sh [LOG_DIR] [PARTS...]
-#       PARTS: env tests doctor nostall-gpu nostall-cpu trace nostall-ab
+#       PARTS: env tests doctor nostall-gpu nostall-cpu trace nostall-ab profile
 #
 # What each part is: env (the device, torch, /dev/shm); tests (every test that needs CUDA);
 # doctor (`trainguard doctor`: burn-in on the GPU, NCCL collectives, storage);
@@ -69,6 +69,10 @@ for name in $PARTS; do
                 --preset llama-60m --seq-len 1024 --batch 8 --only throughput --writers process --cycles "${CYCLES:-1}" \
                 ${AB_ARGS:---durable-every 10 auto}
         done
+        ;;
+    profile)  # nostall.py's figure 4 on the GPU: the CPU of a durable save and a memory-tier step, and their pieces
+        part profile 100 "$PYTHON" benchmarks/nostall.py --device cuda --ranks 1 --preset llama-60m \
+            --seq-len 1024 --batch 8 --only profile --writers process
         ;;
     trace)
         part trace 110 "$PYTHON" benchmarks/nostall.py --device cuda --ranks 1 --preset llama-60m \

@@ -4,11 +4,14 @@
 # failing part does not hide the others. Logs go to $1 (default ./gpu-check).
 #
 #   bash benchmarks/gpu_check.sh [LOG_DIR] [PARTS...]     PARTS: env tests doctor nostall-gpu nostall-cpu
+#                                                         hf-probe
 #
 # What each part is: env (the device, torch, /dev/shm); tests (every test that needs CUDA);
 # doctor (`trainguard doctor`: burn-in on the GPU, NCCL collectives, storage);
 # nostall-gpu (benchmarks/nostall.py on the GPU: one NCCL rank, pinned staging, llama-60m);
-# nostall-cpu (the same benchmark on this machine's CPU cores, 2 gloo ranks: a host with free cores).
+# nostall-cpu (the same benchmark on this machine's CPU cores, 2 gloo ranks: a host with free cores);
+# hf-probe (benchmarks/hf_fsdp_probe.sh: GuardedTrainer with FSDP2 through accelerate on one GPU, a
+# save, a resume; not in the default parts).
 set -u
 cd "$(dirname "$0")/.."
 LOGS=${1:-gpu-check}
@@ -54,6 +57,9 @@ for name in $PARTS; do
     nostall-cpu)
         part nostall-cpu 240 env CUDA_VISIBLE_DEVICES= "$PYTHON" benchmarks/nostall.py --preset llama-60m \
             --saves 3 --only blocked throughput --writers process
+        ;;
+    hf-probe)
+        part hf-probe 60 env PYTHON="$PYTHON" bash benchmarks/hf_fsdp_probe.sh
         ;;
     *)
         echo "unknown part $name" >&2

@@ -4,14 +4,18 @@
 # failing part does not hide the others. Logs go to $1 (default ./gpu-check).
 #
 #   bash benchmarks/gpu_check.sh [LOG_DIR] [PARTS...]     PARTS: env tests doctor nostall-gpu nostall-cpu
-#                                                         hf-probe
+#                                                         hf hf-save hf-probe
 #
 # What each part is: env (the device, torch, /dev/shm); tests (every test that needs CUDA);
 # doctor (`trainguard doctor`: burn-in on the GPU, NCCL collectives, storage);
 # nostall-gpu (benchmarks/nostall.py on the GPU: one NCCL rank, pinned staging, llama-60m);
 # nostall-cpu (the same benchmark on this machine's CPU cores, 2 gloo ranks: a host with free cores);
-# hf-probe (benchmarks/hf_fsdp_probe.sh: GuardedTrainer with FSDP2 through accelerate on one GPU, a
-# save, a resume; not in the default parts).
+# hf (GuardedTrainer with FSDP2 through accelerate on one GPU: examples/hf_trainer.py --fsdp SIGKILLed
+# under trainguard run resumes bitwise, tests/integration/test_hf_trainer_fsdp.py);
+# hf-save (benchmarks/hf_trainer_save.py on this machine's disk: the adapter's save against a plain
+# Trainer save, at its default 8.1 M parameters and at 64 M);
+# hf-probe (benchmarks/hf_fsdp_probe.sh: FSDP2 through accelerate comes up under GuardedTrainer on one
+# GPU, with a save and a resume, in under a minute). The hf parts are not in the default parts.
 set -u
 cd "$(dirname "$0")/.."
 LOGS=${1:-gpu-check}
@@ -57,6 +61,15 @@ for name in $PARTS; do
     nostall-cpu)
         part nostall-cpu 240 env CUDA_VISIBLE_DEVICES= "$PYTHON" benchmarks/nostall.py --preset llama-60m \
             --saves 3 --only blocked throughput --writers process
+        ;;
+    hf)
+        part hf 150 "$PYTHON" -m pytest -q -p no:cacheprovider \
+            "tests/integration/test_hf_trainer_fsdp.py::test_fsdp2_fine_tune_sigkilled_under_the_supervisor_resumes_bitwise[cuda]" \
+            tests/integration/test_hf_trainer_fsdp.py::test_fsdp_where_accelerate_does_not_turn_it_on_is_refused_in_one_line
+        ;;
+    hf-save)
+        part hf-save 90 bash -c "$PYTHON benchmarks/hf_trainer_save.py --repeats 7; \
+            $PYTHON benchmarks/hf_trainer_save.py --hidden 512 --layers 8 --vocab 32000 --repeats 5"
         ;;
     hf-probe)
         part hf-probe 60 env PYTHON="$PYTHON" bash benchmarks/hf_fsdp_probe.sh

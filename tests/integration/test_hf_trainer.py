@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers.hf_runs import ROOT, TIMEOUT_S, example_command, incarnations, logs, run, step_logs
+from helpers.hf_runs import (ROOT, TIMEOUT_S, assert_resumed_from_50_bitwise, example_command, logs, run,
+                             run_killed_after_the_save_of_step_50, step_logs)
 from helpers.runs import assert_same_tensors, events, finish_session, worker_env
 
 pytest.importorskip("accelerate", reason="the Trainer adapter needs accelerate (pip install 'trainguard[hf]')")
@@ -72,19 +73,9 @@ def test_sigkilled_fine_tune_under_the_supervisor_resumes_bitwise(straight, plai
     """As docs/library.md runs it: ``trainguard run --max-restarts 3 -- torchrun ... examples/hf_trainer.py``."""
     run_dir = tmp_path / "killed"
     run_dir.mkdir()
-    command = [sys.executable, "-m", "trainguard", "run", "--max-restarts", "3", "--", *example_command(run_dir, STEPS)]
-    # Steps take ~20 ms here and the async save of step 50 ~0.15 s: a bare kill at step 55 can land before
-    # that save commits (then the rerun rightly starts from step 0). Rank 1 first stands still 2 s at step
-    # 55, so the background save finishes, then dies: the kill this test is about, after a committed save.
-    proc = run(command, faults="hang:rank=1,step=55,seconds=2;kill:rank=1,step=55")
+    proc = run_killed_after_the_save_of_step_50(run_dir, STEPS)
     assert proc.returncode == 0, proc.stdout[-4000:]
-    (started,) = [e for e in events(run_dir, "run_started") if e.get("resumed_from")]
-    assert started["resumed_from"].endswith("global_step_50")
-    final = f"global_step_{STEPS}"
-    assert assert_same_tensors(straight / "checkpoints" / final, run_dir / "checkpoints" / final) > 0
-    first, resumed = incarnations(logs(run_dir))
-    assert max(step_logs(first)) == 54
-    assert sorted(step_logs(resumed)) == list(range(51, STEPS + 1))  # the first loss after resume: step 51's
+    resumed = assert_resumed_from_50_bitwise(straight, run_dir, STEPS)
     assert_logged_as_plain(step_logs(resumed), step_logs(plain))
     # as a plain Trainer resumed from a checkpoint: the mean over the steps of this call
     losses = [e["loss"] for e in resumed if "loss" in e]

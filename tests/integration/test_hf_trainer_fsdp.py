@@ -13,18 +13,18 @@ Where accelerate does not turn FSDP on (CPU, as accelerate ships), ``--fsdp`` is
 from __future__ import annotations
 
 import re
-import sys
 
 import pytest
 import torch
 
-from helpers.hf_runs import EXAMPLE, ROOT, example_command, incarnations, logs, run, step_logs
-from helpers.runs import assert_same_tensors, events
+from helpers.hf_runs import (EXAMPLE, ROOT, assert_resumed_from_50_bitwise, example_command, logs, run,
+                             run_killed_after_the_save_of_step_50, step_logs)
 
 pytest.importorskip("accelerate", reason="the Trainer adapter needs accelerate (pip install 'trainguard[hf]')")
 
 STEPS = 60  # past the default save interval (50): a kill at step 55 resumes from global_step_50
 FORCED_ON_CPU = ROOT / "tests" / "helpers" / "hf_fsdp_on_cpu.py"
+LOGGED = ("loss", "grad_norm", "learning_rate", "epoch")
 SHARDED = re.compile(r"hf_trainer: FSDP2: (\d+) of (\d+) parameters are DTensors, (\d+) fully_shard units")
 PLACES = {
     "cuda": pytest.param({"nproc": 1, "script": EXAMPLE}, id="cuda",
@@ -49,24 +49,13 @@ def test_fsdp2_fine_tune_sigkilled_under_the_supervisor_resumes_bitwise(place, t
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert_fsdp2_in_each_start(proc.stdout, 1)
 
-    last_rank = place["nproc"] - 1
-    # the rank stands still 2 s at step 55 so that the async save of step 50 commits, then dies
-    command = [sys.executable, "-m", "trainguard", "run", "--max-restarts", "3", "--",
-               *example_command(killed, STEPS, "--fsdp", **place)]
-    proc = run(command, faults=f"hang:rank={last_rank},step=55,seconds=2;kill:rank={last_rank},step=55")
+    proc = run_killed_after_the_save_of_step_50(killed, STEPS, "--fsdp", **place)
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert_fsdp2_in_each_start(proc.stdout, 2)
-    (started,) = [e for e in events(killed, "run_started") if e.get("resumed_from")]
-    assert started["resumed_from"].endswith("global_step_50")
-    final = f"global_step_{STEPS}"
-    assert assert_same_tensors(straight / "checkpoints" / final, killed / "checkpoints" / final) > 0
-    first, resumed = incarnations(logs(killed))
-    assert max(step_logs(first)) == 54
-    assert sorted(step_logs(resumed)) == list(range(51, STEPS + 1))
+    resumed = assert_resumed_from_50_bitwise(straight, killed, STEPS)
     uninterrupted = step_logs(logs(straight))
     for step, entry in step_logs(resumed).items():  # the same device and kernels: the same values, bitwise
-        assert {key: entry[key] for key in ("loss", "grad_norm", "learning_rate", "epoch")} == \
-               {key: uninterrupted[step][key] for key in ("loss", "grad_norm", "learning_rate", "epoch")}, step
+        assert [entry[key] for key in LOGGED] == [uninterrupted[step][key] for key in LOGGED], step
 
 
 def test_fsdp_where_accelerate_does_not_turn_it_on_is_refused_in_one_line(tmp_path):

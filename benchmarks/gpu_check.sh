@@ -68,7 +68,7 @@ for name in $PARTS; do
             tests/integration/test_hf_trainer_fsdp.py::test_fsdp_where_accelerate_does_not_turn_it_on_is_refused_in_one_line
         ;;
     hf-save)
-        part hf-save 90 bash -c "$PYTHON benchmarks/hf_trainer_save.py --repeats 7; \
+        part hf-save 90 bash -c "$PYTHON benchmarks/hf_trainer_save.py --repeats 7 --sections; \
             $PYTHON benchmarks/hf_trainer_save.py --hidden 512 --layers 8 --vocab 32000 --repeats 5"
         ;;
     hf-probe)

@@ -124,7 +124,7 @@ def main() -> None:
     args, _ = parser.parse_known_args()  # the others: a live launcher's flags, which trainguard reads
 
     callbacks = ([LogFile(args.log_file)] if args.log_file else []) + ([ShardingReport()] if args.fsdp else [])
-    common = {"model": tiny_qwen2(), "args": training_arguments(args.run_dir, args.steps, args.fsdp),
+    common = {"model": tiny_qwen2(), "args": training_arguments(args.run_dir, args.steps, fsdp=args.fsdp),
               "train_dataset": ArithmeticSequences(), "callbacks": callbacks or None}
     if args.plain:
         trainer = Trainer(**common)

@@ -3,19 +3,23 @@
 # torch; trainguard from this tree, not installed). Each part has its own time limit and log, so one
 # failing part does not hide the others. Logs go to $1 (default ./gpu-check).
 #
-#   bash benchmarks/gpu_check.sh [LOG_DIR] [PARTS...]     PARTS: env tests doctor nostall-gpu nostall-cpu
-#                                                         hf hf-save hf-probe
+#   bash benchmarks/gpu_check.sh [LOG_DIR] [PARTS...]
+#       PARTS: env tests doctor nostall-gpu nostall-cpu trace nostall-ab hf hf-save hf-probe
 #
 # What each part is: env (the device, torch, /dev/shm); tests (every test that needs CUDA);
 # doctor (`trainguard doctor`: burn-in on the GPU, NCCL collectives, storage);
 # nostall-gpu (benchmarks/nostall.py on the GPU: one NCCL rank, pinned staging, llama-60m);
 # nostall-cpu (the same benchmark on this machine's CPU cores, 2 gloo ranks: a host with free cores);
+# trace (nostall.py --only trace: where a memory-tier step's and a durable save's wall time goes, torch
+# profiler traces and the writer's cProfile, packed into LOG_DIR/trace.tar.gz); nostall-ab (the
+# throughput figure for the source tree BASE_SRC, then for this one, one after the other);
 # hf (GuardedTrainer with FSDP2 through accelerate on one GPU: examples/hf_trainer.py --fsdp SIGKILLed
 # under trainguard run resumes bitwise, tests/integration/test_hf_trainer_fsdp.py);
 # hf-save (benchmarks/hf_trainer_save.py on this machine's disk: the adapter's save against a plain
 # Trainer save, at its default 8.1 M parameters and at 64 M);
 # hf-probe (benchmarks/hf_fsdp_probe.sh: FSDP2 through accelerate comes up under GuardedTrainer on one
 # GPU, with a save and a resume, in under a minute). The hf parts are not in the default parts.
+# Every RESULT line the parts print is also appended to LOG_DIR/results.jsonl (one JSON object a line).
 set -u
 cd "$(dirname "$0")/.."
 LOGS=${1:-gpu-check}
@@ -34,6 +38,7 @@ part() {  # part NAME SECONDS COMMAND...: runs it, logs it, says how it ended
     local code=$?
     echo "== $name: exit $code in $((SECONDS - started)) s" | tee -a "$LOGS/summary.txt"
     tail -n 25 "$LOGS/$name.log"
+    sed -n 's/^RESULT //p' "$LOGS/$name.log" >>"$LOGS/results.jsonl"
 }
 
 for name in $PARTS; do
@@ -61,6 +66,19 @@ for name in $PARTS; do
     nostall-cpu)
         part nostall-cpu 240 env CUDA_VISIBLE_DEVICES= "$PYTHON" benchmarks/nostall.py --preset llama-60m \
             --saves 3 --only blocked throughput --writers process
+        ;;
+    nostall-ab)  # the tree before (BASE_SRC, e.g. .ab_old/src) and this one, side by side, the same script
+        for src in "${BASE_SRC:?set BASE_SRC to the source tree before}" "$PWD/src"; do
+            tag=$([ "$src" = "$PWD/src" ] && echo after || echo before)
+            part "nostall-$tag" 170 env PYTHONPATH="$src" "$PYTHON" benchmarks/nostall.py --device cuda --ranks 1 \
+                --preset llama-60m --seq-len 1024 --batch 8 --only throughput --writers process --cycles "${CYCLES:-1}" \
+                --durable-every 10 auto
+        done
+        ;;
+    trace)
+        part trace 110 "$PYTHON" benchmarks/nostall.py --device cuda --ranks 1 --preset llama-60m \
+            --seq-len 1024 --batch 8 --only trace --trace-dir "$LOGS/trace"
+        tar -czf "$LOGS/trace.tar.gz" -C "$LOGS" trace && rm -rf "$LOGS/trace"
         ;;
     hf)
         part hf 150 "$PYTHON" -m pytest -q -p no:cacheprovider \

@@ -4,7 +4,7 @@
 # failing part does not hide the others. Logs go to $1 (default ./gpu-check).
 #
 #   bash benchmarks/gpu_check.sh [LOG_DIR] [PARTS...]
-#       PARTS: env tests doctor nostall-gpu nostall-cpu trace nostall-ab profile
+#       PARTS: env tests doctor nostall-gpu nostall-cpu trace nostall-ab profile hf hf-save hf-probe
 #
 # What each part is: env (the device, torch, /dev/shm); tests (every test that needs CUDA);
 # doctor (`trainguard doctor`: burn-in on the GPU, NCCL collectives, storage);
@@ -13,7 +13,14 @@
 # trace (nostall.py --only trace: where a memory-tier step's and a durable save's wall time goes, torch
 # profiler traces and the writer's cProfile, packed into LOG_DIR/trace.tar.gz); nostall-ab (the
 # throughput figure for the source tree BASE_SRC, then for this one, one after the other; CYCLES and
-# AB_ARGS, nostall.py's --cycles and further arguments, default 1 and "--durable-every 10 auto").
+# AB_ARGS, nostall.py's --cycles and further arguments, default 1 and "--durable-every 10 auto");
+# profile (nostall.py's CPU profile of a durable save and a memory-tier step on the GPU);
+# hf (GuardedTrainer with FSDP2 through accelerate on one GPU: examples/hf_trainer.py --fsdp SIGKILLed
+# under trainguard run resumes bitwise, tests/integration/test_hf_trainer_fsdp.py);
+# hf-save (benchmarks/hf_trainer_save.py on this machine's disk: the adapter's save against a plain
+# Trainer save, at its default 8.1 M parameters and at 64 M);
+# hf-probe (benchmarks/hf_fsdp_probe.sh: FSDP2 through accelerate comes up under GuardedTrainer on one
+# GPU, with a save and a resume, in under a minute). The hf parts are not in the default parts.
 # Every RESULT line the parts print is also appended to LOG_DIR/results.jsonl (one JSON object a line).
 set -u
 cd "$(dirname "$0")/.."
@@ -78,6 +85,18 @@ for name in $PARTS; do
         part trace 110 "$PYTHON" benchmarks/nostall.py --device cuda --ranks 1 --preset llama-60m \
             --seq-len 1024 --batch 8 --only trace --trace-dir "$LOGS/trace"
         tar -czf "$LOGS/trace.tar.gz" -C "$LOGS" trace && rm -rf "$LOGS/trace"
+        ;;
+    hf)
+        part hf 150 "$PYTHON" -m pytest -q -p no:cacheprovider \
+            "tests/integration/test_hf_trainer_fsdp.py::test_fsdp2_fine_tune_sigkilled_under_the_supervisor_resumes_bitwise[cuda]" \
+            tests/integration/test_hf_trainer_fsdp.py::test_fsdp_where_accelerate_does_not_turn_it_on_is_refused_in_one_line
+        ;;
+    hf-save)
+        part hf-save 90 bash -c "$PYTHON benchmarks/hf_trainer_save.py --repeats 7 --sections; \
+            $PYTHON benchmarks/hf_trainer_save.py --hidden 512 --layers 8 --vocab 32000 --repeats 5"
+        ;;
+    hf-probe)
+        part hf-probe 60 env PYTHON="$PYTHON" bash benchmarks/hf_fsdp_probe.sh
         ;;
     *)
         echo "unknown part $name" >&2

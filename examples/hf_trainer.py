@@ -20,6 +20,15 @@ micro_batches: 4}}``. The launcher appends its own flags (``--store``, ``--rank`
 which the parser below leaves to trainguard.
 ``--plain`` runs the same fine-tune on a plain ``transformers.Trainer`` (no trainguard) to compare with;
 ``--log-file`` appends every log the Trainer emits (what W&B or a callback receives) as JSON lines.
+``--fsdp`` shards the model with FSDP2 through accelerate (``TrainingArguments(fsdp=True,
+fsdp_config={"version": 2, ...})``), one ``fully_shard`` per decoder layer and one for the whole model;
+accelerate turns FSDP on only on accelerators, so it needs a GPU per rank (on CPU ``GuardedTrainer``
+refuses it in one line: the Trainer would silently run DDP). Rank 0 prints one line saying how many
+parameters are DTensors once the Trainer prepared the model. On a GPU the Trainer runs with
+``full_determinism`` (deterministic kernels, as a bitwise resume needs)::
+
+    trainguard run --max-restarts 3 -- torchrun --standalone --nproc-per-node 1 examples/hf_trainer.py \\
+        --run-dir runs/hf-fsdp --steps 20 --fsdp
 """
 
 import argparse
@@ -60,11 +69,19 @@ def tiny_qwen2() -> Qwen2ForCausalLM:
                                         attention_dropout=0.1, max_position_embeddings=64))
 
 
-def training_arguments(run_dir: str, steps: int) -> TrainingArguments:
+# FSDP2: each decoder layer its own fully_shard unit (then the whole model), accelerate's default policy
+FSDP2_CONFIG = {"version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]}
+
+
+def training_arguments(run_dir: str, steps: int, fsdp: bool = False) -> TrainingArguments:
+    on_gpu = torch.cuda.is_available()
+    sharding = {"fsdp": True, "fsdp_config": dict(FSDP2_CONFIG)} if fsdp else {}
     return TrainingArguments(output_dir=f"{run_dir}/hf_trainer", max_steps=steps, learning_rate=3e-3,
                              per_device_train_batch_size=2, lr_scheduler_type="cosine", warmup_steps=2,
                              max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[], seed=0,
-                             use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0)
+                             use_cpu=not on_gpu, dataloader_num_workers=0,
+                             full_determinism=on_gpu,  # deterministic CUDA kernels: a resume ends bitwise
+                             **sharding)
 
 
 class LogFile(TrainerCallback):
@@ -79,6 +96,22 @@ class LogFile(TrainerCallback):
                 out.write(json.dumps({**logs, "step": state.global_step}) + "\n")
 
 
+class ShardingReport(TrainerCallback):
+    """Rank 0 prints, once the Trainer prepared the model, how FSDP2 sharded it: what ``--fsdp`` asked for."""
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+
+        parameters = list(model.parameters())
+        sharded = [p for p in parameters if isinstance(p, DTensor)]
+        units = sum(isinstance(module, FSDPModule) for module in model.modules())
+        if state.is_world_process_zero:
+            mesh = sharded[0].device_mesh if sharded else None
+            print(f"hf_trainer: FSDP2: {len(sharded)} of {len(parameters)} parameters are DTensors, "
+                  f"{units} fully_shard units, mesh {mesh}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--run-dir", required=True)  # under the live launcher: its --run-dir
@@ -87,10 +120,12 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--plain", action="store_true", help="a plain transformers.Trainer, to compare with")
     parser.add_argument("--log-file", type=Path, help="append the Trainer's logs here as JSON lines")
+    parser.add_argument("--fsdp", action="store_true", help="FSDP2 through accelerate (a GPU per rank)")
     args, _ = parser.parse_known_args()  # the others: a live launcher's flags, which trainguard reads
 
-    common = {"model": tiny_qwen2(), "args": training_arguments(args.run_dir, args.steps),
-              "train_dataset": ArithmeticSequences(), "callbacks": [LogFile(args.log_file)] if args.log_file else None}
+    callbacks = ([LogFile(args.log_file)] if args.log_file else []) + ([ShardingReport()] if args.fsdp else [])
+    common = {"model": tiny_qwen2(), "args": training_arguments(args.run_dir, args.steps, fsdp=args.fsdp),
+              "train_dataset": ArithmeticSequences(), "callbacks": callbacks or None}
     if args.plain:
         trainer = Trainer(**common)
     else:

@@ -16,5 +16,5 @@ if __name__ == "__main__":
     parser.add_argument("--max-steps", type=int, required=True)
     max_steps = parser.parse_known_args()[0].max_steps
     with_launchers_steps = hf_trainer.training_arguments
-    hf_trainer.training_arguments = lambda run_dir, steps: with_launchers_steps(run_dir, max_steps)
+    hf_trainer.training_arguments = lambda run_dir, steps, **kwargs: with_launchers_steps(run_dir, max_steps, **kwargs)
     hf_trainer.main()

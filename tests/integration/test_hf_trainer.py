@@ -17,48 +17,18 @@ from pathlib import Path
 
 import pytest
 
+from helpers.hf_runs import (ROOT, TIMEOUT_S, assert_resumed_from_50_bitwise, example_command, logs, run,
+                             run_killed_after_the_save_of_step_50, step_logs)
 from helpers.runs import assert_same_tensors, events, finish_session, worker_env
 
 pytest.importorskip("accelerate", reason="the Trainer adapter needs accelerate (pip install 'trainguard[hf]')")
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "hf_trainer.py"
 COUNTING_RUN = ROOT / "tests" / "helpers" / "hf_counting_run.py"
 STEPS = 60  # past the default save interval (50): a kill at step 55 resumes from global_step_50
-TIMEOUT_S = 600
 # The guard measures the global norm in float64, torch's clip_grad_norm_ (the plain Trainer's) in float32:
 # the norms differ in the 7th digit, and once clipping scales the gradients by them the losses drift in
 # the 7th digit too (measured: at most 1.2e-7 relative over 60 steps; step 1's loss is bitwise equal).
 RTOL = 1e-6
-
-
-def example_command(run_dir: Path, steps: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(EXAMPLE),
-            "--run-dir", str(run_dir), "--steps", str(steps), "--log-file", str(run_dir / "logs.jsonl"), *extra]
-
-
-def run(command: list[str], faults: str = "") -> subprocess.CompletedProcess:
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=worker_env(TRAINGUARD_FAULTS=faults), start_new_session=True)
-    return finish_session(proc, TIMEOUT_S, "the fine-tune")
-
-
-def logs(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "logs.jsonl").read_text().splitlines()]
-
-
-def incarnations(entries: list[dict]) -> list[list[dict]]:
-    """The log entries split where the step goes back: one list per process start."""
-    parts: list[list[dict]] = [[]]
-    for entry in entries:
-        if parts[-1] and entry["step"] < parts[-1][-1]["step"]:
-            parts.append([])
-        parts[-1].append(entry)
-    return parts
-
-
-def step_logs(entries: list[dict]) -> dict[int, dict]:
-    return {e["step"]: e for e in entries if "loss" in e}
 
 
 def assert_logged_as_plain(guarded: dict[int, dict], plain: dict[int, dict]) -> None:
@@ -103,19 +73,9 @@ def test_sigkilled_fine_tune_under_the_supervisor_resumes_bitwise(straight, plai
     """As docs/library.md runs it: ``trainguard run --max-restarts 3 -- torchrun ... examples/hf_trainer.py``."""
     run_dir = tmp_path / "killed"
     run_dir.mkdir()
-    command = [sys.executable, "-m", "trainguard", "run", "--max-restarts", "3", "--", *example_command(run_dir, STEPS)]
-    # Steps take ~20 ms here and the async save of step 50 ~0.15 s: a bare kill at step 55 can land before
-    # that save commits (then the rerun rightly starts from step 0). Rank 1 first stands still 2 s at step
-    # 55, so the background save finishes, then dies: the kill this test is about, after a committed save.
-    proc = run(command, faults="hang:rank=1,step=55,seconds=2;kill:rank=1,step=55")
+    proc = run_killed_after_the_save_of_step_50(run_dir, STEPS)
     assert proc.returncode == 0, proc.stdout[-4000:]
-    (started,) = [e for e in events(run_dir, "run_started") if e.get("resumed_from")]
-    assert started["resumed_from"].endswith("global_step_50")
-    final = f"global_step_{STEPS}"
-    assert assert_same_tensors(straight / "checkpoints" / final, run_dir / "checkpoints" / final) > 0
-    first, resumed = incarnations(logs(run_dir))
-    assert max(step_logs(first)) == 54
-    assert sorted(step_logs(resumed)) == list(range(51, STEPS + 1))  # the first loss after resume: step 51's
+    resumed = assert_resumed_from_50_bitwise(straight, run_dir, STEPS)
     assert_logged_as_plain(step_logs(resumed), step_logs(plain))
     # as a plain Trainer resumed from a checkpoint: the mean over the steps of this call
     losses = [e["loss"] for e in resumed if "loss" in e]

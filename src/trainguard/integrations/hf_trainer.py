@@ -141,6 +141,11 @@ class GuardedTrainer(Trainer):
         # and the live launcher's --set items, which Guard applies too: the adapter runs the ranks' mode
         config = with_launcher_overrides(config, os.environ)
         refuse_unsupported(self.args, config)
+        if self.args.fsdp and not (self.is_fsdp_enabled or self.is_fsdp_xla_enabled):
+            raise ValueError(f"GuardedTrainer: TrainingArguments(fsdp=...) but accelerate runs "
+                             f"{self.accelerator.distributed_type.value}, not FSDP: it turns FSDP on only on "
+                             "accelerators (with use_cpu=True the Trainer would silently run DDP); "
+                             "give each rank a GPU, or leave fsdp unset")
         self.micro_batches: TrainerMicroBatches | None = None
         """Live mode: the micro-batches of each step, by position, from the Trainer's data."""
         if config.fault_tolerance.live:

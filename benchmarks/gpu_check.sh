@@ -4,11 +4,18 @@
 # failing part does not hide the others. Logs go to $1 (default ./gpu-check).
 #
 #   bash benchmarks/gpu_check.sh [LOG_DIR] [PARTS...]     PARTS: env tests doctor nostall-gpu nostall-cpu
+#                                                                titan-probe titan
 #
 # What each part is: env (the device, torch, /dev/shm); tests (every test that needs CUDA);
 # doctor (`trainguard doctor`: burn-in on the GPU, NCCL collectives, storage);
 # nostall-gpu (benchmarks/nostall.py on the GPU: one NCCL rank, pinned staging, llama-60m);
-# nostall-cpu (the same benchmark on this machine's CPU cores, 2 gloo ranks: a host with free cores).
+# nostall-cpu (the same benchmark on this machine's CPU cores, 2 gloo ranks: a host with free cores);
+# titan-probe (the wheels in .whl/ installed, examples/torchtitan_trainer.py --probe: torchtitan.train and
+# GuardedTrainer import with this torch); titan (torchtitan's own Trainer on Guard on 1 GPU: killed, resumed,
+# bitwise: tests/integration/test_torchtitan_trainer.py). Not in the default list: they need the wheels.
+#
+# The packages this image lacks (torchtitan and its dependencies, never torch or triton) come as wheels in
+# .whl/ beside this tree (docs/library.md lists them); they are installed into /tmp/site, on PYTHONPATH.
 set -u
 cd "$(dirname "$0")/.."
 LOGS=${1:-gpu-check}
@@ -16,7 +23,11 @@ shift || true
 PARTS=${*:-env tests doctor nostall-gpu nostall-cpu}
 PYTHON=${PYTHON:-python3}
 mkdir -p "$LOGS"
-export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
+export PYTHONPATH=$PWD/src:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        2>&1 | grep -v "^WARNING" | tee -a "$LOGS/summary.txt"
+fi
 export CUBLAS_WORKSPACE_CONFIG=:4096:8  # deterministic cuBLAS, as use_deterministic_algorithms asks
 
 part() {  # part NAME SECONDS COMMAND...: runs it, logs it, says how it ended
@@ -54,6 +65,12 @@ for name in $PARTS; do
     nostall-cpu)
         part nostall-cpu 240 env CUDA_VISIBLE_DEVICES= "$PYTHON" benchmarks/nostall.py --preset llama-60m \
             --saves 3 --only blocked throughput --writers process
+        ;;
+    titan-probe)
+        part titan-probe 60 "$PYTHON" examples/torchtitan_trainer.py --probe
+        ;;
+    titan)
+        part titan 150 "$PYTHON" -m pytest -q -p no:cacheprovider tests/integration/test_torchtitan_trainer.py
         ;;
     *)
         echo "unknown part $name" >&2

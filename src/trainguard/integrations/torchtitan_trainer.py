@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torchtitan
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.train import Trainer
 
@@ -44,6 +45,10 @@ from trainguard.errors import ConfigError
 from trainguard.integrations.torchtitan import guard_components
 
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
+
+if not getattr(torchtitan, "__version__", "").startswith("0.2."):  # 0.3's Trainer is built from its Trainer.Config
+    raise ImportError(f"trainguard.integrations.torchtitan_trainer needs torchtitan 0.2.x; this is "
+                      f"{getattr(torchtitan, '__version__', 'unknown')}")
 
 
 def refusals(job_config) -> list[str]:
@@ -93,7 +98,8 @@ class GuardedTrainer(Trainer):
         self.step = guard.resume()
         data = self.batch_generator(self.dataloader)  # after resume: the data loader's state is restored
         while not guard.should_stop(self.step, self.job_config.training.steps, total_named="training.steps={}"):
-            self.gc_handler.run(self.step + 1)
+            self.step += 1  # the step being trained: what a checkpoint saved inside guard.step holds
+            self.gc_handler.run(self.step)
             self.step = guard.step(lambda: self.forward_backward(data)).step
         self.exit_code = guard.close()
 

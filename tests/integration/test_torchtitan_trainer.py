@@ -34,7 +34,7 @@ if not getattr(pytest.importorskip("torchtitan", reason=REASON), "__version__", 
 import torch  # noqa: E402
 from torchtitan.config import ConfigManager  # noqa: E402
 
-from helpers.runs import assert_same_tensors, events, torchrun, worker_env  # noqa: E402
+from helpers.runs import assert_same_tensors, killed_then_resumed, torchrun, worker_env  # noqa: E402
 from trainguard.errors import ConfigError  # noqa: E402
 from trainguard.integrations.torchtitan_trainer import GuardedTrainer  # noqa: E402
 
@@ -56,14 +56,7 @@ def test_killed_and_resumed_torchtitan_trainer_is_bitwise_identical(tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
     done = run_example(straight)
     assert done.returncode == 0, done.stdout[-4000:]
-    killed = run_example(split, faults="kill:rank=0,step=5")
-    assert killed.returncode != 0 and 5 not in logged_losses(killed.stdout), killed.stdout[-3000:]
-    resumed = run_example(split)
-    assert resumed.returncode == 0, resumed.stdout[-4000:]
-    # async saves (the default): the kill may come before global_step_4 commits
-    first, resumed_from = [e["step"] for e in events(split, "run_started")]
-    assert first == 0 and resumed_from in (2, 4)
-    assert sorted(logged_losses(resumed.stdout)) == list(range(resumed_from + 1, STEPS + 1))
+    resumed = killed_then_resumed(run_example, split, "kill:rank=0,step=5", logged_losses, STEPS)
     straight_losses = logged_losses(done.stdout)
     assert {s: straight_losses[s] for s in logged_losses(resumed.stdout)} == logged_losses(resumed.stdout)
     final = f"checkpoints/global_step_{STEPS}"

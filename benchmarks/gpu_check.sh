@@ -11,7 +11,7 @@
 # nostall-gpu (benchmarks/nostall.py on the GPU: one NCCL rank, pinned staging, llama-60m);
 # nostall-cpu (the same benchmark on this machine's CPU cores, 2 gloo ranks: a host with free cores);
 # titan-probe (the wheels in .whl/ installed, examples/torchtitan_trainer.py --probe: torchtitan.train and
-# GuardedTrainer import with this torch); titan (torchtitan's own Trainer on Guard on 1 GPU: killed, resumed,
+# GuardedTrainer import with this torch; then 3 steps of the example); titan (torchtitan's own Trainer on Guard on 1 GPU: killed, resumed,
 # bitwise: tests/integration/test_torchtitan_trainer.py). Not in the default list: they need the wheels.
 #
 # The packages this image lacks (torchtitan and its dependencies, never torch or triton) come as wheels in
@@ -67,7 +67,9 @@ for name in $PARTS; do
             --saves 3 --only blocked throughput --writers process
         ;;
     titan-probe)
-        part titan-probe 60 "$PYTHON" examples/torchtitan_trainer.py --probe
+        rm -rf /tmp/titan-probe-run  # the imports, then 3 steps of the example (no kill): a first look before titan
+        part titan-probe 60 bash -c "$PYTHON examples/torchtitan_trainer.py --probe && $PYTHON -m torch.distributed.run \
+            --standalone --nproc-per-node 1 examples/torchtitan_trainer.py --run-dir /tmp/titan-probe-run --steps 3"
         ;;
     titan)
         part titan 150 "$PYTHON" -m pytest -q -p no:cacheprovider tests/integration/test_torchtitan_trainer.py

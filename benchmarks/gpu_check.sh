@@ -72,7 +72,7 @@ for name in $PARTS; do
             --standalone --nproc-per-node 1 examples/torchtitan_trainer.py --run-dir /tmp/titan-probe-run --steps 3"
         ;;
     titan)
-        part titan 150 "$PYTHON" -m pytest -q -p no:cacheprovider tests/integration/test_torchtitan_trainer.py
+        part titan 150 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/integration/test_torchtitan_trainer.py
         ;;
     *)
         echo "unknown part $name" >&2

@@ -36,7 +36,7 @@ PROBED = ("datasets", "pyarrow", "tensorboard", "tyro", "torchdata", "triton", "
 def register_datasets_placeholder() -> None:
     """A module ``datasets`` (and ``datasets.distributed``) for torchtitan's imports, where the package is
     missing: what it names exists, and calling a loader raises ImportError naming the package."""
-    if importlib.util.find_spec("datasets") is not None:
+    if "datasets" in sys.modules or importlib.util.find_spec("datasets") is not None:  # imported, or installed
         return
 
     def missing(*_args, **_kwargs):

@@ -33,11 +33,9 @@ from torch.utils.data import IterableDataset
 PROBED = ("datasets", "pyarrow", "tensorboard", "tyro", "torchdata", "triton", "wandb")
 
 
-def register_datasets_placeholder() -> None:
-    """A module ``datasets`` (and ``datasets.distributed``) for torchtitan's imports, where the package is
-    missing: what it names exists, and calling a loader raises ImportError naming the package."""
-    if "datasets" in sys.modules or importlib.util.find_spec("datasets") is not None:  # imported, or installed
-        return
+def datasets_placeholder() -> dict[str, types.ModuleType]:
+    """Modules ``datasets`` and ``datasets.distributed`` for torchtitan's imports where the package is
+    missing: what torchtitan names exists, and calling a loader raises ImportError naming the package."""
 
     def missing(*_args, **_kwargs):
         raise ImportError("Hugging Face data sets need the `datasets` package (pip install datasets)")
@@ -49,7 +47,13 @@ def register_datasets_placeholder() -> None:
     distributed = types.ModuleType("datasets.distributed")
     distributed.split_dataset_by_node = missing
     package.distributed = distributed
-    sys.modules.update({"datasets": package, "datasets.distributed": distributed})
+    return {"datasets": package, "datasets.distributed": distributed}
+
+
+def register_datasets_placeholder() -> None:
+    """``datasets_placeholder()`` in ``sys.modules``, unless ``datasets`` is installed or already imported."""
+    if "datasets" not in sys.modules and importlib.util.find_spec("datasets") is None:
+        sys.modules.update(datasets_placeholder())
 
 
 class CorpusWindows(IterableDataset):

@@ -10,35 +10,50 @@ torchtitan's ``Trainer`` needs CUDA (``torch.cuda.set_device``); the refusals ru
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from helpers.runs import assert_same_tensors, killed_then_resumed, torchrun, worker_env
+from trainguard.errors import ConfigError
 
 REASON = "torchtitan 0.2.x is not installed (optional: pip install torchtitan==0.2.2 tyro torchdata)"
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "torchtitan_trainer.py"
 STEPS = 8
 TIMEOUT_S = 120
 
-try:  # the example's placeholder for `datasets`, which torchtitan imports and this run never uses
-    sys.path.insert(0, str(EXAMPLE.parent))
-    from torchtitan_trainer import register_datasets_placeholder
-finally:
-    sys.path.pop(0)
-register_datasets_placeholder()
-if not getattr(pytest.importorskip("torchtitan", reason=REASON), "__version__", "").startswith("0.2."):
+try:
+    TITAN_VERSION = importlib.metadata.version("torchtitan")
+except importlib.metadata.PackageNotFoundError:
+    TITAN_VERSION = ""
+if not TITAN_VERSION.startswith("0.2."):
     pytest.skip(REASON, allow_module_level=True)
 
-import torch  # noqa: E402
-from torchtitan.config import ConfigManager  # noqa: E402
-
-from helpers.runs import assert_same_tensors, killed_then_resumed, torchrun, worker_env  # noqa: E402
-from trainguard.errors import ConfigError  # noqa: E402
-from trainguard.integrations.torchtitan_trainer import GuardedTrainer  # noqa: E402
-
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture
+def titan(monkeypatch):
+    """``GuardedTrainer`` and torchtitan's ``ConfigManager``, imported with the example's placeholder for
+    ``datasets`` (which torchtitan imports and no test here uses) where it is missing, for this test only:
+    transformers, in the same process, asks whether ``datasets`` is installed."""
+    if importlib.util.find_spec("datasets") is None:
+        spec = importlib.util.spec_from_file_location("torchtitan_trainer_example", EXAMPLE)
+        example = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(example)
+        for name, module in example.datasets_placeholder().items():
+            monkeypatch.setitem(sys.modules, name, module)
+    from torchtitan.config import ConfigManager
+
+    from trainguard.integrations.torchtitan_trainer import GuardedTrainer
+
+    return GuardedTrainer, ConfigManager
 
 
 def run_example(run_dir: Path, faults: str | None = None) -> subprocess.CompletedProcess:
@@ -73,7 +88,8 @@ def test_killed_and_resumed_torchtitan_trainer_is_bitwise_identical(tmp_path):
     ("--parallelism.pipeline_parallel_degree=2", "pipeline_parallel_degree"),
     ("--model.converters=float8", "model.converters"),
 ])
-def test_what_cannot_run_on_guard_is_refused_in_one_line(tmp_path, flag, named):
+def test_what_cannot_run_on_guard_is_refused_in_one_line(titan, tmp_path, flag, named):
+    GuardedTrainer, ConfigManager = titan
     job_config = ConfigManager().parse_args(["--job.dump_folder", str(tmp_path), flag])
     with pytest.raises(ConfigError, match=named) as refused:
         GuardedTrainer(job_config)

@@ -172,7 +172,7 @@ def main() -> None:
         "--model.name", register_train_spec(), "--model.flavor", "tiny",
         "--model.hf_assets_path", str(write_tokenizer(run_dir)), "--job.dump_folder", str(run_dir),
         "--training.steps", str(args.steps), "--training.local_batch_size", "4", "--training.seq_len", "64",
-        "--lr_scheduler.warmup_steps", "2", "--activation_checkpoint.mode", "none", "--metrics.log_freq", "1",
+        "--lr_scheduler.warmup_steps", "2", "--activation_checkpoint.mode", "none",
         "--debug.seed", "0", "--debug.deterministic", *titan_flags])
     trainer = GuardedTrainer(job_config, guard_config=args.config, guard_overrides=args.overrides)
     try:

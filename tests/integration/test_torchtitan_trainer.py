@@ -87,6 +87,8 @@ def test_killed_and_resumed_torchtitan_trainer_is_bitwise_identical(tmp_path):
     ("--checkpoint.enable", "checkpoint.enable"),
     ("--parallelism.pipeline_parallel_degree=2", "pipeline_parallel_degree"),
     ("--model.converters=float8", "model.converters"),
+    ("--validation.enable", "validation.enable"),
+    ("--metrics.enable_tensorboard", "metrics.enable_tensorboard"),
 ])
 def test_what_cannot_run_on_guard_is_refused_in_one_line(titan, tmp_path, flag, named):
     GuardedTrainer, ConfigManager = titan

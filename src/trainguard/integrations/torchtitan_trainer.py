@@ -23,8 +23,9 @@ accumulation) in the closure, and Guard's zero_grad, guards, clipping (``optim.g
     raise SystemExit(trainer.exit_code)
 
 Refused in one line (``ConfigError``): torchtitan's own checkpointing (``checkpoint.enable``), pipeline
-parallel (Guard steps one model part) and model converters (float8, ...: their hook runs after
-torchtitan's optimizer step, which Guard bypasses). torchtitan 0.3's ``Trainer`` (``torchtitan.trainer``)
+parallel (Guard steps one model part), model converters (float8, ...: their hook runs after
+torchtitan's optimizer step, which Guard bypasses), and what only torchtitan's own loop runs
+(``LOOP_ONLY``: validation, profiling, memory snapshots, TensorBoard and W&B metrics). torchtitan 0.3's ``Trainer`` (``torchtitan.trainer``)
 is a different class built from its ``Trainer.Config``: not covered here (docs/library.md says why).
 ``examples/torchtitan_trainer.py`` runs it.
 """
@@ -51,6 +52,11 @@ if not getattr(torchtitan, "__version__", "").startswith("0.2."):  # 0.3's Train
                       f"{getattr(torchtitan, '__version__', 'unknown')}")
 
 
+# torchtitan features that live in its train()/train_step(), not in what GuardedTrainer calls
+LOOP_ONLY = ("validation.enable", "profiling.enable_profiling", "profiling.enable_memory_snapshot",
+             "metrics.enable_tensorboard", "metrics.enable_wandb")
+
+
 def refusals(job_config) -> list[str]:
     """What in a torchtitan ``JobConfig`` cannot run on Guard, one reason each."""
     reasons = []
@@ -61,6 +67,10 @@ def refusals(job_config) -> list[str]:
     if job_config.model.converters:
         reasons.append(f"model.converters {job_config.model.converters}: their post-optimizer hook runs in "
                        "torchtitan's optimizer step, which Guard does not call")
+    loop_only = [key for key in LOOP_ONLY if getattr(getattr(job_config, key.split(".")[0]), key.split(".")[1])]
+    if loop_only:
+        reasons.append(f"{', '.join(loop_only)}: torchtitan's own loop runs these, which GuardedTrainer replaces "
+                       "(its step lines and events.jsonl carry loss, gradient norm, learning rate and tokens/s)")
     return reasons
 
 

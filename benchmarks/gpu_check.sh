@@ -3,16 +3,21 @@
 # torch; trainguard from this tree, not installed). Each part has its own time limit and log, so one
 # failing part does not hide the others. Logs go to $1 (default ./gpu-check).
 #
-#   bash benchmarks/gpu_check.sh [LOG_DIR] [PARTS...]     PARTS: env tests doctor nostall-gpu nostall-cpu
-#                                                                titan-probe titan
+#   bash benchmarks/gpu_check.sh [LOG_DIR] [PARTS...]
+#       PARTS: env tests doctor nostall-gpu nostall-cpu trace nostall-ab titan-probe titan
 #
 # What each part is: env (the device, torch, /dev/shm); tests (every test that needs CUDA);
 # doctor (`trainguard doctor`: burn-in on the GPU, NCCL collectives, storage);
 # nostall-gpu (benchmarks/nostall.py on the GPU: one NCCL rank, pinned staging, llama-60m);
 # nostall-cpu (the same benchmark on this machine's CPU cores, 2 gloo ranks: a host with free cores);
+# trace (nostall.py --only trace: where a memory-tier step's and a durable save's wall time goes, torch
+# profiler traces and the writer's cProfile, packed into LOG_DIR/trace.tar.gz); nostall-ab (the
+# throughput figure for the source tree BASE_SRC, then for this one, one after the other; CYCLES and
+# AB_ARGS, nostall.py's --cycles and further arguments, default 1 and "--durable-every 10 auto").
 # titan-probe (the wheels in .whl/ installed, examples/torchtitan_trainer.py --probe: torchtitan.train and
-# GuardedTrainer import with this torch; then 3 steps of the example); titan (torchtitan's own Trainer on Guard on 1 GPU: killed, resumed,
-# bitwise: tests/integration/test_torchtitan_trainer.py). Not in the default list: they need the wheels.
+# GuardedTrainer import with this torch; then 3 steps of the example); titan (torchtitan's own Trainer on
+# Guard on 1 GPU: killed, resumed, bitwise: tests/integration/test_torchtitan_trainer.py).
+# Every RESULT line the parts print is also appended to LOG_DIR/results.jsonl (one JSON object a line).
 #
 # The packages this image lacks (torchtitan and its dependencies, never torch or triton) come as wheels in
 # .whl/ beside this tree (docs/library.md lists them); they are installed into /tmp/site, on PYTHONPATH.
@@ -38,6 +43,7 @@ part() {  # part NAME SECONDS COMMAND...: runs it, logs it, says how it ended
     local code=$?
     echo "== $name: exit $code in $((SECONDS - started)) s" | tee -a "$LOGS/summary.txt"
     tail -n 25 "$LOGS/$name.log"
+    sed -n 's/^RESULT //p' "$LOGS/$name.log" >>"$LOGS/results.jsonl"
 }
 
 for name in $PARTS; do
@@ -65,6 +71,19 @@ for name in $PARTS; do
     nostall-cpu)
         part nostall-cpu 240 env CUDA_VISIBLE_DEVICES= "$PYTHON" benchmarks/nostall.py --preset llama-60m \
             --saves 3 --only blocked throughput --writers process
+        ;;
+    nostall-ab)  # the tree before (BASE_SRC, e.g. .ab_old/src) and this one, side by side, the same script
+        for src in "${BASE_SRC:?set BASE_SRC to the source tree before}" "$PWD/src"; do
+            tag=$([ "$src" = "$PWD/src" ] && echo after || echo before)
+            part "nostall-$tag" 170 env PYTHONPATH="$src" "$PYTHON" benchmarks/nostall.py --device cuda --ranks 1 \
+                --preset llama-60m --seq-len 1024 --batch 8 --only throughput --writers process --cycles "${CYCLES:-1}" \
+                ${AB_ARGS:---durable-every 10 auto}
+        done
+        ;;
+    trace)
+        part trace 110 "$PYTHON" benchmarks/nostall.py --device cuda --ranks 1 --preset llama-60m \
+            --seq-len 1024 --batch 8 --only trace --trace-dir "$LOGS/trace"
+        tar -czf "$LOGS/trace.tar.gz" -C "$LOGS" trace && rm -rf "$LOGS/trace"
         ;;
     titan-probe)
         rm -rf /tmp/titan-probe-run  # the imports, then 3 steps of the example (no kill): a first look before titan

@@ -247,12 +247,15 @@ class CheckpointManager:
         self.local.save(step, self.model, self.optimizer, self._extra_state(step))
         self.last_local_step = step
 
-    def save_memory(self, step: int) -> None:
+    def save_memory(self, step: int) -> bool:
         """Starts this rank's memory-tier save of ``step``; returns before the state is copied (the
-        next optimizer step waits for the copy, as after an async durable save)."""
+        next optimizer step waits for the copy, as after an async durable save). False: skipped, the
+        previous step's write still running on a rank (``MemoryTier.save``)."""
         assert self.memory is not None
-        self.memory.save(step, self.model, self.optimizer, self._extra_state(step))
-        self.last_memory_step = step
+        saved = self.memory.save(step, self.model, self.optimizer, self._extra_state(step))
+        if saved:
+            self.last_memory_step = step
+        return saved
 
     def _extra_state(self, step: int) -> dict[str, Any]:
         return {

@@ -11,22 +11,34 @@ tier's own process group. The state is copied straight into the files the step i
 is in node memory (tmpfs, as the default ``/dev/shm``), the files' mappings page-locked for CUDA (the
 side stream's copies are asynchronous only into locked pages); with a ``checkpoint.memory_dir``
 elsewhere (a disk, whose mapped pages CUDA may refuse to lock) it goes into pinned staging buffers in
-shared memory, which the writer then serialises into the files. At most one save is in
-flight: the next ``save`` first waits for the previous write, so when a process dies during step
-S + 1, step S - 1 at least is committed, and with it every step but the one being written is safe.
+shared memory, which the writer then serialises into the files.
+
+At most one save is in flight, and the loop never waits for one: a ``save`` that finds the previous
+step's write still running on any rank (one flag, all-reduced over the tier's own small group: every
+rank saves the same steps, as the ring hand-over of the extra state needs) is skipped on every rank
+and counted (``skipped``; the next ``local_saved`` event of the tier says how many it follows). Where a
+step's write fits in a step, every step reaches the tier, and when a process dies during step S + 1,
+step S - 1 at least is committed; where it does not, the tier holds every second (third...) step and
+the throughput stays that of no saves (``benchmarks/nostall.py``, RESULTS-gpu.md). Automatic garbage
+collection is paused while a save starts and while it writes, as for a durable save
+(``collection_pause``): a save every step would otherwise keep promoting its short-lived objects
+until a full collection stalled the training thread.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import threading
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from trainguard.checkpoint.background import BackgroundWorker
+from trainguard.checkpoint.collection_pause import collections_paused
 from trainguard.checkpoint.hashing_file import FAST_TENSOR_SAVE
 from trainguard.checkpoint.local.in_place import InPlaceStaging, placeholders
 from trainguard.checkpoint.local.paths import SPARE_DIR, rank_file_names
@@ -39,6 +51,8 @@ from trainguard.checkpoint.state_capture import CaptureCache
 from trainguard.checkpoint.writer_process import allocator_for, make_writer
 from trainguard.fs.fsio import in_memory_file_system
 
+log = logging.getLogger("trainguard")
+
 DEFAULT_MEMORY_DIR = "/dev/shm/trainguard/{run}/node{node}"
 """``checkpoint.memory_dir``'s default; ``{run}`` is a digest of the run directory's absolute path."""
 
@@ -49,11 +63,18 @@ def run_key(run_dir: Path) -> str:
 
 
 class MemoryTier:
-    def __init__(self, tier: LocalTier, writer: str = "process"):
+    def __init__(self, tier: LocalTier, writer: str = "process", busy_group: dist.ProcessGroup | None = None):
         """``tier``: a ``LocalTier`` whose directory is in node memory (``tier="memory"``); ``writer``
         (``checkpoint.writer``): where the rank's files are serialised and written, ``"process"`` (a
-        writer process of this rank) or ``"thread"`` (the background thread)."""
+        writer process of this rank) or ``"thread"`` (the background thread); ``busy_group``: a gloo
+        group of every rank of the tier, used for nothing else (the tier's own group carries the
+        background writes' hand-overs, from another thread), over which the ranks agree to skip a save;
+        None where the tier has one rank."""
         self.tier = tier
+        self.busy_group = busy_group
+        self.skipped = 0
+        """Saves skipped because a write was still running (see the module's doc), since the start."""
+        self._skipped_since_save = 0
         self.files = make_writer(writer, "memory")
         self.files.start()  # its interpreter starts now, beside the run's own start, not in the first save
         self.capture = CaptureCache(_local_training_state, ReusableStager(self._allocate))
@@ -76,9 +97,22 @@ class MemoryTier:
         return self.tier.interval
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             extra_state: dict[str, Any]) -> None:
-        """Starts the save of ``step``; returns before the state is copied (see the module's doc)."""
+             extra_state: dict[str, Any]) -> bool:
+        """Starts the save of ``step`` and returns True, before the state is copied; or, where a rank's
+        previous write is still running, skips it and returns False (see the module's doc)."""
+        if self._anyone_busy():
+            if not self.skipped:
+                log.info("memory tier: step %d not saved, the previous step's write was still running (a save "
+                         "finding one in flight is skipped; local_saved events count the skips)", step)
+            self.skipped += 1
+            self._skipped_since_save += 1
+            return False
         self.wait()
+        with collections_paused():  # its objects freed by their counts, never promoted (collection_pause)
+            return self._start(step, model, optimizer, extra_state)
+
+    def _start(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               extra_state: dict[str, Any]) -> bool:
         extra = detached(extra_state)  # now: the objects it comes from change at the next step
         capture = self.capture.take(model, optimizer)
         if self._staged_in_place:
@@ -87,7 +121,17 @@ class MemoryTier:
             split, staged = capture.split, capture.plan.staged
         snapshot = LazySnapshot(split)
         self._gate.hold(snapshot, optimizer)
-        self._inflight = self._background.run(self._write, snapshot, step, staged, extra)
+        self._inflight = self._background.run(self._write, snapshot, step, staged, extra, self._skipped_since_save)
+        self._skipped_since_save = 0
+        return True
+
+    def _anyone_busy(self) -> bool:
+        busy = self._inflight is not None and not self._inflight.is_set()
+        if self.busy_group is None:
+            return busy
+        flag = torch.tensor([int(busy)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.busy_group)
+        return bool(flag.item())
 
     def _allocate(self, sources: list[torch.Tensor]) -> list[torch.Tensor]:
         """The staging plan's buffers: placeholders for a state staged in place, shared buffers
@@ -106,11 +150,14 @@ class MemoryTier:
         finally:
             os.close(fd)
 
-    def _write(self, snapshot: LazySnapshot, step: int, staged: dict[str, Any], extra_state: dict[str, Any]) -> None:
+    def _write(self, snapshot: LazySnapshot, step: int, staged: dict[str, Any], extra_state: dict[str, Any],
+               skipped: int) -> None:
         try:
-            extra = serialised(extra_state)
-            snapshot.copied()
-            saved = self.tier.write(step, staged["model"], staged["optim"], extra, files=self.files)
+            with collections_paused():
+                extra = serialised(extra_state)
+                snapshot.copied()
+                saved = self.tier.write(step, staged["model"], staged["optim"], extra, files=self.files,
+                                        skipped=skipped)
             if saved.layout_moved:
                 self.in_place.replan()
         except BaseException as exc:  # raised by the next save or wait()

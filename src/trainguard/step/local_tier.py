@@ -49,7 +49,8 @@ def build_memory_tier(run_dir: Path, config: CheckpointConfig, *, mesh_shape: Se
                                  interval=config.memory_interval, directory=directory,
                                  keep_last=config.memory_keep_last, tier="memory", recycle=True,
                                  tracker=False),
-                      writer=config.writer)
+                      writer=config.writer,
+                      busy_group=dist.new_group(backend="gloo") if dist.get_world_size() > 1 else None)
 
 
 def _rank_tier(run_dir: Path, mesh_shape: Sequence[int], mesh_dim_names: Sequence[str], ranks_per_node: int,

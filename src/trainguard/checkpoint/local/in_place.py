@@ -10,7 +10,8 @@ snapshot ``(slice of the mapped file, live tensor)`` pairs to copy. The writer (
 the writer process or the training process) moves the file into the step under a temporary name and
 serialises the state again over its own mapping of it: each record whose bytes already lie where the
 archive puts them is left there, everything else (headers, the pickle) is written around them; then it
-hashes the whole file, fsyncs it and renames it to its name in the step. Per step the state is copied
+hashes the whole file (``xxh3_64_pieces``: its 64 MiB pieces on several threads), fsyncs it and renames
+it to its name in the step. Per step the state is copied
 once and hashed once, where it was copied into staging buffers, copied again into the file and hashed.
 A state on CUDA is copied the same way, by the side stream, into mappings page-locked for CUDA (once
 per mapping): the spare files live in node memory (tmpfs), whose pages can be locked as the staging
@@ -37,16 +38,15 @@ from typing import Any
 
 import numpy
 import torch
-import xxhash
 
-from trainguard.checkpoint.hashing_file import checksum_of, save_tensor
+from trainguard.checkpoint.checksum import pieces_checksum
+from trainguard.checkpoint.hashing_file import save_tensor
 from trainguard.checkpoint.manifest import FileEntry
 from trainguard.checkpoint.shared_buffers import page_lock, page_unlock
 from trainguard.checkpoint.snapshot import CopySplit
 from trainguard.checkpoint.staging import StagingPlan
 from trainguard.fs.layout import TEMP_MARKER, new_token
 
-_HASH_PIECE = 4 << 20
 _LAYOUTS = itertools.count()
 """Each plan's number, unique in the process: a mapping's tensors are built for one plan."""
 
@@ -88,6 +88,8 @@ class MappedFiles:
     def __init__(self) -> None:
         self._files: dict[tuple[int, int], _Mapped] = {}
         self._lock = threading.Lock()  # tiers of one process may stage and commit at the same time
+        self.page_locks = 0
+        """Mappings page-locked so far (each a new inode's: benchmarks count them, steady state makes none)."""
 
     def open(self, path: Path, size: int, *, create: bool = False, page_locked: bool = False) -> _Mapped:
         """The mapping of ``path``; with ``create``, the file is made (or cut, or grown) to ``size`` first;
@@ -98,6 +100,7 @@ class MappedFiles:
             if page_locked and not mapped.page_locked:
                 page_lock(mapped.address, mapped.size)
                 mapped.page_locked = True
+                self.page_locks += 1
             return mapped
 
     def _open(self, path: Path, size: int, create: bool) -> _Mapped:
@@ -318,13 +321,11 @@ def commit_staged(staged: StagedFile, target: Path, wrap: Callable[[dict[str, An
             _AROUND_RECORDS[staged.path] = (key, writes)
         for position, data in writes:
             mapped.map[position : position + len(data)] = data
-        digest = xxhash.xxh3_64()
         with memoryview(mapped.map) as whole:
-            for start in range(0, staged.size, _HASH_PIECE):
-                digest.update(whole[start : start + _HASH_PIECE])
+            checksum = pieces_checksum(whole)
         os.fsync(mapped.fd)
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
     os.replace(temp, target)
-    return FileEntry(target.name, staged.size, checksum_of(digest)), True
+    return FileEntry(target.name, staged.size, checksum), True

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from trainguard.checkpoint.checksum import file_checksum
+from trainguard.checkpoint.checksum import CHECKSUM_ALGORITHMS, checksum_matches
 from trainguard.fs.bounded import read_format_json
 from trainguard.fs.fsio import atomic_write_json
 from trainguard.checkpoint.local.paths import rank_manifest_name
@@ -76,6 +76,8 @@ def file_fault(step_dir: Path, entry: FileEntry, *, hashed: bool = True) -> str 
         return "missing"
     if size != entry.size:
         return f"size {size} != expected {entry.size}"
-    if hashed and file_checksum(path) != entry.checksum:
+    if entry.checksum.partition(":")[0] not in CHECKSUM_ALGORITHMS:
+        return f"checksum {entry.checksum!r} of an unknown algorithm"
+    if hashed and not checksum_matches(path, entry.checksum):
         return "checksum mismatch"
     return None

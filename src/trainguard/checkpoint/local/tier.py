@@ -137,10 +137,11 @@ class LocalTier:
         return self.write(step, model_state, optim_state, serialised(extra_state))
 
     def write(self, step: int, model_state: dict[str, Any] | StagedFile, optim_state: dict[str, Any] | StagedFile,
-              extra_bytes: bytes, files: Writer = IN_PROCESS) -> SavedStep:
+              extra_bytes: bytes, files: Writer = IN_PROCESS, skipped: int | None = None) -> SavedStep:
         """``save`` of a state already taken: this rank's local tensors (or its files staged in place)
         and its serialized extra state (the memory tier writes a snapshot this way, from a background
-        thread); ``files`` writes the rank's files (here, or in a writer process)."""
+        thread); ``files`` writes the rank's files (here, or in a writer process); ``skipped``: the
+        memory tier's saves skipped since its previous one, for the event."""
         self.wait()
         copy = swap_in_ring(extra_bytes, self.buddy, self.keeps_copy_of, self.group)
         owner_only_dir(self.dir, LOCAL_DIR_WHAT)  # a wiped node's directory comes back
@@ -154,7 +155,7 @@ class LocalTier:
         )
         self._mark_latest(step)
         self.events.emit("local_saved", step=step, bytes=saved.bytes, seconds=saved.seconds, path=str(self.dir),
-                         tier=self.tier)
+                         tier=self.tier, **({} if skipped is None else {"skipped": skipped}))
         # deleting old files costs about as much as writing them (freeing pages): off the training path
         self._pruner = threading.Thread(target=self._prune, daemon=True)
         self._pruner.start()

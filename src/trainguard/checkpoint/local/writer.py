@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainguard.checkpoint.checksum import file_checksum
+from trainguard.checkpoint.checksum import CHECKSUM_ALGORITHM, file_checksum
 from trainguard.checkpoint.hashing_file import HashingFile, save_tensor
 from trainguard.fs.fsio import atomic_write_json, fsync_dir
 from trainguard.fs.layout import HF_DIR, new_token, parse_step_dir, step_dir_name, TEMP_MARKER
@@ -54,7 +54,7 @@ class BytesMismatch(CheckpointError):
 def write_file_durably(path: Path, write, expected: FileEntry | None = None, spare: Path | None = None) -> FileEntry:
     """Writes ``path`` via a temporary sibling, hashing on the way; returns its entry (name relative
     to the step directory is filled in by the caller). With ``expected``, bytes of another size or
-    checksum never reach ``path``: the temporary file is removed and ``BytesMismatch`` raised. A
+    checksum (by ``expected``'s algorithm) never reach ``path``: the temporary file is removed and ``BytesMismatch`` raised. A
     ``spare`` file, when there is one, becomes the temporary file and is written over."""
     temp = path.with_name(f"{path.name}{TEMP_MARKER}{new_token()}")
     recycled = False
@@ -68,6 +68,9 @@ def write_file_durably(path: Path, write, expected: FileEntry | None = None, spa
     try:
         write(stream)
         size, checksum = stream.close_durably()
+        algorithm = expected.checksum.partition(":")[0] if expected is not None else CHECKSUM_ALGORITHM
+        if algorithm != CHECKSUM_ALGORITHM:  # a memory-tier file's (``xxh3_64_pieces``), read back from node memory
+            checksum = file_checksum(temp, algorithm)
         if expected is not None and (size, checksum) != (expected.size, expected.checksum):
             raise BytesMismatch(f"{path.name}: {size} bytes with checksum {checksum}, expected {expected.size} "
                                 f"bytes with {expected.checksum}")

@@ -4,7 +4,7 @@
 # failing part does not hide the others. Logs go to $1 (default ./gpu-check).
 #
 #   bash benchmarks/gpu_check.sh [LOG_DIR] [PARTS...]
-#       PARTS: env tests doctor nostall-gpu nostall-cpu trace nostall-ab profile hf hf-save hf-probe
+#       PARTS: env tests doctor nostall-gpu nostall-cpu trace nostall-ab profile hf hf-save hf-probe titan-probe titan
 #
 # What each part is: env (the device, torch, /dev/shm); tests (every test that needs CUDA);
 # doctor (`trainguard doctor`: burn-in on the GPU, NCCL collectives, storage);
@@ -21,7 +21,14 @@
 # Trainer save, at its default 8.1 M parameters and at 64 M);
 # hf-probe (benchmarks/hf_fsdp_probe.sh: FSDP2 through accelerate comes up under GuardedTrainer on one
 # GPU, with a save and a resume, in under a minute). The hf parts are not in the default parts.
+# titan-probe (the wheels in .whl/ installed, examples/torchtitan_trainer.py --probe: torchtitan.train and
+# GuardedTrainer import with this torch; then 3 steps of the example); titan (torchtitan's own Trainer on
+# Guard on 1 GPU: killed, resumed, bitwise: tests/integration/test_torchtitan_trainer.py).
 # Every RESULT line the parts print is also appended to LOG_DIR/results.jsonl (one JSON object a line).
+#
+# The packages this image lacks (torchtitan and its dependencies, never torch or triton) come as wheels in
+# .whl/ beside this tree (docs/library.md lists them); they are installed into /tmp/titan-site, on the
+# titan parts' PYTHONPATH only.
 set -u
 cd "$(dirname "$0")/.."
 LOGS=${1:-gpu-check}
@@ -30,6 +37,17 @@ PARTS=${*:-env tests doctor nostall-gpu nostall-cpu}
 PYTHON=${PYTHON:-python3}
 mkdir -p "$LOGS"
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
+TITAN_SITE=/tmp/titan-site  # the titan parts' wheels, on their PYTHONPATH only (they shadow some of the image's)
+titan_site() {  # installs .whl/ into TITAN_SITE once; a copy of this script run beside waits for it
+    (
+        flock 9
+        if [ ! -e "$TITAN_SITE/.installed" ] && compgen -G ".whl/*.whl" >/dev/null; then
+            "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$TITAN_SITE" \
+                .whl/*.whl 2>&1 | grep -v "^WARNING" | tee -a "$LOGS/summary.txt"
+            touch "$TITAN_SITE/.installed"
+        fi
+    ) 9>/tmp/titan-site.lock
+}
 export CUBLAS_WORKSPACE_CONFIG=:4096:8  # deterministic cuBLAS, as use_deterministic_algorithms asks
 
 part() {  # part NAME SECONDS COMMAND...: runs it, logs it, says how it ended
@@ -97,6 +115,16 @@ for name in $PARTS; do
         ;;
     hf-probe)
         part hf-probe 60 env PYTHON="$PYTHON" bash benchmarks/hf_fsdp_probe.sh
+        ;;
+    titan-probe)
+        titan_site
+        rm -rf /tmp/titan-probe-run  # the imports, then 3 steps of the example (no kill): a first look before titan
+        part titan-probe 60 env PYTHONPATH="$PYTHONPATH:$TITAN_SITE" bash -c "$PYTHON examples/torchtitan_trainer.py --probe && $PYTHON -m torch.distributed.run \
+            --standalone --nproc-per-node 1 examples/torchtitan_trainer.py --run-dir /tmp/titan-probe-run --steps 3"
+        ;;
+    titan)
+        titan_site
+        part titan 150 env PYTHONPATH="$PYTHONPATH:$TITAN_SITE" "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/integration/test_torchtitan_trainer.py
         ;;
     *)
         echo "unknown part $name" >&2

@@ -58,6 +58,23 @@ def events(run_dir: Path, kind: str | None = None) -> list[dict]:
     return list(read_events(path, kind)) if path.exists() else []
 
 
+def killed_then_resumed(run, run_dir: Path, faults: str, steps_in, total_steps: int
+                        ) -> subprocess.CompletedProcess:
+    """``run(run_dir, faults)`` killed by ``faults`` (``kill:...,step=K``) before step K's line, then
+    ``run(run_dir, None)`` resumed from the newest committed checkpoint (async saves: 2 or 4, the kill may
+    come before global_step_4 commits) through ``total_steps``; ``steps_in(output)``: the steps its lines
+    name. Returns the resumed run."""
+    killed_step = int(faults.rsplit("step=", 1)[1])
+    killed = run(run_dir, faults)
+    assert killed.returncode != 0 and killed_step not in steps_in(killed.stdout), killed.stdout[-3000:]
+    resumed = run(run_dir, None)
+    assert resumed.returncode == 0, resumed.stdout[-4000:]
+    first, resumed_from = [e["step"] for e in events(run_dir, "run_started")]
+    assert first == 0 and resumed_from in (2, 4)
+    assert sorted(steps_in(resumed.stdout)) == list(range(resumed_from + 1, total_steps + 1))
+    return resumed
+
+
 def step_losses(run_dir: Path) -> dict[int, float]:
     """The loss logged for each step; a step redone after a crash keeps its last value."""
     return {e["step"]: e["loss"] for e in events(run_dir, "step")}

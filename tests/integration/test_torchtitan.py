@@ -16,7 +16,7 @@ pytest.importorskip("torchtitan", reason="torchtitan is not installed (optional:
 
 import torch  # noqa: E402
 
-from helpers.runs import assert_same_tensors, events, flat_state, torchrun, worker_env  # noqa: E402
+from helpers.runs import assert_same_tensors, flat_state, killed_then_resumed, torchrun, worker_env  # noqa: E402
 
 LOOP = Path(__file__).resolve().parents[1] / "helpers" / "titan_loop.py"
 STEPS = 6
@@ -42,14 +42,7 @@ def straight(tmp_path_factory) -> Path:
 
 def test_killed_and_resumed_torchtitan_components_are_bitwise_identical(straight, tmp_path):
     run_dir = tmp_path / "killed"
-    killed = run_loop(run_dir, faults="kill:rank=1,step=5")
-    assert killed.returncode != 0 and 5 not in outcome_steps(killed.stdout), killed.stdout[-3000:]
-    resumed = run_loop(run_dir)
-    assert resumed.returncode == 0, resumed.stdout[-4000:]
-    # async saves (the default): the kill may come before global_step_4 commits; resumed from the newest committed
-    first, resumed_from = [e["step"] for e in events(run_dir, "run_started")]
-    assert first == 0 and resumed_from in (2, 4)
-    assert outcome_steps(resumed.stdout) == list(range(resumed_from + 1, STEPS + 1))
+    killed_then_resumed(run_loop, run_dir, "kill:rank=1,step=5", outcome_steps, STEPS)
     final = "checkpoints/global_step_6"
     assert assert_same_tensors(straight / final, run_dir / final) > 0  # model and optimizer state
     for run in (straight, run_dir):

@@ -16,9 +16,7 @@ shared memory, which the writer then serialises into the files.
 At most one save is in flight, and the loop never waits for one: a ``save`` that finds the previous
 step's write still running on any rank (one flag, all-reduced over the tier's own small group: every
 rank saves the same steps, as the ring hand-over of the extra state needs) is skipped on every rank
-and counted (``skipped``; the next ``local_saved`` event of the tier says how many it follows); so is
-one whose spare files would first have to be page-locked for CUDA (a new spare file, or one a new plan
-resized: about 130 ms for 0.76 GB on an H200's host), which the background thread then does. Where a
+and counted (``skipped``; the next ``local_saved`` event of the tier says how many it follows). Where a
 step's write fits in a step, every step reaches the tier, and when a process dies during step S + 1,
 step S - 1 at least is committed; where it does not, the tier holds every second (third...) step and
 the throughput stays that of no saves (``benchmarks/nostall.py``, RESULTS-gpu.md). Automatic garbage
@@ -101,45 +99,34 @@ class MemoryTier:
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              extra_state: dict[str, Any]) -> bool:
         """Starts the save of ``step`` and returns True, before the state is copied; or, where a rank's
-        previous write is still running (or its spare files must first be page-locked, which its
-        background thread then does), skips it and returns False (see the module's doc)."""
-        busy = self._inflight is not None and not self._inflight.is_set()
-        capture, locking = None, False
-        if not busy:
-            self.wait()  # the previous write's error, if any, is raised here
-            capture = self.capture.take(model, optimizer)
-            locking = self._staged_in_place and self.in_place.locking_due(capture.plan)
-        if self._anyone_busy(busy or locking):
-            if locking:
-                self._inflight = self._background.run(self._lock_spares)
+        previous write is still running, skips it and returns False (see the module's doc)."""
+        if self._anyone_busy():
             if not self.skipped:
                 log.info("memory tier: step %d not saved, the previous step's write was still running (a save "
                          "finding one in flight is skipped; local_saved events count the skips)", step)
             self.skipped += 1
             self._skipped_since_save += 1
             return False
-        assert capture is not None
+        self.wait()
         with collections_paused():  # its objects freed by their counts, never promoted (collection_pause)
-            extra = detached(extra_state)  # now: the objects it comes from change at the next step
-            if self._staged_in_place:
-                split, staged = self.in_place.stage(capture.plan, capture.split)
-            else:
-                split, staged = capture.split, capture.plan.staged
-            snapshot = LazySnapshot(split)
-            self._gate.hold(snapshot, optimizer)
-            self._inflight = self._background.run(self._write, snapshot, step, staged, extra,
-                                                  self._skipped_since_save)
+            return self._start(step, model, optimizer, extra_state)
+
+    def _start(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               extra_state: dict[str, Any]) -> bool:
+        extra = detached(extra_state)  # now: the objects it comes from change at the next step
+        capture = self.capture.take(model, optimizer)
+        if self._staged_in_place:
+            split, staged = self.in_place.stage(capture.plan, capture.split)
+        else:
+            split, staged = capture.split, capture.plan.staged
+        snapshot = LazySnapshot(split)
+        self._gate.hold(snapshot, optimizer)
+        self._inflight = self._background.run(self._write, snapshot, step, staged, extra, self._skipped_since_save)
         self._skipped_since_save = 0
         return True
 
-    def _lock_spares(self) -> None:
-        try:
-            self.in_place.lock_spares()
-        except BaseException as exc:  # raised by the next save or wait()
-            self._error = exc
-
-    def _anyone_busy(self, busy: bool) -> bool:
-        """Whether any rank is busy (``busy``: this one), agreed by every rank."""
+    def _anyone_busy(self) -> bool:
+        busy = self._inflight is not None and not self._inflight.is_set()
         if self.busy_group is None:
             return busy
         flag = torch.tensor([int(busy)], dtype=torch.int32)

@@ -103,17 +103,6 @@ class MappedFiles:
                 self.page_locks += 1
             return mapped
 
-    def is_page_locked(self, path: Path, size: int) -> bool:
-        """Whether ``path`` (of ``size`` bytes) has a page-locked mapping here: ``open`` of it with
-        ``page_locked`` would lock nothing."""
-        try:
-            status = os.stat(path)
-        except FileNotFoundError:
-            return False
-        with self._lock:
-            kept = self._files.get((status.st_dev, status.st_ino))
-            return kept is not None and kept.page_locked and kept.size == size == status.st_size
-
     def _open(self, path: Path, size: int, create: bool) -> _Mapped:
         fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0) | os.O_CLOEXEC, 0o644)
         try:
@@ -256,34 +245,16 @@ class InPlaceStaging:
         self._layout = next(_LAYOUTS)
         self.plans += 1
 
-    def _planned_for(self, plan: StagingPlan) -> None:
-        if len(self._planned) != len(plan.copies) or any(a is not b for a, (b, _) in zip(self._planned, plan.copies)):
-            self._plan(plan)
-
-    def locking_due(self, plan: StagingPlan) -> bool:
-        """Whether staging ``plan`` would first page-lock a mapping (sources on CUDA, and a spare file new
-        or resized): 0.76 GB took about 130 ms on an H200's host (RESULTS-gpu.md), which the memory
-        tier does off the loop's path instead (``lock_spares``)."""
-        self._planned_for(plan)
-        return self._page_locked and not all(MAPPED.is_page_locked(self.spare_dir / name, self._sizes[kind])
-                                             for kind, name in self.names.items())
-
-    def lock_spares(self) -> None:
-        """Makes (or resizes) the spare files the last plan stages into and page-locks their mappings."""
-        self._open_spares()
-
-    def _open_spares(self) -> dict[str, _Mapped]:
-        self.spare_dir.mkdir(parents=True, exist_ok=True)
-        return {kind: MAPPED.open(self.spare_dir / name, self._sizes[kind], create=True, page_locked=self._page_locked)
-                for kind, name in self.names.items()}
-
     def stage(self, plan: StagingPlan, split: CopySplit) -> tuple[CopySplit, dict[str, StagedFile]]:
         """The lazy snapshot's copies, ``split`` (``plan.copies`` sorted by when they are made) with each
         buffer replaced by its slice of a staged file, and the staged files to commit once they are made.
         ``plan``: the staging plan around placeholder buffers (shaped like the state, never written:
         ``placeholders``)."""
-        self._planned_for(plan)
-        mapped = self._open_spares()
+        if len(self._planned) != len(plan.copies) or any(a is not b for a, (b, _) in zip(self._planned, plan.copies)):
+            self._plan(plan)
+        self.spare_dir.mkdir(parents=True, exist_ok=True)
+        mapped = {kind: MAPPED.open(self.spare_dir / name, self._sizes[kind], create=True,
+                                    page_locked=self._page_locked) for kind, name in self.names.items()}
 
         def in_files(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
             placed = []

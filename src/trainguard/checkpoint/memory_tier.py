@@ -19,10 +19,7 @@ rank saves the same steps, as the ring hand-over of the extra state needs) is sk
 and counted (``skipped``; the next ``local_saved`` event of the tier says how many it follows). Where a
 step's write fits in a step, every step reaches the tier, and when a process dies during step S + 1,
 step S - 1 at least is committed; where it does not, the tier holds every second (third...) step and
-the throughput stays that of no saves (``benchmarks/nostall.py``, RESULTS-gpu.md). Automatic garbage
-collection is paused while a save starts and while it writes, as for a durable save
-(``collection_pause``): a save every step would otherwise keep promoting its short-lived objects
-until a full collection stalled the training thread.
+the throughput stays that of no saves (``benchmarks/nostall.py``, RESULTS-gpu.md).
 """
 
 from __future__ import annotations
@@ -38,7 +35,6 @@ import torch
 import torch.distributed as dist
 
 from trainguard.checkpoint.background import BackgroundWorker
-from trainguard.checkpoint.collection_pause import collections_paused
 from trainguard.checkpoint.hashing_file import FAST_TENSOR_SAVE
 from trainguard.checkpoint.local.in_place import InPlaceStaging, placeholders
 from trainguard.checkpoint.local.paths import SPARE_DIR, rank_file_names
@@ -108,11 +104,6 @@ class MemoryTier:
             self._skipped_since_save += 1
             return False
         self.wait()
-        with collections_paused():  # its objects freed by their counts, never promoted (collection_pause)
-            return self._start(step, model, optimizer, extra_state)
-
-    def _start(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               extra_state: dict[str, Any]) -> bool:
         extra = detached(extra_state)  # now: the objects it comes from change at the next step
         capture = self.capture.take(model, optimizer)
         if self._staged_in_place:
@@ -153,11 +144,9 @@ class MemoryTier:
     def _write(self, snapshot: LazySnapshot, step: int, staged: dict[str, Any], extra_state: dict[str, Any],
                skipped: int) -> None:
         try:
-            with collections_paused():
-                extra = serialised(extra_state)
-                snapshot.copied()
-                saved = self.tier.write(step, staged["model"], staged["optim"], extra, files=self.files,
-                                        skipped=skipped)
+            extra = serialised(extra_state)
+            snapshot.copied()
+            saved = self.tier.write(step, staged["model"], staged["optim"], extra, files=self.files, skipped=skipped)
             if saved.layout_moved:
                 self.in_place.replan()
         except BaseException as exc:  # raised by the next save or wait()

@@ -50,7 +50,8 @@ def file_checksum(path: str | os.PathLike, algorithm: str = CHECKSUM_ALGORITHM) 
 def pieces_checksum(data: memoryview) -> str:
     """``xxh3_64_pieces`` of ``data`` (see the module's doc), its pieces hashed in parallel."""
     pieces = [data[start:start + PIECE_BYTES] for start in range(0, data.nbytes, PIECE_BYTES)]
-    digests = _hash_pool().map(xxhash.xxh3_64_digest, pieces) if len(pieces) > 1 else map(xxhash.xxh3_64_digest, pieces)
+    hash_all = _hash_pool().map if len(pieces) > 1 else map
+    digests = hash_all(xxhash.xxh3_64_digest, pieces)
     return f"{PIECES_ALGORITHM}:{xxhash.xxh3_64_hexdigest(b''.join(digests))}"
 
 

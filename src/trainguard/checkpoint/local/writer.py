@@ -54,8 +54,9 @@ class BytesMismatch(CheckpointError):
 def write_file_durably(path: Path, write, expected: FileEntry | None = None, spare: Path | None = None) -> FileEntry:
     """Writes ``path`` via a temporary sibling, hashing on the way; returns its entry (name relative
     to the step directory is filled in by the caller). With ``expected``, bytes of another size or
-    checksum (by ``expected``'s algorithm) never reach ``path``: the temporary file is removed and ``BytesMismatch`` raised. A
-    ``spare`` file, when there is one, becomes the temporary file and is written over."""
+    checksum (by ``expected``'s algorithm) never reach ``path``: the temporary file is removed and
+    ``BytesMismatch`` raised. A ``spare`` file, when there is one, becomes the temporary file and is
+    written over."""
     temp = path.with_name(f"{path.name}{TEMP_MARKER}{new_token()}")
     recycled = False
     if spare is not None:

@@ -64,7 +64,7 @@ part() {  # part NAME SECONDS COMMAND...: runs it, logs it, says how it ended
 for name in $PARTS; do
     case $name in
     env)
-        part env 60 bash -c "nvidia-smi -L; nproc; free -g; df -h /dev/shm /tmp; $PYTHON -c 'import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name(), transformers.__version__)'"
+        part env 60 bash -c "nvidia-smi -L; nproc --all; free -g; df -h /dev/shm /tmp; $PYTHON -c 'import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name(), transformers.__version__)'"
         # the memory tier and the writer processes' arenas live in /dev/shm: a small one is grown
         if [ "$(df --output=size -k /dev/shm | tail -1)" -lt $((16 << 20)) ]; then
             mount -o remount,size=32G /dev/shm 2>/dev/null && echo "/dev/shm grown to 32G" | tee -a "$LOGS/summary.txt"

@@ -190,8 +190,7 @@ def durable_intervals(args, model, optimizer, train_step, root: Path) -> list[in
         print(f"durable intervals: a step {1000 * step_s:.1f} ms, a synchronous save {save_s[-1]:.3f} s: the most "
               f"frequent interval this disk sustains (1.25 x the save) {sustained} steps; Young/Daly for an MTBF of "
               f"{args.mtbf_hours:.1f} h (sqrt(2 x save x MTBF)) {young_daly:.0f} steps", flush=True)
-    chosen = sorted({sustained if every == "auto" else int(every) for every in args.durable_every})
-    return chosen
+    return sorted({sustained if every == "auto" else int(every) for every in args.durable_every})
 
 
 def skipped_of(memory) -> int:

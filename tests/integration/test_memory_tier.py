@@ -94,13 +94,13 @@ def _rank_main(target, rank: int, phase: str, *args: str) -> None:
     os._exit(0)
 
 
-def _run(phase: str, tmp_path: Path, run_dir: Path, memory_dir: str, results: Path, target=None) -> None:
-    """Runs ``target`` (default ``_worker``) on every rank, ``(rank, phase, store, run_dir, memory_dir,
+def _run(phase: str, tmp_path: Path, run_dir: Path, memory_dir: str, results: Path, target=_worker) -> None:
+    """Runs ``target`` on every rank, ``(rank, phase, store, run_dir, memory_dir,
     results)``; fails with the ranks' errors."""
     context = multiprocessing.get_context("fork")
     store = tmp_path / f"store-{phase}-{uuid.uuid4().hex[:6]}"
     procs = [context.Process(target=_rank_main,
-                             args=(target or _worker, rank, phase, str(store), str(run_dir), memory_dir, str(results)))
+                             args=(target, rank, phase, str(store), str(run_dir), memory_dir, str(results)))
              for rank in range(WORLD)]
     for proc in procs:
         proc.start()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 import time
@@ -57,6 +58,7 @@ EMBEDDING_THRESHOLD = 0.6
 FAULTS = f"faults=spike:step={SPIKE_AT},factor=10000; nan:step={NAN_AT}"
 SKIPPED = [SPIKE_AT, NAN_AT]
 TIMEOUT_S = 240
+LOG_INTERVAL = 3  # train.log_interval: the step line at steps 3, 6, 9 and the last
 # every run steps a OneCycleLR and keeps the loop's StepsSeen as stateful (live/state.py)
 SCRIPT_FLAGS = ["--one-cycle", "--seen"]
 
@@ -65,9 +67,10 @@ def _config(root: Path) -> Path:
     config = root / "live_guards.yaml"
     if config.exists():  # written once: a rewrite could be read half-written by a run still going (launched)
         return config
-    config.write_text(EXAMPLE.with_suffix(".yaml").read_text().replace("steps: 60", f"steps: {STEPS}")
+    config.write_text(EXAMPLE.with_suffix(".yaml").read_text()
+                      .replace("steps: 60", f"steps: {STEPS}, log_interval: {LOG_INTERVAL}")
                       + "checkpoint: {save_interval: 5}\n"
-                      + f"guards: {{skip: {{enabled: true, threshold: {THRESHOLD}}}, "
+                      + f"guards: {{local_norm: true, skip: {{enabled: true, threshold: {THRESHOLD}}}, "
                       + f"health: {{enabled: true, embedding_threshold: {EMBEDDING_THRESHOLD}}}}}\n")
     return config
 
@@ -247,13 +250,39 @@ def test_every_durable_save_records_its_health_from_the_summed_gradients_embeddi
     assert _health_records(spiked[0]) == {5: 1, 10: 0}  # step 5's above the threshold
 
 
-def test_the_closure_mode_skips_the_same_steps_on_the_same_gradients(root, spiked):
+def test_each_rank_records_its_shards_local_gradient_norms_and_a_groups_make_the_global_norm(spiked):
+    """``guards.local_norm`` in live mode: every rank, every step, the norm of each parameter's rows it holds
+    of the judged (summed, unclipped) gradient, as the closure mode's ``local_norm`` event; the two ranks of a
+    group hold the rows of the whole, so their squares add up to the step's global norm, and the replicas of a
+    shard (ranks 0 and 2, 1 and 3) record the same norms."""
     run_dir, _ = spiked
+    local = {(e["step"], e["rank"]): e["norms"] for e in _events(run_dir, "local_norm")}
+    assert sorted(local) == [(step, rank) for step in range(1, STEPS + 1) for rank in range(WORLD)]
+    norms = {e["step"] + 1: e["global_norm"] for e in _events(run_dir, "live_step") if e["rank"] == 0}
+    for step in range(1, STEPS + 1):
+        assert local[step, 0] == local[step, 2] and local[step, 1] == local[step, 3], step
+        # a NaN is written as its text
+        squares = sum(float(value) ** 2 for rank in (0, 1) for value in local[step, rank].values())
+        if step == NAN_AT:
+            assert math.isnan(squares) and math.isnan(float(norms[step]))
+        else:
+            assert math.sqrt(squares) == pytest.approx(norms[step], rel=1e-5), step
+    assert local[SPIKE_AT, 0]["0.weight"] > 100 * local[SPIKE_AT - 1, 0]["0.weight"]  # the drill's spike, seen
+
+
+def _step_lines(output: str) -> dict[int, str]:
+    """The closure mode's step lines in ``output``, by step, without the step's time (each run's own)."""
+    lines = [line[line.index("step: ["):] for line in output.splitlines() if "step: [" in line]
+    return {int(line.split("[")[1].split("/")[0]): re.sub(r"per_step_time: \d+ms, ", "", line) for line in lines}
+
+
+def test_the_closure_mode_skips_the_same_steps_on_the_same_gradients(root, spiked):
+    run_dir, done = spiked
     closure_dir = root / "closure"
-    done = subprocess.run([sys.executable, str(CLOSURE_TWIN), "--config", str(_config(root)), "--run-dir",
+    done_closure = subprocess.run([sys.executable, str(CLOSURE_TWIN), "--config", str(_config(root)), "--run-dir",
                            str(closure_dir), "--set", FAULTS.replace("; ", ";"), *SCRIPT_FLAGS],
                           env=worker_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
-    _ok(done)
+    _ok(done_closure)
     # every step's verdict the live run's, its loss and norm within 1e-5 (live mode sums the micro-batches
     # by a fixed tree and the norm by rows, the closure mode in micro-batch order and by parameter)
     def verdicts(events: list[dict], first: int) -> list[tuple]:
@@ -267,6 +296,16 @@ def test_the_closure_mode_skips_the_same_steps_on_the_same_gradients(root, spike
             expected, found = float(closure[key]), float(live[key])
             assert (math.isnan(expected) and math.isnan(found)) or found == pytest.approx(expected, rel=1e-5), key
     assert [e["step"] for e in _events(closure_dir, "data_skip")] == SKIPPED
+    # train.log_interval: the closure mode's step lines, written once (by the quorum's first member) at the same
+    # steps, with the same skip counts and rate; loss and norm to their printed digits (within 1e-5, above)
+    live_lines, closure_lines = _step_lines(done.stdout + done.stderr), _step_lines(done_closure.stdout + done_closure.stderr)
+    assert sorted(live_lines) == sorted(closure_lines) == [3, 6, 9, 10]
+    assert sum("step: [" in line for line in (done.stdout + done.stderr).splitlines()) == 4
+    numbers = re.compile(r"[-+]?(?:\d+\.\d+(?:e[-+]\d+)?|nan|inf)")
+    for step, line in live_lines.items():
+        assert numbers.sub("#", line) == numbers.sub("#", closure_lines[step]), (line, closure_lines[step])
+        for found, expected in zip(numbers.findall(line), numbers.findall(closure_lines[step])):
+            assert found == expected or abs(float(found) - float(expected)) <= 0.0011, (line, closure_lines[step])
 
 
 def test_consecutive_spikes_abort_every_rank_with_exit_3_and_no_rank_is_replaced(root, launched):

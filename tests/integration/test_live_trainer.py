@@ -57,6 +57,19 @@ def test_the_command_trains_every_step_on_every_rank(runs):
     assert replica_differences(root / "clean", WORLD, GROUP) == {}  # the replicas of each shard agree
 
 
+def test_the_quorums_first_member_writes_the_reference_step_line_with_tokens_per_second(runs):
+    """``train.log_interval`` (1) in live mode: one line per step, by one rank only, the closure mode's, with
+    ``tokens/s`` from the trainer's ``Guard(tokens_per_step=...)``: the global batch over the step's time, the
+    figure each ``live_step`` event carries too."""
+    root, stdout, _ = runs
+    tokens_per_step = MICRO_BATCHES * MICRO_BATCH_SIZE * 32  # data.seq_len
+    events = [e for e in read_events(events_path(root / "clean")) if e["kind"] == "live_step"]
+    assert all(e["tokens_per_s"] == pytest.approx(tokens_per_step / e["step_time"]) for e in events)
+    for step in range(1, STEPS + 1):
+        lines = [line for line in stdout.splitlines() if f"step: [{step:5d}/{STEPS:5d}], loss: " in line]
+        assert len(lines) == 1 and ", tokens/s: " in lines[0], (step, lines)
+
+
 def test_the_lr_follows_the_trainers_schedule(runs):
     root, _, _ = runs
     config = config_from_args(build_parser(train_argv(root)).parse_args(train_argv(root)))

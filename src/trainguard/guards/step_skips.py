@@ -34,6 +34,12 @@ class StepSkips:
         """Their state, by the names checkpoints keep it under."""
         return {"skip_streak": self.streak, **({"skip_guard": self.data_skip} if self.data_skip is not None else {})}
 
+    def totals(self) -> dict[str, int] | None:
+        """The data-skip guard's counts that a step's line and event carry; None when it is off."""
+        if self.data_skip is None:
+            return None
+        return {"skipped_total": self.data_skip.skipped_total, "nan_total": self.data_skip.nan_total}
+
     def spike(self, step: int, norm: float, loss: float | None) -> bool:
         """The data-skip rule's verdict on ``step`` (the closure mode's 1-based number); False when it is off."""
         if self.data_skip is None:

@@ -51,6 +51,7 @@ from trainguard.checkpoint.staging import serialised
 from trainguard.errors import EXIT_OK, raised_by_every_rank
 from trainguard.events import EventLog
 from trainguard.events.rank_logging import LOGGER_NAME
+from trainguard.events.step_report import StepReport
 from trainguard.faults import FaultInjector
 from trainguard.faults.spec import FaultSpec
 from trainguard.fs.fsio import atomic_write_bytes
@@ -83,6 +84,7 @@ from trainguard.live.step_judge import LiveJudge
 from trainguard.live.transfer import send_shards
 from trainguard.live.files import checkpoint_path, events_path, final_path
 from trainguard.norms.global_norm import clip_grads_
+from trainguard.norms.local_norm import local_grad_norms
 from trainguard.runtime.heartbeat import node_name
 from trainguard.runtime.lifecycle import (DEADLINE, EXIT_CODES, KILL_SWITCH, NONE, REASON_NAMES, SIGNAL, Lifecycle,
                                           LifecycleConfig)
@@ -181,6 +183,10 @@ class LiveRules:
     max_step_failures: int = 3
     # guards.rollback when guards.check_for_global_norm is on (rollback mode: ``live/data_positions.py``), else None
     rollback: RollbackConfig | None = None
+    local_norm: bool = False  # guards.local_norm: each rank's per-parameter norms of its gradient shard, each step
+    # train.log_interval: the quorum's first member writes the closure mode's step line every this many steps
+    log_interval: int = 1
+    tokens_per_step: int | None = None  # Guard(tokens_per_step=...): the global tokens of one step, for tokens/s
 
 
 DEFAULT_RULES = LiveRules()  # the drill's workload's: no clipping, no data skip, the skip streak's default
@@ -254,7 +260,8 @@ class LiveWorker:
             RollbackGuard(rules.rollback, rules.skip), self.positions, self, self.events, samples_of=lambda check: 1,
             reports=self.reports)
         self.judge = LiveJudge(StepSkips(rules.skip, rules.max_consecutive_skips, self.log, self.events.emit,
-                                         reports=self.reports), self.sdc, rollback, self.positions)
+                                         reports=self.reports, tokens_per_step=rules.tokens_per_step),
+                               self.sdc, rollback, self.positions)
         # what an undo restores, a joiner receives and a checkpoint holds (the scheduler, the loop's objects)
         self.state = LiveState(model, optimizer, self.judge, scheduler, stateful)
         self.fingerprints = (LiveFingerprints(rules.fingerprint, model, optimizer, self.state, rank, args.group_size,
@@ -458,6 +465,9 @@ class LiveWorker:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
             norm, embedding_norm = self.norms(grads)
         self.reduce_marks.left(quorum.epoch, step)
+        if self.rules.local_norm:  # the gradient judged, before clipping, as the closure mode's event
+            self.events.emit("local_norm", step=number, norms=local_grad_norms(self.model.named_parameters()))
+        lr = self.optimizer.param_groups[0]["lr"]  # before the scheduler steps: the rate this step's update uses
         # every rank's alike: the same sum, the same state
         try:
             decision = self.judge.judge(number, norm, loss, sdc_skipped=sdc.skip)
@@ -477,9 +487,15 @@ class LiveWorker:
                 clip_grads_(grads, self.rules.grad_clip, norm)
             self.optimizer.step()  # a sharded rank steps its own rows: they stay sharded
             self.state.after_update()  # the scheduler, as the closure mode's: applied updates only
-        monitored = {} if embedding_norm is None else {"embedding_local_norm": embedding_norm}
-        self.events.emit("live_step", step=step, epoch=quorum.epoch, members=len(quorum.members),
-                         micro_batches=mine, loss=loss, global_norm=norm, skipped=skipped, **monitored)
+        seconds = time.perf_counter() - started
+        report = StepReport(number, self.steps, loss, norm, lr, seconds, skipped, self.rules.tokens_per_step,
+                            self.judge.skips.totals(), embedding_norm)
+        if self.reports() and report.due(self.rules.log_interval):
+            for line in report.log_lines():
+                self.log.info(line)
+        fields = {key: value for key, value in report.event_fields().items() if key != "step"}  # live_step's counts from 0
+        self.events.emit("live_step", step=step, epoch=quorum.epoch, members=len(quorum.members), micro_batches=mine,
+                         **fields)
         self.state.committed = dataclasses.asdict(CommittedStep(step, loss, norm, skipped, embedding_norm))
         self.step_failures.committed()
         self.step_index = step + 1
@@ -487,7 +503,7 @@ class LiveWorker:
             self.fingerprints.remember(self.step_index + 1)
         self.store.set(progress_key(self.rank), str(self.step_index))
         if self.lifecycle is not None:
-            self.lifecycle.note_step(time.perf_counter() - started)
+            self.lifecycle.note_step(seconds)
         reason = max((r for r, seen in zip(STOP_REASONS, stops_seen) if seen), default=NONE)
         planned = self.rules.exit_at_step is not None and self.step_index >= self.rules.exit_at_step
         if self.step_index < self.steps and (reason != NONE or planned):  # the last step ends the run anyway

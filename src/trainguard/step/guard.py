@@ -140,8 +140,7 @@ class Guard:
     (default ``sys.argv[1:]``) holds the launcher's flags among the script's own, ``mesh`` must be None
     (live mode shards a replica group's parameters itself), and ``step`` takes a micro-batch loss only;
     ``stateful`` objects are the loop's, updated before each ``step`` and never inside ``loss_of``
-    (``live/state.py``); ``embedding`` is read from the summed gradient; ``pipeline_stages`` and
-    ``tokens_per_step`` are refused.
+    (``live/state.py``); ``embedding`` is read from the summed gradient; ``pipeline_stages`` is refused.
     """
 
     @_config_errors_end_the_process
@@ -167,13 +166,13 @@ class Guard:
         self._live: LiveRank | None = None
         if cfg.fault_tolerance.live:
             self.run_dir, self.model, self.optimizer = Path(run_dir), model, optimizer
-            given = {"mesh": mesh is not None and not is_replica_group_mesh(mesh),
-                     "pipeline_stages": pipeline_stages != 1, "tokens_per_step": tokens_per_step is not None}
+            given = {"mesh": mesh is not None and not is_replica_group_mesh(mesh), "pipeline_stages": pipeline_stages != 1}
             self._live = live_rank(self.run_dir, model, optimizer, scheduler, cfg, live_argv,
                                    unsupported=[name for name, set_ in given.items() if set_],
                                    static_files=huggingface_files(hf_config, tokenizer) if hf_config is not None
                                    else None, stateful=stateful,
-                                   embedding=input_embedding(model) if isinstance(embedding, str) else embedding)
+                                   embedding=input_embedding(model) if isinstance(embedding, str) else embedding,
+                                   tokens_per_step=tokens_per_step)
             self._live_started = False
             self.rank = self._live.args.rank  # a warm spare's: the rank it replaces, once ``resume()`` returned
             return

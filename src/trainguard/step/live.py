@@ -13,18 +13,17 @@ plugins and ``decide``; ``guards.skip.*``, ``guards.max_consecutive_skips``), ro
 ``guards.check_for_global_norm``, ``guards.rollback.*``; its skipped data positions: ``live/data_positions.py``), SDC detection with its rerun (``live/sdc.py``: ``guards.sdc.*``), replica
 fingerprints (``live/fingerprint.py``: ``guards.fingerprint.*``), checkpoint health and the embedding
 monitor (``LiveWorker.health``: ``guards.health.*``, ``guards.monitor``), the kill switch, the time limit and ``train.exit_at_step``
-(``LiveWorker.stop_here``), the heartbeat files (``lifecycle.heartbeats``), and writes ``hf_config`` (and the
-tokenizer) into every durable checkpoint. What ``Guard`` does besides (the other guards, the closure mode's other fault drills, a
-mesh) is not done in live mode, so asking for it there is refused, never ignored. The
+(``LiveWorker.stop_here``), the heartbeat files (``lifecycle.heartbeats``), each rank's per-parameter local
+gradient norms (``guards.local_norm``) and the closure mode's step line every ``train.log_interval`` steps (by the
+quorum's first member), and writes ``hf_config`` (and the tokenizer) into every durable checkpoint: every key of
+the ``checkpoint``, ``guards`` and ``lifecycle`` sections but a mirror URL to resume from. A mesh other than the replica group's and pipeline stages are refused, never ignored. The
 faults in force may only be the live drill (``trainguard.live.drill``: the launcher's kill, the
-ranks' gradient faults), which the rank checks.
+ranks' gradient, module, state, hang and checkpoint faults), which the rank checks.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import fnmatch
 import json
 import sys
 from collections.abc import Callable, Mapping
@@ -44,24 +43,6 @@ from trainguard.live.rank import LiveRank
 from trainguard.live.state import loop_objects
 from trainguard.live.worker import LiveArgs, LiveRules
 
-# the run configuration's sections that only the closure mode (``Guard.step``) runs, but for the keys below
-CLOSURE_MODE_SECTIONS = ("checkpoint", "guards", "lifecycle")
-# the keys of those sections that live mode runs too (patterns): the durable tier's (``live.durable``), the
-# skip decisions' (``live.step_judge``), SDC detection's (``live.sdc``), the replica fingerprints'
-# (``live.fingerprint``), checkpoint health's and the embedding monitor's (``LiveWorker.health``), the kill
-# switch's and the time limit's (``LiveWorker.stop_here``), the heartbeat files' (``LiveRank.start``)
-LIVE_SECTION_KEYS = ("checkpoint.save_interval", "checkpoint.keep_last", "checkpoint.keep_every",
-                     "checkpoint.resume", "checkpoint.async_save", "checkpoint.writer",
-                     "checkpoint.local_*", "checkpoint.memory_*", "checkpoint.mirror.*", "guards.skip.*",
-                     "guards.max_consecutive_skips", "guards.check_for_global_norm", "guards.rollback.*",
-                     "guards.sdc.*", "guards.fingerprint.*", "guards.health.*",
-                     "guards.monitor",
-                     "lifecycle.kill_switch_path", "lifecycle.exit_duration_in_mins", "lifecycle.exit_margin_seconds",
-                     "lifecycle.heartbeats")
-# keys outside those sections that the closure mode honours and live mode does not: why, for the refusal
-CLOSURE_MODE_KEYS = {
-    "train.log_interval": "live mode writes no step log lines, only its events",
-}
 LAUNCHER_OVERRIDES_ENV = "TRAINGUARD_SET"
 """The live launcher's ``--set`` items (a JSON list), handed to its ranks: ``Guard`` applies them on top of
 the configuration the script gives it, so a key set on the command line means the same to the ranks as to
@@ -83,35 +64,12 @@ def closure_only(call: str) -> ConfigError:
                        "runs in both modes (docs/library.md)")
 
 
-def changed_keys(value: Any, default: Any, key: str) -> list[str]:
-    """The dotted keys under ``key`` whose value is not the default's."""
-    if dataclasses.is_dataclass(value):
-        return [changed for field in dataclasses.fields(value)
-                for changed in changed_keys(getattr(value, field.name), getattr(default, field.name),
-                                            f"{key}.{field.name}")]
-    return [key] if value != default else []
-
-
 def refuse_closure_mode_keys(config: RunConfig, source: str = "<config>") -> None:
-    """One error naming the first key of the closure mode's sections, but those live mode runs, that is not
-    at its default, or a mirror URL to resume from (live mode mirrors, but does not restore)."""
-    defaults = RunConfig()
-    changed = [key for section in CLOSURE_MODE_SECTIONS
-               for key in changed_keys(getattr(config, section), getattr(defaults, section), section)
-               if not any(fnmatch.fnmatchcase(key, pattern) for pattern in LIVE_SECTION_KEYS)]
-    if changed:
-        raise ConfigError(f"{source}: config key {changed[0]!r} is not used with fault_tolerance.live: true (of "
-                          f"the {', '.join(CLOSURE_MODE_SECTIONS)} sections live mode runs "
-                          f"{', '.join(LIVE_SECTION_KEYS)} only); leave it at its default")
+    """One error when ``checkpoint.resume`` is a mirror URL (live mode mirrors, but does not restore)."""
     if "://" in config.checkpoint.resume:
         raise ConfigError(f"{source}: config key 'checkpoint.resume' is a mirror URL ({config.checkpoint.resume}), "
                           "which live mode does not restore from (its launcher resumes from the run directory); restore it with trainguard "
                           "ckpt, then resume from the run directory")
-    for key, why in CLOSURE_MODE_KEYS.items():
-        section, name = key.split(".")
-        if getattr(getattr(config, section), name) != getattr(getattr(defaults, section), name):
-            raise ConfigError(f"{source}: config key {key!r} is not used with fault_tolerance.live: true ({why}); "
-                              "leave it at its default")
 
 
 def with_launcher_overrides(config: RunConfig, environ: Mapping[str, str]) -> RunConfig:
@@ -147,14 +105,15 @@ def live_rank(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
               config: RunConfig, argv: list[str] | None, unsupported: list[str],
               static_files: Callable[[Path], None] | None = None,
               stateful: Mapping[str, Stateful] | None = None,
-              embedding: torch.nn.Parameter | None = None) -> LiveRank:
+              embedding: torch.nn.Parameter | None = None, tokens_per_step: int | None = None) -> LiveRank:
     """This process's rank of the live run, after refusing what live mode would not do: ``unsupported``
-    (the ``Guard`` arguments given that it cannot honour), a key of the closure mode's sections set, a process the live launcher did not start, a run directory that
+    (the ``Guard`` arguments given that it cannot honour), a mirror URL to resume from, a process the live launcher did not start, a run directory that
     is not the launcher's, or faults in force other than the launcher's drill. ``argv``: the command line with the
     launcher's flags (default ``sys.argv[1:]``). ``static_files``: writes ``huggingface/`` into each durable
     checkpoint. ``scheduler`` (any, stepped with each applied update) and ``stateful`` (the loop's objects)
     travel and are saved as ``live/state.py`` says. ``embedding``: the parameter whose gradient norm
-    ``guards.health`` and ``guards.monitor`` read (refused missing when either is on)."""
+    ``guards.health`` and ``guards.monitor`` read (refused missing when either is on). ``tokens_per_step``: the
+    global tokens of one step, for the step line's ``tokens/s``."""
     if unsupported:
         raise ConfigError(f"Guard({', '.join(f'{name}=...' for name in unsupported)}): not supported with "
                           "fault_tolerance.live: true (live mode shards a replica group's parameters itself and does "
@@ -186,6 +145,8 @@ def live_rank(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
                       monitor=config.guards.monitor, lifecycle=config.lifecycle,
                       ranks_per_node=config.parallel.ranks_per_node,
                       max_step_failures=config.fault_tolerance.max_step_failures,
-                      rollback=config.guards.rollback if config.guards.check_for_global_norm else None)
+                      rollback=config.guards.rollback if config.guards.check_for_global_norm else None,
+                      local_norm=config.guards.local_norm, log_interval=config.train.log_interval,
+                      tokens_per_step=tokens_per_step)
     return LiveRank(model, optimizer, args, scheduler, seed=config.train.seed, checkpoint=config.checkpoint,
                     rules=rules, static_files=static_files, stateful=loop_objects(stateful), embedding=embedding)

@@ -31,7 +31,7 @@ from trainguard.guards.step_verdict import ENDS_THE_STEP, Decision, StepVerdict,
 from trainguard.norms import clip_grads_, local_grad_norms
 from trainguard.step.builder import GuardParts, StepPlugins
 from trainguard.step.position import RunPosition
-from trainguard.step.report import StepReport
+from trainguard.events.step_report import StepReport
 from trainguard.step.saving import StepSaves
 from trainguard.step.snapshot import StepSnapshot
 
@@ -109,12 +109,9 @@ class StepSkeleton:
         seconds = time.perf_counter() - started
         parts.lifecycle.note_step(seconds)
         if parts.rank == 0:
-            data_skip = parts.skips.data_skip
             self._report(StepReport(
                 step, position.total, reduced.loss, reduced.global_norm, lr, seconds, skipped, self.tokens_per_step,
-                {"skipped_total": data_skip.skipped_total, "nan_total": data_skip.nan_total}
-                if data_skip is not None else None,
-                parts.embedding.local() if parts.embedding is not None else None, samples))
+                parts.skips.totals(), parts.embedding.local() if parts.embedding is not None else None, samples))
         self.saves.by_policy(step)
         parts.lifecycle.beat("step", step)
         return StepOutcome(step, reduced.loss, reduced.global_norm, applied=not skipped, skipped=skipped,

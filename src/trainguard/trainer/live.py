@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> None:
     size = config.data.micro_batch_size
     order = StatefulSampler(len(dataset), dp_rank=0, dp_size=1, micro_batch_size=size, seed=config.data.seed)
     guard = Guard(own.run_dir, model, optimizer, scheduler, config=config, live_argv=argv, mesh=mesh,
-                  hf_config=model_config, tokenizer=ByteTokenizer())
+                  hf_config=model_config, tokenizer=ByteTokenizer(),
+                  tokens_per_step=config.train.micro_batches * size * config.data.seq_len)
 
     def sample_range(step: int, micro_batch: int) -> tuple[int, int]:
         first = (step * guard.micro_batches + micro_batch) * size

@@ -78,7 +78,9 @@ RANK = {"train.seed": 43, "optim.grad_clip": 0.5,
         "fault_tolerance.max_step_failures": 5,
         # rollback mode (``live.data_positions``, ``checkpoint.spike_rollback``; tests/integration/test_live_rollback.py)
         "guards.check_for_global_norm": True, "guards.rollback.window_before": 7, "guards.rollback.window_after": 7,
-        "guards.rollback.widen_factor": 3.0, "guards.rollback.max_rollbacks": 5, "guards.rollback.loss": True}
+        "guards.rollback.widen_factor": 3.0, "guards.rollback.max_rollbacks": 5, "guards.rollback.loss": True,
+        # each rank's local norms and the quorum's step lines (``LiveWorker.step``; tests/integration/test_live_guards.py)
+        "guards.local_norm": True, "train.log_interval": 3}
 TRAINER_MODEL = {
     "model.preset": "llama-micro", "model.hidden_size": 96, "model.num_layers": 3, "model.num_heads": 4,
     "model.num_kv_heads": 1, "model.intermediate_size": 100, "model.tie_word_embeddings": False,
@@ -144,8 +146,7 @@ def test_every_key_is_classified():
     keys = set(all_keys())
     assert HONOURED <= keys, sorted(HONOURED - keys)
     assert len(keys) == len(HONOURED) + len(REFUSED)
-    assert {"optim.grad_clip", "train.seed"} <= HONOURED
-    assert {"train.log_interval", "guards.local_norm"} <= set(REFUSED)
+    assert {"optim.grad_clip", "train.seed", "train.log_interval", "guards.local_norm"} <= HONOURED
 
 
 def _trainer_args() -> argparse.Namespace:

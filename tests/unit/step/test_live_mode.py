@@ -111,7 +111,7 @@ def test_launcher_flags_without_live_mode_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("arguments, named", [
-    ({"mesh": object(), "tokens_per_step": 64}, "mesh=..., tokens_per_step=..."),
+    ({"mesh": object()}, "mesh=..."),
     ({"pipeline_stages": 2}, "pipeline_stages=..."),
 ])
 def test_live_mode_refuses_the_arguments_it_cannot_honour(tmp_path, arguments, named):
@@ -120,14 +120,15 @@ def test_live_mode_refuses_the_arguments_it_cannot_honour(tmp_path, arguments, n
         trainguard.Guard(tmp_path, model, optimizer, config=LIVE, live_argv=launcher_flags(tmp_path), **arguments)
 
 
-@pytest.mark.parametrize("item, key", [
-    ("guards.local_norm=true", "guards.local_norm"),
-])
-def test_live_mode_refuses_a_key_of_the_closure_mode_naming_it(tmp_path, item, key):
+def test_live_mode_takes_the_last_keys_it_refused_and_the_tokens_per_step(tmp_path):
+    """Every key of the configuration runs in live mode now (tests/unit/live/test_live_keys_audit.py walks them);
+    these were the last refused: tests/integration/test_live_guards.py and test_live_trainer.py run them."""
     model, optimizer = model_and_optimizer()
-    config = load_config(None, ["fault_tolerance.live=true", item])
-    with pytest.raises(ConfigError, match=rf"config key '{key}' is not used with fault_tolerance.live: true"):
-        trainguard.Guard(tmp_path, model, optimizer, config=config, live_argv=launcher_flags(tmp_path))
+    config = load_config(None, ["fault_tolerance.live=true", "guards.local_norm=true", "train.log_interval=5"])
+    guard = trainguard.Guard(tmp_path, model, optimizer, config=config, live_argv=launcher_flags(tmp_path),
+                             tokens_per_step=64)
+    rules = guard._live.rules
+    assert (rules.local_norm, rules.log_interval, rules.tokens_per_step) == (True, 5, 64)
 
 
 def test_live_mode_takes_the_durable_tiers_keys(tmp_path):  # tests/integration/test_live_durable.py runs them
@@ -188,8 +189,6 @@ def test_live_mode_takes_hf_config_for_its_durable_checkpoints_and_the_alias_is_
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--set", "guards.local_norm=true"], "--set: config key 'guards.local_norm' is not used with "
-                                           "fault_tolerance.live"),
     (["--resume", "s3://bucket/run"], "--set: config key 'checkpoint.resume' is a mirror URL (s3://bucket/run), which "
                                       "live mode does not restore from"),
     (["--max-restarts", "1"], "--max-restarts: a supervisor option; with fault_tolerance.live: true the live launcher"),

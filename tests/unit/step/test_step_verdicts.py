@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from trainguard.errors import ConfigError
-from trainguard.step.report import StepReport
+from trainguard.events.step_report import StepReport
 from trainguard.checkpoint.rollback import SkippableData, skippable_data
 from trainguard.step.sdc import RerunVerdict
 from trainguard.trainer.data import StatefulSampler

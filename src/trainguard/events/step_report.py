@@ -1,4 +1,5 @@
-"""What rank 0 says about each step: the reference's log line and the ``step`` event's fields."""
+"""What a step says (rank 0 in the closure mode, the quorum's first member in live mode): the reference's log
+line and the ``step`` event's fields; both step engines write it."""
 
 from __future__ import annotations
 

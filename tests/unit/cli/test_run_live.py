@@ -35,8 +35,6 @@ def run_argv(run_dir: Path, *options: str) -> list[str]:
     (("--resume", "auto"), "--set: --nproc, --config, --set and --resume start a live run"),
     (("--nproc", "4", "--config", str(CONFIG), "--set", "parallel.dp_replicate=1"),
      f"{CONFIG}: config key 'parallel.dp_replicate' must be ≥ 2 for a live run"),
-    (("--nproc", "4", "--config", str(CONFIG), "--set", "guards.local_norm=true"),
-     f"{CONFIG}: config key 'guards.local_norm' is not used with fault_tolerance.live: true"),
     (("--nproc", "4", "--config", str(CONFIG), "--set", "faults=wipe:node=0,step=3"),
      "config key 'faults': fault 'wipe:node=0,step=3': a live run drills 'kill:rank=R,step=S' (the live launcher"),
     # --launcher hosts: where the ranks run, taken; what it needs, checked before anything starts

@@ -223,6 +223,32 @@ def test_the_whole_job_sigkilled_resumes_from_the_newest_checkpoint_bitwise(root
     assert run_differences(clean, run_dir, WORLD) == {}
 
 
+def test_a_node_wiped_after_a_local_save_is_repaired_from_its_replicas_and_the_job_resumes_from_that_step(
+        root, clean):
+    """``wipe:node=1,step=12`` (nodes of 2 ranks: node 1 is replica group 1, ranks 2 and 3) after the local save
+    of step 12 (every 2 steps), then the whole job ended by a loss that raises at every try of the next step
+    (exit 19, nothing saved). The same command again resumes from the local tier's step 12, newer than the
+    durable step 10: ranks 2 and 3 receive their files of it from ranks 0 and 1 (the same shards, group 0),
+    and the run ends bitwise equal to the fault-free one. Without the repair it resumed from step 10."""
+    run_dir, config = root / "wiped", _config(root, local_interval=2)
+    nodes = ("--set", "parallel.ranks_per_node=2")
+    done = finish_session(_start(run_dir, config, *nodes, "--set", "faults=wipe:node=1,step=12",
+                                 **{RAISE_ENV: json.dumps([{"step": 12}])}), TIMEOUT_S, "the wiped live run")
+    assert done.returncode == 19, done.stdout[-3000:] + done.stderr[-3000:]
+    (wiped,) = [e for e in _events(run_dir, "fault_injected") if e["fault"] == "wipe"]
+    assert (wiped["step"], wiped["rank"], wiped["removed"]) == (12, 2, [str(run_dir / "local" / "node1")])
+    assert _local_saves(run_dir, 12) == list(range(WORLD)) and not (run_dir / "local" / "node1").exists()
+    assert _committed_steps(run_dir) == [5, 10]
+    again = finish_session(_start(run_dir, config, *nodes), TIMEOUT_S, "the resumed live run")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert [(e["step"], e.get("tier")) for e in _events(run_dir, "run_started")] == [(12, "local")]
+    repaired = {e["rank"]: (e["step"], e["sources"], e["tier"]) for e in _events(run_dir, "local_recovered")}
+    assert repaired == {2: (12, [0], "local"), 3: (12, [1], "local")}
+    assert ("live run: the local tier's step 12 received from a replica of the same shard by the ranks that lacked "
+            "it: rank 2 from rank 0, rank 3 from rank 1") in again.stdout + again.stderr
+    assert run_differences(clean, run_dir, WORLD) == {}
+
+
 @pytest.mark.parametrize("whom", ["launcher", "job"])
 def test_sigterm_saves_at_the_next_boundary_exits_16_and_resumes_bitwise(root, clean, whom):
     """SIGTERM to the launcher alone, or to the whole job (launcher and ranks, as Slurm's preemption)."""

@@ -55,6 +55,19 @@ def check_fault_ranks(specs: list[FaultSpec], world_size: int) -> None:
             )
 
 
+def check_wipe_nodes(specs: list[FaultSpec], nodes: int | None) -> None:
+    """Refuses a ``wipe`` of a node the run does not have (``nodes``: the local tier's nodes, ``world //
+    parallel.ranks_per_node``), or any when the local tier is off (``nodes`` None): nothing to wipe."""
+    for spec in specs:
+        if spec.kind != "wipe":
+            continue
+        if nodes is None:
+            raise ConfigError(f"bad fault {spec.text!r}: the local tier is off (set checkpoint.local_interval)")
+        if spec.params["node"] >= nodes:
+            raise ConfigError(f"bad fault {spec.text!r}: node {spec.params['node']} does not exist "
+                              f"(nodes 0..{nodes - 1}; see parallel.ranks_per_node)")
+
+
 class FaultInjector:
     """Injects the faults meant for this rank; a no-op at every step where none is due."""
 
@@ -209,12 +222,7 @@ class FaultInjector:
 
     def check_nodes(self, nodes: int | None) -> None:
         """Refuses wipes of nodes that do not exist; ``None``: the local tier is off, nothing to wipe."""
-        for spec in self._wipe_faults:
-            if nodes is None:
-                raise ConfigError(f"bad fault {spec.text!r}: the local tier is off (set checkpoint.local_interval)")
-            if spec.params["node"] >= nodes:
-                raise ConfigError(f"bad fault {spec.text!r}: node {spec.params['node']} does not exist "
-                                  f"(nodes 0..{nodes - 1}; see parallel.ranks_per_node)")
+        check_wipe_nodes(self._wipe_faults, nodes)
 
     def after_local_save(self, step: int, node: int, first_on_node: bool, node_dirs: list[Path]) -> None:
         """Deletes this node's whole local directory if a wipe of it is due (done by the node's first rank;

@@ -29,9 +29,16 @@ durable checkpoint of step N once it is committed, as in the closure mode: the q
 applies them (the checkpoint manager's commit hook), and a later resume (``--resume auto``) passes the
 damaged checkpoint over for the newest one that verifies.
 
-The launcher injects the kill, not the rank: every other kind (a closure-mode fault the live ranks do
-not run) and the keys that narrow a kill (``persistent``, ``node``) are refused, with one line naming
-the entry, by the launcher and by each rank, never ignored.
+The local tier's ``wipe`` (``wipe:node=N,step=S``) deletes node N's whole local directory after the
+local save of step S, as in the closure mode: node N is the local tier's (``rank //
+parallel.ranks_per_node``), its first member of the quorum deletes, every member held at a barrier around
+it (``LiveCheckpoints``); refused when the local tier is off or node N does not exist. A job resumed
+from the local tier then has the node's ranks receive their files from replicas of their shards
+(``live/local_tier.py``).
+
+So a live run drills every kind of the faults grammar. The launcher injects the kill, not the rank: the
+keys that narrow a kill (``persistent``, ``node``) are refused, with one line naming the entry, by the
+launcher and by each rank, never ignored.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 
 from trainguard.errors import ConfigError
-from trainguard.faults.injector import active_faults, check_fault_ranks
+from trainguard.faults.injector import active_faults, check_fault_ranks, check_wipe_nodes
 from trainguard.faults.spec import FILE_KINDS, FaultSpec
 
 LIVE_FAULT_KIND = "kill"
@@ -49,18 +56,30 @@ GRADIENT_FAULT_KINDS = ("spike", "nan")  # applied by every rank to a step's sum
 SITE_FAULT_KINDS = ("bitflip", "scale", "stateflip", "hang")
 CHECKPOINT_FAULT_KINDS = FILE_KINDS  # a committed durable checkpoint's files, by its quorum's first member
 SPARE_FAULT_KIND = "miscompute"  # the doctor's fault: acts in the spares' self-tests (``spare_check``)
+WIPE_FAULT_KIND = "wipe"  # a node's local directory deleted after a local save, by its first member
 
 
-def live_drill(faults: str | None, world: int, steps: int, spares: int | None = None) -> dict[str, object]:
+def local_tier_nodes(local_interval: int, ranks_per_node: int | None, world: int) -> int | None:
+    """The local tier's nodes (``parallel.ranks_per_node`` consecutive ranks each, one node when unset), as the
+    closure mode counts them; None when the local tier is off: what a ``wipe`` is checked against."""
+    return world // (ranks_per_node or world) if local_interval else None
+
+
+def live_drill(faults: str | None, world: int, steps: int, spares: int | None = None, *,
+               local_nodes: int | None = None) -> dict[str, object]:
     """``LiveRun``'s fault fields for the faults in force (``faults``: the config key's text): none,
     ``kill_ranks`` and ``kill_at_step``, ``spare_faults`` (``miscompute`` entries, ``rank=`` naming a
     spare; checked against ``spares`` when the caller knows them); a ``ConfigError`` naming the source
-    and the entry otherwise."""
+    and the entry otherwise. ``local_nodes``: the local tier's nodes (``local_tier_nodes``), which a
+    ``wipe`` must name one of (None: the local tier is off, a ``wipe`` is refused)."""
     source, specs = active_faults(faults)
-    kills = [spec for spec in specs
-             if spec.kind not in (SPARE_FAULT_KIND, *GRADIENT_FAULT_KINDS, *SITE_FAULT_KINDS, *CHECKPOINT_FAULT_KINDS)]
+    kills = [spec for spec in specs if spec.kind == LIVE_FAULT_KIND]
+    try:
+        check_wipe_nodes(specs, local_nodes)
+    except ConfigError as error:
+        raise ConfigError(f"{source}: {error}") from None
     for spec in site_faults(faults):
-        if "node" in spec.params:
+        if "node" in spec.params and spec.kind != WIPE_FAULT_KIND:  # a wipe's node is the local tier's index
             raise ConfigError(f"{source}: fault {spec.text!r}: a live run's {spec.kind} names its rank; leave out node=")
         if not 0 < spec.step <= steps:
             raise ConfigError(f"{source}: fault {spec.text!r}: step must be between 1 and train.steps = {steps}")
@@ -81,14 +100,6 @@ def live_drill(faults: str | None, world: int, steps: int, spares: int | None = 
     except ConfigError as error:
         raise ConfigError(f"{source}: {error}") from None
     for spec in kills:
-        if spec.kind != LIVE_FAULT_KIND:
-            raise ConfigError(f"{source}: fault {spec.text!r}: a live run drills '{LIVE_FAULT_KIND}:rank=R,step=S' "
-                              f"(the live launcher SIGKILLs the rank), '{SPARE_FAULT_KIND}' (in the spares' "
-                              f"self-test), {' and '.join(GRADIENT_FAULT_KINDS)} (on a step's summed gradient), "
-                              f"{', '.join(SITE_FAULT_KINDS)} (a module's value, a state tensor or the rank itself, on "
-                              f"one rank) and {', '.join(CHECKPOINT_FAULT_KINDS)} (a committed durable checkpoint's "
-                              "files); "
-                              f"{spec.kind!r} is a closure-mode fault")
         if spec.persistent or spec.params:
             raise ConfigError(f"{source}: fault {spec.text!r}: a live run's kill takes rank and step only (no "
                               "persistent, no node): it fires once, the launcher's SIGKILL")
@@ -115,6 +126,7 @@ def gradient_faults(faults: str | None) -> tuple[FaultSpec, ...]:
 
 def site_faults(faults: str | None) -> tuple[FaultSpec, ...]:
     """The ``bitflip``, ``scale``, ``stateflip`` and ``hang`` entries of the faults in force (``faults``: the config
-    key's text), and the checkpoint file faults (``corrupt``, ``truncate``, ``delete``): the rank's fault injector's."""
-    kinds = (*SITE_FAULT_KINDS, *CHECKPOINT_FAULT_KINDS)
+    key's text), the checkpoint file faults (``corrupt``, ``truncate``, ``delete``) and ``wipe``: the rank's fault
+    injector's."""
+    kinds = (*SITE_FAULT_KINDS, *CHECKPOINT_FAULT_KINDS, WIPE_FAULT_KIND)
     return tuple(spec for spec in active_faults(faults)[1] if spec.kind in kinds)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from datetime import timedelta
@@ -60,7 +61,9 @@ from trainguard.checkpoint.manager import CheckpointManager
 from trainguard.checkpoint.manifest import read_manifest
 from trainguard.checkpoint.memory_tier import DEFAULT_MEMORY_DIR, run_key
 from trainguard.checkpoint.save_policy import SaveDecision, decide_save
+from trainguard.checkpoint.local.paths import node_of
 from trainguard.events import EventLog
+from trainguard.faults import FaultInjector
 from trainguard.live.collective import EpochAborted, abort_key, watched
 from trainguard.live.local_tier import LiveLocalTier, ResumePoint, choose_live_resume
 from trainguard.live.quorum import Quorum
@@ -88,12 +91,13 @@ class LiveCheckpoints:
                  whole: Callable[[], AbstractContextManager[None]], state: LiveState, events: EventLog,
                  timeout: timedelta, beat: Callable[[], None], static_files: Callable[[Path], None] | None = None,
                  *, world: int, ranks_per_node: int, after_commit: Callable[[int, Path], None] | None = None,
-                 marks: ReduceMarks | None = None):
+                 marks: ReduceMarks | None = None, wipes: FaultInjector | None = None):
         self.config = config
         # the stall watch's marks (``live/stall.py``): a member stopped or hung inside a durable save takes its
         # group out at the stall bound, as inside a step's all-reduce, not at the heartbeat's ``hang_s``
         self.marks = marks
         self.after_commit = after_commit  # the drill's checkpoint file faults (the quorum's first member's commit)
+        self.wipes = wipes  # the drill's ``wipe`` of a node's local directory, after a local save (``_wipe``)
         per_rank = dict(rank=rank, world=world, group_size=group_size, ranks_per_node=ranks_per_node, events=events)
         self.memory = LiveLocalTier(
             run_dir, tier="memory", template=(config.memory_dir or DEFAULT_MEMORY_DIR).replace("{run}", run_key(run_dir)),
@@ -149,10 +153,11 @@ class LiveCheckpoints:
     def resume(self, quorum: Quorum, checkpoint: Path | None) -> int | None:
         """Every member of a job's first epoch: resumes from ``checkpoint`` (the durable one the launcher
         chose by ``checkpoint.resume`` before starting the ranks, verified again; None: none), or, with
-        ``checkpoint.resume: auto``, from the newest step every rank holds in its local or memory tier
-        when that is newer (``choose_live_resume``, on the members' verified steps gathered on the
-        checkpoint group). Returns the step, None for a fresh start. The per-rank tiers' newer steps are
-        dropped: a timeline the job does not continue."""
+        ``checkpoint.resume: auto``, from the newest step every shard holds in the local or memory tier
+        of one of its replicas at least when that is newer (``choose_live_resume``, on the members'
+        verified steps gathered on the checkpoint group), the members that lack it receiving it from a
+        replica first (``_receive_missing``). Returns the step, None for a fresh start. The per-rank tiers'
+        newer steps are dropped: a timeline the job does not continue."""
         mode = self.config.resume
         if checkpoint is not None:  # the managers load the launcher's choice, whatever the mode
             self.config = dataclasses.replace(self.config, resume=str(checkpoint))
@@ -160,8 +165,10 @@ class LiveCheckpoints:
         tiers = self._rank_tiers()
         if tiers and mode == "auto":
             point = choose_live_resume(point.step, self._watched(quorum, lambda: self._held(quorum, tiers),
-                                                                 "gathered its peers' local steps"))
+                                                                 "gathered its peers' local steps"), self.group_size)
         if point.tier != "durable":
+            if point.sources:
+                self._receive_missing(quorum, tiers[point.tier], point)
             self.state.load(tiers[point.tier].load(point.step))
             path = tiers[point.tier].dir / f"global_step_{point.step}"
             log.info("live run resumes from the %s tier's step %d (%s), newer than the durable checkpoint's (%s)",
@@ -190,12 +197,29 @@ class LiveCheckpoints:
                 tier.discard_newer(restored)
         return restored
 
-    def _held(self, quorum: Quorum, tiers: dict[str, LiveLocalTier]) -> dict[str, list[list[int]]]:
-        """Each member's verified steps of each per-rank tier, gathered on the checkpoint group."""
+    def _held(self, quorum: Quorum, tiers: dict[str, LiveLocalTier]) -> dict[str, dict[int, list[int]]]:
+        """Each member's verified steps of each per-rank tier (tier -> rank -> steps), gathered on the
+        checkpoint group."""
         self._manager(quorum)
         parts: list[dict[str, list[int]] | None] = [None] * len(quorum.members)
         dist.all_gather_object(parts, {name: tier.held() for name, tier in tiers.items()})
-        return {name: [part[name] for part in parts] for name in tiers}
+        return {name: {member: part[name] for member, part in zip(quorum.members, parts)} for name in tiers}
+
+    def _receive_missing(self, quorum: Quorum, tier: LiveLocalTier, point: ResumePoint) -> None:
+        """The members that lack the step the job resumes from receive it from their sources (replicas of
+        their shards: ``LiveLocalTier.exchange`` on the checkpoint group), before anyone loads it; the
+        quorum's first member says who received it from whom, each receiver what it received."""
+        started = time.perf_counter()
+        received = self._watched(quorum, lambda: tier.exchange(point.step, point.sources, quorum.index),
+                                 f"received the {tier.tier} tier's step {point.step} from its replicas")
+        source = dict(point.sources).get(self.rank)
+        if source is not None:
+            self.events.emit("local_recovered", step=point.step, bytes=received,
+                             seconds=time.perf_counter() - started, sources=[source], tier=tier.tier)
+        if quorum.index(self.rank) == 0:
+            log.info("live run: the %s tier's step %d received from a replica of the same shard by the ranks "
+                     "that lacked it: %s", tier.tier, point.step,
+                     ", ".join(f"rank {rank} from rank {replica}" for rank, replica in point.sources))
 
     def save(self, quorum: Quorum, step: int, health: dict | None = None, *, last_step: bool, stopping: bool) -> bool:
         """Saves ``step`` (the number of committed steps) to the tiers the policy names; every member of
@@ -214,7 +238,28 @@ class LiveCheckpoints:
             for tier, due in ((self.memory, decision.memory), (self.local, decision.local)):
                 if due:
                     tier.save(step, state)
+        if self.local is not None and self.wipes is not None and self.wipes.wipe_due(step) and not stopping \
+                and step % self.local.interval == 0:  # the local tier's schedule: every member's alike
+            self._wipe(quorum, step)
         return decision.durable
+
+    def _wipe(self, quorum: Quorum, step: int) -> None:
+        """The drill's ``wipe`` due after the local save of ``step``: the first member of the node it names
+        deletes the node's local directories, every member held at a barrier before (no rank is mid-write
+        as they go) and after (none runs on before they are gone). The async durable save in flight is
+        settled first: its thread's collectives run on the same group."""
+        self._settle(quorum, step)
+        self.local.wait()  # no retention thread deleting in a directory while it goes
+        first = min((member for member in quorum.members if node_of(member, self.local.ranks_per_node) == self.local.node),
+                    default=None)  # none: the node's ranks are all out of the quorum, nobody deletes
+
+        def wipe() -> None:
+            self._manager(quorum)
+            dist.barrier()
+            self.wipes.after_local_save(step, self.local.node, self.rank == first, self.local.node_dirs())
+            dist.barrier()
+
+        self._watched(quorum, wipe, f"held at the drill's wipe after step {step}")
 
     def _marked(self, quorum: Quorum, step: int, save: Callable[[], None]) -> None:
         """``save()`` between the stall watch's marks of the save of ``step``: every collective of it (the

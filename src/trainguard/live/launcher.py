@@ -43,7 +43,7 @@ from trainguard.errors import (EXIT_DATA_SKIP_ABORT, EXIT_OK, EXIT_RESUMABLE_STO
 from trainguard.events import EventLog
 from trainguard.forking import ForkedProcess, ForkServer, start_server, thread_count
 from trainguard.live import lifeline
-from trainguard.live.drill import live_drill
+from trainguard.live.drill import live_drill, local_tier_nodes
 from trainguard.live.files import events_path, newest_checkpoint
 from trainguard.live.group_reduce import SlotLayout
 from trainguard.live.lighthouse import STARTUP_S, Lighthouse
@@ -204,7 +204,9 @@ class LiveRun:
                               f"replica group (parallel.dp_shard × tp = {group_size}) with fault_tolerance.fsdp: the "
                               f"spares make replica groups' meshes as they start, and a lost group is replaced whole; "
                               f"got {tolerance.spares}")
-        faults = live_drill(config.faults, groups * group_size, config.train.steps, tolerance.spares)
+        faults = live_drill(config.faults, groups * group_size, config.train.steps, tolerance.spares,
+                            local_nodes=local_tier_nodes(config.checkpoint.local_interval, parallel.ranks_per_node,
+                                                         groups * group_size))
         return cls(groups=groups, group_size=group_size, tp=tp, steps=config.train.steps,
                    micro_batches=config.train.micro_batches, spares=tolerance.spares, hang_s=tolerance.hang_s,
                    startup_s=tolerance.startup_s, stall_s=tolerance.stall_s, stall_steps=tolerance.stall_steps,

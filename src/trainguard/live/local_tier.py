@@ -11,10 +11,15 @@ communication, so a quorum of any size saves: the local tier's per-rank files an
 (``local.writer.save_rank_step``: each file hashed as written, fsynced, the manifest last), under
 ``checkpoint.local_dir`` (``memory_dir``, in node memory) with the node of ``parallel.ranks_per_node``.
 ``fsdp_config.json`` records the live layout (world size, ranks per replica group): a step of another
-layout is not resumed from. The closure mode's buddy copies of the extra state, its repair of a rank's
-missing files from a replica and the memory tier's lazy copy by a writer process are not done here: a
-rank that lacks a step (its node's directory lost) makes the job resume from an older step or the
-durable tier.
+layout is not resumed from.
+
+The replica groups are replicas: a rank's files hold its shard (``shards.shard_of``) and the run state,
+which every member holds alike, so any replica's files of a step serve the ranks of its shard. A job
+resumes from the newest step every shard holds in one replica at least (``choose_live_resume``); a rank
+that lacks it (its node's directory lost, the drill's ``wipe``, a damaged file) first receives a
+replica's files of that step (``LiveLocalTier.exchange``, point to point over the checkpoint group),
+each checked against the replica's rank manifest as it is written. The closure mode's buddy copies of
+the extra state and the memory tier's lazy copy by a writer process are not done here.
 """
 
 from __future__ import annotations
@@ -22,21 +27,27 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from trainguard.checkpoint.local.exchange import read_for_sending, recv_bytes, send_bytes
 from trainguard.checkpoint.local.paths import FSDP_CONFIG_NAME, TORCH_VERSION_KEY, node_of, rank_file_names, resolve_local_dir
 from trainguard.checkpoint.local.reader import KINDS, rank_holdings
-from trainguard.checkpoint.local.writer import clean_rank_leftovers, prune, rank_steps, remove_rank_step, save_rank_step
+from trainguard.checkpoint.local.writer import (BytesMismatch, clean_rank_leftovers, commit_rank_manifest, prune,
+                                                 rank_steps, remove_rank_step, save_rank_step, uncommit,
+                                                 write_file_durably)
+from trainguard.checkpoint.manifest import FileEntry
 from trainguard.checkpoint.safe_load import safe_torch_load
 from trainguard.checkpoint.staging import serialised
 from trainguard.errors import CheckpointError
 from trainguard.events import EventLog
+from trainguard.fs.fsio import atomic_write_json, fsync_dir
 from trainguard.fs.layout import step_dir_name
+from trainguard.live.shards import shard_of
 from trainguard.run_secret import owner_only_dir
 
 log = logging.getLogger("trainguard")
@@ -47,21 +58,34 @@ LIVE_LAYOUT_KEY = "live"  # fsdp_config.json's record of the live layout a step 
 @dataclass(frozen=True)
 class ResumePoint:
     """Where a whole job resumes: ``tier`` ``"durable"`` (``step`` None: a fresh start), ``"memory"`` or
-    ``"local"``."""
+    ``"local"``; ``sources``: ``(rank, replica)`` for each rank that lacks the step, which receives it from
+    that replica of its shard first."""
     tier: str
     step: int | None
+    sources: tuple[tuple[int, int], ...] = ()
 
 
-def choose_live_resume(durable_step: int | None, held: dict[str, Sequence[Sequence[int]]]) -> ResumePoint:
-    """The newest step that every rank holds in one per-rank tier (``held``: tier -> each rank's verified
-    steps, the tiers in order of preference at an equal step), when it is newer than the durable
-    checkpoint's ``durable_step`` (None: there is none); else the durable checkpoint."""
+def choose_live_resume(durable_step: int | None, held: dict[str, Mapping[int, Sequence[int]]],
+                       group_size: int) -> ResumePoint:
+    """The newest step that every shard (``shard_of`` a rank, in replica groups of ``group_size``) holds in
+    one per-rank tier on one of its replicas at least (``held``: tier -> each member rank's verified steps,
+    the tiers in order of preference at an equal step), when it is newer than the durable checkpoint's
+    ``durable_step`` (None: there is none); else the durable checkpoint. A member that lacks the step gets
+    the lowest replica of its shard that holds it as its source."""
     best = ResumePoint("durable", durable_step)
     for tier, ranks in held.items():
-        common = set.intersection(*(set(steps) for steps in ranks)) if ranks else set()
-        newest = max(common, default=None)
+        by_shard: dict[int, set[int]] = {}
+        for rank, steps in ranks.items():
+            by_shard.setdefault(shard_of(rank, group_size), set()).update(steps)
+        newest = max(set.intersection(*by_shard.values()) if by_shard else set(), default=None)
         if newest is not None and (best.step is None or newest > best.step):
-            best = ResumePoint(tier, newest)
+            holders: dict[int, int] = {}
+            for rank in sorted(ranks):
+                if newest in ranks[rank]:
+                    holders.setdefault(shard_of(rank, group_size), rank)
+            sources = tuple((rank, holders[shard_of(rank, group_size)]) for rank in sorted(ranks)
+                            if newest not in ranks[rank])
+            best = ResumePoint(tier, newest, sources)
     return best
 
 
@@ -79,8 +103,11 @@ class LiveLocalTier:
                  world: int, group_size: int, ranks_per_node: int, events: EventLog):
         self.tier, self.interval, self.keep_last = tier, interval, keep_last
         self.rank, self.world, self.group_size, self.events = rank, world, group_size, events
-        self.dir = resolve_local_dir(template, run_dir, node=node_of(rank, ranks_per_node), rank=rank)
+        self.template, self.run_dir, self.ranks_per_node = template, run_dir, ranks_per_node
+        self.node = node_of(rank, ranks_per_node)
+        self.dir = resolve_local_dir(template, run_dir, node=self.node, rank=rank)
         self.layout = {"world_size": world, "group_size": group_size}
+        self.fsdp_config = {LIVE_LAYOUT_KEY: self.layout, TORCH_VERSION_KEY: torch.__version__}
         self.last_saved: int | None = None  # the step this rank last saved here (or resumed from)
         self._pruner: threading.Thread | None = None
         owner_only_dir(self.dir, f"the live {tier} tier's directory")
@@ -93,7 +120,7 @@ class LiveLocalTier:
         saved = save_rank_step(self.dir, step, rank=self.rank, world_size=self.world, model_state=state["model"],
                                optim_state=state["optimizer"],
                                extra_state=serialised({"step": step, **run_state(state)}), replica_extras={},
-                               fsdp_config={LIVE_LAYOUT_KEY: self.layout, TORCH_VERSION_KEY: torch.__version__})
+                               fsdp_config=self.fsdp_config)
         self.last_saved = step
         self.events.emit("local_saved", step=step, bytes=saved.bytes, seconds=saved.seconds, path=str(self.dir),
                          tier=self.tier)
@@ -136,6 +163,58 @@ class LiveLocalTier:
         self.last_saved = step
         return {"model": safe_torch_load(step_dir / names["model"]),
                 "optimizer": safe_torch_load(step_dir / names["optim"]), **run_state(extra)}
+
+    def node_dirs(self) -> list[Path]:
+        """The directories of this rank's node (every rank of it: ``{rank}`` in the template makes one each):
+        what the drill's ``wipe`` of the node deletes."""
+        return sorted({resolve_local_dir(self.template, self.run_dir, node=self.node, rank=rank)
+                       for rank in range(self.world) if node_of(rank, self.ranks_per_node) == self.node})
+
+    def exchange(self, step: int, sources: Sequence[tuple[int, int]], index_of: Callable[[int], int]) -> int:
+        """Collective over the default group (every member of the quorum; ``index_of``: a rank's place in
+        it): for each ``(rank, replica)`` of ``sources``, the replica sends its files of ``step`` and the rank
+        writes them as its own, each checked against the replica's rank manifest while it is written (bytes
+        that do not match never take the file's name) and fsynced, then commits them with its own rank
+        manifest. Returns the bytes this rank received."""
+        received = 0
+        for rank, replica in sources:
+            if self.rank == replica:
+                self._send(step, index_of(rank))
+            elif self.rank == rank:
+                received += self._receive(step, replica, index_of(replica))
+        return received
+
+    def _send(self, step: int, to: int) -> None:
+        step_dir = self.dir / step_dir_name(step)
+        own = rank_holdings(self.dir, self.world, self.rank, [step], hashed=False)[step].own  # hashed by ``held``
+        header = {kind: [own[kind].size, own[kind].checksum] for kind in KINDS}
+        send_bytes(bytearray(json.dumps(header).encode()), to, None)
+        for kind in KINDS:
+            send_bytes(read_for_sending(step_dir / own[kind].path), to, None)
+
+    def _receive(self, step: int, replica: int, source: int) -> int:
+        header = json.loads(bytes(recv_bytes(source, None)))
+        owner_only_dir(self.dir, f"the live {self.tier} tier's directory")  # a wiped node's directory comes back
+        step_dir = self.dir / step_dir_name(step)
+        step_dir.mkdir(exist_ok=True)
+        uncommit(step_dir, self.world, self.rank)
+        entries, received, mismatched = [], 0, []
+        for kind, name in rank_file_names(self.world, self.rank).items():
+            data = recv_bytes(source, None)  # every file received, a bad one too: the sender is not left waiting
+            size, checksum = header[kind]
+            try:
+                entries.append(write_file_durably(step_dir / name, lambda stream, data=data: stream.write(data),
+                                                  FileEntry(name, size, checksum)))
+            except BytesMismatch:
+                mismatched.append(name)
+            received += len(data)
+        if mismatched:  # the step stays uncommitted for this rank: its files are removed at its next start
+            raise CheckpointError(f"{step_dir / mismatched[0]}: the bytes received from rank {replica} for step "
+                                  f"{step} do not match its rank manifest's checksum")
+        atomic_write_json(step_dir / FSDP_CONFIG_NAME, self.fsdp_config)
+        commit_rank_manifest(step_dir, step, rank=self.rank, world_size=self.world, entries=entries)
+        fsync_dir(self.dir)
+        return received
 
     def discard_newer(self, step: int) -> None:
         """Drops this rank's steps after ``step``: a timeline the job did not continue."""

@@ -284,7 +284,7 @@ class LiveWorker:
             store, args.run_dir, checkpoint, rank, model, optimizer, self.group_size, self.layout.whole_state, self.state,
             self.events, self.collective_timeout, self.beat, static_files, world=args.world,
             ranks_per_node=rules.ranks_per_node or args.world, after_commit=self.site_faults.after_commit,
-            marks=self.reduce_marks)
+            marks=self.reduce_marks, wipes=self.site_faults)
         self.lifecycle = lifecycle  # this rank's stop reasons (its signals, the kill switch, the time limit)
         self.stop: LiveStop | None = None  # the quorum agreed to stop, and saved: no more steps
         self.step_failures = StepFailures(rules.max_step_failures)  # the current step's failed attempts in a row

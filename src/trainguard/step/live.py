@@ -37,7 +37,7 @@ from trainguard.config.load import with_overrides
 from trainguard.config.schema import RunConfig
 from trainguard.errors import ConfigError
 from trainguard.guards.sdc import sdc_config_from_env
-from trainguard.live.drill import gradient_faults, live_drill, site_faults
+from trainguard.live.drill import gradient_faults, live_drill, local_tier_nodes, site_faults
 from trainguard.live.fsdp_share import fsdp_modules
 from trainguard.live.rank import LiveRank
 from trainguard.live.state import loop_objects
@@ -132,7 +132,9 @@ def live_rank(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
     if Path(run_dir).resolve() != args.run_dir.resolve():
         raise ConfigError(f"Guard(run_dir={str(run_dir)!r}): the live launcher started this rank with --run-dir "
                           f"{str(args.run_dir)!r}; pass that one")
-    live_drill(config.faults, args.world, args.steps)  # the kill is the launcher's; anything else refused here
+    # checked as the launcher checks them (the kill is the launcher's)
+    live_drill(config.faults, args.world, args.steps,
+               local_nodes=local_tier_nodes(config.checkpoint.local_interval, config.parallel.ranks_per_node, args.world))
     if config.fault_tolerance.fsdp and not fsdp_modules(model):
         raise ConfigError("config key 'fault_tolerance.fsdp' is true but the model has no FSDP2 module: shard it with "
                           "fully_shard(module, mesh=trainguard.data_parallel_mesh()), or turn the key off (live mode "

@@ -36,7 +36,7 @@ def run_argv(run_dir: Path, *options: str) -> list[str]:
     (("--nproc", "4", "--config", str(CONFIG), "--set", "parallel.dp_replicate=1"),
      f"{CONFIG}: config key 'parallel.dp_replicate' must be ≥ 2 for a live run"),
     (("--nproc", "4", "--config", str(CONFIG), "--set", "faults=wipe:node=0,step=3"),
-     "config key 'faults': fault 'wipe:node=0,step=3': a live run drills 'kill:rank=R,step=S' (the live launcher"),
+     "config key 'faults': bad fault 'wipe:node=0,step=3': the local tier is off (set checkpoint.local_interval)"),
     # --launcher hosts: where the ranks run, taken; what it needs, checked before anything starts
     (("--nproc", "4", "--config", str(CONFIG), "--launcher", "hosts", "--hosts", "n1=127.0.0.1"),
      "--launcher hosts needs --hosts NAME=ADDRESS,... and --node-command TEMPLATE"),

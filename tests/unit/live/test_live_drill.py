@@ -13,7 +13,10 @@ import trainguard
 from trainguard.config import load_config
 from trainguard.errors import ConfigError
 from trainguard.faults.injector import ENV_VAR
-from trainguard.live.drill import gradient_faults, live_drill, site_faults
+from trainguard.faults.spec import KINDS
+from trainguard.live.drill import (CHECKPOINT_FAULT_KINDS, GRADIENT_FAULT_KINDS, LIVE_FAULT_KIND, SITE_FAULT_KINDS,
+                                   SPARE_FAULT_KIND, WIPE_FAULT_KIND, gradient_faults, live_drill, local_tier_nodes,
+                                   site_faults)
 from trainguard.live.launcher import LiveRun
 
 LIVE_LAYOUT = ["fault_tolerance.live=true", "parallel.dp_replicate=2", "parallel.dp_shard=2", "train.micro_batches=8",
@@ -38,11 +41,7 @@ def test_a_nodes_ranks_are_killed_together_and_the_environment_wins(monkeypatch)
 
 
 @pytest.mark.parametrize("faults, message", [
-    ("wipe:node=0,step=3", "fault 'wipe:node=0,step=3': a live run drills 'kill:rank=R,step=S' (the live launcher "
-                           "SIGKILLs the rank), 'miscompute' (in the spares' self-test), spike and nan (on a step's "
-                           "summed gradient), bitflip, scale, stateflip, hang (a module's value, a state tensor or the "
-                           "rank itself, on one rank) and corrupt, truncate, delete (a committed durable checkpoint's "
-                           "files); 'wipe' is a closure-mode fault"),
+    ("wipe:node=0,step=3", "bad fault 'wipe:node=0,step=3': the local tier is off (set checkpoint.local_interval)"),
     ("corrupt:step=21,file=*.distcp", "step must be between 1 and train.steps = 20"),
     ("hang:rank=4,step=3", "rank 4 is outside the world size 4"),
     ("hang:rank=1,step=3,node=node0", "a live run's hang names its rank; leave out node="),
@@ -87,8 +86,8 @@ def test_a_rank_in_live_mode_leaves_the_kill_to_the_launcher_and_refuses_any_oth
             "--micro-batches", "8"]
     config = load_config(None, ["fault_tolerance.live=true", "faults=kill:rank=3,step=5"])
     assert trainguard.Guard(tmp_path, model, optimizer, config=config, live_argv=argv).micro_batches == 8
-    monkeypatch.setenv(ENV_VAR, "wipe:node=0,step=3")
-    with pytest.raises(ConfigError, match=rf"^{ENV_VAR}: fault 'wipe:node=0,step=3': a live run drills 'kill:rank=R"):
+    monkeypatch.setenv(ENV_VAR, "wipe:node=0,step=3")  # the local tier is off in this config
+    with pytest.raises(ConfigError, match=rf"^{ENV_VAR}: bad fault 'wipe:node=0,step=3': the local tier is off"):
         trainguard.Guard(tmp_path, model, optimizer, config=config, live_argv=argv)
     monkeypatch.setenv(ENV_VAR, "spike:step=3")  # a gradient fault: the rank's own (tests/integration/test_live_guards.py)
     spiked = trainguard.Guard(tmp_path, model, optimizer, config=config, live_argv=argv)
@@ -116,3 +115,31 @@ def test_module_faults_are_one_ranks_own_and_reach_no_launcher_field():
     assert [(spec.kind, spec.rank, spec.step) for spec in site_faults(faults)] == [
         ("scale", 1, 4), ("bitflip", 2, 5), ("hang", 3, 6), ("corrupt", None, 7)]
     assert site_faults("spike:step=3; kill:rank=1,step=4") == ()
+
+
+def test_every_kind_of_the_faults_grammar_is_drilled_in_a_live_run():
+    """No kind is refused as the closure mode's only (the last one was ``wipe``): a kind added to the grammar
+    must be given its place in live mode too."""
+    live = {LIVE_FAULT_KIND, SPARE_FAULT_KIND, WIPE_FAULT_KIND, *GRADIENT_FAULT_KINDS, *SITE_FAULT_KINDS,
+            *CHECKPOINT_FAULT_KINDS}
+    assert live == set(KINDS)
+
+
+def test_a_wipe_is_the_ranks_own_and_names_a_node_of_the_local_tier():
+    """``wipe:node=N,step=S``: node N is the local tier's (``rank // parallel.ranks_per_node``), its first member of
+    the quorum deletes (``LiveCheckpoints``; tests/integration/test_live_durable.py); refused in one line when the
+    local tier is off or node N does not exist, by the launcher and by each rank."""
+    assert local_tier_nodes(2, 2, 4) == 2 and local_tier_nodes(2, None, 4) == 1 and local_tier_nodes(0, 2, 4) is None
+    assert live_drill("wipe:node=1,step=4", world=4, steps=20, local_nodes=2) == {}
+    assert [(spec.kind, spec.params, spec.step) for spec in site_faults("wipe:node=1,step=4")] == [
+        ("wipe", {"node": 1}, 4)]
+    with pytest.raises(ConfigError, match=r"^config key 'faults': bad fault 'wipe:node=2,step=4': node 2 does not "
+                                          r"exist \(nodes 0..1; see parallel.ranks_per_node\)$"):
+        live_drill("wipe:node=2,step=4", world=4, steps=20, local_nodes=2)
+    with pytest.raises(ConfigError, match=r"^config key 'faults': bad fault 'wipe:node=1,step=4': the local tier is "
+                                          r"off \(set checkpoint.local_interval\)$"):
+        live_drill("wipe:node=1,step=4", world=4, steps=20)
+    layout = [*LIVE_LAYOUT, "checkpoint.local_interval=2", "parallel.ranks_per_node=2"]
+    assert LiveRun.from_config(load_config(None, [*layout, "faults=wipe:node=1,step=4"])).kill_ranks == ()
+    with pytest.raises(ConfigError, match=r"bad fault 'wipe:node=2,step=4': node 2 does not exist"):
+        LiveRun.from_config(load_config(None, [*layout, "faults=wipe:node=2,step=4"]))

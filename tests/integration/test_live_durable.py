@@ -20,6 +20,8 @@ its configuration ``tests/helpers/live_loop.yaml`` with ``checkpoint: {save_inte
   verifies;
 - the local tier (``checkpoint.local_interval``) beside it: saved by each rank of the quorum while a group is
   out, and a whole job SIGKILLed after a step saved to the local tier only resumes from that step, bitwise;
+  a node wiped after its local save (the drill's ``wipe``) and the job ended: the rerun resumes from that
+  step all the same, the node's ranks receiving their files from replicas of their shards, bitwise;
 - the mirror (``checkpoint.mirror.url``, the suite's S3 server on loopback) of that run holds every
   committed checkpoint, the same files;
 - the live launcher alone (the store and the lighthouse: a child of the command, ``live.supervise``)

@@ -1,8 +1,8 @@
 """A live run's fault drill in the faults grammar (``trainguard.live.drill``): ``kill:rank=R,step=S``
 entries become the launcher's SIGKILL (``LiveRun.kill_ranks``, ``kill_at_step``), from the config key
-``faults`` or ``TRAINGUARD_FAULTS`` (which wins); anything else a live run does not drill is one error
-naming the source and the entry, on the launcher's side (``LiveRun.from_config``) and on a rank's
-(``Guard`` in live mode)."""
+``faults`` or ``TRAINGUARD_FAULTS`` (which wins); every other kind is the ranks' own (a ``wipe`` too, of a
+node of the local tier); an entry a live run does not drill is one error naming the source and the entry,
+on the launcher's side (``LiveRun.from_config``) and on a rank's (``Guard`` in live mode)."""
 
 from __future__ import annotations
 

@@ -60,9 +60,9 @@ WIPE_FAULT_KIND = "wipe"  # a node's local directory deleted after a local save,
 
 
 def local_tier_nodes(local_interval: int, ranks_per_node: int | None, world: int) -> int | None:
-    """The local tier's nodes (``parallel.ranks_per_node`` consecutive ranks each, one node when unset), as the
-    closure mode counts them; None when the local tier is off: what a ``wipe`` is checked against."""
-    return world // (ranks_per_node or world) if local_interval else None
+    """The local tier's nodes (``parallel.ranks_per_node`` consecutive ranks each, the last one maybe fewer; one
+    node when unset); None when the local tier is off: what a ``wipe`` is checked against."""
+    return -(-world // (ranks_per_node or world)) if local_interval else None
 
 
 def live_drill(faults: str | None, world: int, steps: int, spares: int | None = None, *,

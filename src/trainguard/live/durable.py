@@ -250,13 +250,13 @@ class LiveCheckpoints:
         settled first: its thread's collectives run on the same group."""
         self._settle(quorum, step)
         self.local.wait()  # no retention thread deleting in a directory while it goes
-        first = min((member for member in quorum.members if node_of(member, self.local.ranks_per_node) == self.local.node),
-                    default=None)  # none: the node's ranks are all out of the quorum, nobody deletes
+        node, ranks_per_node = self.local.node, self.local.ranks_per_node
+        first = min(member for member in quorum.members if node_of(member, ranks_per_node) == node)  # this rank's node's
 
         def wipe() -> None:
             self._manager(quorum)
             dist.barrier()
-            self.wipes.after_local_save(step, self.local.node, self.rank == first, self.local.node_dirs())
+            self.wipes.after_local_save(step, node, self.rank == first, self.local.node_dirs())
             dist.barrier()
 
         self._watched(quorum, wipe, f"held at the drill's wipe after step {step}")

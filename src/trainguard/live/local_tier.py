@@ -198,9 +198,9 @@ class LiveLocalTier:
         step_dir = self.dir / step_dir_name(step)
         step_dir.mkdir(exist_ok=True)
         uncommit(step_dir, self.world, self.rank)
-        entries, received, mismatched = [], 0, []
-        for kind, name in rank_file_names(self.world, self.rank).items():
-            data = recv_bytes(source, None)  # every file received, a bad one too: the sender is not left waiting
+        names, entries, received, mismatched = rank_file_names(self.world, self.rank), [], 0, []
+        for kind in KINDS:  # in the sender's order
+            name, data = names[kind], recv_bytes(source, None)  # every file received, a bad one too: the sender is not left waiting
             size, checksum = header[kind]
             try:
                 entries.append(write_file_durably(step_dir / name, lambda stream, data=data: stream.write(data),

@@ -130,6 +130,7 @@ def test_a_wipe_is_the_ranks_own_and_names_a_node_of_the_local_tier():
     the quorum deletes (``LiveCheckpoints``; tests/integration/test_live_durable.py); refused in one line when the
     local tier is off or node N does not exist, by the launcher and by each rank."""
     assert local_tier_nodes(2, 2, 4) == 2 and local_tier_nodes(2, None, 4) == 1 and local_tier_nodes(0, 2, 4) is None
+    assert local_tier_nodes(2, 8, 4) == 1 and local_tier_nodes(2, 3, 4) == 2  # a node of fewer ranks counts
     assert live_drill("wipe:node=1,step=4", world=4, steps=20, local_nodes=2) == {}
     assert [(spec.kind, spec.params, spec.step) for spec in site_faults("wipe:node=1,step=4")] == [
         ("wipe", {"node": 1}, 4)]

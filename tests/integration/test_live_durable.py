@@ -333,6 +333,7 @@ def test_a_new_run_directory_resumes_from_a_mirror_url_and_ends_bitwise(root, cl
     assert (f"live run resumes from {run_dir / 'checkpoints' / 'global_step_10'} "
             f"(checkpoint.resume: {mirror}/global_step_10)") in done.stdout
     assert [e["step"] for e in _events(run_dir, "live_resume")] == [10]
+    assert "unsupervised" not in done.stderr  # the restore's threads (the S3 client's) ended with its own process
     assert run_differences(clean, run_dir, WORLD) == {}
 
 

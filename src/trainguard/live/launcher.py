@@ -43,7 +43,7 @@ from trainguard.config.schema import RunConfig
 from trainguard.errors import (EXIT_DATA_SKIP_ABORT, EXIT_OK, EXIT_RESUMABLE_STOP, EXIT_STEP_FAILED, EXIT_USAGE,
                                ConfigError)
 from trainguard.events import EventLog
-from trainguard.forking import ForkedProcess, ForkServer, start_server, thread_count
+from trainguard.forking import ForkedProcess, ForkServer, call_in_fork, start_server, thread_count
 from trainguard.live import lifeline
 from trainguard.live.drill import live_drill
 from trainguard.live.files import events_path, newest_checkpoint
@@ -252,8 +252,8 @@ def resume_point(run: LiveRun, run_dir: Path) -> Path | None:
     ``--resume URL`` (``backup.restore.restore_for_resume``: the mirror's newest healthy full checkpoint, a
     newer local one still winning, or the step the URL names)."""
     mode = run.resume
-    if is_url(mode):
-        mode = restore_for_resume(mode, run_dir / "checkpoints", run.mirror_endpoint)
+    if is_url(mode):  # in a child: the S3 client's threads would keep the launcher from being supervised
+        mode = call_in_fork(restore_for_resume, mode, run_dir / "checkpoints", run.mirror_endpoint)
     return choose_resume_checkpoint(mode, run_dir / "checkpoints", warn=logging.getLogger("trainguard").warning)
 
 

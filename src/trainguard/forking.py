@@ -44,6 +44,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 Child = Callable[[bytes, list[int]], "int | None"]
 T = TypeVar("T")
+RETURNED, RAISED = "return", "raise"  # the kinds of a forked call's outcome (``pickled_outcome``)
 
 
 def thread_count() -> int:
@@ -76,17 +77,8 @@ def call_in_fork(function: Callable[..., T], *args: object) -> T:
     pid = os.fork()
     if pid == 0:
         os.close(read_end)
-        try:
-            outcome: tuple[bool, object] = (True, function(*args))
-        except BaseException as error:  # handed to the parent, which raises it as its own
-            outcome = (False, error)
-        try:
-            data = pickle.dumps(outcome)
-            pickle.loads(data)  # an exception whose arguments do not rebuild it goes as its text
-        except Exception:
-            data = pickle.dumps((False, RuntimeError(f"{type(outcome[1]).__name__}: {outcome[1]}")))
         with os.fdopen(write_end, "wb") as pipe:
-            pipe.write(data)
+            pipe.write(pickled_outcome(lambda: function(*args)))
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
@@ -97,10 +89,26 @@ def call_in_fork(function: Callable[..., T], *args: object) -> T:
     if not data:
         raise RuntimeError(f"the process forked to run {function.__name__} ended without a result "
                            f"(exit {os.waitstatus_to_exitcode(status)})")
-    returned, value = pickle.loads(data)  # written by this process's own fork
-    if not returned:
+    kind, value = pickle.loads(data)  # written by this process's own fork
+    if kind == RAISED:
         raise value
     return value
+
+
+def pickled_outcome(call: Callable[[], object]) -> bytes:
+    """``call()``'s outcome for the process that forked this one: ``(RETURNED, its result)`` or ``(RAISED, its
+    exception)`` pickled; an exception whose arguments do not rebuild it goes as a ``RuntimeError`` of its
+    text."""
+    try:
+        outcome: tuple[str, object] = (RETURNED, call())
+    except BaseException as error:  # handed to the parent, which raises it as its own
+        outcome = (RAISED, error)
+    try:
+        data = pickle.dumps(outcome)
+        pickle.loads(data)
+    except Exception:
+        data = pickle.dumps((RAISED, RuntimeError(f"{type(outcome[1]).__name__}: {outcome[1]}")))
+    return data
 
 
 def start_server(child: Child) -> ForkServer | None:

@@ -8,7 +8,8 @@ save's), a child finds a lock one of them held at that instant locked for ever. 
 a ``ForkServer`` while it still has one thread (``start_server`` checks it: ``thread_count``);
 the server forks a child per request, which runs ``child(message, fds)``, and tells the caller the
 child's pid and, later, its exit status: ``ForkedProcess`` is the part of ``subprocess.Popen`` that
-its users need (pid, poll, wait, kill, returncode).
+its users need (pid, poll, wait, kill, returncode). Work that would leave threads behind before such a
+fork (an object store client's event loop) runs in a child of its own (``call_in_fork``).
 
 The server ignores the stop signals (they reach every process of a job step; its owner decides what
 they mean), and ends when its owner does: at the end of its socket, or within ``PARENT_POLL_S`` of
@@ -22,6 +23,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import pickle
 import select
 import signal
 import socket
@@ -32,7 +34,7 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 PARENT_POLL_S = 0.05
 """How often the server checks that its owner is still there."""
@@ -41,6 +43,8 @@ MAX_MESSAGE = 1 << 20
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 Child = Callable[[bytes, list[int]], "int | None"]
+T = TypeVar("T")
+RETURNED, RAISED = "return", "raise"  # the kinds of a forked call's outcome (``pickled_outcome``)
 
 
 def thread_count() -> int:
@@ -58,6 +62,53 @@ def single_threaded(wait_s: float = 1.0) -> bool:
             return False
         time.sleep(0.005)
     return True
+
+
+def call_in_fork(function: Callable[..., T], *args: object) -> T:
+    """``function(*args)`` run in a child forked for it, its result returned (or its exception raised) here,
+    so that the threads it starts (an S3 client's event loop) end with the child and this process keeps one
+    thread for the forks it makes later (``start_server``, the live launcher's supervisor). A process that
+    has threads already runs ``function`` itself: a child forked from it could find a lock held for ever."""
+    if thread_count() != 1:
+        return function(*args)
+    read_end, write_end = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        with os.fdopen(write_end, "wb") as pipe:
+            pipe.write(pickled_outcome(lambda: function(*args)))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        data = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    if not data:
+        raise RuntimeError(f"the process forked to run {function.__name__} ended without a result "
+                           f"(exit {os.waitstatus_to_exitcode(status)})")
+    kind, value = pickle.loads(data)  # written by this process's own fork
+    if kind == RAISED:
+        raise value
+    return value
+
+
+def pickled_outcome(call: Callable[[], object]) -> bytes:
+    """``call()``'s outcome for the process that forked this one: ``(RETURNED, its result)`` or ``(RAISED, its
+    exception)`` pickled; an exception whose arguments do not rebuild it goes as a ``RuntimeError`` of its
+    text."""
+    try:
+        outcome: tuple[str, object] = (RETURNED, call())
+    except BaseException as error:  # handed to the parent, which raises it as its own
+        outcome = (RAISED, error)
+    try:
+        data = pickle.dumps(outcome)
+        pickle.loads(data)
+    except Exception:
+        data = pickle.dumps((RAISED, RuntimeError(f"{type(outcome[1]).__name__}: {outcome[1]}")))
+    return data
 
 
 def start_server(child: Child) -> ForkServer | None:

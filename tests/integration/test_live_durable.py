@@ -23,7 +23,8 @@ its configuration ``tests/helpers/live_loop.yaml`` with ``checkpoint: {save_inte
   a node wiped after its local save (the drill's ``wipe``) and the job ended: the rerun resumes from that
   step all the same, the node's ranks receiving their files from replicas of their shards, bitwise;
 - the mirror (``checkpoint.mirror.url``, the suite's S3 server on loopback) of that run holds every
-  committed checkpoint, the same files;
+  committed checkpoint, the same files; a new run directory with ``--resume <mirror>/global_step_10`` is
+  restored from it by the launcher and ends bitwise equal to the fault-free run;
 - the live launcher alone (the store and the lighthouse: a child of the command, ``live.supervise``)
   SIGKILLed after step 11: every rank exits 18, and the same command, without being run again, restarts
   the run from ``global_step_10`` and ends bitwise equal to the fault-free run (issue 35);
@@ -40,6 +41,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -288,17 +290,25 @@ def test_a_checkpoint_of_two_replica_groups_resumes_in_three_of_one_rank_bitwise
     assert read_manifest(run_dir / "checkpoints" / "global_step_16").mesh_shape == [3, 1]
 
 
-def test_saves_while_a_group_is_out_are_the_quorums_and_the_run_ends_bitwise(root, clean, s3, monkeypatch):
-    """Rank 3 SIGKILLed as it starts step 4 (the live drill; a cold replacement, seconds to start): the
-    saves while its group is out are made by the quorum then, each manifest naming the epoch's members,
-    and the run ends bitwise equal to the fault-free one (seen: step 5 saved by ranks [0, 1], mesh [1, 2];
-    whether the group is back by then is the replacement's start time's, so not asserted)."""
+@pytest.fixture(scope="module")
+def shrunk(root, s3) -> tuple[Path, str, subprocess.CompletedProcess]:
+    """Rank 3 SIGKILLed as it starts step 4, the durable tier mirrored to the S3 server: its run directory,
+    the mirror's URL, the command's outcome."""
     run_dir = root / "shrunk"
     mirror = f"s3://{s3.bucket}/shrunk"
     config = _config(root, keep_last=10, local_interval=2, mirror=mirror)
     done = finish_session(_start(run_dir, config, "--set", "faults=kill:rank=3,step=4", **s3.env()), TIMEOUT_S,
                           "the live run with a kill")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return run_dir, mirror, done
+
+
+def test_saves_while_a_group_is_out_are_the_quorums_and_the_run_ends_bitwise(clean, s3, shrunk, monkeypatch):
+    """Rank 3 SIGKILLed as it starts step 4 (the live drill; a cold replacement, seconds to start): the
+    saves while its group is out are made by the quorum then, each manifest naming the epoch's members,
+    and the run ends bitwise equal to the fault-free one (seen: step 5 saved by ranks [0, 1], mesh [1, 2];
+    whether the group is back by then is the replacement's start time's, so not asserted)."""
+    run_dir, mirror, done = shrunk
     assert "ranks replaced: [3]" in done.stdout
     quorums = {e["epoch"]: e["members"] for e in _events(run_dir, "live_quorum")}
     manifests = [read_manifest(info.path) for info in list_checkpoints(run_dir / "checkpoints") if info.committed]
@@ -328,6 +338,30 @@ def test_saves_while_a_group_is_out_are_the_quorums_and_the_run_ends_bitwise(roo
     assert sorted(mirrored) == steps, (sorted(mirrored), _events(run_dir, "mirror_failed"))
     assert all(mirrored[m.step].files == m.files for m in manifests)
     assert sorted(e["step"] for e in _events(run_dir, "checkpoint_mirrored")) == steps
+    assert run_differences(clean, run_dir, WORLD) == {}
+
+
+def test_a_new_run_directory_resumes_from_a_mirror_url_and_ends_bitwise(root, clean, s3, shrunk):
+    """``--resume URL`` (``checkpoint.resume``: a mirror URL, as after the run directory's disk was lost): the
+    launcher restores the step the URL names from the mirror into the new run directory (verified, as restart
+    mode's ``--resume URL``), the ranks resume from it, and the run ends bitwise equal to the fault-free one.
+    A step the mirror does not hold is one line and exit 4, no rank started, nothing committed."""
+    _, mirror, _ = shrunk
+    run_dir = root / "from_mirror"
+    missing = finish_session(_start(run_dir, _config(root), "--resume", f"{mirror}/global_step_7", **s3.env()),
+                             TIMEOUT_S, "the live run from a step the mirror lacks")
+    assert missing.returncode == 4, missing.stdout[-3000:] + missing.stderr[-3000:]
+    [line] = [line for line in missing.stderr.splitlines() if "error" in line]
+    assert f"{mirror}: no complete global_step_7 in the mirror (complete steps: 5, 10, 15, 16)" in line or (
+        f"{mirror}: no complete global_step_7 in the mirror (complete steps: 10, 15, 16)" in line), line
+    assert not events_path(run_dir).exists() and not (run_dir / "checkpoints").exists()
+    done = finish_session(_start(run_dir, _config(root), "--resume", f"{mirror}/global_step_10", **s3.env()),
+                          TIMEOUT_S, "the live run resumed from the mirror")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (f"live run resumes from {run_dir / 'checkpoints' / 'global_step_10'} "
+            f"(checkpoint.resume: {mirror}/global_step_10)") in done.stdout
+    assert [e["step"] for e in _events(run_dir, "live_resume")] == [10]
+    assert "unsupervised" not in done.stderr  # the restore's threads (the S3 client's) ended with its own process
     assert run_differences(clean, run_dir, WORLD) == {}
 
 

@@ -121,3 +121,35 @@ def test_a_childs_own_finalizers_run_at_its_exit_and_the_owners_do_not(tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "child").read_text() == "finalized"
     assert len(list(tmp_path.glob("owner-*"))) == 1  # at the owner's exit only, not at the child's
+
+
+CALL_IN_FORK = r"""
+import json, sys, threading
+from trainguard.errors import NoCheckpointError
+from trainguard.forking import call_in_fork, thread_count
+
+def leaves_a_thread(value):
+    threading.Thread(target=threading.Event().wait, daemon=True).start()  # as an S3 client's event loop
+    return value * 2
+
+def refuses(path):
+    raise NoCheckpointError(f"{path}: no complete global_step_7 in the mirror")
+
+result = {"value": call_in_fork(leaves_a_thread, 21), "threads": thread_count()}
+try:
+    call_in_fork(refuses, "s3://b/p")
+except NoCheckpointError as error:
+    result["error"] = [type(error).__name__, str(error), error.exit_code]
+print(json.dumps(result))
+"""
+
+
+def test_call_in_fork_returns_the_childs_result_raises_its_error_and_keeps_this_process_one_thread():
+    """``call_in_fork`` (the live launcher's restore from a mirror): a thread the function leaves behind ends
+    with its child, so the caller can still fork its launcher; the child's exception, its exit code kept, is
+    raised in the caller."""
+    done = subprocess.run([sys.executable, "-c", CALL_IN_FORK], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": SRC})
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"value": 42, "threads": 1,
+                                       "error": ["NoCheckpointError", "s3://b/p: no complete global_step_7 in the mirror", 4]}

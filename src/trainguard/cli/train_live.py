@@ -2,9 +2,8 @@
 live launcher (``trainguard.trainer.live``), which keeps the surviving replica groups stepping through a
 rank's failure instead of restarting the job (docs/live_recovery.md).
 
-What the live path does not do is refused before anything starts, with one line naming it: the keys of
-the closure mode's sections (checkpoints, guards, lifecycle) that live mode does not run
-(``step.live.refuse_closure_mode_keys``), ``model.init_from``, the supervisor's options (the live
+What the live path does not do is refused before anything starts, with one line naming it:
+``model.init_from``, the supervisor's options (the live
 launcher replaces the supervisor) but where the ranks run (``--launcher hosts|slurm``, ``--hosts``,
 ``--node-command``: ``on_nodes``), a layout that is not whole replicas and a fault other than the live
 drill's (``LiveRun.from_config``). ``trainguard run``'s live path (``cli.run_live``)
@@ -29,7 +28,6 @@ from trainguard.runtime import early_signals
 from trainguard.runtime.hosts import HostNodes, address_toward, parse_hosts
 from trainguard.runtime.lifecycle import REASON_NAMES, SIGNAL
 from trainguard.runtime.nodes import SlurmNodes
-from trainguard.step.live import refuse_closure_mode_keys
 from trainguard.topology import resolve_layout
 from trainguard.trainer.arguments import config_arguments
 
@@ -53,7 +51,6 @@ def live_layout(args: argparse.Namespace, config: RunConfig, source: str, allowe
     """The live run of ``--nproc`` ranks the configuration describes, each running ``program`` (LiveRun's
     ``entry``, ``executable``), its drill the faults in force; or a ``ConfigError`` naming what the live
     path does not do (a supervisor option but ``allowed``'s)."""
-    refuse_closure_mode_keys(config, source)
     refuse_supervisor_options(args, allowed)
     layout = resolve_layout(config.parallel, args.nproc)
     config.parallel.dp_shard = layout.dp_shard  # the ranks of a replica group, derived from --nproc as usual

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from trainguard.backup.restore import restore_for_resume
+from trainguard.backup.url import is_url
 from trainguard.checkpoint.manifest import read_manifest
 from trainguard.checkpoint.resume import choose_resume_checkpoint
 from trainguard.checkpoint.writer_process import start_writer_fork_server
@@ -41,7 +43,7 @@ from trainguard.config.schema import RunConfig
 from trainguard.errors import (EXIT_DATA_SKIP_ABORT, EXIT_OK, EXIT_RESUMABLE_STOP, EXIT_STEP_FAILED, EXIT_USAGE,
                                ConfigError)
 from trainguard.events import EventLog
-from trainguard.forking import ForkedProcess, ForkServer, start_server, thread_count
+from trainguard.forking import ForkedProcess, ForkServer, call_in_fork, start_server, thread_count
 from trainguard.live import lifeline
 from trainguard.live.drill import live_drill, local_tier_nodes
 from trainguard.live.files import events_path, newest_checkpoint
@@ -139,8 +141,10 @@ class LiveRun:
     entry: tuple[str, ...] = ("-m", "trainguard.live.workload")
     executable: str = sys.executable
     # where the job resumes (``checkpoint.resume``): "auto" (the newest verified durable checkpoint of the
-    # run directory, or a fresh start when it has none), "disable", or a ``global_step_N`` directory
+    # run directory, or a fresh start when it has none), "disable", a ``global_step_N`` directory, or a mirror
+    # URL (``resume_point`` restores from it first)
     resume: str = "auto"
+    mirror_endpoint: str | None = None  # checkpoint.mirror.endpoint_url: the S3 endpoint of a mirror URL in ``resume``
     # (NAME, VALUE) pairs added to each rank's environment (``trainguard run``'s ``--set`` items for the
     # ranks' ``Guard``), never to the launcher's own
     rank_env: tuple[tuple[str, str], ...] = ()
@@ -212,7 +216,8 @@ class LiveRun:
                    startup_s=tolerance.startup_s, stall_s=tolerance.stall_s, stall_steps=tolerance.stall_steps,
                    collective_timeout_s=tolerance.collective_timeout_s, doctor_spares=tolerance.doctor_spares,
                    max_start_failures=tolerance.max_start_failures,
-                   resume=config.checkpoint.resume, kill_switch=config.lifecycle.kill_switch_path, fsdp=tolerance.fsdp,
+                   resume=config.checkpoint.resume, mirror_endpoint=config.checkpoint.mirror.endpoint_url,
+                   kill_switch=config.lifecycle.kill_switch_path, fsdp=tolerance.fsdp,
                    **{**faults, **drill})
 
 
@@ -244,8 +249,14 @@ class LiveResult:
 
 def resume_point(run: LiveRun, run_dir: Path) -> Path | None:
     """The durable checkpoint the job starts from (``run.resume``), verified; a ``NoCheckpointError``
-    (exit 4) when committed checkpoints exist and none qualifies, as in restart mode."""
-    return choose_resume_checkpoint(run.resume, run_dir / "checkpoints", warn=logging.getLogger("trainguard").warning)
+    (exit 4) when committed checkpoints exist and none qualifies, as in restart mode. A mirror URL
+    (``s3://bucket/prefix[/global_step_N]``) is restored into the run directory first, as restart mode's
+    ``--resume URL`` (``backup.restore.restore_for_resume``: the mirror's newest healthy full checkpoint, a
+    newer local one still winning, or the step the URL names)."""
+    mode = run.resume
+    if is_url(mode):  # in a child: the S3 client's threads would keep the launcher from being supervised
+        mode = call_in_fork(restore_for_resume, mode, run_dir / "checkpoints", run.mirror_endpoint)
+    return choose_resume_checkpoint(mode, run_dir / "checkpoints", warn=logging.getLogger("trainguard").warning)
 
 
 def _spawn(run: LiveRun, rank: int, store: SignedStore, run_dir: Path, rejoin: bool, node: str | None,

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from trainguard.events import EventLog
-from trainguard.forking import single_threaded
+from trainguard.forking import RAISED, pickled_outcome, single_threaded
 from trainguard.live.files import events_path
 from trainguard.live.launcher import LiveResult, LiveRun, launch, resume_point
 from trainguard.runtime.lifecycle import ENV_JOB_START, STOP_SIGNALS, job_start_time
@@ -67,7 +67,7 @@ def _supervised(run_dir: Path, run: LiveRun) -> LiveResult:
         outcome, code, lost_at = _launch_in_child(run_dir, run)
         if outcome is not None:
             kind, value = outcome
-            if kind == "raise":
+            if kind == RAISED:
                 raise value
             return value
         if restarts == RESTARTS:
@@ -98,18 +98,8 @@ def _launch_in_child(run_dir: Path, run: LiveRun) -> tuple[tuple[str, object] | 
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != supervisor:  # the supervisor died before the line above took effect
             os._exit(1)
-        try:
-            outcome = ("return", launch(run_dir, run))
-        except BaseException as error:  # handed to the supervisor, which raises it as its own
-            outcome = ("raise", error)
-        # a pipe between this process and its own fork: nothing foreign writes it
-        try:
-            data = pickle.dumps(outcome)
-            pickle.loads(data)  # an exception whose arguments do not rebuild it goes as its text
-        except Exception:
-            data = pickle.dumps(("raise", RuntimeError(f"{type(outcome[1]).__name__}: {outcome[1]}")))
-        with os.fdopen(write_end, "wb") as pipe:
-            pipe.write(data)
+        with os.fdopen(write_end, "wb") as pipe:  # a pipe between this process and its own fork
+            pipe.write(pickled_outcome(lambda: launch(run_dir, run)))
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

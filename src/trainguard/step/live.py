@@ -8,7 +8,7 @@ failed group's micro-batches); the model, the optimizer, the guards' counters, t
 and the loop's ``stateful`` objects are the whole state of the run (``live/state.py``). Live mode runs the
 durable tier (``live/durable.py``: its interval, retention, resume, async and writer keys), the local and
 memory tiers (``live/local_tier.py``), the mirror of durable checkpoints (``checkpoint.mirror.*``; a mirror
-URL to resume from is refused), data skip and the skip streak (``live/step_judge.py``: the closure mode's
+URL to resume from is restored by the launcher: ``live.launcher.resume_point``), data skip and the skip streak (``live/step_judge.py``: the closure mode's
 plugins and ``decide``; ``guards.skip.*``, ``guards.max_consecutive_skips``), rollback mode (the same plugins:
 ``guards.check_for_global_norm``, ``guards.rollback.*``; its skipped data positions: ``live/data_positions.py``), SDC detection with its rerun (``live/sdc.py``: ``guards.sdc.*``), replica
 fingerprints (``live/fingerprint.py``: ``guards.fingerprint.*``), checkpoint health and the embedding
@@ -16,7 +16,7 @@ monitor (``LiveWorker.health``: ``guards.health.*``, ``guards.monitor``), the ki
 (``LiveWorker.stop_here``), the heartbeat files (``lifecycle.heartbeats``), each rank's per-parameter local
 gradient norms (``guards.local_norm``) and the closure mode's step line every ``train.log_interval`` steps (by the
 quorum's first member), and writes ``hf_config`` (and the tokenizer) into every durable checkpoint: every key of
-the ``checkpoint``, ``guards`` and ``lifecycle`` sections but a mirror URL to resume from. A mesh other than the replica group's and pipeline stages are refused, never ignored. The
+the ``checkpoint``, ``guards`` and ``lifecycle`` sections. A mesh other than the replica group's and pipeline stages are refused, never ignored. The
 faults in force may only be the live drill (``trainguard.live.drill``: the launcher's kill, the
 ranks' gradient, module, state, hang and checkpoint faults), which the rank checks.
 """
@@ -64,14 +64,6 @@ def closure_only(call: str) -> ConfigError:
                        "runs in both modes (docs/library.md)")
 
 
-def refuse_closure_mode_keys(config: RunConfig, source: str = "<config>") -> None:
-    """One error when ``checkpoint.resume`` is a mirror URL (live mode mirrors, but does not restore)."""
-    if "://" in config.checkpoint.resume:
-        raise ConfigError(f"{source}: config key 'checkpoint.resume' is a mirror URL ({config.checkpoint.resume}), "
-                          "which live mode does not restore from (its launcher resumes from the run directory); restore it with trainguard "
-                          "ckpt, then resume from the run directory")
-
-
 def with_launcher_overrides(config: RunConfig, environ: Mapping[str, str]) -> RunConfig:
     """``config`` with the live launcher's ``--set`` items (``LAUNCHER_OVERRIDES_ENV`` in ``environ``)
     applied as ``load_config`` applies them (``config.load.with_overrides``); ``config`` itself when there
@@ -107,7 +99,7 @@ def live_rank(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
               stateful: Mapping[str, Stateful] | None = None,
               embedding: torch.nn.Parameter | None = None, tokens_per_step: int | None = None) -> LiveRank:
     """This process's rank of the live run, after refusing what live mode would not do: ``unsupported``
-    (the ``Guard`` arguments given that it cannot honour), a mirror URL to resume from, a process the live launcher did not start, a run directory that
+    (the ``Guard`` arguments given that it cannot honour), a process the live launcher did not start, a run directory that
     is not the launcher's, or faults in force other than the launcher's drill. ``argv``: the command line with the
     launcher's flags (default ``sys.argv[1:]``). ``static_files``: writes ``huggingface/`` into each durable
     checkpoint. ``scheduler`` (any, stepped with each applied update) and ``stateful`` (the loop's objects)
@@ -118,7 +110,6 @@ def live_rank(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
         raise ConfigError(f"Guard({', '.join(f'{name}=...' for name in unsupported)}): not supported with "
                           "fault_tolerance.live: true (live mode shards a replica group's parameters itself and does "
                           "not do the others: docs/live_recovery.md, \"Not done yet\")")
-    refuse_closure_mode_keys(config)
     if embedding is None and (config.guards.health.enabled or config.guards.monitor):
         key = "guards.health.enabled" if config.guards.health.enabled else "guards.monitor"
         raise ConfigError(f"config key {key!r}: the model has no input embedding whose gradient norm it would read; "

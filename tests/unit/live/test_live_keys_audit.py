@@ -8,8 +8,9 @@ streak, SDC detection, checkpoint health, the embedding monitor, ``train.exit_at
 and the time limit), or the reference trainer's (``trainer/live.py`` builds its model and
 optimizer from the whole ``model`` and ``optim`` sections with the closure mode's builders, and reads
 each ``data`` key); a changed value must change what they build. Refused keys, each set alone to a value
-other than its default, must stop ``trainguard train``'s live path (``cli.train_live.live_run``, which
-also holds ``Guard``'s refusals, ``step.live.refuse_closure_mode_keys``) with one line naming the key.
+other than its default, must stop ``trainguard train``'s live path (``cli.train_live.live_run``) with one line naming the key:
+only ``model.init_from``, ``parallel.pp`` and ``parallel.tp`` are left (every key of ``checkpoint``, ``guards``
+and ``lifecycle`` is honoured).
 ``optim.grad_clip`` and ``train.seed`` are honoured end to end in ``tests/integration/test_live_config_keys.py``."""
 
 from __future__ import annotations

@@ -189,8 +189,6 @@ def test_live_mode_takes_hf_config_for_its_durable_checkpoints_and_the_alias_is_
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--resume", "s3://bucket/run"], "--set: config key 'checkpoint.resume' is a mirror URL (s3://bucket/run), which "
-                                      "live mode does not restore from"),
     (["--max-restarts", "1"], "--max-restarts: a supervisor option; with fault_tolerance.live: true the live launcher"),
     (["--set", "parallel.dp_replicate="], "--set: config key 'parallel.dp_replicate' must be ≥ 2 for a live run"),
     # --launcher hosts and slurm are taken (where the ranks run), and checked before anything starts

@@ -271,6 +271,10 @@ class LiveCheckpoints:
         if self.marks is not None:
             self.marks.saved(quorum.epoch, step)
 
+    def saves_durable(self, step: int, *, last_step: bool, stopping: bool) -> bool:
+        """Whether :meth:`save` with these arguments saves to the durable tier (every member's answer alike)."""
+        return self._due(step, last_step=last_step, stopping=stopping).durable
+
     def _due(self, step: int, *, last_step: bool, stopping: bool) -> SaveDecision:
         return decide_save(step, save_interval=self.config.save_interval,
                            local_interval=self.local.interval if self.local is not None else 0,

@@ -510,8 +510,9 @@ class LiveWorker:
             self.stop_here(reason)
         elif self.checkpoints is not None:
             began = time.perf_counter()
-            saved = self.checkpoints.save(quorum, self.step_index, self.health(), last_step=self.step_index == self.steps,
-                                          stopping=False)
+            last_step = self.step_index == self.steps
+            saved = self.checkpoints.save(quorum, self.step_index, self.save_health(last_step=last_step, stopping=False),
+                                          last_step=last_step, stopping=False)
             if saved and self.lifecycle is not None:  # the time limit keeps room for one step and one save
                 self.lifecycle.note_save(time.perf_counter() - began)
         if (self.checkpoint_every and self.step_index % self.checkpoint_every == 0
@@ -609,6 +610,16 @@ class LiveWorker:
         committed = self.committed
         return save_health(self.rules.health, committed.embedding_norm if committed is not None else None)
 
+    def save_health(self, *, last_step: bool, stopping: bool) -> dict | None:
+        """The health the save of the committed steps records: :meth:`health`; before a durable save with
+        ``guards.fingerprint`` on, merged with the replicas' check (``LiveFingerprints.before_save``: an
+        attributed replica repaired first, the closure mode's verdict on the state). Collective when it checks."""
+        health = self.health()
+        if self.fingerprints is None or not self.checkpoints.saves_durable(self.step_index, last_step=last_step,
+                                                                           stopping=stopping):
+            return health
+        return self.fingerprints.before_save(self.group, self.quorum, self.step_index, self.wait, health)
+
     def settle_saves(self) -> None:
         """Before an abort ends every member at the same step: the durable save in flight committed."""
         if self.checkpoints is not None and self.quorum is not None:
@@ -621,7 +632,8 @@ class LiveWorker:
         step = self.step_index
         if self.checkpoints is not None:
             began = time.perf_counter()
-            self.checkpoints.save(self.quorum, step, self.health(), last_step=False, stopping=True)
+            self.checkpoints.save(self.quorum, step, self.save_health(last_step=False, stopping=True), last_step=False,
+                                  stopping=True)
             if self.lifecycle is not None:
                 self.lifecycle.note_save(time.perf_counter() - began)
         last_checkpoint = self.checkpoints.last_saved if self.checkpoints is not None else None

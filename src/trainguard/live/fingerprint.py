@@ -11,7 +11,9 @@ alike (``compare_replicas``, the closure mode's rule: the majority, or the repli
 against one that did not). An attributed replica is repaired by one broadcast of an agreeing replica's
 state (``transfer.repair_from``), before the step computes anything with it; a disagreement nothing
 attributes (two replicas, neither changed at rest: the corruption entered an update) is logged and
-reported, not repaired (docs/live_recovery.md, "Not done yet").
+reported, not repaired (docs/live_recovery.md, "Not done yet"). Before each durable save the same
+comparison runs again (``before_save``, the closure mode's ``StateGuard.before_save``), and the save's
+health says what it left unrepaired.
 """
 
 from __future__ import annotations

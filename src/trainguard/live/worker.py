@@ -510,9 +510,8 @@ class LiveWorker:
             self.stop_here(reason)
         elif self.checkpoints is not None:
             began = time.perf_counter()
-            last_step = self.step_index == self.steps
-            saved = self.checkpoints.save(quorum, self.step_index, self.save_health(last_step=last_step, stopping=False),
-                                          last_step=last_step, stopping=False)
+            saved = self.checkpoints.save(quorum, self.step_index, self.health(), last_step=self.step_index == self.steps,
+                                          stopping=False, check=self.replica_check())
             if saved and self.lifecycle is not None:  # the time limit keeps room for one step and one save
                 self.lifecycle.note_save(time.perf_counter() - began)
         if (self.checkpoint_every and self.step_index % self.checkpoint_every == 0
@@ -610,15 +609,14 @@ class LiveWorker:
         committed = self.committed
         return save_health(self.rules.health, committed.embedding_norm if committed is not None else None)
 
-    def save_health(self, *, last_step: bool, stopping: bool) -> dict | None:
-        """The health the save of the committed steps records: :meth:`health`; before a durable save with
-        ``guards.fingerprint`` on, merged with the replicas' check (``LiveFingerprints.before_save``: an
-        attributed replica repaired first, the closure mode's verdict on the state). Collective when it checks."""
-        health = self.health()
-        if self.fingerprints is None or not self.checkpoints.saves_durable(self.step_index, last_step=last_step,
-                                                                           stopping=stopping):
-            return health
-        return self.fingerprints.before_save(self.group, self.quorum, self.step_index, self.wait, health)
+    def replica_check(self) -> Callable[[dict | None], dict | None] | None:
+        """The check before a durable save of the committed steps (``guards.fingerprint`` on): the replicas
+        compared, an attributed one repaired, the save's health merged as the closure mode's
+        (``LiveFingerprints.before_save``); None when fingerprints are off."""
+        if self.fingerprints is None:
+            return None
+        fingerprints, quorum, step = self.fingerprints, self.quorum, self.step_index
+        return lambda health: fingerprints.before_save(self.group, quorum, step, self.wait, health)
 
     def settle_saves(self) -> None:
         """Before an abort ends every member at the same step: the durable save in flight committed."""
@@ -632,8 +630,8 @@ class LiveWorker:
         step = self.step_index
         if self.checkpoints is not None:
             began = time.perf_counter()
-            self.checkpoints.save(self.quorum, step, self.save_health(last_step=False, stopping=True), last_step=False,
-                                  stopping=True)
+            self.checkpoints.save(self.quorum, step, self.health(), last_step=False, stopping=True,
+                                  check=self.replica_check())
             if self.lifecycle is not None:
                 self.lifecycle.note_save(time.perf_counter() - began)
         last_checkpoint = self.checkpoints.last_saved if self.checkpoints is not None else None

@@ -38,9 +38,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainguard.guards.health import Health, marked_unhealthy
+from trainguard.guards.health import marked_unhealthy
 from trainguard.guards.fingerprint import FingerprintConfig, FingerprintVerdict, Mismatch, ReplicaFingerprints
-from trainguard.guards.state_health import NamedTensors, local_state, merge_health, nonfinite_state, poisoned_health
+from trainguard.guards.state_health import NamedTensors, local_state, nonfinite_state, state_save_health
 
 # strike(step, evidence) -> whether this rank's device is now faulty
 Strike = Callable[[int, dict[str, Any]], bool]
@@ -190,12 +190,7 @@ class StateGuard:
         if dist.is_initialized():
             dist.all_reduce(counts)
         nonfinite, unrepaired, disagreeing = counts.tolist()
-        verdicts = [health, poisoned_health(nonfinite, bad)]
-        if unrepaired:
-            # a shard that changed at rest with no replica to repair it, or replicas that disagree
-            reason = "replicas disagree" if disagreeing else "state changed at rest"
-            verdicts.append({"is_health": int(Health.UNHEALTHY), "reason": reason, "fingerprint_groups": unrepaired})
-        merged = merge_health(*verdicts)
+        merged = state_save_health(health, nonfinite, bad, unrepaired, disagreeing)
         if marked_unhealthy(merged):
             self.log.error("checkpoint of step %d is unhealthy and will not be resumed from: %s", step,
                            {k: v for k, v in merged.items() if k != "is_health"})

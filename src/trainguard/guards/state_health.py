@@ -81,3 +81,16 @@ def merge_health(*verdicts: dict[str, Any] | None) -> dict[str, Any] | None:
         merged.update(verdict)
     merged["is_health"] = int(Health.UNHEALTHY if any(marked_unhealthy(v) for v in given) else Health.HEALTHY)
     return merged
+
+
+def state_save_health(health: dict[str, Any] | None, nonfinite: int, names: Sequence[str], unrepaired: int,
+                      disagreeing: int) -> dict[str, Any] | None:
+    """A save's health (``before_save``, the closure's and the live mode's): ``health`` (the embedding
+    norm's verdict) merged with the state's: ``nonfinite`` tensors holding a NaN/Inf over all ranks
+    (``names``: this rank's), ``unrepaired`` ranks holding a mismatch no replica repaired, of them
+    ``disagreeing`` from replicas that disagree (the rest changed at rest with no replica)."""
+    verdicts = [health, poisoned_health(nonfinite, names)]
+    if unrepaired:
+        reason = "replicas disagree" if disagreeing else "state changed at rest"
+        verdicts.append({"is_health": int(Health.UNHEALTHY), "reason": reason, "fingerprint_groups": unrepaired})
+    return merge_health(*verdicts)

@@ -221,16 +221,23 @@ class LiveCheckpoints:
                      "that lacked it: %s", tier.tier, point.step,
                      ", ".join(f"rank {rank} from rank {replica}" for rank, replica in point.sources))
 
-    def save(self, quorum: Quorum, step: int, health: dict | None = None, *, last_step: bool, stopping: bool) -> bool:
+    def save(self, quorum: Quorum, step: int, health: dict | None = None, *, last_step: bool, stopping: bool,
+             check: Callable[[dict | None], dict | None] | None = None) -> bool:
         """Saves ``step`` (the number of committed steps) to the tiers the policy names; every member of
         the quorum calls it at the same boundary, with the same ``health`` (``guards.health``: the record of
         the manifest and ``health_ckpts.json``, None when not monitored). True when the durable tier saved. An async durable
         save returns once staged; the job's last save and a stop's return once committed, as does one
-        of them already saved and still in flight. The per-rank tiers write this rank's state now."""
+        of them already saved and still in flight. The per-rank tiers write this rank's state now. ``check``:
+        the replicas' check before a durable save (``LiveFingerprints.before_save``, a collective), given
+        ``health``, its answer the health recorded; inside the stall watch's marks of the save, its failure
+        the save's."""
         decision = self._due(step, last_step=last_step, stopping=stopping)
         if decision.durable:
-            self._marked(quorum, step, lambda: self._save_durable(quorum, step, health, last_step=last_step,
-                                                                  stopping=stopping))
+            def durable() -> None:
+                checked = health if check is None else self._as_save_failure(step, lambda: check(health))
+                self._save_durable(quorum, step, checked, last_step=last_step, stopping=stopping)
+
+            self._marked(quorum, step, durable)
         elif last_step or stopping:  # the process may exit after it: nothing may stay in flight
             self._marked(quorum, step, lambda: self._settle(quorum, step))
         if decision.local or decision.memory:

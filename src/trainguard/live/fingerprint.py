@@ -11,20 +11,24 @@ alike (``compare_replicas``, the closure mode's rule: the majority, or the repli
 against one that did not). An attributed replica is repaired by one broadcast of an agreeing replica's
 state (``transfer.repair_from``), before the step computes anything with it; a disagreement nothing
 attributes (two replicas, neither changed at rest: the corruption entered an update) is logged and
-reported, not repaired (docs/live_recovery.md, "Not done yet").
+reported, not repaired (docs/live_recovery.md, "Not done yet"). Before each durable save the same
+comparison runs again (``before_save``, the closure mode's ``StateGuard.before_save``), and the save's
+health says what it left unrepaired.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from trainguard.events import EventLog
-from trainguard.guards.fingerprint import FingerprintConfig, FingerprintVerdict, compare_replicas, fingerprints
-from trainguard.guards.state_health import local_state
+from trainguard.guards.fingerprint import FingerprintConfig, FingerprintVerdict, Mismatch, compare_replicas, fingerprints
+from trainguard.guards.health import marked_unhealthy
+from trainguard.guards.state_health import local_state, nonfinite_state, state_save_health
 from trainguard.live.quorum import Quorum
 from trainguard.live.shards import shard_of
 from trainguard.live.state import LiveState
@@ -67,8 +71,39 @@ class LiveFingerprints:
         mine = digest(self.model, self.optimizer)
         moved = self.after_update is not None and self.after_update[0] == step and \
             not torch.equal(self.after_update[1], mine)
-        slots = torch.zeros(len(quorum.members), 3, dtype=torch.int64)
-        slots[quorum.index(self.rank)] = torch.cat([mine, torch.tensor([int(moved)])])
+        mismatches, _ = self._compare(group, quorum, step, wait, mine, moved, 0)
+        return FingerprintVerdict(tuple(mismatch for _, mismatch in mismatches))
+
+    def before_save(self, group: dist.ProcessGroup, quorum: Quorum, step: int, wait: Callable[[dist.Work], None],
+                    health: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Before a durable save of ``step`` committed steps, as the closure mode's ``StateGuard.before_save``:
+        the replicas compared (no at-rest reference: the majority attributes), an attributed replica repaired,
+        and the save's health, ``health`` merged with the state's (a NaN/Inf in any member's state, replicas
+        that disagree unrepaired); one all-reduce, every member's verdict alike. Collective."""
+        named = local_state(self.model, self.optimizer)
+        bad = nonfinite_state(named)
+        mismatches, rows = self._compare(group, quorum, step, wait, digest(self.model, self.optimizer), False,
+                                         len(bad))
+        repaired = {rank for _, mismatch in mismatches if mismatch.source is not None for rank in mismatch.faulty}
+        if repaired:
+            self.remember(step + 1)  # the next check's reference is the repaired state, not the corrupt one
+        # a repaired member's state is now its source's, whose NaN/Inf its own row counts
+        nonfinite = sum(rows[member][3] for member in quorum.members if member not in repaired)
+        unrepaired = sum(len(replicas) for replicas, mismatch in mismatches if mismatch.source is None)
+        merged = state_save_health(health, nonfinite, [] if self.rank in repaired else bad, unrepaired, unrepaired)
+        if marked_unhealthy(merged):
+            self.log.error("checkpoint of step %d is unhealthy and will not be resumed from: %s", step,
+                           {k: v for k, v in merged.items() if k != "is_health"})
+        return merged
+
+    def _compare(self, group: dist.ProcessGroup, quorum: Quorum, step: int, wait: Callable[[dist.Work], None],
+                 mine: torch.Tensor, moved: bool,
+                 nonfinite: int) -> tuple[list[tuple[list[int], Mismatch]], dict[int, list[int]]]:
+        """Every shard's replicas compared (this rank's ``mine`` digest, whether it ``moved`` at rest), what is
+        attributed repaired, the mismatches logged and reported; with every member's row (digest, moved, its
+        count of ``nonfinite`` tensors)."""
+        slots = torch.zeros(len(quorum.members), 4, dtype=torch.int64)
+        slots[quorum.index(self.rank)] = torch.cat([mine, torch.tensor([int(moved), nonfinite])])
         wait(group.allreduce([slots]))  # one member's slot added to zeros: exact
         rows = dict(zip(quorum.members, slots.tolist()))
         mismatches = []
@@ -88,4 +123,4 @@ class LiveFingerprints:
                 self.events.emit("fingerprint_mismatch", step=step, group=replicas, tensors=[STATE],
                                  faulty=list(mismatch.faulty), how=[mismatch.how],
                                  repaired=[STATE] if mismatch.source is not None else [])
-        return FingerprintVerdict(tuple(mismatch for _, mismatch in mismatches))
+        return mismatches, rows

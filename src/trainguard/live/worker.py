@@ -511,7 +511,7 @@ class LiveWorker:
         elif self.checkpoints is not None:
             began = time.perf_counter()
             saved = self.checkpoints.save(quorum, self.step_index, self.health(), last_step=self.step_index == self.steps,
-                                          stopping=False)
+                                          stopping=False, check=self.replica_check())
             if saved and self.lifecycle is not None:  # the time limit keeps room for one step and one save
                 self.lifecycle.note_save(time.perf_counter() - began)
         if (self.checkpoint_every and self.step_index % self.checkpoint_every == 0
@@ -609,6 +609,15 @@ class LiveWorker:
         committed = self.committed
         return save_health(self.rules.health, committed.embedding_norm if committed is not None else None)
 
+    def replica_check(self) -> Callable[[dict | None], dict | None] | None:
+        """The check before a durable save of the committed steps (``guards.fingerprint`` on): the replicas
+        compared, an attributed one repaired, the save's health merged as the closure mode's
+        (``LiveFingerprints.before_save``); None when fingerprints are off."""
+        if self.fingerprints is None:
+            return None
+        fingerprints, quorum, step = self.fingerprints, self.quorum, self.step_index
+        return lambda health: fingerprints.before_save(self.group, quorum, step, self.wait, health)
+
     def settle_saves(self) -> None:
         """Before an abort ends every member at the same step: the durable save in flight committed."""
         if self.checkpoints is not None and self.quorum is not None:
@@ -621,7 +630,8 @@ class LiveWorker:
         step = self.step_index
         if self.checkpoints is not None:
             began = time.perf_counter()
-            self.checkpoints.save(self.quorum, step, self.health(), last_step=False, stopping=True)
+            self.checkpoints.save(self.quorum, step, self.health(), last_step=False, stopping=True,
+                                  check=self.replica_check())
             if self.lifecycle is not None:
                 self.lifecycle.note_save(time.perf_counter() - began)
         last_checkpoint = self.checkpoints.last_saved if self.checkpoints is not None else None

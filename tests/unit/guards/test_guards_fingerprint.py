@@ -22,7 +22,13 @@ from trainguard.guards.fingerprint import (
     word_sums,
 )
 from trainguard.guards.state_guard import StateGuard
-from trainguard.guards.state_health import local_state, merge_health, nonfinite_state, poisoned_health
+from trainguard.guards.state_health import (
+    local_state,
+    merge_health,
+    nonfinite_state,
+    poisoned_health,
+    state_save_health,
+)
 from trainguard.guards.step_slots import Slot, local_slots
 
 
@@ -141,6 +147,17 @@ def test_poisoned_health_marks_the_save_unhealthy_and_merges_with_the_embedding_
     assert merge_health({"is_health": 0, "embedding_local_norm": 0.1}, None)["is_health"] == 0
     merged = merge_health({"is_health": 0, "embedding_local_norm": 0.1}, poisoned)
     assert merged["is_health"] == 1 and merged["embedding_local_norm"] == 0.1
+
+
+def test_a_saves_state_verdict_names_what_no_replica_repaired_as_both_modes_record_it():
+    """``state_save_health``: the closure mode's ``before_save`` and the live mode's record the same fields."""
+    embedding = {"is_health": 0, "embedding_local_norm": 0.1}
+    assert state_save_health(None, 0, [], 0, 0) is None
+    assert state_save_health(embedding, 0, [], 0, 0) == embedding
+    assert state_save_health(embedding, 0, [], 2, 2) == {"is_health": 1, "embedding_local_norm": 0.1,
+                                                         "reason": "replicas disagree", "fingerprint_groups": 2}
+    assert state_save_health(None, 0, [], 1, 0)["reason"] == "state changed at rest"
+    assert state_save_health(None, 1, ["param:w"], 0, 0) == poisoned_health(1, ["param:w"])
 
 
 def _updated_once() -> tuple[nn.Module, torch.optim.Optimizer]:

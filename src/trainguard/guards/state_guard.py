@@ -38,7 +38,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainguard.guards.health import marked_unhealthy
 from trainguard.guards.fingerprint import FingerprintConfig, FingerprintVerdict, Mismatch, ReplicaFingerprints
 from trainguard.guards.state_health import NamedTensors, local_state, nonfinite_state, state_save_health
 
@@ -190,11 +189,7 @@ class StateGuard:
         if dist.is_initialized():
             dist.all_reduce(counts)
         nonfinite, unrepaired, disagreeing = counts.tolist()
-        merged = state_save_health(health, nonfinite, bad, unrepaired, disagreeing)
-        if marked_unhealthy(merged):
-            self.log.error("checkpoint of step %d is unhealthy and will not be resumed from: %s", step,
-                           {k: v for k, v in merged.items() if k != "is_health"})
-        return merged
+        return state_save_health(health, nonfinite, bad, unrepaired, disagreeing, step, self.log)
 
     def _handle(self, step: int, named, verdict: FingerprintVerdict) -> None:
         if verdict.clean:

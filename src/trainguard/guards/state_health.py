@@ -12,6 +12,8 @@ rank holds, by a name that is the same on every replica.
 
 from __future__ import annotations
 
+import logging
+
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -84,13 +86,18 @@ def merge_health(*verdicts: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def state_save_health(health: dict[str, Any] | None, nonfinite: int, names: Sequence[str], unrepaired: int,
-                      disagreeing: int) -> dict[str, Any] | None:
-    """A save's health (``before_save``, the closure's and the live mode's): ``health`` (the embedding
-    norm's verdict) merged with the state's: ``nonfinite`` tensors holding a NaN/Inf over all ranks
-    (``names``: this rank's), ``unrepaired`` ranks holding a mismatch no replica repaired, of them
-    ``disagreeing`` from replicas that disagree (the rest changed at rest with no replica)."""
+                      disagreeing: int, step: int, log: logging.Logger) -> dict[str, Any] | None:
+    """The health of the save of ``step`` (``before_save``, the closure's and the live mode's): ``health``
+    (the embedding norm's verdict) merged with the state's: ``nonfinite`` tensors holding a NaN/Inf over all
+    ranks (``names``: this rank's), ``unrepaired`` ranks holding a mismatch no replica repaired, of them
+    ``disagreeing`` from replicas that disagree (the rest changed at rest with no replica). An unhealthy
+    verdict is logged on ``log``, one line."""
     verdicts = [health, poisoned_health(nonfinite, names)]
     if unrepaired:
         reason = "replicas disagree" if disagreeing else "state changed at rest"
         verdicts.append({"is_health": int(Health.UNHEALTHY), "reason": reason, "fingerprint_groups": unrepaired})
-    return merge_health(*verdicts)
+    merged = merge_health(*verdicts)
+    if marked_unhealthy(merged):
+        log.error("checkpoint of step %d is unhealthy and will not be resumed from: %s", step,
+                  {k: v for k, v in merged.items() if k != "is_health"})
+    return merged

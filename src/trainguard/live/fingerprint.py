@@ -27,8 +27,7 @@ import torch.distributed as dist
 
 from trainguard.events import EventLog
 from trainguard.guards.fingerprint import FingerprintConfig, FingerprintVerdict, Mismatch, compare_replicas, fingerprints
-from trainguard.guards.health import marked_unhealthy
-from trainguard.guards.state_health import local_state, nonfinite_state, state_save_health
+from trainguard.guards.state_health import NamedTensors, local_state, nonfinite_state, state_save_health
 from trainguard.live.quorum import Quorum
 from trainguard.live.shards import shard_of
 from trainguard.live.state import LiveState
@@ -37,10 +36,10 @@ from trainguard.live.transfer import repair_from
 STATE = "state"  # the one "tensor" a live check compares: a member's whole state, folded into one digest
 
 
-def digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-    """``[2]`` int64: the hashes of every parameter and optimizer-state tensor, the second weighted by
-    the tensor's place (int64 sums wrap alike everywhere)."""
-    hashes = fingerprints(local_state(model, optimizer))
+def digest(named: NamedTensors) -> torch.Tensor:
+    """``[2]`` int64: the hashes of every tensor of ``named`` (a rank's parameters and optimizer state,
+    ``local_state``), the second weighted by the tensor's place (int64 sums wrap alike everywhere)."""
+    hashes = fingerprints(named)
     places = torch.arange(1, hashes.shape[0] + 1, dtype=torch.int64)
     return torch.stack([hashes[:, 0].sum(), (hashes[:, 1] * places).sum()])
 
@@ -63,12 +62,12 @@ class LiveFingerprints:
     def remember(self, step: int) -> None:
         """Right after an update (or a skipped step): the digest the check before ``step`` compares with,
         if one is due; a state loaded meanwhile (an undo, a join) is checked against no such digest."""
-        self.after_update = (step, digest(self.model, self.optimizer)) if self.due(step) else None
+        self.after_update = (step, digest(local_state(self.model, self.optimizer))) if self.due(step) else None
 
     def check(self, group: dist.ProcessGroup, quorum: Quorum, step: int,
               wait: Callable[[dist.Work], None]) -> FingerprintVerdict:
         """Compares every shard's replicas before ``step``, repairs what is attributed; every member alike."""
-        mine = digest(self.model, self.optimizer)
+        mine = digest(local_state(self.model, self.optimizer))
         moved = self.after_update is not None and self.after_update[0] == step and \
             not torch.equal(self.after_update[1], mine)
         mismatches, _ = self._compare(group, quorum, step, wait, mine, moved, 0)
@@ -82,7 +81,7 @@ class LiveFingerprints:
         that disagree unrepaired); one all-reduce, every member's verdict alike. Collective."""
         named = local_state(self.model, self.optimizer)
         bad = nonfinite_state(named)
-        mismatches, rows = self._compare(group, quorum, step, wait, digest(self.model, self.optimizer), False,
+        mismatches, rows = self._compare(group, quorum, step, wait, digest(named), False,
                                          len(bad))
         repaired = {rank for _, mismatch in mismatches if mismatch.source is not None for rank in mismatch.faulty}
         if repaired:
@@ -90,11 +89,8 @@ class LiveFingerprints:
         # a repaired member's state is now its source's, whose NaN/Inf its own row counts
         nonfinite = sum(rows[member][3] for member in quorum.members if member not in repaired)
         unrepaired = sum(len(replicas) for replicas, mismatch in mismatches if mismatch.source is None)
-        merged = state_save_health(health, nonfinite, [] if self.rank in repaired else bad, unrepaired, unrepaired)
-        if marked_unhealthy(merged):
-            self.log.error("checkpoint of step %d is unhealthy and will not be resumed from: %s", step,
-                           {k: v for k, v in merged.items() if k != "is_health"})
-        return merged
+        return state_save_health(health, nonfinite, [] if self.rank in repaired else bad, unrepaired, unrepaired,
+                                 step, self.log)
 
     def _compare(self, group: dist.ProcessGroup, quorum: Quorum, step: int, wait: Callable[[dist.Work], None],
                  mine: torch.Tensor, moved: bool,

@@ -189,7 +189,8 @@ class LiveRules:
     tokens_per_step: int | None = None  # Guard(tokens_per_step=...): the global tokens of one step, for tokens/s
 
 
-DEFAULT_RULES = LiveRules(log_interval=10)  # the drill's workload's: no clipping, no data skip, the skip streak's default, a step line every 10 steps
+# the drill's workload's: no clipping, no data skip, the skip streak's default, a step line every 10 steps
+DEFAULT_RULES = LiveRules(log_interval=10)
 
 
 @dataclass(frozen=True)

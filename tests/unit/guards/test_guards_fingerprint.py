@@ -149,15 +149,22 @@ def test_poisoned_health_marks_the_save_unhealthy_and_merges_with_the_embedding_
     assert merged["is_health"] == 1 and merged["embedding_local_norm"] == 0.1
 
 
-def test_a_saves_state_verdict_names_what_no_replica_repaired_as_both_modes_record_it():
-    """``state_save_health``: the closure mode's ``before_save`` and the live mode's record the same fields."""
+def test_a_saves_state_verdict_names_what_no_replica_repaired_as_both_modes_record_it(caplog):
+    """``state_save_health``: the closure mode's ``before_save`` and the live mode's record the same fields,
+    and an unhealthy verdict is one error line naming the step."""
+    log = logging.getLogger("trainguard.test")
     embedding = {"is_health": 0, "embedding_local_norm": 0.1}
-    assert state_save_health(None, 0, [], 0, 0) is None
-    assert state_save_health(embedding, 0, [], 0, 0) == embedding
-    assert state_save_health(embedding, 0, [], 2, 2) == {"is_health": 1, "embedding_local_norm": 0.1,
-                                                         "reason": "replicas disagree", "fingerprint_groups": 2}
-    assert state_save_health(None, 0, [], 1, 0)["reason"] == "state changed at rest"
-    assert state_save_health(None, 1, ["param:w"], 0, 0) == poisoned_health(1, ["param:w"])
+    with caplog.at_level(logging.ERROR, logger="trainguard.test"):
+        assert state_save_health(None, 0, [], 0, 0, 3, log) is None
+        assert state_save_health(embedding, 0, [], 0, 0, 3, log) == embedding
+        assert not caplog.records
+        assert state_save_health(embedding, 0, [], 2, 2, 4, log) == {
+            "is_health": 1, "embedding_local_norm": 0.1, "reason": "replicas disagree", "fingerprint_groups": 2}
+        assert [r.getMessage() for r in caplog.records] == [
+            "checkpoint of step 4 is unhealthy and will not be resumed from: {'embedding_local_norm': 0.1, "
+            "'reason': 'replicas disagree', 'fingerprint_groups': 2}"]
+    assert state_save_health(None, 0, [], 1, 0, 5, log)["reason"] == "state changed at rest"
+    assert state_save_health(None, 1, ["param:w"], 0, 0, 6, log) == poisoned_health(1, ["param:w"])
 
 
 def _updated_once() -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -338,6 +338,21 @@ class LiveCheckpoints:
         else:
             self.in_flight = step
 
+    def save_own(self, step: int) -> LiveLocalTier | None:
+        """This rank alone, with no collective and no store (the launcher's death took the store): its state of
+        ``step`` committed steps written to its first per-rank tier (the memory tier, else the local one) unless
+        that tier holds it already, kept out of retention (which could take away an older step that a replica
+        of another shard holds alone). The tier, None when there is none or the durable tier holds ``step``
+        committed. The restart's ``--resume auto`` takes the newest step every shard holds on one replica
+        (``choose_live_resume``): this one when every shard's ranks of one replica group saved it too."""
+        tier = next(iter(self._rank_tiers().values()), None)
+        if tier is None or step == self.last_committed:
+            return None
+        tier.wait()
+        if tier.last_saved != step:
+            tier.save(step, self.state.state_dict(), prune=False)
+        return tier
+
     def settle(self, quorum: Quorum) -> None:
         """The async save in flight, when the run ends at a step boundary without a save of its own (a
         data-skip abort, a step that failed too often): committed on every member, or abandoned as

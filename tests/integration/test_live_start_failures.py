@@ -22,23 +22,17 @@ quorum recorded its stop. Before the fix:
   ``fault_tolerance.max_start_failures`` (3) failed starts in a row it moves to a spare node (its node lost,
   reason ``start_failed``) and trains there; with no spare node left it is given up and the run finishes
   without it (one line, ``live_rank_given_up``).
-
-The ``trainguard run`` runs start together (one module fixture, each test waiting for its own: most of a run
-is waits, its ranks' starts and the launcher's grace for an exit 0); the rank stopped at import, judged by a
-10 s startup bound that a peer starved of CPU could miss too, runs after them, alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import pytest
 
 from helpers.runs import trainguard, worker_env
-from helpers.warm_command import warm_server
 from trainguard.events.log import read_events
 from trainguard.live.files import events_path
 from trainguard.live.launcher import LiveRun, launch
@@ -68,34 +62,6 @@ def _run(config: Path, run_dir: Path, where: str, code: int = 1, *options: str):
                       env=worker_env(LIVE_EARLY_EXIT=where, LIVE_EARLY_EXIT_CODE=str(code)), timeout=150)
 
 
-# name: (where the ranks fail: LIVE_EARLY_EXIT, their exit code, trainguard run's options)
-RUNS = {
-    "hosts": ("resumed", 1, ("--launcher", "hosts", "--hosts", "a=127.0.0.1,b=127.0.0.2", "--node-command", SH_NODE)),
-    "killed": ("sigkill", 1, ()),
-    "zero": ("import", 0, ()),
-    "zero_once": ("begin-once:1", 0, ()),
-    # the limit at 2 (3 by default): one cold start less on the loaded machine
-    "moved": ("begin-on:b", 1, ("--launcher", "hosts", "--hosts", "a=127.0.0.1,b=127.0.0.2,c=127.0.0.3",
-                                "--node-command", SH_NODE_NAMED, "--set", "fault_tolerance.max_start_failures=2")),
-    "given_up": ("begin:1", 1, ()),
-}
-
-
-@pytest.fixture(scope="module")
-def launched(config) -> dict[str, Future]:
-    """Every ``RUNS`` run, started at once in threads of their own, each in the directory named after it next to
-    the configuration; each test waits for its own (``_launched_run``)."""
-    warm_server()  # the session's server made here, not by several threads at once
-    with ThreadPoolExecutor(max_workers=len(RUNS)) as pool:
-        yield {name: pool.submit(_run, config, config.parent / name, where, code, *options)
-               for name, (where, code, options) in RUNS.items()}
-
-
-def _launched_run(launched: dict[str, Future], config: Path, name: str):
-    """The run ``name`` of ``launched``: its directory and its finished process."""
-    return config.parent / name, launched[name].result()
-
-
 def _one_error(done) -> str:
     errors = [line for line in done.stderr.splitlines() if line.startswith("trainguard: error:")]
     assert len(errors) == 1, done.stdout[-3000:] + done.stderr[-3000:]
@@ -106,8 +72,10 @@ def _replacements(run_dir: Path) -> list[int]:
     return [e["target"] for e in read_events(events_path(run_dir)) if e["kind"] == "live_replacement"]
 
 
-def test_every_rank_dead_after_resume_on_hosts_ends_naming_ranks_codes_nodes_and_their_last_error(launched, config):
-    run_dir, done = _launched_run(launched, config, "hosts")
+def test_every_rank_dead_after_resume_on_hosts_ends_naming_ranks_codes_nodes_and_their_last_error(config, tmp_path):
+    run_dir = tmp_path / "hosts"
+    done = _run(config, run_dir, "resumed", 1, "--launcher", "hosts", "--hosts", "a=127.0.0.1,b=127.0.0.2",
+                "--node-command", SH_NODE)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     assert _one_error(done) == LINE + "; ".join(
         f"rank {rank} exited 1 on node {node}: RuntimeError: injected failure of rank {rank} after resume, before "
@@ -118,29 +86,28 @@ def test_every_rank_dead_after_resume_on_hosts_ends_naming_ranks_codes_nodes_and
     assert not [e for e in events if e["kind"] == "live_step"]
 
 
-def test_every_rank_sigkilled_before_the_store_ends_at_once_naming_the_signal(launched, config):
-    _, done = _launched_run(launched, config, "killed")
+def test_every_rank_sigkilled_before_the_store_ends_at_once_naming_the_signal(config, tmp_path):
+    done = _run(config, tmp_path / "killed", "sigkill")
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     assert _one_error(done) == LINE + "rank 0 was killed by SIGKILL; rank 1 was killed by SIGKILL"
 
 
-def test_every_rank_exiting_0_before_the_first_step_is_a_failure_not_a_finished_run(launched, config):
-    _, done = _launched_run(launched, config, "zero")
+def test_every_rank_exiting_0_before_the_first_step_is_a_failure_not_a_finished_run(config, tmp_path):
+    done = _run(config, tmp_path / "zero", "import", 0)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     assert "live run finished" not in done.stdout
     assert _one_error(done) == LINE + "rank 0 exited 0; rank 1 exited 0"
 
 
-def test_a_rank_exiting_0_before_epoch_0_is_replaced_and_the_run_finishes(launched, config):
-    run_dir, done = _launched_run(launched, config, "zero_once")
+def test_a_rank_exiting_0_before_epoch_0_is_replaced_and_the_run_finishes(config, tmp_path):
+    run_dir = tmp_path / "zero_once"
+    done = _run(config, run_dir, "begin-once:1", 0)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"live run finished: {STEPS} steps in " in done.stdout and "ranks replaced: [1]" in done.stdout
     assert _replacements(run_dir) == [1]
 
 
-def test_a_rank_stopped_before_it_ever_beats_is_hung_after_the_startup_bound_and_replaced(
-        launched, config, tmp_path, monkeypatch):
-    wait(launched.values())  # alone: its peer must beat within the 10 s startup bound
+def test_a_rank_stopped_before_it_ever_beats_is_hung_after_the_startup_bound_and_replaced(config, tmp_path, monkeypatch):
     monkeypatch.setenv("LIVE_EARLY_EXIT", "stop-once:1")
     run = LiveRun(groups=2, group_size=1, steps=STEPS, micro_batches=2, micro_batch_s=0.0, checkpoint_every=0,
                   startup_s=10.0, timeout_s=120.0, entry=(str(RANK), "--config", str(config)))
@@ -151,8 +118,12 @@ def test_a_rank_stopped_before_it_ever_beats_is_hung_after_the_startup_bound_and
     assert [(e["target"], e["code"]) for e in events if e["kind"] == "live_exit"] == [(1, -9)]
 
 
-def test_a_rank_failing_at_every_start_on_its_node_moves_to_the_spare_node_at_the_limit_and_trains(launched, config):
-    run_dir, done = _launched_run(launched, config, "moved")
+def test_a_rank_failing_at_every_start_on_its_node_moves_to_the_spare_node_at_the_limit_and_trains(config, tmp_path):
+    run_dir = tmp_path / "moved"
+    # the limit at 2 (3 by default): one cold start less on the loaded machine
+    done = _run(config, run_dir, "begin-on:b", 1, "--launcher", "hosts", "--hosts",
+                "a=127.0.0.1,b=127.0.0.2,c=127.0.0.3", "--node-command", SH_NODE_NAMED,
+                "--set", "fault_tolerance.max_start_failures=2")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"live run finished: {STEPS} steps in " in done.stdout and "ranks replaced: [1]" in done.stdout
     events = list(read_events(events_path(run_dir)))
@@ -164,8 +135,9 @@ def test_a_rank_failing_at_every_start_on_its_node_moves_to_the_spare_node_at_th
     assert sample_problems(events, STEPS, 2 * 8) == []
 
 
-def test_a_rank_failing_at_every_start_is_given_up_after_3_and_the_run_finishes_without_it(launched, config):
-    run_dir, done = _launched_run(launched, config, "given_up")
+def test_a_rank_failing_at_every_start_is_given_up_after_3_and_the_run_finishes_without_it(config, tmp_path):
+    run_dir = tmp_path / "given_up"
+    done = _run(config, run_dir, "begin:1", 1)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert (f"live run finished: {STEPS} steps in " in done.stdout
             and "ranks replaced: [1], ranks given up: [1]" in done.stdout), done.stdout[-3000:]

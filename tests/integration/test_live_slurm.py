@@ -5,8 +5,7 @@ is a job step of one task on its node (replica group 0 on the allocation's first
 second, the third a spare node); the drill SIGKILLs rank 3 (its step's ``srun``), the others keep
 stepping, the replacement, a new step on group 1's node, rejoins, and the end state is bitwise that of
 the same command run without a fault, locally (one clean run, shared). A second job (``--no-kill``) loses
-group 1's node (set DOWN from outside): its ranks restart as job steps on the spare node, bitwise too. The
-clean run and both jobs run at once (one module fixture), each test waiting for its own."""
+group 1's node (set DOWN from outside): its ranks restart as job steps on the spare node, bitwise too."""
 
 from __future__ import annotations
 
@@ -14,13 +13,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from helpers.runs import trainguard
-from helpers.warm_command import warm_server
 from trainguard.events.log import read_events
 from trainguard.live.compare import replica_differences, run_differences
 from trainguard.live.files import events_path
@@ -29,10 +26,7 @@ from trainguard.live.samples import sample_problems
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "tests" / "helpers" / "live_loop.py"
 STEPS, KILLED, KILL_AT = 30, 3, 10
-# The heartbeat timeout is long: twelve ranks (the clean run's and both jobs') starting together on a small
-# machine can be silent for longer than the default 10 s; no run drills a hang (the killed rank is seen by its
-# exit, the lost node by its job steps' ends)
-SETS = [f"train.steps={STEPS}", "fault_tolerance.hang_s=60"]
+SETS = [f"train.steps={STEPS}"]
 
 
 def _run_args(run_dir: Path, *extra: str) -> list[str]:
@@ -79,64 +73,19 @@ def live_batch_job(slurm, tmp_path: Path, run_dir: Path, command: list[str], opt
     return output, nodes
 
 
-def _clean(run_dir: Path) -> Path:
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory) -> Path:
     """The same command run locally without a fault, that both runs under Slurm end bitwise equal to."""
+    run_dir = tmp_path_factory.mktemp("live_slurm_clean") / "clean"
     clean = trainguard(*_run_args(run_dir), timeout=240)
     assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-3000:]
     return run_dir
 
 
-def _killed_rank_job(slurm, tmp_path: Path) -> tuple[Path, str, dict[int, str | None]]:
-    """Rank 3 SIGKILLed at step 10: the run's directory, the job's output and the Slurm node of each rank."""
+def test_a_live_run_under_slurm_replaces_a_killed_rank_on_its_node_and_ends_bitwise(slurm, tmp_path, clean_run):
     run_dir = tmp_path / "slurm_run"
     launch = _run_args(run_dir, f"faults=kill:rank={KILLED},step={KILL_AT}")
     output, nodes = live_batch_job(slurm, tmp_path, run_dir, [launch[0], "--launcher", "slurm", *launch[1:]])
-    return run_dir, output, nodes
-
-
-def _lost_node_job(slurm, tmp_path: Path) -> tuple[Path, str, list[str]]:
-    """Group 1's node set DOWN once the run committed a step (``scontrol update nodename=N state=down``), the
-    job submitted with ``--no-kill``: the run's directory, the job's output and the downed node."""
-    run_dir, downed = tmp_path / "slurm_node_lost", []
-    launch = _run_args(run_dir)
-
-    def down_group_1s_node() -> None:
-        if not downed and events_path(run_dir).exists() and any(
-                e["kind"] == "live_samples" for e in read_events(events_path(run_dir))):
-            allocation = (tmp_path / "job.out").read_text().split("on hosts ", 1)[1].split(", store at", 1)[0]
-            downed.append(allocation.split(", spare nodes ")[0].split(", ")[1])
-            slurm.run("scontrol", "update", f"nodename={downed[0]}", "state=down", "reason=live-node-lost-test")
-
-    try:
-        output, _ = live_batch_job(slurm, tmp_path, run_dir, [launch[0], "--launcher", "slurm", *launch[1:]],
-                                   options=("--no-kill",), during=down_group_1s_node)
-    finally:
-        for node in downed:  # back for the session's other jobs
-            slurm.run("scontrol", "update", f"nodename={node}", "state=resume", check=False)
-    return run_dir, output, downed
-
-
-@pytest.fixture(scope="module")
-def launched(slurm, tmp_path_factory) -> dict[str, Future]:
-    """The clean run and both jobs, started at once in threads of their own (most of a job is Slurm's and the
-    ranks' starts and the drills' waits), each in a directory of its own; each test waits for its own."""
-    root = tmp_path_factory.mktemp("live_slurm")
-    for name in ("clean", "killed", "lost"):
-        (root / name).mkdir()
-    warm_server()  # the session's server made here, not by a thread
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        yield {"clean": pool.submit(_clean, root / "clean" / "clean"),
-               "killed": pool.submit(_killed_rank_job, slurm, root / "killed"),
-               "lost": pool.submit(_lost_node_job, slurm, root / "lost")}
-
-
-@pytest.fixture(scope="module")
-def clean_run(launched) -> Path:
-    return launched["clean"].result()
-
-
-def test_a_live_run_under_slurm_replaces_a_killed_rank_on_its_node_and_ends_bitwise(launched, clean_run):
-    run_dir, output, nodes = launched["killed"].result()
     assert f"live run finished: {STEPS} steps in " in output and f"ranks replaced: [{KILLED}]" in output, output[-4000:]
     allocation = output.split("on hosts ", 1)[1].split(", store at", 1)[0]
     events = list(read_events(events_path(run_dir)))
@@ -157,13 +106,28 @@ def test_a_live_run_under_slurm_replaces_a_killed_rank_on_its_node_and_ends_bitw
     assert sample_problems(events, STEPS, 8 * 8) == []
 
 
-def test_a_live_run_under_slurm_replaces_a_lost_nodes_group_on_the_spare_node_and_ends_bitwise(launched, clean_run):
+def test_a_live_run_under_slurm_replaces_a_lost_nodes_group_on_the_spare_node_and_ends_bitwise(slurm, tmp_path, clean_run):
     """Once the run committed a step, group 1's node is set DOWN (``scontrol update nodename=N state=down``:
     Slurm kills the job steps there and takes the node out of the job, which goes on: ``--no-kill``, without
     which Slurm ends the whole job when one of its nodes fails). The launcher sees both ranks' steps end,
     tries their node again (``srun`` refuses it), loses it (``node_command_failed``) and starts both as job
     steps on the spare node; group 0 trains on meanwhile; the end state is bitwise the fault-free run's."""
-    run_dir, output, downed = launched["lost"].result()
+    run_dir, downed = tmp_path / "slurm_node_lost", []
+    launch = _run_args(run_dir)
+
+    def down_group_1s_node() -> None:
+        if not downed and events_path(run_dir).exists() and any(
+                e["kind"] == "live_samples" for e in read_events(events_path(run_dir))):
+            allocation = (tmp_path / "job.out").read_text().split("on hosts ", 1)[1].split(", store at", 1)[0]
+            downed.append(allocation.split(", spare nodes ")[0].split(", ")[1])
+            slurm.run("scontrol", "update", f"nodename={downed[0]}", "state=down", "reason=live-node-lost-test")
+
+    try:
+        output, _ = live_batch_job(slurm, tmp_path, run_dir, [launch[0], "--launcher", "slurm", *launch[1:]],
+                                   options=("--no-kill",), during=down_group_1s_node)
+    finally:
+        for node in downed:  # back for the session's other jobs
+            slurm.run("scontrol", "update", f"nodename={node}", "state=resume", check=False)
     assert downed and f"live run finished: {STEPS} steps in " in output and "ranks replaced: [2, 3]" in output, \
         output[-4000:]
     spare = output.split(", spare nodes ", 1)[1].split(", store at", 1)[0]

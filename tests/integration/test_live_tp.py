@@ -27,7 +27,8 @@ With the guards (the same layout and configuration, a guard added):
   the end only): the stall watch takes group 1 out, group 0 goes on, ranks 2 and 3 exit 20 after the SIGCONT,
   start again and rejoin; bitwise the fault-free run.
 
-The runs start together, in two waves (one module fixture)."""
+The runs start together, at most seven at a time (one module fixture): each run that ends lets the next one
+start, the resumed run's second half once its first half ended."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -80,7 +82,7 @@ STOPPED, STOP_AFTER, STOPPED_S = 3, 1, 8.0
 # saved at the end only: the stall watch spans a step's collectives, not a durable save's (a rank stopped at a
 # save's boundary is found by the heartbeat timeout: docs/live_recovery.md)
 STOPPED_RUN = ("fault_tolerance.stall_s=3", "fault_tolerance.stall_steps=0.1", f"checkpoint.save_interval={STEPS}")
-# name: (configuration, --set items, the loop's flags), in two waves
+# name: (configuration, --set items, the loop's flags), the first ones started first
 GUARDED_RUNS = (
     {"sdc": (SDC, (), ()),
      "struck": (SDC, ("faults=" + "; ".join(SCALE.format(step=step) for step in (TRANSIENT_AT, STRUCK_OUT_AT)),), ()),
@@ -108,13 +110,15 @@ def _start(config: Path, run_dir: Path, *overrides: str, script: tuple[str, ...]
                                 *script], worker_env())
 
 
-def _start_guarded(root: Path, wave: dict) -> dict:
-    started = {}
+def _guarded_starts(root: Path, wave: dict) -> dict:
+    """Each guarded run of ``wave``: its name and how to start it (its configuration file written now)."""
+    starts = {}
     for name, (text, overrides, script) in wave.items():
         config = root / f"{name}.yaml"
         config.write_text(text, encoding="utf-8")
-        started[name] = _start(config, root / name, *overrides, script=script)
-    return started
+        starts[name] = lambda config=config, name=name, overrides=overrides, script=script: _start(
+            config, root / name, *overrides, script=script)
+    return starts
 
 
 def _stop_for_a_while(run_dir: Path, started: subprocess.Popen) -> None:
@@ -131,10 +135,29 @@ def _stop_for_a_while(run_dir: Path, started: subprocess.Popen) -> None:
     os.kill(pid, signal.SIGCONT)
 
 
-def _finish(started: dict) -> None:
-    for name, proc in started.items():
-        done = finish_session(proc, 300, f"live tp run {name}")
-        assert done.returncode == 0, name + ": " + done.stdout[-3000:] + done.stderr[-3000:]
+def _finish(name: str, proc) -> None:
+    done = finish_session(proc, 300, f"live tp run {name}")
+    assert done.returncode == 0, name + ": " + done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def _run(name: str, start, after: Future | None = None) -> None:
+    """Starts a run once ``after`` (the run it continues) ended, and waits for it."""
+    if after is not None:
+        after.result()
+    _finish(name, start())
+
+
+def _stopped_run(run_dir: Path, config: Path) -> None:
+    """The run whose rank ``STOPPED`` is SIGSTOPped for a while (``_stop_for_a_while``), waited for."""
+    proc = _start(config, run_dir, *STOPPED_RUN, script=("--step-sleep", "0.1"))
+    try:
+        _stop_for_a_while(run_dir, proc)
+    finally:
+        _finish("stopped", proc)
+
+
+# Runs at a time: as many as the first seven started together, each of 4 ranks
+CONCURRENT = 7
 
 
 @pytest.fixture(scope="module")
@@ -142,16 +165,20 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("live_tp")
     config = root / "live_tp.yaml"
     config.write_text(CONFIG, encoding="utf-8")
-    _finish({**{name: _start(config, root / name, *overrides) for name, overrides in RUNS.items()},
-             **_start_guarded(root, GUARDED_RUNS[0])})
-    second = {"resumed, again": _start(config, root / "resumed"), "trainer": _start_trainer(root / "trainer"),
-              "trainer killed": _start_trainer(root / "trainer_killed", f"faults=kill:rank={KILLED},step={KILL_AT}"),
-              **_start_guarded(root, GUARDED_RUNS[1]),
-              "stopped": _start(config, root / "stopped", *STOPPED_RUN, script=("--step-sleep", "0.1"))}
-    try:
-        _stop_for_a_while(root / "stopped", second["stopped"])
-    finally:
-        _finish(second)
+    first = {**{name: lambda name=name, overrides=overrides: _start(config, root / name, *overrides)
+                for name, overrides in RUNS.items()}, **_guarded_starts(root, GUARDED_RUNS[0])}
+    then = {"trainer": lambda: _start_trainer(root / "trainer"),
+            "trainer killed": lambda: _start_trainer(root / "trainer_killed", f"faults=kill:rank={KILLED},step={KILL_AT}"),
+            **_guarded_starts(root, GUARDED_RUNS[1])}
+    warm_server()  # the session's server made here, not by several threads at once
+    with ThreadPoolExecutor(max_workers=CONCURRENT) as pool:
+        done = {name: pool.submit(_run, name, start) for name, start in first.items()}
+        done["stopped"] = pool.submit(_stopped_run, root / "stopped", config)
+        done.update({name: pool.submit(_run, name, start) for name, start in then.items()})
+        done["resumed, again"] = pool.submit(_run, "resumed, again", lambda: _start(config, root / "resumed"),
+                                             after=done["resumed"])
+        for future in done.values():
+            future.result()
     return root
 
 

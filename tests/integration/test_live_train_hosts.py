@@ -9,17 +9,19 @@ x 1 rank, a warm spare on the spare node, the drill killing rank 1 after step 3,
 
 The warm spare takes rank 1's place, rank 0 keeps its process, and each run ends bitwise equal to the same
 command run on this machine without a fault (one twin for both): every rank's final state and the last
-durable checkpoint."""
+durable checkpoint. The three runs start together (one module fixture), each test waiting for its own."""
 
 from __future__ import annotations
 
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from helpers.netns_cluster import HEAD
 from helpers.runs import assert_same_tensors, trainguard, worker_env
+from helpers.warm_command import warm_server
 from trainguard.events.log import read_events
 from trainguard.live.compare import replica_differences, run_differences
 from trainguard.live.files import events_path
@@ -27,29 +29,63 @@ from trainguard.live.samples import sample_problems
 from test_live_slurm import live_batch_job
 
 STEPS, MICRO_BATCHES, MICRO_BATCH_SIZE, KILLED = 8, 4, 2, 1
+# the heartbeat timeout is long: the three runs' ranks and spares starting together on a small machine can be
+# silent for longer than the default 10 s (no run drills a hang: the killed rank is seen by its exit)
 TRAIN = ["--nproc", "2", "--steps", str(STEPS), "--save-interval", "4",
          *[arg for item in ("fault_tolerance.live=true", "parallel.dp_replicate=2", "model.preset=llama-micro",
                             "data.seq_len=32", f"train.micro_batches={MICRO_BATCHES}",
-                            f"data.micro_batch_size={MICRO_BATCH_SIZE}") for arg in ("--set", item)]]
+                            f"data.micro_batch_size={MICRO_BATCH_SIZE}", "fault_tolerance.hang_s=60")
+           for arg in ("--set", item)]]
 FAULTED = ["--set", "fault_tolerance.spares=1", "--set", f"faults=kill:rank={KILLED},step=3"]
 
 
-@pytest.fixture(scope="module")
-def clean_train(tmp_path_factory) -> Path:
+def _clean(run_dir: Path) -> Path:
     """The fault-free twin, on this machine."""
-    run_dir = tmp_path_factory.mktemp("live_train_clean") / "clean"
     clean = trainguard("train", "--run-dir", str(run_dir), *TRAIN, timeout=300)
     assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-3000:]
     return run_dir
 
 
-@pytest.fixture(scope="module")
-def train_on_hosts(netns, tmp_path_factory):
-    root = tmp_path_factory.mktemp("live_train_hosts")
+def _on_hosts(netns, root: Path):
     command = [sys.executable, "-m", "trainguard", "train", "--launcher", "hosts", "--hosts", netns.hosts(),
                "--node-command", netns.node_command(), "--run-dir", str(root / "hosts"), *TRAIN, *FAULTED]
     code, output = netns.run_on_head(command, worker_env(GLOO_SOCKET_IFNAME="tg0"), root / "hosts.out")
     return root, code, output, netns.address(HEAD)
+
+
+def _under_slurm(slurm, tmp_path: Path) -> tuple[Path, str, dict[int, str | None]]:
+    run_dir = tmp_path / "slurm_run"
+    output, nodes = live_batch_job(slurm, tmp_path, run_dir, ["train", "--launcher", "slurm", "--run-dir", str(run_dir),
+                                                                *TRAIN, *FAULTED])
+    return run_dir, output, nodes
+
+
+@pytest.fixture(scope="module")
+def launched(netns, request, tmp_path_factory) -> dict[str, Future | str]:
+    """The fault-free twin and the runs under both launchers, started at once in threads of their own, each in a
+    directory of its own; each test waits for its own. Where Slurm cannot run here, ``"slurm"`` holds why (its
+    test is skipped, the others run)."""
+    try:
+        slurm = request.getfixturevalue("slurm")
+    except pytest.skip.Exception as no_slurm:
+        slurm = str(no_slurm)
+    root = tmp_path_factory.mktemp("live_train")
+    for name in ("clean", "hosts", "slurm"):
+        (root / name).mkdir()
+    warm_server()  # the session's server made here, not by a thread
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        yield {"clean": pool.submit(_clean, root / "clean" / "clean"), "hosts": pool.submit(_on_hosts, netns, root / "hosts"),
+               "slurm": slurm if isinstance(slurm, str) else pool.submit(_under_slurm, slurm, root / "slurm")}
+
+
+@pytest.fixture(scope="module")
+def clean_train(launched) -> Path:
+    return launched["clean"].result()
+
+
+@pytest.fixture(scope="module")
+def train_on_hosts(launched):
+    return launched["hosts"].result()
 
 
 def test_train_under_launcher_hosts_runs_each_group_on_its_node_and_the_warm_spare_replaces_the_killed_rank(
@@ -84,11 +120,10 @@ def _assert_bitwise(run_dir: Path, clean: Path) -> None:
     assert assert_same_tensors(run_dir / last, clean / last) > 0
 
 
-def test_train_under_launcher_slurm_replaces_the_killed_rank_with_the_warm_spare_and_ends_bitwise(
-        slurm, tmp_path, clean_train):
-    run_dir = tmp_path / "slurm_run"
-    output, nodes = live_batch_job(slurm, tmp_path, run_dir, ["train", "--launcher", "slurm", "--run-dir", str(run_dir),
-                                                                *TRAIN, *FAULTED])
+def test_train_under_launcher_slurm_replaces_the_killed_rank_with_the_warm_spare_and_ends_bitwise(launched, clean_train):
+    if isinstance(launched["slurm"], str):
+        pytest.skip(launched["slurm"])
+    run_dir, output, nodes = launched["slurm"].result()
     assert f"live run finished: {STEPS} steps in " in output and f"ranks replaced: [{KILLED}]" in output, output[-4000:]
     groups, spare_nodes = output.split("on hosts ", 1)[1].split(", store at", 1)[0].split(", spare nodes ")
     events = list(read_events(events_path(run_dir)))

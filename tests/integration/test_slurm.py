@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -105,7 +106,7 @@ def jobs(slurm, tmp_path_factory):
         stderr=subprocess.STDOUT, text=True, start_new_session=True)
     submitted["hang"] = sbatch(slurm, where, "hang", 12, "--save-interval", "3",
                                faults=f"{SLOW_STEPS};hang:rank=0,step=5", options=("--hang-timeout", str(HANG_TIMEOUT)))
-    for variant in CANCELS:  # cancelled by their test, long before the last step
+    for variant in CANCELS:  # cancelled once running (``cancel_each_once_running``), long before the last step
         submitted[variant] = sbatch(slurm, where, variant, 2000)
     # short jobs, last: they wait for the first node freed (the spare's job's), then take seconds, while
     # the array test waits on its time limits
@@ -113,7 +114,11 @@ def jobs(slurm, tmp_path_factory):
     subprocess.run([sys.executable, "-m", "trainguard", "killswitch", str(switch)], check=True, capture_output=True)
     submitted["killed"] = sbatch(slurm, where, "killed", 50, array=3, options=("--kill-switch", str(switch)))
     submitted["short"] = sbatch(slurm, where, "short", 3, array=3, faults=None)
-    yield submitted
+    # the cancels are sent while the array test waits on its time limits, not after it (their test checks
+    # the outcome): the watchdog's answer while the job ran comes back with them
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        submitted["running_watch"] = pool.submit(cancel_each_once_running, slurm, submitted)
+        yield submitted
     training = submitted["array_reference"][1]
     if training.poll() is None:  # its test failed before waiting for it
         os.killpg(training.pid, signal.SIGKILL)
@@ -206,15 +211,24 @@ def test_a_failing_node_is_excluded_and_a_spare_takes_its_slot(slurm, jobs):
 
 
 # ------------------------------------------------------------------------------------ cancelling
+def cancel_each_once_running(slurm, jobs: dict) -> subprocess.CompletedProcess:
+    """Cancels each job of ``CANCELS`` its own way once it has trained 3 steps; returns the watchdog's
+    answer on the "scancel" job, asked while that job ran, just before its cancel."""
+    running = None
+    for variant in CANCELS:
+        run, job = jobs[variant]
+        wait_for_step(run, 3, timeout=600)
+        if variant == "scancel":
+            running = watch(slurm, run, variant)
+        slurm.run(*(part.format(job=job) for part in CANCELS[variant]))
+    return running
+
+
 def test_every_scancel_saves_exits_16_and_is_recorded_as_a_stop(slurm, jobs):
     tmp_path = jobs["where"]
     cancels = {variant: jobs[variant] for variant in CANCELS}
-    for variant, (run, job) in cancels.items():
-        wait_for_step(run, 3, timeout=600)
-        if variant == "scancel":  # the watchdog while the job runs (and, below, once it has ended)
-            running = watch(slurm, run, variant)
-            assert running.returncode == 0 and "ALERT" not in running.stdout, running.stdout
-        slurm.run(*(part.format(job=job) for part in CANCELS[variant]))
+    running = jobs["running_watch"].result()  # the watchdog while the "scancel" job ran (and, below, once it ended)
+    assert running.returncode == 0 and "ALERT" not in running.stdout, running.stdout
     for variant, (run, job) in cancels.items():
         wait_until_done(slurm, f"{job}_1", 180)
         if variant == "scancel":
@@ -270,20 +284,30 @@ def test_watch_tells_a_held_job_and_a_failing_squeue_apart(slurm, tmp_path):
         slurm.run("scancel", later.stdout.split()[-1], check=False)
 
 
+def rest_of_array_settled(slurm, job: str, timeout: float = 30) -> dict[str, str]:
+    """The array's task states once every record but task 1's (tasks 2 and 3, or one "2-3" record while
+    pending) is CANCELLED, or ``timeout`` has passed: what the supervisor's cancel of the pending tasks
+    leaves, waited for instead of a fixed wait."""
+    deadline = time.time() + timeout
+    while True:
+        states = slurm.array_states(job)
+        if all(state == "CANCELLED" for task, state in states.items() if task != "1") or time.time() > deadline:
+            return states
+        time.sleep(0.5)
+
+
 def test_an_armed_kill_switch_ends_the_array_without_starting_ranks(slurm, jobs):
     run, job = jobs["killed"]  # submitted with the switch armed
     wait_until_done(slurm, f"{job}_1", 600)
-    time.sleep(2)
     assert events(run, "incarnation_started") == [] and not (run / "heartbeats").exists()
     assert finished(run)["outcome"] == "nothing_to_do"
-    states = slurm.array_states(job)
+    states = rest_of_array_settled(slurm, job)
     assert states.get("1") == "COMPLETED" and all(states.get(t, "CANCELLED") == "CANCELLED" for t in "23"), states
 
 
 def test_a_finished_run_cancels_the_rest_of_its_array(slurm, jobs):
     run, job = jobs["short"]
     slurm.wait_for_state(f"{job}_1", ("COMPLETED",), 900)
-    time.sleep(2)
     assert finished(run)["exit_code"] == 0 and len(events(run, "supervisor_started")) == 1
-    states = slurm.array_states(job)
+    states = rest_of_array_settled(slurm, job)
     assert states.get("1") == "COMPLETED" and all(states.get(t, "CANCELLED") == "CANCELLED" for t in "23"), states

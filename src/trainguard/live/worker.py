@@ -61,6 +61,7 @@ from trainguard.guards.rollback import RollbackAbort, RollbackConfig, RollbackGu
 from trainguard.guards.sdc import SdcConfig
 from trainguard.guards.skip import DataSkipAbort, SkipConfig
 from trainguard.guards.skip_streak import DEFAULT_MAX_CONSECUTIVE_SKIPS
+from trainguard.guards.step_engine import apply_update, emit_local_norm, update_lr
 from trainguard.guards.step_skips import StepSkips
 from trainguard.guards.step_verdict import StepVerdict
 from trainguard.live import collective
@@ -83,8 +84,6 @@ from trainguard.live.step_failures import STEP_FAILURE, StepFailed, StepFailures
 from trainguard.live.step_judge import LiveJudge
 from trainguard.live.transfer import send_shards
 from trainguard.live.files import checkpoint_path, events_path, final_path
-from trainguard.norms.global_norm import clip_grads_
-from trainguard.norms.local_norm import local_grad_norms
 from trainguard.runtime.heartbeat import node_name
 from trainguard.runtime.lifecycle import (DEADLINE, EXIT_CODES, KILL_SWITCH, NONE, REASON_NAMES, SIGNAL, Lifecycle,
                                           LifecycleConfig)
@@ -467,8 +466,8 @@ class LiveWorker:
             norm, embedding_norm = self.norms(grads)
         self.reduce_marks.left(quorum.epoch, step)
         if self.rules.local_norm:  # the gradient judged, before clipping, as the closure mode's event
-            self.events.emit("local_norm", step=number, norms=local_grad_norms(self.model.named_parameters()))
-        lr = self.optimizer.param_groups[0]["lr"]  # before the scheduler steps: the rate this step's update uses
+            emit_local_norm(self.events.emit, number, self.model)
+        lr = update_lr(self.optimizer, self.state.scheduler)  # before the scheduler steps: the rate this step's update uses
         # every rank's alike: the same sum, the same state
         try:
             decision = self.judge.judge(number, norm, loss, sdc_skipped=sdc.skip)
@@ -483,17 +482,13 @@ class LiveWorker:
                 self.switch(quorum.epoch + 1)
             return True
         skipped = decision.verdict is StepVerdict.SKIP
-        if not skipped:
-            if self.rules.grad_clip > 0:
-                clip_grads_(grads, self.rules.grad_clip, norm)
-            self.optimizer.step()  # a sharded rank steps its own rows: they stay sharded
-            self.state.after_update()  # the scheduler, as the closure mode's: applied updates only
+        if not skipped:  # a sharded rank steps its own rows: they stay sharded
+            apply_update(grads, self.rules.grad_clip, norm, self.optimizer, self.state.after_update)
         seconds = time.perf_counter() - started
         report = StepReport(number, self.steps, loss, norm, lr, seconds, skipped, self.rules.tokens_per_step,
                             self.judge.skips.totals(), embedding_norm)
-        if self.reports() and report.due(self.rules.log_interval):
-            for line in report.log_lines():
-                self.log.info(line)
+        if self.reports():
+            report.log_to(self.log, self.rules.log_interval)
         fields = {key: value for key, value in report.event_fields().items() if key != "step"}  # live_step's counts from 0
         self.events.emit("live_step", step=step, epoch=quorum.epoch, members=len(quorum.members), micro_batches=mine,
                          **fields)

@@ -25,10 +25,10 @@ import torch.distributed as dist
 
 from trainguard.config.schema import RunConfig
 from trainguard.guards.sdc import FaultyDeviceError, faulty_ranks_path, write_faulty_ranks
+from trainguard.guards.step_engine import apply_update, emit_local_norm
 from trainguard.guards.step_plugin import Exclusion, GuardPlugin, RerunJudge, StepCheck
 from trainguard.guards.step_slots import Reduced, Slot, local_slots, reduce_step
 from trainguard.guards.step_verdict import ENDS_THE_STEP, Decision, StepVerdict, decide
-from trainguard.norms import clip_grads_, local_grad_norms
 from trainguard.step.builder import GuardParts, StepPlugins
 from trainguard.step.position import RunPosition
 from trainguard.events.step_report import StepReport
@@ -88,7 +88,7 @@ class StepSkeleton:
         if decision.verdict in ENDS_THE_STEP:
             return self._end_early(decision)
         if self.config.guards.local_norm:
-            parts.events.emit("local_norm", step=step, norms=local_grad_norms(self.model.named_parameters()))
+            emit_local_norm(parts.events.emit, step, self.model)
         lr = self.saves.lr()  # before the scheduler steps: the rate this step's update uses
         decision = self._decide(self.plugins.update, run, decision)
         if decision.verdict in ENDS_THE_STEP:
@@ -96,12 +96,9 @@ class StepSkeleton:
         reduced = run.reduced
         skipped = decision.verdict is StepVerdict.SKIP
         if not skipped:
-            clip_grads_(self._grads(), self.config.optim.grad_clip, reduced.global_norm)
             parts.checkpoints.wait_for_staging()  # a save's copy ran during this forward and backward
-            self.optimizer.step()
-            if self.scheduler is not None:
-                self.scheduler.step()
-            parts.state.after_update(step)
+            apply_update(self._grads(), self.config.optim.grad_clip, reduced.global_norm, self.optimizer,
+                         lambda: self._after_optimizer(step))
         position.step = step
         position.last_loss = reduced.loss
         samples = (parts.data.ranges_between(run.first_sample, parts.data.consumed_samples)
@@ -202,8 +199,11 @@ class StepSkeleton:
         return reduce_step(self._grads(), local_slots(parts.device, share, flags), parts.ranks_per_stage,
                            known=parts.sdc.take_gradient_norms() if parts.sdc is not None else ())
 
+    def _after_optimizer(self, step: int) -> None:
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.parts.state.after_update(step)
+
     def _report(self, report: StepReport) -> None:
-        if report.due(self.config.train.log_interval):
-            for line in report.log_lines():
-                self.parts.log.info(line)
+        report.log_to(self.parts.log, self.config.train.log_interval)
         self.parts.events.emit("step", **report.event_fields())

@@ -266,7 +266,7 @@ class LiveWorker:
         # what an undo restores, a joiner receives and a checkpoint holds (the scheduler, the loop's objects)
         self.state = LiveState(model, optimizer, self.judge, scheduler, stateful)
         self.fingerprints = (LiveFingerprints(rules.fingerprint, model, optimizer, self.state, rank, args.group_size,
-                                              self.log, self.events, self.reports)
+                                              self.log, self.events, self.reports, self.sdc)
                              if rules.fingerprint.enabled else None)
         self.quorum: Quorum | None = None
         self.group: dist.ProcessGroup | None = None
@@ -418,8 +418,8 @@ class LiveWorker:
         exchange = Exchange(quorum.members, self.rank, self.slots)
         mine = self.layout.my_micro_batches(exchange)
         self.site_faults.at_rest(step + 1, self.model, self.optimizer)  # the drill's stateflip, between steps
-        if self.fingerprints is not None and self.fingerprints.due(step + 1):
-            self.fingerprints.check(self.group, quorum, step + 1, self.wait)  # repairs a replica before it computes
+        if self.fingerprints is not None and self.fingerprints.due(step + 1) and self.check_replicas(quorum, step):
+            return True  # recomputing from a checkpoint: the loop goes on from its step
         if self.layout.marks_span_step:
             # the stall watch's marks span the step's collectives, from the first (the unshard, or FSDP2's first
             # all-gather) to the norm's
@@ -520,13 +520,38 @@ class LiveWorker:
             path = checkpoint_path(self.run_dir, self.step_index, self.shard)
             path.parent.mkdir(exist_ok=True)
             atomic_write_bytes(path, serialised(self.state.state_dict()))
-        if self.sdc is not None:
-            if sdc.faulty:  # a planned exit, agreed by every member: the durable save in flight commits first
-                self.settle_saves()
-            self.sdc.leave_if_struck_out(sdc.faulty)  # saved first: its group leaves, the others go on
+        # saved first (the check before the save may have struck a rank too): its group leaves, the others go on
+        self.leave_if_struck_out(sdc.faulty + (self.fingerprints.take_struck_out() if self.fingerprints else ()))
         if newer_seen and self.stop is None:
             self.switch(quorum.epoch + 1)
         return True
+
+    def check_replicas(self, quorum: Quorum, step: int) -> bool:
+        """The replica check before ``step`` (from 0; ``guards.fingerprint``), every member alike, as the closure
+        mode's state check: an attributed replica repaired and struck (a rank at its strike limit leaves here,
+        before it computes), and what no replica can repair recomputed from the newest healthy durable
+        checkpoint, restored by the quorum (``LiveCheckpoints.roll_back``; the data positions are not moved:
+        the steps since are computed again from the same data). Whether the run went back to that checkpoint."""
+        fingerprints = self.fingerprints
+        fingerprints.check(self.group, quorum, step + 1, self.wait)  # repairs a replica before it computes
+        self.leave_if_struck_out(fingerprints.take_struck_out())
+        if not fingerprints.recompute:
+            return False
+        restored = None if self.checkpoints is None else self.checkpoints.roll_back(quorum, step + 1)
+        fingerprints.recomputing_from(step + 1, restored)
+        if restored is None:
+            return False
+        self.rolled_back(restored, math.nan, math.nan)  # no step's figures: the steps are computed again
+        return True
+
+    def leave_if_struck_out(self, faulty: tuple[int, ...]) -> None:
+        """At a step boundary, every member alike: ``faulty``, the ranks at their strike limit (``guards.sdc``:
+        SDC's rerun, a replica fingerprint). A planned exit: the durable save in flight commits first, then
+        a struck-out rank leaves (exit 17) and the others go on without its group."""
+        if not faulty:
+            return
+        self.settle_saves()
+        self.sdc.leave_if_struck_out(faulty)
 
     def data_position(self, step: int) -> int:
         """The ``step`` handed to ``loss_of`` (and seeding its random draws) for ``step``: past rollback mode's

@@ -464,6 +464,41 @@ def test_the_launchers_death_costs_a_restart_from_the_newest_checkpoint_and_the_
     assert run_differences(clean, run_dir, WORLD) == {}
 
 
+
+def test_at_the_launchers_death_each_rank_saves_its_steps_to_its_local_tier_and_the_restart_resumes_from_them(
+        root, clean):
+    """The launcher's death with the local tier on, never due in the run (``local_interval: 100``), so each
+    local step is one saved at the death: every rank finds the store gone, saves its state of its committed
+    steps to its local tier (``LiveWorker.save_own``) and exits 18; the restart named after the newest durable
+    checkpoint resumes from the newer step every shard holds (``choose_live_resume``), the steps since it not
+    redone, and the run ends bitwise equal to the fault-free one."""
+    run_dir, config = root / "launcher_lost_local", _config(root, local_interval=100)
+    proc = _start(run_dir, config)
+    _wait_until(proc, lambda: _past_committed_save(run_dir, 11, 10), "step 11 and the save of step 10")
+    ranks = [e["pid"] for e in _events(run_dir, "live_start")]
+    for pid in ranks:  # held below step 15 (the next durable save) while their launcher dies
+        os.kill(pid, signal.SIGSTOP)
+    (store,) = _events(run_dir, "live_store")
+    os.kill(store["pid"], signal.SIGKILL)
+    for pid in ranks:
+        os.kill(pid, signal.SIGCONT)
+    done = finish_session(proc, TIMEOUT_S, "the live run whose launcher died, with a local tier")
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-6000:]
+    (lost,) = _events(run_dir, "live_launcher_lost")
+    saved = {e["rank"]: e["step"] for e in _events(run_dir, "local_saved") if e["time"] < lost["time"]}
+    assert sorted(saved) == list(range(WORLD)), saved
+    for rank, step in saved.items():
+        assert f"live recovery: rank {rank} saved its state of step {step} to its local tier" in output
+    assert min(saved.values()) > 10  # newer than the newest durable checkpoint, which the restart names
+    assert f"restarting the run from {run_dir / 'checkpoints' / 'global_step_10'}" in done.stdout
+    started = _events(run_dir, "run_started")[-1]
+    # each shard's replicas: group 0's and group 1's rank of it; a step every shard holds on one replica
+    every_shard = max(step for step in set(saved.values())
+                      if all(saved.get(shard) == step or saved.get(shard + 2) == step for shard in (0, 1)))
+    assert (started["step"], started["tier"]) == (every_shard, "local"), started
+    assert run_differences(clean, run_dir, WORLD) == {}
+
 def test_a_step_that_raises_is_tried_again_and_ends_the_run_with_exit_19_after_3_failures_in_a_row(root, clean):
     """Without the retry limit the error of step 11 was taken for a failed collective (or a dead rank):
     the quorum recovered into a new epoch and failed again, for ever (epoch 553 seen)."""

@@ -56,6 +56,22 @@ def make_group(store: dist.TCPStore, epoch: int, index: int, size: int, timeout:
         raise RuntimeError(f"epoch {epoch}: its gloo group could not be built: {error}") from error
 
 
+def arrive(store: dist.Store, prefix: str, index: int, size: int, epoch: int, beat: Callable[[], None],
+           doing: str) -> None:
+    """Every member of ``epoch``'s ``size`` at ``prefix`` before any goes on: this member's key set, the
+    others' awaited by polling (``POLL_S``) while this rank beats and watches ``abort/<epoch>``. Not in a
+    thread: an epoch that ends meanwhile (a member stopped or dead before it arrived) leaves nothing
+    running behind, where a thread abandoned in a group's rendezvous lives on until its timeout and can
+    still make a group after its rank has moved on. ``doing``: for the error, as ``watched``'s."""
+    store.set(f"{prefix}/arrived/{index}", "1")
+    everyone = [f"{prefix}/arrived/{member}" for member in range(size)]
+    while not store.check(everyone):
+        beat()
+        if store.check([abort_key(epoch)]):
+            raise EpochAborted(f"epoch {epoch} ended while this rank {doing}")
+        time.sleep(POLL_S)
+
+
 def watched(work: Callable[[], T], store: dist.Store, epoch: int, beat: Callable[[], None], doing: str) -> T:
     """``work()``, run in a thread while this rank beats and watches ``abort/<epoch>``: its result, or its
     error raised here; ``EpochAborted`` as soon as the epoch ends (the thread is abandoned: blocked in a

@@ -15,7 +15,9 @@ whole state, not its shard: a save by DCP of the shards themselves (DTensors) is
 DCP's collectives need a registered process group, which the epoch's step group
 (``collective.make_group``) is not; so an epoch that saves or resumes makes this process's default
 group from its quorum (store prefix ``ckpt/<epoch>``, on a store connection of its own), and a
-``CheckpointManager`` bound to it, both kept until the quorum changes.
+``CheckpointManager`` bound to it, both kept until the quorum changes. The group is made once every
+member has arrived at the store (``collective.arrive``): a member stopped or dead before that is waited
+for without a thread, so nothing is left blocked in a rendezvous when the epoch ends.
 
 With ``checkpoint.async_save`` (the default) the loop blocks for the staging only (the group's exchange
 and the copy of the whole state into the staging buffers, before the rank holds its rows again); the
@@ -64,7 +66,7 @@ from trainguard.checkpoint.save_policy import SaveDecision, decide_save
 from trainguard.checkpoint.local.paths import node_of
 from trainguard.events import EventLog
 from trainguard.faults import FaultInjector
-from trainguard.live.collective import EpochAborted, abort_key, watched
+from trainguard.live.collective import EpochAborted, abort_key, arrive, watched
 from trainguard.live.local_tier import LiveLocalTier, ResumePoint, choose_live_resume
 from trainguard.live.quorum import Quorum
 from trainguard.live.replica_mesh import keep_mesh_groups
@@ -124,27 +126,48 @@ class LiveCheckpoints:
         self.last_committed: int | None = None  # of those, the newest known committed on every member
         self.in_flight: int | None = None  # the step whose async save is not waited for yet
 
-    def _manager(self, quorum: Quorum) -> CheckpointManager:
+    def _manager(self, quorum: Quorum, doing: str) -> CheckpointManager:
+        """The epoch's checkpoint group and its ``CheckpointManager``, made on the first call of an epoch by
+        every member (``doing``: what for, for the error). Every member's arrival is awaited first
+        (``collective.arrive``, no thread), so the wait on a member that stopped or died before it arrived
+        leaves no thread behind; then the group is made ``watched``. The thread's results are taken here:
+        a thread abandoned in a rendezvous (a member lost between its arrival and the group) changes
+        nothing of this rank's (seen: one resumed after its rank had joined a later epoch set this rank's
+        store connection to its own, blocked one, and the next epoch's group waited on it for gloo's
+        timeout, 30 s)."""
         if self.epoch == quorum.epoch:
             return self.manager
-        forget_default_group()  # an older epoch's (idle, or abandoned by its save), or none
-        if self.connection is None:
+        try:
+            forget_default_group()  # an older epoch's (idle, or abandoned by its save), or none
+            arrive(self.store, f"ckpt/{quorum.epoch}", quorum.index(self.rank), len(quorum.members), quorum.epoch,
+                   self.beat, doing)
+        except BaseException:
+            self._forget_epoch()
+            raise
+        connection = self.connection
+        if connection is None:
             # the group's setup blocks on the store until every member connected: on the rank's own
             # client it would hold up the beats of ``watched`` behind it (one client serialises its calls)
-            self.connection = dist.TCPStore(self.store.host, self.store.port, is_master=False, timeout=self.timeout)
-        dist.init_process_group("gloo", store=dist.PrefixStore(f"ckpt/{quorum.epoch}", self.connection),
-                                rank=quorum.index(self.rank), world_size=len(quorum.members), timeout=self.timeout)
-        groups = len(quorum.members) // self.group_size
-        self.manager = CheckpointManager(self.run_dir, self.model, self.optimizer, self.state.checkpointed(),
-                                         config=self.config, events=self.events, static_files=self.static_files,
-                                         mesh_shape=[groups, self.group_size], mesh_dim_names=REPLICA_DIMS,
-                                         after_commit=self.after_commit)
+            connection = dist.TCPStore(self.store.host, self.store.port, is_master=False, timeout=self.timeout)
+        self.manager = self._watched(quorum, lambda: self._make_manager(quorum, connection), doing)
+        self.connection = connection
         # the mirror (checkpoint.mirror.url): the quorum's first member uploads what it commits, with one
         # mirror across its epochs; a member that is first no more lets its queue finish in the background
         attach_mirror(self.manager, self.mirror)
         self.mirror = self.manager.mirror or self.mirror
         self.epoch = quorum.epoch
         return self.manager
+
+    def _make_manager(self, quorum: Quorum, connection: dist.TCPStore) -> CheckpointManager:
+        """This process's default group from ``quorum`` (store prefix ``ckpt/<epoch>``) and a manager bound to
+        it; reads this rank's objects only, sets nothing (``_manager`` takes the result)."""
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"ckpt/{quorum.epoch}", connection),
+                                rank=quorum.index(self.rank), world_size=len(quorum.members), timeout=self.timeout)
+        groups = len(quorum.members) // self.group_size
+        return CheckpointManager(self.run_dir, self.model, self.optimizer, self.state.checkpointed(),
+                                 config=self.config, events=self.events, static_files=self.static_files,
+                                 mesh_shape=[groups, self.group_size], mesh_dim_names=REPLICA_DIMS,
+                                 after_commit=self.after_commit)
 
     def _rank_tiers(self) -> dict[str, LiveLocalTier]:
         """The per-rank tiers by name, in order of preference at an equal step (the memory tier saves most often)."""
@@ -164,6 +187,7 @@ class LiveCheckpoints:
         point = ResumePoint("durable", read_manifest(checkpoint).step if checkpoint is not None else None)
         tiers = self._rank_tiers()
         if tiers and mode == "auto":
+            self._manager(quorum, "made its checkpoint group to gather its peers' local steps")
             point = choose_live_resume(point.step, self._watched(quorum, lambda: self._held(quorum, tiers),
                                                                  "gathered its peers' local steps"), self.group_size)
         if point.tier != "durable":
@@ -177,7 +201,8 @@ class LiveCheckpoints:
                 self.events.emit("run_started", step=point.step, resumed_from=str(path), tier=point.tier)
         elif checkpoint is not None:
             with self.whole():
-                self._watched(quorum, lambda: self._manager(quorum).resume(), f"resumed from {checkpoint}")
+                manager = self._manager(quorum, f"made its checkpoint group to resume from {checkpoint}")
+                self._watched(quorum, manager.resume, f"resumed from {checkpoint}")
             self.last_saved = self.last_committed = point.step
         for tier in tiers.values():
             tier.discard_newer(point.step or 0)
@@ -189,7 +214,8 @@ class LiveCheckpoints:
         deleted), and the per-rank tiers' newer steps dropped. Its step, None when there is none."""
         self._settle(quorum, before_step)
         with self.whole():
-            restored = self._watched(quorum, lambda: self._manager(quorum).roll_back(before_step),
+            manager = self._manager(quorum, f"made its checkpoint group to roll back before step {before_step}")
+            restored = self._watched(quorum, lambda: manager.roll_back(before_step),
                                      f"rolled back before step {before_step}")
         if restored is not None:
             self.last_saved = self.last_committed = restored
@@ -199,8 +225,7 @@ class LiveCheckpoints:
 
     def _held(self, quorum: Quorum, tiers: dict[str, LiveLocalTier]) -> dict[str, dict[int, list[int]]]:
         """Each member's verified steps of each per-rank tier (tier -> rank -> steps), gathered on the
-        checkpoint group."""
-        self._manager(quorum)
+        checkpoint group (made)."""
         parts: list[dict[str, list[int]] | None] = [None] * len(quorum.members)
         dist.all_gather_object(parts, {name: tier.held() for name, tier in tiers.items()})
         return {name: {member: part[name] for member, part in zip(quorum.members, parts)} for name in tiers}
@@ -260,8 +285,9 @@ class LiveCheckpoints:
         node, ranks_per_node = self.local.node, self.local.ranks_per_node
         first = min(member for member in quorum.members if node_of(member, ranks_per_node) == node)  # this rank's node's
 
+        self._manager(quorum, f"made its checkpoint group for the drill's wipe after step {step}")
+
         def wipe() -> None:
-            self._manager(quorum)
             dist.barrier()
             self.wipes.after_local_save(step, node, self.rank == first, self.local.node_dirs())
             dist.barrier()
@@ -290,8 +316,7 @@ class LiveCheckpoints:
                       stopping: bool) -> None:
         final = last_step or stopping  # the process may exit after it: nothing may stay in flight
         self._settle(quorum, step)  # at most one save in flight
-        manager = self._as_save_failure(step, lambda: self._watched(
-            quorum, lambda: self._manager(quorum), f"made its checkpoint group to save step {step}"))
+        manager = self._as_save_failure(step, lambda: self._manager(quorum, f"made its checkpoint group to save step {step}"))
         live = {"epoch": quorum.epoch, "members": quorum.members, "group_size": self.group_size,
                 "replica_groups": len(quorum.members) // self.group_size}
         committed_now = final or not self.config.async_save
@@ -312,6 +337,21 @@ class LiveCheckpoints:
             self.last_committed = step
         else:
             self.in_flight = step
+
+    def save_own(self, step: int) -> LiveLocalTier | None:
+        """This rank alone, with no collective and no store (the launcher's death took the store): its state of
+        ``step`` committed steps written to its first per-rank tier (the memory tier, else the local one) unless
+        that tier holds it already, kept out of retention (which could take away an older step that a replica
+        of another shard holds alone). The tier, None when there is none or the durable tier holds ``step``
+        committed. The restart's ``--resume auto`` takes the newest step every shard holds on one replica
+        (``choose_live_resume``): this one when every shard's ranks of one replica group saved it too."""
+        tier = next(iter(self._rank_tiers().values()), None)
+        if tier is None or step == self.last_committed:
+            return None
+        tier.wait()
+        if tier.last_saved != step:
+            tier.save(step, self.state.state_dict(), prune=False)
+        return tier
 
     def settle(self, quorum: Quorum) -> None:
         """The async save in flight, when the run ends at a step boundary without a save of its own (a
@@ -361,13 +401,18 @@ class LiveCheckpoints:
         try:
             return watched(work, self.store, quorum.epoch, self.beat, doing)
         except BaseException:
-            forget_default_group()
-            # a thread abandoned in a store wait holds its client until gloo's timeout (one client serialises
-            # its calls): the next group is made on a new one (seen: 30 s before the next save otherwise)
-            self.epoch = self.manager = self.connection = None
-            if self.in_flight is not None:
-                self.in_flight, self.last_saved = None, self.last_committed
+            self._forget_epoch()
             raise
+
+    def _forget_epoch(self) -> None:
+        """After a failure: the epoch's default group and manager dropped, and the save in flight counted as
+        not saved."""
+        forget_default_group()
+        # a thread abandoned in a store wait holds its client until gloo's timeout (one client serialises
+        # its calls): the next group is made on a new one (seen: 30 s before the next save otherwise)
+        self.epoch = self.manager = self.connection = None
+        if self.in_flight is not None:
+            self.in_flight, self.last_saved = None, self.last_committed
 
 
 def forget_default_group() -> None:

@@ -107,6 +107,10 @@ class ParamLayout(Protocol):
     def whole_state(self) -> contextlib.AbstractContextManager[None]:
         """The model and optimizer whole inside the block (for the durable tier)."""
 
+    def at_rest(self) -> bool:
+        """Whether the model holds this rank's parameters as between steps (none gathered whole): the state
+        its per-rank tier would save."""
+
     def left_out(self, quorum: Quorum) -> None:
         """This rank is not a member of ``quorum``: raises when the layout cannot rejoin alone."""
 

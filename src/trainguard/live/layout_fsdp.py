@@ -41,6 +41,8 @@ class FsdpLayout:
         self.shard = shard_of(rank, group_size)
         self.group_waits = WaitThread("fsdp-group-wait")  # wait_group's, kept across FSDP2's exchanges
         self.fsdp = FsdpShares(model, fsdp_modules(model), rank, group_size, self.group_channel, self.tp)
+        # FSDP2 registers its unsharded parameters on the modules while it computes, its sharded ones again after
+        self.model, self.sharded = model, list(model.parameters())
 
     def my_micro_batches(self, exchange: Exchange) -> list[int]:
         return exchange.my_micro_batches()
@@ -121,6 +123,9 @@ class FsdpLayout:
     def whole_state(self) -> contextlib.AbstractContextManager[None]:
         """DCP reads and writes FSDP2's DTensors as they are: nothing to gather."""
         return contextlib.nullcontext()
+
+    def at_rest(self) -> bool:
+        return all(param is sharded for param, sharded in zip(self.model.parameters(), self.sharded))
 
     def left_out(self, quorum: Quorum) -> None:
         """A rank left out of ``quorum`` ends (``GroupOut``): its group's processes start again together

@@ -60,6 +60,9 @@ class ReplicaLayout:
     def whole_state(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
+    def at_rest(self) -> bool:
+        return True  # nothing is ever gathered
+
     def left_out(self, quorum: Quorum) -> None:
         """A whole replica rejoins alone: nothing to end."""
 

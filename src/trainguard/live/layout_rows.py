@@ -71,6 +71,9 @@ class RowsLayout:
         return self.params.whole(self.link.group, self.link.quorum.members, self.rank, self.optimizer,
                                  self.link.wait_all)
 
+    def at_rest(self) -> bool:
+        return not self.params.is_whole
+
     def left_out(self, quorum: Quorum) -> None:
         """A rank of row shards rejoins alone, receiving its shard from a live replica of it."""
 

@@ -113,8 +113,9 @@ class LiveLocalTier:
         owner_only_dir(self.dir, f"the live {tier} tier's directory")
         clean_rank_leftovers(self.dir, world, rank)
 
-    def save(self, step: int, state: dict[str, Any]) -> None:
-        """Writes this rank's ``state`` (``LiveState.state_dict``) of ``step``, committed by its rank manifest."""
+    def save(self, step: int, state: dict[str, Any], prune: bool = True) -> None:
+        """Writes this rank's ``state`` (``LiveState.state_dict``) of ``step``, committed by its rank manifest;
+        then, with ``prune``, deletes this rank's steps past ``keep_last`` in the background."""
         self.wait()
         owner_only_dir(self.dir, f"the live {self.tier} tier's directory")  # a wiped node's directory comes back
         saved = save_rank_step(self.dir, step, rank=self.rank, world_size=self.world, model_state=state["model"],
@@ -124,9 +125,9 @@ class LiveLocalTier:
         self.last_saved = step
         self.events.emit("local_saved", step=step, bytes=saved.bytes, seconds=saved.seconds, path=str(self.dir),
                          tier=self.tier)
-        # deleting old files costs about as much as writing them: off the training path
-        self._pruner = threading.Thread(target=self._prune, daemon=True)
-        self._pruner.start()
+        if prune:  # deleting old files costs about as much as writing them: off the training path
+            self._pruner = threading.Thread(target=self._prune, daemon=True)
+            self._pruner.start()
 
     def _prune(self) -> None:
         for old in prune(self.dir, self.world, self.rank, self.keep_last):

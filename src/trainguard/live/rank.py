@@ -214,7 +214,7 @@ class LiveRank:
         except GroupOut as out:
             self.group_out(out)
         except dist.DistNetworkError as lost:
-            self.store_lost(lost)
+            self.store_lost(lost, save=True)
         except FaultyDeviceError as faulty:  # this rank alone: the others go on, its group leaves (live/sdc.py)
             print(f"trainguard: error: [rank {self.worker.rank}] {faulty}", file=sys.stderr, flush=True)
             self.exit_code = faulty.exit_code
@@ -242,11 +242,18 @@ class LiveRank:
         self.exit_code = GROUP_OUT_EXIT
         self.ended = True
 
-    def store_lost(self, lost: dist.DistNetworkError) -> None:
-        """The store's server, the launcher, is gone: nothing to step with."""
-        print(f"live recovery: rank {self.worker.rank} lost the run's store at {self.args.store} "
+    def store_lost(self, lost: dist.DistNetworkError, save: bool = False) -> None:
+        """The store's server, the launcher, is gone: nothing to step with. With ``save`` (the loss was met
+        while training), this rank's state of its committed steps goes to its per-rank tier first, if the
+        run has one (``LiveWorker.save_own``)."""
+        worker = self.worker
+        print(f"live recovery: rank {worker.rank} lost the run's store at {self.args.store} "
               f"({str(lost).splitlines()[0]}); exiting {STORE_LOST_EXIT}: the run restarts from its newest durable "
               "checkpoint", file=sys.stderr, flush=True)
+        tier = worker.save_own() if save else None
+        if tier is not None:
+            print(f"live recovery: rank {worker.rank} saved its state of step {worker.step_index} to its {tier.tier} "
+                  f"tier ({tier.dir}) before exiting", file=sys.stderr, flush=True)
         self.exit_code = STORE_LOST_EXIT
         self.ended = True
 

@@ -68,6 +68,7 @@ from trainguard.live.data_positions import DataPositions
 from trainguard.live.durable import LiveCheckpoints
 from trainguard.live.group_reduce import Exchange, SlotLayout, StepSum
 from trainguard.live.layout_build import build_layout
+from trainguard.live.local_tier import LiveLocalTier
 from trainguard.live.micro_batch import MicroBatchLoss, StepWork
 from trainguard.live.quorum import (NO_STATE, STOP, STOPPED, Quorum, awaited_at_end, beat_key, done_key, entered_key,
                                     epoch_key, fence_key, has, latest_epoch, progress_key, read_quorum, ready_key,
@@ -288,6 +289,7 @@ class LiveWorker:
             marks=self.reduce_marks, wipes=self.site_faults)
         self.lifecycle = lifecycle  # this rank's stop reasons (its signals, the kill switch, the time limit)
         self.stop: LiveStop | None = None  # the quorum agreed to stop, and saved: no more steps
+        self.receiving = False  # a joiner's state transfer in progress (``join``)
         self.step_failures = StepFailures(rules.max_step_failures)  # the current step's failed attempts in a row
 
     @property
@@ -767,6 +769,7 @@ class LiveWorker:
         A failure during the transfer (a peer died: a second failure during the join) ends that epoch
         with no state to report (``NO_STATE``); the group is out again, and this rank asks again."""
         asked = time.time()
+        self.receiving = True  # this rank's state is a replica's only once the transfer is done
         while True:
             # only an epoch published after this request answers it: an older join epoch naming this rank
             # let in a process of it that died (this one replaces it; entering that epoch would fence it)
@@ -782,10 +785,21 @@ class LiveWorker:
                 self.layout.left_out(self.leave_epoch(error, NO_STATE))
                 continue
             break
+        self.receiving = False
         self.judge.welcome(quorum.joining)
         self.previous = None
         self.events.emit("live_joined", step=start, epoch=quorum.epoch, state_bytes=received,
                          waited_s=time.time() - asked)
+
+    def save_own(self) -> LiveLocalTier | None:
+        """The store is gone (the launcher died): this rank's state of its committed steps to its per-rank tier
+        for the restart to resume from (``LiveCheckpoints.save_own``), when it is one step's state: not being
+        received from a replica, no parameter gathered whole (a step's computation that stopped at the loss
+        changed no state: the update is applied after the step's last store read). The tier, None when nothing
+        was saved."""
+        if self.checkpoints is None or self.committed is None or self.receiving or not self.layout.at_rest():
+            return None
+        return self.checkpoints.save_own(self.step_index)
 
     def fence(self) -> int | None:
         """The epoch of this rank's newest death the lighthouse recorded (``fence_key``), if any."""

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 from trainguard.errors import ConfigError
 from trainguard.live.group_reduce import Exchange, SlotLayout
@@ -113,3 +116,20 @@ def test_a_raising_loss_is_one_line_with_zeros_from_that_micro_batch_or_raises_w
     assert computed[0].abs().sum() > 0 and not computed[2].any() and not computed[3].any()
     with pytest.raises(KeyError):
         compute_micro_batches(model, _work(loss_of), [0, 2, 3], catch=False)
+
+
+def test_fsdp2_registers_its_unsharded_parameters_while_it_computes_which_the_fsdp_layout_reads_as_not_at_rest():
+    """``FsdpLayout.at_rest`` (what a rank whose store is gone may save to its per-rank tier) compares the
+    module's registered parameters with the sharded ones it saw at its start: FSDP2 registers other objects
+    while a module is unsharded and its sharded ones again after."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = _model()
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        sharded = list(model.parameters())
+        model.unshard()
+        assert not any(param is kept for param, kept in zip(model.parameters(), sharded))
+        model.reshard()
+        assert all(param is kept for param, kept in zip(model.parameters(), sharded))
+    finally:
+        dist.destroy_process_group()

@@ -3,6 +3,7 @@ line and the ``step`` event's fields; both step engines write it."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,12 @@ class StepReport:
         if self.sample_ranges is not None:
             fields["sample_ranges"] = [list(r) for r in self.sample_ranges]
         return fields
+
+    def log_to(self, log: logging.Logger, log_interval: int) -> None:
+        """The step's lines, when due (``train.log_interval``)."""
+        if self.due(log_interval):
+            for line in self.log_lines():
+                log.info(line)
 
     def due(self, log_interval: int) -> bool:
         """Whether the log line is written for this step (every ``log_interval`` steps and the last)."""

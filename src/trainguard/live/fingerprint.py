@@ -24,6 +24,7 @@ it left unrepaired.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +35,7 @@ import torch.distributed as dist
 from trainguard.events import EventLog
 from trainguard.guards.fingerprint import (FingerprintConfig, FingerprintVerdict, Mismatch, compare_replicas, fingerprints,
                                           log_recompute)
+from trainguard.guards.step_plugin import Restored
 from trainguard.guards.state_health import NamedTensors, local_state, nonfinite_state, state_save_health
 from trainguard.live.quorum import Quorum
 from trainguard.live.sdc import LiveSdc
@@ -69,6 +71,8 @@ class LiveFingerprints:
         # the check step a recompute went back to reach again: a mismatch found there again is not recomputed
         self.recomputing_to: int | None = None
         self.recompute = False  # the last check found what no replica can repair, and a recompute is due
+        # the recompute's restore, as a rollback's (the closure mode's ``StatePlugin``): no step's figures
+        self.restored: Restored | None = None
 
     def due(self, step: int) -> bool:
         """A check before ``step`` (the closure mode's number)."""
@@ -103,6 +107,7 @@ class LiveFingerprints:
         if restored is None:
             return
         self.recomputing_to = step
+        self.restored = Restored(restored, math.nan, math.nan)
         if self.reports():
             self.events.emit("fingerprint_recompute", step=step, to_step=restored)
 

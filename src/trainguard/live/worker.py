@@ -5,7 +5,8 @@ The model, the optimizer and the loss of one micro-batch are the user's (``train
 the engine of ``trainguard.Guard``'s live mode, hands them in; the drill's ``workload`` is one such
 user); the rank's place in the run comes from the launcher's arguments (``LiveArgs``).
 
-Each step: compute this member's micro-batches, their fixed-order sum over the quorum (both asked of the
+Each step (``LiveStep``, live mode's engine of the step sequence both modes run, ``guards/step_engine.run_step``):
+compute this member's micro-batches, their fixed-order sum over the quorum (both asked of the
 rank's parameter layout, chosen once, ``live/layout.py``: whole replicas, one all-reduce of a row per
 micro-batch; our own row shards, gathered whole around the step, and the group reduce-scatter plus
 cross-group sum of ``group_reduce``; FSDP2 over the replica group's mesh, one reduce-scatter per group
@@ -35,6 +36,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -61,8 +63,10 @@ from trainguard.guards.rollback import RollbackAbort, RollbackConfig, RollbackGu
 from trainguard.guards.sdc import SdcConfig
 from trainguard.guards.skip import DataSkipAbort, SkipConfig
 from trainguard.guards.skip_streak import DEFAULT_MAX_CONSECUTIVE_SKIPS
+from trainguard.guards.step_engine import apply_update, emit_local_norm, run_step, update_lr
+from trainguard.guards.step_plugin import GuardPlugin
 from trainguard.guards.step_skips import StepSkips
-from trainguard.guards.step_verdict import StepVerdict
+from trainguard.guards.step_verdict import Decision, StepVerdict
 from trainguard.live import collective
 from trainguard.live.data_positions import DataPositions
 from trainguard.live.durable import LiveCheckpoints
@@ -78,14 +82,12 @@ from trainguard.live.shards import shard_of
 from trainguard.live.sharded_params import norm_by_rows
 from trainguard.live.stall import ReduceMarks
 from trainguard.live.fingerprint import LiveFingerprints
-from trainguard.live.sdc import CLEAN, LiveSdc
+from trainguard.live.sdc import CLEAN, LiveSdc, SdcStep
 from trainguard.live.state import LiveState
 from trainguard.live.step_failures import STEP_FAILURE, StepFailed, StepFailures, StepFailureVerdict
 from trainguard.live.step_judge import LiveJudge
 from trainguard.live.transfer import send_shards
 from trainguard.live.files import checkpoint_path, events_path, final_path
-from trainguard.norms.global_norm import clip_grads_
-from trainguard.norms.local_norm import local_grad_norms
 from trainguard.runtime.heartbeat import node_name
 from trainguard.runtime.lifecycle import (DEADLINE, EXIT_CODES, KILL_SWITCH, NONE, REASON_NAMES, SIGNAL, Lifecycle,
                                           LifecycleConfig)
@@ -215,6 +217,202 @@ class LiveStop:
     reason: str  # ``lifecycle.REASON_NAMES``' name, or "exit_at_step"
     message: str
     exit_code: int
+
+
+APPLY = Decision(StepVerdict.APPLY, None)
+
+
+class LiveStep:
+    """Live mode's ``StepEngine`` (``guards/step_engine.run_step``, the closure mode's sequence): one step of a
+    ``LiveWorker`` in its epoch, whether it committed (not when a rank's computation of it raised). Its
+    membership and its order-fixed reduction are the parts that differ:
+
+    - ``begin``: the drill's state fault between steps, and replica fingerprints' check (``check_replicas``),
+      which repairs and strikes a replica before it computes, and ends the step as a rollback (``end_early``)
+      when what no replica can repair is recomputed from a durable checkpoint;
+    - ``compute``: this member's micro-batches by the parameter layout (``live/layout.py``), and the step's one sum
+      over the quorum, carrying beside the gradient the step's loss, the "a newer epoch exists" flag, each rank's
+      stop reasons and whether its computation raised (then the step ends here, tried again:
+      ``live/step_failures.py``); then the undo point (the one step a survivor may have to undo), the drill's
+      gradient faults, the norm by rows;
+    - ``integrity``: SDC detection on the sum's extras (``live/sdc.py``), its rerun (the same micro-batches, the
+      same sum) inside, answering SKIP or APPLY (a faulty device leaves at the step boundary, after the save);
+    - ``update``: the closure mode's update plugins through ``decide`` (``live/step_judge.py``);
+    - ``end_early``: an abort on every member (exit 3), or a rollback to the quorum's durable checkpoint (rollback
+      mode's, or replica fingerprints' recompute);
+    - ``commit``: the step's line and ``live_step`` event, the committed step recorded for the loop, the progress
+      key, the quorum's agreed stop or the durable save, the drill's checkpoint, a struck-out device's exit, and
+      the switch to a newer epoch (a joiner's state sent at this boundary).
+
+    A failed collective raises out of any hook (``LiveWorker.train`` recovers); a hook that has changed the
+    state by then (a judged SDC detector, a rollback's restore) undoes it first.
+    """
+
+    def __init__(self, worker: LiveWorker):
+        self.worker = worker
+        self.quorum, self.step = worker.quorum, worker.step_index
+        self.number = self.step + 1  # the step as the closure mode numbers it: the guards' and the faults' step
+        self.started = time.perf_counter()
+        self.exchange = Exchange(self.quorum.members, worker.rank, worker.slots)
+        self.mine = worker.layout.my_micro_batches(self.exchange)
+        self.newer_seen = False  # a newer epoch exists (a join): switched to at this boundary
+        self.stops_seen: list[int] = []  # the ranks raising each of ``STOP_REASONS``
+        self.summed: StepSum | None = None  # the step's sum (``compute``)
+        self.loss = 0.0
+        self.grads: list[torch.Tensor] = []
+        self.norm, self.embedding_norm = 0.0, None
+        self.sdc: SdcStep = CLEAN
+        self.lr = 0.0
+
+    def begin(self) -> Decision[GuardPlugin]:
+        worker = self.worker
+        worker.site_faults.at_rest(self.number, worker.model, worker.optimizer)  # the drill's stateflip, between steps
+        if worker.fingerprints is not None and worker.fingerprints.due(self.number) and \
+                worker.check_replicas(self.quorum, self.step):
+            # recomputing from a checkpoint: the step ends as after a rollback, the loop goes on from its step
+            return Decision(StepVerdict.ROLLBACK, worker.fingerprints)
+        return APPLY
+
+    def compute(self) -> bool | None:
+        worker, quorum, step, mine = self.worker, self.quorum, self.step, self.mine
+        if worker.layout.marks_span_step:
+            # the stall watch's marks span the step's collectives, from the first (the unshard, or FSDP2's first
+            # all-gather) to the norm's
+            worker.reduce_marks.entering(quorum.epoch, step, worker.beat)
+        computed, extras, failure = worker.compute(step, self.exchange, mine, catch=True)
+        if failure is not None:  # before the sum: the reporter reads it once the sum says a rank failed
+            worker.store.set(STEP_FAILURE, f"rank {worker.rank}: {failure}")
+        if worker.sample_range:
+            # before the sum, not after: a rank killed once its rows are in the sum, before it could say
+            # so, leaves the step committed by the others with its samples in it
+            position = worker.data_position(step)
+            worker.events.emit("live_samples", step=step, epoch=quorum.epoch, members=len(quorum.members),
+                               micro_batches=mine, samples=[worker.sample_range(position, m) for m in mine])
+        newer = latest_epoch(worker.store) > quorum.epoch
+        reason = worker.lifecycle.local_reason() if worker.lifecycle is not None else NONE
+        if has(worker.store, STOP):  # the launcher's signal
+            reason = max(reason, SIGNAL)
+        flags = [int(newer), *(int(reason == r) for r in STOP_REASONS), int(failure is not None)]
+        if not worker.layout.marks_span_step:
+            worker.reduce_marks.entering(quorum.epoch, step, worker.beat)
+        summed = worker.reduce(self.exchange, computed, flags, extras)
+        newer_seen, *self.stops_seen, failed = summed.flags
+        self.newer_seen = bool(newer_seen)
+        if failed:
+            worker.reduce_marks.left(quorum.epoch, step)
+            worker.step_failed(step, failed)
+            return False
+        self.loss = summed.loss
+        if step == worker.fail_after_reduce:
+            worker.fail_after_reduce = None
+            worker.await_peers_committed(step)
+            raise RuntimeError(f"injected: rank {worker.rank}'s collective of step {step} failed after the others' "
+                               "succeeded")
+        worker.previous = (step, worker.state.undo_point())
+        worker.faults.after_backward(self.number, worker.model)
+        self.take_norms()
+        self.summed = summed
+        return None
+
+    def take_norms(self) -> None:
+        self.grads = [p.grad for p in self.worker.model.parameters() if p.grad is not None]
+        self.norm, self.embedding_norm = self.worker.norms(self.grads)
+
+    @contextmanager
+    def undone_if_the_epoch_fails(self) -> Iterator[None]:
+        """A failed collective inside (the rerun's sum, a rollback's restore) after this rank's guards judged
+        the step: this rank redoes the step from before it."""
+        try:
+            yield
+        except RuntimeError:
+            self.worker.state.undo(self.worker.previous[1])
+            raise
+
+    def integrity(self) -> Decision[GuardPlugin]:
+        worker = self.worker
+        if worker.sdc is not None:
+            with self.undone_if_the_epoch_fails():
+                self.sdc = worker.sdc.judge(self.number, worker.layout.computed_by(self.exchange), self.summed,
+                                            lambda flags: worker.rerun(self.step, self.exchange, self.mine, flags))
+        if self.sdc.rerun is not None:  # a transient fault: the step goes on with the rerun's sum, set by rerun()
+            self.loss = self.sdc.rerun.loss
+            self.take_norms()
+        worker.reduce_marks.left(self.quorum.epoch, self.step)
+        return Decision(StepVerdict.SKIP, None) if self.sdc.skip else APPLY
+
+    def gradient_judged(self) -> None:
+        worker = self.worker
+        if worker.rules.local_norm:  # the gradient judged, before clipping, as the closure mode's event
+            emit_local_norm(worker.events.emit, self.number, worker.model)
+        self.lr = update_lr(worker.optimizer, worker.state.scheduler)  # before the scheduler steps
+
+    def update(self, decided: Decision[GuardPlugin]) -> Decision[GuardPlugin]:
+        # every rank's alike: the same sum, the same state
+        with self.undone_if_the_epoch_fails():  # a rollback's restore failed with the epoch
+            return self.worker.judge.judge(self.number, self.norm, self.loss,
+                                           sdc_skipped=decided.verdict is StepVerdict.SKIP)
+
+    def end_early(self, decision: Decision[GuardPlugin]) -> bool:
+        worker = self.worker
+        if decision.verdict is StepVerdict.ABORT:  # every member judged the same sum: all end at this step
+            worker.aborted(self.step, decision.by.abort_cause())
+        restored = decision.by.restored  # every member restored the same checkpoint
+        worker.rolled_back(restored.step, restored.loss, restored.global_norm)
+        if self.newer_seen:
+            worker.switch(self.quorum.epoch + 1)
+        return True
+
+    def apply(self) -> None:  # a sharded rank steps its own rows: they stay sharded
+        worker = self.worker
+        apply_update(self.grads, worker.rules.grad_clip, self.norm, worker.optimizer, worker.state.after_update)
+
+    def commit(self, skipped: bool) -> bool:
+        worker, quorum, step = self.worker, self.quorum, self.step
+        seconds = time.perf_counter() - self.started
+        report = StepReport(self.number, worker.steps, self.loss, self.norm, self.lr, seconds, skipped,
+                            worker.rules.tokens_per_step, worker.judge.skips.totals(), self.embedding_norm)
+        if worker.reports():
+            report.log_to(worker.log, worker.rules.log_interval)
+        fields = {key: value for key, value in report.event_fields().items() if key != "step"}  # live_step's counts from 0
+        worker.events.emit("live_step", step=step, epoch=quorum.epoch, members=len(quorum.members),
+                           micro_batches=self.mine, **fields)
+        worker.state.committed = dataclasses.asdict(CommittedStep(step, self.loss, self.norm, skipped,
+                                                                  self.embedding_norm))
+        worker.step_failures.committed()
+        worker.step_index = step + 1
+        if worker.fingerprints is not None:
+            worker.fingerprints.remember(worker.step_index + 1)
+        worker.store.set(progress_key(worker.rank), str(worker.step_index))
+        if worker.lifecycle is not None:
+            worker.lifecycle.note_step(seconds)
+        self.stop_or_save()
+        if (worker.checkpoint_every and worker.step_index % worker.checkpoint_every == 0
+                and quorum.index(worker.rank) < worker.group_size):  # the lowest live group's shards
+            path = checkpoint_path(worker.run_dir, worker.step_index, worker.shard)
+            path.parent.mkdir(exist_ok=True)
+            atomic_write_bytes(path, serialised(worker.state.state_dict()))
+        # saved first (the check before the save may have struck a rank too): its group leaves, the others go on
+        worker.leave_if_struck_out(self.sdc.faulty + (worker.fingerprints.take_struck_out()
+                                                      if worker.fingerprints is not None else ()))
+        if self.newer_seen and worker.stop is None:
+            worker.switch(quorum.epoch + 1)
+        return True
+
+    def stop_or_save(self) -> None:
+        """The quorum's agreed stop at this boundary (a reason any rank saw, or ``train.exit_at_step``), with
+        its save; else the durable tier's save by policy."""
+        worker = self.worker
+        reason = max((r for r, seen in zip(STOP_REASONS, self.stops_seen) if seen), default=NONE)
+        planned = worker.rules.exit_at_step is not None and worker.step_index >= worker.rules.exit_at_step
+        if worker.step_index < worker.steps and (reason != NONE or planned):  # the last step ends the run anyway
+            worker.stop_here(reason)
+        elif worker.checkpoints is not None:
+            began = time.perf_counter()
+            saved = worker.checkpoints.save(self.quorum, worker.step_index, worker.health(),
+                                            last_step=worker.step_index == worker.steps, stopping=False,
+                                            check=worker.replica_check())
+            if saved and worker.lifecycle is not None:  # the time limit keeps room for one step and one save
+                worker.lifecycle.note_save(time.perf_counter() - began)
 
 
 class LiveWorker:
@@ -414,126 +612,16 @@ class LiveWorker:
         return self.layout.reduce(exchange, computed, flags, extras)
 
     def step(self) -> bool:
-        """Trains the next step: whether it committed (not when a rank's computation of it raised)."""
-        quorum, step = self.quorum, self.step_index
-        started = time.perf_counter()
-        exchange = Exchange(quorum.members, self.rank, self.slots)
-        mine = self.layout.my_micro_batches(exchange)
-        self.site_faults.at_rest(step + 1, self.model, self.optimizer)  # the drill's stateflip, between steps
-        if self.fingerprints is not None and self.fingerprints.due(step + 1) and self.check_replicas(quorum, step):
-            return True  # recomputing from a checkpoint: the loop goes on from its step
-        if self.layout.marks_span_step:
-            # the stall watch's marks span the step's collectives, from the first (the unshard, or FSDP2's first
-            # all-gather) to the norm's
-            self.reduce_marks.entering(quorum.epoch, step, self.beat)
-        computed, extras, failure = self.compute(step, exchange, mine, catch=True)
-        if failure is not None:  # before the sum: the reporter reads it once the sum says a rank failed
-            self.store.set(STEP_FAILURE, f"rank {self.rank}: {failure}")
-        if self.sample_range:
-            # before the sum, not after: a rank killed once its rows are in the sum, before it could say
-            # so, leaves the step committed by the others with its samples in it
-            self.events.emit("live_samples", step=step, epoch=quorum.epoch, members=len(quorum.members),
-                             micro_batches=mine, samples=[self.sample_range(self.data_position(step), m) for m in mine])
-        newer = latest_epoch(self.store) > quorum.epoch
-        reason = self.lifecycle.local_reason() if self.lifecycle is not None else NONE
-        if has(self.store, STOP):  # the launcher's signal
-            reason = max(reason, SIGNAL)
-        flags = [int(newer), *(int(reason == r) for r in STOP_REASONS), int(failure is not None)]
-        if not self.layout.marks_span_step:
-            self.reduce_marks.entering(quorum.epoch, step, self.beat)
-        summed = self.reduce(exchange, computed, flags, extras)
-        newer_seen, *stops_seen, failed = summed.flags
-        if failed:
-            self.reduce_marks.left(quorum.epoch, step)
-            self.step_failed(step, failed)
-            return False
-        loss = summed.loss
-        if step == self.fail_after_reduce:
-            self.fail_after_reduce = None
-            self.await_peers_committed(step)
-            raise RuntimeError(f"injected: rank {self.rank}'s collective of step {step} failed after the others' succeeded")
-        self.previous = (step, self.state.undo_point())
-        number = step + 1  # the step as the closure mode numbers it: the guards' and the faults' step
-        self.faults.after_backward(number, self.model)
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        norm, embedding_norm = self.norms(grads)
-        try:
-            sdc = CLEAN if self.sdc is None else self.sdc.judge(number, self.layout.computed_by(exchange), summed,
-                                                                lambda flags: self.rerun(step, exchange, mine, flags))
-        except RuntimeError:  # the rerun's sum failed: the detectors judged a step this rank will redo
-            self.state.undo(self.previous[1])
-            raise
-        if sdc.rerun is not None:  # a transient fault: the step goes on with the rerun's sum, set by rerun()
-            loss = sdc.rerun.loss
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            norm, embedding_norm = self.norms(grads)
-        self.reduce_marks.left(quorum.epoch, step)
-        if self.rules.local_norm:  # the gradient judged, before clipping, as the closure mode's event
-            self.events.emit("local_norm", step=number, norms=local_grad_norms(self.model.named_parameters()))
-        lr = self.optimizer.param_groups[0]["lr"]  # before the scheduler steps: the rate this step's update uses
-        # every rank's alike: the same sum, the same state
-        try:
-            decision = self.judge.judge(number, norm, loss, sdc_skipped=sdc.skip)
-        except RuntimeError:  # a rollback's restore failed with the epoch: this rank redoes the step from before it
-            self.state.undo(self.previous[1])
-            raise
-        if decision.verdict is StepVerdict.ABORT:  # every member judged the same sum: all end at this step
-            self.aborted(step, decision.by.abort_cause())
-        if decision.verdict is StepVerdict.ROLLBACK:  # every member restored the same checkpoint
-            self.rolled_back(decision.by.restored.step, loss, norm)
-            if newer_seen:
-                self.switch(quorum.epoch + 1)
-            return True
-        skipped = decision.verdict is StepVerdict.SKIP
-        if not skipped:
-            if self.rules.grad_clip > 0:
-                clip_grads_(grads, self.rules.grad_clip, norm)
-            self.optimizer.step()  # a sharded rank steps its own rows: they stay sharded
-            self.state.after_update()  # the scheduler, as the closure mode's: applied updates only
-        seconds = time.perf_counter() - started
-        report = StepReport(number, self.steps, loss, norm, lr, seconds, skipped, self.rules.tokens_per_step,
-                            self.judge.skips.totals(), embedding_norm)
-        if self.reports() and report.due(self.rules.log_interval):
-            for line in report.log_lines():
-                self.log.info(line)
-        fields = {key: value for key, value in report.event_fields().items() if key != "step"}  # live_step's counts from 0
-        self.events.emit("live_step", step=step, epoch=quorum.epoch, members=len(quorum.members), micro_batches=mine,
-                         **fields)
-        self.state.committed = dataclasses.asdict(CommittedStep(step, loss, norm, skipped, embedding_norm))
-        self.step_failures.committed()
-        self.step_index = step + 1
-        if self.fingerprints is not None:
-            self.fingerprints.remember(self.step_index + 1)
-        self.store.set(progress_key(self.rank), str(self.step_index))
-        if self.lifecycle is not None:
-            self.lifecycle.note_step(seconds)
-        reason = max((r for r, seen in zip(STOP_REASONS, stops_seen) if seen), default=NONE)
-        planned = self.rules.exit_at_step is not None and self.step_index >= self.rules.exit_at_step
-        if self.step_index < self.steps and (reason != NONE or planned):  # the last step ends the run anyway
-            self.stop_here(reason)
-        elif self.checkpoints is not None:
-            began = time.perf_counter()
-            saved = self.checkpoints.save(quorum, self.step_index, self.health(), last_step=self.step_index == self.steps,
-                                          stopping=False, check=self.replica_check())
-            if saved and self.lifecycle is not None:  # the time limit keeps room for one step and one save
-                self.lifecycle.note_save(time.perf_counter() - began)
-        if (self.checkpoint_every and self.step_index % self.checkpoint_every == 0
-                and quorum.index(self.rank) < self.group_size):  # the lowest live group's shards
-            path = checkpoint_path(self.run_dir, self.step_index, self.shard)
-            path.parent.mkdir(exist_ok=True)
-            atomic_write_bytes(path, serialised(self.state.state_dict()))
-        # saved first (the check before the save may have struck a rank too): its group leaves, the others go on
-        self.leave_if_struck_out(sdc.faulty + (self.fingerprints.take_struck_out() if self.fingerprints else ()))
-        if newer_seen and self.stop is None:
-            self.switch(quorum.epoch + 1)
-        return True
+        """Trains the next step (``LiveStep``): whether it committed (not when a rank's computation of it raised)."""
+        return run_step(LiveStep(self))
 
     def check_replicas(self, quorum: Quorum, step: int) -> bool:
         """The replica check before ``step`` (from 0; ``guards.fingerprint``), every member alike, as the closure
         mode's state check: an attributed replica repaired and struck (a rank at its strike limit leaves here,
         before it computes), and what no replica can repair recomputed from the newest healthy durable
         checkpoint, restored by the quorum (``LiveCheckpoints.roll_back``; the data positions are not moved:
-        the steps since are computed again from the same data). Whether the run went back to that checkpoint."""
+        the steps since are computed again from the same data). Whether the run went back to that checkpoint
+        (``fingerprints.restored``)."""
         fingerprints = self.fingerprints
         fingerprints.check(self.group, quorum, step + 1, self.wait)  # repairs a replica before it computes
         self.leave_if_struck_out(fingerprints.take_struck_out())
@@ -541,10 +629,7 @@ class LiveWorker:
             return False
         restored = None if self.checkpoints is None else self.checkpoints.roll_back(quorum, step + 1)
         fingerprints.recomputing_from(step + 1, restored)
-        if restored is None:
-            return False
-        self.rolled_back(restored, math.nan, math.nan)  # no step's figures: the steps are computed again
-        return True
+        return restored is not None
 
     def leave_if_struck_out(self, faulty: tuple[int, ...]) -> None:
         """At a step boundary, every member alike: ``faulty``, the ranks at their strike limit (``guards.sdc``:

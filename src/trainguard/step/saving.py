@@ -10,6 +10,7 @@ import torch
 
 from trainguard.config.load import config_to_dict
 from trainguard.config.schema import RunConfig
+from trainguard.guards.step_engine import update_lr
 from trainguard.step.builder import GuardParts
 from trainguard.step.local_tier import fire_wipe_faults
 from trainguard.step.position import RunPosition
@@ -22,9 +23,7 @@ class StepSaves:
         self.position = position
 
     def lr(self) -> float:
-        if self.scheduler is not None:
-            return self.scheduler.get_last_lr()[0]
-        return self.optimizer.param_groups[0]["lr"]
+        return update_lr(self.optimizer, self.scheduler)
 
     def health(self) -> dict | None:
         """The save's health: the embedding norm's verdict, and no NaN/Inf state, replicas agreeing

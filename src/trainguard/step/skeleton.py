@@ -1,5 +1,8 @@
 """The fixed step of the closure mode: the same sequence at every step, the guards plugged into it.
 
+The sequence is the one both modes run (``guards/step_engine.run_step``); ``ClosureStep`` is the closure
+mode's engine of it (live mode's: ``live/worker.LiveStep``):
+
 1. the faults due at the step's start; the state plugin's at-rest check (a fingerprint step);
 2. zero the gradients and run the backward (this rank's micro-batches, or the loop's closure);
 3. one all-reduce of constant size: the global norm, the loss and every plugin's indicators
@@ -9,7 +12,7 @@
    the update is applied (data skip, rollback mode, a non-finite norm, the skip streak);
 5. act on the decision: ABORT ends the run (a faulty device: saved, ``faulty_ranks.json``, exit 17;
    too many spikes: exit 3), ROLLBACK returns the restored step, SKIP drops the update, APPLY clips,
-   steps the optimizer and the scheduler;
+   steps the optimizer and the scheduler (``guards/step_engine.apply_update``);
 6. the step's log line and event, the saves by policy, the heartbeat.
 """
 
@@ -25,10 +28,10 @@ import torch.distributed as dist
 
 from trainguard.config.schema import RunConfig
 from trainguard.guards.sdc import FaultyDeviceError, faulty_ranks_path, write_faulty_ranks
+from trainguard.guards.step_engine import apply_update, emit_local_norm, run_step
 from trainguard.guards.step_plugin import Exclusion, GuardPlugin, RerunJudge, StepCheck
 from trainguard.guards.step_slots import Reduced, Slot, local_slots, reduce_step
-from trainguard.guards.step_verdict import ENDS_THE_STEP, Decision, StepVerdict, decide
-from trainguard.norms import clip_grads_, local_grad_norms
+from trainguard.guards.step_verdict import Decision, StepVerdict, decide
 from trainguard.step.builder import GuardParts, StepPlugins
 from trainguard.step.position import RunPosition
 from trainguard.events.step_report import StepReport
@@ -46,18 +49,105 @@ class StepOutcome:
     rolled_back: bool  # a spike restored an earlier checkpoint (rollback mode)
 
 
-class StepRun:
-    """One step in progress: what a RERUN replaces (the loss, the reduced scalars) and what it restores."""
+class ClosureStep:
+    """The closure mode's ``StepEngine`` (``guards/step_engine.run_step``): one step in progress, what a
+    RERUN replaces (the loss, the reduced scalars) and what it restores."""
 
-    def __init__(self, step: int, closure: Callable[[], Any], first_sample: int | None):
-        self.step, self.closure, self.first_sample = step, closure, first_sample
+    def __init__(self, skeleton: StepSkeleton, closure: Callable[[], Any],
+                 batch_samples: list[tuple[int, int]] | None):
+        parts = skeleton.parts
+        self.skeleton, self.parts, self.plugins = skeleton, parts, skeleton.plugins
+        self.started = time.perf_counter()
+        self.step = skeleton.position.step + 1
+        self.closure, self.batch_samples = closure, batch_samples
+        self.first_sample = parts.data.consumed_samples if parts.data is not None else None
         self.snapshot: StepSnapshot | None = None
         self.loss: Any = None
         self.reduced: Reduced | None = None
+        self.lr = 0.0  # the rate the update uses (``gradient_judged``)
 
     @property
     def check(self) -> StepCheck:
         return StepCheck(self.step, self.reduced, self.first_sample)
+
+    def begin(self) -> Decision[GuardPlugin]:
+        skeleton, parts, step = self.skeleton, self.parts, self.step
+        parts.faults.at_step_start(step)
+        parts.faults.at_rest(step, skeleton.model, skeleton.optimizer, parts.checkpoints.wait_for_staging)
+        return self.decide(self.plugins.before_backward)
+
+    def compute(self) -> None:
+        parts, step = self.parts, self.step
+        self.snapshot = StepSnapshot.take(parts.stateful) if parts.sdc is not None else None
+        self.loss = self.skeleton.forward_backward(self.closure, step)
+        flags: dict[Slot, Any] = {}
+        for plugin in self.plugins.integrity:
+            flags.update(plugin.flags(step))
+        self.reduced = self.skeleton.reduce(self.loss, flags)
+
+    def integrity(self) -> Decision[GuardPlugin]:
+        return self.decide(self.plugins.integrity)
+
+    def gradient_judged(self) -> None:
+        skeleton = self.skeleton
+        if skeleton.config.guards.local_norm:
+            emit_local_norm(self.parts.events.emit, self.step, skeleton.model)
+        self.lr = skeleton.saves.lr()  # before the scheduler steps: the rate this step's update uses
+
+    def update(self, decided: Decision[GuardPlugin]) -> Decision[GuardPlugin]:
+        return self.decide(self.plugins.update, decided)
+
+    def end_early(self, decision: Decision[GuardPlugin]) -> StepOutcome:
+        return self.skeleton.end_early(decision)
+
+    def apply(self) -> None:
+        skeleton = self.skeleton
+        self.parts.checkpoints.wait_for_staging()  # a save's copy ran during this forward and backward
+        apply_update(skeleton.grads(), skeleton.config.optim.grad_clip, self.reduced.global_norm, skeleton.optimizer,
+                     self.after_optimizer)
+
+    def after_optimizer(self) -> None:
+        if self.skeleton.scheduler is not None:
+            self.skeleton.scheduler.step()
+        self.parts.state.after_update(self.step)
+
+    def commit(self, skipped: bool) -> StepOutcome:
+        skeleton, parts, position, step, reduced = self.skeleton, self.parts, self.skeleton.position, self.step, self.reduced
+        position.step = step
+        position.last_loss = reduced.loss
+        samples = (parts.data.ranges_between(self.first_sample, parts.data.consumed_samples)
+                   if parts.data is not None else self.batch_samples)
+        seconds = time.perf_counter() - self.started
+        parts.lifecycle.note_step(seconds)
+        if parts.rank == 0:
+            skeleton.report(StepReport(
+                step, position.total, reduced.loss, reduced.global_norm, self.lr, seconds, skipped,
+                skeleton.tokens_per_step, parts.skips.totals(),
+                parts.embedding.local() if parts.embedding is not None else None, samples))
+        skeleton.saves.by_policy(step)
+        parts.lifecycle.beat("step", step)
+        return StepOutcome(step, reduced.loss, reduced.global_norm, applied=not skipped, skipped=skipped,
+                           rolled_back=False)
+
+    def decide(self, plugins: list[GuardPlugin], decided: Decision[GuardPlugin] | None = None
+               ) -> Decision[GuardPlugin]:
+        def carry_out(plugin: GuardPlugin, verdict: StepVerdict) -> StepVerdict:
+            if verdict is StepVerdict.RERUN:
+                return self.rerun(cast(RerunJudge, plugin))
+            return plugin.roll_back(self.check)
+
+        return decide(plugins, lambda plugin, so_far: plugin.verdict(self.check, so_far), carry_out, decided)
+
+    def rerun(self, judge: RerunJudge) -> StepVerdict:
+        """The backward again on the same inputs (RNGs and data restored), after a level-1 SDC detection
+        somewhere (with ``guards.sdc.rerun`` off, the step is judged unverified without it), and its
+        all-reduce, which carries every rank's verdict on its detection; the verdict that stands."""
+        reran = judge.reruns_closure
+        if reran:
+            self.snapshot.restore(self.parts.stateful)
+            self.loss = self.skeleton.forward_backward(self.closure, self.step)
+        self.reduced = self.skeleton.reduce(self.loss, judge.rerun_flags(self.step, reran))
+        return judge.after_rerun(self.step, self.reduced, reran)
 
 
 class StepSkeleton:
@@ -69,65 +159,10 @@ class StepSkeleton:
         self.position, self.saves, self.tokens_per_step = position, saves, tokens_per_step
 
     def run(self, closure: Callable[[], Any], batch_samples: list[tuple[int, int]] | None = None) -> StepOutcome:
-        parts, position = self.parts, self.position
-        started = time.perf_counter()
-        step = position.step + 1
-        run = StepRun(step, closure, parts.data.consumed_samples if parts.data is not None else None)
-        parts.faults.at_step_start(step)
-        parts.faults.at_rest(step, self.model, self.optimizer, parts.checkpoints.wait_for_staging)
-        decision = self._decide(self.plugins.before_backward, run)
-        if decision.verdict in ENDS_THE_STEP:
-            return self._end_early(decision)
-        run.snapshot = StepSnapshot.take(parts.stateful) if parts.sdc is not None else None
-        run.loss = self._forward_backward(closure, step)
-        flags: dict[Slot, Any] = {}
-        for plugin in self.plugins.integrity:
-            flags.update(plugin.flags(step))
-        run.reduced = self._reduce(run.loss, flags)
-        decision = self._decide(self.plugins.integrity, run)
-        if decision.verdict in ENDS_THE_STEP:
-            return self._end_early(decision)
-        if self.config.guards.local_norm:
-            parts.events.emit("local_norm", step=step, norms=local_grad_norms(self.model.named_parameters()))
-        lr = self.saves.lr()  # before the scheduler steps: the rate this step's update uses
-        decision = self._decide(self.plugins.update, run, decision)
-        if decision.verdict in ENDS_THE_STEP:
-            return self._end_early(decision)
-        reduced = run.reduced
-        skipped = decision.verdict is StepVerdict.SKIP
-        if not skipped:
-            clip_grads_(self._grads(), self.config.optim.grad_clip, reduced.global_norm)
-            parts.checkpoints.wait_for_staging()  # a save's copy ran during this forward and backward
-            self.optimizer.step()
-            if self.scheduler is not None:
-                self.scheduler.step()
-            parts.state.after_update(step)
-        position.step = step
-        position.last_loss = reduced.loss
-        samples = (parts.data.ranges_between(run.first_sample, parts.data.consumed_samples)
-                   if parts.data is not None else batch_samples)
-        seconds = time.perf_counter() - started
-        parts.lifecycle.note_step(seconds)
-        if parts.rank == 0:
-            self._report(StepReport(
-                step, position.total, reduced.loss, reduced.global_norm, lr, seconds, skipped, self.tokens_per_step,
-                parts.skips.totals(), parts.embedding.local() if parts.embedding is not None else None, samples))
-        self.saves.by_policy(step)
-        parts.lifecycle.beat("step", step)
-        return StepOutcome(step, reduced.loss, reduced.global_norm, applied=not skipped, skipped=skipped,
-                           rolled_back=False)
+        return run_step(ClosureStep(self, closure, batch_samples))
 
     # ---------------------------------------------------------------------------------- verdicts
-    def _decide(self, plugins: list[GuardPlugin], run: StepRun,
-                decided: Decision[GuardPlugin] | None = None) -> Decision[GuardPlugin]:
-        def carry_out(plugin: GuardPlugin, verdict: StepVerdict) -> StepVerdict:
-            if verdict is StepVerdict.RERUN:
-                return self._rerun(cast(RerunJudge, plugin), run)
-            return plugin.roll_back(run.check)
-
-        return decide(plugins, lambda plugin, so_far: plugin.verdict(run.check, so_far), carry_out, decided)
-
-    def _end_early(self, decision: Decision[GuardPlugin]) -> StepOutcome:
+    def end_early(self, decision: Decision[GuardPlugin]) -> StepOutcome:
         """A ROLLBACK carried out (the run is back at the restored step) or an ABORT (raises)."""
         plugin = decision.by
         if decision.verdict is StepVerdict.ABORT:
@@ -141,17 +176,6 @@ class StepSkeleton:
         self._forget_measurements()
         return StepOutcome(restored.step, restored.loss, restored.global_norm, applied=False, skipped=False,
                            rolled_back=True)
-
-    def _rerun(self, judge: RerunJudge, run: StepRun) -> StepVerdict:
-        """The backward again on the same inputs (RNGs and data restored), after a level-1 SDC detection
-        somewhere (with ``guards.sdc.rerun`` off, the step is judged unverified without it), and its
-        all-reduce, which carries every rank's verdict on its detection; the verdict that stands."""
-        reran = judge.reruns_closure
-        if reran:
-            run.snapshot.restore(self.parts.stateful)
-            run.loss = self._forward_backward(run.closure, run.step)
-        run.reduced = self._reduce(run.loss, judge.rerun_flags(run.step, reran))
-        return judge.after_rerun(run.step, run.reduced, reran)
 
     def _exclude(self, exclusion: Exclusion) -> NoReturn:
         """Ranks whose device reached its strike limit: saves the step the run is at (unless it is saved),
@@ -180,7 +204,7 @@ class StepSkeleton:
             self.parts.embedding.forget()
 
     # ----------------------------------------------------------------------- backward and reduce
-    def _forward_backward(self, closure: Callable[[], Any], step: int) -> Any:
+    def forward_backward(self, closure: Callable[[], Any], step: int) -> Any:
         self.optimizer.zero_grad(set_to_none=True)
         if self.parts.sdc is not None:
             self.parts.sdc.begin_pass()
@@ -190,20 +214,18 @@ class StepSkeleton:
             self.parts.embedding.measure()  # before clipping
         return loss
 
-    def _grads(self) -> list[torch.Tensor]:
+    def grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.model.parameters() if p.grad is not None]
 
-    def _reduce(self, loss: Any, flags: dict[Slot, Any]) -> Reduced:
+    def reduce(self, loss: Any, flags: dict[Slot, Any]) -> Reduced:
         """One all-reduce: the global norm, the mean loss, the count of ranks raising each flag."""
         parts = self.parts
         share = None
         if loss is not None:  # the loss-holding ranks of a stage: its dp ranks (different data) × tp ranks
             share = torch.as_tensor(loss, dtype=torch.float64, device=parts.device).detach() / parts.ranks_per_stage
-        return reduce_step(self._grads(), local_slots(parts.device, share, flags), parts.ranks_per_stage,
+        return reduce_step(self.grads(), local_slots(parts.device, share, flags), parts.ranks_per_stage,
                            known=parts.sdc.take_gradient_norms() if parts.sdc is not None else ())
 
-    def _report(self, report: StepReport) -> None:
-        if report.due(self.config.train.log_interval):
-            for line in report.log_lines():
-                self.parts.log.info(line)
+    def report(self, report: StepReport) -> None:
+        report.log_to(self.parts.log, self.config.train.log_interval)
         self.parts.events.emit("step", **report.event_fields())

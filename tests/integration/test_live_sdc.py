@@ -18,7 +18,8 @@ once):
 - replica fingerprints (``guards.fingerprint.interval: 2``): a bit of rank 2's first weight flipped at rest
   before step 4 (the drill's ``stateflip``) is found by the check before step 4, attributed to rank 2 (its
   state changed since its own update; its replica, rank 0, did not), repaired from rank 0 before anything
-  is computed with it, and the run ends with every rank's whole final state bitwise the fault-free run's
+  is computed with it, and struck (``strikes: 1``: rank 2 exits 17 before step 4 and is replaced, as an
+  SDC-struck rank is), and the run ends with every rank's whole final state bitwise the fault-free run's
   (without the check the run ends elsewhere, and SDC detection strikes rank 2 out: checked once).
 """
 
@@ -150,5 +151,9 @@ def test_a_flip_at_rest_is_found_by_the_replica_fingerprints_and_repaired_from_a
         (FAULT_AT, [0, 2], [2], ["at_rest"], ["state"])
     assert "fingerprint mismatch: step 4, replica group [0, 2], tensor state: rank(s) [2] corrupt (at_rest), " \
            "repaired from rank 0" in done.stdout
-    assert "ranks replaced: none" in done.stdout and not _events(run_dir, "sdc_detected")
+    # struck as the closure mode strikes it: at ``strikes: 1`` rank 2 exits 17 there and is replaced
+    assert "sdc strike: step 4, rank 2: fingerprint mismatch (at_rest); strike 1 of 1 within 8 h; the rank is " \
+           "faulty" in done.stdout + done.stderr
+    assert [(e["target"], e["code"]) for e in _events(run_dir, "live_exit")] == [(2, 17)]
+    assert "ranks replaced: [2]" in done.stdout and not _events(run_dir, "sdc_detected")
     assert run_differences(clean, run_dir, WORLD) == {}

@@ -37,6 +37,7 @@ the fast ones on CPU and GPU.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -336,3 +337,14 @@ class ReplicaFingerprints:
             dist.broadcast(tensors[mismatch.tensor], src=mismatch.source, group=self.group)
             repaired.append(mismatch.tensor)
         return repaired
+
+
+def log_recompute(log: logging.Logger, step: int, restored: int | None) -> None:
+    """Both modes' line when the check before ``step`` found what no replica can repair: recomputed from
+    the checkpoint of ``restored`` steps, or (None) from none."""
+    if restored is None:
+        log.error("fingerprint mismatch at step %d: no healthy checkpoint to recompute from; the mismatch stays "
+                  "unattributed and the next save is marked unhealthy", step)
+    else:
+        log.warning("fingerprint mismatch at step %d that no replica can repair: recomputing from global_step_%d, "
+                    "the last agreeing state", step, restored)

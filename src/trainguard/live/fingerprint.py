@@ -9,16 +9,23 @@ says whether that state changed since its own hash right after the last update (
 rest); one all-reduce of one slot per member gives every member every digest, so every member judges
 alike (``compare_replicas``, the closure mode's rule: the majority, or the replica that changed at rest
 against one that did not). An attributed replica is repaired by one broadcast of an agreeing replica's
-state (``transfer.repair_from``), before the step computes anything with it; a disagreement nothing
-attributes (two replicas, neither changed at rest: the corruption entered an update) is logged and
-reported, not repaired (docs/live_recovery.md, "Not done yet"). Before each durable save the same
-comparison runs again (``before_save``, the closure mode's ``StateGuard.before_save``), and the save's
-health says what it left unrepaired.
+state (``transfer.repair_from``), before the step computes anything with it, and struck as the closure
+mode strikes it (with ``guards.sdc`` on: ``LiveSdc.strike``, at the time of the quorum's first member,
+carried in the same all-reduce, so the book stays every member's alike; a rank that reaches
+``guards.sdc.strikes`` leaves as an SDC-struck one does, ``LiveSdc.leave_if_struck_out``). A
+disagreement nothing attributes (two replicas, neither changed at rest: the corruption entered an
+update) asks for a recompute (``recompute``): the worker restores the newest healthy durable checkpoint
+through the quorum and recomputes the steps since; a second one at the check step the recompute reached
+again is left as it is (the closure mode's rule). Before each durable save the same comparison runs
+again (``before_save``, the closure mode's ``StateGuard.before_save``), and the save's health says what
+it left unrepaired.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,9 +33,12 @@ import torch
 import torch.distributed as dist
 
 from trainguard.events import EventLog
-from trainguard.guards.fingerprint import FingerprintConfig, FingerprintVerdict, Mismatch, compare_replicas, fingerprints
+from trainguard.guards.fingerprint import (FingerprintConfig, FingerprintVerdict, Mismatch, compare_replicas, fingerprints,
+                                          log_recompute)
+from trainguard.guards.step_plugin import Restored
 from trainguard.guards.state_health import NamedTensors, local_state, nonfinite_state, state_save_health
 from trainguard.live.quorum import Quorum
+from trainguard.live.sdc import LiveSdc
 from trainguard.live.shards import shard_of
 from trainguard.live.state import LiveState
 from trainguard.live.transfer import repair_from
@@ -47,13 +57,22 @@ def digest(named: NamedTensors) -> torch.Tensor:
 class LiveFingerprints:
     def __init__(self, config: FingerprintConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  state: LiveState, rank: int, group_size: int, log: logging.Logger, events: EventLog,
-                 reports: Callable[[], bool]):
+                 reports: Callable[[], bool], sdc: LiveSdc | None = None):
         config.validate()
         self.interval, self.every_step = config.interval, config.at_rest == "every_step"
         self.model, self.optimizer, self.state = model, optimizer, state
         self.rank, self.group_size = rank, group_size
         self.log, self.events, self.reports = log, events, reports
         self.after_update: tuple[int, torch.Tensor] | None = None  # (the step it is for, this rank's digest)
+        # the strike book (guards.sdc on; off, as in the closure mode, an attributed replica is repaired only)
+        self.sdc = sdc
+        # the ranks a comparison found at their strike limit, every member's alike, until ``take_struck_out``
+        self.struck_out: tuple[int, ...] = ()
+        # the check step a recompute went back to reach again: a mismatch found there again is not recomputed
+        self.recomputing_to: int | None = None
+        self.recompute = False  # the last check found what no replica can repair, and a recompute is due
+        # the recompute's restore, as a rollback's (the closure mode's ``StatePlugin``): no step's figures
+        self.restored: Restored | None = None
 
     def due(self, step: int) -> bool:
         """A check before ``step`` (the closure mode's number)."""
@@ -66,12 +85,36 @@ class LiveFingerprints:
 
     def check(self, group: dist.ProcessGroup, quorum: Quorum, step: int,
               wait: Callable[[dist.Work], None]) -> FingerprintVerdict:
-        """Compares every shard's replicas before ``step``, repairs what is attributed; every member alike."""
+        """Compares every shard's replicas before ``step``, repairs and strikes what is attributed, and says
+        in ``recompute`` whether what nothing repaired asks for a recompute; every member alike."""
         mine = digest(local_state(self.model, self.optimizer))
         moved = self.after_update is not None and self.after_update[0] == step and \
             not torch.equal(self.after_update[1], mine)
         mismatches, _ = self._compare(group, quorum, step, wait, mine, moved, 0)
-        return FingerprintVerdict(tuple(mismatch for _, mismatch in mismatches))
+        verdict = FingerprintVerdict(tuple(mismatch for _, mismatch in mismatches))
+        recomputed = self.recomputing_to == step
+        if recomputed:
+            self.recomputing_to = None
+        self.recompute = not recomputed and not verdict.repairable
+        return verdict
+
+    def recomputing_from(self, step: int, restored: int | None) -> None:
+        """The worker's answer to ``recompute`` at the check before ``step``: the quorum restored the newest
+        healthy durable checkpoint, of ``restored`` committed steps (None: there was none, the mismatch
+        stays and every durable save that holds it is marked unhealthy); the closure mode's lines and event."""
+        self.recompute = False
+        log_recompute(self.log, step, restored)
+        if restored is None:
+            return
+        self.recomputing_to = step
+        self.restored = Restored(restored, math.nan, math.nan)
+        if self.reports():
+            self.events.emit("fingerprint_recompute", step=step, to_step=restored)
+
+    def take_struck_out(self) -> tuple[int, ...]:
+        """The ranks the comparisons since the last call found at their strike limit (every member's alike)."""
+        struck_out, self.struck_out = self.struck_out, ()
+        return struck_out
 
     def before_save(self, group: dist.ProcessGroup, quorum: Quorum, step: int, wait: Callable[[dist.Work], None],
                     health: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -96,12 +139,14 @@ class LiveFingerprints:
                  mine: torch.Tensor, moved: bool,
                  nonfinite: int) -> tuple[list[tuple[list[int], Mismatch]], dict[int, list[int]]]:
         """Every shard's replicas compared (this rank's ``mine`` digest, whether it ``moved`` at rest), what is
-        attributed repaired, the mismatches logged and reported; with every member's row (digest, moved, its
-        count of ``nonfinite`` tensors)."""
-        slots = torch.zeros(len(quorum.members), 4, dtype=torch.int64)
-        slots[quorum.index(self.rank)] = torch.cat([mine, torch.tensor([int(moved), nonfinite])])
+        attributed repaired and struck, the mismatches logged and reported; with every member's row (digest,
+        moved, its count of ``nonfinite`` tensors, the reporter's clock)."""
+        slots = torch.zeros(len(quorum.members), 5, dtype=torch.int64)
+        clock = int(time.time()) if self.reports() else 0  # the strikes' agreed time: the quorum's first member's
+        slots[quorum.index(self.rank)] = torch.cat([mine, torch.tensor([int(moved), nonfinite, clock])])
         wait(group.allreduce([slots]))  # one member's slot added to zeros: exact
         rows = dict(zip(quorum.members, slots.tolist()))
+        now = float(sum(row[4] for row in rows.values()))
         mismatches = []
         for shard in range(self.group_size):
             replicas = [member for member in quorum.members if shard_of(member, self.group_size) == shard]
@@ -119,4 +164,10 @@ class LiveFingerprints:
                 self.events.emit("fingerprint_mismatch", step=step, group=replicas, tensors=[STATE],
                                  faulty=list(mismatch.faulty), how=[mismatch.how],
                                  repaired=[STATE] if mismatch.source is not None else [])
+        if self.sdc is not None:  # after the repairs: a repaired rank's guards' state is its source's
+            for _, mismatch in mismatches:
+                for rank in mismatch.faulty:
+                    if self.sdc.strike(rank, step, {"kind": "fingerprint", "points": [STATE]}, now,
+                                       f"fingerprint mismatch ({mismatch.how})"):
+                        self.struck_out = tuple(sorted({*self.struck_out, rank}))
         return mismatches, rows

@@ -349,6 +349,16 @@ class LiveSdc:
                              verdicts=labels)
         return SdcStep(verdict, skip=verdict != RerunVerdict.TRANSIENT, rerun=None, faulty=faulty)
 
+    def strike(self, rank: int, step: int, evidence: dict[str, Any], now: float, why: str) -> bool:
+        """A strike against ``rank`` from outside the rerun (a replica fingerprint attributed to it: ``why``),
+        recorded by every member alike at the agreed time ``now``, with its line; whether the rank is now
+        faulty (``leave_if_struck_out``)."""
+        is_faulty = self.strikes.record(rank, STRIKE_HOST, strike_device(rank), step, evidence, now)
+        strikes = self.strikes.count(STRIKE_HOST, strike_device(rank), now)
+        self.log.error(f"sdc strike: step {step}, rank {rank}: {why}; strike {strikes} of {self.strikes.strikes} "
+                       f"within {self.strikes.window_hours:g} h" + ("; the rank is faulty" if is_faulty else ""))
+        return is_faulty
+
     def leave_if_struck_out(self, faulty: tuple[int, ...]) -> None:
         """At the step boundary: this rank reached its strike limit. Writes its own ``faulty_ranks.json``
         entry (its host and device) and ends the process (exit 17); the others go on without its group."""

@@ -227,8 +227,9 @@ class LiveStep:
     ``LiveWorker`` in its epoch, whether it committed (not when a rank's computation of it raised). Its
     membership and its order-fixed reduction are the parts that differ:
 
-    - ``begin``: the drill's state fault between steps, and replica fingerprints' check (``live/fingerprint.py``),
-      which repairs a replica before it computes; no verdict ends a live step here;
+    - ``begin``: the drill's state fault between steps, and replica fingerprints' check (``check_replicas``),
+      which repairs and strikes a replica before it computes, and ends the step as a rollback (``end_early``)
+      when what no replica can repair is recomputed from a durable checkpoint;
     - ``compute``: this member's micro-batches by the parameter layout (``live/layout.py``), and the step's one sum
       over the quorum, carrying beside the gradient the step's loss, the "a newer epoch exists" flag, each rank's
       stop reasons and whether its computation raised (then the step ends here, tried again:
@@ -237,7 +238,8 @@ class LiveStep:
     - ``integrity``: SDC detection on the sum's extras (``live/sdc.py``), its rerun (the same micro-batches, the
       same sum) inside, answering SKIP or APPLY (a faulty device leaves at the step boundary, after the save);
     - ``update``: the closure mode's update plugins through ``decide`` (``live/step_judge.py``);
-    - ``end_early``: an abort on every member (exit 3), or a rollback to the quorum's durable checkpoint;
+    - ``end_early``: an abort on every member (exit 3), or a rollback to the quorum's durable checkpoint (rollback
+      mode's, or replica fingerprints' recompute);
     - ``commit``: the step's line and ``live_step`` event, the committed step recorded for the loop, the progress
       key, the quorum's agreed stop or the durable save, the drill's checkpoint, a struck-out device's exit, and
       the switch to a newer epoch (a joiner's state sent at this boundary).
@@ -265,9 +267,10 @@ class LiveStep:
     def begin(self) -> Decision[GuardPlugin]:
         worker = self.worker
         worker.site_faults.at_rest(self.number, worker.model, worker.optimizer)  # the drill's stateflip, between steps
-        if worker.fingerprints is not None and worker.fingerprints.due(self.number):
-            # repairs a replica before it computes
-            worker.fingerprints.check(worker.group, self.quorum, self.number, worker.wait)
+        if worker.fingerprints is not None and worker.fingerprints.due(self.number) and \
+                worker.check_replicas(self.quorum, self.step):
+            # recomputing from a checkpoint: the step ends as after a rollback, the loop goes on from its step
+            return Decision(StepVerdict.ROLLBACK, worker.fingerprints)
         return APPLY
 
     def compute(self) -> bool | None:
@@ -353,7 +356,8 @@ class LiveStep:
         worker = self.worker
         if decision.verdict is StepVerdict.ABORT:  # every member judged the same sum: all end at this step
             worker.aborted(self.step, decision.by.abort_cause())
-        worker.rolled_back(decision.by.restored.step, self.loss, self.norm)  # every member restored the same one
+        restored = decision.by.restored  # every member restored the same checkpoint
+        worker.rolled_back(restored.step, restored.loss, restored.global_norm)
         if self.newer_seen:
             worker.switch(self.quorum.epoch + 1)
         return True
@@ -387,10 +391,9 @@ class LiveStep:
             path = checkpoint_path(worker.run_dir, worker.step_index, worker.shard)
             path.parent.mkdir(exist_ok=True)
             atomic_write_bytes(path, serialised(worker.state.state_dict()))
-        if worker.sdc is not None:
-            if self.sdc.faulty:  # a planned exit, agreed by every member: the durable save in flight commits first
-                worker.settle_saves()
-            worker.sdc.leave_if_struck_out(self.sdc.faulty)  # saved first: its group leaves, the others go on
+        # saved first (the check before the save may have struck a rank too): its group leaves, the others go on
+        worker.leave_if_struck_out(self.sdc.faulty + (worker.fingerprints.take_struck_out()
+                                                      if worker.fingerprints is not None else ()))
         if self.newer_seen and worker.stop is None:
             worker.switch(quorum.epoch + 1)
         return True
@@ -462,7 +465,7 @@ class LiveWorker:
         # what an undo restores, a joiner receives and a checkpoint holds (the scheduler, the loop's objects)
         self.state = LiveState(model, optimizer, self.judge, scheduler, stateful)
         self.fingerprints = (LiveFingerprints(rules.fingerprint, model, optimizer, self.state, rank, args.group_size,
-                                              self.log, self.events, self.reports)
+                                              self.log, self.events, self.reports, self.sdc)
                              if rules.fingerprint.enabled else None)
         self.quorum: Quorum | None = None
         self.group: dist.ProcessGroup | None = None
@@ -611,6 +614,31 @@ class LiveWorker:
     def step(self) -> bool:
         """Trains the next step (``LiveStep``): whether it committed (not when a rank's computation of it raised)."""
         return run_step(LiveStep(self))
+
+    def check_replicas(self, quorum: Quorum, step: int) -> bool:
+        """The replica check before ``step`` (from 0; ``guards.fingerprint``), every member alike, as the closure
+        mode's state check: an attributed replica repaired and struck (a rank at its strike limit leaves here,
+        before it computes), and what no replica can repair recomputed from the newest healthy durable
+        checkpoint, restored by the quorum (``LiveCheckpoints.roll_back``; the data positions are not moved:
+        the steps since are computed again from the same data). Whether the run went back to that checkpoint
+        (``fingerprints.restored``)."""
+        fingerprints = self.fingerprints
+        fingerprints.check(self.group, quorum, step + 1, self.wait)  # repairs a replica before it computes
+        self.leave_if_struck_out(fingerprints.take_struck_out())
+        if not fingerprints.recompute:
+            return False
+        restored = None if self.checkpoints is None else self.checkpoints.roll_back(quorum, step + 1)
+        fingerprints.recomputing_from(step + 1, restored)
+        return restored is not None
+
+    def leave_if_struck_out(self, faulty: tuple[int, ...]) -> None:
+        """At a step boundary, every member alike: ``faulty``, the ranks at their strike limit (``guards.sdc``:
+        SDC's rerun, a replica fingerprint). A planned exit: the durable save in flight commits first, then
+        a struck-out rank leaves (exit 17) and the others go on without its group."""
+        if not faulty:
+            return
+        self.settle_saves()
+        self.sdc.leave_if_struck_out(faulty)
 
     def data_position(self, step: int) -> int:
         """The ``step`` handed to ``loss_of`` (and seeding its random draws) for ``step``: past rollback mode's

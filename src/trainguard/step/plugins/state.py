@@ -15,6 +15,7 @@ from typing import Any
 
 from trainguard.checkpoint.manager import CheckpointManager
 from trainguard.events import EventLog
+from trainguard.guards.fingerprint import log_recompute
 from trainguard.guards.state_guard import StateGuard
 from trainguard.guards.step_plugin import Exclusion, GuardPlugin, Restored, StepCheck
 from trainguard.guards.step_slots import Slot
@@ -58,12 +59,9 @@ class StatePlugin(GuardPlugin):
                            "before its copy was made): not recomputed from", restored)
             restored = self.checkpoints.roll_back(before_step=restored)
         self.state.recomputing_from(restored)
+        log_recompute(self.log, step, restored)
         if restored is None:
-            self.log.error("fingerprint mismatch at step %d: no healthy checkpoint to recompute from; the "
-                           "mismatch stays unattributed and the next save is marked unhealthy", step)
             return StepVerdict.APPLY
-        self.log.warning("fingerprint mismatch at step %d that no replica can repair: recomputing from "
-                         "global_step_%d, the last agreeing state", step, restored)
         if self.rank == 0:
             self.events.emit("fingerprint_recompute", step=step, to_step=restored)
         self.restored = Restored(restored, math.nan, math.nan)  # no step's scalars: the step is recomputed

@@ -13,7 +13,6 @@ rank holds, by a name that is the same on every replica.
 from __future__ import annotations
 
 import logging
-
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 

@@ -137,8 +137,8 @@ class LiveCheckpoints:
         timeout, 30 s)."""
         if self.epoch == quorum.epoch:
             return self.manager
+        forget_default_group()  # an older epoch's (idle, or abandoned by its save), or none
         try:
-            forget_default_group()  # an older epoch's (idle, or abandoned by its save), or none
             arrive(self.store, f"ckpt/{quorum.epoch}", quorum.index(self.rank), len(quorum.members), quorum.epoch,
                    self.beat, doing)
         except BaseException:

@@ -452,6 +452,9 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
         result.replaced_at[rank] = time.time()
         result.replacements[rank] = result.replacements.get(rank, 0) + 1
         lighthouse.died(rank)
+        # the survivors' next epoch first (their reports are often in already), then the replacement's start,
+        # which the survivors need not wait for
+        lighthouse.poll(watch=False)
         while spares and (store.check([spare_failed_key(spares[0][0])]) or spare_node[spares[0][0]] in lost
                           or spares[0][1].poll() is not None):
             index, spare = spares.pop(0)  # failed its self-test, on a lost node, or ended: never used

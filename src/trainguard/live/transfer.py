@@ -29,23 +29,30 @@ def send_shards(group: dist.ProcessGroup, quorum: Quorum, rank: int, group_size:
                 wait: Callable[[dist.Work], None]) -> int:
     """A join's state transfer: for each shard of a replica group, one broadcast from its lowest live
     replica (a member that is not joining), the lowest live rank's first; the joiners holding that shard
-    load it, everyone else passes it on. Returns the bytes this rank sent or loaded."""
+    load it, everyone else passes it on. The sizes travel first, every shard's in one all-reduce, and the
+    broadcasts are all started before any is waited for: two waits for the whole transfer, where each wait
+    is a round of every member being scheduled (the survivors' pause). Returns the bytes this rank sent or
+    loaded."""
     survivors = [member for member in quorum.members if member not in quorum.joining]
     lowest = survivors[0]
-    joiner = rank in quorum.joining
     order = [shard_of(lowest, group_size)] + [s for s in range(group_size) if s != shard_of(lowest, group_size)]
-    moved, agreed = 0, None
-    for shard in order:
-        source = next(member for member in survivors if shard_of(member, group_size) == shard)
-        mine = joiner and shard_of(rank, group_size) == shard
-        size, received = _broadcast(group, quorum.index(source), state if rank == source else None,
-                                    keep=joiner and (mine or source == lowest), wait=wait)
-        if source == lowest:
-            agreed = received
-        if mine:
-            state.load(received, run_state=agreed)
-        moved += size if rank == source or mine else 0
-    return moved
+    sources = [next(member for member in survivors if shard_of(member, group_size) == shard) for shard in order]
+    sizes = torch.zeros(len(sources), dtype=torch.int64)
+    sent = _payload(state) if rank in sources else None
+    if sent is not None:
+        sizes[sources.index(rank)] = sent.numel()  # one member's size added to zeros: exact
+    wait(group.allreduce([sizes]))
+    payloads = [sent if source == rank else torch.empty(int(size), dtype=torch.uint8)
+                for source, size in zip(sources, sizes.tolist(), strict=True)]
+    works = [group.broadcast(payload, quorum.index(source)) for source, payload in zip(sources, payloads, strict=True)]
+    for work in works:
+        wait(work)
+    if rank not in quorum.joining:
+        return 0 if sent is None else sent.numel()
+    mine = order.index(shard_of(rank, group_size))
+    agreed = _loaded(payloads[0])
+    state.load(agreed if mine == 0 else _loaded(payloads[mine]), run_state=agreed)
+    return int(sizes[mine])
 
 
 def repair_from(group: dist.ProcessGroup, quorum: Quorum, rank: int, source: int, faulty: tuple[int, ...],
@@ -67,11 +74,19 @@ def _broadcast(group: dist.ProcessGroup, source_index: int, sent: LiveState | No
     size = torch.zeros(1, dtype=torch.int64)
     payload = None
     if sent is not None:
-        payload = torch.frombuffer(bytearray(serialised(sent.state_dict())), dtype=torch.uint8)
+        payload = _payload(sent)
         size[0] = payload.numel()
     wait(group.broadcast(size, source_index))
     if payload is None:
         payload = torch.empty(int(size[0]), dtype=torch.uint8)
     wait(group.broadcast(payload, source_index))
-    received = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True) if keep else None
-    return int(size[0]), received
+    return int(size[0]), _loaded(payload) if keep else None
+
+
+def _payload(state: LiveState) -> torch.Tensor:
+    return torch.frombuffer(bytearray(serialised(state.state_dict())), dtype=torch.uint8)
+
+
+def _loaded(payload: torch.Tensor) -> dict:
+    """A peer's state bytes, loaded without executing anything (``weights_only``)."""
+    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)

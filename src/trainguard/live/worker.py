@@ -862,14 +862,16 @@ class LiveWorker:
             self.store.add(ready_key(self.rank), 1)
             self.events.emit("live_join_wait", step=None)
             quorum = self.wait_to_be_let_in(asked_in, fence)
-            start = int(wait_for(self.store, start_key(quorum.epoch), WAIT_S, self.beat))
             try:
-                self.enter(quorum, start)
+                # in its group before the survivors reach their step boundary: their pause is not spent
+                # waiting for this rank to connect; the step they start from is set before any of them enters
+                self.enter(quorum, self.step_index)
                 received = send_shards(self.group, quorum, self.rank, self.group_size, self.state, self.wait)
             except RuntimeError as error:
                 self.layout.left_out(self.leave_epoch(error, NO_STATE))
                 continue
             break
+        self.step_index = start = int(self.store.get(start_key(quorum.epoch)))
         self.receiving = False
         self.judge.welcome(quorum.joining)
         self.previous = None

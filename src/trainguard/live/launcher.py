@@ -46,6 +46,7 @@ from trainguard.events import EventLog
 from trainguard.forking import ForkedProcess, ForkServer, call_in_fork, start_server, thread_count
 from trainguard.live import lifeline
 from trainguard.live.drill import live_drill, local_tier_nodes
+from trainguard.live.dying import killed_by
 from trainguard.live.files import events_path, newest_checkpoint
 from trainguard.live.group_reduce import SlotLayout
 from trainguard.live.lighthouse import STARTUP_S, Lighthouse
@@ -452,9 +453,6 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
         result.replaced_at[rank] = time.time()
         result.replacements[rank] = result.replacements.get(rank, 0) + 1
         lighthouse.died(rank)
-        # the survivors' next epoch first (their reports are often in already), then the replacement's start,
-        # which the survivors need not wait for
-        lighthouse.poll(watch=False)
         while spares and (store.check([spare_failed_key(spares[0][0])]) or spare_node[spares[0][0]] in lost
                           or spares[0][1].poll() is not None):
             index, spare = spares.pop(0)  # failed its self-test, on a lost node, or ended: never used
@@ -483,6 +481,9 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
                     raise RuntimeError(f"live run: no node left to start rank {rank} on: the node command failed on "
                                        + ", ".join(f"{n} ({f.describe()})" for n, f in failed.items()))
                 rank_node[rank] = node
+            # the survivors' next epoch before the replacement's start, which they need not wait for (their
+            # reports are often in already); after the node's choice, whose failure is the run's line
+            lighthouse.poll(watch=False)
             procs[rank] = _spawn(run, rank, store, run_dir, rejoin=True, node=rank_node[rank], watch=watch)
             events.emit("live_replacement", step=None, target=rank, pid=procs[rank].pid, node=rank_node[rank])
 
@@ -537,6 +538,9 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
                 if rank in detached or rank in result.given_up:
                     continue
                 code = proc.poll()
+                if code is None and run.recovery == LIVE and watch is None:  # a local rank: its pid is the rank's
+                    killed = killed_by(proc.pid)  # dying: the survivors need not wait for its teardown
+                    code = None if killed is None else -killed
                 if code == EXIT_OK and not _ended_by_quorum(store, rank):
                     since = exited_ok.setdefault(rank, time.monotonic())
                     if time.monotonic() - since <= UNEXPLAINED_EXIT_GRACE_S:

@@ -7,15 +7,18 @@ fault-free run of the same configuration.
   attributes rank 0 (the majority), repairs it from rank 1 and strikes it; at its strike limit rank 0
   writes its ``faulty_ranks.json`` entry (a ``fingerprint`` strike) and exits 17 there, its group leaves,
   is replaced and rejoins, and every rank's final state is the fault-free run's, bitwise;
-- 2 groups, a check before every 3rd step, durable saves every 2: the flip enters step 4's update, so the
-  save of step 4 is marked unhealthy and the check before step 6 finds the replicas disagreeing with
-  neither changed at rest; every member restores step 2's checkpoint (the newest healthy one) and
-  recomputes steps 3 to 5 (``fingerprint_recompute``), and every rank's final state is the fault-free
-  run's, bitwise.
+- 2 groups, a check before every 3rd step, durable saves every 2, SDC detection on with ``strikes: 3``: the
+  flip enters step 4's update, so the save of step 4 is marked unhealthy and the check before step 6 finds
+  the replicas disagreeing with neither changed at rest; each member keeps a copy of its tensors that
+  differ, every member restores step 2's checkpoint (the newest healthy one, its restored state hashing
+  as its save held it) and recomputes steps 3 to 5 (``fingerprint_recompute``); at the check before step
+  6 again the copies' distances to the recomputed tensors attribute the mismatch to rank 0 (``recompute``),
+  struck once; every rank's final parameters and optimizer state are the fault-free run's, bitwise.
 
 Without the strike (``LiveFingerprints`` given no strike book) the first fails (no exit 17, no rank
-replaced), and without the recompute (``check_replicas`` never restoring) the second ends elsewhere than
-the fault-free run: both checked once by hand.
+replaced), without the recompute (``check_replicas`` never restoring) the second ends elsewhere than the
+fault-free run, and without the copies kept through the checks of the steps recomputed (the check
+before step 3 once dropped them) no ``recompute`` mismatch is found: each checked once by hand.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ FLIP_AT = 4
 FLIP = f"stateflip:rank=0,step={FLIP_AT},site=0.weight,state=exp_avg_sq"
 TIMEOUT_S = 240
 STRIKE = {"groups": 3, "steps": 6, "interval": 2, "saves": 3, "guards": "sdc: {enabled_level: 2, strikes: 1}, "}
-RECOMPUTE = {"groups": 2, "steps": 7, "interval": 3, "saves": 2, "guards": ""}
+RECOMPUTE = {"groups": 2, "steps": 7, "interval": 3, "saves": 2, "guards": "sdc: {enabled_level: 2, strikes: 3}, "}
 
 
 def _config(root: Path, name: str, setup: dict) -> Path:
@@ -112,11 +115,19 @@ def test_the_struck_run_ends_bitwise_as_the_fault_free_run(root, struck):
 def test_an_unattributed_mismatch_is_recomputed_from_the_newest_healthy_checkpoint(recomputed):
     run_dir, done = recomputed
     output = done.stdout + done.stderr
-    assert [(e["step"], e["group"], e["faulty"], e["how"]) for e in _events(run_dir, "fingerprint_mismatch")] == \
-        [(4, [0, 1], [], ["unattributed"]), (6, [0, 1], [], ["unattributed"])]  # the save of step 4, then the check
+    # the save of step 4, the check before step 6, then that check again once recomputed: rank 0's first
+    # computation of step 4 (its flipped moment) was wrong
+    assert [(e["step"], e["group"], e["tensors"], e["faulty"], e["how"])
+            for e in _events(run_dir, "fingerprint_mismatch")] == \
+        [(4, [0, 1], ["state"], [], ["unattributed"]), (6, [0, 1], ["state"], [], ["unattributed"]),
+         (6, [0, 1], ["param:0.weight"], [0], ["recompute"]), (6, [0, 1], ["exp_avg_sq:0.weight"], [0], ["recompute"])]
     assert [(e["step"], e["to_step"]) for e in _events(run_dir, "fingerprint_recompute")] == [(6, 2)]
     assert "fingerprint mismatch at step 6 that no replica can repair: recomputing from global_step_2, the last " \
            "agreeing state" in output
+    assert "does not hold the state hashed" not in output  # the restored state hashes as its save held it
+    assert "fingerprint mismatch: step 6, replica group [0, 1], tensor exp_avg_sq:0.weight: rank(s) [0] corrupt " \
+           "(recompute), repaired by the recompute" in output
+    assert "sdc strike: step 6, rank 0: fingerprint mismatch (recompute); strike 1 of 3 within 8 h" in output
     assert "rolled back to step 2" in done.stdout
     # the unhealthy save of step 4 was abandoned with its timeline; the recompute saved it again, healthy
     health = {info.step: info.manifest.health for info in list_checkpoints(run_dir / "checkpoints")}
@@ -127,4 +138,6 @@ def test_the_recomputed_run_ends_bitwise_as_the_fault_free_run(root, recomputed)
     clean = root / "clean_recompute"
     _live(clean, RECOMPUTE)
     assert not _events(clean, "fingerprint_mismatch")
-    assert run_differences(clean, recomputed[0], RECOMPUTE["groups"]) == {}
+    # parameters and optimizer state bitwise the same; the strike against rank 0 is in every member's book
+    assert run_differences(clean, recomputed[0], RECOMPUTE["groups"]) == \
+        {rank: ["/guards/sdc_strikes/devices: lengths differ"] for rank in range(RECOMPUTE["groups"])}

@@ -57,7 +57,7 @@ from trainguard.events.step_report import StepReport
 from trainguard.faults import FaultInjector
 from trainguard.faults.spec import FaultSpec
 from trainguard.fs.fsio import atomic_write_bytes
-from trainguard.guards.fingerprint import FingerprintConfig
+from trainguard.guards.fingerprint import FingerprintConfig, restore_agreeing
 from trainguard.guards.health import HealthConfig, save_health
 from trainguard.guards.rollback import RollbackAbort, RollbackConfig, RollbackGuard
 from trainguard.guards.sdc import SdcConfig
@@ -619,7 +619,8 @@ class LiveWorker:
         """The replica check before ``step`` (from 0; ``guards.fingerprint``), every member alike, as the closure
         mode's state check: an attributed replica repaired and struck (a rank at its strike limit leaves here,
         before it computes), and what no replica can repair recomputed from the newest healthy durable
-        checkpoint, restored by the quorum (``LiveCheckpoints.roll_back``; the data positions are not moved:
+        checkpoint whose restored state every member finds as that save held it, restored by the quorum
+        (``LiveCheckpoints.roll_back``, ``LiveFingerprints.restored_agrees``; the data positions are not moved:
         the steps since are computed again from the same data). Whether the run went back to that checkpoint
         (``fingerprints.restored``)."""
         fingerprints = self.fingerprints
@@ -627,7 +628,9 @@ class LiveWorker:
         self.leave_if_struck_out(fingerprints.take_struck_out())
         if not fingerprints.recompute:
             return False
-        restored = None if self.checkpoints is None else self.checkpoints.roll_back(quorum, step + 1)
+        restored = None if self.checkpoints is None else restore_agreeing(
+            step + 1, lambda before: self.checkpoints.roll_back(quorum, before),
+            lambda at: fingerprints.restored_agrees(self.group, quorum, at, self.wait), self.log)
         fingerprints.recomputing_from(step + 1, restored)
         return restored is not None
 

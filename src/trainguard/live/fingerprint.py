@@ -50,8 +50,9 @@ from trainguard.live.transfer import repair_from
 
 STATE = "state"  # the one "tensor" a live check compares: a member's whole state, folded into one digest
 # a member's row in a comparison's all-reduce: its digest (2), whether it changed at rest, its count of NaN/Inf
-# tensors, the reporter's clock, whether it went back to reach this check step again, its count of tensors
-MOVED, NONFINITE, CLOCK, RECOMPUTING, COUNT = range(2, 7)
+# tensors, the reporter's clock, whether it went back to reach this check step again, whether its restore for
+# a recompute failed part-way, its count of tensors
+MOVED, NONFINITE, CLOCK, RECOMPUTING, RESTORING, COUNT = range(2, 8)
 
 
 def digest(named: NamedTensors) -> torch.Tensor:
@@ -84,6 +85,9 @@ class LiveFingerprints:
         # this rank's digest of the state each durable save held, by the save's step: ``restored_agrees``
         self.saved: dict[int, torch.Tensor] = {}
         self.recompute = False  # the last check found what no replica can repair, and a recompute is due
+        # from the recompute's ask to its restore's end: set at the next check, that restore failed part-way
+        # (a member's load raised, a member died) and this rank's state may be partly the checkpoint's
+        self.restoring = False
         # the recompute's restore, as a rollback's (the closure mode's ``StatePlugin``): no step's figures
         self.restored: Restored | None = None
 
@@ -108,6 +112,12 @@ class LiveFingerprints:
             not torch.equal(self.after_update[1], mine)
         mismatches, rows = self._compare(group, quorum, step, wait, mine, moved, 0, len(named),
                                          self.recomputing_to == step)
+        restoring = sorted(member for member, row in rows.items() if row[RESTORING])
+        if restoring:  # no state to compare: every member restores again (the copies kept for the attribution)
+            self.log.warning("fingerprint check at step %d: the restore for a recompute failed part-way (rank(s) %s "
+                             "mid-restore): restoring again", step, restoring)
+            self.recompute = self.restoring = True
+            return FingerprintVerdict()
         width = max(row[COUNT] for row in rows.values())
         # any member's (one that joined since went back to nothing): every member asks for a recompute alike
         recomputed = any(row[RECOMPUTING] for row in rows.values())
@@ -118,6 +128,7 @@ class LiveFingerprints:
         self.recompute = not recomputed and not verdict.repairable
         if self.recompute:  # kept through the checks of the steps recomputed, to the attribution
             self.before_recompute = self._disagreeing(group, quorum, wait, width)
+            self.restoring = True
         return verdict
 
     def restored_agrees(self, group: dist.ProcessGroup, quorum: Quorum, step: int,
@@ -136,7 +147,7 @@ class LiveFingerprints:
         """The worker's answer to ``recompute`` at the check before ``step``: the quorum restored the newest
         healthy durable checkpoint, of ``restored`` committed steps (None: there was none, the mismatch
         stays and every durable save that holds it is marked unhealthy); the closure mode's lines and event."""
-        self.recompute = False
+        self.recompute = self.restoring = False
         log_recompute(self.log, step, restored)
         if restored is None:
             self.before_recompute = {}
@@ -178,14 +189,18 @@ class LiveFingerprints:
         """Every shard's replicas compared (this rank's ``mine`` digest, whether it ``moved`` at rest), what is
         attributed repaired and struck, the mismatches logged and reported; with every member's row (digest,
         moved, its count of ``nonfinite`` tensors, the reporter's clock, whether it is ``recomputing`` to this
-        step, the ``count`` of its tensors)."""
+        step, whether it is mid-restore, the ``count`` of its tensors). Nothing compared while a member is
+        mid-restore (a state partly restored is no step's: it would be struck as changed at rest)."""
         slots = torch.zeros(len(quorum.members), COUNT + 1, dtype=torch.int64)
         clock = int(time.time()) if self.reports() else 0  # the strikes' agreed time: the quorum's first member's
         slots[quorum.index(self.rank)] = torch.cat([mine, torch.tensor([int(moved), nonfinite, clock,
-                                                                        int(recomputing), count])])
+                                                                        int(recomputing), int(self.restoring),
+                                                                        count])])
         wait(group.allreduce([slots]))  # one member's slot added to zeros: exact
         rows = dict(zip(quorum.members, slots.tolist()))
-        mismatches = []
+        mismatches: list[tuple[list[int], Mismatch]] = []
+        if any(row[RESTORING] for row in rows.values()):
+            return mismatches, rows
         for shard in range(self.group_size):
             replicas = self._replicas(quorum, shard)
             verdict = compare_replicas([STATE], {r: [(rows[r][0], rows[r][1])] for r in replicas},
@@ -219,8 +234,9 @@ class LiveFingerprints:
         """At the check step a recompute reached again, the closure mode's attribution by recompute
         (``ReplicaFingerprints.check_recompute``): each member's distance from its copies to the recomputed
         tensors, in one all-reduce (a member with no copies, one that joined since or whose replicas agreed,
-        takes no part), each shard's replicas' compared (``attribute_by_recompute``); a rank attributed is
-        struck (the recompute replaced its state: nothing to repair)."""
+        takes no part), each shard's replicas' compared (``attribute_by_recompute``; a shard left with one
+        replica that has copies has nothing to compare it with); a rank attributed is struck (the recompute
+        replaced its state: nothing to repair)."""
         named = local_state(self.model, self.optimizer)
         slots = torch.zeros(len(quorum.members), width + 1, dtype=torch.float64)
         if self.before_recompute:
@@ -236,6 +252,8 @@ class LiveFingerprints:
         attributed = []
         for shard in range(self.group_size):
             replicas = [member for member in self._replicas(quorum, shard) if rows[member][0]]
+            if len(replicas) < 2:
+                continue
             verdict = attribute_by_recompute(names, {member: rows[member][1:] for member in replicas})
             for mismatch in verdict.mismatches:
                 self._report(step, replicas, mismatch, ", repaired by the recompute" if mismatch.faulty else "")

@@ -50,7 +50,7 @@ from trainguard.checkpoint.manager import Stateful
 from trainguard.checkpoint.safe_load import safe_torch_load
 from trainguard.checkpoint.spike_rollback import SpikeRollback
 from trainguard.checkpoint.staging import serialised
-from trainguard.errors import EXIT_OK, raised_by_every_rank
+from trainguard.errors import EXIT_OK, CheckpointError, raised_by_every_rank
 from trainguard.events import EventLog
 from trainguard.events.rank_logging import LOGGER_NAME
 from trainguard.events.step_report import StepReport
@@ -628,9 +628,16 @@ class LiveWorker:
         self.leave_if_struck_out(fingerprints.take_struck_out())
         if not fingerprints.recompute:
             return False
-        restored = None if self.checkpoints is None else restore_agreeing(
-            step + 1, lambda before: self.checkpoints.roll_back(quorum, before),
-            lambda at: fingerprints.restored_agrees(self.group, quorum, at, self.wait), self.log)
+        try:
+            restored = None if self.checkpoints is None else restore_agreeing(
+                step + 1, lambda before: self.checkpoints.roll_back(quorum, before),
+                lambda at: fingerprints.restored_agrees(self.group, quorum, at, self.wait), self.log)
+        except CheckpointError as error:
+            # a member's load failed part-way (DCP raises it on every member): this rank's state may be partly
+            # the checkpoint's; the epoch ends as after a failed collective, and the step's check, tried again,
+            # restores again (``LiveFingerprints.restoring``), as after a member's death in the restore
+            raise RuntimeError(f"live recovery: the restore for a recompute before step {step + 1} failed: "
+                               f"{str(error).splitlines()[0][:300]}") from error
         fingerprints.recomputing_from(step + 1, restored)
         return restored is not None
 

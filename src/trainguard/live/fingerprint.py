@@ -244,8 +244,8 @@ class LiveFingerprints:
             row[0] = 1
             for place, before in self.before_recompute.items():
                 row[1 + place] = distance(named[place][1], before)
-        self.before_recompute = {}
         wait(group.allreduce([slots]))
+        self.before_recompute = {}  # measured (an epoch that fails first leaves them for the step tried again)
         rows = dict(zip(quorum.members, slots.tolist()))
         # every rank holds every parameter (whole or its rows): the names of its state are every member's
         names = [name for name, _ in named] + [f"tensor {place}" for place in range(len(named), width)]

@@ -17,7 +17,8 @@ its place, the steps and the global batch) and its own (``--config``, ``--lr``, 
 ``--total``: the total passed to ``should_stop``). ``LIVE_LOOP_SPIKE_AT=P`` multiplies the loss of data position
 ``P`` (rollback mode's tests). ``LIVE_LOOP_DIE_IN_RESTORE=R``: rank R SIGKILLs itself once in the run, in the
 middle of its first durable checkpoint load (a rollback's restore), after reading its part of the files and
-before DCP's closing collective, while its peers wait in it with their own parts loaded (test_live_rollback.py).
+before DCP's closing collective, while its peers wait in it with their own parts loaded (test_live_rollback.py);
+``LIVE_LOOP_RAISE_IN_RESTORE=R``: the same read raises instead, once in the run (test_live_fingerprints.py).
 """
 
 import argparse
@@ -41,11 +42,13 @@ RAISE_ENV = "LIVE_LOOP_RAISE"
 SPIKE_ENV = "LIVE_LOOP_SPIKE_AT"
 SPIKE_FACTOR = 10000.0
 DIE_IN_RESTORE_ENV = "LIVE_LOOP_DIE_IN_RESTORE"
+RAISE_IN_RESTORE_ENV = "LIVE_LOOP_RAISE_IN_RESTORE"
 
 
-def die_in_first_restore(run_dir: Path, rank: int) -> None:
-    """This process SIGKILLs itself after reading its part of the first durable checkpoint it loads, unless a
-    process of the run already did (the marker file: the replacement rank must live)."""
+def die_in_first_restore(run_dir: Path, rank: int, raises: bool = False) -> None:
+    """This process SIGKILLs itself (``raises``: its load raises instead) after reading its part of the first
+    durable checkpoint it loads, unless a process of the run already did (the marker file: the replacement
+    rank must live, a load tried again must succeed)."""
     from trainguard.checkpoint.durable import SafeFileSystemReader
 
     marker, read_data = run_dir / f"died_in_restore_rank_{rank}", SafeFileSystemReader.read_data
@@ -54,6 +57,8 @@ def die_in_first_restore(run_dir: Path, rank: int) -> None:
         done = read_data(self, plan, planner)
         if not marker.exists():
             marker.touch()
+            if raises:
+                raise OSError(f"injected: rank {rank}'s read of its part of the checkpoint failed")
             os.kill(os.getpid(), signal.SIGKILL)
         return done
 
@@ -124,6 +129,8 @@ def rank_main(argv: list[str]) -> None:
     spike_at = int(os.environ[SPIKE_ENV]) if SPIKE_ENV in os.environ else None
     if os.environ.get(DIE_IN_RESTORE_ENV) == str(guard.rank):
         die_in_first_restore(own.run_dir, guard.rank)
+    if os.environ.get(RAISE_IN_RESTORE_ENV) == str(guard.rank):
+        die_in_first_restore(own.run_dir, guard.rank, raises=True)
 
     def loss_of(model: torch.nn.Module, step: int, micro_batch: int) -> torch.Tensor:
         for error in errors:

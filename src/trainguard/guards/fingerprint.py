@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -337,6 +337,21 @@ class ReplicaFingerprints:
             dist.broadcast(tensors[mismatch.tensor], src=mismatch.source, group=self.group)
             repaired.append(mismatch.tensor)
         return repaired
+
+
+def restore_agreeing(before_step: int, roll_back: Callable[[int], int | None], agrees: Callable[[int], bool],
+                     log: logging.Logger) -> int | None:
+    """Both modes' restore for a recompute: the newest healthy checkpoint before ``before_step``
+    (``roll_back(before)``: its step, restored by every rank, the newer ones deleted; None when there is none)
+    whose restored state hashes as every rank's did right after its update (``agrees(step)``, the same answer
+    on every rank); one that does not (memory changed before its copy was made) is passed over for an older
+    one, with its line. The step restored, None when none is left."""
+    restored = roll_back(before_step)
+    while restored is not None and not agrees(restored):
+        log.error("global_step_%d does not hold the state hashed right after its update (memory changed before its "
+                  "copy was made): not recomputed from", restored)
+        restored = roll_back(restored)
+    return restored
 
 
 def log_recompute(log: logging.Logger, step: int, restored: int | None) -> None:

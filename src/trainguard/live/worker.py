@@ -50,14 +50,14 @@ from trainguard.checkpoint.manager import Stateful
 from trainguard.checkpoint.safe_load import safe_torch_load
 from trainguard.checkpoint.spike_rollback import SpikeRollback
 from trainguard.checkpoint.staging import serialised
-from trainguard.errors import EXIT_OK, raised_by_every_rank
+from trainguard.errors import EXIT_OK, CheckpointError, raised_by_every_rank
 from trainguard.events import EventLog
 from trainguard.events.rank_logging import LOGGER_NAME
 from trainguard.events.step_report import StepReport
 from trainguard.faults import FaultInjector
 from trainguard.faults.spec import FaultSpec
 from trainguard.fs.fsio import atomic_write_bytes
-from trainguard.guards.fingerprint import FingerprintConfig
+from trainguard.guards.fingerprint import FingerprintConfig, restore_agreeing
 from trainguard.guards.health import HealthConfig, save_health
 from trainguard.guards.rollback import RollbackAbort, RollbackConfig, RollbackGuard
 from trainguard.guards.sdc import SdcConfig
@@ -619,7 +619,8 @@ class LiveWorker:
         """The replica check before ``step`` (from 0; ``guards.fingerprint``), every member alike, as the closure
         mode's state check: an attributed replica repaired and struck (a rank at its strike limit leaves here,
         before it computes), and what no replica can repair recomputed from the newest healthy durable
-        checkpoint, restored by the quorum (``LiveCheckpoints.roll_back``; the data positions are not moved:
+        checkpoint whose restored state every member finds as that save held it, restored by the quorum
+        (``LiveCheckpoints.roll_back``, ``LiveFingerprints.restored_agrees``; the data positions are not moved:
         the steps since are computed again from the same data). Whether the run went back to that checkpoint
         (``fingerprints.restored``)."""
         fingerprints = self.fingerprints
@@ -627,7 +628,16 @@ class LiveWorker:
         self.leave_if_struck_out(fingerprints.take_struck_out())
         if not fingerprints.recompute:
             return False
-        restored = None if self.checkpoints is None else self.checkpoints.roll_back(quorum, step + 1)
+        try:
+            restored = None if self.checkpoints is None else restore_agreeing(
+                step + 1, lambda before: self.checkpoints.roll_back(quorum, before),
+                lambda at: fingerprints.restored_agrees(self.group, quorum, at, self.wait), self.log)
+        except CheckpointError as error:
+            # a member's load failed part-way (DCP raises it on every member): this rank's state may be partly
+            # the checkpoint's; the epoch ends as after a failed collective, and the step's check, tried again,
+            # restores again (``LiveFingerprints.restoring``), as after a member's death in the restore
+            raise RuntimeError(f"live recovery: the restore for a recompute before step {step + 1} failed: "
+                               f"{str(error).splitlines()[0][:300]}") from error
         fingerprints.recomputing_from(step + 1, restored)
         return restored is not None
 

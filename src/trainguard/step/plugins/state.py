@@ -15,7 +15,7 @@ from typing import Any
 
 from trainguard.checkpoint.manager import CheckpointManager
 from trainguard.events import EventLog
-from trainguard.guards.fingerprint import log_recompute
+from trainguard.guards.fingerprint import log_recompute, restore_agreeing
 from trainguard.guards.state_guard import StateGuard
 from trainguard.guards.step_plugin import Exclusion, GuardPlugin, Restored, StepCheck
 from trainguard.guards.step_slots import Slot
@@ -53,11 +53,8 @@ class StatePlugin(GuardPlugin):
         replicas agreed when it was saved) so that the run recomputes the steps since and the check at
         this step can tell which rank computed wrongly. APPLY when there is none."""
         step = check.step
-        restored = self.checkpoints.roll_back(before_step=step)
-        while restored is not None and not self.state.restored_agrees(restored):
-            self.log.error("global_step_%d does not hold the state hashed right after its update (memory changed "
-                           "before its copy was made): not recomputed from", restored)
-            restored = self.checkpoints.roll_back(before_step=restored)
+        restored = restore_agreeing(step, lambda before: self.checkpoints.roll_back(before_step=before),
+                                    self.state.restored_agrees, self.log)
         self.state.recomputing_from(restored)
         log_recompute(self.log, step, restored)
         if restored is None:

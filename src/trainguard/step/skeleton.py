@@ -7,7 +7,7 @@ mode's engine of it (live mode's: ``live/worker.LiveStep``):
 2. zero the gradients and run the backward (this rank's micro-batches, or the loop's closure);
 3. one all-reduce of constant size: the global norm, the loss and every plugin's indicators
    (``guards/step_slots.py``);
-4. ask the plugins for their ``StepVerdict`` (``guards/step_verdict.decide``): first whether the computation
+4. ask the plugins for their ``StepVerdict`` (``guards/step_engine.decide_step``): first whether the computation
    can be trusted (state at rest, SDC: a RERUN runs the backward again and reduces again), then whether
    the update is applied (data skip, rollback mode, a non-finite norm, the skip streak);
 5. act on the decision: ABORT ends the run (a faulty device: saved, ``faulty_ranks.json``, exit 17;

@@ -49,8 +49,8 @@ its key is the rank, not a host and device only that rank knows; a strike's time
 member's clock, carried in the rerun's all-reduce). A restart cannot exclude a device
 here: a rank that reaches ``strikes`` writes its own ``faulty_ranks.json`` entry (its host and
 device) and exits 17 at the step boundary (live mode's reaction to the plugin's ABORT with an exclusion:
-the step goes on, its update as the exclusion says, and is saved first); the launcher takes that as a death, its replica group
-leaves the quorum, and a spare (or a fresh process) takes the rank; when it joins, every member drops
+the step goes on, its update as the exclusion says, and is saved first); the launcher takes that as a
+death, its replica group leaves the quorum, and a spare (or a fresh process) takes the rank; when it joins, every member drops
 the rank's strikes, which were its predecessor's.
 """
 

@@ -2,9 +2,9 @@
 (``guards/plugins/update.update_plugins``: the data-skip rule or rollback mode's spike test and rollback,
 ``checkpoint/spike_rollback.SpikeRollback``, a non-finite global norm, the skip streak)
 asked through the same precedence (``guards/step_engine.decide_step``), going on from the integrity
-decision (SDC detection's plugin, ``guards/plugins/sdc.SdcRerun``, which ``live/worker.LiveStep`` asks), plus
-SDC detection's state (``live/sdc.py``: its detectors and strikes, when ``guards.sdc`` is on). Their state travels with the
-model and the optimizer: kept for an undone step, sent to a joining rank, saved in the durable tier.
+decision (SDC detection's plugin, ``guards/plugins/sdc.SdcRerun``, which ``live/worker.LiveStep`` asks),
+plus SDC detection's state (``live/sdc.py``: its detectors and strikes, when ``guards.sdc`` is on). Their
+state travels with the model and the optimizer: kept for an undone step, sent to a joining rank, saved in the durable tier.
 
 The decision is agreed by construction: every rank judges the same summed gradient (the order-fixed sum)
 with the same state, so every rank of every replica group skips, or aborts, at the same step.

@@ -15,8 +15,8 @@ each rank's stop reasons (the lifecycle's: kill switch, signal, time limit) and 
 detection values, keep the state of before the update (the one step a survivor may have to
 undo, below), judge the summed gradient with the closure mode's update plugins and precedence (``step_judge``: data
 skip, a non-finite norm, the skip streak; the drill's gradient faults first; SDC detection with its rerun,
-the closure mode's plugin on values every member holds alike after the sum, ``live/sdc.py``), apply the update unless it is
-skipped, and stop at this boundary with a durable save if any rank saw a reason, or at
+the closure mode's plugin, on values every member holds alike after the sum, ``live/sdc.py``), apply the
+update unless it is skipped, and stop at this boundary with a durable save if any rank saw a reason, or at
 ``train.exit_at_step``. A failed collective means the epoch is over: the rank reports
 the last step it committed and waits for the lighthouse's next epoch. A member that finished the
 failed step while another did not undoes it (the lighthouse starts the new epoch at the smallest

@@ -11,6 +11,7 @@ import pytest
 
 from trainguard.guards.plugins.data_skip import DataSkip
 from trainguard.guards.plugins.nonfinite import NonFiniteSkip
+from trainguard.guards.plugins.sdc import SdcRerun
 from trainguard.guards.plugins.skip_streak import SkipStreakLimit
 from trainguard.guards.skip import DataSkipAbort, SkipConfig
 from trainguard.guards.step_skips import StepSkips
@@ -54,7 +55,7 @@ def test_a_nonfinite_norm_is_skipped_by_the_nonfinite_plugin_when_data_skip_is_o
 def test_an_sdc_skip_is_counted_by_the_streak_which_aborts_at_its_limit():
     emitted: list[str] = []
     live = judge(emitted, limit=2)
-    sdc_skip = Decision(SKIP, None)  # the integrity decision: SDC detection skipped the step
+    sdc_skip = Decision(SKIP, SdcRerun(votes=None))  # the integrity decision: the SDC plugin's SKIP (not asked here)
     first = live.judge(1, 1.0, 2.0, sdc_skip)
     assert first == sdc_skip  # decided before the update's plugins, as the closure's SDC
     second = live.judge(2, 1.0, 2.0, sdc_skip)

@@ -2,7 +2,7 @@
 
 The verdict is the closure mode's plugin's (``guards/plugins/sdc.SdcRerun``: RERUN, then APPLY, SKIP or
 ABORT with an exclusion), asked by live mode's step (``live/worker.LiveStep``) through the same
-``decide``; ``LiveSdcVotes`` is its inputs here. They are agreed by construction, as the skip decisions
+``decide_step``; ``LiveSdcVotes`` is its inputs here. They are agreed by construction, as the skip decisions
 are (``step_judge``): every rank judges values that every member holds alike after the step's sum, with
 the same detector state.
 
@@ -50,8 +50,8 @@ member's clock, carried in the rerun's all-reduce). A restart cannot exclude a d
 here: a rank that reaches ``strikes`` writes its own ``faulty_ranks.json`` entry (its host and
 device) and exits 17 at the step boundary (live mode's reaction to the plugin's ABORT with an exclusion:
 the step goes on, its update as the exclusion says, and is saved first); the launcher takes that as a
-death, its replica group leaves the quorum, and a spare (or a fresh process) takes the rank; when it joins, every member drops
-the rank's strikes, which were its predecessor's.
+death, its replica group leaves the quorum, and a spare (or a fresh process) takes the rank; when it
+joins, every member drops the rank's strikes, which were its predecessor's.
 """
 
 from __future__ import annotations
@@ -254,8 +254,8 @@ class LiveSdc:
     def after_rerun(self, step: int, computed_by: list[int], first: StepSum, level_one: list[Detection],
                     again: StepSum | None) -> RerunOutcome:
         """The attribution of the ``level_one`` detections of step ``step`` by its rerun's sum ``again`` (None:
-        ``rerun: false``, unverified), every rank's alike; ``RerunOutcome.strongest`` TRANSIENT: the rerun's sum
-        is clean, the step goes on with it."""
+        ``rerun: false``, unverified), every rank's alike; ``RerunOutcome.strongest`` TRANSIENT (or FAULTY with
+        ``update`` APPLY): the rerun's sum is clean, the step goes on with it."""
         if again is None:
             self.attribute(step, "unverified", level_one, blamed=[], struck=False, rerun_abnormal=[])
             return self.conclude(step, RerunVerdict.REPRODUCIBLE, reran=False, blamed=[], faulty=())

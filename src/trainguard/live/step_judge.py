@@ -4,7 +4,8 @@
 asked through the same precedence (``guards/step_engine.decide_step``), going on from the integrity
 decision (SDC detection's plugin, ``guards/plugins/sdc.SdcRerun``, which ``live/worker.LiveStep`` asks),
 plus SDC detection's state (``live/sdc.py``: its detectors and strikes, when ``guards.sdc`` is on). Their
-state travels with the model and the optimizer: kept for an undone step, sent to a joining rank, saved in the durable tier.
+state travels with the model and the optimizer: kept for an undone step, sent to a joining rank, saved in
+the durable tier.
 
 The decision is agreed by construction: every rank judges the same summed gradient (the order-fixed sum)
 with the same state, so every rank of every replica group skips, or aborts, at the same step.

@@ -10,8 +10,10 @@ mode (``live/worker.py``: ``LiveStep``), each step a fresh engine object holding
    loss and the plugins' flags (the closure mode's all-reduce of ``guards/step_slots``; live mode's
    order-fixed sum over the quorum, with its membership and stop flags beside); live mode ends the step
    here when a rank's computation raised (it is tried again);
-3. ``integrity``: whether the computation can be trusted: SDC detection, with its RERUN (the backward and
-   the reduce again) carried out inside, answering APPLY, SKIP or ABORT;
+3. ``integrity``: whether the computation can be trusted: SDC detection (``guards/plugins/sdc.SdcRerun``, in
+   both modes), with its RERUN (the backward and the reduce again) carried out inside, answering APPLY, SKIP
+   or ABORT (devices at their strike limit: the closure mode ends the run, live mode goes on and the struck-out
+   ranks leave at the step's boundary);
 4. ``gradient_judged``: the local norms of the gradient judged (``guards.local_norm``), and the rate the
    update uses, read before the scheduler steps;
 5. ``update``: whether the update is applied, going on from the integrity decision: the update plugins
@@ -22,18 +24,19 @@ mode (``live/worker.py``: ``LiveStep``), each step a fresh engine object holding
 8. ``commit``: the step's line and event (``events/step_report.StepReport``), the saves by policy, the
    heartbeat (and live mode's stop at this boundary, its epoch switch).
 
-The helpers below are what both engines do alike inside their hooks.
+The helpers below are what both engines do alike inside their hooks: each phase's decision (``decide_step``),
+the local norms' event, the update's rate and the update.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 
-from trainguard.guards.step_plugin import GuardPlugin
-from trainguard.guards.step_verdict import ENDS_THE_STEP, Decision, StepVerdict
+from trainguard.guards.step_plugin import GuardPlugin, RerunJudge, StepCheck
+from trainguard.guards.step_verdict import ENDS_THE_STEP, Decision, StepVerdict, decide
 from trainguard.norms import clip_grads_, local_grad_norms
 
 Emit = Callable[..., None]
@@ -87,6 +90,20 @@ def run_step(engine: StepEngine[Outcome]) -> Outcome:
     if not skipped:
         engine.apply()
     return engine.commit(skipped)
+
+
+def decide_step(plugins: Sequence[GuardPlugin], check: Callable[[], StepCheck],
+                rerun: Callable[[RerunJudge], StepVerdict],
+                decided: Decision[GuardPlugin] | None = None) -> Decision[GuardPlugin]:
+    """One phase's decision, the same in both modes: ``plugins`` asked in order through ``decide``, each with the
+    step's ``check`` as it stands then (after a rerun, the rerun's sums); a RERUN carried out by the mode's
+    ``rerun`` (the step computed and reduced again, judged by its plugin), a ROLLBACK by its plugin."""
+    def carry_out(plugin: GuardPlugin, verdict: StepVerdict) -> StepVerdict:
+        if verdict is StepVerdict.RERUN:
+            return rerun(cast(RerunJudge, plugin))
+        return plugin.roll_back(check())
+
+    return decide(plugins, lambda plugin, so_far: plugin.verdict(check(), so_far), carry_out, decided)
 
 
 def emit_local_norm(emit: Emit, step: int, model: torch.nn.Module) -> None:

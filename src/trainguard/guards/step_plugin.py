@@ -4,7 +4,7 @@ A plugin (``guards/plugins/``, ``step/plugins/``) raises this rank's indicators 
 answers with a ``StepVerdict`` when the skeleton asks (``verdict``), and carries out what only it knows
 how to: a rollback (``roll_back``), the cause of an abort (``abort_cause``). The skeleton asks a plugin
 for ``roll_back`` or ``abort_cause`` only after that plugin answered ROLLBACK or ABORT; a RERUN is the
-SDC plugin's alone (``RerunJudge``), since only the skeleton can run the step's backward again.
+SDC plugin's alone (``RerunJudge``), since only the mode's engine can compute the step again.
 """
 
 from __future__ import annotations
@@ -38,12 +38,15 @@ class Restored:
 @dataclass(frozen=True)
 class Exclusion:
     """An abort for faulty devices: ``ranks`` reached their strike limit (exit 17, ``faulty_ranks.json``).
-    ``unapplied_step``: the step whose computation found it, saved without its update (like a skipped
-    step, its batch is not replayed); None: the run is saved where it is."""
+    The closure mode ends the run: ``unapplied_step``, the step whose computation found it, saved without
+    its update (like a skipped step, its batch is not replayed); None: the run is saved where it is. Live
+    mode goes on with the step, its update as ``update`` says (SKIP, or APPLY: an SDC rerun that found a
+    transient fault and came back clean), and the ranks leave at the step's boundary, replaced."""
 
     ranks: list[int]
     evidence: str
     unapplied_step: int | None = None
+    update: StepVerdict = StepVerdict.SKIP
 
 
 class GuardPlugin:
@@ -72,10 +75,12 @@ class GuardPlugin:
 
 
 class RerunJudge(Protocol):
-    """The plugin that asks for a RERUN: what the skeleton needs from it to rerun the step and judge again."""
+    """The plugin that asks for a RERUN: what a mode's engine needs from it to rerun the step and judge again.
+    The flags and the reduce are the mode's: the closure mode's slots and ``Reduced``, live mode's flags of
+    its order-fixed sum and its ``StepSum`` (None when it did not rerun)."""
 
     reruns_closure: bool  # the backward runs again (guards.sdc.rerun); else the step is judged unverified
 
-    def rerun_flags(self, step: int, reran: bool) -> dict[Slot, Any]: ...
+    def rerun_flags(self, step: int, reran: bool) -> Any: ...
 
-    def after_rerun(self, step: int, reduced: Reduced, reran: bool) -> StepVerdict: ...
+    def after_rerun(self, step: int, reduced: Any, reran: bool) -> StepVerdict: ...

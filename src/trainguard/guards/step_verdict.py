@@ -47,8 +47,7 @@ Plugin = TypeVar("Plugin", bound=Watching)
 @dataclass(frozen=True)
 class Decision(Generic[Plugin]):
     verdict: StepVerdict
-    # the plugin whose verdict it is; None for APPLY, and for a SKIP decided before any plugin was asked
-    # (live mode's SDC detection, ``live/step_judge.py``)
+    # the plugin whose verdict it is; None for APPLY
     by: Plugin | None
 
 

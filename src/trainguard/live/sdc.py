@@ -1,7 +1,10 @@
 """Silent-data-corruption detection with its rerun on a live step (``guards.sdc.*``, docs/sdc.md).
 
-The verdict is agreed by construction, as the skip decisions are (``step_judge``): every rank judges
-values that every member holds alike after the step's sum, with the same detector state.
+The verdict is the closure mode's plugin's (``guards/plugins/sdc.SdcRerun``: RERUN, then APPLY, SKIP or
+ABORT with an exclusion), asked by live mode's step (``live/worker.LiveStep``) through the same
+``decide_step``; ``LiveSdcVotes`` is its inputs here. They are agreed by construction, as the skip decisions
+are (``step_judge``): every rank judges values that every member holds alike after the step's sum, with
+the same detector state.
 
 - **Module points** (norm layers, blocks, the output head, ``guards.sdc.points``): each micro-batch's
   statistics (and peak shares) ride beside its gradient in the sum's extras (``ordered_sum``), so every
@@ -45,14 +48,14 @@ values at module points. ``rerun: false``: unverified, skipped, no strike.
 its key is the rank, not a host and device only that rank knows; a strike's time is the quorum's first
 member's clock, carried in the rerun's all-reduce). A restart cannot exclude a device
 here: a rank that reaches ``strikes`` writes its own ``faulty_ranks.json`` entry (its host and
-device) and exits 17 at the step boundary; the launcher takes that as a death, its replica group
-leaves the quorum, and a spare (or a fresh process) takes the rank; when it joins, every member drops
-the rank's strikes, which were its predecessor's.
+device) and exits 17 at the step boundary (live mode's reaction to the plugin's ABORT with an exclusion:
+the step goes on, its update as the exclusion says, and is saved first); the launcher takes that as a
+death, its replica group leaves the quorum, and a spare (or a fresh process) takes the rank; when it
+joins, every member drops the rank's strikes, which were its predecessor's.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import socket
@@ -70,15 +73,16 @@ from trainguard.guards.sdc import (STATISTIC, DetectionPoints, FaultyDeviceError
                                    format_values, write_faulty_ranks)
 from trainguard.guards.sdc.detectors import NOT_CHECKED, Detection, SdcLevel
 from trainguard.guards.sdc.points import GRADIENT_PREFIX
+from trainguard.guards.plugins.sdc import RerunOutcome
+from trainguard.guards.step_plugin import StepCheck
+from trainguard.guards.step_slots import Slot
+from trainguard.guards.step_verdict import StepVerdict
 from trainguard.live.group_reduce import StepSum
 
 STRIKE_HOST = "live"  # the strike book's host for every rank: ranks are its keys (see the module's docstring)
 
 CLOCK_BASE = 4096  # the reporter's clock rides in the rerun's flags as two integers below 2**24: exact in float32
 
-# the rerun of a step: recomputes this rank's micro-batches, sums them with the quorum's, with ``flags``
-# summed beside, sets the gradients from the sum and returns the sum as this rank holds it
-Rerun = Callable[[list[int]], StepSum]
 # a value of this rank's shape -> that value of every shard of its replica group, ``[shards, *shape]`` in
 # shard order, every member alike (a collective); with whole replicas the value alone
 OverShards = Callable[[torch.Tensor], torch.Tensor]
@@ -97,18 +101,6 @@ def clock_flags(reports: bool) -> list[int]:
 
 def strike_device(rank: int) -> str:
     return f"rank {rank}"
-
-
-@dataclasses.dataclass(frozen=True)
-class SdcStep:
-    """One step's SDC outcome, every rank's alike."""
-    verdict: RerunVerdict  # NONE: nothing at level 1 (or level 1 only logged: enabled_level 1)
-    skip: bool  # the update is dropped (reproducible, unverified, or a rerun abnormal too)
-    rerun: StepSum | None  # the rerun's sum when the step uses it
-    faulty: tuple[int, ...]  # ranks that reached their strike limit at this step
-
-
-CLEAN = SdcStep(RerunVerdict.NONE, skip=False, rerun=None, faulty=())
 
 
 def _bits(tensor: torch.Tensor) -> bytes:
@@ -246,10 +238,10 @@ class LiveSdc:
         column = self.by_point(extras)[:, 0, self.module_names.index(point)] / self.unscale
         return [m for m, own in enumerate(column.tolist()) if own == value or (own != own and value != value)]
 
-    def judge(self, step: int, computed_by: list[int], first: StepSum, rerun: Rerun) -> SdcStep:
-        """Judges step ``step`` (the closure mode's number) from its sum's extras and the gradients set,
-        and reruns it after a level-1 detection (``enabled_level >= 2``). ``computed_by``: the rank that
-        computed each micro-batch (with tensor parallel, its slot's first tp rank)."""
+    def detect(self, step: int, computed_by: list[int], first: StepSum) -> list[Detection]:
+        """Judges step ``step`` (the closure mode's number) from its sum's extras and the gradients set, with
+        the detection's lines and events; its level-1 detections. ``computed_by``: the rank that computed
+        each micro-batch (with tensor parallel, its slot's first tp rank)."""
         extras = first.extras
         values, shares, rows = self.values(extras)
         if self.config.log_values:
@@ -257,14 +249,17 @@ class LiveSdc:
         detections = self.detector.detect(values, step, names=self.names, shares=shares, rows=rows)
         for detection in detections:
             self.report_detection(step, computed_by, extras, detection)
-        level_one = [d for d in detections if d.level == SdcLevel.ABNORMAL]
-        if not level_one or not self.config.recover:
-            return CLEAN
-        if not self.config.rerun:
+        return [d for d in detections if d.level == SdcLevel.ABNORMAL]
+
+    def after_rerun(self, step: int, computed_by: list[int], first: StepSum, level_one: list[Detection],
+                    again: StepSum | None) -> RerunOutcome:
+        """The attribution of the ``level_one`` detections of step ``step`` by its rerun's sum ``again`` (None:
+        ``rerun: false``, unverified), every rank's alike; ``RerunOutcome.strongest`` TRANSIENT (or FAULTY with
+        ``update`` APPLY): the rerun's sum is clean, the step goes on with it."""
+        if again is None:
             self.attribute(step, "unverified", level_one, blamed=[], struck=False, rerun_abnormal=[])
             return self.conclude(step, RerunVerdict.REPRODUCIBLE, reran=False, blamed=[], faulty=())
-        again = rerun(clock_flags(self.reports()))
-        clock, again_extras = again.flags, again.extras
+        extras, clock, again_extras = first.extras, again.flags, again.extras
         now = float(clock[0] * CLOCK_BASE + clock[1])  # every rank's alike: strikes agree, times included
         first_blocks, again_blocks = self.by_tp_rank(extras), self.by_tp_rank(again_extras)
         differing = [(m, tp_rank) for m in range(extras.shape[0]) for tp_rank in range(self.tp)
@@ -285,8 +280,8 @@ class LiveSdc:
                                     now=now)
             verdict = RerunVerdict.FAULTY if faulty else (RerunVerdict.REPRODUCIBLE if still
                                                           else RerunVerdict.TRANSIENT)
-            outcome = self.conclude(step, verdict, reran=True, blamed=blamed, faulty=faulty)
-            return dataclasses.replace(outcome, skip=bool(still), rerun=None if still else again)
+            return self.conclude(step, verdict, reran=True, blamed=blamed, faulty=faulty,
+                                 update=StepVerdict.SKIP if still else StepVerdict.APPLY)
         # reproducible: a strike only when one rank alone computed what is abnormal at module points
         local = [d for d in level_one if not d.point.startswith(GRADIENT_PREFIX)]
         holders = sorted({computed_by[m] + self.tp_rank_of(d.point) for d in local
@@ -340,14 +335,15 @@ class LiveSdc:
                 faulty.append(rank)
         return tuple(faulty)
 
-    def conclude(self, step: int, verdict: RerunVerdict, reran: bool, blamed: list[int],
-                 faulty: tuple[int, ...]) -> SdcStep:
+    def conclude(self, step: int, verdict: RerunVerdict, reran: bool, blamed: list[int], faulty: tuple[int, ...],
+                 update: StepVerdict = StepVerdict.SKIP) -> RerunOutcome:
+        """The ``sdc_rerun`` event, once; ``update``: the step's apart from the ``faulty`` ranks."""
         if self.reports():
             labels = {str(rank): (RerunVerdict.FAULTY if rank in faulty else verdict).label_after(reran)
                       for rank in blamed}
             self.events.emit("sdc_rerun", step=step, verdict=verdict.label_after(reran), reran=reran, ranks=blamed,
                              verdicts=labels)
-        return SdcStep(verdict, skip=verdict != RerunVerdict.TRANSIENT, rerun=None, faulty=faulty)
+        return RerunOutcome(verdict, faulty, update)
 
     def strike(self, rank: int, step: int, evidence: dict[str, Any], now: float, why: str) -> bool:
         """A strike against ``rank`` from outside the rerun (a replica fingerprint attributed to it: ``why``),
@@ -370,3 +366,31 @@ class LiveSdc:
         raise FaultyDeviceError(f"faulty hardware: rank {self.rank} reached {self.config.strikes} strikes (SDC "
                                 f"strikes); see {faulty_ranks_path(self.run_dir)}; its replica group leaves the "
                                 "quorum and the rank is replaced")
+
+
+class LiveSdcVotes:
+    """``guards/plugins/sdc.SdcVotes`` of one live step: ``LiveSdc`` judges its ``first`` sum (and its rerun's),
+    whose values every member holds alike, so nothing is reduced for the verdict but the rerun's sum itself,
+    whose flags carry the strikes' agreed time (``clock_flags``). ``computed_by``: the rank that computed
+    each micro-batch."""
+
+    def __init__(self, sdc: LiveSdc, computed_by: list[int], first: StepSum):
+        self.sdc, self.computed_by, self.first = sdc, computed_by, first
+        self.level_one: list[Detection] = []  # the step's level-1 detections (``detected``)
+
+    @property
+    def config(self) -> SdcConfig:
+        return self.sdc.config
+
+    def flags(self, step: int) -> dict[Slot, Any]:
+        return {}  # the values ride in the sum's extras
+
+    def detected(self, check: StepCheck) -> bool:
+        self.level_one = self.sdc.detect(check.step, self.computed_by, self.first)
+        return bool(self.level_one)
+
+    def rerun_flags(self, step: int, reran: bool) -> list[int]:
+        return clock_flags(self.sdc.reports())
+
+    def after_rerun(self, step: int, rerun: StepSum | None, reran: bool) -> RerunOutcome:
+        return self.sdc.after_rerun(step, self.computed_by, self.first, self.level_one, rerun)

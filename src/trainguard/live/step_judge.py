@@ -1,9 +1,11 @@
 """A live step's decision, taken as the closure mode takes it: the same update plugins
 (``guards/plugins/update.update_plugins``: the data-skip rule or rollback mode's spike test and rollback,
 ``checkpoint/spike_rollback.SpikeRollback``, a non-finite global norm, the skip streak)
-asked through the same precedence (``guards/step_verdict.decide``), plus SDC detection's state
-(``live/sdc.py``: its detectors and strikes, when ``guards.sdc`` is on). Their state travels with the
-model and the optimizer: kept for an undone step, sent to a joining rank, saved in the durable tier.
+asked through the same precedence (``guards/step_engine.decide_step``), going on from the integrity
+decision (SDC detection's plugin, ``guards/plugins/sdc.SdcRerun``, which ``live/worker.LiveStep`` asks),
+plus SDC detection's state (``live/sdc.py``: its detectors and strikes, when ``guards.sdc`` is on). Their
+state travels with the model and the optimizer: kept for an undone step, sent to a joining rank, saved in
+the durable tier.
 
 The decision is agreed by construction: every rank judges the same summed gradient (the order-fixed sum)
 with the same state, so every rank of every replica group skips, or aborts, at the same step.
@@ -16,19 +18,26 @@ from typing import Any, NoReturn
 from trainguard.errors import CheckpointError
 from trainguard.checkpoint.spike_rollback import SpikeRollback
 from trainguard.guards.plugins.update import update_plugins
-from trainguard.guards.step_plugin import GuardPlugin, StepCheck
+from trainguard.guards.step_engine import decide_step
+from trainguard.guards.step_plugin import GuardPlugin, RerunJudge, StepCheck
 from trainguard.guards.step_skips import StepSkips
 from trainguard.guards.step_slots import Reduced, Slot
-from trainguard.guards.step_verdict import Decision, StepVerdict, decide
+from trainguard.guards.step_verdict import Decision, StepVerdict
 from trainguard.live.data_positions import DataPositions
 from trainguard.live.sdc import LiveSdc
 
-# a live step raises no indicator of the closure mode's all-reduce: SDC detection judged it already (live/sdc.py)
+# a live step raises no indicator of the closure mode's all-reduce: SDC detection's values ride in the sum's extras
 NO_INDICATORS = {slot: 0 for slot in Slot if slot != Slot.LOSS}
 
 
-def no_rerun(plugin: GuardPlugin) -> NoReturn:
-    raise ValueError(f"{type(plugin).__name__} asked for a rerun on a live step, which SDC detection reruns itself")
+def live_check(step: int, norm: float, loss: float) -> StepCheck:
+    """What a live step's plugins judge it by: its norm and loss as every member holds them after the sum."""
+    return StepCheck(step, Reduced(norm, loss, NO_INDICATORS), first_sample=None)
+
+
+def no_rerun(plugin: RerunJudge) -> NoReturn:
+    raise ValueError(f"{type(plugin).__name__} asked for a rerun of a live step's update, which only SDC detection "
+                     "reruns, before it")
 
 
 class LiveJudge:
@@ -44,18 +53,15 @@ class LiveJudge:
         self.rollback, self.positions = rollback, positions
         self.skipped = 0
 
-    def judge(self, step: int, norm: float, loss: float, sdc_skipped: bool = False) -> Decision[GuardPlugin]:
+    def judge(self, step: int, norm: float, loss: float,
+              decided: Decision[GuardPlugin] | None = None) -> Decision[GuardPlugin]:
         """The decision on ``step`` (the closure mode's 1-based number): APPLY, SKIP, ROLLBACK (carried out:
         ``by.restored``) or ABORT (its ``by.abort_cause()``, a ``DataSkipAbort``, ends the run; its lines and
         events are written).
-        ``sdc_skipped``: SDC detection dropped the step already, which the skip streak counts as the
-        closure mode's does (the SDC plugin's SKIP, decided before the update's plugins)."""
-        check = StepCheck(step, Reduced(norm, loss, NO_INDICATORS), first_sample=None)
-        decided = Decision(StepVerdict.SKIP, None) if sdc_skipped else None
-        def carry_out(plugin: GuardPlugin, verdict: StepVerdict) -> StepVerdict:
-            return plugin.roll_back(check) if verdict is StepVerdict.ROLLBACK else no_rerun(plugin)
-
-        decision = decide(self.plugins, lambda plugin, so_far: plugin.verdict(check, so_far), carry_out, decided)
+        ``decided``: the integrity decision it goes on from; an SDC detection's SKIP, which the skip streak
+        counts as the closure mode's does."""
+        check = live_check(step, norm, loss)
+        decision = decide_step(self.plugins, lambda: check, no_rerun, decided)
         self.skipped += decision.verdict is StepVerdict.SKIP
         return decision
 

@@ -15,8 +15,8 @@ each rank's stop reasons (the lifecycle's: kill switch, signal, time limit) and 
 detection values, keep the state of before the update (the one step a survivor may have to
 undo, below), judge the summed gradient with the closure mode's update plugins and precedence (``step_judge``: data
 skip, a non-finite norm, the skip streak; the drill's gradient faults first; SDC detection with its rerun,
-``live/sdc.py``, on values every member holds alike after the sum), apply the update unless it is
-skipped, and stop at this boundary with a durable save if any rank saw a reason, or at
+the closure mode's plugin, on values every member holds alike after the sum, ``live/sdc.py``), apply the
+update unless it is skipped, and stop at this boundary with a durable save if any rank saw a reason, or at
 ``train.exit_at_step``. A failed collective means the epoch is over: the rank reports
 the last step it committed and waits for the lighthouse's next epoch. A member that finished the
 failed step while another did not undoes it (the lighthouse starts the new epoch at the smallest
@@ -63,8 +63,9 @@ from trainguard.guards.rollback import RollbackAbort, RollbackConfig, RollbackGu
 from trainguard.guards.sdc import SdcConfig
 from trainguard.guards.skip import DataSkipAbort, SkipConfig
 from trainguard.guards.skip_streak import DEFAULT_MAX_CONSECUTIVE_SKIPS
-from trainguard.guards.step_engine import apply_update, emit_local_norm, run_step, update_lr
-from trainguard.guards.step_plugin import GuardPlugin
+from trainguard.guards.plugins.sdc import SdcRerun
+from trainguard.guards.step_engine import apply_update, decide_step, emit_local_norm, run_step, update_lr
+from trainguard.guards.step_plugin import GuardPlugin, RerunJudge, StepCheck
 from trainguard.guards.step_skips import StepSkips
 from trainguard.guards.step_verdict import Decision, StepVerdict
 from trainguard.live import collective
@@ -82,10 +83,10 @@ from trainguard.live.shards import shard_of
 from trainguard.live.sharded_params import norm_by_rows
 from trainguard.live.stall import ReduceMarks
 from trainguard.live.fingerprint import LiveFingerprints
-from trainguard.live.sdc import CLEAN, LiveSdc, SdcStep
+from trainguard.live.sdc import LiveSdc, LiveSdcVotes
 from trainguard.live.state import LiveState
 from trainguard.live.step_failures import STEP_FAILURE, StepFailed, StepFailures, StepFailureVerdict
-from trainguard.live.step_judge import LiveJudge
+from trainguard.live.step_judge import LiveJudge, live_check
 from trainguard.live.transfer import send_shards
 from trainguard.live.files import checkpoint_path, events_path, final_path
 from trainguard.runtime.heartbeat import node_name
@@ -235,9 +236,12 @@ class LiveStep:
       stop reasons and whether its computation raised (then the step ends here, tried again:
       ``live/step_failures.py``); then the undo point (the one step a survivor may have to undo), the drill's
       gradient faults, the norm by rows;
-    - ``integrity``: SDC detection on the sum's extras (``live/sdc.py``), its rerun (the same micro-batches, the
-      same sum) inside, answering SKIP or APPLY (a faulty device leaves at the step boundary, after the save);
-    - ``update``: the closure mode's update plugins through ``decide`` (``live/step_judge.py``);
+    - ``integrity``: the closure mode's SDC plugin (``guards/plugins/sdc.SdcRerun``) through the same
+      ``decide_step``, its inputs the sum's extras (``live/sdc.LiveSdcVotes``), its RERUN carried out by ``rerun``
+      (the same micro-batches, the same sum); its ABORT with an exclusion (devices at their strike limit) is
+      not the end of the run here: the step goes on with the exclusion's update (APPLY or SKIP), and the
+      excluded ranks leave at the step boundary, after the save, replaced;
+    - ``update``: the closure mode's update plugins through ``decide_step`` (``live/step_judge.py``);
     - ``end_early``: an abort on every member (exit 3), or a rollback to the quorum's durable checkpoint (rollback
       mode's, or replica fingerprints' recompute);
     - ``commit``: the step's line and ``live_step`` event, the committed step recorded for the loop, the progress
@@ -261,7 +265,8 @@ class LiveStep:
         self.loss = 0.0
         self.grads: list[torch.Tensor] = []
         self.norm, self.embedding_norm = 0.0, None
-        self.sdc: SdcStep = CLEAN
+        self.again: StepSum | None = None  # SDC detection's rerun's sum
+        self.struck_out: tuple[int, ...] = ()  # the ranks SDC detection excluded: they leave at this boundary
         self.lr = 0.0
 
     def begin(self) -> Decision[GuardPlugin]:
@@ -328,17 +333,35 @@ class LiveStep:
             self.worker.state.undo(self.worker.previous[1])
             raise
 
+    @property
+    def check(self) -> StepCheck:
+        return live_check(self.number, self.norm, self.loss)
+
     def integrity(self) -> Decision[GuardPlugin]:
         worker = self.worker
+        decision = APPLY
         if worker.sdc is not None:
+            sdc = SdcRerun(LiveSdcVotes(worker.sdc, worker.layout.computed_by(self.exchange), self.summed))
             with self.undone_if_the_epoch_fails():
-                self.sdc = worker.sdc.judge(self.number, worker.layout.computed_by(self.exchange), self.summed,
-                                            lambda flags: worker.rerun(self.step, self.exchange, self.mine, flags))
-        if self.sdc.rerun is not None:  # a transient fault: the step goes on with the rerun's sum, set by rerun()
-            self.loss = self.sdc.rerun.loss
+                decision = decide_step([sdc], lambda: self.check, self.rerun)
+            if decision.verdict is StepVerdict.ABORT:  # devices at their strike limit: they leave at the boundary
+                exclusion = sdc.abort_cause()
+                self.struck_out = tuple(exclusion.ranks)
+                decision = APPLY if exclusion.update is StepVerdict.APPLY else Decision(exclusion.update, sdc)
+        if self.again is not None and decision.verdict is StepVerdict.APPLY:
+            # a transient fault: the step goes on with the rerun's sum, whose gradients ``rerun`` set
+            self.loss = self.again.loss
             self.take_norms()
         worker.reduce_marks.left(self.quorum.epoch, self.step)
-        return Decision(StepVerdict.SKIP, None) if self.sdc.skip else APPLY
+        return decision
+
+    def rerun(self, judge: RerunJudge) -> StepVerdict:
+        """SDC detection's rerun (``LiveWorker.rerun``: the same micro-batches, the same sum, its flags the
+        judge's); with ``guards.sdc.rerun`` off the step is judged unverified without it."""
+        reran = judge.reruns_closure
+        if reran:
+            self.again = self.worker.rerun(self.step, self.exchange, self.mine, judge.rerun_flags(self.number, reran))
+        return judge.after_rerun(self.number, self.again, reran)
 
     def gradient_judged(self) -> None:
         worker = self.worker
@@ -349,8 +372,7 @@ class LiveStep:
     def update(self, decided: Decision[GuardPlugin]) -> Decision[GuardPlugin]:
         # every rank's alike: the same sum, the same state
         with self.undone_if_the_epoch_fails():  # a rollback's restore failed with the epoch
-            return self.worker.judge.judge(self.number, self.norm, self.loss,
-                                           sdc_skipped=decided.verdict is StepVerdict.SKIP)
+            return self.worker.judge.judge(self.number, self.norm, self.loss, decided)
 
     def end_early(self, decision: Decision[GuardPlugin]) -> bool:
         worker = self.worker
@@ -392,7 +414,7 @@ class LiveStep:
             path.parent.mkdir(exist_ok=True)
             atomic_write_bytes(path, serialised(worker.state.state_dict()))
         # saved first (the check before the save may have struck a rank too): its group leaves, the others go on
-        worker.leave_if_struck_out(self.sdc.faulty + (worker.fingerprints.take_struck_out()
+        worker.leave_if_struck_out(self.struck_out + (worker.fingerprints.take_struck_out()
                                                       if worker.fingerprints is not None else ()))
         if self.newer_seen and worker.stop is None:
             worker.switch(quorum.epoch + 1)

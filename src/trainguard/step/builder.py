@@ -27,6 +27,7 @@ from trainguard.errors import ConfigError
 from trainguard.events import EventLog
 from trainguard.events.rank_logging import LOGGER_NAME, setup_logging
 from trainguard.faults import FaultInjector
+from trainguard.guards.plugins.sdc import SdcRerun
 from trainguard.guards.plugins.update import update_plugins
 from trainguard.guards.rollback import RollbackGuard
 from trainguard.guards.sdc import sdc_config_from_env
@@ -37,7 +38,7 @@ from trainguard.runtime.heartbeat import node_name
 from trainguard.runtime.lifecycle import Lifecycle
 from trainguard.step.embedding import EmbeddingNorm
 from trainguard.step.local_tier import build_local_tier, build_memory_tier, resolve_ranks_per_node
-from trainguard.step.plugins.sdc import SdcRerun
+from trainguard.step.plugins.sdc import ClosureSdcVotes
 from trainguard.checkpoint.spike_rollback import SpikeRollback
 from trainguard.step.plugins.state import StatePlugin
 from trainguard.checkpoint.rollback import SkippableData, skippable_data
@@ -96,7 +97,7 @@ def build_step_plugins(parts: GuardParts) -> StepPlugins:
 
     integrity: list[GuardPlugin] = [state(before_backward=False)]
     if parts.sdc is not None:
-        integrity.append(SdcRerun(parts.sdc, parts.events, parts.rank, parts.world_size, parts.device))
+        integrity.append(SdcRerun(ClosureSdcVotes(parts.sdc, parts.events, parts.rank, parts.world_size, parts.device)))
     rollback = None
     if parts.rollback is not None:
         data = parts.data

@@ -7,7 +7,7 @@ mode's engine of it (live mode's: ``live/worker.LiveStep``):
 2. zero the gradients and run the backward (this rank's micro-batches, or the loop's closure);
 3. one all-reduce of constant size: the global norm, the loss and every plugin's indicators
    (``guards/step_slots.py``);
-4. ask the plugins for their ``StepVerdict`` (``guards/step_verdict.decide``): first whether the computation
+4. ask the plugins for their ``StepVerdict`` (``guards/step_engine.decide_step``): first whether the computation
    can be trusted (state at rest, SDC: a RERUN runs the backward again and reduces again), then whether
    the update is applied (data skip, rollback mode, a non-finite norm, the skip streak);
 5. act on the decision: ABORT ends the run (a faulty device: saved, ``faulty_ranks.json``, exit 17;
@@ -21,17 +21,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NoReturn, cast
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from trainguard.config.schema import RunConfig
 from trainguard.guards.sdc import FaultyDeviceError, faulty_ranks_path, write_faulty_ranks
-from trainguard.guards.step_engine import apply_update, emit_local_norm, run_step
+from trainguard.guards.step_engine import apply_update, decide_step, emit_local_norm, run_step
 from trainguard.guards.step_plugin import Exclusion, GuardPlugin, RerunJudge, StepCheck
 from trainguard.guards.step_slots import Reduced, Slot, local_slots, reduce_step
-from trainguard.guards.step_verdict import Decision, StepVerdict, decide
+from trainguard.guards.step_verdict import Decision, StepVerdict
 from trainguard.step.builder import GuardParts, StepPlugins
 from trainguard.step.position import RunPosition
 from trainguard.events.step_report import StepReport
@@ -131,12 +131,7 @@ class ClosureStep:
 
     def decide(self, plugins: list[GuardPlugin], decided: Decision[GuardPlugin] | None = None
                ) -> Decision[GuardPlugin]:
-        def carry_out(plugin: GuardPlugin, verdict: StepVerdict) -> StepVerdict:
-            if verdict is StepVerdict.RERUN:
-                return self.rerun(cast(RerunJudge, plugin))
-            return plugin.roll_back(self.check)
-
-        return decide(plugins, lambda plugin, so_far: plugin.verdict(self.check, so_far), carry_out, decided)
+        return decide_step(plugins, lambda: self.check, self.rerun, decided)
 
     def rerun(self, judge: RerunJudge) -> StepVerdict:
         """The backward again on the same inputs (RNGs and data restored), after a level-1 SDC detection

@@ -1,25 +1,35 @@
 """``live.sdc.LiveSdc`` on one process: a step's micro-batches computed as the live worker computes them
 (each one's module-point values into its row of the extras, the gradients summed in micro-batch order),
-judged, and rerun through a stand-in for the quorum's second sum. The multi-process run is
-tests/integration/test_live_sdc.py; here each verdict of the rerun table (docs/sdc.md, "In live mode")."""
+judged by the SDC plugin both modes ask (``guards/plugins/sdc.SdcRerun`` on ``live.sdc.LiveSdcVotes``,
+through ``decide_step``, as ``LiveStep.integrity`` asks it), and rerun through a stand-in for the quorum's
+second sum. The multi-process run is tests/integration/test_live_sdc.py; here each verdict of the rerun
+table (docs/sdc.md, "In live mode")."""
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from trainguard.events import EventLog
 from trainguard.events.log import read_events
-from trainguard.guards.sdc import FaultyDeviceError, RerunVerdict, SdcConfig, faulty_ranks_path
+from trainguard.guards.plugins.sdc import SdcRerun
+from trainguard.guards.sdc import FaultyDeviceError, SdcConfig, faulty_ranks_path
+from trainguard.guards.step_engine import decide_step
+from trainguard.guards.step_plugin import Exclusion, RerunJudge
+from trainguard.guards.step_verdict import StepVerdict
 from trainguard.live.group_reduce import StepSum
 from trainguard.live.ordered_sum import computed_by
-from trainguard.live.sdc import LiveSdc, clock_flags
+from trainguard.live.sdc import LiveSdc, LiveSdcVotes, clock_flags
+from trainguard.live.step_judge import live_check
 
 MICRO_BATCHES, MEMBERS = 4, [0, 1]  # member i computes micro-batches i, i + 2
 COMPUTED_BY = computed_by(MICRO_BATCHES, MEMBERS)
+APPLY, SKIP, ABORT = StepVerdict.APPLY, StepVerdict.SKIP, StepVerdict.ABORT
 
 
 def model() -> torch.nn.Module:
@@ -60,10 +70,34 @@ def set_grads(net: torch.nn.Module, flat: torch.Tensor) -> None:
         offset += p.numel()
 
 
-def judge(net: torch.nn.Module, sdc: LiveSdc, step: int, first: int | None, again: int | None):
+@dataclass(frozen=True)
+class Judged:
+    verdict: StepVerdict  # the SDC plugin's
+    exclusion: Exclusion | None  # ABORT's: the ranks that leave at the step's boundary, the step's update meanwhile
+    rerun: StepSum | None  # the rerun's sum, when one was run
+
+
+def ask(sdc: LiveSdc, step: int, computed: list[int], summed: StepSum, rerun: Callable[[list[int]], StepSum]) -> Judged:
+    """Step ``step`` judged as ``LiveStep.integrity`` judges it: the SDC plugin on ``LiveSdcVotes``, asked through
+    ``decide_step``, its RERUN carried out as ``LiveStep.rerun`` carries it out, ``rerun`` standing in for the
+    quorum's second sum."""
+    plugin = SdcRerun(LiveSdcVotes(sdc, computed, summed))
+    again: list[StepSum] = []
+
+    def carry_out(judge: RerunJudge) -> StepVerdict:
+        if judge.reruns_closure:
+            again.append(rerun(judge.rerun_flags(step, True)))
+        return judge.after_rerun(step, again[0] if again else None, judge.reruns_closure)
+
+    decision = decide_step([plugin], lambda: live_check(step, 0.0, summed.loss), carry_out)
+    assert decision.by is (None if decision.verdict is APPLY else plugin)
+    return Judged(decision.verdict, plugin.exclusion, again[0] if again else None)
+
+
+def judge(net: torch.nn.Module, sdc: LiveSdc, step: int, first: int | None, again: int | None) -> Judged:
     """Step ``step`` with micro-batch ``first`` blown up, rerun with ``again`` blown up (None: clean)."""
     summed = compute(net, sdc, first)
-    return sdc.judge(step, COMPUTED_BY, summed, lambda flags: compute(net, sdc, again, flags))  # the rerun
+    return ask(sdc, step, COMPUTED_BY, summed, lambda flags: compute(net, sdc, again, flags))  # the rerun
 
 
 def events(tmp_path, kind: str) -> list[dict]:
@@ -73,7 +107,8 @@ def events(tmp_path, kind: str) -> list[dict]:
 def test_a_clean_step_is_clean_and_its_values_are_every_micro_batches_maximum(tmp_path):
     net = model()
     sdc = live_sdc(net, tmp_path)
-    assert judge(net, sdc, 1, None, None).verdict == RerunVerdict.NONE
+    clean = judge(net, sdc, 1, None, None)
+    assert (clean.verdict, clean.rerun) == (APPLY, None) and events(tmp_path, "sdc_rerun") == []
     extras = compute(net, sdc, None).extras
     values, shares, _ = sdc.values(extras)
     assert values[0] == float(extras[:, 0].max()) and shares[0] == float(extras[:, 1].max())  # "1": the LayerNorm
@@ -84,7 +119,7 @@ def test_a_transient_fault_strikes_the_rank_that_computed_it_and_the_clean_rerun
     net = model()
     sdc = live_sdc(net, tmp_path)
     outcome = judge(net, sdc, 3, first=3, again=None)  # micro-batch 3: member 1's
-    assert (outcome.verdict, outcome.skip, outcome.faulty) == (RerunVerdict.TRANSIENT, False, ())
+    assert (outcome.verdict, outcome.exclusion) == (APPLY, None)  # applied, with the rerun's sum
     assert torch.equal(outcome.rerun.gradient, compute(net, sdc, None).gradient)
     assert sdc.strikes.count("live", "rank 1") == 1 and sdc.strikes.count("live", "rank 0") == 0
     [detected] = [e for e in events(tmp_path, "sdc_detected") if e["point"] == "1"]
@@ -97,11 +132,14 @@ def test_a_reproducible_value_one_rank_alone_computed_is_skipped_and_struck_unti
     net = model()
     sdc = live_sdc(net, tmp_path)
     first = judge(net, sdc, 2, first=2, again=2)  # micro-batch 2: member 0's, the same on the rerun
-    assert (first.verdict, first.skip, first.faulty) == (RerunVerdict.REPRODUCIBLE, True, ())
+    assert (first.verdict, first.exclusion) == (SKIP, None)
     second = judge(net, sdc, 5, first=0, again=0)  # strikes: 2
-    assert (second.verdict, second.skip, second.faulty) == (RerunVerdict.FAULTY, True, (0,))
+    # the closure mode's verdict and exclusion; live mode goes on with the step skipped, rank 0 leaves at its boundary
+    assert second.verdict is ABORT and second.exclusion == Exclusion([0], "SDC strikes", unapplied_step=5,
+                                                                     update=SKIP)
+    assert [e["verdict"] for e in events(tmp_path, "sdc_rerun")] == ["reproducible", "faulty"]
     with pytest.raises(FaultyDeviceError, match="rank 0 reached 2 strikes") as error:
-        sdc.leave_if_struck_out(second.faulty)
+        sdc.leave_if_struck_out(tuple(second.exclusion.ranks))
     assert error.value.exit_code == 17
     [entry] = json.loads(faulty_ranks_path(tmp_path).read_text())
     assert (entry["rank"], entry["local_device"], [s["step"] for s in entry["strikes"]]) == (0, "cpu:0", [2, 5])
@@ -115,8 +153,8 @@ def test_a_reproducible_value_one_rank_alone_computed_is_skipped_and_struck_unti
 def test_no_rerun_skips_unverified_with_no_strike(tmp_path):
     net = model()
     sdc = live_sdc(net, tmp_path, rerun=False)
-    outcome = sdc.judge(4, COMPUTED_BY, compute(net, sdc, 1), rerun=lambda flags: pytest.fail("reran"))
-    assert (outcome.verdict, outcome.skip) == (RerunVerdict.REPRODUCIBLE, True)
+    outcome = ask(sdc, 4, COMPUTED_BY, compute(net, sdc, 1), rerun=lambda flags: pytest.fail("reran"))
+    assert (outcome.verdict, outcome.rerun) == (SKIP, None)
     assert [e["verdict"] for e in events(tmp_path, "sdc_rerun")] == ["unverified"]
     assert sdc.strikes.count("live", "rank 1") == 0
 
@@ -157,7 +195,7 @@ def test_a_sum_that_differs_on_another_shard_alone_makes_the_rerun_transient_on_
                   events=EventLog(tmp_path / "events.jsonl", rank=0), reports=lambda: True, shards=2,
                   over_shards=lambda mine: torch.stack([mine, torch.ones_like(mine)]))
     outcome = judge(net, sdc, 2, first=2, again=2)  # micro-batch 2 (member 0's), the same on the rerun
-    assert (outcome.verdict, outcome.skip) == (RerunVerdict.REPRODUCIBLE, True)  # the rerun is abnormal too
+    assert outcome.verdict is SKIP  # the rerun is abnormal too
     assert [e["attribution"] for e in events(tmp_path, "sdc_attribution")] == ["transient"]
     assert sdc.strikes.count("live", "rank 0") == 0
 
@@ -185,8 +223,8 @@ def test_with_tensor_parallel_each_tp_ranks_module_values_are_a_point_and_a_faul
     clean = both(None).extras
     values, _, _ = sdc.values(clean)
     assert values[:2] == [float(clean[:, 0].max()), float(clean[:, 1].max())]  # [planes, tp, points] per row
-    outcome = sdc.judge(3, first_tp_rank, both(2), lambda flags: both(None, flags))
-    assert (outcome.verdict, outcome.skip, outcome.faulty) == (RerunVerdict.TRANSIENT, False, ())
+    outcome = ask(sdc, 3, first_tp_rank, both(2), lambda flags: both(None, flags))
+    assert (outcome.verdict, outcome.exclusion) == (APPLY, None)
     detected = {(e["point"], tuple(e["computed_by"])) for e in events(tmp_path, "sdc_detected")
                 if not e["point"].startswith("grad:")}
     assert detected == {("1 (tp 1)", (3,))}

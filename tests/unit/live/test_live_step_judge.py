@@ -11,10 +11,11 @@ import pytest
 
 from trainguard.guards.plugins.data_skip import DataSkip
 from trainguard.guards.plugins.nonfinite import NonFiniteSkip
+from trainguard.guards.plugins.sdc import SdcRerun
 from trainguard.guards.plugins.skip_streak import SkipStreakLimit
 from trainguard.guards.skip import DataSkipAbort, SkipConfig
 from trainguard.guards.step_skips import StepSkips
-from trainguard.guards.step_verdict import StepVerdict
+from trainguard.guards.step_verdict import Decision, StepVerdict
 from trainguard.live.step_judge import LiveJudge
 
 APPLY, SKIP, ABORT = StepVerdict.APPLY, StepVerdict.SKIP, StepVerdict.ABORT
@@ -54,9 +55,10 @@ def test_a_nonfinite_norm_is_skipped_by_the_nonfinite_plugin_when_data_skip_is_o
 def test_an_sdc_skip_is_counted_by_the_streak_which_aborts_at_its_limit():
     emitted: list[str] = []
     live = judge(emitted, limit=2)
-    first = live.judge(1, 1.0, 2.0, sdc_skipped=True)
-    assert first.verdict is SKIP and first.by is None  # decided before the update's plugins, as the closure's SDC
-    second = live.judge(2, 1.0, 2.0, sdc_skipped=True)
+    sdc_skip = Decision(SKIP, SdcRerun(votes=None))  # the integrity decision: the SDC plugin's SKIP (not asked here)
+    first = live.judge(1, 1.0, 2.0, sdc_skip)
+    assert first == sdc_skip  # decided before the update's plugins, as the closure's SDC
+    second = live.judge(2, 1.0, 2.0, sdc_skip)
     assert second.verdict is ABORT and isinstance(second.by, SkipStreakLimit)
     cause = second.by.abort_cause()
     assert isinstance(cause, DataSkipAbort) and cause.exit_code == 3

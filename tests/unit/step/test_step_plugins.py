@@ -15,6 +15,7 @@ from trainguard.events.log import EventLog
 from trainguard.guards.fingerprint import FingerprintConfig
 from trainguard.guards.plugins.data_skip import DataSkip
 from trainguard.guards.plugins.nonfinite import NonFiniteSkip
+from trainguard.guards.plugins.sdc import STEP_AFTER_RERUN, SdcRerun
 from trainguard.guards.plugins.skip_streak import SkipStreakLimit
 from trainguard.guards.rollback import RollbackConfig, RollbackGuard
 from trainguard.guards.sdc import SdcConfig
@@ -25,7 +26,7 @@ from trainguard.guards.step_skips import StepSkips
 from trainguard.guards.step_slots import Reduced, Slot
 from trainguard.guards.step_verdict import StepVerdict
 from trainguard.step.builder import build_guard_parts, build_step_plugins
-from trainguard.step.plugins.sdc import STEP_AFTER_RERUN, SdcRerun
+from trainguard.step.plugins.sdc import ClosureSdcVotes
 from trainguard.checkpoint.spike_rollback import SpikeRollback
 from trainguard.step.plugins.state import StatePlugin, state_verdict
 from trainguard.step.sdc import RerunVerdict, SdcGuard
@@ -104,14 +105,14 @@ def sdc_plugin(enabled_level: int = 2, **config) -> SdcRerun:
     sdc = SdcConfig(enabled_level=enabled_level, blocks=False, **config)
     sdc.validate()
     guard = SdcGuard(sdc, WithNorm(), 1, torch.device("cpu"), 0, "h", LOG, EventLog(None))
-    return SdcRerun(guard, EventLog(None), rank=0, world_size=1, device=torch.device("cpu"))
+    return SdcRerun(ClosureSdcVotes(guard, EventLog(None), rank=0, world_size=1, device=torch.device("cpu")))
 
 
 def test_an_sdc_detection_anywhere_asks_for_a_rerun_when_recovery_is_on():
     plugin = sdc_plugin()
     assert plugin.verdict(check(1), APPLY) is APPLY
-    assert plugin.verdict(check(2, SDC_STOP=2, SDC_LOCAL=1), APPLY) is RERUN and plugin.alone
-    assert plugin.verdict(check(3, SDC_STOP=2, SDC_LOCAL=2), APPLY) is RERUN and not plugin.alone
+    assert plugin.verdict(check(2, SDC_STOP=2, SDC_LOCAL=1), APPLY) is RERUN and plugin.votes.alone
+    assert plugin.verdict(check(3, SDC_STOP=2, SDC_LOCAL=2), APPLY) is RERUN and not plugin.votes.alone
     assert sdc_plugin(enabled_level=1).verdict(check(4, SDC_STOP=1), APPLY) is APPLY  # level 1: detect and log only
     assert plugin.reruns_closure and not sdc_plugin(rerun=False).reruns_closure
 
@@ -122,7 +123,7 @@ def test_after_the_rerun_the_strongest_verdict_of_any_rank_decides():
     plugin = sdc_plugin()
     assert plugin.after_rerun(5, reduced(SDC_TRANSIENT=1), reran=True) is APPLY
     assert plugin.after_rerun(5, reduced(SDC_TRANSIENT=1, SDC_REPRODUCIBLE=1), reran=True) is SKIP
-    plugin.attributed = RerunVerdict.FAULTY  # this rank's own verdict, which the gather reports
+    plugin.votes.attributed = RerunVerdict.FAULTY  # this rank's own verdict, which the gather reports
     assert plugin.after_rerun(5, reduced(SDC_REPRODUCIBLE=1, SDC_FAULTY=1), reran=True) is ABORT
     assert plugin.abort_cause() == Exclusion([0], "SDC strikes", unapplied_step=5)
 

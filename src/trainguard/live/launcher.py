@@ -538,8 +538,8 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
                 if rank in detached or rank in result.given_up:
                     continue
                 code = proc.poll()
-                if code is None and run.recovery == LIVE and watch is None:  # a local rank: its pid is the rank's
-                    killed = killed_by(proc.pid)  # dying: the survivors need not wait for its teardown
+                if code is None and watch is None:  # a local rank: its pid is the rank's
+                    killed = killed_by(proc.pid)  # dying: nobody need wait for its teardown to know
                     code = None if killed is None else -killed
                 if code == EXIT_OK and not _ended_by_quorum(store, rank):
                     since = exited_ok.setdefault(rank, time.monotonic())

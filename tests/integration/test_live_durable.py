@@ -380,7 +380,7 @@ def test_a_rank_killed_during_a_save_costs_the_survivors_no_timeout_and_the_run_
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     failed = _events(run_dir, "live_collective_failed")
     abandoned = _events(run_dir, "live_save_abandoned")
-    # the kill did land in the save of step 5: in its staging, or in its background commit
+    # the kill did land in the save of step 5: in the replicas' check before it, its staging, or its background commit
     assert any("save" in e["error"] for e in failed) or {e["step"] for e in abandoned} == {5}, (failed, abandoned)
     # the survivors left the save at the epoch's abort key, not at gloo's timeout (the time it took is the
     # benchmark's business, benchmarks/live_recovery.py)

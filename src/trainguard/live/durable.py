@@ -259,7 +259,7 @@ class LiveCheckpoints:
         decision = self._due(step, last_step=last_step, stopping=stopping)
         if decision.durable:
             def durable() -> None:
-                checked = health if check is None else self._as_save_failure(step, lambda: check(health))
+                checked = health if check is None else self._checked(step, check, health)
                 self._save_durable(quorum, step, checked, last_step=last_step, stopping=stopping)
 
             self._marked(quorum, step, durable)
@@ -382,6 +382,17 @@ class LiveCheckpoints:
             self.last_saved = self.last_committed
             raise
         self.last_committed = pending
+
+    def _checked(self, step: int, check: Callable[[dict | None], dict | None], health: dict | None) -> dict | None:
+        """The replicas' check before the durable save of ``step``, a failure of it the save's; an epoch that ends
+        in it says so (its collective's own line names no save)."""
+        def checked() -> dict | None:
+            try:
+                return check(health)
+            except EpochAborted as error:
+                raise EpochAborted(f"{error}: the replicas' check before the durable save of step {step}") from error
+
+        return self._as_save_failure(step, checked)
 
     @staticmethod
     def _as_save_failure(step: int, work: Callable[[], T]) -> T:

@@ -32,6 +32,17 @@ def test_a_save_waiting_for_a_member_that_never_arrives_ends_with_the_epoch_and_
     assert not dist.is_initialized() and checkpoints.manager is None and checkpoints.connection is None
 
 
+def test_an_epoch_ended_in_the_replicas_check_before_a_save_names_that_save(checkpoints):
+    """The check's collective says only that it waited in one; the line says which save it was part of
+    (seen when a rank's death is read as its teardown begins: the survivors are still in the check)."""
+    def check(health):
+        raise EpochAborted("epoch 0 ended while this rank waited in a collective")
+
+    with pytest.raises(EpochAborted, match="epoch 0 ended while this rank waited in a collective: the replicas' "
+                                           "check before the durable save of step 5"):
+        checkpoints.save(Quorum(0, [0], 0, "start"), 5, last_step=False, stopping=False, check=check)
+
+
 def test_arrive_returns_once_every_member_has_arrived_and_raises_when_the_epoch_ends(store):
     beats = []
     other = threading.Thread(target=arrive, args=(store, "ckpt/3", 1, 2, 3, lambda: None, "arrived"))

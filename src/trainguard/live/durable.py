@@ -64,9 +64,11 @@ from trainguard.checkpoint.manifest import read_manifest
 from trainguard.checkpoint.memory_tier import DEFAULT_MEMORY_DIR, run_key
 from trainguard.checkpoint.save_policy import SaveDecision, decide_save
 from trainguard.checkpoint.local.paths import node_of
+from trainguard.errors import RestoreFailed
 from trainguard.events import EventLog
 from trainguard.faults import FaultInjector
 from trainguard.live.collective import EpochAborted, abort_key, arrive, watched
+from trainguard.live.load_failures import LoadFailures, NothingToRestore
 from trainguard.live.local_tier import LiveLocalTier, ResumePoint, choose_live_resume
 from trainguard.live.quorum import Quorum
 from trainguard.live.replica_mesh import keep_mesh_groups
@@ -93,8 +95,11 @@ class LiveCheckpoints:
                  whole: Callable[[], AbstractContextManager[None]], state: LiveState, events: EventLog,
                  timeout: timedelta, beat: Callable[[], None], static_files: Callable[[Path], None] | None = None,
                  *, world: int, ranks_per_node: int, after_commit: Callable[[int, Path], None] | None = None,
-                 marks: ReduceMarks | None = None, wipes: FaultInjector | None = None):
+                 marks: ReduceMarks | None = None, wipes: FaultInjector | None = None, max_load_failures: int):
         self.config = config
+        # the failed loads of each checkpoint a restore chose; one that failed max_load_failures times
+        # (fault_tolerance.max_step_failures) is passed over (``live/load_failures.py``)
+        self.load_failures = LoadFailures(max_load_failures)
         # the stall watch's marks (``live/stall.py``): a member stopped or hung inside a durable save takes its
         # group out at the stall bound, as inside a step's all-reduce, not at the heartbeat's ``hang_s``
         self.marks = marks
@@ -167,7 +172,7 @@ class LiveCheckpoints:
         return CheckpointManager(self.run_dir, self.model, self.optimizer, self.state.checkpointed(),
                                  config=self.config, events=self.events, static_files=self.static_files,
                                  mesh_shape=[groups, self.group_size], mesh_dim_names=REPLICA_DIMS,
-                                 after_commit=self.after_commit)
+                                 after_commit=self.after_commit, accept=self.load_failures.rejection)
 
     def _rank_tiers(self) -> dict[str, LiveLocalTier]:
         """The per-rank tiers by name, in order of preference at an equal step (the memory tier saves most often)."""
@@ -211,17 +216,44 @@ class LiveCheckpoints:
     def roll_back(self, quorum: Quorum, before_step: int) -> int | None:
         """Rollback mode, every member at the same step: the save in flight settled, the newest healthy durable
         checkpoint before ``before_step`` loaded by the quorum (``CheckpointManager.roll_back``: the newer ones
-        deleted), and the per-rank tiers' newer steps dropped. Its step, None when there is none."""
+        deleted), and the per-rank tiers' newer steps dropped. Its step, None when there is none. A load that
+        fails raises ``RestoreFailed`` on every member, counted (``live/load_failures.py``); a checkpoint that
+        failed too often is passed over, and ``NothingToRestore`` when every one before ``before_step`` was."""
         self._settle(quorum, before_step)
         with self.whole():
             manager = self._manager(quorum, f"made its checkpoint group to roll back before step {before_step}")
-            restored = self._watched(quorum, lambda: manager.roll_back(before_step),
-                                     f"rolled back before step {before_step}")
+            try:
+                restored, passed_over = self._watched(quorum, lambda: self._restore(manager, before_step),
+                                                      f"rolled back before step {before_step}")
+            except RestoreFailed as failed:
+                if self.load_failures.failed(failed.step, str(failed).splitlines()[0][:300]) and \
+                        quorum.index(self.rank) == 0:
+                    log.error("live recovery: global_step_%d failed to load %d times "
+                              "(fault_tolerance.max_step_failures): passed over for an older checkpoint from now on",
+                              failed.step, self.load_failures.limit)
+                    self.events.emit("live_restore_passed_over", step=before_step, checkpoint=failed.step,
+                                     failures=self.load_failures.limit, error=self.load_failures.errors[failed.step])
+                raise
+        if passed_over:
+            raise NothingToRestore(
+                f"the restore before step {before_step} found no checkpoint that loads: {'; '.join(passed_over)}; "
+                "every checkpoint is left as it was")
         if restored is not None:
             self.last_saved = self.last_committed = restored
             for tier in self._rank_tiers().values():
                 tier.discard_newer(restored)
         return restored
+
+    def _restore(self, manager: CheckpointManager, before_step: int) -> tuple[int | None, list[str]]:
+        """``manager.roll_back(before_step)`` on the checkpoint group; with nothing restored, the checkpoints its
+        first member passed over (``LoadFailures.before``), which every member takes: a member that joined
+        since it counted them has counted fewer."""
+        restored = manager.roll_back(before_step)
+        if restored is not None:
+            return restored, []
+        passed_over = [self.load_failures.before(before_step)]
+        dist.broadcast_object_list(passed_over, src=0)
+        return None, passed_over[0]
 
     def _held(self, quorum: Quorum, tiers: dict[str, LiveLocalTier]) -> dict[str, dict[int, list[int]]]:
         """Each member's verified steps of each per-rank tier (tier -> rank -> steps), gathered on the

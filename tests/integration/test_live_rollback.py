@@ -38,9 +38,10 @@ The rollback's restore failing (``failed_restores``, three more runs started tog
   and one line naming both checkpoints and the error, both left on disk, committed and verifying.
 
 Without the failed load ending the epoch the first and second end with exit 1 (every rank raised out of its
-loop), without the checkpoint passed over the second retries the same load for ever (seen by hand: 901 epochs
-in 13 minutes, and a SIGTERM to ``trainguard run`` did not stop it: no step boundary is reached), and without ``CheckpointManager.roll_back`` loading before it deletes the newer
-checkpoints the third deletes ``global_step_6``: each checked once by hand.
+loop); without the checkpoint passed over the second retries the same load for ever (901 epochs in 13 minutes,
+and a SIGTERM to ``trainguard run`` did not stop it: no step boundary is reached): each checked once by hand.
+``CheckpointManager.roll_back`` deleting the newer checkpoints only once the restore loaded (which keeps the
+third's ``global_step_6``) is checked by hand in tests/unit/live/test_live_load_failures.py.
 """
 
 from __future__ import annotations

@@ -279,8 +279,9 @@ def test_a_checkpoint_whose_load_always_raises_is_passed_over_and_the_rollback_w
     [passed] = _events(run_dir, "live_restore_passed_over")
     assert (passed["checkpoint"], passed["failures"]) == (6, 3)
     assert "injected: rank 1's read of its part of global_step_6 failed" in passed["error"]
-    assert "live recovery: global_step_6 failed to load 3 times (fault_tolerance.max_step_failures): passed over " \
-           "for an older checkpoint from now on" in done.stdout + done.stderr
+    assert "live recovery: global_step_6 failed to load 3 times (fault_tolerance.max_step_failures): cannot load " \
+           in done.stdout + done.stderr
+    assert "; passed over for an older checkpoint from now on" in done.stdout + done.stderr
     [event] = _events(run_dir, "rollback")
     assert (event["step"], event["to_step"], event["attempt"]) == (SPIKE_AT + 1, 3, 1)
     assert "rolled back to step 3" in done.stdout

@@ -59,6 +59,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from trainguard.backup.attach import attach_mirror
 from trainguard.backup.background import BackgroundMirror
 from trainguard.checkpoint.config import CheckpointConfig
+from trainguard.checkpoint.discovery import CheckpointInfo, list_checkpoints
 from trainguard.checkpoint.manager import CheckpointManager
 from trainguard.checkpoint.manifest import read_manifest
 from trainguard.checkpoint.memory_tier import DEFAULT_MEMORY_DIR, run_key
@@ -97,9 +98,10 @@ class LiveCheckpoints:
                  *, world: int, ranks_per_node: int, after_commit: Callable[[int, Path], None] | None = None,
                  marks: ReduceMarks | None = None, wipes: FaultInjector | None = None, max_load_failures: int):
         self.config = config
-        # the failed loads of each checkpoint a restore chose; one that failed max_load_failures times
-        # (fault_tolerance.max_step_failures) is passed over (``live/load_failures.py``)
-        self.load_failures = LoadFailures(max_load_failures)
+        # the run's failed loads of each checkpoint a restore chose, in the store; one that failed
+        # max_load_failures times (fault_tolerance.max_step_failures) is passed over (``live/load_failures.py``)
+        self.load_failures = LoadFailures(store, rank, world, max_load_failures)
+        self.passed_over: set[int] = set()  # the checkpoints this process's choices passed over, said once
         # the stall watch's marks (``live/stall.py``): a member stopped or hung inside a durable save takes its
         # group out at the stall bound, as inside a step's all-reduce, not at the heartbeat's ``hang_s``
         self.marks = marks
@@ -172,7 +174,20 @@ class LiveCheckpoints:
         return CheckpointManager(self.run_dir, self.model, self.optimizer, self.state.checkpointed(),
                                  config=self.config, events=self.events, static_files=self.static_files,
                                  mesh_shape=[groups, self.group_size], mesh_dim_names=REPLICA_DIMS,
-                                 after_commit=self.after_commit, accept=self.load_failures.rejection)
+                                 after_commit=self.after_commit, accept=self._accept)
+
+    def _accept(self, info: CheckpointInfo) -> str | None:
+        """The manager's ``accept`` (on the member that chooses a checkpoint to load): why ``info``'s is passed
+        over (``LoadFailures``), None when it is not; the first time this process passes one over, its line
+        and event."""
+        reason = self.load_failures.rejection(info)
+        if reason is not None and info.step not in self.passed_over:
+            self.passed_over.add(info.step)
+            log.error("live recovery: global_step_%d %s; passed over for an older checkpoint from now on", info.step,
+                      reason.removeprefix("it "))
+            self.events.emit("live_restore_passed_over", step=None, checkpoint=info.step,
+                             failures=self.load_failures.count(info.step), error=reason)
+        return reason
 
     def _rank_tiers(self) -> dict[str, LiveLocalTier]:
         """The per-rank tiers by name, in order of preference at an equal step (the memory tier saves most often)."""
@@ -226,13 +241,7 @@ class LiveCheckpoints:
                 restored, passed_over = self._watched(quorum, lambda: self._restore(manager, before_step),
                                                       f"rolled back before step {before_step}")
             except RestoreFailed as failed:
-                if self.load_failures.failed(failed.step, str(failed).splitlines()[0][:300]) and \
-                        quorum.index(self.rank) == 0:
-                    log.error("live recovery: global_step_%d failed to load %d times "
-                              "(fault_tolerance.max_step_failures): passed over for an older checkpoint from now on",
-                              failed.step, self.load_failures.limit)
-                    self.events.emit("live_restore_passed_over", step=before_step, checkpoint=failed.step,
-                                     failures=self.load_failures.limit, error=self.load_failures.errors[failed.step])
+                self.load_failures.failed(failed.step, str(failed).splitlines()[0][:300])
                 raise
         if passed_over:
             raise NothingToRestore(
@@ -245,13 +254,15 @@ class LiveCheckpoints:
         return restored
 
     def _restore(self, manager: CheckpointManager, before_step: int) -> tuple[int | None, list[str]]:
-        """``manager.roll_back(before_step)`` on the checkpoint group; with nothing restored, the checkpoints its
-        first member passed over (``LoadFailures.before``), which every member takes: a member that joined
-        since it counted them has counted fewer."""
+        """``manager.roll_back(before_step)`` on the checkpoint group; with nothing restored, the committed
+        checkpoints before ``before_step`` that were passed over (``LoadFailures``), newest first, as its first
+        member finds them (it chose), broadcast."""
         restored = manager.roll_back(before_step)
         if restored is not None:
             return restored, []
-        passed_over = [self.load_failures.before(before_step)]
+        passed_over = [self.load_failures.passed_over(
+            [info.step for info in reversed(list_checkpoints(manager.root)) if info.committed and info.step < before_step]
+        ) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(passed_over, src=0)
         return None, passed_over[0]
 

@@ -2,7 +2,7 @@
 ``max_load_failures`` failed loads for the next older healthy checkpoint, and with none left ``NothingToRestore``
 (exit 19) naming each checkpoint and its error, every checkpoint left on disk as it was.
 
-Real files, a real gloo group of one rank, real loads that fail: a checkpoint written by a model of another
+Real files, a real store and gloo group of one rank, real loads that fail: a checkpoint written by a model of another
 shape (DCP refuses the load, as it would a checkpoint of an incompatible model). Each restore runs in an epoch
 of its own, as a failed restore ends its epoch in a live run.
 
@@ -78,13 +78,16 @@ def test_with_no_checkpoint_that_loads_the_run_ends_with_exit_19_naming_each_and
     assert _steps(saved) == [5, 10]
 
 
-def test_load_failures_count_each_checkpoint_and_pass_it_over_at_the_limit():
-    failures = LoadFailures(limit=2)
+def test_a_checkpoints_failed_loads_are_the_highest_of_its_ranks_counts_passed_over_at_the_limit(store):
+    rank_0, rank_1 = (LoadFailures(store, rank, world=2, limit=2) for rank in (0, 1))
     info = CheckpointInfo(6, Path("global_step_6"), committed=True, manifest=None)
-    assert failures.failed(6, "OSError: injected") is False and failures.rejection(info) is None
-    assert failures.failed(3, "OSError: other") is False
-    assert failures.failed(6, "OSError: again") is True  # passed over now, once
-    assert failures.rejection(info) == "it failed to load 2 times (fault_tolerance.max_step_failures): OSError: again"
-    assert failures.failed(6, "OSError: again") is False and failures.passed_over(6)
-    assert failures.before(7) == ["global_step_6 (3 failed loads, the last: OSError: again)"]
-    assert failures.before(6) == []  # not before the restore's step
+    rank_0.failed(6, "OSError: injected")
+    rank_1.failed(6, "OSError: injected")  # the same failed restore, seen by both
+    rank_0.failed(3, "OSError: other")
+    assert rank_0.count(6) == 1 and rank_0.rejection(info) is None
+    rank_1.failed(6, "OSError: again")  # rank 0 left that epoch on rank 1's end of it, never seeing the error
+    assert rank_0.count(6) == 2
+    assert rank_0.rejection(info) == "it failed to load 2 times (fault_tolerance.max_step_failures): OSError: again"
+    assert rank_0.passed_over([6, 3]) == ["global_step_6 (2 failed loads, the last: OSError: again)"]
+    # a joiner, rank 1's replacement, reads the same counts
+    assert LoadFailures(store, 1, world=2, limit=2).rejection(info).startswith("it failed to load 2 times")

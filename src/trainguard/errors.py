@@ -56,6 +56,16 @@ class CheckpointError(TrainguardError):
     exit_code = EXIT_CRASH
 
 
+class RestoreFailed(CheckpointError):
+    """A checkpoint chosen for a restore (a rollback's, a recompute's) that verified but failed to load:
+    ``error``'s line, kept with its ``every_rank_raises``; ``step``: the checkpoint's."""
+
+    def __init__(self, step: int, error: TrainguardError):
+        super().__init__(str(error))
+        self.step = step
+        self.every_rank_raises = error.every_rank_raises
+
+
 class UnsafeCheckpointError(CheckpointError):
     """A checkpoint file that would run code when loaded; refused, never executed."""
 

@@ -18,7 +18,9 @@ its place, the steps and the global batch) and its own (``--config``, ``--lr``, 
 ``P`` (rollback mode's tests). ``LIVE_LOOP_DIE_IN_RESTORE=R``: rank R SIGKILLs itself once in the run, in the
 middle of its first durable checkpoint load (a rollback's restore), after reading its part of the files and
 before DCP's closing collective, while its peers wait in it with their own parts loaded (test_live_rollback.py);
-``LIVE_LOOP_RAISE_IN_RESTORE=R``: the same read raises instead, once in the run (test_live_fingerprints.py).
+``LIVE_LOOP_RAISE_IN_RESTORE=R``: the same read raises instead, once in the run (test_live_fingerprints.py);
+``LIVE_LOOP_UNLOADABLE=R:S,T``: rank R's read of its part of ``global_step_S`` (and ``T``) raises every time
+(test_live_restore_failures.py).
 """
 
 import argparse
@@ -43,6 +45,7 @@ SPIKE_ENV = "LIVE_LOOP_SPIKE_AT"
 SPIKE_FACTOR = 10000.0
 DIE_IN_RESTORE_ENV = "LIVE_LOOP_DIE_IN_RESTORE"
 RAISE_IN_RESTORE_ENV = "LIVE_LOOP_RAISE_IN_RESTORE"
+UNLOADABLE_ENV = "LIVE_LOOP_UNLOADABLE"
 
 
 def die_in_first_restore(run_dir: Path, rank: int, raises: bool = False) -> None:
@@ -63,6 +66,20 @@ def die_in_first_restore(run_dir: Path, rank: int, raises: bool = False) -> None
         return done
 
     SafeFileSystemReader.read_data = read_then_die
+
+
+def unloadable(rank: int, steps: set[int]) -> None:
+    """This process's read of its part of the durable checkpoint of each of ``steps`` raises, every time."""
+    from trainguard.checkpoint.durable import SafeFileSystemReader
+
+    read_data = SafeFileSystemReader.read_data
+
+    def read_or_raise(self, plan, planner):
+        if Path(self.path).name in {f"global_step_{step}" for step in steps}:
+            raise OSError(f"injected: rank {rank}'s read of its part of {Path(self.path).name} failed")
+        return read_data(self, plan, planner)
+
+    SafeFileSystemReader.read_data = read_or_raise
 
 
 def sample_range(step: int, micro_batch: int, micro_batches: int) -> tuple[int, int]:
@@ -131,6 +148,9 @@ def rank_main(argv: list[str]) -> None:
         die_in_first_restore(own.run_dir, guard.rank)
     if os.environ.get(RAISE_IN_RESTORE_ENV) == str(guard.rank):
         die_in_first_restore(own.run_dir, guard.rank, raises=True)
+    unloadable_rank, _, unloadable_steps = os.environ.get(UNLOADABLE_ENV, "").partition(":")
+    if unloadable_rank == str(guard.rank):
+        unloadable(guard.rank, {int(step) for step in unloadable_steps.split(",")})
 
     def loss_of(model: torch.nn.Module, step: int, micro_batch: int) -> torch.Tensor:
         for error in errors:

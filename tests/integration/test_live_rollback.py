@@ -25,6 +25,23 @@ multiplied by 10^4 every time it is fed (``LIVE_LOOP_SPIKE_AT``):
   ``trainguard report``'s page lists the rollback.
 
 The five runs start together in one module fixture (``launched``); each test waits for its own.
+
+The rollback's restore failing (``failed_restores``, three more runs started together, the same configuration):
+
+- rank 1's read of its part of ``global_step_6`` raises once (``LIVE_LOOP_RAISE_IN_RESTORE``; DCP raises it on
+  every member): the epoch ends as after a failed collective, every member undoes the spiked step, redoes it
+  and restores again; the run ends as the undisturbed one (the contract's training without the window);
+- that read raises every time (``LIVE_LOOP_UNLOADABLE``): after ``fault_tolerance.max_step_failures`` (3)
+  failed loads ``global_step_6`` is passed over and the rollback restores ``global_step_3``, its window moved
+  past that checkpoint; the run ends as the contract's training without the window skipped;
+- the reads of both checkpoints raise every time: after 3 failed loads of each, every rank ends with exit 19
+  and one line naming both checkpoints and the error, both left on disk, committed and verifying.
+
+Without the failed load ending the epoch the first and second end with exit 1 (every rank raised out of its
+loop); without the checkpoint passed over the second retries the same load for ever (901 epochs in 13 minutes,
+and a SIGTERM to ``trainguard run`` did not stop it: no step boundary is reached): each checked once by hand.
+``CheckpointManager.roll_back`` deleting the newer checkpoints only once the restore loaded (which keeps the
+third's ``global_step_6``) is checked by hand in tests/unit/live/test_live_load_failures.py.
 """
 
 from __future__ import annotations
@@ -45,6 +62,8 @@ from trainguard.checkpoint.discovery import list_checkpoints
 from trainguard.checkpoint.safe_load import safe_torch_load
 from trainguard.config.schema import RunConfig
 from trainguard.events.log import read_events
+from trainguard.checkpoint.manifest import verify_checkpoint
+from trainguard.errors import EXIT_STEP_FAILED
 from trainguard.live.compare import bitwise_differences, replica_differences, run_differences, whole_final_state
 from trainguard.live.files import events_path, final_path
 from trainguard.live.rng import micro_batch_rng
@@ -216,3 +235,75 @@ def test_trainguard_train_live_rolls_back_on_a_spike_skips_the_window_and_the_re
     _ok(trainguard("report", str(run_dir)))
     page = (run_dir / "report.html").read_text()
     assert re.search(r"<td>rollback</td>\s*<td>7</td>", page), page[-3000:]
+
+
+@pytest.fixture(scope="module")
+def failed_restores(root) -> dict[str, Future]:
+    """The runs whose rollback's restore fails (the module's docstring), started at once, each test waiting for its
+    own."""
+    config = _config(root)
+    runs = {"raised": {live_loop.RAISE_IN_RESTORE_ENV: "1"}, "walked_back": {live_loop.UNLOADABLE_ENV: "1:6"},
+            "none_left": {live_loop.UNLOADABLE_ENV: "1:3,6"}}
+    warm_server()
+    with ThreadPoolExecutor(max_workers=len(runs)) as pool:
+        yield {name: pool.submit(_live, root / name, config, **env) for name, env in runs.items()}
+
+
+def _ends_as_the_contracts_training_without(run_dir: Path, skipped: list[list[int]]) -> None:
+    positions = [p for p in range(STEPS + 10) if not any(a <= p < b for a, b in skipped)][:STEPS]
+    reference = one_process_reference(positions)
+    for rank in range(WORLD):
+        model = safe_torch_load(final_path(run_dir, rank))["model"]
+        for name, tensor in reference.items():
+            assert torch.allclose(model[name], tensor, rtol=0, atol=1e-5), (rank, name)
+
+
+def test_a_load_that_raises_once_in_the_rollbacks_restore_ends_the_epoch_and_the_rollback_restores_again(
+        root, failed_restores):
+    run_dir = root / "raised"
+    done = _ok(failed_restores["raised"].result())
+    assert (run_dir / "died_in_restore_rank_1").exists()  # its read did raise inside the restore
+    [failed] = [e for e in _events(run_dir, "live_collective_failed") if e["rank"] == 0]
+    assert failed["error"].startswith("RuntimeError: live recovery: the restore for a rollback before step 7 "
+                                      "failed: cannot load ")
+    [event] = _events(run_dir, "rollback")
+    assert (event["step"], event["to_step"], event["skipped"]) == (SPIKE_AT + 1, 6, [[6, 8]])
+    assert "rolled back to step 6" in done.stdout
+    _ends_as_the_contracts_training_without(run_dir, event["skipped"])
+
+
+def test_a_checkpoint_whose_load_always_raises_is_passed_over_and_the_rollback_walks_back(root, failed_restores):
+    run_dir = root / "walked_back"
+    done = _ok(failed_restores["walked_back"].result())
+    assert len([e for e in _events(run_dir, "live_collective_failed") if e["rank"] == 0]) == 3
+    [passed] = _events(run_dir, "live_restore_passed_over")
+    assert (passed["checkpoint"], passed["failures"]) == (6, 3)
+    assert "injected: rank 1's read of its part of global_step_6 failed" in passed["error"]
+    assert "live recovery: global_step_6 failed to load 3 times (fault_tolerance.max_step_failures): cannot load " \
+           in done.stdout + done.stderr
+    assert "; passed over for an older checkpoint from now on" in done.stdout + done.stderr
+    [event] = _events(run_dir, "rollback")
+    assert (event["step"], event["to_step"], event["attempt"]) == (SPIKE_AT + 1, 3, 1)
+    assert "rolled back to step 3" in done.stdout
+    _ends_as_the_contracts_training_without(run_dir, event["skipped"])
+
+
+def test_with_no_checkpoint_that_loads_every_rank_ends_with_exit_19_naming_them_and_both_are_kept(
+        root, failed_restores):
+    run_dir = root / "none_left"
+    done = failed_restores["none_left"].result()
+    assert done.returncode == EXIT_STEP_FAILED, done.stdout[-3000:] + done.stderr[-3000:]
+    assert [e["checkpoint"] for e in _events(run_dir, "live_restore_passed_over")] == [6, 3]
+    line = next(line for line in done.stderr.splitlines() if line.startswith("trainguard: error: [rank 0] "))
+    assert "the restore before step 7 found no checkpoint that loads: global_step_6 (3 failed loads, the last: " \
+           "cannot load " in line
+    assert "; global_step_3 (3 failed loads, the last: cannot load " in line
+    assert "injected: rank 1's read of its part of global_step_3 failed" in line
+    assert line.endswith("; every checkpoint is left as it was")
+    checkpoints = run_dir / "checkpoints"
+    assert (f"trainguard: live run ended: a step failed fault_tolerance.max_step_failures times in a row: exit 19; "
+            f"the newest checkpoint is {checkpoints / 'global_step_6'}") in done.stdout
+    committed = [info for info in list_checkpoints(checkpoints) if info.committed]
+    assert [info.step for info in committed] == [3, 6]
+    assert all(verify_checkpoint(info.path, info.manifest) == [] for info in committed)
+    assert not _events(run_dir, "rollback")

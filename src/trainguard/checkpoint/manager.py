@@ -32,7 +32,7 @@ from trainguard.checkpoint.manifest import read_manifest
 from trainguard.checkpoint.memory_tier import MemoryTier
 from trainguard.checkpoint.resume import choose_resume_checkpoint
 from trainguard.checkpoint.save_policy import SaveDecision, decide_save
-from trainguard.errors import NoCheckpointError, TrainguardError, raised_by_every_rank
+from trainguard.errors import CheckpointError, NoCheckpointError, RestoreFailed, TrainguardError, raised_by_every_rank
 from trainguard.events import EventLog
 from trainguard.topology.rank_failure import raise_if_any_rank_failed
 from trainguard.guards.health import marked_unhealthy
@@ -54,6 +54,12 @@ def _broadcast(value: Any) -> Any:
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _raise_on_every_rank(error: BaseException | None) -> None:
+    """Rank 0's ``error``, broadcast to every rank, raised there (a ``TrainguardError`` reported by rank 0 alone)."""
+    if error is not None:
+        raise raised_by_every_rank(error) if isinstance(error, TrainguardError) else error
 
 
 class CheckpointManager:
@@ -170,8 +176,7 @@ class CheckpointManager:
                     durable_step - 1 if durable_step is not None else None))
                 if recovered is not None:
                     return self._resume_from_local(*recovered, tier=tier)
-        if error is not None:
-            raise raised_by_every_rank(error) if isinstance(error, TrainguardError) else error
+        _raise_on_every_rank(error)
         if path is None:
             for tier in self._rank_tiers():
                 tier.discard_newer(0)
@@ -346,8 +351,11 @@ class CheckpointManager:
         ``before_step`` and returns its step (None when there is none; nothing is changed then).
 
         Waits for the save in flight first (the mirror keeps running). The newer checkpoints belong to the timeline being
-        abandoned: they are deleted (newest first) and ``latest_checkpointed_iteration.txt`` points at
-        the restored one again, so a later restart resumes on the new timeline, not the old one.
+        abandoned: once the restore has loaded they are deleted (newest first) and
+        ``latest_checkpointed_iteration.txt`` points at the restored one again, so a later restart resumes on
+        the new timeline, not the old one. A load that fails (``RestoreFailed``, naming the checkpoint) deletes
+        nothing: a caller that passes over a checkpoint that will not load for an older one, and finds none
+        that loads, leaves every checkpoint as it was.
         """
         self.wait_for_saves()
         error = path = None
@@ -364,17 +372,38 @@ class CheckpointManager:
                     chosen = None
                 if chosen is not None:
                     path = str(chosen)
-                    self._abandon_after(int(read_manifest(chosen).step))
             except Exception as exc:  # every rank must learn of it, or the others wait in broadcast for ever
                 error = exc
         path, error = _broadcast((path, error))
-        if error is not None:
-            raise raised_by_every_rank(error) if isinstance(error, TrainguardError) else error
+        _raise_on_every_rank(error)
         if path is None:
             return None
-        step = self._load_durable(Path(path))
+        step = self._restore(Path(path))
+        if self.rank == 0:
+            try:
+                self._abandon_after(step)
+            except Exception as exc:
+                error = exc
+        _raise_on_every_rank(_broadcast(error))
         self.last_saved_step = step
         self.last_local_step = self.last_memory_step = None  # their steps after it are gone; the next saves are newer
+        return step
+
+    def _restore(self, path: Path) -> int:
+        """A rollback's load of ``path`` (verified): its step; a failure of the load, on every rank (DCP's) or on
+        this rank alone (its extra state), raised by every rank alike as ``RestoreFailed``. A collective."""
+        failure: TrainguardError | None = None
+        try:
+            step = self._load_durable(path)
+        except CheckpointError as exc:
+            failure = exc
+        if failure is None or not failure.every_rank_raises:  # the others learn of this rank's own failure
+            try:
+                raise_if_any_rank_failed(failure)
+            except TrainguardError as exc:
+                failure = exc
+        if failure is not None:
+            raise RestoreFailed(int(read_manifest(path).step), failure) from failure
         return step
 
     def _abandon_after(self, step: int) -> None:

@@ -59,14 +59,17 @@ from torch.distributed.checkpoint.api import CheckpointException
 from trainguard.backup.attach import attach_mirror
 from trainguard.backup.background import BackgroundMirror
 from trainguard.checkpoint.config import CheckpointConfig
+from trainguard.checkpoint.discovery import CheckpointInfo, list_checkpoints
 from trainguard.checkpoint.manager import CheckpointManager
 from trainguard.checkpoint.manifest import read_manifest
 from trainguard.checkpoint.memory_tier import DEFAULT_MEMORY_DIR, run_key
 from trainguard.checkpoint.save_policy import SaveDecision, decide_save
 from trainguard.checkpoint.local.paths import node_of
+from trainguard.errors import RestoreFailed
 from trainguard.events import EventLog
 from trainguard.faults import FaultInjector
 from trainguard.live.collective import EpochAborted, abort_key, arrive, watched
+from trainguard.live.load_failures import LoadFailures, NothingToRestore
 from trainguard.live.local_tier import LiveLocalTier, ResumePoint, choose_live_resume
 from trainguard.live.quorum import Quorum
 from trainguard.live.replica_mesh import keep_mesh_groups
@@ -93,8 +96,12 @@ class LiveCheckpoints:
                  whole: Callable[[], AbstractContextManager[None]], state: LiveState, events: EventLog,
                  timeout: timedelta, beat: Callable[[], None], static_files: Callable[[Path], None] | None = None,
                  *, world: int, ranks_per_node: int, after_commit: Callable[[int, Path], None] | None = None,
-                 marks: ReduceMarks | None = None, wipes: FaultInjector | None = None):
+                 marks: ReduceMarks | None = None, wipes: FaultInjector | None = None, max_load_failures: int):
         self.config = config
+        # the run's failed loads of each checkpoint a restore chose, in the store; one that failed
+        # max_load_failures times (fault_tolerance.max_step_failures) is passed over (``live/load_failures.py``)
+        self.load_failures = LoadFailures(store, rank, world, max_load_failures)
+        self.passed_over: set[int] = set()  # the checkpoints this process's choices passed over, said once
         # the stall watch's marks (``live/stall.py``): a member stopped or hung inside a durable save takes its
         # group out at the stall bound, as inside a step's all-reduce, not at the heartbeat's ``hang_s``
         self.marks = marks
@@ -167,7 +174,20 @@ class LiveCheckpoints:
         return CheckpointManager(self.run_dir, self.model, self.optimizer, self.state.checkpointed(),
                                  config=self.config, events=self.events, static_files=self.static_files,
                                  mesh_shape=[groups, self.group_size], mesh_dim_names=REPLICA_DIMS,
-                                 after_commit=self.after_commit)
+                                 after_commit=self.after_commit, accept=self._accept)
+
+    def _accept(self, info: CheckpointInfo) -> str | None:
+        """The manager's ``accept`` (on the member that chooses a checkpoint to load): why ``info``'s is passed
+        over (``LoadFailures``), None when it is not; the first time this process passes one over, its line
+        and event."""
+        reason = self.load_failures.rejection(info)
+        if reason is not None and info.step not in self.passed_over:
+            self.passed_over.add(info.step)
+            log.error("live recovery: global_step_%d %s; passed over for an older checkpoint from now on", info.step,
+                      reason.removeprefix("it "))
+            self.events.emit("live_restore_passed_over", step=None, checkpoint=info.step,
+                             failures=self.load_failures.count(info.step), error=reason)
+        return reason
 
     def _rank_tiers(self) -> dict[str, LiveLocalTier]:
         """The per-rank tiers by name, in order of preference at an equal step (the memory tier saves most often)."""
@@ -211,17 +231,40 @@ class LiveCheckpoints:
     def roll_back(self, quorum: Quorum, before_step: int) -> int | None:
         """Rollback mode, every member at the same step: the save in flight settled, the newest healthy durable
         checkpoint before ``before_step`` loaded by the quorum (``CheckpointManager.roll_back``: the newer ones
-        deleted), and the per-rank tiers' newer steps dropped. Its step, None when there is none."""
+        deleted), and the per-rank tiers' newer steps dropped. Its step, None when there is none. A load that
+        fails raises ``RestoreFailed`` on every member, counted (``live/load_failures.py``); a checkpoint that
+        failed too often is passed over, and ``NothingToRestore`` when every one before ``before_step`` was."""
         self._settle(quorum, before_step)
         with self.whole():
             manager = self._manager(quorum, f"made its checkpoint group to roll back before step {before_step}")
-            restored = self._watched(quorum, lambda: manager.roll_back(before_step),
-                                     f"rolled back before step {before_step}")
+            try:
+                restored, passed_over = self._watched(quorum, lambda: self._restore(manager, before_step),
+                                                      f"rolled back before step {before_step}")
+            except RestoreFailed as failed:
+                self.load_failures.failed(failed.step, str(failed).splitlines()[0][:300])
+                raise
+        if passed_over:
+            raise NothingToRestore(
+                f"the restore before step {before_step} found no checkpoint that loads: {'; '.join(passed_over)}; "
+                "every checkpoint is left as it was")
         if restored is not None:
             self.last_saved = self.last_committed = restored
             for tier in self._rank_tiers().values():
                 tier.discard_newer(restored)
         return restored
+
+    def _restore(self, manager: CheckpointManager, before_step: int) -> tuple[int | None, list[str]]:
+        """``manager.roll_back(before_step)`` on the checkpoint group; with nothing restored, the committed
+        checkpoints before ``before_step`` that were passed over (``LoadFailures``), newest first, as its first
+        member finds them (it chose), broadcast."""
+        restored = manager.roll_back(before_step)
+        if restored is not None:
+            return restored, []
+        passed_over = [self.load_failures.passed_over(
+            [info.step for info in reversed(list_checkpoints(manager.root)) if info.committed and info.step < before_step]
+        ) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(passed_over, src=0)
+        return None, passed_over[0]
 
     def _held(self, quorum: Quorum, tiers: dict[str, LiveLocalTier]) -> dict[str, dict[int, list[int]]]:
         """Each member's verified steps of each per-rank tier (tier -> rank -> steps), gathered on the

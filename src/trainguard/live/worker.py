@@ -40,7 +40,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,7 @@ from trainguard.checkpoint.manager import Stateful
 from trainguard.checkpoint.safe_load import safe_torch_load
 from trainguard.checkpoint.spike_rollback import SpikeRollback
 from trainguard.checkpoint.staging import serialised
-from trainguard.errors import EXIT_OK, CheckpointError, raised_by_every_rank
+from trainguard.errors import EXIT_OK, RestoreFailed, raised_by_every_rank
 from trainguard.events import EventLog
 from trainguard.events.rank_logging import LOGGER_NAME
 from trainguard.events.step_report import StepReport
@@ -85,6 +85,7 @@ from trainguard.live.stall import ReduceMarks
 from trainguard.live.fingerprint import LiveFingerprints
 from trainguard.live.sdc import LiveSdc, LiveSdcVotes
 from trainguard.live.state import LiveState
+from trainguard.live.load_failures import NothingToRestore
 from trainguard.live.step_failures import STEP_FAILURE, StepFailed, StepFailures, StepFailureVerdict
 from trainguard.live.step_judge import LiveJudge, live_check
 from trainguard.live.transfer import send_shards
@@ -96,6 +97,7 @@ from trainguard.runtime.outcome import RunOutcome, stop_outcome
 
 FENCED_EXIT = 3  # a stale process that found itself fenced ends with this code
 
+T = TypeVar("T")
 WAIT_S = 120.0  # the longest a rank waits for the lighthouse (a new epoch, a join's start step)
 BEAT_S = 0.05  # the most often a rank raises its heartbeat counter
 STOP_REASONS = (DEADLINE, SIGNAL, KILL_SWITCH)  # each one a count in the step's all-reduce; the strongest wins
@@ -506,7 +508,7 @@ class LiveWorker:
             store, args.run_dir, checkpoint, rank, model, optimizer, self.group_size, self.layout.whole_state, self.state,
             self.events, self.collective_timeout, self.beat, static_files, world=args.world,
             ranks_per_node=rules.ranks_per_node or args.world, after_commit=self.site_faults.after_commit,
-            marks=self.reduce_marks, wipes=self.site_faults)
+            marks=self.reduce_marks, wipes=self.site_faults, max_load_failures=rules.max_step_failures)
         self.lifecycle = lifecycle  # this rank's stop reasons (its signals, the kill switch, the time limit)
         self.stop: LiveStop | None = None  # the quorum agreed to stop, and saved: no more steps
         self.receiving = False  # a joiner's state transfer in progress (``join``)
@@ -650,16 +652,11 @@ class LiveWorker:
         self.leave_if_struck_out(fingerprints.take_struck_out())
         if not fingerprints.recompute:
             return False
-        try:
-            restored = None if self.checkpoints is None else restore_agreeing(
+        # the step's check, tried again after a failed restore, restores again (``LiveFingerprints.restoring``)
+        restored = None if self.checkpoints is None else self.restore(
+            step, "the restore for a recompute", lambda: restore_agreeing(
                 step + 1, lambda before: self.checkpoints.roll_back(quorum, before),
-                lambda at: fingerprints.restored_agrees(self.group, quorum, at, self.wait), self.log)
-        except CheckpointError as error:
-            # a member's load failed part-way (DCP raises it on every member): this rank's state may be partly
-            # the checkpoint's; the epoch ends as after a failed collective, and the step's check, tried again,
-            # restores again (``LiveFingerprints.restoring``), as after a member's death in the restore
-            raise RuntimeError(f"live recovery: the restore for a recompute before step {step + 1} failed: "
-                               f"{str(error).splitlines()[0][:300]}") from error
+                lambda at: fingerprints.restored_agrees(self.group, quorum, at, self.wait), self.log))
         fingerprints.recomputing_from(step + 1, restored)
         return restored is not None
 
@@ -683,10 +680,27 @@ class LiveWorker:
         None when there is none (or no durable tier)."""
         if self.checkpoints is None:
             return None
-        restored = self.checkpoints.roll_back(self.quorum, before_step)
+        # the spiked step, undone with the failed epoch (``LiveStep.update``), spikes and restores again
+        restored = self.restore(before_step - 1, "the restore for a rollback",
+                                lambda: self.checkpoints.roll_back(self.quorum, before_step))
         if restored is not None:
             self.positions.move_to(restored)
         return restored
+
+    def restore(self, step: int, what: str, restore: Callable[[], T]) -> T:
+        """A durable restore by the quorum before ``step`` (from 0), every member alike (``restore()``: rollback
+        mode's, a recompute's; ``what`` it is, for the lines). A load that failed (``RestoreFailed``, on every
+        member alike: this rank's state may be partly the checkpoint's) ends the epoch as a failed collective,
+        as a member's death in the restore does, and the step restores again; with no checkpoint left that
+        loads (``NothingToRestore``, ``live/load_failures.py``) every member ends with exit 19, as after a step
+        that failed as often."""
+        try:
+            return restore()
+        except RestoreFailed as error:
+            raise RuntimeError(f"live recovery: {what} before step {step + 1} failed: "
+                               f"{str(error).splitlines()[0][:300]}") from error
+        except NothingToRestore as nothing:
+            self.end_failed(step, nothing)
 
     def rolled_back(self, restored: int, loss: float, norm: float) -> None:
         """After a rollback to ``restored`` committed steps: the run goes on from there, no undo left (the
@@ -723,8 +737,12 @@ class LiveWorker:
             self.log.warning("step %d failed on %d rank(s) (%s): attempt %d of %d, trying it again", step, ranks,
                              error, attempts, self.step_failures.limit)
             return
-        failed = StepFailed(f"step {step} failed {attempts} times in a row (fault_tolerance.max_step_failures), "
-                            f"{error}; the run ends with nothing saved at this step")
+        self.end_failed(step, StepFailed(f"step {step} failed {attempts} times in a row "
+                                         f"(fault_tolerance.max_step_failures), {error}; the run ends with nothing "
+                                         "saved at this step"))
+
+    def end_failed(self, step: int, failed: StepFailed) -> NoReturn:
+        """Every member, at the same step: ``failed`` raised (exit 19), the reporter's record of it first."""
         if self.reports():  # the launcher's record of how the run ended (``LiveResult.stop``)
             stop = LiveStop(step, "step_failed", str(failed), failed.exit_code)
             self.store.set(STOPPED, json.dumps(dataclasses.asdict(stop)))

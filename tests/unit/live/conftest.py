@@ -23,14 +23,23 @@ def store():
 
 
 @pytest.fixture
-def checkpoints(tmp_path, store):
-    """Rank 0's ``LiveCheckpoints`` (a durable save every 5 steps) on a real store, with no other rank."""
-    model = torch.nn.Linear(2, 1)
-    events = EventLog(None)
-    guards = LiveJudge(StepSkips(SkipConfig(), 0, logging.getLogger("test"), events.emit, reports=lambda: False))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    yield LiveCheckpoints(store, tmp_path, CheckpointConfig(save_interval=5), 0, model, optimizer, 1,
-                          contextlib.nullcontext, LiveState(model, optimizer, guards), events,
-                          timedelta(seconds=10), beat=lambda: None, world=1, ranks_per_node=1)
+def make_checkpoints(tmp_path, store):
+    """Makes rank 0's ``LiveCheckpoints`` of ``model`` (a durable save every 5 steps, a checkpoint passed over
+    after 2 failed loads) on a real store, with no other rank."""
+    def make(model: torch.nn.Module) -> LiveCheckpoints:
+        events = EventLog(None)
+        guards = LiveJudge(StepSkips(SkipConfig(), 0, logging.getLogger("test"), events.emit, reports=lambda: False))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        return LiveCheckpoints(store, tmp_path, CheckpointConfig(save_interval=5), 0, model, optimizer, 1,
+                               contextlib.nullcontext, LiveState(model, optimizer, guards), events,
+                               timedelta(seconds=10), beat=lambda: None, world=1, ranks_per_node=1, max_load_failures=2)
+
+    yield make
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def checkpoints(make_checkpoints):
+    """Rank 0's ``LiveCheckpoints`` of a small model (``make_checkpoints``)."""
+    return make_checkpoints(torch.nn.Linear(2, 1))

@@ -35,8 +35,9 @@ NO_RESTART_REASONS = {
     EXIT_NO_CHECKPOINT: ("no usable checkpoint to resume from", "a restart would find none either"),
     EXIT_RESUMABLE_STOP: ("a stop asked for (SIGTERM/SIGUSR1 or the time limit), the last step saved",
                           "it is resumable: run the same command again to continue"),
-    EXIT_STEP_FAILED: ("a live step raised the same way fault_tolerance.max_step_failures times in a row",
-                       "a restart would compute the same step again; fix the step (its line names the error)"),
+    EXIT_STEP_FAILED: ("a live step raised the same way fault_tolerance.max_step_failures times in a row, or no "
+                       "checkpoint left that a live restore could load",
+                       "a restart would compute or load the same again; fix what its line names"),
 }
 NEVER_RESTART = (EXIT_OK, *NO_RESTART_REASONS)  # each with its line, so a code never stops a run unexplained
 

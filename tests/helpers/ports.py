@@ -12,6 +12,7 @@ none of these to a connection. ``gw0`` (or a run without workers) has 20000-2199
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import socket
@@ -30,28 +31,22 @@ def worker_index() -> int:
     return index
 
 
-def _candidates():
-    """This worker's ports, from a random one on and around: a later pick starts past the earlier ones
-    (a port just closed may still be held in TIME_WAIT)."""
-    first = FIRST_PORT + worker_index() * BLOCK
-    start = random.randrange(BLOCK)
-    while True:
-        for offset in range(BLOCK):
-            yield first + (start + offset) % BLOCK
-
-
-_PORTS = _candidates()
+# where this process's next pick starts in its block, counting up: a later pick starts past the earlier
+# ones (a port just closed may still be held in TIME_WAIT); random, so a new process does not retry the last
+# one's ports first
+_OFFSETS = itertools.count(random.randrange(BLOCK))
 
 
 def free_ports(count: int) -> list[int]:
     """``count`` distinct ports of this worker's block that nothing on loopback holds now (each is bound
     until all are found)."""
+    first = FIRST_PORT + worker_index() * BLOCK
     held: list[socket.socket] = []
     try:
         for _ in range(BLOCK):
             sock = socket.socket()
             try:
-                sock.bind(("127.0.0.1", next(_PORTS)))
+                sock.bind(("127.0.0.1", first + next(_OFFSETS) % BLOCK))
             except OSError:
                 sock.close()
                 continue

@@ -9,7 +9,7 @@ import pytest
 
 import trainguard
 from helpers.runs import ok, train
-from helpers.suite_schedule import make_scheduler
+from helpers.suite_schedule import make_scheduler, schedule_rank
 
 ROOT = Path(__file__).resolve().parents[1]
 # what the interpreters the suite starts import from this checkout (the package is installed editable)
@@ -29,6 +29,13 @@ def pytest_sessionstart(session) -> None:
         return
     for directory in IMPORTED_SOURCES:
         compileall.compile_dir(directory, quiet=2)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """On a pytest-xdist worker, the longest units first (``helpers/suite_schedule.py``): the controller
+    hands the units out in this order."""
+    if hasattr(config, "workerinput"):
+        items.sort(key=lambda item: schedule_rank(item.nodeid))
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: only a run with workers (-n) calls it

@@ -35,26 +35,22 @@ def unit_of(nodeid: str) -> str:
     return path
 
 
-def in_schedule_order(nodeids: list[str]) -> list[str]:
-    """The tests in the order their units go out: ``LONGEST_FIRST`` first, the rest as collected (a test
-    keeps its place inside its unit)."""
-    rank = {unit: position for position, unit in enumerate(LONGEST_FIRST)}
-    return sorted(nodeids, key=lambda nodeid: rank.get(unit_of(nodeid), len(rank)))
+def schedule_rank(nodeid: str) -> int:
+    """Where a test's unit goes out: ``LONGEST_FIRST``'s units by their place there, the rest after them
+    in collection order (sorted by this rank, stably, every test keeps its place inside its unit)."""
+    unit = unit_of(nodeid)
+    return LONGEST_FIRST.index(unit) if unit in LONGEST_FIRST else len(LONGEST_FIRST)
 
 
 def make_scheduler(config, log):
-    """pytest-xdist's scheduler with the units above (imported here: only a run with workers has xdist)."""
+    """pytest-xdist's scheduler with the units above (imported here: only a run with workers has xdist).
+    The units go out in the workers' collection order, which tests/conftest.py sorts by ``schedule_rank``
+    (the controller hands out tests by their index in that collection, so it must not reorder them)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class SuiteScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return unit_of(nodeid)
-
-        def schedule(self) -> None:
-            if self.collection is None:  # the first call: the workers' collections, not yet split into units
-                for node, collection in self.registered_collections.items():
-                    self.registered_collections[node] = in_schedule_order(list(collection))
-            super().schedule()
 
     # LoadScopeScheduling otherwise puts the units with the most tests first (the unit-test files)
     config.option.loadscopereorder = False

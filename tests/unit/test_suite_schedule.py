@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from helpers import ports
-from helpers.suite_schedule import LONGEST_FIRST, SAME_WORKER, in_schedule_order, unit_of
+from helpers.suite_schedule import LONGEST_FIRST, SAME_WORKER, schedule_rank, unit_of
 
 INTEGRATION = Path(__file__).resolve().parents[1] / "integration"
 
@@ -67,7 +67,7 @@ def test_the_longest_units_go_first_and_every_test_keeps_its_place_inside_its_un
     collected = ["tests/integration/test_a.py::t1", "tests/integration/test_slurm.py::t1",
                  "tests/integration/test_a.py::t2", "tests/integration/test_live_slurm.py::t1",
                  "tests/integration/test_slurm.py::t2", "tests/unit/test_b.py::t1"]
-    assert in_schedule_order(collected) == [
+    assert sorted(collected, key=schedule_rank) == [
         "tests/integration/test_slurm.py::t1", "tests/integration/test_live_slurm.py::t1",
         "tests/integration/test_slurm.py::t2", "tests/integration/test_a.py::t1", "tests/integration/test_a.py::t2",
         "tests/unit/test_b.py::t1"]

@@ -10,11 +10,16 @@ bootstrap:
 demo: bootstrap
 	.venv/bin/trainguard demo
 
+# make test's pytest-xdist workers (tests/helpers/suite_schedule.py shares the files out); 1 runs the
+# suite in one process: PYTEST_WORKERS=1 make test
+PYTEST_WORKERS ?= 2
+WORKERS_OPTION = $(if $(filter-out 0 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS),-p no:xdist)
+
 # The whole suite, what CI runs (.ci/run): the linter, then every test; installs Chromium and Slurm
 # for the report and Slurm tests.
 test: lint
 	@bash scripts/bootstrap.sh --with-browser --with-slurm --with-torchtitan
-	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q --durations=15
+	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q --durations=15 $(WORKERS_OPTION)
 
 # For a change to a pure rule: the linter and the unit tests, no system packages, a few minutes.
 test-fast: bootstrap lint

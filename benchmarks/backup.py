@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' helpers package
 
 from common import median, schedule  # noqa: E402
-from s3_server import start_s3_server  # noqa: E402
+from helpers.s3_server import start_s3_server  # noqa: E402
 
 TARGET = 0.8
 

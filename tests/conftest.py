@@ -9,6 +9,7 @@ import pytest
 
 import trainguard
 from helpers.runs import ok, train
+from helpers.suite_schedule import make_scheduler, schedule_rank
 
 ROOT = Path(__file__).resolve().parents[1]
 # what the interpreters the suite starts import from this checkout (the package is installed editable)
@@ -21,9 +22,25 @@ def pytest_sessionstart(session) -> None:
     on) no interpreter writes the cache, so each of the hundreds the suite starts (supervisors,
     torchrun's ranks, helper scripts) compiled trainguard's modules from source again: 10% of the CPU
     of tests/integration/test_guard_user_loop.py (102 -> 91 CPU-seconds, loaded machine). Python reads
-    a cache file only while it matches its source's size and time, so an edit is never run stale."""
+    a cache file only while it matches its source's size and time, so an edit is never run stale.
+    With pytest-xdist, the controlling process compiles before it starts the workers, and the workers
+    do not: two processes compiling one file at once could write its cache file at once."""
+    if hasattr(session.config, "workerinput"):  # a pytest-xdist worker
+        return
     for directory in IMPORTED_SOURCES:
         compileall.compile_dir(directory, quiet=2)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """On a pytest-xdist worker, the longest units first (``helpers/suite_schedule.py``): the controller
+    hands the units out in this order."""
+    if hasattr(config, "workerinput"):
+        items.sort(key=lambda item: schedule_rank(item.nodeid))
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: only a run with workers (-n) calls it
+def pytest_xdist_make_scheduler(config, log):
+    return make_scheduler(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from dataclasses import dataclass
+
+from helpers.ports import free_port
 
 # Requests moto serves before it starts checking signatures: exactly the three IAM calls below.
 _UNAUTHENTICATED_SETUP_CALLS = 3
@@ -39,12 +40,6 @@ class S3Server:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_s3_server(bucket: str = "trainguard-test", timeout: float = 60) -> S3Server:

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from helpers.ports import free_ports
 from helpers.processes import alive
 
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
@@ -59,17 +60,6 @@ def install_packages() -> str | None:
             return f"{' '.join(command)} failed: {done.stderr.strip()[-500:]}"
     missing = missing_binaries()
     return f"still missing after install: {', '.join(missing)}" if missing else None
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def _sbin(name: str) -> str:

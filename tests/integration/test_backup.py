@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 
 from helpers.runs import (TINY, assert_same_tensors, events, finish_session, flat_state, make_checkpoint, ok, outside_file,
                           read_json, start_train, trainguard, worker_env)
-from helpers.s3_server import free_port, start_s3_server
+from helpers.ports import free_port
+from helpers.s3_server import start_s3_server
 from trainguard.backup import mirror as mirror_module
 from trainguard.backup.mirror import delete_mirrored, list_mirrored, mirror_checkpoint
 from trainguard.backup.retention_mirror import mirror_deletions

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import trainguard
+from helpers.ports import free_port
 
 STAGES, REPLICAS = 2, 2
 
@@ -36,9 +36,7 @@ def _worker(rank: int, port: int, results) -> None:
 
 
 def test_every_stage_gets_the_whole_models_norm_and_clips_by_it():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     results = mp.Manager().dict()
     mp.start_processes(_worker, args=(port, results), nprocs=STAGES * REPLICAS, start_method="fork")
     expected = math.sqrt(sum(float(g.square().sum()) for stage in range(STAGES) for g in stage_gradients(stage)))

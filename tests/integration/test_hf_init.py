@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from helpers.ports import free_port
 from helpers.runs import TINY, assert_same_tensors, events, flat_state, ok, read_json, train, trainguard
 from trainguard.checkpoint.manifest import verify_checkpoint
 from trainguard.config import load_config
@@ -165,12 +165,6 @@ def test_cli_convert_from_hf_then_resume_on_another_layout(tmp_path, hf_dirs):
 
 
 # ------------------------------------------------------------------------- pp=2 -> pp=1, and transformers
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _resume_worker(rank: int, world: int, port: int, args: dict) -> None:
     """A Trainer of layout pp=1 (dp_shard=world) restores the pp=2 checkpoint and saves it again as its own;
     rank 0 also writes the restored model's logits for a fixed input."""
@@ -206,7 +200,7 @@ def test_pp2_checkpoint_resumes_bitwise_on_pp1_and_loads_in_transformers(tmp_pat
     input_ids = [[5, 17, 200, 33, 99, 4, 250, 12]]
     args = dict(overrides=overrides, resume=str(source_ckpt), run_dir=str(run_dir), input_ids=input_ids)
     ctx = multiprocessing.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     workers = [ctx.Process(target=_resume_worker, args=(rank, 2, port, args)) for rank in range(2)]
     for worker in workers:
         worker.start()

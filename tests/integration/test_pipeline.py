@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import socket
 import time
 from datetime import timedelta
 
@@ -15,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from helpers.ports import free_port
 from trainguard.config.schema import ModelConfig
 from trainguard.errors import ConfigError
 from trainguard.topology.layout import Layout
@@ -139,12 +139,6 @@ def _worker(rank: int, world: int, port: int, shape: dict, options: dict) -> Non
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize(
     "shape, options",
     [
@@ -163,7 +157,7 @@ def test_pipeline_matches_unsharded_model(shape, options):
     # each (spawn re-imports everything in every process: ~6 s each on two busy cores).
     multiprocessing.set_forkserver_preload(["torch", "transformers", "trainguard.trainer.pipeline",
                                             "trainguard.trainer.data"])
-    context = mp.start_processes(_worker, args=(world, _free_port(), shape, options), nprocs=world, join=False,
+    context = mp.start_processes(_worker, args=(world, free_port(), shape, options), nprocs=world, join=False,
                                  start_method="forkserver")
     deadline = time.monotonic() + WORKERS_TIMEOUT_S
     while not context.join(timeout=1):  # raises with the worker's traceback if one failed

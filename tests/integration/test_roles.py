@@ -9,24 +9,18 @@ import multiprocessing
 import os
 import shutil
 import signal
-import socket
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers.ports import free_port
 from helpers.runs import events, flat_state
 from trainguard.checkpoint.discovery import list_checkpoints, read_latest
 from trainguard.checkpoint.manifest import read_manifest, verify_checkpoint
 
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model(seed: int) -> torch.nn.Module:
@@ -82,7 +76,7 @@ def _worker(rank: int, port: int, run_dir: str, phase: str) -> None:
 
 def _run(run_dir: Path, phase: str) -> list[int]:
     ctx = multiprocessing.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     workers = [ctx.Process(target=_worker, args=(rank, port, str(run_dir), phase)) for rank in range(WORLD)]
     for worker in workers:
         worker.start()
@@ -181,7 +175,7 @@ def _hf_worker(rank: int, port: int, run_dir: str) -> None:
 def hf_run(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("roles") / "run"
     ctx = multiprocessing.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     workers = [ctx.Process(target=_hf_worker, args=(rank, port, str(run))) for rank in range(WORLD)]
     for worker in workers:
         worker.start()

@@ -3,7 +3,6 @@ stopped peer never completes ended by ``ended()``, the next wait served by a new
 
 from __future__ import annotations
 
-import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -12,21 +11,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from helpers.ports import free_port
 from trainguard.live.collective import EpochAborted
 from trainguard.live.wait_thread import WaitThread
 
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def pair():
     """Two gloo groups of one 2-rank group, ranks 0 and 1, in this process."""
-    port, timeout = _free_port(), timedelta(seconds=20)
+    port, timeout = free_port(), timedelta(seconds=20)
     master = dist.TCPStore("127.0.0.1", port, 2, True, timeout=timeout, wait_for_workers=False)
     client = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timeout)
     with ThreadPoolExecutor(2) as pool:

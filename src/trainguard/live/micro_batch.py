@@ -43,6 +43,9 @@ class StepWork:
     beat: Callable[[], None]
     measure: Callable[[int], None] | None
     micro_batch_s: float = 0.0  # the drill's simulated compute per micro-batch
+    # raises ``EpochAborted`` once the step's epoch has ended (a member died): the rest of the computation is of
+    # no use, the next epoch computes the step again, and the survivors' next epoch need not wait for it
+    leave_if_ended: Callable[[], None] = lambda: None
 
 
 def compute_micro_batches(model: torch.nn.Module, work: StepWork, mine: list[int], catch: bool
@@ -54,6 +57,7 @@ def compute_micro_batches(model: torch.nn.Module, work: StepWork, mine: list[int
     computed, failure = {}, None
     for micro_batch in mine:
         work.beat()
+        work.leave_if_ended()
         if failure is not None:
             computed[micro_batch] = torch.zeros_like(next(iter(computed.values())))
             continue

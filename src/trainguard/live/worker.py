@@ -612,9 +612,16 @@ class LiveWorker:
         self.site_faults.at_step_start(step + 1)  # the closure mode's step number
         extras = self.begin_extras()
         work = StepWork(step, self.loss_of, self.data_position(step), self.micro_batches, self.seed, self.beat,
-                        None if extras is None else functools.partial(self.measure, extras), self.micro_batch_s)
+                        None if extras is None else functools.partial(self.measure, extras), self.micro_batch_s,
+                        functools.partial(self.leave_if_epoch_ended, step))
         computed, failure = self.layout.compute(work, exchange, mine, catch)
         return computed, extras, failure
+
+    def leave_if_epoch_ended(self, step: int) -> None:
+        """Between a step's micro-batches (whole replicas and rows: FSDP2's own collectives watch the epoch):
+        ``EpochAborted`` once the epoch has ended, as a wait in a collective would raise it at the step's sum."""
+        if self.store.check([collective.abort_key(self.quorum.epoch)]):
+            raise collective.EpochAborted(f"epoch {self.quorum.epoch} ended while this rank computed step {step}")
 
     def begin_extras(self) -> torch.Tensor | None:
         """With SDC detection on, the step's extras: ``[micro_batches, width]`` zeros, a row filled by

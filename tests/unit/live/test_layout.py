@@ -5,6 +5,8 @@ whole replicas' gradients from the step's sum, and the micro-batch loop that rep
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,6 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from trainguard.errors import ConfigError
+from trainguard.live.collective import EpochAborted
 from trainguard.live.group_reduce import Exchange, SlotLayout
 from trainguard.live.layout import LayoutKind, choose_layout
 from trainguard.live.layout_build import build_layout
@@ -116,6 +119,25 @@ def test_a_raising_loss_is_one_line_with_zeros_from_that_micro_batch_or_raises_w
     assert computed[0].abs().sum() > 0 and not computed[2].any() and not computed[3].any()
     with pytest.raises(KeyError):
         compute_micro_batches(model, _work(loss_of), [0, 2, 3], catch=False)
+
+
+def test_the_micro_batch_loop_leaves_at_the_next_micro_batch_once_its_epoch_has_ended():
+    """A member died while this rank computed: the rest of its micro-batches are not computed (the next epoch
+    computes the step again), even with ``catch`` on, which is for the loss's own errors."""
+    model, computed_by_loss = _model(), []
+
+    def loss_of(m, t, i):
+        computed_by_loss.append(i)
+        return m(torch.ones(1, 3)).sum()
+
+    def leave_if_ended():
+        if computed_by_loss:  # the epoch ended during the first micro-batch
+            raise EpochAborted("epoch 0 ended while this rank computed step 5")
+
+    work = dataclasses.replace(_work(loss_of), leave_if_ended=leave_if_ended)
+    with pytest.raises(EpochAborted, match="computed step 5"):
+        compute_micro_batches(model, work, [0, 2, 3], catch=True)
+    assert computed_by_loss == [0]
 
 
 def test_fsdp2_registers_its_unsharded_parameters_while_it_computes_which_the_fsdp_layout_reads_as_not_at_rest():

@@ -10,9 +10,9 @@ bootstrap:
 demo: bootstrap
 	.venv/bin/trainguard demo
 
-# make test's pytest-xdist workers (tests/helpers/suite_schedule.py shares the files out); 1 runs the
-# suite in one process: PYTEST_WORKERS=1 make test
-PYTEST_WORKERS ?= 2
+# make test's pytest-xdist workers: 1 (the default) runs the suite in one process; PYTEST_WORKERS=2 make test
+# shares the files out over two (tests/helpers/suite_schedule.py; not the default: docs/testing.md)
+PYTEST_WORKERS ?= 1
 WORKERS_OPTION = $(if $(filter-out 0 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS),-p no:xdist)
 
 # The whole suite, what CI runs (.ci/run): the linter, then every test; installs Chromium and Slurm

@@ -37,6 +37,12 @@ def end_epoch(store: dist.Store, epoch: int) -> None:
     store.set(abort_key(epoch), "1")
 
 
+def leave_if_ended(store: dist.Store, epoch: int, doing: str) -> None:
+    """``EpochAborted`` ("epoch N ended while this rank ``doing``") once ``epoch``'s abort key is set."""
+    if store.check([abort_key(epoch)]):
+        raise EpochAborted(f"epoch {epoch} ended while this rank {doing}")
+
+
 def make_group(store: dist.TCPStore, epoch: int, index: int, size: int, timeout: timedelta,
                beat: Callable[[], None]) -> dist.ProcessGroup:
     """The epoch's gloo group, on the store prefix ``pg/<epoch>``. Its constructor connects to every
@@ -67,8 +73,7 @@ def arrive(store: dist.Store, prefix: str, index: int, size: int, epoch: int, be
     everyone = [f"{prefix}/arrived/{member}" for member in range(size)]
     while not store.check(everyone):
         beat()
-        if store.check([abort_key(epoch)]):
-            raise EpochAborted(f"epoch {epoch} ended while this rank {doing}")
+        leave_if_ended(store, epoch, doing)
         time.sleep(POLL_S)
 
 
@@ -112,8 +117,7 @@ def wait(work: dist.Work, store: dist.Store, epoch: int, beat: Callable[[], None
     """``beat``: this rank's heartbeat, so the lighthouse tells a waiting rank from a hung one."""
     while not work.is_completed():
         beat()
-        if store.check([abort_key(epoch)]):
-            raise EpochAborted(f"epoch {epoch} ended while this rank waited in a collective")
+        leave_if_ended(store, epoch, "waited in a collective")
         time.sleep(POLL_S)
     work.wait()  # raises the collective's own error, if it failed
 

@@ -620,8 +620,7 @@ class LiveWorker:
     def leave_if_epoch_ended(self, step: int) -> None:
         """Between a step's micro-batches (whole replicas and rows: FSDP2's own collectives watch the epoch):
         ``EpochAborted`` once the epoch has ended, as a wait in a collective would raise it at the step's sum."""
-        if self.store.check([collective.abort_key(self.quorum.epoch)]):
-            raise collective.EpochAborted(f"epoch {self.quorum.epoch} ended while this rank computed step {step}")
+        collective.leave_if_ended(self.store, self.quorum.epoch, f"computed step {step}")
 
     def begin_extras(self) -> torch.Tensor | None:
         """With SDC detection on, the step's extras: ``[micro_batches, width]`` zeros, a row filled by

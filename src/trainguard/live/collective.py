@@ -4,10 +4,14 @@ A rank blocked in a gloo collective hears about a dead peer only from a socket i
 rank of the ring that has none waits for the whole collective timeout (30 s measured here). So ranks
 wait by polling the work and the store's ``abort/<epoch>`` key, which the lighthouse sets as soon as
 the launcher sees a rank exit and any rank sets when its own collective fails; once it is set, the
-wait raises within ``POLL_S``. The abandoned group cannot be destroyed yet: its destructor joins its
-threads, which wait for the pending operation's timeout (measured: the next step stalled for
-exactly the collective timeout, 30 s, until the worker kept the old groups alive), and ``abort()`` did
-not shorten that wait on gloo; so the worker keeps every retired group until it exits.
+wait raises within ``POLL_S``. The abandoned group cannot be destroyed by the rank's own thread: its
+destructor joins its threads, which wait for the pending operation's timeout (measured: the next step
+stalled for exactly the collective timeout, 30 s), and ``abort()`` does not shorten that wait on gloo
+(torch 2.13: ``abort()`` returns at once, the destructor after it still waits the timeout). Kept alive
+instead, each failed epoch's group kept its threads until the rank exited (some 2,800 a rank after 900
+failed epochs). So ``retire`` keeps it for the collective timeout, when any operation
+left pending on it has ended, then drops it in a thread of its own (``threading.Timer``): its threads end
+then (``tests/unit/live/test_retire_group.py`` counts them), and the rank's own thread never waits.
 """
 
 from __future__ import annotations
@@ -60,6 +64,15 @@ def make_group(store: dist.TCPStore, epoch: int, index: int, size: int, timeout:
         raise
     except Exception as error:
         raise RuntimeError(f"epoch {epoch}: its gloo group could not be built: {error}") from error
+
+
+def retire(group: dist.ProcessGroup, timeout: timedelta) -> None:
+    """Destroys a failed epoch's ``group`` once an operation left pending on it has timed out (its
+    ``timeout``), in a timer's thread (the module's docstring). The caller drops its own reference now."""
+    held = [group]
+    timer = threading.Timer(timeout.total_seconds(), held.clear)
+    timer.name, timer.daemon = "retired-group", True
+    timer.start()
 
 
 def arrive(store: dist.Store, prefix: str, index: int, size: int, epoch: int, beat: Callable[[], None],

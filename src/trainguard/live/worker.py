@@ -493,7 +493,6 @@ class LiveWorker:
                              if rules.fingerprint.enabled else None)
         self.quorum: Quorum | None = None
         self.group: dist.ProcessGroup | None = None
-        self.retired: list[dist.ProcessGroup] = []  # the groups of failed epochs (see collective.py)
         self.step_index = 0
         self.previous: tuple[int, dict] | None = None  # (step, ``LiveState.undo_point`` before that step's update)
         self.last_beat = -BEAT_S
@@ -845,7 +844,7 @@ class LiveWorker:
             raise Fenced(f"rank {self.rank} (pid {os.getpid()}) was fenced in epoch {fence}")
         collective.end_epoch(self.store, epoch)  # the members still blocked learn it now
         if self.group is not None:  # None: the epoch ended while its group was being built
-            self.retired.append(self.group)  # destroying it would block until its pending operation times out
+            collective.retire(self.group, self.collective_timeout)  # destroyed once nothing pending is left
         self.group = None
         self.probe.report_if_asked(epoch, self.quorum.members)
         self.store.set(report_key(epoch, self.rank), str(committed))

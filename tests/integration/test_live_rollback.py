@@ -42,13 +42,28 @@ loop); without the checkpoint passed over the second retries the same load for e
 and a SIGTERM to ``trainguard run`` did not stop it: no step boundary is reached): each checked once by hand.
 ``CheckpointManager.roll_back`` deleting the newer checkpoints only once the restore loaded (which keeps the
 third's ``global_step_6``) is checked by hand in tests/unit/live/test_live_load_failures.py.
+
+A stop asked for while the run loops in failures (``failed_restores`` too, two more runs, each with
+``fault_tolerance.max_step_failures: 1000``, SIGTERM to ``trainguard run`` once three attempts have failed):
+
+- the rollback's restore failing every time (``LIVE_LOOP_UNLOADABLE``, never passed over): the members agree
+  on the stop in the epoch after a failed one, and stop at the committed step 6 (undone to it: saved already,
+  ``global_step_6``), exit 16, every checkpoint left committed and verifying;
+- rank 1's loss of step 4 raising every time (``LIVE_LOOP_RAISE``): the failed step's sum carries the stop,
+  every rank saves ``global_step_4`` (the committed steps) and exits 16.
+
+Without the stop taken there (the code before) both loop until the test's timeout: checked by hand.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -63,7 +78,7 @@ from trainguard.checkpoint.safe_load import safe_torch_load
 from trainguard.config.schema import RunConfig
 from trainguard.events.log import read_events
 from trainguard.checkpoint.manifest import verify_checkpoint
-from trainguard.errors import EXIT_STEP_FAILED
+from trainguard.errors import EXIT_RESUMABLE_STOP, EXIT_STEP_FAILED
 from trainguard.live.compare import bitwise_differences, replica_differences, run_differences, whole_final_state
 from trainguard.live.files import events_path, final_path
 from trainguard.live.rng import micro_batch_rng
@@ -96,6 +111,21 @@ def _live(run_dir: Path, config: Path, *sets: str, spike: bool = True, world: in
     started = warm_server().start(["run", "--nproc", str(world), "--config", str(config), "--run-dir", str(run_dir),
                                    *args, "--", sys.executable, str(EXAMPLE), "--config", str(config)], env)
     return finish_session(started, TIMEOUT_S, f"the live run {run_dir.name}")
+
+
+def _stopped_while_failing(run_dir: Path, config: Path, failures: str, **env: str) -> subprocess.CompletedProcess:
+    """The run started as ``_live``'s, looping in failures (``fault_tolerance.max_step_failures`` 1000), and
+    SIGTERM to ``trainguard run`` once its rank 0 has written three ``failures`` events."""
+    env = worker_env(**env)
+    started = warm_server().start(["run", "--nproc", str(WORLD), "--config", str(config), "--run-dir", str(run_dir),
+                                   "--set", "fault_tolerance.max_step_failures=1000", "--", sys.executable,
+                                   str(EXAMPLE), "--config", str(config)], env)
+    deadline = time.monotonic() + TIMEOUT_S
+    while started.poll() is None and time.monotonic() < deadline and not (
+            events_path(run_dir).exists() and len([e for e in _events(run_dir, failures) if e["rank"] == 0]) >= 3):
+        time.sleep(0.2)
+    os.kill(started.pid, signal.SIGTERM)
+    return finish_session(started, TIMEOUT_S, f"the live run {run_dir.name}, stopped")
 
 
 def _ok(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -244,9 +274,15 @@ def failed_restores(root) -> dict[str, Future]:
     config = _config(root)
     runs = {"raised": {live_loop.RAISE_IN_RESTORE_ENV: "1"}, "walked_back": {live_loop.UNLOADABLE_ENV: "1:6"},
             "none_left": {live_loop.UNLOADABLE_ENV: "1:3,6"}}
+    stopped = {"stopped_in_restores": ("live_collective_failed", {live_loop.SPIKE_ENV: str(SPIKE_AT),
+                                                                  live_loop.UNLOADABLE_ENV: "1:6"}),
+               "stopped_in_steps": ("live_step_failed", {live_loop.RAISE_ENV: json.dumps([{"step": 4, "rank": 1}])})}
     warm_server()
-    with ThreadPoolExecutor(max_workers=len(runs)) as pool:
-        yield {name: pool.submit(_live, root / name, config, **env) for name, env in runs.items()}
+    with ThreadPoolExecutor(max_workers=len(runs) + len(stopped)) as pool:
+        futures = {name: pool.submit(_live, root / name, config, **env) for name, env in runs.items()}
+        futures |= {name: pool.submit(_stopped_while_failing, root / name, config, failures, **env)
+                    for name, (failures, env) in stopped.items()}
+        yield futures
 
 
 def _ends_as_the_contracts_training_without(run_dir: Path, skipped: list[list[int]]) -> None:
@@ -307,3 +343,34 @@ def test_with_no_checkpoint_that_loads_every_rank_ends_with_exit_19_naming_them_
     assert [info.step for info in committed] == [3, 6]
     assert all(verify_checkpoint(info.path, info.manifest) == [] for info in committed)
     assert not _events(run_dir, "rollback")
+
+
+def _stopped_at(run_dir: Path, done: subprocess.CompletedProcess, step: int) -> None:
+    """The quorum's SIGTERM stop at ``step`` (the committed steps), saved there: exit 16, the closure mode's
+    ``lifecycle_stop`` and the launcher's line; every checkpoint committed and verifying, none past ``step``."""
+    assert done.returncode == EXIT_RESUMABLE_STOP, done.stdout[-3000:] + done.stderr[-3000:]
+    [stop] = _events(run_dir, "lifecycle_stop")
+    assert (stop["step"], stop["reason"], stop["exit_code"], stop["last_checkpoint"]) == \
+        (step, "signal", EXIT_RESUMABLE_STOP, step)
+    assert sorted((e["rank"], e["step"]) for e in _events(run_dir, "live_stopped")) == [(0, step), (1, step)]
+    assert f"live run stopped by SIGTERM/SIGUSR1: saved {run_dir / 'checkpoints' / f'global_step_{step}'}" \
+        in done.stdout
+    checkpoints = list_checkpoints(run_dir / "checkpoints")
+    assert [info.step for info in checkpoints if info.committed][-1] == step
+    assert all(verify_checkpoint(info.path, info.manifest) == [] for info in checkpoints)
+    assert max(e["step"] for e in _events(run_dir, "live_step")) == step - 1
+
+
+def test_sigterm_while_the_rollbacks_restore_keeps_failing_stops_at_the_committed_step(root, failed_restores):
+    run_dir = root / "stopped_in_restores"
+    done = failed_restores["stopped_in_restores"].result()
+    assert len([e for e in _events(run_dir, "live_collective_failed") if e["rank"] == 0]) >= 3
+    assert not _events(run_dir, "live_restore_passed_over")
+    _stopped_at(run_dir, done, SPIKE_AT)  # undone to before the spiked step: global_step_6, saved already
+
+
+def test_sigterm_while_a_step_keeps_failing_saves_the_committed_steps_and_stops(root, failed_restores):
+    run_dir = root / "stopped_in_steps"
+    done = failed_restores["stopped_in_steps"].result()
+    assert len([e for e in _events(run_dir, "live_step_failed") if e["rank"] == 0]) >= 3
+    _stopped_at(run_dir, done, 4)

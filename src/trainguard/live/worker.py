@@ -296,9 +296,7 @@ class LiveStep:
             worker.events.emit("live_samples", step=step, epoch=quorum.epoch, members=len(quorum.members),
                                micro_batches=mine, samples=[worker.sample_range(position, m) for m in mine])
         newer = latest_epoch(worker.store) > quorum.epoch
-        reason = worker.lifecycle.local_reason() if worker.lifecycle is not None else NONE
-        if has(worker.store, STOP):  # the launcher's signal
-            reason = max(reason, SIGNAL)
+        reason = worker.stop_reason()
         flags = [int(newer), *(int(reason == r) for r in STOP_REASONS), int(failure is not None)]
         if not worker.layout.marks_span_step:
             worker.reduce_marks.entering(quorum.epoch, step, worker.beat)
@@ -307,7 +305,10 @@ class LiveStep:
         self.newer_seen = bool(newer_seen)
         if failed:
             worker.reduce_marks.left(quorum.epoch, step)
-            worker.step_failed(step, failed)
+            if self.stop_reason() != NONE:  # asked to stop while the step keeps failing: at the committed step
+                worker.stop_here(self.stop_reason())
+            else:
+                worker.step_failed(step, failed)
             return False
         self.loss = summed.loss
         if step == worker.fail_after_reduce:
@@ -333,6 +334,7 @@ class LiveStep:
             yield
         except RuntimeError:
             self.worker.state.undo(self.worker.previous[1])
+            self.worker.state_in_doubt = False
             raise
 
     @property
@@ -422,11 +424,15 @@ class LiveStep:
             worker.switch(quorum.epoch + 1)
         return True
 
+    def stop_reason(self) -> int:
+        """The strongest stop reason any member saw (``STOP_REASONS``), from the step's sum; ``NONE`` when none did."""
+        return max((r for r, seen in zip(STOP_REASONS, self.stops_seen) if seen), default=NONE)
+
     def stop_or_save(self) -> None:
         """The quorum's agreed stop at this boundary (a reason any rank saw, or ``train.exit_at_step``), with
         its save; else the durable tier's save by policy."""
         worker = self.worker
-        reason = max((r for r, seen in zip(STOP_REASONS, self.stops_seen) if seen), default=NONE)
+        reason = self.stop_reason()
         planned = worker.rules.exit_at_step is not None and worker.step_index >= worker.rules.exit_at_step
         if worker.step_index < worker.steps and (reason != NONE or planned):  # the last step ends the run anyway
             worker.stop_here(reason)
@@ -512,6 +518,10 @@ class LiveWorker:
         self.stop: LiveStop | None = None  # the quorum agreed to stop, and saved: no more steps
         self.receiving = False  # a joiner's state transfer in progress (``join``)
         self.step_failures = StepFailures(rules.max_step_failures)  # the current step's failed attempts in a row
+        # a durable restore raised since the state was last whole (``restore``): it may be partly the
+        # checkpoint's, so a stop saves nothing then (the newest checkpoint stays the resume point)
+        self.state_in_doubt = False
+        self.agreed_stop = NONE  # the stop the members of a new epoch agreed on after a failed one (``recover``)
 
     @property
     def committed(self) -> CommittedStep | None:
@@ -557,6 +567,9 @@ class LiveWorker:
                     if joining is None:
                         break
                     self.switch(joining)
+                    continue
+                if self.agreed_stop != NONE:  # asked for while epochs kept failing: at the committed step
+                    self.stop_here(self.agreed_stop, save=not self.state_in_doubt)
                     continue
                 if not self.step():
                     continue  # the step's computation raised somewhere: tried again (step_failures.py)
@@ -702,6 +715,7 @@ class LiveWorker:
         try:
             return restore()
         except RestoreFailed as error:
+            self.state_in_doubt = True
             raise RuntimeError(f"live recovery: {what} before step {step + 1} failed: "
                                f"{str(error).splitlines()[0][:300]}") from error
         except NothingToRestore as nothing:
@@ -711,6 +725,7 @@ class LiveWorker:
         """After a rollback to ``restored`` committed steps: the run goes on from there, no undo left (the
         restored state is every member's), the loop told through ``committed``."""
         self.previous = None
+        self.state_in_doubt = False
         self.state.committed = dataclasses.asdict(CommittedStep(restored - 1, loss, norm, skipped=False,
                                                                 rolled_back=True))
         self.step_failures.committed()
@@ -791,12 +806,29 @@ class LiveWorker:
         if self.checkpoints is not None and self.quorum is not None:
             self.checkpoints.settle(self.quorum)
 
-    def stop_here(self, reason: int) -> None:
+    def stop_reason(self) -> int:
+        """This rank's strongest stop reason now: its lifecycle's (the kill switch, its signals, the time limit)
+        or the launcher's signal (``STOP``); ``NONE`` without one."""
+        reason = self.lifecycle.local_reason() if self.lifecycle is not None else NONE
+        return max(reason, SIGNAL) if has(self.store, STOP) else reason
+
+    def agree_on_stop(self) -> int:
+        """In a new epoch entered after a failed one (every member comes through ``recover``): the strongest
+        stop reason of any member, in one all-reduce. Steps or restores that keep failing reach no step
+        boundary where the step's sum would carry it."""
+        reasons = torch.tensor([self.stop_reason()])
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX
+        self.wait(self.group.allreduce([reasons], options))
+        return int(reasons.item())
+
+    def stop_here(self, reason: int, save: bool = True) -> None:
         """The quorum's stop at this boundary (every member calls it at the same one): a lifecycle
         ``reason``, or ``NONE`` for ``train.exit_at_step``. Saves the committed steps first (the drill's
-        workload has no durable tier: it stops with nothing saved), then says so as the closure mode does."""
+        workload has no durable tier, and a state in doubt is not saved: it stops with nothing saved), then
+        says so as the closure mode does."""
         step = self.step_index
-        if self.checkpoints is not None:
+        if self.checkpoints is not None and save:
             began = time.perf_counter()
             self.checkpoints.save(self.quorum, step, self.health(), last_step=False, stopping=True,
                                   check=self.replica_check())
@@ -870,9 +902,11 @@ class LiveWorker:
                     raise RuntimeError(f"live recovery: epoch {quorum.epoch} starts at step {quorum.start_step}, "
                                        f"rank {self.rank} can undo only step {step}")
                 self.state.undo(state)
+                self.state_in_doubt = False
                 self.events.emit("live_undo", step=step, epoch=epoch)
             try:
                 self.enter(quorum, quorum.start_step)
+                self.agreed_stop = self.agree_on_stop()
             except RuntimeError as again:
                 error = again
                 continue

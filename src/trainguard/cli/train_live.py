@@ -101,6 +101,11 @@ def run_live(run: LiveRun, run_dir: Path) -> int:
         print(f"trainguard: live run ended: a step failed fault_tolerance.max_step_failures times in a row: exit "
               f"{EXIT_STEP_FAILED}; {newest_checkpoint_words(saved)}", flush=True)
         return EXIT_STEP_FAILED
+    if result.stop_overdue_s is not None:
+        print(f"trainguard: live run stopped by SIGTERM/SIGUSR1: its ranks had not stopped within "
+              f"{result.stop_overdue_s:.0f} s and were ended, nothing more saved; {newest_checkpoint_words(saved)}; "
+              "run again with --resume auto to continue", flush=True)
+        return EXIT_RESUMABLE_STOP
     if result.stop is not None:
         print(stop_line(result.stop, saved, result.stopped), flush=True)
         return result.exit_code

@@ -56,6 +56,8 @@ from trainguard.live.quorum import (GIVEN_UP, MAX_STEP, STOP, STOPPED, beat_key,
                                     spare_failed_key, spare_key, spare_ready_key, spare_started_key, started_key)
 from trainguard.live.signed_store import SignedStore, serve_store
 from trainguard.live.spare_choice import spare_for
+from trainguard.live.stall import saving
+from trainguard.live.stop_deadline import StopDeadline, stop_bound_s
 from trainguard.live.start_failure import EarlyExit, StartFailures, cannot_start, given_up_line, start_failure_line
 from trainguard.run_secret import ENV_SECRET, create_secret
 from trainguard.runtime.heartbeat import ENV_NODE
@@ -241,6 +243,9 @@ class LiveResult:
     exit_code: int | None = None
     stop: dict | None = None  # the quorum's stop at a boundary (``quorum.STOPPED``): step, reason, message
     given_up: list[int] = field(default_factory=list)  # ranks not started again after failed starts (StartFailures)
+    # asked to stop by a signal, the quorum had not stopped within this bound (``stop_deadline``): every rank
+    # ended, nothing more saved, exit_code EXIT_RESUMABLE_STOP
+    stop_overdue_s: float | None = None
 
     @property
     def stopped(self) -> bool:
@@ -509,6 +514,7 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
         """A detached rank has not written its final state, and the quorum has not ended otherwise."""
         return result.exit_code in (None, EXIT_OK) and any(not store.check([done_key(rank)]) for rank in detached)
 
+    stop_deadline: StopDeadline | None = None  # set when the launcher asks the quorum to stop (a signal)
     try:
         while any(p.returncode is None for p in procs.values()) or judged or exited_ok or detached_running():
             if time.monotonic() - began > run.timeout_s:
@@ -516,6 +522,7 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
             if signals is not None and signals.received is not None and not store.check([STOP]):
                 store.set(STOP, "1")  # the quorum's next all-reduce carries it: all save and exit together
                 events.emit("live_stop", step=None, signal=signals.received)
+                stop_deadline = StopDeadline(time.monotonic())
             if result.exit_code is not None and all(procs[m].poll() == result.exit_code
                                                     for m in lighthouse.quorum.members):
                 break  # ended together; ranks still out of the quorum (joining) end below
@@ -613,6 +620,14 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
                     else:
                         procs[rank].kill()  # SIGKILL reaches a stopped process too; seen as a death next
                 lighthouse.poll(watch=watch_now)
+                bound = stop_bound_s(lighthouse.stalls.bound_s(), run.collective_timeout_s, run.hang_s)
+                if (stop_deadline is not None and watch_now and result.exit_code is None and not store.check([STOPPED])
+                        and stop_deadline.overdue(time.monotonic(), saving(store, lighthouse.quorum), bound)):
+                    # the ranks have not stopped within the bound (``stop_deadline``): ended below, nothing saved
+                    events.emit("live_stop_overdue", step=None, bound_s=round(bound, 1),
+                                members=lighthouse.quorum.members)
+                    result.exit_code, result.stop_overdue_s = EXIT_RESUMABLE_STOP, bound
+                    break
                 if (run.kill_during_shrink is not None and lighthouse.quorum.epoch == 1
                         and result.shrink_killed_at is None):  # at once: before the epoch's group is built
                     target = procs[run.kill_during_shrink]

@@ -105,6 +105,13 @@ class ReduceMarks:
         self.store.set(reduce_key(self.rank), f"{epoch} {step} {SAVED}")
 
 
+def saving(store: dist.Store, quorum: Quorum) -> bool:
+    """Whether a member of ``quorum`` is inside a durable save now (its mark ``saving``, of this epoch)."""
+    marks = (store.read(reduce_key(rank)) for rank in quorum.members)
+    return any(mark is not None and mark[0] == quorum.epoch and mark[2] == SAVING
+               for mark in (parse_mark(value) for value in marks if value is not None))
+
+
 def position(step: int, phase: str) -> tuple[int, int]:
     """Where a mark lies in the epoch's sequence of watched collectives: the save of step ``N`` comes after
     the all-reduce of step index ``N - 1`` (which committed it) and before that of index ``N``."""

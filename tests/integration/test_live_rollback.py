@@ -337,8 +337,9 @@ def test_with_no_checkpoint_that_loads_every_rank_ends_with_exit_19_naming_them_
     assert "injected: rank 1's read of its part of global_step_3 failed" in line
     assert line.endswith("; every checkpoint is left as it was")
     checkpoints = run_dir / "checkpoints"
-    assert (f"trainguard: live run ended: a step failed fault_tolerance.max_step_failures times in a row: exit 19; "
-            f"the newest checkpoint is {checkpoints / 'global_step_6'}") in done.stdout
+    assert (f"trainguard: live run ended: the restore before step 7 found no checkpoint that loads (each failed "
+            f"fault_tolerance.max_step_failures times): exit 19; the newest checkpoint is "
+            f"{checkpoints / 'global_step_6'}") in done.stdout  # not "a step failed ...": no step's loss raised
     committed = [info for info in list_checkpoints(checkpoints) if info.committed]
     assert [info.step for info in committed] == [3, 6]
     assert all(verify_checkpoint(info.path, info.manifest) == [] for info in committed)

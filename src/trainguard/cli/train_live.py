@@ -97,9 +97,9 @@ def run_live(run: LiveRun, run_dir: Path) -> int:
         return EXIT_DATA_SKIP_ABORT
     if result.exit_code == EXIT_USAGE:  # every rank made the same configuration error; the first printed it
         return EXIT_USAGE
-    if result.exit_code == EXIT_STEP_FAILED:  # the ranks printed the step's error
-        print(f"trainguard: live run ended: a step failed fault_tolerance.max_step_failures times in a row: exit "
-              f"{EXIT_STEP_FAILED}; {newest_checkpoint_words(saved)}", flush=True)
+    if result.exit_code == EXIT_STEP_FAILED:  # the ranks printed the step's error, or the restore's
+        print(f"trainguard: live run ended: {step_failed_words(result.stop)}: exit {EXIT_STEP_FAILED}; "
+              f"{newest_checkpoint_words(saved)}", flush=True)
         return EXIT_STEP_FAILED
     if result.stop_overdue_s is not None:
         print(f"trainguard: live run stopped by SIGTERM/SIGUSR1: its ranks had not stopped within "
@@ -121,6 +121,15 @@ def abort_reason_words(stop: dict | None) -> str:
     if stop is None or stop["reason"] != "rollback":
         return ""
     return f" ({stop['message']})"
+
+
+def step_failed_words(stop: dict | None) -> str:
+    """What ended a live run with exit 19, from the quorum's record (``LiveStop``): a step that failed too often,
+    or a restore with no checkpoint left that loads (the ranks' own line names the checkpoints and errors)."""
+    if stop is not None and stop["reason"] == "restore_failed":
+        return (f"the restore before step {stop['step'] + 1} found no checkpoint that loads (each failed "
+                "fault_tolerance.max_step_failures times)")
+    return "a step failed fault_tolerance.max_step_failures times in a row"
 
 
 def newest_checkpoint_words(saved: Path | None) -> str:

@@ -764,7 +764,8 @@ class LiveWorker:
     def end_failed(self, step: int, failed: StepFailed) -> NoReturn:
         """Every member, at the same step: ``failed`` raised (exit 19), the reporter's record of it first."""
         if self.reports():  # the launcher's record of how the run ended (``LiveResult.stop``)
-            stop = LiveStop(step, "step_failed", str(failed), failed.exit_code)
+            stop = LiveStop(step, "restore_failed" if isinstance(failed, NothingToRestore) else "step_failed",
+                            str(failed), failed.exit_code)
             self.store.set(STOPPED, json.dumps(dataclasses.asdict(stop)))
         raise raised_by_every_rank(failed)
 

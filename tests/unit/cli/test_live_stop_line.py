@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainguard.cli.train_live import newest_checkpoint_words, stop_line
+from trainguard.cli.train_live import newest_checkpoint_words, step_failed_words, stop_line
 
 ARMED_AT_START = {"reason": "kill_switch", "step": 0, "outcome": "not_started",
                   "message": "kill switch shared/STOP exists at start: nothing loaded or trained"}
@@ -27,3 +27,13 @@ def test_a_stop_that_saved_names_the_checkpoint_as_before():
     assert stop_line({**ARMED_AT_START, "step": 4, "message": "kill switch shared/STOP exists"}, saved, False) == (
         f"trainguard: live run stopped at step 4: kill switch shared/STOP exists; saved {saved}")
     assert newest_checkpoint_words(saved) == f"the newest checkpoint is {saved}"
+
+
+def test_exit_19_names_its_cause_a_step_or_a_restore_with_no_checkpoint_that_loads():
+    """The quorum's record (``LiveStop``) says which: a restore's was called a step's failure before."""
+    step = {"reason": "step_failed", "step": 11, "message": "step 11 failed 3 times in a row ..."}
+    restore = {"reason": "restore_failed", "step": 6, "message": "the restore before step 7 found no checkpoint ..."}
+    assert step_failed_words(step) == step_failed_words(None) == \
+        "a step failed fault_tolerance.max_step_failures times in a row"
+    assert step_failed_words(restore) == ("the restore before step 7 found no checkpoint that loads (each failed "
+                                          "fault_tolerance.max_step_failures times)")

@@ -620,14 +620,14 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
                     else:
                         procs[rank].kill()  # SIGKILL reaches a stopped process too; seen as a death next
                 lighthouse.poll(watch=watch_now)
-                bound = stop_bound_s(lighthouse.stalls.bound_s(), run.collective_timeout_s, run.hang_s)
-                if (stop_deadline is not None and watch_now and result.exit_code is None and not store.check([STOPPED])
-                        and stop_deadline.overdue(time.monotonic(), saving(store, lighthouse.quorum), bound)):
-                    # the ranks have not stopped within the bound (``stop_deadline``): ended below, nothing saved
-                    events.emit("live_stop_overdue", step=None, bound_s=round(bound, 1),
-                                members=lighthouse.quorum.members)
-                    result.exit_code, result.stop_overdue_s = EXIT_RESUMABLE_STOP, bound
-                    break
+                if stop_deadline is not None and watch_now and result.exit_code is None and not store.check([STOPPED]):
+                    bound = stop_bound_s(lighthouse.stalls.bound_s(), run.collective_timeout_s, run.hang_s)
+                    if stop_deadline.overdue(time.monotonic(), saving(store, lighthouse.quorum), bound):
+                        # the ranks have not stopped within the bound (``stop_deadline``): ended below, nothing saved
+                        events.emit("live_stop_overdue", step=None, bound_s=round(bound, 1),
+                                    members=lighthouse.quorum.members)
+                        result.exit_code, result.stop_overdue_s = EXIT_RESUMABLE_STOP, bound
+                        break
                 if (run.kill_during_shrink is not None and lighthouse.quorum.epoch == 1
                         and result.shrink_killed_at is None):  # at once: before the epoch's group is built
                     target = procs[run.kill_during_shrink]

@@ -403,6 +403,14 @@ class LiveCheckpoints:
         if self.in_flight is not None:
             self._settle(quorum, self.in_flight)
 
+    def restorable(self) -> set[int]:
+        """The steps of the durable checkpoints a restore could still load, read from the durable root (every
+        member reads the same shared directory): the committed ones and those being written (the save in
+        flight, which commits later). Retention's deletions and a roll back's are gone from it."""
+        root = self.run_dir / "checkpoints"
+        found = {info.step for info in list_checkpoints(root)} if root.is_dir() else set()
+        return found | ({self.in_flight} if self.in_flight is not None else set())
+
     def _settle(self, quorum: Quorum, step: int) -> None:
         """The async save in flight, before another save of ``step`` or the process's end: waited for until
         committed on every member (a barrier), its failure raised as this save's; or, when its epoch has

@@ -180,13 +180,14 @@ class LiveCheckpoints:
         """The manager's ``accept`` (on the member that chooses a checkpoint to load): why ``info``'s is passed
         over (``LoadFailures``), None when it is not; the first time this process passes one over, its line
         and event."""
-        reason = self.load_failures.rejection(info)
+        failures = self.load_failures.count(info.step)  # one read of each rank's count
+        reason = self.load_failures.rejection(info.step, failures)
         if reason is not None and info.step not in self.passed_over:
             self.passed_over.add(info.step)
             log.error("live recovery: global_step_%d %s; passed over for an older checkpoint from now on", info.step,
                       reason.removeprefix("it "))
-            self.events.emit("live_restore_passed_over", step=None, checkpoint=info.step,
-                             failures=self.load_failures.count(info.step), error=reason)
+            self.events.emit("live_restore_passed_over", step=None, checkpoint=info.step, failures=failures,
+                             error=reason)
         return reason
 
     def _rank_tiers(self) -> dict[str, LiveLocalTier]:

@@ -156,10 +156,12 @@ class _CountingStore:
 
 
 def test_the_micro_batch_loop_looks_at_the_epoch_before_its_first_micro_batch_too():
-    """One store check per micro-batch, the first one's included: nothing reads ``abort/<epoch>`` at a step's
-    start (``LiveStep``'s ``begin`` reads no store key unless a replica check is due, and ``LiveRank.step``'s
-    caller runs its own code between steps), so the first check is the one that sees a member that died
-    between two steps, before any micro-batch is computed."""
+    """One store check per micro-batch, the first one's included: for whole replicas nothing reads
+    ``abort/<epoch>`` between the previous step's sum and the first micro-batch (``LiveStep``'s ``begin`` reads
+    no store key unless a replica check is due; the sum's wait reads it only while the sum is incomplete; the
+    rows' gather reads it only while its thread is still running at a poll), and ``LiveRank.step``'s caller
+    runs its own code between steps: the first check is the one that sees a member that died between two
+    steps, before any micro-batch is computed."""
     model, computed_by_loss, store = _model(), [], _CountingStore()
 
     def loss_of(m, t, i):

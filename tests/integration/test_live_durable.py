@@ -49,7 +49,7 @@ from pathlib import Path
 import pytest
 
 from helpers.processes import alive
-from helpers.runs import finish_session, worker_env
+from helpers.runs import events as events_of, finish_session, worker_env
 from helpers.live_loop import RAISE_ENV
 from helpers.s3_server import start_s3_server
 from helpers.warm_command import warm_server
@@ -57,7 +57,6 @@ from trainguard.backup.mirror import list_mirrored
 from trainguard.backup.url import open_mirror
 from trainguard.checkpoint.discovery import list_checkpoints
 from trainguard.checkpoint.manifest import read_manifest, verify_checkpoint
-from trainguard.events.log import read_events
 from trainguard.live.compare import bitwise_differences, run_differences, whole_final_state
 from trainguard.live.files import events_path, final_path
 
@@ -82,7 +81,7 @@ def _config(root: Path, keep_last: int = 3, local_interval: int = 0, mirror: str
 
 def _local_saves(run_dir: Path, step: int, tier: str = "local") -> list[int]:
     """The ranks that saved ``step`` to their local (or memory) tier."""
-    return sorted(e["rank"] for e in _events(run_dir, "local_saved") if e["step"] == step and e["tier"] == tier)
+    return sorted(e["rank"] for e in events_of(run_dir, "local_saved") if e["step"] == step and e["tier"] == tier)
 
 
 def _start(run_dir: Path, config: Path, *launcher: str, nproc: int = WORLD, **env: str):
@@ -94,10 +93,6 @@ def _start(run_dir: Path, config: Path, *launcher: str, nproc: int = WORLD, **en
 
 def _committed_steps(run_dir: Path) -> list[int]:
     return [info.step for info in list_checkpoints(run_dir / "checkpoints") if info.committed]
-
-
-def _events(run_dir: Path, kind: str) -> list[dict]:
-    return [event for event in read_events(events_path(run_dir)) if event["kind"] == kind]
 
 
 def _wait_until(proc, condition, what: str) -> None:
@@ -113,7 +108,7 @@ def _wait_until(proc, condition, what: str) -> None:
 
 
 def _committed_step_reached(run_dir: Path, step: int) -> bool:
-    return events_path(run_dir).exists() and any(e["step"] >= step for e in _events(run_dir, "live_step"))
+    return events_path(run_dir).exists() and any(e["step"] >= step for e in events_of(run_dir, "live_step"))
 
 
 def _past_committed_save(run_dir: Path, step: int, saved: int) -> bool:
@@ -152,7 +147,7 @@ def clean(root):
 def test_a_live_run_commits_durable_checkpoints_of_the_whole_quorum(clean):
     # every save_interval steps and the last one, the oldest deleted by retention (keep_last: 3)
     assert _committed_steps(clean) == [10, 15, 16]
-    assert [(e["step"], e["reason"]) for e in _events(clean, "checkpoint_deleted")] == [(5, "retention")]
+    assert [(e["step"], e["reason"]) for e in events_of(clean, "checkpoint_deleted")] == [(5, "retention")]
     manifest = read_manifest(clean / "checkpoints" / "global_step_10")
     assert manifest.world_size == WORLD and manifest.mesh_shape == [2, 2]
     assert manifest.mesh_dim_names == ["dp_replicate", "dp_shard"]
@@ -169,14 +164,14 @@ def test_live_saves_are_async_the_loop_steps_on_while_a_save_commits(clean):
     """``checkpoint.async_save`` (the default) in live mode: each save blocks the loop for its staging only;
     the step after it is committed before the save is (seen every time: the first save's commit waits for
     the writer processes, forked at the ranks' start); the last save is committed before the ranks end."""
-    saved = _events(clean, "checkpoint_saved")
+    saved = events_of(clean, "checkpoint_saved")
     assert [e["step"] for e in saved] == [5, 10, 15, 16] and all(e["async_save"] for e in saved)
-    committed = {e["step"]: e["time"] for e in _events(clean, "checkpoint_committed")}
+    committed = {e["step"]: e["time"] for e in events_of(clean, "checkpoint_committed")}
     assert sorted(committed) == [5, 10, 15, 16]
-    stepped = {e["step"]: e["time"] for e in _events(clean, "live_step") if e["rank"] == 0}
+    stepped = {e["step"]: e["time"] for e in events_of(clean, "live_step") if e["rank"] == 0}
     print({step: round(committed[step] - stepped[step], 3) for step in committed if step in stepped})
     assert any(stepped[step] < committed[step] for step in (5, 10, 15)), (stepped, committed)
-    assert not _events(clean, "live_save_abandoned")
+    assert not events_of(clean, "live_save_abandoned")
 
 
 def _resumes_bitwise(run_dir: Path, config: Path, clean: Path, step: int) -> None:
@@ -184,7 +179,7 @@ def _resumes_bitwise(run_dir: Path, config: Path, clean: Path, step: int) -> Non
     again = finish_session(_start(run_dir, config), TIMEOUT_S, "the resumed live run")
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"live run resumes from {run_dir / 'checkpoints' / f'global_step_{step}'}" in again.stdout
-    assert [e["step"] for e in _events(run_dir, "run_started")][-1] == step
+    assert [e["step"] for e in events_of(run_dir, "run_started")][-1] == step
     assert run_differences(clean, run_dir, WORLD) == {}
 
 
@@ -205,7 +200,7 @@ def test_the_whole_job_sigkilled_resumes_from_the_newest_checkpoint_bitwise(root
         os.killpg(proc.pid, signal.SIGKILL)
     else:
         os.kill(proc.pid, signal.SIGKILL)
-    ranks = [e["pid"] for e in _events(run_dir, "live_start")]
+    ranks = [e["pid"] for e in events_of(run_dir, "live_start")]
     deadline = time.monotonic() + 60
     while any(alive(pid) for pid in ranks) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -221,9 +216,9 @@ def test_the_whole_job_sigkilled_resumes_from_the_newest_checkpoint_bitwise(root
     again = finish_session(_start(run_dir, config), TIMEOUT_S, "the resumed live run")
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"live run resumes from {run_dir / 'checkpoints' / 'global_step_10'}" in again.stdout  # the launcher's
-    (started,) = [e for e in _events(run_dir, "run_started") if e.get("tier") == "local"]
+    (started,) = [e for e in events_of(run_dir, "run_started") if e.get("tier") == "local"]
     assert started["step"] == 11 and started["resumed_from"] == str(run_dir / "local" / "node0" / "global_step_11")
-    assert [e["step"] for e in _events(run_dir, "run_started")] == [11]  # no durable resume: the local step won
+    assert [e["step"] for e in events_of(run_dir, "run_started")] == [11]  # no durable resume: the local step won
     assert run_differences(clean, run_dir, WORLD) == {}
 
 
@@ -239,14 +234,14 @@ def test_a_node_wiped_after_a_local_save_is_repaired_from_its_replicas_and_the_j
     done = finish_session(_start(run_dir, config, *nodes, "--set", "faults=wipe:node=1,step=12",
                                  **{RAISE_ENV: json.dumps([{"step": 12}])}), TIMEOUT_S, "the wiped live run")
     assert done.returncode == 19, done.stdout[-3000:] + done.stderr[-3000:]
-    (wiped,) = [e for e in _events(run_dir, "fault_injected") if e["fault"] == "wipe"]
+    (wiped,) = [e for e in events_of(run_dir, "fault_injected") if e["fault"] == "wipe"]
     assert (wiped["step"], wiped["rank"], wiped["removed"]) == (12, 2, [str(run_dir / "local" / "node1")])
     assert _local_saves(run_dir, 12) == list(range(WORLD)) and not (run_dir / "local" / "node1").exists()
     assert _committed_steps(run_dir) == [5, 10]
     again = finish_session(_start(run_dir, config, *nodes), TIMEOUT_S, "the resumed live run")
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert [(e["step"], e.get("tier")) for e in _events(run_dir, "run_started")] == [(12, "local")]
-    repaired = {e["rank"]: (e["step"], e["sources"], e["tier"]) for e in _events(run_dir, "local_recovered")}
+    assert [(e["step"], e.get("tier")) for e in events_of(run_dir, "run_started")] == [(12, "local")]
+    repaired = {e["rank"]: (e["step"], e["sources"], e["tier"]) for e in events_of(run_dir, "local_recovered")}
     assert repaired == {2: (12, [0], "local"), 3: (12, [1], "local")}
     assert ("live run: the local tier's step 12 received from a replica of the same shard by the ranks that lacked "
             "it: rank 2 from rank 0, rank 3 from rank 1") in again.stdout + again.stderr
@@ -269,8 +264,8 @@ def test_sigterm_saves_at_the_next_boundary_exits_16_and_resumes_bitwise(root, c
     assert 7 <= saved < STEPS  # the step boundary after the signal
     saved_dir = run_dir / "checkpoints" / f"global_step_{saved}"
     assert f"live run stopped by SIGTERM/SIGUSR1: saved {saved_dir}" in stopped.stdout
-    assert sorted(e["rank"] for e in _events(run_dir, "live_stopped")) == list(range(WORLD))
-    assert {e["step"] for e in _events(run_dir, "live_stopped")} == {saved}
+    assert sorted(e["rank"] for e in events_of(run_dir, "live_stopped")) == list(range(WORLD))
+    assert {e["step"] for e in events_of(run_dir, "live_stopped")} == {saved}
     assert not any(final_path(run_dir, rank).exists() for rank in range(WORLD))
     _resumes_bitwise(run_dir, config, clean, saved)
 
@@ -310,7 +305,7 @@ def test_saves_while_a_group_is_out_are_the_quorums_and_the_run_ends_bitwise(cle
     whether the group is back by then is the replacement's start time's, so not asserted)."""
     run_dir, mirror, done = shrunk
     assert "ranks replaced: [3]" in done.stdout
-    quorums = {e["epoch"]: e["members"] for e in _events(run_dir, "live_quorum")}
+    quorums = {e["epoch"]: e["members"] for e in events_of(run_dir, "live_quorum")}
     manifests = [read_manifest(info.path) for info in list_checkpoints(run_dir / "checkpoints") if info.committed]
     for manifest in manifests:
         live = manifest.trainer_state["live"]
@@ -319,12 +314,12 @@ def test_saves_while_a_group_is_out_are_the_quorums_and_the_run_ends_bitwise(cle
     steps = [m.step for m in manifests]
     # step 5's save is lost only when its epoch ended during it (seen 3 times in ~18 loaded runs with sharded
     # groups, whose save first gathers the whole state): the documented outcome, the next save due commits
-    failed_saves = [e for e in _events(run_dir, "live_collective_failed") if "save" in e["error"]]
+    failed_saves = [e for e in events_of(run_dir, "live_collective_failed") if "save" in e["error"]]
     assert steps == [5, 10, 15, 16] or (steps == [10, 15, 16] and failed_saves), (
-        steps, _events(run_dir, "live_collective_failed"), quorums)
+        steps, events_of(run_dir, "live_collective_failed"), quorums)
     # the saves made after the kill's epoch ended, in flight when the group rejoined (an epoch ended by
     # no failure), are waited for, never abandoned
-    assert not _events(run_dir, "live_save_abandoned")
+    assert not events_of(run_dir, "live_save_abandoned")
     _every_committed_checkpoint_verifies(run_dir)
     # the local tier (every 2 steps) saved by the quorum of each step: every rank at the last one
     assert _local_saves(run_dir, 16) == list(range(WORLD))
@@ -335,9 +330,9 @@ def test_saves_while_a_group_is_out_are_the_quorums_and_the_run_ends_bitwise(cle
     for name, value in s3.env().items():
         monkeypatch.setenv(name, value)
     mirrored = list_mirrored(open_mirror(mirror))
-    assert sorted(mirrored) == steps, (sorted(mirrored), _events(run_dir, "mirror_failed"))
+    assert sorted(mirrored) == steps, (sorted(mirrored), events_of(run_dir, "mirror_failed"))
     assert all(mirrored[m.step].files == m.files for m in manifests)
-    assert sorted(e["step"] for e in _events(run_dir, "checkpoint_mirrored")) == steps
+    assert sorted(e["step"] for e in events_of(run_dir, "checkpoint_mirrored")) == steps
     assert run_differences(clean, run_dir, WORLD) == {}
 
 
@@ -360,7 +355,7 @@ def test_a_new_run_directory_resumes_from_a_mirror_url_and_ends_bitwise(root, cl
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert (f"live run resumes from {run_dir / 'checkpoints' / 'global_step_10'} "
             f"(checkpoint.resume: {mirror}/global_step_10)") in done.stdout
-    assert [e["step"] for e in _events(run_dir, "live_resume")] == [10]
+    assert [e["step"] for e in events_of(run_dir, "live_resume")] == [10]
     assert "unsupervised" not in done.stderr  # the restore's threads (the S3 client's) ended with its own process
     assert run_differences(clean, run_dir, WORLD) == {}
 
@@ -378,8 +373,8 @@ def test_a_rank_killed_during_a_save_costs_the_survivors_no_timeout_and_the_run_
     done = finish_session(_start(run_dir, _config(root, keep_last=10), "--set", "faults=kill:rank=3,step=5"),
                           TIMEOUT_S, "the live run killed in a save")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    failed = _events(run_dir, "live_collective_failed")
-    abandoned = _events(run_dir, "live_save_abandoned")
+    failed = events_of(run_dir, "live_collective_failed")
+    abandoned = events_of(run_dir, "live_save_abandoned")
     # the kill did land in the save of step 5: in the replicas' check before it, its staging, or its background commit
     assert any("save" in e["error"] for e in failed) or {e["step"] for e in abandoned} == {5}, (failed, abandoned)
     # the survivors left the save at the epoch's abort key, not at gloo's timeout (the time it took is the
@@ -408,23 +403,23 @@ def test_a_rank_stopped_inside_a_save_takes_its_group_out_at_the_stall_bound_and
 
     def step_5_committed_by(rank: int) -> bool:  # emitted right before that rank's save of step 5
         return events_path(run_dir).exists() and any(e["rank"] == rank and e["step"] == INTERVAL - 1
-                                                     for e in _events(run_dir, "live_step"))
+                                                     for e in events_of(run_dir, "live_step"))
 
     _wait_until(proc, lambda: step_5_committed_by(stopped), "step 5 committed by rank 3")
-    (pid,) = [e["pid"] for e in _events(run_dir, "live_start") if e["rank"] == stopped]
+    (pid,) = [e["pid"] for e in events_of(run_dir, "live_start") if e["rank"] == stopped]
     os.kill(pid, signal.SIGSTOP)
-    _wait_until(proc, lambda: bool(_events(run_dir, "live_stall")), "the stall verdict")
+    _wait_until(proc, lambda: bool(events_of(run_dir, "live_stall")), "the stall verdict")
     os.kill(pid, signal.SIGCONT)
     done = finish_session(proc, TIMEOUT_S, "the live run stopped in a save")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    (stall,) = _events(run_dir, "live_stall")
+    (stall,) = events_of(run_dir, "live_stall")
     # the save's stall verdict (judged once its wait passed the bound), where before the heartbeat timeout
     # found rank 3 hung and replaced it: no live_hung, no new pid (below)
     assert stall["saving"] and stall["step"] == INTERVAL and stall["excluded"] == [2, 3], stall
     assert stall["bound_s"] <= stall["waited_s"], stall
-    assert not _events(run_dir, "live_hung")
+    assert not events_of(run_dir, "live_hung")
     pids: dict[int, set[int]] = {}
-    for event in _events(run_dir, "live_start"):
+    for event in events_of(run_dir, "live_start"):
         pids.setdefault(event["rank"], set()).add(event["pid"])
     # nobody replaced: the survivors and the stopped rank (rejoined) kept their processes
     assert sorted(pids) == list(range(WORLD)) and all(len(each) == 1 for each in pids.values()), pids
@@ -440,25 +435,25 @@ def test_the_launchers_death_costs_a_restart_from_the_newest_checkpoint_and_the_
     run_dir, config = root / "launcher_lost", _config(root)
     proc = _start(run_dir, config)
     _wait_until(proc, lambda: _past_committed_save(run_dir, 11, 10), "step 11 and the save of step 10")
-    (store,) = _events(run_dir, "live_store")
+    (store,) = events_of(run_dir, "live_store")
     assert store["pid"] != proc.pid  # the launcher is not the command's own process
     os.kill(store["pid"], signal.SIGKILL)
     done = finish_session(proc, TIMEOUT_S, "the live run whose launcher died")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    (lost,) = _events(run_dir, "live_launcher_lost")
+    (lost,) = events_of(run_dir, "live_launcher_lost")
     # global_step_10, or 15 when its async save committed before the kill landed (the loop runs ahead of it)
     resumed = 15 if any(e["step"] == 15 and e["time"] < lost["time"]
-                        for e in _events(run_dir, "checkpoint_committed")) else 10
+                        for e in events_of(run_dir, "checkpoint_committed")) else 10
     newest = run_dir / "checkpoints" / f"global_step_{resumed}"
     assert "trainguard: the live launcher (store, lighthouse) died (exit -9); its processes ended" in done.stdout
     assert f"restarting the run from {newest}" in done.stdout, done.stdout[-3000:]
-    first_ranks = [e["pid"] for e in _events(run_dir, "live_start") if e["time"] < lost["time"]]
+    first_ranks = [e["pid"] for e in events_of(run_dir, "live_start") if e["time"] < lost["time"]]
     assert len(first_ranks) == WORLD
     assert all(lost["rank_exit_codes"][str(pid)] == 18 for pid in first_ranks), lost  # STORE_LOST_EXIT
     assert lost["resume"] == str(newest)
-    stores = _events(run_dir, "live_store")
+    stores = events_of(run_dir, "live_store")
     assert len(stores) == 2 and stores[1]["pid"] not in (stores[0]["pid"], proc.pid)
-    assert [e["step"] for e in _events(run_dir, "run_started")][-1] == resumed
+    assert [e["step"] for e in events_of(run_dir, "run_started")][-1] == resumed
     assert not any(final_path(run_dir, rank).exists() and final_path(run_dir, rank).stat().st_mtime < lost["time"]
                    for rank in range(WORLD))
     assert run_differences(clean, run_dir, WORLD) == {}
@@ -475,24 +470,24 @@ def test_at_the_launchers_death_each_rank_saves_its_steps_to_its_local_tier_and_
     run_dir, config = root / "launcher_lost_local", _config(root, local_interval=100)
     proc = _start(run_dir, config)
     _wait_until(proc, lambda: _past_committed_save(run_dir, 11, 10), "step 11 and the save of step 10")
-    ranks = [e["pid"] for e in _events(run_dir, "live_start")]
+    ranks = [e["pid"] for e in events_of(run_dir, "live_start")]
     for pid in ranks:  # held below step 15 (the next durable save) while their launcher dies
         os.kill(pid, signal.SIGSTOP)
-    (store,) = _events(run_dir, "live_store")
+    (store,) = events_of(run_dir, "live_store")
     os.kill(store["pid"], signal.SIGKILL)
     for pid in ranks:
         os.kill(pid, signal.SIGCONT)
     done = finish_session(proc, TIMEOUT_S, "the live run whose launcher died, with a local tier")
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-6000:]
-    (lost,) = _events(run_dir, "live_launcher_lost")
-    saved = {e["rank"]: e["step"] for e in _events(run_dir, "local_saved") if e["time"] < lost["time"]}
+    (lost,) = events_of(run_dir, "live_launcher_lost")
+    saved = {e["rank"]: e["step"] for e in events_of(run_dir, "local_saved") if e["time"] < lost["time"]}
     assert sorted(saved) == list(range(WORLD)), saved
     for rank, step in saved.items():
         assert f"live recovery: rank {rank} saved its state of step {step} to its local tier" in output
     assert min(saved.values()) > 10  # newer than the newest durable checkpoint, which the restart names
     assert f"restarting the run from {run_dir / 'checkpoints' / 'global_step_10'}" in done.stdout
-    started = _events(run_dir, "run_started")[-1]
+    started = events_of(run_dir, "run_started")[-1]
     # each shard's replicas: group 0's and group 1's rank of it; a step every shard holds on one replica
     every_shard = max(step for step in set(saved.values())
                       if all(saved.get(shard) == step or saved.get(shard + 2) == step for shard in (0, 1)))
@@ -514,11 +509,11 @@ def test_a_step_that_raises_is_tried_again_and_ends_the_run_with_exit_19_after_3
     newest = run_dir / "checkpoints" / "global_step_10"
     assert ("trainguard: live run ended: a step failed fault_tolerance.max_step_failures times in a row: exit 19; the "
             f"newest checkpoint is {newest}") in done.stdout, done.stdout[-3000:]
-    assert [(e["step"], e["attempt"], e["verdict"]) for e in _events(run_dir, "live_step_failed")] == [
+    assert [(e["step"], e["attempt"], e["verdict"]) for e in events_of(run_dir, "live_step_failed")] == [
         (3, 1, "retry"), (11, 1, "retry"), (11, 2, "retry"), (11, 3, "end")]
-    assert _events(run_dir, "live_step_failed")[0]["error"] == (
+    assert events_of(run_dir, "live_step_failed")[0]["error"] == (
         "rank 2: RuntimeError: injected error in the loss of step 3 on rank 2")
-    assert not _events(run_dir, "live_exit") and len(_events(run_dir, "live_start")) == WORLD
-    assert [e["epoch"] for e in _events(run_dir, "live_quorum")] == [0]  # no recovery epoch
+    assert not events_of(run_dir, "live_exit") and len(events_of(run_dir, "live_start")) == WORLD
+    assert [e["epoch"] for e in events_of(run_dir, "live_quorum")] == [0]  # no recovery epoch
     assert _committed_steps(run_dir) == [5, 10]
     _resumes_bitwise(run_dir, config, clean, 10)  # the retried step 3 too: bitwise the fault-free one

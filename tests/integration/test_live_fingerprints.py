@@ -45,13 +45,11 @@ from pathlib import Path
 import pytest
 
 from helpers import live_loop
-from helpers.runs import finish_session, worker_env
+from helpers.runs import events as events_of, finish_session, worker_env
 from helpers.warm_command import warm_server
 from trainguard.checkpoint.discovery import list_checkpoints
-from trainguard.events.log import read_events
 from trainguard.guards.sdc import faulty_ranks_path
 from trainguard.live.compare import run_differences
-from trainguard.live.files import events_path
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "tests" / "helpers" / "live_loop.py"
 FLIP_AT = 4
@@ -82,12 +80,8 @@ def _live(run_dir: Path, setup: dict, *sets: str, **env: str) -> subprocess.Comp
     return done
 
 
-def _events(run_dir: Path, kind: str) -> list[dict]:
-    return [event for event in read_events(events_path(run_dir)) if event["kind"] == kind]
-
-
 def _mismatches(run_dir: Path) -> list[tuple]:
-    return [(e["step"], e["group"], e["tensors"], e["faulty"], e["how"]) for e in _events(run_dir, "fingerprint_mismatch")]
+    return [(e["step"], e["group"], e["tensors"], e["faulty"], e["how"]) for e in events_of(run_dir, "fingerprint_mismatch")]
 
 
 # the recompute runs' mismatches: the save of step 4 and the check before step 6, unattributed; then, at that
@@ -133,14 +127,14 @@ def recomputed(root, launched):
 def test_a_replica_the_majority_attributes_is_repaired_struck_and_at_its_strike_limit_its_group_leaves(struck):
     run_dir, done = struck
     output = done.stdout + done.stderr
-    [mismatch] = _events(run_dir, "fingerprint_mismatch")
+    [mismatch] = events_of(run_dir, "fingerprint_mismatch")
     assert (mismatch["step"], mismatch["group"], mismatch["faulty"], mismatch["how"], mismatch["repaired"]) == \
         (FLIP_AT, [0, 1, 2], [0], ["majority"], ["state"])
     assert f"fingerprint mismatch: step {FLIP_AT}, replica group [0, 1, 2], tensor state: rank(s) [0] corrupt " \
            "(majority), repaired from rank 1" in output
     assert f"sdc strike: step {FLIP_AT}, rank 0: fingerprint mismatch (majority); strike 1 of 1 within 8 h; " \
            "the rank is faulty" in output
-    assert [(e["target"], e["code"]) for e in _events(run_dir, "live_exit")] == [(0, 17)]
+    assert [(e["target"], e["code"]) for e in events_of(run_dir, "live_exit")] == [(0, 17)]
     assert "ranks replaced: [0]" in done.stdout
     [entry] = json.loads(faulty_ranks_path(run_dir).read_text())
     assert (entry["rank"], [(s["step"], s["kind"]) for s in entry["strikes"]]) == (0, [(FLIP_AT, "fingerprint")])
@@ -149,7 +143,7 @@ def test_a_replica_the_majority_attributes_is_repaired_struck_and_at_its_strike_
 def test_the_struck_run_ends_bitwise_as_the_fault_free_run(root, launched, struck):
     clean = root / "clean_strike"
     launched["clean_strike"].result()
-    assert not _events(clean, "fingerprint_mismatch")
+    assert not events_of(clean, "fingerprint_mismatch")
     # the replacement's strikes were its predecessor's: dropped by every member when it joined
     assert run_differences(clean, struck[0], STRIKE["groups"]) == {}
 
@@ -158,7 +152,7 @@ def test_an_unattributed_mismatch_is_recomputed_from_the_newest_healthy_checkpoi
     run_dir, done = recomputed
     output = done.stdout + done.stderr
     assert _mismatches(run_dir) == UNATTRIBUTED + ATTRIBUTED
-    assert [(e["step"], e["to_step"]) for e in _events(run_dir, "fingerprint_recompute")] == [(6, 2)]
+    assert [(e["step"], e["to_step"]) for e in events_of(run_dir, "fingerprint_recompute")] == [(6, 2)]
     assert "fingerprint mismatch at step 6 that no replica can repair: recomputing from global_step_2, the last " \
            "agreeing state" in output
     assert "does not hold the state hashed" not in output  # the restored state hashes as its save held it
@@ -174,7 +168,7 @@ def test_an_unattributed_mismatch_is_recomputed_from_the_newest_healthy_checkpoi
 def test_the_recomputed_run_ends_bitwise_as_the_fault_free_run(root, launched, recomputed):
     clean = root / "clean_recompute"
     launched["clean_recompute"].result()
-    assert not _events(clean, "fingerprint_mismatch")
+    assert not events_of(clean, "fingerprint_mismatch")
     # parameters and optimizer state bitwise the same; the strike against rank 0 is in every member's book
     assert run_differences(clean, recomputed[0], RECOMPUTE["groups"]) == \
         {rank: ["/guards/sdc_strikes/devices: lengths differ"] for rank in range(RECOMPUTE["groups"])}
@@ -190,7 +184,7 @@ def test_a_member_killed_inside_the_recompute_restore_is_replaced_and_the_step_r
     # rank 0's state, partly restored, is not taken for memory changed at rest (nor struck for it)
     assert _mismatches(run_dir) == UNATTRIBUTED
     assert "sdc strike" not in output
-    assert [(e["step"], e["to_step"]) for e in _events(run_dir, "fingerprint_recompute")] == [(6, 2)]
+    assert [(e["step"], e["to_step"]) for e in events_of(run_dir, "fingerprint_recompute")] == [(6, 2)]
     assert "ranks replaced: [1]" in done.stdout
     launched["clean_recompute"].result()
     # no strike: the replacement has no copies to measure, so rank 0's alone attribute nothing
@@ -204,7 +198,7 @@ def test_a_load_that_raises_inside_the_recompute_restore_restores_again_and_stil
     assert (run_dir / "died_in_restore_rank_1").exists()  # its read did raise inside the restore
     assert "fingerprint check at step 6: the restore for a recompute failed part-way (rank(s) [0, 1] " \
            "mid-restore): restoring again" in output
-    assert [(e["step"], e["to_step"]) for e in _events(run_dir, "fingerprint_recompute")] == [(6, 2)]
+    assert [(e["step"], e["to_step"]) for e in events_of(run_dir, "fingerprint_recompute")] == [(6, 2)]
     assert _mismatches(run_dir) == UNATTRIBUTED + ATTRIBUTED  # nothing struck at rest, rank 0 by the recompute
     assert "sdc strike: step 6, rank 0: fingerprint mismatch (recompute); strike 1 of 3 within 8 h" in output
     assert "ranks replaced: none" in done.stdout

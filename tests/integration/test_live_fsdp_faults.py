@@ -35,13 +35,12 @@ from pathlib import Path
 
 import pytest
 
-from helpers.runs import finish_session, worker_env
+from helpers.runs import events as events_of, finish_session, worker_env
 from helpers.warm_command import warm_server
 from trainguard.checkpoint.discovery import list_checkpoints
 from trainguard.checkpoint.safe_load import safe_torch_load
-from trainguard.events.log import read_events
 from trainguard.live.compare import bitwise_differences, run_differences
-from trainguard.live.files import events_path, final_path
+from trainguard.live.files import final_path
 from trainguard.live.rank import GROUP_OUT_EXIT
 
 SCRIPT = Path(__file__).with_name("live_fsdp_loop.py")
@@ -111,10 +110,6 @@ def runs(tmp_path_factory) -> tuple[Path, dict[str, subprocess.CompletedProcess]
     return root, done
 
 
-def _events(run_dir: Path, kind: str) -> list[dict]:
-    return [event for event in read_events(events_path(run_dir)) if event["kind"] == kind]
-
-
 def _trained_differences(reference: Path, run: Path) -> dict[int, list[str]]:
     """Each rank's final parameters and optimizer state against the same rank's in ``reference``, bitwise (the
     guards' state differs by design: a rollback or a skip counted in one, not in the other)."""
@@ -132,25 +127,25 @@ def _committed_steps(run_dir: Path) -> list[int]:
 def test_a_spike_on_fsdp2_rolls_every_rank_back_and_ends_bitwise_as_the_run_never_fed_the_window(runs):
     root, done = runs
     run_dir = root / "rolled"
-    [event] = _events(run_dir, "rollback")
+    [event] = events_of(run_dir, "rollback")
     assert (event["step"], event["to_step"], event["window"], event["skipped"]) == (
         SPIKE_POSITION + 1, SPIKE_POSITION, [SPIKE_POSITION + 1, SPIKE_POSITION + 2], [list(WINDOW)])
     for rank in range(WORLD):
-        steps = [e["step"] for e in _events(run_dir, "live_step") if e["rank"] == rank]
+        steps = [e["step"] for e in events_of(run_dir, "live_step") if e["rank"] == rank]
         assert steps == list(range(STEPS)), rank  # the spiked step 6 (from 0) not committed, then trained again
     # the loop is told rolled_back, with the restored step, on every rank
     assert all(f"rank {rank}: rolled back to step {SPIKE_POSITION}" in done["rolled"].stdout for rank in range(WORLD))
     assert _committed_steps(run_dir) == _committed_steps(root / "unfed") == [6, 9, 10]  # checkpoint.keep_last 3
-    assert not _events(root / "unfed", "rollback")
+    assert not events_of(root / "unfed", "rollback")
     assert _trained_differences(root / "unfed", run_dir) == {}
 
 
 def test_an_fsdp2_group_lost_after_the_rollback_rejoins_with_the_skipped_window_and_ends_bitwise(runs):
     root, _ = runs
     run_dir = root / "rolled_killed"
-    assert len(_events(run_dir, "rollback")) == 1
-    assert [e["rank"] for e in _events(run_dir, "live_group_out")] == [2]
-    assert {e["rank"] for e in _events(run_dir, "live_joined")} == {2, 3}
+    assert len(events_of(run_dir, "rollback")) == 1
+    assert [e["rank"] for e in events_of(run_dir, "live_group_out")] == [2]
+    assert {e["rank"] for e in events_of(run_dir, "live_joined")} == {2, 3}
     assert run_differences(root / "rolled", run_dir, WORLD) == {}  # the guards' state (the window) included
 
 
@@ -158,11 +153,11 @@ def test_an_fsdp2_group_lost_after_the_rollback_rejoins_with_the_skipped_window_
 def test_gradient_and_module_faults_on_fsdp2_are_skipped_and_the_run_ends_bitwise_as_the_replayed_skips(runs, run):
     root, _ = runs
     run_dir = root / run
-    skips = _events(run_dir, "data_skip")  # one report each, by the quorum's first member
+    skips = events_of(run_dir, "data_skip")  # one report each, by the quorum's first member
     assert [(e["step"], e["nan"]) for e in skips] == SKIPPED
     # live_step counts from 0: index 3 is the closure mode's step 4; in the hung run group 0 is out at step 7
     for rank in range(WORLD) if run == "faulted" else (2, 3):
-        steps = [e for e in _events(run_dir, "live_step") if e["rank"] == rank]
+        steps = [e for e in events_of(run_dir, "live_step") if e["rank"] == rank]
         assert sorted({e["step"] + 1 for e in steps if e["skipped"]}) == [step for step, _ in SKIPPED], rank
     assert _trained_differences(root / "replayed", run_dir) == {}
 
@@ -170,32 +165,32 @@ def test_gradient_and_module_faults_on_fsdp2_are_skipped_and_the_run_ends_bitwis
 def test_a_hung_fsdp2_rank_takes_its_group_out_which_rejoins_and_the_run_ends_bitwise(runs):
     root, done = runs
     run_dir = root / "hung"
-    [fired] = [e for e in _events(run_dir, "fault_injected") if e["fault"] == "hang"]
+    [fired] = [e for e in events_of(run_dir, "fault_injected") if e["fault"] == "hang"]
     assert (fired["rank"], fired["step"], fired["action"]) == (1, 6, "hang")
-    assert [e["target"] for e in _events(run_dir, "live_hung")] == [1]
+    assert [e["target"] for e in events_of(run_dir, "live_hung")] == [1]
     # rank 0 waited in its group's FSDP2 collective until rank 1 was found hung and killed (its fence, or the
     # connection closed), not until gloo's timeout (longer than the test's here)
-    [hung_at] = [e["time"] for e in _events(run_dir, "live_hung")]
-    failed = [e for e in _events(run_dir, "live_collective_failed") if e["rank"] == 0]
+    [hung_at] = [e["time"] for e in events_of(run_dir, "live_hung")]
+    failed = [e for e in events_of(run_dir, "live_collective_failed") if e["rank"] == 0]
     assert [e["epoch"] for e in failed] == [0] and failed[0]["time"] >= hung_at, failed
-    assert [e["rank"] for e in _events(run_dir, "live_group_out")] == [0]
-    assert {(e["target"], e["code"]) for e in _events(run_dir, "live_exit")} == {(1, -9), (0, GROUP_OUT_EXIT)}
+    assert [e["rank"] for e in events_of(run_dir, "live_group_out")] == [0]
+    assert {(e["target"], e["code"]) for e in events_of(run_dir, "live_exit")} == {(1, -9), (0, GROUP_OUT_EXIT)}
     pids = defaultdict(list)
-    for event in _events(run_dir, "live_start"):
+    for event in events_of(run_dir, "live_start"):
         pids[event["rank"]].append(event["pid"])
     assert len(pids[0]) == len(pids[1]) == 2 and len(pids[2]) == len(pids[3]) == 1
-    degraded = [e for e in _events(run_dir, "live_step") if e["members"] == 2]
+    degraded = [e for e in events_of(run_dir, "live_step") if e["members"] == 2]
     assert degraded and {e["rank"] for e in degraded} == {2, 3}  # group 1 computed both groups' shares
-    assert {e["rank"] for e in _events(run_dir, "live_joined")} == {0, 1}
+    assert {e["rank"] for e in events_of(run_dir, "live_joined")} == {0, 1}
     assert run_differences(root / "faulted", run_dir, WORLD) == {}
 
 
 def test_a_damaged_fsdp2_checkpoint_is_passed_over_at_the_resume_which_ends_bitwise(runs):
     root, done = runs
     run_dir = root / RESUMED[0]
-    [damaged] = [e for e in _events(run_dir, "fault_injected") if e["fault"] == "corrupt"]
+    [damaged] = [e for e in events_of(run_dir, "fault_injected") if e["fault"] == "corrupt"]
     assert damaged["step"] == 9 and damaged["files"]
     assert f"skipping checkpoint {run_dir / 'checkpoints' / 'global_step_9'}: " in done["resumed"].stderr + \
         done["resumed"].stdout
-    assert [e["step"] for e in _events(run_dir, "run_started") if e.get("resumed_from")] == [6]
+    assert [e["step"] for e in events_of(run_dir, "run_started") if e.get("resumed_from")] == [6]
     assert run_differences(root / "replayed", run_dir, WORLD) == {}

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from helpers.live_fsdp import CLEAN, STEPS, WORLD, StartedRun, start_live_fsdp
+from helpers.runs import events as events_of
 from trainguard.checkpoint.safe_load import safe_torch_load
 from trainguard.events.log import read_events
 from trainguard.fs.layout import extra_state_name
@@ -53,17 +54,13 @@ def runs(tmp_path_factory, live_fsdp_clean) -> dict[str, Path]:
     return {"off": live_fsdp_clean.finished(), **{run.run_dir.name: run.finished() for run in started}}
 
 
-def _events(run_dir: Path, kind: str) -> list[dict]:
-    return [event for event in read_events(events_path(run_dir)) if event["kind"] == kind]
-
-
 def _trained(run_dir: Path, rank: int) -> dict:
     state = safe_torch_load(final_path(run_dir, rank))
     return {key: state[key] for key in ("model", "optimizer")}
 
 
 def test_sdc_on_without_a_fault_detects_nothing_and_ends_bitwise_as_the_run_with_sdc_off(runs):
-    [points] = _events(runs["clean"], "sdc_points")
+    [points] = events_of(runs["clean"], "sdc_points")
     assert points["names"][0] == "4" and "grad:3.weight (shard 1)" in points["names"]
     assert not [e for e in read_events(events_path(runs["clean"])) if e["kind"].startswith("sdc_")
                 and e["kind"] != "sdc_points"]
@@ -73,21 +70,21 @@ def test_sdc_on_without_a_fault_detects_nothing_and_ends_bitwise_as_the_run_with
 
 def test_a_transient_fault_is_found_at_level_1_and_the_clean_rerun_is_used_with_a_strike(runs):
     run_dir = runs["struck"]
-    detected = _events(run_dir, "sdc_detected")
+    detected = events_of(run_dir, "sdc_detected")
     assert {e["step"] for e in detected} == {step for _, step in TRANSIENT}
     # the module point: its value computed by the faulted rank alone; the parameter-gradient points of every
     # shard too
     assert [(e["step"], e["computed_by"], e["level"]) for e in detected if e["point"] == "4"] == \
         [(step, [rank], 1) for rank, step in TRANSIENT]
     assert {e["point"] for e in detected} >= {"grad:3.weight (shard 0)", "grad:3.weight (shard 1)"}
-    reruns = [(e["step"], e["verdict"], e["ranks"]) for e in _events(run_dir, "sdc_rerun")]
+    reruns = [(e["step"], e["verdict"], e["ranks"]) for e in events_of(run_dir, "sdc_rerun")]
     assert reruns == [(3, "transient", [1]), (5, "faulty", [1])]
     attributions = [(e["step"], e["rank"], e["attribution"], e["strikes"], e["faulty"], e["rerun_abnormal"])
-                    for e in _events(run_dir, "sdc_attribution")]
+                    for e in events_of(run_dir, "sdc_attribution")]
     assert attributions == [(3, 1, "transient", 1, False, []), (5, 1, "transient", 2, True, [])]
     # the rerun's sum used: no step skipped, and every rank's parameters and optimizer state are the
     # fault-free run's, bitwise
-    assert not [e for e in _events(run_dir, "live_step") if e["skipped"]]
+    assert not [e for e in events_of(run_dir, "live_step") if e["skipped"]]
     for rank in range(WORLD):
         assert bitwise_differences(_trained(run_dir, rank), _trained(runs["clean"], rank)) == [], rank
 
@@ -100,7 +97,7 @@ def test_the_detectors_state_and_strikes_travel_in_the_durable_checkpoints(runs)
     def strikes(book: dict) -> list[tuple[int, list[int]]]:
         return [(entry["rank"], [strike["step"] for strike in entry["strikes"]]) for entry in book["devices"]]
 
-    detections = len(_events(runs["struck"], "sdc_detected"))
+    detections = len(events_of(runs["struck"], "sdc_detected"))
     last_step = runs["struck"] / "checkpoints" / f"global_step_{STEPS}"
     # step 8 is saved by the quorum's members then: with group 0 (restarted after rank 1's exit) only if it
     # rejoined before that boundary, which is a matter of timing; the files are named by the saving quorum's size
@@ -108,7 +105,7 @@ def test_the_detectors_state_and_strikes_travel_in_the_durable_checkpoints(runs)
     rejoined = len(saved) == WORLD
     assert len(saved) in (2, WORLD), saved
     # rank 1's exit at step 5 is planned: step 4's async save commits on every member first, never abandoned
-    assert not _events(runs["struck"], "live_save_abandoned")
+    assert not events_of(runs["struck"], "live_save_abandoned")
     for rank in range(WORLD):
         # step 4: rank 1's first strike in every rank's copy
         assert strikes(guards("struck", 4, rank)["sdc_strikes"]) == [(1, [3])], rank
@@ -132,11 +129,11 @@ def test_the_detectors_state_and_strikes_travel_in_the_durable_checkpoints(runs)
 def test_a_rank_reaching_its_strikes_exits_17_with_its_entry_and_its_group_is_replaced(runs):
     run_dir = runs["struck"]
     # rank 1 leaves at step 5's boundary; its group's other rank ends too (its FSDP2 mesh goes with it)
-    assert sorted((e["target"], e["code"]) for e in _events(run_dir, "live_exit")) == [(0, GROUP_OUT_EXIT), (1, 17)]
+    assert sorted((e["target"], e["code"]) for e in events_of(run_dir, "live_exit")) == [(0, GROUP_OUT_EXIT), (1, 17)]
     [entry] = json.loads(faulty_ranks_path(run_dir).read_text())
     assert (entry["rank"], entry["local_device"], [s["step"] for s in entry["strikes"]]) == (1, "cpu:1", [3, 5])
-    assert {e["rank"] for e in _events(run_dir, "live_joined")} == {0, 1}
-    degraded = {e["step"] for e in _events(run_dir, "live_step") if e["members"] == 2}
+    assert {e["rank"] for e in events_of(run_dir, "live_joined")} == {0, 1}
+    degraded = {e["step"] for e in events_of(run_dir, "live_step") if e["members"] == 2}
     # live_step 5 is step 6: group 1 computed both groups' shares, judged with group 0's values from rank 2
     # and 3 (the end state is still the fault-free run's)
     assert degraded and min(degraded) == STRUCK_OUT_AT
@@ -144,10 +141,10 @@ def test_a_rank_reaching_its_strikes_exits_17_with_its_entry_and_its_group_is_re
 
 def test_a_reproducible_fault_skips_the_step_with_a_strike_against_its_rank(runs):
     run_dir = runs["reproducible"]
-    [rerun] = _events(run_dir, "sdc_rerun")
+    [rerun] = events_of(run_dir, "sdc_rerun")
     assert (rerun["step"], rerun["verdict"], rerun["ranks"]) == (REPRODUCIBLE_AT, "reproducible", [2])
-    [attribution] = _events(run_dir, "sdc_attribution")
+    [attribution] = events_of(run_dir, "sdc_attribution")
     assert (attribution["rank"], attribution["attribution"], attribution["strikes"]) == (2, "reproducible", 1)
-    skipped = {(e["step"], e["rank"]) for e in _events(run_dir, "live_step") if e["skipped"]}
+    skipped = {(e["step"], e["rank"]) for e in events_of(run_dir, "live_step") if e["skipped"]}
     assert skipped == {(REPRODUCIBLE_AT - 1, rank) for rank in range(WORLD)}  # live_step counts from 0
-    assert not _events(run_dir, "live_exit")
+    assert not events_of(run_dir, "live_exit")

@@ -36,11 +36,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers.runs import finish_session, worker_env
+from helpers.runs import events as events_of, finish_session, worker_env
 from helpers.warm_command import warm_server
 from trainguard.checkpoint.discovery import list_checkpoints
 from trainguard.checkpoint.safe_load import safe_torch_load
-from trainguard.events.log import read_events
 from trainguard.fs.layout import extra_state_name
 from trainguard.live.compare import bitwise_differences, replica_differences, run_differences
 from trainguard.live.files import events_path, final_path
@@ -84,10 +83,6 @@ def _start(run_dir: Path, config: Path, *sets: str):
 
 def _live(run_dir: Path, config: Path, *sets: str) -> subprocess.CompletedProcess:
     return finish_session(_start(run_dir, config, *sets), TIMEOUT_S, f"the live run {run_dir.name}")
-
-
-def _events(run_dir: Path, kind: str) -> list[dict]:
-    return [event for event in read_events(events_path(run_dir)) if event["kind"] == kind]
 
 
 def _committed_steps(run_dir: Path) -> list[int]:
@@ -137,10 +132,10 @@ def replayed(root, launched):
 
 def test_a_gradient_spike_is_skipped_by_every_rank_and_the_run_goes_on(spiked):
     run_dir, done = spiked
-    skips = _events(run_dir, "data_skip")  # one report each, by the quorum's first member
+    skips = events_of(run_dir, "data_skip")  # one report each, by the quorum's first member
     assert [(e["step"], e["nan"]) for e in skips] == [(SPIKE_AT, False), (NAN_AT, True)]
     for rank in range(WORLD):  # live_step counts from 0: index 3 is the closure mode's step 4
-        steps = [e for e in _events(run_dir, "live_step") if e["rank"] == rank]
+        steps = [e for e in events_of(run_dir, "live_step") if e["rank"] == rank]
         assert [e["step"] + 1 for e in steps if e["skipped"]] == SKIPPED, rank
         assert len(steps) == STEPS
     assert "ranks replaced: none" in done.stdout
@@ -170,7 +165,7 @@ def test_a_rank_killed_between_the_skips_rejoins_with_the_guards_state_and_the_r
     run_dir, _ = spiked
     _, done = killed
     assert "ranks replaced: [3]" in done.stdout
-    assert [e["step"] for e in _events(root / "killed", "data_skip")] == SKIPPED
+    assert [e["step"] for e in events_of(root / "killed", "data_skip")] == SKIPPED
     assert run_differences(run_dir, root / "killed", WORLD) == {}
     for rank in range(WORLD):  # the replacement of rank 3 too: its loop asked for the steps after its join only
         final = safe_torch_load(final_path(root / "killed", rank))
@@ -194,10 +189,10 @@ def test_the_hang_drill_stops_its_rank_which_is_found_killed_and_replaced_and_th
     again), its group rejoins, and every rank ends with the spiked run's whole state."""
     run_dir, done = hung
     assert "ranks replaced: [1]" in done.stdout
-    [fired] = [e for e in _events(run_dir, "fault_injected") if e["fault"] == "hang"]
+    [fired] = [e for e in events_of(run_dir, "fault_injected") if e["fault"] == "hang"]
     assert (fired["rank"], fired["step"], fired["action"]) == (1, 6, "hang")
-    assert [e["target"] for e in _events(run_dir, "live_hung")] == [1]
-    assert [e["step"] for e in _events(run_dir, "data_skip")] == SKIPPED
+    assert [e["target"] for e in events_of(run_dir, "live_hung")] == [1]
+    assert [e["step"] for e in events_of(run_dir, "data_skip")] == SKIPPED
     assert run_differences(spiked[0], run_dir, WORLD) == {}
 
 
@@ -209,7 +204,7 @@ def test_every_live_rank_writes_its_heartbeat_file_and_status_shows_the_finished
     beats = read_heartbeats(run_dir)
     assert sorted(beats) == list(range(WORLD))
     assert {(beat.phase, beat.step, beat.exit_code) for beat in beats.values()} == {("exit", STEPS, 0)}
-    first_pid = next(event["pid"] for event in _events(run_dir, "live_start") if event["rank"] == 3)
+    first_pid = next(event["pid"] for event in events_of(run_dir, "live_start") if event["rank"] == 3)
     assert beats[3].pid != first_pid and beats[3].resumed > 0  # the replacement, which joined mid-run
     rows = dict(status_rows(read_run(run_dir)))
     assert rows["state"] == "finished" and rows["step"] == str(STEPS)
@@ -243,10 +238,10 @@ def test_every_durable_save_records_its_health_from_the_summed_gradients_embeddi
     the saved step's summed gradient (every rank's alike: no collective of its own), the same figure every
     ``live_step`` event carries (as the closure mode's ``step`` events do with ``guards.monitor``)."""
     for run_dir, saved in ((spiked[0], [5, 10]), (killed[0], [10])):  # the killed run's save of 5 was cut
-        steps = {e["step"] + 1: e["embedding_local_norm"] for e in _events(run_dir, "live_step") if e["rank"] == 0}
+        steps = {e["step"] + 1: e["embedding_local_norm"] for e in events_of(run_dir, "live_step") if e["rank"] == 0}
         assert _committed_steps(run_dir) == saved and sorted(_health_records(run_dir)) == saved, run_dir.name
         assert _health_records(run_dir) == {step: int(steps[step] > EMBEDDING_THRESHOLD) for step in saved}
-        assert all("embedding_local_norm" in e for e in _events(run_dir, "live_step"))
+        assert all("embedding_local_norm" in e for e in events_of(run_dir, "live_step"))
     assert _health_records(spiked[0]) == {5: 1, 10: 0}  # step 5's above the threshold
 
 
@@ -256,9 +251,9 @@ def test_each_rank_records_its_shards_local_gradient_norms_and_a_groups_make_the
     group hold the rows of the whole, so their squares add up to the step's global norm, and the replicas of a
     shard (ranks 0 and 2, 1 and 3) record the same norms."""
     run_dir, _ = spiked
-    local = {(e["step"], e["rank"]): e["norms"] for e in _events(run_dir, "local_norm")}
+    local = {(e["step"], e["rank"]): e["norms"] for e in events_of(run_dir, "local_norm")}
     assert sorted(local) == [(step, rank) for step in range(1, STEPS + 1) for rank in range(WORLD)]
-    norms = {e["step"] + 1: e["global_norm"] for e in _events(run_dir, "live_step") if e["rank"] == 0}
+    norms = {e["step"] + 1: e["global_norm"] for e in events_of(run_dir, "live_step") if e["rank"] == 0}
     for step in range(1, STEPS + 1):
         assert local[step, 0] == local[step, 2] and local[step, 1] == local[step, 3], step
         # a NaN is written as its text
@@ -288,14 +283,14 @@ def test_the_closure_mode_skips_the_same_steps_on_the_same_gradients(root, spike
     def verdicts(events: list[dict], first: int) -> list[tuple]:
         return [(e["step"] + first, e["skipped"]) for e in events]
 
-    closure_steps = _events(closure_dir, "step")
-    live_steps = [e for e in _events(run_dir, "live_step") if e["rank"] == 0]
+    closure_steps = events_of(closure_dir, "step")
+    live_steps = [e for e in events_of(run_dir, "live_step") if e["rank"] == 0]
     assert verdicts(closure_steps, 0) == verdicts(live_steps, 1) and len(live_steps) == STEPS
     for closure, live in zip(closure_steps, live_steps):
         for key in ("loss", "global_norm", "embedding_local_norm"):  # a NaN is written as its text
             expected, found = float(closure[key]), float(live[key])
             assert (math.isnan(expected) and math.isnan(found)) or found == pytest.approx(expected, rel=1e-5), key
-    assert [e["step"] for e in _events(closure_dir, "data_skip")] == SKIPPED
+    assert [e["step"] for e in events_of(closure_dir, "data_skip")] == SKIPPED
     # train.log_interval: the closure mode's step lines, written once (by the quorum's first member) at the same
     # steps, with the same skip counts and rate; loss and norm to their printed digits (within 1e-5, above)
     live_lines, closure_lines = _step_lines(done.stdout + done.stderr), _step_lines(done_closure.stdout + done_closure.stderr)
@@ -312,12 +307,12 @@ def test_consecutive_spikes_abort_every_rank_with_exit_3_and_no_rank_is_replaced
     run_dir = root / "aborted"
     done = launched["aborted"].result()
     assert done.returncode == 3, done.stdout[-3000:] + done.stderr[-3000:]
-    line = (f"ValueError: Current global norm [{_events(run_dir, 'data_skip_abort')[0]['global_norm']:.6f}] of step 4 "
+    line = (f"ValueError: Current global norm [{events_of(run_dir, 'data_skip_abort')[0]['global_norm']:.6f}] of step 4 "
             f"has been 2 consecutive times greater than threshold {THRESHOLD!r}, stop training...")
     assert f"trainguard: error: [rank 0] {line}" in done.stderr
     assert "live run aborted by the data-skip guard: exit 3" in done.stdout
-    assert len(_events(run_dir, "data_skip_abort")) == 1
-    assert not _events(run_dir, "live_exit") and len(_events(run_dir, "live_start")) == WORLD
+    assert len(events_of(run_dir, "data_skip_abort")) == 1
+    assert not events_of(run_dir, "live_exit") and len(events_of(run_dir, "live_start")) == WORLD
     assert not any(final_path(run_dir, rank).exists() for rank in range(WORLD))
 
 
@@ -326,7 +321,7 @@ def test_exit_at_step_saves_and_ends_with_exit_0_and_the_run_resumes_bitwise(roo
     replay = f"guards.skip.replay_steps={SKIPPED}"
     stopped = _ok(_live(run_dir, config, replay, "train.exit_at_step=6"))
     assert "run exit_at_step at step 6" in stopped.stdout
-    assert [(e["step"], e["reason"]) for e in _events(run_dir, "run_finished")] == [(6, "exit_at_step")]
+    assert [(e["step"], e["reason"]) for e in events_of(run_dir, "run_finished")] == [(6, "exit_at_step")]
     assert _committed_steps(run_dir) == [5, 6]
     assert not any(final_path(run_dir, rank).exists() for rank in range(WORLD))
     resumed = _ok(_live(run_dir, config, replay))
@@ -343,7 +338,7 @@ def test_a_checkpoint_the_corrupt_drill_damaged_is_passed_over_at_the_resume_whi
     # health off: step 5's checkpoint is above EMBEDDING_THRESHOLD, which the resume would pass over too
     replay, no_health = f"guards.skip.replay_steps={SKIPPED}", "guards.health.enabled=false"
     _ok(_live(run_dir, config, replay, no_health, "train.exit_at_step=6", "faults=corrupt:step=6,file=*.distcp"))
-    [damaged] = _events(run_dir, "fault_injected")
+    [damaged] = events_of(run_dir, "fault_injected")
     assert (damaged["fault"], damaged["step"]) == ("corrupt", 6) and damaged["files"]
     resumed = _ok(_live(run_dir, config, replay, no_health))
     assert f"live run resumes from {run_dir / 'checkpoints' / 'global_step_5'}" in resumed.stdout
@@ -359,7 +354,7 @@ def test_the_kill_switch_stops_the_quorum_at_a_saved_boundary_and_at_start_start
     no_health = "guards.health.enabled=false"
     proc = _start(run_dir, _config(root), f"lifecycle.kill_switch_path={switch}", no_health)
     deadline = time.monotonic() + TIMEOUT_S
-    while not (events_path(run_dir).exists() and _events(run_dir, "live_step")):
+    while not (events_path(run_dir).exists() and events_of(run_dir, "live_step")):
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before its first step"
         time.sleep(0.02)
     # running: ``trainguard status`` finds it live from its ranks' heartbeat files (lifecycle.heartbeats)
@@ -368,16 +363,16 @@ def test_the_kill_switch_stops_the_quorum_at_a_saved_boundary_and_at_start_start
     assert {beat.phase for beat in running.heartbeats} <= {"train", "step"}
     switch.touch()
     done = _ok(finish_session(proc, TIMEOUT_S, "the live run with the kill switch"))
-    [stop] = _events(run_dir, "lifecycle_stop")
+    [stop] = events_of(run_dir, "lifecycle_stop")
     step = stop["step"]
     assert stop["reason"] == "kill_switch" and stop["exit_code"] == 0 and 1 <= step < STEPS
     assert step in _committed_steps(run_dir) and stop["last_checkpoint"] == step
     assert f"stopping at step {step}: kill switch {switch} exists; exit 0 (checkpoint: step {step})" in done.stdout
-    assert {e["step"] for e in _events(run_dir, "live_stopped")} == {step}
-    assert sorted(e["rank"] for e in _events(run_dir, "live_stopped")) == list(range(WORLD))
+    assert {e["step"] for e in events_of(run_dir, "live_stopped")} == {step}
+    assert sorted(e["rank"] for e in events_of(run_dir, "live_stopped")) == list(range(WORLD))
     again = _ok(_live(run_dir, _config(root), f"lifecycle.kill_switch_path={switch}", no_health))
     assert f"kill switch {switch} exists at start: nothing loaded or trained" in again.stdout
-    assert len(_events(run_dir, "live_start")) == WORLD  # no rank of the second run started
+    assert len(events_of(run_dir, "live_start")) == WORLD  # no rank of the second run started
 
 
 def test_the_time_limit_saves_and_exits_16(root):
@@ -386,7 +381,7 @@ def test_the_time_limit_saves_and_exits_16(root):
     done = _live(run_dir, _config(root), "lifecycle.exit_duration_in_mins=0.0001", "lifecycle.heartbeats=false")
     assert done.returncode == 16, done.stdout[-3000:] + done.stderr[-3000:]
     assert not (run_dir / "heartbeats").exists()
-    [stop] = _events(run_dir, "lifecycle_stop")
+    [stop] = events_of(run_dir, "lifecycle_stop")
     assert stop["reason"] == "exit_duration" and stop["exit_code"] == 16
     assert _committed_steps(run_dir) == [stop["step"]]
     assert "run again with --resume auto to continue" in done.stdout
@@ -403,5 +398,5 @@ def test_a_total_other_than_train_steps_is_one_line_from_rank_0_and_exit_2(root)
     errors = [line for line in done.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
     assert errors == [f"trainguard: error: [rank 0] should_stop(step, total_steps=12): the live launcher runs {STEPS} "
                       "steps (config key 'train.steps'); pass the same number (guard.total_steps)"], done.stderr[-3000:]
-    assert len(_events(run_dir, "live_start")) == WORLD  # no rank replaced
-    assert not _events(run_dir, "live_exit") and not _events(run_dir, "live_step")
+    assert len(events_of(run_dir, "live_start")) == WORLD  # no rank replaced
+    assert not events_of(run_dir, "live_exit") and not events_of(run_dir, "live_step")

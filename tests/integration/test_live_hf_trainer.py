@@ -29,7 +29,7 @@ import pytest
 import torch
 import yaml
 
-from helpers.runs import assert_same_tensors, finish_session, trainguard, worker_env
+from helpers.runs import assert_same_tensors, events as events_of, finish_session, trainguard, worker_env
 from helpers.warm_command import warm_server
 
 pytest.importorskip("accelerate", reason="the Trainer adapter needs accelerate (pip install 'trainguard[hf]')")
@@ -38,7 +38,6 @@ from transformers import get_cosine_schedule_with_warmup  # noqa: E402
 
 from trainguard.checkpoint.discovery import list_checkpoints  # noqa: E402
 from trainguard.checkpoint.safe_load import safe_torch_load  # noqa: E402
-from trainguard.events.log import read_events  # noqa: E402
 from trainguard.fs.layout import extra_state_name  # noqa: E402
 from trainguard.live.compare import bitwise_differences  # noqa: E402
 from trainguard.live.files import events_path, final_path  # noqa: E402
@@ -99,7 +98,7 @@ def _stopped_and_resumed(root: Path) -> tuple[Path, int, subprocess.CompletedPro
     run_dir, config = root / "stopped", root / "live.yaml"
     proc = warm_server().start(_run_args(config, run_dir, "logs.jsonl"), worker_env())
     deadline = time.monotonic() + 300
-    while not (events_path(run_dir).exists() and any(e["kind"] == "live_step" for e in _events(run_dir))):
+    while not (events_path(run_dir).exists() and any(e["kind"] == "live_step" for e in events_of(run_dir))):
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 1"
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGTERM)
@@ -132,7 +131,7 @@ def _config_of(run_dir: Path) -> Path:
 
 
 def _first_step_done(run_dir: Path) -> bool:
-    return events_path(run_dir).exists() and any(e["kind"] == "live_step" for e in _events(run_dir))
+    return events_path(run_dir).exists() and any(e["kind"] == "live_step" for e in events_of(run_dir))
 
 
 def _sigkilled_and_resumed(root: Path) -> tuple[Path, int, subprocess.CompletedProcess]:
@@ -147,7 +146,7 @@ def _sigkilled_and_resumed(root: Path) -> tuple[Path, int, subprocess.CompletedP
                            "the save of step 4 committed")
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(30)
-    ranks = [e["pid"] for e in _events(run_dir) if e["kind"] == "live_start"]
+    ranks = [e["pid"] for e in events_of(run_dir) if e["kind"] == "live_start"]
     deadline = time.monotonic() + 60
     while any(Path(f"/proc/{pid}").exists() for pid in ranks) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -162,10 +161,6 @@ def _sigkilled_and_resumed(root: Path) -> tuple[Path, int, subprocess.CompletedP
 @pytest.fixture(scope="module")
 def sigkilled(resumed_jobs) -> tuple[Path, int, subprocess.CompletedProcess]:
     return resumed_jobs["sigkilled"].result()
-
-
-def _events(run_dir: Path) -> list[dict]:
-    return list(read_events(events_path(run_dir)))
 
 
 def _final_state(run_dir: Path, rank: int) -> tuple[dict, dict]:
@@ -217,7 +212,7 @@ def _joiners_logs(logged: list[dict], joined_step: int) -> list[dict]:
 
 
 def test_the_survivor_keeps_its_pid_and_the_spare_rejoins_in_rank_1s_place(runs):
-    events = _events(runs / "failed")
+    events = events_of(runs / "failed")
     pids = defaultdict(list)
     for event in events:
         if event["kind"] == "live_start":
@@ -242,7 +237,7 @@ def test_final_state_and_durable_checkpoint_equal_the_fault_free_run_bitwise(run
 
 def test_every_step_takes_the_trainers_samples_once(runs):
     for name in ("clean", "failed"):
-        assert sample_problems(_events(runs / name), STEPS, MICRO_BATCHES * BATCH) == [], name
+        assert sample_problems(events_of(runs / name), STEPS, MICRO_BATCHES * BATCH) == [], name
 
 
 def test_rank_0_logs_each_step_once_as_the_plain_trainer_would(runs):
@@ -252,7 +247,7 @@ def test_rank_0_logs_each_step_once_as_the_plain_trainer_would(runs):
     clean, failed = _logged_steps(runs / "clean"), _logged_steps(runs / "failed")
     assert [entry["step"] for entry in clean] == list(range(1, STEPS + 1))
     assert failed == clean
-    committed = {e["step"]: e for e in _events(runs / "clean") if e["kind"] == "live_step" and e["rank"] == 0}
+    committed = {e["step"]: e for e in events_of(runs / "clean") if e["kind"] == "live_step" and e["rank"] == 0}
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=3e-3)  # the example's rate and schedule
     schedule = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=2, num_training_steps=STEPS)
     for entry in clean:
@@ -271,7 +266,7 @@ def test_the_trainer_state_rides_in_durable_checkpoints_and_to_the_replacement(r
     before the Trainer logs it: ``global_step_8`` holds the log of steps 1 to 7, and the spare, which
     joined at a step boundary with rank 0's state, lacks the log entry of the step it joined after, and its
     first entry after the join names that step."""
-    (joined,) = [e for e in _events(runs / "failed") if e["kind"] == "live_joined"]
+    (joined,) = [e for e in events_of(runs / "failed") if e["kind"] == "live_joined"]
     logged = _logged_steps(runs / "clean")
     joiners = _joiners_logs(logged, joined["step"])
     for name in ("clean", "failed"):
@@ -308,7 +303,7 @@ def test_a_replacement_of_rank_0_logs_on_from_the_step_after_it_joined(runs):
     joined after, as the fault-free run logged it; the steps rank 1 trained alone are not logged, and its
     first log line names the step it joined after (``joined_after_step``)."""
     run_dir = runs / "rank_0_killed"
-    (joined,) = [e for e in _events(run_dir) if e["kind"] == "live_joined"]
+    (joined,) = [e for e in events_of(run_dir) if e["kind"] == "live_joined"]
     assert joined["rank"] == 0 and KILL_AT < joined["step"] < STEPS
     assert _final_differences(runs / "clean", run_dir) == {}
     clean = _logged_steps(runs / "clean")
@@ -347,7 +342,7 @@ def test_the_kill_switch_stops_the_trainer_at_a_saved_step_with_exit_0(runs):
     switch.touch()
     done = finish_session(proc, 300, "the live run with the kill switch")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    stops = [e for e in _events(run_dir) if e["kind"] == "lifecycle_stop"]
+    stops = [e for e in events_of(run_dir) if e["kind"] == "lifecycle_stop"]
     assert {(e["reason"], e["exit_code"]) for e in stops} == {("kill_switch", 0)}
     step = stops[0]["step"]
     assert 1 <= step < STEPS and step in [info.step for info in list_checkpoints(run_dir / "checkpoints")
@@ -361,7 +356,7 @@ def test_the_time_limit_stops_the_trainer_at_a_saved_step_with_exit_16(runs):
     args = ["--set", "lifecycle.exit_duration_in_mins=0.0001"]
     done = trainguard(*_run_args(_config_of(run_dir), run_dir, "logs.jsonl", *args), timeout=300)
     assert done.returncode == 16, done.stdout[-3000:] + done.stderr[-3000:]
-    [step] = {e["step"] for e in _events(run_dir) if e["kind"] == "lifecycle_stop" and e["reason"] == "exit_duration"}
+    [step] = {e["step"] for e in events_of(run_dir) if e["kind"] == "lifecycle_stop" and e["reason"] == "exit_duration"}
     assert [info.step for info in list_checkpoints(run_dir / "checkpoints") if info.committed] == [step]
     assert "run again with --resume auto to continue" in done.stdout
 
@@ -377,4 +372,4 @@ def test_a_max_steps_other_than_train_steps_is_one_line_naming_both_and_exit_2(r
     errors = [line for line in done.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
     assert errors == [f"trainguard: error: [rank 0] GuardedTrainer: TrainingArguments(max_steps=12): the live launcher "
                       f"runs {STEPS} steps (config key 'train.steps'); pass the same number (guard.total_steps)"], errors
-    assert len([e for e in _events(run_dir) if e["kind"] == "live_start"]) == WORLD  # no rank replaced
+    assert len([e for e in events_of(run_dir) if e["kind"] == "live_start"]) == WORLD  # no rank replaced

@@ -26,10 +26,8 @@ from pathlib import Path
 import pytest
 
 from helpers.netns_cluster import HEAD, NODES
-from helpers.runs import trainguard, worker_env
-from trainguard.events.log import read_events
+from helpers.runs import events as events_of, trainguard, worker_env
 from trainguard.live.compare import replica_differences, run_differences, whole_final_state
-from trainguard.live.files import events_path
 from trainguard.live.launcher import LiveRun, launch
 from trainguard.live.samples import sample_problems
 from trainguard.live.worker import FENCED_EXIT
@@ -48,14 +46,10 @@ RUN = LiveRun(groups=2, group_size=2, steps=100, micro_batch_s=0.05, hang_s=4.0,
               nodes=("n1", CUT, "n3", "n3"))
 
 
-def _events(run_dir: Path) -> list[dict]:
-    return list(read_events(events_path(run_dir))) if events_path(run_dir).exists() else []
-
-
 def _wait(run_dir: Path, what, timeout: float = 90) -> list[dict]:
     deadline = time.time() + timeout
     while time.time() < deadline:
-        found = [e for e in _events(run_dir) if what(e)]
+        found = [e for e in events_of(run_dir) if what(e)]
         if found:
             return found
         time.sleep(0.05)
@@ -102,14 +96,14 @@ def test_survivors_keep_their_processes_and_spares_on_another_node_replace_the_c
     # ranks on n2, the spares that became their replacements on n3
     assert {first[0], first[1]} <= seen["pids"]["n1"] and {first[2], first[3]} <= seen["pids"][CUT]
     assert {last[2], last[3]} <= seen["pids"]["n3"]
-    starts = {(e["rank"], e["pid"], e["rejoin"]) for e in _events(root / "cut") if e["kind"] == "live_start"}
+    starts = {(e["rank"], e["pid"], e["rejoin"]) for e in events_of(root / "cut") if e["kind"] == "live_start"}
     assert starts == {(0, first[0], False), (1, first[1], False), (2, first[2], False), (3, first[3], False),
                       (2, last[2], True), (3, last[3], True)}
 
 
 def test_the_cut_is_found_silent_the_group_leaves_and_rejoins_from_a_live_peer(cut_run):
     root, _, seen = cut_run
-    events = _events(root / "cut")
+    events = events_of(root / "cut")
     hung = [e for e in events if e["kind"] == "live_hung"]
     assert sorted(e["target"] for e in hung) == [2, 3]
     assert all(e["time"] > seen["cut_at"] and e["silent_s"] >= RUN.hang_s for e in hung)
@@ -128,7 +122,7 @@ def test_the_cut_is_found_silent_the_group_leaves_and_rejoins_from_a_live_peer(c
 def test_the_cut_ranks_come_back_stale_and_are_fenced_by_epoch(cut_run):
     root, result, _ = cut_run
     first = {int(r): p for r, p in result["first_pids"].items()}
-    events = _events(root / "cut")
+    events = events_of(root / "cut")
     fenced = {(e["rank"], e["pid"], e["epoch"], e["fence_epoch"]) for e in events if e["kind"] == "live_fenced"}
     assert fenced == {(2, first[2], 0, 0), (3, first[3], 0, 0)}
     assert result["fenced_exit_codes"] == {str(first[2]): FENCED_EXIT, str(first[3]): FENCED_EXIT}
@@ -143,7 +137,7 @@ def test_final_state_is_bitwise_the_fault_free_one_and_no_sample_is_lost_or_repe
     assert {state["step"].item() for state in whole["optimizer"]["state"].values()} == {RUN.steps}
     assert run_differences(root / "clean", root / "cut", RUN.world) == {}
     assert replica_differences(root / "cut", RUN.world, RUN.group_size) == {}
-    assert sample_problems(_events(root / "cut"), RUN.steps, Workload().samples_per_step) == []
+    assert sample_problems(events_of(root / "cut"), RUN.steps, Workload().samples_per_step) == []
 
 
 # ------------------------------------------------------------ trainguard run --launcher hosts (issue 35)
@@ -200,7 +194,7 @@ def test_launcher_hosts_starts_each_group_on_its_node_and_replaces_a_cut_node_on
     assert ("live recovery: 2 replica groups of 2 ranks, 0 spares on hosts n1, n2, spare nodes n3, store at "
             f"{seen['head']})") in output, output[-4000:]
     assert f"live run finished: {USER_STEPS} steps in " in output and "ranks replaced: [2, 3]" in output, output[-4000:]
-    events = _events(run_dir)
+    events = events_of(run_dir)
     (store,) = [e for e in events if e["kind"] == "live_store"]
     assert store["host"] == seen["head"]  # bound to the head's address on the nodes' network
     # every rank ran on its host (UTS namespace: the node's name): the groups on n1 and n2, the cut
@@ -221,7 +215,7 @@ def test_launcher_hosts_starts_each_group_on_its_node_and_replaces_a_cut_node_on
 def test_launcher_hosts_reports_the_cut_node_lost_once(hosts_run):
     """``live_node_lost`` (issue 35): the cut node n2, found hung, once for the node (not once per rank)."""
     run_dir, _, _, _, seen = hosts_run
-    lost = [e for e in _events(run_dir) if e["kind"] == "live_node_lost"]
+    lost = [e for e in events_of(run_dir) if e["kind"] == "live_node_lost"]
     assert [(e["node"], e["reason"]) for e in lost] == [(CUT, "hung")], lost
     assert lost[0]["target"] in (2, 3) and lost[0]["time"] > seen["cut_at"]
 
@@ -252,18 +246,18 @@ def test_launcher_hosts_outlives_its_launchers_death_with_a_restart_from_the_new
 
     code, output = _on_hosts(netns, run_dir, kill_the_launcher, sets=("faults=kill:rank=1,step=4",))
     assert code == 0, output[-4000:]
-    (kill,) = [e for e in _events(run_dir) if e["kind"] == "live_kill"]
+    (kill,) = [e for e in events_of(run_dir) if e["kind"] == "live_kill"]
     assert kill["target"] == 1 and kill["step"] == 4
-    replaced = [(e["target"], e["node"]) for e in _events(run_dir) if e["kind"] == "live_replacement"]
+    replaced = [(e["target"], e["node"]) for e in events_of(run_dir) if e["kind"] == "live_replacement"]
     assert replaced == [(1, "n1")], replaced
-    assert not [e for e in _events(run_dir) if e["kind"] == "live_fenced"]  # the killed rank never came back
+    assert not [e for e in events_of(run_dir) if e["kind"] == "live_fenced"]  # the killed rank never came back
     newest = run_dir / "checkpoints" / "global_step_10"
     assert f"restarting the run from {newest}" in output, output[-4000:]
-    (lost,) = [e for e in _events(run_dir) if e["kind"] == "live_launcher_lost"]
+    (lost,) = [e for e in events_of(run_dir) if e["kind"] == "live_launcher_lost"]
     assert list(lost["rank_exit_codes"].values()).count(18) == 4, lost  # each rank's node command: the rank's code
-    stores = [e for e in _events(run_dir) if e["kind"] == "live_store"]
+    stores = [e for e in events_of(run_dir) if e["kind"] == "live_store"]
     assert len(stores) == 2 and stores[0]["pid"] != stores[1]["pid"] and stores[1]["host"] == netns.address(HEAD)
-    restarted = sorted((e["rank"], e["host"]) for e in _events(run_dir) if e["kind"] == "live_start"
+    restarted = sorted((e["rank"], e["host"]) for e in events_of(run_dir) if e["kind"] == "live_start"
                        and e["time"] > lost["time"])
     assert restarted == [(0, "n1"), (1, "n1"), (2, "n2"), (3, "n2")], restarted
     assert run_differences(clean, run_dir, 4) == {}

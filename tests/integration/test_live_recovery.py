@@ -14,13 +14,12 @@ import pytest
 import torch
 
 from helpers.live_attack import LiveAttack
-from helpers.runs import trainguard, worker_env
+from helpers.runs import events as events_of, trainguard, worker_env
 from trainguard.demo.live import FAILING
-from trainguard.events.log import read_events
 from trainguard.checkpoint.safe_load import safe_torch_load
 from trainguard.checkpoint.staging import serialised
 from trainguard.live.compare import bitwise_differences, replica_differences, run_differences, whole_final_state
-from trainguard.live.files import events_path, final_path
+from trainguard.live.files import final_path
 from trainguard.live.launcher import LiveResult, LiveRun, launch, start_live_rank_server
 from trainguard.live.samples import sample_problems
 from trainguard.live.workload import Workload
@@ -80,10 +79,6 @@ def drill(launched, tmp_path_factory):
     return root, done
 
 
-def _events(run_dir):
-    return list(read_events(events_path(run_dir)))
-
-
 def test_the_live_drill_passes_and_says_so(drill):
     root, done = drill
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -94,7 +89,7 @@ def test_the_live_drill_passes_and_says_so(drill):
 def test_survivors_keep_their_processes_and_the_replacement_is_new(drill):
     root, _ = drill
     pids = defaultdict(list)
-    for event in _events(root / "failed"):
+    for event in events_of(root / "failed"):
         if event["kind"] == "live_start":
             pids[event["rank"]].append((event["pid"], event["rejoin"]))
     for rank in range(WORLD):
@@ -103,13 +98,13 @@ def test_survivors_keep_their_processes_and_the_replacement_is_new(drill):
             assert first != second and not rejoin_first and rejoin_second
         else:
             assert len(pids[rank]) == 1, pids[rank]
-    kill = next(e for e in _events(root / "failed") if e["kind"] == "live_kill")
+    kill = next(e for e in events_of(root / "failed") if e["kind"] == "live_kill")
     assert kill["pid"] == pids[KILLED][0][0]
 
 
 def test_quorum_shrinks_to_the_intact_group_then_the_broken_group_rejoins(drill):
     root, _ = drill
-    events = _events(root / "failed")
+    events = events_of(root / "failed")
     quorums = [e for e in events if e["kind"] == "live_quorum"]
     assert [q["members"] for q in quorums] == [[0, 1, 2, 3], [0, 1], [0, 1, 2, 3]]
     assert quorums[1]["left"] == [2, 3] and quorums[2]["joining"] == [2, 3]
@@ -158,7 +153,7 @@ def test_each_rank_holds_half_of_its_groups_parameters_and_their_optimizer_state
         assert min(held) >= even // GROUP and even > 0.9 * sum(held), (run, held)
     # the joiners received their shard only: shard 0's (305 parameters) more than shard 1's (272), where
     # the whole state would be the same for both, and each less than the group's whole state
-    joined = {e["rank"]: e["state_bytes"] for e in _events(root / "failed") if e["kind"] == "live_joined"}
+    joined = {e["rank"]: e["state_bytes"] for e in events_of(root / "failed") if e["kind"] == "live_joined"}
     whole_bytes = len(serialised({**whole_final_state(root / "failed", GROUP), "guards": {}}))
     assert joined[2] > joined[3] and max(joined.values()) < whole_bytes, (joined, whole_bytes)
 
@@ -167,12 +162,12 @@ def test_no_sample_lost_or_repeated(drill):
     root, _ = drill
     per_step = Workload().samples_per_step
     for name in ("clean", "failed"):
-        assert sample_problems(_events(root / name), STEPS, per_step) == [], name
+        assert sample_problems(events_of(root / name), STEPS, per_step) == [], name
 
 
 def test_the_sample_check_sees_a_lost_and_a_repeated_micro_batch(drill):
     root, _ = drill
-    events = [e for e in _events(root / "failed") if e["kind"] == "live_samples"]
+    events = [e for e in events_of(root / "failed") if e["kind"] == "live_samples"]
     per_step = Workload().samples_per_step
     lost = [e for e in events if not (e["step"] == 12 and e["rank"] == 0)]
     assert any("lost" in p for p in sample_problems(lost, STEPS, per_step))
@@ -199,7 +194,7 @@ def test_a_node_cut_off_is_found_silent_fenced_and_replaced_bitwise(drill, launc
     run, run_dir, result = launched_run(launched, request)
     assert run.hang_s < run.stall_s
     assert [result.last_pids[r] == result.first_pids[r] for r in range(WORLD)] == [False, False, True, True]
-    events = _events(run_dir)
+    events = events_of(run_dir)
     assert sorted(e["target"] for e in events if e["kind"] == "live_hung") == [0, 1]
     quorums = [e for e in events if e["kind"] == "live_quorum"]
     assert [q["members"] for q in quorums] == [[0, 1, 2, 3], [2, 3], [0, 1, 2, 3]]
@@ -218,7 +213,7 @@ def test_a_rank_that_dies_while_its_group_is_out_does_not_abort_the_groups_rejoi
     _, run_dir, result = launched_run(launched, request)
     assert result.shrink_killed_at is not None and result.replacements == {2: 1, 3: 1}
     assert [result.last_pids[r] == result.first_pids[r] for r in range(WORLD)] == [True, True, False, False]
-    events = _events(run_dir)
+    events = events_of(run_dir)
     quorums = [e for e in events if e["kind"] == "live_quorum"]
     assert [(q["members"], q["joining"]) for q in quorums] == [
         ([0, 1, 2, 3], []), ([0, 1], []), ([0, 1, 2, 3], [2, 3])]
@@ -238,7 +233,7 @@ def test_a_hung_rank_costs_the_survivors_the_stall_bound_not_the_heartbeat_timeo
     run, run_dir, result = launched_run(launched, request)
     assert run.hang_s >= 2 * run.stall_s
     assert [result.last_pids[r] == result.first_pids[r] for r in range(WORLD)] == [True, True, True, False]
-    events = _events(run_dir)
+    events = events_of(run_dir)
     quorums = [e for e in events if e["kind"] == "live_quorum"]
     assert [q["members"] for q in quorums] == [[0, 1, 2, 3], [0, 1], [0, 1, 2, 3]]
     assert "stalled" in quorums[1]["reason"]
@@ -256,7 +251,7 @@ def test_a_transient_failure_is_undone_and_redone_bitwise_on_another_layout(dril
     root, _ = drill
     _, run_dir, result = launched_run(launched, request)
     assert result.last_pids == result.first_pids
-    events = _events(run_dir)
+    events = events_of(run_dir)
     quorums = [e for e in events if e["kind"] == "live_quorum"]
     assert [(q["members"], q["step"], q["reason"]) for q in quorums] == [
         ([0, 1], 0, "start"), ([0, 1], 20, "a collective failed")]
@@ -276,7 +271,7 @@ def test_a_second_failure_during_the_join_sends_the_group_out_again_and_it_rejoi
     _, run_dir, result = launched_run(launched, request)
     assert result.joiner_killed_at is not None and result.replacements == {KILLED: 2}
     assert all(result.last_pids[r] == result.first_pids[r] for r in range(WORLD) if r != KILLED)
-    events = _events(run_dir)
+    events = events_of(run_dir)
     kills = [e for e in events if e["kind"] == "live_kill"]
     assert [e["target"] for e in kills] == [KILLED, KILLED] and kills[1].get("during_join") is not None
     quorums = [e for e in events if e["kind"] == "live_quorum"]
@@ -301,7 +296,7 @@ def test_a_death_while_the_shrunk_epochs_group_is_built_is_recovered_not_escaped
     _, run_dir, result = launched_run(launched, request)
     assert result.shrink_killed_at is not None and result.replacements == {1: 1, 2: 1}
     assert result.last_pids[0] == result.first_pids[0]
-    events = _events(run_dir)
+    events = events_of(run_dir)
     quorums = [e for e in events if e["kind"] == "live_quorum"]
     assert [q["members"] for q in quorums][:3] == [[0, 1, 2], [0, 1], [0]]
     assert quorums[-1]["members"] == [0, 1, 2]
@@ -324,7 +319,7 @@ def test_a_partial_cut_is_found_within_the_stall_bound_and_its_group_excluded(dr
     root, _ = drill
     run, run_dir, result = launched_run(launched, request)
     assert result.last_pids == result.first_pids and set(result.exit_codes.values()) == {0}
-    events = _events(run_dir)
+    events = events_of(run_dir)
     excluded = [r for r in range(WORLD) if r not in survivors]
     drilled = next(e for e in events if e["kind"] == "live_stall_drill")
     assert (drilled["rank"], drilled["step"], drilled["cut"]) == (stalled, 10, cut)
@@ -370,7 +365,7 @@ def test_a_client_without_the_secret_cannot_stop_abort_fence_or_crash_a_live_run
     assert {"stop", "abort/0", "report/0/1"} <= attack.written and len(attack.written) > 30, sorted(attack.written)
     assert attack.probed == set(range(WORLD)) and attack.overwrote_latest > 10
     assert result.first_pids == result.last_pids and result.exit_codes == {r: 0 for r in range(WORLD)}
-    events = _events(tmp_path / "attacked")
+    events = events_of(tmp_path / "attacked")
     assert [e["members"] for e in events if e["kind"] == "live_quorum"] == [[0, 1, 2, 3]]
     assert run_differences(root / "clean", tmp_path / "attacked", WORLD) == {}
     assert sample_problems(events, STEPS, Workload().samples_per_step) == []

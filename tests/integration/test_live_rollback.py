@@ -71,16 +71,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers.runs import TINY, finish_session, trainguard, worker_env
+from helpers.runs import events as events_of, finish_session, TINY, trainguard, worker_env
 from helpers.warm_command import warm_server
 from trainguard.checkpoint.discovery import list_checkpoints
 from trainguard.checkpoint.safe_load import safe_torch_load
 from trainguard.config.schema import RunConfig
-from trainguard.events.log import read_events
 from trainguard.checkpoint.manifest import verify_checkpoint
 from trainguard.errors import EXIT_RESUMABLE_STOP, EXIT_STEP_FAILED
 from trainguard.live.compare import bitwise_differences, replica_differences, run_differences, whole_final_state
-from trainguard.live.files import events_path, final_path
+from trainguard.live.files import final_path
 from trainguard.live.rng import micro_batch_rng
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,8 +120,8 @@ def _stopped_while_failing(run_dir: Path, config: Path, failures: str, **env: st
                                    "--set", "fault_tolerance.max_step_failures=1000", "--", sys.executable,
                                    str(EXAMPLE), "--config", str(config)], env)
     deadline = time.monotonic() + TIMEOUT_S
-    while started.poll() is None and time.monotonic() < deadline and not (
-            events_path(run_dir).exists() and len([e for e in _events(run_dir, failures) if e["rank"] == 0]) >= 3):
+    while started.poll() is None and time.monotonic() < deadline and \
+            len([e for e in events_of(run_dir, failures) if e["rank"] == 0]) < 3:
         time.sleep(0.2)
     os.kill(started.pid, signal.SIGTERM)
     return finish_session(started, TIMEOUT_S, f"the live run {run_dir.name}, stopped")
@@ -131,10 +130,6 @@ def _stopped_while_failing(run_dir: Path, config: Path, failures: str, **env: st
 def _ok(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
-
-
-def _events(run_dir: Path, kind: str) -> list[dict]:
-    return [event for event in read_events(events_path(run_dir)) if event["kind"] == kind]
 
 
 def one_process_reference(positions: list[int]) -> dict[str, torch.Tensor]:
@@ -186,13 +181,13 @@ def rolled(root, launched):
 
 def test_a_spike_rolls_every_rank_back_and_the_run_equals_the_contracts_training_without_the_window(rolled):
     run_dir, _ = rolled
-    [event] = _events(run_dir, "rollback")
+    [event] = events_of(run_dir, "rollback")
     assert (event["step"], event["to_step"], event["window"], event["skipped"]) == (SPIKE_AT + 1, 6, [7, 8], [[6, 8]])
-    assert not _events(run_dir, "fingerprint_mismatch")  # the replicas compared before every step agree
+    assert not events_of(run_dir, "fingerprint_mismatch")  # the replicas compared before every step agree
     for rank in range(WORLD):
-        steps = [e["step"] for e in _events(run_dir, "live_step") if e["rank"] == rank]
+        steps = [e["step"] for e in events_of(run_dir, "live_step") if e["rank"] == rank]
         assert steps == list(range(STEPS)), rank  # the spiked step 6 (from 0) is not committed, then trained again
-        samples = [e["samples"] for e in _events(run_dir, "live_samples") if e["rank"] == rank]
+        samples = [e["samples"] for e in events_of(run_dir, "live_samples") if e["rank"] == rank]
         assert samples[-1][0][0] // (MICRO_BATCHES * live_loop.MICRO_BATCH) == POSITIONS[-1]
     assert [info.step for info in list_checkpoints(run_dir / "checkpoints") if info.committed][-3:] == [STEPS - 6, STEPS - 3, STEPS]
     reference = one_process_reference(POSITIONS)
@@ -212,9 +207,9 @@ def test_a_rank_killed_after_the_rollback_rejoins_with_the_window_and_the_run_en
     run_dir = root / "killed"
     done = _ok(launched["killed"].result())
     assert "ranks replaced: [1]" in done.stdout
-    [joined] = _events(run_dir, "live_joined")
+    [joined] = events_of(run_dir, "live_joined")
     assert joined["step"] < STEPS - 5  # the replacement trains past the window with the positions it received
-    assert len(_events(run_dir, "rollback")) == 1
+    assert len(events_of(run_dir, "rollback")) == 1
     assert run_differences(rolled[0], run_dir, WORLD) == {}
 
 
@@ -223,7 +218,7 @@ def test_a_rank_killed_inside_the_restore_of_a_sharded_rollback_ends_bitwise(roo
     done = _ok(launched["killed_in_restore"].result())
     assert (run_dir / "died_in_restore_rank_1").exists()  # it did die inside the restore
     assert "ranks replaced: [1]" in done.stdout
-    [event] = _events(run_dir, "rollback")  # the undone restore left no rollback of its own
+    [event] = events_of(run_dir, "rollback")  # the undone restore left no rollback of its own
     assert (event["step"], event["to_step"], event["skipped"]) == (SPIKE_AT + 1, 6, [[6, 8]])
     assert replica_differences(run_dir, WORLD * group_size, group_size) == {}
     assert bitwise_differences(whole_final_state(run_dir, group_size), whole_final_state(rolled[0], 1)) == []
@@ -233,13 +228,13 @@ def test_a_rollback_that_recurs_too_often_aborts_every_rank_with_exit_3(root, la
     run_dir = root / "recurring"
     done = launched["recurring"].result()
     assert done.returncode == 3, done.stdout[-3000:] + done.stderr[-3000:]
-    [abort] = _events(run_dir, "rollback_abort")
+    [abort] = events_of(run_dir, "rollback_abort")
     assert "recurred after 1 rollbacks without progress (guards.rollback.max_rollbacks=1)" in abort["message"]
     assert f"trainguard: error: [rank 0] {abort['message']}" in done.stderr
     # the launcher's contract line, the rollback's reason added after it
     assert (f"trainguard: live run aborted by the data-skip guard: exit 3 ({abort['message']}); "
             f"the newest checkpoint is {run_dir / 'checkpoints' / 'global_step_6'}") in done.stdout
-    assert len(_events(run_dir, "rollback")) == 1
+    assert len(events_of(run_dir, "rollback")) == 1
 
 
 TRAINER_STEPS = 10
@@ -254,12 +249,12 @@ TRAINER = ["--nproc", str(WORLD), "--steps", str(TRAINER_STEPS), "--save-interva
 def test_trainguard_train_live_rolls_back_on_a_spike_skips_the_window_and_the_report_shows_it(root, launched):
     run_dir = root / "trainer"
     _ok(launched["trainer"].result())
-    [event] = _events(run_dir, "rollback")
+    [event] = events_of(run_dir, "rollback")
     assert (event["step"], event["to_step"], event["window"], event["skipped"]) == (7, 6, [7, 8], [[6, 8]])
     for rank in range(WORLD):
-        assert [e["step"] for e in _events(run_dir, "live_step") if e["rank"] == rank] == list(range(TRAINER_STEPS))
+        assert [e["step"] for e in events_of(run_dir, "live_step") if e["rank"] == rank] == list(range(TRAINER_STEPS))
     # the steps after the restore draw the data positions past the window: step 6 (from 0) trains position 8
-    first_sample = {e["step"]: e["samples"][0][0] for e in _events(run_dir, "live_samples") if e["rank"] == 0}
+    first_sample = {e["step"]: e["samples"][0][0] for e in events_of(run_dir, "live_samples") if e["rank"] == 0}
     assert first_sample[6] == 8 * 2 * 2 and first_sample[TRAINER_STEPS - 1] == (TRAINER_STEPS + 1) * 2 * 2
     assert [info.step for info in list_checkpoints(run_dir / "checkpoints") if info.committed][-2:] == [9, 10]
     _ok(trainguard("report", str(run_dir)))
@@ -299,10 +294,10 @@ def test_a_load_that_raises_once_in_the_rollbacks_restore_ends_the_epoch_and_the
     run_dir = root / "raised"
     done = _ok(failed_restores["raised"].result())
     assert (run_dir / "died_in_restore_rank_1").exists()  # its read did raise inside the restore
-    [failed] = [e for e in _events(run_dir, "live_collective_failed") if e["rank"] == 0]
+    [failed] = [e for e in events_of(run_dir, "live_collective_failed") if e["rank"] == 0]
     assert failed["error"].startswith("RuntimeError: live recovery: the restore for a rollback before step 7 "
                                       "failed: cannot load ")
-    [event] = _events(run_dir, "rollback")
+    [event] = events_of(run_dir, "rollback")
     assert (event["step"], event["to_step"], event["skipped"]) == (SPIKE_AT + 1, 6, [[6, 8]])
     assert "rolled back to step 6" in done.stdout
     _ends_as_the_contracts_training_without(run_dir, event["skipped"])
@@ -311,14 +306,14 @@ def test_a_load_that_raises_once_in_the_rollbacks_restore_ends_the_epoch_and_the
 def test_a_checkpoint_whose_load_always_raises_is_passed_over_and_the_rollback_walks_back(root, failed_restores):
     run_dir = root / "walked_back"
     done = _ok(failed_restores["walked_back"].result())
-    assert len([e for e in _events(run_dir, "live_collective_failed") if e["rank"] == 0]) == 3
-    [passed] = _events(run_dir, "live_restore_passed_over")
+    assert len([e for e in events_of(run_dir, "live_collective_failed") if e["rank"] == 0]) == 3
+    [passed] = events_of(run_dir, "live_restore_passed_over")
     assert (passed["checkpoint"], passed["failures"]) == (6, 3)
     assert "injected: rank 1's read of its part of global_step_6 failed" in passed["error"]
     assert "live recovery: global_step_6 failed to load 3 times (fault_tolerance.max_step_failures): cannot load " \
            in done.stdout + done.stderr
     assert "; passed over for an older checkpoint from now on" in done.stdout + done.stderr
-    [event] = _events(run_dir, "rollback")
+    [event] = events_of(run_dir, "rollback")
     assert (event["step"], event["to_step"], event["attempt"]) == (SPIKE_AT + 1, 3, 1)
     assert "rolled back to step 3" in done.stdout
     _ends_as_the_contracts_training_without(run_dir, event["skipped"])
@@ -329,7 +324,7 @@ def test_with_no_checkpoint_that_loads_every_rank_ends_with_exit_19_naming_them_
     run_dir = root / "none_left"
     done = failed_restores["none_left"].result()
     assert done.returncode == EXIT_STEP_FAILED, done.stdout[-3000:] + done.stderr[-3000:]
-    assert [e["checkpoint"] for e in _events(run_dir, "live_restore_passed_over")] == [6, 3]
+    assert [e["checkpoint"] for e in events_of(run_dir, "live_restore_passed_over")] == [6, 3]
     line = next(line for line in done.stderr.splitlines() if line.startswith("trainguard: error: [rank 0] "))
     assert "the restore before step 7 found no checkpoint that loads: global_step_6 (3 failed loads, the last: " \
            "cannot load " in line
@@ -343,35 +338,35 @@ def test_with_no_checkpoint_that_loads_every_rank_ends_with_exit_19_naming_them_
     committed = [info for info in list_checkpoints(checkpoints) if info.committed]
     assert [info.step for info in committed] == [3, 6]
     assert all(verify_checkpoint(info.path, info.manifest) == [] for info in committed)
-    assert not _events(run_dir, "rollback")
+    assert not events_of(run_dir, "rollback")
 
 
 def _stopped_at(run_dir: Path, done: subprocess.CompletedProcess, step: int) -> None:
     """The quorum's SIGTERM stop at ``step`` (the committed steps), saved there: exit 16, the closure mode's
     ``lifecycle_stop`` and the launcher's line; every checkpoint committed and verifying, none past ``step``."""
     assert done.returncode == EXIT_RESUMABLE_STOP, done.stdout[-3000:] + done.stderr[-3000:]
-    [stop] = _events(run_dir, "lifecycle_stop")
+    [stop] = events_of(run_dir, "lifecycle_stop")
     assert (stop["step"], stop["reason"], stop["exit_code"], stop["last_checkpoint"]) == \
         (step, "signal", EXIT_RESUMABLE_STOP, step)
-    assert sorted((e["rank"], e["step"]) for e in _events(run_dir, "live_stopped")) == [(0, step), (1, step)]
+    assert sorted((e["rank"], e["step"]) for e in events_of(run_dir, "live_stopped")) == [(0, step), (1, step)]
     assert f"live run stopped by SIGTERM/SIGUSR1: saved {run_dir / 'checkpoints' / f'global_step_{step}'}" \
         in done.stdout
     checkpoints = list_checkpoints(run_dir / "checkpoints")
     assert [info.step for info in checkpoints if info.committed][-1] == step
     assert all(verify_checkpoint(info.path, info.manifest) == [] for info in checkpoints)
-    assert max(e["step"] for e in _events(run_dir, "live_step")) == step - 1
+    assert max(e["step"] for e in events_of(run_dir, "live_step")) == step - 1
 
 
 def test_sigterm_while_the_rollbacks_restore_keeps_failing_stops_at_the_committed_step(root, failed_restores):
     run_dir = root / "stopped_in_restores"
     done = failed_restores["stopped_in_restores"].result()
-    assert len([e for e in _events(run_dir, "live_collective_failed") if e["rank"] == 0]) >= 3
-    assert not _events(run_dir, "live_restore_passed_over")
+    assert len([e for e in events_of(run_dir, "live_collective_failed") if e["rank"] == 0]) >= 3
+    assert not events_of(run_dir, "live_restore_passed_over")
     _stopped_at(run_dir, done, SPIKE_AT)  # undone to before the spiked step: global_step_6, saved already
 
 
 def test_sigterm_while_a_step_keeps_failing_saves_the_committed_steps_and_stops(root, failed_restores):
     run_dir = root / "stopped_in_steps"
     done = failed_restores["stopped_in_steps"].result()
-    assert len([e for e in _events(run_dir, "live_step_failed") if e["rank"] == 0]) >= 3
+    assert len([e for e in events_of(run_dir, "live_step_failed") if e["rank"] == 0]) >= 3
     _stopped_at(run_dir, done, 4)

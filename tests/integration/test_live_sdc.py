@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.runs import finish_session, worker_env
+from helpers.runs import events as events_of, finish_session, worker_env
 from helpers.warm_command import warm_server
 from trainguard.checkpoint.safe_load import safe_torch_load
 from trainguard.events.log import read_events
@@ -66,10 +66,6 @@ def _live(run_dir: Path, config: Path, *sets: str) -> subprocess.CompletedProces
     return done
 
 
-def _events(run_dir: Path, kind: str) -> list[dict]:
-    return [event for event in read_events(events_path(run_dir)) if event["kind"] == kind]
-
-
 def _final(run_dir: Path, rank: int) -> dict:
     return safe_torch_load(final_path(run_dir, rank))
 
@@ -91,24 +87,24 @@ def struck(root):
 
 
 def test_a_fault_free_run_with_sdc_on_detects_nothing_and_its_replicas_agree(clean):
-    assert [e["names"] for e in _events(clean, "sdc_points")][0][0] == "2"  # the LayerNorm, then the gradients
+    assert [e["names"] for e in events_of(clean, "sdc_points")][0][0] == "2"  # the LayerNorm, then the gradients
     assert not [e for e in read_events(events_path(clean)) if e["kind"] in ("sdc_detected", "sdc_rerun")]
     assert replica_differences(clean, WORLD, 2) == {}  # the detectors' state too: every rank's alike
 
 
 def test_a_miscompute_on_one_rank_is_caught_by_the_quorum_rerun_and_the_struck_out_rank_replaced(struck):
     run_dir, done = struck
-    detected = _events(run_dir, "sdc_detected")
+    detected = events_of(run_dir, "sdc_detected")
     assert {e["step"] for e in detected} == {FAULT_AT}
     assert [e["computed_by"] for e in detected if e["point"] == "2"] == [[1]]
     for rank in range(WORLD):  # the closure mode's line, in every rank's log
         assert f"accuracy sensitivity feature abnormal: step {FAULT_AT}, rank {rank}, " in done.stdout + done.stderr
-    [rerun] = _events(run_dir, "sdc_rerun")
+    [rerun] = events_of(run_dir, "sdc_rerun")
     assert (rerun["verdict"], rerun["reran"], rerun["ranks"]) == ("faulty", True, [1])
-    [attribution] = _events(run_dir, "sdc_attribution")
+    [attribution] = events_of(run_dir, "sdc_attribution")
     assert (attribution["rank"], attribution["attribution"], attribution["strikes"], attribution["faulty"]) == \
         (1, "transient", 1, True)
-    assert [(e["target"], e["code"]) for e in _events(run_dir, "live_exit")] == [(1, 17)]
+    assert [(e["target"], e["code"]) for e in events_of(run_dir, "live_exit")] == [(1, 17)]
     assert "ranks replaced: [1]" in done.stdout
     [entry] = json.loads(faulty_ranks_path(run_dir).read_text())
     assert (entry["rank"], entry["local_device"], [s["step"] for s in entry["strikes"]]) == (1, "cpu:1", [FAULT_AT])
@@ -136,17 +132,17 @@ def test_the_closure_mode_catches_the_same_fault_at_the_same_step_with_the_same_
         # the live groups shard the parameters (dp_shard 2): a parameter gradient's point there is one per
         # shard (``grad:NAME (shard S)``), the whole parameter's in the one-process twin
         return list(dict.fromkeys((e["step"], e["point"].split(" (shard ")[0], e["level"])
-                                  for e in _events(run, "sdc_detected")))
+                                  for e in events_of(run, "sdc_detected")))
 
     assert caught(twin) == caught(run_dir)
-    assert [(e["step"], e["verdict"]) for e in _events(twin, "sdc_rerun")] == \
-        [(e["step"], e["verdict"]) for e in _events(run_dir, "sdc_rerun")]
+    assert [(e["step"], e["verdict"]) for e in events_of(twin, "sdc_rerun")] == \
+        [(e["step"], e["verdict"]) for e in events_of(run_dir, "sdc_rerun")]
 
 
 def test_a_flip_at_rest_is_found_by_the_replica_fingerprints_and_repaired_from_a_replica(root, clean):
     run_dir = root / "flipped"
     done = _live(run_dir, _config(root), "guards.fingerprint.interval=2", f"faults={STATE_FLIP}")
-    [mismatch] = _events(run_dir, "fingerprint_mismatch")
+    [mismatch] = events_of(run_dir, "fingerprint_mismatch")
     assert (mismatch["step"], mismatch["group"], mismatch["faulty"], mismatch["how"], mismatch["repaired"]) == \
         (FAULT_AT, [0, 2], [2], ["at_rest"], ["state"])
     assert "fingerprint mismatch: step 4, replica group [0, 2], tensor state: rank(s) [2] corrupt (at_rest), " \
@@ -154,6 +150,6 @@ def test_a_flip_at_rest_is_found_by_the_replica_fingerprints_and_repaired_from_a
     # struck as the closure mode strikes it: at ``strikes: 1`` rank 2 exits 17 there and is replaced
     assert "sdc strike: step 4, rank 2: fingerprint mismatch (at_rest); strike 1 of 1 within 8 h; the rank is " \
            "faulty" in done.stdout + done.stderr
-    assert [(e["target"], e["code"]) for e in _events(run_dir, "live_exit")] == [(2, 17)]
-    assert "ranks replaced: [2]" in done.stdout and not _events(run_dir, "sdc_detected")
+    assert [(e["target"], e["code"]) for e in events_of(run_dir, "live_exit")] == [(2, 17)]
+    assert "ranks replaced: [2]" in done.stdout and not events_of(run_dir, "sdc_detected")
     assert run_differences(clean, run_dir, WORLD) == {}

@@ -46,7 +46,7 @@ import pytest
 import torch
 
 from helpers.live_tensors import durable_tensors, final_tensors
-from helpers.runs import finish_session, worker_env
+from helpers.runs import events as events_of, finish_session, worker_env
 from helpers.warm_command import warm_server
 from trainguard.events.log import read_events
 from trainguard.guards.sdc import faulty_ranks_path
@@ -125,11 +125,11 @@ def _stop_for_a_while(run_dir: Path, started: subprocess.Popen) -> None:
     """SIGSTOPs rank ``STOPPED``'s process once rank 0 has committed step ``STOP_AFTER`` (0-based), SIGCONTs it
     ``STOPPED_S`` later; the run goes on meanwhile."""
     deadline = time.monotonic() + 300
-    while not (events_path(run_dir).exists() and [e for e in _events(run_dir, "live_step")
+    while not (events_path(run_dir).exists() and [e for e in events_of(run_dir, "live_step")
                                                    if e["rank"] == 0 and e["step"] >= STOP_AFTER]):
         assert started.poll() is None and time.monotonic() < deadline, "the stopped run ended before its SIGSTOP"
         time.sleep(0.02)
-    [pid] = [e["pid"] for e in _events(run_dir, "live_start") if e["rank"] == STOPPED]
+    [pid] = [e["pid"] for e in events_of(run_dir, "live_start") if e["rank"] == STOPPED]
     os.kill(pid, signal.SIGSTOP)
     time.sleep(STOPPED_S)
     os.kill(pid, signal.SIGCONT)
@@ -231,10 +231,6 @@ def test_the_reference_trainer_with_tp_ends_bitwise_equal_after_a_lost_group(run
     assert {e["rank"] for e in read_events(events_path(runs / "trainer_killed")) if e["kind"] == "live_joined"} == {2, 3}
 
 
-def _events(run_dir: Path, kind: str) -> list[dict]:
-    return [event for event in read_events(events_path(run_dir)) if event["kind"] == kind]
-
-
 def _trained_differences(reference: Path, run: Path) -> dict[int, list[str]]:
     """Each rank's final parameters and optimizer state against the same rank's in ``reference``, bitwise."""
     found = {}
@@ -246,7 +242,7 @@ def _trained_differences(reference: Path, run: Path) -> dict[int, list[str]]:
 
 
 def test_sdc_with_tp_on_without_a_fault_detects_nothing_and_ends_bitwise_as_sdc_off(runs):
-    [points] = _events(runs / "sdc", "sdc_points")
+    [points] = events_of(runs / "sdc", "sdc_points")
     assert points["names"][:4] == ["1 (tp 0)", "4 (tp 0)", "1 (tp 1)", "4 (tp 1)"]
     assert "grad:0.weight (shard 1)" in points["names"]  # a parameter's gradient: each rank's local piece
     assert not [e for e in read_events(events_path(runs / "sdc")) if e["kind"].startswith("sdc_")
@@ -256,51 +252,51 @@ def test_sdc_with_tp_on_without_a_fault_detects_nothing_and_ends_bitwise_as_sdc_
 
 def test_a_transient_fault_on_one_tp_rank_is_found_there_and_the_clean_rerun_used_bitwise(runs):
     run_dir = runs / "struck"
-    detected = _events(run_dir, "sdc_detected")
+    detected = events_of(run_dir, "sdc_detected")
     assert {e["step"] for e in detected} == {TRANSIENT_AT, STRUCK_OUT_AT}
     # module points: tp rank 1's values only (the split activation's piece and the replicated one), computed by
     # rank 1; its tp peer's values of the same micro-batches were clean
     assert sorted((e["step"], e["point"], e["computed_by"], e["level"]) for e in detected
                   if not e["point"].startswith("grad:")) == [
         (step, point, [1], 1) for step in (TRANSIENT_AT, STRUCK_OUT_AT) for point in ("1 (tp 1)", "4 (tp 1)")]
-    assert [(e["step"], e["verdict"], e["ranks"]) for e in _events(run_dir, "sdc_rerun")] == [
+    assert [(e["step"], e["verdict"], e["ranks"]) for e in events_of(run_dir, "sdc_rerun")] == [
         (TRANSIENT_AT, "transient", [1]), (STRUCK_OUT_AT, "faulty", [1])]
     assert [(e["step"], e["rank"], e["attribution"], e["strikes"], e["faulty"])
-            for e in _events(run_dir, "sdc_attribution")] == [
+            for e in events_of(run_dir, "sdc_attribution")] == [
         (TRANSIENT_AT, 1, "transient", 1, False), (STRUCK_OUT_AT, 1, "transient", 2, True)]
-    assert not [e for e in _events(run_dir, "live_step") if e["skipped"]]
+    assert not [e for e in events_of(run_dir, "live_step") if e["skipped"]]
     assert _trained_differences(runs / "sdc", run_dir) == {}
     assert _trained_differences(runs / "clean", run_dir) == {}
 
 
 def test_a_tp_rank_reaching_its_strikes_exits_17_with_its_entry_and_its_group_is_replaced(runs):
     run_dir = runs / "struck"
-    assert sorted((e["target"], e["code"]) for e in _events(run_dir, "live_exit")) == [(0, GROUP_OUT_EXIT), (1, 17)]
+    assert sorted((e["target"], e["code"]) for e in events_of(run_dir, "live_exit")) == [(0, GROUP_OUT_EXIT), (1, 17)]
     [entry] = json.loads(faulty_ranks_path(run_dir).read_text())
     assert (entry["rank"], entry["local_device"], [s["step"] for s in entry["strikes"]]) == (
         1, "cpu:1", [TRANSIENT_AT, STRUCK_OUT_AT])
-    assert {e["rank"] for e in _events(run_dir, "live_joined")} == {0, 1}
-    degraded = {e["step"] for e in _events(run_dir, "live_step") if e["members"] == 2}
+    assert {e["rank"] for e in events_of(run_dir, "live_joined")} == {0, 1}
+    degraded = {e["step"] for e in events_of(run_dir, "live_step") if e["members"] == 2}
     assert degraded and min(degraded) == STRUCK_OUT_AT  # live_step counts from 0: step 6 by group 1 alone
 
 
 def test_a_spike_with_tp_rolls_every_rank_back_and_ends_bitwise_as_the_run_never_fed_the_window(runs):
     run_dir = runs / "rolled"
-    [event] = _events(run_dir, "rollback")
+    [event] = events_of(run_dir, "rollback")
     assert (event["step"], event["to_step"], event["skipped"]) == (SPIKE_POSITION + 1, SPIKE_POSITION, [list(WINDOW)])
     for rank in range(WORLD):
-        assert [e["step"] for e in _events(run_dir, "live_step") if e["rank"] == rank] == list(range(STEPS)), rank
-    assert not _events(runs / "unfed", "rollback")
+        assert [e["step"] for e in events_of(run_dir, "live_step") if e["rank"] == rank] == list(range(STEPS)), rank
+    assert not events_of(runs / "unfed", "rollback")
     assert _trained_differences(runs / "unfed", run_dir) == {}
 
 
 def test_a_nan_and_one_tp_ranks_bitflip_are_skipped_and_end_bitwise_as_the_replayed_skips(runs):
     run_dir = runs / "faulted"
-    assert [(e["step"], e["nan"]) for e in _events(run_dir, "data_skip")] == SKIPPED
-    [flipped] = [e for e in _events(run_dir, "fault_injected") if e["fault"] == "bitflip"]
+    assert [(e["step"], e["nan"]) for e in events_of(run_dir, "data_skip")] == SKIPPED
+    [flipped] = [e for e in events_of(run_dir, "fault_injected") if e["fault"] == "bitflip"]
     assert (flipped["rank"], flipped["step"]) == (1, 4)
     for rank in range(WORLD):
-        skipped = sorted({e["step"] + 1 for e in _events(run_dir, "live_step") if e["rank"] == rank and e["skipped"]})
+        skipped = sorted({e["step"] + 1 for e in events_of(run_dir, "live_step") if e["rank"] == rank and e["skipped"]})
         assert skipped == [step for step, _ in SKIPPED], rank
     assert _trained_differences(runs / "replayed", run_dir) == {}
 
@@ -310,11 +306,11 @@ def test_a_tp_rank_sigstopped_mid_run_takes_its_group_out_at_the_stall_bound_and
     the stall watch excludes group 1 and group 0 goes on alone; after SIGCONT both ranks of group 1 find their
     epoch ended, exit 20 and start again, and rejoin: the end state is the fault-free run's bitwise."""
     run_dir = runs / "stopped"
-    assert [e["excluded"] for e in _events(run_dir, "live_stall") if STOPPED in e["absent"]] == [[2, 3]]
-    assert {0, 1} <= {e["rank"] for e in _events(run_dir, "live_resumed")}
-    assert {e["rank"] for e in _events(run_dir, "live_step") if e["members"] == 2} == {0, 1}  # group 0 went on
-    exits = {(e["target"], e["code"]) for e in _events(run_dir, "live_exit")}
+    assert [e["excluded"] for e in events_of(run_dir, "live_stall") if STOPPED in e["absent"]] == [[2, 3]]
+    assert {0, 1} <= {e["rank"] for e in events_of(run_dir, "live_resumed")}
+    assert {e["rank"] for e in events_of(run_dir, "live_step") if e["members"] == 2} == {0, 1}  # group 0 went on
+    exits = {(e["target"], e["code"]) for e in events_of(run_dir, "live_exit")}
     assert exits >= {(2, GROUP_OUT_EXIT), (3, GROUP_OUT_EXIT)}
-    assert not _events(run_dir, "live_hung")
-    assert {e["rank"] for e in _events(run_dir, "live_joined")} == {2, 3}
+    assert not events_of(run_dir, "live_hung")
+    assert {e["rank"] for e in events_of(run_dir, "live_joined")} == {2, 3}
     assert _trained_differences(runs / "clean", run_dir) == {}

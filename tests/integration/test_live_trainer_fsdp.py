@@ -23,12 +23,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.runs import ok, trainguard
+from helpers.runs import events as events_of, ok, trainguard
 from helpers.sharded_state import assert_each_rank_holds_its_share
 from trainguard.checkpoint.durable import read_full_state_dict
-from trainguard.events.log import read_events
 from trainguard.live.compare import bitwise_differences, run_differences
-from trainguard.live.files import events_path
 from trainguard.live.rank import GROUP_OUT_EXIT
 
 STEPS, WORLD, GROUP, KILLED, KILL_AT, INTERVAL, STOP_AT = 8, 4, 2, 3, 3, 4, 5
@@ -54,10 +52,6 @@ def runs(tmp_path_factory):
     return root, outputs
 
 
-def _events(run_dir: Path, kind: str) -> list[dict]:
-    return [event for event in read_events(events_path(run_dir)) if event["kind"] == kind]
-
-
 def _final_checkpoint(run_dir: Path) -> dict:
     return read_full_state_dict(run_dir / "checkpoints" / f"global_step_{STEPS}")
 
@@ -66,23 +60,23 @@ def test_the_fault_free_run_is_judged_by_data_skip_and_sdc_and_nothing_is_abnorm
     root, outputs = runs
     assert f"live run finished: {STEPS} steps" in outputs["clean"] and "ranks replaced: none" in outputs["clean"]
     assert f"opt_global_step: {STEPS - 1}, skip_data_grad_norm_threshold:" in outputs["clean"]
-    points = _events(root / "clean", "sdc_points")
+    points = events_of(root / "clean", "sdc_points")
     assert points and all("model.norm" in event["names"] for event in points)
     for run in ("clean", "killed", "resumed"):
-        assert not _events(root / run, "data_skip") and not _events(root / run, "sdc_detected"), run
+        assert not events_of(root / run, "data_skip") and not events_of(root / run, "sdc_detected"), run
 
 
 def test_a_sigkilled_rank_takes_its_fsdp2_group_out_and_the_run_ends_bitwise_the_fault_free_one(runs):
     root, outputs = runs
     assert f"live run finished: {STEPS} steps" in outputs["killed"] and "ranks replaced: [2, 3]" in outputs["killed"]
     pids = defaultdict(list)
-    for event in _events(root / "killed", "live_start"):
+    for event in events_of(root / "killed", "live_start"):
         pids[event["rank"]].append(event["pid"])
     assert len(pids[0]) == len(pids[1]) == 1 and len(pids[2]) == len(pids[3]) == 2, pids  # survivors: same pids
-    assert [e["pid"] for e in _events(root / "killed", "live_kill")] == [pids[KILLED][0]]
+    assert [e["pid"] for e in events_of(root / "killed", "live_kill")] == [pids[KILLED][0]]
     # FSDP2's path: the killed rank's group goes out whole, its other rank ends itself
-    assert [e["rank"] for e in _events(root / "killed", "live_group_out")] == [2]
-    assert {(e["target"], e["code"]) for e in _events(root / "killed", "live_exit")} == {(3, -9), (2, GROUP_OUT_EXIT)}
+    assert [e["rank"] for e in events_of(root / "killed", "live_group_out")] == [2]
+    assert {(e["target"], e["code"]) for e in events_of(root / "killed", "live_exit")} == {(3, -9), (2, GROUP_OUT_EXIT)}
     assert run_differences(root / "clean", root / "killed", WORLD) == {}
     assert bitwise_differences(_final_checkpoint(root / "killed"), _final_checkpoint(root / "clean")) == []
 

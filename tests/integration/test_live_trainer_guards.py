@@ -28,12 +28,11 @@ from pathlib import Path
 
 import pytest
 
-from helpers.runs import finish_session, worker_env
+from helpers.runs import events as events_of, finish_session, worker_env
 from helpers.sharded_state import assert_each_rank_holds_its_share
 from helpers.warm_command import warm_server
 from trainguard.checkpoint.discovery import list_checkpoints
 from trainguard.checkpoint.durable import read_full_state_dict
-from trainguard.events.log import read_events
 from trainguard.live.compare import bitwise_differences, run_differences
 from trainguard.live.files import events_path
 
@@ -55,10 +54,6 @@ def _start(run_dir: Path, *extra: str):
 def _ok(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
-
-
-def _events(run_dir: Path, kind: str) -> list[dict]:
-    return [event for event in read_events(events_path(run_dir)) if event["kind"] == kind]
 
 
 def _committed_steps(run_dir: Path) -> list[int]:
@@ -96,7 +91,7 @@ def killed_job(root):
     # live_step counts from 0: step index 6 committed is the closure mode's step 7, after global_step_5, whose
     # async save commits in the background while the next steps run: committed too
     while not (events_path(run_dir).exists()
-               and any(e["step"] + 1 >= JOB_KILLED_AFTER for e in _events(run_dir, "live_step"))
+               and any(e["step"] + 1 >= JOB_KILLED_AFTER for e in events_of(run_dir, "live_step"))
                and INTERVAL in _committed_steps(run_dir)):
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 7"
         time.sleep(0.05)
@@ -111,18 +106,18 @@ def test_the_fault_free_run_saves_every_5_steps_and_runs_data_skip_and_sdc(clean
     run_dir, done = clean
     assert _committed_steps(run_dir) == [INTERVAL, 2 * INTERVAL, STEPS]
     assert f"opt_global_step: {STEPS - 1}, skip_data_grad_norm_threshold:" in done.stdout  # data skip judged
-    [points] = _events(run_dir, "sdc_points")
+    [points] = events_of(run_dir, "sdc_points")
     assert "model.norm" in points["names"] and points["count"] > 10
-    assert not _events(run_dir, "sdc_detected") and not _events(run_dir, "data_skip")
+    assert not events_of(run_dir, "sdc_detected") and not events_of(run_dir, "data_skip")
 
 
 def test_a_sigkilled_rank_is_recovered_live_and_the_final_checkpoint_is_bitwise_the_fault_free_one(clean,
                                                                                                   killed_rank):
     run_dir, done = killed_rank
     assert "ranks replaced: [3]" in done.stdout
-    pids = {rank: [e["pid"] for e in _events(run_dir, "live_start") if e["rank"] == rank] for rank in range(WORLD)}
+    pids = {rank: [e["pid"] for e in events_of(run_dir, "live_start") if e["rank"] == rank] for rank in range(WORLD)}
     assert all(len(pids[rank]) == 1 for rank in range(3)), pids  # the survivors kept their processes
-    assert len(pids[3]) == 2 and [e["pid"] for e in _events(run_dir, "live_kill")] == [pids[3][0]]
+    assert len(pids[3]) == 2 and [e["pid"] for e in events_of(run_dir, "live_kill")] == [pids[3][0]]
     assert bitwise_differences(_final_checkpoint(run_dir), _final_checkpoint(clean[0])) == []
     assert run_differences(clean[0], run_dir, WORLD) == {}
 

@@ -21,10 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers.runs import assert_same_tensors, trainguard
-from trainguard.events.log import read_events
+from helpers.runs import assert_same_tensors, events as events_of, trainguard
 from trainguard.live.compare import replica_differences, run_differences, whole_final_state
-from trainguard.live.files import events_path
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE, CONFIG = ROOT / "examples" / "user_loop.py", ROOT / "examples" / "user_loop.yaml"
@@ -60,10 +58,6 @@ def runs(tmp_path_factory):
     return root, outputs
 
 
-def _events(run_dir: Path) -> list[dict]:
-    return list(read_events(events_path(run_dir)))
-
-
 def test_the_live_configuration_is_the_loops_own_plus_the_live_keys(tmp_path):
     live = yaml.safe_load(live_config(tmp_path / "live.yaml").read_text(encoding="utf-8"))
     own = yaml.safe_load(CONFIG.read_text(encoding="utf-8"))
@@ -75,18 +69,18 @@ def test_the_live_configuration_is_the_loops_own_plus_the_live_keys(tmp_path):
 def test_survivors_keep_their_pids_and_the_killed_rank_is_replaced(runs):
     runs, _ = runs
     pids = defaultdict(list)
-    for event in _events(runs / "failed"):
+    for event in events_of(runs / "failed"):
         if event["kind"] == "live_start":
             pids[event["rank"]].append(event["pid"])
     assert all(len(pids[rank]) == 1 for rank in range(WORLD) if rank != KILLED), dict(pids)
     assert len(set(pids[KILLED])) == 2, pids[KILLED]
-    kill = next(e for e in _events(runs / "failed") if e["kind"] == "live_kill")
+    kill = next(e for e in events_of(runs / "failed") if e["kind"] == "live_kill")
     assert (kill["pid"], kill["target"], kill["step"]) == (pids[KILLED][0], KILLED, KILL_AT)
 
 
 def test_a_spare_that_fails_its_self_test_is_passed_over_for_the_next(runs):
     runs, _ = runs
-    events = _events(runs / "failed")
+    events = events_of(runs / "failed")
     checked = {e["spare"]: e for e in events if e["kind"] == "live_spare_checked"}
     assert sorted(checked) == [0, 1] and all(e["checks"] == ["burn-in", "storage"] for e in checked.values())
     assert not checked[0]["healthy"] and "burn-in spare 0" in checked[0]["reason"]
@@ -99,7 +93,7 @@ def test_a_spare_that_fails_its_self_test_is_passed_over_for_the_next(runs):
 
 def test_the_broken_group_leaves_and_rejoins_with_a_peers_state(runs):
     runs, _ = runs
-    events = _events(runs / "failed")
+    events = events_of(runs / "failed")
     assert [q["members"] for q in events if q["kind"] == "live_quorum"] == [[0, 1, 2, 3], [0, 1], [0, 1, 2, 3]]
     joined = {e["rank"]: e for e in events if e["kind"] == "live_joined"}
     assert sorted(joined) == [2, 3] and all(e["state_bytes"] > 0 for e in joined.values())
@@ -169,9 +163,9 @@ def test_the_local_tier_of_the_loops_yaml_is_saved_by_every_rank(runs):
     runs, _ = runs
     for name in ("clean", "failed"):
         saved = defaultdict(set)
-        for event in _events(runs / name):
+        for event in events_of(runs / name):
             if event["kind"] == "local_saved":
                 saved[event["rank"]].add(event["step"])
         assert all(saved[rank] >= {STEPS} for rank in range(WORLD)), (name, dict(saved))
-    clean = {e["step"] for e in _events(runs / "clean") if e["kind"] == "local_saved" and e["rank"] == 0}
+    clean = {e["step"] for e in events_of(runs / "clean") if e["kind"] == "local_saved" and e["rank"] == 0}
     assert clean == set(range(2, STEPS + 1, 2))

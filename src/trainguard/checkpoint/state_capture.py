@@ -131,7 +131,8 @@ class CaptureCache:
         if kept is not None and current == self._fingerprint:
             self.hits += 1
             staged = {part: dict(values) for part, values in kept.plan.staged.items()}
-            staged["optim"].update(self._plain.read(optimizer))
+            if "optim" in staged:  # absent while the optimizer holds no state (plain SGD never does)
+                staged["optim"].update(self._plain.read(optimizer))
             return Capture(StagingPlan(staged, kept.plan.copies), kept.split)
         state = self.take_state(model, optimizer)
         plan = self.stager.plan(state)

@@ -180,13 +180,14 @@ class LiveCheckpoints:
         """The manager's ``accept`` (on the member that chooses a checkpoint to load): why ``info``'s is passed
         over (``LoadFailures``), None when it is not; the first time this process passes one over, its line
         and event."""
-        reason = self.load_failures.rejection(info)
+        failures = self.load_failures.count(info.step)  # one read of each rank's count
+        reason = self.load_failures.rejection(info.step, failures)
         if reason is not None and info.step not in self.passed_over:
             self.passed_over.add(info.step)
             log.error("live recovery: global_step_%d %s; passed over for an older checkpoint from now on", info.step,
                       reason.removeprefix("it "))
-            self.events.emit("live_restore_passed_over", step=None, checkpoint=info.step,
-                             failures=self.load_failures.count(info.step), error=reason)
+            self.events.emit("live_restore_passed_over", step=None, checkpoint=info.step, failures=failures,
+                             error=reason)
         return reason
 
     def _rank_tiers(self) -> dict[str, LiveLocalTier]:
@@ -402,6 +403,14 @@ class LiveCheckpoints:
         ``_settle`` says, before the process exits. Every member calls it at the same boundary."""
         if self.in_flight is not None:
             self._settle(quorum, self.in_flight)
+
+    def restorable(self) -> set[int]:
+        """The steps of the durable checkpoints a restore could still load, read from the durable root (every
+        member reads the same shared directory): the committed ones and those being written (the save in
+        flight, which commits later). Retention's deletions and a roll back's are gone from it."""
+        root = self.run_dir / "checkpoints"
+        found = {info.step for info in list_checkpoints(root)} if root.is_dir() else set()
+        return found | ({self.in_flight} if self.in_flight is not None else set())
 
     def _settle(self, quorum: Quorum, step: int) -> None:
         """The async save in flight, before another save of ``step`` or the process's end: waited for until

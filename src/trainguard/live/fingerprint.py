@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -82,7 +82,8 @@ class LiveFingerprints:
         # host copies of this rank's tensors that hashed apart from a replica's where a recompute was asked, by
         # their place in ``local_state``: measured against the recomputed ones at that check step again
         self.before_recompute: dict[int, torch.Tensor] = {}
-        # this rank's digest of the state each durable save held, by the save's step: ``restored_agrees``
+        # this rank's digest of the state each durable save held, by the save's step: ``restored_agrees``; only
+        # the saves a restore can still load (``keep_saved``)
         self.saved: dict[int, torch.Tensor] = {}
         self.recompute = False  # the last check found what no replica can repair, and a recompute is due
         # from the recompute's ask to its restore's end: set at the next check, that restore failed part-way
@@ -142,6 +143,13 @@ class LiveFingerprints:
         flags = torch.tensor([int(disagrees)], dtype=torch.int64)
         wait(group.allreduce([flags]))
         return not flags.item()
+
+    def keep_saved(self, restorable: Collection[int]) -> None:
+        """Forgets the digests of the durable saves no restore can load any more: those whose steps are not in
+        ``restorable`` (``LiveCheckpoints.restorable``: retention deleted them, or a roll back did, or the
+        save failed). ``restored_agrees`` is only asked about a checkpoint a restore loaded, so it finds
+        every digest it can be asked for, and the table stays as long as the durable tier's list."""
+        self.saved = {step: saved for step, saved in self.saved.items() if step in restorable}
 
     def recomputing_from(self, step: int, restored: int | None) -> None:
         """The worker's answer to ``recompute`` at the check before ``step``: the quorum restored the newest

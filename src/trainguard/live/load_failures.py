@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from trainguard.checkpoint.discovery import CheckpointInfo
 from trainguard.live.step_failures import StepFailed
 
 
@@ -53,13 +52,13 @@ class LoadFailures:
         """The highest of the ranks' counts of the checkpoint's failed loads."""
         return max(self.store.add(count_key(step, rank), 0) for rank in range(self.world))
 
-    def rejection(self, info: CheckpointInfo) -> str | None:
-        """``CheckpointManager``'s ``accept``: why the checkpoint is passed over, None when it is not."""
-        count = self.count(info.step)
+    def rejection(self, step: int, count: int) -> str | None:
+        """Why the checkpoint of ``step``, whose loads failed ``count`` times (``count``), is passed over (for
+        ``CheckpointManager``'s ``accept``); None when it is not."""
         if count < self.limit:
             return None
         return f"it failed to load {count} times (fault_tolerance.max_step_failures): " \
-               f"{self.store.get(error_key(info.step)).decode()}"
+               f"{self.store.get(error_key(step)).decode()}"
 
     def passed_over(self, steps: list[int]) -> list[str]:
         """Of ``steps``, the checkpoints passed over, in that order, each with its count and last error."""

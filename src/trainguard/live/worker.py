@@ -443,6 +443,8 @@ class LiveStep:
                                             check=worker.replica_check())
             if saved and worker.lifecycle is not None:  # the time limit keeps room for one step and one save
                 worker.lifecycle.note_save(time.perf_counter() - began)
+            if saved and worker.fingerprints is not None:  # the digests of the checkpoints deleted since go
+                worker.fingerprints.keep_saved(worker.checkpoints.restorable())
 
 
 class LiveWorker:

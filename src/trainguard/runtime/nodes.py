@@ -67,10 +67,19 @@ class NodePool:
         return spares[0]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def reserve_port(host: str = "127.0.0.1") -> socket.socket:
+    """A socket bound to a port the kernel picked, held bound (not listening) with ``SO_REUSEADDR``: while it is
+    open no bind without ``SO_REUSEADDR`` and no kernel pick for port 0 gets that port, and torch's TCPStore
+    server, which binds with ``SO_REUSEADDR``, can still bind and listen on it. A port bound to 0 and closed
+    before its user binds it could be handed to another run on this machine meanwhile."""
+    sock = socket.socket()
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def agent_env(node: str, node_rank: int, nnodes: int, endpoint: str, extra: dict[str, str]) -> dict[str, str]:
@@ -184,9 +193,16 @@ class LocalNodes:
     def __init__(self, count: int, fork_run: Callable[[list[str]], int] | None = None):
         self.names = [f"node{i}" for i in range(count)]
         self.fork_run = fork_run
+        self.rendezvous_port: socket.socket | None = None  # the current incarnation's, held (``reserve_port``)
 
     def endpoint(self, slot0: str) -> str:
-        return f"127.0.0.1:{free_port()}"
+        """The rendezvous endpoint of an incarnation, whose slot-0 agent's TCPStore binds it later: its port held
+        reserved until the next incarnation's endpoint (or this process's end), so no other run on this
+        machine can take it meanwhile; a new port each time (the previous store's may linger in TIME_WAIT)."""
+        if self.rendezvous_port is not None:
+            self.rendezvous_port.close()
+        self.rendezvous_port = reserve_port()
+        return f"127.0.0.1:{self.rendezvous_port.getsockname()[1]}"
 
     def command(self, node: str, command: list[str]) -> list[str]:
         return list(command)

@@ -38,6 +38,22 @@ def test_a_kept_plan_reads_plain_values_again_and_copies_the_same_tensors():
     assert {s.data_ptr() for _, s in second.plan.copies} >= {p.data_ptr() for p in model.parameters()}
 
 
+def test_an_optimizer_that_holds_no_state_keeps_its_plan_for_the_model_alone():
+    # plain SGD (no momentum) never has optimizer state, so a save holds the model only; its second save
+    # reused the plan and raised KeyError: 'optim' (found by a live durable tier's second save)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(4, 8)).sum().backward()
+    optimizer.step()
+    cache = CaptureCache(training_state)
+    first = cache.take(model, optimizer)
+    second = cache.take(model, optimizer)
+    assert cache.hits == 1
+    assert set(second.plan.staged) == set(first.plan.staged) == {"model"}
+    assert {s.data_ptr() for _, s in second.plan.copies} >= {p.data_ptr() for p in model.parameters()}
+
+
 def test_a_replaced_tensor_or_new_state_takes_the_state_again():
     model, optimizer = _trained()
     cache = CaptureCache(training_state)

@@ -25,11 +25,11 @@ def store():
 @pytest.fixture
 def make_checkpoints(tmp_path, store):
     """Makes rank 0's ``LiveCheckpoints`` of ``model`` (a durable save every 5 steps, a checkpoint passed over
-    after 2 failed loads) on a real store, with no other rank."""
-    def make(model: torch.nn.Module) -> LiveCheckpoints:
+    after 2 failed loads) on a real store, with no other rank; ``optimizer``: plain SGD of ``model`` unless given."""
+    def make(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> LiveCheckpoints:
         events = EventLog(None)
         guards = LiveJudge(StepSkips(SkipConfig(), 0, logging.getLogger("test"), events.emit, reports=lambda: False))
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        optimizer = optimizer or torch.optim.SGD(model.parameters(), lr=0.1)
         return LiveCheckpoints(store, tmp_path, CheckpointConfig(save_interval=5), 0, model, optimizer, 1,
                                contextlib.nullcontext, LiveState(model, optimizer, guards), events,
                                timedelta(seconds=10), beat=lambda: None, world=1, ranks_per_node=1, max_load_failures=2)

@@ -6,6 +6,7 @@ whole replicas' gradients from the step's sum, and the micro-batch loop that rep
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from trainguard.errors import ConfigError
-from trainguard.live.collective import EpochAborted
+from trainguard.live.collective import EpochAborted, end_epoch, leave_if_ended
 from trainguard.live.group_reduce import Exchange, SlotLayout
 from trainguard.live.layout import LayoutKind, choose_layout
 from trainguard.live.layout_build import build_layout
@@ -138,6 +139,43 @@ def test_the_micro_batch_loop_leaves_at_the_next_micro_batch_once_its_epoch_has_
     with pytest.raises(EpochAborted, match="computed step 5"):
         compute_micro_batches(model, work, [0, 2, 3], catch=True)
     assert computed_by_loss == [0]
+
+
+class _CountingStore:
+    """A real ``HashStore`` whose ``check`` calls (one loopback round trip each on the run's TCPStore) are counted."""
+
+    def __init__(self):
+        self.store, self.checks = dist.HashStore(), 0
+
+    def set(self, key, value):
+        self.store.set(key, value)
+
+    def check(self, keys):
+        self.checks += 1
+        return self.store.check(keys)
+
+
+def test_the_micro_batch_loop_looks_at_the_epoch_before_its_first_micro_batch_too():
+    """One store check per micro-batch, the first one's included: for whole replicas nothing reads
+    ``abort/<epoch>`` between the previous step's sum and the first micro-batch (``LiveStep``'s ``begin`` reads
+    no store key unless a replica check is due; the sum's wait reads it only while the sum is incomplete; the
+    rows' gather reads it only while its thread is still running at a poll), and ``LiveRank.step``'s caller
+    runs its own code between steps: the first check is the one that sees a member that died between two
+    steps, before any micro-batch is computed."""
+    model, computed_by_loss, store = _model(), [], _CountingStore()
+
+    def loss_of(m, t, i):
+        computed_by_loss.append(i)
+        return m(torch.ones(1, 3)).sum()
+
+    work = dataclasses.replace(_work(loss_of), leave_if_ended=functools.partial(leave_if_ended, store, 7,
+                                                                                "computed step 5"))
+    computed, _ = compute_micro_batches(model, work, [0, 2, 3], catch=True)
+    assert sorted(computed) == [0, 2, 3] and store.checks == 3
+    end_epoch(store, 7)  # a member died after the step's sum, before the next step
+    with pytest.raises(EpochAborted, match="epoch 7 ended while this rank computed step 5"):
+        compute_micro_batches(model, work, [0, 2, 3], catch=True)
+    assert computed_by_loss == [0, 2, 3] and store.checks == 4
 
 
 def test_fsdp2_registers_its_unsharded_parameters_while_it_computes_which_the_fsdp_layout_reads_as_not_at_rest():

@@ -3,7 +3,8 @@ replica whose state changed at rest since its own update (nothing can repair it)
 the closure mode's state check does; once the worker went back for it (``recomputing_from``) the same
 mismatch found again at the check step the recompute reached is left as it is (no second recompute, the
 closure mode's rule), and a later one asks again; with no healthy checkpoint the closure mode's line is
-written and nothing is recomputed."""
+written and nothing is recomputed. The digests of the durable saves that ``restored_agrees`` compares a
+restore with are kept for the checkpoints a restore can still load, with a real ``LiveCheckpoints``."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from trainguard.checkpoint.discovery import list_checkpoints
 from trainguard.events.log import EventLog, read_events
 from trainguard.guards.fingerprint import FingerprintConfig
 from trainguard.live.fingerprint import LiveFingerprints
@@ -71,3 +73,33 @@ def test_with_no_healthy_checkpoint_the_mismatch_stays_and_is_said(alone, caplog
            "unattributed and the next save is marked unhealthy" in caplog.text
     assert not [e for e in read_events(run_dir / "events.jsonl") if e["kind"] == "fingerprint_recompute"]
     assert _flip_then_check(fingerprints, model, quorum, group)  # nothing went back: the next check asks again
+
+
+def test_the_saves_digests_are_kept_for_the_checkpoints_a_restore_can_still_load(alone, make_checkpoints):
+    """Retention (``checkpoint.keep_last``, 3) deletes the oldest save and a roll back the newer ones: their
+    digests go with them, the restored one's stays and agrees."""
+    _, _, quorum, group, run_dir = alone
+    model = torch.nn.Linear(2, 1)
+    # with a state to save (momentum): plain SGD's empty one fails a second save (checkpoint/state_capture.py)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    checkpoints = make_checkpoints(model, optimizer)
+    fingerprints = LiveFingerprints(FingerprintConfig(interval=2), model, optimizer, None, 0, 1,
+                                    logging.getLogger("test_live_fingerprint_recompute"), EventLog(None), lambda: True)
+    wait = lambda work: work.wait()  # noqa: E731
+    for step in (5, 10, 15, 20):
+        with torch.no_grad():
+            model.weight.add_(1.0)  # each save holds another state
+        fingerprints.before_save(group, quorum, step, wait, None)
+        assert checkpoints.save(quorum, step, last_step=False, stopping=False)
+        fingerprints.keep_saved(checkpoints.restorable())
+    checkpoints.settle(quorum)  # the last save, async, committed: retention has deleted global_step_5
+    on_disk = sorted(info.step for info in list_checkpoints(run_dir / "checkpoints") if info.committed)
+    assert on_disk == [10, 15, 20]
+    fingerprints.keep_saved(checkpoints.restorable())
+    assert sorted(fingerprints.saved) == on_disk
+    assert checkpoints.roll_back(Quorum(1, [0], 0, "restore"), 16) == 15  # global_step_20 deleted
+    fingerprints.keep_saved(checkpoints.restorable())
+    assert sorted(fingerprints.saved) == [10, 15]
+    assert fingerprints.restored_agrees(group, quorum, 15, wait)

@@ -12,14 +12,15 @@ checkpoint that loads deletes ``global_step_10`` when it tries ``global_step_5``
 
 from __future__ import annotations
 
-from pathlib import Path
+import collections
 
 import pytest
 import torch
 
-from trainguard.checkpoint.discovery import CheckpointInfo, list_checkpoints
+from trainguard.checkpoint.discovery import list_checkpoints
 from trainguard.errors import EXIT_STEP_FAILED, RestoreFailed
-from trainguard.live.load_failures import LoadFailures, NothingToRestore
+from trainguard.events.log import EventLog, read_events
+from trainguard.live.load_failures import LoadFailures, NothingToRestore, count_key
 from trainguard.live.quorum import Quorum
 
 
@@ -78,16 +79,42 @@ def test_with_no_checkpoint_that_loads_the_run_ends_with_exit_19_naming_each_and
     assert _steps(saved) == [5, 10]
 
 
+class _CountedReads:
+    """The run's real store, its reads of a checkpoint's failed-load counts (``add(key, 0)``) counted by key."""
+
+    def __init__(self, store):
+        self.store, self.reads = store, collections.Counter()
+
+    def add(self, key, amount):
+        if amount == 0:
+            self.reads[key] += 1
+        return self.store.add(key, amount)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_a_checkpoint_passed_over_has_its_count_read_once_for_its_line_and_event(saved, make_checkpoints):
+    checkpoints = make_checkpoints(_model(2))
+    _restores(checkpoints, 11, 2, 2)
+    store = checkpoints.load_failures.store = _CountedReads(checkpoints.load_failures.store)
+    checkpoints.events = EventLog(saved / "events.jsonl", rank=0)
+    assert checkpoints.roll_back(Quorum(4, [0], 0, "restore"), 11) == 5
+    assert store.reads[count_key(10, 0)] == 1  # the rejection's count is the event's figure
+    (passed,) = read_events(saved / "events.jsonl", "live_restore_passed_over")
+    assert (passed["checkpoint"], passed["failures"]) == (10, 2)
+
+
 def test_a_checkpoints_failed_loads_are_the_highest_of_its_ranks_counts_passed_over_at_the_limit(store):
     rank_0, rank_1 = (LoadFailures(store, rank, world=2, limit=2) for rank in (0, 1))
-    info = CheckpointInfo(6, Path("global_step_6"), committed=True, manifest=None)
     rank_0.failed(6, "OSError: injected")
     rank_1.failed(6, "OSError: injected")  # the same failed restore, seen by both
     rank_0.failed(3, "OSError: other")
-    assert rank_0.count(6) == 1 and rank_0.rejection(info) is None
+    assert rank_0.count(6) == 1 and rank_0.rejection(6, 1) is None
     rank_1.failed(6, "OSError: again")  # rank 0 left that epoch on rank 1's end of it, never seeing the error
     assert rank_0.count(6) == 2
-    assert rank_0.rejection(info) == "it failed to load 2 times (fault_tolerance.max_step_failures): OSError: again"
+    assert rank_0.rejection(6, 2) == "it failed to load 2 times (fault_tolerance.max_step_failures): OSError: again"
     assert rank_0.passed_over([6, 3]) == ["global_step_6 (2 failed loads, the last: OSError: again)"]
     # a joiner, rank 1's replacement, reads the same counts
-    assert LoadFailures(store, 1, world=2, limit=2).rejection(info).startswith("it failed to load 2 times")
+    joiner = LoadFailures(store, 1, world=2, limit=2)
+    assert joiner.rejection(6, joiner.count(6)).startswith("it failed to load 2 times")

@@ -13,6 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 
 from trainguard.fs.layout import extra_state_name, step_dir_name
@@ -59,15 +60,25 @@ def run_in(root: Path, name: str, run: Callable[[Path], object]) -> tuple[Path, 
 
 
 @contextmanager
-def launch_together(root: Path, runs: dict[str, Callable[[Path], object]], concurrent: int
+def launch_together(root: Path, runs: dict[str, Callable[[Path], object]], concurrent: int = 2
                     ) -> Iterator[dict[str, Future]]:
     """Every run of ``runs`` (name: a function of its directory ``root/name``, which launches and waits)
     submitted at once, ``concurrent`` at a time; gives name: the future of (directory, what the function
     returned), which each test waits for, and waits for all at the end. A launch's torchrun start, rendezvous and
     teardown, a fault's stand-still and a supervisor's restart leave a core idle that another run's ranks
-    use."""
+    use; more than two at a time would queue for the two cores."""
     with ThreadPoolExecutor(max_workers=concurrent) as pool:
         yield {name: pool.submit(run_in, root, name, run) for name, run in runs.items()}
+
+
+def launched_fixture(directory: str, runs: dict[str, Callable[[Path], object]]):
+    """A module fixture ``launched``: ``launch_together`` of ``runs`` in a new temporary directory named
+    ``directory``, started when the module's first test asks for it."""
+    @pytest.fixture(scope="module")
+    def launched(tmp_path_factory) -> Iterator[dict[str, Future]]:
+        with launch_together(tmp_path_factory.mktemp(directory), runs) as futures:
+            yield futures
+    return launched
 
 
 def succeeded(launched: Future) -> Path:

@@ -8,13 +8,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
-from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 
-from helpers.runs import assert_same_tensors, events, launch_together, succeeded, torchrun, worker_env
+from helpers.runs import assert_same_tensors, events, launched_fixture, succeeded, torchrun, worker_env
 
 LOOP = Path(__file__).resolve().parents[1] / "helpers" / "guard_loop.py"
 STEPS = 6
@@ -58,13 +56,7 @@ CHAINS = {  # name: the launches of one test, in order, in a directory of their 
     "aborted": lambda run_dir: run_loop(run_dir, *SKIP, "--set", "guards.skip.count_threshold=2",
                                         faults="spike:step=3,factor=1e4,persistent=1"),
 }
-CONCURRENT = 2  # chains at a time (helpers/runs.py's launch_together says why); more would queue for the two cores
-
-
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> Iterator[dict[str, Future]]:
-    with launch_together(tmp_path_factory.mktemp("guard_loop"), CHAINS, CONCURRENT) as launched:
-        yield launched
+launched = launched_fixture("guard_loop", CHAINS)  # two at a time (helpers/runs.py's launch_together)
 
 
 @pytest.fixture(scope="module")

@@ -5,13 +5,11 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from collections.abc import Iterator
-from concurrent.futures import Future
 
 import pytest
 import torch
 
-from helpers.runs import events, flat_state, launch_together, ok, succeeded, train
+from helpers.runs import events, flat_state, launched_fixture, ok, succeeded, train
 
 SKIP = ["--set", "guards.skip.enabled=true", "--set", "guards.skip.threshold=10.0"]
 STREAK = ("--save-interval", "1", *SKIP, "--set", "guards.skip.count_threshold=3")
@@ -30,13 +28,7 @@ RUNS = {  # name: the runs of one test or fixture (a function of its directory),
     "abort": lambda run: train(run, 2, 8, "--save-interval", "0", *SKIP, "--set", "guards.skip.count_threshold=2",
                                faults="spike:step=3,persistent=1"),
 }
-CONCURRENT = 2  # runs at a time (helpers/runs.py's launch_together says why); more would queue for the two cores
-
-
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> Iterator[dict[str, Future]]:
-    with launch_together(tmp_path_factory.mktemp("guards"), RUNS, CONCURRENT) as launched:
-        yield launched
+launched = launched_fixture("guards", RUNS)  # two at a time (helpers/runs.py's launch_together)
 
 
 @pytest.fixture(scope="module")

@@ -13,15 +13,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 
 from helpers.hf_runs import (ROOT, TIMEOUT_S, assert_resumed_from_50_bitwise, example_command, logs, run,
                              run_killed_after_the_save_of_step_50, step_logs)
-from helpers.runs import assert_same_tensors, events, finish_session, launch_together, succeeded, worker_env
+from helpers.runs import assert_same_tensors, events, finish_session, launched_fixture, succeeded, worker_env
 
 pytest.importorskip("accelerate", reason="the Trainer adapter needs accelerate (pip install 'trainguard[hf]')")
 
@@ -92,13 +90,7 @@ RUNS = {  # name: the launches of one test, in a directory of their own named af
     "spiked": lambda run_dir: fine_tune(run_dir, "--set", "guards.skip.enabled=true", "--set",
                                         "guards.skip.threshold=50", steps=6, faults="spike:step=3"),
 }
-CONCURRENT = 2  # runs at a time (helpers/runs.py's launch_together says why); more would queue for the two cores
-
-
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> Iterator[dict[str, Future]]:
-    with launch_together(tmp_path_factory.mktemp("hf_trainer"), RUNS, CONCURRENT) as launched:
-        yield launched
+launched = launched_fixture("hf_trainer", RUNS)  # two at a time (helpers/runs.py's launch_together)
 
 
 @pytest.fixture(scope="module")

@@ -6,14 +6,12 @@ import json
 import random
 import shutil
 
-from collections.abc import Iterator
-from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers.runs import assert_same_tensors, events, flat_state, launch_together, ok, succeeded, train
+from helpers.runs import assert_same_tensors, events, flat_state, launched_fixture, ok, succeeded, train
 
 STEPS = 10
 SDC = ["--set", "guards.sdc.enabled_level=2", "--save-interval", str(STEPS)]
@@ -58,13 +56,7 @@ RUNS = {  # name: a run of one test (a function of its directory); the longest f
                                        faults="bitflip:rank=0,step=4,site=model.layers.1.input_layernorm,"
                                               "where=grad_input,bit=exp"),
 }
-CONCURRENT = 2  # runs at a time (helpers/runs.py's launch_together says why); more would queue for the two cores
-
-
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> Iterator[dict[str, Future]]:
-    with launch_together(tmp_path_factory.mktemp("sdc"), RUNS, CONCURRENT) as launched:
-        yield launched
+launched = launched_fixture("sdc", RUNS)  # two at a time (helpers/runs.py's launch_together)
 
 
 @pytest.fixture(scope="module")

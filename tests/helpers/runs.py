@@ -8,8 +8,12 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 
 from trainguard.fs.layout import extra_state_name, step_dir_name
@@ -49,6 +53,39 @@ def start_train(run_dir: Path, nproc: int, steps: int, *extra: str, faults: str 
 def train(run_dir: Path, nproc: int, steps: int, *extra: str, faults: str | None = None,
           timeout: float = 300) -> subprocess.CompletedProcess:
     return finish_session(start_train(run_dir, nproc, steps, *extra, faults=faults), timeout, "trainguard train")
+
+
+def run_in(root: Path, name: str, run: Callable[[Path], object]) -> tuple[Path, object]:
+    return root / name, run(root / name)
+
+
+@contextmanager
+def launch_together(root: Path, runs: dict[str, Callable[[Path], object]], concurrent: int = 2
+                    ) -> Iterator[dict[str, Future]]:
+    """Every run of ``runs`` (name: a function of its directory ``root/name``, which launches and waits)
+    submitted at once, ``concurrent`` at a time; gives name: the future of (directory, what the function
+    returned), which each test waits for, and waits for all at the end. A launch's torchrun start, rendezvous and
+    teardown, a fault's stand-still and a supervisor's restart leave a core idle that another run's ranks
+    use; more than two at a time would queue for the two cores."""
+    with ThreadPoolExecutor(max_workers=concurrent) as pool:
+        yield {name: pool.submit(run_in, root, name, run) for name, run in runs.items()}
+
+
+def launched_fixture(directory: str, runs: dict[str, Callable[[Path], object]]):
+    """A module fixture ``launched``: ``launch_together`` of ``runs`` in a new temporary directory named
+    ``directory``, started when the module's first test asks for it."""
+    @pytest.fixture(scope="module")
+    def launched(tmp_path_factory) -> Iterator[dict[str, Future]]:
+        with launch_together(tmp_path_factory.mktemp(directory), runs) as futures:
+            yield futures
+    return launched
+
+
+def succeeded(launched: Future) -> Path:
+    """The directory of a run of ``launch_together`` that exited 0 (else the test fails with its output's end)."""
+    run_dir, proc = launched.result()
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return run_dir
 
 
 def events(run_dir: Path, kind: str | None = None) -> list[dict]:

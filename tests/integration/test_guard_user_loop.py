@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.runs import assert_same_tensors, events, torchrun, worker_env
+from helpers.runs import assert_same_tensors, events, launched_fixture, succeeded, torchrun, worker_env
 
 LOOP = Path(__file__).resolve().parents[1] / "helpers" / "guard_loop.py"
 STEPS = 6
@@ -30,19 +30,43 @@ def outcomes(output: str) -> dict[int, str]:
     return {int(line.split()[1].split("=")[1]): line for line in output.splitlines() if line.startswith("outcome ")}
 
 
+def killed_then_resumed(run_dir: Path) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    return run_loop(run_dir, faults="kill:rank=1,step=5"), run_loop(run_dir)
+
+
+def stopped_armed_finished(run_dir: Path) -> dict:
+    """Stopped by ``train.exit_at_step=3``, started with the kill switch armed (its last ``lifecycle_stop``
+    event and ``trainguard status`` read then), disarmed and run to the end."""
+    kill_switch = run_dir.parent / f"{run_dir.name}.STOP"
+    first = run_loop(run_dir, "--set", "train.exit_at_step=3")
+    kill_switch.touch()
+    armed = run_loop(run_dir, "--set", f"lifecycle.kill_switch_path={kill_switch}")
+    stop = events(run_dir, "lifecycle_stop")[-1]
+    status = subprocess.run([sys.executable, "-m", "trainguard", "status", str(run_dir)], capture_output=True,
+                            text=True, timeout=120)
+    kill_switch.unlink()
+    return {"first": first, "armed": armed, "stop": stop, "status": status, "rest": run_loop(run_dir)}
+
+
+CHAINS = {  # name: the launches of one test, in order, in a directory of their own named after it; longest first
+    "closed": stopped_armed_finished,
+    "killed": killed_then_resumed,
+    "straight": run_loop,
+    "spiked": lambda run_dir: run_loop(run_dir, *SKIP, faults="spike:step=3,factor=1e4"),
+    "aborted": lambda run_dir: run_loop(run_dir, *SKIP, "--set", "guards.skip.count_threshold=2",
+                                        faults="spike:step=3,factor=1e4,persistent=1"),
+}
+launched = launched_fixture("guard_loop", CHAINS)  # two at a time (helpers/runs.py's launch_together)
+
+
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("guard_loop") / "straight"
-    proc = run_loop(run_dir)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    return run_dir
+def straight(launched) -> Path:
+    return succeeded(launched["straight"])
 
 
-def test_killed_and_resumed_user_loop_is_bitwise_identical(straight, tmp_path):
-    run_dir = tmp_path / "killed"
-    killed = run_loop(run_dir, faults="kill:rank=1,step=5")
+def test_killed_and_resumed_user_loop_is_bitwise_identical(straight, launched):
+    run_dir, (killed, resumed) = launched["killed"].result()
     assert killed.returncode != 0 and 5 not in outcomes(killed.stdout), killed.stdout[-3000:]
-    resumed = run_loop(run_dir)
     assert resumed.returncode == 0, resumed.stdout[-4000:]
     assert sorted(outcomes(resumed.stdout)) == [5, 6]  # continued after the checkpoint of step 4
     assert assert_same_tensors(straight / "checkpoints" / "global_step_6", run_dir / "checkpoints" / "global_step_6")
@@ -53,9 +77,8 @@ def test_killed_and_resumed_user_loop_is_bitwise_identical(straight, tmp_path):
     assert hf["model_type"] == "qwen2"
 
 
-def test_a_spike_is_skipped_in_a_user_loop(straight, tmp_path):
-    run_dir = tmp_path / "spiked"
-    proc = run_loop(run_dir, *SKIP, faults="spike:step=3,factor=1e4")
+def test_a_spike_is_skipped_in_a_user_loop(straight, launched):
+    run_dir, proc = launched["spiked"].result()
     assert proc.returncode == 0, proc.stdout[-4000:]
     lines = outcomes(proc.stdout)
     assert "skipped=True applied=False" in lines[3]
@@ -67,10 +90,8 @@ def test_a_spike_is_skipped_in_a_user_loop(straight, tmp_path):
     assert spiked[2] == clean[2] and spiked[3] > 1000 * clean[3]
 
 
-def test_persistent_spikes_abort_inside_guard_step_with_exit_3(tmp_path):
-    run_dir = tmp_path / "aborted"
-    proc = run_loop(run_dir, *SKIP, "--set", "guards.skip.count_threshold=2",
-                    faults="spike:step=3,factor=1e4,persistent=1")
+def test_persistent_spikes_abort_inside_guard_step_with_exit_3(launched):
+    run_dir, proc = launched["aborted"].result()
     assert proc.returncode != 0
     assert "trainguard: error: [rank 0] ValueError: Current global norm" in proc.stdout, proc.stdout[-3000:]
     assert [e["step"] for e in events(run_dir, "data_skip_abort")] == [4]
@@ -78,21 +99,14 @@ def test_persistent_spikes_abort_inside_guard_step_with_exit_3(tmp_path):
     assert [(b["phase"], b["step"], b["exit_code"]) for b in beats] == [("exit", 3, 3)] * 2
 
 
-def test_close_returns_0_three_ways_and_outcome_tells_them_apart(tmp_path):
+def test_close_returns_0_three_ways_and_outcome_tells_them_apart(launched):
     """Issue 38 item 8: train.exit_at_step, a start with the kill switch armed, and the finished run all
     exit 0; only the last may be exported. After the no-op start, status names the run's step, not 0."""
-    run_dir, kill_switch = tmp_path / "run", tmp_path / "STOP"
-    first = run_loop(run_dir, "--set", "train.exit_at_step=3")
+    _, runs = launched["closed"].result()
+    first, armed, stop, status, rest = (runs[key] for key in ("first", "armed", "stop", "status", "rest"))
     assert "run outcome=exit_at_step finished=False code=0" in first.stdout, first.stdout[-4000:]
-    kill_switch.touch()
-    armed = run_loop(run_dir, "--set", f"lifecycle.kill_switch_path={kill_switch}")
     assert armed.returncode == 0 and "run outcome=not_started finished=False code=0" in armed.stdout, armed.stdout[-4000:]
-    stop = events(run_dir, "lifecycle_stop")[-1]
     assert (stop["step"], stop["outcome"], stop["last_checkpoint"]) == (3, "not_started", 3)
-    status = subprocess.run([sys.executable, "-m", "trainguard", "status", str(run_dir)], capture_output=True,
-                            text=True, timeout=120)
     state = next(line.strip() for line in status.stdout.splitlines() if line.strip().startswith("state"))
     assert "kill switch armed at start, nothing trained (exit 0; the run is at step 3)" in state, status.stdout
-    kill_switch.unlink()
-    rest = run_loop(run_dir)
     assert "run outcome=finished finished=True code=0" in rest.stdout, rest.stdout[-4000:]

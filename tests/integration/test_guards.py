@@ -9,17 +9,32 @@ import shutil
 import pytest
 import torch
 
-from helpers.runs import events, flat_state, ok, train
+from helpers.runs import events, flat_state, launched_fixture, ok, succeeded, train
 
 SKIP = ["--set", "guards.skip.enabled=true", "--set", "guards.skip.threshold=10.0"]
+STREAK = ("--save-interval", "1", *SKIP, "--set", "guards.skip.count_threshold=3")
+ADAPTIVE = ["--set", "guards.skip.enabled=true", "--set", "guards.skip.mode=adaptive"]
+RUNS = {  # name: the runs of one test or fixture (a function of its directory), independent of the others
+    "health": lambda run: train(run, 2, 8, "--save-interval", "2", "--set", "checkpoint.keep_last=10",
+                                "--set", "guards.health.enabled=true", "--set", "guards.health.embedding_threshold=50.0",
+                                "--set", "guards.local_norm=true",
+                                faults="scale:rank=0,step=8,site=model.layers.0,where=grad_input,factor=1000"),
+    "adaptive": lambda run: (train(run, 2, 30, *ADAPTIVE, "--save-interval", "30"),
+                             train(run, 2, 50, *ADAPTIVE, "--save-interval", "0", "--set", "data.seq_len=4")),
+    "streak": lambda run: (train(run, 2, 8, *STREAK, "--set", "train.exit_at_step=3", faults="spike:step=3,persistent=1"),
+                           train(run, 2, 8, *STREAK, faults="spike:step=3,persistent=1")),
+    "skip": lambda run: train(run, 2, 7, "--save-interval", "1", "--set", "checkpoint.keep_last=20", *SKIP,
+                              "--set", "guards.skip.count_threshold=3", faults="spike:step=3;nan:step=5"),
+    "abort": lambda run: train(run, 2, 8, "--save-interval", "0", *SKIP, "--set", "guards.skip.count_threshold=2",
+                               faults="spike:step=3,persistent=1"),
+}
+launched = launched_fixture("guards", RUNS)  # two at a time (helpers/runs.py's launch_together)
 
 
 @pytest.fixture(scope="module")
-def skip_run(tmp_path_factory):
-    run = tmp_path_factory.mktemp("skip") / "run"
-    proc = ok(train(run, 2, 7, "--save-interval", "1", "--set", "checkpoint.keep_last=20", *SKIP,
-                    "--set", "guards.skip.count_threshold=3", faults="spike:step=3;nan:step=5"))
-    return run, proc.stdout
+def skip_run(launched):
+    run, proc = launched["skip"].result()
+    return run, ok(proc).stdout
 
 
 def _tensors(run, step):
@@ -50,33 +65,25 @@ def test_reference_log_lines_and_counts(skip_run):
     assert steps[3]["lr"] == steps[4]["lr"]  # the LR schedule did not advance on the skipped step
 
 
-def test_abort_after_consecutive_spikes_exits_3(tmp_path):
-    run = tmp_path / "run"
-    proc = train(run, 2, 8, "--save-interval", "0", *SKIP, "--set", "guards.skip.count_threshold=2",
-                 faults="spike:step=3,persistent=1")
+def test_abort_after_consecutive_spikes_exits_3(launched):
+    run, proc = launched["abort"].result()
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert re.search(r"ValueError: Current global norm \[\d+\.\d{6}\] of step 4 has been 2 consecutive times "
                      r"greater than threshold 10\.0, stop training\.\.\.", proc.stdout + proc.stderr)
     assert max(e["step"] for e in events(run, "step")) == 3
 
 
-def test_a_streak_continues_across_resume(tmp_path):
-    run = tmp_path / "run"
-    common = ("--save-interval", "1", *SKIP, "--set", "guards.skip.count_threshold=3")
-    ok(train(run, 2, 8, *common, "--set", "train.exit_at_step=3", faults="spike:step=3,persistent=1"))
-    proc = train(run, 2, 8, *common, faults="spike:step=3,persistent=1")
+def test_a_streak_continues_across_resume(launched):
+    _, (stopped, proc) = launched["streak"].result()
+    ok(stopped)
     assert proc.returncode == 3
     assert "of step 5 has been 3 consecutive times greater than threshold 10.0" in proc.stdout + proc.stderr
 
 
 @pytest.fixture(scope="module")
-def health_run(tmp_path_factory):
-    run = tmp_path_factory.mktemp("health") / "run"
-    ok(train(run, 2, 8, "--save-interval", "2", "--set", "checkpoint.keep_last=10",
-             "--set", "guards.health.enabled=true", "--set", "guards.health.embedding_threshold=50.0",
-             "--set", "guards.local_norm=true",
-             faults="scale:rank=0,step=8,site=model.layers.0,where=grad_input,factor=1000"))
-    return run
+def health_run(launched):
+    """Read and copied, never changed in place."""
+    return succeeded(launched["health"])
 
 
 def test_health_file_marks_only_the_faulty_checkpoint(health_run):
@@ -141,13 +148,12 @@ def test_auto_resume_skips_an_unhealthy_step_in_the_local_tier_too(tmp_path):
     assert started["step"] == 6 and started["resumed_from"].endswith("global_step_6"), started
 
 
-def test_adaptive_skip_resumed_after_a_sequence_length_switch_warms_up_again_instead_of_skipping(tmp_path):
+def test_adaptive_skip_resumed_after_a_sequence_length_switch_warms_up_again_instead_of_skipping(launched):
     """Issue 39: resumed with shorter sequences, the adaptive guard judged the new norms against the
     old window and skipped 14 of the next 20 steps. The trainer declares its tokens per step to the
     Guard, and a state saved at another count starts a fresh warm-up."""
-    run = tmp_path / "run"
-    adaptive = ["--set", "guards.skip.enabled=true", "--set", "guards.skip.mode=adaptive"]
-    ok(train(run, 2, 30, *adaptive, "--save-interval", "30"))
-    proc = ok(train(run, 2, 50, *adaptive, "--save-interval", "0", "--set", "data.seq_len=4"))
+    run, (first, proc) = launched["adaptive"].result()
+    ok(first)
+    ok(proc)
     assert "start a fresh warm-up" in proc.stdout + proc.stderr
     assert [e["step"] for e in events(run, "step") if e["step"] > 30 and e["skipped"]] == []

@@ -19,7 +19,7 @@ import pytest
 
 from helpers.hf_runs import (ROOT, TIMEOUT_S, assert_resumed_from_50_bitwise, example_command, logs, run,
                              run_killed_after_the_save_of_step_50, step_logs)
-from helpers.runs import assert_same_tensors, events, finish_session, worker_env
+from helpers.runs import assert_same_tensors, events, finish_session, launched_fixture, succeeded, worker_env
 
 pytest.importorskip("accelerate", reason="the Trainer adapter needs accelerate (pip install 'trainguard[hf]')")
 
@@ -40,22 +40,67 @@ def assert_logged_as_plain(guarded: dict[int, dict], plain: dict[int, dict]) -> 
         assert "skipped" not in entry
 
 
-@pytest.fixture(scope="module")
-def plain(tmp_path_factory) -> list[dict]:
-    run_dir = tmp_path_factory.mktemp("hf_trainer") / "plain"
+def fine_tune(run_dir: Path, *extra: str, steps: int = STEPS, faults: str = "") -> subprocess.CompletedProcess:
     run_dir.mkdir()
-    proc = run(example_command(run_dir, STEPS, "--plain"))
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    return logs(run_dir)
+    return run(example_command(run_dir, steps, *extra), faults=faults)
+
+
+def killed_after_the_save_of_step_50(run_dir: Path) -> subprocess.CompletedProcess:
+    run_dir.mkdir()
+    return run_killed_after_the_save_of_step_50(run_dir, STEPS)
+
+
+def sigterm_after_5_steps(run_dir: Path) -> subprocess.CompletedProcess:
+    """A fine-tune of 2000 steps sent SIGTERM once its log holds 5 entries (torchrun passes it to the ranks)."""
+    run_dir.mkdir()
+    proc = subprocess.Popen(example_command(run_dir, 2000), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=worker_env(), start_new_session=True)
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (run_dir / "logs.jsonl").is_file() or len(logs(run_dir)) < 5:
+        assert proc.poll() is None and time.monotonic() < deadline, "the fine-tune ended before its 5th step"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)  # torchrun passes it to the ranks
+    return finish_session(proc, TIMEOUT_S, "the stopped fine-tune")
+
+
+def counting_runs(run_dir: Path) -> list[subprocess.CompletedProcess]:
+    """hf_counting_run.py stopped at step 30 by ``train.exit_at_step``, then started again to step 40."""
+    return [subprocess.run([sys.executable, str(COUNTING_RUN), str(run_dir), "40", *overrides], capture_output=True,
+                           text=True, env=worker_env(), timeout=TIMEOUT_S)
+            for overrides in (("train.exit_at_step=30",), ())]
+
+
+def flipped_at_rest(run_dir: Path) -> subprocess.CompletedProcess:
+    """A bit of rank 1's weights flipped at rest before step 60, under the supervisor."""
+    run_dir.mkdir()
+    command = [sys.executable, "-m", "trainguard", "run", "--max-restarts", "3", "--",
+               *example_command(run_dir, STEPS, "--set", "guards.fingerprint.interval=10")]
+    return run(command, faults="stateflip:rank=1,step=60,site=model.layers.0.mlp.down_proj.weight,"
+                               "state=weight,index=3,bit=27")
+
+
+RUNS = {  # name: the launches of one test, in a directory of their own named after it; the longest first
+    "flipped": flipped_at_rest,
+    "killed": killed_after_the_save_of_step_50,
+    "straight": fine_tune,
+    "plain": lambda run_dir: fine_tune(run_dir, "--plain"),
+    "stopped": sigterm_after_5_steps,
+    "counting": counting_runs,
+    # data skip is off by default: this run is about that setting
+    "spiked": lambda run_dir: fine_tune(run_dir, "--set", "guards.skip.enabled=true", "--set",
+                                        "guards.skip.threshold=50", steps=6, faults="spike:step=3"),
+}
+launched = launched_fixture("hf_trainer", RUNS)  # two at a time (helpers/runs.py's launch_together)
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("hf_trainer") / "straight"
-    run_dir.mkdir()
-    proc = run(example_command(run_dir, STEPS))
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    return run_dir
+def plain(launched) -> list[dict]:
+    return logs(succeeded(launched["plain"]))
+
+
+@pytest.fixture(scope="module")
+def straight(launched) -> Path:
+    return succeeded(launched["straight"])
 
 
 def test_logged_metrics_equal_a_plain_trainers(straight, plain):
@@ -69,11 +114,9 @@ def test_logged_metrics_equal_a_plain_trainers(straight, plain):
                                                                                        f"global_step_{STEPS}"]
 
 
-def test_sigkilled_fine_tune_under_the_supervisor_resumes_bitwise(straight, plain, tmp_path):
+def test_sigkilled_fine_tune_under_the_supervisor_resumes_bitwise(straight, plain, launched):
     """As docs/library.md runs it: ``trainguard run --max-restarts 3 -- torchrun ... examples/hf_trainer.py``."""
-    run_dir = tmp_path / "killed"
-    run_dir.mkdir()
-    proc = run_killed_after_the_save_of_step_50(run_dir, STEPS)
+    run_dir, proc = launched["killed"].result()
     assert proc.returncode == 0, proc.stdout[-4000:]
     resumed = assert_resumed_from_50_bitwise(straight, run_dir, STEPS)
     assert_logged_as_plain(step_logs(resumed), step_logs(plain))
@@ -83,17 +126,8 @@ def test_sigkilled_fine_tune_under_the_supervisor_resumes_bitwise(straight, plai
     assert resumed[-1]["epoch"] == plain[-1]["epoch"]
 
 
-def test_sigterm_stops_after_a_saved_step_with_no_phantom_step(tmp_path):
-    run_dir = tmp_path / "stopped"
-    run_dir.mkdir()
-    proc = subprocess.Popen(example_command(run_dir, 2000), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=worker_env(), start_new_session=True)
-    deadline = time.monotonic() + TIMEOUT_S
-    while not (run_dir / "logs.jsonl").is_file() or len(logs(run_dir)) < 5:
-        assert proc.poll() is None and time.monotonic() < deadline, "the fine-tune ended before its 5th step"
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGTERM)  # torchrun passes it to the ranks
-    finish_session(proc, TIMEOUT_S, "the stopped fine-tune")
+def test_sigterm_stops_after_a_saved_step_with_no_phantom_step(launched):
+    run_dir, _ = launched["stopped"].result()
     (stop,) = events(run_dir, "lifecycle_stop")
     assert stop["exit_code"] == 16 and stop["last_checkpoint"] == stop["step"]
     entries = step_logs(logs(run_dir))
@@ -102,12 +136,9 @@ def test_sigterm_stops_after_a_saved_step_with_no_phantom_step(tmp_path):
     assert (run_dir / "checkpoints" / f"global_step_{stop['step']}").is_dir()
 
 
-def test_spike_is_skipped_by_the_guard_and_flagged_in_the_log(tmp_path):
+def test_spike_is_skipped_by_the_guard_and_flagged_in_the_log(launched):
     """Data skip is off by default: this test is about that setting."""
-    run_dir = tmp_path / "spiked"
-    run_dir.mkdir()
-    proc = run(example_command(run_dir, 6, "--set", "guards.skip.enabled=true", "--set", "guards.skip.threshold=50"),
-               faults="spike:step=3")
+    run_dir, proc = launched["spiked"].result()
     assert proc.returncode == 0, proc.stdout[-4000:]
     (skip,) = events(run_dir, "data_skip")
     assert skip["step"] == 3 and skip["global_norm"] > 50
@@ -117,33 +148,26 @@ def test_spike_is_skipped_by_the_guard_and_flagged_in_the_log(tmp_path):
     assert (run_dir / "checkpoints" / "global_step_6" / "huggingface" / "config.json").is_file()
 
 
-def test_resume_skips_the_trained_batches_without_loading_them(tmp_path):
+def test_resume_skips_the_trained_batches_without_loading_them(launched):
     """One process (per_device_train_batch_size 2): stopped at step 30 by ``train.exit_at_step``, the
     second start trains steps 31-40 and loads their 20 samples only, not the 60 already trained on
     (each start also loads the 2 samples of one batch ahead: accelerate's loader draws one batch early
     to know the last one)."""
-    def counting_run(*overrides: str) -> dict:
-        proc = subprocess.run([sys.executable, str(COUNTING_RUN), str(tmp_path / "run"), "40", *overrides],
-                              capture_output=True, text=True, env=worker_env(), timeout=TIMEOUT_S)
+    run_dir, procs = launched["counting"].result()
+    for proc in procs:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        return json.loads(proc.stdout.strip().splitlines()[-1])
-
-    assert counting_run("train.exit_at_step=30") == {"loads": 60 + 2, "exit_code": 0}
-    assert counting_run() == {"loads": 20 + 2, "exit_code": 0}
-    (started,) = [e for e in events(tmp_path / "run", "run_started") if e.get("resumed_from")]
+    stopped, resumed = (json.loads(proc.stdout.strip().splitlines()[-1]) for proc in procs)
+    assert stopped == {"loads": 60 + 2, "exit_code": 0}
+    assert resumed == {"loads": 20 + 2, "exit_code": 0}
+    (started,) = [e for e in events(run_dir, "run_started") if e.get("resumed_from")]
     assert started["resumed_from"].endswith("global_step_30")
 
 
-def test_state_changed_at_rest_restarts_from_the_restored_checkpoint(straight, tmp_path):
+def test_state_changed_at_rest_restarts_from_the_restored_checkpoint(straight, launched):
     """A bit of rank 1's weights flipped at rest before step 60 (the fingerprint check every 10 steps):
     the guard restores global_step_50, which the Trainer cannot rewind to in place; the process ends
     saying so, and the supervisor's restart recomputes from there, ending bitwise as the straight run."""
-    run_dir = tmp_path / "flipped"
-    run_dir.mkdir()
-    command = [sys.executable, "-m", "trainguard", "run", "--max-restarts", "3", "--",
-               *example_command(run_dir, STEPS, "--set", "guards.fingerprint.interval=10")]
-    proc = run(command, faults="stateflip:rank=1,step=60,site=model.layers.0.mlp.down_proj.weight,"
-                               "state=weight,index=3,bit=27")
+    run_dir, proc = launched["flipped"].result()
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert "GuardedTrainer: the guard restored global_step_50 (state that changed at rest" in proc.stdout
     (recompute,) = events(run_dir, "fingerprint_recompute")

@@ -17,6 +17,7 @@ import re
 import pytest
 import torch
 
+from helpers.runs import launch_together
 from helpers.hf_runs import (EXAMPLE, ROOT, assert_resumed_from_50_bitwise, example_command, logs, run,
                              run_killed_after_the_save_of_step_50, step_logs)
 
@@ -45,11 +46,14 @@ def test_fsdp2_fine_tune_sigkilled_under_the_supervisor_resumes_bitwise(place, t
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     straight.mkdir()
     killed.mkdir()
-    proc = run(example_command(straight, STEPS, "--fsdp", **place))
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    assert_fsdp2_in_each_start(proc.stdout, 1)
+    # the straight run trains while the killed one stands still, dies and restarts under the supervisor
+    runs = {"straight": lambda run_dir: run(example_command(run_dir, STEPS, "--fsdp", **place)),
+            "killed": lambda run_dir: run_killed_after_the_save_of_step_50(run_dir, STEPS, "--fsdp", **place)}
+    with launch_together(tmp_path, runs, concurrent=2) as launched:
+        (_, straight_proc), (_, proc) = launched["straight"].result(), launched["killed"].result()
+    assert straight_proc.returncode == 0, straight_proc.stdout[-4000:]
+    assert_fsdp2_in_each_start(straight_proc.stdout, 1)
 
-    proc = run_killed_after_the_save_of_step_50(killed, STEPS, "--fsdp", **place)
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert_fsdp2_in_each_start(proc.stdout, 2)
     resumed = assert_resumed_from_50_bitwise(straight, killed, STEPS)

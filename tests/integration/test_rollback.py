@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from helpers.runs import events, ok, train
+from helpers.runs import events, launched_fixture, ok, train
 from trainguard.fs.layout import extra_state_name
 from trainguard.checkpoint.safe_load import safe_torch_load
 from trainguard.trainer.data import StatefulSampler, TokenDataset, load_corpus_tokens
@@ -25,13 +25,22 @@ def sampler_state(ckpt_dir, rank=0) -> dict:
     return safe_torch_load(ckpt_dir / extra_state_name(2, rank))["stateful"]["sampler"]
 
 
+RUNS = {  # name: the runs of one fixture or test (a function of its directory), independent of each other
+    # a spike at step 6 with checkpoints every 2 steps; stopped at step 8, then restarted to step 10
+    "spike": lambda run: (train(run, 2, 10, "--save-interval", "2", *ROLLBACK, "--set", "train.exit_at_step=8",
+                                faults="spike:step=6"),
+                          train(run, 2, 10, "--save-interval", "2", *ROLLBACK, faults="spike:step=6")),
+    "recurring": lambda run: train(run, 2, 10, "--save-interval", "2", *ROLLBACK, "--set",
+                                   "guards.rollback.max_rollbacks=2", faults="spike:step=6,persistent=1"),
+}
+launched = launched_fixture("rollback", RUNS)  # two at a time (helpers/runs.py's launch_together)
+
+
 @pytest.fixture(scope="module")
-def spike_run(tmp_path_factory):
-    """A spike at step 6 with checkpoints every 2 steps; stopped at step 8, then restarted to step 10."""
-    run = tmp_path_factory.mktemp("rollback") / "run"
-    first = ok(train(run, 2, 10, "--save-interval", "2", *ROLLBACK, "--set", "train.exit_at_step=8",
-                     faults="spike:step=6"))
-    second = ok(train(run, 2, 10, "--save-interval", "2", *ROLLBACK, faults="spike:step=6"))
+def spike_run(launched):
+    run, (first, second) = launched["spike"].result()
+    ok(first)
+    ok(second)
     return run, first.stdout + first.stderr, second.stdout + second.stderr
 
 
@@ -71,10 +80,8 @@ def test_the_skipped_ranges_are_in_every_later_checkpoint_and_survive_a_restart(
     assert "rollback:" not in restarted  # the one-shot spike fired once, in the first incarnation
 
 
-def test_a_recurring_spike_widens_the_window_then_stops_with_exit_3(tmp_path):
-    run = tmp_path / "run"
-    proc = train(run, 2, 10, "--save-interval", "2", *ROLLBACK, "--set", "guards.rollback.max_rollbacks=2",
-                 faults="spike:step=6,persistent=1")
+def test_a_recurring_spike_widens_the_window_then_stops_with_exit_3(launched):
+    run, proc = launched["recurring"].result()
     assert proc.returncode == 3, proc.stderr[-2000:]
     rollbacks = events(run, "rollback")
     assert [(e["to_step"], e["window"], e["attempt"], e["skipped"]) for e in rollbacks] == [

@@ -32,6 +32,7 @@ parameters are DTensors once the Trainer prepared the model. On a GPU the Traine
 """
 
 import argparse
+import gc
 import json
 from pathlib import Path
 
@@ -131,12 +132,19 @@ def main() -> None:
     else:
         trainer = GuardedTrainer(args.run_dir, guard_config=load_config(args.config, args.overrides), **common)
     trainer.train()  # in live mode it ends the process with the live run's exit code
+    exit_code = 0 if args.plain else trainer.exit_code
     # the Trainer leaves the process group to the script: a gloo group still alive at interpreter exit can
     # abort the process (SIGABRT, "terminate called without an active exception") after a clean run
     if dist.is_initialized():
         dist.barrier()  # without it the plain Trainer's ranks hung here (gloo, CPU): one destroyed the group early
+        # DDP's reducer holds the group too. Left to the interpreter's exit, it dropped the group's last
+        # reference holding the GIL while the group's destructor joined a gloo thread that waited for the GIL
+        # (a hang, about one run in twenty here); freed first, the group ends in destroy_process_group, which
+        # lets go of the GIL while its threads end
+        del trainer, common
+        gc.collect()
         dist.destroy_process_group()
-    raise SystemExit(0 if args.plain else trainer.exit_code)
+    raise SystemExit(exit_code)
 
 
 if __name__ == "__main__":

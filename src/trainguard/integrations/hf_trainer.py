@@ -5,9 +5,11 @@
     trainer = GuardedTrainer(run_dir, model=model, args=TrainingArguments(..., max_steps=1000),
                              train_dataset=dataset, guard_config="trainguard.yaml")
     trainer.train()
+    exit_code = trainer.exit_code              # 0, 16 after a signal / time-limit stop: the supervisor's cue
     torch.distributed.barrier()                # then destroy: the Trainer leaves the group alive, and gloo
-    torch.distributed.destroy_process_group()  # can abort at interpreter exit
-    raise SystemExit(trainer.exit_code)       # 0, 16 after a signal / time-limit stop: the supervisor's cue
+    del trainer; gc.collect()                  # can abort at interpreter exit; DDP's reducer first, or the
+    torch.distributed.destroy_process_group()  # group can hang at exit (examples/hf_trainer.py says why)
+    raise SystemExit(exit_code)
 
 Each optimizer step of the Trainer is one ``Guard.step``: the Trainer's own forward and backward
 (``training_step``, DDP or FSDP2 through accelerate) is the closure, and the guard measures, decides

@@ -12,10 +12,10 @@ from trainguard.checkpoint.state_capture import CaptureCache, plain_values
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
-def _trained():
+def _trained(optimizer_class=torch.optim.AdamW):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    optimizer = optimizer_class(model.parameters(), lr=0.1)
     model(torch.randn(4, 8)).sum().backward()
     optimizer.step()
     return model, optimizer
@@ -41,11 +41,7 @@ def test_a_kept_plan_reads_plain_values_again_and_copies_the_same_tensors():
 def test_an_optimizer_that_holds_no_state_keeps_its_plan_for_the_model_alone():
     # plain SGD (no momentum) never has optimizer state, so a save holds the model only; its second save
     # reused the plan and raised KeyError: 'optim' (found by a live durable tier's second save)
-    torch.manual_seed(0)
-    model = torch.nn.Linear(8, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model(torch.randn(4, 8)).sum().backward()
-    optimizer.step()
+    model, optimizer = _trained(torch.optim.SGD)
     cache = CaptureCache(training_state)
     first = cache.take(model, optimizer)
     second = cache.take(model, optimizer)

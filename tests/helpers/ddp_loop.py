@@ -8,6 +8,7 @@ Rank 0 prints ``outcome step=S norm=X`` per step, the global norm with every dig
 
 from __future__ import annotations
 
+import gc
 import os
 
 import torch
@@ -23,7 +24,8 @@ FIND_UNUSED = os.environ.get("DDP_FIND_UNUSED_PARAMETERS") == "1"
 """DDP's ``find_unused_parameters``: with it on (and ``static_graph`` off) DDP never rebuilds its buckets."""
 
 
-def main() -> None:
+def train() -> int:
+    """The user's loop; ``guard.close()``'s code once every rank has closed."""
     args, rank, world = start_ranks()
     model = DistributedDataParallel(Qwen2ForCausalLM(tiny_qwen2_config()), find_unused_parameters=FIND_UNUSED)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
@@ -43,6 +45,16 @@ def main() -> None:
         if rank == 0:
             print(f"outcome step={outcome.step} norm={outcome.global_norm.hex()}", flush=True)
     code = guard.close()
+    dist.barrier()
+    return code
+
+
+def main() -> None:
+    code = train()
+    # DDP freed (its frame left) before the group is destroyed: left to the interpreter's exit, its reducer drops
+    # the gloo group's last reference holding the GIL while the group's destructor joins a thread that waits for
+    # it (the hang examples/hf_trainer.py's ending avoids the same way)
+    gc.collect()
     dist.destroy_process_group()
     raise SystemExit(code)
 

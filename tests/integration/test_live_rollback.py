@@ -43,14 +43,16 @@ and a SIGTERM to ``trainguard run`` did not stop it: no step boundary is reached
 ``CheckpointManager.roll_back`` deleting the newer checkpoints only once the restore loaded (which keeps the
 third's ``global_step_6``) is checked by hand in tests/unit/live/test_live_load_failures.py.
 
-A stop asked for while the run loops in failures (``failed_restores`` too, two more runs, each with
-``fault_tolerance.max_step_failures: 1000``, SIGTERM to ``trainguard run`` once three attempts have failed):
+A stop asked for while the run loops in failures (``failed_restores`` too, three more runs, each with
+``fault_tolerance.max_step_failures: 1000``, SIGTERM to ``trainguard run`` once three attempts have failed, or the
+kill switch's file created then):
 
 - the rollback's restore failing every time (``LIVE_LOOP_UNLOADABLE``, never passed over): the members agree
   on the stop in the epoch after a failed one, and stop at the committed step 6 (undone to it: saved already,
   ``global_step_6``), exit 16, every checkpoint left committed and verifying;
 - rank 1's loss of step 4 raising every time (``LIVE_LOOP_RAISE``): the failed step's sum carries the stop,
-  every rank saves ``global_step_4`` (the committed steps) and exits 16.
+  every rank saves ``global_step_4`` (the committed steps) and exits 16; with the kill switch instead of SIGTERM
+  (``lifecycle.kill_switch_path``, each rank's own check), the same save and exit 0 with the kill switch's line.
 
 Without the stop taken there (the code before) both loop until the test's timeout: checked by hand.
 """
@@ -112,18 +114,24 @@ def _live(run_dir: Path, config: Path, *sets: str, spike: bool = True, world: in
     return finish_session(started, TIMEOUT_S, f"the live run {run_dir.name}")
 
 
-def _stopped_while_failing(run_dir: Path, config: Path, failures: str, **env: str) -> subprocess.CompletedProcess:
+def _stopped_while_failing(run_dir: Path, config: Path, failures: str, switch: Path | None = None,
+                           **env: str) -> subprocess.CompletedProcess:
     """The run started as ``_live``'s, looping in failures (``fault_tolerance.max_step_failures`` 1000), and
-    SIGTERM to ``trainguard run`` once its rank 0 has written three ``failures`` events."""
+    SIGTERM to ``trainguard run`` once its rank 0 has written three ``failures`` events; with ``switch``, that
+    file created instead (the run's ``lifecycle.kill_switch_path``)."""
     env = worker_env(**env)
+    sets = ["--set", f"lifecycle.kill_switch_path={switch}"] if switch is not None else []
     started = warm_server().start(["run", "--nproc", str(WORLD), "--config", str(config), "--run-dir", str(run_dir),
-                                   "--set", "fault_tolerance.max_step_failures=1000", "--", sys.executable,
+                                   "--set", "fault_tolerance.max_step_failures=1000", *sets, "--", sys.executable,
                                    str(EXAMPLE), "--config", str(config)], env)
     deadline = time.monotonic() + TIMEOUT_S
     while started.poll() is None and time.monotonic() < deadline and \
             len([e for e in events_of(run_dir, failures) if e["rank"] == 0]) < 3:
         time.sleep(0.2)
-    os.kill(started.pid, signal.SIGTERM)
+    if switch is not None:
+        switch.touch()
+    else:
+        os.kill(started.pid, signal.SIGTERM)
     return finish_session(started, TIMEOUT_S, f"the live run {run_dir.name}, stopped")
 
 
@@ -269,14 +277,16 @@ def failed_restores(root) -> dict[str, Future]:
     config = _config(root)
     runs = {"raised": {live_loop.RAISE_IN_RESTORE_ENV: "1"}, "walked_back": {live_loop.UNLOADABLE_ENV: "1:6"},
             "none_left": {live_loop.UNLOADABLE_ENV: "1:3,6"}}
-    stopped = {"stopped_in_restores": ("live_collective_failed", {live_loop.SPIKE_ENV: str(SPIKE_AT),
-                                                                  live_loop.UNLOADABLE_ENV: "1:6"}),
-               "stopped_in_steps": ("live_step_failed", {live_loop.RAISE_ENV: json.dumps([{"step": 4, "rank": 1}])})}
+    raising_step = {live_loop.RAISE_ENV: json.dumps([{"step": 4, "rank": 1}])}
+    stopped = {"stopped_in_restores": ("live_collective_failed", None, {live_loop.SPIKE_ENV: str(SPIKE_AT),
+                                                                        live_loop.UNLOADABLE_ENV: "1:6"}),
+               "stopped_in_steps": ("live_step_failed", None, raising_step),
+               "switched_in_steps": ("live_step_failed", root / "switch_in_steps", raising_step)}
     warm_server()
     with ThreadPoolExecutor(max_workers=len(runs) + len(stopped)) as pool:
         futures = {name: pool.submit(_live, root / name, config, **env) for name, env in runs.items()}
-        futures |= {name: pool.submit(_stopped_while_failing, root / name, config, failures, **env)
-                    for name, (failures, env) in stopped.items()}
+        futures |= {name: pool.submit(_stopped_while_failing, root / name, config, failures, switch, **env)
+                    for name, (failures, switch, env) in stopped.items()}
         yield futures
 
 
@@ -341,16 +351,20 @@ def test_with_no_checkpoint_that_loads_every_rank_ends_with_exit_19_naming_them_
     assert not events_of(run_dir, "rollback")
 
 
-def _stopped_at(run_dir: Path, done: subprocess.CompletedProcess, step: int) -> None:
+def _stopped_at(run_dir: Path, done: subprocess.CompletedProcess, step: int, switch: Path | None = None) -> None:
     """The quorum's SIGTERM stop at ``step`` (the committed steps), saved there: exit 16, the closure mode's
-    ``lifecycle_stop`` and the launcher's line; every checkpoint committed and verifying, none past ``step``."""
-    assert done.returncode == EXIT_RESUMABLE_STOP, done.stdout[-3000:] + done.stderr[-3000:]
+    ``lifecycle_stop`` and the launcher's line; with ``switch``, the kill switch's stop (exit 0, its line);
+    every checkpoint committed and verifying, none past ``step``."""
+    code, reason = (EXIT_RESUMABLE_STOP, "signal") if switch is None else (0, "kill_switch")
+    assert done.returncode == code, done.stdout[-3000:] + done.stderr[-3000:]
     [stop] = events_of(run_dir, "lifecycle_stop")
-    assert (stop["step"], stop["reason"], stop["exit_code"], stop["last_checkpoint"]) == \
-        (step, "signal", EXIT_RESUMABLE_STOP, step)
+    assert (stop["step"], stop["reason"], stop["exit_code"], stop["last_checkpoint"]) == (step, reason, code, step)
     assert sorted((e["rank"], e["step"]) for e in events_of(run_dir, "live_stopped")) == [(0, step), (1, step)]
-    assert f"live run stopped by SIGTERM/SIGUSR1: saved {run_dir / 'checkpoints' / f'global_step_{step}'}" \
-        in done.stdout
+    if switch is None:
+        assert f"live run stopped by SIGTERM/SIGUSR1: saved {run_dir / 'checkpoints' / f'global_step_{step}'}" \
+            in done.stdout
+    else:
+        assert f"stopping at step {step}: kill switch {switch} exists; exit 0 (checkpoint: step {step})" in done.stdout
     checkpoints = list_checkpoints(run_dir / "checkpoints")
     assert [info.step for info in checkpoints if info.committed][-1] == step
     assert all(verify_checkpoint(info.path, info.manifest) == [] for info in checkpoints)
@@ -370,3 +384,11 @@ def test_sigterm_while_a_step_keeps_failing_saves_the_committed_steps_and_stops(
     done = failed_restores["stopped_in_steps"].result()
     assert len([e for e in events_of(run_dir, "live_step_failed") if e["rank"] == 0]) >= 3
     _stopped_at(run_dir, done, 4)
+
+
+def test_the_kill_switch_while_a_step_keeps_failing_saves_the_committed_steps_and_stops_with_exit_0(
+        root, failed_restores):
+    run_dir = root / "switched_in_steps"
+    done = failed_restores["switched_in_steps"].result()
+    assert len([e for e in events_of(run_dir, "live_step_failed") if e["rank"] == 0]) >= 3
+    _stopped_at(run_dir, done, 4, switch=root / "switch_in_steps")

@@ -6,12 +6,14 @@ ends before the run's first step, a replacement would fail the same way: the lau
 with one line naming each rank, its exit code (or signal), its node and its last line of standard error
 where it relays it (``live/start_failure.py``), instead of replacing ranks until
 ``LiveRun.max_replacements``. A rank's exit 0 is the run's end only once it wrote its final state or the
-quorum recorded its stop. Before the fix:
+quorum recorded its stop; so is its exit 3, 16 or 19 (the quorum's abort, stop, failed step) only once the quorum
+recorded it. Before the fix:
 
 - every rank dying after the store was reached (on two loopback "hosts" behind an ``sh`` wrapper standing in
   for ssh) or SIGKILLed at import ended with the lighthouse's ``no replica group is left intact after ranks
   [0, 1] died``, naming neither the codes, nor the nodes, nor the errors;
-- every rank exiting 0 before its first step was reported as ``live run finished: 4 steps``, exit 0;
+- every rank exiting 0 before its first step was reported as ``live run finished: 4 steps``, exit 0; so was
+  every rank exiting 16 (a stop's code), and every rank exiting 3 as ``live run aborted by the data-skip guard``;
 - one rank exiting 0 before epoch 0's group was built was never replaced: its peer waited for it, then for
   ever for a replacement to rejoin (the run sat until its timeout, SIGTERM unanswered);
 - one rank stopped at import, before it ever beat, was never judged hung (only a rank that had beaten was):
@@ -92,16 +94,20 @@ def test_every_rank_sigkilled_before_the_store_ends_at_once_naming_the_signal(co
     assert _one_error(done) == LINE + "rank 0 was killed by SIGKILL; rank 1 was killed by SIGKILL"
 
 
-def test_every_rank_exiting_0_before_the_first_step_is_a_failure_not_a_finished_run(config, tmp_path):
-    done = _run(config, tmp_path / "zero", "import", 0)
+@pytest.mark.parametrize("code", [0, 3, 16])
+def test_every_rank_exiting_0_before_the_first_step_is_a_failure_not_a_finished_run(config, tmp_path, code):
+    """And the codes of the quorum's other agreed ends (3: a data-skip abort, 16: a stop), which a script can
+    exit with of its own: the run's failure at start, not "aborted by the data-skip guard" or "finished"."""
+    done = _run(config, tmp_path / "early", "import", code)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "live run finished" not in done.stdout
-    assert _one_error(done) == LINE + "rank 0 exited 0; rank 1 exited 0"
+    assert "live run finished" not in done.stdout and "aborted" not in done.stdout
+    assert _one_error(done) == LINE + f"rank 0 exited {code}; rank 1 exited {code}"
 
 
-def test_a_rank_exiting_0_before_epoch_0_is_replaced_and_the_run_finishes(config, tmp_path):
-    run_dir = tmp_path / "zero_once"
-    done = _run(config, run_dir, "begin-once:1", 0)
+@pytest.mark.parametrize("code", [0, 16])
+def test_a_rank_exiting_0_before_epoch_0_is_replaced_and_the_run_finishes(config, tmp_path, code):
+    run_dir = tmp_path / "early_once"
+    done = _run(config, run_dir, "begin-once:1", code)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"live run finished: {STEPS} steps in " in done.stdout and "ranks replaced: [1]" in done.stdout
     assert _replacements(run_dir) == [1]

@@ -72,11 +72,14 @@ LIVE, RESTART = "live", "restart"
 # a stop to resume from (a signal, the time limit), a step that failed too often in a row (step_failures.py);
 # and a configuration error every rank makes alike in the loop (``LiveRank.end_with_config_error``)
 AGREED_EXITS = (EXIT_OK, EXIT_DATA_SKIP_ABORT, EXIT_RESUMABLE_STOP, EXIT_STEP_FAILED, EXIT_USAGE)
-# A member's exit 0 is the quorum's end only once the rank wrote its final state (``quorum.done_key``) or the
-# quorum recorded its stop (``quorum.STOPPED``, written by its first member just after the others may have
-# exited): until then it is judged again at each look, and a death after this long. A process that exits 0
-# before it trained (a script that returns early, a node command that never ran it) is no end of the run: taken
-# for one, the launcher reported a run that never trained as finished, or waited for ever on its peers.
+# A member's agreed exit but the configuration error's is the quorum's end only once the rank wrote its final
+# state (``quorum.done_key``) or the quorum recorded how it ended (``quorum.STOPPED``: its stop, abort or failed
+# step, written by its first member just after the others may have exited): until then it is judged again at
+# each look, and a death after this long. A process that exits with one of these codes before it trained (a
+# script that returns early or exits 3, 16 or 19 of its own, a node command that never ran it) is no end of the
+# run: taken for one, the launcher reported a run that never trained as finished (exit 0 after a rank's 16) or
+# aborted by the data-skip guard (3), or waited for ever on its peers.
+EXPLAINED_EXITS = (EXIT_OK, EXIT_DATA_SKIP_ABORT, EXIT_RESUMABLE_STOP, EXIT_STEP_FAILED)
 UNEXPLAINED_EXIT_GRACE_S = 5.0
 # the loop answers reports and sees exits every 5 ms, but looks for hangs, stalls and groups ready to
 # rejoin (bounds of seconds) at this pace: each look reads every member's keys from the store, and at
@@ -431,7 +434,8 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
     # launcher's reach, watched by their heartbeats alone (hung: their node is lost, as behind a cut link)
     detached: set[int] = set()
     judged: set[int] = set()  # ranks whose node command exited 255, until their heartbeat tells (``dropped``)
-    exited_ok: dict[int, float] = {}  # ranks that exited 0, not yet explained (UNEXPLAINED_EXIT_GRACE_S): since when
+    # ranks that exited with one of EXPLAINED_EXITS, not yet explained (UNEXPLAINED_EXIT_GRACE_S): since when
+    unexplained: dict[int, float] = {}
     early: dict[int, EarlyExit] = {}  # ranks whose process ended before the run's first step (start_failure.py)
     start_failures = StartFailures(run.max_start_failures)
     # each rank's committed steps (``progress_key``) when its newest process started: one that ends with no more
@@ -516,7 +520,7 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
 
     stop_deadline: StopDeadline | None = None  # set when the launcher asks the quorum to stop (a signal)
     try:
-        while any(p.returncode is None for p in procs.values()) or judged or exited_ok or detached_running():
+        while any(p.returncode is None for p in procs.values()) or judged or unexplained or detached_running():
             if time.monotonic() - began > run.timeout_s:
                 raise RuntimeError(f"live run did not finish within {run.timeout_s:.0f} s")
             if signals is not None and signals.received is not None and not store.check([STOP]):
@@ -548,13 +552,13 @@ def launch(run_dir: Path, run: LiveRun) -> LiveResult:
                 if code is None and watch is None:  # a local rank: its pid is the rank's
                     killed = killed_by(proc.pid)  # dying: nobody need wait for its teardown to know
                     code = None if killed is None else -killed
-                if code == EXIT_OK and not _ended_by_quorum(store, rank):
-                    since = exited_ok.setdefault(rank, time.monotonic())
+                explained = code not in EXPLAINED_EXITS or _ended_by_quorum(store, rank)
+                if not explained:
+                    since = unexplained.setdefault(rank, time.monotonic())
                     if time.monotonic() - since <= UNEXPLAINED_EXIT_GRACE_S:
                         continue
-                exited_ok.pop(rank, None)
-                if code in AGREED_EXITS and rank in lighthouse.quorum.members and (
-                        code != EXIT_OK or _ended_by_quorum(store, rank)):
+                unexplained.pop(rank, None)
+                if code in AGREED_EXITS and rank in lighthouse.quorum.members and explained:
                     # the quorum agreed on it in one all-reduce: every member ends so. Read from this same
                     # poll, so a member that exits between two polls is never taken for a death.
                     result.exit_code = code

@@ -47,6 +47,30 @@ T = TypeVar("T")
 RETURNED, RAISED = "return", "raise"  # the kinds of a forked call's outcome (``pickled_outcome``)
 
 
+BLAS_THREADS = "OPENBLAS_NUM_THREADS"
+
+
+def import_numpy_with_one_thread() -> None:
+    """Imports numpy (torch imports it) with OpenBLAS at one thread, in a process that forks its helpers:
+    OpenBLAS starts its thread pool (a thread per core but one) when numpy is imported, and a process with
+    threads cannot fork safely (``single_threaded``). Without it, wherever the user had not set
+    ``OMP_NUM_THREADS`` (a shell, an sbatch script), the live launcher ran unsupervised, with a warning.
+    The variable is put back as it was, so the processes this one starts see the user's environment."""
+    if "numpy" in sys.modules:
+        return
+    before = os.environ.get(BLAS_THREADS)
+    os.environ[BLAS_THREADS] = "1"
+    try:
+        import numpy  # noqa: F401
+    except ImportError:  # torch runs without numpy: no pool to keep out
+        pass
+    finally:
+        if before is None:
+            os.environ.pop(BLAS_THREADS, None)
+        else:
+            os.environ[BLAS_THREADS] = before
+
+
 def thread_count() -> int:
     """Threads of this process, C++ ones included (``threading`` sees only Python's)."""
     return len(os.listdir("/proc/self/task"))

@@ -29,6 +29,7 @@ recorded it. Before the fix:
 from __future__ import annotations
 
 import dataclasses
+import subprocess
 import sys
 from pathlib import Path
 
@@ -156,3 +157,30 @@ def test_a_rank_failing_at_every_start_is_given_up_after_3_and_the_run_finishes_
     [given_up] = [e for e in events if e["kind"] == "live_rank_given_up"]
     assert (given_up["target"], given_up["code"], given_up["failures"]) == (1, 1, 3)
     assert sample_problems(events, STEPS, 2 * 8) == []
+
+
+# a rank script that says whether it was forked from the launcher's warm rank server (torch already imported)
+# and which OPENBLAS_NUM_THREADS it sees, then fails at start
+WARM_PROBE = """import os, sys
+print(f"rank probe: torch {'torch' in sys.modules}, OPENBLAS_NUM_THREADS {os.environ.get('OPENBLAS_NUM_THREADS')}",
+      file=sys.stderr, flush=True)
+raise SystemExit(1)
+"""
+
+
+def test_a_start_from_a_plain_shell_supervises_the_launcher_and_forks_the_ranks_warm(config, tmp_path):
+    """``trainguard run`` started cold as a user does, ``OMP_NUM_THREADS`` unset: numpy's OpenBLAS pool (a
+    thread per core but one, started at numpy's import under torch) left the command with threads, so the live
+    launcher ran unsupervised ("runs unsupervised" warning: its death ended the run) and every rank started as
+    a new interpreter. The suite's own runs never saw it: they set OMP_NUM_THREADS=1. The ranks still see the
+    user's environment."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(WARM_PROBE)
+    env = {key: value for key, value in worker_env().items() if key not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
+    done = subprocess.run([sys.executable, "-m", "trainguard", "run", "--nproc", "2", "--config", str(config),
+                           "--run-dir", str(tmp_path / "run"), "--", sys.executable, str(probe)],
+                          env=env, capture_output=True, text=True, timeout=150, start_new_session=True)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "runs unsupervised" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.count("rank probe: torch True, OPENBLAS_NUM_THREADS None") == 2, done.stderr[-3000:]
+    assert _one_error(done) == LINE + "rank 0 exited 1; rank 1 exited 1"

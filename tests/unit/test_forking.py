@@ -153,3 +153,25 @@ def test_call_in_fork_returns_the_childs_result_raises_its_error_and_keeps_this_
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {"value": 42, "threads": 1,
                                        "error": ["NoCheckpointError", "s3://b/p: no complete global_step_7 in the mirror", 4]}
+
+
+NUMPY_PROBE = r"""
+import json, os, sys
+from trainguard.forking import import_numpy_with_one_thread, thread_count
+import_numpy_with_one_thread()
+print(json.dumps({"numpy": "numpy" in sys.modules, "threads": thread_count(),
+                  "variable": os.environ.get("OPENBLAS_NUM_THREADS")}))
+"""
+
+
+def test_numpy_imported_with_one_thread_and_the_users_blas_variable_put_back():
+    """Without it numpy's OpenBLAS starts a thread per core but one at import (OMP_NUM_THREADS unset, as in a
+    user's shell); the process this runs in (the CLI that forks the live launcher) keeps one thread, and the
+    variable its children inherit is the user's: unset, or the user's own value."""
+    env = {key: value for key, value in os.environ.items() if key not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
+    env["PYTHONPATH"] = SRC
+    for users, expected in ((None, None), ("3", "3")):
+        probe_env = env if users is None else {**env, "OPENBLAS_NUM_THREADS": users}
+        out = subprocess.run([sys.executable, "-c", NUMPY_PROBE], env=probe_env, capture_output=True, text=True,
+                             check=True, timeout=120).stdout
+        assert json.loads(out) == {"numpy": True, "threads": 1, "variable": expected}

@@ -14,6 +14,7 @@ import os
 import sys
 
 from trainguard.errors import EXIT_CLOSED_STDOUT, EXIT_USAGE, TrainguardError
+from trainguard.forking import import_numpy_with_one_thread
 
 
 class _Parser(argparse.ArgumentParser):
@@ -22,6 +23,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 COMMANDS = ("train", "run", "ckpt", "guards", "plan", "demo", "report", "status", "doctor", "killswitch", "watch", "slurm")
+# the commands whose process forks its helpers (the live launcher, node agents, fork servers): one thread first
+FORKING_COMMANDS = ("train", "run", "demo")
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
@@ -36,6 +39,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in FORKING_COMMANDS:  # before its parser's imports (torch, for the configuration)
+        import_numpy_with_one_thread()
     args = build_parser(argv).parse_args(argv)
     try:
         code = int(args.func(args) or 0)

@@ -95,6 +95,7 @@ class Incarnation:
     failing_rank: int | None = None
     failing_node: str | None = None
     detail: str = ""
+    detail_said: bool = False  # ``detail`` printed already (``say_detail``, a hang's line)
     last_progress: float | None = None
     first_step_at: float | None = None
 
@@ -440,7 +441,7 @@ class Supervisor:
                 inc.detail = (f"node {node} lost: its agent has not answered for {now - since:.1f}s "
                               + (f"when the incarnation's {after} was noticed" if after else
                                  f"(--node-timeout {self.o.node_timeout:g}s)") + "; link down or host gone")
-                self.say(f"incarnation {inc.number}: {inc.detail}")
+                self.say_detail(inc)
                 self.emit("node_lost", step=inc.reached_step, incarnation=inc.number, node=node,
                           silent_seconds=round(now - since, 2), noticed_by=after or "liveness")
                 return True
@@ -454,6 +455,7 @@ class Supervisor:
             return False
         inc.detail = f"no heartbeat progress for {now - last:.1f}s (timeout {timeout:.1f}s)"
         self.say(f"hang detected in incarnation {inc.number}: {inc.detail}")
+        inc.detail_said = True
         return True
 
     def _dump_and_kill(self, inc: Incarnation, beats: dict[int, Heartbeat]) -> None:
@@ -535,7 +537,7 @@ class Supervisor:
             inc.detail = inc.detail or f"rank {failure['rank']} on {inc.failing_node} failed ({how})" + (
                 f": {error}" if error else "")
             if error:  # otherwise only in the agent's report: a rank's error is said where the user looks
-                self.say(f"incarnation {inc.number}: {inc.detail}")
+                self.say_detail(inc)
             return
         failed = sorted((at, node, code) for node, (code, at) in exits.items() if code != 0)
         if failed and inc.outcome is not Outcome.HANG:
@@ -588,11 +590,17 @@ class Supervisor:
                      f"reached_step={row['reached_step']} {row['seconds']}s {row['outcome']} exit={row['exit_code']}"
                      f"{where}{': ' + row['detail'] if row['detail'] else ''}")
 
+    def say_detail(self, inc: Incarnation) -> None:
+        self.say(f"incarnation {inc.number}: {inc.detail}")
+        inc.detail_said = True
+
     def _give_up(self, inc: Incarnation, why: str, code: int) -> int:
         code = code if code not in (EXIT_OK, None) else EXIT_CRASH
         if self.o.max_restarts > 0 or self.o.spare_nodes > 0 or self.o.nnodes > 1:
             self.say(f"giving up: {why}")
             self._summary()
+        elif not inc.detail_said:  # a run nobody asked to restart: still one line saying what ended it
+            self.say(f"{inc.detail or 'a rank failed'}: exit {code}, not restarted (--max-restarts 0)")
         high_water = self.policy.high_water
         self.emit("supervisor_gave_up", step=high_water if high_water >= 0 else None, reason=why,
                   exit_code=code, incarnations=[i.row() for i in self.incarnations])

@@ -221,3 +221,13 @@ def test_run_gives_up_on_a_command_that_never_makes_progress(trainguard, tmp_pat
     proc = trainguard("run", "--run-dir", str(run), "--max-restarts", "1", "--backoff", "0", "--crash-loop", "5",
                       "--", "false")
     assert proc.returncode == 1 and "giving up: --max-restarts 1 used up" in proc.stderr
+
+
+def test_a_run_not_restarted_still_says_in_one_line_what_ended_it(trainguard, tmp_path):
+    """``--max-restarts 0`` (``trainguard train``'s default): no supervision lines, but one line naming the failure
+    and the code; before, a rank killed by a signal ended the command with exit 1 and nothing said."""
+    proc = trainguard("run", "--run-dir", str(tmp_path / "run"), "--max-restarts", "0", "--", "sh", "-c", "kill -9 $$")
+    assert proc.returncode == 1
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("trainguard supervisor:")]
+    assert lines == ["trainguard supervisor: agent on node0 exited -9: exit 1, not restarted (--max-restarts 0)"], \
+        proc.stderr

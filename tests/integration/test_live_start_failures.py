@@ -96,7 +96,7 @@ def test_every_rank_sigkilled_before_the_store_ends_at_once_naming_the_signal(co
 
 
 @pytest.mark.parametrize("code", [0, 3, 16])
-def test_every_rank_exiting_0_before_the_first_step_is_a_failure_not_a_finished_run(config, tmp_path, code):
+def test_every_rank_exiting_0_3_or_16_before_the_first_step_is_a_failure_not_the_runs_end(config, tmp_path, code):
     """And the codes of the quorum's other agreed ends (3: a data-skip abort, 16: a stop), which a script can
     exit with of its own: the run's failure at start, not "aborted by the data-skip guard" or "finished"."""
     done = _run(config, tmp_path / "early", "import", code)
@@ -106,7 +106,7 @@ def test_every_rank_exiting_0_before_the_first_step_is_a_failure_not_a_finished_
 
 
 @pytest.mark.parametrize("code", [0, 16])
-def test_a_rank_exiting_0_before_epoch_0_is_replaced_and_the_run_finishes(config, tmp_path, code):
+def test_a_rank_exiting_0_or_16_before_epoch_0_is_replaced_and_the_run_finishes(config, tmp_path, code):
     run_dir = tmp_path / "early_once"
     done = _run(config, run_dir, "begin-once:1", code)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -77,10 +77,10 @@ WINDOW = (SPIKE_POSITION, SPIKE_POSITION + 2)  # the policy's steps 4-6 around t
 SKIP = CONFIG + "guards: {skip: {enabled: true, threshold: %r}}\n" % THRESHOLD
 SKIPPED = [(3, True), (4, False)]  # (step, a NaN norm)
 # rank 3 SIGSTOPped once rank 0 has committed step 1 (from 0), SIGCONTed once the launcher has recorded the stall
-# (waited for at most STOPPED_S). The bound is max(stall_s, stall_steps x the median step time): the default
+# (waited for at most STALL_WAIT_S). The bound is max(stall_s, stall_steps x the median step time): the default
 # stall_steps keeps it above the pace of a machine loaded by the module's other runs (a 3-s bound alone took group 1
 # out before the SIGSTOP once, in CI: a rank of a loaded run unscheduled for 3 s)
-STOPPED, STOP_AFTER, STOPPED_S = 3, 1, 120.0
+STOPPED, STOP_AFTER, STALL_WAIT_S = 3, 1, 120.0
 # saved at the end only: the stall watch spans a step's collectives, not a durable save's (a rank stopped at a
 # save's boundary is found by the heartbeat timeout: docs/live_recovery.md)
 STOPPED_RUN = ("fault_tolerance.stall_s=3", f"checkpoint.save_interval={STEPS}")
@@ -138,9 +138,9 @@ def _stop_for_a_while(run_dir: Path, started: subprocess.Popen) -> None:
         raise AssertionError(f"rank {STOPPED} (pid {pid}) ended before its SIGSTOP; the run's stalls so far: "
                              f"{events_of(run_dir, 'live_stall')}") from None
     try:
-        deadline = time.monotonic() + STOPPED_S
+        deadline = time.monotonic() + STALL_WAIT_S
         while not [e for e in events_of(run_dir, "live_stall") if STOPPED in e["absent"]]:
-            assert time.monotonic() < deadline, f"no stall recorded {STOPPED_S} s after rank {STOPPED}'s SIGSTOP"
+            assert time.monotonic() < deadline, f"no stall recorded {STALL_WAIT_S} s after rank {STOPPED}'s SIGSTOP"
             time.sleep(0.1)
     finally:
         os.kill(pid, signal.SIGCONT)

@@ -95,7 +95,7 @@ class Incarnation:
     failing_rank: int | None = None
     failing_node: str | None = None
     detail: str = ""
-    detail_said: bool = False  # ``detail`` printed already (``say_detail``, a hang's line)
+    detail_said: bool = False  # ``detail`` printed already (``Supervisor.say_detail``)
     last_progress: float | None = None
     first_step_at: float | None = None
 
@@ -454,8 +454,7 @@ class Supervisor:
         if now - last <= timeout:
             return False
         inc.detail = f"no heartbeat progress for {now - last:.1f}s (timeout {timeout:.1f}s)"
-        self.say(f"hang detected in incarnation {inc.number}: {inc.detail}")
-        inc.detail_said = True
+        self.say_detail(inc, f"hang detected in incarnation {inc.number}")
         return True
 
     def _dump_and_kill(self, inc: Incarnation, beats: dict[int, Heartbeat]) -> None:
@@ -590,8 +589,9 @@ class Supervisor:
                      f"reached_step={row['reached_step']} {row['seconds']}s {row['outcome']} exit={row['exit_code']}"
                      f"{where}{': ' + row['detail'] if row['detail'] else ''}")
 
-    def say_detail(self, inc: Incarnation) -> None:
-        self.say(f"incarnation {inc.number}: {inc.detail}")
+    def say_detail(self, inc: Incarnation, heading: str = "") -> None:
+        """Prints why ``inc`` ended, once: a run not restarted does not say it again when it gives up."""
+        self.say(f"{heading or f'incarnation {inc.number}'}: {inc.detail}")
         inc.detail_said = True
 
     def _give_up(self, inc: Incarnation, why: str, code: int) -> int:
